@@ -1,0 +1,277 @@
+"""Coerce and check inputs once, at the edge of the public API.
+
+Every public function passes its array arguments through :func:`as_points`,
+:func:`as_batch`, :func:`as_transform` or :func:`as_vectors`. They accept NumPy arrays,
+PyTorch tensors or :class:`~pointalign.cloud.PointCloud` and return tensors; every
+error is a ``ValueError`` or ``TypeError`` whose message names the argument, what was
+expected and what was given. Inputs are never modified: a tensor that already has the
+wanted device and dtype is returned as is (callers must not write into it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a CUDA device is present, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def as_device(device: str | torch.device | None, like: torch.Tensor | None = None) -> torch.device:
+    """Resolve the ``device=`` argument: explicit value, else ``like``'s device, else default."""
+    if device is None:
+        return like.device if like is not None else default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: cannot interpret {device!r} as a torch device") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but no CUDA device is available")
+    return dev
+
+
+def _to_tensor(name: str, x: Any) -> torch.Tensor:
+    from pointalign.cloud import PointCloud
+
+    if isinstance(x, PointCloud):
+        return x.points
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        if x.dtype == object or not (
+            np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)
+        ):
+            raise TypeError(f"{name}: expected a numeric array, got dtype {x.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, (list, tuple)):
+        try:
+            arr = np.asarray(x, dtype=np.float64)
+        except (ValueError, TypeError) as exc:
+            raise TypeError(f"{name}: cannot convert {type(x).__name__} to a numeric array") from exc
+        return torch.from_numpy(arr)
+    raise TypeError(
+        f"{name}: expected a NumPy array, torch tensor or PointCloud, got {type(x).__name__}"
+    )
+
+
+def _float(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name}: expected a real floating-point array, got dtype {t.dtype}")
+    if dtype is not None:
+        return t.to(dtype)
+    if t.dtype not in FLOAT_DTYPES:
+        # integers and half precision are promoted; float64 stays float64
+        return t.to(torch.float32)
+    return t
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).any(dim=-1).sum()) if t.dim() > 1 else -1
+        what = f"{bad} rows contain" if bad >= 0 else "contains"
+        raise ValueError(f"{name}: {what} NaN or Inf values")
+
+
+def as_points(
+    x: Any,
+    name: str = "points",
+    *,
+    min_points: int = 1,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Turn one cloud into a ``(N, 3)`` float tensor.
+
+    Args:
+        x: ``(N, 3)`` NumPy array, tensor or PointCloud.
+        name: argument name used in error messages.
+        min_points: fewest points the calling operation needs.
+        device: move to this device (default: keep).
+        dtype: cast to this dtype (default: keep float32/float64, promote others to float32).
+
+    Raises:
+        TypeError: not an array, or a non-numeric dtype.
+        ValueError: wrong shape, too few points, NaN/Inf.
+    """
+    t = _to_tensor(name, x)
+    if t.dim() != 2 or t.shape[-1] != 3:
+        raise ValueError(f"{name}: expected shape (N, 3), got {tuple(t.shape)}")
+    if t.shape[0] == 0:
+        raise ValueError(f"{name}: the cloud is empty (0 points)")
+    if t.shape[0] < min_points:
+        raise ValueError(
+            f"{name}: this operation needs at least {min_points} points, got {t.shape[0]}"
+        )
+    t = _float(name, t, dtype)
+    if device is not None:
+        t = t.to(as_device(device))
+    _check_finite(name, t)
+    return t
+
+
+def as_batch(
+    x: Any,
+    name: str = "points",
+    *,
+    lengths: Any = None,
+    min_points: int = 1,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Turn one cloud ``(N, 3)`` or a padded batch ``(B, N, 3)`` into ``(B, N, 3)`` + lengths.
+
+    Args:
+        x: ``(N, 3)`` or ``(B, N, 3)`` array/tensor, a PointCloud, or a list of ``(N_b, 3)``
+            clouds (padded with zeros here).
+        lengths: ``(B,)`` integer count of valid points per batch entry; default all N.
+            Padding rows (index >= length) may hold anything finite.
+
+    Returns:
+        ``(points (B, N, 3), lengths (B,) int64, batched)`` where ``batched`` says whether
+        the input had a batch dimension (so results can be returned in the same form).
+    """
+    if isinstance(x, (list, tuple)) and x and not isinstance(x[0], (int, float)):
+        if not all(hasattr(c, "shape") or hasattr(c, "points") for c in x):
+            x = _to_tensor(name, x)
+        else:
+            clouds = [as_points(c, f"{name}[{i}]", min_points=min_points, device=device,
+                                dtype=dtype) for i, c in enumerate(x)]
+            dev = clouds[0].device
+            if any(c.device != dev for c in clouds):
+                raise ValueError(f"{name}: clouds are on different devices")
+            dt = torch.promote_types(clouds[0].dtype, clouds[-1].dtype)
+            n_max = max(c.shape[0] for c in clouds)
+            out = torch.zeros(len(clouds), n_max, 3, dtype=dt, device=dev)
+            for i, c in enumerate(clouds):
+                out[i, : c.shape[0]] = c
+            lens = torch.tensor([c.shape[0] for c in clouds], dtype=torch.int64, device=dev)
+            return out, lens, True
+    t = _to_tensor(name, x)
+    if t.dim() == 2:
+        p = as_points(t, name, min_points=min_points, device=device, dtype=dtype)
+        lens = torch.full((1,), p.shape[0], dtype=torch.int64, device=p.device)
+        if lengths is not None:
+            raise ValueError(f"{name}: lengths given but {name} has no batch dimension")
+        return p.unsqueeze(0), lens, False
+    if t.dim() != 3 or t.shape[-1] != 3:
+        raise ValueError(f"{name}: expected shape (N, 3) or (B, N, 3), got {tuple(t.shape)}")
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(f"{name}: the batch is empty, shape {tuple(t.shape)}")
+    t = _float(name, t, dtype)
+    if device is not None:
+        t = t.to(as_device(device))
+    _check_finite(name, t)
+    if lengths is None:
+        lens = torch.full((t.shape[0],), t.shape[1], dtype=torch.int64, device=t.device)
+    else:
+        lens = _to_tensor(f"{name} lengths", lengths)
+        if lens.dtype.is_floating_point or lens.dtype == torch.bool:
+            raise TypeError(f"{name} lengths: expected integers, got {lens.dtype}")
+        lens = lens.to(device=t.device, dtype=torch.int64).reshape(-1)
+        if lens.shape[0] != t.shape[0]:
+            raise ValueError(
+                f"{name} lengths: expected {t.shape[0]} entries (one per batch item), "
+                f"got {lens.shape[0]}"
+            )
+        if bool((lens > t.shape[1]).any()):
+            raise ValueError(f"{name} lengths: a length exceeds the padded size {t.shape[1]}")
+    if bool((lens < min_points).any()):
+        raise ValueError(
+            f"{name}: this operation needs at least {min_points} points per cloud, "
+            f"got lengths {lens.tolist()}"
+        )
+    return t, lens, True
+
+
+def as_vectors(
+    x: Any, name: str, n: int, *, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Per-point vectors (normals, …) of shape ``(n, 3)`` matching a cloud of n points."""
+    t = _to_tensor(name, x)
+    if t.shape != (n, 3):
+        raise ValueError(f"{name}: expected shape ({n}, 3), got {tuple(t.shape)}")
+    t = _float(name, t, dtype).to(device)
+    _check_finite(name, t)
+    return t
+
+
+def as_transform(
+    x: Any,
+    name: str = "init",
+    *,
+    batch: int | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Turn a rigid transform into a ``(4, 4)`` (or ``(B, 4, 4)`` when ``batch``) tensor.
+
+    ``None`` means the identity. A ``(4, 4)`` input with ``batch=B`` is broadcast to B.
+    The rotation block must be orthonormal with determinant +1 (tolerance 1e-4) and the
+    last row must be ``[0, 0, 0, 1]``.
+    """
+    dev = as_device(device) if device is not None else None
+    if x is None:
+        eye = torch.eye(4, dtype=dtype, device=dev)
+        return eye if batch is None else eye.expand(batch, 4, 4).clone()
+    t = _to_tensor(name, x)
+    if t.shape[-2:] != (4, 4) or t.dim() not in (2, 3):
+        raise ValueError(f"{name}: expected a (4, 4) or (B, 4, 4) transform, got {tuple(t.shape)}")
+    t = _float(name, t, dtype)
+    if dev is not None:
+        t = t.to(dev)
+    _check_finite(name, t)
+    if batch is not None:
+        if t.dim() == 2:
+            t = t.expand(batch, 4, 4).clone()
+        elif t.shape[0] != batch:
+            raise ValueError(f"{name}: expected {batch} transforms, got {t.shape[0]}")
+    elif t.dim() == 3:
+        raise ValueError(f"{name}: expected a single (4, 4) transform, got {tuple(t.shape)}")
+    r = t[..., :3, :3].to(torch.float64)
+    eye = torch.eye(3, dtype=torch.float64, device=r.device)
+    orth = (r.transpose(-1, -2) @ r - eye).abs().amax()
+    det = torch.linalg.det(r)
+    last = t[..., 3, :].to(torch.float64) - torch.tensor([0, 0, 0, 1.0], dtype=torch.float64,
+                                                          device=r.device)
+    if float(orth) > 1e-4 or bool((det < 0).any()) or float(last.abs().amax()) > 1e-9:
+        raise ValueError(
+            f"{name}: not a rigid transform (rotation block must be orthonormal with det +1 "
+            f"and the last row [0, 0, 0, 1]); orthogonality error {float(orth):.2e}"
+        )
+    return t
+
+
+def same_device(**tensors: torch.Tensor) -> torch.device:
+    """Check that all named tensors live on one device and return it."""
+    devs = {name: t.device for name, t in tensors.items() if t is not None}
+    uniq = set(devs.values())
+    if len(uniq) > 1:
+        desc = ", ".join(f"{k} on {v}" for k, v in devs.items())
+        raise ValueError(f"inputs are on different devices: {desc}; move them to one device")
+    return uniq.pop()
+
+
+def positive(value: float, name: str, *, allow_zero: bool = False) -> float:
+    """Check a scalar parameter is finite and > 0 (or >= 0)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from exc
+    if not np.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}: must be finite and {bound}, got {value}")
+    return v
+
+
+def in_range(value: float, name: str, lo: float, hi: float) -> float:
+    """Check ``lo < value < hi`` (open interval)."""
+    v = positive(value, name, allow_zero=True) if lo >= 0 else float(value)
+    if not (lo < v < hi):
+        raise ValueError(f"{name}: must lie strictly between {lo} and {hi}, got {value}")
+    return v

@@ -1,0 +1,156 @@
+"""PointCloud: points plus optional per-point attributes, on one device with one dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from pointalign import _validate
+
+
+@dataclass(frozen=True)
+class PointCloud:
+    """A point cloud: ``points (N, 3)`` and optional per-point attributes.
+
+    Attributes:
+        points: ``(N, 3)`` float tensor, metres by convention.
+        normals: optional ``(N, 3)`` float tensor of unit normals (same dtype/device).
+        colors: optional ``(N, 3)`` float tensor of RGB in [0, 1].
+        features: optional ``(N, D)`` float tensor (e.g. 33-bin FPFH).
+        extras: optional dict name -> ``(N,)`` or ``(N, K)`` tensor of other per-point
+            fields read from a file (intensity, confidence, …); carried, not interpreted.
+
+    Construct with NumPy arrays or tensors; everything is coerced to one device and one
+    float dtype (that of ``points``) and validated. The object is immutable; use
+    :meth:`replace`, :meth:`to` or :meth:`transform` to get modified copies.
+    """
+
+    points: torch.Tensor
+    normals: torch.Tensor | None = None
+    colors: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        pts = _validate.as_points(self.points, "points")
+        object.__setattr__(self, "points", pts)
+        n, dev, dt = pts.shape[0], pts.device, pts.dtype
+        for name in ("normals", "colors"):
+            val = getattr(self, name)
+            if val is not None:
+                object.__setattr__(
+                    self, name, _validate.as_vectors(val, name, n, device=dev, dtype=dt)
+                )
+        if self.features is not None:
+            f = _validate._to_tensor("features", self.features)
+            if f.dim() != 2 or f.shape[0] != n:
+                raise ValueError(f"features: expected shape ({n}, D), got {tuple(f.shape)}")
+            f = _validate._float("features", f, dt).to(dev)
+            _validate._check_finite("features", f)
+            object.__setattr__(self, "features", f)
+        extras = {}
+        for k, v in dict(self.extras).items():
+            t = _validate._to_tensor(f"extras[{k!r}]", v)
+            if t.shape[0] != n:
+                raise ValueError(f"extras[{k!r}]: expected {n} rows, got {t.shape[0]}")
+            extras[k] = t.to(dev)
+        object.__setattr__(self, "extras", extras)
+
+    def __len__(self) -> int:
+        return int(self.points.shape[0])
+
+    def __repr__(self) -> str:
+        attrs = [a for a in ("normals", "colors", "features") if getattr(self, a) is not None]
+        attrs += list(self.extras)
+        return (
+            f"PointCloud({len(self)} points, {self.dtype}, {self.device}"
+            + (f", with {', '.join(attrs)}" if attrs else "")
+            + ")"
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """The device all tensors live on."""
+        return self.points.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype of points, normals and colours."""
+        return self.points.dtype
+
+    def replace(self, **changes: Any) -> PointCloud:
+        """Copy with some fields replaced (validated again)."""
+        return replace(self, **changes)
+
+    def to(self, device: str | torch.device | None = None,
+           dtype: torch.dtype | None = None) -> PointCloud:
+        """Copy on another device and/or with another float dtype."""
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype)
+
+        return PointCloud(
+            mv(self.points), mv(self.normals), mv(self.colors), mv(self.features),
+            {k: v.to(device) for k, v in self.extras.items()},
+        )
+
+    def select(self, index: torch.Tensor | np.ndarray) -> PointCloud:
+        """Subset of points (and their attributes) by integer index or boolean mask."""
+        idx = torch.as_tensor(index, device=self.device)
+
+        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+
+        return PointCloud(
+            sel(self.points), sel(self.normals), sel(self.colors), sel(self.features),
+            {k: v[idx] for k, v in self.extras.items()},
+        )
+
+    def transform(self, transformation: Any) -> PointCloud:
+        """Apply a rigid ``(4, 4)`` transform to points and normals; returns a new cloud."""
+        from pointalign import transforms
+
+        T = _validate.as_transform(transformation, "transformation", device=self.device)
+        pts = transforms.apply(T, self.points)
+        nrm = None
+        if self.normals is not None:
+            nrm = (self.normals.to(T.dtype) @ T[:3, :3].T).to(self.dtype)
+        return self.replace(points=pts, normals=nrm)
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """All present fields as NumPy arrays, keyed by name."""
+        out = {"points": self.points.detach().cpu().numpy()}
+        for name in ("normals", "colors", "features"):
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = v.detach().cpu().numpy()
+        for k, v in self.extras.items():
+            out[k] = v.detach().cpu().numpy()
+        return out
+
+    @classmethod
+    def from_open3d(cls, pcd: Any) -> PointCloud:
+        """Build from an ``open3d.geometry.PointCloud`` (legacy API)."""
+        pts = np.asarray(pcd.points)
+        nrm = np.asarray(pcd.normals) if pcd.has_normals() else None
+        col = np.asarray(pcd.colors) if pcd.has_colors() else None
+        return cls(pts, nrm, col)
+
+    def to_open3d(self) -> Any:
+        """Convert to an ``open3d.geometry.PointCloud`` (needs the ``open3d`` extra)."""
+        try:
+            import open3d as o3d
+        except ImportError as exc:  # pragma: no cover - optional
+            raise ImportError(
+                "to_open3d needs Open3D: pip install 'pointalign[open3d]'"
+            ) from exc
+        pcd = o3d.geometry.PointCloud()
+        arrs = self.numpy()
+        pcd.points = o3d.utility.Vector3dVector(arrs["points"].astype(np.float64))
+        if "normals" in arrs:
+            pcd.normals = o3d.utility.Vector3dVector(arrs["normals"].astype(np.float64))
+        if "colors" in arrs:
+            pcd.colors = o3d.utility.Vector3dVector(arrs["colors"].astype(np.float64))
+        return pcd

@@ -1,0 +1,1 @@
+"""Registration algorithms: each a pure function returning a RegistrationResult."""

@@ -1,0 +1,67 @@
+"""Small frozen configuration objects shared by every registration algorithm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pointalign import _validate
+
+
+@dataclass(frozen=True)
+class ConvergenceCriteria:
+    """When an iterative algorithm stops.
+
+    Attributes:
+        max_iterations: hard cap on iterations (>= 1).
+        relative_fitness: stop when ``|fitness_k - fitness_{k-1}| < relative_fitness``
+            (Open3D's meaning).
+        relative_rmse: stop when ``|rmse_k - rmse_{k-1}| / rmse_{k-1} < relative_rmse``.
+        translation_tolerance: stop when the last update moved by less than this (metres)
+            and ``rotation_tolerance`` holds too.
+        rotation_tolerance: radians; see ``translation_tolerance``.
+    """
+
+    max_iterations: int = 50
+    relative_fitness: float = 1e-6
+    relative_rmse: float = 1e-6
+    translation_tolerance: float = 1e-7
+    rotation_tolerance: float = 1e-7
+
+    def __post_init__(self) -> None:
+        if int(self.max_iterations) < 1:
+            raise ValueError(f"max_iterations: must be >= 1, got {self.max_iterations}")
+        for name in ("relative_fitness", "relative_rmse", "translation_tolerance",
+                     "rotation_tolerance"):
+            _validate.positive(getattr(self, name), name, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class RobustKernel:
+    """M-estimator weight ``w(r)`` for residual r, with scale ``k`` (metres).
+
+    ``kind``: ``"none"`` (w = 1), ``"huber"`` (w = min(1, k/|r|)), ``"tukey"``
+    (w = (1 - (r/k)^2)^2 for |r| < k else 0), ``"cauchy"`` (w = 1 / (1 + (r/k)^2)).
+    """
+
+    kind: str = "none"
+    k: float = 1.0
+
+    def __post_init__(self) -> None:
+        kinds = ("none", "huber", "tukey", "cauchy")
+        if self.kind not in kinds:
+            raise ValueError(f"robust_kernel: kind must be one of {kinds}, got {self.kind!r}")
+        _validate.positive(self.k, "robust_kernel.k")
+
+    def weights(self, residual: torch.Tensor) -> torch.Tensor:
+        """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0."""
+        r = residual.abs()
+        k = self.k
+        if self.kind == "none":
+            return torch.ones_like(r)
+        if self.kind == "huber":
+            return torch.where(r <= k, torch.ones_like(r), k / r.clamp_min(1e-30))
+        if self.kind == "tukey":
+            return torch.where(r < k, (1 - (r / k) ** 2) ** 2, torch.zeros_like(r))
+        return 1.0 / (1.0 + (r / k) ** 2)

@@ -1,0 +1,222 @@
+"""Rigid transforms: the one convention of the library, and the operations on it.
+
+Convention
+----------
+* Column vectors: ``x_target = R @ x_source + t``.
+* A transform is a ``(4, 4)`` matrix ``T = [[R, t], [0, 0, 0, 1]]``, or ``(B, 4, 4)`` for a
+  batch; ``T_target_source`` maps source points into the target frame (the Open3D and
+  small_gicp meaning of a registration result). Variables are named by the frames they
+  connect: ``T_tgt_src``, ``T_src_tgt = invert(T_tgt_src)``.
+* Quaternions are ``(w, x, y, z)`` (scalar first), Hamilton product, unit norm; ``q`` and
+  ``-q`` are the same rotation.
+* Twists ``xi = (omega, v)``: rotation vector first (radians), then translation; the
+  exponential of ``[omega]_x`` / ``v`` gives ``T``.
+* Points are row-stacked ``(N, 3)`` (or ``(B, N, 3)``) tensors, so ``apply`` computes
+  ``points @ R.T + t``.
+
+Every function is batched over leading dimensions and works on any device and dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def make(rotation: torch.Tensor, translation: torch.Tensor) -> torch.Tensor:
+    """Build ``(…, 4, 4)`` from rotation ``(…, 3, 3)`` and translation ``(…, 3)``."""
+    rotation = torch.as_tensor(rotation)
+    translation = torch.as_tensor(translation, dtype=rotation.dtype, device=rotation.device)
+    batch = torch.broadcast_shapes(rotation.shape[:-2], translation.shape[:-1])
+    T = torch.zeros(*batch, 4, 4, dtype=rotation.dtype, device=rotation.device)
+    T[..., :3, :3] = rotation
+    T[..., :3, 3] = translation
+    T[..., 3, 3] = 1
+    return T
+
+
+def compose(*Ts: torch.Tensor) -> torch.Tensor:
+    """Matrix product ``Ts[0] @ Ts[1] @ …`` (apply the last one first)."""
+    out = Ts[0]
+    for T in Ts[1:]:
+        out = out @ T
+    return out
+
+
+def invert(T: torch.Tensor) -> torch.Tensor:
+    """Inverse of rigid ``(…, 4, 4)`` transforms, ``[R^T, -R^T t]`` (exact, no matrix inverse)."""
+    R = T[..., :3, :3]
+    t = T[..., :3, 3:]
+    Rt = R.transpose(-1, -2)
+    return make(Rt, -(Rt @ t)[..., 0])
+
+
+def apply(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """Transform points: ``points (…, N, 3)`` by ``T (…, 4, 4)`` → ``(…, N, 3)``.
+
+    Computed in ``T``'s precision and returned in ``points``' dtype.
+    """
+    R = T[..., :3, :3]
+    t = T[..., None, :3, 3]
+    return (points.to(T.dtype) @ R.transpose(-1, -2) + t).to(points.dtype)
+
+
+def skew(v: torch.Tensor) -> torch.Tensor:
+    """Cross-product matrices ``[v]_x`` of shape ``(…, 3, 3)`` for ``v (…, 3)``."""
+    z = torch.zeros_like(v[..., 0])
+    x, y, w = v[..., 0], v[..., 1], v[..., 2]
+    return torch.stack(
+        [torch.stack([z, -w, y], -1), torch.stack([w, z, -x], -1), torch.stack([-y, x, z], -1)],
+        -2,
+    )
+
+
+def quaternion_to_matrix(q: torch.Tensor) -> torch.Tensor:
+    """Rotation matrices ``(…, 3, 3)`` from quaternions ``(…, 4)`` = (w, x, y, z).
+
+    The quaternion is normalised first; a zero quaternion raises ``ValueError``.
+    """
+    n = q.norm(dim=-1, keepdim=True)
+    if bool((n == 0).any()):
+        raise ValueError("q: zero quaternion has no rotation")
+    w, x, y, z = (q / n).unbind(-1)
+    return torch.stack(
+        [
+            1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+            2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+            2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y),
+        ],
+        -1,
+    ).reshape(*q.shape[:-1], 3, 3)
+
+
+def matrix_to_quaternion(R: torch.Tensor) -> torch.Tensor:
+    """Unit quaternions ``(…, 4)`` (w >= 0) from rotation matrices ``(…, 3, 3)``.
+
+    Uses the largest of the four candidate denominators (Shepperd's method), so it is
+    stable for every rotation, including 180°.
+    """
+    m = R
+    tr = m[..., 0, 0] + m[..., 1, 1] + m[..., 2, 2]
+    cands = torch.stack(
+        [tr, m[..., 0, 0], m[..., 1, 1], m[..., 2, 2]], -1
+    )
+    choice = cands.argmax(-1)
+    qs = []
+    # four closed forms; pick per element
+    s0 = (1 + tr).clamp_min(1e-30).sqrt() * 2
+    qs.append(torch.stack([0.25 * s0, (m[..., 2, 1] - m[..., 1, 2]) / s0,
+                           (m[..., 0, 2] - m[..., 2, 0]) / s0, (m[..., 1, 0] - m[..., 0, 1]) / s0], -1))
+    s1 = (1 + m[..., 0, 0] - m[..., 1, 1] - m[..., 2, 2]).clamp_min(1e-30).sqrt() * 2
+    qs.append(torch.stack([(m[..., 2, 1] - m[..., 1, 2]) / s1, 0.25 * s1,
+                           (m[..., 0, 1] + m[..., 1, 0]) / s1, (m[..., 0, 2] + m[..., 2, 0]) / s1], -1))
+    s2 = (1 + m[..., 1, 1] - m[..., 0, 0] - m[..., 2, 2]).clamp_min(1e-30).sqrt() * 2
+    qs.append(torch.stack([(m[..., 0, 2] - m[..., 2, 0]) / s2, (m[..., 0, 1] + m[..., 1, 0]) / s2,
+                           0.25 * s2, (m[..., 1, 2] + m[..., 2, 1]) / s2], -1))
+    s3 = (1 + m[..., 2, 2] - m[..., 0, 0] - m[..., 1, 1]).clamp_min(1e-30).sqrt() * 2
+    qs.append(torch.stack([(m[..., 1, 0] - m[..., 0, 1]) / s3, (m[..., 0, 2] + m[..., 2, 0]) / s3,
+                           (m[..., 1, 2] + m[..., 2, 1]) / s3, 0.25 * s3], -1))
+    q = torch.stack(qs, -2).gather(-2, choice[..., None, None].expand(*choice.shape, 1, 4))[..., 0, :]
+    q = q / q.norm(dim=-1, keepdim=True)
+    return torch.where(q[..., :1] < 0, -q, q)
+
+
+def random_rotation(
+    n: int | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Rotations drawn uniformly from SO(3) (normalised Gaussian quaternions).
+
+    Returns ``(3, 3)`` when ``n`` is None, else ``(n, 3, 3)``.
+    """
+    shape = (1 if n is None else n, 4)
+    q = torch.randn(shape, generator=generator, dtype=torch.float64)
+    R = quaternion_to_matrix(q).to(dtype=dtype, device=device)
+    return R[0] if n is None else R
+
+
+def axis_angle_to_matrix(axis: torch.Tensor, angle: torch.Tensor | float) -> torch.Tensor:
+    """Rotation about ``axis (…, 3)`` (any length > 0) by ``angle`` radians → ``(…, 3, 3)``."""
+    axis = torch.as_tensor(axis, dtype=torch.float64)
+    a = axis / axis.norm(dim=-1, keepdim=True)
+    return so3_exp(a * torch.as_tensor(angle, dtype=a.dtype)[..., None])
+
+
+def so3_exp(omega: torch.Tensor) -> torch.Tensor:
+    """Rodrigues: rotation vectors ``(…, 3)`` (radians) → ``(…, 3, 3)``; exact near 0."""
+    theta2 = (omega * omega).sum(-1)[..., None, None]
+    theta = theta2.sqrt()
+    K = skew(omega)
+    small = theta2 < 1e-12
+    safe = torch.where(small, torch.ones_like(theta), theta)
+    a = torch.where(small, 1 - theta2 / 6, torch.sin(safe) / safe)
+    b = torch.where(small, 0.5 - theta2 / 24, (1 - torch.cos(safe)) / (safe * safe))
+    eye = torch.eye(3, dtype=omega.dtype, device=omega.device)
+    return eye + a * K + b * (K @ K)
+
+
+def so3_log(R: torch.Tensor) -> torch.Tensor:
+    """Rotation vectors ``(…, 3)`` from rotation matrices ``(…, 3, 3)``; |result| ≤ π.
+
+    Goes through the quaternion, which is stable near 0 and near π.
+    """
+    q = matrix_to_quaternion(R)
+    w = q[..., 0].clamp(-1, 1)
+    v = q[..., 1:]
+    s = v.norm(dim=-1)
+    angle = 2 * torch.atan2(s, w)
+    scale = torch.where(s > 1e-12, angle / s.clamp_min(1e-30), 2 / w.clamp_min(1e-30))
+    return v * scale[..., None]
+
+
+def _V(omega: torch.Tensor) -> torch.Tensor:
+    theta2 = (omega * omega).sum(-1)[..., None, None]
+    theta = theta2.sqrt()
+    K = skew(omega)
+    small = theta2 < 1e-10
+    safe = torch.where(small, torch.ones_like(theta), theta)
+    b = torch.where(small, 0.5 - theta2 / 24, (1 - torch.cos(safe)) / (safe * safe))
+    c = torch.where(small, 1.0 / 6 - theta2 / 120, (safe - torch.sin(safe)) / (safe ** 3))
+    eye = torch.eye(3, dtype=omega.dtype, device=omega.device)
+    return eye + b * K + c * (K @ K)
+
+
+def se3_exp(xi: torch.Tensor) -> torch.Tensor:
+    """Twists ``(…, 6)`` = (omega, v) → transforms ``(…, 4, 4)``."""
+    omega, v = xi[..., :3], xi[..., 3:]
+    R = so3_exp(omega)
+    t = (_V(omega) @ v[..., None])[..., 0]
+    return make(R, t)
+
+
+def se3_log(T: torch.Tensor) -> torch.Tensor:
+    """Transforms ``(…, 4, 4)`` → twists ``(…, 6)`` = (omega, v); inverse of :func:`se3_exp`."""
+    omega = so3_log(T[..., :3, :3])
+    t = T[..., :3, 3]
+    v = torch.linalg.solve(_V(omega), t[..., None])[..., 0]
+    return torch.cat([omega, v], -1)
+
+
+def rotation_angle(R: torch.Tensor) -> torch.Tensor:
+    """Angle in radians of rotations ``(…, 3, 3)``, robust near 0 and π."""
+    return so3_log(R).norm(dim=-1)
+
+
+def random_transform(
+    rotation_deg: float,
+    translation: float,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """A ``(4, 4)`` transform rotating by exactly ``rotation_deg`` about a random axis and
+    translating by exactly ``translation`` along a random direction."""
+    axis = torch.randn(3, generator=generator, dtype=torch.float64)
+    direction = torch.randn(3, generator=generator, dtype=torch.float64)
+    R = axis_angle_to_matrix(axis, math.radians(rotation_deg))
+    t = direction / direction.norm() * translation
+    return make(R, t).to(dtype)
