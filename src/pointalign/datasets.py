@@ -1,0 +1,173 @@
+"""Sample data with ground truth: the bundled bunny scans and synthetic pairs.
+
+The package ships two Stanford Bunny range scans, bun000 and bun045 (see
+``data/ACKNOWLEDGEMENT.txt``), and their poses from the scanning repository's
+``bun.conf``. The poses are read as ``p_world = R(q)^T p_scan + t``: the file's
+quaternions rotate by their conjugate. bun000 has the identity pose, so the world frame
+is bun000's frame.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pointalign import _validate, transforms
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A registration problem with ground truth.
+
+    Attributes:
+        source: ``(N, 3)`` float tensor.
+        target: ``(M, 3)`` float tensor.
+        T_target_source: ``(4, 4)`` float64 tensor, the true transform.
+        name: a short label.
+    """
+
+    source: torch.Tensor
+    target: torch.Tensor
+    T_target_source: torch.Tensor
+    name: str = ""
+
+
+def _data_file(name: str) -> Any:
+    return resources.files("pointalign").joinpath("data", name)
+
+
+def read_bun_conf(text: str) -> dict[str, torch.Tensor]:
+    """Parse a Stanford ``.conf`` file into ``{scan file name: T_world_scan (4, 4) float64}``.
+
+    Each ``bmesh <file> tx ty tz qx qy qz qw`` line gives ``p_world = R(q)^T p + t`` with
+    ``q = (qw, qx, qy, qz)``; ``camera`` lines are ignored.
+    """
+    poses = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if not parts or parts[0] != "bmesh":
+            continue
+        if len(parts) != 9:
+            raise ValueError(f"bun.conf line {lineno}: expected 9 fields, got {len(parts)}")
+        tx, ty, tz, qx, qy, qz, qw = (float(v) for v in parts[2:])
+        R = transforms.quaternion_to_matrix(torch.tensor([qw, qx, qy, qz], dtype=torch.float64))
+        poses[parts[1]] = transforms.make(R.T, torch.tensor([tx, ty, tz], dtype=torch.float64))
+    return poses
+
+
+def bunny_poses() -> dict[str, torch.Tensor]:
+    """World poses of all ten Stanford bunny scans, from the bundled ``bun.conf``."""
+    return read_bun_conf(_data_file("bun.conf.txt").read_text())
+
+
+def bunny_relative_pose(source: str = "bun045", target: str = "bun000") -> torch.Tensor:
+    """Ground-truth ``T_target_source`` (4, 4) float64 between two bunny scans (names without
+    ``.ply``)."""
+    poses = bunny_poses()
+    try:
+        T_w_s, T_w_t = poses[source + ".ply"], poses[target + ".ply"]
+    except KeyError as exc:
+        raise ValueError(f"unknown bunny scan {exc.args[0]!r}; known: {sorted(poses)}") from None
+    return transforms.invert(T_w_t) @ T_w_s
+
+
+def load_bunny(name: str = "bun000") -> torch.Tensor:
+    """One bundled bunny scan as an ``(N, 3)`` float32 tensor in metres (bun000 or bun045)."""
+    with _data_file("bunny_scans.npz").open("rb") as f, np.load(f) as z:
+        if name not in z.files:
+            raise ValueError(f"bundled scans are {z.files}, not {name!r}; use shared_data_dir()")
+        return torch.from_numpy(z[name].copy())
+
+
+def load_bunny_pair() -> Pair:
+    """bun045 (source) → bun000 (target) with the ground truth (about 34.3°, 53 mm)."""
+    return Pair(load_bunny("bun045"), load_bunny("bun000"), bunny_relative_pose(),
+                "bun045->bun000")
+
+
+def shared_data_dir() -> Path | None:
+    """The project's shared real-data folder, if present.
+
+    Looks at ``$POINTALIGN_DATA`` first, then ``../shared/data`` and ``shared/data`` relative
+    to the working directory and to this package's source tree, then ``.data`` (the copy
+    carried to the GPU machine). Returns None when none exists (tests then skip).
+    """
+    cands = []
+    if os.environ.get("POINTALIGN_DATA"):
+        cands.append(Path(os.environ["POINTALIGN_DATA"]))
+    here = Path(__file__).resolve()
+    for base in (Path.cwd(), here.parents[2]):
+        cands += [base / ".." / "shared" / "data", base / "shared" / "data", base / ".data"]
+    for c in cands:
+        if (c / "stanford_bunny").is_dir() or (c / "SOURCES.md").is_file():
+            return c.resolve()
+    return None
+
+
+def make_pair(
+    cloud: Any,
+    rotation_deg: float = 10.0,
+    translation: float = 0.0,
+    noise: float = 0.0,
+    outlier_fraction: float = 0.0,
+    overlap: float = 1.0,
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> Pair:
+    """Build a synthetic pair with known ground truth from one cloud.
+
+    The target is the cloud; the source is a (cropped) copy moved by the inverse of a random
+    transform ``T_target_source`` of exactly ``rotation_deg`` degrees about a random axis and
+    ``translation`` (same units as the cloud) along a random direction, with Gaussian noise
+    of std ``noise`` per coordinate, and ``outlier_fraction`` of its points replaced by
+    uniform samples from the bounding box (scaled by 1.2).
+
+    Args:
+        cloud: ``(N, 3)`` points (array, tensor or PointCloud).
+        overlap: fraction in (0, 1] of the target's points kept in the source: the source is
+            cut by a random plane so that it keeps that fraction (partial overlap).
+        seed: seeds a ``torch.Generator``; the same seed gives the same pair.
+
+    Returns:
+        :class:`Pair` with ``source (N', 3)``, ``target (N, 3)`` and ``T_target_source``.
+    """
+    pts = _validate.as_points(cloud, "cloud", min_points=3, device="cpu", dtype=torch.float64)
+    _validate.positive(noise, "noise", allow_zero=True)
+    if not 0 <= outlier_fraction < 1:
+        raise ValueError(f"outlier_fraction: must be in [0, 1), got {outlier_fraction}")
+    if not 0 < overlap <= 1:
+        raise ValueError(f"overlap: must be in (0, 1], got {overlap}")
+    g = torch.Generator().manual_seed(int(seed))
+    T = transforms.random_transform(rotation_deg, translation, generator=g)
+    src = pts
+    if overlap < 1:
+        direction = torch.randn(3, generator=g, dtype=torch.float64)
+        proj = src @ (direction / direction.norm())
+        keep = proj <= torch.quantile(proj, overlap)
+        src = src[keep]
+    src = src + noise * torch.randn(src.shape, generator=g, dtype=torch.float64)
+    n_out = int(math.floor(outlier_fraction * src.shape[0]))
+    if n_out:
+        lo, hi = pts.min(0).values, pts.max(0).values
+        center, half = (lo + hi) / 2, (hi - lo) / 2 * 1.2
+        idx = torch.randperm(src.shape[0], generator=g)[:n_out]
+        src = src.clone()
+        src[idx] = center + (torch.rand(n_out, 3, generator=g, dtype=torch.float64) * 2 - 1) * half
+    src = transforms.apply(transforms.invert(T), src)
+    return Pair(src.to(dtype), pts.to(dtype), T, f"synthetic {rotation_deg}deg")
+
+
+def random_subsample(points: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
+    """``n`` points drawn without replacement (all points when n >= N), fixed seed."""
+    if n >= points.shape[0]:
+        return points
+    g = torch.Generator().manual_seed(int(seed))
+    return points[torch.randperm(points.shape[0], generator=g)[:n].to(points.device)]

@@ -1,0 +1,62 @@
+"""Shared fixtures: devices, dtypes, seeds, tolerances, and the real data when present."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pointalign import datasets
+
+HAS_CUDA = torch.cuda.is_available()
+
+# absolute tolerances keyed by dtype, for comparisons of fast paths with references
+TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+# seeds range: tests must pass for any of them; POINTALIGN_SEED picks another one
+_SEED = int(os.environ.get("POINTALIGN_SEED", "0"))
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on the device)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=[0, 1, 2])
+def seed(request) -> int:
+    """Three seeds per test (shifted by $POINTALIGN_SEED): no lucky seed."""
+    return request.param + _SEED
+
+
+@pytest.fixture
+def rng(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=[torch.float32, torch.float64], ids=["f32", "f64"])
+def dtype(request) -> torch.dtype:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def bunny_pair() -> datasets.Pair:
+    return datasets.load_bunny_pair()
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    d = datasets.shared_data_dir()
+    if d is None:
+        pytest.skip("shared real data (../shared/data) not present")
+    return d
