@@ -1,0 +1,325 @@
+"""Closed-form rigid transform estimators (batched; solved in float64).
+
+Every estimator returns an :class:`Estimate`: ``transformation (…, 4, 4)`` float64
+``T_target_source`` (``y ≈ R x + t``) and ``valid (…)`` bool. A problem is *degenerate*
+when the data does not determine the motion: zero total weight, or source or target points
+(weighted, centred) spanning less than a plane's worth of directions (all on a line, or a
+single point). With ``strict=True`` (the default for direct calls) a degenerate problem
+raises ``ValueError``; with ``strict=False`` (what iterative algorithms use) its entry is
+the identity and ``valid`` is False. No estimator ever returns NaN or a reflection.
+
+Batching: points ``(…, N, 3)`` with optional ``weights (…, N)``; padded batches are handled
+by giving padding rows weight 0.
+
+References: B. K. P. Horn, "Closed-form solution of absolute orientation using unit
+quaternions", JOSA A 1987; S. Umeyama, PAMI 1991; Tamaki et al., "Softassign and EM-ICP
+on GPU", eqs. 18-20 and 26 (the soft form); Y. Chen and G. Medioni 1992 (point-to-plane).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pointalign import _validate, transforms
+
+#: relative eigenvalue below which a covariance direction counts as empty (degenerate)
+DEGENERACY_EPS = 1e-10
+
+
+class Estimate(NamedTuple):
+    """Estimated transform(s) and whether each problem was well posed."""
+
+    transformation: torch.Tensor
+    valid: torch.Tensor
+
+
+class Moments(NamedTuple):
+    """Weighted first and second moments of a set of (soft) correspondences.
+
+    For weights m_ij between source x_i and target y_j (hard correspondences are the
+    diagonal case): ``total = Σ m_ij``, ``sum_source = Σ_ij m_ij x_i``,
+    ``sum_target = Σ_ij m_ij y_j``, ``cross = Σ_ij m_ij x_i y_jᵀ`` (3×3), all float64 with
+    leading batch dims. ``source_cov`` / ``target_cov`` are the centred weighted
+    covariances used only for the degeneracy test.
+    """
+
+    total: torch.Tensor
+    sum_source: torch.Tensor
+    sum_target: torch.Tensor
+    cross: torch.Tensor
+    source_cov: torch.Tensor
+    target_cov: torch.Tensor
+
+
+def _weighted_moments(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> Moments:
+    x = x.to(torch.float64)
+    y = y.to(torch.float64)
+    w = torch.ones(x.shape[:-1], dtype=torch.float64, device=x.device) if w is None \
+        else w.to(device=x.device, dtype=torch.float64)
+    W = w.sum(-1)
+    denom = W.clamp_min(1e-300)[..., None]
+    xm = (w[..., None] * x).sum(-2) / denom
+    ym = (w[..., None] * y).sum(-2) / denom
+    xc, yc = x - xm[..., None, :], y - ym[..., None, :]
+    wx = w[..., None] * xc
+    # the cross moment is assembled around the centroids for accuracy, then shifted back
+    cross_c = wx.transpose(-1, -2) @ yc
+    cross = cross_c + W[..., None, None] * (xm[..., :, None] * ym[..., None, :])
+    return Moments(W, xm * W[..., None], ym * W[..., None], cross,
+                   wx.transpose(-1, -2) @ xc, (w[..., None] * yc).transpose(-1, -2) @ yc)
+
+
+def _spans_plane(cov: torch.Tensor) -> torch.Tensor:
+    """True where a 3×3 covariance has at least two non-negligible eigenvalues."""
+    ev = torch.linalg.eigvalsh(cov)  # ascending
+    return ev[..., 1] > DEGENERACY_EPS * ev[..., 2].clamp_min(1e-300)
+
+
+def _finish(T: torch.Tensor, valid: torch.Tensor, strict: bool, what: str) -> Estimate:
+    eye = torch.eye(4, dtype=T.dtype, device=T.device).expand_as(T)
+    T = torch.where(valid[..., None, None], T, eye)
+    if strict and not bool(valid.all()):
+        bad = (~valid).nonzero().flatten().tolist() if valid.dim() else []
+        where = f" (batch entries {bad})" if bad else ""
+        raise ValueError(
+            f"{what}: degenerate input{where}: needs total weight > 0 and at least 3 "
+            "non-collinear points in source and target"
+        )
+    return Estimate(T, valid)
+
+
+def horn_from_moments(m: Moments, *, strict: bool = True) -> Estimate:
+    """Horn's quaternion method from weighted moments (the core all Horn variants share).
+
+    With centroids x̄ = Σx/W, ȳ = Σy/W and S = cross − W x̄ ȳᵀ, the rotation is the unit
+    quaternion of the largest eigenvalue of Horn's symmetric 4×4 matrix N(S); then
+    t = ȳ − R x̄.
+    """
+    W = m.total
+    denom = W.clamp_min(1e-300)[..., None]
+    xm, ym = m.sum_source / denom, m.sum_target / denom
+    S = m.cross - W[..., None, None] * (xm[..., :, None] * ym[..., None, :])
+    sxx, sxy, sxz = S[..., 0, 0], S[..., 0, 1], S[..., 0, 2]
+    syx, syy, syz = S[..., 1, 0], S[..., 1, 1], S[..., 1, 2]
+    szx, szy, szz = S[..., 2, 0], S[..., 2, 1], S[..., 2, 2]
+    N = torch.stack([
+        torch.stack([sxx + syy + szz, syz - szy, szx - sxz, sxy - syx], -1),
+        torch.stack([syz - szy, sxx - syy - szz, sxy + syx, szx + sxz], -1),
+        torch.stack([szx - sxz, sxy + syx, -sxx + syy - szz, syz + szy], -1),
+        torch.stack([sxy - syx, szx + sxz, syz + szy, -sxx - syy + szz], -1),
+    ], -2)
+    _, vecs = torch.linalg.eigh(N)
+    q = vecs[..., :, -1]
+    R = transforms.quaternion_to_matrix(q)
+    t = ym - (R @ xm[..., None])[..., 0]
+    valid = (W > 0) & _spans_plane(m.source_cov) & _spans_plane(m.target_cov)
+    valid = valid & torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)
+    R = torch.nan_to_num(R)
+    t = torch.nan_to_num(t)
+    return _finish(transforms.make(R, t), valid, strict, "horn")
+
+
+def horn(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    strict: bool = True,
+) -> Estimate:
+    """Least-squares rigid motion ``argmin Σ w_i ||R x_i + t − y_i||²`` by Horn's method.
+
+    Args:
+        source: ``(…, N, 3)`` float tensor, x_i.
+        target: ``(…, N, 3)`` float tensor, y_i (corresponding row by row).
+        weights: optional ``(…, N)`` non-negative weights (0 drops a row).
+    """
+    source, target, weights = _check_pairs(source, target, weights)
+    return horn_from_moments(_weighted_moments(source, target, weights), strict=strict)
+
+
+def horn_soft(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    row_sums: torch.Tensor,
+    col_sums: torch.Tensor,
+    cross: torch.Tensor,
+    *,
+    source_center: torch.Tensor | None = None,
+    target_center: torch.Tensor | None = None,
+    strict: bool = True,
+) -> Estimate:
+    """Horn's method for an N×M soft weight matrix M given only through its reductions.
+
+    Tamaki et al. (eqs. 18-20, 26): with r_i = Σ_j m_ij, c_j = Σ_i m_ij,
+    W = Σ r_i, x̄ = Σ r_i x_i / W, ȳ = Σ c_j y_j / W and
+    S = Σ_ij m_ij (x_i − x̄)(y_j − ȳ)ᵀ = cross − W x̄ ȳᵀ, the rotation is Horn's. The matrix
+    M is never needed.
+
+    Args:
+        source: ``(…, N, 3)`` source points x_i.
+        target: ``(…, M, 3)`` target points y_j.
+        row_sums: ``(…, N)`` r_i.
+        col_sums: ``(…, M)`` c_j.
+        cross: ``(…, 3, 3)`` ``Σ_ij m_ij (x_i − a)(y_j − b)ᵀ`` where a = ``source_center``
+            and b = ``target_center`` (default 0): kernels centre coordinates on a rough
+            centroid before accumulating in float32, to avoid cancellation.
+        source_center, target_center: ``(…, 3)`` the shifts a and b used in ``cross``.
+    """
+    x = source.to(torch.float64)
+    y = target.to(torch.float64)
+    r = row_sums.to(torch.float64)
+    c = col_sums.to(torch.float64)
+    a = torch.zeros_like(x[..., 0, :]) if source_center is None else source_center.double()
+    b = torch.zeros_like(y[..., 0, :]) if target_center is None else target_center.double()
+    W = r.sum(-1)
+    sx = (r[..., None] * x).sum(-2)
+    sy = (c[..., None] * y).sum(-2)
+    # shift the cross moment back to the origin: Σ m (x-a)(y-b)ᵀ + a Σy ᵀ + Σx bᵀ − W a bᵀ
+    S0 = cross.to(torch.float64) + a[..., :, None] * sy[..., None, :] \
+        + sx[..., :, None] * b[..., None, :] - W[..., None, None] * (a[..., :, None] * b[..., None, :])
+    xm = sx / W.clamp_min(1e-300)[..., None]
+    ym = sy / W.clamp_min(1e-300)[..., None]
+    xc, yc = x - xm[..., None, :], y - ym[..., None, :]
+    cov_x = (r[..., None] * xc).transpose(-1, -2) @ xc
+    cov_y = (c[..., None] * yc).transpose(-1, -2) @ yc
+    return horn_from_moments(Moments(W, sx, sy, S0, cov_x, cov_y), strict=strict)
+
+
+def umeyama(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    with_scale: bool = False,
+    strict: bool = True,
+) -> Estimate:
+    """Rigid (or similarity) motion by SVD of the weighted cross-covariance (Umeyama).
+
+    ``R = U diag(1, 1, det(U Vᵀ)) Vᵀ`` from ``S_yx = U Σ Vᵀ`` (never a reflection).
+    With ``with_scale`` the 3×3 block is ``s R`` (s > 0); the result is then not rigid.
+
+    Args: as :func:`horn`.
+    """
+    source, target, weights = _check_pairs(source, target, weights)
+    m = _weighted_moments(source, target, weights)
+    W = m.total
+    denom = W.clamp_min(1e-300)[..., None]
+    xm, ym = m.sum_source / denom, m.sum_target / denom
+    S = m.cross - W[..., None, None] * (xm[..., :, None] * ym[..., None, :])
+    U, sig, Vh = torch.linalg.svd(S.transpose(-1, -2))  # S_yx = Σ w (y-ȳ)(x-x̄)ᵀ
+    d = torch.sign(torch.linalg.det(U @ Vh))
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    D = torch.diag_embed(torch.stack([torch.ones_like(d), torch.ones_like(d), d], -1))
+    R = U @ D @ Vh
+    if with_scale:
+        var_x = torch.diagonal(m.source_cov, dim1=-2, dim2=-1).sum(-1)
+        s = (sig * torch.diagonal(D, dim1=-2, dim2=-1)).sum(-1) / var_x.clamp_min(1e-300)
+        R = R * s[..., None, None]
+    t = ym - (R @ xm[..., None])[..., 0]
+    valid = (W > 0) & _spans_plane(m.source_cov) & _spans_plane(m.target_cov)
+    return _finish(transforms.make(torch.nan_to_num(R), torch.nan_to_num(t)), valid, strict,
+                   "umeyama")
+
+
+def point_to_plane_system(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    target_normals: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normal equations of linearised point-to-plane ICP.
+
+    Residual r_i = n_iᵀ (x_i − y_i), Jacobian J_i = [(x_i × n_i)ᵀ, n_iᵀ] w.r.t. the twist
+    ξ = (ω, v) of a small motion ``x ↦ (I + [ω]×) x + v``.
+
+    Returns:
+        ``(JᵀWJ (…, 6, 6), JᵀWr (…, 6), Σ w r² (…))`` in float64.
+    """
+    x = source.to(torch.float64)
+    y = target.to(torch.float64)
+    n = target_normals.to(torch.float64)
+    w = torch.ones(x.shape[:-1], dtype=torch.float64, device=x.device) if weights is None \
+        else weights.to(device=x.device, dtype=torch.float64)
+    J = torch.cat([torch.linalg.cross(x, n, dim=-1), n], -1)
+    r = (n * (x - y)).sum(-1)
+    wJ = w[..., None] * J
+    return wJ.transpose(-1, -2) @ J, (wJ * r[..., None]).sum(-2), (w * r * r).sum(-1)
+
+
+def solve_point_to_plane(
+    JtJ: torch.Tensor, Jtr: torch.Tensor, *, strict: bool = True
+) -> Estimate:
+    """Solve ``JᵀJ ξ = −Jᵀr`` (float64) and turn the twist into a rigid transform.
+
+    The rotation is ``exp([ω]×)`` (exactly orthonormal). A system whose 6×6 matrix is
+    rank-deficient (e.g. a single plane leaves the in-plane translation free) is solved in
+    the least-norm sense on its well-determined directions and reported as not valid.
+
+    Args:
+        JtJ: ``(…, 6, 6)``; Jtr: ``(…, 6)``, e.g. from :func:`point_to_plane_system` or the
+            fused reduction of ``kernels.normal_eq``.
+    """
+    A = JtJ.to(torch.float64)
+    b = -Jtr.to(torch.float64)
+    ev, V = torch.linalg.eigh(A)
+    keep = ev > DEGENERACY_EPS * ev[..., -1:].clamp_min(1e-300)
+    inv = torch.where(keep, 1.0 / ev.clamp_min(1e-300), torch.zeros_like(ev))
+    xi = (V @ (inv[..., None] * (V.transpose(-1, -2) @ b[..., None])))[..., 0]
+    valid = keep.all(-1) & torch.isfinite(xi).all(-1)
+    xi = torch.nan_to_num(xi)
+    T = transforms.make(transforms.so3_exp(xi[..., :3]), xi[..., 3:])
+    return _finish(T, valid, strict, "point_to_plane")
+
+
+def point_to_plane(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    target_normals: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    strict: bool = True,
+) -> Estimate:
+    """One Gauss-Newton step of point-to-plane alignment: ``argmin Σ w (nᵀ(R x + t − y))²``
+    linearised at the identity, solved as a 6×6 system in float64.
+
+    Args:
+        source, target: ``(…, N, 3)`` corresponding points; target_normals: ``(…, N, 3)``
+        unit normals at the targets; weights: optional ``(…, N)``.
+    """
+    source, target, weights = _check_pairs(source, target, weights)
+    target_normals = _validate._to_tensor("target_normals", target_normals)
+    if target_normals.shape != target.shape:
+        raise ValueError(
+            f"target_normals: expected shape {tuple(target.shape)}, got {tuple(target_normals.shape)}"
+        )
+    JtJ, Jtr, _ = point_to_plane_system(source, target, target_normals, weights)
+    return solve_point_to_plane(JtJ, Jtr, strict=strict)
+
+
+def _check_pairs(source, target, weights):
+    """Coerce to tensors and check shapes, devices, finiteness; returns the tensors."""
+    source = _validate._float("source", _validate._to_tensor("source", source), None)
+    target = _validate._float("target", _validate._to_tensor("target", target), None)
+    if weights is not None:
+        weights = _validate._float("weights", _validate._to_tensor("weights", weights), None)
+    if source.shape[-1:] != (3,) or source.dim() < 2:
+        raise ValueError(f"source: expected shape (..., N, 3), got {tuple(source.shape)}")
+    if target.shape != source.shape:
+        raise ValueError(
+            f"target: expected the source's shape {tuple(source.shape)} (row-wise "
+            f"correspondences), got {tuple(target.shape)}"
+        )
+    if source.device != target.device:
+        raise ValueError(f"source on {source.device} but target on {target.device}")
+    if weights is not None:
+        if weights.shape != source.shape[:-1]:
+            raise ValueError(
+                f"weights: expected shape {tuple(source.shape[:-1])}, got {tuple(weights.shape)}"
+            )
+        if bool((weights < 0).any()) or not bool(torch.isfinite(weights).all()):
+            raise ValueError("weights: must be finite and non-negative")
+    _validate._check_finite("source", source)
+    _validate._check_finite("target", target)
+    return source, target, weights
