@@ -1,0 +1,56 @@
+"""Argument checks shared by the search indexes (errors name the argument)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pointalign import _validate
+
+
+def index_points(points: Any, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The ``points (M, 3)`` an index is built over: non-empty, finite, float, contiguous."""
+    return _validate.as_points(points, "points", device=device, dtype=dtype).contiguous()
+
+
+def query_points(query: Any, like: torch.Tensor) -> torch.Tensor:
+    """``query (N, 3)`` on ``like``'s device, cast to its dtype; N may be 0.
+
+    A tensor on another device than the index is an error (no silent copies); NumPy input is
+    moved to the index's device.
+    """
+    if isinstance(query, torch.Tensor):
+        if query.device != like.device:
+            raise ValueError(
+                f"query: on {query.device} but the index is on {like.device}; "
+                "move the query (or build the index) on one device")
+        if query.dim() == 2 and query.shape == (0, 3):
+            return query.to(like.dtype)
+    q = _validate.as_points(query, "query", device=like.device, dtype=like.dtype)
+    return q.contiguous()
+
+
+def check_k(k: Any, m: int, name: str = "k", *, allow_more: bool = False) -> int:
+    """An integer ``k >= 1``; ``k > m`` (more than the index holds) is an error unless allowed."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        try:
+            import numpy as np
+
+            if isinstance(k, np.integer):
+                k = int(k)
+            else:
+                raise TypeError
+        except TypeError:
+            raise TypeError(f"{name}: expected an integer, got {type(k).__name__}") from None
+    if k < 1:
+        raise ValueError(f"{name}: must be >= 1, got {k}")
+    if k > m and not allow_more:
+        raise ValueError(f"{name}: asked for {k} neighbours but the index holds only {m} points")
+    return k
+
+
+def check_distance(value: Any, name: str) -> float:
+    """A finite distance > 0 (ValueError naming the argument otherwise)."""
+    return _validate.positive(value, name)

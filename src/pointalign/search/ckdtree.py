@@ -1,0 +1,90 @@
+"""SciPy ``cKDTree`` behind the :class:`~pointalign.search.base.Index` protocol (CPU search).
+
+The tree is built on the host in float64 and queried with all cores (``workers=-1``);
+squared distances are then recomputed from the coordinates in the points' dtype, so results
+match :class:`~pointalign.search.brute.BruteForceIndex` exactly. Results come back on the
+query's device (points on a GPU are copied to the host once, at build time).
+Bentley, "Multidimensional binary search trees used for associative searching", CACM 1975.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from pointalign.search import _checks
+from pointalign.search.base import KnnResult
+
+
+class CKDTreeIndex:
+    """SciPy cKDTree index over ``points (M, 3)``; same contract as the other indexes.
+
+    Args:
+        points: ``(M, 3)`` array, tensor or PointCloud.
+        device: optional device for ``points`` (queries must live there; search runs on CPU).
+        leafsize: cKDTree leaf size.
+        workers: threads for queries (-1: all cores).
+    """
+
+    def __init__(self, points: Any, *, device: str | torch.device | None = None,
+                 leafsize: int = 16, workers: int = -1):
+        from scipy.spatial import cKDTree
+
+        self.points = _checks.index_points(points, device=device)
+        self._host = self.points.detach().cpu()
+        self._tree = cKDTree(self._host.to(torch.float64).numpy(), leafsize=leafsize)
+        self.workers = workers
+
+    def __repr__(self) -> str:
+        return f"CKDTreeIndex(M={self.points.shape[0]}, device={self.points.device})"
+
+    def _query(self, query: Any, k: int, max_distance: float | None) -> KnnResult:
+        q = _checks.query_points(query, self.points)
+        n, m = q.shape[0], self.points.shape[0]
+        dev, dt = self.points.device, self.points.dtype
+        if n == 0:
+            return KnnResult(torch.full((0, k), math.inf, dtype=dt, device=dev),
+                             torch.full((0, k), -1, dtype=torch.int64, device=dev))
+        qh = q.detach().cpu()
+        kk = min(k, m)
+        bound = math.inf if max_distance is None else max_distance * (1 + 1e-9) + 1e-300
+        _, idx = self._tree.query(qh.to(torch.float64).numpy(), k=kk,
+                                  distance_upper_bound=bound, workers=self.workers)
+        idx = torch.from_numpy(np.asarray(idx, dtype=np.int64).reshape(n, kk))
+        valid = idx < m
+        safe = torch.where(valid, idx, torch.zeros_like(idx))
+        d = (qh[:, None, :] - self._host[safe]).square().sum(-1)
+        if max_distance is not None:
+            valid &= d <= max_distance * max_distance
+        d = torch.where(valid, d, torch.full_like(d, math.inf))
+        idx = torch.where(valid, idx, torch.full_like(idx, -1))
+        # order by (squared distance, index), missing last
+        key = torch.where(idx < 0, torch.iinfo(torch.int64).max, idx)
+        o = torch.argsort(key, dim=1, stable=True)
+        d, idx = d.gather(1, o), idx.gather(1, o)
+        o = torch.argsort(d, dim=1, stable=True)
+        d, idx = d.gather(1, o), idx.gather(1, o)
+        if kk < k:
+            d = torch.cat([d, torch.full((n, k - kk), math.inf, dtype=dt)], 1)
+            idx = torch.cat([idx, torch.full((n, k - kk), -1, dtype=torch.int64)], 1)
+        return KnnResult(d.to(dev), idx.to(dev))
+
+    def knn(self, query: Any, k: int) -> KnnResult:
+        """The k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
+        k = _checks.check_k(k, self.points.shape[0])
+        return self._query(query, k, None)
+
+    def radius(self, query: Any, r: float, max_neighbors: int) -> KnnResult:
+        """Up to ``max_neighbors`` nearest points with ``||q - p|| <= r``: ``(N, max_neighbors)``."""
+        r = _checks.check_distance(r, "r")
+        k = _checks.check_k(max_neighbors, self.points.shape[0], "max_neighbors",
+                            allow_more=True)
+        return self._query(query, k, r)
+
+    def nearest_within(self, query: Any, max_distance: float) -> KnnResult:
+        """Nearest point with ``||q - p|| <= max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none."""
+        md = _checks.check_distance(max_distance, "max_distance")
+        return self._query(query, 1, md)
