@@ -170,7 +170,8 @@ def as_batch(
     if lengths is None:
         lens = torch.full((t.shape[0],), t.shape[1], dtype=torch.int64, device=t.device)
     else:
-        lens = _to_tensor(f"{name} lengths", lengths)
+        lens = torch.as_tensor(lengths) if isinstance(lengths, (list, tuple)) \
+            else _to_tensor(f"{name} lengths", lengths)
         if lens.dtype.is_floating_point or lens.dtype == torch.bool:
             raise TypeError(f"{name} lengths: expected integers, got {lens.dtype}")
         lens = lens.to(device=t.device, dtype=torch.int64).reshape(-1)

@@ -255,7 +255,9 @@ def solve_point_to_plane(
 
     The rotation is ``exp([ω]×)`` (exactly orthonormal). A system whose 6×6 matrix is
     rank-deficient (e.g. a single plane leaves the in-plane translation free) is solved in
-    the least-norm sense on its well-determined directions and reported as not valid.
+    the least-norm sense on its well-determined directions and reported as not valid (with
+    ``strict=False`` that least-norm step is returned, not the identity; only an empty or
+    non-finite system gives the identity).
 
     Args:
         JtJ: ``(…, 6, 6)``; Jtr: ``(…, 6)``, e.g. from :func:`point_to_plane_system` or the
@@ -267,10 +269,17 @@ def solve_point_to_plane(
     keep = ev > DEGENERACY_EPS * ev[..., -1:].clamp_min(1e-300)
     inv = torch.where(keep, 1.0 / ev.clamp_min(1e-300), torch.zeros_like(ev))
     xi = (V @ (inv[..., None] * (V.transpose(-1, -2) @ b[..., None])))[..., 0]
-    valid = keep.all(-1) & torch.isfinite(xi).all(-1)
-    xi = torch.nan_to_num(xi)
+    finite = torch.isfinite(xi).all(-1) & keep.any(-1)
+    xi = torch.where(finite[..., None], xi, torch.zeros_like(xi))
     T = transforms.make(transforms.so3_exp(xi[..., :3]), xi[..., 3:])
-    return _finish(T, valid, strict, "point_to_plane")
+    valid = keep.all(-1) & finite
+    if strict and not bool(valid.all()):
+        raise ValueError(
+            "point_to_plane: degenerate input: the correspondences leave some motion "
+            "undetermined (e.g. all normals parallel); use strict=False for the least-norm step"
+        )
+    # rank-deficient systems keep their least-norm step: it is still the best update
+    return Estimate(T, valid)
 
 
 def point_to_plane(

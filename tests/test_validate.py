@@ -1,0 +1,86 @@
+import numpy as np
+import pytest
+import torch
+
+from pointalign import PointCloud, _validate
+
+
+def test_accepts_numpy_tensor_pointcloud_and_does_not_copy_unnecessarily():
+    a = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+    t = _validate.as_points(a)
+    assert t.dtype == torch.float32 and t.shape == (5, 3)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    assert _validate.as_points(x) is x
+    assert _validate.as_points(PointCloud(x)).shape == (5, 3)
+    assert _validate.as_points(np.arange(15).reshape(5, 3)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (np.zeros((0, 3)), ValueError, "empty"),
+    (np.zeros((5, 2)), ValueError, r"shape \(N, 3\)"),
+    (np.zeros(3), ValueError, r"shape \(N, 3\)"),
+    (np.array([[0, 0, np.nan]]), ValueError, "NaN or Inf"),
+    (np.array([[0, 0, np.inf]]), ValueError, "NaN or Inf"),
+    (np.array([["a", "b", "c"]]), TypeError, "numeric"),
+    (torch.zeros(4, 3, dtype=torch.bool), TypeError, "floating"),
+    ("points.ply", TypeError, "expected a NumPy array"),
+    (None, TypeError, "expected a NumPy array"),
+])
+def test_rejects_bad_points_naming_the_argument(bad, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        _validate.as_points(bad, "source")
+    assert "source" in str(info.value)
+
+
+def test_min_points():
+    with pytest.raises(ValueError, match="at least 3 points, got 2"):
+        _validate.as_points(np.zeros((2, 3)), "target", min_points=3)
+
+
+def test_batch_forms():
+    pts, lens, batched = _validate.as_batch(torch.randn(7, 3))
+    assert pts.shape == (1, 7, 3) and lens.tolist() == [7] and not batched
+    pts, lens, batched = _validate.as_batch([torch.randn(3, 3), np.zeros((5, 3))])
+    assert pts.shape == (2, 5, 3) and lens.tolist() == [3, 5] and batched
+    pts, lens, _ = _validate.as_batch(torch.randn(2, 4, 3), lengths=[4, 2])
+    assert lens.tolist() == [4, 2]
+    with pytest.raises(ValueError, match="exceeds"):
+        _validate.as_batch(torch.randn(2, 4, 3), lengths=[5, 2])
+    with pytest.raises(ValueError, match="2 entries"):
+        _validate.as_batch(torch.randn(2, 4, 3), lengths=[4])
+    with pytest.raises(TypeError, match="integers"):
+        _validate.as_batch(torch.randn(2, 4, 3), lengths=[4.0, 2.0])
+
+
+def test_transform_checks():
+    assert torch.equal(_validate.as_transform(None), torch.eye(4, dtype=torch.float64))
+    assert _validate.as_transform(np.eye(4), batch=3).shape == (3, 4, 4)
+    bad = np.eye(4)
+    bad[0, 0] = -1  # reflection
+    with pytest.raises(ValueError, match="init: not a rigid transform"):
+        _validate.as_transform(bad)
+    with pytest.raises(ValueError, match=r"init: expected a \(4, 4\)"):
+        _validate.as_transform(np.eye(3))
+    scaled = np.eye(4) * 2
+    scaled[3, 3] = 1
+    with pytest.raises(ValueError, match="rigid"):
+        _validate.as_transform(scaled, "init")
+
+
+def test_same_device_and_scalars():
+    a = torch.zeros(3)
+    assert _validate.same_device(source=a, target=a) == torch.device("cpu")
+    with pytest.raises(ValueError, match="sigma: must be finite and > 0"):
+        _validate.positive(0.0, "sigma")
+    with pytest.raises(ValueError, match="factor"):
+        _validate.in_range(1.0, "factor", 0, 1)
+    with pytest.raises(TypeError, match="beta0"):
+        _validate.positive("x", "beta0")
+    with pytest.raises(ValueError, match="device"):
+        _validate.as_device("nonsense-device")
+
+
+@pytest.mark.gpu
+def test_mismatched_devices_rejected():
+    with pytest.raises(ValueError, match="different devices"):
+        _validate.same_device(source=torch.zeros(3), target=torch.zeros(3, device="cuda"))
