@@ -1,0 +1,120 @@
+"""Triton k-d tree traversal: exact (backtracking) and approximate (leaf only) kNN.
+
+One query per lane, ``BLOCK`` queries per program. Each lane walks the tree iteratively with
+its own stack of node ids (depth-bounded: at most ``depth + 1`` entries) kept in a scratch
+buffer in global memory (L1/L2 resident); its k best candidates live in registers as a
+``(BLOCK, KP)`` tile, updated by replacing the current worst (``tl.where``, no sorting inside
+the kernel). A popped node is skipped when its bounding box is farther than the current k-th
+distance; a leaf scans its points; an internal node pushes the far child, then the near one
+(so the near one is visited first). The approximate mode pushes only the near child.
+Contract: :func:`pointalign.kernels.kdtree.knn`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BIG = 3.0e38  # stands for +inf inside the kernel
+
+
+@triton.jit
+def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, end_ptr,
+                stack_ptr, out_d_ptr, out_i_ptr, n_query, first_leaf, max_d2,
+                K: tl.constexpr, KP: tl.constexpr, LMAX: tl.constexpr, STACK: tl.constexpr,
+                APPROX: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    qmask = offs < n_query
+    qx = tl.load(q_ptr + offs * 3 + 0, mask=qmask, other=0.0)
+    qy = tl.load(q_ptr + offs * 3 + 1, mask=qmask, other=0.0)
+    qz = tl.load(q_ptr + offs * 3 + 2, mask=qmask, other=0.0)
+    cols = tl.arange(0, KP)
+    # the best K per lane; padding columns hold -BIG so they are never the worst
+    zero_tile = tl.zeros((BLOCK, KP), dtype=qx.dtype)
+    best_d = tl.where(cols[None, :] < K, zero_tile + max_d2, zero_tile - BIG)
+    best_i = tl.zeros((BLOCK, KP), dtype=tl.int64) - 1
+    sbase = offs * STACK
+    tl.store(stack_ptr + sbase, tl.zeros((BLOCK,), dtype=tl.int32), mask=qmask)
+    sp = qmask.to(tl.int32)
+    while tl.max(sp, axis=0) > 0:
+        active = sp > 0
+        sp = sp - active.to(tl.int32)
+        node = tl.load(stack_ptr + sbase + sp, mask=active, other=0).to(tl.int64)
+        lox = tl.load(lo_ptr + node * 3 + 0, mask=active, other=0.0)
+        loy = tl.load(lo_ptr + node * 3 + 1, mask=active, other=0.0)
+        loz = tl.load(lo_ptr + node * 3 + 2, mask=active, other=0.0)
+        hix = tl.load(hi_ptr + node * 3 + 0, mask=active, other=0.0)
+        hiy = tl.load(hi_ptr + node * 3 + 1, mask=active, other=0.0)
+        hiz = tl.load(hi_ptr + node * 3 + 2, mask=active, other=0.0)
+        bx = tl.maximum(tl.maximum(lox - qx, qx - hix), 0.0)
+        by = tl.maximum(tl.maximum(loy - qy, qy - hiy), 0.0)
+        bz = tl.maximum(tl.maximum(loz - qz, qz - hiz), 0.0)
+        dbox = bx * bx + by * by + bz * bz
+        worst = tl.max(best_d, axis=1)
+        visit = active & (dbox <= worst)
+        is_leaf = node >= first_leaf
+        leaf = visit & is_leaf
+        s = tl.load(start_ptr + node, mask=leaf, other=0)
+        e = tl.load(end_ptr + node, mask=leaf, other=0)
+        for j in range(LMAX):
+            p = s + j
+            pm = leaf & (p < e)
+            px = tl.load(pts_ptr + p * 3 + 0, mask=pm, other=0.0)
+            py = tl.load(pts_ptr + p * 3 + 1, mask=pm, other=0.0)
+            pz = tl.load(pts_ptr + p * 3 + 2, mask=pm, other=0.0)
+            dx = px - qx
+            dy = py - qy
+            dz = pz - qz
+            d = dx * dx + dy * dy + dz * dz
+            worst = tl.max(best_d, axis=1)
+            take = pm & (d <= worst)
+            is_w = best_d == worst[:, None]
+            pos = tl.min(tl.where(is_w, cols[None, :], KP), axis=1)
+            upd = take[:, None] & (cols[None, :] == pos[:, None])
+            best_d = tl.where(upd, d[:, None], best_d)
+            best_i = tl.where(upd, p[:, None], best_i)
+        inner = visit & (node < first_leaf)
+        ax = tl.load(axis_ptr + node, mask=inner, other=0)
+        sv = tl.load(split_ptr + node, mask=inner, other=0.0)
+        qa = tl.where(ax == 0, qx, tl.where(ax == 1, qy, qz))
+        right = (qa >= sv).to(tl.int64)
+        near = 2 * node + 1 + right
+        if not APPROX:
+            far = 2 * node + 2 - right
+            tl.store(stack_ptr + sbase + sp, far.to(tl.int32), mask=inner)
+            sp = sp + inner.to(tl.int32)
+        tl.store(stack_ptr + sbase + sp, near.to(tl.int32), mask=inner)
+        sp = sp + inner.to(tl.int32)
+    omask = qmask[:, None] & (cols[None, :] < K)
+    optr = offs[:, None] * K + cols[None, :]
+    tl.store(out_d_ptr + optr, best_d, mask=omask)
+    tl.store(out_i_ptr + optr, best_i, mask=omask)
+
+
+def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
+        approximate: bool = False, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher for :func:`pointalign.kernels.kdtree.knn` (same contract)."""
+    q = query.to(tree.points.dtype).contiguous()
+    n = q.shape[0]
+    dev = q.device
+    out_d = torch.empty((n, k), dtype=q.dtype, device=dev)
+    out_i = torch.empty((n, k), dtype=torch.int64, device=dev)
+    if n == 0:
+        return out_d, out_i
+    stack = torch.empty(n * (tree.depth + 2), dtype=torch.int32, device=dev)
+    kp = max(2, triton.next_power_of_2(k))
+    md2 = min(float(max_dist2), BIG)
+    grid = (triton.cdiv(n, block),)
+    _knn_kernel[grid](
+        q, tree.points, tree.lo, tree.hi, tree.split_axis, tree.split_value,
+        tree.start, tree.end, stack, out_d, out_i, n, tree.first_leaf, md2,
+        K=k, KP=kp, LMAX=tree.max_leaf_size, STACK=tree.depth + 2,
+        APPROX=bool(approximate), BLOCK=block, num_warps=max(1, block // 32),
+    )
+    out_d = out_d.masked_fill(out_i < 0, math.inf)
+    out_d, order = torch.sort(out_d, dim=1)
+    return out_d, out_i.gather(1, order)

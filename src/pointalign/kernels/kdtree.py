@@ -1,0 +1,327 @@
+"""k-d tree kernel family: build, descent and kNN traversal, with their PyTorch references.
+
+The tree is a complete binary tree of ``depth`` D split levels stored in level order (a heap):
+node ``i`` has children ``2i+1`` and ``2i+2``, level ``l`` holds nodes ``2^l - 1 .. 2^(l+1) - 2``
+and the ``2^D`` leaves are nodes ``2^D - 1 ..``. The ``M`` points are permuted (``perm``) so that
+node ``j`` of level ``l`` (0-based within the level) owns the contiguous range
+
+    ``[floor(j M / 2^l), floor((j + 1) M / 2^l))``
+
+of the permuted points: a balanced median split. ``2^D <= M`` keeps every node non-empty. Each
+internal node splits along the axis of largest extent of its points; ``split_value`` is halfway
+between the left child's largest and the right child's smallest coordinate on that axis, and a
+query goes right when ``q[axis] >= split_value``. Every node stores the bounding box of its
+points, which prunes the exact search (so exactness never depends on the split value).
+
+Entry points (dispatched through :func:`pointalign.kernels._backend.backend`):
+
+* :func:`build` — the tree arrays from ``points (M, 3)``; ``where="device"`` (torch sorts per
+  level, vectorised over the level's nodes, on the points' device) or ``"host"`` (NumPy).
+* :func:`descend` — approximate lookup: the node at level ``depth`` whose cell holds each query
+  (no backtracking), as in Zabatani & Bronstein (2012), Sec. 4.2.
+* :func:`knn` — exact k nearest neighbours (backtracking with a depth-bounded per-query stack in
+  the Triton kernel; a level-synchronous frontier in the reference), or approximate (search only
+  the query's leaf), optionally bounded by a maximum squared distance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pointalign.kernels._backend import backend
+
+# the Triton kernel keeps the k best per query in registers; above this k the reference runs
+TRITON_MAX_K = 64
+
+
+class TreeArrays(NamedTuple):
+    """Flat arrays of a level-order k-d tree (see the module docstring).
+
+    Attributes:
+        points: ``(M, 3)`` float tensor, the points in tree order (``original[perm]``).
+        perm: ``(M,)`` int64, tree position -> original index.
+        lo, hi: ``(n_nodes, 3)`` float, bounding box of each node's points.
+        split_axis: ``(n_nodes,)`` int32, 0/1/2 for internal nodes, -1 for leaves.
+        split_value: ``(n_nodes,)`` float, the split coordinate (0 for leaves).
+        start, end: ``(n_nodes,)`` int64, the node's range ``[start, end)`` in tree order.
+        depth: number of split levels D (leaves are at level D).
+    """
+
+    points: torch.Tensor
+    perm: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    split_axis: torch.Tensor
+    split_value: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    depth: int
+
+    @property
+    def n_nodes(self) -> int:
+        return 2 ** (self.depth + 1) - 1
+
+    @property
+    def first_leaf(self) -> int:
+        return 2**self.depth - 1
+
+    @property
+    def max_leaf_size(self) -> int:
+        m = self.points.shape[0]
+        return -(-m // 2**self.depth)
+
+
+def depth_for(m: int, leaf_size: int) -> int:
+    """Split levels D so that leaves hold at most ``leaf_size`` of ``m`` points (``2^D <= m``)."""
+    if m <= leaf_size:
+        return 0
+    d = math.ceil(math.log2(m / leaf_size))
+    while -(-m // 2**d) > leaf_size:  # guard against float rounding in log2
+        d += 1
+    return min(d, int(math.floor(math.log2(m))))
+
+
+def level_bounds(m: int, level: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``(2^level + 1,)`` int64 boundaries of the level's node ranges: ``floor(j m / 2^level)``."""
+    j = torch.arange(2**level + 1, dtype=torch.int64, device=device)
+    return (j * m) >> level
+
+
+def node_ranges(m: int, depth: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``(n_nodes, 2)`` int64 ``[start, end)`` of every node, in level order."""
+    parts = []
+    for level in range(depth + 1):
+        b = level_bounds(m, level, device)
+        parts.append(torch.stack([b[:-1], b[1:]], 1))
+    return torch.cat(parts, 0)
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays:
+    """Build the tree over ``points (M, 3)`` with ``depth`` split levels (``2^depth <= M``).
+
+    ``where="device"``: torch ops on the points' device (per level: segment bounding boxes by
+    scatter-reduce, axis of largest extent, two stable sorts: by coordinate, then by node).
+    ``where="host"``: the same algorithm in NumPy (``lexsort``), copied back. Both give the same
+    tree up to the order of points with equal coordinates.
+    """
+    m = points.shape[0]
+    if depth < 0 or 2**depth > m:
+        raise ValueError(f"depth: must satisfy 0 <= depth and 2**depth <= {m}, got {depth}")
+    if where == "device":
+        perm, axes, splits = _build_torch(points, depth)
+    elif where == "host":
+        perm_np, axes_np, splits_np = _build_numpy(points.detach().cpu().double().numpy(), depth)
+        perm = torch.from_numpy(perm_np).to(points.device)
+        axes = torch.from_numpy(axes_np).to(points.device)
+        splits = torch.from_numpy(splits_np).to(device=points.device, dtype=points.dtype)
+    else:
+        raise ValueError(f"where: must be 'device' or 'host', got {where!r}")
+    pts = points[perm].contiguous()
+    ranges = node_ranges(m, depth, points.device)
+    lo, hi = _node_boxes(pts, depth)
+    n_int = 2**depth - 1
+    n_nodes = 2 ** (depth + 1) - 1
+    split_axis = torch.full((n_nodes,), -1, dtype=torch.int32, device=points.device)
+    split_value = torch.zeros(n_nodes, dtype=points.dtype, device=points.device)
+    split_axis[:n_int] = axes.to(torch.int32)
+    split_value[:n_int] = splits.to(points.dtype)
+    return TreeArrays(pts, perm, lo, hi, split_axis, split_value,
+                      ranges[:, 0].contiguous(), ranges[:, 1].contiguous(), depth)
+
+
+def _segments(m: int, level: int, device) -> torch.Tensor:
+    b = level_bounds(m, level, device)
+    return torch.repeat_interleave(torch.arange(2**level, device=device), b[1:] - b[:-1],
+                                   output_size=m)
+
+
+def _node_boxes(pts: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounding boxes of all nodes: leaves by scatter-reduce, parents from their children."""
+    m = pts.shape[0]
+    n_leaf = 2**depth
+    seg = _segments(m, depth, pts.device)[:, None].expand(m, 3)
+    lo = torch.full((n_leaf, 3), math.inf, dtype=pts.dtype, device=pts.device)
+    hi = torch.full((n_leaf, 3), -math.inf, dtype=pts.dtype, device=pts.device)
+    lo = lo.scatter_reduce(0, seg, pts, "amin")
+    hi = hi.scatter_reduce(0, seg, pts, "amax")
+    los, his = [lo], [hi]
+    for _ in range(depth):
+        lo = torch.minimum(lo[0::2], lo[1::2])
+        hi = torch.maximum(hi[0::2], hi[1::2])
+        los.append(lo)
+        his.append(hi)
+    return torch.cat(los[::-1], 0).contiguous(), torch.cat(his[::-1], 0).contiguous()
+
+
+def _build_torch(points: torch.Tensor, depth: int):
+    m, dev = points.shape[0], points.device
+    perm = torch.arange(m, device=dev)
+    pts = points
+    axes, splits = [], []
+    for level in range(depth):
+        n_lvl = 2**level
+        seg = _segments(m, level, dev)
+        seg3 = seg[:, None].expand(m, 3)
+        lo = torch.full((n_lvl, 3), math.inf, dtype=pts.dtype, device=dev)
+        hi = torch.full((n_lvl, 3), -math.inf, dtype=pts.dtype, device=dev)
+        lo = lo.scatter_reduce(0, seg3, pts, "amin")
+        hi = hi.scatter_reduce(0, seg3, pts, "amax")
+        axis = (hi - lo).argmax(1)
+        key = pts.gather(1, axis[seg][:, None]).squeeze(1)
+        o1 = torch.sort(key, stable=True).indices
+        o2 = torch.sort(seg[o1], stable=True).indices
+        order = o1[o2]
+        perm = perm[order]
+        pts = pts[order]
+        key = key[order]
+        mid = level_bounds(m, level + 1, dev)[1:-1:2]
+        splits.append(0.5 * (key[mid - 1] + key[mid]))
+        axes.append(axis)
+    if depth == 0:
+        return perm, torch.zeros(0, dtype=torch.int64, device=dev), points.new_zeros(0)
+    return perm, torch.cat(axes), torch.cat(splits)
+
+
+def _build_numpy(points: np.ndarray, depth: int):
+    m = points.shape[0]
+    perm = np.arange(m)
+    pts = points
+    axes, splits = [], []
+    for level in range(depth):
+        b = (np.arange(2**level + 1, dtype=np.int64) * m) >> level
+        starts = b[:-1]
+        lo = np.minimum.reduceat(pts, starts, axis=0)
+        hi = np.maximum.reduceat(pts, starts, axis=0)
+        axis = np.argmax(hi - lo, axis=1)
+        seg = np.repeat(np.arange(2**level), np.diff(b))
+        key = pts[np.arange(m), axis[seg]]
+        order = np.lexsort((key, seg))
+        perm, pts, key = perm[order], pts[order], key[order]
+        mid = ((np.arange(2 ** (level + 1) + 1, dtype=np.int64) * m) >> (level + 1))[1:-1:2]
+        splits.append(0.5 * (key[mid - 1] + key[mid]))
+        axes.append(axis)
+    if depth == 0:
+        return perm, np.zeros(0, dtype=np.int64), np.zeros(0)
+    return perm, np.concatenate(axes), np.concatenate(splits)
+
+
+# ----------------------------------------------------------------------------- descent
+
+
+def descend(tree: TreeArrays, query: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    """Node id (level order) at level ``depth`` whose cell holds each ``query (N, 3)``: ``(N,)``.
+
+    Follows the split planes from the root without backtracking (``q[axis] >= split`` goes
+    right). ``depth`` defaults to the leaves; it is clamped to ``[0, tree.depth]``.
+    """
+    d = tree.depth if depth is None else max(0, min(int(depth), tree.depth))
+    node = torch.zeros(query.shape[0], dtype=torch.int64, device=query.device)
+    q = query.to(tree.points.dtype)
+    for _ in range(d):
+        ax = tree.split_axis[node].long()
+        right = q.gather(1, ax[:, None]).squeeze(1) >= tree.split_value[node]
+        node = 2 * node + 1 + right.long()
+    return node
+
+
+# ----------------------------------------------------------------------------- kNN
+
+
+def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
+        approximate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """k nearest tree points of each ``query (N, 3)`` with squared distance ``<= max_dist2``.
+
+    Returns ``dists (N, k)`` squared distances ascending (``inf`` where none) and
+    ``idx (N, k)`` int64 positions in **tree order** (``-1`` where none); map through
+    ``tree.perm`` for original indices. ``approximate=True`` searches only the query's leaf.
+    """
+    if k < 1:
+        raise ValueError(f"k: must be >= 1, got {k}")
+    be = backend(query)
+    if be in ("triton", "interpret") and k <= TRITON_MAX_K:
+        from pointalign.kernels import _kdtree_triton
+
+        return _kdtree_triton.knn(tree, query, k, max_dist2=max_dist2, approximate=approximate)
+    return knn_reference(tree, query, k, max_dist2=max_dist2, approximate=approximate)
+
+
+def _box_dist2(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    d = torch.maximum(torch.maximum(lo - q, q - hi), torch.zeros((), dtype=q.dtype,
+                                                                  device=q.device))
+    return (d * d).sum(-1)
+
+
+def _scan_nodes(tree: TreeArrays, q: torch.Tensor, qi: torch.Tensor, nodes: torch.Tensor,
+                width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Squared distances from ``q[qi]`` to the points of ``nodes``: ``(P, width)``, inf padded."""
+    pos = tree.start[nodes][:, None] + torch.arange(width, device=q.device)
+    valid = pos < tree.end[nodes][:, None]
+    pos = torch.where(valid, pos, torch.zeros_like(pos))
+    diff = tree.points[pos] - q[qi][:, None, :]
+    d2 = (diff * diff).sum(-1)
+    d2 = torch.where(valid, d2, torch.full_like(d2, math.inf))
+    return d2, pos, valid
+
+
+def knn_reference(tree: TreeArrays, query: torch.Tensor, k: int, *,
+                  max_dist2: float = math.inf, approximate: bool = False,
+                  chunk: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`knn` (same contract), vectorised over queries.
+
+    Exact mode: an upper bound per query from the smallest node around it that holds at least
+    k points, then a level-synchronous frontier of (query, node) pairs whose bounding boxes are
+    within the bound, then the candidates' distances ranked per query. Exact, by construction.
+    """
+    n = query.shape[0]
+    q_all = query.to(tree.points.dtype)
+    out_d = torch.full((n, k), math.inf, dtype=q_all.dtype, device=q_all.device)
+    out_i = torch.full((n, k), -1, dtype=torch.int64, device=q_all.device)
+    m = tree.points.shape[0]
+    for c0 in range(0, n, chunk):
+        q = q_all[c0:c0 + chunk]
+        nq = q.shape[0]
+        ar = torch.arange(nq, device=q.device)
+        bound = torch.full((nq,), float(max_dist2), dtype=q.dtype, device=q.device)
+        if approximate:
+            qi, nodes = ar, descend(tree, q)
+        else:
+            # bound from the deepest level whose nodes all hold >= k points
+            lk = -1
+            for level in range(tree.depth, -1, -1):
+                if (m >> level) >= k:
+                    lk = level
+                    break
+            if lk >= 0:
+                node = descend(tree, q, lk)
+                d2, _, _ = _scan_nodes(tree, q, ar, node, -(-m // 2**lk))
+                kth = torch.topk(d2, k, dim=1, largest=False).values[:, -1]
+                bound = torch.minimum(bound, kth)
+            qi = ar
+            nodes = torch.zeros(nq, dtype=torch.int64, device=q.device)
+            for level in range(tree.depth + 1):
+                keep = _box_dist2(q[qi], tree.lo[nodes], tree.hi[nodes]) <= bound[qi]
+                qi, nodes = qi[keep], nodes[keep]
+                if level < tree.depth:
+                    qi = qi.repeat_interleave(2)
+                    nodes = torch.stack([2 * nodes + 1, 2 * nodes + 2], 1).reshape(-1)
+        d2, pos, valid = _scan_nodes(tree, q, qi, nodes, tree.max_leaf_size)
+        qi = qi[:, None].expand_as(d2)
+        sel = valid & (d2 <= bound[qi])
+        d2, pos, qi = d2[sel], pos[sel], qi[sel]
+        o = torch.sort(d2, stable=True).indices
+        o = o[torch.sort(qi[o], stable=True).indices]
+        d2, pos, qi = d2[o], pos[o], qi[o]
+        counts = torch.bincount(qi, minlength=nq)
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(qi.shape[0], device=q.device) - first[qi]
+        take = rank < k
+        out_d[c0 + qi[take], rank[take]] = d2[take]
+        out_i[c0 + qi[take], rank[take]] = pos[take]
+    return out_d, out_i
