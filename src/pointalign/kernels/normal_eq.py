@@ -1,0 +1,201 @@
+"""Fused ICP reduction over correspondences: the sums a rigid update needs, in one pass.
+
+Contract (shared by the PyTorch reference below and the Triton kernel in
+``_normal_eq_triton.py``):
+
+* ``source (B, N, 3)``: float tensor, source points **already moved** by the current
+  estimate (x_i). Rows ``i >= lengths[b]`` are padding and ignored.
+* ``target (B, M, 3)``: float tensor, target points y_j.
+* ``idx (B, N)`` int64: correspondence of each source row, ``-1`` for none (ignored).
+* ``target_normals (B, M, 3)`` or None: unit normals n_j (point-to-plane when given).
+* ``lengths (B,)`` int64: valid source rows per batch entry.
+* ``center (B, 3)``: coordinates are shifted by c before accumulating (x̃ = x − c,
+  ỹ = y − c) so that float32 block sums do not cancel far from the origin.
+* ``kernel`` ("none", "huber", "tukey", "cauchy") and ``scale`` k: robust weight w(r) of
+  :class:`~pointalign.registration.criteria.RobustKernel` applied to the residual r:
+  ``r = ||x − y||`` (point-to-point) or ``r = nᵀ(x − y)`` (point-to-plane).
+
+Output: ``(B, 30)`` float64 on the input's device, one row per batch entry:
+
+* point-to-point (``target_normals is None``): ``[0]`` W = Σ w, ``[1:4]`` Σ w x̃,
+  ``[4:7]`` Σ w ỹ, ``[7:16]`` Σ w x̃ ỹᵀ (3×3 row-major), ``[16:22]`` Σ w x̃ x̃ᵀ and
+  ``[22:28]`` Σ w ỹ ỹᵀ (upper triangles 00, 01, 02, 11, 12, 22): the moments of Horn's
+  method (:func:`pointalign.estimate.horn_from_moments`).
+* point-to-plane: ``[0:21]`` upper triangle (row-major, i <= j) of JᵀWJ, ``[21:27]`` JᵀWr,
+  ``[27]`` Σ w r², with J_i = [(x̃_i × n_i)ᵀ, n_iᵀ] (twist (ω, v) about c), the 6×6
+  linearised normal equations of Chen & Medioni (1992).
+* both: ``[28]`` number of valid correspondences, ``[29]`` Σ ||x − y||² over them
+  (unweighted; for fitness and inlier RMSE).
+
+The Triton kernel accumulates blocks in float32 and sums the block partials in float64 on
+the device; the reference computes in float64 throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pointalign.kernels._backend import backend
+
+#: number of sums per batch entry
+WIDTH = 30
+KERNELS = ("none", "huber", "tukey", "cauchy")
+
+#: upper-triangle (i <= j) index pairs of a 6×6 and of a 3×3 matrix, row-major
+TRIU6 = [(i, j) for i in range(6) for j in range(i, 6)]
+TRIU3 = [(i, j) for i in range(3) for j in range(i, 3)]
+
+
+def robust_weights(r: torch.Tensor, kernel: str, scale: float) -> torch.Tensor:
+    """M-estimator weights w(r) (same formulas as ``RobustKernel.weights``)."""
+    a = r.abs()
+    if kernel == "none":
+        return torch.ones_like(a)
+    if kernel == "huber":
+        return torch.where(a <= scale, torch.ones_like(a), scale / a.clamp_min(1e-30))
+    if kernel == "tukey":
+        return torch.where(a < scale, (1 - (a / scale) ** 2) ** 2, torch.zeros_like(a))
+    return 1.0 / (1.0 + (a / scale) ** 2)
+
+
+def _check(source, target, idx, target_normals, lengths, center, kernel, scale):
+    if source.dim() != 3 or source.shape[-1] != 3:
+        raise ValueError(f"source: expected shape (B, N, 3), got {tuple(source.shape)}")
+    B, N = source.shape[:2]
+    if target.dim() != 3 or target.shape[0] != B or target.shape[-1] != 3:
+        raise ValueError(f"target: expected shape ({B}, M, 3), got {tuple(target.shape)}")
+    if idx.shape != (B, N) or idx.dtype != torch.int64:
+        raise ValueError(f"idx: expected ({B}, {N}) int64, got {tuple(idx.shape)} {idx.dtype}")
+    if target_normals is not None and target_normals.shape != target.shape:
+        raise ValueError(f"target_normals: expected shape {tuple(target.shape)}, got "
+                         f"{tuple(target_normals.shape)}")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths: expected shape ({B},), got {tuple(lengths.shape)}")
+    if center.shape != (B, 3):
+        raise ValueError(f"center: expected shape ({B}, 3), got {tuple(center.shape)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if not scale > 0:
+        raise ValueError(f"scale: must be > 0, got {scale}")
+    devs = {t.device for t in (source, target, idx, lengths, center)
+            if t is not None}
+    if target_normals is not None:
+        devs.add(target_normals.device)
+    if len(devs) != 1:
+        raise ValueError(f"normal_equations: inputs on different devices {sorted(map(str, devs))}")
+
+
+def normal_equations(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    target_normals: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    center: torch.Tensor | None = None,
+    kernel: str = "none",
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """The ICP sums of one iteration, fused into one pass (see the module docstring).
+
+    Args:
+        source: ``(B, N, 3)`` float tensor, moved source points x_i.
+        target: ``(B, M, 3)`` float tensor, y_j.
+        idx: ``(B, N)`` int64 correspondences (-1 = none).
+        target_normals: ``(B, M, 3)`` unit normals (point-to-plane) or None (point-to-point).
+        lengths: ``(B,)`` int64 valid source rows (default N).
+        center: ``(B, 3)`` centring point c (default 0).
+        kernel, scale: robust kernel name and its scale k (metres).
+
+    Returns:
+        ``(B, 30)`` float64 sums on the input's device.
+    """
+    B, N = source.shape[:2]
+    if lengths is None:
+        lengths = torch.full((B,), N, dtype=torch.int64, device=source.device)
+    if center is None:
+        center = torch.zeros(B, 3, dtype=source.dtype, device=source.device)
+    _check(source, target, idx, target_normals, lengths, center, kernel, float(scale))
+    be = backend(source)
+    if be == "torch":
+        return normal_equations_reference(source, target, idx, target_normals=target_normals,
+                                          lengths=lengths, center=center, kernel=kernel,
+                                          scale=scale)
+    from pointalign.kernels import _normal_eq_triton
+
+    return _normal_eq_triton.normal_equations_triton(
+        source, target, idx, target_normals, lengths, center, kernel, float(scale))
+
+
+def normal_equations_reference(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    target_normals: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    center: torch.Tensor | None = None,
+    kernel: str = "none",
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Plain PyTorch (float64) version of :func:`normal_equations`; the spec and CPU path."""
+    B, N = source.shape[:2]
+    dev = source.device
+    if lengths is None:
+        lengths = torch.full((B,), N, dtype=torch.int64, device=dev)
+    if center is None:
+        center = torch.zeros(B, 3, dtype=torch.float64, device=dev)
+    c = center.to(torch.float64)[:, None, :]
+    rows = torch.arange(N, device=dev)[None, :]
+    valid = (rows < lengths[:, None]) & (idx >= 0)
+    j = torch.where(valid, idx, torch.zeros_like(idx))
+    x = source.to(torch.float64) - c
+    y = torch.gather(target, 1, j[..., None].expand(B, N, 3)).to(torch.float64) - c
+    vf = valid.to(torch.float64)
+    d = x - y
+    d2 = (d * d).sum(-1)
+    out = torch.zeros(B, WIDTH, dtype=torch.float64, device=dev)
+    if target_normals is None:
+        r = d2.sqrt()
+        w = robust_weights(r, kernel, float(scale)) * vf
+        wx, wy = w[..., None] * x, w[..., None] * y
+        out[:, 0] = w.sum(1)
+        out[:, 1:4] = wx.sum(1)
+        out[:, 4:7] = wy.sum(1)
+        out[:, 7:16] = (wx.transpose(1, 2) @ y).reshape(B, 9)
+        xx = wx.transpose(1, 2) @ x
+        yy = wy.transpose(1, 2) @ y
+        out[:, 16:22] = torch.stack([xx[:, a, b] for a, b in TRIU3], 1)
+        out[:, 22:28] = torch.stack([yy[:, a, b] for a, b in TRIU3], 1)
+    else:
+        n = torch.gather(target_normals, 1, j[..., None].expand(B, N, 3)).to(torch.float64)
+        r = (n * d).sum(-1)
+        w = robust_weights(r, kernel, float(scale)) * vf
+        J = torch.cat([torch.linalg.cross(x, n, dim=-1), n], -1)
+        wJ = w[..., None] * J
+        H = wJ.transpose(1, 2) @ J
+        out[:, 0:21] = torch.stack([H[:, a, b] for a, b in TRIU6], 1)
+        out[:, 21:27] = (wJ * r[..., None]).sum(1)
+        out[:, 27] = (w * r * r).sum(1)
+    out[:, 28] = vf.sum(1)
+    out[:, 29] = (d2 * vf).sum(1)
+    return out
+
+
+def unpack_hessian(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Point-to-plane sums ``(B, 30)`` → ``(JᵀWJ (B, 6, 6), JᵀWr (B, 6))`` (symmetric)."""
+    B = sums.shape[0]
+    H = torch.zeros(B, 6, 6, dtype=sums.dtype, device=sums.device)
+    for q, (a, b) in enumerate(TRIU6):
+        H[:, a, b] = sums[:, q]
+        H[:, b, a] = sums[:, q]
+    return H, sums[:, 21:27]
+
+
+def unpack_sym3(v: torch.Tensor) -> torch.Tensor:
+    """Upper-triangle sums ``(B, 6)`` (00, 01, 02, 11, 12, 22) → symmetric ``(B, 3, 3)``."""
+    M = torch.zeros(v.shape[0], 3, 3, dtype=v.dtype, device=v.device)
+    for q, (a, b) in enumerate(TRIU3):
+        M[:, a, b] = v[:, q]
+        M[:, b, a] = v[:, q]
+    return M
