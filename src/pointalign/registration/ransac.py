@@ -1,0 +1,395 @@
+"""Parallel RANSAC on feature correspondences: all hypotheses at once, on the device.
+
+Follows L. Marchel (Heuros), "Parallel RANSAC for point cloud registration" (Foundations of
+Computing and Decision Sciences, 2017): feature-space nearest neighbours computed once for
+every source point; N hypotheses of three correspondences drawn at once; the triangle
+(polygon) similarity test of Bolles & Fischler rejects most of them before any estimation;
+stream compaction (boolean mask → ``nonzero``); closed-form estimation (Horn) of the
+survivors in one batch; the T(d,d) pre-test of Matas & Chum on a random subset of d source
+points; full inlier scoring of the few that remain; the best by inlier ratio. Beyond the
+paper: a local optimisation of the best few on their inliers (Lo-RANSAC, Chum, Matas &
+Kittler 2003) and an adaptive number of hypothesis batches from the observed
+correspondence inlier ratio w and a confidence p: ``N = log(1 − p) / log(1 − w³)``.
+
+Inliers: a source point x is an inlier of T when the target has a point within
+``max_correspondence_distance`` of ``T x`` (Open3D's ``fitness``); the paper's "inlier
+ratio" is this fraction. Random numbers come from a ``torch.Generator`` on the compute
+device seeded by ``seed``, and every reduction is order-fixed, so a seed gives the same
+result on a given device.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pointalign import _validate, estimate
+from pointalign.cloud import PointCloud
+from pointalign.kernels import ransac as _k
+from pointalign.registration.result import RegistrationResult
+
+#: queries per call of the index when scoring many hypotheses
+_SCORE_QUERIES = 1 << 21
+
+
+class _Clock:
+    """Per-stage wall-clock timer; synchronises a CUDA device so stage times are honest."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.timings: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+        self._last = self._t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def lap(self, stage: str) -> None:
+        """Charge the time since the last lap to ``stage`` (accumulates)."""
+        self._sync()
+        now = time.perf_counter()
+        self.timings[stage] = self.timings.get(stage, 0.0) + now - self._last
+        self._last = now
+
+    def total(self) -> dict[str, float]:
+        self._sync()
+        self.timings["total"] = time.perf_counter() - self._t0
+        return self.timings
+
+
+def _features(x: Any, name: str, cloud: Any, n: int, device: torch.device) -> torch.Tensor:
+    if x is None and isinstance(cloud, PointCloud):
+        x = cloud.features
+    if x is None:
+        raise ValueError(f"{name}: required (an (N, D) array, e.g. from pointalign.fpfh)")
+    t = _validate._float(name, _validate._to_tensor(name, x), torch.float32).to(device)
+    if t.dim() != 2 or t.shape[0] != n or t.shape[1] < 1:
+        raise ValueError(f"{name}: expected shape ({n}, D) (one row per point), "
+                         f"got {tuple(t.shape)}")
+    _validate._check_finite(name, t)
+    return t
+
+
+def feature_correspondences(
+    source_features: Any,
+    target_features: Any,
+    *,
+    mutual: bool = False,
+    ratio: float | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Nearest neighbour in feature space of every source point: ``(C, 2)`` int64 pairs.
+
+    Row c is ``(i, j)``: target point j has the feature closest to source point i's.
+    With ``mutual`` only pairs where i is also j's nearest source feature are kept; with
+    ``ratio`` (Lowe's test) only pairs with ``d1 < ratio · d2`` (Euclidean feature
+    distances to the first and second nearest target features).
+
+    Args:
+        source_features: ``(N, D)`` float array/tensor; target_features: ``(M, D)``.
+        mutual: keep only mutual nearest neighbours.
+        ratio: optional Lowe ratio in (0, 1].
+        device: compute device (default: the source features').
+
+    Returns:
+        ``(C, 2)`` int64 tensor on the device, rows in increasing source index.
+    """
+    sf = _validate._to_tensor("source_features", source_features)
+    dev = _validate.as_device(device, sf)
+    sf = _features(sf, "source_features", None, sf.shape[0] if sf.dim() == 2 else -1, dev)
+    tf_ = _validate._to_tensor("target_features", target_features)
+    tf = _features(tf_, "target_features", None, tf_.shape[0] if tf_.dim() == 2 else -1, dev)
+    if sf.shape[1] != tf.shape[1]:
+        raise ValueError(f"target_features: dimension {tf.shape[1]} differs from "
+                         f"source_features' {sf.shape[1]}")
+    return _correspond(sf, tf, mutual, ratio)
+
+
+def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool,
+                ratio: float | None) -> torch.Tensor:
+    k = 2 if ratio is not None and tf.shape[0] >= 2 else 1
+    d, j = _k.feature_knn(sf, tf, k)
+    i = torch.arange(sf.shape[0], device=sf.device)
+    keep = torch.ones_like(i, dtype=torch.bool)
+    if k == 2:
+        keep &= d[:, 0].sqrt() < float(ratio) * d[:, 1].sqrt()
+    if mutual:
+        _, back = _k.feature_knn(tf, sf, 1)
+        keep &= back[j[:, 0], 0] == i
+    return torch.stack([i[keep], j[keep, 0]], 1)
+
+
+def _score(T: torch.Tensor, points: torch.Tensor, index: Any,
+           max_distance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inlier count and sum of squared inlier distances of each transform ``T (S, 4, 4)``
+    applied to ``points (P, 3)``: ``(S,) int64, (S,) float64``."""
+    s, p = T.shape[0], points.shape[0]
+    counts = torch.zeros(s, dtype=torch.int64, device=points.device)
+    sq = torch.zeros(s, dtype=torch.float64, device=points.device)
+    step = max(1, _SCORE_QUERIES // max(p, 1))
+    for a in range(0, s, step):
+        b = min(s, a + step)
+        q = _k.transform_points(T[a:b], points)
+        res = index.nearest_within(q.reshape(-1, 3), max_distance)
+        hit = (res.idx[:, 0] >= 0).view(b - a, p)
+        d2 = torch.where(hit, res.dists[:, 0].view(b - a, p), torch.zeros_like(q[..., 0]))
+        counts[a:b] = hit.sum(1)
+        sq[a:b] = d2.to(torch.float64).sum(1)
+    return counts, sq
+
+
+def _key(counts: torch.Tensor, sq: torch.Tensor, max_distance: float) -> torch.Tensor:
+    """Ranking key: more inliers first, then lower inlier RMSE (in [0, 1) of the bound)."""
+    rmse = (sq / counts.clamp_min(1).to(torch.float64)).sqrt()
+    return counts.to(torch.float64) - 0.999 * (rmse / max_distance).clamp(0, 1)
+
+
+def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.Tensor,
+            tgt: torch.Tensor, index: Any, max_distance: float,
+            iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lo-RANSAC local optimisation: re-estimate each ``T (B, 4, 4)`` by Horn on all its
+    inliers (nearest target point within the bound), keeping an update only if it scores
+    better; at most ``iterations`` rounds."""
+    for _ in range(iterations):
+        q = _k.transform_points(T, src)
+        res = index.nearest_within(q.reshape(-1, 3), max_distance)
+        idx = res.idx[:, 0].view(T.shape[0], -1)
+        w = (idx >= 0).to(torch.float64)
+        y = tgt[idx.clamp_min(0)]
+        est = estimate.horn(src.expand(T.shape[0], -1, -1), y, w, strict=False)
+        c_new, sq_new = _score(est.transformation, src, index, max_distance)
+        better = est.valid & (_key(c_new, sq_new, max_distance) > _key(counts, sq, max_distance))
+        if not bool(better.any()):
+            break
+        T = torch.where(better[:, None, None], est.transformation, T)
+        counts = torch.where(better, c_new, counts)
+        sq = torch.where(better, sq_new, sq)
+    return T, counts, sq
+
+
+def required_hypotheses(inlier_ratio: float, confidence: float, sample_size: int = 3) -> float:
+    """Hypotheses needed to draw one all-inlier sample with probability ``confidence``:
+    ``log(1 − p) / log(1 − w^s)`` (``inf`` when w = 0, 1 when w = 1)."""
+    ws = float(inlier_ratio) ** sample_size
+    if ws <= 0:
+        return math.inf
+    if ws >= 1:
+        return 1.0
+    return math.log(1.0 - confidence) / math.log1p(-ws)
+
+
+def ransac(
+    source: Any,
+    target: Any,
+    *,
+    source_features: Any = None,
+    target_features: Any = None,
+    max_correspondence_distance: float,
+    hypotheses: int = 16384,
+    triangle_similarity: float = 0.2,
+    tdd_points: int = 32,
+    inlier_ratio_threshold: float | None = None,
+    mutual: bool = False,
+    ratio_test: float | None = None,
+    confidence: float = 0.999,
+    max_hypotheses: int | None = None,
+    max_validations: int = 32,
+    local_refinement: bool = True,
+    refine_top: int = 4,
+    refine_iterations: int = 5,
+    target_index: Any = None,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+) -> RegistrationResult:
+    """Global registration by parallel RANSAC over feature correspondences.
+
+    Per batch of ``hypotheses`` samples: draw three correspondences each; keep those whose
+    source and target triangles have every edge-length ratio ≥ ``1 − triangle_similarity``;
+    estimate their motions by Horn's method in one batch; keep those whose inlier count on
+    a shared random subset of ``tdd_points`` source points is at least half the batch's best
+    (T(d,d)); score the best ``max_validations`` of them on all source points. Batches
+    continue until ``log(1 − confidence) / log(1 − w³)`` hypotheses were drawn (w: the
+    fraction of correspondences the best motion so far explains), ``max_hypotheses`` is
+    reached, or the inlier ratio reaches ``inlier_ratio_threshold``. Then the best
+    ``refine_top`` motions are re-estimated on their inliers (Lo-RANSAC).
+
+    Args:
+        source: ``(N, 3)`` float array/tensor or PointCloud (the model); metres.
+        target: ``(M, 3)`` float array/tensor or PointCloud (the scene).
+        source_features: ``(N, D)`` descriptors (e.g. :func:`pointalign.fpfh`); default the
+            PointCloud's ``features``. target_features: ``(M, D)``.
+        max_correspondence_distance: inlier bound (metres); the paper and Open3D's tutorial
+            use 1.5 × the voxel size.
+        hypotheses: samples drawn per batch (the paper's 16 × 1024).
+        triangle_similarity: allowed relative edge-length difference (0.2: 20 %).
+        tdd_points: d of the T(d,d) pre-test.
+        inlier_ratio_threshold: stop early once the inlier ratio reaches it; the result is
+            ``converged=False`` (stop_reason ``"below_threshold"``) if it is never reached.
+        mutual: use only mutual nearest neighbours in feature space.
+        ratio_test: optional Lowe ratio for the feature matches.
+        confidence: p of the adaptive hypothesis count.
+        max_hypotheses: cap on hypotheses over all batches (default 4 × ``hypotheses``).
+        max_validations: hypotheses per batch scored on the whole source after T(d,d).
+        local_refinement: run the Lo-RANSAC step.
+        refine_top, refine_iterations: how many best motions to refine, and rounds each.
+        target_index: optional prebuilt :class:`~pointalign.search.base.Index` over target.
+        seed: seeds the device ``torch.Generator``.
+        device: compute device (default: the source's).
+
+    Returns:
+        :class:`RegistrationResult`: ``transformation`` T_target_source, ``fitness`` (inlier
+        ratio), ``rmse`` (inlier RMSE), ``iterations`` (hypotheses drawn), ``info`` with
+        counts per stage (``hypotheses``, ``after_triangle``, ``after_estimation``,
+        ``after_tdd``, ``validated``, ``correspondences``, ``correspondence_inlier_ratio``,
+        ``required_hypotheses``, ``batches``) and ``timings`` per stage. When no hypothesis
+        survives, ``converged`` is False, ``stop_reason`` ``"no_hypothesis"`` and the
+        transformation is the identity.
+
+    Raises:
+        ValueError / TypeError: bad clouds (fewer than 3 points), features of the wrong
+            shape, bad parameters.
+    """
+    like = source.points if isinstance(source, PointCloud) else \
+        source if isinstance(source, torch.Tensor) else None
+    dev = _validate.as_device(device, like)
+    src = _validate.as_points(source, "source", min_points=3, device=dev, dtype=torch.float32)
+    tgt = _validate.as_points(target, "target", min_points=3, device=dev, dtype=torch.float32)
+    sf = _features(source_features, "source_features", source, src.shape[0], dev)
+    tf = _features(target_features, "target_features", target, tgt.shape[0], dev)
+    if sf.shape[1] != tf.shape[1]:
+        raise ValueError(f"target_features: dimension {tf.shape[1]} differs from "
+                         f"source_features' {sf.shape[1]}")
+    dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
+    sim = _validate.in_range(triangle_similarity, "triangle_similarity", 0.0, 1.0)
+    conf = _validate.in_range(confidence, "confidence", 0.0, 1.0)
+    for name, v in (("hypotheses", hypotheses), ("tdd_points", tdd_points),
+                    ("max_validations", max_validations), ("refine_top", refine_top)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
+    if isinstance(refine_iterations, bool) or not isinstance(refine_iterations, int) \
+            or refine_iterations < 0:
+        raise ValueError(f"refine_iterations: expected an integer >= 0, got {refine_iterations!r}")
+    max_h = 4 * hypotheses if max_hypotheses is None else int(max_hypotheses)
+    if max_h < hypotheses:
+        raise ValueError(f"max_hypotheses: must be >= hypotheses ({hypotheses}), got {max_h}")
+    if inlier_ratio_threshold is not None:
+        inlier_ratio_threshold = _validate.in_range(inlier_ratio_threshold,
+                                                    "inlier_ratio_threshold", 0.0, 1.0 + 1e-9)
+    if ratio_test is not None:
+        ratio_test = _validate.in_range(ratio_test, "ratio_test", 0.0, 1.0 + 1e-9)
+
+    clock = _Clock(dev)
+    if target_index is None:
+        from pointalign.search import build_index
+
+        target_index = build_index(tgt)
+    clock.lap("index")
+    corr = _correspond(sf, tf, mutual, ratio_test)
+    n_corr = int(corr.shape[0])
+    clock.lap("correspondences")
+
+    info: dict[str, Any] = {"hypotheses": 0, "after_triangle": 0, "after_estimation": 0,
+                            "after_tdd": 0, "validated": 0, "correspondences": n_corr,
+                            "correspondence_inlier_ratio": 0.0,
+                            "required_hypotheses": math.inf, "batches": 0}
+    if n_corr < 3:
+        return _failed(info, clock, dev, "too_few_correspondences")
+
+    g = torch.Generator(device=dev)
+    g.manual_seed(int(seed))
+    d = min(tdd_points, src.shape[0])
+    subset = src[torch.randperm(src.shape[0], generator=g, device=dev)[:d]]
+    cs, ct = src[corr[:, 0]], tgt[corr[:, 1]]
+
+    pool_T = torch.empty(0, 4, 4, dtype=torch.float64, device=dev)
+    pool_c = torch.empty(0, dtype=torch.int64, device=dev)
+    pool_sq = torch.empty(0, dtype=torch.float64, device=dev)
+    stop = "max_hypotheses"
+    while info["hypotheses"] < max_h:
+        h = min(hypotheses, max_h - info["hypotheses"])
+        info["hypotheses"] += h
+        info["batches"] += 1
+        triples = torch.randint(0, n_corr, (h, 3), generator=g, device=dev)
+        clock.lap("sample")
+        keep = _k.triangle_similar(cs[triples], ct[triples], sim)
+        surv = keep.nonzero().squeeze(1)  # stream compaction
+        info["after_triangle"] += int(surv.numel())
+        clock.lap("triangle")
+        if surv.numel():
+            tri = triples[surv]
+            est = estimate.horn(cs[tri], ct[tri], strict=False)
+            T = est.transformation[est.valid]
+            info["after_estimation"] += int(T.shape[0])
+            clock.lap("estimate")
+            if T.shape[0]:
+                c_sub, _ = _score(T, subset, target_index, dist)
+                best_sub = int(c_sub.max())
+                passed = ((c_sub >= 1) & (2 * c_sub >= best_sub)).nonzero().squeeze(1)
+                info["after_tdd"] += int(passed.numel())
+                order = torch.sort(c_sub[passed], descending=True, stable=True).indices
+                T = T[passed[order[:max_validations]]]
+                clock.lap("tdd")
+                if T.shape[0]:
+                    c, sq = _score(T, src, target_index, dist)
+                    info["validated"] += int(T.shape[0])
+                    pool_T = torch.cat([pool_T, T])
+                    pool_c = torch.cat([pool_c, c])
+                    pool_sq = torch.cat([pool_sq, sq])
+                    top = torch.sort(_key(pool_c, pool_sq, dist), descending=True,
+                                     stable=True).indices[:max(refine_top, 1)]
+                    pool_T, pool_c, pool_sq = pool_T[top], pool_c[top], pool_sq[top]
+                    clock.lap("score")
+        if pool_T.shape[0] == 0:
+            continue
+        fit = float(pool_c[0]) / src.shape[0]
+        if inlier_ratio_threshold is not None and fit >= inlier_ratio_threshold:
+            stop = "inlier_ratio"
+            break
+        res = (_k.transform_points(pool_T[:1], cs)[0] - ct).norm(dim=1)
+        w = float((res <= dist).sum()) / n_corr
+        info["correspondence_inlier_ratio"] = w
+        info["required_hypotheses"] = required_hypotheses(w, conf)
+        clock.lap("score")
+        if info["hypotheses"] >= info["required_hypotheses"]:
+            stop = "confidence"
+            break
+    if pool_T.shape[0] == 0:
+        return _failed(info, clock, dev, "no_hypothesis")
+
+    if local_refinement and refine_iterations > 0:
+        before = int(pool_c[0])
+        pool_T, pool_c, pool_sq = _refine(pool_T, pool_c, pool_sq, src, tgt, target_index,
+                                          dist, refine_iterations)
+        best = torch.sort(_key(pool_c, pool_sq, dist), descending=True, stable=True).indices
+        pool_T, pool_c, pool_sq = pool_T[best], pool_c[best], pool_sq[best]
+        info["refined_inliers_gain"] = int(pool_c[0]) - before
+        clock.lap("refine")
+    count = int(pool_c[0])
+    fitness = count / src.shape[0]
+    rmse = math.sqrt(float(pool_sq[0]) / count) if count else math.inf
+    res = (_k.transform_points(pool_T[:1], cs)[0] - ct).norm(dim=1)
+    info["correspondence_inlier_ratio"] = float((res <= dist).sum()) / n_corr
+    converged = inlier_ratio_threshold is None or fitness >= inlier_ratio_threshold
+    if not converged:
+        stop = "below_threshold"
+    T_best = pool_T[0]
+    return RegistrationResult(
+        transformation=T_best.detach().cpu().numpy().astype(np.float64),
+        fitness=fitness, rmse=rmse, iterations=info["hypotheses"], converged=converged,
+        stop_reason=stop, timings=clock.total(), info=info, transformation_tensor=T_best,
+    )
+
+
+def _failed(info: dict[str, Any], clock: _Clock, dev: torch.device,
+            reason: str) -> RegistrationResult:
+    eye = torch.eye(4, dtype=torch.float64, device=dev)
+    return RegistrationResult(
+        transformation=np.eye(4), fitness=0.0, rmse=math.inf, iterations=info["hypotheses"],
+        converged=False, stop_reason=reason, timings=clock.total(), info=info,
+        transformation_tensor=eye,
+    )
