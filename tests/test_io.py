@@ -1,0 +1,532 @@
+"""pointalign.io: round trips of every format, real files, bad files, atomic writes, fuzzing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import plyfile
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from pypcd4 import PointCloud as PcdCloud
+from pypcd4.pypcd4 import Encoding
+
+from pointalign import PointCloud
+from pointalign import io as pio
+
+try:
+    import laspy
+
+    HAS_LAS = True
+    HAS_LAZ = bool(laspy.LazBackend.detect_available())
+except ImportError:  # pragma: no cover
+    HAS_LAS = HAS_LAZ = False
+
+COLOR_TOL = 0.5 / 255 + 1e-6  # colours are stored as 8-bit integers
+
+
+def make_cloud(seed: int, n: int = 57, dtype=torch.float64, *, normals=True, colors=True,
+               features=False, extras=False, scale=10.0) -> PointCloud:
+    g = np.random.default_rng(seed)
+    pts = g.normal(size=(n, 3)) * scale + g.normal(size=3) * 100
+    nrm = g.normal(size=(n, 3))
+    nrm /= np.linalg.norm(nrm, axis=1, keepdims=True)
+    col = g.uniform(size=(n, 3))
+    ext = {}
+    if extras:
+        ext = {"intensity": g.uniform(size=n).astype(np.float32),
+               "label": g.integers(-5, 1000, size=n).astype(np.int32)}
+    return PointCloud(
+        torch.from_numpy(pts).to(dtype),
+        torch.from_numpy(nrm).to(dtype) if normals else None,
+        torch.from_numpy(col).to(dtype) if colors else None,
+        torch.from_numpy(g.normal(size=(n, 5))).to(dtype) if features else None,
+        ext,
+    )
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    err = (a64 - b64).abs() - rtol * b64.abs()
+    assert float(err.max()) <= atol, f"max error {float((a64 - b64).abs().max())} > {atol}"
+
+
+def no_temp_files(d: Path) -> bool:
+    return not [p for p in d.iterdir() if p.name.endswith(".tmp")]
+
+
+# ----------------------------------------------------------------------------------------
+# round trips: (suffix, binary, holds normals, holds colours, coordinate tolerance)
+# ----------------------------------------------------------------------------------------
+
+ROUND_TRIPS = [
+    (".ply", True, True, True, 0.0),
+    (".ply", False, True, True, 0.0),  # plyfile writes %.18g: exact
+    (".pcd", True, True, True, 0.0),
+    (".pcd", False, True, True, 1e-9),  # pypcd4 writes %.10f
+    (".xyz", True, True, True, 0.0),  # %.9g / %.17g: exact
+    (".txt", True, True, True, 0.0),
+    (".csv", True, True, True, 0.0),
+    (".pts", True, False, True, 0.0),
+    (".xyzn", True, True, False, 0.0),
+    (".xyzrgb", True, False, True, 0.0),
+    (".npy", True, False, False, 0.0),
+    (".npz", True, True, True, 0.0),
+]
+
+
+@pytest.mark.parametrize("suffix,binary,has_n,has_c,tol", ROUND_TRIPS,
+                         ids=[f"{r[0]}-{'bin' if r[1] else 'ascii'}" for r in ROUND_TRIPS])
+def test_round_trip(tmp_path, seed, dtype, suffix, binary, has_n, has_c, tol):
+    cloud = make_cloud(seed, n=37 + seed, dtype=dtype, normals=has_n, colors=has_c)
+    before = {k: v.copy() for k, v in cloud.numpy().items()}
+    path = tmp_path / f"c{suffix}"
+    pio.write(path, cloud, binary=binary)
+    for k, v in cloud.numpy().items():  # the input is never modified
+        np.testing.assert_array_equal(v, before[k])
+    back = pio.read(path, dtype=dtype)
+    assert back.dtype == dtype and len(back) == len(cloud)
+    # relative part covers float32 -> decimal text -> float32 (exact) and float64 via %.10f
+    assert_close(back.points, cloud.points, tol, rtol=0.0)
+    if has_n:
+        assert_close(back.normals, cloud.normals, tol + 1e-12)
+    else:
+        assert back.normals is None
+    if has_c:
+        exact = suffix == ".npz" or suffix == ".xyzrgb"
+        assert_close(back.colors, cloud.colors, 1e-12 if exact else COLOR_TOL)
+    else:
+        assert back.colors is None
+    assert no_temp_files(tmp_path)
+
+
+@pytest.mark.parametrize("suffix,binary", [(".ply", True), (".ply", False), (".pcd", True),
+                                           (".npz", True), (".npy", True), (".xyz", True)])
+def test_default_dtype_keeps_file_precision(tmp_path, suffix, binary):
+    for dt in (torch.float32, torch.float64):
+        cloud = make_cloud(3, dtype=dt, normals=False, colors=False)
+        pio.write(tmp_path / f"a{suffix}", cloud, binary=binary)
+        back = pio.read(tmp_path / f"a{suffix}")
+        want = torch.float64 if suffix == ".xyz" else dt  # decimal text reads as float64
+        assert back.dtype == want
+        assert_close(back.points.to(dt), cloud.points, 0.0)  # 9 digits: exact in float32
+
+
+@pytest.mark.parametrize("suffix,binary", [(".ply", True), (".ply", False), (".pcd", True),
+                                           (".pcd", False), (".npz", True)])
+def test_round_trip_features_and_extras(tmp_path, seed, suffix, binary):
+    cloud = make_cloud(seed, dtype=torch.float32, features=True, extras=True)
+    pio.write(tmp_path / f"f{suffix}", cloud, binary=binary)
+    back = pio.read(tmp_path / f"f{suffix}")
+    assert_close(back.features, cloud.features, 1e-6 if binary else 1e-9)
+    assert set(back.extras) == {"intensity", "label"}
+    assert_close(back.extras["intensity"], cloud.extras["intensity"], 1e-9)
+    assert torch.equal(back.extras["label"].to(torch.int64),
+                       cloud.extras["label"].to(torch.int64))
+
+
+@pytest.mark.skipif(not HAS_LAS, reason="laspy not installed")
+def test_round_trip_las(tmp_path, seed, dtype):
+    cloud = make_cloud(seed, dtype=dtype, extras=True).replace(
+        extras={"intensity": torch.arange(57, dtype=torch.int32) * 100})
+    pio.write(tmp_path / "c.las", cloud)
+    back = pio.read(tmp_path / "c.las")
+    assert back.dtype == torch.float64  # scaled integers + offset need float64
+    extent = float((cloud.points.max(0).values - cloud.points.min(0).values).max())
+    assert_close(back.points, cloud.points, 5e-9 * extent + 1e-12)  # half the LAS scale
+    assert_close(back.normals, cloud.normals, 1e-7 if dtype == torch.float32 else 1e-15)
+    assert_close(back.colors, cloud.colors, 0.5 / 65535 + 1e-7)  # 16 bit + float32
+    assert torch.equal(back.extras["intensity"].to(torch.int64),
+                       cloud.extras["intensity"].to(torch.int64))
+
+
+@pytest.mark.skipif(not HAS_LAS, reason="laspy not installed")
+def test_laz(tmp_path):
+    cloud = make_cloud(0, normals=False, colors=False)
+    if not HAS_LAZ:
+        with pytest.raises(ImportError, match="LAZ"):
+            pio.write(tmp_path / "c.laz", cloud)
+        assert not (tmp_path / "c.laz").exists() and no_temp_files(tmp_path)
+        (tmp_path / "d.laz").write_bytes(b"LASF" + bytes(400))
+        with pytest.raises(ImportError, match="pip install"):
+            pio.read(tmp_path / "d.laz")
+        return
+    pio.write(tmp_path / "c.laz", cloud)  # pragma: no cover - needs lazrs/laszip
+    assert_close(pio.read(tmp_path / "c.laz").points, cloud.points, 1e-6)
+
+
+def test_ply_big_endian_elements_before_and_after_vertex_and_extra_properties(tmp_path, seed):
+    g = np.random.default_rng(seed)
+    n = 23
+    v = np.empty(n, dtype=[("x", ">f4"), ("y", ">f4"), ("z", ">f4"), ("nx", ">f4"),
+                           ("ny", ">f4"), ("nz", ">f4"), ("red", "u1"), ("green", "u1"),
+                           ("blue", "u1"), ("confidence", ">f4"), ("flags", ">u2")])
+    for c in ("x", "y", "z", "nx", "ny", "nz", "confidence"):
+        v[c] = g.normal(size=n)
+    for c in ("red", "green", "blue"):
+        v[c] = g.integers(0, 256, size=n)
+    v["flags"] = g.integers(0, 65536, size=n)
+    cam = np.array([(1.0, 2.0)], dtype=[("view_px", "f4"), ("view_py", "f4")])
+    grid = np.empty(40, dtype=[("vertex_indices", "O")])
+    grid["vertex_indices"] = [np.arange(g.integers(0, 3), dtype="i4") for _ in range(40)]
+    for text, order in ((False, ">"), (False, "<"), (True, "=")):
+        path = tmp_path / f"s{text}{order}.ply"
+        plyfile.PlyData([plyfile.PlyElement.describe(cam, "camera"),
+                         plyfile.PlyElement.describe(v, "vertex"),
+                         plyfile.PlyElement.describe(grid, "range_grid")],
+                        text=text, byte_order=order).write(str(path))
+        c = pio.read(path)
+        assert c.dtype == torch.float32 and len(c) == n
+        np.testing.assert_array_equal(c.points.numpy(), np.stack([v["x"], v["y"], v["z"]], 1))
+        np.testing.assert_array_equal(c.normals.numpy(),
+                                      np.stack([v["nx"], v["ny"], v["nz"]], 1))
+        rgb = np.stack([v["red"], v["green"], v["blue"]], 1) / 255.0
+        np.testing.assert_allclose(c.colors.numpy(), rgb, atol=1e-7)
+        assert set(c.extras) == {"confidence", "flags"}
+        np.testing.assert_array_equal(c.extras["flags"].numpy(), v["flags"])
+        np.testing.assert_array_equal(c.extras["confidence"].numpy(), v["confidence"])
+
+
+def test_pcd_compressed_and_packed_float_rgb(tmp_path, seed):
+    g = np.random.default_rng(seed)
+    n = 31
+    xyz = g.normal(size=(n, 3)).astype(np.float32)
+    rgb8 = g.integers(0, 256, size=(n, 3))
+    packed = PcdCloud.encode_rgb(rgb8)  # PCL convention: 0x00RRGGBB as float32 bits
+    inten = g.uniform(size=n).astype(np.float32)
+    pc = PcdCloud.from_points([xyz[:, 0], xyz[:, 1], xyz[:, 2], packed, inten],
+                              ("x", "y", "z", "rgb", "intensity"),
+                              (np.float32, np.float32, np.float32, np.float32, np.float32))
+    for enc in (Encoding.BINARY_COMPRESSED, Encoding.BINARY):
+        path = tmp_path / f"{enc.value}.pcd"
+        pc.save(path, encoding=enc)
+        c = pio.read(path)
+        np.testing.assert_array_equal(c.points.numpy(), xyz)
+        np.testing.assert_allclose(c.colors.numpy(), rgb8 / 255.0, atol=1e-7)
+        np.testing.assert_array_equal(c.extras["intensity"].numpy(), inten)
+
+
+def test_non_finite_points_are_dropped(tmp_path):
+    (tmp_path / "a.xyz").write_text("1 2 3\nnan nan nan\n4 5 6\n")
+    c = pio.read(tmp_path / "a.xyz")
+    np.testing.assert_array_equal(c.points.numpy(), [[1, 2, 3], [4, 5, 6]])
+    (tmp_path / "b.xyz").write_text("nan 0 0\ninf 1 1\n")
+    with pytest.raises(ValueError, match="b.xyz.*finite"):
+        pio.read(tmp_path / "b.xyz")
+
+
+# ----------------------------------------------------------------------------------------
+# the column rule for text and .npy
+# ----------------------------------------------------------------------------------------
+
+def test_text_column_rule(tmp_path):
+    g = np.random.default_rng(5)
+    xyz = g.normal(size=(6, 3))
+    nrm = g.normal(size=(6, 3))
+    nrm /= np.linalg.norm(nrm, axis=1, keepdims=True)
+    rgb = g.integers(0, 256, size=(6, 3))
+
+    def put(name: str, table: np.ndarray, head: str = "", sep: str = " ") -> PointCloud:
+        np.savetxt(tmp_path / name, table, fmt="%.17g", delimiter=sep, header=head,
+                   comments="")
+        return pio.read(tmp_path / name)
+
+    c = put("n.xyz", np.hstack([xyz, nrm]))
+    assert c.colors is None and np.allclose(c.normals.numpy(), nrm)
+    c = put("c.txt", np.hstack([xyz, rgb]), sep=",")
+    assert c.normals is None and np.allclose(c.colors.numpy(), rgb / 255)
+    c = put("f.csv", np.hstack([xyz, rgb / 255 * 0.9]), head="x,y,z,r,g,b", sep=",")
+    assert c.normals is None and np.allclose(c.colors.numpy(), rgb / 255 * 0.9)
+    c = put("e.xyz", np.hstack([xyz, xyz * 7]))
+    assert c.normals is None and c.colors is None
+    assert np.allclose(c.extras["columns"].numpy(), xyz * 7)
+    c = put("nc.xyz", np.hstack([xyz, nrm, rgb]))
+    assert np.allclose(c.normals.numpy(), nrm) and np.allclose(c.colors.numpy(), rgb / 255)
+    c = put("i.pts", np.hstack([xyz, xyz[:, :1], rgb]), head="6")
+    assert np.allclose(c.extras["intensity"].numpy(), xyz[:, 0])
+    assert np.allclose(c.colors.numpy(), rgb / 255)
+    c = put("four.xyz", np.hstack([xyz, xyz[:, :1]]), head="# comment line")
+    assert c.extras["columns"].shape == (6, 1)
+    np.save(tmp_path / "n.npy", np.hstack([xyz, nrm]))
+    assert np.allclose(pio.read(tmp_path / "n.npy").normals.numpy(), nrm)
+
+
+@pytest.mark.parametrize("text,where", [
+    ("1 2 3\n4 x 6\n", "line 2"),
+    ("1 2 3\n4 5\n", "line 2"),
+    ("5\n1 2 3\n4 5 6\n", "count line says 5 points but 2"),
+    ("1 2\n3 4\n", "line 1"),
+    ("# only a comment\n\n", "0 points"),
+])
+def test_text_errors_name_file_and_line(tmp_path, text, where):
+    path = tmp_path / "bad.pts"
+    path.write_text(text)
+    with pytest.raises(ValueError) as exc:
+        pio.read(path)
+    assert "bad.pts" in str(exc.value) and where in str(exc.value)
+
+
+# ----------------------------------------------------------------------------------------
+# real files from the shared data
+# ----------------------------------------------------------------------------------------
+
+def _pcd_oracle(path: Path) -> np.ndarray:
+    """Independent parse of a binary PCD with only F4 fields."""
+    raw = path.read_bytes()
+    head, _, body = raw.partition(b"DATA binary\n")
+    fields = [ln.split()[1:] for ln in head.decode().splitlines() if ln.startswith("FIELDS")][0]
+    n = int([ln.split()[1] for ln in head.decode().splitlines() if ln.startswith("POINTS")][0])
+    return np.frombuffer(body[: n * 4 * len(fields)], "<f4").reshape(n, len(fields))
+
+
+def test_real_bunny_ply(shared_data):
+    path = shared_data / "stanford_bunny" / "data" / "bun000.ply"
+    if not path.is_file():
+        pytest.skip("bun000.ply absent")
+    c = pio.read(path)
+    assert len(c) == 40256 and c.dtype == torch.float32 and not c.extras
+    lines = path.read_text().splitlines()
+    start = lines.index("end_header") + 1
+    oracle = np.loadtxt(lines[start: start + 40256], dtype=np.float32)
+    np.testing.assert_array_equal(c.points.numpy(), oracle)
+
+
+def test_real_pcd_with_normals_and_rgb(shared_data):
+    path = shared_data / "open3d_demo" / "feature" / "cloud_bin_0.pcd"
+    if not path.is_file():
+        pytest.skip("cloud_bin_0.pcd absent")
+    c = pio.read(path)
+    assert len(c) == 3903 and c.normals is not None and c.colors is not None
+    oracle = _pcd_oracle(path)
+    np.testing.assert_array_equal(c.points.numpy(), oracle[:, :3])
+    np.testing.assert_array_equal(c.normals.numpy(), oracle[:, 3:6])
+    packed = oracle[:, 6].copy().view(np.uint32)
+    np.testing.assert_allclose(c.colors[:, 0].numpy() * 255, (packed >> 16) & 255, atol=1e-4)
+    assert np.allclose(np.linalg.norm(c.normals.numpy(), axis=1), 1, atol=1e-3)
+
+
+def test_real_lidar_pcd_and_kitti_bin(shared_data):
+    path = shared_data / "lidar" / "fast_gicp_pair" / "251370668.pcd"
+    if path.is_file():
+        c = pio.read(path)
+        assert len(c) == 69088 and set(c.extras) == {"intensity"}
+        np.testing.assert_array_equal(c.points.numpy(), _pcd_oracle(path)[:, :3])
+    kitti = shared_data / "lidar" / "kitti_00" / "000000_xyz.bin"
+    if kitti.is_file():
+        k = pio.read_bin(kitti, columns=3)
+        assert len(k) == 124668
+        np.testing.assert_allclose(k.points[0].numpy(), [52.898, 0.023, 1.998], atol=1e-3)
+        with pytest.raises(ValueError, match="000000_xyz.bin.*multiple of 20"):
+            pio.read_bin(kitti, columns=5)
+
+
+def test_read_bin_columns(tmp_path):
+    a = np.arange(40, dtype="<f4").reshape(10, 4)
+    a.tofile(tmp_path / "s.bin")
+    c = pio.read_bin(tmp_path / "s.bin", columns=4)
+    np.testing.assert_array_equal(c.points.numpy(), a[:, :3])
+    np.testing.assert_array_equal(c.extras["intensity"].numpy(), a[:, 3])
+    with pytest.raises(ValueError, match="columns"):
+        pio.read_bin(tmp_path / "s.bin", columns=2)
+    with pytest.raises(ValueError, match="unknown file suffix.*read_bin"):
+        pio.read(tmp_path / "s.bin")
+
+
+# ----------------------------------------------------------------------------------------
+# bad files
+# ----------------------------------------------------------------------------------------
+
+READABLE = [s for s in pio.FORMATS if s != ".laz" or HAS_LAZ]
+BINARY_SAMPLES = [(".ply", True), (".pcd", True), (".npy", True), (".npz", True)] + (
+    [(".las", True)] if HAS_LAS else [])
+
+
+def test_missing_and_unknown(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.ply"):
+        pio.read(tmp_path / "nope.ply")
+    with pytest.raises(ValueError, match=r"\.obj.*\.ply.*\.pcd"):
+        pio.read(tmp_path / "x.obj")
+    with pytest.raises(ValueError, match="unknown file suffix"):
+        pio.write(tmp_path / "x.obj", make_cloud(0))
+    with pytest.raises(TypeError, match="PointCloud"):
+        pio.write(tmp_path / "x.ply", np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="dtype"):
+        pio.read(tmp_path / "x.ply", dtype=torch.int32)
+
+
+@pytest.mark.parametrize("suffix", READABLE)
+def test_empty_file(tmp_path, suffix):
+    path = tmp_path / f"empty{suffix}"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=f"empty{suffix}.*empty"):
+        pio.read(path)
+
+
+@pytest.mark.parametrize("suffix", READABLE)
+def test_random_bytes(tmp_path, suffix, seed):
+    path = tmp_path / f"junk{suffix}"
+    path.write_bytes(np.random.default_rng(seed).bytes(2000))
+    with pytest.raises(ValueError, match=f"junk{suffix}"):
+        pio.read(path)
+
+
+@pytest.mark.parametrize("suffix,binary", BINARY_SAMPLES + [(".ply", False), (".pcd", False)])
+def test_truncated(tmp_path, suffix, binary):
+    path = tmp_path / f"cut{suffix}"
+    pio.write(path, make_cloud(1, n=200, normals=suffix != ".npy", colors=suffix != ".npy"),
+              binary=binary)
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match=f"cut{suffix}"):
+        pio.read(path)
+
+
+def test_truncated_compressed_pcd(tmp_path):
+    xyz = np.random.default_rng(0).normal(size=(300, 3)).astype(np.float32)
+    PcdCloud.from_xyz_points(xyz).save(tmp_path / "z.pcd", Encoding.BINARY_COMPRESSED)
+    raw = (tmp_path / "z.pcd").read_bytes()
+    (tmp_path / "z.pcd").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match="z.pcd.*truncated"):
+        pio.read(tmp_path / "z.pcd")
+
+
+def test_ply_truncated_message_names_row(tmp_path):
+    path = tmp_path / "t.ply"
+    pio.write(path, make_cloud(0, n=100), binary=False)
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) * 3 // 4])
+    with pytest.raises(ValueError, match=r"t\.ply.*row \d+"):
+        pio.read(path)
+
+
+def test_zero_points(tmp_path):
+    v = np.empty(0, dtype=[("x", "f4"), ("y", "f4"), ("z", "f4")])
+    plyfile.PlyData([plyfile.PlyElement.describe(v, "vertex")]).write(str(tmp_path / "z.ply"))
+    np.save(tmp_path / "z.npy", np.zeros((0, 3)))
+    PcdCloud.from_xyz_points(np.zeros((0, 3), np.float32)).save(tmp_path / "z.pcd")
+    for name in ("z.ply", "z.npy", "z.pcd"):
+        with pytest.raises(ValueError, match=f"{name}.*0 points"):
+            pio.read(tmp_path / name)
+
+
+# ----------------------------------------------------------------------------------------
+# writing: atomic replacement, refusal to lose fields
+# ----------------------------------------------------------------------------------------
+
+def test_failed_write_keeps_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "keep.ply"
+    old = make_cloud(0)
+    pio.write(path, old)
+    old_bytes = path.read_bytes()
+
+    def broken(f, cloud, binary):
+        f.write(b"ply\nformat binary_little_endian 1.0\n" + b"\0" * 100)
+        raise OSError("No space left on device (simulated)")
+
+    monkeypatch.setitem(pio.FORMATS, ".ply", pio.Format("PLY", pio.FORMATS[".ply"].reader,
+                                                        broken))
+    with pytest.raises(OSError, match="simulated"):
+        pio.write(path, make_cloud(1))
+    assert path.read_bytes() == old_bytes and no_temp_files(tmp_path)
+    monkeypatch.undo()
+    assert_close(pio.read(path).points, old.points, 0.0)
+
+
+@pytest.mark.parametrize("suffix,field", [(".npy", "normals"), (".xyz", "extras"),
+                                          (".pts", "normals"), (".xyz", "features")])
+def test_write_refuses_to_drop_fields(tmp_path, suffix, field):
+    path = tmp_path / f"old{suffix}"
+    path.write_bytes(b"previous contents")
+    cloud = make_cloud(0, normals=True, colors=False, features=field == "features",
+                       extras=field == "extras")
+    with pytest.raises(ValueError, match=field):
+        pio.write(path, cloud)
+    assert path.read_bytes() == b"previous contents" and no_temp_files(tmp_path)
+
+
+def test_write_does_not_modify_input_with_extras(tmp_path):
+    cloud = make_cloud(2, dtype=torch.float32, features=True, extras=True)
+    snap = {k: v.copy() for k, v in cloud.numpy().items()}
+    for suffix in (".ply", ".pcd", ".npz"):
+        pio.write(tmp_path / f"w{suffix}", cloud, binary=False)
+    for k, v in cloud.numpy().items():
+        np.testing.assert_array_equal(v, snap[k])
+
+
+def test_write_permissions_follow_umask(tmp_path):
+    pio.write(tmp_path / "p.ply", make_cloud(0))
+    mode = os.stat(tmp_path / "p.ply").st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask
+
+
+# ----------------------------------------------------------------------------------------
+# fuzzing the parsers (bounded, fast)
+# ----------------------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _read_or_value_error(path: Path) -> None:
+    try:
+        c = pio.read(path)
+    except ValueError as exc:
+        assert path.name in str(exc)
+    else:
+        assert isinstance(c, PointCloud) and len(c) > 0
+        assert bool(torch.isfinite(c.points).all())
+
+
+@FUZZ
+@given(data=st.binary(min_size=1, max_size=300),
+       suffix=st.sampled_from([s for s in READABLE if s != ".las"]))
+def test_fuzz_random_bytes(tmp_path, data, suffix):
+    path = tmp_path / f"fz{suffix}"
+    path.write_bytes(data)
+    _read_or_value_error(path)
+
+
+_SAMPLES: dict[str, bytes] = {}
+
+
+def _sample(tmp_path: Path, suffix: str, binary: bool) -> bytes:
+    key = f"{suffix}{binary}"
+    if key not in _SAMPLES:
+        p = tmp_path / f"sample{suffix}"
+        pio.write(p, make_cloud(4, n=6, dtype=torch.float32, extras=suffix != ".xyz"),
+                  binary=binary)
+        _SAMPLES[key] = p.read_bytes()
+    return _SAMPLES[key]
+
+
+@FUZZ
+@given(which=st.sampled_from([(".ply", True), (".ply", False), (".pcd", True),
+                              (".pcd", False), (".npz", True), (".xyz", True)]),
+       cut=st.floats(0.0, 1.0), flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)),
+                                             max_size=4))
+def test_fuzz_mutated_valid_files(tmp_path, which, cut, flips):
+    raw = bytearray(_sample(tmp_path, *which))
+    for pos, val in flips:
+        raw[min(int(pos * len(raw)), len(raw) - 1)] = val
+    raw = raw[: max(1, int(cut * len(raw))) if cut < 1 else len(raw)]
+    path = tmp_path / f"mut{which[0]}"
+    path.write_bytes(bytes(raw))
+    _read_or_value_error(path)
+
+
+@FUZZ
+@given(pts=hnp.arrays(np.float64, st.tuples(st.integers(1, 20), st.just(3)),
+                      elements=st.floats(-1e12, 1e12, allow_nan=False)),
+       suffix=st.sampled_from([".xyz", ".csv", ".pts", ".ply", ".pcd"]))
+def test_fuzz_text_and_ascii_round_trip(tmp_path, pts, suffix):
+    path = tmp_path / f"rt{suffix}"
+    pio.write(path, PointCloud(pts), binary=False)
+    back = pio.read(path, dtype=torch.float64)
+    tol = 1e-9 if suffix == ".pcd" else 0.0  # pypcd4's %.10f
+    np.testing.assert_allclose(back.points.numpy(), pts, rtol=1e-15 if tol else 0, atol=tol)
