@@ -1,0 +1,457 @@
+"""Triton kernels of ``kernels/soft.py``: fused distance → exp → row reductions, and Horn.
+
+Row kernel: program (i-block, split, batch) keeps BLOCK_N query rows, moves them by the
+pose (read from device memory: no host sync, no recompilation per iteration), and streams
+its share of the points in BLOCK_M tiles. Per tile: squared distance from coordinate
+differences, base-2 logit ``z = −s·log2(e)·d + g·log2(e)``, a running row maximum
+(online log-sum-exp), ``exp2`` and the running sums ``Σ e``, ``Σ e²`` and ``Σ e p``.
+With SPLIT > 1 the points are divided among SPLIT programs per row block (flash-decoding)
+so that small clouds still fill the GPU; their partial (max, sums) are merged by a second
+tiny kernel, which applies the same epilogue. Accumulation in float32; no N×M storage.
+
+Epilogues (constexpr MODE): 0 raw (lse, lse2, mean), 1 EM-ICP (λ_i, x'_i),
+2 Sinkhorn (``offset − logaddexp(lse, log_slack)``).
+
+Horn kernel: one program per batch entry reduces the weighted moments in float64, builds
+Horn's 4×4 matrix and finds its top eigenvector by repeated squaring of the shifted,
+positive semi-definite matrix (no eigh, no host sync), then writes the pose.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_MODES = {"raw": 0, "emicp": 1, "sinkhorn": 2}
+
+
+@triton.jit
+def _logaddexp(a, b):
+    mx = tl.maximum(a, b)
+    mn = tl.minimum(a, b)
+    safe = tl.where(mx == float("-inf"), 0.0, mx)
+    return tl.where(mx == float("-inf"), mx, safe + tl.log(1.0 + tl.exp(mn - safe)))
+
+
+@triton.jit
+def _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
+              out0_ptr, out1_ptr, mean_ptr, MODE: tl.constexpr, SQUARES: tl.constexpr):
+    neg_inf = float("-inf")
+    lse = (m2 + tl.log2(l1)) * 0.6931471805599453
+    pos = l1 > 0
+    inv = 1.0 / tl.where(pos, l1, 1.0)
+    mx = tl.where(pos & rmask, ux * inv, 0.0)
+    my = tl.where(pos & rmask, uy * inv, 0.0)
+    mz = tl.where(pos & rmask, uz * inv, 0.0)
+    base = b * N + rows
+    nmask = rows < N
+    if MODE == 0:
+        tl.store(out0_ptr + base, tl.where(rmask, lse, neg_inf), mask=nmask)
+        if SQUARES:
+            lse2 = (2.0 * m2 + tl.log2(l2)) * 0.6931471805599453
+            tl.store(out1_ptr + base, tl.where(rmask, lse2, neg_inf), mask=nmask)
+    elif MODE == 1:
+        lse2 = (2.0 * m2 + tl.log2(l2)) * 0.6931471805599453
+        log_c = _logaddexp(lse2, extra + tl.zeros_like(lse2))
+        log_c = tl.where(log_c == neg_inf, 0.0, log_c)
+        w = tl.where(lse == neg_inf, 0.0, tl.exp(lse - 0.5 * log_c))
+        tl.store(out0_ptr + base, tl.where(rmask, w, 0.0), mask=nmask)
+    else:
+        out = offset - _logaddexp(lse, extra + tl.zeros_like(lse))
+        tl.store(out0_ptr + base, tl.where(rmask, out, neg_inf), mask=nmask)
+    if MODE != 2:
+        tl.store(mean_ptr + base * 3 + 0, mx, mask=nmask)
+        tl.store(mean_ptr + base * 3 + 1, my, mask=nmask)
+        tl.store(mean_ptr + base * 3 + 2, mz, mask=nmask)
+
+
+@triton.jit
+def _rows_body(
+    q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
+    out0_ptr, out1_ptr, mean_ptr, part_ptr,
+    N, M, CHUNK,
+    sqb, sqn, sqc, spb, spm, spc, sgb, sgm,
+    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    qlen = tl.load(ql_ptr + b)
+    plen = tl.load(pl_ptr + b)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < qlen
+    qb = q_ptr + b * sqb + rows * sqn
+    qx = tl.load(qb, mask=rmask, other=0.0).to(tl.float32)
+    qy = tl.load(qb + sqc, mask=rmask, other=0.0).to(tl.float32)
+    qz = tl.load(qb + 2 * sqc, mask=rmask, other=0.0).to(tl.float32)
+    Tb = T_ptr + b * 16
+    px = tl.load(Tb + 0) * qx + tl.load(Tb + 1) * qy + tl.load(Tb + 2) * qz + tl.load(Tb + 3)
+    py = tl.load(Tb + 4) * qx + tl.load(Tb + 5) * qy + tl.load(Tb + 6) * qz + tl.load(Tb + 7)
+    pz = tl.load(Tb + 8) * qx + tl.load(Tb + 9) * qy + tl.load(Tb + 10) * qz + tl.load(Tb + 11)
+    s2 = tl.load(s_ptr + b) * 1.4426950408889634
+    m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    l1 = tl.zeros((BLOCK_N,), tl.float32)
+    l2 = tl.zeros((BLOCK_N,), tl.float32)
+    ux = tl.zeros((BLOCK_N,), tl.float32)
+    uy = tl.zeros((BLOCK_N,), tl.float32)
+    uz = tl.zeros((BLOCK_N,), tl.float32)
+    lo = sp * CHUNK
+    hi = tl.minimum(lo + CHUNK, plen)
+    for start in range(0, CHUNK, BLOCK_M):
+        cols = lo + start + tl.arange(0, BLOCK_M)
+        cmask = cols < hi
+        pb = p_ptr + b * spb + cols.to(tl.int64) * spm
+        yx = tl.load(pb, mask=cmask, other=0.0).to(tl.float32)
+        yy = tl.load(pb + spc, mask=cmask, other=0.0).to(tl.float32)
+        yz = tl.load(pb + 2 * spc, mask=cmask, other=0.0).to(tl.float32)
+        dx = px[:, None] - yx[None, :]
+        dy = py[:, None] - yy[None, :]
+        dz = pz[:, None] - yz[None, :]
+        d = dx * dx + dy * dy + dz * dz
+        z = -s2 * d
+        if HAS_G:
+            g = tl.load(g_ptr + b * sgb + cols.to(tl.int64) * sgm, mask=cmask, other=0.0)
+            z = z + (g.to(tl.float32) * 1.4426950408889634)[None, :]
+        z = tl.where(cmask[None, :], z, float("-inf"))
+        m_new = tl.maximum(m2, tl.max(z, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m2 - m_safe)
+        e = tl.exp2(z - m_safe[:, None])
+        l1 = l1 * alpha + tl.sum(e, 1)
+        if SQUARES:
+            l2 = l2 * (alpha * alpha) + tl.sum(e * e, 1)
+        ux = ux * alpha + tl.sum(e * yx[None, :], 1)
+        uy = uy * alpha + tl.sum(e * yy[None, :], 1)
+        uz = uz * alpha + tl.sum(e * yz[None, :], 1)
+        m2 = m_new
+    if SPLIT == 1:
+        extra = tl.load(extra_ptr + b)
+        offset = tl.load(offset_ptr + b)
+        _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
+                  out0_ptr, out1_ptr, mean_ptr, MODE, SQUARES)
+    else:
+        # partials laid out (B, SPLIT, 6, N)
+        pb = part_ptr + ((b * SPLIT + sp) * 6) * N + rows
+        tl.store(pb, m2, mask=rmask)
+        tl.store(pb + N, l1, mask=rmask)
+        tl.store(pb + 2 * N, l2, mask=rmask)
+        tl.store(pb + 3 * N, ux, mask=rmask)
+        tl.store(pb + 4 * N, uy, mask=rmask)
+        tl.store(pb + 5 * N, uz, mask=rmask)
+
+
+# Two thin kernels around one body: the loop bound CHUNK is a runtime argument on the GPU
+# (one compilation for every size) and a compile-time constant under the interpreter, whose
+# scalar arguments are 1-element arrays that recent NumPy refuses to use as ``range`` bounds.
+@triton.jit
+def _rows_kernel(
+    q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
+    out0_ptr, out1_ptr, mean_ptr, part_ptr, N, M, CHUNK,
+    sqb, sqn, sqc, spb, spm, spc, sgb, sgm,
+    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
+               out0_ptr, out1_ptr, mean_ptr, part_ptr, N, M, CHUNK,
+               sqb, sqn, sqc, spb, spm, spc, sgb, sgm,
+               HAS_G, SQUARES, MODE, SPLIT, BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def _rows_kernel_const(
+    q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
+    out0_ptr, out1_ptr, mean_ptr, part_ptr, N, M, CHUNK: tl.constexpr,
+    sqb, sqn, sqc, spb, spm, spc, sgb, sgm,
+    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
+               out0_ptr, out1_ptr, mean_ptr, part_ptr, N, M, CHUNK,
+               sqb, sqn, sqc, spb, spm, spc, sgb, sgm,
+               HAS_G, SQUARES, MODE, SPLIT, BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr, N,
+    SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    qlen = tl.load(ql_ptr + b)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < qlen
+    m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    for sp in range(SPLIT):
+        pm = tl.load(part_ptr + ((b * SPLIT + sp) * 6) * N + rows, mask=rmask,
+                     other=float("-inf"))
+        m2 = tl.maximum(m2, pm)
+    m_safe = tl.where(m2 == float("-inf"), 0.0, m2)
+    l1 = tl.zeros((BLOCK_N,), tl.float32)
+    l2 = tl.zeros((BLOCK_N,), tl.float32)
+    ux = tl.zeros((BLOCK_N,), tl.float32)
+    uy = tl.zeros((BLOCK_N,), tl.float32)
+    uz = tl.zeros((BLOCK_N,), tl.float32)
+    for sp in range(SPLIT):
+        pb = part_ptr + ((b * SPLIT + sp) * 6) * N + rows
+        a = tl.exp2(tl.load(pb, mask=rmask, other=float("-inf")) - m_safe)
+        l1 += a * tl.load(pb + N, mask=rmask, other=0.0)
+        if SQUARES:
+            l2 += a * a * tl.load(pb + 2 * N, mask=rmask, other=0.0)
+        ux += a * tl.load(pb + 3 * N, mask=rmask, other=0.0)
+        uy += a * tl.load(pb + 4 * N, mask=rmask, other=0.0)
+        uz += a * tl.load(pb + 5 * N, mask=rmask, other=0.0)
+    extra = tl.load(extra_ptr + b)
+    offset = tl.load(offset_ptr + b)
+    _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
+              out0_ptr, out1_ptr, mean_ptr, MODE, SQUARES)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def rows(query, points, transform, scale, query_lengths, point_lengths, point_log_weights,
+         extra, *, mode: str, squares: bool = False, offset=None, split: int | None = None):
+    """Launch the row kernel (see module docstring); returns ``(out0, out1, mean)``.
+
+    ``out0`` is lse (raw), λ (emicp) or the Sinkhorn log scaling; ``out1`` is lse2 (raw
+    with ``squares``) or None; ``mean`` is None in Sinkhorn mode.
+    """
+    B, N, M = query.shape[0], query.shape[1], points.shape[1]
+    dev = query.device
+    interp = dev.type != "cuda"
+    f32 = torch.float32
+    T = transform.to(device=dev, dtype=f32).contiguous()
+    s = scale.to(device=dev, dtype=f32).contiguous()
+    ex = (torch.zeros(B, dtype=f32, device=dev) if extra is None
+          else extra.to(device=dev, dtype=f32).contiguous())
+    off = (torch.zeros(B, dtype=f32, device=dev) if offset is None
+           else offset.to(device=dev, dtype=f32).contiguous())
+    ql = query_lengths.to(device=dev, dtype=torch.int64).contiguous()
+    pl = point_lengths.to(device=dev, dtype=torch.int64).contiguous()
+    MODE = _MODES[mode]
+    SQ = bool(squares) or MODE == 1
+    out_dtype = query.dtype
+    out0 = torch.empty((B, N), dtype=f32, device=dev)
+    out1 = torch.empty((B, N), dtype=f32, device=dev) if (MODE == 0 and SQ) else out0
+    mean = torch.empty((B, N, 3), dtype=f32, device=dev) if MODE != 2 else out0
+    g = point_log_weights if point_log_weights is not None else s
+    if interp:
+        BLOCK_N, BLOCK_M, warps = 16, 16, 4
+    else:
+        BLOCK_N, BLOCK_M, warps = 64, 64, 4
+    nblk = triton.cdiv(N, BLOCK_N)
+    mtiles = triton.cdiv(M, BLOCK_M)
+    if split is None:
+        if interp:
+            split = 1
+        else:
+            want = 4 * _sm_count(dev.index or 0)
+            split = max(1, min(mtiles // 4, -(-want // (nblk * B)), 64))
+    split = max(1, min(int(split), mtiles))
+    chunk = triton.cdiv(mtiles, split) * BLOCK_M
+    part = torch.empty((B, split, 6, N), dtype=f32, device=dev) if split > 1 else out0
+    kern = _rows_kernel_const if interp else _rows_kernel
+    kern[(nblk, split, B)](
+        query, points, T, s, g, ql, pl, ex, off, out0, out1, mean, part,
+        N, M, chunk,
+        query.stride(0), query.stride(1), query.stride(2),
+        points.stride(0), points.stride(1), points.stride(2),
+        g.stride(0) if point_log_weights is not None else 0,
+        g.stride(1) if point_log_weights is not None else 0,
+        HAS_G=point_log_weights is not None, SQUARES=SQ, MODE=MODE, SPLIT=split,
+        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, num_warps=warps,
+    )
+    if split > 1:
+        _merge_kernel[(triton.cdiv(N, 128), B)](
+            part, ql, ex, off, out0, out1, mean, N,
+            SQUARES=SQ, MODE=MODE, SPLIT=split, BLOCK_N=128, num_warps=4,
+        )
+    conv = (lambda t: t.to(out_dtype)) if out_dtype != f32 else (lambda t: t)
+    return (conv(out0), conv(out1) if (MODE == 0 and SQ) else None,
+            conv(mean) if MODE != 2 else None)
+
+
+# --------------------------------------------------------------------------------------
+# Horn: weighted moments + 4x4 top eigenvector, one program per batch entry
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sel(v, idx, k):
+    return tl.sum(tl.where(idx == k, v, 0.0), 0)
+
+
+@triton.jit
+def _horn_body(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N,
+                 sxb, sxn, sxc, smb, smn, smc, swb, swn,
+                 SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    f64 = tl.float64
+    aW = tl.zeros((BLOCK,), f64)
+    ax0 = tl.zeros((BLOCK,), f64)
+    ax1 = tl.zeros((BLOCK,), f64)
+    ax2 = tl.zeros((BLOCK,), f64)
+    am0 = tl.zeros((BLOCK,), f64)
+    am1 = tl.zeros((BLOCK,), f64)
+    am2 = tl.zeros((BLOCK,), f64)
+    c00 = tl.zeros((BLOCK,), f64)
+    c01 = tl.zeros((BLOCK,), f64)
+    c02 = tl.zeros((BLOCK,), f64)
+    c10 = tl.zeros((BLOCK,), f64)
+    c11 = tl.zeros((BLOCK,), f64)
+    c12 = tl.zeros((BLOCK,), f64)
+    c20 = tl.zeros((BLOCK,), f64)
+    c21 = tl.zeros((BLOCK,), f64)
+    c22 = tl.zeros((BLOCK,), f64)
+    for start in range(0, N, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        msk = r < N
+        r64 = r.to(tl.int64)
+        w = tl.load(w_ptr + b * swb + r64 * swn, mask=msk, other=0.0).to(f64)
+        xb = x_ptr + b * sxb + r64 * sxn
+        mb = m_ptr + b * smb + r64 * smn
+        x0 = tl.load(xb, mask=msk, other=0.0).to(f64)
+        x1 = tl.load(xb + sxc, mask=msk, other=0.0).to(f64)
+        x2 = tl.load(xb + 2 * sxc, mask=msk, other=0.0).to(f64)
+        m0 = tl.load(mb, mask=msk, other=0.0).to(f64)
+        m1 = tl.load(mb + smc, mask=msk, other=0.0).to(f64)
+        m2 = tl.load(mb + 2 * smc, mask=msk, other=0.0).to(f64)
+        wx0 = w * x0
+        wx1 = w * x1
+        wx2 = w * x2
+        aW += w
+        ax0 += wx0
+        ax1 += wx1
+        ax2 += wx2
+        am0 += w * m0
+        am1 += w * m1
+        am2 += w * m2
+        c00 += wx0 * m0
+        c01 += wx0 * m1
+        c02 += wx0 * m2
+        c10 += wx1 * m0
+        c11 += wx1 * m1
+        c12 += wx1 * m2
+        c20 += wx2 * m0
+        c21 += wx2 * m1
+        c22 += wx2 * m2
+    W = tl.sum(aW, 0)
+    Wc = tl.maximum(W, 1e-300)
+    xm0 = tl.sum(ax0, 0) / Wc
+    xm1 = tl.sum(ax1, 0) / Wc
+    xm2 = tl.sum(ax2, 0) / Wc
+    mm0 = tl.sum(am0, 0) / Wc
+    mm1 = tl.sum(am1, 0) / Wc
+    mm2 = tl.sum(am2, 0) / Wc
+    sxx = tl.sum(c00, 0) - W * xm0 * mm0
+    sxy = tl.sum(c01, 0) - W * xm0 * mm1
+    sxz = tl.sum(c02, 0) - W * xm0 * mm2
+    syx = tl.sum(c10, 0) - W * xm1 * mm0
+    syy = tl.sum(c11, 0) - W * xm1 * mm1
+    syz = tl.sum(c12, 0) - W * xm1 * mm2
+    szx = tl.sum(c20, 0) - W * xm2 * mm0
+    szy = tl.sum(c21, 0) - W * xm2 * mm1
+    szz = tl.sum(c22, 0) - W * xm2 * mm2
+    ri = tl.arange(0, 4)[:, None]
+    ci = tl.arange(0, 4)[None, :]
+    A = tl.zeros((4, 4), f64)
+    A = tl.where((ri == 0) & (ci == 0), sxx + syy + szz, A)
+    A = tl.where(((ri == 0) & (ci == 1)) | ((ri == 1) & (ci == 0)), syz - szy, A)
+    A = tl.where(((ri == 0) & (ci == 2)) | ((ri == 2) & (ci == 0)), szx - sxz, A)
+    A = tl.where(((ri == 0) & (ci == 3)) | ((ri == 3) & (ci == 0)), sxy - syx, A)
+    A = tl.where((ri == 1) & (ci == 1), sxx - syy - szz, A)
+    A = tl.where(((ri == 1) & (ci == 2)) | ((ri == 2) & (ci == 1)), sxy + syx, A)
+    A = tl.where(((ri == 1) & (ci == 3)) | ((ri == 3) & (ci == 1)), szx + sxz, A)
+    A = tl.where((ri == 2) & (ci == 2), syy - sxx - szz, A)
+    A = tl.where(((ri == 2) & (ci == 3)) | ((ri == 3) & (ci == 2)), syz + szy, A)
+    A = tl.where((ri == 3) & (ci == 3), szz - sxx - syy, A)
+    # shift to positive semi-definite: eigenvalues of N lie in [-||N||_F, ||N||_F]
+    fro = tl.sqrt(tl.sum(tl.sum(A * A, 1), 0))
+    fro = tl.maximum(fro, 1e-300)
+    A = A / fro + tl.where(ri == ci, 1.0, 0.0)
+    for _ in range(SQUARINGS):
+        A = tl.sum(A[:, :, None] * A[None, :, :], 1)
+        A = A / tl.maximum(tl.max(tl.max(tl.abs(A), 1), 0), 1e-300)
+    diag = tl.sum(tl.where(ri == ci, A, 0.0), 1)
+    j = tl.argmax(diag, 0)
+    col = tl.sum(tl.where(ci == j, A, 0.0), 1)
+    col = col / tl.maximum(tl.sqrt(tl.sum(col * col, 0)), 1e-300)
+    k4 = tl.arange(0, 4)
+    qw = _sel(col, k4, 0)
+    qx = _sel(col, k4, 1)
+    qy = _sel(col, k4, 2)
+    qz = _sel(col, k4, 3)
+    r00 = 1 - 2 * (qy * qy + qz * qz)
+    r01 = 2 * (qx * qy - qz * qw)
+    r02 = 2 * (qx * qz + qy * qw)
+    r10 = 2 * (qx * qy + qz * qw)
+    r11 = 1 - 2 * (qx * qx + qz * qz)
+    r12 = 2 * (qy * qz - qx * qw)
+    r20 = 2 * (qx * qz - qy * qw)
+    r21 = 2 * (qy * qz + qx * qw)
+    r22 = 1 - 2 * (qx * qx + qy * qy)
+    t0 = mm0 - (r00 * xm0 + r01 * xm1 + r02 * xm2)
+    t1 = mm1 - (r10 * xm0 + r11 * xm1 + r12 * xm2)
+    t2 = mm2 - (r20 * xm0 + r21 * xm1 + r22 * xm2)
+    ok = W > 0
+    Tb = T_ptr + b * 16
+    tl.store(Tb + 0, tl.where(ok, r00, 1.0))
+    tl.store(Tb + 1, tl.where(ok, r01, 0.0))
+    tl.store(Tb + 2, tl.where(ok, r02, 0.0))
+    tl.store(Tb + 3, tl.where(ok, t0, 0.0))
+    tl.store(Tb + 4, tl.where(ok, r10, 0.0))
+    tl.store(Tb + 5, tl.where(ok, r11, 1.0))
+    tl.store(Tb + 6, tl.where(ok, r12, 0.0))
+    tl.store(Tb + 7, tl.where(ok, t1, 0.0))
+    tl.store(Tb + 8, tl.where(ok, r20, 0.0))
+    tl.store(Tb + 9, tl.where(ok, r21, 0.0))
+    tl.store(Tb + 10, tl.where(ok, r22, 1.0))
+    tl.store(Tb + 11, tl.where(ok, t2, 0.0))
+    tl.store(Tb + 12, 0.0)
+    tl.store(Tb + 13, 0.0)
+    tl.store(Tb + 14, 0.0)
+    tl.store(Tb + 15, 1.0)
+    tl.store(valid_ptr + b, ok.to(tl.int8))
+
+
+@triton.jit
+def _horn_kernel(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N,
+                 sxb, sxn, sxc, smb, smn, smc, swb, swn,
+                 SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
+    _horn_body(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N, sxb, sxn, sxc, smb, smn, smc,
+               swb, swn, SQUARINGS, BLOCK)
+
+
+@triton.jit
+def _horn_kernel_const(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N: tl.constexpr,
+                       sxb, sxn, sxc, smb, smn, smc, swb, swn,
+                       SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
+    _horn_body(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N, sxb, sxn, sxc, smb, smn, smc,
+               swb, swn, SQUARINGS, BLOCK)
+
+
+def horn(source, targets, weights):
+    """Weighted Horn per batch entry (see ``kernels.soft.weighted_horn``)."""
+    B, N = source.shape[0], source.shape[1]
+    dev = source.device
+    T = torch.empty((B, 4, 4), dtype=torch.float64, device=dev)
+    valid = torch.empty((B,), dtype=torch.int8, device=dev)
+    BLOCK = 64 if dev.type != "cuda" else 256
+    kern = _horn_kernel_const if dev.type != "cuda" else _horn_kernel
+    kern[(B,)](
+        source, targets, weights, T, valid, N,
+        source.stride(0), source.stride(1), source.stride(2),
+        targets.stride(0), targets.stride(1), targets.stride(2),
+        weights.stride(0), weights.stride(1),
+        SQUARINGS=40, BLOCK=BLOCK, num_warps=4,
+    )
+    return T, valid.bool()

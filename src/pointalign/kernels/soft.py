@@ -1,0 +1,377 @@
+"""Fused soft-correspondence reductions (EM-ICP / Softassign E-step) and their reference.
+
+One pass over tiles of (query × points) computes, for every query row i, the distance to
+every point, the logit ``z_ij = −s ||R q_i + t − p_j||² + g_j``, its exponential and every
+row reduction a step needs, without ever storing more than one tile of the N×M matrix:
+
+* ``lse_i  = log Σ_j exp(z_ij)``             (row sum, in the log domain)
+* ``lse2_i = log Σ_j exp(2 z_ij)``           (EM-ICP's normaliser C_i at half the scale)
+* ``mean_i = Σ_j exp(z_ij − lse_i) p_j``     (soft correspondence = weighted point sum / row sum)
+
+Everything runs with a running maximum per row (the online log-sum-exp of flash attention),
+so a tiny σ or a large β never underflows to 0/0: no NaN, whatever the scale.
+
+Column sums (Sinkhorn's column normalisation) are a second pass with the transposed tiling:
+the same row kernel with the roles of the clouds swapped and the inverse transform. We chose
+this over atomics because (a) a column's running maximum lives in many programs and a
+log-domain sum cannot be combined with a float atomic add, (b) the result is deterministic,
+and (c) Sinkhorn alternates row and column normalisations anyway, so each half-step is
+exactly one pass. EM-ICP needs no column sums at all: its Horn step only needs the row
+weights λ_i and the soft correspondences x'_i (Tamaki et al. eqs. 10-11, 28-29).
+
+From the row reductions, with w_i the row weights and m_i the soft correspondences, the soft
+Horn moments of Tamaki et al. eqs. 18-20/26 are W = Σ w_i, Σ w_i q_i, Σ w_i m_i and the
+cross-covariance Σ_ij m_ij q_i p_jᵀ = Σ_i w_i q_i m_iᵀ: the matrix is never needed.
+
+Entry points (all batched: ``query (B, N, 3)``, ``points (B, M, 3)``, padded, with lengths):
+
+* :func:`soft_rows`: the raw reductions (lse, lse2, mean).
+* :func:`emicp_rows`: EM-ICP weights λ_i = Σ_j √α_ij and x'_i (Granger & Pennec).
+* :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
+* :func:`soft_rows_weighted`: row sums r_i Σ_j K_ij c_j and soft correspondences.
+* :func:`weighted_horn`: the weighted Horn solve on (q_i, m_i, w_i), on the device.
+
+Dispatch via :func:`pointalign.kernels._backend.backend`: Triton kernels from
+``_soft_triton.py`` on CUDA (and through the interpreter under ``TRITON_INTERPRET=1``),
+the chunked PyTorch reference below otherwise. Reference: T. Tamaki et al., "Softassign and
+EM-ICP on GPU", 2010; S. Granger and X. Pennec, ECCV 2002; S. Gold et al., Pattern
+Recognition 1998.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from pointalign.kernels._backend import backend
+
+#: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
+TILE_PAIRS = 1 << 20
+
+
+class SoftRows(NamedTuple):
+    """Row reductions of ``exp(z_ij)``: ``lse (B, N)``, ``lse2 (B, N)`` or None,
+    ``mean (B, N, 3)``. Padding rows hold ``-inf`` / 0."""
+
+    lse: torch.Tensor
+    lse2: torch.Tensor | None
+    mean: torch.Tensor
+
+
+def _check(query, points, transform, scale, query_lengths, point_lengths, point_log_weights):
+    if query.dim() != 3 or query.shape[-1] != 3:
+        raise ValueError(f"query: expected shape (B, N, 3), got {tuple(query.shape)}")
+    if points.dim() != 3 or points.shape[-1] != 3 or points.shape[0] != query.shape[0]:
+        raise ValueError(f"points: expected shape ({query.shape[0]}, M, 3), got "
+                         f"{tuple(points.shape)}")
+    B = query.shape[0]
+    if transform.shape != (B, 4, 4):
+        raise ValueError(f"transform: expected shape ({B}, 4, 4), got {tuple(transform.shape)}")
+    if scale.shape != (B,):
+        raise ValueError(f"scale: expected shape ({B},), got {tuple(scale.shape)}")
+    if point_log_weights is not None and point_log_weights.shape != points.shape[:2]:
+        raise ValueError(f"point_log_weights: expected shape {tuple(points.shape[:2])}, got "
+                         f"{tuple(point_log_weights.shape)}")
+    for name, t in (("points", points), ("transform", transform), ("scale", scale)):
+        if t.device != query.device:
+            raise ValueError(f"{name}: on {t.device}, query on {query.device}")
+    B, N, M = query.shape[0], query.shape[1], points.shape[1]
+    ql = torch.full((B,), N, dtype=torch.int64, device=query.device) if query_lengths is None \
+        else query_lengths.to(device=query.device, dtype=torch.int64)
+    pl = torch.full((B,), M, dtype=torch.int64, device=query.device) if point_lengths is None \
+        else point_lengths.to(device=query.device, dtype=torch.int64)
+    return ql, pl
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return backend(x) in ("triton", "interpret")
+
+
+# --------------------------------------------------------------------------------------
+# reference (the CPU path and the spec)
+# --------------------------------------------------------------------------------------
+
+
+def soft_rows_reference(
+    query: torch.Tensor,
+    points: torch.Tensor,
+    transform: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    query_lengths: torch.Tensor | None = None,
+    point_lengths: torch.Tensor | None = None,
+    point_log_weights: torch.Tensor | None = None,
+    squares: bool = False,
+    tile_pairs: int = TILE_PAIRS,
+) -> SoftRows:
+    """Chunked PyTorch reference of :func:`soft_rows` (never more than a tile of N×M).
+
+    Computes in the query's dtype; online log-sum-exp over point chunks.
+    """
+    ql, pl = _check(query, points, transform, scale, query_lengths, point_lengths,
+                    point_log_weights)
+    B, N, M = query.shape[0], query.shape[1], points.shape[1]
+    dt, dev = query.dtype, query.device
+    lse = torch.full((B, N), -math.inf, dtype=dt, device=dev)
+    lse2 = torch.full((B, N), -math.inf, dtype=dt, device=dev) if squares else None
+    mean = torch.zeros((B, N, 3), dtype=dt, device=dev)
+    T = transform.to(dt)
+    ql_h, pl_h = ql.tolist(), pl.tolist()
+    for b in range(B):
+        nq, npt = ql_h[b], pl_h[b]
+        if nq == 0 or npt == 0:
+            continue
+        q = query[b, :nq] @ T[b, :3, :3].T + T[b, :3, 3]
+        p = points[b, :npt]
+        g = None if point_log_weights is None else point_log_weights[b, :npt].to(dt)
+        s = scale[b].to(dt)
+        bm = max(1, min(npt, tile_pairs))
+        bn = max(1, min(nq, tile_pairs // bm))
+        for i0 in range(0, nq, bn):
+            qi = q[i0:i0 + bn]
+            run_m = torch.full((qi.shape[0],), -math.inf, dtype=dt, device=dev)
+            l1 = torch.zeros_like(run_m)
+            l2 = torch.zeros_like(run_m)
+            u = torch.zeros((qi.shape[0], 3), dtype=dt, device=dev)
+            for j0 in range(0, npt, bm):
+                pj = p[j0:j0 + bm]
+                z = -s * (qi[:, None, :] - pj[None, :, :]).square().sum(-1)
+                if g is not None:
+                    z = z + g[None, j0:j0 + bm]
+                m_new = torch.maximum(run_m, z.amax(1))
+                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                alpha = torch.exp(run_m - m_safe)
+                e = torch.exp(z - m_safe[:, None])
+                l1 = l1 * alpha + e.sum(1)
+                if squares:
+                    l2 = l2 * alpha * alpha + (e * e).sum(1)
+                u = u * alpha[:, None] + e @ pj
+                run_m = m_new
+            lse[b, i0:i0 + qi.shape[0]] = run_m + torch.log(l1)
+            if squares:
+                lse2[b, i0:i0 + qi.shape[0]] = 2 * run_m + torch.log(l2)
+            mean[b, i0:i0 + qi.shape[0]] = torch.where(
+                l1[:, None] > 0, u / l1.clamp_min(torch.finfo(dt).tiny)[:, None],
+                torch.zeros_like(u))
+    return SoftRows(lse, lse2, mean)
+
+
+# --------------------------------------------------------------------------------------
+# entry points
+# --------------------------------------------------------------------------------------
+
+
+def soft_rows(
+    query: torch.Tensor,
+    points: torch.Tensor,
+    transform: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    query_lengths: torch.Tensor | None = None,
+    point_lengths: torch.Tensor | None = None,
+    point_log_weights: torch.Tensor | None = None,
+    squares: bool = False,
+) -> SoftRows:
+    """Row reductions of ``exp(z_ij)``, ``z_ij = −s ||R q_i + t − p_j||² + g_j``.
+
+    Args:
+        query: ``(B, N, 3)`` float tensor q_i (moved by ``transform``).
+        points: ``(B, M, 3)`` float tensor p_j, same dtype and device.
+        transform: ``(B, 4, 4)`` float tensor ``[R, t]`` applied to the query.
+        scale: ``(B,)`` float tensor s > 0 (1/(2σ²) for EM-ICP, β for Softassign).
+        query_lengths, point_lengths: ``(B,)`` integer valid counts (padding is ignored).
+        point_log_weights: optional ``(B, M)`` column log-offsets g_j (log Sinkhorn scalings).
+        squares: also return ``lse2 = log Σ_j exp(2 z_ij)``.
+
+    Returns:
+        :class:`SoftRows`; ``lse`` in the query's dtype.
+    """
+    ql, pl = _check(query, points, transform, scale, query_lengths, point_lengths,
+                    point_log_weights)
+    if _use_triton(query):
+        from pointalign.kernels import _soft_triton
+
+        lse, lse2, mean = _soft_triton.rows(query, points, transform, scale, ql, pl,
+                                            point_log_weights, None, mode="raw",
+                                            squares=squares)
+        return SoftRows(lse, lse2, mean)
+    return soft_rows_reference(query, points, transform, scale, query_lengths=ql,
+                               point_lengths=pl, point_log_weights=point_log_weights,
+                               squares=squares)
+
+
+def _row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def emicp_rows(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    transform: torch.Tensor,
+    sigma2: torch.Tensor,
+    log_outlier: torch.Tensor,
+    *,
+    source_lengths: torch.Tensor | None = None,
+    target_lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EM-ICP E-step (Granger & Pennec; Tamaki et al. eqs. 8-11), fused.
+
+    With d_ij² = ||R x_i + t − y_j||², α_ij = exp(−d_ij²/σ²) / C_i,
+    C_i = exp(log_outlier) + Σ_j exp(−d_ij²/σ²) (log_outlier = −d_0²/σ²):
+    λ_i = Σ_j √α_ij and x'_i = Σ_j √α_ij y_j / λ_i.
+
+    Args:
+        source: ``(B, N, 3)``; target: ``(B, M, 3)``; transform: ``(B, 4, 4)`` T_target_source.
+        sigma2: ``(B,)`` σ² > 0; log_outlier: ``(B,)`` (may be ``-inf``: no outlier term).
+
+    Returns:
+        ``(lam (B, N), x_prime (B, N, 3))``; padding rows have λ = 0.
+    """
+    ql, pl = _check(source, target, transform, sigma2, source_lengths, target_lengths, None)
+    scale = 0.5 / sigma2.to(source.dtype)
+    if _use_triton(source):
+        from pointalign.kernels import _soft_triton
+
+        w, mean = _soft_triton.rows(source, target, transform, scale, ql, pl, None,
+                                    log_outlier, mode="emicp", squares=True)
+        return w, mean
+    r = soft_rows_reference(source, target, transform, scale, query_lengths=ql,
+                            point_lengths=pl, squares=True)
+    return emicp_weights(r.lse, r.lse2, log_outlier.to(r.lse.dtype)), r.mean
+
+
+def emicp_weights(lse: torch.Tensor, lse2: torch.Tensor, log_outlier: torch.Tensor):
+    """λ_i = exp(lse_i − ½ log(exp(log_outlier) + exp(lse2_i))) from :func:`soft_rows`
+    output at scale 1/(2σ²); −inf rows give 0."""
+    log_c = torch.logaddexp(lse2, log_outlier[:, None].expand_as(lse2))
+    log_c = torch.where(torch.isinf(log_c), torch.zeros_like(log_c), log_c)
+    return torch.exp(lse - 0.5 * log_c)
+
+
+def sinkhorn_scaling(
+    query: torch.Tensor,
+    points: torch.Tensor,
+    transform: torch.Tensor,
+    beta: torch.Tensor,
+    point_log_weights: torch.Tensor,
+    log_slack: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    query_lengths: torch.Tensor | None = None,
+    point_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Sinkhorn half-step for M = diag(r) K diag(c) with a slack entry, in logs.
+
+    ``out_i = offset − log(exp(log_slack) + Σ_j exp(−β d_ij² + g_j))``: with
+    ``g_j = log c_j + βα`` this is the new ``log r_i`` of a row normalisation (Tamaki
+    eq. 5, with the outlier column's entry ``exp(log_slack)``); with the clouds swapped and
+    the inverse transform it is a column normalisation (eq. 6). ``offset`` (B,) is added so
+    the result can feed the next pass directly (pass βα).
+
+    Returns:
+        ``(B, N)`` in the query's dtype; padding rows are ``-inf``.
+    """
+    ql, pl = _check(query, points, transform, beta, query_lengths, point_lengths,
+                    point_log_weights)
+    if _use_triton(query):
+        from pointalign.kernels import _soft_triton
+
+        return _soft_triton.rows(query, points, transform, beta.to(query.dtype), ql, pl,
+                                 point_log_weights, log_slack, mode="sinkhorn",
+                                 offset=offset)[0]
+    r = soft_rows_reference(query, points, transform, beta.to(query.dtype), query_lengths=ql,
+                            point_lengths=pl, point_log_weights=point_log_weights)
+    out = offset.to(r.lse.dtype)[:, None] - torch.logaddexp(
+        r.lse, log_slack.to(r.lse.dtype)[:, None].expand_as(r.lse))
+    return torch.where(_row_mask(ql, query.shape[1]), out, torch.full_like(out, -math.inf))
+
+
+# --------------------------------------------------------------------------------------
+# weighted Horn on the device
+# --------------------------------------------------------------------------------------
+
+
+def weighted_horn(
+    source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted Horn ``argmin Σ w_i ||R x_i + t − m_i||²`` for every batch entry.
+
+    The soft form of Tamaki et al. (eqs. 18-20, 26) reduces to this with w_i the row sums
+    and m_i the soft correspondences. Moments in float64; the rotation is the top
+    eigenvector of Horn's 4×4 matrix. Never raises, never returns NaN: an entry with zero
+    total weight gets the identity and ``valid`` False.
+
+    Args:
+        source: ``(B, N, 3)`` x_i; targets: ``(B, N, 3)`` m_i; weights: ``(B, N)`` w_i ≥ 0
+            (0 on padding rows).
+
+    Returns:
+        ``(T (B, 4, 4) float64, valid (B,) bool)``.
+    """
+    if _use_triton(source):
+        from pointalign.kernels import _soft_triton
+
+        return _soft_triton.horn(source, targets, weights)
+    return horn_reference(source, targets, weights)
+
+
+def horn_matrix(S: torch.Tensor) -> torch.Tensor:
+    """Horn's symmetric 4×4 matrix (Tamaki eq. 15) of cross-covariances ``S (B, 3, 3)``."""
+    sxx, sxy, sxz = S[..., 0, 0], S[..., 0, 1], S[..., 0, 2]
+    syx, syy, syz = S[..., 1, 0], S[..., 1, 1], S[..., 1, 2]
+    szx, szy, szz = S[..., 2, 0], S[..., 2, 1], S[..., 2, 2]
+    return torch.stack([
+        torch.stack([sxx + syy + szz, syz - szy, szx - sxz, sxy - syx], -1),
+        torch.stack([syz - szy, sxx - syy - szz, sxy + syx, szx + sxz], -1),
+        torch.stack([szx - sxz, sxy + syx, -sxx + syy - szz, syz + szy], -1),
+        torch.stack([sxy - syx, szx + sxz, syz + szy, -sxx - syy + szz], -1),
+    ], -2)
+
+
+def quaternion_matrix(q: torch.Tensor) -> torch.Tensor:
+    """Rotation ``(B, 3, 3)`` of unit quaternions ``(B, 4)`` (w, x, y, z); no host sync."""
+    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    w, x, y, z = q.unbind(-1)
+    return torch.stack([
+        1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+        2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+        2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y),
+    ], -1).reshape(*q.shape[:-1], 3, 3)
+
+
+def horn_moments(source, targets, weights):
+    """``(W (B,), sx (B,3), sm (B,3), cross (B,3,3))`` in float64: Σw, Σw x, Σw m, Σw x mᵀ."""
+    x = source.to(torch.float64)
+    m = targets.to(torch.float64)
+    w = weights.to(torch.float64)
+    W = w.sum(-1)
+    sx = (w[..., None] * x).sum(-2)
+    sm = (w[..., None] * m).sum(-2)
+    cross = (w[..., None] * x).transpose(-1, -2) @ m
+    return W, sx, sm, cross
+
+
+def horn_from_sums(W, sx, sm, cross) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pose from the weighted moments (float64; uses ``torch.linalg.eigh``)."""
+    Wc = W.clamp_min(1e-300)[..., None]
+    xm, mm = sx / Wc, sm / Wc
+    S = cross - W[..., None, None] * (xm[..., :, None] * mm[..., None, :])
+    # scale-free: normalise S so eigh sees O(1) numbers
+    S = S / S.abs().amax((-1, -2), keepdim=True).clamp_min(1e-300)
+    _, vecs = torch.linalg.eigh(horn_matrix(S))
+    R = quaternion_matrix(vecs[..., :, -1])
+    t = mm - (R @ xm[..., None])[..., 0]
+    valid = (W > 0) & torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)
+    T = torch.zeros(W.shape + (4, 4), dtype=torch.float64, device=W.device)
+    T[..., :3, :3] = R
+    T[..., :3, 3] = t
+    T[..., 3, 3] = 1
+    eye = torch.eye(4, dtype=torch.float64, device=W.device).expand_as(T)
+    return torch.where(valid[..., None, None], torch.nan_to_num(T), eye), valid
+
+
+def horn_reference(source, targets, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`weighted_horn`."""
+    return horn_from_sums(*horn_moments(source, targets, weights))
