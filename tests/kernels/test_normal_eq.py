@@ -1,0 +1,203 @@
+"""The fused ICP reduction: reference vs independent float64 oracles, Triton (interpreted on
+CPU, compiled on CUDA) vs reference, masking, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign import estimate
+from pointalign.kernels import normal_eq as ne
+from tests._oracles import run_interpreted
+
+KERNELS = ne.KERNELS
+
+
+def _weights_np(r: np.ndarray, kind: str, k: float) -> np.ndarray:
+    a = np.abs(r)
+    if kind == "none":
+        return np.ones_like(a)
+    if kind == "huber":
+        return np.where(a <= k, 1.0, k / np.maximum(a, 1e-30))
+    if kind == "tukey":
+        return np.where(a < k, (1 - (a / k) ** 2) ** 2, 0.0)
+    return 1 / (1 + (a / k) ** 2)
+
+
+def _case(seed: int, B=3, N=157, M=101, offset=0.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, N, 3, generator=g) + offset).to(dtype)
+    y = (x[:, :M] + 0.3 * torch.randn(B, M, 3, generator=g)).to(dtype)
+    n = torch.nn.functional.normalize(torch.randn(B, M, 3, generator=g), dim=-1).to(dtype)
+    idx = torch.randint(-1, M, (B, N), generator=g)
+    lengths = torch.randint(0, N + 1, (B,), generator=g)
+    lengths[0] = N
+    center = (torch.full((B, 3), offset) + 0.1 * torch.randn(B, 3, generator=g)).to(dtype)
+    return x, y, n, idx, lengths, center
+
+
+def _oracle(x, y, n, idx, lengths, center, kind, k):
+    """(B, 30) float64 by NumPy loops over batch entries (p2l via estimate's own system)."""
+    B = x.shape[0]
+    out = np.zeros((B, 30))
+    for b in range(B):
+        L = int(lengths[b])
+        ii = idx[b, :L].numpy()
+        keep = ii >= 0
+        xb = x[b, :L].double().numpy()[keep] - center[b].double().numpy()
+        yb = y[b].double().numpy()[ii[keep]] - center[b].double().numpy()
+        d2 = ((xb - yb) ** 2).sum(-1)
+        out[b, 28] = keep.sum()
+        out[b, 29] = d2.sum()
+        if n is None:
+            w = _weights_np(np.sqrt(d2), kind, k)
+            out[b, 0] = w.sum()
+            out[b, 1:4] = (w[:, None] * xb).sum(0)
+            out[b, 4:7] = (w[:, None] * yb).sum(0)
+            out[b, 7:16] = ((w[:, None] * xb).T @ yb).reshape(9)
+            xx, yy = (w[:, None] * xb).T @ xb, (w[:, None] * yb).T @ yb
+            out[b, 16:22] = [xx[i, j] for i, j in ne.TRIU3]
+            out[b, 22:28] = [yy[i, j] for i, j in ne.TRIU3]
+        else:
+            nb = n[b].double().numpy()[ii[keep]]
+            w = _weights_np(((xb - yb) * nb).sum(-1), kind, k)
+            H, g, rr = estimate.point_to_plane_system(
+                torch.from_numpy(xb), torch.from_numpy(yb), torch.from_numpy(nb),
+                torch.from_numpy(w))
+            out[b, :21] = [H[i, j].item() for i, j in ne.TRIU6]
+            out[b, 21:27] = g.numpy()
+            out[b, 27] = rr.item()
+    return out
+
+
+def _close(got: torch.Tensor, want: np.ndarray, rtol: float) -> None:
+    got = got.detach().cpu().double().numpy()
+    scale = np.abs(want).max(0, keepdims=True) + 1e-12
+    np.testing.assert_allclose(got / scale, want / scale, atol=rtol, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])
+def test_reference_matches_float64_oracle(seed, kind, plane):
+    x, y, n, idx, lengths, center = _case(seed)
+    nn = n if plane else None
+    got = ne.normal_equations_reference(x, y, idx, target_normals=nn, lengths=lengths,
+                                        center=center, kernel=kind, scale=0.7)
+    assert got.dtype == torch.float64 and got.shape == (3, 30)
+    _close(got, _oracle(x, y, nn, idx, lengths, center, kind, 0.7), 1e-12)
+
+
+def test_masking_no_correspondences():
+    x, y, n, idx, lengths, center = _case(0)
+    none = torch.full_like(idx, -1)
+    for nn in (None, n):
+        s = ne.normal_equations(x, y, none, target_normals=nn, lengths=lengths, center=center)
+        assert torch.equal(s, torch.zeros_like(s))
+        s = ne.normal_equations(x, y, idx, target_normals=nn, center=center,
+                                lengths=torch.zeros_like(lengths))
+        assert torch.equal(s, torch.zeros_like(s))
+
+
+def test_padding_rows_ignored(seed):
+    x, y, n, idx, lengths, center = _case(seed)
+    lengths = torch.tensor([150, 40, 1])
+    junk = x.clone()
+    for b in range(3):
+        junk[b, lengths[b]:] = 1e6  # finite garbage in the padding
+    for nn in (None, n):
+        a = ne.normal_equations(x, y, idx, target_normals=nn, lengths=lengths, center=center)
+        c = ne.normal_equations(junk, y, idx, target_normals=nn, lengths=lengths, center=center)
+        assert torch.equal(a, c)
+
+
+def test_unpack_roundtrip(seed):
+    x, y, n, idx, lengths, center = _case(seed)
+    s = ne.normal_equations_reference(x, y, idx, target_normals=n, lengths=lengths,
+                                      center=center)
+    H, g = ne.unpack_hessian(s)
+    assert torch.equal(H, H.transpose(1, 2))
+    assert (torch.linalg.eigvalsh(H) > -1e-9).all()
+    assert torch.equal(g, s[:, 21:27])
+
+
+def test_bad_input():
+    x, y, n, idx, lengths, center = _case(0)
+    with pytest.raises(ValueError, match="source"):
+        ne.normal_equations(x[0], y, idx)
+    with pytest.raises(ValueError, match="idx"):
+        ne.normal_equations(x, y, idx.to(torch.int32))
+    with pytest.raises(ValueError, match="target_normals"):
+        ne.normal_equations(x, y, idx, target_normals=n[:, :5])
+    with pytest.raises(ValueError, match="kernel"):
+        ne.normal_equations(x, y, idx, kernel="welsch")
+    with pytest.raises(ValueError, match="scale"):
+        ne.normal_equations(x, y, idx, scale=0.0)
+    with pytest.raises(ValueError, match="center"):
+        ne.normal_equations(x, y, idx, center=center[:2])
+
+
+# ---- Triton through the interpreter (child process, tiny sizes) --------------------------
+
+INTERP = [("p2p-none", False, "none", 0.0), ("p2p-tukey", False, "tukey", 0.0),
+          ("p2l-huber", True, "huber", 0.0), ("p2l-cauchy-far", True, "cauchy", 500.0)]
+
+
+def run_interpreted_cases(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): Triton kernel on every case, via dispatch."""
+    from pointalign.kernels import _backend
+
+    assert _backend.backend(torch.empty(0)) == "interpret"
+    out = {}
+    for seed in range(3):
+        for name, plane, kind, off in INTERP:
+            x, y, n, idx, lengths, center = _case(seed, B=2, N=300, M=97, offset=off)
+            out[(name, seed)] = ne.normal_equations(
+                x, y, idx, target_normals=n if plane else None, lengths=lengths,
+                center=center, kernel=kind, scale=0.7)
+    torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        return run_interpreted("tests.kernels.test_normal_eq", "run_interpreted_cases",
+                               tmp_path_factory.mktemp("interp") / "ne.pt", mp)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("case", INTERP, ids=[c[0] for c in INTERP])
+def test_triton_interpreted_matches_reference(case, seed, interpreted):
+    name, plane, kind, off = case
+    x, y, n, idx, lengths, center = _case(seed, B=2, N=300, M=97, offset=off)
+    nn = n if plane else None
+    got = interpreted[(name, seed)]
+    assert got.dtype == torch.float64 and got.shape == (2, 30)
+    ref = ne.normal_equations_reference(x, y, idx, target_normals=nn, lengths=lengths,
+                                        center=center, kernel=kind, scale=0.7)
+    assert torch.equal(got[:, 28], ref[:, 28])  # counts are exact
+    _close(got, ref.numpy(), 1e-4)
+
+
+# ---- CUDA -------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])
+@pytest.mark.parametrize("offset", [0.0, 1000.0])
+def test_triton_cuda_matches_reference(seed, kind, plane, offset):
+    from pointalign.kernels import _backend
+
+    x, y, n, idx, lengths, center = _case(seed, B=3, N=100_003, M=70_001, offset=offset)
+    args = [t.cuda() for t in (x, y, n, idx, lengths, center)]
+    assert _backend.backend(args[0]) == "triton"
+    got = ne.normal_equations(args[0], args[1], args[3], target_normals=args[2] if plane
+                              else None, lengths=args[4], center=args[5], kernel=kind,
+                              scale=0.7)
+    assert got.is_cuda and got.dtype == torch.float64
+    ref = ne.normal_equations_reference(x, y, idx, target_normals=n if plane else None,
+                                        lengths=lengths, center=center, kernel=kind, scale=0.7)
+    assert torch.equal(got[:, 28].cpu(), ref[:, 28])
+    _close(got, ref.numpy(), 1e-4)
