@@ -23,6 +23,7 @@ import torch
 
 from pointalign import _validate
 from pointalign.kernels import kdtree as _k
+from pointalign.search import _checks
 from pointalign.search.base import KnnResult
 
 
@@ -52,7 +53,7 @@ class KDTreeIndex:
 
     def __init__(self, points: Any, *, leaf_size: int = 16, depth: int | None = None,
                  build: str = "auto", device: str | torch.device | None = None):
-        pts = _validate.as_points(points, "points")
+        pts = _checks.index_points(points)
         dev = _validate.as_device(device, like=pts)
         pts = pts.to(dev)
         if int(leaf_size) < 1:
@@ -174,8 +175,7 @@ class KDTreeIndex:
 
     # ------------------------------------------------------------------ queries
     def _query(self, query: Any) -> torch.Tensor:
-        return _validate.as_points(query, "query", device=self.device,
-                                   dtype=self.points.dtype)
+        return _checks.query_points(query, self.points)
 
     def descend(self, query: Any, depth: int | None = None) -> torch.Tensor:
         """Node ids ``(N,)`` int64 at level ``depth`` (default: leaves) of each ``query (N, 3)``.
@@ -195,28 +195,27 @@ class KDTreeIndex:
         """The k nearest points of each ``query (N, 3)``: ``dists, idx (N, k)``.
 
         Exact unless ``approximate=True`` (only the query's leaf is searched: fast, and exact
-        whenever the nearest points share the query's leaf). ``idx = -1``, ``dists = inf``
-        where the tree has fewer than k points.
+        whenever the nearest points share the query's leaf; ``idx = -1``, ``dists = inf`` where
+        the leaf holds fewer than k points). ``k`` larger than M is a ``ValueError``, as for
+        every index.
         """
-        if int(k) < 1:
-            raise ValueError(f"k: must be >= 1, got {k}")
-        d2, pos = _k.knn(self._tree, self._query(query), int(k), approximate=approximate)
+        k = _checks.check_k(k, self.points.shape[0])
+        d2, pos = _k.knn(self._tree, self._query(query), k, approximate=approximate)
         return self._result(d2, pos)
 
     def radius(self, query: Any, r: float, max_neighbors: int) -> KnnResult:
         """Up to ``max_neighbors`` nearest points within distance ``r`` of each query."""
-        _validate.positive(r, "r", allow_zero=True)
-        if int(max_neighbors) < 1:
-            raise ValueError(f"max_neighbors: must be >= 1, got {max_neighbors}")
-        d2, pos = _k.knn(self._tree, self._query(query), int(max_neighbors),
-                         max_dist2=float(r) ** 2)
+        r = _checks.check_distance(r, "r")
+        k = _checks.check_k(max_neighbors, self.points.shape[0], "max_neighbors",
+                            allow_more=True)
+        d2, pos = _k.knn(self._tree, self._query(query), k, max_dist2=float(r) ** 2)
         return self._result(d2, pos)
 
     def nearest_within(self, query: Any, max_distance: float) -> KnnResult:
         """The nearest point within ``max_distance`` of each query: ``(N, 1)``, -1 if none."""
-        _validate.positive(max_distance, "max_distance", allow_zero=True)
-        return self.radius(query, max_distance, 1) if math.isfinite(max_distance) \
-            else self.knn(query, 1)
+        max_distance = _checks.check_distance(max_distance, "max_distance")
+        d2, pos = _k.knn(self._tree, self._query(query), 1, max_dist2=float(max_distance) ** 2)
+        return self._result(d2, pos)
 
     def __repr__(self) -> str:
         return (f"KDTreeIndex(M={self.points.shape[0]}, depth={self.depth}, "
