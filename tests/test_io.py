@@ -82,7 +82,17 @@ ROUND_TRIPS = [
 @pytest.mark.parametrize("suffix,binary,has_n,has_c,tol", ROUND_TRIPS,
                          ids=[f"{r[0]}-{'bin' if r[1] else 'ascii'}" for r in ROUND_TRIPS])
 def test_round_trip(tmp_path, seed, dtype, suffix, binary, has_n, has_c, tol):
-    cloud = make_cloud(seed, n=37 + seed, dtype=dtype, normals=has_n, colors=has_c)
+    check_round_trip(tmp_path, seed, 37 + seed, dtype, suffix, binary, has_n, has_c, tol)
+
+
+@pytest.mark.parametrize("suffix,binary,has_n,has_c,tol", ROUND_TRIPS,
+                         ids=[f"{r[0]}-{'bin' if r[1] else 'ascii'}" for r in ROUND_TRIPS])
+def test_round_trip_single_point(tmp_path, suffix, binary, has_n, has_c, tol):
+    check_round_trip(tmp_path, 11, 1, torch.float32, suffix, binary, has_n, has_c, tol)
+
+
+def check_round_trip(tmp_path, seed, n, dtype, suffix, binary, has_n, has_c, tol):
+    cloud = make_cloud(seed, n=n, dtype=dtype, normals=has_n, colors=has_c)
     before = {k: v.copy() for k, v in cloud.numpy().items()}
     path = tmp_path / f"c{suffix}"
     pio.write(path, cloud, binary=binary)
@@ -469,7 +479,9 @@ def test_write_permissions_follow_umask(tmp_path):
 # fuzzing the parsers (bounded, fast)
 # ----------------------------------------------------------------------------------------
 
-FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
+# POINTALIGN_FUZZ_EXAMPLES=2000 for a longer local run (derandomized: same cases in CI)
+FUZZ = settings(max_examples=int(os.environ.get("POINTALIGN_FUZZ_EXAMPLES", "25")),
+                deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

@@ -406,7 +406,8 @@ def _read_pcd(path: Path) -> _Fields:
     with open(path, "rb") as f:
         _pcd_check_size(f)
         pc = PcdCloud.from_fileobj(f)
-    meta, data = pc.metadata, pc.pc_data
+    # pypcd4's ascii path (np.loadtxt) returns a 0-d record for a 1-point file
+    meta, data = pc.metadata, np.atleast_1d(pc.pc_data)
     if len(data) != meta.points:
         raise _FormatError(f"truncated: header says {meta.points} points, {len(data)} read")
     names = list(meta.fields)
