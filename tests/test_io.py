@@ -152,6 +152,16 @@ def test_round_trip_las(tmp_path, seed, dtype):
     assert_close(back.colors, cloud.colors, 0.5 / 65535 + 1e-7)  # 16 bit + float32
     assert torch.equal(back.extras["intensity"].to(torch.int64),
                        cloud.extras["intensity"].to(torch.int64))
+    assert set(back.extras) == {"intensity"}  # all-zero standard dimensions are not carried
+
+
+@pytest.mark.skipif(not HAS_LAS, reason="laspy not installed")
+def test_las_refuses_lossy_standard_dimension(tmp_path):
+    cloud = make_cloud(0, normals=False, colors=False).replace(
+        extras={"intensity": torch.linspace(0, 1, 57)})  # floats: LAS intensity is uint16
+    with pytest.raises(ValueError, match="intensity"):
+        pio.write(tmp_path / "c.las", cloud)
+    assert not (tmp_path / "c.las").exists() and no_temp_files(tmp_path)
 
 
 @pytest.mark.skipif(not HAS_LAS, reason="laspy not installed")
@@ -220,6 +230,25 @@ def test_pcd_compressed_and_packed_float_rgb(tmp_path, seed):
         np.testing.assert_array_equal(c.extras["intensity"].numpy(), inten)
 
 
+def test_pcd_single_column_fields_and_separate_rgb(tmp_path, seed):
+    g = np.random.default_rng(seed)
+    cloud = make_cloud(seed, normals=False, colors=False).replace(
+        features=torch.from_numpy(g.normal(size=(57, 1))),
+        extras={"ring": torch.from_numpy(g.integers(0, 64, size=(57, 1)).astype(np.int16))})
+    for binary in (True, False):
+        pio.write(tmp_path / "one.pcd", cloud, binary=binary)
+        back = pio.read(tmp_path / "one.pcd")
+        assert_close(back.features, cloud.features, 1e-9)
+        assert torch.equal(back.extras["ring"].reshape(-1), cloud.extras["ring"].reshape(-1))
+    xyz = g.normal(size=(9, 3)).astype(np.float32)
+    rgb = g.integers(0, 256, size=(9, 3)).astype(np.uint8)
+    PcdCloud.from_points([*xyz.T, *rgb.T], tuple("xyzrgb"), (np.float32,) * 3 + (np.uint8,) * 3
+                         ).save(tmp_path / "sep.pcd")
+    back = pio.read(tmp_path / "sep.pcd")
+    np.testing.assert_allclose(back.colors.numpy(), rgb / 255.0, atol=1e-7)
+    assert not back.extras
+
+
 def test_non_finite_points_are_dropped(tmp_path):
     (tmp_path / "a.xyz").write_text("1 2 3\nnan nan nan\n4 5 6\n")
     c = pio.read(tmp_path / "a.xyz")
@@ -256,6 +285,8 @@ def test_text_column_rule(tmp_path):
     assert np.allclose(c.extras["columns"].numpy(), xyz * 7)
     c = put("nc.xyz", np.hstack([xyz, nrm, rgb]))
     assert np.allclose(c.normals.numpy(), nrm) and np.allclose(c.colors.numpy(), rgb / 255)
+    c = put("nine.xyz", np.hstack([xyz, xyz, rgb]))  # columns 4-6 are not normals
+    assert c.normals is None and c.colors is None and c.extras["columns"].shape == (6, 6)
     c = put("i.pts", np.hstack([xyz, xyz[:, :1], rgb]), head="6")
     assert np.allclose(c.extras["intensity"].numpy(), xyz[:, 0])
     assert np.allclose(c.colors.numpy(), rgb / 255)
@@ -497,7 +528,7 @@ def _read_or_value_error(path: Path) -> None:
 
 @FUZZ
 @given(data=st.binary(min_size=1, max_size=300),
-       suffix=st.sampled_from([s for s in READABLE if s != ".las"]))
+       suffix=st.sampled_from(READABLE))
 def test_fuzz_random_bytes(tmp_path, data, suffix):
     path = tmp_path / f"fz{suffix}"
     path.write_bytes(data)

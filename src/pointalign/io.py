@@ -4,25 +4,27 @@
 ``FORMATS``; :func:`read_bin` reads raw float32 ``.bin`` scans (KITTI Velodyne style),
 whose column count cannot be told from the file.
 
-========================  =====================================================  ===========
-suffix                    what is read / written                                 library
-========================  =====================================================  ===========
-``.ply``                  vertex x,y,z [nx,ny,nz] [red,green,blue] [feature_j]   plyfile
-                          + other scalar vertex properties as ``extras``;
-                          ascii, binary little/big endian; other elements
-                          (faces, ``range_grid``, ...) are skipped
-``.pcd``                  x y z [normal_x..z] [rgb|rgba] [fpfh|feature (COUNT D)] pypcd4
-                          + other fields as ``extras``; ascii, binary,
-                          binary_compressed
-``.xyz .txt .csv .pts``   text columns, see *column rule* below                  (NumPy)
-``.xyzn`` / ``.xyzrgb``   text, 6 columns: xyz + normals / xyz + rgb in [0, 1]    (NumPy)
-``.npy``                  one ``(N, 3)`` array (``(N, C)`` follows the column     NumPy
-                          rule)
-``.npz``                  keys ``points`` (required), ``normals``, ``colors``,    NumPy
-                          ``features``, ``extra.<name>``
-``.las`` / ``.laz``       X, Y, Z (scaled), red/green/blue (16 bit), normals and  laspy
-                          other fields as extra dimensions                        (optional)
-========================  =====================================================  ===========
+Formats (suffix: what is read and written; library):
+
+* ``.ply``: vertex ``x y z``, ``nx ny nz``, ``red green blue``, ``feature_<j>``, other
+  scalar vertex properties as ``extras``; ascii and binary little/big endian; elements other
+  than ``vertex`` (faces, the Stanford scans' ``range_grid``) are skipped; plyfile.
+* ``.pcd``: ``x y z``, ``normal_x normal_y normal_z``, ``rgb``/``rgba`` (packed in F 4 or
+  U 4) or ``r g b``, ``fpfh``/``feature`` (COUNT D) as features, other fields as ``extras``;
+  ascii, binary and binary_compressed; pypcd4.
+* ``.xyz .txt .csv .pts``: text columns, see the column rule below.
+* ``.xyzn`` / ``.xyzrgb``: text with 6 columns, xyz + normals / xyz + rgb in [0, 1]
+  (Open3D's conventions).
+* ``.npy``: one ``(N, 3)`` array (``(N, C)`` follows the column rule).
+* ``.npz``: arrays ``points`` (required), ``normals``, ``colors``, ``features`` and
+  ``extra.<name>``.
+* ``.las`` / ``.laz``: scaled X Y Z, 16-bit ``red green blue``, normals and other extras as
+  extra-bytes dimensions; laspy (optional extra, ``pip install 'pointalign[las]'``), and a
+  LAZ backend for ``.laz``. Standard LAS dimensions that are zero for every point are not
+  carried into ``extras``.
+
+Extras of shape ``(N, K)`` are written to PLY and LAS as K columns ``name_0 .. name_{K-1}``
+(and read back as K separate extras); PCD and NPZ keep them whole.
 
 **Column rule** for text files and ``.npy`` (documented once, used by both). Numbers are
 separated by whitespace and/or commas; blank lines and lines starting with ``#`` or ``//``
@@ -35,7 +37,8 @@ skipped. Then, by the number of columns C:
   all integers in 0..255 with at least one above 1 (scaled by 1/255), else as **normals**
   when every row has unit length (within 1e-3), else as colours when they all lie in
   [0, 1], else they are kept as ``extras["columns"]``.
-* C = 9: ``x y z nx ny nz r g b`` (colours in 0..255 when any exceeds 1, else in [0, 1]).
+* C = 9: ``x y z nx ny nz r g b`` when columns 4-6 have unit length and columns 7-9 are
+  colours (in [0, 1], or integers in 0..255 when any exceeds 1); else as "any other C".
 * ``.pts`` follows Open3D: C = 4 is ``x y z intensity``, C = 7 is ``x y z intensity r g b``
   (0..255), C = 6 is ``x y z r g b`` (0..255).
 * Any other C: ``x y z`` then the rest as ``extras["columns"]`` (``(N, C - 3)``).
@@ -437,6 +440,10 @@ def _read_pcd(path: Path) -> _Fields:
                 extras["alpha"] = ((packed >> 24) & 255).astype(np.uint8)
             used.add(key)
             break
+    if colors is None and {"r", "g", "b"} <= set(names) \
+            and all(cnt[c] == 1 for c in "rgb"):
+        colors = _color_scale(np.stack([data[c] for c in "rgb"], axis=1))
+        used |= {"r", "g", "b"}
     for key in ("fpfh", "feature"):
         if key in names:
             features = col(key, cnt[key]).reshape(len(data), -1).astype(np.float64)
@@ -483,8 +490,8 @@ def _write_pcd(f: Any, cloud: PointCloud, binary: bool) -> None:
                     count=tuple(counts), points=n_pts, width=n_pts, height=1)
     rec = np.empty(n_pts, dtype=meta.build_dtype())
     for n, v in fields:
-        if v.ndim == 1:
-            rec[n] = v
+        if v.ndim == 1 or v.shape[1] == 1:
+            rec[n] = v.reshape(-1)
         else:
             for i in range(v.shape[1]):
                 rec[f"{n}__{i:04d}"] = v[:, i]
@@ -551,6 +558,19 @@ def _parse_text(path: Path) -> tuple[np.ndarray, list[int]]:
     return table, lines
 
 
+def _unit_rows(v: np.ndarray) -> bool:
+    return bool(np.all(np.abs(np.linalg.norm(v, axis=1) - 1.0) < 1e-3))
+
+
+def _as_colors(v: np.ndarray) -> np.ndarray | None:
+    """Colours in [0, 1] from [0, 1] floats or 0..255 integers, else None."""
+    if v.min() >= 0 and v.max() <= 1:
+        return v
+    if v.min() >= 0 and v.max() <= 255 and np.all(v == np.rint(v)):
+        return v / 255.0
+    return None
+
+
 def _columns(table: np.ndarray, kind: str = "auto") -> _Fields:
     """Interpret an ``(N, C)`` table by the column rule in the module docstring."""
     n, c = table.shape
@@ -571,11 +591,13 @@ def _columns(table: np.ndarray, kind: str = "auto") -> _Fields:
         last = table[:, 6:9] if c == 9 else table[:, 3:6]
         is_int = bool(np.all(last == np.rint(last)))
         if c == 9:
-            scale = 255.0 if last.max() > 1 else 1.0
-            return _Fields(pts, normals=table[:, 3:6], colors=last / scale)
+            cols = _as_colors(last)
+            if _unit_rows(table[:, 3:6]) and cols is not None:
+                return _Fields(pts, normals=table[:, 3:6], colors=cols)
+            return _Fields(pts, extras={"columns": table[:, 3:].copy()})
         if is_int and last.min() >= 0 and last.max() <= 255 and last.max() > 1:
             return _Fields(pts, colors=last / 255.0)
-        if np.all(np.abs(np.linalg.norm(last, axis=1) - 1.0) < 1e-3):
+        if _unit_rows(last):
             return _Fields(pts, normals=last)
         if last.min() >= 0 and last.max() <= 1:
             return _Fields(pts, colors=last)
@@ -704,6 +726,7 @@ def _read_las(path: Path) -> _Fields:
     las = laspy.read(path)
     pts = np.stack([np.asarray(las.x), np.asarray(las.y), np.asarray(las.z)], axis=1)
     dims = list(las.point_format.dimension_names)
+    std = set(las.point_format.standard_dimension_names)
     colors = normals = None
     if {"red", "green", "blue"} <= set(dims):
         colors = np.stack([np.asarray(las[c]) for c in ("red", "green", "blue")],
@@ -715,8 +738,11 @@ def _read_las(path: Path) -> _Fields:
         if d in _LAS_SKIP or d in _PCD_NORMALS:
             continue
         v = np.asarray(las[d])
-        if v.dtype.kind in "iufb" and v.ndim >= 1:
-            extras[d] = v
+        if v.dtype.kind not in "iufb" or v.ndim < 1:
+            continue
+        if d in std and not np.any(v):
+            continue  # a standard dimension the writer left at 0: nothing to carry
+        extras[d] = v
     return _Fields(pts, normals, colors, None, extras, True)
 
 
@@ -754,6 +780,12 @@ def _write_las(f: Any, cloud: PointCloud, binary: bool, laz: bool = False) -> No
         las.red, las.green, las.blue = c16[:, 0], c16[:, 1], c16[:, 2]
     for k, v in _flat_extras(a["extras"]):
         if k in std and k not in _LAS_SKIP:
+            want = np.asarray(las[k]).dtype
+            if not np.array_equal(v.astype(want).astype(np.float64), v.astype(np.float64)):
+                raise ValueError(
+                    f"extras[{k!r}] does not fit LAS's {want} {k!r} dimension exactly "
+                    f"(values {v.min()}..{v.max()}); rename or rescale it"
+                )
             las[k] = v
     for k, v in extra_cols:
         las[k] = v
