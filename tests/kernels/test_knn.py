@@ -75,7 +75,7 @@ def test_bad_input(rng):
 
 
 def test_bunny_reference(bunny_pair):
-    q = bunny_pair.source[::23]
+    q = bunny_pair.source[::61]
     p = bunny_pair.target[::3]
     res = knn_mod.knn_reference(q, p, 8)
     assert_knn_matches(res, q, p, 8)

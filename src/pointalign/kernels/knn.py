@@ -29,7 +29,7 @@ from pointalign.kernels._backend import backend
 #: Largest k the Triton kernel keeps in registers; larger k runs the reference.
 MAX_TRITON_K = 32
 
-#: Pairs per tile of the reference (memory is about 4 x this many elements).
+#: Pairs per tile of the reference (memory is about 3 x this many elements).
 _TILE_PAIRS = 1 << 22
 
 
@@ -94,6 +94,16 @@ def _sort_rows(d: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return d.gather(1, o), i.gather(1, o)
 
 
+def _sq_dists(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``(n, m)`` squared distances, coordinate by coordinate (two temporaries of the tile)."""
+    d = (q[:, 0:1] - p[:, 0]).square_()
+    t = torch.empty_like(d)
+    for c in (1, 2):
+        torch.sub(q[:, c:c + 1], p[:, c], out=t)
+        d.addcmul_(t, t)
+    return d
+
+
 def knn_reference(query: torch.Tensor, points: torch.Tensor, k: int,
                   max_distance_sq: float | None = None, *,
                   tile_pairs: int = _TILE_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +130,7 @@ def knn_reference(query: torch.Tensor, points: torch.Tensor, k: int,
         best_i = torch.full((q.shape[0], kk), -1, dtype=torch.int64, device=dev)
         for ps in range(0, m, bm):
             p = points[ps:ps + bm]
-            d = (q[:, None, :] - p[None, :, :]).square().sum(-1)  # (bn, bm)
+            d = _sq_dists(q, p)  # (bn, bm)
             if max_distance_sq is not None:
                 d = torch.where(d <= max_distance_sq, d, torch.full_like(d, math.inf))
             if kk == 1:
