@@ -279,6 +279,9 @@ def _read_ply_vertex(f: Any, path: Path) -> Any:
 
 def _read_ply(path: Path) -> _Fields:
     with open(path, "rb") as f:
+        if f.read(4).rstrip(b"\r\n") != b"ply":
+            raise _FormatError("not a PLY file (no 'ply' magic line at byte 0)")
+        f.seek(0)
         data = _read_ply_vertex(f, path)
     names = list(data.dtype.names or ())
     if not {"x", "y", "z"} <= set(names):
@@ -366,8 +369,14 @@ def _pcd_check_size(f: Any) -> None:
     from pypcd4.pypcd4 import MetaData
 
     lines: list[str] = []
+    offset = 0
     for bline in f:
-        line = bline.decode("utf-8").strip()
+        try:
+            line = bline.decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise _FormatError(f"header line at byte offset {offset} is not text (byte "
+                               f"{offset + exc.start})") from None
+        offset += len(bline)
         if line.startswith("#") or not line:
             continue
         lines.append(line)
@@ -723,6 +732,14 @@ def _read_las(path: Path) -> _Fields:
     with open(path, "rb") as f:
         if f.read(4) != b"LASF":
             raise _FormatError("not a LAS file (no LASF signature at byte 0)")
+    if path.suffix.lower() == ".las":
+        with laspy.open(path) as reader:
+            h = reader.header
+            need = h.offset_to_point_data + h.point_count * h.point_format.size
+        size = path.stat().st_size
+        if need > size:
+            raise _FormatError(f"truncated: {h.point_count} points need {need} bytes, the "
+                               f"file has {size}")
     las = laspy.read(path)
     pts = np.stack([np.asarray(las.x), np.asarray(las.y), np.asarray(las.z)], axis=1)
     dims = list(las.point_format.dimension_names)
@@ -973,6 +990,8 @@ def write(path: PathLike, cloud: PointCloud, *, binary: bool = True) -> None:
     fmt = _format_for(p)
     if p.is_dir():
         raise IsADirectoryError(f"{p}: is a directory")
+    if not p.parent.is_dir():
+        raise FileNotFoundError(f"{p}: the directory {p.parent} does not exist")
     tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
     try:
         with open(tmp, "xb") as f:  # created with the usual umask-based permissions
