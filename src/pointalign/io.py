@@ -45,6 +45,9 @@ skipped. Then, by the number of columns C:
 
 Text writers emit ``x y z [nx ny nz] [r g b]`` with colours as integers 0..255 and
 coordinates with enough digits to round-trip exactly (9 for float32, 17 for float64).
+The rule has one blind spot: a colour-only text file whose colours are all 0 or 1 on the
+0..255 scale reads as normals or [0, 1] colours; use ``.xyzrgb``, ``.ply`` or ``.pcd`` for
+such clouds.
 
 **Common rules.** ``read(..., dtype=None)`` keeps the file's precision: float64 when the
 file stores float64 coordinates or decimal text (and for LAS, whose scaled integers need
@@ -79,7 +82,7 @@ import torch
 
 from pointalign.cloud import PointCloud
 
-__all__ = ["FORMATS", "read", "read_bin", "write"]
+__all__ = ["FORMATS", "Format", "read", "read_bin", "write"]
 
 PathLike = str | os.PathLike
 
@@ -837,7 +840,12 @@ FORMATS: dict[str, Format] = {
     ".laz": Format("LAZ", _read_las,
                    lambda f, c, b: _write_las(f, c, b, laz=True)),
 }
-"""Suffix (lower case, with the dot) -> :class:`Format`. Add a row to support a format."""
+"""Suffix (lower case, with the dot) -> :class:`Format`.
+
+A reader takes the path and returns the module's private ``_Fields`` record; a writer takes
+an open binary file (the temporary file), the cloud and ``binary``. Tests swap rows to
+inject failures.
+"""
 
 # what a parser may raise on a bad file; converted to ValueError naming the file
 _PARSE_ERRORS: tuple[type[BaseException], ...] = (
