@@ -96,7 +96,7 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
 
 
 def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
-        approximate: bool = False, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        approximate: bool = False, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher for :func:`pointalign.kernels.kdtree.knn` (same contract)."""
     q = query.to(tree.points.dtype).contiguous()
     n = q.shape[0]
@@ -108,6 +108,8 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
     stack = torch.empty(n * (tree.depth + 2), dtype=torch.int32, device=dev)
     kp = max(2, triton.next_power_of_2(k))
     md2 = min(float(max_dist2), BIG)
+    if block is None:  # small blocks keep the interpreter (CPU tensors) fast
+        block = 64 if q.is_cuda else 16
     grid = (triton.cdiv(n, block),)
     _knn_kernel[grid](
         q, tree.points, tree.lo, tree.hi, tree.split_axis, tree.split_value,

@@ -1,0 +1,236 @@
+"""kernels.kdtree: build, descent, the kNN reference and the Triton traversal kernel.
+
+The Triton kernel runs here through Triton's interpreter on CPU tensors (tiny sizes); on a
+CUDA device (``-m gpu``) it runs compiled and is compared with the reference on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign.kernels import kdtree as K
+from tests._oracles import assert_knn_matches, run_interpreted
+
+triton = pytest.importorskip("triton")
+
+
+def _cloud(n, g, dtype=torch.float32, scale=1.0):
+    return (torch.rand(n, 3, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _orig(tree, res):
+    d, pos = res
+    return d, torch.where(pos >= 0, tree.perm[pos.clamp_min(0)], pos)
+
+
+def test_depth_for():
+    assert K.depth_for(1, 16) == 0
+    assert K.depth_for(16, 16) == 0
+    assert K.depth_for(17, 16) == 1
+    assert K.depth_for(1000, 1) == 9
+    for m in (5, 33, 1000, 4097):
+        for ls in (1, 3, 8):
+            d = K.depth_for(m, ls)
+            assert 2**d <= m
+            assert -(-m // 2**d) <= ls or 2 ** (d + 1) > m
+
+
+def test_node_ranges_partition():
+    for m, depth in [(1, 0), (5, 2), (97, 5), (1024, 10)]:
+        r = K.node_ranges(m, depth)
+        for level in range(depth + 1):
+            rows = r[2**level - 1:2 ** (level + 1) - 1]
+            assert rows[0, 0] == 0 and rows[-1, 1] == m
+            assert torch.equal(rows[1:, 0], rows[:-1, 1])
+
+
+def test_build_rejects_bad_depth():
+    with pytest.raises(ValueError, match="depth"):
+        K.build(torch.zeros(4, 3), 3)
+    with pytest.raises(ValueError, match="where"):
+        K.build(torch.zeros(4, 3), 1, "gpu")
+
+
+# ---- the Triton kernel through the interpreter (in a child process, see _oracles) ----------
+
+# (M, N, k, depth): tiny, because the interpreter runs each Triton op in NumPy
+INTERP_CASES = [(1, 3, 1, 0), (2, 5, 3, 1), (3, 4, 2, 1), (37, 11, 5, 3), (97, 13, 4, 4)]
+INTERP_MAXD = [0.0, 0.3]
+INTERP_SEEDS = 2
+
+
+def _interp_inputs(case, seed, dtype=torch.float32):
+    m, n, k, depth = case
+    g = torch.Generator().manual_seed(1000 * seed + m)
+    return _cloud(m, g, dtype), _cloud(n, g, dtype, scale=1.2) - 0.1
+
+
+def run_interpreted_kdtree(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): every Triton case, results saved by key."""
+    from pointalign.kernels import _backend
+    from pointalign.kernels import _kdtree_triton as KT
+
+    assert _backend.backend(torch.empty(0)) == "interpret"
+    out = {}
+    for seed in range(INTERP_SEEDS):
+        for case in INTERP_CASES:
+            pts, q = _interp_inputs(case, seed)
+            tree = K.build(pts, case[3])
+            for approx in (False, True):
+                out[("knn", case, seed, approx)] = KT.knn(tree, q, case[2], approximate=approx)
+        pts, q = _interp_inputs((60, 9, 6, 3), seed)
+        tree = K.build(pts, 3)
+        for md in INTERP_MAXD:
+            out[("maxd", md, seed)] = KT.knn(tree, q, 6, max_dist2=md**2)
+        pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
+        tree = K.build(pts, 2)
+        out[("f64", seed)] = KT.knn(tree, q, 3)
+        out[("empty", seed)] = KT.knn(tree, torch.empty(0, 3, dtype=torch.float64), 2)
+        # the public dispatch takes the Triton path under the interpret backend
+        calls = []
+        orig = KT.knn
+        KT.knn = lambda *a, **kw: (calls.append(1), orig(*a, **kw))[1]
+        try:
+            out[("dispatch", seed)] = (K.knn(tree, q, 2), len(calls))
+        finally:
+            KT.knn = orig
+    torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        return run_interpreted("tests.kernels.test_kdtree", "run_interpreted_kdtree",
+                               tmp_path_factory.mktemp("interp") / "kdtree.pt", mp)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("case", INTERP_CASES)
+@pytest.mark.parametrize("approximate", [False, True])
+def test_triton_interpreter_matches_reference(case, approximate, interpreted, seed):
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    pts, q = _interp_inputs(case, seed)
+    tree = K.build(pts, case[3])
+    k = case[2]
+    ref = K.knn_reference(tree, q, k, approximate=approximate)
+    got = interpreted[("knn", case, seed, approximate)]
+    assert torch.equal(torch.isinf(got[0]), torch.isinf(ref[0]))
+    fin = torch.isfinite(ref[0])
+    assert torch.allclose(got[0][fin], ref[0][fin], atol=1e-6)
+    assert torch.equal(got[1] < 0, ref[1] < 0)
+    if not approximate:
+        assert_knn_matches(_orig(tree, got), q, pts, k)
+
+
+@pytest.mark.parametrize("max_d", INTERP_MAXD)
+def test_triton_interpreter_max_distance(max_d, interpreted, seed):
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    pts, q = _interp_inputs((60, 9, 6, 3), seed)
+    tree = K.build(pts, 3)
+    got = interpreted[("maxd", max_d, seed)]
+    if max_d == 0.0:
+        assert torch.isinf(got[0]).all() and (got[1] == -1).all()
+    else:
+        assert_knn_matches(_orig(tree, got), q, pts, 6, max_distance=max_d)
+
+
+def test_triton_interpreter_float64_empty_and_dispatch(interpreted, seed):
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
+    tree = K.build(pts, 2)
+    got = interpreted[("f64", seed)]
+    assert got[0].dtype == torch.float64
+    assert_knn_matches(_orig(tree, got), q, pts, 3, rtol=1e-12, atol=1e-12)
+    d, i = interpreted[("empty", seed)]
+    assert d.shape == (0, 2) and i.shape == (0, 2)
+    res, n_calls = interpreted[("dispatch", seed)]
+    assert n_calls == 1, "the interpret backend must run the Triton kernel"
+    assert_knn_matches(_orig(tree, res), q, pts, 2)
+
+
+def test_torch_backend_skips_triton(rng, monkeypatch):
+    pts, q = _cloud(40, rng), _cloud(6, rng)
+    tree = K.build(pts, 2)
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
+    import sys
+
+    mod = sys.modules.get("pointalign.kernels._kdtree_triton")
+    if mod is not None:
+        monkeypatch.setattr(mod, "knn", lambda *a, **kw: pytest.fail("Triton path taken"))
+    assert_knn_matches(_orig(tree, K.knn(tree, q, 2)), q, pts, 2)
+
+
+def test_reference_chunks_and_k_beyond_points(rng):
+    pts, q = _cloud(90, rng), _cloud(70, rng)
+    tree = K.build(pts, 3)
+    a = K.knn_reference(tree, q, 5, chunk=7)
+    b = K.knn_reference(tree, q, 5)
+    assert torch.equal(a[0], b[0])
+    d, pos = K.knn_reference(tree, q, 100)
+    assert (pos[:, 90:] == -1).all() and torch.isinf(d[:, 90:]).all()
+    assert_knn_matches(_orig(tree, (d, pos)), q, pts, 100)
+    with pytest.raises(ValueError, match="k"):
+        K.knn(tree, q, 0)
+
+
+def test_descend_reaches_cell(rng):
+    pts, q = _cloud(300, rng), _cloud(50, rng)
+    tree = K.build(pts, 5)
+    leaf = K.descend(tree, q)
+    # walk down by hand in NumPy
+    ax, sv = tree.split_axis.numpy(), tree.split_value.numpy()
+    for row in range(q.shape[0]):
+        node = 0
+        for _ in range(tree.depth):
+            node = 2 * node + (2 if q[row, ax[node]].item() >= sv[node] else 1)
+        assert node == int(leaf[row])
+    assert torch.equal(K.descend(tree, q, 0), torch.zeros(50, dtype=torch.int64))
+    assert torch.equal(K.descend(tree, q, 99), leaf)
+
+
+def test_host_build_matches_device(rng):
+    pts = _cloud(777, rng)
+    a, b = K.build(pts, 6, "device"), K.build(pts, 6, "host")
+    assert torch.equal(a.perm, b.perm)
+    assert torch.equal(a.lo, b.lo) and torch.equal(a.hi, b.hi)
+    assert np.allclose(a.split_value.numpy(), b.split_value.numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("k", [1, 8, 33])
+def test_triton_cuda_matches_reference(approximate, k, rng):
+    pts, q = _cloud(50021, rng).cuda(), (_cloud(4099, rng, scale=1.3) - 0.15).cuda()
+    tree = K.build(pts, K.depth_for(pts.shape[0], 16))
+    from pointalign.kernels import _kdtree_triton
+
+    got = _kdtree_triton.knn(tree, q, k, approximate=approximate)
+    ref = K.knn_reference(tree, q, k, approximate=approximate)
+    assert got[0].is_cuda
+    assert torch.equal(torch.isinf(got[0]), torch.isinf(ref[0]))
+    fin = torch.isfinite(ref[0])
+    assert torch.allclose(got[0][fin], ref[0][fin], atol=1e-6)
+    if not approximate:
+        assert_knn_matches(_orig(tree, got), q.cpu(), pts.cpu(), k)
+        got = _kdtree_triton.knn(tree, q, k, max_dist2=0.02**2)
+        assert_knn_matches(_orig(tree, got), q.cpu(), pts.cpu(), k, max_distance=0.02)
+
+
+@pytest.mark.gpu
+def test_cuda_build_matches_host(rng):
+    pts = _cloud(100003, rng)
+    a = K.build(pts.cuda(), 12, "device")
+    b = K.build(pts, 12, "host")
+    assert torch.equal(a.perm.cpu(), b.perm)
+    assert torch.equal(a.lo.cpu(), b.lo)
+    assert math.isclose(float((a.split_value.cpu() - b.split_value).abs().max()), 0.0,
+                        abs_tol=1e-7)
