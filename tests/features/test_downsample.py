@@ -1,0 +1,110 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign import PointCloud, datasets
+from pointalign.features.downsample import count_voxels, voxel_downsample
+
+
+def _oracle(points: np.ndarray, v: float) -> dict[tuple, np.ndarray]:
+    """Centroid per voxel in float64 NumPy, keyed by integer cell."""
+    cells = np.floor((points - points.min(0)) / v).astype(np.int64)
+    groups: dict[tuple, list] = {}
+    for c, p in zip(map(tuple, cells), points):
+        groups.setdefault(c, []).append(p)
+    return {c: np.mean(ps, 0) for c, ps in groups.items()}
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1001])
+def test_centroids_match_numpy_oracle(seed, n):
+    rng = np.random.default_rng(seed)
+    pts = rng.uniform(-1, 3, size=(n, 3))
+    v = 0.37
+    out = voxel_downsample(torch.from_numpy(pts), v)
+    ref = _oracle(pts, v)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64
+    assert out.shape == (len(ref), 3)
+    got = sorted(map(tuple, out.numpy().round(9)))
+    want = sorted(map(tuple, np.array(list(ref.values())).round(9)))
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-9)
+    assert count_voxels(torch.from_numpy(pts), v) == len(ref)
+
+
+def test_float32_bunny_every_point_within_its_voxel():
+    pts = datasets.load_bunny("bun000")
+    v = 0.004
+    out = voxel_downsample(pts, v)
+    assert out.dtype == torch.float32
+    ref = _oracle(pts.double().numpy(), v)
+    assert out.shape[0] == len(ref)
+    got = np.sort(out.double().numpy(), axis=0)
+    want = np.sort(np.array(list(ref.values())), axis=0)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_one_big_voxel_gives_the_mean(seed):
+    g = torch.Generator().manual_seed(seed)
+    pts = torch.randn(57, 3, generator=g, dtype=torch.float64)
+    out = voxel_downsample(pts, 100.0)
+    torch.testing.assert_close(out, pts.mean(0, keepdim=True))
+
+
+def test_pointcloud_carries_normals_and_colours(seed):
+    g = torch.Generator().manual_seed(seed)
+    pts = torch.rand(300, 3, generator=g, dtype=torch.float64)
+    nrm = torch.randn(300, 3, generator=g, dtype=torch.float64)
+    nrm = nrm / nrm.norm(dim=1, keepdim=True)
+    col = torch.rand(300, 3, generator=g, dtype=torch.float64)
+    cloud = PointCloud(pts, normals=nrm, colors=col)
+    out = voxel_downsample(cloud, 0.25)
+    assert isinstance(out, PointCloud)
+    assert out.normals is not None and out.colors is not None
+    torch.testing.assert_close(out.normals.norm(dim=1), torch.ones(len(out), dtype=torch.float64))
+    # colours: the mean colour of the points of each voxel; check one voxel against a mask
+    cells = torch.floor((pts - pts.min(0).values) / 0.25).long()
+    c0 = torch.floor((out.points[0] - pts.min(0).values) / 0.25).long()
+    members = (cells == c0).all(1)
+    torch.testing.assert_close(out.colors[0], col[members].mean(0))
+    mean_n = nrm[members].sum(0)
+    torch.testing.assert_close(out.normals[0], mean_n / mean_n.norm())
+
+
+def test_deterministic_and_input_untouched(seed):
+    g = torch.Generator().manual_seed(seed)
+    pts = torch.rand(5000, 3, generator=g)
+    before = pts.clone()
+    a, b = voxel_downsample(pts, 0.05), voxel_downsample(pts, 0.05)
+    assert torch.equal(a, b)
+    assert torch.equal(pts, before)
+
+
+def test_numpy_input_returns_tensor():
+    out = voxel_downsample(np.zeros((4, 3)), 1.0)
+    assert isinstance(out, torch.Tensor) and out.shape == (1, 3)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_bad_voxel_size(bad):
+    with pytest.raises(ValueError, match="voxel_size"):
+        voxel_downsample(torch.rand(10, 3), bad)
+
+
+def test_bad_points():
+    with pytest.raises(ValueError, match="cloud"):
+        voxel_downsample(torch.rand(10, 2), 0.1)
+    with pytest.raises(ValueError, match="cloud"):
+        voxel_downsample(torch.empty(0, 3), 0.1)
+    with pytest.raises(ValueError, match="voxel_size"):
+        voxel_downsample(torch.tensor([[0.0, 0, 0], [1e6, 0, 0]]), 1e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu(seed):
+    g = torch.Generator().manual_seed(seed)
+    pts = torch.rand(20000, 3, generator=g)
+    a = voxel_downsample(pts, 0.03)
+    b = voxel_downsample(pts.cuda(), 0.03)
+    assert b.is_cuda
+    torch.testing.assert_close(b.cpu(), a, atol=1e-6, rtol=0)
