@@ -211,6 +211,18 @@ def test_ply_big_endian_elements_before_and_after_vertex_and_extra_properties(tm
         np.testing.assert_array_equal(c.extras["confidence"].numpy(), v["confidence"])
 
 
+def test_ply_without_plyfile_private_helpers(tmp_path, monkeypatch):
+    """The public PlyData.read fallback gives the same cloud as the vertex-only fast path."""
+    cloud = make_cloud(0, dtype=torch.float32, extras=True)
+    pio.write(tmp_path / "a.ply", cloud)
+    fast = pio.read(tmp_path / "a.ply")
+    monkeypatch.setattr(pio, "_PLY_VERTEX_ONLY", False)
+    slow = pio.read(tmp_path / "a.ply")
+    for name in ("points", "normals", "colors"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name))
+    assert torch.equal(fast.extras["label"], slow.extras["label"])
+
+
 def test_pcd_compressed_and_packed_float_rgb(tmp_path, seed):
     g = np.random.default_rng(seed)
     n = 31

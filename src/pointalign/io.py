@@ -243,6 +243,11 @@ def _ply_min_bytes(elt: Any, text: bool) -> int:
     return elt.count * per_row
 
 
+# read only up to the vertex element through plyfile's per-element reader (False: the
+# public PlyData.read of the whole file, as used if plyfile ever renames those helpers)
+_PLY_VERTEX_ONLY = True
+
+
 def _read_ply_vertex(f: Any, path: Path) -> Any:
     """Read the PLY elements up to and including ``vertex``, then stop.
 
@@ -255,8 +260,11 @@ def _read_ply_vertex(f: Any, path: Path) -> Any:
     import plyfile
 
     parse = getattr(plyfile.PlyData, "_parse_header", None)
-    if parse is None or not hasattr(plyfile.PlyElement, "_read"):  # pragma: no cover
-        return plyfile.PlyData.read(f)["vertex"]
+    if not _PLY_VERTEX_ONLY or parse is None or not hasattr(plyfile.PlyElement, "_read"):
+        ply = plyfile.PlyData.read(f)
+        if "vertex" not in ply:
+            raise _FormatError(f"no 'vertex' element (elements: {[e.name for e in ply]})")
+        return ply["vertex"].data.copy()
     ply = parse(f)
     names = [e.name for e in ply.elements]
     if "vertex" not in names:
