@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-BIG = 3.0e38  # stands for +inf inside the kernel
+BIG_HOST = 3.0e38  # stands for +inf inside the kernel
+BIG = tl.constexpr(BIG_HOST)
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
         return out_d, out_i
     stack = torch.empty(n * (tree.depth + 2), dtype=torch.int32, device=dev)
     kp = max(2, triton.next_power_of_2(k))
-    md2 = min(float(max_dist2), BIG)
+    md2 = min(float(max_dist2), BIG_HOST)
     if block is None:  # small blocks keep the interpreter (CPU tensors) fast
         block = 64 if q.is_cuda else 16
     grid = (triton.cdiv(n, block),)
