@@ -1,6 +1,8 @@
 """pointalign: rigid point-cloud registration on the GPU and the CPU."""
 
+from pointalign import datasets, metrics, transforms
 from pointalign.cloud import PointCloud
+from pointalign.io import read, read_bin, write
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.result import RegistrationResult
 
@@ -12,4 +14,10 @@ __all__ = [
     "RegistrationResult",
     "RobustKernel",
     "__version__",
+    "datasets",
+    "metrics",
+    "read",
+    "read_bin",
+    "transforms",
+    "write",
 ]
