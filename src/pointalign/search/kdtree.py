@@ -37,8 +37,9 @@ class KDTreeIndex:
         depth: number of split levels D (leaves at level D, ``2^D`` leaves); clamped to
             ``2^D <= M`` so that no node is empty. Overrides ``leaf_size``.
         build: ``"device"`` (torch sorts on the points' device), ``"host"`` (NumPy, then copied)
-            or ``"auto"`` (``"device"``: faster on CUDA and, with torch's threaded sort, on the
-            CPU too; see ``benchmarks/bench_kdtree.py``).
+            or ``"auto"``: ``"device"`` for CUDA points, ``"host"`` for CPU points (NumPy's
+            lexsort beat torch's scatter-reduce + two sorts per level by about 2x on the CPU;
+            see ``benchmarks/bench_kdtree.py``).
         device: where the tree lives (default: the points' device).
 
     Attributes:
@@ -67,7 +68,7 @@ class KDTreeIndex:
             if int(depth) < 0:
                 raise ValueError(f"depth: must be >= 0, got {depth}")
             d = min(int(depth), int(math.floor(math.log2(m))))
-        where = "device" if build == "auto" else build
+        where = build if build != "auto" else ("device" if dev.type == "cuda" else "host")
         self._tree = _k.build(pts, d, where)
         self.points = pts
         self.leaf_size = self._tree.max_leaf_size

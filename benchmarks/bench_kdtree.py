@@ -1,0 +1,103 @@
+"""k-d tree: build time (device vs host) and query time (exact / approximate) vs peers.
+
+Target: the bun000 scan upsampled with jitter to M points; queries: bun045 moved into the
+target frame by the ground truth, upsampled to N = M (a registration-like workload).
+Peers (same inputs, when installed): SciPy cKDTree (all cores), pykdtree.
+
+    python benchmarks/bench_kdtree.py --device cuda          # 1e4, 1e5, 1e6
+    python benchmarks/bench_kdtree.py --device cpu --quick   # smoke run, < 1 minute
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import Recorder, parse_args, timeit  # noqa: E402
+
+from pointalign import datasets, transforms  # noqa: E402
+from pointalign.kernels import kdtree as K  # noqa: E402
+from pointalign.search.kdtree import KDTreeIndex  # noqa: E402
+
+
+def upsample(points: torch.Tensor, n: int, jitter: float, seed: int) -> torch.Tensor:
+    """``n`` points drawn (with replacement) from ``points (M, 3)`` plus Gaussian jitter."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, points.shape[0], (n,), generator=g)
+    return points[idx] + jitter * torch.randn(n, 3, generator=g, dtype=points.dtype)
+
+
+def bunny_problem(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target (n, 3), queries (n, 3)) from the bundled bunny scans, float32 CPU."""
+    pair = datasets.load_bunny_pair()
+    src = transforms.apply(pair.T_target_source.float(), pair.source)
+    return upsample(pair.target, n, 3e-4, seed), upsample(src, n, 3e-4, seed + 1)
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0]).parse_args()
+    dev = torch.device(args.device)
+    sizes = [2_000, 5_000] if args.quick else [10_000, 100_000, 1_000_000]
+    rep = 3 if args.quick else 7
+    warm = 1 if args.quick else 2
+    rec = Recorder("kdtree", dev, title="k-d tree: build and query",
+                   notes="M target points = N queries (bunny, upsampled); k-d tree leaf size "
+                         "16; times in ms (median of repeats); peers on the host.",
+                   columns=["op", "impl", "M", "k", "ms", "iqr_ms", "per_query_ns"])
+    for m in sizes:
+        tgt, qry = bunny_problem(m)
+        tgt_d, qry_d = tgt.to(dev), qry.to(dev)
+        depth = K.depth_for(m, 16)
+        for where in ("device", "host"):
+            t = timeit(lambda w=where: K.build(tgt_d, depth, w), repeat=rep, warmup=warm, device=dev)
+            rec.add(op="build", impl=f"pointalign {where}", M=m, k="",
+                    ms=t["median_s"] * 1e3, iqr_ms=t["iqr_s"] * 1e3, per_query_ns="")
+        tree = KDTreeIndex(tgt_d, leaf_size=16)
+        for name, fn, k in [
+            ("exact", lambda: tree.knn(qry_d, 1), 1),
+            ("exact", lambda: tree.knn(qry_d, 8), 8),
+            ("approximate", lambda: tree.knn(qry_d, 1, approximate=True), 1),
+            ("nearest_within 1mm", lambda: tree.nearest_within(qry_d, 1e-3), 1),
+            ("descend", lambda: tree.descend(qry_d), ""),
+        ]:
+            t = timeit(fn, repeat=rep, warmup=warm, device=dev)
+            rec.add(op=name, impl="pointalign", M=m, k=k, ms=t["median_s"] * 1e3,
+                    iqr_ms=t["iqr_s"] * 1e3, per_query_ns=t["median_s"] * 1e9 / m)
+        # peers on the host, same inputs
+        try:
+            from scipy.spatial import cKDTree
+
+            tn, qn = tgt.numpy(), qry.numpy()
+            t = timeit(lambda: cKDTree(tn, leafsize=16), repeat=rep, warmup=warm)
+            rec.add(op="build", impl="scipy cKDTree", M=m, k="", ms=t["median_s"] * 1e3,
+                    iqr_ms=t["iqr_s"] * 1e3, per_query_ns="")
+            ck = cKDTree(tn, leafsize=16)
+            for k in (1, 8):
+                t = timeit(lambda k=k: ck.query(qn, k, workers=-1), repeat=rep, warmup=warm)
+                rec.add(op="exact", impl="scipy cKDTree", M=m, k=k, ms=t["median_s"] * 1e3,
+                        iqr_ms=t["iqr_s"] * 1e3, per_query_ns=t["median_s"] * 1e9 / m)
+        except ImportError:
+            pass
+        try:
+            from pykdtree.kdtree import KDTree
+
+            tn, qn = tgt.numpy(), qry.numpy()
+            t = timeit(lambda: KDTree(tn, leafsize=16), repeat=rep, warmup=warm)
+            rec.add(op="build", impl="pykdtree", M=m, k="", ms=t["median_s"] * 1e3,
+                    iqr_ms=t["iqr_s"] * 1e3, per_query_ns="")
+            pk = KDTree(tn, leafsize=16)
+            for k in (1, 8):
+                t = timeit(lambda k=k: pk.query(qn, k=k), repeat=rep, warmup=warm)
+                rec.add(op="exact", impl="pykdtree", M=m, k=k, ms=t["median_s"] * 1e3,
+                        iqr_ms=t["iqr_s"] * 1e3, per_query_ns=t["median_s"] * 1e9 / m)
+        except ImportError:
+            pass
+    rec.save()
+
+
+if __name__ == "__main__":
+    main()
