@@ -405,8 +405,12 @@ def test_missing_and_unknown(tmp_path):
         pio.read(tmp_path / "x.obj")
     with pytest.raises(ValueError, match="unknown file suffix"):
         pio.write(tmp_path / "x.obj", make_cloud(0))
-    with pytest.raises(TypeError, match="PointCloud"):
-        pio.write(tmp_path / "x.ply", np.zeros((3, 3)))
+    with pytest.raises(TypeError, match="cloud"):
+        pio.write(tmp_path / "x.ply", "not a cloud")
+    with pytest.raises(ValueError, match=r"cloud: expected shape \(N, 3\)"):
+        pio.write(tmp_path / "x.ply", np.zeros((3, 2)))
+    pio.write(tmp_path / "bare.ply", np.zeros((3, 3)))  # a bare array is a cloud of points
+    assert len(pio.read(tmp_path / "bare.ply")) == 3
     with pytest.raises(FileNotFoundError, match="no_dir"):
         pio.write(tmp_path / "no_dir" / "x.ply", make_cloud(0))
     (tmp_path / "j.ply").write_bytes(b"\x00junk" * 10)

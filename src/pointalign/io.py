@@ -80,6 +80,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pointalign import _validate
 from pointalign.cloud import PointCloud
 
 __all__ = ["FORMATS", "Format", "read", "read_bin", "write"]
@@ -990,18 +991,20 @@ def write(path: PathLike, cloud: PointCloud, *, binary: bool = True) -> None:
 
     Args:
         path: destination; its suffix picks the format.
-        cloud: the :class:`PointCloud` to write (any device; copied to the CPU).
+        cloud: the :class:`PointCloud` to write, or an ``(N, 3)`` array/tensor of points
+            (any device; copied to the CPU).
         binary: binary encoding for PLY (little endian) and PCD; ``False`` writes ASCII.
             Ignored by formats with a single encoding (text, NumPy, LAS).
 
     Raises:
         ValueError: unknown suffix, or a field the format cannot store (nothing is
             written then).
-        TypeError: ``cloud`` is not a PointCloud.
+        TypeError: ``cloud`` is neither a PointCloud nor an ``(N, 3)`` array.
         ImportError: ``.las``/``.laz`` without laspy or a LAZ backend.
     """
     if not isinstance(cloud, PointCloud):
-        raise TypeError(f"cloud: expected a PointCloud, got {type(cloud).__name__}")
+        # a bare (N, 3) array or tensor is a cloud of points only
+        cloud = PointCloud(_validate.as_points(cloud, "cloud"))
     p = Path(os.fspath(path))
     fmt = _format_for(p)
     if p.is_dir():
