@@ -38,6 +38,54 @@ def bunny_problem(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return upsample(pair.target, n, 3e-4, seed), upsample(src, n, 3e-4, seed + 1)
 
 
+def bench_size(rec: Recorder, m: int, dev: torch.device, rep: int, warm: int) -> None:
+    """All rows for one size M."""
+    tgt, qry = bunny_problem(m)
+    tgt_d, qry_d = tgt.to(dev), qry.to(dev)
+    depth = K.depth_for(m, 16)
+
+    def row(op, impl, k, t, per_query=True):
+        rec.add(op=op, impl=impl, M=m, k=k, ms=t["median_s"] * 1e3, iqr_ms=t["iqr_s"] * 1e3,
+                per_query_ns=t["median_s"] * 1e9 / m if per_query else "")
+
+    for where in ("device", "host"):
+        t = timeit(lambda w=where: K.build(tgt_d, depth, w), repeat=rep, warmup=warm,
+                   device=dev)
+        row("build", f"pointalign {where}", "", t, per_query=False)
+    tree = KDTreeIndex(tgt_d, leaf_size=16)
+    for name, fn, k in [
+        ("exact", lambda: tree.knn(qry_d, 1), 1),
+        ("exact", lambda: tree.knn(qry_d, 8), 8),
+        ("approximate", lambda: tree.knn(qry_d, 1, approximate=True), 1),
+        ("nearest_within 1mm", lambda: tree.nearest_within(qry_d, 1e-3), 1),
+        ("descend", lambda: tree.descend(qry_d), ""),
+    ]:
+        row(name, "pointalign", k, timeit(fn, repeat=rep, warmup=warm, device=dev))
+    tn, qn = tgt.numpy(), qry.numpy()
+    try:  # peers on the host, same inputs
+        from scipy.spatial import cKDTree
+
+        row("build", "scipy cKDTree", "",
+            timeit(lambda: cKDTree(tn, leafsize=16), repeat=rep, warmup=warm), False)
+        ck = cKDTree(tn, leafsize=16)
+        for k in (1, 8):
+            row("exact", "scipy cKDTree", k,
+                timeit(lambda k=k: ck.query(qn, k, workers=-1), repeat=rep, warmup=warm))
+    except ImportError:
+        pass
+    try:
+        from pykdtree.kdtree import KDTree
+
+        row("build", "pykdtree", "",
+            timeit(lambda: KDTree(tn, leafsize=16), repeat=rep, warmup=warm), False)
+        pk = KDTree(tn, leafsize=16)
+        for k in (1, 8):
+            row("exact", "pykdtree", k,
+                timeit(lambda k=k: pk.query(qn, k=k), repeat=rep, warmup=warm))
+    except ImportError:
+        pass
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0]).parse_args()
     dev = torch.device(args.device)
@@ -49,53 +97,7 @@ def main() -> None:
                          "16; times in ms (median of repeats); peers on the host.",
                    columns=["op", "impl", "M", "k", "ms", "iqr_ms", "per_query_ns"])
     for m in sizes:
-        tgt, qry = bunny_problem(m)
-        tgt_d, qry_d = tgt.to(dev), qry.to(dev)
-        depth = K.depth_for(m, 16)
-        for where in ("device", "host"):
-            t = timeit(lambda w=where: K.build(tgt_d, depth, w), repeat=rep, warmup=warm, device=dev)
-            rec.add(op="build", impl=f"pointalign {where}", M=m, k="",
-                    ms=t["median_s"] * 1e3, iqr_ms=t["iqr_s"] * 1e3, per_query_ns="")
-        tree = KDTreeIndex(tgt_d, leaf_size=16)
-        for name, fn, k in [
-            ("exact", lambda: tree.knn(qry_d, 1), 1),
-            ("exact", lambda: tree.knn(qry_d, 8), 8),
-            ("approximate", lambda: tree.knn(qry_d, 1, approximate=True), 1),
-            ("nearest_within 1mm", lambda: tree.nearest_within(qry_d, 1e-3), 1),
-            ("descend", lambda: tree.descend(qry_d), ""),
-        ]:
-            t = timeit(fn, repeat=rep, warmup=warm, device=dev)
-            rec.add(op=name, impl="pointalign", M=m, k=k, ms=t["median_s"] * 1e3,
-                    iqr_ms=t["iqr_s"] * 1e3, per_query_ns=t["median_s"] * 1e9 / m)
-        # peers on the host, same inputs
-        try:
-            from scipy.spatial import cKDTree
-
-            tn, qn = tgt.numpy(), qry.numpy()
-            t = timeit(lambda: cKDTree(tn, leafsize=16), repeat=rep, warmup=warm)
-            rec.add(op="build", impl="scipy cKDTree", M=m, k="", ms=t["median_s"] * 1e3,
-                    iqr_ms=t["iqr_s"] * 1e3, per_query_ns="")
-            ck = cKDTree(tn, leafsize=16)
-            for k in (1, 8):
-                t = timeit(lambda k=k: ck.query(qn, k, workers=-1), repeat=rep, warmup=warm)
-                rec.add(op="exact", impl="scipy cKDTree", M=m, k=k, ms=t["median_s"] * 1e3,
-                        iqr_ms=t["iqr_s"] * 1e3, per_query_ns=t["median_s"] * 1e9 / m)
-        except ImportError:
-            pass
-        try:
-            from pykdtree.kdtree import KDTree
-
-            tn, qn = tgt.numpy(), qry.numpy()
-            t = timeit(lambda: KDTree(tn, leafsize=16), repeat=rep, warmup=warm)
-            rec.add(op="build", impl="pykdtree", M=m, k="", ms=t["median_s"] * 1e3,
-                    iqr_ms=t["iqr_s"] * 1e3, per_query_ns="")
-            pk = KDTree(tn, leafsize=16)
-            for k in (1, 8):
-                t = timeit(lambda k=k: pk.query(qn, k=k), repeat=rep, warmup=warm)
-                rec.add(op="exact", impl="pykdtree", M=m, k=k, ms=t["median_s"] * 1e3,
-                        iqr_ms=t["iqr_s"] * 1e3, per_query_ns=t["median_s"] * 1e9 / m)
-        except ImportError:
-            pass
+        bench_size(rec, m, dev, rep, warm)
     rec.save()
 
 

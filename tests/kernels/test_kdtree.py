@@ -93,7 +93,12 @@ def run_interpreted_kdtree(out_path: str) -> None:
         # the public dispatch takes the Triton path under the interpret backend
         calls = []
         orig = KT.knn
-        KT.knn = lambda *a, **kw: (calls.append(1), orig(*a, **kw))[1]
+
+        def spy(*a, _calls=calls, _orig=orig, **kw):
+            _calls.append(1)
+            return _orig(*a, **kw)
+
+        KT.knn = spy
         try:
             out[("dispatch", seed)] = (K.knn(tree, q, 2), len(calls))
         finally:

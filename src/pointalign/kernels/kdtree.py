@@ -49,6 +49,7 @@ class TreeArrays(NamedTuple):
         split_value: ``(n_nodes,)`` float, the split coordinate (0 for leaves).
         start, end: ``(n_nodes,)`` int64, the node's range ``[start, end)`` in tree order.
         depth: number of split levels D (leaves are at level D).
+
     """
 
     points: torch.Tensor
@@ -63,14 +64,17 @@ class TreeArrays(NamedTuple):
 
     @property
     def n_nodes(self) -> int:
+        """``2^(D+1) - 1``."""
         return 2 ** (self.depth + 1) - 1
 
     @property
     def first_leaf(self) -> int:
+        """Id of the leftmost leaf, ``2^D - 1``."""
         return 2**self.depth - 1
 
     @property
     def max_leaf_size(self) -> int:
+        """Most points in one leaf, ``ceil(M / 2^D)``."""
         m = self.points.shape[0]
         return -(-m // 2**self.depth)
 
@@ -236,7 +240,7 @@ def descend(tree: TreeArrays, query: torch.Tensor, depth: int | None = None) -> 
 
 def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
         approximate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """k nearest tree points of each ``query (N, 3)`` with squared distance ``<= max_dist2``.
+    """Find the k nearest tree points of each ``query (N, 3)`` within ``d^2 <= max_dist2``.
 
     Returns ``dists (N, k)`` squared distances ascending (``inf`` where none) and
     ``idx (N, k)`` int64 positions in **tree order** (``-1`` where none); map through

@@ -50,6 +50,7 @@ class KDTreeIndex:
         node_ranges: ``(n_nodes, 2)`` int64 ``[start, end)`` of every node in tree order.
         node_lo, node_hi: ``(n_nodes, 3)`` bounding boxes.
         split_axis, split_value: ``(n_nodes,)`` split of internal nodes (axis -1 at leaves).
+
     """
 
     def __init__(self, points: Any, *, leaf_size: int = 16, depth: int | None = None,
@@ -82,42 +83,52 @@ class KDTreeIndex:
 
     @property
     def device(self) -> torch.device:
+        """Device of the points and the tree."""
         return self.points.device
 
     @property
     def depth(self) -> int:
+        """Number of split levels D (leaves at level D)."""
         return self._tree.depth
 
     @property
     def n_nodes(self) -> int:
+        """``2^(D+1) - 1`` nodes, all levels."""
         return self._tree.n_nodes
 
     @property
     def perm(self) -> torch.Tensor:
+        """``(M,)`` int64: tree order -> original point index."""
         return self._tree.perm
 
     @property
     def tree_points(self) -> torch.Tensor:
+        """``(M, 3)`` the points in tree order (``points[perm]``)."""
         return self._tree.points
 
     @property
     def node_ranges(self) -> torch.Tensor:
+        """``(n_nodes, 2)`` int64 ``[start, end)`` of every node in tree order."""
         return torch.stack([self._tree.start, self._tree.end], 1)
 
     @property
     def node_lo(self) -> torch.Tensor:
+        """``(n_nodes, 3)`` lower corners of the nodes' bounding boxes."""
         return self._tree.lo
 
     @property
     def node_hi(self) -> torch.Tensor:
+        """``(n_nodes, 3)`` upper corners of the nodes' bounding boxes."""
         return self._tree.hi
 
     @property
     def split_axis(self) -> torch.Tensor:
+        """``(n_nodes,)`` int32 split axis (-1 at leaves)."""
         return self._tree.split_axis
 
     @property
     def split_value(self) -> torch.Tensor:
+        """``(n_nodes,)`` split coordinate (0 at leaves)."""
         return self._tree.split_value
 
     def level_nodes(self, level: int) -> torch.Tensor:
@@ -165,13 +176,14 @@ class KDTreeIndex:
         self._payloads[str(name)] = per_node.to(self.device)
 
     def payload(self, name: str, node_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The data attached as ``name`` for ``node_ids (N,)`` (all nodes when None)."""
+        """Return the data attached as ``name`` for ``node_ids (N,)`` (all nodes when None)."""
         if name not in self._payloads:
             raise KeyError(f"name: no payload {name!r}; attached: {sorted(self._payloads)}")
         data = self._payloads[name]
         return data if node_ids is None else data[node_ids.to(self.device).long()]
 
     def has_payload(self, name: str) -> bool:
+        """Whether a payload ``name`` is attached."""
         return name in self._payloads
 
     # ------------------------------------------------------------------ queries
@@ -193,7 +205,7 @@ class KDTreeIndex:
         return KnnResult(d2, idx)
 
     def knn(self, query: Any, k: int, *, approximate: bool = False) -> KnnResult:
-        """The k nearest points of each ``query (N, 3)``: ``dists, idx (N, k)``.
+        """Find the k nearest points of each ``query (N, 3)``: ``dists, idx (N, k)``.
 
         Exact unless ``approximate=True`` (only the query's leaf is searched: fast, and exact
         whenever the nearest points share the query's leaf; ``idx = -1``, ``dists = inf`` where
@@ -213,7 +225,7 @@ class KDTreeIndex:
         return self._result(d2, pos)
 
     def nearest_within(self, query: Any, max_distance: float) -> KnnResult:
-        """The nearest point within ``max_distance`` of each query: ``(N, 1)``, -1 if none."""
+        """Find the nearest point within ``max_distance`` of each query: ``(N, 1)``, -1 if none."""
         max_distance = _checks.check_distance(max_distance, "max_distance")
         d2, pos = _k.knn(self._tree, self._query(query), 1, max_dist2=float(max_distance) ** 2)
         return self._result(d2, pos)
