@@ -1,0 +1,148 @@
+"""Triton kernel for :func:`pointalign.kernels.grid.grid_query` (27-cell voxel-grid search).
+
+One query per lane, ``BLOCK`` lanes per program. Queries are first sorted by cell key so
+the lanes of a program visit the same cells (coherent loads, similar loop lengths); results
+are scattered back. For each of the 9 ``(i, j)`` columns a lane reads its contiguous range
+``cell_start[key(i, j, l - 1)] .. cell_start[key(i, j, l + 1) + 1]`` and walks it, keeping
+the best by (squared distance, original index): a running minimum for ``k == 1``, a
+running top-k (replace the worst kept entry) for ``k <= 32``. Cell coordinates are
+computed in float64 from the grid's ``params``; distances in the input dtype; offsets in
+int64; every load masked. Rows are sorted by (distance, index) afterwards for ``k > 1``.
+Kernels are decorated on first use per mode (compiled / ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+_CACHE: dict[bool, object] = {}
+
+
+def _grid_kernel(q_ptr, prm_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_ptr, out_i_ptr,
+                 N, M, NX, NY, NZ, max_d2,
+                 HAS_MAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rmask = rows < N
+    qx = tl.load(q_ptr + rows * 3 + 0, mask=rmask, other=0.0)
+    qy = tl.load(q_ptr + rows * 3 + 1, mask=rmask, other=0.0)
+    qz = tl.load(q_ptr + rows * 3 + 2, mask=rmask, other=0.0)
+    ox = tl.load(prm_ptr + 0)
+    oy = tl.load(prm_ptr + 1)
+    oz = tl.load(prm_ptr + 2)
+    inv = tl.load(prm_ptr + 3)
+    nx = NX.to(tl.int64)
+    ny = NY.to(tl.int64)
+    nz = NZ.to(tl.int64)
+    fx = tl.floor((qx.to(tl.float64) - ox) * inv)
+    fy = tl.floor((qy.to(tl.float64) - oy) * inv)
+    fz = tl.floor((qz.to(tl.float64) - oz) * inv)
+    cx = tl.minimum(tl.maximum(fx, -2.0), nx.to(tl.float64) + 1.0).to(tl.int64)
+    cy = tl.minimum(tl.maximum(fy, -2.0), ny.to(tl.float64) + 1.0).to(tl.int64)
+    cz = tl.minimum(tl.maximum(fz, -2.0), nz.to(tl.float64) + 1.0).to(tl.int64)
+    zlo = tl.maximum(cz - 1, 0)
+    zhi = tl.minimum(cz + 1, nz - 1)
+    inf = float("inf")
+    big = 2147483647
+    slots = tl.arange(0, KP)
+    zk = tl.full((BLOCK, KP), 0, dtype=q_ptr.dtype.element_ty)
+    zk_i = tl.full((BLOCK, KP), 0, dtype=tl.int32)
+    if K == 1:
+        best_d = qx * 0 + inf
+        best_i = tl.full((BLOCK,), -1, dtype=tl.int32)
+    else:
+        best_d = tl.where(slots[None, :] < K, zk + inf, zk - inf)
+        best_i = zk_i - 1 - slots[None, :]
+    for col in range(9):
+        x = cx + (col // 3 - 1)
+        y = cy + (col % 3 - 1)
+        ok = rmask & (x >= 0) & (x < nx) & (y >= 0) & (y < ny) & (zlo <= zhi)
+        base = (x * ny + y) * nz
+        s = tl.load(start_ptr + base + zlo, mask=ok, other=0).to(tl.int64)
+        e = tl.load(start_ptr + base + zhi + 1, mask=ok, other=0).to(tl.int64)
+        n_it = tl.max(e - s, axis=0)
+        j = n_it * 0
+        while j < n_it:
+            pos = s + j
+            m = pos < e
+            px = tl.load(sp_ptr + pos, mask=m, other=inf)
+            py = tl.load(sp_ptr + M + pos, mask=m, other=inf)
+            pz = tl.load(sp_ptr + 2 * M + pos, mask=m, other=inf)
+            oi = tl.load(sidx_ptr + pos, mask=m, other=big)
+            dx = qx - px
+            dy = qy - py
+            dz = qz - pz
+            d = dx * dx + dy * dy + dz * dz
+            if HAS_MAX:
+                d = tl.where(d <= max_d2, d, inf)
+            if K == 1:
+                better = (d < best_d) | ((d == best_d) & (d < inf) & (oi < best_i))
+                best_d = tl.where(better, d, best_d)
+                best_i = tl.where(better, oi, best_i)
+            else:
+                worst = tl.max(best_d, axis=1)
+                wi = tl.max(tl.where(best_d == worst[:, None], best_i, -big), axis=1)
+                ins = (d < worst) | ((d == worst) & (d < inf) & (oi < wi))
+                slot = (best_d == worst[:, None]) & (best_i == wi[:, None]) & ins[:, None]
+                best_d = tl.where(slot, d[:, None] + zk, best_d)
+                best_i = tl.where(slot, oi[:, None] + zk_i, best_i)
+            j += 1
+    if K == 1:
+        best_i = tl.where(best_d == inf, -1, best_i)
+        tl.store(out_d_ptr + rows, best_d, mask=rmask)
+        tl.store(out_i_ptr + rows, best_i.to(tl.int64), mask=rmask)
+    else:
+        best_i = tl.where(best_d == inf, -1, best_i)
+        out = rows[:, None] * K + slots[None, :]
+        omask = rmask[:, None] & (slots[None, :] < K)
+        tl.store(out_d_ptr + out, best_d, mask=omask)
+        tl.store(out_i_ptr + out, best_i.to(tl.int64), mask=omask)
+
+
+def _kernel():
+    interp = bool(knobs.runtime.interpret)
+    if interp not in _CACHE:
+        _CACHE[interp] = triton.jit(_grid_kernel)
+    return _CACHE[interp]
+
+
+def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = None, *,
+               block: int | None = None, sort_queries: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the 27-cell search; same contract as :func:`pointalign.kernels.grid.grid_query`.
+
+    ``g``: a :class:`~pointalign.kernels.grid.GridData`; ``query (N, 3)`` with its dtype and
+    device; ``1 <= k <= 32``. Returns ``(dists_sq (N, k), idx (N, k) int64)``.
+    """
+    from pointalign.kernels.grid import query_keys
+    from pointalign.kernels.knn import _sort_rows
+
+    if not 1 <= k <= 32:
+        raise ValueError(f"k: the Triton grid kernel handles 1..32, got {k}")
+    n, m = query.shape[0], g.sorted_points.shape[1]
+    order = None
+    q = query.contiguous()
+    if sort_queries and n > 1:
+        order = torch.argsort(query_keys(g, q))
+        q = q[order]
+    kp = 1 if k == 1 else 1 << (k - 1).bit_length()
+    out_d = torch.empty((n, k), dtype=q.dtype, device=q.device)
+    out_i = torch.empty((n, k), dtype=torch.int64, device=q.device)
+    has_max = max_distance_sq is not None
+    bl = block or (128 if k == 1 else 32)
+    nx, ny, nz = g.dims
+    grid = (max(1, -(-n // bl)),)
+    _kernel()[grid](q, g.params, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
+                    n, m, nx, ny, nz, float(max_distance_sq) if has_max else 0.0,
+                    HAS_MAX=has_max, K=k, KP=kp, BLOCK=bl, num_warps=4)
+    if k > 1:
+        out_d, out_i = _sort_rows(out_d, out_i)
+    if order is not None:
+        rd, ri = torch.empty_like(out_d), torch.empty_like(out_i)
+        rd[order], ri[order] = out_d, out_i
+        out_d, out_i = rd, ri
+    return out_d, out_i
