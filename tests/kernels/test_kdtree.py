@@ -239,3 +239,16 @@ def test_cuda_build_matches_host(rng):
     assert torch.equal(a.lo.cpu(), b.lo)
     assert math.isclose(float((a.split_value.cpu() - b.split_value).abs().max()), 0.0,
                         abs_tol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", [False, True])
+def test_cuda_dispatch_with_query_reordering(approximate, rng):
+    n = K.REORDER_MIN_QUERIES * 3 + 7
+    pts, q = _cloud(30011, rng).cuda(), (_cloud(n, rng, scale=1.2) - 0.1).cuda()
+    tree = K.build(pts, K.depth_for(pts.shape[0], 16))
+    got = K.knn(tree, q, 4, approximate=approximate)
+    ref = K.knn_reference(tree, q, 4, approximate=approximate)
+    assert torch.equal(torch.isinf(got[0]), torch.isinf(ref[0]))
+    fin = torch.isfinite(ref[0])
+    assert torch.allclose(got[0][fin], ref[0][fin], atol=1e-6)

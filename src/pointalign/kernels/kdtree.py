@@ -36,6 +36,10 @@ from pointalign.kernels._backend import backend
 
 # the Triton kernel keeps the k best per query in registers; above this k the reference runs
 TRITON_MAX_K = 64
+# from this many queries on, the Triton path visits queries grouped by their leaf (one
+# descent + argsort), so that the lanes of a warp walk the same nodes: less divergence, and
+# coalesced, cached node and point reads; results are scattered back to the caller's order
+REORDER_MIN_QUERIES = 8192
 
 
 class TreeArrays(NamedTuple):
@@ -252,6 +256,14 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
     if be in ("triton", "interpret") and k <= TRITON_MAX_K:
         from pointalign.kernels import _kdtree_triton
 
+        if be == "triton" and query.shape[0] >= REORDER_MIN_QUERIES:
+            order = torch.argsort(descend(tree, query))
+            d, i = _kdtree_triton.knn(tree, query[order], k, max_dist2=max_dist2,
+                                      approximate=approximate)
+            out_d, out_i = torch.empty_like(d), torch.empty_like(i)
+            out_d[order] = d
+            out_i[order] = i
+            return out_d, out_i
         return _kdtree_triton.knn(tree, query, k, max_dist2=max_dist2, approximate=approximate)
     return knn_reference(tree, query, k, max_dist2=max_dist2, approximate=approximate)
 
