@@ -1,0 +1,326 @@
+"""ICP: recovery of known transforms on the bunny, inverse on swap, batched == separate,
+the information matrix vs an oracle, robust kernels, no-correspondence / degenerate stops,
+bad input, the Triton path (interpreted) and CUDA.
+
+Tolerances (rotation error = angle of inv(T_true) T_est, translation = ||t_est − t_true||):
+the bunny target is ~0.15 m across, subsampled to 1,500 points, noise σ = 0.5 mm.
+* 10°, 20 mm, 5 % outliers, 85 % overlap: < 0.5° and < 2 mm (both methods);
+* 30°, 20 mm, full overlap: < 0.5° and < 2 mm (both methods).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.spatial import cKDTree
+
+from pointalign import datasets, metrics, transforms
+from pointalign.cloud import PointCloud
+from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
+from pointalign.registration.icp import icp
+from pointalign.search import build_index
+from tests._oracles import run_interpreted
+
+METHODS = ["point_to_point", "point_to_plane"]
+CRIT = ConvergenceCriteria(max_iterations=60)
+
+
+@pytest.fixture(scope="module")
+def bunny():
+    return datasets.random_subsample(datasets.load_bunny("bun000"), 1500, seed=7)
+
+
+def _err(res, T):
+    rot, trans = metrics.relative_error(res.transformation, T)
+    return rot, trans
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_recovers_10deg_outliers_partial_overlap(bunny, seed, method):
+    p = datasets.make_pair(bunny, 10.0, 0.02, noise=5e-4, outlier_fraction=0.05,
+                           overlap=0.85, seed=seed)
+    res = icp(p.source, p.target, max_correspondence_distance=0.02, method=method,
+              criteria=CRIT, device="cpu")
+    rot, trans = _err(res, p.T_target_source)
+    assert rot < 0.5 and trans < 2e-3, (rot, trans, res.summary())
+    assert res.converged and res.stop_reason in ("relative_change", "small_update")
+    assert 0.8 < res.fitness <= 1.0 and res.rmse < 3e-3
+    assert res.info["H"].shape == (6, 6)
+    assert res.history[0]["iteration"] == 0 and len(res.history) == res.iterations + 1
+    assert {"index", "iterate", "total"} <= set(res.timings)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_recovers_30deg_full_overlap(bunny, seed, method):
+    p = datasets.make_pair(bunny, 30.0, 0.02, noise=5e-4, seed=seed)
+    res = icp(p.source, p.target, max_correspondence_distance=0.05, method=method,
+              criteria=CRIT, device="cpu")
+    rot, trans = _err(res, p.T_target_source)
+    assert rot < 0.5 and trans < 2e-3, (rot, trans, res.summary())
+
+
+def test_swap_gives_inverse(bunny, seed):
+    p = datasets.make_pair(bunny, 8.0, 0.01, noise=3e-4, seed=seed)
+    crit = ConvergenceCriteria(max_iterations=60, relative_fitness=0, relative_rmse=1e-7)
+    fwd = icp(p.source, p.target, max_correspondence_distance=0.03, criteria=crit,
+              method="point_to_plane", device="cpu")
+    bwd = icp(p.target, p.source, max_correspondence_distance=0.03, criteria=crit,
+              method="point_to_plane", device="cpu")
+    rot, trans = metrics.relative_error(bwd.transformation, np.linalg.inv(fwd.transformation))
+    assert rot < 0.1 and trans < 5e-4, (rot, trans)
+
+
+def test_perturbed_init_converges_back(bunny, seed):
+    p = datasets.make_pair(bunny, 5.0, 0.0, noise=5e-4, seed=seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    init = transforms.random_transform(3.0, 0.005, generator=g) @ p.T_target_source
+    res = icp(p.source, p.target, init=init, max_correspondence_distance=0.02,
+              method="point_to_plane", criteria=CRIT, device="cpu")
+    rot, trans = _err(res, p.T_target_source)
+    assert rot < 0.3 and trans < 1e-3
+
+
+def _ragged_batch(bunny, seed):
+    pairs = [datasets.make_pair(datasets.random_subsample(bunny, m, seed=s), 10.0, 0.01,
+                                noise=5e-4, overlap=ov, seed=seed * 10 + s)
+             for s, (m, ov) in enumerate([(900, 1.0), (701, 0.8), (503, 0.9)])]
+    return pairs
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_equals_separate(bunny, seed, method):
+    pairs = _ragged_batch(bunny, seed)
+    B = len(pairs)
+    N = max(p.source.shape[0] for p in pairs)
+    M = max(p.target.shape[0] for p in pairs)
+    src = torch.full((B, N, 3), 7.0)
+    tgt = torch.full((B, M, 3), -7.0)
+    for b, p in enumerate(pairs):
+        src[b, : p.source.shape[0]] = p.source
+        tgt[b, : p.target.shape[0]] = p.target
+    sl = torch.tensor([p.source.shape[0] for p in pairs])
+    tl = torch.tensor([p.target.shape[0] for p in pairs])
+    crit = ConvergenceCriteria(max_iterations=25)
+    res = icp(src, tgt, source_lengths=sl, target_lengths=tl, max_correspondence_distance=0.02,
+              method=method, criteria=crit, device="cpu")
+    assert res.batched and res.transformation.shape == (B, 4, 4) and len(res) == B
+    for b, p in enumerate(pairs):
+        one = icp(p.source, p.target, max_correspondence_distance=0.02, method=method,
+                  criteria=crit, device="cpu")
+        np.testing.assert_allclose(res.transformation[b], one.transformation, atol=1e-6)
+        assert res.iterations[b] == one.iterations
+        assert res.stop_reason[b] == one.stop_reason
+        assert abs(res.fitness[b] - one.fitness) < 1e-9
+        assert abs(res.rmse[b] - one.rmse) < 1e-7
+        item = res[b]
+        assert item.transformation.shape == (4, 4)
+        np.testing.assert_allclose(item.info["H"], one.info["H"], rtol=1e-5, atol=1e-9)
+
+
+def test_batched_shared_target(bunny, seed):
+    pairs = [datasets.make_pair(bunny, 8.0, 0.01, noise=5e-4, seed=seed * 10 + s)
+             for s in range(2)]
+    src = torch.stack([p.source for p in pairs])
+    res = icp(src, bunny, max_correspondence_distance=0.02, criteria=CRIT, device="cpu")
+    for b, p in enumerate(pairs):
+        rot, trans = metrics.relative_error(res.transformation[b], p.T_target_source)
+        assert rot < 0.5 and trans < 2e-3
+
+
+def _corr(src, tgt, T, md):
+    x = src.double().numpy() @ T[:3, :3].T + T[:3, 3]
+    d, j = cKDTree(tgt.double().numpy()).query(x, distance_upper_bound=md)
+    ok = np.isfinite(d)
+    return x[ok], tgt.double().numpy()[j[ok]], d[ok]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_information_matrix_and_stats_match_oracle(bunny, seed, method):
+    p = datasets.make_pair(bunny, 5.0, 0.01, noise=5e-4, overlap=0.9, seed=seed)
+    res = icp(p.source, p.target, max_correspondence_distance=0.01, method=method,
+              criteria=ConvergenceCriteria(max_iterations=8), device="cpu")
+    x, y, d = _corr(p.source, p.target, res.transformation, 0.01)
+    assert abs(res.fitness - len(d) / p.source.shape[0]) < 2e-3
+    assert abs(res.rmse - np.sqrt((d ** 2).mean())) < 1e-5
+    if method == "point_to_plane":
+        from pointalign.features.normals import estimate_normals
+
+        nrm = estimate_normals(p.target, k=20, orient=None).double().numpy()
+        j = cKDTree(p.target.double().numpy()).query(y)[1]
+        n = nrm[j]
+        J = np.concatenate([np.cross(y, n), n], 1)
+    else:
+        # Σ Gᵀ G with G = [−[y]×, I] (Open3D's point-to-point information matrix)
+        J = None
+        H = np.zeros((6, 6))
+        for yi in y:
+            G = np.concatenate([-np.array([[0, -yi[2], yi[1]], [yi[2], 0, -yi[0]],
+                                           [-yi[1], yi[0], 0]]), np.eye(3)], 1)
+            H += G.T @ G
+    if J is not None:
+        H = J.T @ J
+    # the final correspondences differ from the oracle's only on points at the boundary
+    np.testing.assert_allclose(res.info["H"], H, rtol=2e-2, atol=2e-2 * np.abs(H).max())
+
+
+@pytest.mark.parametrize("kind,scale", [("huber", 0.002), ("tukey", 0.02), ("cauchy", 0.005)])
+def test_robust_kernels_with_many_outliers(bunny, kind, scale):
+    p = datasets.make_pair(bunny, 8.0, 0.01, noise=5e-4, outlier_fraction=0.3, seed=3)
+    res = icp(p.source, p.target, max_correspondence_distance=0.03,
+              robust_kernel=RobustKernel(kind, scale), criteria=CRIT, device="cpu")
+    rot, trans = _err(res, p.T_target_source)
+    assert rot < 0.5 and trans < 2e-3, (kind, rot, trans)
+
+
+def test_no_correspondences_reported(bunny):
+    far = bunny + torch.tensor([10.0, 0.0, 0.0])
+    for method in METHODS:
+        res = icp(far, bunny, max_correspondence_distance=0.01, method=method, device="cpu")
+        assert not res.converged and res.stop_reason == "no_correspondences"
+        assert res.iterations == 0 and res.fitness == 0.0
+        np.testing.assert_array_equal(res.transformation, np.eye(4))
+
+
+def test_plane_is_degenerate_for_point_to_plane(rng):
+    xy = torch.rand(500, 2, generator=rng)
+    plane = torch.cat([xy, torch.zeros(500, 1)], 1)
+    res = icp(plane + torch.tensor([0.01, 0.0, 0.002]), plane,
+              target_normals=torch.tensor([[0.0, 0, 1]]).expand(500, 3),
+              max_correspondence_distance=0.05, method="point_to_plane", device="cpu")
+    assert not res.converged and res.stop_reason == "degenerate"
+    assert np.isfinite(res.transformation).all()
+
+
+def test_inputs_numpy_pointcloud_float64_and_index(bunny):
+    p = datasets.make_pair(bunny, 6.0, 0.01, noise=5e-4, seed=4)
+    ref = icp(p.source, p.target, max_correspondence_distance=0.02, device="cpu",
+              method="point_to_plane")
+    from pointalign.features.normals import estimate_normals
+
+    nrm = estimate_normals(p.target, k=20, orient=None)
+    cloud = PointCloud(p.target, normals=nrm)
+    a = icp(p.source.double().numpy(), cloud, max_correspondence_distance=0.02, device="cpu",
+            method="point_to_plane", index=build_index(p.target, "brute"))
+    np.testing.assert_allclose(a.transformation, ref.transformation, atol=1e-5)
+    assert a.info["index"] == "BruteForceIndex"
+
+
+def test_bad_input(bunny):
+    with pytest.raises(ValueError, match="max_correspondence_distance"):
+        icp(bunny, bunny, max_correspondence_distance=0.0)
+    with pytest.raises(ValueError, match="max_correspondence_distance"):
+        icp(bunny, bunny, max_correspondence_distance=-1.0)
+    with pytest.raises(ValueError, match="target"):
+        icp(bunny, torch.zeros(0, 3), max_correspondence_distance=0.1, device="cpu")
+    bad = bunny.clone()
+    bad[5, 0] = float("nan")
+    with pytest.raises(ValueError, match="source"):
+        icp(bad, bunny, max_correspondence_distance=0.1, device="cpu")
+    with pytest.raises(ValueError, match="method"):
+        icp(bunny, bunny, max_correspondence_distance=0.1, method="plane")
+    with pytest.raises(ValueError, match="different devices"):
+        icp(bunny, torch.empty(10, 3, device="meta"), max_correspondence_distance=0.1)
+    with pytest.raises(ValueError, match="init"):
+        icp(bunny, bunny, init=np.ones((4, 4)), max_correspondence_distance=0.1, device="cpu")
+    with pytest.raises(ValueError, match="target_normals"):
+        icp(bunny, bunny, target_normals=torch.zeros(3, 3), method="point_to_plane",
+            max_correspondence_distance=0.1, device="cpu")
+    with pytest.raises(ValueError, match="index"):
+        icp(bunny, bunny, index=build_index(bunny[:10], "brute"),
+            max_correspondence_distance=0.1, device="cpu")
+    with pytest.raises(TypeError, match="robust_kernel"):
+        icp(bunny, bunny, robust_kernel="huber", max_correspondence_distance=0.1, device="cpu")
+    with pytest.raises(ValueError, match="target"):
+        icp(bunny, torch.stack([bunny] * 3), max_correspondence_distance=0.1, device="cpu")
+
+
+# ---- the Triton reduction (and brute-force kNN) through the interpreter -----------------
+
+def _interp_pair(seed):
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 300, seed=seed)
+    return datasets.make_pair(cloud, 8.0, 0.01, noise=5e-4, seed=seed)
+
+
+def run_interpreted_icp(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): tiny ICPs with the Triton kernels."""
+    from pointalign.kernels import _backend
+
+    assert _backend.backend(torch.empty(0)) == "interpret"
+    out = {}
+    for seed in range(2):
+        p = _interp_pair(seed)
+        for m in METHODS:
+            r = icp(p.source, p.target, max_correspondence_distance=0.03, method=m,
+                    index=build_index(p.target, "ckdtree"), device="cpu",
+                    criteria=ConvergenceCriteria(max_iterations=15))
+            out[(seed, m)] = (torch.from_numpy(r.transformation), r.iterations, r.fitness)
+    torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        return run_interpreted("tests.registration.test_icp", "run_interpreted_icp",
+                               tmp_path_factory.mktemp("interp") / "icp.pt", mp)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("pseed", [0, 1])
+def test_interpreted_triton_icp_matches_torch(interpreted, pseed, method):
+    p = _interp_pair(pseed)
+    ref = icp(p.source, p.target, max_correspondence_distance=0.03, method=method,
+              device="cpu", criteria=ConvergenceCriteria(max_iterations=15))
+    T, iters, fit = interpreted[(pseed, method)]
+    rot, trans = metrics.relative_error(T, ref.transformation)
+    assert rot < 1e-3 and trans < 1e-5
+    assert abs(fit - ref.fitness) < 1e-2
+
+
+# ---- CUDA --------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("index_method", ["auto", "brute", "grid", "kdtree"])
+def test_cuda_recovers_and_matches_cpu(seed, method, index_method):
+    full = datasets.load_bunny("bun000")
+    p = datasets.make_pair(full, 10.0, 0.02, noise=5e-4, outlier_fraction=0.05, overlap=0.85,
+                           seed=seed)
+    try:
+        ix = build_index(p.target.cuda(), index_method, max_distance=0.02)
+    except (ValueError, ImportError) as exc:
+        pytest.skip(f"index {index_method} unavailable: {exc}")
+    res = icp(p.source.cuda(), p.target.cuda(), max_correspondence_distance=0.02,
+              method=method, criteria=CRIT, index=ix)
+    assert res.transformation_tensor.is_cuda
+    rot, trans = _err(res, p.T_target_source)
+    assert rot < 0.5 and trans < 2e-3, (rot, trans)
+    cpu = icp(p.source, p.target, max_correspondence_distance=0.02, method=method,
+              criteria=CRIT, device="cpu")
+    rot, trans = metrics.relative_error(res.transformation, cpu.transformation)
+    assert rot < 0.05 and trans < 2e-4
+
+
+@pytest.mark.gpu
+def test_cuda_batched_equals_separate(seed):
+    bunny = datasets.random_subsample(datasets.load_bunny("bun000"), 8000, seed=seed)
+    pairs = _ragged_batch(bunny, seed)
+    B = len(pairs)
+    N = max(p.source.shape[0] for p in pairs)
+    M = max(p.target.shape[0] for p in pairs)
+    src, tgt = torch.zeros(B, N, 3), torch.zeros(B, M, 3)
+    for b, p in enumerate(pairs):
+        src[b, : p.source.shape[0]] = p.source
+        tgt[b, : p.target.shape[0]] = p.target
+    sl = torch.tensor([p.source.shape[0] for p in pairs])
+    tl = torch.tensor([p.target.shape[0] for p in pairs])
+    res = icp(src.cuda(), tgt.cuda(), source_lengths=sl, target_lengths=tl,
+              max_correspondence_distance=0.02, method="point_to_plane", criteria=CRIT)
+    for b, p in enumerate(pairs):
+        one = icp(p.source.cuda(), p.target.cuda(), max_correspondence_distance=0.02,
+                  method="point_to_plane", criteria=CRIT)
+        np.testing.assert_allclose(res.transformation[b], one.transformation, atol=1e-5)
+        assert res.iterations[b] == one.iterations
