@@ -21,8 +21,8 @@ from triton import knobs
 _CACHE: dict[bool, object] = {}
 
 
-def _grid_kernel(q_ptr, prm_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_ptr, out_i_ptr,
-                 N, M, NX, NY, NZ, max_d2,
+def _grid_kernel(q_ptr, prm_ptr, dims_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_ptr, out_i_ptr,
+                 N, M, max_d2,
                  HAS_MAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -35,9 +35,10 @@ def _grid_kernel(q_ptr, prm_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_ptr, out_i_p
     oy = tl.load(prm_ptr + 1)
     oz = tl.load(prm_ptr + 2)
     inv = tl.load(prm_ptr + 3)
-    nx = NX.to(tl.int64)
-    ny = NY.to(tl.int64)
-    nz = NZ.to(tl.int64)
+    # dims come from memory: integer arguments equal to 1 would be specialised to constants
+    nx = tl.load(dims_ptr + 0)
+    ny = tl.load(dims_ptr + 1)
+    nz = tl.load(dims_ptr + 2)
     fx = tl.floor((qx.to(tl.float64) - ox) * inv)
     fy = tl.floor((qy.to(tl.float64) - oy) * inv)
     fz = tl.floor((qz.to(tl.float64) - oz) * inv)
@@ -134,10 +135,10 @@ def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = N
     out_i = torch.empty((n, k), dtype=torch.int64, device=q.device)
     has_max = max_distance_sq is not None
     bl = block or (128 if k == 1 else 32)
-    nx, ny, nz = g.dims
+    dims = torch.tensor(g.dims, dtype=torch.int64, device=q.device)
     grid = (max(1, -(-n // bl)),)
-    _kernel()[grid](q, g.params, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
-                    n, m, nx, ny, nz, float(max_distance_sq) if has_max else 0.0,
+    _kernel()[grid](q, g.params, dims, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
+                    n, m, float(max_distance_sq) if has_max else 0.0,
                     HAS_MAX=has_max, K=k, KP=kp, BLOCK=bl, num_warps=4)
     if k > 1:
         out_d, out_i = _sort_rows(out_d, out_i)

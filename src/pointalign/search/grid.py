@@ -9,11 +9,11 @@ edge ``c`` of a query lies in those cells, so:
   correspondence distance (build with ``cell_size = max_correspondence_distance``);
 * a bound ``> c`` is answered in one pass by a second grid with cells of that bound (built
   on first use, up to 4 kept);
-* ``knn`` is exact for every query whose k-th neighbour found in the
-  27 cells is within ``c``; the other queries (far from the cloud, sparse regions) are
-  searched again in coarser grids (cells 4, 16, ... times larger, built on first use and
-  kept), each exact for the queries whose k-th neighbour is within its cell edge, and once
-  a grid has at most 2 cells per axis, by brute force
+* ``knn`` first searches a grid whose cells are expected to hold about 1.5 k points within
+  one edge (``c`` itself for small k); a query is exact when its k-th neighbour found is
+  within that grid's edge. The other queries (far from the cloud, sparse regions) are
+  searched again in grids with cells 2, 4, ... times larger (built on first use, a few
+  kept), and once a grid has at most 2 cells per axis, by brute force
   (:func:`pointalign.kernels.knn.knn_tiles`). Results are always exact; queries far from
   every point cost more.
 
@@ -77,7 +77,7 @@ class VoxelGridIndex:
     """
 
     #: Each fallback level's cells are this many times larger than the previous level's.
-    LEVEL_FACTOR = 4
+    LEVEL_FACTOR = 2
 
     def __init__(self, points: Any, cell_size: float | None = None, *,
                  device: str | torch.device | None = None,
@@ -90,50 +90,50 @@ class VoxelGridIndex:
         self._max_cells = max_cells
         self.grid = _grid.grid_build(self.points, cell_size, max_cells=max_cells)
         self.cell_size = self.grid.cell / (1 + _grid._CELL_MARGIN)
-        self._levels = {0: self.grid}
-        self._bound_grids: dict[float, _grid.GridData] = {}
+        self._grids: dict[float, _grid.GridData] = {}
+        occupied = int((self.grid.cell_start[1:] > self.grid.cell_start[:-1]).sum())
+        self._occupancy = self.points.shape[0] / max(1, occupied)
 
     def __repr__(self) -> str:
         return (f"VoxelGridIndex(M={self.points.shape[0]}, cell_size={self.cell_size:.4g}, "
                 f"dims={self.grid.dims}, device={self.points.device})")
 
-    def _level(self, level: int) -> tuple[_grid.GridData, float]:
-        """Grid ``level`` (cells ``LEVEL_FACTOR**level`` times larger; built once, cached)
-        and its certified radius."""
-        if level not in self._levels:
-            self._levels[level] = _grid.grid_build(
-                self.points, self.cell_size * self.LEVEL_FACTOR**level,
-                max_cells=self._max_cells)
-        g = self._levels[level]
+    def _grid_for(self, cell: float) -> tuple[_grid.GridData, float]:
+        """A grid with cells of at least ``cell`` (built once, a few kept) and its certified
+        radius."""
+        if cell <= self.cell_size:
+            return self.grid, self.cell_size
+        if cell not in self._grids:
+            if len(self._grids) >= 8:
+                self._grids.pop(next(iter(self._grids)))
+            self._grids[cell] = _grid.grid_build(self.points, cell, max_cells=self._max_cells)
+        g = self._grids[cell]
         return g, g.cell / (1 + _grid._CELL_MARGIN)
 
     def _search(self, q: torch.Tensor, k: int, bound: float | None) -> KnnResult:
         b2 = None if bound is None else bound * bound
         if bound is not None and bound > self.cell_size:
-            # a grid with cells of the bound answers every query in one pass; kept for reuse
-            if bound not in self._bound_grids:
-                if len(self._bound_grids) >= 4:
-                    self._bound_grids.pop(next(iter(self._bound_grids)))
-                self._bound_grids[bound] = _grid.grid_build(self.points, bound,
-                                                            max_cells=self._max_cells)
-            return KnnResult(*_grid.grid_query(self._bound_grids[bound], q, k, b2))
-        d, i = _grid.grid_query(self.grid, q, k, b2)
+            # a grid with cells of the bound answers every query in one pass
+            return KnnResult(*_grid.grid_query(self._grid_for(bound)[0], q, k, b2))
         if bound is not None:
-            return KnnResult(d, i)
-        # certified where the k-th found neighbour is within the cell edge; the others go
-        # to ever coarser grids, and past the last useful one to brute force
-        rows = (~(d[:, k - 1] <= self.cell_size**2)).nonzero().squeeze(1)
-        level = 1
+            return KnnResult(*_grid.grid_query(self.grid, q, k, b2))
+        # k nearest: start with cells expected to hold about 1.5 k points within one edge
+        # (occupied cells as surface patches: about 3 x occupancy points per edge radius)
+        f = max(1.0, math.sqrt(k / (2.0 * self._occupancy)))
+        g, radius = self._grid_for(self.cell_size * f)
+        d, i = _grid.grid_query(g, q, k, None)
+        # certified where the k-th found neighbour is within the certified radius; the
+        # others go to grids with cells twice as large, then to brute force
+        rows = (~(d[:, k - 1] <= radius**2)).nonzero().squeeze(1)
         while rows.numel():
-            g, radius = self._level(level)
+            g, radius = self._grid_for(radius * self.LEVEL_FACTOR)
             if max(g.dims) <= 2:
-                bd, bi = _knn.knn_tiles(q[rows], self.points, k, b2)
+                bd, bi = _knn.knn_tiles(q[rows], self.points, k, None)
                 d, i = d.index_copy(0, rows, bd), i.index_copy(0, rows, bi)
                 break
-            bd, bi = _grid.grid_query(g, q[rows], k, b2)
+            bd, bi = _grid.grid_query(g, q[rows], k, None)
             d, i = d.index_copy(0, rows, bd), i.index_copy(0, rows, bi)
             rows = rows[~(bd[:, k - 1] <= radius**2)]
-            level += 1
         return KnnResult(d, i)
 
     def knn(self, query: Any, k: int) -> KnnResult:
