@@ -81,8 +81,8 @@ def spfh_reference(points: torch.Tensor, normals: torch.Tensor,
                    nbr_idx: torch.Tensor) -> torch.Tensor:
     """Simplified Point Feature Histograms ``(N, 33)`` (PyTorch reference; see module doc)."""
     n, k = nbr_idx.shape
-    counts = torch.zeros(n * 3 * BINS, dtype=torch.float32, device=points.device)
-    n_nbrs = torch.zeros(n, dtype=torch.float32, device=points.device)
+    counts = torch.zeros(n * 3 * BINS, dtype=points.dtype, device=points.device)
+    n_nbrs = torch.zeros(n, dtype=points.dtype, device=points.device)
     step = _rows_per_chunk(k)
     for s in range(0, n, step):
         e = min(n, s + step)
@@ -97,8 +97,9 @@ def spfh_reference(points: torch.Tensor, normals: torch.Tensor,
                             2 * BINS + _bin(theta, -1.0, 1.0)], -1)  # (C, K, 3)
         flat = (rows[:, None, None] * (3 * BINS) + bins)[use]
         # integer counts: exact in float32 whatever the order of the atomic adds
-        counts.index_add_(0, flat.reshape(-1), torch.ones(flat.numel(), device=points.device))
-        n_nbrs[s:e] = use.sum(1).to(torch.float32)
+        counts.index_add_(0, flat.reshape(-1), torch.ones(flat.numel(), dtype=counts.dtype,
+                                                          device=points.device))
+        n_nbrs[s:e] = use.sum(1).to(n_nbrs.dtype)
     hist = counts.view(n, 3 * BINS)
     scale = torch.where(n_nbrs > 0, 100.0 / n_nbrs.clamp_min(1), torch.zeros_like(n_nbrs))
     return (hist * scale[:, None]).to(points.dtype)
