@@ -1,0 +1,203 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign import datasets, transforms
+from pointalign.features.downsample import voxel_downsample
+from pointalign.features.fpfh import fpfh
+from pointalign.registration.ransac import feature_correspondences, ransac, required_hypotheses
+
+V = 0.005
+
+
+@pytest.fixture(scope="module")
+def bunny_features():
+    """bun045 -> bun000 downsampled at 5 mm (~1.3k points each) with FPFH at 5 voxels."""
+    pair = datasets.load_bunny_pair()
+    s, t = voxel_downsample(pair.source, V), voxel_downsample(pair.target, V)
+    return s, t, fpfh(s, radius=5 * V), fpfh(t, radius=5 * V), pair.T_target_source
+
+
+def _random_pose(seed):
+    g = torch.Generator().manual_seed(seed)
+    R = transforms.random_rotation(generator=g, dtype=torch.float64).reshape(3, 3)
+    return transforms.make(R, 0.3 * torch.randn(3, generator=g, dtype=torch.float64))
+
+
+def _point_error(T_est, T_true, pts):
+    """Rotation error (degrees) and RMS displacement of the points between two transforms."""
+    T_est = torch.as_tensor(T_est, dtype=torch.float64)
+    E = transforms.invert(T_true) @ T_est
+    rot = math.degrees(float(transforms.rotation_angle(E[:3, :3])))
+    p = pts.double()
+    disp = (transforms.apply(T_est, p) - transforms.apply(T_true, p)).norm(dim=1)
+    return rot, float(disp.square().mean().sqrt())
+
+
+def test_recovers_random_pose_on_bunny(bunny_features, seed):
+    s, t, fs, ft, T_ts = bunny_features
+    P = _random_pose(seed)  # any rotation; features are invariant, so fs stays valid
+    s2 = transforms.apply(P, s.double()).float()
+    T_true = T_ts @ transforms.invert(P)
+    r = ransac(s2, t, source_features=fs, target_features=ft,
+               max_correspondence_distance=1.5 * V, hypotheses=4096, seed=seed)
+    assert r.converged and r.stop_reason in ("confidence", "max_hypotheses")
+    rot, disp = _point_error(r.transformation, T_true, s2)
+    # a coarse global pose (ICP refines it): Open3D's RANSAC is 4.5 deg off on this pair
+    assert rot < 10.0 and disp < 0.01
+    assert r.fitness > 0.8 and r.rmse < 1.5 * V
+    info = r.info
+    assert info["hypotheses"] == r.iterations >= 4096
+    assert info["hypotheses"] >= info["after_triangle"] >= info["after_estimation"] \
+        >= info["after_tdd"] >= info["validated"] >= 1
+    assert info["after_triangle"] < info["hypotheses"]
+    assert {"correspondences", "triangle", "estimate", "tdd", "score", "total"} <= set(r.timings)
+
+
+def test_swapping_source_and_target_gives_the_inverse(bunny_features):
+    s, t, fs, ft, T_ts = bunny_features
+    r = ransac(t, s, source_features=ft, target_features=fs,
+               max_correspondence_distance=1.5 * V, hypotheses=4096, seed=1)
+    rot, disp = _point_error(r.transformation, transforms.invert(T_ts), t)
+    assert rot < 10.0 and disp < 0.01
+
+
+def test_same_seed_same_result(bunny_features):
+    s, t, fs, ft, _ = bunny_features
+    kw = dict(source_features=fs, target_features=ft, max_correspondence_distance=1.5 * V,
+              hypotheses=2048, seed=7)
+    a, b = ransac(s, t, **kw), ransac(s, t, **kw)
+    assert np.array_equal(a.transformation, b.transformation)
+    assert a.info == b.info and a.fitness == b.fitness
+
+
+def test_inputs_untouched_and_numpy_accepted(bunny_features):
+    s, t, fs, ft, T_ts = bunny_features
+    s0, fs0 = s.clone(), fs.clone()
+    r = ransac(s.numpy(), t.numpy(), source_features=fs.numpy(), target_features=ft.numpy(),
+               max_correspondence_distance=1.5 * V, hypotheses=2048, seed=0)
+    assert torch.equal(s, s0) and torch.equal(fs, fs0)
+    assert r.transformation.shape == (4, 4) and r.transformation.dtype == np.float64
+
+
+def test_threshold_not_reached_says_so(bunny_features):
+    s, t, fs, ft, _ = bunny_features
+    r = ransac(s, t, source_features=fs, target_features=ft, max_correspondence_distance=1e-4,
+               hypotheses=1024, max_hypotheses=1024, inlier_ratio_threshold=0.9,
+               local_refinement=False)
+    assert not r.converged
+    assert r.stop_reason in ("below_threshold", "no_hypothesis")
+
+
+def test_no_hypothesis_surviving_is_a_failed_result(bunny_features):
+    s, t, fs, ft, _ = bunny_features
+    r = ransac(s, t, source_features=fs, target_features=ft, max_correspondence_distance=0.01,
+               hypotheses=512, max_hypotheses=512, triangle_similarity=1e-12)
+    assert not r.converged and r.stop_reason == "no_hypothesis"
+    assert np.array_equal(r.transformation, np.eye(4)) and r.fitness == 0.0
+    assert r.info["after_triangle"] == 0
+
+
+def test_too_few_correspondences_is_a_failed_result():
+    g = torch.Generator().manual_seed(0)
+    pts = torch.rand(5, 3, generator=g)
+    # every source feature is nearest to target 0, whose nearest source is 0: one mutual pair
+    fs = torch.zeros(5, 4)
+    ft = torch.cat([torch.zeros(1, 4), torch.full((4, 4), 10.0)])
+    r = ransac(pts, pts, source_features=fs, target_features=ft, max_correspondence_distance=0.1,
+               mutual=True)
+    assert not r.converged and r.stop_reason == "too_few_correspondences"
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(source=torch.rand(2, 3)), ValueError, "source"),
+    (dict(target=torch.rand(2, 3)), ValueError, "target"),
+    (dict(source_features=torch.rand(9, 33)), ValueError, "source_features"),
+    (dict(target_features=torch.rand(10, 5)), ValueError, "target_features"),
+    (dict(source_features=None), ValueError, "source_features"),
+    (dict(max_correspondence_distance=0.0), ValueError, "max_correspondence_distance"),
+    (dict(triangle_similarity=1.5), ValueError, "triangle_similarity"),
+    (dict(hypotheses=0), ValueError, "hypotheses"),
+    (dict(confidence=1.0), ValueError, "confidence"),
+    (dict(source_features=torch.full((10, 33), math.nan)), ValueError, "source_features"),
+    (dict(source_features="x"), TypeError, "source_features"),
+])
+def test_bad_input(kw, err, match):
+    base = dict(source=torch.rand(10, 3), target=torch.rand(10, 3),
+                source_features=torch.rand(10, 33), target_features=torch.rand(10, 33),
+                max_correspondence_distance=0.1)
+    base.update(kw)
+    src, tgt = base.pop("source"), base.pop("target")
+    with pytest.raises(err, match=match):
+        ransac(src, tgt, **base)
+
+
+def test_feature_correspondences_against_numpy(seed):
+    rng = np.random.default_rng(seed)
+    a, b = rng.normal(size=(57, 6)), rng.normal(size=(41, 6))
+    d = np.linalg.norm(a[:, None] - b[None], axis=-1)
+    nn = d.argmin(1)
+    c = feature_correspondences(a, b).numpy()
+    np.testing.assert_array_equal(c, np.stack([np.arange(57), nn], 1))
+    back = d.argmin(0)
+    mutual = feature_correspondences(a, b, mutual=True).numpy()
+    want = [(i, nn[i]) for i in range(57) if back[nn[i]] == i]
+    np.testing.assert_array_equal(mutual, np.array(want).reshape(-1, 2))
+    srt = np.sort(d, 1)
+    ratio = feature_correspondences(a, b, ratio=0.8).numpy()
+    keep = srt[:, 0] < 0.8 * srt[:, 1]
+    np.testing.assert_array_equal(ratio[:, 0], np.arange(57)[keep])
+    with pytest.raises(ValueError, match="target_features"):
+        feature_correspondences(a, b[:, :5])
+
+
+def test_required_hypotheses():
+    assert required_hypotheses(0.0, 0.99) == math.inf
+    assert required_hypotheses(1.0, 0.99) == 1.0
+    n = required_hypotheses(0.1, 0.999)
+    assert n == pytest.approx(math.log(0.001) / math.log(1 - 1e-3))
+    assert 1 - (1 - 0.1 ** 3) ** math.ceil(n) >= 0.999
+
+
+@pytest.mark.slow
+def test_recovers_random_pose_on_3dmatch_demo(shared_data):
+    d = shared_data / "3dmatch" / "3dsmoothnet_demo_pair"
+    if not (d / "cloud_bin_0.ply").is_file():
+        pytest.skip("3DMatch demo pair not present")
+    from plyfile import PlyData
+
+    def load(name):
+        v = PlyData.read(str(d / name))["vertex"]
+        return torch.from_numpy(np.stack([v["x"], v["y"], v["z"]], 1).astype(np.float32))
+
+    T_ref = torch.from_numpy(np.loadtxt(d / "reference_T_bin0_from_bin1_ESTIMATED.txt"))
+    v = 0.05
+    s = voxel_downsample(load("cloud_bin_1.ply"), v)
+    t = voxel_downsample(load("cloud_bin_0.ply"), v)
+    fs, ft = fpfh(s, radius=5 * v), fpfh(t, radius=5 * v)
+    P = _random_pose(3)
+    s2 = transforms.apply(P, s.double()).float()
+    r = ransac(s2, t, source_features=fs, target_features=ft, max_correspondence_distance=1.5 * v,
+               seed=0)
+    T_true = T_ref @ transforms.invert(P)
+    rot, _ = _point_error(r.transformation, T_true, s2)
+    E = transforms.invert(T_true) @ torch.as_tensor(r.transformation)
+    assert rot < 5.0 and float(E[:3, 3].norm()) < 0.10 + 0.1 * math.radians(rot) * 3
+
+
+@pytest.mark.gpu
+def test_cuda_recovers_pose_and_is_deterministic(bunny_features, seed):
+    s, t, fs, ft, T_ts = bunny_features
+    P = _random_pose(seed)
+    s2 = transforms.apply(P, s.double()).float().cuda()
+    T_true = T_ts @ transforms.invert(P)
+    kw = dict(source_features=fs.cuda(), target_features=ft.cuda(),
+              max_correspondence_distance=1.5 * V, seed=seed)
+    a = ransac(s2, t.cuda(), **kw)
+    b = ransac(s2, t.cuda(), **kw)
+    assert a.transformation_tensor.is_cuda
+    assert np.array_equal(a.transformation, b.transformation) and a.info == b.info
+    rot, disp = _point_error(a.transformation, T_true, s2.cpu())
+    assert rot < 10.0 and disp < 0.01
