@@ -1,0 +1,77 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign import datasets, metrics, transforms
+from pointalign.features.downsample import count_voxels
+from pointalign.registration.pipeline import auto_voxel_size, register
+
+
+@pytest.fixture(scope="module")
+def bunny():
+    return datasets.load_bunny_pair()
+
+
+def test_demo_pair_from_identity(bunny):
+    """bun045 -> bun000 from the identity: what `make demo` prints (< 1 deg, < 2 mm)."""
+    r = register(bunny.source, bunny.target, hypotheses=4096, icp_voxel_size=0.001, seed=0)
+    rot, trans = metrics.relative_error(r.transformation, bunny.T_target_source)
+    assert rot < 1.0 and trans < 0.002
+    assert r.converged
+    assert {"downsample", "normals", "fpfh", "ransac", "icp", "total"} <= set(r.timings)
+    assert r.info["global"].converged
+    assert 3000 < r.info["source_down"] < 7000
+
+
+def test_random_pose_any_rotation(bunny, seed):
+    g = torch.Generator().manual_seed(seed)
+    P = transforms.make(transforms.random_rotation(generator=g, dtype=torch.float64).reshape(3, 3),
+                        torch.randn(3, generator=g, dtype=torch.float64))
+    src = transforms.apply(P, bunny.source.double()).float()
+    T_true = bunny.T_target_source @ transforms.invert(P)
+    r = register(src, bunny.target, voxel_size=0.005, hypotheses=4096, icp_voxel_size=0.002,
+                 seed=seed)
+    E = transforms.invert(T_true) @ torch.as_tensor(r.transformation)
+    rot = math.degrees(float(transforms.rotation_angle(E[:3, :3])))
+    disp = (transforms.apply(torch.as_tensor(r.transformation), src.double())
+            - transforms.apply(T_true, src.double())).norm(dim=1).max()
+    assert rot < 1.0 and float(disp) < 0.003
+
+
+def test_global_only(bunny):
+    r = register(bunny.source, bunny.target, voxel_size=0.006, method="none", hypotheses=2048)
+    assert r.stop_reason in ("confidence", "max_hypotheses")
+    assert "icp" not in r.timings and "ransac.triangle" in r.timings
+    rot, _ = metrics.relative_error(r.transformation, bunny.T_target_source)
+    assert rot < 10.0
+
+
+def test_auto_voxel_size_aims_at_target_points(bunny, seed):
+    pts = datasets.random_subsample(bunny.target, 30000, seed=seed)
+    v = auto_voxel_size(pts, 4000)
+    assert 0.8 * 4000 < count_voxels(pts, v) < 1.25 * 4000
+    small = torch.rand(50, 3, generator=torch.Generator().manual_seed(seed))
+    assert count_voxels(small, auto_voxel_size(small, 5000)) > 40
+
+
+def test_bad_input(bunny):
+    with pytest.raises(ValueError, match="method"):
+        register(bunny.source, bunny.target, method="newtonish")
+    with pytest.raises(ValueError, match="source"):
+        register(torch.rand(2, 3), bunny.target)
+    with pytest.raises(ValueError, match="voxel_size"):
+        register(bunny.source, bunny.target, voxel_size=-1.0)
+    with pytest.raises(ValueError, match="voxel_size"):
+        register(bunny.source, bunny.target, voxel_size=10.0)  # one voxel: 1 point left
+    with pytest.raises(ValueError, match="points"):
+        auto_voxel_size(np.zeros((10, 3)))
+
+
+@pytest.mark.gpu
+def test_demo_pair_cuda(bunny):
+    r = register(bunny.source.cuda(), bunny.target.cuda(), seed=0)
+    rot, trans = metrics.relative_error(r.transformation, bunny.T_target_source)
+    assert rot < 1.0 and trans < 0.002
+    assert r.transformation_tensor.is_cuda
