@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -76,8 +77,10 @@ def torch_brute(points: torch.Tensor, query: torch.Tensor, k: int, chunk_pairs: 
     return torch.cat(ds), torch.cat(ids)
 
 
-def _timed(fn, device, budget_s: float = 0.5):
+def _timed(fn, device, budget_s: float = 0.5, quick: bool = False):
     """timeit with fewer repeats for slow calls (one probe call first)."""
+    if quick:
+        return timeit(fn, warmup=1, repeat=3, device=device)
     t0 = time.perf_counter()
     fn()
     sync()
@@ -95,13 +98,70 @@ def _err(d, sample, ref_d) -> float:
     return float(np.abs(np.where(both, d - ref_d, 0)).max()) if both.any() else 0.0
 
 
+def bench_case(rec, c, k: int) -> None:
+    """All methods for one (dataset, size, k); ``c`` holds the shared inputs."""
+    args, dev, nb, ds, n = c.args, c.dev, c.nb, c.ds, c.n
+    p, q, p_cpu, q_cpu, tree, sample, ref, within = (
+        c.p, c.q, c.p_cpu, c.q_cpu, c.tree, c.sample, c.ref, c.within)
+    has_kdtree, cKDTree, PyKDTree = c.has_kdtree, c.cKDTree, c.PyKDTree
+
+    def row(method, build_s, q_stats, d=None, note=""):
+        err = _err(d, sample, ref[k]) if d is not None else None
+        ms = (lambda s: None if s is None else round(s * 1e3, 3))  # noqa: E731
+        rec.add(dataset=ds, n=n, m=n, k=k, method=method, build_ms=ms(build_s),
+                query_ms=ms(q_stats and q_stats["median_s"]),
+                query_iqr_ms=ms(q_stats and q_stats["iqr_s"]),
+                total_ms=ms(q_stats and (build_s or 0) + q_stats["median_s"]),
+                max_err=err, note=note)
+
+    methods = ["grid", "brute", "ckdtree"] + (["kdtree"] if has_kdtree else [])
+    for method in methods:
+        if method == "brute" and n * n > (1e12 if dev.type == "cuda" else 1e8):
+            row(method, None, None, note="skipped: O(N M)")
+            continue
+        if method == "ckdtree" and dev.type == "cuda":
+            continue  # the same tree as the SciPy peer below, plus copies
+        try:
+            b = timeit(lambda m=method: build_index(p, m), warmup=nb - 1,
+                       repeat=nb, device=dev)["median_s"]
+            ix = build_index(p, method)
+            st = _timed(lambda ix=ix: ix.knn(q, k), dev, quick=args.quick)
+            row(method, b, st, ix.knn(q, k).dists)
+            if method == "grid" and k == 1:
+                gx = build_index(p, "grid", cell_size=within)
+                b2 = timeit(lambda: build_index(p, "grid", cell_size=within),
+                            warmup=nb - 1, repeat=nb, device=dev)["median_s"]
+                st = _timed(lambda gx=gx: gx.nearest_within(q, within), dev,
+                            quick=args.quick)
+                row("grid_within", b2, st,
+                    note=f"nearest_within({within:.3g}), cell {within:.3g}")
+        except Exception as exc:  # report, keep going
+            row(method, None, None, note=f"failed: {type(exc).__name__}: {exc}")
+    # peers
+    pn, qn = p_cpu.numpy(), q_cpu.numpy()
+    b = timeit(lambda: cKDTree(pn), warmup=nb - 1, repeat=nb)["median_s"]
+    st = _timed(lambda: tree.query(qn, k=k, workers=-1), "cpu", quick=args.quick)
+    row("scipy_ckdtree", b, st, note="host, workers=-1")
+    if PyKDTree is not None:
+        b = timeit(lambda: PyKDTree(pn), warmup=nb - 1, repeat=nb)["median_s"]
+        pk = PyKDTree(pn)
+        st = _timed(lambda: pk.query(qn, k=k), "cpu", quick=args.quick)
+        row("pykdtree", b, st, note="host")
+    if n * n <= (1e11 if dev.type == "cuda" else 1e8):
+        st = _timed(lambda: torch_brute(p, q, k), dev, quick=args.quick)
+        row("torch_cdist_topk", 0.0, st, torch_brute(p, q, k)[0])
+    else:
+        row("torch_cdist_topk", None, None, note="skipped: O(N M)")
+
+
 def main() -> None:
     ap = parse_args(__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=None)
     ap.add_argument("--datasets", nargs="*", default=["uniform", "bunny"])
     args = ap.parse_args()
     dev = torch.device(args.device)
-    sizes = args.sizes or ([1_000, 4_000] if args.quick else [10_000, 100_000, 1_000_000])
+    nb = 1 if args.quick else 3  # timed builds
+    sizes = args.sizes or ([1_000, 3_000] if args.quick else [10_000, 100_000, 1_000_000])
     rec = Recorder("knn", dev, title="Exact nearest-neighbour search (1-NN, k=16)",
                    notes=NOTES, columns=["dataset", "n", "m", "k", "method", "build_ms",
                                          "query_ms", "query_iqr_ms", "total_ms", "max_err",
@@ -132,54 +192,11 @@ def main() -> None:
             spacing = float(np.sqrt(np.median(
                 tree.query(p_cpu[sample].double().numpy(), k=2, workers=-1)[0][:, 1] ** 2)))
             within = 1.5 * spacing
+            c = SimpleNamespace(args=args, dev=dev, nb=nb, ds=ds, n=n, p=p, q=q, p_cpu=p_cpu,
+                                q_cpu=q_cpu, tree=tree, sample=sample, ref=ref, within=within,
+                                has_kdtree=has_kdtree, cKDTree=cKDTree, PyKDTree=PyKDTree)
             for k in (1, 16):
-                def row(method, build_s, q_stats, d=None, note=""):
-                    err = _err(d, sample, ref[k]) if d is not None else None
-                    rec.add(dataset=ds, n=n, m=n, k=k, method=method,
-                            build_ms=None if build_s is None else round(build_s * 1e3, 3),
-                            query_ms=None if q_stats is None else round(q_stats["median_s"] * 1e3, 3),
-                            query_iqr_ms=None if q_stats is None else round(q_stats["iqr_s"] * 1e3, 3),
-                            total_ms=None if q_stats is None else round(
-                                ((build_s or 0) + q_stats["median_s"]) * 1e3, 3),
-                            max_err=err, note=note)
-
-                methods = ["grid", "brute", "ckdtree"] + (["kdtree"] if has_kdtree else [])
-                for method in methods:
-                    if method == "brute" and n * n > (1e12 if dev.type == "cuda" else 1e8):
-                        row(method, None, None, note="skipped: O(N M)")
-                        continue
-                    if method == "ckdtree" and dev.type == "cuda":
-                        continue  # the same tree as the SciPy peer below, plus copies
-                    try:
-                        b = timeit(lambda m=method: build_index(p, m), warmup=1,
-                                   repeat=3, device=dev)["median_s"]
-                        ix = build_index(p, method)
-                        st = _timed(lambda ix=ix: ix.knn(q, k), dev)
-                        row(method, b, st, ix.knn(q, k).dists)
-                        if method == "grid" and k == 1:
-                            gx = build_index(p, "grid", cell_size=within)
-                            b2 = timeit(lambda: build_index(p, "grid", cell_size=within),
-                                        warmup=1, repeat=3, device=dev)["median_s"]
-                            st = _timed(lambda gx=gx: gx.nearest_within(q, within), dev)
-                            row("grid_within", b2, st,
-                                note=f"nearest_within({within:.3g}), cell {within:.3g}")
-                    except Exception as exc:  # report, keep going
-                        row(method, None, None, note=f"failed: {type(exc).__name__}: {exc}")
-                # peers
-                pn, qn = p_cpu.numpy(), q_cpu.numpy()
-                b = timeit(lambda: cKDTree(pn), warmup=1, repeat=3)["median_s"]
-                st = _timed(lambda: tree.query(qn, k=k, workers=-1), "cpu")
-                row("scipy_ckdtree", b, st, note="host, workers=-1")
-                if PyKDTree is not None:
-                    b = timeit(lambda: PyKDTree(pn), warmup=1, repeat=3)["median_s"]
-                    pk = PyKDTree(pn)
-                    st = _timed(lambda: pk.query(qn, k=k), "cpu")
-                    row("pykdtree", b, st, note="host")
-                if n * n <= (1e11 if dev.type == "cuda" else 1e8):
-                    st = _timed(lambda: torch_brute(p, q, k), dev)
-                    row("torch_cdist_topk", 0.0, st, torch_brute(p, q, k)[0])
-                else:
-                    row("torch_cdist_topk", None, None, note="skipped: O(N M)")
+                bench_case(rec, c, k)
     rec.save()
 
 

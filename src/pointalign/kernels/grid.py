@@ -42,6 +42,7 @@ class GridData(NamedTuple):
         cell_start: ``(nx * ny * nz + 1,)`` int32, sorted-order start of each cell.
         sorted_points: ``(3, M)`` coordinates in key order, structure of arrays.
         sorted_idx: ``(M,)`` int32 original index of each sorted point.
+
     """
 
     params: torch.Tensor
@@ -127,7 +128,7 @@ def _ranges(g: GridData, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def grid_query(g: GridData, query: torch.Tensor, k: int,
                max_distance_sq: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """k nearest points of each query among the 27 cells around it.
+    """K nearest points of each query among the 27 cells around it.
 
     Args:
         g: a grid from :func:`grid_build`.
@@ -142,6 +143,7 @@ def grid_query(g: GridData, query: torch.Tensor, k: int,
 
     Dispatch: Triton on CUDA (and under ``TRITON_INTERPRET=1``) for ``k <= 32``, else the
     chunked PyTorch reference :func:`grid_query_reference`.
+
     """
     if query.dim() != 2 or query.shape[1] != 3:
         raise ValueError(f"query: expected shape (N, 3), got {tuple(query.shape)}")

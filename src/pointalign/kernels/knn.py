@@ -71,6 +71,7 @@ def knn_tiles(query: torch.Tensor, points: torch.Tensor, k: int,
 
     Dispatch: Triton on CUDA (and under ``TRITON_INTERPRET=1``) for ``k <= 32``; the chunked
     PyTorch reference :func:`knn_reference` otherwise (also for ``k > 32`` on CUDA).
+
     """
     _check(query, points, k, max_distance_sq)
     n, m = query.shape[0], points.shape[0]

@@ -51,7 +51,6 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
     """Build a nearest-neighbour index over ``points (M, 3)`` to query many times.
 
     Methods:
-
     * ``"brute"``: :class:`~pointalign.search.brute.BruteForceIndex`, tiled exact brute force
       (fused Triton kernel on CUDA); O(N M) per query batch, no build.
     * ``"grid"``: :class:`~pointalign.search.grid.VoxelGridIndex` with ``cell_size`` (default:
@@ -75,6 +74,7 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
     Returns:
         An object implementing :class:`~pointalign.search.base.Index`. Queries must be on
         the index's device; ``knn`` with ``k`` larger than M raises ``ValueError``.
+
     """
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")

@@ -26,6 +26,7 @@ class BruteForceIndex:
         device: optional device to move the points to.
 
     ``knn`` with ``k > M`` raises ``ValueError``; ``radius`` pads with ``inf`` / ``-1``.
+
     """
 
     def __init__(self, points: Any, *, device: str | torch.device | None = None):
@@ -41,7 +42,7 @@ class BruteForceIndex:
         return KnnResult(*_knn.knn_tiles(q, self.points, k))
 
     def radius(self, query: Any, r: float, max_neighbors: int) -> KnnResult:
-        """Up to ``max_neighbors`` nearest points with ``||q - p|| <= r``: ``(N, max_neighbors)``."""
+        """Up to ``max_neighbors`` nearest points within distance ``r``: ``(N, max_neighbors)``."""
         r = _checks.check_distance(r, "r")
         k = _checks.check_k(max_neighbors, self.points.shape[0], "max_neighbors",
                             allow_more=True)
@@ -49,7 +50,7 @@ class BruteForceIndex:
         return KnnResult(*_knn.knn_tiles(q, self.points, k, r * r))
 
     def nearest_within(self, query: Any, max_distance: float) -> KnnResult:
-        """Nearest point with ``||q - p|| <= max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none."""
+        """Nearest point within ``max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none."""
         md = _checks.check_distance(max_distance, "max_distance")
         q = _checks.query_points(query, self.points)
         return KnnResult(*_knn.knn_tiles(q, self.points, 1, md * md))

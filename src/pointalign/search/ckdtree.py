@@ -27,6 +27,7 @@ class CKDTreeIndex:
         device: optional device for ``points`` (queries must live there; search runs on CPU).
         leafsize: cKDTree leaf size.
         workers: threads for queries (-1: all cores).
+
     """
 
     def __init__(self, points: Any, *, device: str | torch.device | None = None,
@@ -78,13 +79,13 @@ class CKDTreeIndex:
         return self._query(query, k, None)
 
     def radius(self, query: Any, r: float, max_neighbors: int) -> KnnResult:
-        """Up to ``max_neighbors`` nearest points with ``||q - p|| <= r``: ``(N, max_neighbors)``."""
+        """Up to ``max_neighbors`` nearest points within distance ``r``: ``(N, max_neighbors)``."""
         r = _checks.check_distance(r, "r")
         k = _checks.check_k(max_neighbors, self.points.shape[0], "max_neighbors",
                             allow_more=True)
         return self._query(query, k, r)
 
     def nearest_within(self, query: Any, max_distance: float) -> KnnResult:
-        """Nearest point with ``||q - p|| <= max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none."""
+        """Nearest point within ``max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none."""
         md = _checks.check_distance(max_distance, "max_distance")
         return self._query(query, 1, md)

@@ -49,8 +49,10 @@ def auto_cell_size(points: torch.Tensor, per_cell: float = 4.0) -> float:
         return 1.0 if span == 0 else span
     ext = ext.clamp(min=span * 1e-3)
     c = float((ext.prod() / m) ** (1 / 3)) * per_cell ** (1 / 3)
-    keys = ((p - p.amin(0)) / c).floor().to(torch.int64)
-    occupied = torch.unique(keys, dim=0).shape[0]
+    ijk = ((p - p.amin(0)) / c).floor().to(torch.int64)
+    dims = ijk.amax(0) + 1
+    keys = (ijk[:, 0] * dims[1] + ijk[:, 1]) * dims[2] + ijk[:, 2]
+    occupied = int(torch.unique(keys).numel())
     occ = m / max(1, occupied)
     if occ > 2 * per_cell:
         c *= math.sqrt(per_cell / occ)
@@ -74,6 +76,7 @@ class VoxelGridIndex:
             cells (the requested size, or larger when ``max_cells`` forced it).
 
     ``knn`` with ``k > M`` raises ``ValueError``; ``radius`` pads with ``inf`` / ``-1``.
+
     """
 
     #: Each fallback level's cells are this many times larger than the previous level's.
@@ -99,8 +102,7 @@ class VoxelGridIndex:
                 f"dims={self.grid.dims}, device={self.points.device})")
 
     def _grid_for(self, cell: float) -> tuple[_grid.GridData, float]:
-        """A grid with cells of at least ``cell`` (built once, a few kept) and its certified
-        radius."""
+        """Get a grid with cells of at least ``cell`` and its certified radius (cached)."""
         if cell <= self.cell_size:
             return self.grid, self.cell_size
         if cell not in self._grids:
