@@ -137,13 +137,17 @@ def soft_rows_reference(
             u = torch.zeros((qi.shape[0], 3), dtype=dt, device=dev)
             for j0 in range(0, npt, bm):
                 pj = p[j0:j0 + bm]
-                z = -s * (qi[:, None, :] - pj[None, :, :]).square().sum(-1)
+                # squared distance from coordinate differences, one coordinate at a time
+                z = (qi[:, 0:1] - pj[None, :, 0]).square_()
+                z += (qi[:, 1:2] - pj[None, :, 1]).square_()
+                z += (qi[:, 2:3] - pj[None, :, 2]).square_()
+                z.mul_(-s)
                 if g is not None:
-                    z = z + g[None, j0:j0 + bm]
+                    z += g[None, j0:j0 + bm]
                 m_new = torch.maximum(run_m, z.amax(1))
                 m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                 alpha = torch.exp(run_m - m_safe)
-                e = torch.exp(z - m_safe[:, None])
+                e = z.sub_(m_safe[:, None]).exp_()
                 l1 = l1 * alpha + e.sum(1)
                 if squares:
                     l2 = l2 * alpha * alpha + (e * e).sum(1)
@@ -234,7 +238,7 @@ def emicp_rows(
     if _use_triton(source):
         from pointalign.kernels import _soft_triton
 
-        w, mean = _soft_triton.rows(source, target, transform, scale, ql, pl, None,
+        w, _, mean = _soft_triton.rows(source, target, transform, scale, ql, pl, None,
                                     log_outlier, mode="emicp", squares=True)
         return w, mean
     r = soft_rows_reference(source, target, transform, scale, query_lengths=ql,
