@@ -94,6 +94,7 @@ INTERP_CASES = [
     ("29x83k5max", 29, 83, 5, 0.15, torch.float32, None),
     ("13x40k5f64", 13, 40, 5, 0.3, torch.float64, 16),
     ("6x3k5", 6, 3, 5, None, torch.float32, None),
+    ("17x30k1f64", 17, 30, 1, None, torch.float64, 8),
 ]
 
 

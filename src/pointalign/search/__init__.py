@@ -110,5 +110,5 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
     return _kdtree_class()(pts, **kw)
 
 
-__all__ = ["BruteForceIndex", "Index", "KnnResult", "build_index", "METHODS",
-           "AUTO_BRUTE_MAX_POINTS"]
+__all__ = ["AUTO_BRUTE_MAX_POINTS", "METHODS", "BruteForceIndex", "CKDTreeIndex", "Index",
+           "KnnResult", "VoxelGridIndex", "build_index"]
