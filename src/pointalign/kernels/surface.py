@@ -1,0 +1,129 @@
+"""Distance-map Newton terms: one fused pass over the query points, with its PyTorch reference.
+
+For every query point ``q`` (source point moved by the current ``R, t``: ``q = R x + t``) the
+pass finds the k-d tree node of level ``depth`` whose cell holds ``q`` (descent, no
+backtracking), fetches that node's quadratic approximant of the squared distance to the
+target, ``d̂²(q) = qᵀAq − 2bᵀq + c`` (``A`` symmetric 3×3), and accumulates the terms of its
+linearisation in the motion ``ξ = (ω, τ)`` about the centre ``o``:
+
+    ``q(ξ) ≈ q + ω × (q − o) + τ = q + Q ξ``,  ``Q = [−[q − o]ₓ | I]``  (3×6)
+    ``d̂²(q(ξ)) ≈ ξᵀ F ξ − 2 gᵀ ξ + h``,  ``F = QᵀAQ``,  ``g = Qᵀ(b − Aq)``,  ``h = d̂²(q)``
+
+(Zabatani & Bronstein 2012, eqs. 11-17; Mitra et al. 2004). Each term is weighted by
+``w = weight · [h <= tau2]`` (a truncated quadratic: terms beyond ``tau2`` contribute the
+constant ``tau2`` to the objective and nothing to ``F, g``).
+
+Output of :func:`newton_terms`: a ``(29,)`` float64 vector ``[F (21, upper triangle
+row-major), g (6), objective Σ weight·min(h, tau2), inliers Σ w > 0]``.
+
+Coefficient table layout, ``coeffs (n_nodes, 10)``: ``a00 a01 a02 a11 a12 a22 b0 b1 b2 c``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pointalign.kernels import kdtree as _kd
+from pointalign.kernels._backend import backend
+
+N_TERMS = 29
+#: index pairs (i, j), i <= j, of the 21 stored entries of the symmetric 6×6 F
+TRIU = [(i, j) for i in range(6) for j in range(i, 6)]
+
+
+def unpack(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """``(F (6, 6), g (6,), objective, inliers)`` from a ``(29,)`` float64 vector."""
+    F = terms.new_zeros(6, 6)
+    for k, (i, j) in enumerate(TRIU):
+        F[i, j] = F[j, i] = terms[k]
+    return F, terms[21:27].clone(), float(terms[27]), float(terms[28])
+
+
+def newton_terms(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
+                 tree: _kd.TreeArrays, coeffs: torch.Tensor, depth: int, *,
+                 weights: torch.Tensor | None = None, tau2: float = math.inf,
+                 objective_only: bool = False) -> torch.Tensor:
+    """Fused reduction of the Newton terms (module docstring) over ``points (N, 3)``.
+
+    Args:
+        points: ``(N, 3)`` float source points (source frame).
+        T: ``(4, 4)`` current ``T_target_source`` (any float dtype; applied in ``points``'
+            dtype).
+        center: ``(3,)`` rotation centre ``o`` (target frame).
+        tree: the target's k-d tree arrays; ``coeffs (n_nodes, 10)`` its per-node approximants.
+        depth: level of the nodes whose approximants are used (0..tree.depth).
+        weights: optional ``(N,)`` non-negative per-point weights (default 1).
+        tau2: squared truncation distance (``inf``: none).
+        objective_only: compute only the objective and the inlier count (``F, g`` are 0).
+
+    Returns:
+        ``(29,)`` float64 tensor on the points' device.
+    """
+    be = backend(points)
+    if be in ("triton", "interpret"):
+        from pointalign.kernels import _surface_triton
+
+        return _surface_triton.newton_terms(points, T, center, tree, coeffs, depth,
+                                            weights=weights, tau2=tau2,
+                                            objective_only=objective_only)
+    return newton_terms_reference(points, T, center, tree, coeffs, depth, weights=weights,
+                                  tau2=tau2, objective_only=objective_only)
+
+
+def sym3(co: torch.Tensor) -> torch.Tensor:
+    """``(…, 3, 3)`` symmetric A from the first six coefficients ``(…, ≥6)``."""
+    a00, a01, a02, a11, a12, a22 = co[..., 0], co[..., 1], co[..., 2], co[..., 3], co[..., 4], \
+        co[..., 5]
+    return torch.stack([torch.stack([a00, a01, a02], -1), torch.stack([a01, a11, a12], -1),
+                        torch.stack([a02, a12, a22], -1)], -2)
+
+
+def evaluate(q: torch.Tensor, co: torch.Tensor) -> torch.Tensor:
+    """``d̂²(q) = qᵀAq − 2bᵀq + c`` for ``q (N, 3)`` and per-point coefficients ``co (N, 10)``."""
+    A = sym3(co)
+    Aq = (A @ q.unsqueeze(-1)).squeeze(-1)
+    return (q * Aq).sum(-1) - 2 * (co[:, 6:9] * q).sum(-1) + co[:, 9]
+
+
+def newton_terms_reference(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
+                           tree: _kd.TreeArrays, coeffs: torch.Tensor, depth: int, *,
+                           weights: torch.Tensor | None = None, tau2: float = math.inf,
+                           objective_only: bool = False) -> torch.Tensor:
+    """PyTorch reference of :func:`newton_terms` (float64 per-point terms, same contract)."""
+    Tp = T.to(points.dtype)
+    q = points @ Tp[:3, :3].T + Tp[:3, 3]
+    node = _kd.descend(tree, q, depth)
+    co = coeffs[node].double()
+    q = q.double()
+    A = sym3(co)
+    Aq = (A @ q.unsqueeze(-1)).squeeze(-1)
+    h = (q * Aq).sum(-1) - 2 * (co[:, 6:9] * q).sum(-1) + co[:, 9]
+    h = h.clamp_min(0)
+    wt = torch.ones_like(h) if weights is None else weights.double()
+    inl = h <= tau2
+    w = torch.where(inl, wt, torch.zeros_like(wt))
+    out = torch.zeros(N_TERMS, dtype=torch.float64, device=points.device)
+    out[27] = (wt * torch.clamp(h, max=tau2)).sum()
+    out[28] = (w > 0).sum()
+    if objective_only:
+        return out
+    p = q - center.double().to(q.device)
+    eye = torch.eye(3, dtype=torch.float64, device=q.device).expand(q.shape[0], 3, 3)
+    Q = torch.cat([-_skew(p), eye], -1)  # (N, 3, 6)
+    F = (Q.transpose(-1, -2) @ A @ Q * w[:, None, None]).sum(0)
+    a = Aq - co[:, 6:9]
+    g = -(Q.transpose(-1, -2) @ a.unsqueeze(-1)).squeeze(-1)
+    g = (g * w[:, None]).sum(0)
+    for k, (i, j) in enumerate(TRIU):
+        out[k] = F[i, j]
+    out[21:27] = g
+    return out
+
+
+def _skew(v: torch.Tensor) -> torch.Tensor:
+    z = torch.zeros_like(v[..., 0])
+    return torch.stack([torch.stack([z, -v[..., 2], v[..., 1]], -1),
+                        torch.stack([v[..., 2], z, -v[..., 0]], -1),
+                        torch.stack([-v[..., 1], v[..., 0], z], -1)], -2)
