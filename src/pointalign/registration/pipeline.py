@@ -42,9 +42,8 @@ def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int =
 
     Starts from ``diag / sqrt(target_points)`` (diag: the bounding-box diagonal) and
     corrects ``v ← v · sqrt(count / target_points)`` (surfaces: count ∝ v⁻²) a few times;
-    returns the last edge whose count is within 10 % or the best seen. A cloud with fewer
-    points than ``target_points`` gets the edge at which nearly every point has its own
-    voxel (about the mean spacing).
+    returns the first edge whose count is within 10 % or the best seen. A cloud with fewer
+    than ``2 · target_points`` points is reduced to about half its size instead.
     """
     pts = _validate.as_points(points, "points")
     target_points = int(target_points)
@@ -54,7 +53,9 @@ def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int =
     diag = float((hi - lo).double().norm())
     if diag == 0.0:
         raise ValueError("points: all points coincide; cannot choose a voxel size")
-    want = min(target_points, pts.shape[0])
+    # a cloud not much larger than the target is still halved: every voxel must keep a
+    # few neighbours within the 2v normal radius
+    want = max(3, min(target_points, pts.shape[0] // 2))
     v = diag / math.sqrt(want)
     best_v, best_err = v, math.inf
     for _ in range(iterations):
