@@ -182,14 +182,26 @@ def test_no_correspondences_reported(bunny):
         np.testing.assert_array_equal(res.transformation, np.eye(4))
 
 
-def test_plane_is_degenerate_for_point_to_plane(rng):
+def test_plane_is_rank_deficient_for_point_to_plane(rng):
     xy = torch.rand(500, 2, generator=rng)
     plane = torch.cat([xy, torch.zeros(500, 1)], 1)
     res = icp(plane + torch.tensor([0.01, 0.0, 0.002]), plane,
               target_normals=torch.tensor([[0.0, 0, 1]]).expand(500, 3),
               max_correspondence_distance=0.05, method="point_to_plane", device="cpu")
-    assert not res.converged and res.stop_reason == "degenerate"
+    # the normal offset is removed by the least-norm step; in-plane motion is unobservable
+    assert res.info["rank_deficient"] and res.converged
     assert np.isfinite(res.transformation).all()
+    assert abs(res.transformation[2, 3] + 0.002) < 1e-6
+    np.testing.assert_allclose(res.transformation[:3, :3], np.eye(3), atol=1e-6)
+
+
+def test_collinear_is_degenerate_for_point_to_point(rng):
+    line = torch.zeros(200, 3)
+    line[:, 0] = torch.rand(200, generator=rng)
+    res = icp(line + torch.tensor([0.0, 0.001, 0.0]), line, max_correspondence_distance=0.05,
+              device="cpu")
+    assert not res.converged and res.stop_reason == "degenerate" and res.iterations == 0
+    np.testing.assert_array_equal(res.transformation, np.eye(4))
 
 
 def test_inputs_numpy_pointcloud_float64_and_index(bunny):
@@ -324,3 +336,31 @@ def test_cuda_batched_equals_separate(seed):
                   method="point_to_plane", criteria=CRIT)
         np.testing.assert_allclose(res.transformation[b], one.transformation, atol=1e-5)
         assert res.iterations[b] == one.iterations
+
+
+@pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])
+def test_host_solver_matches_estimate(bunny, seed, plane):
+    """The loop's NumPy solve equals the estimate-module path (horn_from_moments /
+    solve_point_to_plane), including a degenerate entry."""
+    from pointalign.features.normals import estimate_normals
+    from pointalign.kernels import normal_eq
+    from pointalign.registration import icp as icp_mod
+
+    g = torch.Generator().manual_seed(seed)
+    T = transforms.random_transform(20.0, 0.02, generator=g).float()
+    x = transforms.apply(T, bunny)[None].repeat(3, 1, 1)
+    y = bunny[None].repeat(3, 1, 1)
+    idx = torch.randint(-1, bunny.shape[0], (3, bunny.shape[0]), generator=g)
+    idx[1] = torch.arange(bunny.shape[0])
+    idx[2, 2:] = -1  # only two correspondences: degenerate
+    n = estimate_normals(bunny, k=10)[None].repeat(3, 1, 1) if plane else None
+    c = bunny.mean(0)[None].repeat(3, 1)
+    s = normal_eq.normal_equations_reference(x, y, idx, target_normals=n, center=c)
+    D, valid = icp_mod._solve(s, plane, c.double())
+    Dn, vn, un = icp_mod._solve_np(s.numpy(), plane, c.double().numpy())
+    assert un[:2].all() and un[2] == plane  # a rank-deficient 6x6 still gives a step
+    np.testing.assert_array_equal(vn, valid.numpy())
+    assert not vn[2] and vn[:2].all()
+    np.testing.assert_allclose(Dn, D.numpy(), atol=1e-10)
+    if not plane:  # exact correspondences: the update undoes T
+        np.testing.assert_allclose(Dn[1] @ T.double().numpy(), np.eye(4), atol=1e-5)

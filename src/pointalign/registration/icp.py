@@ -142,6 +142,97 @@ def _solve(sums: torch.Tensor, plane: bool, c: torch.Tensor):
     return D, est.valid
 
 
+_TRIU3 = np.array(normal_eq.TRIU3)
+_TRIU6 = np.array(normal_eq.TRIU6)
+
+
+def _sym_np(v: np.ndarray, pairs: np.ndarray, n: int) -> np.ndarray:
+    M = np.zeros((v.shape[0], n, n))
+    M[:, pairs[:, 0], pairs[:, 1]] = v
+    M[:, pairs[:, 1], pairs[:, 0]] = v
+    return M
+
+
+def _spans_plane_np(cov: np.ndarray) -> np.ndarray:
+    ev = np.linalg.eigvalsh(cov)
+    return ev[:, 1] > estimate.DEGENERACY_EPS * np.maximum(ev[:, 2], 1e-300)
+
+
+def _rodrigues_np(w: np.ndarray) -> np.ndarray:
+    th2 = (w * w).sum(-1)[:, None, None]
+    th = np.sqrt(th2)
+    K = np.zeros((w.shape[0], 3, 3))
+    K[:, 0, 1], K[:, 0, 2], K[:, 1, 2] = -w[:, 2], w[:, 1], -w[:, 0]
+    K[:, 1, 0], K[:, 2, 0], K[:, 2, 1] = w[:, 2], -w[:, 1], w[:, 0]
+    small = th2 < 1e-12
+    safe = np.where(small, 1.0, th)
+    a = np.where(small, 1 - th2 / 6, np.sin(safe) / safe)
+    b = np.where(small, 0.5 - th2 / 24, (1 - np.cos(safe)) / (safe * safe))
+    return np.eye(3) + a * K + b * (K @ K)
+
+
+def _solve_np(sums: np.ndarray, plane: bool, c: np.ndarray):
+    """NumPy twin of :func:`_solve` (same formulas as ``estimate.horn_from_moments`` and
+    ``estimate.solve_point_to_plane``, checked equal in the tests): the loop's host solve,
+    a few NumPy calls instead of dozens of small torch ops."""
+    B = sums.shape[0]
+    if plane:
+        A = _sym_np(sums[:, :21], _TRIU6, 6)
+        bb = -sums[:, 21:27]
+        ev, V = np.linalg.eigh(A)
+        keep = ev > estimate.DEGENERACY_EPS * np.maximum(ev[:, -1:], 1e-300)
+        inv = np.where(keep, 1.0 / np.maximum(ev, 1e-300), 0.0)
+        xi = (V @ (inv[:, :, None] * (V.transpose(0, 2, 1) @ bb[:, :, None])))[:, :, 0]
+        usable = np.isfinite(xi).all(-1) & keep.any(-1)
+        xi = np.where(usable[:, None], xi, 0.0)
+        valid = keep.all(-1) & usable
+        # a rank-deficient system keeps its least-norm step (as estimate.solve_point_to_plane)
+        R, t = _rodrigues_np(xi[:, :3]), xi[:, 3:]
+    else:
+        W = sums[:, 0]
+        sx, sy = sums[:, 1:4], sums[:, 4:7]
+        Wd = np.maximum(W, 1e-300)[:, None]
+        xm, ym = sx / Wd, sy / Wd
+        S = sums[:, 7:16].reshape(B, 3, 3) - W[:, None, None] * (xm[:, :, None] * ym[:, None, :])
+        cov_x = _sym_np(sums[:, 16:22], _TRIU3, 3) - sx[:, :, None] * sx[:, None, :] / Wd[..., None]
+        cov_y = _sym_np(sums[:, 22:28], _TRIU3, 3) - sy[:, :, None] * sy[:, None, :] / Wd[..., None]
+        (sxx, sxy, sxz), (syx, syy, syz), (szx, szy, szz) = \
+            [[S[:, i, j] for j in range(3)] for i in range(3)]
+        N = np.stack([
+            np.stack([sxx + syy + szz, syz - szy, szx - sxz, sxy - syx], -1),
+            np.stack([syz - szy, sxx - syy - szz, sxy + syx, szx + sxz], -1),
+            np.stack([szx - sxz, sxy + syx, -sxx + syy - szz, syz + szy], -1),
+            np.stack([sxy - syx, szx + sxz, syz + szy, -sxx - syy + szz], -1)], -2)
+        _, vecs = np.linalg.eigh(N)
+        q = vecs[:, :, -1]
+        q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), 1e-300)
+        w, x, y, z = q[:, 0], q[:, 1], q[:, 2], q[:, 3]
+        R = np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+                      2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+                      2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)],
+                     -1).reshape(B, 3, 3)
+        t = ym - (R @ xm[:, :, None])[:, :, 0]
+        valid = (W > 0) & _spans_plane_np(cov_x) & _spans_plane_np(cov_y)
+        valid &= np.isfinite(R).all((-1, -2)) & np.isfinite(t).all(-1)
+        R, t = np.nan_to_num(R), np.nan_to_num(t)
+        R = np.where(valid[:, None, None], R, np.eye(3))
+        t = np.where(valid[:, None], t, 0.0)
+        usable = valid
+    # un-centre: x ↦ R (x − c) + t + c
+    D = np.tile(np.eye(4), (B, 1, 1))
+    D[:, :3, :3] = R
+    D[:, :3, 3] = t + c - (R @ c[:, :, None])[:, :, 0]
+    return D, valid, usable
+
+
+def _angle_np(R: np.ndarray) -> np.ndarray:
+    """Rotation angles (radians) of ``R (B, 3, 3)``, accurate near 0."""
+    s = 0.5 * np.linalg.norm(np.stack([R[:, 2, 1] - R[:, 1, 2], R[:, 0, 2] - R[:, 2, 0],
+                                       R[:, 1, 0] - R[:, 0, 1]], -1), axis=-1)
+    cth = 0.5 * (R[:, 0, 0] + R[:, 1, 1] + R[:, 2, 2] - 1)
+    return np.arctan2(s, cth)
+
+
 def _information(sums: torch.Tensor, plane: bool, c: torch.Tensor) -> torch.Tensor:
     """6×6 information matrix ``(B, 6, 6)`` of the final correspondences, twist (ω, v) about
     the origin of the target frame (small_gicp / Open3D ``H``)."""
@@ -193,7 +284,10 @@ def icp(
     ``|Δfitness| < relative_fitness`` and ``|Δrmse| / rmse < relative_rmse``
     ("relative_change"); an update smaller than the translation and rotation tolerances
     ("small_update"); no correspondence left ("no_correspondences", not converged); or a
-    degenerate system ("degenerate", not converged).
+    degenerate point-to-point problem (collinear or too few correspondences: "degenerate",
+    not converged). A rank-deficient point-to-plane system (e.g. a single plane, whose
+    in-plane motion is unobservable) takes its least-norm step on the determined directions
+    and carries on; ``info["rank_deficient"]`` records that it happened.
 
     Batches: ``source (B, N, 3)`` with ``source_lengths (B,)`` and ``target (B, M, 3)`` with
     ``target_lengths (B,)`` (or one ``(M, 3)`` target shared by all B) run B independent
@@ -252,7 +346,7 @@ def icp(
         raise ValueError("target: batched (B, M, 3) but source is a single (N, 3) cloud")
     shared_target = not tbatched and B > 1
     T0 = _validate.as_transform(init, "init", batch=B if batched else None, dtype=torch.float64)
-    T = (T0 if batched else T0[None]).detach().to("cpu", torch.float64).clone()
+    T = (T0 if batched else T0[None]).detach().to("cpu", torch.float64).numpy().copy()
     plane = method == "point_to_plane"
     slens_h = slens.cpu()
     tlens_h = tlens.cpu()
@@ -290,15 +384,16 @@ def icp(
     rows = torch.arange(tgt.shape[1], device=dev)[None, :, None] < tlens[:, None, None]
     center_dev = ((tgt * rows).sum(1) / tlens[:, None].clamp_min(1)).to(torch.float32)
     center = center_dev.cpu().to(torch.float64)
+    center_np = center.numpy()
     tgt_k = tgt.contiguous()
 
     N = src.shape[1]
     kind, scale = rk.kind, float(rk.k)
 
-    def evaluate(T_host: torch.Tensor, active: np.ndarray) -> torch.Tensor:
+    def evaluate(T_host: np.ndarray, active: np.ndarray) -> np.ndarray:
         """Correspondences and sums ``(B, 30)`` (host float64) at the estimates T_host."""
         ts = time.perf_counter()
-        Td = T_host.to(torch.float32).to(dev, non_blocking=True)
+        Td = torch.from_numpy(T_host).to(device=dev, dtype=torch.float32)
         x = torch.baddbmm(Td[:, None, :3, 3], src, Td[:, :3, :3].transpose(1, 2))
         if B == 1 and int(slens_h[0]) == N:
             idx = idxs[0].nearest_within(x[0], max_dist).idx.view(1, N)
@@ -315,16 +410,18 @@ def icp(
         sums = normal_eq.normal_equations(x, tgt_k, idx, target_normals=normals,
                                           lengths=lens_eff, center=center_dev, kernel=kind,
                                           scale=scale)
-        out = sums.cpu()  # the one device -> host transfer of the iteration
+        out = sums.cpu().numpy()  # the one device -> host transfer of the iteration
         te = time.perf_counter()
         timings["search"] += tr - ts
         timings["reduce"] += te - tr
         return out
 
-    def stats(s: torch.Tensor):
-        cnt = s[:, 28].numpy().copy()
-        fit = cnt / slens_h.numpy().astype(np.float64)
-        rmse = np.where(cnt > 0, np.sqrt(s[:, 29].numpy() / np.maximum(cnt, 1)), np.inf)
+    n_src = slens_h.numpy().astype(np.float64)
+
+    def stats(s: np.ndarray):
+        cnt = s[:, 28].copy()
+        fit = cnt / n_src
+        rmse = np.where(cnt > 0, np.sqrt(s[:, 29] / np.maximum(cnt, 1)), np.inf)
         return cnt, fit, rmse
 
     t_it = time.perf_counter()
@@ -332,8 +429,9 @@ def icp(
     iters = np.zeros(B, dtype=np.int64)
     converged = np.zeros(B, dtype=bool)
     reasons = [""] * B
+    rank_deficient = np.zeros(B, dtype=bool)
     sums = evaluate(T, active)
-    last = sums.clone()
+    last = sums.copy()
     cnt, fit, rmse = stats(sums)
     history = [{"iteration": 0, "fitness": fit.copy(), "rmse": rmse.copy(),
                 "correspondences": cnt.copy()}]
@@ -344,13 +442,13 @@ def icp(
         if not active.any():
             break
         ts = time.perf_counter()
-        D, valid = _solve(sums, plane, center)
-        for b in np.nonzero(active & ~valid.numpy())[0]:
+        D, valid, usable = _solve_np(sums, plane, center_np)
+        rank_deficient |= active & ~valid
+        for b in np.nonzero(active & ~usable)[0]:
             active[b], reasons[b] = False, "degenerate"
-        upd = torch.as_tensor(active)
-        T = torch.where(upd[:, None, None], D @ T, T)
-        ang = transforms.rotation_angle(D[:, :3, :3]).numpy()
-        mov = D[:, :3, 3].norm(dim=-1).numpy()
+        T = np.where(active[:, None, None], D @ T, T)
+        ang = _angle_np(D[:, :3, :3])
+        mov = np.linalg.norm(D[:, :3, 3], axis=-1)
         timings["solve"] += time.perf_counter() - ts
         iters[active] += 1
         if not active.any():
@@ -360,7 +458,7 @@ def icp(
         cnt, fit_new, rmse_new = stats(sums)
         fit = np.where(active, fit_new, prev_fit)
         rmse = np.where(active, rmse_new, prev_rmse)
-        last[torch.as_tensor(active)] = sums[torch.as_tensor(active)]
+        last[active] = sums[active]
         history.append({"iteration": it, "fitness": fit.copy(), "rmse": rmse.copy(),
                         "correspondences": np.where(active, cnt, history[-1]["correspondences"])})
         for b in np.nonzero(active)[0]:
@@ -375,21 +473,24 @@ def icp(
     for b in np.nonzero(active)[0]:
         reasons[b] = "max_iterations"
     timings["iterate"] = time.perf_counter() - t_it
-    H = _information(last, plane, center).numpy()
+    H = _information(torch.from_numpy(last), plane, center).numpy()
     timings["total"] = time.perf_counter() - t_start
     n_eval = max(1, len(history))
     info = {"H": H, "per_iteration_s": timings["iterate"] / n_eval,
-            "method": method, "index": type(idxs[0]).__name__}
-    Tn = T.numpy()
+            "method": method, "index": type(idxs[0]).__name__,
+            "rank_deficient": rank_deficient}
+    Tn = T
     if batched:
         return RegistrationResult(
             transformation=Tn, fitness=fit, rmse=rmse, iterations=iters, converged=converged,
             stop_reason=reasons, history=history, timings=timings, info=info,
-            transformation_tensor=T.to(dev))
+            transformation_tensor=torch.from_numpy(T).to(dev))
     hist = [{k: (float(v[0]) if isinstance(v, np.ndarray) else v) for k, v in h.items()}
             for h in history]
     info["H"] = H[0]
+    info["rank_deficient"] = bool(rank_deficient[0])
     return RegistrationResult(
         transformation=Tn[0], fitness=float(fit[0]), rmse=float(rmse[0]),
         iterations=int(iters[0]), converged=bool(converged[0]), stop_reason=reasons[0],
-        history=hist, timings=timings, info=info, transformation_tensor=T[0].to(dev))
+        history=hist, timings=timings, info=info,
+        transformation_tensor=torch.from_numpy(T[0]).to(dev))
