@@ -28,7 +28,6 @@ downsampling) and includes its own preprocessing (k-d tree, normals). Errors: ro
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -117,7 +116,7 @@ def per_iteration(rec: Recorder, dev: torch.device, quick: bool) -> None:
             rec.add("per_iteration", device=d, search=m, skipped=f"{type(exc).__name__}: {exc}")
             continue
 
-        def call():
+        def call(s=s, t=t, ix=ix, d=d):
             return icp(s, t, max_correspondence_distance=MAX_DIST, criteria=crit, index=ix,
                        device=d)
 
@@ -154,7 +153,7 @@ def convergence(rec: Recorder, dev: torch.device, quick: bool) -> None:
     for name, p in problems(quick):
         s, t = p.source.to(dev), p.target.to(dev)
         for method, sg_kind in (("point_to_point", "ICP"), ("point_to_plane", "PLANE_ICP")):
-            def call():
+            def call(s=s, t=t, method=method):
                 return icp(s, t, max_correspondence_distance=MAX_DIST, method=method,
                            criteria=crit, device=dev)
 

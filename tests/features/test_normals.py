@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from pointalign.cloud import PointCloud
-from pointalign.features.normals import (estimate_normals, smallest_eigenvector,
-                                         symmetric_eigenvalues)
+from pointalign.features.normals import (
+    estimate_normals,
+    smallest_eigenvector,
+    symmetric_eigenvalues,
+)
 from pointalign.search import build_index
 
 

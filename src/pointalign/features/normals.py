@@ -53,8 +53,11 @@ def symmetric_eigenvalues(A: torch.Tensor) -> torch.Tensor:
 
 
 def _null_vector(A: torch.Tensor, lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unit vector spanning the null space of ``A − λI`` (largest row cross product) and the
-    squared norm of that cross product (small when λ is not a simple eigenvalue)."""
+    """Unit vector spanning the null space of ``A − λI``, and its squared raw norm.
+
+    The vector is the largest cross product of two rows; its squared norm is small when λ is
+    not a simple eigenvalue.
+    """
     eye = torch.eye(3, dtype=A.dtype, device=A.device)
     Mm = A - lam[..., None, None] * eye
     r0, r1, r2 = Mm[..., 0, :], Mm[..., 1, :], Mm[..., 2, :]
@@ -153,6 +156,7 @@ def estimate_normals(
 
     Returns:
         ``(N, 3)`` float tensor of unit normals on ``device``, in the points' dtype.
+
     """
     if isinstance(points, torch.Tensor) and device is None:
         dev = points.device

@@ -105,10 +105,12 @@ def normal_equations(
         target_normals: ``(B, M, 3)`` unit normals (point-to-plane) or None (point-to-point).
         lengths: ``(B,)`` int64 valid source rows (default N).
         center: ``(B, 3)`` centring point c (default 0).
-        kernel, scale: robust kernel name and its scale k (metres).
+        kernel: robust kernel name ("none", "huber", "tukey", "cauchy").
+        scale: the robust kernel's scale k (metres), > 0.
 
     Returns:
         ``(B, 30)`` float64 sums on the input's device.
+
     """
     B, N = source.shape[:2]
     if lengths is None:

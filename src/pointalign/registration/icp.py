@@ -24,7 +24,6 @@ tiny kernel launches and an eigen-solver that synchronises anyway.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -172,9 +171,12 @@ def _rodrigues_np(w: np.ndarray) -> np.ndarray:
 
 
 def _solve_np(sums: np.ndarray, plane: bool, c: np.ndarray):
-    """NumPy twin of :func:`_solve` (same formulas as ``estimate.horn_from_moments`` and
-    ``estimate.solve_point_to_plane``, checked equal in the tests): the loop's host solve,
-    a few NumPy calls instead of dozens of small torch ops."""
+    """NumPy twin of :func:`_solve`: the loop's host solve.
+
+    Same formulas as ``estimate.horn_from_moments`` and ``estimate.solve_point_to_plane``
+    (checked equal in the tests), in a few NumPy calls instead of dozens of small torch ops.
+    Returns ``(D (B, 4, 4), valid (B,), usable (B,))``.
+    """
     B = sums.shape[0]
     if plane:
         A = _sym_np(sums[:, :21], _TRIU6, 6)
@@ -234,8 +236,10 @@ def _angle_np(R: np.ndarray) -> np.ndarray:
 
 
 def _information(sums: torch.Tensor, plane: bool, c: torch.Tensor) -> torch.Tensor:
-    """6×6 information matrix ``(B, 6, 6)`` of the final correspondences, twist (ω, v) about
-    the origin of the target frame (small_gicp / Open3D ``H``)."""
+    """6×6 information matrix ``(B, 6, 6)`` of the final correspondences.
+
+    Twist (ω, v) about the origin of the target frame (small_gicp / Open3D ``H``).
+    """
     B = sums.shape[0]
     eye3 = torch.eye(3, dtype=torch.float64)
     # J_origin = J_centred @ A with A = [[I, 0], [[c]×ᵀ, I]]
@@ -310,7 +314,8 @@ def icp(
             with ``method="auto"`` (grid on CUDA, cKDTree on the CPU).
         target_normals: ``(M, 3)`` / ``(B, M, 3)`` unit normals for point-to-plane; default:
             the PointCloud's, else estimated with :func:`estimate_normals` (k = 20).
-        source_lengths, target_lengths: ``(B,)`` valid points per padded batch entry.
+        source_lengths: ``(B,)`` valid source points per padded batch entry.
+        target_lengths: ``(B,)`` valid target points per padded batch entry.
 
     Returns:
         :class:`RegistrationResult` with ``fitness`` (fraction of source points with a
@@ -319,6 +324,7 @@ def icp(
         index, normals, iterate, total, and the host-side search/reduce/solve split) and
         ``info["H"]``: the final 6×6 information matrix (twist (ω, v) about the target
         origin), ``info["per_iteration_s"]``.
+
     """
     t_start = time.perf_counter()
     if method not in METHODS:
