@@ -43,8 +43,10 @@ NOTES = (
     "so it only wins below ~50k points); the voxel grid does ~30-100 candidates per query "
     "and should reach the 10 ms target for exact 1-NN at 1M x 1M on uniform data (grid "
     "build ~1-2 ms: one sort). The bunny workload is harder for the grid: queries off the "
-    "target surface fall through to coarser grids. Rows marked skipped were estimated too "
-    "slow to run (O(N M) peers at 1M)."
+    "target surface fall through to coarser grids (built on first use, so not in build_ms; "
+    "likewise the k=16 grid, whose cells are scaled for 16 neighbours). Rows marked skipped "
+    "were estimated too slow to run (O(N M) peers at 1M). max_err: squared distance vs "
+    "cKDTree on a sample (inf = a missing neighbour)."
 )
 
 

@@ -154,7 +154,9 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int,
     out_d = torch.empty((n, kk), dtype=q.dtype, device=q.device)
     out_i = torch.empty((n, kk), dtype=torch.int64, device=q.device)
     if kk == 1:
-        bn, bm = block_n or 32, block_m or 64
+        # wide query blocks amortise point loads; narrow ones keep all SMs busy for small N
+        bn = block_n or (64 if n >= 1 << 16 else 32 if n >= 1 << 12 else 16)
+        bm = block_m or 64
         grid = (triton_cdiv(n, bn),)
         ks["nn1"][grid](q, p, out_d, out_i, n, m, md2, HAS_MAX=has_max,
                         BLOCK_N=bn, BLOCK_M=bm, num_warps=4)
