@@ -96,3 +96,13 @@ def test_cuda_methods(method, rng):
     assert_knn_matches(ix.knn(q[:500], 8), q[:500], p, 8)
     with pytest.raises(ValueError, match="query"):
         ix.knn(q.cpu(), 1)
+
+
+@pytest.mark.gpu
+def test_cuda_auto_rule(rng):
+    small, big = _cloud(5000, rng).cuda(), _cloud(50_000, rng).cuda()
+    assert type(build_index(small, max_distance=0.05)).__name__ == "VoxelGridIndex"
+    # a "maximum distance" as large as the cloud: the grid would scan everything
+    assert isinstance(build_index(small, max_distance=10.0), BruteForceIndex)
+    assert isinstance(build_index(small), BruteForceIndex)
+    assert type(build_index(big)).__name__ in ("KDTreeIndex", "VoxelGridIndex")

@@ -19,6 +19,10 @@ from pointalign.search.brute import BruteForceIndex
 #: fused kernel beats tree traversal there); tuned from benchmarks/bench_knn.py.
 AUTO_BRUTE_MAX_POINTS = 20_000
 
+#: "auto" uses the grid only when the cloud spans at least this many cells along its longest
+#: axis (a cell as large as the cloud would make every query scan every point).
+AUTO_GRID_MIN_CELLS = 4
+
 METHODS = ("auto", "brute", "grid", "kdtree", "ckdtree")
 
 
@@ -60,8 +64,9 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
     * ``"ckdtree"``: :class:`~pointalign.search.ckdtree.CKDTreeIndex`, SciPy's cKDTree on the
       host with all cores; results come back on the points' device.
     * ``"auto"``: points on the CPU -> ``"ckdtree"``; on a GPU -> ``"grid"`` when
-      ``cell_size`` or ``max_distance`` is given, else ``"brute"`` when
-      ``M <= AUTO_BRUTE_MAX_POINTS``, else ``"kdtree"`` when it imports, else ``"grid"``.
+      ``cell_size`` or ``max_distance`` is given and the cloud spans at least
+      ``AUTO_GRID_MIN_CELLS`` such cells, else ``"brute"`` when ``M <= AUTO_BRUTE_MAX_POINTS``,
+      else ``"kdtree"`` when it imports, else ``"grid"`` (automatic cell).
 
     Args:
         points: ``(M, 3)`` array, tensor or PointCloud; non-empty and finite.
@@ -84,9 +89,12 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
         max_distance = _checks.check_distance(max_distance, "max_distance")
     pts = _checks.index_points(points, device=device)
     if method == "auto":
-        if pts.device.type == "cpu":
+        cs = cell_size if cell_size is not None else max_distance
+        on_cpu = pts.device.type == "cpu"
+        span = float((pts.amax(0) - pts.amin(0)).max()) if cs is not None and not on_cpu else 0.0
+        if on_cpu:
             method = "ckdtree"
-        elif cell_size is not None or max_distance is not None:
+        elif cs is not None and span >= AUTO_GRID_MIN_CELLS * cs:
             method = "grid"
         elif pts.shape[0] <= AUTO_BRUTE_MAX_POINTS:
             method = "brute"
@@ -95,7 +103,7 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
                 _kdtree_class()
                 method = "kdtree"
             except ValueError:
-                method = "grid"
+                method, cell_size, max_distance = "grid", None, None
     if method == "brute":
         return BruteForceIndex(pts, **kw)
     if method == "ckdtree":
@@ -105,10 +113,9 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
     if method == "grid":
         from pointalign.search.grid import VoxelGridIndex
 
-        cs = cell_size if cell_size is not None else max_distance
-        return VoxelGridIndex(pts, cs, **kw)
+        return VoxelGridIndex(pts, cell_size if cell_size is not None else max_distance, **kw)
     return _kdtree_class()(pts, **kw)
 
 
-__all__ = ["AUTO_BRUTE_MAX_POINTS", "METHODS", "BruteForceIndex", "CKDTreeIndex", "Index",
-           "KnnResult", "VoxelGridIndex", "build_index"]
+__all__ = ["AUTO_BRUTE_MAX_POINTS", "AUTO_GRID_MIN_CELLS", "METHODS", "BruteForceIndex",
+           "CKDTreeIndex", "Index", "KnnResult", "VoxelGridIndex", "build_index"]
