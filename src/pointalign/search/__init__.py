@@ -20,8 +20,9 @@ from pointalign.search.brute import BruteForceIndex
 AUTO_BRUTE_MAX_POINTS = 20_000
 
 #: "auto" uses the grid only when the cloud spans at least this many cells along its longest
-#: axis (a cell as large as the cloud would make every query scan every point).
-AUTO_GRID_MIN_CELLS = 4
+#: axis: with fewer, the 27 cells around a query hold a large share of the cloud and the
+#: fused brute force / k-d tree do less work (a guess to tune from benchmarks/bench_knn.py).
+AUTO_GRID_MIN_CELLS = 8
 
 METHODS = ("auto", "brute", "grid", "kdtree", "ckdtree")
 
