@@ -110,12 +110,35 @@ def _build_indexes(tgt, tlens, max_dist, index):
     out = []
     for b in range(B):
         pts = tgt[b, : int(tlens[b])]
-        try:
-            ix = build_index(pts, "auto", max_distance=max_dist)
-        except (ImportError, ValueError):
-            ix = build_index(pts, "brute")
-        out.append(ix)
+        out.append(_default_index(pts, max_dist, build_index))
     return out
+
+
+#: On a GPU, ICP searches a voxel grid with cells of the maximum correspondence distance
+#: when that distance is at most this many times the grid's automatic cell (about 4 points
+#: per occupied cell); a larger bound would make every query scan thousands of points, so
+#: the k-d tree (whose cost does not grow with the bound) is used instead.
+GRID_MAX_RATIO = 8.0
+
+
+def _default_index(pts: torch.Tensor, max_dist: float, build_index):
+    """The index ICP builds when none is given (the rule is in :func:`icp`'s docstring)."""
+    if pts.device.type == "cpu":
+        return build_index(pts, "auto", max_distance=max_dist)  # SciPy cKDTree
+    order = ["grid", "kdtree", "brute"]
+    try:
+        from pointalign.search.grid import auto_cell_size
+
+        if max_dist > GRID_MAX_RATIO * auto_cell_size(pts):
+            order = ["kdtree", "grid", "brute"]
+    except ImportError:
+        pass
+    for m in order:
+        try:
+            return build_index(pts, m, max_distance=max_dist)
+        except (ImportError, ValueError):
+            continue
+    return build_index(pts, "brute")
 
 
 def _make_translation(c: torch.Tensor) -> torch.Tensor:
@@ -310,8 +333,11 @@ def icp(
         criteria: :class:`ConvergenceCriteria` (default ``ConvergenceCriteria()``).
         device: compute device; default: the tensors' device, else cuda when available.
         index: an Index over the target (or a list of B of them) from
-            :func:`pointalign.search.build_index`, reused across calls; default: built here
-            with ``method="auto"`` (grid on CUDA, cKDTree on the CPU).
+            :func:`pointalign.search.build_index`, reused across calls. Default, built here:
+            SciPy cKDTree on the CPU; on a GPU the voxel grid with cells of
+            ``max_correspondence_distance`` when that is at most ``GRID_MAX_RATIO`` (8)
+            automatic grid cells, else the k-d tree (falling back to grid, then brute force,
+            when one is unavailable). ``info["index"]`` names the index used.
         target_normals: ``(M, 3)`` / ``(B, M, 3)`` unit normals for point-to-plane; default:
             the PointCloud's, else estimated with :func:`estimate_normals` (k = 20).
         source_lengths: ``(B,)`` valid source points per padded batch entry.
