@@ -363,7 +363,7 @@ def icp(
     if not isinstance(crit, ConvergenceCriteria):
         raise TypeError(f"criteria: expected a ConvergenceCriteria, got {type(crit).__name__}")
     dev = _resolve_device(device, ("source", source), ("target", target),
-                          ("target_normals", target_normals), ("init", init))
+                          ("target_normals", target_normals))
     src, slens, batched = _as_batch_f32(source, "source", source_lengths, dev)
     tgt, tlens, tbatched = _as_batch_f32(target, "target", target_lengths, dev)
     B = src.shape[0]
