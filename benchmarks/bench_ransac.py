@@ -37,7 +37,6 @@ same downsampled clouds and voxel, when ``import open3d`` works (CPU only).
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
@@ -190,9 +189,9 @@ def run_pipeline_timing(rec: Recorder, cases: list[dict], dev: str, quick: bool,
                  if c["name"].startswith("kitti")]
     for name, s, t, T in problems:
         s, t = s.to(dev), t.to(dev)
-        holder = {}
+        holder: dict = {}
 
-        def fn():
+        def fn(s=s, t=t, holder=holder):
             holder["r"] = register(s, t, seed=0, **kw)
 
         tm = timeit(fn, warmup=1 if quick else 2, repeat=1 if quick else 7, device=dev)
@@ -274,7 +273,7 @@ def run_open3d(rec: Recorder, cases: list[dict], runs: int) -> None:
             t2 = time.perf_counter()
             rot, trans = metrics.relative_error(np.asarray(res.transformation), T_true)
             rows.append((100 * res.fitness, 1e3 * (t2 - t1), 1e3 * (t1 - t0), rot, trans))
-        c = list(zip(*rows))
+        c = list(zip(*rows, strict=False))
         rec.add("open3d", case=case["name"], runs=runs, voxel=f"{v:.4g}",
                 inlier_pct=_mean_std(list(c[0]), 1), ransac_ms=_mean_std(list(c[1])),
                 fpfh_normals_ms=_mean_std(list(c[2])), rot_err_deg=_mean_std(list(c[3]), 3),

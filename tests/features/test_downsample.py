@@ -12,7 +12,7 @@ def _oracle(points: np.ndarray, v: float) -> dict[tuple, np.ndarray]:
     """Centroid per voxel in float64 NumPy, keyed by integer cell."""
     cells = np.floor((points - points.min(0)) / v).astype(np.int64)
     groups: dict[tuple, list] = {}
-    for c, p in zip(map(tuple, cells), points):
+    for c, p in zip(map(tuple, cells), points, strict=False):
         groups.setdefault(c, []).append(p)
     return {c: np.mean(ps, 0) for c, ps in groups.items()}
 

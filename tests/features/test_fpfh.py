@@ -37,7 +37,7 @@ def _fpfh_oracle(pts, nrm, radius, max_nn):
     dist, idx = tree.query(pts, k=min(max_nn, n), distance_upper_bound=radius)
     spfh = np.zeros((n, 33))
     for i in range(n):
-        nb = [j for j, dd in zip(idx[i], dist[i]) if np.isfinite(dd) and j != i]
+        nb = [j for j, dd in zip(idx[i], dist[i], strict=False) if np.isfinite(dd) and j != i]
         for j in nb:
             a, f, t = _pair_oracle(pts[i], nrm[i], pts[j], nrm[j])
             spfh[i, min(10, max(0, int(math.floor(11 * (a + math.pi) / (2 * math.pi)))))] += 1
@@ -48,7 +48,7 @@ def _fpfh_oracle(pts, nrm, radius, max_nn):
     out = np.zeros((n, 33))
     for i in range(n):
         acc = np.zeros(33)
-        for j, dd in zip(idx[i], dist[i]):
+        for j, dd in zip(idx[i], dist[i], strict=False):
             if np.isfinite(dd) and dd > 0:
                 acc += spfh[j] / dd**2
         for g in range(3):
@@ -75,7 +75,7 @@ def test_pair_features_match_open3d_formulas(seed):
     n1, n2 = _unit(rng, 200), _unit(rng, 200)
     a, f, t, ok = K.pair_features(*(torch.from_numpy(x) for x in (p1, n1, p2, n2)))
     assert bool(ok.all())
-    ref = np.array([_pair_oracle(*x) for x in zip(p1, n1, p2, n2)])
+    ref = np.array([_pair_oracle(*x) for x in zip(p1, n1, p2, n2, strict=False)])
     np.testing.assert_allclose(torch.stack([a, f, t], 1).numpy(), ref, atol=1e-12)
 
 

@@ -37,6 +37,7 @@ def voxel_keys(points: torch.Tensor, voxel_size: float) -> tuple[torch.Tensor, t
 
     Raises:
         ValueError: the grid would need more than 2**20 voxels along an axis.
+
     """
     p = points.to(torch.float64)
     origin = p.min(0).values
@@ -52,7 +53,7 @@ def voxel_keys(points: torch.Tensor, voxel_size: float) -> tuple[torch.Tensor, t
 
 
 def count_voxels(points: torch.Tensor, voxel_size: float) -> int:
-    """Number of occupied voxels of edge ``voxel_size`` (``points (N, 3)``)."""
+    """Count the voxels of edge ``voxel_size`` occupied by ``points (N, 3)``."""
     keys, _ = voxel_keys(points, voxel_size)
     return int(torch.unique(keys).numel())
 
@@ -89,6 +90,7 @@ def voxel_downsample(cloud: Any, voxel_size: float) -> Any:
         A :class:`PointCloud` for a PointCloud input, else an ``(V, 3)`` tensor on the
         input's device with the input's float dtype. Voxels come in increasing key order
         (x-major), so the output is deterministic.
+
     """
     is_cloud = isinstance(cloud, PointCloud)
     points = _validate.as_points(cloud, "cloud")

@@ -60,6 +60,7 @@ def fpfh(
     Returns:
         ``(N, 33)`` float tensor on ``device``: [α bins | φ bins | θ bins], each 11-bin
         histogram summing to 100 (zeros for a point with no neighbour in ``radius``).
+
     """
     dev = _validate.as_device(device, cloud_or_points.points
                               if isinstance(cloud_or_points, PointCloud)

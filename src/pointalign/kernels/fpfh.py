@@ -134,8 +134,10 @@ def spfh(points: torch.Tensor, normals: torch.Tensor, nbr_idx: torch.Tensor) -> 
     """Entry point: SPFH histograms ``(N, 33)``; see the module docstring for the contract.
 
     Args:
-        points: ``(N, 3)`` float tensor; normals: ``(N, 3)`` unit normals;
+        points: ``(N, 3)`` float tensor.
+        normals: ``(N, 3)`` unit normals.
         nbr_idx: ``(N, K)`` int64 neighbour indices into points, ``-1`` for none.
+
     """
     _check(points, normals, nbr_idx)
     return spfh_reference(points, normals, nbr_idx)
@@ -146,8 +148,10 @@ def fpfh_combine(spfh_hist: torch.Tensor, nbr_idx: torch.Tensor,
     """Entry point: FPFH ``(N, 33)`` from SPFH ``(N, 33)`` and the neighbour table.
 
     Args:
-        spfh_hist: ``(N, 33)`` from :func:`spfh`; nbr_idx: ``(N, K)`` int64 (``-1`` none);
+        spfh_hist: ``(N, 33)`` from :func:`spfh`.
+        nbr_idx: ``(N, K)`` int64 neighbour indices (``-1`` for none).
         nbr_dist_sq: ``(N, K)`` squared distances (``inf`` for none).
+
     """
     if nbr_idx.shape != nbr_dist_sq.shape or spfh_hist.shape != (nbr_idx.shape[0], 3 * BINS):
         raise ValueError(

@@ -45,7 +45,10 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor,
     """Exact k nearest neighbours in feature space (entry point; see the module contract).
 
     Args:
-        query: ``(N, D)`` float tensor; ref: ``(M, D)`` same dtype/device; k: 1 <= k <= M.
+        query: ``(N, D)`` float tensor.
+        ref: ``(M, D)`` float tensor, same dtype and device.
+        k: neighbours per query, 1 <= k <= M.
+
     """
     if query.dim() != 2 or ref.dim() != 2 or query.shape[1] != ref.shape[1]:
         raise ValueError(f"feature_knn: expected (N, D) and (M, D), got {tuple(query.shape)} "

@@ -106,6 +106,7 @@ def register(
         ``icp``, ``total``) and ``info`` holding ``voxel_size``, the downsampled sizes and
         the RANSAC result (``info["global"]``). If RANSAC finds no hypothesis, its failed
         result is returned (``converged=False``) without ICP.
+
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")

@@ -91,13 +91,15 @@ def feature_correspondences(
     distances to the first and second nearest target features).
 
     Args:
-        source_features: ``(N, D)`` float array/tensor; target_features: ``(M, D)``.
+        source_features: ``(N, D)`` float array/tensor.
+        target_features: ``(M, D)`` float array/tensor.
         mutual: keep only mutual nearest neighbours.
         ratio: optional Lowe ratio in (0, 1].
         device: compute device (default: the source features').
 
     Returns:
         ``(C, 2)`` int64 tensor on the device, rows in increasing source index.
+
     """
     sf = _validate._to_tensor("source_features", source_features)
     dev = _validate.as_device(device, sf)
@@ -126,8 +128,10 @@ def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool,
 
 def _score(T: torch.Tensor, points: torch.Tensor, index: Any,
            max_distance: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inlier count and sum of squared inlier distances of each transform ``T (S, 4, 4)``
-    applied to ``points (P, 3)``: ``(S,) int64, (S,) float64``."""
+    """Score transforms: inlier count and sum of squared inlier distances.
+
+    ``T (S, 4, 4)`` applied to ``points (P, 3)`` → ``(S,) int64, (S,) float64``.
+    """
     s, p = T.shape[0], points.shape[0]
     counts = torch.zeros(s, dtype=torch.int64, device=points.device)
     sq = torch.zeros(s, dtype=torch.float64, device=points.device)
@@ -152,9 +156,12 @@ def _key(counts: torch.Tensor, sq: torch.Tensor, max_distance: float) -> torch.T
 def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.Tensor,
             tgt: torch.Tensor, index: Any, max_distance: float,
             iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lo-RANSAC local optimisation: re-estimate each ``T (B, 4, 4)`` by Horn on all its
-    inliers (nearest target point within the bound), keeping an update only if it scores
-    better; at most ``iterations`` rounds."""
+    """Lo-RANSAC local optimisation of ``T (B, 4, 4)``.
+
+    Each round re-estimates every motion by Horn on all its inliers (nearest target point
+    within the bound) and keeps the update only if it scores better; at most
+    ``iterations`` rounds.
+    """
     for _ in range(iterations):
         q = _k.transform_points(T, src)
         res = index.nearest_within(q.reshape(-1, 3), max_distance)
@@ -173,8 +180,10 @@ def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.
 
 
 def required_hypotheses(inlier_ratio: float, confidence: float, sample_size: int = 3) -> float:
-    """Hypotheses needed to draw one all-inlier sample with probability ``confidence``:
-    ``log(1 − p) / log(1 − w^s)`` (``inf`` when w = 0, 1 when w = 1)."""
+    """Hypotheses needed to draw one all-inlier sample with probability ``confidence``.
+
+    ``log(1 − p) / log(1 − w^s)`` (``inf`` when w = 0, 1 when w = 1).
+    """
     ws = float(inlier_ratio) ** sample_size
     if ws <= 0:
         return math.inf
@@ -222,7 +231,8 @@ def ransac(
         source: ``(N, 3)`` float array/tensor or PointCloud (the model); metres.
         target: ``(M, 3)`` float array/tensor or PointCloud (the scene).
         source_features: ``(N, D)`` descriptors (e.g. :func:`pointalign.fpfh`); default the
-            PointCloud's ``features``. target_features: ``(M, D)``.
+            PointCloud's ``features``.
+        target_features: ``(M, D)`` descriptors of the target, same D.
         max_correspondence_distance: inlier bound (metres); the paper and Open3D's tutorial
             use 1.5 × the voxel size.
         hypotheses: samples drawn per batch (the paper's 16 × 1024).
@@ -236,7 +246,8 @@ def ransac(
         max_hypotheses: cap on hypotheses over all batches (default 4 × ``hypotheses``).
         max_validations: hypotheses per batch scored on the whole source after T(d,d).
         local_refinement: run the Lo-RANSAC step.
-        refine_top, refine_iterations: how many best motions to refine, and rounds each.
+        refine_top: how many of the best motions the Lo-RANSAC step refines.
+        refine_iterations: rounds of re-estimation per refined motion.
         target_index: optional prebuilt :class:`~pointalign.search.base.Index` over target.
         seed: seeds the device ``torch.Generator``.
         device: compute device (default: the source's).
@@ -253,6 +264,7 @@ def ransac(
     Raises:
         ValueError / TypeError: bad clouds (fewer than 3 points), features of the wrong
             shape, bad parameters.
+
     """
     like = source.points if isinstance(source, PointCloud) else \
         source if isinstance(source, torch.Tensor) else None
