@@ -1,0 +1,317 @@
+"""EM-ICP and Softassign: dense float64 reference runs, recovery, batches, bad input.
+
+The dense references rebuild the full N×M matrix (N ≤ 500) in float64 each iteration and
+solve Horn by an independent NumPy SVD; the library's fused O(N + M) path must give the
+same pose after a fixed number of iterations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign import datasets, metrics, transforms
+from pointalign.registration.criteria import ConvergenceCriteria
+from pointalign.registration.soft import CHECK_EVERY, emicp, softassign
+from tests._oracles import run_interpreted
+from tests.kernels.test_soft import dense_emicp, dense_sinkhorn
+
+
+def svd_horn(x, m, w):
+    """Weighted least-squares rigid motion x → m by NumPy SVD (float64 oracle)."""
+    X, Y, W = (t.detach().double().numpy() for t in (x, m, w))
+    xm, ym = (W[:, None] * X).sum(0) / W.sum(), (W[:, None] * Y).sum(0) / W.sum()
+    H = ((X - xm) * W[:, None]).T @ (Y - ym)
+    U, _, Vt = np.linalg.svd(H)
+    d = np.sign(np.linalg.det(Vt.T @ U.T))
+    R = Vt.T @ np.diag([1, 1, d]) @ U.T
+    T = np.eye(4)
+    T[:3, :3], T[:3, 3] = R, ym - R @ xm
+    return torch.from_numpy(T)
+
+
+def dense_emicp_run(x, y, sigma, factor, d0, iters):
+    T = torch.eye(4, dtype=torch.float64)
+    for k in range(iters):
+        s2 = sigma**2 * factor**k
+        _, lam, xp = dense_emicp(x, y, T, s2, -(d0**2) / s2)
+        T = svd_horn(x, xp, lam)
+    return T
+
+
+def dense_softassign_run(x, y, beta0, beta_factor, temps, per_t, alpha, w, rounds):
+    T = torch.eye(4, dtype=torch.float64)
+    for j in range(temps):
+        beta = beta0 * beta_factor**j
+        for _ in range(per_t):
+            M = dense_sinkhorn(x, y, T, beta, alpha, w, rounds)
+            rows = M.sum(1)
+            T = svd_horn(x, (M @ y.double()) / rows[:, None], rows)
+    return T
+
+
+def _bunny_small(n_src=200, n_tgt=180, seed=0):
+    p = datasets.load_bunny_pair()
+    return (datasets.random_subsample(p.source, n_src, seed),
+            datasets.random_subsample(p.target, n_tgt, seed + 1), p.T_target_source)
+
+
+EM_ARGS = dict(sigma=0.08, factor=0.8, outlier_distance=0.05)
+SA_ARGS = dict(beta0=150.0, beta_factor=1.5, temperatures=2, iterations_per_temperature=2,
+               alpha=0.002, outlier_weight=0.5, sinkhorn_iterations=2)
+
+
+def _check_pose(T, Td, rot_deg, trans):
+    r, t = metrics.relative_error(np.asarray(T), Td.numpy())
+    assert r < rot_deg and t < trans, (r, t)
+
+
+def test_emicp_matches_dense_reference_after_fixed_iterations():
+    x, y, _ = _bunny_small()
+    res = emicp(x, y, criteria=ConvergenceCriteria(max_iterations=6), device="cpu", **EM_ARGS)
+    Td = dense_emicp_run(x, y, 0.08, 0.8, 0.05, 6)
+    assert res.iterations == 6 and res.stop_reason == "max_iterations" and not res.converged
+    _check_pose(res.transformation, Td, 1e-3, 1e-5)
+
+
+def test_softassign_matches_dense_reference_after_fixed_iterations():
+    x, y, _ = _bunny_small(150, 140)
+    res = softassign(x, y, device="cpu", **SA_ARGS)
+    Td = dense_softassign_run(x, y, 150.0, 1.5, 2, 2, 0.002, 0.5, 2)
+    assert res.iterations == 4 and res.stop_reason == "schedule"
+    _check_pose(res.transformation, Td, 1e-3, 1e-5)
+
+
+def test_emicp_bunny_pair_from_identity():
+    """bun045 → bun000 (34.3°, 53 mm) from the identity with the seed's schedule."""
+    x, y, T_true = _bunny_small(300, 300)
+    res = emicp(x, y, device="cpu")
+    assert res.stop_reason == "schedule" and res.converged and res.iterations == 66
+    r, t = metrics.relative_error(res.transformation, T_true.numpy())
+    assert r < 8.0 and t < 0.01, (r, t)  # 300 points ≈ 1 cm apart; from 34.3° / 53 mm
+    assert 0 < res.fitness <= 1 and res.rmse < 0.01
+
+
+def test_emicp_recovers_known_transform_with_noise_and_outliers(seed):
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 150, seed)
+    pr = datasets.make_pair(cloud, rotation_deg=60.0, translation=0.03, noise=0.001,
+                            outlier_fraction=0.1, seed=seed)
+    res = emicp(pr.source, pr.target, device="cpu")
+    r, t = metrics.relative_error(res.transformation, pr.T_target_source.numpy())
+    assert r < 4.0 and t < 0.006, (r, t)
+    # swapping source and target gives (about) the inverse
+    inv = emicp(pr.target, pr.source, device="cpu")
+    r2, t2 = metrics.relative_error(inv.transformation,
+                                    transforms.invert(pr.T_target_source).numpy())
+    assert r2 < 5.0 and t2 < 0.01, (r2, t2)
+
+
+def test_softassign_recovers_known_transform_with_noise_and_outliers(seed):
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 150, seed)
+    pr = datasets.make_pair(cloud, rotation_deg=60.0, translation=0.03, noise=0.001,
+                            outlier_fraction=0.1, seed=seed)
+    res = softassign(pr.source, pr.target, device="cpu", temperatures=20, beta_factor=1.45,
+                     iterations_per_temperature=3, sinkhorn_iterations=2)
+    r, t = metrics.relative_error(res.transformation, pr.T_target_source.numpy())
+    assert r < 3.0 and t < 0.005, (r, t)
+
+
+def test_init_is_used(seed):
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 150, seed)
+    pr = datasets.make_pair(cloud, rotation_deg=120.0, translation=0.05, seed=seed)
+    args = dict(sigma=0.02, sigma_min=0.01, device="cpu",
+                criteria=ConvergenceCriteria(max_iterations=1))
+    res = emicp(pr.source, pr.target, init=pr.T_target_source, **args)
+    r, t = metrics.relative_error(res.transformation, pr.T_target_source.numpy())
+    assert r < 1.0 and t < 0.002, (r, t)
+    r0, _ = metrics.relative_error(emicp(pr.source, pr.target, **args).transformation,
+                                   pr.T_target_source.numpy())
+    assert r0 > 20.0  # one iteration from the identity cannot bridge 120°: init mattered
+
+
+def test_batched_emicp_matches_single_runs(seed):
+    g = torch.Generator().manual_seed(seed)
+    bun = datasets.load_bunny("bun000")
+    pairs = [datasets.make_pair(datasets.random_subsample(bun, n, seed + i), 25.0, 0.02,
+                                seed=seed + i) for i, n in enumerate((120, 90, 150))]
+    del g
+    B, N, M = 3, 150, 150
+    S = torch.zeros(B, N, 3)
+    Tg = torch.zeros(B, M, 3)
+    for i, p in enumerate(pairs):
+        S[i, : len(p.source)] = p.source
+        Tg[i, : len(p.target)] = p.target
+    sl = torch.tensor([len(p.source) for p in pairs])
+    tl = torch.tensor([len(p.target) for p in pairs])
+    args = dict(sigma=0.1, sigma_min=0.01, factor=0.7, device="cpu")
+    res = emicp(S, Tg, source_lengths=sl, target_lengths=tl, **args)
+    assert res.batched and res.transformation.shape == (3, 4, 4)
+    for i, p in enumerate(pairs):
+        one = emicp(p.source, p.target, **args)
+        np.testing.assert_allclose(res.transformation[i], one.transformation, atol=1e-5)
+        assert res[i].iterations == one.iterations
+        assert res[i].stop_reason == one.stop_reason
+
+
+def test_early_stop_when_pose_and_weights_settle():
+    x, y, _ = _bunny_small(200, 200)
+    crit = ConvergenceCriteria(max_iterations=500, translation_tolerance=1e-3,
+                               rotation_tolerance=1e-2, relative_fitness=0.2)
+    res = emicp(x, y, sigma=0.02, sigma_min=0.019, factor=0.9999, criteria=crit, device="cpu")
+    assert res.stop_reason == "pose_and_weights" and res.converged
+    assert res.iterations % CHECK_EVERY == 0 and res.iterations < res.info["scheduled_iterations"]
+    assert res.history and "weight_change" in res.history[-1]
+
+
+def test_tiny_sigma_no_nan():
+    """σ so small that every exp underflows in float32: finite, sensible pose, no NaN."""
+    x, y, _ = _bunny_small(100, 100)
+    res = emicp(x, y, sigma=1e-6, sigma_min=1e-7, device="cpu")
+    assert np.isfinite(res.transformation).all()
+    res = softassign(x, y, beta0=1e14, temperatures=2, iterations_per_temperature=1,
+                     device="cpu")
+    assert np.isfinite(res.transformation).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sigma=0.0), "sigma"),
+    (dict(sigma=-1.0), "sigma"),
+    (dict(sigma_min=0.0), "sigma_min"),
+    (dict(sigma=0.01, sigma_min=0.02), "sigma_min"),
+    (dict(factor=1.0), "factor"),
+    (dict(factor=1.5), "factor"),
+    (dict(factor=0.0), "factor"),
+    (dict(outlier_distance=-0.1), "outlier_distance"),
+    (dict(sigma=float("nan")), "sigma"),
+])
+def test_emicp_bad_parameters(kwargs, match):
+    x = torch.rand(10, 3)
+    with pytest.raises(ValueError, match=match):
+        emicp(x, x, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(beta0=0.0), "beta0"),
+    (dict(beta0=-3.0), "beta0"),
+    (dict(beta_factor=1.0), "beta_factor"),
+    (dict(beta_factor=0.5), "beta_factor"),
+    (dict(alpha=0.0), "alpha"),
+    (dict(outlier_weight=0.0), "outlier_weight"),
+    (dict(temperatures=0), "temperatures"),
+    (dict(sinkhorn_iterations=0), "sinkhorn_iterations"),
+    (dict(iterations_per_temperature=1.5), "iterations_per_temperature"),
+])
+def test_softassign_bad_parameters(kwargs, match):
+    x = torch.rand(10, 3)
+    with pytest.raises(ValueError, match=match):
+        softassign(x, x, device="cpu", **kwargs)
+
+
+def test_bad_inputs_name_the_argument():
+    x = torch.rand(10, 3)
+    with pytest.raises(ValueError, match="source"):
+        emicp(torch.rand(10, 2), x, device="cpu")
+    with pytest.raises(ValueError, match="target"):
+        softassign(x, torch.full((10, 3), float("nan")), device="cpu")
+    with pytest.raises(ValueError, match="init"):
+        emicp(x, x, init=torch.zeros(4, 4), device="cpu")
+    with pytest.raises(ValueError, match="source, target"):
+        emicp(torch.rand(2, 10, 3), x, device="cpu")
+    with pytest.raises(TypeError, match="criteria"):
+        emicp(x, x, criteria=5, device="cpu")
+
+
+def test_inputs_not_modified():
+    x, y, _ = _bunny_small(100, 100)
+    x0, y0 = x.clone(), y.clone()
+    emicp(x, y, sigma=0.05, sigma_min=0.02, device="cpu")
+    softassign(x.numpy(), y.numpy(), temperatures=1, iterations_per_temperature=1,
+               device="cpu")
+    assert torch.equal(x, x0) and torch.equal(y, y0)
+
+
+# ------------------------------------------------------------------------------------------
+# Triton path: interpreter (child process) and CUDA
+# ------------------------------------------------------------------------------------------
+
+
+def run_interpreted_cases(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): both algorithms with the Triton kernels."""
+    from pointalign.kernels import _backend
+
+    assert _backend.backend(torch.empty(0)) == "interpret"
+    x, y, _ = _bunny_small(40, 35)
+    out = {
+        "emicp": torch.from_numpy(emicp(x, y, criteria=ConvergenceCriteria(max_iterations=3),
+                                        device="cpu", **EM_ARGS).transformation),
+        "soft": torch.from_numpy(softassign(x, y, device="cpu", **SA_ARGS).transformation),
+    }
+    torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        return run_interpreted("tests.registration.test_soft", "run_interpreted_cases",
+                               tmp_path_factory.mktemp("interp") / "soft.pt", mp)
+    finally:
+        mp.undo()
+
+
+def test_triton_interpreted_matches_dense(interpreted):
+    x, y, _ = _bunny_small(40, 35)
+    _check_pose(interpreted["emicp"], dense_emicp_run(x, y, 0.08, 0.8, 0.05, 3), 1e-3, 1e-5)
+    _check_pose(interpreted["soft"],
+                dense_softassign_run(x, y, 150.0, 1.5, 2, 2, 0.002, 0.5, 2), 1e-3, 1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_dense():
+    x, y, T_true = _bunny_small(500, 480)
+    crit = ConvergenceCriteria(max_iterations=6)
+    g = emicp(x.cuda(), y.cuda(), criteria=crit, **EM_ARGS)
+    c = emicp(x, y, criteria=crit, device="cpu", **EM_ARGS)
+    _check_pose(g.transformation, torch.from_numpy(c.transformation), 1e-3, 1e-5)
+    _check_pose(g.transformation, dense_emicp_run(x, y, 0.08, 0.8, 0.05, 6), 1e-3, 1e-5)
+    gs = softassign(x.cuda(), y.cuda(), **SA_ARGS)
+    _check_pose(gs.transformation, dense_softassign_run(x, y, 150.0, 1.5, 2, 2, 0.002, 0.5, 2),
+                1e-3, 1e-5)
+    full = emicp(x.cuda(), y.cuda())
+    r, t = metrics.relative_error(full.transformation, T_true.numpy())
+    assert r < 6.0 and t < 0.008
+
+
+@pytest.mark.gpu
+def test_cuda_recovers_60_degrees_with_outliers(seed):
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 2000, seed)
+    pr = datasets.make_pair(cloud, rotation_deg=60.0, translation=0.03, noise=0.001,
+                            outlier_fraction=0.1, seed=seed)
+    for res in (emicp(pr.source.cuda(), pr.target.cuda()),
+                softassign(pr.source.cuda(), pr.target.cuda())):
+        r, t = metrics.relative_error(res.transformation, pr.T_target_source.numpy())
+        assert r < 3.0 and t < 0.005, (res.info["algorithm"], r, t)
+
+
+@pytest.mark.gpu
+def test_cuda_200k_points_linear_memory():
+    """200k points a side: peak memory stays O(N + M) (an N×M float32 matrix is 160 GB)."""
+    bun = datasets.load_bunny("bun000").cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 200_000
+    idx = torch.randint(0, bun.shape[0], (n,), device="cuda", generator=g)
+    y = bun[idx] + 1e-3 * torch.randn(n, 3, device="cuda", generator=g)
+    x = y[torch.randperm(n, device="cuda", generator=g)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    res = emicp(x, y, criteria=ConvergenceCriteria(max_iterations=2))
+    sres = softassign(x, y, criteria=ConvergenceCriteria(max_iterations=1), temperatures=1,
+                      iterations_per_temperature=1, sinkhorn_iterations=1)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert np.isfinite(res.transformation).all() and np.isfinite(sres.transformation).all()
+    assert peak < 256 * 2**20, f"peak {peak / 2**20:.1f} MiB"  # ≈ 100 floats per point
+    assert peak < n * n * 4 / 1000
