@@ -168,6 +168,27 @@ _TRIU3 = np.array(normal_eq.TRIU3)
 _TRIU6 = np.array(normal_eq.TRIU6)
 
 
+def _horn_n_basis() -> np.ndarray:
+    """Horn's symmetric 4×4 matrix N(S) is linear in S: N = Σ_k S_k C_k; returns C (9, 4, 4)."""
+    C = np.zeros((9, 4, 4))
+    # (row, col, S index i*3+j, sign) for each term of N (Horn 1987, eq. in section 4)
+    xx, xy, xz, yx, yy, yz, zx, zy, zz = range(9)
+    terms = {(0, 0): [(xx, 1), (yy, 1), (zz, 1)], (0, 1): [(yz, 1), (zy, -1)],
+             (0, 2): [(zx, 1), (xz, -1)], (0, 3): [(xy, 1), (yx, -1)],
+             (1, 1): [(xx, 1), (yy, -1), (zz, -1)], (1, 2): [(xy, 1), (yx, 1)],
+             (1, 3): [(zx, 1), (xz, 1)], (2, 2): [(xx, -1), (yy, 1), (zz, -1)],
+             (2, 3): [(yz, 1), (zy, 1)], (3, 3): [(xx, -1), (yy, -1), (zz, 1)]}
+    for (r, c), lst in terms.items():
+        for k, sign in lst:
+            C[k, r, c] += sign
+            if r != c:
+                C[k, c, r] += sign
+    return C
+
+
+_HORN_N = _horn_n_basis()
+
+
 def _sym_np(v: np.ndarray, pairs: np.ndarray, n: int) -> np.ndarray:
     M = np.zeros((v.shape[0], n, n))
     M[:, pairs[:, 0], pairs[:, 1]] = v
@@ -221,13 +242,7 @@ def _solve_np(sums: np.ndarray, plane: bool, c: np.ndarray):
         S = sums[:, 7:16].reshape(B, 3, 3) - W[:, None, None] * (xm[:, :, None] * ym[:, None, :])
         cov_x = _sym_np(sums[:, 16:22], _TRIU3, 3) - sx[:, :, None] * sx[:, None, :] / Wd[..., None]
         cov_y = _sym_np(sums[:, 22:28], _TRIU3, 3) - sy[:, :, None] * sy[:, None, :] / Wd[..., None]
-        (sxx, sxy, sxz), (syx, syy, syz), (szx, szy, szz) = \
-            [[S[:, i, j] for j in range(3)] for i in range(3)]
-        N = np.stack([
-            np.stack([sxx + syy + szz, syz - szy, szx - sxz, sxy - syx], -1),
-            np.stack([syz - szy, sxx - syy - szz, sxy + syx, szx + sxz], -1),
-            np.stack([szx - sxz, sxy + syx, -sxx + syy - szz, syz + szy], -1),
-            np.stack([sxy - syx, szx + sxz, syz + szy, -sxx - syy + szz], -1)], -2)
+        N = np.einsum("bk,kij->bij", S.reshape(B, 9), _HORN_N)
         _, vecs = np.linalg.eigh(N)
         q = vecs[:, :, -1]
         q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), 1e-300)
@@ -237,7 +252,8 @@ def _solve_np(sums: np.ndarray, plane: bool, c: np.ndarray):
                       2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)],
                      -1).reshape(B, 3, 3)
         t = ym - (R @ xm[:, :, None])[:, :, 0]
-        valid = (W > 0) & _spans_plane_np(cov_x) & _spans_plane_np(cov_y)
+        spans = _spans_plane_np(np.concatenate([cov_x, cov_y]))
+        valid = (W > 0) & spans[:B] & spans[B:]
         valid &= np.isfinite(R).all((-1, -2)) & np.isfinite(t).all(-1)
         R, t = np.nan_to_num(R), np.nan_to_num(t)
         R = np.where(valid[:, None, None], R, np.eye(3))
