@@ -37,6 +37,15 @@ def test_nearest_within_and_radius(bound, rng, dtype):
     assert_knn_matches(ix.nearest_within(q, bound), q, p, 1, max_distance=bound)  # cached
 
 
+def test_small_bound_uses_finer_grid(rng):
+    q, p = _cloud(150, rng), _cloud(5000, rng)
+    ix = VoxelGridIndex(p, 0.4)
+    for bound in (0.03, 0.06, 0.15):
+        assert_knn_matches(ix.nearest_within(q, bound), q, p, 1, max_distance=bound)
+        assert_knn_matches(ix.radius(q, bound, 4), q, p, 4, max_distance=bound)
+    assert any(g.cell < 0.4 for g in ix._grids.values())  # a finer grid served them
+
+
 def test_duplicates_and_flat_cloud(rng):
     p = _cloud(50, rng).repeat(4, 1)
     ix = VoxelGridIndex(p, 0.1)

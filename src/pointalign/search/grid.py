@@ -5,7 +5,8 @@ cells around it (:func:`pointalign.kernels.grid.grid_query`). Any point within o
 edge ``c`` of a query lies in those cells, so:
 
 * ``nearest_within(query, max_distance)`` and ``radius(query, r, ...)`` with the distance
-  ``<= c`` are answered by the grid alone: the natural index for ICP with a maximum
+  ``<= c`` are answered by the grid alone (by a grid with cells ``c / 2^j`` when the
+  distance is at most half of ``c`` and the point density allows): the natural index for ICP with a maximum
   correspondence distance (build with ``cell_size = max_correspondence_distance``);
 * a bound ``> c`` is answered in one pass by a second grid with cells of that bound (built
   on first use, up to 4 kept);
@@ -94,6 +95,7 @@ class VoxelGridIndex:
         self.grid = _grid.grid_build(self.points, cell_size, max_cells=max_cells)
         self.cell_size = self.grid.cell / (1 + _grid._CELL_MARGIN)
         self._grids: dict[float, _grid.GridData] = {}
+        self._fine_cell: float | None = None
         occupied = int((self.grid.cell_start[1:] > self.grid.cell_start[:-1]).sum())
         self._occupancy = self.points.shape[0] / max(1, occupied)
 
@@ -103,7 +105,7 @@ class VoxelGridIndex:
 
     def _grid_for(self, cell: float) -> tuple[_grid.GridData, float]:
         """Get a grid with cells of at least ``cell`` and its certified radius (cached)."""
-        if cell <= self.cell_size:
+        if cell == self.cell_size:
             return self.grid, self.cell_size
         if cell not in self._grids:
             if len(self._grids) >= 8:
@@ -118,7 +120,17 @@ class VoxelGridIndex:
             # a grid with cells of the bound answers every query in one pass
             return KnnResult(*_grid.grid_query(self._grid_for(bound)[0], q, k, b2))
         if bound is not None:
-            return KnnResult(*_grid.grid_query(self.grid, q, k, b2))
+            # much smaller bounds scan a finer grid (cells halved, not below the density-based
+            # size, so a shrinking ICP schedule builds at most a few grids)
+            g = self.grid
+            if bound <= self.cell_size / 2:
+                if self._fine_cell is None:
+                    self._fine_cell = auto_cell_size(self.points)
+                j = int(math.floor(math.log2(self.cell_size / max(bound, self._fine_cell))))
+                if j >= 1:
+                    g, radius = self._grid_for(self.cell_size / 2**j)
+                    g = g if radius >= bound else self.grid
+            return KnnResult(*_grid.grid_query(g, q, k, b2))
         # k nearest: start with cells expected to hold about 1.5 k points within one edge
         # (occupied cells as surface patches: about 3 x occupancy points per edge radius)
         f = max(1.0, math.sqrt(k / (2.0 * self._occupancy)))
