@@ -6,10 +6,10 @@ edge ``c`` of a query lies in those cells, so:
 
 * ``nearest_within(query, max_distance)`` and ``radius(query, r, ...)`` with the distance
   ``<= c`` are answered by the grid alone (by a grid with cells ``c / 2^j`` when the
-  distance is at most half of ``c`` and the point density allows): the natural index for ICP with a maximum
-  correspondence distance (build with ``cell_size = max_correspondence_distance``);
+  distance is at most half of ``c`` and the point density allows): the natural index for
+  ICP with a maximum correspondence distance (build with ``cell_size =`` that distance);
 * a bound ``> c`` is answered in one pass by a second grid with cells of that bound (built
-  on first use, up to 4 kept);
+  on first use; up to 8 extra grids are kept);
 * ``knn`` first searches a grid whose cells are expected to hold about 1.5 k points within
   one edge (``c`` itself for small k); a query is exact when its k-th neighbour found is
   within that grid's edge. The other queries (far from the cloud, sparse regions) are
