@@ -131,8 +131,8 @@ def _default_index(pts: torch.Tensor, max_dist: float, build_index):
 
         if max_dist > GRID_MAX_RATIO * auto_cell_size(pts):
             order = ["kdtree", "grid", "brute"]
-    except ImportError:
-        pass
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass  # no grid module (or another helper): try the methods in the default order
     for m in order:
         try:
             return build_index(pts, m, max_distance=max_dist)
