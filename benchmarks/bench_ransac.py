@@ -33,6 +33,7 @@ same downsampled clouds and voxel, when ``import open3d`` works (CPU only).
 
     python benchmarks/bench_ransac.py --device cuda          # full
     python benchmarks/bench_ransac.py --device cpu --quick   # smoke run, < 1 minute
+    python benchmarks/bench_ransac.py --device cpu --only open3d --runs 3   # the peer
 """
 
 from __future__ import annotations
@@ -284,6 +285,9 @@ def run_open3d(rec: Recorder, cases: list[dict], runs: int) -> None:
 def main() -> None:
     p = parse_args(__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=None)
+    p.add_argument("--only", choices=("ours", "open3d"), default=None,
+                   help="open3d: only the Open3D peer rows (CPU; written to "
+                        "ransac_open3d-cpu.json); ours: skip the peer")
     args = p.parse_args()
     dev = args.device
     data = datasets.shared_data_dir()
@@ -293,20 +297,25 @@ def main() -> None:
     runs = args.runs or (1 if args.quick else 10)
     # quick: smaller batches and thinned clouds, so the CPU smoke run fits in a minute
     kw = dict(hypotheses=4096) if args.quick else {}
-    rec = Recorder("ransac", dev, title="Global registration: parallel RANSAC (Tables 1-2)",
-                   notes=NOTES)
     cases = load_cases(data, args.quick)
     if args.quick:
         for c in cases:  # thin the clouds so ICP on "full" clouds stays quick on a CPU
             c["source"] = datasets.random_subsample(c["source"], 5000)
             c["target"] = datasets.random_subsample(c["target"], 5000)
+    if args.only == "open3d":
+        rec = Recorder("ransac_open3d", "cpu", title="Global registration: Open3D RANSAC peer",
+                       notes="Open3D 0.20 registration_ransac_based_on_feature_matching, "
+                             "tutorial settings, same cases and voxel as bench_ransac; CPU.")
+        run_open3d(rec, cases, runs)
+        rec.save()
+        return
+    rec = Recorder("ransac", dev, title="Global registration: parallel RANSAC (Tables 1-2)",
+                   notes=NOTES)
     run_tables(rec, cases, dev, runs, kw)
     run_pipeline_timing(rec, cases, dev, args.quick, kw)
     if not args.quick:
         run_success(rec, data, dev, args.quick, kw)
-        if torch.device(dev).type == "cpu" or os.environ.get("POINTALIGN_OPEN3D"):
-            run_open3d(rec, cases, runs)
-    elif os.environ.get("POINTALIGN_OPEN3D"):
+    if args.only != "ours" and (not args.quick or os.environ.get("POINTALIGN_OPEN3D")):
         run_open3d(rec, cases, runs)
     rec.save()
 
