@@ -2,9 +2,18 @@
 
 from pointalign import datasets, metrics, transforms
 from pointalign.cloud import PointCloud
+from pointalign.features.downsample import voxel_downsample
+from pointalign.features.fpfh import fpfh
+from pointalign.features.normals import estimate_normals
 from pointalign.io import read, read_bin, write
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
+from pointalign.registration.icp import icp
+from pointalign.registration.pipeline import register
+from pointalign.registration.ransac import ransac
 from pointalign.registration.result import RegistrationResult
+from pointalign.registration.soft import emicp, softassign
+from pointalign.registration.surface import approximate_icp, surface_newton
+from pointalign.search import build_index
 
 __version__ = "0.1.0"
 
@@ -14,10 +23,21 @@ __all__ = [
     "RegistrationResult",
     "RobustKernel",
     "__version__",
+    "approximate_icp",
+    "build_index",
     "datasets",
+    "emicp",
+    "estimate_normals",
+    "fpfh",
+    "icp",
     "metrics",
+    "ransac",
     "read",
     "read_bin",
+    "register",
+    "softassign",
+    "surface_newton",
     "transforms",
+    "voxel_downsample",
     "write",
 ]
