@@ -23,7 +23,7 @@ BIG = 3.0e38
 @triton.jit
 def _terms_kernel(x_ptr, w_ptr, axis_ptr, split_ptr, co_ptr, part_ptr, n,
                   r00, r01, r02, r10, r11, r12, r20, r21, r22, t0, t1, t2, o0, o1, o2,
-                  tau2, depth,
+                  tau2, DEPTH: tl.constexpr,
                   HAS_W: tl.constexpr, OBJ_ONLY: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -35,7 +35,7 @@ def _terms_kernel(x_ptr, w_ptr, axis_ptr, split_ptr, co_ptr, part_ptr, n,
     qy = r10 * x0 + r11 * x1 + r12 * x2 + t1
     qz = r20 * x0 + r21 * x1 + r22 * x2 + t2
     node = tl.zeros((BLOCK,), dtype=tl.int64)
-    for _ in range(depth):
+    for _ in range(DEPTH):
         ax = tl.load(axis_ptr + node, mask=m, other=0)
         sv = tl.load(split_ptr + node, mask=m, other=0.0).to(tl.float32)
         qa = tl.where(ax == 0, qx, tl.where(ax == 1, qy, qz))
@@ -136,7 +136,7 @@ def newton_terms(points, T, center, tree, coeffs, depth, *, weights=None, tau2=m
         x, w, tree.split_axis, tree.split_value, co, part, n,
         Th[0][0], Th[0][1], Th[0][2], Th[1][0], Th[1][1], Th[1][2], Th[2][0], Th[2][1],
         Th[2][2], Th[0][3], Th[1][3], Th[2][3], o[0], o[1], o[2],
-        min(float(tau2), BIG), d,
+        min(float(tau2), BIG), DEPTH=d,
         HAS_W=weights is not None, OBJ_ONLY=bool(objective_only), BLOCK=block,
         num_warps=8 if block >= 1024 else 4,
     )

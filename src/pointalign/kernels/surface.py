@@ -101,6 +101,7 @@ def newton_terms_reference(points: torch.Tensor, T: torch.Tensor, center: torch.
     Aq = (A @ q.unsqueeze(-1)).squeeze(-1)
     h = (q * Aq).sum(-1) - 2 * (co[:, 6:9] * q).sum(-1) + co[:, 9]
     h = h.clamp_min(0)
+    del A
     wt = torch.ones_like(h) if weights is None else weights.double()
     inl = h <= tau2
     w = torch.where(inl, wt, torch.zeros_like(wt))
@@ -109,16 +110,28 @@ def newton_terms_reference(points: torch.Tensor, T: torch.Tensor, center: torch.
     out[28] = (w > 0).sum()
     if objective_only:
         return out
-    p = q - center.double().to(q.device)
-    eye = torch.eye(3, dtype=torch.float64, device=q.device).expand(q.shape[0], 3, 3)
-    Q = torch.cat([-_skew(p), eye], -1)  # (N, 3, 6)
-    F = (Q.transpose(-1, -2) @ A @ Q * w[:, None, None]).sum(0)
-    a = Aq - co[:, 6:9]
-    g = -(Q.transpose(-1, -2) @ a.unsqueeze(-1)).squeeze(-1)
-    g = (g * w[:, None]).sum(0)
-    for k, (i, j) in enumerate(TRIU):
-        out[k] = F[i, j]
-    out[21:27] = g
+    px, py, pz = (q - center.double().to(q.device)).unbind(-1)
+    a00, a01, a02, a11, a12, a22 = co[:, :6].unbind(-1)
+    gx, gy, gz = (Aq - co[:, 6:9]).unbind(-1)
+    # u_i = A m_i with m_i = e_i × p, the rotation columns of Q = [−[p]ₓ | I]
+    u0 = torch.stack([a02 * py - a01 * pz, a12 * py - a11 * pz, a22 * py - a12 * pz], -1)
+    u1 = torch.stack([a00 * pz - a02 * px, a01 * pz - a12 * px, a02 * pz - a22 * px], -1)
+    u2 = torch.stack([a01 * px - a00 * py, a11 * px - a01 * py, a12 * px - a02 * py], -1)
+    zero = torch.zeros_like(px)
+    m = [torch.stack([zero, -pz, py], -1), torch.stack([pz, zero, -px], -1),
+         torch.stack([-py, px, zero], -1)]
+    u = [u0, u1, u2]
+    A = sym3(co)
+    cols = []
+    for i, j in TRIU:
+        if j < 3:
+            cols.append((m[i] * u[j]).sum(-1))
+        elif i < 3:
+            cols.append(u[i][:, j - 3])
+        else:
+            cols.append(A[:, i - 3, j - 3])
+    g = [-(py * gz - pz * gy), -(pz * gx - px * gz), -(px * gy - py * gx), -gx, -gy, -gz]
+    out[:27] = w @ torch.stack(cols + g, -1)
     return out
 
 

@@ -56,6 +56,11 @@ MIN_FRAME_POINTS = 5
 MIN_CELL_POINTS = 8
 #: default leaf size of the tree built when no ``index`` is given
 LEAF_SIZE = 8
+#: Armijo halvings tried before the step counts as failed (then: next level, or stop)
+MAX_BACKTRACKS = 12
+#: coarse to fine: the requested approximant is used on the last this many levels, the point
+#: approximant (far field) before
+NEAR_LEVELS = 3
 #: with ``tree_depth=None`` the iteration starts this many levels above the finest level
 COARSE_LEVELS = 6
 
@@ -310,18 +315,22 @@ def surface_newton(
         tau2 = _validate.positive(max_correspondence_distance,
                                   "max_correspondence_distance") ** 2
     t0 = time.perf_counter()
-    co = approximant_coefficients(tree, approximant)
-    _sync(co)
+    co_fine = approximant_coefficients(tree, approximant)
+    levels = _schedule(tree, depth, tree_depth)
+    # far field: while the schedule is on coarse levels, the point approximant (eq. 4) pulls
+    # the whole cloud in; the requested one takes over for the last NEAR_LEVELS levels
+    co_far = approximant_coefficients(tree, "point") if len(levels) > NEAR_LEVELS else co_fine
+    _sync(co_fine)
     t_approx = time.perf_counter() - t0
     arrays = tree.arrays
     n = src.shape[0]
     centroid = src.double().mean(0).cpu()
 
-    levels = _schedule(tree, depth, tree_depth)
     lvl = 0
 
     def terms(Tc):
         center = Tc[:3, :3] @ centroid + Tc[:3, 3]
+        co = co_fine if lvl >= len(levels) - NEAR_LEVELS else co_far
         return _ks.newton_terms(src, Tc, center, arrays, co, levels[lvl], tau2=tau2).cpu(), \
             center
 
@@ -344,7 +353,7 @@ def surface_newton(
         xi = torch.linalg.solve(F + 1e-12 * scale * torch.eye(6, dtype=torch.float64), g)
         slope = -2.0 * float(g @ xi)  # directional derivative of the model, < 0
         alpha, accepted = 1.0, False
-        for _ in range(30):
+        for _ in range(MAX_BACKTRACKS):
             Tc = _step(alpha * xi, center) @ T
             tc, cc = terms(Tc)
             if float(tc[27]) - f0 <= sigma * alpha * slope:

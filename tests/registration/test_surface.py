@@ -1,0 +1,299 @@
+"""surface_newton / approximate_icp: approximants, the fused Newton terms, Armijo, recovery."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign import datasets, metrics, transforms
+from pointalign.kernels import surface as ks
+from pointalign.registration.criteria import ConvergenceCriteria
+from pointalign.registration.surface import (
+    APPROXIMANTS,
+    approximant_coefficients,
+    approximate_icp,
+    approximate_sq_distance,
+    surface_newton,
+)
+from pointalign.search.kdtree import KDTreeIndex
+from tests._oracles import run_interpreted
+
+CRIT = ConvergenceCriteria(max_iterations=80, relative_rmse=1e-5, rotation_tolerance=1e-5,
+                           translation_tolerance=1e-6)
+
+
+def _sphere(n, g, radius=1.0):
+    v = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    return radius * v / v.norm(dim=1, keepdim=True)
+
+
+# ---- approximants ----------------------------------------------------------------------
+
+def test_approximants_near_a_sphere(rng):
+    # true squared distance to the unit sphere at points up to 0.01 off the surface
+    pts = _sphere(20000, rng).float()
+    tree = KDTreeIndex(pts, leaf_size=16)
+    dirs = _sphere(500, rng)
+    delta = 0.01 * (2 * torch.rand(500, 1, generator=rng, dtype=torch.float64) - 1)
+    q = (dirs * (1 + delta)).float()
+    true = delta[:, 0] ** 2
+    err = {k: float((approximate_sq_distance(tree, q, k, depth=tree.depth - 1) - true)
+                    .abs().median()) for k in APPROXIMANTS}
+    # cells of ~32 points span about 0.06: the point approximant sees the tangential offset
+    assert 1e-4 < err["point"] < 0.06**2
+    # the plane is within the sagitta of a cell (~5e-4) times delta of the truth
+    assert err["plane"] < 2e-5
+    # the per-cell Pottmann-Hofer form adds a small tangential term (λ ≈ δ0 κ / 2)
+    assert err["second_order"] < 1e-4 and err["second_order"] < err["point"] / 10
+
+
+def test_second_order_curvature_weights_on_sphere(rng):
+    # on a unit sphere both curvatures are 1: tangential weights small but positive
+    pts = _sphere(20000, rng).float()
+    tree = KDTreeIndex(pts, leaf_size=16)
+    co = approximant_coefficients(tree, "second_order").double()
+    A = ks.sym3(co)
+    ev = torch.linalg.eigvalsh(A[2**(tree.depth - 1) - 1:2**tree.depth - 1])
+    assert torch.allclose(ev[:, 2], torch.ones_like(ev[:, 2]), atol=1e-4)  # the normal
+    assert (ev[:, :2] > 0).all() and (ev[:, :2] < 0.2).all()
+
+
+def test_custom_approximant_callable(rng):
+    pts = _sphere(3000, rng).float()
+    tree = KDTreeIndex(pts, leaf_size=8)
+
+    def plane(s, n, frame):
+        A = n[:, :, None] * n[:, None, :]
+        b = (A @ s.unsqueeze(-1)).squeeze(-1)
+        return A, b, (s * b).sum(-1)
+
+    a = approximant_coefficients(tree, plane)
+    b = approximant_coefficients(tree, "plane")
+    assert torch.allclose(a, b, atol=1e-6)
+    with pytest.raises(ValueError, match="approximant"):
+        approximant_coefficients(tree, lambda s, n, f: (n, n, n))
+    with pytest.raises(ValueError, match="approximant"):
+        approximant_coefficients(tree, "quadric")
+
+
+# ---- fused Newton terms ----------------------------------------------------------------
+
+def _terms_problem(g):
+    tgt = datasets.random_subsample(datasets.load_bunny("bun000"), 900, int(g.initial_seed()))
+    src = datasets.random_subsample(datasets.load_bunny("bun045"), 211, 7)
+    tree = KDTreeIndex(tgt, leaf_size=4)
+    T = transforms.random_transform(4.0, 0.01, generator=g)
+    center = torch.tensor([0.01, 0.1, -0.02], dtype=torch.float64)
+    return src, tree, T, center
+
+
+@pytest.mark.parametrize("kind", ["point", "plane", "second_order"])
+def test_newton_terms_match_float64_model(kind, rng):
+    src, tree, T, o = _terms_problem(rng)
+    co = approximant_coefficients(tree, kind)
+    depth = tree.depth - 1
+    w = torch.rand(src.shape[0], generator=rng)
+    F, g, h, n_in = ks.unpack(ks.newton_terms_reference(src, T, o, tree.arrays, co, depth,
+                                                        weights=w))
+    # independent NumPy float64: with the cells fixed, d̂² is quadratic in q and q(ξ) is
+    # linear in ξ, so the model ξᵀFξ − 2gᵀξ + h is exact for q(ξ) = q + ω×(q−o) + τ
+    Tf = T.float()
+    q32 = src @ Tf[:3, :3].T + Tf[:3, 3]
+    node = tree.descend(q32, depth)
+    c = co[node].double().numpy()
+    A = np.stack([c[:, [0, 1, 2]], c[:, [1, 3, 4]], c[:, [2, 4, 5]]], 1)
+    q = q32.double().numpy()
+    wn = w.double().numpy()
+    assert n_in == src.shape[0]
+    for _ in range(4):
+        xi = np.random.default_rng(0).normal(size=6) * 1e-2
+        qx = q + np.cross(xi[:3], q - o.numpy()) + xi[3:]
+        d2 = np.einsum("ni,nij,nj->n", qx, A, qx) - 2 * (c[:, 6:9] * qx).sum(1) + c[:, 9]
+        exact = float((wn * d2).sum())
+        model = float(xi @ F.numpy() @ xi - 2 * g.numpy() @ xi + h)
+        assert math.isclose(model, exact, rel_tol=1e-5, abs_tol=1e-12)
+
+
+def test_newton_terms_truncation_and_objective_only(rng):
+    src, tree, T, o = _terms_problem(rng)
+    co = approximant_coefficients(tree, "plane")
+    full = ks.newton_terms_reference(src, T, o, tree.arrays, co, 5)
+    tr = ks.newton_terms_reference(src, T, o, tree.arrays, co, 5, tau2=1e-6)
+    ob = ks.newton_terms_reference(src, T, o, tree.arrays, co, 5, tau2=1e-6,
+                                   objective_only=True)
+    assert float(tr[28]) < float(full[28])
+    assert float(tr[27]) <= float(full[27])
+    assert torch.equal(ob[27:], tr[27:]) and (ob[:27] == 0).all()
+    assert torch.allclose(ks.newton_terms(src, T, o, tree.arrays, co, 5), full)
+
+
+def run_interpreted_surface(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): the Triton Newton-terms kernel."""
+    from pointalign.kernels import _backend
+    from pointalign.kernels import _surface_triton as kt
+
+    assert _backend.backend(torch.empty(0)) == "interpret"
+    out = {}
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        src, tree, T, o = _terms_problem(g)
+        w = torch.rand(src.shape[0], generator=g)
+        for kind in ("plane", "second_order"):
+            co = approximant_coefficients(tree, kind)
+            for tau2 in (math.inf, 1e-5):
+                for obj in (False, True):
+                    out[(seed, kind, tau2, obj)] = kt.newton_terms(
+                        src, T, o, tree.arrays, co, tree.depth, weights=w, tau2=tau2,
+                        objective_only=obj)
+    torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        return run_interpreted("tests.registration.test_surface", "run_interpreted_surface",
+                               tmp_path_factory.mktemp("interp") / "surface.pt", mp)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("kind", ["plane", "second_order"])
+def test_triton_interpreter_matches_reference(kind, interpreted):
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        src, tree, T, o = _terms_problem(g)
+        w = torch.rand(src.shape[0], generator=g)
+        co = approximant_coefficients(tree, kind)
+        for tau2 in (math.inf, 1e-5):
+            for obj in (False, True):
+                ref = ks.newton_terms_reference(src, T, o, tree.arrays, co, tree.depth,
+                                                weights=w, tau2=tau2, objective_only=obj)
+                got = interpreted[(seed, kind, tau2, obj)]
+                scale = ref.abs().max()
+                assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5 * float(scale))
+
+
+# ---- Newton / Armijo / recovery -------------------------------------------------------------
+
+def _pair(deg, seed, n=1200, noise=2e-4):
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), n, seed)
+    return datasets.make_pair(cloud, deg, 0.01, noise=noise, seed=seed)
+
+
+@pytest.mark.parametrize("kind", ["point", "plane"])
+def test_armijo_never_increases_exact_objective(kind, seed):
+    p = _pair(15.0, seed)
+    tree = KDTreeIndex(p.target, leaf_size=8)
+    r = surface_newton(p.source, index=tree, approximant=kind, tree_depth=tree.depth - 3,
+                       criteria=ConvergenceCriteria(max_iterations=15))
+    obj = [h["objective"] for h in r.history]
+    assert len(obj) >= 2
+    # exact objective recomputed at the returned pose equals the last history entry
+    co = approximant_coefficients(tree, kind)
+    T = torch.as_tensor(r.transformation)
+    q = p.source @ T.float()[:3, :3].T + T.float()[:3, 3]
+    d2 = ks.evaluate(q.double(), co[tree.descend(q, tree.depth - 3)].double()).clamp_min(0)
+    assert math.isclose(float(d2.sum()), obj[-1], rel_tol=1e-4)
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(obj, obj[1:]))
+    assert all(0 < h["step"] <= 1 for h in r.history)
+
+
+@pytest.mark.parametrize("deg", [5.0, 15.0, 30.0])
+@pytest.mark.parametrize("kind", ["plane", "second_order"])
+def test_newton_recovers_motion(deg, kind, seed):
+    p = _pair(deg, seed)
+    r = surface_newton(p.source, p.target, approximant=kind, criteria=CRIT)
+    assert r.converged
+    tol = 0.2 if kind == "plane" else 1.0  # degrees; second order: per-cell λ (docstring)
+    assert metrics.rotation_error(r.transformation, p.T_target_source) < tol
+    assert metrics.translation_error(r.transformation, p.T_target_source) < 1e-3
+    assert r.transformation.shape == (4, 4) and r.transformation.dtype == np.float64
+    assert r.info["F"].shape == (6, 6)
+
+
+def test_point_newton_and_approximate_icp_improve(seed):
+    # cell means are a coarse stand-in for the surface: these converge near, not onto, the truth
+    p = _pair(5.0, seed, n=2000)
+    tree = KDTreeIndex(p.target, leaf_size=8)
+    r = surface_newton(p.source, index=tree, approximant="point", criteria=CRIT)
+    assert metrics.rotation_error(r.transformation, p.T_target_source) < 2.5
+    assert metrics.translation_error(r.transformation, p.T_target_source) < 5e-3
+    r = approximate_icp(p.source, index=tree, criteria=CRIT)
+    assert metrics.rotation_error(r.transformation, p.T_target_source) < 2.5
+    assert metrics.translation_error(r.transformation, p.T_target_source) < 5e-3
+    assert r.history[-1]["rmse"] < r.history[0]["rmse"]
+
+
+def test_index_reuse_and_init(seed):
+    p = _pair(10.0, seed)
+    tree = KDTreeIndex(p.target, leaf_size=8)
+    a = surface_newton(p.source, index=tree, criteria=CRIT)
+    assert tree.has_payload("surface:plane")
+    b = surface_newton(p.source, p.target, criteria=CRIT)
+    assert np.allclose(a.transformation, b.transformation, atol=1e-6)
+    # starting at the truth (finest level only) stays there
+    c = surface_newton(p.source, index=tree, init=p.T_target_source, criteria=CRIT,
+                       tree_depth=a.info["tree_depth"])
+    assert metrics.rotation_error(c.transformation, p.T_target_source) < 0.1
+    # the inverse problem gives the inverse transform
+    d = surface_newton(p.target, p.source, criteria=CRIT)
+    inv = transforms.invert(p.T_target_source)
+    assert metrics.rotation_error(d.transformation, inv) < 0.2
+
+
+def test_truncation_with_partial_overlap(seed):
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 3000, seed)
+    p = datasets.make_pair(cloud, 8.0, 0.005, noise=2e-4, overlap=0.7, outlier_fraction=0.05,
+                           seed=seed)
+    r = surface_newton(p.source, p.target, max_correspondence_distance=0.01, criteria=CRIT)
+    assert metrics.rotation_error(r.transformation, p.T_target_source) < 0.5
+    assert 0.5 < r.fitness <= 1.0
+
+
+def test_bad_inputs(rng):
+    p = _pair(5.0, 0, n=300)
+    with pytest.raises(ValueError, match="source"):
+        surface_newton(torch.zeros(5, 2), p.target)
+    with pytest.raises(ValueError, match="target"):
+        surface_newton(p.source)
+    with pytest.raises(TypeError, match="index"):
+        surface_newton(p.source, index=object())
+    with pytest.raises(ValueError, match="approximant"):
+        surface_newton(p.source, p.target, approximant="cubic")
+    with pytest.raises(ValueError, match="tree_depth"):
+        surface_newton(p.source, p.target, tree_depth=-1)
+    with pytest.raises(ValueError, match="armijo"):
+        surface_newton(p.source, p.target, armijo=(1.5, 0.1))
+    with pytest.raises(ValueError, match="max_correspondence_distance"):
+        approximate_icp(p.source, p.target, max_correspondence_distance=-1.0)
+    with pytest.raises(ValueError, match="init"):
+        approximate_icp(p.source, p.target, init=torch.eye(3))
+    src0 = p.source.clone()
+    surface_newton(p.source, p.target, criteria=ConvergenceCriteria(max_iterations=2))
+    assert torch.equal(src0, p.source)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["point", "plane", "second_order"])
+def test_cuda_matches_cpu(kind, seed):
+    p = _pair(15.0, seed, n=20000)
+    rc = surface_newton(p.source, p.target, approximant=kind, device="cuda", criteria=CRIT)
+    r = surface_newton(p.source, p.target, approximant=kind, device="cpu", criteria=CRIT)
+    assert metrics.rotation_error(rc.transformation, r.transformation) < 0.05
+    tree = KDTreeIndex(p.target.cuda(), leaf_size=8)
+    co = approximant_coefficients(tree, kind)
+    from pointalign.kernels import _surface_triton
+
+    T = p.T_target_source
+    o = torch.zeros(3, dtype=torch.float64)
+    src = p.source.cuda()
+    for depth in (3, tree.depth):
+        got = _surface_triton.newton_terms(src, T, o, tree.arrays, co, depth)
+        ref = ks.newton_terms_reference(src, T, o, tree.arrays, co, depth)
+        assert torch.allclose(got, ref, rtol=1e-3, atol=1e-5 * float(ref.abs().max()))
+    ra = approximate_icp(p.source, p.target, device="cuda", criteria=CRIT)
+    assert metrics.rotation_error(ra.transformation, p.T_target_source) < 1.5
