@@ -20,7 +20,6 @@ GPU: ``python benchmarks/bench_soft.py``; CPU smoke run: ``--device cpu --quick`
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from pathlib import Path
@@ -130,19 +129,19 @@ def main() -> None:
         for n in sizes:
             x, y, T_true = subsample_pair(n)
             x, y = x.to(device), y.to(device)
-            run(rec, table, "emicp", lambda: emicp(x, y, device=device), n,
-                lambda it: it * n * n, device, T_true, once_after=once)
+            run(rec, table, "emicp", lambda x=x, y=y: emicp(x, y, device=device), n,
+                lambda it, n=n: it * n * n, device, T_true, once_after=once)
             if n <= soft_max and device.type == "cpu" and args.quick:
                 # the seed's 500 updates × 7 passes are minutes on a CPU even at 100 points
                 run(rec, table, "softassign (short: 20 T × 3 × 2)",
-                    lambda: softassign(x, y, device=device, **SHORT_SOFTASSIGN), n,
-                    lambda it: it * 5 * n * n, device, T_true, once_after=once)
+                    lambda x=x, y=y: softassign(x, y, device=device, **SHORT_SOFTASSIGN), n,
+                    lambda it, n=n: it * 5 * n * n, device, T_true, once_after=once)
             elif n <= soft_max:
-                run(rec, table, "softassign", lambda: softassign(x, y, device=device), n,
-                    lambda it: it * 7 * n * n, device, T_true, once_after=once)
+                run(rec, table, "softassign", lambda x=x, y=y: softassign(x, y, device=device), n,
+                    lambda it, n=n: it * 7 * n * n, device, T_true, once_after=once)
             if with_icp and icp is not None:
                 run(rec, table, "icp (point-to-point)",
-                    lambda: icp(x, y, max_correspondence_distance=0.05, device=device), n,
+                    lambda x=x, y=y: icp(x, y, max_correspondence_distance=0.05, device=device), n,
                     lambda it: 0, device, T_true, once_after=once)
 
     bench(dev, None, sizes, soft_max, True)

@@ -29,7 +29,7 @@ def main() -> None:
         doc = json.loads(f.read_text())
         dev = doc["meta"].get("device", f.stem)
         tables = [("", doc.get("rows", []))] + list(doc.get("tables", {}).items())
-        for tname, rows in tables:
+        for _tname, rows in tables:
             for r in rows:
                 label = f"{r['algorithm']} ({'CPU' if r['device'] == 'cpu' else dev})"
                 series.setdefault(label, []).append((r["points"], r["time_ms"]))

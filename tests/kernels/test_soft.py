@@ -126,13 +126,13 @@ def test_ragged_batch_ignores_padding(rng):
     ps = [_cloud(m, rng) for m in (9, 3, 13)]
     Q = torch.full((3, 11, 3), 1e3, dtype=torch.float64)  # padding far away: must not count
     P = torch.full((3, 13, 3), -1e3, dtype=torch.float64)
-    for i, (q, p) in enumerate(zip(qs, ps)):
+    for i, (q, p) in enumerate(zip(qs, ps, strict=True)):
         Q[i, : len(q)], P[i, : len(p)] = q, p
     T = torch.stack([_pose(rng) for _ in range(3)])
     s = torch.tensor([1.0, 5.0, 0.5], dtype=torch.float64)
     ql, pl = torch.tensor([5, 11, 2]), torch.tensor([9, 3, 13])
     r = soft.soft_rows(Q, P, T, s, query_lengths=ql, point_lengths=pl, squares=True)
-    for i, (q, p) in enumerate(zip(qs, ps)):
+    for i, (q, p) in enumerate(zip(qs, ps, strict=True)):
         lse, _, mean = dense_rows(q, p, T[i], float(s[i]))
         torch.testing.assert_close(r.lse[i, : len(q)], lse)
         torch.testing.assert_close(r.mean[i, : len(q)], mean)

@@ -7,8 +7,6 @@ same pose after a fixed number of iterations.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch

@@ -28,7 +28,6 @@ Entry points (all batched: ``query (B, N, 3)``, ``points (B, M, 3)``, padded, wi
 * :func:`soft_rows`: the raw reductions (lse, lse2, mean).
 * :func:`emicp_rows`: EM-ICP weights λ_i = Σ_j √α_ij and x'_i (Granger & Pennec).
 * :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
-* :func:`soft_rows_weighted`: row sums r_i Σ_j K_ij c_j and soft correspondences.
 * :func:`weighted_horn`: the weighted Horn solve on (q_i, m_i, w_i), on the device.
 
 Dispatch via :func:`pointalign.kernels._backend.backend`: Triton kernels from
@@ -52,8 +51,10 @@ TILE_PAIRS = 1 << 20
 
 
 class SoftRows(NamedTuple):
-    """Row reductions of ``exp(z_ij)``: ``lse (B, N)``, ``lse2 (B, N)`` or None,
-    ``mean (B, N, 3)``. Padding rows hold ``-inf`` / 0."""
+    """Row reductions of ``exp(z_ij)``: lse, lse2 and mean.
+
+    ``lse (B, N)``, ``lse2 (B, N)`` or None, ``mean (B, N, 3)``; padding rows hold -inf / 0.
+    """
 
     lse: torch.Tensor
     lse2: torch.Tensor | None
@@ -112,7 +113,7 @@ def soft_rows_reference(
     """
     ql, pl = _check(query, points, transform, scale, query_lengths, point_lengths,
                     point_log_weights)
-    B, N, M = query.shape[0], query.shape[1], points.shape[1]
+    B, N = query.shape[0], query.shape[1]
     dt, dev = query.dtype, query.device
     lse = torch.full((B, N), -math.inf, dtype=dt, device=dev)
     lse2 = torch.full((B, N), -math.inf, dtype=dt, device=dev) if squares else None
@@ -185,12 +186,14 @@ def soft_rows(
         points: ``(B, M, 3)`` float tensor p_j, same dtype and device.
         transform: ``(B, 4, 4)`` float tensor ``[R, t]`` applied to the query.
         scale: ``(B,)`` float tensor s > 0 (1/(2σ²) for EM-ICP, β for Softassign).
-        query_lengths, point_lengths: ``(B,)`` integer valid counts (padding is ignored).
+        query_lengths: ``(B,)`` valid query rows per batch entry (default all).
+        point_lengths: ``(B,)`` valid points per batch entry (default all).
         point_log_weights: optional ``(B, M)`` column log-offsets g_j (log Sinkhorn scalings).
         squares: also return ``lse2 = log Σ_j exp(2 z_ij)``.
 
     Returns:
         :class:`SoftRows`; ``lse`` in the query's dtype.
+
     """
     ql, pl = _check(query, points, transform, scale, query_lengths, point_lengths,
                     point_log_weights)
@@ -227,11 +230,17 @@ def emicp_rows(
     λ_i = Σ_j √α_ij and x'_i = Σ_j √α_ij y_j / λ_i.
 
     Args:
-        source: ``(B, N, 3)``; target: ``(B, M, 3)``; transform: ``(B, 4, 4)`` T_target_source.
-        sigma2: ``(B,)`` σ² > 0; log_outlier: ``(B,)`` (may be ``-inf``: no outlier term).
+        source: ``(B, N, 3)`` source points x_i.
+        target: ``(B, M, 3)`` target points y_j.
+        transform: ``(B, 4, 4)`` T_target_source applied to the source.
+        sigma2: ``(B,)`` σ² > 0.
+        log_outlier: ``(B,)`` −d₀²/σ² (may be ``-inf``: no outlier term).
+        source_lengths: ``(B,)`` valid source points (default all).
+        target_lengths: ``(B,)`` valid target points (default all).
 
     Returns:
         ``(lam (B, N), x_prime (B, N, 3))``; padding rows have λ = 0.
+
     """
     ql, pl = _check(source, target, transform, sigma2, source_lengths, target_lengths, None)
     scale = 0.5 / sigma2.to(source.dtype)
@@ -247,8 +256,10 @@ def emicp_rows(
 
 
 def emicp_weights(lse: torch.Tensor, lse2: torch.Tensor, log_outlier: torch.Tensor):
-    """λ_i = exp(lse_i − ½ log(exp(log_outlier) + exp(lse2_i))) from :func:`soft_rows`
-    output at scale 1/(2σ²); −inf rows give 0."""
+    """EM-ICP row weights from :func:`soft_rows` output at scale 1/(2σ²).
+
+    λ_i = exp(lse_i − ½ log(exp(log_outlier) + exp(lse2_i))); −inf rows give 0.
+    """
     log_c = torch.logaddexp(lse2, log_outlier[:, None].expand_as(lse2))
     log_c = torch.where(torch.isinf(log_c), torch.zeros_like(log_c), log_c)
     return torch.exp(lse - 0.5 * log_c)
@@ -276,6 +287,7 @@ def sinkhorn_scaling(
 
     Returns:
         ``(B, N)`` in the query's dtype; padding rows are ``-inf``.
+
     """
     ql, pl = _check(query, points, transform, beta, query_lengths, point_lengths,
                     point_log_weights)
@@ -308,11 +320,13 @@ def weighted_horn(
     total weight gets the identity and ``valid`` False.
 
     Args:
-        source: ``(B, N, 3)`` x_i; targets: ``(B, N, 3)`` m_i; weights: ``(B, N)`` w_i ≥ 0
-            (0 on padding rows).
+        source: ``(B, N, 3)`` x_i.
+        targets: ``(B, N, 3)`` m_i.
+        weights: ``(B, N)`` w_i ≥ 0 (0 on padding rows).
 
     Returns:
         ``(T (B, 4, 4) float64, valid (B,) bool)``.
+
     """
     if _use_triton(source):
         from pointalign.kernels import _soft_triton

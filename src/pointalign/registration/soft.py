@@ -125,7 +125,7 @@ class _Tracker:
         self.history: list[dict[str, Any]] = []
 
     def step(self, T_old, T_new, w_old, w_new, valid, check: bool, record: dict):
-        """Returns the pose to keep; on ``check`` iterations evaluates the stop test."""
+        """Return the pose to keep; on ``check`` iterations evaluate the stop test."""
         keep = valid if not self.any_done else valid & ~self.done
         T = torch.where(keep[:, None, None], T_new, T_old)
         self.iters += (~self.done).to(torch.int64) if self.any_done else 1
@@ -165,7 +165,7 @@ def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_
     iters = tracker.iters.cpu().numpy()
     done = tracker.done.cpu().numpy()
     reasons = []
-    for d, it in zip(done, iters):
+    for d, it in zip(done, iters, strict=True):
         if d:
             reasons.append("pose_and_weights")
         elif it >= n_sched:
@@ -196,7 +196,7 @@ def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_
 
 
 def _per_pair(value, name, default, B, dev, *, allow_inf=False):
-    """A positive scalar or (B,) parameter; ``None`` takes ``default (B,)``."""
+    """Check a positive scalar or (B,) parameter; ``None`` takes ``default (B,)``."""
     if value is None:
         return default
     v = torch.as_tensor(value, dtype=torch.float64).to(dev).reshape(-1)
@@ -255,12 +255,14 @@ def emicp(
             (m, measured at the source centroid) **and** the relative L1 change of the
             weights λ is below ``relative_fitness``.
         device: compute device (default: the source tensor's device, else CUDA if present).
-        source_lengths, target_lengths: ``(B,)`` valid counts of a padded batch.
+        source_lengths: ``(B,)`` valid source points of a padded batch.
+        target_lengths: ``(B,)`` valid target points of a padded batch.
 
     Returns:
         :class:`RegistrationResult`; ``stop_reason`` is ``"schedule"`` (σ reached
         sigma_min), ``"pose_and_weights"`` (early stop) or ``"max_iterations"``. ``fitness``
         and ``rmse`` use hard nearest neighbours within ``3 σ_min``.
+
     """
     t_start = time.perf_counter()
     dev, src, sl, tgt, tl_, T0, batched = _prepare(source, target, source_lengths,
@@ -347,7 +349,9 @@ def softassign(
     the row sums of M and S = X̂ᵀ M Ŷ (eqs. 18-20, 26).
 
     Args:
-        source, target, init, device, source_lengths, target_lengths: as :func:`emicp`.
+        source: ``(N, 3)`` or ``(B, N, 3)`` points moved onto the target (as :func:`emicp`).
+        target: ``(M, 3)`` or ``(B, M, 3)`` fixed points.
+        init: initial ``T_target_source``; identity if None.
         beta0: initial β (1/m²), > 0; default 1/(1.78 ρ)² (σ = 0.1 m on the bunny).
         beta_factor: β multiplier per temperature, > 1 (Gold et al.'s 1.075).
         temperatures: number of β values (the seed's 100).
@@ -357,10 +361,14 @@ def softassign(
         sinkhorn_iterations: Sinkhorn rounds per update (the seed's 3).
         outlier_weight: value of the slack entries (> 0).
         criteria: as :func:`emicp` (counted in pose updates).
+        device: compute device, as :func:`emicp`.
+        source_lengths: ``(B,)`` valid source points of a padded batch.
+        target_lengths: ``(B,)`` valid target points of a padded batch.
 
     Returns:
         :class:`RegistrationResult` (``iterations`` counts pose updates); ``stop_reason`` is
         ``"schedule"``, ``"pose_and_weights"`` or ``"max_iterations"``.
+
     """
     t_start = time.perf_counter()
     dev, src, sl, tgt, tl_, T0, batched = _prepare(source, target, source_lengths,
