@@ -231,10 +231,9 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     f32 = torch.float32
     T = transform.to(device=dev, dtype=f32).contiguous()
     s = scale.to(device=dev, dtype=f32).contiguous()
-    ex = (torch.zeros(B, dtype=f32, device=dev) if extra is None
-          else extra.to(device=dev, dtype=f32).contiguous())
-    off = (torch.zeros(B, dtype=f32, device=dev) if offset is None
-           else offset.to(device=dev, dtype=f32).contiguous())
+    # unused scalars point at ``s`` (the kernel loads but ignores them): no extra launches
+    ex = s if extra is None else extra.to(device=dev, dtype=f32).contiguous()
+    off = s if offset is None else offset.to(device=dev, dtype=f32).contiguous()
     ql = query_lengths.to(device=dev, dtype=torch.int64).contiguous()
     pl = point_lengths.to(device=dev, dtype=torch.int64).contiguous()
     MODE = _MODES[mode]
