@@ -150,6 +150,46 @@ class VoxelGridIndex:
             rows = rows[~(bd[:, k - 1] <= radius**2)]
         return KnnResult(d, i)
 
+    def nearest_within_unchecked(self, query: torch.Tensor, max_distance: float) -> torch.Tensor:
+        """ICP's fast path of :meth:`nearest_within`: ``idx (N,)`` int64 (-1 = none).
+
+        No argument checks and no host synchronisation (the grid's ``dims`` are cached on the
+        device; the queries are not re-sorted, so pass them in a spatially coherent order for
+        speed). ``query`` must be a finite contiguous ``(N, 3)`` tensor of the points' dtype
+        and device and ``max_distance > 0``. Falls back to :meth:`nearest_within` off the
+        Triton path.
+        """
+        from pointalign.kernels._backend import backend
+
+        md = float(max_distance)
+        n = query.shape[0]
+        if n == 0 or backend(query) == "torch":
+            return self.nearest_within(query, md).idx[:, 0]
+        if md > self.cell_size:
+            g = self._grid_for(md)[0]
+        else:
+            g = self.grid
+            if md <= self.cell_size / 2:
+                if self._fine_cell is None:
+                    self._fine_cell = auto_cell_size(self.points)
+                j = int(math.floor(math.log2(self.cell_size / max(md, self._fine_cell))))
+                if j >= 1:
+                    g2, radius = self._grid_for(self.cell_size / 2**j)
+                    g = g2 if radius >= md else self.grid
+        cache = self.__dict__.setdefault("_dims_dev", {})
+        dims = cache.get(g.cell)
+        if dims is None:
+            dims = cache[g.cell] = torch.tensor(g.dims, dtype=torch.int64, device=query.device)
+        from pointalign.kernels import _grid_triton
+
+        out_d = torch.empty((n, 1), dtype=query.dtype, device=query.device)
+        out_i = torch.empty((n, 1), dtype=torch.int64, device=query.device)
+        _grid_triton._kernel()[(-(-n // 128),)](
+            query, g.params, dims, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
+            n, g.sorted_points.shape[1], md * md, HAS_MAX=True, K=1, KP=1, BLOCK=128,
+            num_warps=4)
+        return out_i[:, 0]
+
     def knn(self, query: Any, k: int) -> KnnResult:
         """The k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
         k = _checks.check_k(k, self.points.shape[0])
