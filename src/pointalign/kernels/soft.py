@@ -378,6 +378,10 @@ def horn_from_sums(W, sx, sm, cross) -> tuple[torch.Tensor, torch.Tensor]:
     S = cross - W[..., None, None] * (xm[..., :, None] * mm[..., None, :])
     # scale-free: normalise S so eigh sees O(1) numbers
     S = S / S.abs().amax((-1, -2), keepdim=True).clamp_min(1e-300)
+    # a tiny εI breaks ties towards the identity rotation (N(εI) = diag(3ε, -ε, -ε, -ε)),
+    # as the Triton kernel's power iteration (started at q = 1) does: a single point or a
+    # degenerate S then keeps R = I instead of an arbitrary eigenvector
+    S = S + 1e-9 * torch.eye(3, dtype=S.dtype, device=S.device)
     _, vecs = torch.linalg.eigh(horn_matrix(S))
     R = quaternion_matrix(vecs[..., :, -1])
     t = mm - (R @ xm[..., None])[..., 0]
