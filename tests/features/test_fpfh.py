@@ -216,15 +216,22 @@ def test_bad_points():
 @pytest.mark.gpu
 def test_cuda_matches_cpu(bunny_small):
     pts, v = bunny_small
-    pts = pts.float()
     from pointalign.features.normals import estimate_normals
 
-    nrm = estimate_normals(pts, radius=2 * v, orient="viewpoint", viewpoint=pts.mean(0))
-    a = fpfh(pts, radius=5 * v, normals=nrm)
-    b = fpfh(pts.cuda(), radius=5 * v, normals=nrm.cuda())
+    # float64: the two devices' searches and angle bins agree up to rare exact ties, so
+    # (almost) every histogram must match
+    p64 = pts.double()
+    nrm = estimate_normals(p64, radius=2 * v, orient="viewpoint", viewpoint=p64.mean(0))
+    a = fpfh(p64, radius=5 * v, normals=nrm)
+    b = fpfh(p64.cuda(), radius=5 * v, normals=nrm.cuda())
     assert b.is_cuda
     diff = (a - b.cpu()).abs()
-    assert float((diff < 1e-3).all(1).float().mean()) > 0.97
+    assert float((diff < 1e-6).all(1).float().mean()) > 0.97
+    # float32: a point at the radius or an angle at a bin edge can flip between devices, and
+    # each flip spreads to the neighbours' FPFH, so only the average is compared
+    p32, n32 = pts.float(), nrm.float()
+    diff = (fpfh(p32, radius=5 * v, normals=n32) - fpfh(p32.cuda(), radius=5 * v,
+                                                         normals=n32.cuda()).cpu()).abs()
     assert float(diff.mean()) < 0.05
     # the search path differs (brute force Triton kernel on CUDA vs cKDTree on CPU); the
     # same neighbour table must give the same histograms
