@@ -198,7 +198,7 @@ def test_armijo_never_increases_exact_objective(kind, seed):
     q = p.source @ T.float()[:3, :3].T + T.float()[:3, 3]
     d2 = ks.evaluate(q.double(), co[tree.descend(q, tree.depth - 3)].double()).clamp_min(0)
     assert math.isclose(float(d2.sum()), obj[-1], rel_tol=1e-4)
-    assert all(b <= a * (1 + 1e-9) for a, b in zip(obj, obj[1:]))
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(obj, obj[1:], strict=False))
     assert all(0 < h["step"] <= 1 for h in r.history)
 
 

@@ -52,7 +52,8 @@ def newton_terms(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
         T: ``(4, 4)`` current ``T_target_source`` (any float dtype; applied in ``points``'
             dtype).
         center: ``(3,)`` rotation centre ``o`` (target frame).
-        tree: the target's k-d tree arrays; ``coeffs (n_nodes, 10)`` its per-node approximants.
+        tree: the target's k-d tree arrays.
+        coeffs: ``(n_nodes, 10)`` per-node approximants (layout in the module docstring).
         depth: level of the nodes whose approximants are used (0..tree.depth).
         weights: optional ``(N,)`` non-negative per-point weights (default 1).
         tau2: squared truncation distance (``inf``: none).
@@ -60,6 +61,7 @@ def newton_terms(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
 
     Returns:
         ``(29,)`` float64 tensor on the points' device.
+
     """
     be = backend(points)
     if be in ("triton", "interpret"):

@@ -62,6 +62,7 @@ MAX_BACKTRACKS = 12
 #: approximant (far field) before
 NEAR_LEVELS = 3
 #: with ``tree_depth=None`` the iteration starts this many levels above the finest level
+#: (but not above level 3: at least 8 cells)
 COARSE_LEVELS = 6
 
 Approximant = str | Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -216,7 +217,7 @@ def _schedule(tree: KDTreeIndex, depth: int, tree_depth: int | None) -> list[int
     """
     if tree_depth is not None:
         return [depth]
-    return list(range(max(0, depth - COARSE_LEVELS), depth + 1))
+    return list(range(min(depth, max(3, depth - COARSE_LEVELS)), depth + 1))
 
 
 def _setup(source, target, init, criteria, device, index, tree_depth):
@@ -303,6 +304,7 @@ def surface_newton(
         :class:`RegistrationResult`; ``fitness`` is the fraction of terms within the
         truncation distance (1 without one), ``rmse`` the RMS approximate distance over them,
         ``info`` holds the final ``F`` (6×6), ``objective`` and ``tree_depth``.
+
     """
     t_start = time.perf_counter()
     src, tree, T, crit, depth = _setup(source, target, init, criteria, device, index,
@@ -451,6 +453,9 @@ def approximate_icp(
         fit, rmse = n_in / n, math.sqrt(float(sums[1]) / n_in)
         est = estimate.horn(src.double(), y.double(), w.double(), strict=False)
         if not bool(est.valid.all()):
+            if lvl + 1 < len(levels):  # too few distinct cell means: go finer
+                lvl += 1
+                continue
             reason = "degenerate"
             it -= 1
             break
