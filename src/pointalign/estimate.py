@@ -90,6 +90,23 @@ def _finish(T: torch.Tensor, valid: torch.Tensor, strict: bool, what: str) -> Es
     return Estimate(T, valid)
 
 
+def horn_matrix(S: torch.Tensor) -> torch.Tensor:
+    """Horn's symmetric 4×4 matrix N(S) of cross-covariances ``S (…, 3, 3)``.
+
+    Its eigenvector of the largest eigenvalue is the unit quaternion (w, x, y, z) of the
+    rotation maximising ``Σ w yᵀ R x`` (Horn 1987, eq. 15 in Tamaki et al.).
+    """
+    sxx, sxy, sxz = S[..., 0, 0], S[..., 0, 1], S[..., 0, 2]
+    syx, syy, syz = S[..., 1, 0], S[..., 1, 1], S[..., 1, 2]
+    szx, szy, szz = S[..., 2, 0], S[..., 2, 1], S[..., 2, 2]
+    return torch.stack([
+        torch.stack([sxx + syy + szz, syz - szy, szx - sxz, sxy - syx], -1),
+        torch.stack([syz - szy, sxx - syy - szz, sxy + syx, szx + sxz], -1),
+        torch.stack([szx - sxz, sxy + syx, -sxx + syy - szz, syz + szy], -1),
+        torch.stack([sxy - syx, szx + sxz, syz + szy, -sxx - syy + szz], -1),
+    ], -2)
+
+
 def horn_from_moments(m: Moments, *, strict: bool = True) -> Estimate:
     """Horn's quaternion method from weighted moments (the core all Horn variants share).
 
@@ -101,18 +118,10 @@ def horn_from_moments(m: Moments, *, strict: bool = True) -> Estimate:
     denom = W.clamp_min(1e-300)[..., None]
     xm, ym = m.sum_source / denom, m.sum_target / denom
     S = m.cross - W[..., None, None] * (xm[..., :, None] * ym[..., None, :])
-    sxx, sxy, sxz = S[..., 0, 0], S[..., 0, 1], S[..., 0, 2]
-    syx, syy, syz = S[..., 1, 0], S[..., 1, 1], S[..., 1, 2]
-    szx, szy, szz = S[..., 2, 0], S[..., 2, 1], S[..., 2, 2]
-    N = torch.stack([
-        torch.stack([sxx + syy + szz, syz - szy, szx - sxz, sxy - syx], -1),
-        torch.stack([syz - szy, sxx - syy - szz, sxy + syx, szx + sxz], -1),
-        torch.stack([szx - sxz, sxy + syx, -sxx + syy - szz, syz + szy], -1),
-        torch.stack([sxy - syx, szx + sxz, syz + szy, -sxx - syy + szz], -1),
-    ], -2)
+    N = horn_matrix(S)
     _, vecs = torch.linalg.eigh(N)
     q = vecs[..., :, -1]
-    R = transforms.quaternion_to_matrix(q)
+    R = transforms.quaternion_to_matrix(q, check=False)
     t = ym - (R @ xm[..., None])[..., 0]
     valid = (W > 0) & _spans_plane(m.source_cov) & _spans_plane(m.target_cov)
     valid = valid & torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)

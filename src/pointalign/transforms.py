@@ -72,15 +72,17 @@ def skew(v: torch.Tensor) -> torch.Tensor:
     )
 
 
-def quaternion_to_matrix(q: torch.Tensor) -> torch.Tensor:
+def quaternion_to_matrix(q: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Rotation matrices ``(…, 3, 3)`` from quaternions ``(…, 4)`` = (w, x, y, z).
 
-    The quaternion is normalised first; a zero quaternion raises ``ValueError``.
+    The quaternion is normalised first; a zero quaternion raises ``ValueError``. With
+    ``check=False`` (inside device loops: no host sync) that test is skipped and a zero
+    quaternion gives a zero matrix.
     """
     n = q.norm(dim=-1, keepdim=True)
-    if bool((n == 0).any()):
+    if check and bool((n == 0).any()):
         raise ValueError("q: zero quaternion has no rotation")
-    w, x, y, z = (q / n).unbind(-1)
+    w, x, y, z = (q / n.clamp_min(1e-300)).unbind(-1)
     return torch.stack(
         [
             1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from pointalign import estimate, transforms
 from pointalign.kernels._backend import backend
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
@@ -335,30 +336,6 @@ def weighted_horn(
     return horn_reference(source, targets, weights)
 
 
-def horn_matrix(S: torch.Tensor) -> torch.Tensor:
-    """Horn's symmetric 4×4 matrix (Tamaki eq. 15) of cross-covariances ``S (B, 3, 3)``."""
-    sxx, sxy, sxz = S[..., 0, 0], S[..., 0, 1], S[..., 0, 2]
-    syx, syy, syz = S[..., 1, 0], S[..., 1, 1], S[..., 1, 2]
-    szx, szy, szz = S[..., 2, 0], S[..., 2, 1], S[..., 2, 2]
-    return torch.stack([
-        torch.stack([sxx + syy + szz, syz - szy, szx - sxz, sxy - syx], -1),
-        torch.stack([syz - szy, sxx - syy - szz, sxy + syx, szx + sxz], -1),
-        torch.stack([szx - sxz, sxy + syx, -sxx + syy - szz, syz + szy], -1),
-        torch.stack([sxy - syx, szx + sxz, syz + szy, -sxx - syy + szz], -1),
-    ], -2)
-
-
-def quaternion_matrix(q: torch.Tensor) -> torch.Tensor:
-    """Rotation ``(B, 3, 3)`` of unit quaternions ``(B, 4)`` (w, x, y, z); no host sync."""
-    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-    w, x, y, z = q.unbind(-1)
-    return torch.stack([
-        1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
-        2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
-        2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y),
-    ], -1).reshape(*q.shape[:-1], 3, 3)
-
-
 def horn_moments(source, targets, weights):
     """``(W (B,), sx (B,3), sm (B,3), cross (B,3,3))`` in float64: Σw, Σw x, Σw m, Σw x mᵀ."""
     x = source.to(torch.float64)
@@ -382,8 +359,8 @@ def horn_from_sums(W, sx, sm, cross) -> tuple[torch.Tensor, torch.Tensor]:
     # as the Triton kernel's power iteration (started at q = 1) does: a single point or a
     # degenerate S then keeps R = I instead of an arbitrary eigenvector
     S = S + 1e-9 * torch.eye(3, dtype=S.dtype, device=S.device)
-    _, vecs = torch.linalg.eigh(horn_matrix(S))
-    R = quaternion_matrix(vecs[..., :, -1])
+    _, vecs = torch.linalg.eigh(estimate.horn_matrix(S))
+    R = transforms.quaternion_to_matrix(vecs[..., :, -1], check=False)
     t = mm - (R @ xm[..., None])[..., 0]
     valid = (W > 0) & torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)
     T = torch.zeros(W.shape + (4, 4), dtype=torch.float64, device=W.device)
