@@ -166,3 +166,227 @@ def normal_equations_triton(source: torch.Tensor, target: torch.Tensor, idx: tor
         PLANE=target_normals is not None, KIND=KERNELS.index(kernel), BLOCK=BLOCK,
         num_warps=4)
     return partial.sum(1, dtype=torch.float64)
+
+
+# ---- the solve: partial sums -> update, on the device (no host round trip) ----------------
+#
+# The (P, 30) float32 block partials are summed in float64 (one torch reduction), then one
+# program per batch entry solves in float64 with scalar code: Horn's 4×4 eigenproblem (point-to-point; plus the two 3×3
+# covariance spectra of the degeneracy test) or the 6×6 pseudo-inverse (point-to-plane), by
+# cyclic Jacobi rotations with a fixed number of sweeps (quadratic convergence: 6-8 sweeps
+# reach float64 round-off for these sizes). Triton has no small local arrays, so the
+# straight-line scalar code (one variable per matrix entry) is generated below from the
+# index pairs, registered with ``linecache`` (Triton reads a kernel's source) and compiled.
+
+_SWEEPS = {3: 6, 4: 6, 6: 8}
+
+
+def _a(p: str, i: int, j: int) -> str:
+    return f"{p}{min(i, j)}{max(i, j)}"
+
+
+def _jacobi(n: int, a: str, v: str | None, ind: str) -> list[str]:
+    """Lines: cyclic Jacobi on the symmetric scalars ``a{i}{j}`` (and vectors ``v{i}{j}``)."""
+    out = [f"for _sw in range({_SWEEPS[n]}):"]
+    i2 = ind + "    "
+    for p in range(n):
+        for q in range(p + 1, n):
+            apq, app, aqq = _a(a, p, q), _a(a, p, p), _a(a, q, q)
+            out += [f"nz = tl.abs({apq}) > 1e-300",
+                    f"th = ({aqq} - {app}) / tl.where(nz, 2.0 * {apq}, 1.0)",
+                    "tt = tl.where(th >= 0, 1.0, -1.0) / (tl.abs(th) + tl.sqrt(th * th + 1.0))",
+                    "tt = tl.where(nz, tt, 0.0)",
+                    "cs = 1.0 / tl.sqrt(tt * tt + 1.0)",
+                    "sn = tt * cs",
+                    f"{app} = {app} - tt * {apq}",
+                    f"{aqq} = {aqq} + tt * {apq}",
+                    f"{apq} = {apq} * 0.0"]
+            for k in range(n):
+                if k in (p, q):
+                    continue
+                kp, kq = _a(a, k, p), _a(a, k, q)
+                out += [f"u0 = {kp}", f"u1 = {kq}",
+                        f"{kp} = cs * u0 - sn * u1", f"{kq} = sn * u0 + cs * u1"]
+            if v is not None:
+                for k in range(n):
+                    kp, kq = f"{v}{k}{p}", f"{v}{k}{q}"
+                    out += [f"u0 = {kp}", f"u1 = {kq}",
+                            f"{kp} = cs * u0 - sn * u1", f"{kq} = sn * u0 + cs * u1"]
+    return [ind + out[0]] + [i2 + x for x in out[1:]]
+
+
+def _finite(x: str) -> str:
+    return f"(({x}) == ({x})) & (tl.abs({x}) < float('inf'))"
+
+
+def _solve_source() -> str:
+    from pointalign.kernels.normal_eq import TRIU3, TRIU6
+
+    I1 = "    "
+    I2 = "        "
+    L = ["def _solve_kernel(sums_ptr, c_ptr, tin_ptr, d_ptr, tn_ptr, tf_ptr, flag_ptr, eps,",
+         "                  PLANE: tl.constexpr):",
+         "    b = tl.program_id(0).to(tl.int64)"]
+    L += [f"    s{k} = tl.load(sums_ptr + b * 30 + {k})" for k in range(30)]
+    L += [f"    c{k} = tl.load(c_ptr + b * 3 + {k}).to(tl.float64)" for k in range(3)]
+    L += [f"    T{i}{j} = tl.load(tin_ptr + b * 16 + {4 * i + j})"
+          for i in range(4) for j in range(4)]
+    L += ["    zero = s0 * 0.0", "    one = zero + 1.0"]
+    # ---- point-to-plane
+    L += ["    if PLANE:"]
+    L += [I2 + f"h{i}{j} = s{q}" for q, (i, j) in enumerate(TRIU6)]
+    L += [I2 + f"g{i} = -s{21 + i}" for i in range(6)]
+    L += [I2 + f"v{i}{j} = {'one' if i == j else 'zero'}" for i in range(6) for j in range(6)]
+    L += _jacobi(6, "h", "v", I2)
+    L += [I2 + "mx = " + "tl.maximum(" * 5 + "h00" +
+          "".join(f", h{i}{i})" for i in range(1, 6))]
+    L += [I2 + "thr = eps * tl.maximum(mx, 1e-300)"]
+    for i in range(6):
+        L += [I2 + f"k{i} = h{i}{i} > thr",
+              I2 + f"inv{i} = tl.where(k{i}, 1.0 / tl.maximum(h{i}{i}, 1e-300), 0.0)",
+              I2 + f"y{i} = inv{i} * (" + " + ".join(f"v{k}{i} * g{k}" for k in range(6)) + ")"]
+    for k in range(6):
+        L += [I2 + f"xi{k} = " + " + ".join(f"v{k}{i} * y{i}" for i in range(6))]
+    L += [I2 + "usable = (" + " | ".join(f"k{i}" for i in range(6)) + ")"]
+    for k in range(6):
+        L += [I2 + f"usable = usable & {_finite(f'xi{k}')}"]
+    L += [I2 + "valid = usable & " + " & ".join(f"k{i}" for i in range(6))]
+    for k in range(6):
+        L += [I2 + f"xi{k} = tl.where(usable, xi{k}, 0.0)"]
+    # Rodrigues: R = I + a K + b (w wᵀ − θ² I)
+    L += [I2 + "th2 = xi0 * xi0 + xi1 * xi1 + xi2 * xi2",
+          I2 + "small = th2 < 1e-12",
+          I2 + "safe = tl.where(small, 1.0, tl.sqrt(th2))",
+          I2 + "ra = tl.where(small, 1.0 - th2 / 6.0, tl.sin(safe) / safe)",
+          I2 + "rb = tl.where(small, 0.5 - th2 / 24.0, (1.0 - tl.cos(safe)) / (safe * safe))"]
+    K = {(0, 1): "-xi2", (0, 2): "xi1", (1, 0): "xi2", (1, 2): "-xi0", (2, 0): "-xi1",
+         (2, 1): "xi0"}
+    for i in range(3):
+        for j in range(3):
+            e = f"rb * xi{i} * xi{j}"
+            e += " + one - rb * th2" if i == j else f" + ra * ({K[(i, j)]})"
+            L += [I2 + f"R{i}{j} = {e}"]
+    L += [I2 + f"t{i} = xi{3 + i}" for i in range(3)]
+    # ---- point-to-point (Horn)
+    L += ["    else:",
+          I2 + "W = s0",
+          I2 + "Wd = tl.maximum(W, 1e-300)"]
+    L += [I2 + f"xm{i} = s{1 + i} / Wd" for i in range(3)]
+    L += [I2 + f"ym{i} = s{4 + i} / Wd" for i in range(3)]
+    L += [I2 + f"S{i}{j} = s{7 + 3 * i + j} - W * xm{i} * ym{j}"
+          for i in range(3) for j in range(3)]
+    for q, (i, j) in enumerate(TRIU3):
+        L += [I2 + f"p{i}{j} = s{16 + q} - s{1 + i} * s{1 + j} / Wd",
+              I2 + f"p{i + 3}{j + 3} = s{22 + q} - s{4 + i} * s{4 + j} / Wd"]
+    terms = {(0, 0): "S00 + S11 + S22", (0, 1): "S12 - S21", (0, 2): "S20 - S02",
+             (0, 3): "S01 - S10", (1, 1): "S00 - S11 - S22", (1, 2): "S01 + S10",
+             (1, 3): "S20 + S02", (2, 2): "S11 - S00 - S22", (2, 3): "S12 + S21",
+             (3, 3): "S22 - S00 - S11"}
+    L += [I2 + f"n{i}{j} = {e}" for (i, j), e in terms.items()]
+    L += [I2 + f"v{i}{j} = {'one' if i == j else 'zero'}" for i in range(4) for j in range(4)]
+    L += _jacobi(4, "n", "v", I2)
+    # eigenvector of the largest eigenvalue (the last on ties, as numpy's eigh)
+    L += [I2 + "best = n00"] + [I2 + f"q{k} = v{k}0" for k in range(4)]
+    for i in range(1, 4):
+        L += [I2 + f"sel = n{i}{i} >= best", I2 + f"best = tl.where(sel, n{i}{i}, best)"]
+        L += [I2 + f"q{k} = tl.where(sel, v{k}{i}, q{k})" for k in range(4)]
+    L += [I2 + "qn = tl.maximum(tl.sqrt(q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3), 1e-300)"]
+    L += [I2 + f"q{k} = q{k} / qn" for k in range(4)]
+    L += [I2 + "R00 = 1.0 - 2.0 * (q2 * q2 + q3 * q3)",
+          I2 + "R01 = 2.0 * (q1 * q2 - q3 * q0)",
+          I2 + "R02 = 2.0 * (q1 * q3 + q2 * q0)",
+          I2 + "R10 = 2.0 * (q1 * q2 + q3 * q0)",
+          I2 + "R11 = 1.0 - 2.0 * (q1 * q1 + q3 * q3)",
+          I2 + "R12 = 2.0 * (q2 * q3 - q1 * q0)",
+          I2 + "R20 = 2.0 * (q1 * q3 - q2 * q0)",
+          I2 + "R21 = 2.0 * (q2 * q3 + q1 * q0)",
+          I2 + "R22 = 1.0 - 2.0 * (q1 * q1 + q2 * q2)"]
+    L += [I2 + f"t{i} = ym{i} - (R{i}0 * xm0 + R{i}1 * xm1 + R{i}2 * xm2)" for i in range(3)]
+    # degeneracy: both covariances span a plane (middle eigenvalue > eps * largest)
+    blk = []
+    for o in (0, 3):
+        for p in range(3):
+            for q in range(p + 1, 3):
+                blk.append((o + p, o + q))
+    # two independent 3×3 Jacobi runs in one loop (pairs within each block only)
+    jl = _jacobi(3, "p", None, I2)
+    jl2 = [x.replace("p00", "P33").replace("p01", "P34").replace("p02", "P35")
+           .replace("p11", "P44").replace("p12", "P45").replace("p22", "P55") for x in jl[1:]]
+    L += jl + jl2
+    L = [x.replace("P33", "p33").replace("P34", "p34").replace("P35", "p35")
+         .replace("P44", "p44").replace("P45", "p45").replace("P55", "p55") for x in L]
+    L += [I2 + "valid = W > 0"]
+    for o in (0, 3):
+        e = [f"p{o + i}{o + i}" for i in range(3)]
+        L += [I2 + f"emax = tl.maximum(tl.maximum({e[0]}, {e[1]}), {e[2]})",
+              I2 + f"emin = tl.minimum(tl.minimum({e[0]}, {e[1]}), {e[2]})",
+              I2 + f"emid = {e[0]} + {e[1]} + {e[2]} - emax - emin",
+              I2 + "valid = valid & (emid > eps * tl.maximum(emax, 1e-300))"]
+    for i in range(3):
+        for j in range(3):
+            L += [I2 + f"valid = valid & {_finite(f'R{i}{j}')}"]
+        L += [I2 + f"valid = valid & {_finite(f't{i}')}"]
+    for i in range(3):
+        for j in range(3):
+            L += [I2 + f"R{i}{j} = tl.where(valid, R{i}{j}, {1.0 if i == j else 0.0})"]
+        L += [I2 + f"t{i} = tl.where(valid, t{i}, 0.0)"]
+    L += [I2 + "usable = valid"]
+    # ---- un-centre (x ↦ R (x − c) + t + c), compose with T, store
+    L += [I1 + f"D{i}3 = t{i} + c{i} - (R{i}0 * c0 + R{i}1 * c1 + R{i}2 * c2)"
+          for i in range(3)]
+    L += [I1 + f"D{i}{j} = R{i}{j}" for i in range(3) for j in range(3)]
+    L += [I1 + "D30 = zero", I1 + "D31 = zero", I1 + "D32 = zero", I1 + "D33 = one"]
+    for i in range(4):
+        for j in range(4):
+            L += [I1 + f"N{i}{j} = " + " + ".join(f"D{i}{k} * T{k}{j}" for k in range(4))]
+            L += [I1 + f"tl.store(d_ptr + b * 16 + {4 * i + j}, D{i}{j})",
+                  I1 + f"tl.store(tn_ptr + b * 16 + {4 * i + j}, N{i}{j})",
+                  I1 + f"tl.store(tf_ptr + b * 16 + {4 * i + j}, N{i}{j}.to(tl.float32))"]
+    L += [I1 + "tl.store(flag_ptr + b * 2 + 0, valid.to(tl.int32))",
+          I1 + "tl.store(flag_ptr + b * 2 + 1, usable.to(tl.int32))"]
+    return "\n".join(L) + "\n"
+
+
+def _compile_solve():
+    import linecache
+
+    src = _solve_source()
+    fname = "<pointalign._normal_eq_triton._solve_kernel>"
+    linecache.cache[fname] = (len(src), None, src.splitlines(True), fname)
+    ns = {"tl": tl, "triton": triton}
+    exec(compile(src, fname, "exec"), ns)
+    return triton.jit(ns["_solve_kernel"])
+
+
+_solve_kernel = _compile_solve()
+
+
+def partials_triton(source, target, idx, target_normals, lengths, center, kernel, scale):
+    """The ``(B, P, 30)`` float32 block partials of :func:`normal_equations_triton`."""
+    B, N = source.shape[:2]
+    M = target.shape[1]
+    n = target_normals if target_normals is not None else target
+    P = max(1, triton.cdiv(N, BLOCK))
+    partial = torch.empty(B, P, WIDTH, dtype=torch.float32, device=source.device)
+    _normal_eq_kernel[(P, B)](
+        source, target, n, idx, lengths, center, partial, N, M, P, float(scale),
+        PLANE=target_normals is not None, KIND=KERNELS.index(kernel), BLOCK=BLOCK,
+        num_warps=4)
+    return partial
+
+
+def icp_update_triton(source, target, idx, target_normals, lengths, center, kernel, scale,
+                      transform, eps, out):
+    """Reduce and solve on the device: writes ``out = (sums, D, T_new, T_new_f32, flags)``.
+
+    Inputs must be contiguous, ``lengths`` int64, ``center`` float32, ``transform (B, 4, 4)``
+    float64 (not aliased with ``out``). Three launches, no synchronisation.
+    """
+    partial = partials_triton(source, target, idx, target_normals, lengths, center, kernel,
+                              scale)
+    B = partial.shape[0]
+    sums, D, Tn, Tf, flags = out
+    torch.sum(partial, 1, dtype=torch.float64, out=sums)
+    _solve_kernel[(B,)](sums, center, transform, D, Tn, Tf, flags, float(eps),
+                        PLANE=target_normals is not None, num_warps=1)
+    return out

@@ -201,3 +201,153 @@ def unpack_sym3(v: torch.Tensor) -> torch.Tensor:
         M[:, a, b] = v[:, q]
         M[:, b, a] = v[:, q]
     return M
+
+
+# ---- the rigid update from the sums (the device-side solve of ICP) ------------------------
+
+#: ``flags[:, 0]``: the system was well posed (``valid``); ``flags[:, 1]``: the update is
+#: usable (point-to-plane: a least-norm step on the determined directions exists).
+FLAG_VALID, FLAG_USABLE = 0, 1
+
+
+def _horn_terms(S: torch.Tensor) -> torch.Tensor:
+    """Horn's symmetric 4×4 ``N(S)`` ``(B, 4, 4)`` from the cross-covariance ``S (B, 3, 3)``."""
+    xx, xy, xz = S[:, 0, 0], S[:, 0, 1], S[:, 0, 2]
+    yx, yy, yz = S[:, 1, 0], S[:, 1, 1], S[:, 1, 2]
+    zx, zy, zz = S[:, 2, 0], S[:, 2, 1], S[:, 2, 2]
+    rows = [[xx + yy + zz, yz - zy, zx - xz, xy - yx],
+            [yz - zy, xx - yy - zz, xy + yx, zx + xz],
+            [zx - xz, xy + yx, yy - xx - zz, yz + zy],
+            [xy - yx, zx + xz, yz + zy, zz - xx - yy]]
+    return torch.stack([torch.stack(r, -1) for r in rows], -2)
+
+
+def _rodrigues(w: torch.Tensor) -> torch.Tensor:
+    th2 = (w * w).sum(-1)[:, None, None]
+    small = th2 < 1e-12
+    safe = torch.where(small, torch.ones_like(th2), th2.sqrt())
+    a = torch.where(small, 1 - th2 / 6, safe.sin() / safe)
+    b = torch.where(small, 0.5 - th2 / 24, (1 - safe.cos()) / (safe * safe))
+    eye = torch.eye(3, dtype=w.dtype, device=w.device)
+    K = torch.zeros(w.shape[0], 3, 3, dtype=w.dtype, device=w.device)
+    K[:, 0, 1], K[:, 0, 2], K[:, 1, 2] = -w[:, 2], w[:, 1], -w[:, 0]
+    K[:, 1, 0], K[:, 2, 0], K[:, 2, 1] = w[:, 2], -w[:, 1], w[:, 0]
+    return eye + a * K + b * (w[:, :, None] * w[:, None, :] - th2 * eye)
+
+
+def solve_update_reference(sums: torch.Tensor, center: torch.Tensor, transform: torch.Tensor,
+                           *, plane: bool, eps: float = 1e-10):
+    """The ICP update from the sums, float64 PyTorch (the spec of the device solve).
+
+    Point-to-point: Horn's quaternion (largest eigenvector of N(S)), valid when W > 0 and
+    both weighted covariances span a plane (middle eigenvalue > eps × largest). Point-to-
+    plane: ξ = (ω, v) = −A⁺ g with the eigen pseudo-inverse of the 6×6 A (eigenvalues ≤ eps ×
+    largest dropped; valid when none is dropped), R = exp([ω]×). The update was solved about
+    the centre c and is un-centred: ``D = [R, t + c − R c]``.
+
+    Args:
+        sums: ``(B, 30)`` float64 from :func:`normal_equations`.
+        center: ``(B, 3)`` the centre used by the reduction.
+        transform: ``(B, 4, 4)`` float64 current estimate T.
+
+    Returns:
+        ``(D (B, 4, 4), T_new = D T (B, 4, 4), flags (B, 2) int32)`` float64 on sums' device.
+
+    """
+    s = sums.to(torch.float64)
+    B = s.shape[0]
+    c = center.to(torch.float64)
+    eye3 = torch.eye(3, dtype=torch.float64, device=s.device).expand(B, 3, 3)
+    if plane:
+        A = torch.zeros(B, 6, 6, dtype=torch.float64, device=s.device)
+        for q, (a, b) in enumerate(TRIU6):
+            A[:, a, b] = s[:, q]
+            A[:, b, a] = s[:, q]
+        ev, V = torch.linalg.eigh(A)
+        keep = ev > eps * ev[:, -1:].clamp_min(1e-300)
+        inv = torch.where(keep, 1.0 / ev.clamp_min(1e-300), torch.zeros_like(ev))
+        xi = (V @ (inv[:, :, None] * (V.transpose(1, 2) @ -s[:, 21:27, None])))[:, :, 0]
+        usable = torch.isfinite(xi).all(-1) & keep.any(-1)
+        xi = torch.where(usable[:, None], xi, torch.zeros_like(xi))
+        valid = keep.all(-1) & usable
+        R, t = _rodrigues(xi[:, :3]), xi[:, 3:]
+    else:
+        W = s[:, 0]
+        Wd = W.clamp_min(1e-300)[:, None]
+        sx, sy = s[:, 1:4], s[:, 4:7]
+        xm, ym = sx / Wd, sy / Wd
+        S = s[:, 7:16].reshape(B, 3, 3) - W[:, None, None] * xm[:, :, None] * ym[:, None, :]
+        cov_x = unpack_sym3(s[:, 16:22]) - sx[:, :, None] * sx[:, None, :] / Wd[..., None]
+        cov_y = unpack_sym3(s[:, 22:28]) - sy[:, :, None] * sy[:, None, :] / Wd[..., None]
+        q = torch.linalg.eigh(_horn_terms(S))[1][:, :, -1]
+        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+        w, x, y, z = q.unbind(-1)
+        R = torch.stack([1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+                         2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+                         2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)],
+                        -1).reshape(B, 3, 3)
+        t = ym - (R @ xm[:, :, None])[:, :, 0]
+        ev = torch.linalg.eigvalsh(torch.cat([cov_x, cov_y]))
+        spans = ev[:, 1] > eps * ev[:, 2].clamp_min(1e-300)
+        valid = (W > 0) & spans[:B] & spans[B:]
+        valid &= torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)
+        R = torch.where(valid[:, None, None], torch.nan_to_num(R), eye3)
+        t = torch.where(valid[:, None], torch.nan_to_num(t), torch.zeros_like(t))
+        usable = valid
+    D = torch.eye(4, dtype=torch.float64, device=s.device).repeat(B, 1, 1)
+    D[:, :3, :3] = R
+    D[:, :3, 3] = t + c - (R @ c[:, :, None])[:, :, 0]
+    flags = torch.stack([valid, usable], -1).to(torch.int32)
+    return D, D @ transform.to(torch.float64), flags
+
+
+def icp_update(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    transform: torch.Tensor,
+    plane: bool,
+    target_normals: torch.Tensor | None = None,
+    lengths: torch.Tensor,
+    center: torch.Tensor,
+    kernel: str = "none",
+    scale: float = 1.0,
+    eps: float = 1e-10,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """One ICP step after the search: the sums, the update and the new estimate, on device.
+
+    :func:`normal_equations` followed by :func:`solve_update_reference`'s contract, with no
+    host round trip on the Triton path (a second kernel sums the block partials in float64
+    and solves by Jacobi rotations; ``_normal_eq_triton``). ``source`` is the moved source
+    x = T s, ``transform`` the T that moved it (float64 ``(B, 4, 4)``).
+
+    Returns (written into ``out`` when given, which must not alias ``transform``):
+    ``sums (B, 30)`` float64, ``D (B, 4, 4)`` float64, ``T_new (B, 4, 4)`` float64,
+    ``T_new`` as float32 ``(B, 4, 4)``, ``flags (B, 2)`` int32 (valid, usable).
+    """
+    B = source.shape[0]
+    dev = source.device
+    if out is None:
+        out = (torch.empty(B, WIDTH, dtype=torch.float64, device=dev),
+               torch.empty(B, 4, 4, dtype=torch.float64, device=dev),
+               torch.empty(B, 4, 4, dtype=torch.float64, device=dev),
+               torch.empty(B, 4, 4, dtype=torch.float32, device=dev),
+               torch.empty(B, 2, dtype=torch.int32, device=dev))
+    normals = target_normals if plane else None
+    if backend(source) == "torch":
+        s = normal_equations_reference(source, target, idx, target_normals=normals,
+                                       lengths=lengths, center=center, kernel=kernel,
+                                       scale=scale)
+        D, Tn, fl = solve_update_reference(s, center, transform, plane=plane, eps=eps)
+        for o, v in zip(out, (s, D, Tn, Tn, fl)):
+            o.copy_(v)
+        return out
+    from pointalign.kernels import _normal_eq_triton
+
+    return _normal_eq_triton.icp_update_triton(
+        source.contiguous(), target.contiguous(), idx.contiguous(),
+        None if normals is None else normals.contiguous(), lengths.to(torch.int64),
+        center.to(torch.float32).contiguous(), kernel, float(scale),
+        transform.to(torch.float64).contiguous(), eps, out)

@@ -35,6 +35,7 @@ from pointalign.cloud import PointCloud
 from pointalign.kernels import normal_eq
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.result import RegistrationResult
+from pointalign.search import _checks
 
 METHODS = ("point_to_point", "point_to_plane")
 
@@ -139,6 +140,37 @@ def _default_index(pts: torch.Tensor, max_dist: float, build_index):
         except (ImportError, ValueError):
             continue
     return build_index(pts, "brute")
+
+
+#: Device steps between host checks grow 1, 2, 4, ... up to this many: a check costs one
+#: synchronisation; steps run past a stop (at most CHUNK - 1) are discarded.
+CHUNK = 8
+
+
+def _spatial_order(points: torch.Tensor) -> torch.Tensor:
+    """Permutation ``(N,)`` sorting ``points (N, 3)`` along a Morton (Z-order) curve.
+
+    10 bits per axis over the bounding box; one sort per ICP call.
+    """
+    lo = points.amin(0)
+    span = (points.amax(0) - lo).amax().clamp_min(1e-30)
+    q = ((points - lo) / span * 1023).clamp(0, 1023).to(torch.int64)
+
+    def spread(v: torch.Tensor) -> torch.Tensor:
+        v = (v | (v << 16)) & 0x030000FF
+        v = (v | (v << 8)) & 0x0300F00F
+        v = (v | (v << 4)) & 0x030C30C3
+        return (v | (v << 2)) & 0x09249249
+
+    return torch.argsort(spread(q[:, 0]) | (spread(q[:, 1]) << 1) | (spread(q[:, 2]) << 2))
+
+
+def _query_fn(ix: Any, max_dist: float):
+    """``x (n, 3) -> idx (n,)``: the index's check-free 1-NN path when it has one."""
+    fast = getattr(ix, "nearest_within_unchecked", None)
+    if callable(fast):
+        return lambda q: fast(q, max_dist)
+    return lambda q: ix.nearest_within(q, max_dist).idx[:, 0]
 
 
 def _make_translation(c: torch.Tensor) -> torch.Tensor:
@@ -399,7 +431,7 @@ def icp(
     slens_h = slens.cpu()
     tlens_h = tlens.cpu()
 
-    timings = {"index": 0.0, "normals": 0.0, "search": 0.0, "reduce": 0.0, "solve": 0.0}
+    timings = {"index": 0.0, "normals": 0.0, "launch": 0.0, "sync": 0.0}
     t0 = time.perf_counter()
     if shared_target:
         idxs = _build_indexes(tgt[:1], tlens_h[:1], max_dist,
@@ -432,37 +464,83 @@ def icp(
     rows = torch.arange(tgt.shape[1], device=dev)[None, :, None] < tlens[:, None, None]
     center_dev = ((tgt * rows).sum(1) / tlens[:, None].clamp_min(1)).to(torch.float32)
     center = center_dev.cpu().to(torch.float64)
-    center_np = center.numpy()
     tgt_k = tgt.contiguous()
 
     N = src.shape[1]
     kind, scale = rk.kind, float(rk.k)
+    single = B == 1 and int(slens_h[0]) == N
+    if single and N > 1:
+        # queries in a spatially coherent order: neighbouring threads of the search kernels
+        # visit the same cells / tree nodes (the sums do not depend on the order)
+        src = src[:, _spatial_order(src[0])]
+    src = src.contiguous()
+    queries = [_query_fn(ix, max_dist) for ix in idxs]
 
-    def evaluate(T_host: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """Correspondences and sums ``(B, 30)`` (host float64) at the estimates T_host."""
+    # ---- the device loop -----------------------------------------------------------------
+    # Step j moves the source by T_j, searches, reduces and solves on the device, writing
+    # sums_j, D_{j+1}, T_{j+1} and the flags of D_{j+1} into chunk buffers; T_{j+1} feeds
+    # step j + 1 with no host round trip. After a chunk of steps, one transfer brings the
+    # records back and the host replays the stopping rules iteration by iteration, exactly
+    # as if it had checked after every step; steps past a stop are discarded.
+    T_cur = torch.from_numpy(T).to(dev)
+    Tf_cur = T_cur.to(torch.float32)
+    sums_h: list[np.ndarray] = []      # sums_j
+    D_h: list[np.ndarray] = [None]     # D_j (j >= 1)
+    T_h: list[np.ndarray] = [T.copy()]  # T_j
+    fl_h: list[np.ndarray] = [None]
+    active = np.ones(B, dtype=bool)
+    eps = estimate.DEGENERACY_EPS
+
+    def run_chunk(k_steps: int) -> None:
+        nonlocal T_cur, Tf_cur
         ts = time.perf_counter()
-        Td = torch.from_numpy(T_host).to(device=dev, dtype=torch.float32)
-        x = torch.baddbmm(Td[:, None, :3, 3], src, Td[:, :3, :3].transpose(1, 2))
-        if B == 1 and int(slens_h[0]) == N:
-            idx = idxs[0].nearest_within(x[0], max_dist).idx.view(1, N)
+        sums_r = torch.empty(k_steps, B, normal_eq.WIDTH, dtype=torch.float64, device=dev)
+        D_r = torch.empty(k_steps, B, 4, 4, dtype=torch.float64, device=dev)
+        T_r = torch.empty(k_steps, B, 4, 4, dtype=torch.float64, device=dev)
+        Tf_r = torch.empty(k_steps, B, 4, 4, dtype=torch.float32, device=dev)
+        fl_r = torch.empty(k_steps, B, 2, dtype=torch.int32, device=dev)
+        if single:
             lens_eff = slens
         else:
-            idx = torch.full((B, N), -1, dtype=torch.int64, device=dev)
-            for b in range(B):
-                if active[b]:
-                    n_b = int(slens_h[b])
-                    idx[b, :n_b] = idxs[b].nearest_within(x[b, :n_b], max_dist).idx[:, 0]
             lens_eff = torch.where(torch.as_tensor(active, device=dev), slens,
                                    torch.zeros_like(slens))
+        with _checks.trusted_queries():
+            for k in range(k_steps):
+                x = torch.baddbmm(Tf_cur[:, None, :3, 3], src, Tf_cur[:, :3, :3].transpose(1, 2))
+                if single:
+                    idx = queries[0](x[0]).view(1, N)
+                else:
+                    idx = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+                    for b in range(B):
+                        if active[b]:
+                            n_b = int(slens_h[b])
+                            idx[b, :n_b] = queries[b](x[b, :n_b])
+                normal_eq.icp_update(x, tgt_k, idx, transform=T_cur, plane=plane,
+                                     target_normals=normals, lengths=lens_eff,
+                                     center=center_dev, kernel=kind, scale=scale, eps=eps,
+                                     out=(sums_r[k], D_r[k], T_r[k], Tf_r[k], fl_r[k]))
+                T_cur, Tf_cur = T_r[k], Tf_r[k]
         tr = time.perf_counter()
-        sums = normal_eq.normal_equations(x, tgt_k, idx, target_normals=normals,
-                                          lengths=lens_eff, center=center_dev, kernel=kind,
-                                          scale=scale)
-        out = sums.cpu().numpy()  # the one device -> host transfer of the iteration
+        rec = torch.cat([sums_r, D_r.view(k_steps, B, 16), T_r.view(k_steps, B, 16),
+                         fl_r.to(torch.float64)], -1).cpu().numpy()  # the one transfer
         te = time.perf_counter()
-        timings["search"] += tr - ts
-        timings["reduce"] += te - tr
-        return out
+        timings["launch"] += tr - ts
+        timings["sync"] += te - tr
+        for k in range(k_steps):
+            sums_h.append(rec[k, :, :30])
+            D_h.append(rec[k, :, 30:46].reshape(B, 4, 4))
+            T_h.append(rec[k, :, 46:62].reshape(B, 4, 4))
+            fl_h.append(rec[k, :, 62:64] > 0.5)
+
+    max_it = int(crit.max_iterations)
+    chunk = [1]
+
+    def need(j: int) -> None:
+        """Make sure sums_j (step j) is on the host."""
+        while len(sums_h) <= j:
+            k = min(chunk[0], max_it + 1 - len(sums_h))
+            run_chunk(max(1, k))
+            chunk[0] = min(CHUNK, 2 * chunk[0])
 
     n_src = slens_h.numpy().astype(np.float64)
 
@@ -473,12 +551,12 @@ def icp(
         return cnt, fit, rmse
 
     t_it = time.perf_counter()
-    active = np.ones(B, dtype=bool)
     iters = np.zeros(B, dtype=np.int64)
     converged = np.zeros(B, dtype=bool)
     reasons = [""] * B
     rank_deficient = np.zeros(B, dtype=bool)
-    sums = evaluate(T, active)
+    need(0)
+    sums = sums_h[0]
     last = sums.copy()
     cnt, fit, rmse = stats(sums)
     history = [{"iteration": 0, "fitness": fit.copy(), "rmse": rmse.copy(),
@@ -486,23 +564,22 @@ def icp(
     for b in range(B):
         if cnt[b] == 0:
             active[b], reasons[b] = False, "no_correspondences"
-    for it in range(1, int(crit.max_iterations) + 1):
+    for it in range(1, max_it + 1):
         if not active.any():
             break
-        ts = time.perf_counter()
-        D, valid, usable = _solve_np(sums, plane, center_np)
+        need(it)
+        D, (valid, usable) = D_h[it], fl_h[it].T
         rank_deficient |= active & ~valid
         for b in np.nonzero(active & ~usable)[0]:
             active[b], reasons[b] = False, "degenerate"
-        T = np.where(active[:, None, None], D @ T, T)
+        T = np.where(active[:, None, None], T_h[it], T)
         ang = _angle_np(D[:, :3, :3])
         mov = np.linalg.norm(D[:, :3, 3], axis=-1)
-        timings["solve"] += time.perf_counter() - ts
         iters[active] += 1
         if not active.any():
             break
         prev_fit, prev_rmse = fit, rmse
-        sums = evaluate(T, active)
+        sums = sums_h[it]
         cnt, fit_new, rmse_new = stats(sums)
         fit = np.where(active, fit_new, prev_fit)
         rmse = np.where(active, rmse_new, prev_rmse)
@@ -520,13 +597,14 @@ def icp(
                 active[b], converged[b], reasons[b] = False, True, "relative_change"
     for b in np.nonzero(active)[0]:
         reasons[b] = "max_iterations"
+    info_steps = len(sums_h)
     timings["iterate"] = time.perf_counter() - t_it
     H = _information(torch.from_numpy(last), plane, center).numpy()
     timings["total"] = time.perf_counter() - t_start
     n_eval = max(1, len(history))
     info = {"H": H, "per_iteration_s": timings["iterate"] / n_eval,
             "method": method, "index": type(idxs[0]).__name__,
-            "rank_deficient": rank_deficient}
+            "rank_deficient": rank_deficient, "device_steps": info_steps}
     Tn = T
     if batched:
         return RegistrationResult(
