@@ -332,9 +332,11 @@ def surface_newton(
 
     def terms(Tc):
         center = Tc[:3, :3] @ centroid + Tc[:3, 3]
-        co = co_fine if lvl >= len(levels) - NEAR_LEVELS else co_far
-        return _ks.newton_terms(src, Tc, center, arrays, co, levels[lvl], tau2=tau2).cpu(), \
-            center
+        near = lvl >= len(levels) - NEAR_LEVELS
+        # the truncation applies on the near-field levels only: on coarse levels the cell
+        # means lie farther from the surface than a correspondence distance meant for it
+        return _ks.newton_terms(src, Tc, center, arrays, co_fine if near else co_far,
+                                levels[lvl], tau2=tau2 if near else math.inf).cpu(), center
 
     def stats(tt):
         obj, inl = float(tt[27]), float(tt[28])
