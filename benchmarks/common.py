@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -65,11 +66,15 @@ def device_name(device: str | torch.device) -> str:
 
 
 def metadata(device: str | torch.device) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    # the GPU machine gets a copy of the tree without .git: the caller passes the commit
+    commit = os.environ.get("POINTALIGN_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            commit = ""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for mod in ("numpy", "scipy", "triton", "pykdtree", "small_gicp", "open3d"):
         try:
