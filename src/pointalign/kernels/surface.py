@@ -94,7 +94,7 @@ def newton_terms_reference(points: torch.Tensor, T: torch.Tensor, center: torch.
                            weights: torch.Tensor | None = None, tau2: float = math.inf,
                            objective_only: bool = False) -> torch.Tensor:
     """PyTorch reference of :func:`newton_terms` (float64 per-point terms, same contract)."""
-    Tp = T.to(points.dtype)
+    Tp = T.to(device=points.device, dtype=points.dtype)
     q = points @ Tp[:3, :3].T + Tp[:3, 3]
     node = _kd.descend(tree, q, depth)
     co = coeffs[node].double()

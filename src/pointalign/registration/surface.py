@@ -61,6 +61,12 @@ MAX_BACKTRACKS = 12
 #: coarse to fine: the requested approximant is used on the last this many levels, the point
 #: approximant (far field) before
 NEAR_LEVELS = 3
+#: approximate ICP's coarse-to-fine schedule starts only this many levels up
+AICP_COARSE_LEVELS = 6
+#: a coarse level is left when the objective changes by less than this, relatively, or after
+#: LEVEL_MAX_ITERATIONS steps (the finest level runs to ``criteria``)
+LEVEL_RELATIVE_CHANGE = 1e-3
+LEVEL_MAX_ITERATIONS = 10
 #: with ``tree_depth=None`` the iteration starts this many levels above the finest level
 #: (but not above level 3: at least 8 cells)
 COARSE_LEVELS = 6
@@ -207,7 +213,8 @@ def _resolve_depth(tree: KDTreeIndex, depth: int | None) -> int:
     return min(depth, tree.depth)
 
 
-def _schedule(tree: KDTreeIndex, depth: int, tree_depth: int | None) -> list[int]:
+def _schedule(tree: KDTreeIndex, depth: int, tree_depth: int | None,
+              coarse_levels: int | None = None) -> list[int]:
     """Levels visited: ``[depth]`` when given, else coarse to fine up to ``depth``.
 
     Cells of deep levels are small; a source point moved off the surface by more than a cell
@@ -217,7 +224,8 @@ def _schedule(tree: KDTreeIndex, depth: int, tree_depth: int | None) -> list[int
     """
     if tree_depth is not None:
         return [depth]
-    return list(range(min(depth, max(3, depth - COARSE_LEVELS)), depth + 1))
+    c = COARSE_LEVELS if coarse_levels is None else coarse_levels
+    return list(range(min(depth, max(3, depth - c)), depth + 1))
 
 
 def _setup(source, target, init, criteria, device, index, tree_depth):
@@ -344,6 +352,7 @@ def surface_newton(
         return inl / n, math.sqrt(max(inl_obj, 0.0) / inl) if inl > 0 else math.inf
 
     tt, center = terms(T)
+    at_level = 0
     history = []
     reason, converged, it = "max_iterations", False, 0
     F = _ks.unpack(tt)[0]
@@ -367,6 +376,7 @@ def surface_newton(
         if not accepted:
             if lvl + 1 < len(levels):
                 lvl += 1
+                at_level = 0
                 tt, center = terms(T)
                 continue
             reason, converged = "line_search", True
@@ -379,15 +389,19 @@ def surface_newton(
         history.append({"objective": f1, "step": alpha, "rotation": rot, "translation": trans,
                         "fitness": fit, "rmse": rmse, "level": levels[lvl]})
         stop = None
+        rel = abs(f0 - f1) / f0 if f0 > 0 else 0.0
         if rot < crit.rotation_tolerance and trans < crit.translation_tolerance:
             stop = "small_update"
-        elif f1 == 0 or (f0 > 0 and abs(f0 - f1) / f0 < crit.relative_rmse):
+        elif f1 == 0 or rel < crit.relative_rmse:
             stop = "relative_change"
+        at_level += 1
+        if lvl + 1 < len(levels) and (stop is not None or rel < LEVEL_RELATIVE_CHANGE
+                                      or at_level >= LEVEL_MAX_ITERATIONS):
+            lvl += 1  # coarse to fine: go one level deeper
+            at_level = 0
+            tt, center = terms(T)
+            continue
         if stop is not None:
-            if lvl + 1 < len(levels):  # coarse to fine: go one level deeper
-                lvl += 1
-                tt, center = terms(T)
-                continue
             reason, converged = stop, True
             break
     fit, rmse = stats(tt)
@@ -419,7 +433,9 @@ def approximate_icp(
     without backtracking, take that node's mean as the corresponding point, drop pairs
     farther apart than ``max_correspondence_distance`` (if given), and solve
     ``argmin Σ ||R x + t − y||²`` in closed form (Horn). Arguments as :func:`surface_newton`;
-    stops on the iteration cap, a small update, or ``|Δrmse| / rmse < relative_rmse``.
+    stops on the iteration cap, a small update, ``|Δrmse| / rmse < relative_rmse``, or a step
+    that would raise the RMS distance to the cell means ("no_decrease"; on coarse levels of
+    the schedule this moves one level deeper instead).
     """
     t_start = time.perf_counter()
     src, tree, T, crit, depth = _setup(source, target, init, criteria, device, index,
@@ -438,7 +454,9 @@ def approximate_icp(
     reason, converged, it = "max_iterations", False, 0
     prev_rmse = math.inf
     fit, rmse = 0.0, math.inf
-    levels = _schedule(tree, depth, tree_depth)
+    # Horn's step moves the whole cloud to the cell means at once: coarse cells (means far
+    # inside the surface) can throw it far off, so approximate ICP starts lower in the tree
+    levels = _schedule(tree, depth, tree_depth, AICP_COARSE_LEVELS)
     lvl = 0
     for it in range(1, crit.max_iterations + 1):
         Td = T.to(src.device, torch.float32)
@@ -462,6 +480,22 @@ def approximate_icp(
             it -= 1
             break
         T_new = est.transformation.cpu()
+        # safeguard: a step that raises the RMS distance to the cell means at this level is
+        # refused (the lookup is not a nearest-neighbour search, so ICP's monotonicity fails)
+        Tn = T_new.to(src.device, torch.float32)
+        qn = src @ Tn[:3, :3].T + Tn[:3, 3]
+        d2n = ((qn - means[tree.descend(qn, levels[lvl])]) ** 2).sum(-1)
+        wn = (d2n <= tau2).float()
+        sn = torch.stack([wn.sum(), (wn * d2n).sum()]).double().cpu()
+        if float(sn[0]) >= 3 and math.sqrt(float(sn[1]) / float(sn[0])) > rmse * (1 + 1e-9) \
+                and float(sn[0]) >= n_in:
+            if lvl + 1 < len(levels):
+                lvl += 1
+                prev_rmse = math.inf
+                continue
+            reason, converged = "no_decrease", True
+            it -= 1
+            break
         D = T_new @ transforms.invert(T)
         rot = float(transforms.rotation_angle(D[:3, :3]))
         trans = float(D[:3, 3].norm())
