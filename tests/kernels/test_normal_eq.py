@@ -201,3 +201,110 @@ def test_triton_cuda_matches_reference(seed, kind, plane, offset):
                                         lengths=lengths, center=center, kernel=kind, scale=0.7)
     assert torch.equal(got[:, 28].cpu(), ref[:, 28])
     _close(got, ref.numpy(), 1e-4)
+
+
+# ---- the device solve: sums -> update (icp_update / solve_update_reference) ---------------
+
+def _solve_case(seed: int, plane: bool):
+    """Sums of 3 entries: exact correspondences, random ones, and only two (degenerate)."""
+    from pointalign import datasets, transforms
+    from pointalign.features.normals import estimate_normals
+
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 400, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    T = transforms.random_transform(20.0, 0.02, generator=g).float()
+    x = transforms.apply(T, cloud)[None].repeat(3, 1, 1).contiguous()
+    y = cloud[None].repeat(3, 1, 1).contiguous()
+    idx = torch.randint(-1, cloud.shape[0], (3, cloud.shape[0]), generator=g)
+    idx[0] = torch.arange(cloud.shape[0])
+    idx[2, 2:] = -1
+    n = estimate_normals(cloud, k=10)[None].repeat(3, 1, 1).contiguous() if plane else None
+    c = cloud.mean(0)[None].repeat(3, 1).contiguous()
+    Tin = transforms.random_transform(5.0, 0.01, generator=g)[None].repeat(3, 1, 1).double()
+    return x, y, idx, n, c, Tin, T
+
+
+@pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])
+def test_solve_reference_matches_numpy_solver(seed, plane):
+    """The torch spec of the device solve equals ICP's independent NumPy host solver."""
+    from pointalign.registration import icp as icp_mod
+
+    x, y, idx, n, c, Tin, T = _solve_case(seed, plane)
+    s = ne.normal_equations_reference(x, y, idx, target_normals=n, center=c)
+    D, Tn, fl = ne.solve_update_reference(s, c, Tin, plane=plane)
+    Dn, vn, un = icp_mod._solve_np(s.numpy(), plane, c.double().numpy())
+    np.testing.assert_allclose(D.numpy(), Dn, atol=1e-9)
+    np.testing.assert_allclose(Tn.numpy(), Dn @ Tin.numpy(), atol=1e-9)
+    np.testing.assert_array_equal(fl[:, 0].numpy() > 0, vn)
+    np.testing.assert_array_equal(fl[:, 1].numpy() > 0, un)
+    assert not vn[2] and vn[0]
+    if not plane:  # exact correspondences: the update undoes T
+        np.testing.assert_allclose(Dn[0] @ T.double().numpy(), np.eye(4), atol=1e-5)
+
+
+def test_icp_update_torch_path_outputs(seed):
+    x, y, idx, n, c, Tin, _ = _solve_case(seed, True)
+    L = torch.full((3,), x.shape[1])
+    s, D, Tn, Tf, fl = ne.icp_update(x, y, idx, transform=Tin, plane=True, target_normals=n,
+                                     lengths=L, center=c)
+    ref = ne.normal_equations_reference(x, y, idx, target_normals=n, lengths=L, center=c)
+    assert torch.equal(s, ref) and Tf.dtype == torch.float32
+    torch.testing.assert_close(Tf.double(), Tn, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(Tn, D @ Tin)
+
+
+def run_interpreted_solve(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): the Triton solve kernel on given sums."""
+    from pointalign.kernels import _backend, _normal_eq_triton
+
+    assert _backend.backend(torch.empty(0)) == "interpret"
+    out = {}
+    for plane in (False, True):
+        x, y, idx, n, c, Tin, _ = _solve_case(0, plane)
+        s = ne.normal_equations_reference(x, y, idx, target_normals=n, center=c)
+        o = (torch.empty(3, 4, 4, dtype=torch.float64), torch.empty(3, 4, 4, dtype=torch.float64),
+             torch.empty(3, 4, 4), torch.empty(3, 2, dtype=torch.int32))
+        _normal_eq_triton._solve_kernel[(3,)](s, c, Tin, *o, 1e-10, PLANE=plane, num_warps=1)
+        out[plane] = (s,) + o
+    torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted_solve(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        return run_interpreted("tests.kernels.test_normal_eq", "run_interpreted_solve",
+                               tmp_path_factory.mktemp("interp") / "solve.pt", mp)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])
+def test_triton_solve_interpreted_matches_reference(interpreted_solve, plane):
+    s, D, Tn, Tf, fl = interpreted_solve[plane]
+    _, _, _, _, c, Tin, _ = _solve_case(0, plane)
+    Dr, Tr, flr = ne.solve_update_reference(s, c, Tin, plane=plane)
+    torch.testing.assert_close(D, Dr, atol=1e-7, rtol=0)  # the degenerate p2l entry: 1e-8
+    torch.testing.assert_close(Tn, Tr, atol=1e-7, rtol=0)
+    torch.testing.assert_close(Tf, Tr.float(), atol=1e-6, rtol=1e-6)
+    assert torch.equal(fl, flr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])
+def test_icp_update_cuda_matches_reference(seed, plane):
+    from pointalign.kernels import _backend
+
+    x, y, idx, n, c, Tin, _ = _solve_case(seed, plane)
+    L = torch.full((3,), x.shape[1])
+    args = [t.cuda() if t is not None else None for t in (x, y, idx, n, c, Tin, L)]
+    assert _backend.backend(args[0]) == "triton"
+    s, D, Tn, Tf, fl = ne.icp_update(args[0], args[1], args[2], target_normals=args[3],
+                                     center=args[4], transform=args[5], lengths=args[6],
+                                     plane=plane)
+    Dr, Tr, flr = ne.solve_update_reference(s.cpu(), c, Tin, plane=plane)
+    torch.testing.assert_close(D.cpu(), Dr, atol=1e-7, rtol=0)
+    torch.testing.assert_close(Tn.cpu(), Tr, atol=1e-7, rtol=0)
+    assert torch.equal(fl.cpu(), flr)
+    ref = ne.normal_equations_reference(x, y, idx, target_normals=n, lengths=L, center=c)
+    _close(s, ref.numpy(), 1e-4)

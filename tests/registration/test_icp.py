@@ -378,3 +378,67 @@ def test_cuda_default_index_rule():
 
     assert 0.05 > icp_mod.GRID_MAX_RATIO * auto_cell_size(t)
     assert big.info["index"] in ("KDTreeIndex", "VoxelGridIndex")
+
+
+def test_spatial_order_is_a_permutation(rng):
+    from pointalign.registration import icp as icp_mod
+
+    pts = torch.randn(1001, 3, generator=rng)
+    p = icp_mod._spatial_order(pts)
+    assert torch.equal(torch.sort(p).values, torch.arange(1001))
+
+
+def test_chunked_loop_matches_max_iterations(bunny, seed):
+    """The host replays the stop rules over device chunks: a fixed cap is hit exactly."""
+    p = datasets.make_pair(bunny, 10.0, 0.02, noise=5e-4, seed=seed)
+    crit = ConvergenceCriteria(max_iterations=13, relative_fitness=0, relative_rmse=0,
+                               translation_tolerance=0, rotation_tolerance=0)
+    res = icp(p.source, p.target, max_correspondence_distance=0.02, criteria=crit, device="cpu")
+    assert res.iterations == 13 and res.stop_reason == "max_iterations"
+    assert len(res.history) == 14 and res.info["device_steps"] == 14
+    one = icp(p.source, p.target, max_correspondence_distance=0.02, device="cpu",
+              criteria=ConvergenceCriteria(max_iterations=13, relative_fitness=0,
+                                           relative_rmse=0, translation_tolerance=0,
+                                           rotation_tolerance=0), init=np.eye(4))
+    np.testing.assert_allclose(res.transformation, one.transformation, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_method", ["grid", "kdtree", "brute"])
+def test_cuda_tiered_query_is_exact(seed, index_method):
+    from pointalign.registration import icp as icp_mod
+    from pointalign.search import _checks
+
+    t = datasets.load_bunny("bun000").cuda()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = t[::2] + 0.004 * torch.randn(t[::2].shape, device="cuda", generator=g)
+    q[:500] += 0.03
+    md = 0.05 if index_method == "kdtree" else 0.02
+    ix = build_index(t, index_method, max_distance=md)
+    assert len(icp_mod._tiers(ix, md)) >= 1
+    with _checks.trusted_queries():
+        got = icp_mod._query_fn(ix, md)(q.contiguous())
+    want = ix.nearest_within(q, md)
+    same = got == want.idx[:, 0]
+    # ties aside, the same neighbour; where different, the same distance
+    d_got = torch.where(got >= 0, ((t[got.clamp_min(0)] - q) ** 2).sum(-1), torch.inf)
+    assert torch.equal(got >= 0, want.idx[:, 0] >= 0)
+    torch.testing.assert_close(d_got[~same], want.dists[~same, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_graph_matches_eager(seed, method, monkeypatch):
+    from pointalign.registration import icp as icp_mod
+
+    pair = datasets.load_bunny_pair()
+    s, t = pair.source.cuda(), pair.target.cuda()
+    ix = build_index(t, "grid", max_distance=0.01)
+    kw = dict(max_correspondence_distance=0.01, method=method, index=ix, criteria=CRIT)
+    res = icp(s, t, **kw)
+    assert res.info["cuda_graph"] == "captured", res.info["cuda_graph"]
+    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", False)
+    eager = icp(s, t, **kw)
+    assert eager.info["cuda_graph"] == "off"
+    assert res.iterations == eager.iterations and res.stop_reason == eager.stop_reason
+    np.testing.assert_allclose(res.transformation, eager.transformation, atol=1e-6)

@@ -25,6 +25,7 @@ tiny kernel launches and an eigen-solver that synchronises anyway.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -146,6 +147,11 @@ def _default_index(pts: torch.Tensor, max_dist: float, build_index):
 #: synchronisation; steps run past a stop (at most CHUNK - 1) are discarded.
 CHUNK = 8
 
+#: Replay the CHUNK-step chunks of a single (unbatched) problem from a CUDA graph captured
+#: once per call (no per-launch host overhead); falls back to eager launches if the capture
+#: fails. info["cuda_graph"] says which happened.
+USE_CUDA_GRAPHS = True
+
 
 def _spatial_order(points: torch.Tensor) -> torch.Tensor:
     """Permutation ``(N,)`` sorting ``points (N, 3)`` along a Morton (Z-order) curve.
@@ -165,12 +171,73 @@ def _spatial_order(points: torch.Tensor) -> torch.Tensor:
     return torch.argsort(spread(q[:, 0]) | (spread(q[:, 1]) << 1) | (spread(q[:, 2]) << 2))
 
 
+#: Correspondence search on the Triton path goes through fine voxel grids first: tier j has
+#: cells ``TIER_BASE * 4**j`` automatic cells (at most ``TIERS`` tiers, all below half the
+#: maximum distance). A query whose nearest point in a tier lies within the tier's cell is
+#: answered exactly there (every closer point is in its 27 cells); the rest go on to the next
+#: tier and finally to the index itself (bound = the maximum distance). Queries already
+#: answered are sent to the next stage as a far-away point, which every index rejects at once,
+#: so the shapes stay static (no compaction, no synchronisation).
+TIER_BASE = 2.0
+TIERS = 2
+_FAR = 1e30
+_tier_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _tiers(ix: Any, max_dist: float) -> list:
+    """The fine grids (built once per index and cached) used before ``ix``; may be empty."""
+    from pointalign.kernels._backend import backend
+
+    pts = getattr(ix, "points", None)
+    if not isinstance(pts, torch.Tensor) or backend(pts) == "torch":
+        return []
+    try:
+        from pointalign.search.grid import VoxelGridIndex, auto_cell_size
+
+        if not hasattr(VoxelGridIndex, "nearest_within_unchecked"):
+            return []
+        cache = _tier_cache.setdefault(ix, {})
+        if "auto" not in cache:
+            cache["auto"] = auto_cell_size(pts)
+        out = []
+        for j in range(TIERS):
+            cell = TIER_BASE * 4**j * cache["auto"]
+            if cell > max_dist / 2:
+                break
+            if cell not in cache:
+                cache[cell] = VoxelGridIndex(pts, cell)
+            out.append(cache[cell])
+        return out
+    except (ImportError, TypeError, ValueError):
+        return []
+
+
 def _query_fn(ix: Any, max_dist: float):
-    """``x (n, 3) -> idx (n,)``: the index's check-free 1-NN path when it has one."""
+    """``x (n, 3) -> idx (n,)``: the nearest target point within ``max_dist`` (-1 if none).
+
+    Exact (same answer as ``ix.nearest_within``); through the fine grid tiers (see
+    ``TIER_BASE``) and the index's check-free path where they exist.
+    """
+    tiers = _tiers(ix, max_dist)
     fast = getattr(ix, "nearest_within_unchecked", None)
-    if callable(fast):
-        return lambda q: fast(q, max_dist)
-    return lambda q: ix.nearest_within(q, max_dist).idx[:, 0]
+
+    def last(q: torch.Tensor) -> torch.Tensor:
+        if callable(fast):
+            return fast(q, max_dist)[1]
+        return ix.nearest_within(q, max_dist).idx[:, 0]
+
+    if not tiers:
+        return last
+
+    def query(q: torch.Tensor) -> torch.Tensor:
+        idx = None
+        for g in tiers:
+            _, i = g.nearest_within_unchecked(q, g.cell_size)
+            idx = i if idx is None else torch.where(idx >= 0, idx, i)
+            q = torch.where(i[:, None] >= 0, torch.full_like(q[:1], _FAR), q)
+        return torch.where(idx >= 0, idx, last(q))
+
+    return query
 
 
 def _make_translation(c: torch.Tensor) -> torch.Tensor:
@@ -491,22 +558,19 @@ def icp(
     active = np.ones(B, dtype=bool)
     eps = estimate.DEGENERACY_EPS
 
-    def run_chunk(k_steps: int) -> None:
-        nonlocal T_cur, Tf_cur
-        ts = time.perf_counter()
-        sums_r = torch.empty(k_steps, B, normal_eq.WIDTH, dtype=torch.float64, device=dev)
-        D_r = torch.empty(k_steps, B, 4, 4, dtype=torch.float64, device=dev)
-        T_r = torch.empty(k_steps, B, 4, 4, dtype=torch.float64, device=dev)
-        Tf_r = torch.empty(k_steps, B, 4, 4, dtype=torch.float32, device=dev)
-        fl_r = torch.empty(k_steps, B, 2, dtype=torch.int32, device=dev)
-        if single:
-            lens_eff = slens
-        else:
-            lens_eff = torch.where(torch.as_tensor(active, device=dev), slens,
-                                   torch.zeros_like(slens))
+    def alloc(k_steps: int):
+        return (torch.empty(k_steps, B, normal_eq.WIDTH, dtype=torch.float64, device=dev),
+                torch.empty(k_steps, B, 4, 4, dtype=torch.float64, device=dev),
+                torch.empty(k_steps, B, 4, 4, dtype=torch.float64, device=dev),
+                torch.empty(k_steps, B, 4, 4, dtype=torch.float32, device=dev),
+                torch.empty(k_steps, B, 2, dtype=torch.int32, device=dev))
+
+    def steps(k_steps: int, T_in, Tf_in, bufs, lens_eff):
+        """Enqueue ``k_steps`` device steps from ``T_in``; returns the record (device)."""
+        sums_r, D_r, T_r, Tf_r, fl_r = bufs
         with _checks.trusted_queries():
             for k in range(k_steps):
-                x = torch.baddbmm(Tf_cur[:, None, :3, 3], src, Tf_cur[:, :3, :3].transpose(1, 2))
+                x = torch.baddbmm(Tf_in[:, None, :3, 3], src, Tf_in[:, :3, :3].transpose(1, 2))
                 if single:
                     idx = queries[0](x[0]).view(1, N)
                 else:
@@ -515,14 +579,60 @@ def icp(
                         if active[b]:
                             n_b = int(slens_h[b])
                             idx[b, :n_b] = queries[b](x[b, :n_b])
-                normal_eq.icp_update(x, tgt_k, idx, transform=T_cur, plane=plane,
+                normal_eq.icp_update(x, tgt_k, idx, transform=T_in, plane=plane,
                                      target_normals=normals, lengths=lens_eff,
                                      center=center_dev, kernel=kind, scale=scale, eps=eps,
                                      out=(sums_r[k], D_r[k], T_r[k], Tf_r[k], fl_r[k]))
-                T_cur, Tf_cur = T_r[k], Tf_r[k]
+                T_in, Tf_in = T_r[k], Tf_r[k]
+        n = sums_r.shape[0]
+        return torch.cat([sums_r, D_r.view(n, B, 16), T_r.view(n, B, 16),
+                          fl_r.to(torch.float64)], -1)
+
+    graph: dict = {}
+
+    def graphed_chunk():
+        """CHUNK steps replayed from a CUDA graph (captured on first use in this call), or
+        None where graphs are off or the capture failed (then the steps run eagerly)."""
+        if not (single and USE_CUDA_GRAPHS and dev.type == "cuda") or graph.get("failed"):
+            return None
+        if "g" not in graph:
+            T_in, Tf_in, bufs = T_cur.clone(), Tf_cur.clone(), alloc(CHUNK)
+            try:
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # warm-up outside the capture (allocations)
+                    steps(1, T_in, Tf_in, bufs, slens)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    rec_dev = steps(CHUNK, T_in, Tf_in, bufs, slens)
+            except Exception as exc:  # e.g. an index whose query synchronises
+                graph["failed"] = f"{type(exc).__name__}: {exc}"[:300]
+                torch.cuda.synchronize(dev)
+                return None
+            graph.update(g=g, T_in=T_in, Tf_in=Tf_in, bufs=bufs, rec=rec_dev)
+        graph["T_in"].copy_(T_cur)
+        graph["Tf_in"].copy_(Tf_cur)
+        graph["g"].replay()
+        return graph["rec"]
+
+    def run_chunk(k_steps: int) -> None:
+        nonlocal T_cur, Tf_cur
+        ts = time.perf_counter()
+        rec_dev = graphed_chunk() if k_steps == CHUNK else None
+        if rec_dev is not None:
+            bufs = graph["bufs"]
+        else:
+            bufs = alloc(k_steps)
+            if single:
+                lens_eff = slens
+            else:
+                lens_eff = torch.where(torch.as_tensor(active, device=dev), slens,
+                                       torch.zeros_like(slens))
+            rec_dev = steps(k_steps, T_cur, Tf_cur, bufs, lens_eff)
+        T_cur, Tf_cur = bufs[2][-1], bufs[3][-1]
         tr = time.perf_counter()
-        rec = torch.cat([sums_r, D_r.view(k_steps, B, 16), T_r.view(k_steps, B, 16),
-                         fl_r.to(torch.float64)], -1).cpu().numpy()  # the one transfer
+        rec = rec_dev.cpu().numpy()  # the one transfer
         te = time.perf_counter()
         timings["launch"] += tr - ts
         timings["sync"] += te - tr
@@ -604,7 +714,8 @@ def icp(
     n_eval = max(1, len(history))
     info = {"H": H, "per_iteration_s": timings["iterate"] / n_eval,
             "method": method, "index": type(idxs[0]).__name__,
-            "rank_deficient": rank_deficient, "device_steps": info_steps}
+            "rank_deficient": rank_deficient, "device_steps": info_steps,
+            "cuda_graph": ("captured" if "g" in graph else graph.get("failed", "off"))}
     Tn = T
     if batched:
         return RegistrationResult(

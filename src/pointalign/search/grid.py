@@ -150,8 +150,9 @@ class VoxelGridIndex:
             rows = rows[~(bd[:, k - 1] <= radius**2)]
         return KnnResult(d, i)
 
-    def nearest_within_unchecked(self, query: torch.Tensor, max_distance: float) -> torch.Tensor:
-        """ICP's fast path of :meth:`nearest_within`: ``idx (N,)`` int64 (-1 = none).
+    def nearest_within_unchecked(self, query: torch.Tensor, max_distance: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ICP's fast path of :meth:`nearest_within`: ``(dists (N,), idx (N,))`` (-1 = none).
 
         No argument checks and no host synchronisation (the grid's ``dims`` are cached on the
         device; the queries are not re-sorted, so pass them in a spatially coherent order for
@@ -164,7 +165,8 @@ class VoxelGridIndex:
         md = float(max_distance)
         n = query.shape[0]
         if n == 0 or backend(query) == "torch":
-            return self.nearest_within(query, md).idx[:, 0]
+            r = self.nearest_within(query, md)
+            return r.dists[:, 0], r.idx[:, 0]
         if md > self.cell_size:
             g = self._grid_for(md)[0]
         else:
@@ -188,7 +190,7 @@ class VoxelGridIndex:
             query, g.params, dims, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
             n, g.sorted_points.shape[1], md * md, HAS_MAX=True, K=1, KP=1, BLOCK=128,
             num_warps=4)
-        return out_i[:, 0]
+        return out_d[:, 0], out_i[:, 0]
 
     def knn(self, query: Any, k: int) -> KnnResult:
         """The k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
