@@ -13,11 +13,16 @@ from pointalign.registration.ransac import ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.soft import emicp, softassign
 from pointalign.registration.surface import approximate_icp, surface_newton
-from pointalign.search import build_index
+from pointalign.search import BruteForceIndex, CKDTreeIndex, VoxelGridIndex, build_index
+from pointalign.search.kdtree import KDTreeIndex
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BruteForceIndex",
+    "CKDTreeIndex",
+    "KDTreeIndex",
+    "VoxelGridIndex",
     "ConvergenceCriteria",
     "PointCloud",
     "RegistrationResult",
