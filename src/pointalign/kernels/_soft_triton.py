@@ -20,6 +20,7 @@ positive semi-definite matrix (no eigh, no host sync), then writes the pose.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -28,6 +29,8 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _MODES = {"raw": 0, "emicp": 1, "sinkhorn": 2}
+#: (BLOCK_N, BLOCK_M, num_warps) of the row kernel on the GPU
+TILE = (64, 64, 8)
 
 
 @triton.jit
@@ -95,12 +98,16 @@ def _rows_body(
     py = tl.load(Tb + 4) * qx + tl.load(Tb + 5) * qy + tl.load(Tb + 6) * qz + tl.load(Tb + 7)
     pz = tl.load(Tb + 8) * qx + tl.load(Tb + 9) * qy + tl.load(Tb + 10) * qz + tl.load(Tb + 11)
     s2 = tl.load(s_ptr + b) * 1.4426950408889634
+    # running row shift m2 (log2 units), raised only when a tile's row maximum exceeds it
+    # by more than TAU (lazy rescaling: e = exp2(z − m2) ≤ 2^8, so nothing overflows);
+    # the five sums are kept as 2-D (BLOCK_N, BLOCK_M) accumulators and reduced over the
+    # columns once, after the loop: one row reduction per tile (the maximum), not six
     m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    l1 = tl.zeros((BLOCK_N,), tl.float32)
-    l2 = tl.zeros((BLOCK_N,), tl.float32)
-    ux = tl.zeros((BLOCK_N,), tl.float32)
-    uy = tl.zeros((BLOCK_N,), tl.float32)
-    uz = tl.zeros((BLOCK_N,), tl.float32)
+    a1 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    a2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    ax = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    ay = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    az = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     lo = sp * CHUNK
     hi = tl.minimum(lo + CHUNK, plen)
     for start in range(0, CHUNK, BLOCK_M):
@@ -114,22 +121,37 @@ def _rows_body(
         dy = py[:, None] - yy[None, :]
         dz = pz[:, None] - yz[None, :]
         d = dx * dx + dy * dy + dz * dz
-        z = -s2 * d
         if HAS_G:
-            g = tl.load(g_ptr + b * sgb + cols.to(tl.int64) * sgm, mask=cmask, other=0.0)
-            z = z + (g.to(tl.float32) * 1.4426950408889634)[None, :]
+            g = tl.load(g_ptr + b * sgb + cols.to(tl.int64) * sgm, mask=cmask,
+                        other=float("-inf"))
+            z = d * (-s2) + (g.to(tl.float32) * 1.4426950408889634)[None, :]
+        else:
+            z = d * (-s2)
         z = tl.where(cmask[None, :], z, float("-inf"))
-        m_new = tl.maximum(m2, tl.max(z, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m2 - m_safe)
+        tmax = tl.max(z, 1)
+        if tl.max(tmax - m2, 0) > 8.0:
+            m_new = tl.maximum(m2, tmax)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m2 - m_safe)[:, None]
+            a1 = a1 * alpha
+            a2 = a2 * (alpha * alpha)
+            ax = ax * alpha
+            ay = ay * alpha
+            az = az * alpha
+            m2 = m_new
+        m_safe = tl.where(m2 == float("-inf"), 0.0, m2)
         e = tl.exp2(z - m_safe[:, None])
-        l1 = l1 * alpha + tl.sum(e, 1)
+        a1 += e
         if SQUARES:
-            l2 = l2 * (alpha * alpha) + tl.sum(e * e, 1)
-        ux = ux * alpha + tl.sum(e * yx[None, :], 1)
-        uy = uy * alpha + tl.sum(e * yy[None, :], 1)
-        uz = uz * alpha + tl.sum(e * yz[None, :], 1)
-        m2 = m_new
+            a2 += e * e
+        ax += e * yx[None, :]
+        ay += e * yy[None, :]
+        az += e * yz[None, :]
+    l1 = tl.sum(a1, 1)
+    l2 = tl.sum(a2, 1)
+    ux = tl.sum(ax, 1)
+    uy = tl.sum(ay, 1)
+    uz = tl.sum(az, 1)
     if SPLIT == 1:
         extra = tl.load(extra_ptr + b)
         offset = tl.load(offset_ptr + b)
@@ -246,7 +268,10 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     if interp:
         BLOCK_N, BLOCK_M, warps = 16, 16, 4
     else:
-        BLOCK_N, BLOCK_M, warps = 64, 64, 4
+        BLOCK_N, BLOCK_M, warps = TILE
+        tile = os.environ.get("POINTALIGN_SOFT_TILE")  # "BLOCK_N,BLOCK_M,num_warps" (tuning)
+        if tile:
+            BLOCK_N, BLOCK_M, warps = (int(v) for v in tile.split(","))
     nblk = triton.cdiv(N, BLOCK_N)
     mtiles = triton.cdiv(M, BLOCK_M)
     if split is None:
@@ -351,15 +376,46 @@ def _horn_body(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N,
     mm0 = tl.sum(am0, 0) / Wc
     mm1 = tl.sum(am1, 0) / Wc
     mm2 = tl.sum(am2, 0) / Wc
-    sxx = tl.sum(c00, 0) - W * xm0 * mm0
-    sxy = tl.sum(c01, 0) - W * xm0 * mm1
-    sxz = tl.sum(c02, 0) - W * xm0 * mm2
-    syx = tl.sum(c10, 0) - W * xm1 * mm0
-    syy = tl.sum(c11, 0) - W * xm1 * mm1
-    syz = tl.sum(c12, 0) - W * xm1 * mm2
-    szx = tl.sum(c20, 0) - W * xm2 * mm0
-    szy = tl.sum(c21, 0) - W * xm2 * mm1
-    szz = tl.sum(c22, 0) - W * xm2 * mm2
+    c00s = tl.sum(c00, 0)
+    c01s = tl.sum(c01, 0)
+    c02s = tl.sum(c02, 0)
+    c10s = tl.sum(c10, 0)
+    c11s = tl.sum(c11, 0)
+    c12s = tl.sum(c12, 0)
+    c20s = tl.sum(c20, 0)
+    c21s = tl.sum(c21, 0)
+    c22s = tl.sum(c22, 0)
+    sxx = c00s - W * xm0 * mm0
+    sxy = c01s - W * xm0 * mm1
+    sxz = c02s - W * xm0 * mm2
+    syx = c10s - W * xm1 * mm0
+    syy = c11s - W * xm1 * mm1
+    syz = c12s - W * xm1 * mm2
+    szx = c20s - W * xm2 * mm0
+    szy = c21s - W * xm2 * mm1
+    szz = c22s - W * xm2 * mm2
+    # S is a difference of two moments: when it is rounding noise of them (a single point,
+    # coincident points) it carries no rotation; treat it as 0 (→ R = I, as the reference)
+    mag = tl.abs(c00s) + tl.abs(c01s) + tl.abs(c02s) + tl.abs(c10s) + tl.abs(c11s) \
+        + tl.abs(c12s) + tl.abs(c20s) + tl.abs(c21s) + tl.abs(c22s) \
+        + tl.abs(W) * (tl.abs(xm0) + tl.abs(xm1) + tl.abs(xm2)) \
+        * (tl.abs(mm0) + tl.abs(mm1) + tl.abs(mm2))
+    smax = tl.maximum(tl.maximum(tl.maximum(tl.abs(sxx), tl.abs(sxy)),
+                                 tl.maximum(tl.abs(sxz), tl.abs(syx))),
+                      tl.maximum(tl.maximum(tl.abs(syy), tl.abs(syz)),
+                                 tl.maximum(tl.maximum(tl.abs(szx), tl.abs(szy)),
+                                            tl.abs(szz))))
+    inv = tl.where(smax > 1e-10 * mag, 1.0 / tl.maximum(smax, 1e-300), 0.0)
+    # normalised S plus a tiny εI (ties broken towards R = I, as horn_from_sums)
+    sxx = sxx * inv + 1e-9
+    sxy = sxy * inv
+    sxz = sxz * inv
+    syx = syx * inv
+    syy = syy * inv + 1e-9
+    syz = syz * inv
+    szx = szx * inv
+    szy = szy * inv
+    szz = szz * inv + 1e-9
     ri = tl.arange(0, 4)[:, None]
     ci = tl.arange(0, 4)[None, :]
     A = tl.zeros((4, 4), f64)

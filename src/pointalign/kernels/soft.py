@@ -39,8 +39,10 @@ Recognition 1998.
 
 from __future__ import annotations
 
+import collections
 import math
-from typing import NamedTuple
+import os
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -223,6 +225,7 @@ def emicp_rows(
     *,
     source_lengths: torch.Tensor | None = None,
     target_lengths: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EM-ICP E-step (Granger & Pennec; Tamaki et al. eqs. 8-11), fused.
 
@@ -238,13 +241,16 @@ def emicp_rows(
         log_outlier: ``(B,)`` −d₀²/σ² (may be ``-inf``: no outlier term).
         source_lengths: ``(B,)`` valid source points (default all).
         target_lengths: ``(B,)`` valid target points (default all).
+        scale: optional ``(B,)`` precomputed 1/(2σ²) in the source's dtype, used instead
+            of ``sigma2`` (which may then be None): saves a launch per iteration.
 
     Returns:
         ``(lam (B, N), x_prime (B, N, 3))``; padding rows have λ = 0.
 
     """
-    ql, pl = _check(source, target, transform, sigma2, source_lengths, target_lengths, None)
-    scale = 0.5 / sigma2.to(source.dtype)
+    if scale is None:
+        scale = 0.5 / sigma2.to(source.dtype)
+    ql, pl = _check(source, target, transform, scale, source_lengths, target_lengths, None)
     if _use_triton(source):
         from pointalign.kernels import _soft_triton
 
@@ -352,9 +358,15 @@ def horn_from_sums(W, sx, sm, cross) -> tuple[torch.Tensor, torch.Tensor]:
     """Pose from the weighted moments (float64; uses ``torch.linalg.eigh``)."""
     Wc = W.clamp_min(1e-300)[..., None]
     xm, mm = sx / Wc, sm / Wc
-    S = cross - W[..., None, None] * (xm[..., :, None] * mm[..., None, :])
-    # scale-free: normalise S so eigh sees O(1) numbers
-    S = S / S.abs().amax((-1, -2), keepdim=True).clamp_min(1e-300)
+    sub = W[..., None, None] * (xm[..., :, None] * mm[..., None, :])
+    S = cross - sub
+    # scale-free: normalise S so eigh sees O(1) numbers; an S that is only rounding noise
+    # of the two moments it is the difference of (one point, coincident points) is 0
+    smax = S.abs().amax((-1, -2), keepdim=True)
+    mag = cross.abs().sum((-1, -2), keepdim=True) + (
+        W.abs()[..., None, None] * xm.abs().sum(-1)[..., None, None]
+        * mm.abs().sum(-1)[..., None, None])
+    S = torch.where(smax > 1e-10 * mag, S / smax.clamp_min(1e-300), torch.zeros_like(S))
     # a tiny εI breaks ties towards the identity rotation (N(εI) = diag(3ε, -ε, -ε, -ε)),
     # as the Triton kernel's power iteration (started at q = 1) does: a single point or a
     # degenerate S then keeps R = I instead of an arbitrary eigenvector
@@ -374,3 +386,78 @@ def horn_from_sums(W, sx, sm, cross) -> tuple[torch.Tensor, torch.Tensor]:
 def horn_reference(source, targets, weights) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`weighted_horn`."""
     return horn_from_sums(*horn_moments(source, targets, weights))
+
+
+# --------------------------------------------------------------------------------------
+# whole fixed-length schedules as one CUDA graph
+# --------------------------------------------------------------------------------------
+
+#: captured schedules kept (least recently used dropped first)
+GRAPH_CACHE = 8
+_GRAPHS: collections.OrderedDict = collections.OrderedDict()
+_GRAPH_FAILED: set = set()
+
+
+def capturing() -> bool:
+    """True while a CUDA graph is being captured (host reads must be skipped then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _tree_clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _tree_clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_tree_clone(v) for v in x)
+    return x
+
+
+#: above this many pairs per pass a launch is negligible next to the pass: no graph
+GRAPH_MAX_PAIRS = 4e9
+
+
+def run_schedule(key: Any, fn: Callable[..., Any], *tensors: torch.Tensor,
+                 pairs: float = 0.0) -> Any:
+    """Run ``fn(*tensors)`` (a fixed-length device loop), as a cached CUDA graph on Triton.
+
+    Small clouds are bound by launch overhead (a few launches per iteration, tens of
+    microseconds each); on the Triton backend the whole loop is captured once per ``key``
+    (which must name every shape and Python constant ``fn`` depends on) into a CUDA graph
+    with static input buffers, and later calls copy their inputs in and replay it. ``fn``
+    must not read device values on the host while :func:`capturing` is true. Other
+    backends (and ``POINTALIGN_CUDA_GRAPHS=0``) simply call ``fn``. Returns ``fn``'s
+    result (tensors cloned out of the graph's memory pool). ``pairs`` (per pass) above
+    :data:`GRAPH_MAX_PAIRS` runs eagerly: the launches are then a small fraction.
+    """
+    dev = tensors[0]
+    if (backend(dev) != "triton" or os.environ.get("POINTALIGN_CUDA_GRAPHS", "1") == "0"
+            or key in _GRAPH_FAILED or pairs > GRAPH_MAX_PAIRS):
+        return fn(*tensors)
+    ent = _GRAPHS.get(key)
+    if ent is None:
+        static = tuple(t.clone() for t in tensors)
+        side = torch.cuda.Stream(device=dev.device)
+        side.wait_stream(torch.cuda.current_stream(dev.device))
+        with torch.cuda.stream(side):  # warm-up: compiles the kernels, fills the allocator
+            out = fn(*static)
+        torch.cuda.current_stream(dev.device).wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                gout = fn(*static)
+        except Exception:  # capture unsupported here: run eagerly from now on
+            _GRAPH_FAILED.add(key)
+            torch.cuda.synchronize(dev.device)
+            return out
+        ent = (graph, static, gout)
+        _GRAPHS[key] = ent
+        while len(_GRAPHS) > GRAPH_CACHE:
+            _GRAPHS.popitem(last=False)
+    else:
+        _GRAPHS.move_to_end(key)
+    graph, static, gout = ent
+    for dst, src in zip(static, tensors, strict=True):
+        dst.copy_(src)
+    graph.replay()
+    return _tree_clone(gout)

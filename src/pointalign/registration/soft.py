@@ -125,10 +125,16 @@ class _Tracker:
         self.history: list[dict[str, Any]] = []
 
     def step(self, T_old, T_new, w_old, w_new, valid, check: bool, record: dict):
-        """Return the pose to keep; on ``check`` iterations evaluate the stop test."""
-        keep = valid if not self.any_done else valid & ~self.done
+        """Return the pose to keep; on ``check`` iterations evaluate the stop test.
+
+        While a CUDA graph is captured (the whole schedule replayed at once) nothing is
+        read back: pairs that converged keep their pose and iteration count on the device
+        (``done`` masks them), and the loop runs to the end of the schedule.
+        """
+        graph = ksoft.capturing()
+        keep = valid & ~self.done if (self.any_done or graph) else valid
         T = torch.where(keep[:, None, None], T_new, T_old)
-        self.iters += (~self.done).to(torch.int64) if self.any_done else 1
+        self.iters += (~self.done).to(torch.int64) if (self.any_done or graph) else 1
         if check:
             dR = (T[:, :3, :3] - T_old[:, :3, :3]).square().sum((-1, -2)).sqrt() / math.sqrt(2)
             dt = (T[:, :3, 3] - T_old[:, :3, 3]).norm(dim=-1)
@@ -138,6 +144,8 @@ class _Tracker:
             self.done = self.done | conv
             self.history.append(dict(record, rotation_update=dR, translation_update=dt,
                                      weight_change=dw))
+            if graph:
+                return T, False
             done = self.done.all()
             self.any_done = bool(self.done.any())  # the one host sync per CHECK_EVERY steps
             return T, bool(done)
@@ -292,24 +300,37 @@ def emicp(
     mask = torch.arange(src.shape[1], device=dev)[None, :] < sl[:, None]
     src_c = torch.where(mask[..., None], src_c, torch.zeros_like(src_c))
     Tc = _translate(T0, a, b)
-    tracker = _Tracker(B, dev, crit)
-    sig2_f = sig2.to(torch.float32)
+    scale_f = (0.5 / sig2).to(torch.float32)                         # 1/(2σ²) per iteration
     log_out_f = log_out.to(torch.float32)
-    lam_prev = torch.zeros(src.shape[:2], dtype=torch.float32, device=dev)
-    for it in range(n_iter):
-        lam, xp = ksoft.emicp_rows(src_c, tgt_c, Tc.to(torch.float32), sig2_f[it],
-                                   log_out_f[it], source_lengths=sl, target_lengths=tl_)
-        T_new, valid = ksoft.weighted_horn(src_c, xp, lam)
-        check = (it + 1) % CHECK_EVERY == 0 and it + 1 < n_iter
-        Tc, stop = tracker.step(Tc, T_new, lam_prev, lam, valid, check,
-                                {"iteration": it + 1, "sigma": sig2[it].sqrt()})
-        lam_prev = lam
-        if stop:
-            break
+
+    def loop(src_c, tgt_c, sl, tl_, Tc, scale_f, log_out_f, sig2):
+        tracker = _Tracker(B, dev, crit)
+        lam_prev = torch.zeros(src_c.shape[:2], dtype=torch.float32, device=dev)
+        for it in range(n_iter):
+            lam, xp = ksoft.emicp_rows(src_c, tgt_c, Tc.to(torch.float32), None,
+                                       log_out_f[it], source_lengths=sl, target_lengths=tl_,
+                                       scale=scale_f[it])
+            T_new, valid = ksoft.weighted_horn(src_c, xp, lam)
+            check = (it + 1) % CHECK_EVERY == 0 and it + 1 < n_iter
+            Tc, stop = tracker.step(Tc, T_new, lam_prev, lam, valid, check,
+                                    {"iteration": it + 1, "sigma": sig2[it].sqrt()})
+            lam_prev = lam
+            if stop:
+                break
+        return Tc, tracker.iters, tracker.done, tracker.history
+
+    key = ("emicp", tuple(src_c.shape), tuple(tgt_c.shape), str(dev), n_iter, CHECK_EVERY,
+           crit.rotation_tolerance, crit.translation_tolerance, crit.relative_fitness)
+    Tc, iters, done, history = ksoft.run_schedule(key, loop, src_c, tgt_c, sl, tl_, Tc,
+                                                  scale_f, log_out_f, sig2,
+                                                  pairs=B * src_c.shape[1] * tgt_c.shape[1])
+    tracker = _Tracker(B, dev, crit)
+    tracker.iters, tracker.done, tracker.history = iters, done, history
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t_iter = time.perf_counter()
-    sig_used = sig2[min(it, n_iter - 1)].sqrt() if n_iter else sig0
+    last = (iters.clamp(1, max(n_iter, 1)) - 1) if n_iter else None
+    sig_used = sig2[last, torch.arange(B, device=dev)].sqrt() if n_iter else sig0
     return _finish("emicp", Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, n_iter,
                    3 * sigmin, batched, t_start, t_iter,
                    {"sigma0": sig0.cpu().numpy(), "sigma_min": sigmin.cpu().numpy(),
@@ -394,45 +415,70 @@ def softassign(
     src_c = src - a[:, None].to(src.dtype)
     tgt_c = tgt - b[:, None].to(tgt.dtype)
     Tc = _translate(T0, a, b)
-    tracker = _Tracker(B, dev, crit)
     log_w = torch.full((B,), math.log(w_out), dtype=torch.float32, device=dev)
-    w_prev = torch.zeros(src.shape[:2], dtype=torch.float32, device=dev)
-    it = 0
-    stop = False
-    for j in range(int(temperatures)):
-        beta = (beta_0 * beta_factor ** j)
-        ba = (beta * alpha_v).to(torch.float32)           # βα, the offset of every logit
-        beta_f = beta.to(torch.float32)
-        for _ in range(int(iterations_per_temperature)):
-            if it >= n_iter:
+    n_temp = int(temperatures)
+    n_per = int(iterations_per_temperature)
+    n_sink = int(sinkhorn_iterations)
+    k = torch.arange(n_temp, dtype=torch.float64, device=dev)
+    betas = beta_0[None, :] * beta_factor ** k[:, None]              # (temperatures, B)
+    betas_f = betas.to(torch.float32)
+    bas_f = (betas * alpha_v[None, :]).to(torch.float32)             # βα, every logit's offset
+
+    def loop(src_c, tgt_c, sl, tl_, Tc, betas_f, bas_f, betas, log_w):
+        tracker = _Tracker(B, dev, crit)
+        w_prev = torch.zeros(tgt_c.shape[:2], dtype=torch.float32, device=dev)
+        it = 0
+        stop = False
+        for j in range(n_temp):
+            beta_f, ba = betas_f[j], bas_f[j]
+            for _ in range(n_per):
+                if it >= n_iter:
+                    break
+                T32 = Tc.to(torch.float32)
+                Ti32 = _invert(Tc).to(torch.float32)
+                g_col = ba[:, None].expand(B, tgt_c.shape[1])     # log c + βα, c = 1
+                for s_ in range(n_sink):
+                    g_row = ksoft.sinkhorn_scaling(src_c, tgt_c, T32, beta_f, g_col, log_w,
+                                                   ba, query_lengths=sl, point_lengths=tl_)
+                    if s_ + 1 < n_sink:
+                        g_col = ksoft.sinkhorn_scaling(tgt_c, src_c, Ti32, beta_f, g_row,
+                                                       log_w, ba, query_lengths=tl_,
+                                                       point_lengths=sl)
+                # the last column normalisation and the statistics in one pass: column
+                # log-sums and the soft correspondences x'_j = Σ_i m_ij x_i / Σ_i m_ij
+                r = ksoft.soft_rows(tgt_c, src_c, Ti32, beta_f, query_lengths=tl_,
+                                    point_lengths=sl, point_log_weights=g_row)
+                # new log c_j + βα = βα − log(slack + Σ_i K_ij r_i); column sums of
+                # M = diag(r) K diag(c): c_j Σ_i K_ij r_i = exp(lse_j + log c_j)
+                log_c = -torch.logaddexp(r.lse, log_w[:, None].expand_as(r.lse))
+                w = torch.exp(r.lse + log_c)
+                w = torch.nan_to_num(w, nan=0.0, posinf=0.0)
+                # Σ_ij m_ij ||R x_i + t − y_j||² has the moments of Σ_j w_j ||R x'_j + t − y_j||²
+                T_new, valid = ksoft.weighted_horn(r.mean, tgt_c, w)
+                it += 1
+                check = it % CHECK_EVERY == 0 and it < n_iter
+                Tc, stop = tracker.step(Tc, T_new, w_prev, w, valid, check,
+                                        {"iteration": it, "beta": betas[j]})
+                w_prev = w
+                if stop:
+                    break
+            if stop or it >= n_iter:
                 break
-            T32 = Tc.to(torch.float32)
-            Ti32 = _invert(Tc).to(torch.float32)
-            g_col = ba[:, None].expand(B, tgt.shape[1]).contiguous()   # log c + βα, c = 1
-            for _s in range(int(sinkhorn_iterations)):
-                g_row = ksoft.sinkhorn_scaling(src_c, tgt_c, T32, beta_f, g_col, log_w, ba,
-                                               query_lengths=sl, point_lengths=tl_)
-                g_col = ksoft.sinkhorn_scaling(tgt_c, src_c, Ti32, beta_f, g_row, log_w, ba,
-                                               query_lengths=tl_, point_lengths=sl)
-            r = ksoft.soft_rows(src_c, tgt_c, T32, beta_f, query_lengths=sl,
-                                point_lengths=tl_, point_log_weights=g_col)
-            # row sums of M: r_i Σ_j K_ij c_j = exp(log r_i + lse_i), log r_i = g_row − βα
-            w = torch.exp(r.lse + g_row - ba[:, None])
-            w = torch.nan_to_num(w, nan=0.0, posinf=0.0)
-            T_new, valid = ksoft.weighted_horn(src_c, r.mean, w)
-            it += 1
-            check = it % CHECK_EVERY == 0 and it < n_iter
-            Tc, stop = tracker.step(Tc, T_new, w_prev, w, valid, check,
-                                    {"iteration": it, "beta": beta})
-            w_prev = w
-            if stop:
-                break
-        if stop or it >= n_iter:
-            break
+        return Tc, tracker.iters, tracker.done, tracker.history
+
+    key = ("softassign", tuple(src_c.shape), tuple(tgt_c.shape), str(dev), n_temp, n_per,
+           n_sink, n_iter, CHECK_EVERY, crit.rotation_tolerance, crit.translation_tolerance,
+           crit.relative_fitness)
+    Tc, iters, done, history = ksoft.run_schedule(key, loop, src_c, tgt_c, sl, tl_, Tc,
+                                                  betas_f, bas_f, betas, log_w,
+                                                  pairs=B * src_c.shape[1] * tgt_c.shape[1])
+    tracker = _Tracker(B, dev, crit)
+    tracker.iters, tracker.done, tracker.history = iters, done, history
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t_iter = time.perf_counter()
-    beta_end = beta_0 * beta_factor ** j
+    j_end = ((iters.clamp(1, max(n_iter, 1)) - 1) // n_per).clamp_max(n_temp - 1)
+    beta_end = betas[j_end, torch.arange(B, device=dev)]
     inlier = torch.maximum(alpha_v.sqrt(), 3.0 / beta_end.sqrt())
     return _finish("softassign", Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, n_iter,
                    inlier, batched, t_start, t_iter,
