@@ -360,3 +360,16 @@ def test_triton_cuda_matches_reference(n, m, rng):
     Tg, vg = soft.weighted_horn(q[None].cuda(), q[None].cuda() + 0.1, w.cuda())
     Tr, vr = soft.horn_reference(q[None], q[None] + 0.1, w)
     torch.testing.assert_close(Tg.cpu(), Tr, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("offset", [0.0, 0.3, 123.456])
+def test_weighted_horn_single_point_is_identity_rotation(offset, rng):
+    """One point (S is only rounding noise of its moments): R = I, t = m − x, no NaN."""
+    x = torch.rand(1, 1, 3, generator=rng, dtype=torch.float64) + offset
+    m = x + torch.tensor([0.01, -0.02, 0.03], dtype=torch.float64)
+    w = torch.tensor([[0.37]], dtype=torch.float64)
+    for xs, ms in ((x, m), (x.float(), m.float())):
+        T, valid = soft.horn_reference(xs, ms, w.to(xs.dtype))
+        assert bool(valid[0])
+        torch.testing.assert_close(T[0, :3, :3], torch.eye(3, dtype=torch.float64))
+        torch.testing.assert_close(T[0, :3, 3], (ms - xs)[0, 0].double(), atol=1e-5, rtol=0)

@@ -42,7 +42,8 @@ from __future__ import annotations
 import collections
 import math
 import os
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -399,7 +400,7 @@ _GRAPH_FAILED: set = set()
 
 
 def capturing() -> bool:
-    """True while a CUDA graph is being captured (host reads must be skipped then)."""
+    """Tell whether a CUDA graph is being captured (host reads must be skipped then)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 

@@ -17,7 +17,11 @@ seed code's values (Tamaki et al.): σ₀² = 0.01 m², σ_min² = 1e-5 m², d�
 
 The annealing loop stays on the device. The pose is read by the kernels from device
 memory, Horn's 4×4 eigenproblem is solved on the device, and the host reads back one
-flag every ``CHECK_EVERY`` iterations (a batched convergence check) to stop early.
+flag every ``CHECK_EVERY`` iterations (a batched convergence check) to stop early. On
+CUDA (Triton backend) the whole fixed-length schedule is instead captured once into a
+CUDA graph (:func:`pointalign.kernels.soft.run_schedule`, cached per shape and schedule)
+and replayed: no host reads, converged pairs are frozen on the device, the loop runs to
+the end of the schedule.
 
 Conventions: ``source`` is moved onto ``target``; results are ``T_target_source``
 (``x_t = R x_s + t``). Batches: padded ``(B, N, 3)`` clouds plus ``source_lengths`` /
