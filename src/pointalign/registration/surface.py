@@ -78,6 +78,10 @@ Approximant = str | Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
 # ----------------------------------------------------------------------------- approximants
 
 
+#: matrices per batched 3x3 eigen-solve call (bounds cuSOLVER's workspace)
+EIGH_CHUNK = 1 << 15
+
+
 def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean, PCA frame and RMS radius of every node: ``(K, 3)``, ``(K, 3, 3)``, ``(K,)``.
 
@@ -91,7 +95,11 @@ def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     second = tree.node_sums((pts[:, :, None] * pts[:, None, :]).reshape(-1, 9)).reshape(-1, 3, 3)
     cov = second / size[:, None, None] - mean[:, :, None] * mean[:, None, :]
     cov = 0.5 * (cov + cov.transpose(1, 2))
-    evals, evecs = torch.linalg.eigh(cov)  # ascending
+    # batched eigh in chunks: one cuSOLVER call over ~3e5 matrices asked for a 66 GiB
+    # workspace on an H100 (measured); 2^15 matrices per call keep it small
+    parts = [torch.linalg.eigh(c) for c in cov.split(EIGH_CHUNK)]  # ascending
+    evals = torch.cat([e for e, _ in parts])
+    evecs = torch.cat([v for _, v in parts])
     frame = torch.stack([evecs[:, :, 2], evecs[:, :, 1], evecs[:, :, 0]], -1)
     radius = evals.clamp_min(0).sum(-1).sqrt()
     small = tree.node_sizes() < MIN_FRAME_POINTS
