@@ -1,7 +1,6 @@
 import json
 
 import numpy as np
-import pytest
 import torch
 from typer.testing import CliRunner
 

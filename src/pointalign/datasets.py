@@ -69,7 +69,8 @@ def bunny_poses() -> dict[str, torch.Tensor]:
 
 def bunny_relative_pose(source: str = "bun045", target: str = "bun000") -> torch.Tensor:
     """Ground-truth ``T_target_source`` (4, 4) float64 between two bunny scans (names without
-    ``.ply``)."""
+    ``.ply``).
+    """
     poses = bunny_poses()
     try:
         T_w_s, T_w_t = poses[source + ".ply"], poses[target + ".ply"]

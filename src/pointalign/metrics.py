@@ -104,7 +104,8 @@ def inlier_rmse(source: Any, target: Any, transformation: Any,
 def registration_recall(rotation_errors: Any, translation_errors: Any, *,
                         max_rotation_deg: float = 15.0, max_translation: float = 0.3) -> float:
     """Fraction of pairs with rotation error < ``max_rotation_deg`` and translation error <
-    ``max_translation`` (defaults: the 3DMatch success test, 15° and 30 cm)."""
+    ``max_translation`` (defaults: the 3DMatch success test, 15° and 30 cm).
+    """
     r = np.asarray(rotation_errors, dtype=float)
     t = np.asarray(translation_errors, dtype=float)
     if r.shape != t.shape or r.size == 0:

@@ -216,7 +216,8 @@ def random_transform(
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """A ``(4, 4)`` transform rotating by exactly ``rotation_deg`` about a random axis and
-    translating by exactly ``translation`` along a random direction."""
+    translating by exactly ``translation`` along a random direction.
+    """
     axis = torch.randn(3, generator=generator, dtype=torch.float64)
     direction = torch.randn(3, generator=generator, dtype=torch.float64)
     R = axis_angle_to_matrix(axis, math.radians(rotation_deg))

@@ -186,7 +186,7 @@ def _spatial_order(points: torch.Tensor) -> torch.Tensor:
 TIER_BASE = 2.0
 TIERS = 2
 _FAR = 1e30
-_tier_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_tier_cache: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def _tiers(ix: Any, max_dist: float) -> list:
@@ -601,7 +601,8 @@ def icp(
 
     def graphed_chunk():
         """CHUNK steps replayed from a CUDA graph (captured on first use in this call), or
-        None where graphs are off or the capture failed (then the steps run eagerly)."""
+        None where graphs are off or the capture failed (then the steps run eagerly).
+        """
         if not (single and USE_CUDA_GRAPHS and dev.type == "cuda") or graph.get("failed"):
             return None
         if "g" not in graph:

@@ -36,7 +36,8 @@ class Index(Protocol):
 
     def radius(self, query: torch.Tensor, r: float, max_neighbors: int) -> KnnResult:
         """Up to ``max_neighbors`` nearest points within distance ``r`` (not squared) of each
-        query: ``(N, max_neighbors)``, padded with ``inf`` / ``-1``."""
+        query: ``(N, max_neighbors)``, padded with ``inf`` / ``-1``.
+        """
         ...
 
     def nearest_within(self, query: torch.Tensor, max_distance: float) -> KnnResult:
