@@ -98,6 +98,20 @@ def bunny_small():
     return pts, v
 
 
+def test_rounding_of_the_normals_does_not_flip_histograms(bunny_small):
+    # two points with the same neighbourhood get the same normal, so |n1·d| = |n2·d| ties are
+    # common; a tie decided by rounding flips θ's sign and spreads to ~90 neighbours' FPFH.
+    # A 1e-15 relative change of the normals (the size of a CPU/GPU rounding difference)
+    # must leave every histogram unchanged.
+    pts, v = bunny_small
+    from pointalign.features.normals import estimate_normals
+
+    nrm = estimate_normals(pts, radius=2 * v, orient="viewpoint", viewpoint=pts.mean(0))
+    a = fpfh(pts, radius=5 * v, normals=nrm, max_neighbors=len(pts))
+    b = fpfh(pts, radius=5 * v, normals=nrm * (1 + 1e-15), max_neighbors=len(pts))
+    torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+
+
 def test_histograms_sum_to_100_and_isolated_points_are_zero(bunny_small):
     pts, v = bunny_small
     far = torch.tensor([[10.0, 10.0, 10.0]], dtype=pts.dtype)

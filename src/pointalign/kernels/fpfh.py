@@ -20,7 +20,7 @@ hand-written kernel would not clearly pay (see the issue's "only if it clearly p
 
 Pair features, as in Open3D ``ComputePairFeatures`` (p1, n1, p2, n2): d = p2 − p1;
 the point whose normal makes the smaller angle with the line is the source (swap and negate
-d otherwise); u = n_s, v = (d × u)/|d × u|, w = u × v;
+d otherwise; a tie within 16 ulps is never swapped, so rounding cannot flip it); u = n_s, v = (d × u)/|d × u|, w = u × v;
 α = atan2(w·n_t, u·n_t), φ = v·n_t, θ = ±(n·d)/|d|. Bins: α over [−π, π], φ and θ over [−1, 1].
 """
 
@@ -49,8 +49,12 @@ def pair_features(p1: torch.Tensor, n1: torch.Tensor, p2: torch.Tensor,
     safe = dist.clamp_min(1e-30)
     a1 = (n1 * d).sum(-1) / safe
     a2 = (n2 * d).sum(-1) / safe
-    # acos is decreasing: acos(|a1|) > acos(|a2|)  <=>  |a1| < |a2|
-    swap = a1.abs() < a2.abs()
+    # acos is decreasing: acos(|a1|) > acos(|a2|)  <=>  |a1| < |a2|. Ties are common (two
+    # points with the same neighbourhood get the same normal) and a tie decided by rounding
+    # flips θ's sign, which spreads to every neighbour's FPFH; so within a few ulps of a tie
+    # the pair is never swapped, whatever the device's rounding.
+    tol = 16 * torch.finfo(d.dtype).eps
+    swap = a1.abs() < a2.abs() - tol
     sw = swap[..., None]
     u = torch.where(sw, n2, n1)
     nt = torch.where(sw, n1, n2)
