@@ -154,6 +154,23 @@ def test_batched_emicp_matches_single_runs(seed):
         assert res[i].stop_reason == one.stop_reason
 
 
+@pytest.mark.parametrize("algo", [emicp, softassign])
+def test_collinear_input_is_reported_degenerate_in_a_batch(rng, algo):
+    # the rotation about the line is undetermined: that pair keeps its init, the other runs
+    x, y, _ = _bunny_small(120, 120)
+    line = torch.zeros(120, 3)
+    line[:, 0] = torch.rand(120, generator=rng)
+    init = torch.eye(4, dtype=torch.float64).repeat(2, 1, 1)
+    init[1, :3, 3] = torch.tensor([0.01, 0.0, 0.0], dtype=torch.float64)
+    kw = dict(criteria=ConvergenceCriteria(max_iterations=5), device="cpu", init=init)
+    res = algo(torch.stack([x, line]), torch.stack([y, line + 0.001]), **kw)
+    assert list(res.stop_reason) == ["max_iterations", "degenerate"]
+    assert not res.converged[1] and res.iterations[1] == 0
+    np.testing.assert_array_equal(res.transformation[1], init[1].numpy())
+    single = algo(line, line + 0.001, **dict(kw, init=init[1]))
+    assert single.stop_reason == "degenerate" and not single.converged
+
+
 def test_early_stop_when_pose_and_weights_settle():
     x, y, _ = _bunny_small(200, 200)
     crit = ConvergenceCriteria(max_iterations=500, translation_tolerance=1e-3,

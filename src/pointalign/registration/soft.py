@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pointalign import _validate
+from pointalign import _validate, estimate
 from pointalign.kernels import soft as ksoft
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.result import RegistrationResult
@@ -86,6 +86,17 @@ def _centroid(points: torch.Tensor, lengths: torch.Tensor):
     rms = (((p - c[:, None]).square().sum(-1) * mask).sum(1)
            / lengths.to(torch.float64)).sqrt()
     return c, rms, mask
+
+
+def _collinear(src, sl, tgt, tl_) -> torch.Tensor:
+    """``(B,)`` True where the source or the target lies on a line (or a point): the rotation
+    about that line is then undetermined, so the pair is reported "degenerate"."""
+    def flat(points, lengths):
+        w = (torch.arange(points.shape[1], device=points.device)[None, :]
+             < lengths[:, None]).to(torch.float64)
+        cov = estimate._weighted_moments(points, points, w).source_cov
+        return ~estimate._spans_plane(cov)
+    return flat(src, sl) | flat(tgt, tl_)
 
 
 def _translate(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -157,9 +168,14 @@ class _Tracker:
 
 
 def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_distance,
-            batched, t_start, t_iter, info):
-    """Build the RegistrationResult: pose back to the input frames, fitness and rmse."""
-    T = _untranslate(Tc, a, b)
+            batched, t_start, t_iter, info, T0):
+    """Build the RegistrationResult: pose back to the input frames, fitness and rmse.
+
+    A degenerate pair (collinear source or target) keeps its initial pose ``T0``, with 0
+    iterations and ``stop_reason`` "degenerate".
+    """
+    flat = _collinear(src, sl, tgt, tl_)
+    T = torch.where(flat[:, None, None], T0, _untranslate(Tc, a, b))
     # hard nearest-neighbour distances through the same fused pass at a huge scale:
     # −lse/s → min_j d_ij² (soft-min; error ≤ log(M)/s)
     big = 1e4 / inlier_distance.square().clamp_min(1e-30)
@@ -174,17 +190,19 @@ def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_
     rmse_t = torch.where(n_in > 0, (torch.where(inl, d2, 0).sum(1) / n_in.clamp_min(1)).sqrt(),
                          torch.full_like(d2[:, 0], math.inf))
     rmse = rmse_t.cpu().numpy()
-    iters = tracker.iters.cpu().numpy()
+    iters = torch.where(flat, 0, tracker.iters).cpu().numpy()
     done = tracker.done.cpu().numpy()
     reasons = []
-    for d, it in zip(done, iters, strict=True):
-        if d:
+    for f, d, it in zip(flat.cpu().numpy(), done, iters, strict=True):
+        if f:
+            reasons.append("degenerate")
+        elif d:
             reasons.append("pose_and_weights")
         elif it >= n_sched:
             reasons.append("schedule")
         else:
             reasons.append("max_iterations")
-    converged = np.array([r != "max_iterations" for r in reasons])
+    converged = np.array([r not in ("max_iterations", "degenerate") for r in reasons])
     history = []
     for h in tracker.history:
         history.append({k: (v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
@@ -272,7 +290,8 @@ def emicp(
 
     Returns:
         :class:`RegistrationResult`; ``stop_reason`` is ``"schedule"`` (σ reached
-        sigma_min), ``"pose_and_weights"`` (early stop) or ``"max_iterations"``. ``fitness``
+        sigma_min), ``"pose_and_weights"`` (early stop), ``"max_iterations"`` or
+        ``"degenerate"`` (source or target on a line: ``init`` is returned). ``fitness``
         and ``rmse`` use hard nearest neighbours within ``3 σ_min``.
 
     """
@@ -339,7 +358,8 @@ def emicp(
                    3 * sigmin, batched, t_start, t_iter,
                    {"sigma0": sig0.cpu().numpy(), "sigma_min": sigmin.cpu().numpy(),
                     "sigma_final": sig_used.cpu().numpy(),
-                    "outlier_distance": d0.cpu().numpy(), "rms_radius": rho.cpu().numpy()})
+                    "outlier_distance": d0.cpu().numpy(), "rms_radius": rho.cpu().numpy()},
+                   T0)
 
 
 # --------------------------------------------------------------------------------------
@@ -392,7 +412,8 @@ def softassign(
 
     Returns:
         :class:`RegistrationResult` (``iterations`` counts pose updates); ``stop_reason`` is
-        ``"schedule"``, ``"pose_and_weights"`` or ``"max_iterations"``.
+        ``"schedule"``, ``"pose_and_weights"``, ``"max_iterations"`` or ``"degenerate"``
+        (source or target on a line: ``init`` is returned).
 
     """
     t_start = time.perf_counter()
@@ -487,4 +508,5 @@ def softassign(
     return _finish("softassign", Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, n_iter,
                    inlier, batched, t_start, t_iter,
                    {"beta0": beta_0.cpu().numpy(), "beta_final": beta_end.cpu().numpy(),
-                    "alpha": alpha_v.cpu().numpy(), "rms_radius": rho.cpu().numpy()})
+                    "alpha": alpha_v.cpu().numpy(), "rms_radius": rho.cpu().numpy()},
+                   T0)
