@@ -106,6 +106,37 @@ def smallest_eigenvector(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return v.to(dt), (lam * s[..., None]).to(dt)
 
 
+def symmetric_eigh3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """All eigenpairs of symmetric ``A (…, 3, 3)`` in closed form (no LAPACK/cuSOLVER call).
+
+    Eigenvalues by :func:`symmetric_eigenvalues`; the smallest eigenvector by
+    :func:`smallest_eigenvector`, the largest as the null vector of ``A − λ_max I`` made
+    orthogonal to it (any orthogonal unit vector when ``λ_max`` is repeated), the middle one
+    as their cross product. O(1) memory per matrix, computed in float64.
+
+    Returns:
+        ``(eigenvalues (…, 3) ascending, eigenvectors (…, 3, 3))`` in A's dtype; column
+        ``j`` is the eigenvector of eigenvalue ``j``; the columns form a rotation (det +1).
+    """
+    dt = A.dtype
+    A64 = A.to(torch.float64)
+    s = A64.abs().amax((-1, -2))
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    An = A64 / s[..., None, None]
+    lam = symmetric_eigenvalues(An)
+    v0, _ = smallest_eigenvector(An)
+    v2, n2 = _null_vector(An, lam[..., 2])
+    spread = (lam[..., 2] - lam[..., 0]).clamp_min(1e-300)
+    v2 = v2 - (v2 * v0).sum(-1, keepdim=True) * v0
+    nrm = v2.norm(dim=-1, keepdim=True)
+    simple = (n2 > (1e-8 * spread) ** 2) & (lam[..., 2] - lam[..., 1] > 1e-9 * spread)
+    simple &= nrm[..., 0] > 0.5
+    v2 = torch.where(simple[..., None], v2 / nrm.clamp_min(1e-300), _any_orthogonal(v0))
+    v1 = _cross(v2, v0)
+    V = torch.stack([v0, v1, v2], -1)
+    return (lam * s[..., None]).to(dt), V.to(dt)
+
+
 def _neighbour_covariances(pts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Covariance ``(n, 3, 3)`` of each row's neighbours ``idx (n, k)`` (-1 = none)."""
     valid = idx >= 0

@@ -44,6 +44,7 @@ import torch
 
 from pointalign import _validate, estimate, transforms
 from pointalign.kernels import kdtree as _kd
+from pointalign.features.normals import symmetric_eigh3
 from pointalign.kernels import surface as _ks
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.result import RegistrationResult
@@ -78,16 +79,56 @@ Approximant = str | Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
 # ----------------------------------------------------------------------------- approximants
 
 
-#: matrices per batched 3x3 eigen-solve call (bounds cuSOLVER's workspace)
-EIGH_CHUNK = 1 << 15
+def symmetric_eigh2(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenpairs of symmetric 2×2 ``[[a, b], [b, c]]`` (each ``(K,)``) in closed form.
+
+    ``λ = m ∓ r`` with ``m = (a + c)/2``, ``r = hypot((a − c)/2, b)``; the eigenvector of the
+    larger is ``(cos θ, sin θ)``, ``θ = ½ atan2(2b, a − c)``. Returns ``(eigenvalues (K, 2)
+    ascending, eigenvectors (K, 2, 2) as columns)``. No LAPACK/cuSOLVER call, O(K) memory.
+    """
+    m = 0.5 * (a + c)
+    r = torch.hypot(0.5 * (a - c), b)
+    th = 0.5 * torch.atan2(2 * b, a - c)
+    co, si = torch.cos(th), torch.sin(th)
+    vecs = torch.stack([torch.stack([-si, co], -1), torch.stack([co, si], -1)], -1)
+    return torch.stack([m - r, m + r], -1), vecs
+
+
+def _solve_spd4(M: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Solve ``M x = r`` for symmetric positive definite ``M (K, 4, 4)``, ``r (K, 4)``.
+
+    Unrolled Cholesky on ``(K,)`` columns (no batched LAPACK/cuSOLVER call, O(K) memory);
+    rows whose pivot is not positive give NaN.
+    """
+    n = 4
+    L = [[None] * n for _ in range(n)]
+    for j in range(n):
+        d = M[:, j, j] - sum((L[j][k] * L[j][k] for k in range(j)), torch.zeros_like(M[:, 0, 0]))
+        ljj = torch.where(d > 0, d, torch.full_like(d, float("nan"))).sqrt()
+        L[j][j] = ljj
+        for i in range(j + 1, n):
+            v = M[:, i, j] - sum((L[i][k] * L[j][k] for k in range(j)), torch.zeros_like(ljj))
+            L[i][j] = v / ljj
+    y = []
+    for i in range(n):
+        y.append((r[:, i] - sum((L[i][k] * y[k] for k in range(i)), torch.zeros_like(r[:, 0])))
+                 / L[i][i])
+    x = [None] * n
+    for i in reversed(range(n)):
+        x[i] = (y[i] - sum((L[k][i] * x[k] for k in range(i + 1, n)), torch.zeros_like(y[i])))\
+            / L[i][i]
+    return torch.stack(x, -1)
 
 
 def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean, PCA frame and RMS radius of every node: ``(K, 3)``, ``(K, 3, 3)``, ``(K,)``.
 
-    ``frame[:, :, 0..2]`` are the eigenvectors of the node's covariance by increasing
-    eigenvalue reordered as ``(e1, e2, n)``: largest, middle, smallest (the normal). Nodes
-    with fewer than :data:`MIN_FRAME_POINTS` points take their parent's frame. float64.
+    ``frame[:, :, 0..2]`` are the eigenvectors of the node's covariance reordered as
+    ``(e1, e2, n)``: largest, middle, smallest eigenvalue (the normal). The eigen-solve is the
+    closed form of :func:`pointalign.features.normals.symmetric_eigh3` (O(K) memory, no
+    cuSOLVER). Nodes with fewer than :data:`MIN_FRAME_POINTS` points take their parent's
+    frame. float64.
     """
     pts = tree.points.double()
     size = tree.node_sizes().double()
@@ -95,11 +136,7 @@ def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     second = tree.node_sums((pts[:, :, None] * pts[:, None, :]).reshape(-1, 9)).reshape(-1, 3, 3)
     cov = second / size[:, None, None] - mean[:, :, None] * mean[:, None, :]
     cov = 0.5 * (cov + cov.transpose(1, 2))
-    # batched eigh in chunks: one cuSOLVER call over ~3e5 matrices asked for a 66 GiB
-    # workspace on an H100 (measured); 2^15 matrices per call keep it small
-    parts = [torch.linalg.eigh(c) for c in cov.split(EIGH_CHUNK)]  # ascending
-    evals = torch.cat([e for e, _ in parts])
-    evecs = torch.cat([v for _, v in parts])
+    evals, evecs = symmetric_eigh3(cov)  # ascending
     frame = torch.stack([evecs[:, :, 2], evecs[:, :, 1], evecs[:, :, 0]], -1)
     radius = evals.clamp_min(0).sum(-1).sqrt()
     small = tree.node_sizes() < MIN_FRAME_POINTS
@@ -112,7 +149,12 @@ def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def _curvatures(tree: KDTreeIndex, mean: torch.Tensor, frame: torch.Tensor):
-    """Principal curvatures ``(K, 2)`` and directions ``(K, 3, 2)`` by a quadric fit per node."""
+    """Principal curvatures ``(K, 2)`` and directions ``(K, 3, 2)`` by a quadric fit per node.
+
+    Least squares ``w ≈ αu² + βuv + γv² + ζ`` in the node's PCA frame (4×4 normal equations,
+    solved by an unrolled Cholesky); curvatures and directions from the closed-form 2×2
+    eigen-solve of the Hessian ``[[2α, β], [β, 2γ]]``.
+    """
     K = tree.n_nodes
     dev = tree.device
     normal_eq = torch.zeros(K, 4, 4, dtype=torch.float64, device=dev)
@@ -128,15 +170,15 @@ def _curvatures(tree: KDTreeIndex, mean: torch.Tensor, frame: torch.Tensor):
         phi = torch.stack([u * u, u * v, v * v, torch.ones_like(u)], -1)
         normal_eq.index_add_(0, seg, phi[:, :, None] * phi[:, None, :])
         rhs.index_add_(0, seg, phi * w[:, None])
-    ridge = 1e-12 * normal_eq.diagonal(dim1=1, dim2=2).abs().amax(-1).clamp_min(1e-300)
-    coef = torch.linalg.solve(normal_eq + ridge[:, None, None] * torch.eye(4, dtype=torch.float64,
-                                                                           device=dev),
-                              rhs.unsqueeze(-1)).squeeze(-1)
+    # Jacobi scaling (u⁴ ~ 1e-12 beside 1 in small cells), then a tiny ridge
+    dscale = normal_eq.diagonal(dim1=1, dim2=2).clamp_min(1e-300).rsqrt()  # (K, 4)
+    scaled = normal_eq * dscale[:, :, None] * dscale[:, None, :] + \
+        1e-12 * torch.eye(4, dtype=torch.float64, device=dev)
+    coef = _solve_spd4(scaled, rhs * dscale) * dscale
     ok = (tree.node_sizes() >= 6) & torch.isfinite(coef).all(-1)
-    al, be, ga = coef[:, 0], coef[:, 1], coef[:, 2]
-    H = torch.stack([torch.stack([2 * al, be], -1), torch.stack([be, 2 * ga], -1)], -2)
-    H = torch.where(ok[:, None, None], H, torch.zeros_like(H))
-    kappa, dirs2 = torch.linalg.eigh(H)
+    zero = torch.zeros_like(coef[:, 0])
+    al, be, ga = (torch.where(ok, coef[:, i], zero) for i in range(3))
+    kappa, dirs2 = symmetric_eigh2(2 * al, be, 2 * ga)
     dirs = frame[:, :, :2] @ dirs2  # (K, 3, 2)
     return kappa, dirs
 
