@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pointalign import _validate
+from pointalign._ops import exclusive_cumsum_rows
 from pointalign.cloud import PointCloud
 
 #: largest number of voxels along one axis (the three keys are packed in one int64)
@@ -68,8 +69,7 @@ def _segment_mean(values: torch.Tensor, order: torch.Tensor, ends: torch.Tensor,
     sorted_vals = values[order].to(torch.float64)
     seg = torch.repeat_interleave(torch.arange(counts.numel(), device=values.device), counts)
     rel = sorted_vals - shift[seg]
-    cs = torch.cumsum(rel, 0)
-    cs = torch.cat([torch.zeros_like(cs[:1]), cs], 0)
+    cs = exclusive_cumsum_rows(rel)
     starts = ends - counts
     sums = cs[ends] - cs[starts]
     return shift + sums / counts[:, None].to(torch.float64)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from pointalign import _validate
+from pointalign._ops import exclusive_cumsum_rows
 from pointalign.kernels import kdtree as _k
 from pointalign.search import _checks
 from pointalign.search.base import KnnResult
@@ -159,7 +160,7 @@ class KDTreeIndex:
             raise ValueError(f"values: expected {self.points.shape[0]} rows, "
                              f"got {values.shape[0]}")
         v = values.to(self.device, torch.float64)[self.perm]
-        csum = torch.cat([v.new_zeros((1,) + v.shape[1:]), torch.cumsum(v, 0)], 0)
+        csum = exclusive_cumsum_rows(v)
         return csum[self._tree.end] - csum[self._tree.start]
 
     # ------------------------------------------------------------------ payloads
