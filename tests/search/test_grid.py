@@ -158,6 +158,10 @@ def run_interpreted_cases(out_path: str) -> None:
     dup = torch.tensor([[0.0, 0, 0], [0.5, 0, 0]]).repeat(3, 1)  # p[j] = dup[j % 2]
     g = grid_mod.grid_build(dup, 0.6)
     out["ties"] = _grid_triton.grid_query(g, torch.tensor([[0.1, 0, 0], [0.45, 0, 0]]), 2)
+    # k = 1 with duplicates spread over more than one unrolled step of a lane
+    many = torch.tensor([[0.0, 0, 0], [0.5, 0, 0]]).repeat(11, 1)
+    out["ties1"] = _grid_triton.grid_query(grid_mod.grid_build(many, 0.6),
+                                           torch.tensor([[0.1, 0, 0], [0.45, 0, 0]]), 1)
     torch.save(out, out_path)
 
 
@@ -193,6 +197,8 @@ def test_triton_interpreted_index(seed, interpreted):
 def test_triton_interpreted_ties(interpreted):
     d, i = interpreted["ties"]
     assert i.tolist() == [[0, 2], [1, 3]]
+    d, i = interpreted["ties1"]
+    assert i.tolist() == [[0], [1]]
 
 
 # --- CUDA: compiled kernel vs reference -----------------------------------------------------

@@ -4,8 +4,8 @@ One query per lane, ``BLOCK`` lanes per program. Queries are first sorted by cel
 the lanes of a program visit the same cells (coherent loads, similar loop lengths); results
 are scattered back. For each of the 9 ``(i, j)`` columns a lane reads its contiguous range
 ``cell_start[key(i, j, l - 1)] .. cell_start[key(i, j, l + 1) + 1]`` and walks it, keeping
-the best by (squared distance, original index): a running minimum for ``k == 1``, a
-running top-k (replace the worst kept entry) for ``k <= 32``. Cell coordinates are
+the best by (squared distance, original index): a running minimum for ``k == 1`` (``U``
+candidates per lane per step, so that their loads overlap), a running top-k (replace the worst kept entry) for ``k <= 32``. Cell coordinates are
 computed in float64 from the grid's ``params``; distances in the input dtype; offsets in
 int64; every load masked. Rows are sorted by (distance, index) afterwards for ``k > 1``.
 Kernels are decorated on first use per mode (compiled / ``TRITON_INTERPRET=1``).
@@ -13,18 +13,22 @@ Kernels are decorated on first use per mode (compiled / ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from triton import knobs
 
 _CACHE: dict[bool, object] = {}
+#: candidates per lane per loop step of the 1-NN search (override: POINTALIGN_GRID_UNROLL)
+NN_UNROLL = int(os.environ.get("POINTALIGN_GRID_UNROLL", "8"))
 
 
 def _grid_kernel(q_ptr, prm_ptr, dims_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_ptr, out_i_ptr,
                  N, M, max_d2,
                  HAS_MAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, U: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     rmask = rows < N
@@ -67,31 +71,51 @@ def _grid_kernel(q_ptr, prm_ptr, dims_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_pt
         e = tl.load(start_ptr + base + zhi + 1, mask=ok, other=0).to(tl.int64)
         n_it = tl.max(e - s, axis=0)
         j = n_it * 0
-        while j < n_it:
-            pos = s + j
-            m = pos < e
-            px = tl.load(sp_ptr + pos, mask=m, other=inf)
-            py = tl.load(sp_ptr + M + pos, mask=m, other=inf)
-            pz = tl.load(sp_ptr + 2 * M + pos, mask=m, other=inf)
-            oi = tl.load(sidx_ptr + pos, mask=m, other=big)
-            dx = qx - px
-            dy = qy - py
-            dz = qz - pz
-            d = dx * dx + dy * dy + dz * dz
-            if HAS_MAX:
-                d = tl.where(d <= max_d2, d, inf)
-            if K == 1:
-                better = (d < best_d) | ((d == best_d) & (d < inf) & (oi < best_i))
-                best_d = tl.where(better, d, best_d)
-                best_i = tl.where(better, oi, best_i)
-            else:
+        if K == 1:
+            # U candidates per lane per step: the U loads of a step are independent, so
+            # their latency overlaps (one candidate per step left the loop latency-bound)
+            uu = tl.arange(0, U)
+            while j < n_it:
+                pos = s[:, None] + j + uu[None, :]
+                m = pos < e[:, None]
+                px = tl.load(sp_ptr + pos, mask=m, other=inf)
+                py = tl.load(sp_ptr + M + pos, mask=m, other=inf)
+                pz = tl.load(sp_ptr + 2 * M + pos, mask=m, other=inf)
+                oi = tl.load(sidx_ptr + pos, mask=m, other=big)
+                dx = qx[:, None] - px
+                dy = qy[:, None] - py
+                dz = qz[:, None] - pz
+                d = dx * dx + dy * dy + dz * dz
+                if HAS_MAX:
+                    d = tl.where(d <= max_d2, d, inf)
+                # the step's best by (distance, original index), then merged with the best
+                dmin = tl.min(d, axis=1)
+                imin = tl.min(tl.where((d == dmin[:, None]) & (d < inf), oi, big), axis=1)
+                better = (dmin < best_d) | ((dmin == best_d) & (dmin < inf) & (imin < best_i))
+                best_d = tl.where(better, dmin, best_d)
+                best_i = tl.where(better, imin, best_i)
+                j += U
+        else:
+            while j < n_it:
+                pos = s + j
+                m = pos < e
+                px = tl.load(sp_ptr + pos, mask=m, other=inf)
+                py = tl.load(sp_ptr + M + pos, mask=m, other=inf)
+                pz = tl.load(sp_ptr + 2 * M + pos, mask=m, other=inf)
+                oi = tl.load(sidx_ptr + pos, mask=m, other=big)
+                dx = qx - px
+                dy = qy - py
+                dz = qz - pz
+                d = dx * dx + dy * dy + dz * dz
+                if HAS_MAX:
+                    d = tl.where(d <= max_d2, d, inf)
                 worst = tl.max(best_d, axis=1)
                 wi = tl.max(tl.where(best_d == worst[:, None], best_i, -big), axis=1)
                 ins = (d < worst) | ((d == worst) & (d < inf) & (oi < wi))
                 slot = (best_d == worst[:, None]) & (best_i == wi[:, None]) & ins[:, None]
                 best_d = tl.where(slot, d[:, None] + zk, best_d)
                 best_i = tl.where(slot, oi[:, None] + zk_i, best_i)
-            j += 1
+                j += 1
     if K == 1:
         best_i = tl.where(best_d == inf, -1, best_i)
         tl.store(out_d_ptr + rows, best_d, mask=rmask)
@@ -139,7 +163,7 @@ def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = N
     grid = (max(1, -(-n // bl)),)
     _kernel()[grid](q, g.params, dims, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
                     n, m, float(max_distance_sq) if has_max else 0.0,
-                    HAS_MAX=has_max, K=k, KP=kp, BLOCK=bl, num_warps=4)
+                    HAS_MAX=has_max, K=k, KP=kp, BLOCK=bl, U=NN_UNROLL, num_warps=4)
     if k > 1:
         out_d, out_i = _sort_rows(out_d, out_i)
     if order is not None:
