@@ -2,7 +2,8 @@
 
 Time (ms, log) against points per side (log) for every algorithm and device in the results
 (the GPU file's main table and its "cpu" table, plus soft-cpu.json when present), with the
-H100 floor of EM-ICP for reference. Writes ``benchmarks/results/soft-fig1.png``.
+H100 floor of EM-ICP and the seed code's published H100 times (issue 4) for reference.
+Writes ``benchmarks/results/soft-cuda-fig1.png`` (picked up by ``render.py``).
 
     python benchmarks/plot_soft.py [results/soft-cuda.json ...]
 """
@@ -14,6 +15,12 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: the seed code (Tamaki et al.'s GPU implementation) built and run on an H100 (issue 4)
+SEED_H100_MS = {"EM-ICP seed code (H100)": [(5000, 40.0), (40000, 1690.0)],
+                "Softassign seed code (H100)": [(5000, 750.0)]}
+#: the issue's H100 targets
+TARGET_MS = {"EM-ICP target": [(5000, 3.0), (40000, 60.0), (200000, 1500.0)],
+             "Softassign target": [(5000, 30.0)]}
 
 
 def main() -> None:
@@ -41,6 +48,10 @@ def main() -> None:
     for label, pts in sorted(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    for label, pts in SEED_H100_MS.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "x:", ms=9, label=label)
+    for label, pts in TARGET_MS.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "v", ms=7, mfc="none", label=label)
     if floor:
         xs = sorted(floor)
         ax.plot(xs, [floor[x] for x in xs], "k--", lw=1, label="EM-ICP floor (H100 FP32)")
@@ -52,7 +63,7 @@ def main() -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    out = RESULTS / "soft-fig1.png"
+    out = RESULTS / "soft-cuda-fig1.png"
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
 
