@@ -189,7 +189,7 @@ class VoxelGridIndex:
         _grid_triton._kernel()[(-(-n // 128),)](
             query, g.params, dims, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
             n, g.sorted_points.shape[1], md * md, HAS_MAX=True, K=1, KP=1, BLOCK=128,
-            num_warps=4)
+            U=_grid_triton.NN_UNROLL, num_warps=4)
         return out_d[:, 0], out_i[:, 0]
 
     def knn(self, query: Any, k: int) -> KnnResult:
