@@ -26,8 +26,10 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
 
+# every benchmark for this machine's device (--quick on CPU), then BENCHMARKS.md;
+# e.g. make bench ARGS="--device cpu --full --only knn icp"
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/run_all.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

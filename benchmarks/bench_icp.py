@@ -7,7 +7,10 @@ fixed 30 iterations (tolerances 0), max correspondence distance 5 cm (about the
 unbounded nearest neighbour of the CUDA ICP project) and 1 cm. Rows: our CPU ICP on
 SciPy cKDTree (all cores), and on the GPU every ``build_index`` method that exists (brute,
 kdtree, grid); missing methods are listed as skipped. The index is built once (its build
-time is its own column) and reused by every timed call.
+time is its own column) and reused by every timed call. CPU peers (if importable), same
+points, distances and 30 fixed iterations: Open3D ``registration_icp`` point-to-point (its
+KDTreeFlann is built inside every call: timed on its own as build_ms and subtracted) and
+small_gicp ``align`` (``ICP``, all cores, k-d tree prebuilt, convergence epsilons 0).
 
 Table ``convergence``: point-to-point and point-to-plane ICP until convergence (criteria:
 relative fitness 1e-6, relative RMSE 1e-6, at most 100 iterations) on
@@ -20,17 +23,27 @@ relative fitness 1e-6, relative RMSE 1e-6, at most 100 iterations) on
 Max correspondence distance 5 cm for every row. Our time includes the index build and, for
 point-to-plane, target normals (k = 20); small_gicp (if importable) runs ``align`` on the
 same points with all cores (``downsampling_resolution`` 1e-5 m, i.e. effectively no
-downsampling) and includes its own preprocessing (k-d tree, normals). Errors: rotation
-(deg) and translation (mm) vs the ground truth.
+downsampling) and includes its own preprocessing (k-d tree, normals). Open3D (if importable,
+CPU only: it is too large to carry to the GPU machine) runs
+``open3d.pipelines.registration.registration_icp`` with ``ICPConvergenceCriteria``
+(relative fitness 1e-6, relative RMSE 1e-6, 100 iterations: the same rules as ours),
+point-to-point and point-to-plane (target normals from ``estimate_normals`` with
+``KDTreeSearchParamHybrid(radius=1 cm, max_nn=20)``, timed as open3d_normals_ms and included
+in open3d_ms); its iteration count is read from its debug log. Errors: rotation (deg) and
+translation (mm) vs the ground truth. On the CPU the 1M problem is left out (``--cpu-1m``
+adds it): each peer takes minutes there on 2 cores.
 
     python benchmarks/bench_icp.py --device cuda          # full sizes (bunny, 100k, 1M)
     python benchmarks/bench_icp.py --device cpu --quick   # smoke run, < 1 minute
+    python benchmarks/bench_icp.py --device cpu           # CPU sizes (bunny, 100k), with Open3D
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -57,8 +70,9 @@ NOTES = (
     "target normals (k=20, point-to-plane); small_gicp.align (all cores) includes its "
     "preprocessing. The loop stays on the device (search, fused reduction, float64 Jacobi solve "
     "of the 4x4/6x6 in a Triton kernel); the host checks convergence after chunks of 1, 2, 4, "
-    "8 steps (one transfer per chunk; steps past the stop are discarded). Targets (H100): <= 0.15 ms/iteration on the "
-    "bunny pair, <= 3 ms/iteration at 1M, whole ICP at 1M >= 100x faster than small_gicp."
+    "8 steps (one transfer per chunk; steps past the stop are discarded). Targets (H100): "
+    "<= 0.15 ms/iteration on the bunny pair, <= 3 ms/iteration at 1M, whole ICP at 1M >= 100x "
+    "faster than small_gicp."
 )
 
 
@@ -93,6 +107,96 @@ def run_small_gicp(sg, source: np.ndarray, target: np.ndarray, kind: str):
         except TypeError:
             continue
     raise RuntimeError("small_gicp.align: no known keyword set accepted")
+
+
+def _open3d():
+    try:
+        import open3d
+    except Exception:
+        return None
+    return open3d
+
+
+def _o3d_cloud(o3d, points) -> object:
+    return o3d.geometry.PointCloud(o3d.utility.Vector3dVector(np.asarray(points, np.float64)))
+
+
+def open3d_icp(o3d, source, target, *, max_dist: float, kind: str, iterations: int,
+               rel: float, count: bool = False):
+    """One Open3D ``registration_icp`` call -> (result, seconds, iterations or None).
+
+    ``count``: run at debug verbosity with stdout redirected to a file and count the
+    "ICP Iteration #" lines (legacy results carry no iteration count); not for timing.
+    """
+    reg = o3d.pipelines.registration
+    est = (reg.TransformationEstimationPointToPoint() if kind == "point_to_point"
+           else reg.TransformationEstimationPointToPlane())
+    crit = reg.ICPConvergenceCriteria(relative_fitness=rel, relative_rmse=rel,
+                                      max_iteration=iterations)
+    if not count:
+        t0 = time.perf_counter()
+        res = reg.registration_icp(source, target, max_dist, np.eye(4), est, crit)
+        return res, time.perf_counter() - t0, None
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)
+        o3d.utility.set_verbosity_level(o3d.utility.VerbosityLevel.Debug)
+        try:
+            t0 = time.perf_counter()
+            res = reg.registration_icp(source, target, max_dist, np.eye(4), est, crit)
+            el = time.perf_counter() - t0
+        finally:
+            o3d.utility.set_verbosity_level(o3d.utility.VerbosityLevel.Warning)
+            os.dup2(saved, 1)
+            os.close(saved)
+        f.seek(0)
+        n = len(re.findall(rb"ICP Iteration #", f.read()))
+    return res, el, n
+
+
+def per_iteration_peers(rec: Recorder, src: torch.Tensor, tgt: torch.Tensor, truth,
+                        iters: int, md: float) -> None:
+    """Open3D and small_gicp point-to-point for ``iters`` fixed iterations (CPU)."""
+    o3d, sg = _open3d(), _small_gicp()
+    base = dict(device="cpu", max_dist_m=md, n_source=src.shape[0], n_target=tgt.shape[0])
+    s_np, t_np = src.double().numpy(), tgt.double().numpy()
+    if o3d is not None:
+        s, t = _o3d_cloud(o3d, s_np), _o3d_cloud(o3d, t_np)
+        b = timeit(lambda: o3d.geometry.KDTreeFlann(t), warmup=1, repeat=5)["median_s"]
+        res, _, n = open3d_icp(o3d, s, t, max_dist=md, kind="point_to_point",
+                               iterations=iters, rel=0.0, count=True)
+        tm = timeit(lambda: open3d_icp(o3d, s, t, max_dist=md, kind="point_to_point",
+                                       iterations=iters, rel=0.0), warmup=1, repeat=3)
+        rot, trans = metrics.relative_error(np.asarray(res.transformation), truth)
+        rec.add("per_iteration", search="open3d KDTreeFlann", **base, iterations=n,
+                ms_per_iter=1e3 * (tm["median_s"] - b) / n, iqr_ms=1e3 * tm["iqr_s"] / n,
+                build_ms=1e3 * b, fitness=res.fitness, rot_err_deg=rot,
+                trans_err_mm=1e3 * trans, peer=f"open3d {o3d.__version__} registration_icp")
+    else:
+        rec.add("per_iteration", search="open3d", **base, skipped="not importable")
+    if sg is not None:
+        threads = os.cpu_count() or 1
+        s, t = sg.PointCloud(s_np), sg.PointCloud(t_np)
+        b = timeit(lambda: sg.KdTree(t, num_threads=threads), warmup=1, repeat=5)["median_s"]
+        tree = sg.KdTree(t, num_threads=threads)
+
+        def call():
+            return sg.align(t, s, tree, init_T_target_source=np.eye(4), registration_type="ICP",
+                            max_correspondence_distance=md, num_threads=threads,
+                            max_iterations=iters, rotation_epsilon=0.0,
+                            translation_epsilon=0.0)
+
+        res = call()
+        n = max(1, int(res.iterations))
+        tm = timeit(call, warmup=1, repeat=3)
+        rot, trans = metrics.relative_error(np.asarray(res.T_target_source), truth)
+        rec.add("per_iteration", search="small_gicp KdTree", **base, iterations=n,
+                ms_per_iter=1e3 * tm["median_s"] / n, iqr_ms=1e3 * tm["iqr_s"] / n,
+                build_ms=1e3 * b, rot_err_deg=rot, trans_err_mm=1e3 * trans,
+                peer=f"small_gicp align ICP, {threads} threads")
+    else:
+        rec.add("per_iteration", search="small_gicp", **base, skipped="not importable")
 
 
 def per_iteration(rec: Recorder, dev: torch.device, quick: bool) -> None:
@@ -135,36 +239,68 @@ def per_iteration(rec: Recorder, dev: torch.device, quick: bool) -> None:
                 sync_ms=1e3 * res.timings["sync"] / n_eval,
                 device_steps=res.info.get("device_steps"),
                 fitness=res.fitness, rot_err_deg=rot, trans_err_mm=1e3 * trans)
+        if d == "cpu":  # the CPU peers beside our CPU row
+            per_iteration_peers(rec, src, tgt, pair.T_target_source, iters, md)
 
 
-def problems(quick: bool):
+def problems(quick: bool, sizes=((100_000, "100k"), (1_000_000, "1M"))):
     pair = datasets.load_bunny_pair()
     if quick:
         cloud = datasets.random_subsample(pair.target, 5000, 0)
         yield "bunny5k-synthetic", datasets.make_pair(cloud, 10.0, 0.02, noise=JITTER, seed=0)
         return
     yield "bunny", pair
-    for n, name in ((100_000, "100k"), (1_000_000, "1M")):
+    for n, name in sizes:
         cloud = upsample(pair.target, n, JITTER, seed=n)
         yield name, datasets.make_pair(cloud, 10.0, 0.02, noise=JITTER, seed=0)
 
 
-def convergence(rec: Recorder, dev: torch.device, quick: bool) -> None:
+def open3d_convergence(o3d, p, kind: str, repeat: int) -> dict:
+    """Open3D registration_icp to convergence on pair ``p`` (CPU): the open3d_* fields."""
+    s = _o3d_cloud(o3d, p.source.double().numpy())
+    t = _o3d_cloud(o3d, p.target.double().numpy())
+    normals_s = 0.0
+    if kind == "point_to_plane":
+        def normals():
+            t.estimate_normals(o3d.geometry.KDTreeSearchParamHybrid(radius=0.01, max_nn=20))
+
+        normals_s = timeit(normals, warmup=1, repeat=repeat)["median_s"]
+    res, _, n = open3d_icp(o3d, s, t, max_dist=MAX_DIST, kind=kind, iterations=100, rel=1e-6,
+                           count=True)
+    tm = timeit(lambda: open3d_icp(o3d, s, t, max_dist=MAX_DIST, kind=kind, iterations=100,
+                                   rel=1e-6), warmup=1, repeat=repeat)
+    rot, trans = metrics.relative_error(np.asarray(res.transformation), p.T_target_source)
+    return dict(open3d_ms=1e3 * (tm["median_s"] + normals_s), open3d_icp_ms=1e3 * tm["median_s"],
+                open3d_normals_ms=1e3 * normals_s, open3d_iterations=n,
+                open3d_ms_per_iter=1e3 * tm["median_s"] / max(n, 1),
+                open3d_rot_err_deg=rot, open3d_trans_err_mm=1e3 * trans,
+                open3d_fitness=res.fitness)
+
+
+def convergence(rec: Recorder, dev: torch.device, quick: bool, cpu_1m: bool = False) -> None:
     sg = _small_gicp()
     if sg is None:
         rec.add("convergence", peer="small_gicp", skipped="not importable")
+    o3d = _open3d()
     crit = ConvergenceCriteria(max_iterations=100)
-    for name, p in problems(quick):
+    sizes = ((100_000, "100k"), (1_000_000, "1M"))
+    if dev.type == "cpu" and not cpu_1m:
+        sizes = sizes[:1]
+    for name, p in problems(quick, sizes):
         s, t = p.source.to(dev), p.target.to(dev)
         for method, sg_kind in (("point_to_point", "ICP"), ("point_to_plane", "PLANE_ICP")):
             def call(s=s, t=t, method=method):
                 return icp(s, t, max_correspondence_distance=MAX_DIST, method=method,
                            criteria=crit, device=dev)
 
+            t0 = time.perf_counter()
             res = call()
-            big = s.shape[0] > 200_000
-            tm = timeit(call, warmup=0 if big else 1, repeat=3 if (quick or big) else 7,
-                        device=dev)
+            first = time.perf_counter() - t0
+            # on the CPU a call over 5 s is timed once more (the first call was the warm-up)
+            big = s.shape[0] > 200_000 or (dev.type == "cpu" and first > 5)
+            tm = timeit(call, warmup=0 if big else 1,
+                        repeat=1 if (big and dev.type == "cpu") else
+                        3 if (quick or big or dev.type == "cpu") else 7, device=dev)
             rot, trans = metrics.relative_error(res.transformation, p.T_target_source)
             n_eval = len(res.history)
             row = dict(problem=name, n_source=s.shape[0], n_target=t.shape[0], method=method,
@@ -188,21 +324,42 @@ def convergence(rec: Recorder, dev: torch.device, quick: bool) -> None:
                                                           p.T_target_source)
                     row.update(small_gicp_ms=1e3 * float(np.median(times)),
                                small_gicp_iterations=int(sres.iterations),
+                               small_gicp_ms_per_iter=1e3 * float(np.median(times))
+                               / max(int(sres.iterations), 1),
                                small_gicp_rot_err_deg=srot,
                                small_gicp_trans_err_mm=1e3 * strans,
                                speedup=float(np.median(times)) / tm["median_s"])
                 except Exception as exc:  # record, never hide
                     row.update(small_gicp_error=f"{type(exc).__name__}: {exc}")
+            if o3d is not None and dev.type == "cpu":
+                try:
+                    o = open3d_convergence(o3d, p, method, 1 if (big or quick) else 3)
+                    row.update(**o, speedup_vs_open3d=o["open3d_ms"] / (1e3 * tm["median_s"]))
+                except Exception as exc:  # record, never hide
+                    row.update(open3d_error=f"{type(exc).__name__}: {exc}")
             rec.add("convergence", **row)
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0]).parse_args()
+    ap = parse_args(__doc__.splitlines()[0])
+    ap.add_argument("--cpu-1m", action="store_true", help="on the CPU, run the 1M problem too")
+    args = ap.parse_args()
     dev = torch.device(args.device)
     rec = Recorder("icp", dev, title="ICP: per-iteration time by search backend, and to "
                    "convergence vs small_gicp", notes=NOTES)
+    if dev.type == "cpu":
+        rec.title += " and Open3D"
+        rec.notes += (f" CPU run ({os.cpu_count()} cores, torch {torch.get_num_threads()} "
+                      "threads): ours on SciPy cKDTree (build_index 'auto' on the CPU); peers "
+                      "Open3D registration_icp and small_gicp (all cores), same inputs, "
+                      "distances and iteration caps; 1M left out on the CPU.")
+    load0 = os.getloadavg()[0]
     per_iteration(rec, dev, args.quick)
-    convergence(rec, dev, args.quick)
+    convergence(rec, dev, args.quick, args.cpu_1m)
+    if dev.type == "cpu":
+        rec.notes += (f" Load average (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} "
+                      f"at the end, on {os.cpu_count()} cores (other processes shared the "
+                      "machine).")
     if not args.quick:
         rec.save()
     else:

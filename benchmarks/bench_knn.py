@@ -9,14 +9,24 @@ Workloads (N queries against M = N points, float32):
 
 Methods: ``brute`` (fused Triton kernel), ``grid`` (VoxelGridIndex, automatic cell),
 ``grid_within`` (``nearest_within(cell)`` with the cell = 1.5 x the mean NN spacing, the
-ICP correspondence query), ``kdtree`` (KDTreeIndex, when present), ``ckdtree``; peers SciPy
-cKDTree (workers=-1), pykdtree (if importable) and a plain PyTorch brute force
-(``torch.cdist`` + ``topk`` in chunks). Build and query are timed separately (an index is
-built once and queried every ICP iteration). ``max_err`` is the largest squared-distance
-error against cKDTree on a 2,000-query sample.
+ICP correspondence query), ``kdtree`` (KDTreeIndex, when present), ``ckdtree`` (SciPy
+cKDTree behind our Index; ``build_index("auto")`` on the CPU); peers SciPy cKDTree
+(workers=-1), pykdtree (if importable), Open3D (if importable: ``open3d.core.nns.
+NearestNeighborSearch`` on CPU tensors, ``knn_index`` + ``knn_search``, multithreaded) and a
+plain PyTorch brute force (``torch.cdist`` + ``topk`` in chunks). Build and query are timed
+separately (an index is built once and queried every ICP iteration). ``max_err`` is the
+largest squared-distance error against cKDTree on a 2,000-query sample. ``query_vs_ours`` /
+``total_vs_ours``: a row's query / build + query time over our fastest method's in the same
+case (> 1: slower than ours).
+
+On the CPU (Open3D is too large to carry to the GPU machine, so it is compared here) each
+of our rows has a time budget (``--row-budget``, default 30 s for one query call): a method
+whose call is predicted (from its time at the previous size, scaled by N) to exceed it is
+skipped and says so.
 
     python benchmarks/bench_knn.py --device cuda          # 1e4, 1e5, 1e6
     python benchmarks/bench_knn.py --device cpu --quick   # smoke run, < 1 minute
+    python benchmarks/bench_knn.py --device cpu           # CPU results with Open3D
 """
 
 from __future__ import annotations
@@ -46,8 +56,12 @@ NOTES = (
     "target surface fall through to coarser grids (built on first use, so not in build_ms; "
     "likewise the k=16 grid, whose cells are scaled for 16 neighbours). Rows marked skipped "
     "were estimated too slow to run (O(N M) peers at 1M). max_err: squared distance vs "
-    "cKDTree on a sample (inf = a missing neighbour)."
+    "cKDTree on a sample (inf = a missing neighbour). query_vs_ours/total_vs_ours: over our "
+    "fastest method in the same case (grid_within excluded: a different query)."
 )
+
+#: our methods (the rest are peers); grid_within answers another query and is not compared
+OURS = ("grid", "brute", "kdtree", "ckdtree")
 
 
 def upsample(points: torch.Tensor, n: int, jitter: float, seed: int) -> torch.Tensor:
@@ -87,9 +101,47 @@ def _timed(fn, device, budget_s: float = 0.5, quick: bool = False):
     fn()
     sync()
     probe = time.perf_counter() - t0
+    if probe > 10 and torch.device(device).type == "cpu":
+        return {"median_s": probe, "iqr_s": 0.0, "repeat": 1}  # slow CPU call: timed once
     if probe > budget_s:
         return timeit(fn, warmup=0, repeat=3 if probe < 5 else 1, device=device)
     return timeit(fn, warmup=2, repeat=7, device=device)
+
+
+def open3d_nns():
+    """``open3d.core`` (guarded import), or None."""
+    try:
+        import open3d.core as o3c
+    except Exception:
+        return None
+    return o3c
+
+
+def cpu_host() -> str:
+    """CPU model and core count of this machine (for the notes)."""
+    model = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{model or 'unknown CPU'}, {os.cpu_count()} cores, "
+            f"torch {torch.get_num_threads()} threads")
+
+
+def _ratios(rows) -> None:
+    """Add query_vs_ours / total_vs_ours to the rows of one case (ours: our fastest)."""
+    ours = [r for r in rows if r["method"] in OURS and r["query_ms"] is not None]
+    if not ours:
+        return
+    q0 = min(r["query_ms"] for r in ours)
+    t0 = min(r["total_ms"] for r in ours)
+    for r in rows:
+        if r["query_ms"] is not None:
+            r["query_vs_ours"] = round(r["query_ms"] / q0, 3) if q0 > 0 else None
+            r["total_vs_ours"] = round(r["total_ms"] / t0, 3) if t0 > 0 else None
 
 
 def _err(d, sample, ref_d) -> float:
@@ -107,14 +159,20 @@ def bench_case(rec, c, k: int) -> None:
         c.p, c.q, c.p_cpu, c.q_cpu, c.tree, c.sample, c.ref, c.within)
     has_kdtree, cKDTree, PyKDTree = c.has_kdtree, c.cKDTree, c.PyKDTree
 
+    case_rows = []
+
     def row(method, build_s, q_stats, d=None, note=""):
         err = _err(d, sample, ref[k]) if d is not None else None
         ms = (lambda s: None if s is None else round(s * 1e3, 3))  # noqa: E731
-        rec.add(dataset=ds, n=n, m=n, k=k, method=method, build_ms=ms(build_s),
-                query_ms=ms(q_stats and q_stats["median_s"]),
-                query_iqr_ms=ms(q_stats and q_stats["iqr_s"]),
-                total_ms=ms(q_stats and (build_s or 0) + q_stats["median_s"]),
-                max_err=err, note=note)
+        r = dict(dataset=ds, n=n, m=n, k=k, method=method, build_ms=ms(build_s),
+                 query_ms=ms(q_stats and q_stats["median_s"]),
+                 query_iqr_ms=ms(q_stats and q_stats["iqr_s"]),
+                 total_ms=ms(q_stats and (build_s or 0) + q_stats["median_s"]),
+                 max_err=err, note=note)
+        case_rows.append(r)
+        rec.add(**r)
+        if q_stats is not None and method in OURS:
+            c.last[(ds, method, k)] = (n, q_stats["median_s"])
 
     methods = ["grid", "brute", "ckdtree"] + (["kdtree"] if has_kdtree else [])
     for method in methods:
@@ -123,12 +181,21 @@ def bench_case(rec, c, k: int) -> None:
             continue
         if method == "ckdtree" and dev.type == "cuda":
             continue  # the same tree as the SciPy peer below, plus copies
+        prev = c.last.get((ds, method, k))
+        if args.row_budget and prev is not None:
+            est = prev[1] * n / prev[0] * 1.2
+            if est > args.row_budget:
+                row(method, None, None, note=f"skipped: one query call estimated {est:.0f} s "
+                    f"> row budget {args.row_budget:g} s")
+                continue
         try:
             b = timeit(lambda m=method: build_index(p, m), warmup=nb - 1,
                        repeat=nb, device=dev)["median_s"]
             ix = build_index(p, method)
             st = _timed(lambda ix=ix: ix.knn(q, k), dev, quick=args.quick)
-            row(method, b, st, ix.knn(q, k).dists)
+            note = "= build_index('auto') on CPU" if (method == "ckdtree"
+                                                       and dev.type == "cpu") else ""
+            row(method, b, st, ix.knn(q, k).dists, note=note)
             if method == "grid" and k == 1:
                 gx = build_index(p, "grid", cell_size=within)
                 b2 = timeit(lambda: build_index(p, "grid", cell_size=within),
@@ -149,25 +216,50 @@ def bench_case(rec, c, k: int) -> None:
         pk = PyKDTree(pn)
         st = _timed(lambda: pk.query(qn, k=k), "cpu", quick=args.quick)
         row("pykdtree", b, st, note="host")
+    o3c = c.o3c
+    if o3c is not None and dev.type == "cpu":
+        # Open3D's batched CPU search (nanoflann, parallel over queries), same float32 inputs
+        pt, qt = o3c.Tensor.from_numpy(pn), o3c.Tensor.from_numpy(qn)
+
+        def o3d_build(pt=pt):
+            nns = o3c.nns.NearestNeighborSearch(pt)
+            nns.knn_index()
+            return nns
+
+        b = timeit(o3d_build, warmup=nb - 1, repeat=nb)["median_s"]
+        nns = o3d_build()
+        st = _timed(lambda: nns.knn_search(qt, k), "cpu", quick=args.quick)
+        d2 = torch.from_numpy(nns.knn_search(qt, k)[1].numpy()).reshape(n, k)
+        row("open3d_nns", b, st, d2, note="host, core.nns knn_search")
     if n * n <= (1e11 if dev.type == "cuda" else 1e8):
         st = _timed(lambda: torch_brute(p, q, k), dev, quick=args.quick)
         row("torch_cdist_topk", 0.0, st, torch_brute(p, q, k)[0])
     else:
         row("torch_cdist_topk", None, None, note="skipped: O(N M)")
+    _ratios(case_rows)
 
 
 def main() -> None:
     ap = parse_args(__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=None)
     ap.add_argument("--datasets", nargs="*", default=["uniform", "bunny"])
+    ap.add_argument("--row-budget", type=float, default=None,
+                    help="skip our methods whose query call is predicted to exceed this many "
+                         "seconds (default: 30 on CPU, none on CUDA)")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if args.row_budget is None:
+        args.row_budget = 30.0 if dev.type == "cpu" else 0.0
     nb = 1 if args.quick else 3  # timed builds
     sizes = args.sizes or ([1_000, 3_000] if args.quick else [10_000, 100_000, 1_000_000])
     rec = Recorder("knn", dev, title="Exact nearest-neighbour search (1-NN, k=16)",
                    notes=NOTES, columns=["dataset", "n", "m", "k", "method", "build_ms",
                                          "query_ms", "query_iqr_ms", "total_ms", "max_err",
-                                         "note"])
+                                         "query_vs_ours", "total_vs_ours", "note"])
+    if dev.type == "cpu":
+        rec.notes += (f" CPU run: {cpu_host()}; our grid/kdtree/brute run their PyTorch "
+                      f"reference paths here; row budget {args.row_budget:g} s per query call; a "
+                      "CPU call over 10 s is timed once (its first call, no warm-up).")
     try:
         from scipy.spatial import cKDTree
     except ImportError:  # pragma: no cover
@@ -182,6 +274,9 @@ def main() -> None:
     except ImportError:
         has_kdtree = False
 
+    o3c = open3d_nns()
+    load0 = os.getloadavg()[0]
+    last: dict = {}  # (dataset, method, k) -> (n, seconds): our previous size, for the budget
     for ds in args.datasets:
         for n in sizes:
             p_cpu, q_cpu = problem(ds, n)
@@ -196,10 +291,18 @@ def main() -> None:
             within = 1.5 * spacing
             c = SimpleNamespace(args=args, dev=dev, nb=nb, ds=ds, n=n, p=p, q=q, p_cpu=p_cpu,
                                 q_cpu=q_cpu, tree=tree, sample=sample, ref=ref, within=within,
-                                has_kdtree=has_kdtree, cKDTree=cKDTree, PyKDTree=PyKDTree)
+                                has_kdtree=has_kdtree, cKDTree=cKDTree, PyKDTree=PyKDTree,
+                                o3c=o3c, last=last)
             for k in (1, 16):
                 bench_case(rec, c, k)
-    rec.save()
+    if dev.type == "cpu":
+        rec.notes += (f" Load average (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} "
+                      f"at the end, on {os.cpu_count()} cores (other processes shared the "
+                      "machine; compare rows within one case, measured minutes apart at most).")
+    if args.quick:
+        print("quick run: results not saved")  # never overwrite full results with a smoke run
+    else:
+        rec.save()
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def metadata(device: str | torch.device) -> dict[str, Any]:
     for mod in ("numpy", "scipy", "triton", "pykdtree", "small_gicp", "open3d"):
         try:
             m = __import__(mod)
-            versions[mod] = getattr(m, "__version__", "?")
+            versions[mod] = getattr(m, "__version__", None) or _dist_version(mod)
         except Exception:
             pass
     return {
@@ -90,7 +90,36 @@ def metadata(device: str | torch.device) -> dict[str, Any]:
         "device_type": torch.device(device).type,
         "versions": versions,
         "command": " ".join(["python"] + sys.argv),
+        "host": host_info(),
     }
+
+
+def _dist_version(module: str) -> str:
+    """Installed distribution version for modules without ``__version__`` (pykdtree,
+    small_gicp), or "?"."""
+    from importlib import metadata as md
+
+    for name in (module, module.replace("_", "-")):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return "?"
+
+
+def host_info() -> dict[str, Any]:
+    """CPU model, cores and torch threads of the machine running the benchmark."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
 
 
 class Recorder:
