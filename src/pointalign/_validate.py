@@ -10,6 +10,7 @@ wanted device and dtype is returned as is (callers must not write into it).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -276,3 +277,27 @@ def in_range(value: float, name: str, lo: float, hi: float) -> float:
     if not (lo < v < hi):
         raise ValueError(f"{name}: must lie strictly between {lo} and {hi}, got {value}")
     return v
+
+
+def out_of_memory_is_clear(fn):
+    """Decorate a public entry point: GPU out-of-memory becomes a clear ``MemoryError``.
+
+    The search kernels already fall back to smaller tiles on their own; what still runs out
+    of memory (a problem too large for the device as a whole) raises ``MemoryError`` naming
+    the function and the way out, instead of a raw CUDA error from deep inside. The cached
+    blocks are released first; the inputs are untouched (they are never written to).
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            raise MemoryError(
+                f"{fn.__name__}: the device ran out of memory ({first[:200]}). Downsample the "
+                "clouds (pointalign.features.downsample.voxel_downsample), split a batch into "
+                "smaller ones, or pass device='cpu'") from exc
+
+    return wrapper

@@ -75,6 +75,7 @@ def _segment_mean(values: torch.Tensor, order: torch.Tensor, ends: torch.Tensor,
     return shift + sums / counts[:, None].to(torch.float64)
 
 
+@_validate.out_of_memory_is_clear
 def voxel_downsample(cloud: Any, voxel_size: float) -> Any:
     """Replace the points of every occupied voxel by their centroid.
 

@@ -31,6 +31,7 @@ from pointalign.kernels import fpfh as _kernels
 FPFH_DIM = 33
 
 
+@_validate.out_of_memory_is_clear
 def fpfh(
     cloud_or_points: Any,
     *,

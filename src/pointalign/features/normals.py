@@ -148,6 +148,7 @@ def _neighbour_covariances(pts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor
     return d.transpose(1, 2) @ d / cnt[..., None]
 
 
+@_validate.out_of_memory_is_clear
 def estimate_normals(
     points: Any,
     *,

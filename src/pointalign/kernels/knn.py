@@ -31,6 +31,8 @@ MAX_TRITON_K = 32
 
 #: Pairs per tile of the reference (memory is about 3 x this many elements).
 _TILE_PAIRS = 1 << 22
+#: the smallest tile the out-of-memory fallback of :func:`knn_tiles` tries
+_MIN_TILE_PAIRS = 1 << 16
 
 
 def _check(query: torch.Tensor, points: torch.Tensor, k: int,
@@ -70,7 +72,8 @@ def knn_tiles(query: torch.Tensor, points: torch.Tensor, k: int,
         ``(dists_sq (N, k), idx (N, k) int64)``; see the module docstring for ties/padding.
 
     Dispatch: Triton on CUDA (and under ``TRITON_INTERPRET=1``) for ``k <= 32``; the chunked
-    PyTorch reference :func:`knn_reference` otherwise (also for ``k > 32`` on CUDA).
+    PyTorch reference :func:`knn_reference` otherwise (also for ``k > 32`` on CUDA), whose
+    tiles shrink fourfold on each out-of-memory error.
 
     """
     _check(query, points, k, max_distance_sq)
@@ -83,7 +86,17 @@ def knn_tiles(query: torch.Tensor, points: torch.Tensor, k: int,
         from pointalign.kernels import _knn_triton
 
         return _knn_triton.knn(query, points, k, max_distance_sq)
-    return knn_reference(query, points, k, max_distance_sq)
+    # out of device memory: retry with tiles a quarter the size, down to 2^16 pairs
+    tile = _TILE_PAIRS
+    while True:
+        try:
+            return knn_reference(query, points, k, max_distance_sq, tile_pairs=tile)
+        except torch.OutOfMemoryError:
+            if tile <= _MIN_TILE_PAIRS:
+                raise
+            tile //= 4
+            if query.is_cuda:
+                torch.cuda.empty_cache()
 
 
 def _sort_rows(d: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

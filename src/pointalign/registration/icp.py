@@ -411,6 +411,7 @@ def _information(sums: torch.Tensor, plane: bool, c: torch.Tensor) -> torch.Tens
     return H
 
 
+@_validate.out_of_memory_is_clear
 def icp(
     source: Any,
     target: Any,

@@ -70,6 +70,7 @@ def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int =
     return best_v
 
 
+@_validate.out_of_memory_is_clear
 def register(
     source: Any,
     target: Any,

@@ -192,6 +192,7 @@ def required_hypotheses(inlier_ratio: float, confidence: float, sample_size: int
     return math.log(1.0 - confidence) / math.log1p(-ws)
 
 
+@_validate.out_of_memory_is_clear
 def ransac(
     source: Any,
     target: Any,

@@ -244,6 +244,7 @@ def _per_pair(value, name, default, B, dev, *, allow_inf=False):
 # --------------------------------------------------------------------------------------
 
 
+@_validate.out_of_memory_is_clear
 def emicp(
     source: Any,
     target: Any,
@@ -367,6 +368,7 @@ def emicp(
 # --------------------------------------------------------------------------------------
 
 
+@_validate.out_of_memory_is_clear
 def softassign(
     source: Any,
     target: Any,

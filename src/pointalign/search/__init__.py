@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pointalign import _validate
 from pointalign.search import _checks
 from pointalign.search.base import Index, KnnResult
 from pointalign.search.brute import BruteForceIndex
@@ -50,6 +51,7 @@ def _kdtree_class():
     return KDTreeIndex
 
 
+@_validate.out_of_memory_is_clear
 def build_index(points: Any, method: str = "auto", *, cell_size: float | None = None,
                 max_distance: float | None = None, device: str | torch.device | None = None,
                 **kw: Any) -> Index:
