@@ -442,3 +442,16 @@ def test_cuda_graph_matches_eager(seed, method, monkeypatch):
     assert eager.info["cuda_graph"] == "off"
     assert res.iterations == eager.iterations and res.stop_reason == eager.stop_reason
     np.testing.assert_allclose(res.transformation, eager.transformation, atol=1e-6)
+    # a later call with the same index and sizes replays the kept graph on its own inputs
+    g = torch.Generator().manual_seed(seed)
+    s2 = s + 1e-3 * torch.randn(s.shape, generator=g).cuda()
+    init = transforms.random_transform(3.0, 0.005, generator=g)
+    eager2 = icp(s2, t, init=init, **kw)
+    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", True)
+    again = icp(s2, t, init=init, **kw)
+    assert again.info["cuda_graph"] == "reused", again.info["cuda_graph"]
+    assert again.iterations == eager2.iterations and again.stop_reason == eager2.stop_reason
+    np.testing.assert_allclose(again.transformation, eager2.transformation, atol=1e-6)
+    # another index (even over the same points) captures its own graph
+    other = icp(s2, t, init=init, **dict(kw, index=build_index(t, "grid", max_distance=0.01)))
+    assert other.info["cuda_graph"] == "captured"

@@ -150,10 +150,36 @@ def _default_index(pts: torch.Tensor, max_dist: float, build_index):
 #: synchronisation; steps run past a stop (at most CHUNK - 1) are discarded.
 CHUNK = 8
 
-#: Replay the CHUNK-step chunks of a single (unbatched) problem from a CUDA graph captured
-#: once per call (no per-launch host overhead); falls back to eager launches if the capture
-#: fails. info["cuda_graph"] says which happened.
+#: Replay the CHUNK-step chunks of a single (unbatched) problem from a CUDA graph (no
+#: per-launch host overhead); falls back to eager launches if the capture fails.
+#: info["cuda_graph"] says which happened ("captured", "reused", a failure, or "off").
 USE_CUDA_GRAPHS = True
+#: Captured graphs kept for later calls with the same index and problem shape (least
+#: recently used first out). Each holds its own copy of the inputs (source, target,
+#: normals, ~3 floats per point each), refreshed by a device copy on every call.
+GRAPH_CACHE_SIZE = 4
+_graphs: dict[tuple, dict] = {}
+
+
+def _cached_graph(key: tuple, ix: Any) -> dict:
+    """The graph record stored under ``key`` when it was captured for this very index
+    (moved to the most recent place), else an empty record for this call to fill."""
+    rec = _graphs.pop(key, None)
+    if rec is not None and rec["index"]() is ix:
+        _graphs[key] = rec
+        return rec
+    return {}
+
+
+def _store_graph(key: tuple, ix: Any, rec: dict) -> None:
+    """Keep ``rec`` for later calls while ``ix`` lives (dropped when it is collected)."""
+    def forget(_ref, key=key):
+        _graphs.pop(key, None)
+
+    rec["index"] = weakref.ref(ix, forget)
+    _graphs[key] = rec
+    while len(_graphs) > GRAPH_CACHE_SIZE:
+        _graphs.pop(next(iter(_graphs)))
 
 
 def _spatial_order(points: torch.Tensor) -> torch.Tensor:
@@ -575,9 +601,10 @@ def icp(
                 torch.empty(k_steps, B, 4, 4, dtype=torch.float32, device=dev),
                 torch.empty(k_steps, B, 2, dtype=torch.int32, device=dev))
 
-    def steps(k_steps: int, T_in, Tf_in, bufs, lens_eff):
+    def steps(k_steps: int, T_in, Tf_in, bufs, lens_eff, data):
         """Enqueue ``k_steps`` device steps from ``T_in``; returns the record (device)."""
         sums_r, D_r, T_r, Tf_r, fl_r = bufs
+        src, tgt_k, normals, center_dev = data
         with _checks.trusted_queries():
             for k in range(k_steps):
                 x = torch.baddbmm(Tf_in[:, None, :3, 3], src, Tf_in[:, :3, :3].transpose(1, 2))
@@ -598,30 +625,41 @@ def icp(
         return torch.cat([sums_r, D_r.view(n, B, 16), T_r.view(n, B, 16),
                           fl_r.to(torch.float64)], -1)
 
-    graph: dict = {}
+    data = (src, tgt_k, normals, center_dev)
+    use_graph = single and USE_CUDA_GRAPHS and dev.type == "cuda"
+    gkey = (id(idxs[0]), N, tuple(tgt_k.shape), plane, kind, scale, max_dist, eps, str(dev))
+    graph: dict = _cached_graph(gkey, idxs[0]) if use_graph else {}
+    reused = "g" in graph
+    if reused:  # the captured graph reads its own copies of the inputs: refresh them
+        for buf, x in zip(graph["data"], data + (slens,), strict=True):
+            if buf is not None:
+                buf.copy_(x)
 
     def graphed_chunk():
-        """CHUNK steps replayed from a CUDA graph (captured on first use in this call), or
-        None where graphs are off or the capture failed (then the steps run eagerly).
+        """CHUNK steps replayed from a CUDA graph (captured on first use, or kept from an
+        earlier call), or None where graphs are off or the capture failed (then the steps
+        run eagerly).
         """
-        if not (single and USE_CUDA_GRAPHS and dev.type == "cuda") or graph.get("failed"):
+        if not use_graph or graph.get("failed"):
             return None
         if "g" not in graph:
             T_in, Tf_in, bufs = T_cur.clone(), Tf_cur.clone(), alloc(CHUNK)
+            static = tuple(None if x is None else x.clone() for x in data + (slens,))
             try:
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):  # warm-up outside the capture (allocations)
-                    steps(1, T_in, Tf_in, bufs, slens)
+                    steps(1, T_in, Tf_in, bufs, static[-1], static[:-1])
                 torch.cuda.current_stream(dev).wait_stream(side)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    rec_dev = steps(CHUNK, T_in, Tf_in, bufs, slens)
+                    rec_dev = steps(CHUNK, T_in, Tf_in, bufs, static[-1], static[:-1])
             except Exception as exc:  # e.g. an index whose query synchronises
                 graph["failed"] = f"{type(exc).__name__}: {exc}"[:300]
                 torch.cuda.synchronize(dev)
                 return None
-            graph.update(g=g, T_in=T_in, Tf_in=Tf_in, bufs=bufs, rec=rec_dev)
+            graph.update(g=g, T_in=T_in, Tf_in=Tf_in, bufs=bufs, rec=rec_dev, data=static)
+            _store_graph(gkey, idxs[0], graph)
         graph["T_in"].copy_(T_cur)
         graph["Tf_in"].copy_(Tf_cur)
         graph["g"].replay()
@@ -640,7 +678,7 @@ def icp(
             else:
                 lens_eff = torch.where(torch.as_tensor(active, device=dev), slens,
                                        torch.zeros_like(slens))
-            rec_dev = steps(k_steps, T_cur, Tf_cur, bufs, lens_eff)
+            rec_dev = steps(k_steps, T_cur, Tf_cur, bufs, lens_eff, data)
         T_cur, Tf_cur = bufs[2][-1], bufs[3][-1]
         tr = time.perf_counter()
         rec = rec_dev.cpu().numpy()  # the one transfer
@@ -654,7 +692,9 @@ def icp(
             fl_h.append(rec[k, :, 62:64] > 0.5)
 
     max_it = int(crit.max_iterations)
-    chunk = [1]
+    # steps per host check: 1, 2, 4, ... CHUNK; whole chunks at once when a kept graph makes
+    # them cheap to launch (steps past a stop are discarded either way)
+    chunk = [CHUNK if reused else 1]
 
     def need(j: int) -> None:
         """Make sure sums_j (step j) is on the host."""
@@ -726,7 +766,8 @@ def icp(
     info = {"H": H, "per_iteration_s": timings["iterate"] / n_eval,
             "method": method, "index": type(idxs[0]).__name__,
             "rank_deficient": rank_deficient, "device_steps": info_steps,
-            "cuda_graph": ("captured" if "g" in graph else graph.get("failed", "off"))}
+            "cuda_graph": ("reused" if reused else "captured" if "g" in graph
+                           else graph.get("failed", "off"))}
     Tn = T
     if batched:
         return RegistrationResult(
