@@ -162,8 +162,10 @@ _graphs: dict[tuple, dict] = {}
 
 
 def _cached_graph(key: tuple, ix: Any) -> dict:
-    """The graph record stored under ``key`` when it was captured for this very index
-    (moved to the most recent place), else an empty record for this call to fill."""
+    """Return the graph record kept under ``key`` for this very index, or an empty one.
+
+    A hit moves to the most recent place; a miss is filled by this call's capture.
+    """
     rec = _graphs.pop(key, None)
     if rec is not None and rec["index"]() is ix:
         _graphs[key] = rec
@@ -636,9 +638,10 @@ def icp(
                 buf.copy_(x)
 
     def graphed_chunk():
-        """CHUNK steps replayed from a CUDA graph (captured on first use, or kept from an
-        earlier call), or None where graphs are off or the capture failed (then the steps
-        run eagerly).
+        """Replay CHUNK steps from a CUDA graph; None where graphs are off or failed.
+
+        The graph is captured on first use or kept from an earlier call; without one the
+        steps run eagerly.
         """
         if not use_graph or graph.get("failed"):
             return None
