@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from pointalign import _validate, estimate, transforms
-from pointalign.kernels import kdtree as _kd
 from pointalign.features.normals import symmetric_eigh3
+from pointalign.kernels import kdtree as _kd
 from pointalign.kernels import surface as _ks
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.result import RegistrationResult
@@ -59,18 +59,22 @@ MIN_CELL_POINTS = 8
 LEAF_SIZE = 8
 #: Armijo halvings tried before the step counts as failed (then: next level, or stop)
 MAX_BACKTRACKS = 12
-#: coarse to fine: the requested approximant is used on the last this many levels, the point
-#: approximant (far field) before
-NEAR_LEVELS = 3
-#: approximate ICP's coarse-to-fine schedule starts only this many levels up
-AICP_COARSE_LEVELS = 6
-#: a coarse level is left when the objective changes by less than this, relatively, or after
-#: LEVEL_MAX_ITERATIONS steps (the finest level runs to ``criteria``)
+#: a coarse level is left when the objective changes by less than this, relatively
 LEVEL_RELATIVE_CHANGE = 1e-3
-LEVEL_MAX_ITERATIONS = 10
 #: with ``tree_depth=None`` the iteration starts this many levels above the finest level
 #: (but not above level 3: at least 8 cells)
 COARSE_LEVELS = 6
+#: approximate ICP starts this many levels above the finest (cells of ~1000 points: cell-mean
+#: ICP on smaller cells stalls ~15° off at 15-30° motions on the bunny, measured)
+AICP_COARSE_LEVELS = 7
+#: Newton moves to the deepest level whose median cell radius is at least this many times
+#: the motion still expected
+CELL_MARGIN = 2.0
+#: approximate ICP (linear convergence: the step underestimates the remaining motion)
+#: uses a wider margin
+AICP_MARGIN = 8.0
+#: default stop thresholds relative to float32 (see :func:`default_criteria`)
+STOP_RELATIVE = 1e-5
 
 Approximant = str | Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                              tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -323,6 +327,41 @@ def _result(T, fitness, rmse, it, converged, reason, history, timings, info):
 # ----------------------------------------------------------------------------- Newton
 
 
+def default_criteria(points: torch.Tensor) -> ConvergenceCriteria:
+    """Stop rule for float32 clouds, scaled to ``points (N, 3)``.
+
+    ``||T_step − I||`` small: the accepted step rotates by less than 1e-5 rad and moves the
+    centroid by less than 1e-5 of the cloud's RMS radius (about 300× float32 rounding of the
+    coordinates); or the RMS approximate distance changes by less than 1e-5 relatively (the
+    float32 objective is reproducible to about 1e-6 at 10⁶ points); at most 50 steps.
+    """
+    p = points.double()
+    radius = float(((p - p.mean(0)) ** 2).sum(-1).mean().sqrt())
+    return ConvergenceCriteria(max_iterations=50, relative_rmse=STOP_RELATIVE,
+                               rotation_tolerance=STOP_RELATIVE,
+                               translation_tolerance=STOP_RELATIVE * max(radius, 1e-30))
+
+
+def _level_radii(tree: KDTreeIndex, levels: list[int]) -> list[float]:
+    """Median RMS radius of the cells of each level in ``levels`` (cached per node)."""
+    key = "surface:radius"
+    if not tree.has_payload(key):
+        pts = tree.points.double()
+        size = tree.node_sizes().double().clamp_min(1)
+        mean = tree.node_sums(pts) / size[:, None]
+        sq = tree.node_sums((pts * pts).sum(-1)) / size
+        tree.attach(key, (sq - (mean * mean).sum(-1)).clamp_min(0).sqrt().float())
+    r = tree.payload(key)
+    return torch.stack([r[tree.level_nodes(lv)].median() for lv in levels]).tolist()
+
+
+def _rms_displacement(D: torch.Tensor, cov: torch.Tensor, centroid: torch.Tensor) -> float:
+    """RMS of ``||D x − x||`` over points with ``centroid (3,)`` and covariance ``cov (3, 3)``."""
+    M = D[:3, :3] - torch.eye(3, dtype=D.dtype)
+    mean_disp = M @ centroid + D[:3, 3]
+    return math.sqrt(max(float((M @ cov @ M.T).trace() + mean_disp @ mean_disp), 0.0))
+
+
 def surface_newton(
     source: Any,
     target: Any = None,
@@ -338,18 +377,29 @@ def surface_newton(
 ) -> RegistrationResult:
     """Register ``source`` to ``target`` by damped Newton steps on ``Σ_q d̂²(R q + t)``.
 
+    Coarse to fine (``tree_depth=None``): the iteration starts :data:`COARSE_LEVELS` levels
+    above the finest, where cells are large enough for a lookup without backtracking to stay
+    on the right piece of surface while the motion is large (the point approximant, ICP to
+    the cell means, starts :data:`AICP_COARSE_LEVELS` up). After each accepted step it
+    moves to the deepest level whose typical cell radius is at least :data:`CELL_MARGIN`
+    (point: :data:`AICP_MARGIN`) times the motion still expected (the step's RMS displacement of the
+    source, stretched by the observed rate of convergence); the stop rule applies on the
+    finest level only. With ``tree_depth`` given, that one level is used throughout.
+
     Args:
         source: ``(N, 3)`` points (array, tensor or PointCloud), the query surface.
         target: ``(M, 3)`` points, the template; may be None when ``index`` is given.
         approximant: ``"point"``, ``"plane"``, ``"second_order"`` or a callable (module
             docstring).
-        tree_depth: tree level whose approximants are used (default: the deepest level whose
-            cells hold at least 8 points). Smaller is coarser, faster to converge from far.
+        tree_depth: tree level whose approximants are used (default: coarse to fine, down to
+            the deepest level whose cells hold at least 8 points).
         init: ``(4, 4)`` initial ``T_target_source`` (default identity).
-        criteria: iteration cap; stops when the accepted step rotates by less than
-            ``rotation_tolerance`` and moves by less than ``translation_tolerance``
-            ("small_update"), or the objective changes by less than ``relative_rmse``
-            relatively ("relative_change"), or no step decreases it ("line_search").
+        criteria: iteration cap; stops when the Newton step ``ξ = (ω, τ)`` rotates by less
+            than ``rotation_tolerance`` and moves the centroid by less than
+            ``translation_tolerance`` ("small_update", i.e. ``||T(ξ) − I||`` small), or the
+            RMS approximate distance changes by less than ``relative_rmse`` relatively
+            ("relative_change"), or no step decreases it ("line_search"). Default:
+            :func:`default_criteria` (float32-aware, scaled to the source).
         device: compute device (default: the source's).
         index: a :class:`~pointalign.search.kdtree.KDTreeIndex` over the target, reused across
             calls with its cached approximants (build it once: ``KDTreeIndex(target)``).
@@ -359,14 +409,18 @@ def surface_newton(
             ``f(α) − f(0) <= σ α ∇fᵀξ``.
 
     Returns:
-        :class:`RegistrationResult`; ``fitness`` is the fraction of terms within the
-        truncation distance (1 without one), ``rmse`` the RMS approximate distance over them,
-        ``info`` holds the final ``F`` (6×6), ``objective`` and ``tree_depth``.
+        :class:`RegistrationResult`; ``iterations`` counts Newton steps (one 6×6 solve
+        each); ``fitness`` is the fraction of terms within the truncation distance (1
+        without one), ``rmse`` the RMS approximate distance over them, ``info`` holds the
+        final ``F`` (6×6), ``objective``, ``tree_depth`` and the number of objective passes
+        (``passes``, Armijo trials included).
 
     """
     t_start = time.perf_counter()
     src, tree, T, crit, depth = _setup(source, target, init, criteria, device, index,
                                        tree_depth)
+    if criteria is None:
+        crit = default_criteria(src)
     beta, sigma = armijo
     if not (0 < beta < 1 and 0 < sigma < 1):
         raise ValueError(f"armijo: expected 0 < beta, sigma < 1, got {armijo}")
@@ -375,45 +429,57 @@ def surface_newton(
         tau2 = _validate.positive(max_correspondence_distance,
                                   "max_correspondence_distance") ** 2
     t0 = time.perf_counter()
-    co_fine = approximant_coefficients(tree, approximant)
-    levels = _schedule(tree, depth, tree_depth)
-    # far field: while the schedule is on coarse levels, the point approximant (eq. 4) pulls
-    # the whole cloud in; the requested one takes over for the last NEAR_LEVELS levels
-    co_far = approximant_coefficients(tree, "point") if len(levels) > NEAR_LEVELS else co_fine
-    _sync(co_fine)
+    co = approximant_coefficients(tree, approximant)
+    # the point approximant is ICP to the cell means: it takes approximate ICP's schedule
+    # (larger first cells, wider margin; smaller ones stall on the bunny at 5-30°, measured)
+    far = isinstance(approximant, str) and approximant == "point"
+    levels = _schedule(tree, depth, tree_depth, AICP_COARSE_LEVELS if far else None)
+    margin = AICP_MARGIN if far else CELL_MARGIN
+    radii = _level_radii(tree, levels)
+    _sync(co)
     t_approx = time.perf_counter() - t0
     arrays = tree.arrays
     n = src.shape[0]
-    centroid = src.double().mean(0).cpu()
-
-    lvl = 0
+    s64 = src.double()
+    centroid = s64.mean(0)
+    cov = ((s64 - centroid).T @ (s64 - centroid) / n).cpu()
+    centroid = centroid.cpu()
+    state = {"lvl": 0, "passes": 0}
 
     def terms(Tc):
         center = Tc[:3, :3] @ centroid + Tc[:3, 3]
-        near = lvl >= len(levels) - NEAR_LEVELS
-        # the truncation applies on the near-field levels only: on coarse levels the cell
-        # means lie farther from the surface than a correspondence distance meant for it
-        return _ks.newton_terms(src, Tc, center, arrays, co_fine if near else co_far,
-                                levels[lvl], tau2=tau2 if near else math.inf).cpu(), center
+        state["passes"] += 1
+        # the truncation applies on the finest level only: on coarse levels the cells'
+        # approximants lie farther from the surface than a correspondence distance meant
+        # for it
+        fine = state["lvl"] == len(levels) - 1
+        return _ks.newton_terms(src, Tc, center, arrays, co, levels[state["lvl"]],
+                                tau2=tau2 if fine else math.inf).cpu(), center
 
     def stats(tt):
         obj, inl = float(tt[27]), float(tt[28])
         inl_obj = obj - (n - inl) * tau2 if math.isfinite(tau2) else obj
         return inl / n, math.sqrt(max(inl_obj, 0.0) / inl) if inl > 0 else math.inf
 
+    def descend_to(new_lvl):
+        state["lvl"] = new_lvl
+        return terms(T)
+
     tt, center = terms(T)
-    at_level = 0
     history = []
     reason, converged, it = "max_iterations", False, 0
-    F = _ks.unpack(tt)[0]
-    for it in range(1, crit.max_iterations + 1):
+    prev_disp = math.nan
+    eye4 = torch.eye(6, dtype=torch.float64)
+    while it < crit.max_iterations:
+        lvl = state["lvl"]
+        finest = lvl == len(levels) - 1
         F, g, f0, _ = _ks.unpack(tt)
         scale = float(F.diagonal().abs().max())
         if not math.isfinite(scale) or scale <= 0:
             reason = "degenerate"
-            it -= 1
             break
-        xi = torch.linalg.solve(F + 1e-12 * scale * torch.eye(6, dtype=torch.float64), g)
+        it += 1
+        xi = torch.linalg.solve(F + 1e-12 * scale * eye4, g)
         slope = -2.0 * float(g @ xi)  # directional derivative of the model, < 0
         alpha, accepted = 1.0, False
         for _ in range(MAX_BACKTRACKS):
@@ -424,41 +490,53 @@ def surface_newton(
                 break
             alpha *= beta
         if not accepted:
-            if lvl + 1 < len(levels):
-                lvl += 1
-                at_level = 0
-                tt, center = terms(T)
+            if not finest:  # no descent on this level's approximants: use finer cells
+                tt, center = descend_to(lvl + 1)
+                prev_disp = math.nan
                 continue
             reason, converged = "line_search", True
             break
         f1 = float(tc[27])
+        # the full Newton step ξ (not the damped one) measures the motion still expected: a
+        # step cut short by the line search is small because the model is poor, not because
+        # the iteration converged
+        R0 = T[:3, :3]
+        disp = _rms_displacement(_step(xi, center), R0 @ cov @ R0.T, R0 @ centroid + T[:3, 3])
+        rot, trans = float(xi[:3].norm()), float(xi[3:].norm())
         T, tt, center = Tc, tc, cc
         fit, rmse = stats(tt)
-        rot = alpha * float(xi[:3].norm())
-        trans = alpha * float(xi[3:].norm())
         history.append({"objective": f1, "step": alpha, "rotation": rot, "translation": trans,
-                        "fitness": fit, "rmse": rmse, "level": levels[lvl]})
-        stop = None
+                        "displacement": disp, "fitness": fit, "rmse": rmse,
+                        "level": levels[lvl]})
         rel = abs(f0 - f1) / f0 if f0 > 0 else 0.0
-        if rot < crit.rotation_tolerance and trans < crit.translation_tolerance:
-            stop = "small_update"
-        elif f1 == 0 or rel < crit.relative_rmse:
-            stop = "relative_change"
-        at_level += 1
-        if lvl + 1 < len(levels) and (stop is not None or rel < LEVEL_RELATIVE_CHANGE
-                                      or at_level >= LEVEL_MAX_ITERATIONS):
-            lvl += 1  # coarse to fine: go one level deeper
-            at_level = 0
-            tt, center = terms(T)
+        rel_rmse = 1.0 - math.sqrt(max(f1, 0.0) / f0) if f0 > 0 else 0.0
+        if finest:
+            if rot < crit.rotation_tolerance and trans < crit.translation_tolerance:
+                reason, converged = "small_update", True
+                break
+            if f1 == 0 or abs(rel_rmse) < crit.relative_rmse:
+                reason, converged = "relative_change", True
+                break
             continue
-        if stop is not None:
-            reason, converged = stop, True
-            break
+        # coarse to fine: the motion still expected is the step's displacement, stretched
+        # by the observed linear rate ρ (remaining ≈ disp ρ / (1 − ρ)) when it is slow
+        rho = disp / prev_disp if prev_disp > 0 else 0.0
+        remaining = disp * max(1.0, min(rho, 0.9) / (1.0 - min(rho, 0.9)))
+        prev_disp = disp
+        new_lvl = lvl
+        while new_lvl + 1 < len(levels) and radii[new_lvl + 1] >= margin * remaining:
+            new_lvl += 1
+        if new_lvl == lvl and rel < LEVEL_RELATIVE_CHANGE:
+            new_lvl = lvl + 1
+        if new_lvl != lvl:
+            tt, center = descend_to(new_lvl)
+            prev_disp = math.nan
     fit, rmse = stats(tt)
     t_end = time.perf_counter()
     timings = {"approximants": t_approx, "iterate": t_end - t0 - t_approx,
                "total": t_end - t_start}
-    info = {"F": _ks.unpack(tt)[0], "objective": float(tt[27]), "tree_depth": levels[lvl],
+    info = {"F": _ks.unpack(tt)[0], "objective": float(tt[27]),
+            "tree_depth": levels[state["lvl"]], "passes": state["passes"],
             "approximant": approximant if isinstance(approximant, str) else "custom"}
     return _result(T, fit, rmse, it, converged, reason, history, timings, info)
 
@@ -479,17 +557,24 @@ def approximate_icp(
 ) -> RegistrationResult:
     """ICP whose correspondence is the mean point of the tree cell the source point falls in.
 
-    The paper's approximate GPU ICP (GCAICP): descend the target's k-d tree to ``tree_depth``
+    The paper's approximate GPU ICP (GCAICP): descend the target's k-d tree to a level
     without backtracking, take that node's mean as the corresponding point, drop pairs
-    farther apart than ``max_correspondence_distance`` (if given), and solve
-    ``argmin Σ ||R x + t − y||²`` in closed form (Horn). Arguments as :func:`surface_newton`;
-    stops on the iteration cap, a small update, ``|Δrmse| / rmse < relative_rmse``, or a step
-    that would raise the RMS distance to the cell means ("no_decrease"; on coarse levels of
-    the schedule this moves one level deeper instead).
+    farther apart than ``max_correspondence_distance`` (if given; finest level only), and
+    solve ``argmin Σ ||R x + t − y||²`` in closed form (Horn; the moments are reduced on the
+    device, the 4×4 eigenproblem solved on the host). Coarse to fine as
+    :func:`surface_newton`: after each step the level moves to the deepest one whose median
+    cell radius is at least :data:`AICP_MARGIN` times the motion still expected, or one
+    level deeper when the RMS distance to the cell means stops changing (by less than
+    :data:`LEVEL_RELATIVE_CHANGE`). On the finest level it stops on a small update,
+    ``|Δrmse| / rmse < relative_rmse``, or a step that would raise the RMS distance
+    ("no_decrease": the step is not taken). Arguments as :func:`surface_newton` (default
+    criteria: :func:`default_criteria`).
     """
     t_start = time.perf_counter()
     src, tree, T, crit, depth = _setup(source, target, init, criteria, device, index,
                                        tree_depth)
+    if criteria is None:
+        crit = default_criteria(src)
     tau2 = math.inf
     if max_correspondence_distance is not None:
         tau2 = _validate.positive(max_correspondence_distance,
@@ -499,74 +584,113 @@ def approximate_icp(
     if not tree.has_payload(key):
         tree.attach(key, (tree.node_sums(tree.points) / tree.node_sizes()[:, None]).float())
     means = tree.payload(key)
+    levels = _schedule(tree, depth, tree_depth, AICP_COARSE_LEVELS)
+    radii = _level_radii(tree, levels)
     n = src.shape[0]
+    s64 = src.double()
+    centroid = s64.mean(0)
+    cov = ((s64 - centroid).T @ (s64 - centroid) / n).cpu()
+    centroid = centroid.cpu()
     history = []
     reason, converged, it = "max_iterations", False, 0
-    prev_rmse = math.inf
     fit, rmse = 0.0, math.inf
-    # Horn's step moves the whole cloud to the cell means at once: coarse cells (means far
-    # inside the surface) can throw it far off, so approximate ICP starts lower in the tree
-    levels = _schedule(tree, depth, tree_depth, AICP_COARSE_LEVELS)
+    prev_rmse, prev_disp = math.inf, math.nan
+    T_prev, fit_prev = T, fit
     lvl = 0
-    for it in range(1, crit.max_iterations + 1):
-        Td = T.to(src.device, torch.float32)
+
+    def match(Tc, level):
+        """Cell means of the moved source, weights, and (inliers, Σ w d²) on the host."""
+        Td = Tc.to(src.device, torch.float32)
         q = src @ Td[:3, :3].T + Td[:3, 3]
-        y = means[tree.descend(q, levels[lvl])]
+        y = means[tree.descend(q, level)]
         d2 = ((q - y) ** 2).sum(-1)
-        w = (d2 <= tau2).float()
-        sums = torch.stack([w.sum(), (w * d2).sum()]).double().cpu()
+        fine = level == levels[-1]
+        w = (d2 <= tau2).float() if fine and math.isfinite(tau2) else torch.ones_like(d2)
+        return y, w, torch.stack([w.sum(), (w * d2).sum()]).double().cpu()
+
+    y, w, sums = match(T, levels[lvl])
+    while it < crit.max_iterations:
+        finest = lvl == len(levels) - 1
         n_in = float(sums[0])
         if n_in < 3:
             reason = "no_correspondences"
-            it -= 1
             break
         fit, rmse = n_in / n, math.sqrt(float(sums[1]) / n_in)
-        est = estimate.horn(src.double(), y.double(), w.double(), strict=False)
-        if not bool(est.valid.all()):
-            if lvl + 1 < len(levels):  # too few distinct cell means: go finer
-                lvl += 1
-                continue
-            reason = "degenerate"
-            it -= 1
-            break
-        T_new = est.transformation.cpu()
-        # safeguard: a step that raises the RMS distance to the cell means at this level is
-        # refused (the lookup is not a nearest-neighbour search, so ICP's monotonicity fails)
-        Tn = T_new.to(src.device, torch.float32)
-        qn = src @ Tn[:3, :3].T + Tn[:3, 3]
-        d2n = ((qn - means[tree.descend(qn, levels[lvl])]) ** 2).sum(-1)
-        wn = (d2n <= tau2).float()
-        sn = torch.stack([wn.sum(), (wn * d2n).sum()]).double().cpu()
-        if float(sn[0]) >= 3 and math.sqrt(float(sn[1]) / float(sn[0])) > rmse * (1 + 1e-9) \
-                and float(sn[0]) >= n_in:
-            if lvl + 1 < len(levels):
-                lvl += 1
-                prev_rmse = math.inf
+        if rmse > prev_rmse * (1 + 1e-9):
+            # the previous step raised the RMS distance to the cell means (the lookup is not
+            # a nearest-neighbour search, so ICP's monotonicity fails; on coarse levels the
+            # cloud then drifts along the cells): take it back, go one level finer or stop
+            T, fit, rmse = T_prev, fit_prev, prev_rmse
+            history.pop()
+            if not finest:
+                lvl, prev_disp, prev_rmse = lvl + 1, math.nan, math.inf
+                y, w, sums = match(T, levels[lvl])
                 continue
             reason, converged = "no_decrease", True
-            it -= 1
             break
+        it += 1
+        est = estimate.horn_from_moments(_moments(s64, y.double(), w.double()), strict=False)
+        if not bool(est.valid.all()):
+            if not finest:  # too few distinct cell means: go finer
+                lvl += 1
+                y, w, sums = match(T, levels[lvl])
+                continue
+            reason = "degenerate"
+            break
+        T_new = est.transformation
         D = T_new @ transforms.invert(T)
+        R0 = T[:3, :3]
+        disp = _rms_displacement(D, R0 @ cov @ R0.T, R0 @ centroid + T[:3, 3])
         rot = float(transforms.rotation_angle(D[:3, :3]))
         trans = float(D[:3, 3].norm())
+        T_prev, fit_prev = T, fit
         T = T_new
         history.append({"rmse": rmse, "fitness": fit, "rotation": rot, "translation": trans,
-                        "level": levels[lvl]})
-        stop = None
-        if rot < crit.rotation_tolerance and trans < crit.translation_tolerance:
-            stop = "small_update"
-        elif math.isfinite(prev_rmse) and prev_rmse > 0 and \
-                abs(prev_rmse - rmse) / prev_rmse < crit.relative_rmse:
-            stop = "relative_change"
-        prev_rmse = rmse
-        if stop is not None:
-            if lvl + 1 < len(levels):
-                lvl += 1
-                prev_rmse = math.inf
-                continue
-            reason, converged = stop, True
-            break
+                        "displacement": disp, "level": levels[lvl]})
+        rel = abs(prev_rmse - rmse) / prev_rmse if math.isfinite(prev_rmse) and \
+            prev_rmse > 0 else math.inf
+        if finest:
+            prev_rmse = rmse
+            if rot < crit.rotation_tolerance and trans < crit.translation_tolerance:
+                reason, converged = "small_update", True
+                break
+            if rel < crit.relative_rmse:
+                reason, converged = "relative_change", True
+                break
+            y, w, sums = match(T, levels[lvl])
+            continue
+        rho = disp / prev_disp if prev_disp > 0 else 0.0
+        remaining = disp * max(1.0, min(rho, 0.9) / (1.0 - min(rho, 0.9)))
+        prev_disp = disp
+        new_lvl = lvl
+        while new_lvl + 1 < len(levels) and radii[new_lvl + 1] >= AICP_MARGIN * remaining:
+            new_lvl += 1
+        if new_lvl == lvl and rel < LEVEL_RELATIVE_CHANGE:
+            new_lvl = lvl + 1
+        if new_lvl != lvl:
+            lvl, prev_disp = new_lvl, math.nan
+            prev_rmse = math.inf
+        else:
+            prev_rmse = rmse
+        y, w, sums = match(T, levels[lvl])
     t_end = time.perf_counter()
     return _result(T, fit, rmse, it, converged, reason, history,
                    {"iterate": t_end - t0, "total": t_end - t_start},
                    {"tree_depth": levels[lvl]})
+
+
+def _moments(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> estimate.Moments:
+    """Weighted moments of pairs ``x, y (N, 3)`` reduced on their device, returned on the host.
+
+    Centred on the weighted centroids for accuracy (as :mod:`pointalign.estimate` does).
+    """
+    W = w.sum()
+    xm = (w[:, None] * x).sum(0) / W.clamp_min(1e-300)
+    ym = (w[:, None] * y).sum(0) / W.clamp_min(1e-300)
+    xc, yc = x - xm, y - ym
+    wx = w[:, None] * xc
+    cross = wx.T @ yc + W * (xm[:, None] * ym[None, :])
+    parts = [W, xm * W, ym * W, cross, wx.T @ xc, (w[:, None] * yc).T @ yc]
+    flat = torch.cat([p.reshape(-1) for p in parts]).cpu()
+    W, sx, sy, cr, cx, cy = flat.split([1, 3, 3, 9, 9, 9])
+    return estimate.Moments(W[0], sx, sy, cr.reshape(3, 3), cx.reshape(3, 3), cy.reshape(3, 3))
