@@ -15,7 +15,8 @@ independent upsampling moved by a known 10° / 10 mm motion is the query (source
   plus the tree + approximant build of the ``build`` table (``ms_incl_build``), iterations
   (Table 1), rotation/translation error and ε (paper eq. 21, ``metrics.zabatani_error``)
   against the ground truth and against exact GPU ICP's result (Table 2). Default
-  (float32-aware) stop rules for the surface methods; ICP: relative change 1e-6, 100 iterations at most.
+  (float32-aware) stop rules for the surface methods; ICP: relative change 1e-6, at most
+  100 iterations.
 
     python benchmarks/bench_surface.py --device cuda          # 1e5, 3e5, 5e5, 1e6 (< 4 min)
     python benchmarks/bench_surface.py --device cpu --quick   # smoke run (< 1 min)
