@@ -67,6 +67,9 @@ def main() -> None:
             out += [f"### {name}", "", _table(rows), ""]
         for png in sorted(RESULTS.glob(f"{d['topic']}-{m['device_type']}*.png")):
             out += [f"![{png.stem}](benchmarks/results/{png.name})", ""]
+        if m["device_type"] == "cuda":  # figures written by benchmarks/plot_<topic>.py
+            for png in sorted((HERE.parent / "docs" / "img").glob(f"{d['topic']}_*.png")):
+                out += [f"![{png.stem}](docs/img/{png.name})", ""]
     OUT.write_text("\n".join(out))
     print(f"wrote {OUT} from {len(docs)} result files")
 
