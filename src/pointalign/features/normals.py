@@ -117,6 +117,7 @@ def symmetric_eigh3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(eigenvalues (…, 3) ascending, eigenvectors (…, 3, 3))`` in A's dtype; column
         ``j`` is the eigenvector of eigenvalue ``j``; the columns form a rotation (det +1).
+
     """
     dt = A.dtype
     A64 = A.to(torch.float64)
