@@ -169,8 +169,8 @@ def bench_case(rec, c, k: int) -> None:
                  query_iqr_ms=ms(q_stats and q_stats["iqr_s"]),
                  total_ms=ms(q_stats and (build_s or 0) + q_stats["median_s"]),
                  max_err=err, note=note)
-        case_rows.append(r)
         rec.add(**r)
+        case_rows.append(rec.rows[-1])  # the stored row (add copies its keywords)
         if q_stats is not None and method in OURS:
             c.last[(ds, method, k)] = (n, q_stats["median_s"])
 
