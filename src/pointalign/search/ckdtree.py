@@ -62,12 +62,21 @@ class CKDTreeIndex:
             valid &= d <= max_distance * max_distance
         d = torch.where(valid, d, torch.full_like(d, math.inf))
         idx = torch.where(valid, idx, torch.full_like(idx, -1))
+        if kk == 1:  # one column: already in order
+            return KnnResult(d.to(dev), idx.to(dev)) if k == 1 else self._pad(d, idx, k, dt, dev)
         # order by (squared distance, index), missing last
         key = torch.where(idx < 0, torch.iinfo(torch.int64).max, idx)
         o = torch.argsort(key, dim=1, stable=True)
         d, idx = d.gather(1, o), idx.gather(1, o)
         o = torch.argsort(d, dim=1, stable=True)
         d, idx = d.gather(1, o), idx.gather(1, o)
+        return self._pad(d, idx, k, dt, dev)
+
+    @staticmethod
+    def _pad(d: torch.Tensor, idx: torch.Tensor, k: int, dt: torch.dtype,
+             dev: torch.device) -> KnnResult:
+        """Pad ``(n, kk)`` results to ``k`` columns (``inf`` / ``-1``) on ``dev``."""
+        n, kk = idx.shape
         if kk < k:
             d = torch.cat([d, torch.full((n, k - kk), math.inf, dtype=dt)], 1)
             idx = torch.cat([idx, torch.full((n, k - kk), -1, dtype=torch.int64)], 1)
