@@ -42,15 +42,15 @@ from pointalign.kernels import soft as ksoft
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.result import RegistrationResult
 
-#: the bunny's RMS radius (m) at which the defaults equal the seed code's values
+#: the bunny's RMS radius (m), to express the seed code's values in units of ρ
 _BUNNY_RMS = 0.0562
 #: EM-ICP defaults as multiples of the target's RMS radius ρ. σ_min and σ₀ are tuned on
 #: held-out bunny pairs (benchmarks/tune_soft.py, results/soft_tuning-cpu.json): σ_min =
 #: 0.03 ρ (seed: 0.0563 ρ) lowers the median rotation error by 17 % (4.24° → 3.53°, 1000
 #: points, same success rate); σ₀ keeps the seed's σ₀/σ_min ratio, so the schedule is still
 #: 66 iterations (σ₀ between 1 ρ and 3 ρ made no difference).
-EMICP_SIGMA = 0.03 * 0.1 / math.sqrt(1e-5)    # σ₀ = 0.949 ρ (seed: σ₀² = 0.01 m², 1.78 ρ)
 EMICP_SIGMA_MIN = 0.03                         # σ_min = 0.03 ρ (seed: σ_min² = 1e-5 m²)
+EMICP_SIGMA = EMICP_SIGMA_MIN * math.sqrt(0.01 / 1e-5)  # σ₀ = 0.949 ρ (seed: σ₀² = 0.01 m²)
 EMICP_OUTLIER = 0.1 / _BUNNY_RMS          # d₀ = 1.78 ρ   (seed: d₀² = 0.01; 1 ρ .. ∞ alike)
 #: Softassign defaults: β₀ = 1/(SOFT_SIGMA ρ)², inliers within √α = SOFT_ALPHA ρ. SOFT_SIGMA =
 #: 1 (seed: 1.78, σ = 0.1 m on the bunny) is tuned on held-out bunny pairs (tune_soft.py):
@@ -277,13 +277,14 @@ def emicp(
         source: ``(N, 3)`` points moved onto the target, or a padded batch ``(B, N, 3)``.
         target: ``(M, 3)`` fixed points, or ``(B, M, 3)``.
         init: initial ``T_target_source`` ``(4, 4)`` (or ``(B, 4, 4)``); identity if None.
-        sigma: initial σ (metres); default 1.78 ρ, ρ the target's RMS radius
-            (0.1 m on the bunny, the seed's σ² = 0.01).
-        sigma_min: σ at which annealing stops; default 0.0563 ρ (3.2 mm on the bunny, the
-            seed's σ² = 1e-5). Must be < sigma.
+        sigma: initial σ (metres); default 0.949 ρ, ρ the target's RMS radius (53 mm on
+            the bunny; the seed code's σ² = 0.01 is 1.78 ρ).
+        sigma_min: σ at which annealing stops; default 0.03 ρ (1.7 mm on the bunny; the
+            seed's σ² = 1e-5 is 0.0563 ρ). Both tuned on held-out bunny pairs (see
+            ``EMICP_SIGMA_MIN``). Must be < sigma.
         factor: multiplies **σ²** each iteration (the seed code's ``sigma_factor``), in
             (0, 1). The number of iterations is ⌈log(σ_min²/σ²) / log(factor)⌉ (66 with the
-            seed's values), unless the pose and weights stop changing first.
+            defaults, as with the seed's values), unless the pose and weights stop changing first.
         outlier_distance: d₀ (metres), the distance at which a point is as likely an outlier
             as a match; default 1.78 ρ (the seed's d₀² = 0.01 on the bunny); ``inf`` turns
             the outlier term off.
@@ -406,7 +407,8 @@ def softassign(
         source: ``(N, 3)`` or ``(B, N, 3)`` points moved onto the target (as :func:`emicp`).
         target: ``(M, 3)`` or ``(B, M, 3)`` fixed points.
         init: initial ``T_target_source``; identity if None.
-        beta0: initial β (1/m²), > 0; default 1/(1.78 ρ)² (σ = 0.1 m on the bunny).
+        beta0: initial β (1/m²), > 0; default 1/ρ² (tuned on held-out bunny pairs, see
+            ``SOFT_SIGMA``; the seed's σ = 0.1 m on the bunny is 1/(1.78 ρ)²).
         beta_factor: β multiplier per temperature, > 1 (Gold et al.'s 1.075).
         temperatures: number of β values (the seed's 100).
         alpha: squared distance (m²) below which a pair beats the outlier slot at low
