@@ -59,14 +59,24 @@ MIN_CELL_POINTS = 8
 LEAF_SIZE = 8
 #: Armijo halvings tried before the step counts as failed (then: next level, or stop)
 MAX_BACKTRACKS = 12
+#: the point approximant's step may be stretched up to this factor (see surface_newton)
+MAX_EXPANSION = 8.0
 #: a coarse level is left when the objective changes by less than this, relatively
 LEVEL_RELATIVE_CHANGE = 1e-3
 #: with ``tree_depth=None`` the iteration starts this many levels above the finest level
 #: (but not above level 3: at least 8 cells)
 COARSE_LEVELS = 6
-#: approximate ICP starts this many levels above the finest (cells of ~1000 points: cell-mean
-#: ICP on smaller cells stalls ~15° off at 15-30° motions on the bunny, measured)
+#: approximate ICP starts at least this many levels above the finest (cell-mean ICP on
+#: small cells stalls ~15° off at 15-30° motions on the bunny, measured) ...
 AICP_COARSE_LEVELS = 7
+#: ... and on cells whose median RMS radius is at least this fraction of the whole target's
+#: (the root's) RMS radius: a lookup's capture range is a length, not a point count. Starting
+#: ``finest − 7`` levels up alone put the first cells of 150k-1M-point bunnies at 2.7-3.8 mm
+#: (levels 8-9) against a 10°/10 mm motion (~15 mm RMS): cell-mean ICP there has spurious
+#: fixed points (and diverges when its rmse-raising steps are kept), so the iteration
+#: slid down to ~1 mm cells and crept 0.2 mm per step: 50 steps, still ~9° off (issue 5,
+#: 3e5 and 1e6 on the H100). 0.3 picks level 3 on the bunny (cells of ~20 mm).
+AICP_START_RADIUS = 0.3
 #: Newton moves to the deepest level whose median cell radius is at least this many times
 #: the motion still expected
 CELL_MARGIN = 2.0
@@ -268,18 +278,28 @@ def _resolve_depth(tree: KDTreeIndex, depth: int | None) -> int:
 
 
 def _schedule(tree: KDTreeIndex, depth: int, tree_depth: int | None,
-              coarse_levels: int | None = None) -> list[int]:
+              coarse_levels: int | None = None,
+              start_radius: float | None = None) -> list[int]:
     """Levels visited: ``[depth]`` when given, else coarse to fine up to ``depth``.
 
     Cells of deep levels are small; a source point moved off the surface by more than a cell
     falls in a cell whose approximant describes another piece of surface (the lookup does not
     backtrack). Starting :data:`COARSE_LEVELS` levels higher and descending one level each
     time the current level converges keeps the lookup valid while the motion is large.
+    With ``start_radius`` the start is also no deeper than the deepest level whose median
+    cell radius is at least ``start_radius`` times the root's (a scale rule, independent of
+    the number of points).
     """
     if tree_depth is not None:
         return [depth]
     c = COARSE_LEVELS if coarse_levels is None else coarse_levels
-    return list(range(min(depth, max(3, depth - c)), depth + 1))
+    start = depth - c
+    if start_radius is not None:
+        radii = _level_radii(tree, list(range(depth + 1)))
+        by_size = max((lv for lv in range(depth + 1) if radii[lv] >= start_radius * radii[0]),
+                      default=0)
+        start = min(start, by_size)
+    return list(range(min(depth, max(3, start)), depth + 1))
 
 
 def _setup(source, target, init, criteria, device, index, tree_depth):
@@ -380,7 +400,8 @@ def surface_newton(
     Coarse to fine (``tree_depth=None``): the iteration starts :data:`COARSE_LEVELS` levels
     above the finest, where cells are large enough for a lookup without backtracking to stay
     on the right piece of surface while the motion is large (the point approximant, ICP to
-    the cell means, starts :data:`AICP_COARSE_LEVELS` up). After each accepted step it
+    the cell means, starts :data:`AICP_COARSE_LEVELS` up and on cells of at least
+    :data:`AICP_START_RADIUS` times the target's RMS radius). After each accepted step it
     moves to the deepest level whose typical cell radius is at least :data:`CELL_MARGIN`
     (point: :data:`AICP_MARGIN`) times the motion still expected (the step's RMS displacement of the
     source, stretched by the observed rate of convergence); the stop rule applies on the
@@ -406,7 +427,11 @@ def surface_newton(
         max_correspondence_distance: truncate each term at this distance (``min(d̂², τ²)``),
             so points outside the overlap stop pulling; None: no truncation.
         armijo: ``(β, σ)`` of the Armijo rule: step ``α ∈ {1, β, β², …}``, accepted when
-            ``f(α) − f(0) <= σ α ∇fᵀξ``.
+            ``f(α) − f(0) <= σ α ∇fᵀξ``. With the point approximant a full step that is
+            accepted is then stretched to ``α ∈ {2, 4, …, MAX_EXPANSION}`` while the exact
+            objective keeps falling and the condition holds (ICP-like linear convergence:
+            the Newton step on the cell means undershoots by a steady factor; 3e5-point
+            bunny at 10°/10 mm: 17 steps instead of 38-50).
 
     Returns:
         :class:`RegistrationResult`; ``iterations`` counts Newton steps (one 6×6 solve
@@ -433,7 +458,8 @@ def surface_newton(
     # the point approximant is ICP to the cell means: it takes approximate ICP's schedule
     # (larger first cells, wider margin; smaller ones stall on the bunny at 5-30°, measured)
     far = isinstance(approximant, str) and approximant == "point"
-    levels = _schedule(tree, depth, tree_depth, AICP_COARSE_LEVELS if far else None)
+    levels = _schedule(tree, depth, tree_depth, AICP_COARSE_LEVELS if far else None,
+                       AICP_START_RADIUS if far else None)
     margin = AICP_MARGIN if far else CELL_MARGIN
     radii = _level_radii(tree, levels)
     _sync(co)
@@ -489,6 +515,18 @@ def surface_newton(
                 accepted = True
                 break
             alpha *= beta
+        if accepted and far and alpha == 1.0:
+            # the cell-mean model is stiff (ICP-like linear convergence: the full step
+            # undershoots by a steady factor), so try 2ξ, 4ξ, … while the exact objective
+            # keeps falling (Armijo's condition still holds at every accepted length)
+            f_best = float(tc[27])
+            while alpha < MAX_EXPANSION:
+                Te = _step(2 * alpha * xi, center) @ T
+                te, ce = terms(Te)
+                fe = float(te[27])
+                if not (fe < f_best and fe - f0 <= sigma * 2 * alpha * slope):
+                    break
+                alpha, Tc, tc, cc, f_best = 2 * alpha, Te, te, ce, fe
         if not accepted:
             if not finest:  # no descent on this level's approximants: use finer cells
                 tt, center = descend_to(lvl + 1)
@@ -501,8 +539,9 @@ def surface_newton(
         # step cut short by the line search is small because the model is poor, not because
         # the iteration converged
         R0 = T[:3, :3]
-        disp = _rms_displacement(_step(xi, center), R0 @ cov @ R0.T, R0 @ centroid + T[:3, 3])
-        rot, trans = float(xi[:3].norm()), float(xi[3:].norm())
+        full = max(alpha, 1.0) * xi
+        disp = _rms_displacement(_step(full, center), R0 @ cov @ R0.T, R0 @ centroid + T[:3, 3])
+        rot, trans = float(full[:3].norm()), float(full[3:].norm())
         T, tt, center = Tc, tc, cc
         fit, rmse = stats(tt)
         history.append({"objective": f1, "step": alpha, "rotation": rot, "translation": trans,
@@ -584,7 +623,7 @@ def approximate_icp(
     if not tree.has_payload(key):
         tree.attach(key, (tree.node_sums(tree.points) / tree.node_sizes()[:, None]).float())
     means = tree.payload(key)
-    levels = _schedule(tree, depth, tree_depth, AICP_COARSE_LEVELS)
+    levels = _schedule(tree, depth, tree_depth, AICP_COARSE_LEVELS, AICP_START_RADIUS)
     radii = _level_radii(tree, levels)
     n = src.shape[0]
     s64 = src.double()
