@@ -86,6 +86,9 @@ def run_interpreted_kdtree(out_path: str) -> None:
         tree = K.build(pts, 3)
         for md in INTERP_MAXD:
             out[("maxd", md, seed)] = KT.knn(tree, q, 6, max_dist2=md**2)
+        for md in (math.inf, 0.3):
+            out[("hint", md, seed)] = KT.knn(tree, q, 1, max_dist2=md**2,
+                                             hint=_hints(tree, q, seed))
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
         tree = K.build(pts, 2)
         out[("f64", seed)] = KT.knn(tree, q, 3)
@@ -104,6 +107,16 @@ def run_interpreted_kdtree(out_path: str) -> None:
         finally:
             KT.knn = orig
     torch.save(out, out_path)
+
+
+def _hints(tree, q, seed):
+    """Tree positions ``(N,)``: a mix of none (-1), random points and the true nearest."""
+    g = torch.Generator().manual_seed(seed + 7)
+    n, m = q.shape[0], tree.points.shape[0]
+    h = torch.randint(0, m, (n,), generator=g)
+    exact = K.knn_reference(tree, q, 1)[1][:, 0]
+    kind = torch.arange(n) % 3
+    return torch.where(kind == 0, torch.full_like(h, -1), torch.where(kind == 1, h, exact))
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +158,26 @@ def test_triton_interpreter_max_distance(max_d, interpreted, seed):
         assert torch.isinf(got[0]).all() and (got[1] == -1).all()
     else:
         assert_knn_matches(_orig(tree, got), q, pts, 6, max_distance=max_d)
+
+
+@pytest.mark.parametrize("max_d", [math.inf, 0.3])
+def test_triton_interpreter_hint_keeps_the_answer(max_d, interpreted, seed):
+    """A hint (none, a random point, the answer) changes the work, never the result."""
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    pts, q = _interp_inputs((60, 9, 6, 3), seed)
+    tree = K.build(pts, 3)
+    got = interpreted[("hint", max_d, seed)]
+    assert_knn_matches(_orig(tree, got), q, pts, 1,
+                       **({} if math.isinf(max_d) else {"max_distance": max_d}))
+
+
+def test_hint_is_checked(rng):
+    tree = K.build(_cloud(40, rng), 2)
+    q = _cloud(5, rng)
+    for bad, k in ((torch.zeros(4, dtype=torch.int64), 1), (torch.zeros(5, dtype=torch.int64), 2)):
+        with pytest.raises(ValueError, match="hint"):
+            K.knn(tree, q, k, hint=bad)
 
 
 def test_triton_interpreter_float64_empty_and_dispatch(interpreted, seed):
@@ -228,6 +261,20 @@ def test_triton_cuda_matches_reference(approximate, k, rng):
         assert_knn_matches(_orig(tree, got), q.cpu(), pts.cpu(), k)
         got = _kdtree_triton.knn(tree, q, k, max_dist2=0.02**2)
         assert_knn_matches(_orig(tree, got), q.cpu(), pts.cpu(), k, max_distance=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_d", [math.inf, 0.02])
+def test_triton_cuda_hint_keeps_the_answer(max_d, rng):
+    pts, q = _cloud(50021, rng).cuda(), (_cloud(4099, rng, scale=1.3) - 0.15).cuda()
+    tree = K.build(pts, K.depth_for(pts.shape[0], 16))
+    from pointalign.kernels import _kdtree_triton
+
+    host = K.TreeArrays(*[x.cpu() if isinstance(x, torch.Tensor) else x for x in tree])
+    hint = _hints(host, q.cpu(), 0).cuda()
+    got = _kdtree_triton.knn(tree, q, 1, max_dist2=max_d**2, hint=hint)
+    assert_knn_matches(_orig(tree, got), q.cpu(), pts.cpu(), 1,
+                       **({} if math.isinf(max_d) else {"max_distance": max_d}))
 
 
 @pytest.mark.gpu

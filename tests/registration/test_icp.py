@@ -254,6 +254,10 @@ def _interp_pair(seed):
     return datasets.make_pair(cloud, 8.0, 0.01, noise=5e-4, seed=seed)
 
 
+SHORT = ConvergenceCriteria(max_iterations=4, relative_fitness=0, relative_rmse=0,
+                            translation_tolerance=0, rotation_tolerance=0)
+
+
 def run_interpreted_icp(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): tiny ICPs with the Triton kernels."""
     from pointalign.kernels import _backend
@@ -267,6 +271,12 @@ def run_interpreted_icp(out_path: str) -> None:
                     index=build_index(p.target, "ckdtree"), device="cpu",
                     criteria=ConvergenceCriteria(max_iterations=15))
             out[(seed, m)] = (torch.from_numpy(r.transformation), r.iterations, r.fitness)
+    # the k-d tree's hinted search (the last correspondences) in the loop: slow when
+    # interpreted, so one short run
+    p = _interp_pair(0)
+    r = icp(p.source, p.target, max_correspondence_distance=0.03,
+            index=build_index(p.target, "kdtree"), device="cpu", criteria=SHORT)
+    out["kdtree"] = (torch.from_numpy(r.transformation), r.iterations, r.fitness)
     torch.save(out, out_path)
 
 
@@ -278,6 +288,17 @@ def interpreted(tmp_path_factory):
                                tmp_path_factory.mktemp("interp") / "icp.pt", mp)
     finally:
         mp.undo()
+
+
+def test_interpreted_hinted_kdtree_icp_matches_torch(interpreted):
+    p = _interp_pair(0)
+    ref = icp(p.source, p.target, max_correspondence_distance=0.03, device="cpu",
+              criteria=SHORT)
+    T, iters, fit = interpreted["kdtree"]
+    assert iters == ref.iterations == SHORT.max_iterations
+    rot, trans = metrics.relative_error(T, ref.transformation)
+    assert rot < 1e-3 and trans < 1e-5
+    assert abs(fit - ref.fitness) < 1e-9
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -415,9 +436,13 @@ def test_cuda_tiered_query_is_exact(seed, index_method):
     q[:500] += 0.03
     md = 0.05
     ix = build_index(t, index_method, max_distance=md)
-    assert len(icp_mod._tiers(ix, md)) >= 1
+    # the k-d tree starts from hints (the last correspondences) instead of going through tiers
+    hinted = index_method == "kdtree"
+    assert len(icp_mod._tiers(ix, md)) == (0 if hinted else 2)
+    hint = torch.randint(-1, t.shape[0], (q.shape[0],), device="cuda", generator=g)
+    hint[::3] = ix.nearest_within(q, md).idx[::3, 0]  # some at the answer, as in ICP
     with _checks.trusted_queries():
-        got = icp_mod._query_fn(ix, md)(q.contiguous())
+        got = icp_mod._query_fn(ix, md)(q.contiguous(), hint)
     want = ix.nearest_within(q, md)
     same = got == want.idx[:, 0]
     # ties aside, the same neighbour; where different, the same distance
@@ -428,12 +453,13 @@ def test_cuda_tiered_query_is_exact(seed, index_method):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
-def test_cuda_graph_matches_eager(seed, method, monkeypatch):
+@pytest.mark.parametrize("index_method", ["grid", "kdtree"])
+def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     from pointalign.registration import icp as icp_mod
 
     pair = datasets.load_bunny_pair()
     s, t = pair.source.cuda(), pair.target.cuda()
-    ix = build_index(t, "grid", max_distance=0.01)
+    ix = build_index(t, index_method, max_distance=0.01)
     kw = dict(max_correspondence_distance=0.01, method=method, index=ix, criteria=CRIT)
     res = icp(s, t, **kw)
     assert res.info["cuda_graph"] == "captured", res.info["cuda_graph"]
@@ -453,5 +479,6 @@ def test_cuda_graph_matches_eager(seed, method, monkeypatch):
     assert again.iterations == eager2.iterations and again.stop_reason == eager2.stop_reason
     np.testing.assert_allclose(again.transformation, eager2.transformation, atol=1e-6)
     # another index (even over the same points) captures its own graph
-    other = icp(s2, t, init=init, **dict(kw, index=build_index(t, "grid", max_distance=0.01)))
+    other = icp(s2, t, init=init,
+                **dict(kw, index=build_index(t, index_method, max_distance=0.01)))
     assert other.info["cuda_graph"] == "captured"

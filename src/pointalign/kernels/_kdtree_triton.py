@@ -6,7 +6,12 @@ buffer in global memory (L1/L2 resident); its k best candidates live in register
 ``(BLOCK, KP)`` tile, updated by replacing the current worst (``tl.where``, no sorting inside
 the kernel). A popped node is skipped when its bounding box is farther than the current k-th
 distance; a leaf scans its points; an internal node pushes the far child, then the near one
-(so the near one is visited first). The approximate mode pushes only the near child.
+(so the near one is visited first); the far child is pushed only when its side of the split
+plane is within the current k-th distance (its points are at least that far along the split
+axis). The approximate mode pushes only the near child. With a ``hint`` (k = 1: one candidate
+tree position per query, e.g. the previous ICP correspondence) the search starts from that
+candidate's distance instead of the maximum, which prunes most of the tree when the hint is
+close; the answer is the same.
 Contract: :func:`pointalign.kernels.kdtree.knn`.
 """
 
@@ -24,9 +29,9 @@ BIG = tl.constexpr(BIG_HOST)
 
 @triton.jit
 def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, end_ptr,
-                stack_ptr, out_d_ptr, out_i_ptr, n_query, first_leaf, max_d2,
+                stack_ptr, hint_ptr, out_d_ptr, out_i_ptr, n_query, first_leaf, max_d2,
                 K: tl.constexpr, KP: tl.constexpr, LMAX: tl.constexpr, STACK: tl.constexpr,
-                APPROX: tl.constexpr, BLOCK: tl.constexpr):
+                APPROX: tl.constexpr, HAS_HINT: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     qmask = offs < n_query
@@ -38,6 +43,16 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
     zero_tile = tl.zeros((BLOCK, KP), dtype=qx.dtype)
     best_d = tl.where(cols[None, :] < K, zero_tile + max_d2, zero_tile - BIG)
     best_i = tl.zeros((BLOCK, KP), dtype=tl.int64) - 1
+    if HAS_HINT:  # K == 1: the hint, where within the maximum, is the first candidate
+        h = tl.load(hint_ptr + offs, mask=qmask, other=-1)
+        hm = qmask & (h >= 0)
+        hx = tl.load(pts_ptr + h * 3 + 0, mask=hm, other=0.0) - qx
+        hy = tl.load(pts_ptr + h * 3 + 1, mask=hm, other=0.0) - qy
+        hz = tl.load(pts_ptr + h * 3 + 2, mask=hm, other=0.0) - qz
+        hd = hx * hx + hy * hy + hz * hz
+        use = (hm & (hd <= max_d2))[:, None] & (cols[None, :] == 0)
+        best_d = tl.where(use, hd[:, None], best_d)
+        best_i = tl.where(use, h[:, None], best_i)
     sbase = offs * STACK
     tl.store(stack_ptr + sbase, tl.zeros((BLOCK,), dtype=tl.int32), mask=qmask)
     sp = qmask.to(tl.int32)
@@ -86,8 +101,11 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
         near = 2 * node + 1 + right
         if not APPROX:
             far = 2 * node + 2 - right
-            tl.store(stack_ptr + sbase + sp, far.to(tl.int32), mask=inner)
-            sp = sp + inner.to(tl.int32)
+            gap = qa - sv
+            worst = tl.max(best_d, axis=1)
+            push = inner & (gap * gap <= worst)
+            tl.store(stack_ptr + sbase + sp, far.to(tl.int32), mask=push)
+            sp = sp + push.to(tl.int32)
         tl.store(stack_ptr + sbase + sp, near.to(tl.int32), mask=inner)
         sp = sp + inner.to(tl.int32)
     omask = qmask[:, None] & (cols[None, :] < K)
@@ -97,7 +115,8 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
 
 
 def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
-        approximate: bool = False, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        approximate: bool = False, hint: torch.Tensor | None = None,
+        block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher for :func:`pointalign.kernels.kdtree.knn` (same contract)."""
     q = query.to(tree.points.dtype).contiguous()
     n = q.shape[0]
@@ -114,10 +133,14 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
     grid = (triton.cdiv(n, block),)
     _knn_kernel[grid](
         q, tree.points, tree.lo, tree.hi, tree.split_axis, tree.split_value,
-        tree.start, tree.end, stack, out_d, out_i, n, tree.first_leaf, md2,
+        tree.start, tree.end, stack, out_i if hint is None else hint.contiguous(), out_d, out_i,
+        n, tree.first_leaf, md2,
         K=k, KP=kp, LMAX=tree.max_leaf_size, STACK=tree.depth + 2,
-        APPROX=bool(approximate), BLOCK=block, num_warps=max(1, block // 32),
+        APPROX=bool(approximate), HAS_HINT=hint is not None, BLOCK=block,
+        num_warps=max(1, block // 32),
     )
     out_d = out_d.masked_fill(out_i < 0, math.inf)
+    if k == 1:
+        return out_d, out_i
     out_d, order = torch.sort(out_d, dim=1)
     return out_d, out_i.gather(1, order)

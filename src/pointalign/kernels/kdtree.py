@@ -243,28 +243,41 @@ def descend(tree: TreeArrays, query: torch.Tensor, depth: int | None = None) -> 
 
 
 def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
-        approximate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        approximate: bool = False, hint: torch.Tensor | None = None,
+        reorder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Find the k nearest tree points of each ``query (N, 3)`` within ``d^2 <= max_dist2``.
 
     Returns ``dists (N, k)`` squared distances ascending (``inf`` where none) and
     ``idx (N, k)`` int64 positions in **tree order** (``-1`` where none); map through
     ``tree.perm`` for original indices. ``approximate=True`` searches only the query's leaf.
+
+    ``hint``: optional ``(N,)`` int64 tree positions (``-1``: none), ``k == 1`` only: a
+    candidate per query (ICP passes the previous correspondence). The Triton kernel starts
+    from its distance, which prunes most of the tree when the hint is near the answer; the
+    answer does not change (the reference ignores the hint). ``reorder=False`` skips the
+    grouping of large query sets by leaf (for callers whose queries are already in a
+    spatially coherent order).
     """
     if k < 1:
         raise ValueError(f"k: must be >= 1, got {k}")
+    if hint is not None and (k != 1 or approximate or hint.shape != query.shape[:1]):
+        raise ValueError(f"hint: expected ({query.shape[0]},) tree positions for an exact "
+                         f"k = 1 search, got shape {tuple(hint.shape)} with k = {k}")
     be = backend(query)
     if be in ("triton", "interpret") and k <= TRITON_MAX_K:
         from pointalign.kernels import _kdtree_triton
 
-        if be == "triton" and query.shape[0] >= REORDER_MIN_QUERIES:
+        if reorder and be == "triton" and query.shape[0] >= REORDER_MIN_QUERIES:
             order = torch.argsort(descend(tree, query))
             d, i = _kdtree_triton.knn(tree, query[order], k, max_dist2=max_dist2,
-                                      approximate=approximate)
+                                      approximate=approximate,
+                                      hint=None if hint is None else hint[order])
             out_d, out_i = torch.empty_like(d), torch.empty_like(i)
             out_d[order] = d
             out_i[order] = i
             return out_d, out_i
-        return _kdtree_triton.knn(tree, query, k, max_dist2=max_dist2, approximate=approximate)
+        return _kdtree_triton.knn(tree, query, k, max_dist2=max_dist2, approximate=approximate,
+                                  hint=hint)
     return knn_reference(tree, query, k, max_dist2=max_dist2, approximate=approximate)
 
 

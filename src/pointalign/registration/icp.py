@@ -231,6 +231,8 @@ def _tiers(ix: Any, max_dist: float) -> list:
             return []
         if type(ix).__name__ == "BruteForceIndex":
             return []  # its cost does not drop for the queries already answered
+        if getattr(ix, "supports_hint", False):
+            return []  # the last correspondences prune its search better (see _query_fn)
         cache = _tier_cache.setdefault(ix, {})
         if "auto" not in cache:
             cache["auto"] = auto_cell_size(pts)
@@ -250,15 +252,22 @@ def _tiers(ix: Any, max_dist: float) -> list:
 
 
 def _query_fn(ix: Any, max_dist: float):
-    """``x (n, 3) -> idx (n,)``: the nearest target point within ``max_dist`` (-1 if none).
+    """``(x (n, 3), hint (n,)) -> idx (n,)``: the nearest target point within ``max_dist``.
 
-    Exact (same answer as ``ix.nearest_within``); through the fine grid tiers (see
-    ``TIER_BASE``) and the index's check-free path where they exist.
+    ``-1`` where none. Exact (same answer as ``ix.nearest_within``). ``hint`` holds the last
+    iteration's correspondences (-1: none); an index with ``supports_hint`` (the k-d tree)
+    starts its search from them (after the first iterations the source moves little, so the
+    hint is at or next to the answer and most of the tree is pruned). Otherwise the hint is
+    unused and the search goes through the fine grid tiers (see ``TIER_BASE``) and the
+    index's check-free path where they exist.
     """
     tiers = _tiers(ix, max_dist)
     fast = getattr(ix, "nearest_within_unchecked", None)
+    hinted = callable(fast) and getattr(ix, "supports_hint", False)
 
-    def last(q: torch.Tensor) -> torch.Tensor:
+    def last(q: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
+        if hinted:
+            return fast(q, max_dist, hint)[1]
         if callable(fast):
             return fast(q, max_dist)[1]
         return ix.nearest_within(q, max_dist).idx[:, 0]
@@ -266,13 +275,13 @@ def _query_fn(ix: Any, max_dist: float):
     if not tiers:
         return last
 
-    def query(q: torch.Tensor) -> torch.Tensor:
+    def query(q: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
         idx = None
         for g in tiers:
             _, i = g.nearest_within_unchecked(q, g.cell_size)
             idx = i if idx is None else torch.where(idx >= 0, idx, i)
             q = torch.where(i[:, None] >= 0, torch.full_like(q[:1], _FAR), q)
-        return torch.where(idx >= 0, idx, last(q))
+        return torch.where(idx >= 0, idx, last(q, hint))
 
     return query
 
@@ -603,21 +612,25 @@ def icp(
                 torch.empty(k_steps, B, 4, 4, dtype=torch.float32, device=dev),
                 torch.empty(k_steps, B, 2, dtype=torch.int32, device=dev))
 
-    def steps(k_steps: int, T_in, Tf_in, bufs, lens_eff, data):
-        """Enqueue ``k_steps`` device steps from ``T_in``; returns the record (device)."""
+    def steps(k_steps: int, T_in, Tf_in, bufs, lens_eff, data, hint):
+        """Enqueue ``k_steps`` device steps from ``T_in``; returns the record (device).
+
+        ``hint (B, N)`` int64: the last correspondences, read and overwritten by each step.
+        """
         sums_r, D_r, T_r, Tf_r, fl_r = bufs
         src, tgt_k, normals, center_dev = data
         with _checks.trusted_queries():
             for k in range(k_steps):
                 x = torch.baddbmm(Tf_in[:, None, :3, 3], src, Tf_in[:, :3, :3].transpose(1, 2))
                 if single:
-                    idx = queries[0](x[0]).view(1, N)
+                    idx = queries[0](x[0], hint[0]).view(1, N)
                 else:
                     idx = torch.full((B, N), -1, dtype=torch.int64, device=dev)
                     for b in range(B):
                         if active[b]:
                             n_b = int(slens_h[b])
-                            idx[b, :n_b] = queries[b](x[b, :n_b])
+                            idx[b, :n_b] = queries[b](x[b, :n_b], hint[b, :n_b])
+                hint.copy_(idx)
                 normal_eq.icp_update(x, tgt_k, idx, transform=T_in, plane=plane,
                                      target_normals=normals, lengths=lens_eff,
                                      center=center_dev, kernel=kind, scale=scale, eps=eps,
@@ -636,6 +649,10 @@ def icp(
         for buf, x in zip(graph["data"], data + (slens,), strict=True):
             if buf is not None:
                 buf.copy_(x)
+        hint = graph["hint"]
+        hint.fill_(-1)
+    else:  # the last correspondences (none yet); a captured graph keeps this buffer
+        hint = torch.full((B, N), -1, dtype=torch.int64, device=dev)
 
     def graphed_chunk():
         """Replay CHUNK steps from a CUDA graph; None where graphs are off or failed.
@@ -652,16 +669,17 @@ def icp(
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):  # warm-up outside the capture (allocations)
-                    steps(1, T_in, Tf_in, bufs, static[-1], static[:-1])
+                    steps(1, T_in, Tf_in, bufs, static[-1], static[:-1], hint.clone())
                 torch.cuda.current_stream(dev).wait_stream(side)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    rec_dev = steps(CHUNK, T_in, Tf_in, bufs, static[-1], static[:-1])
+                    rec_dev = steps(CHUNK, T_in, Tf_in, bufs, static[-1], static[:-1], hint)
             except Exception as exc:  # e.g. an index whose query synchronises
                 graph["failed"] = f"{type(exc).__name__}: {exc}"[:300]
                 torch.cuda.synchronize(dev)
                 return None
-            graph.update(g=g, T_in=T_in, Tf_in=Tf_in, bufs=bufs, rec=rec_dev, data=static)
+            graph.update(g=g, T_in=T_in, Tf_in=Tf_in, bufs=bufs, rec=rec_dev, data=static,
+                         hint=hint)
             _store_graph(gkey, idxs[0], graph)
         graph["T_in"].copy_(T_cur)
         graph["Tf_in"].copy_(Tf_cur)
@@ -681,7 +699,7 @@ def icp(
             else:
                 lens_eff = torch.where(torch.as_tensor(active, device=dev), slens,
                                        torch.zeros_like(slens))
-            rec_dev = steps(k_steps, T_cur, Tf_cur, bufs, lens_eff, data)
+            rec_dev = steps(k_steps, T_cur, Tf_cur, bufs, lens_eff, data, hint)
         T_cur, Tf_cur = bufs[2][-1], bufs[3][-1]
         tr = time.perf_counter()
         rec = rec_dev.cpu().numpy()  # the one transfer

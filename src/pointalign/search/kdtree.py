@@ -54,6 +54,9 @@ class KDTreeIndex:
 
     """
 
+    #: :meth:`nearest_within_unchecked` takes a ``hint`` (ICP passes its last correspondences)
+    supports_hint = True
+
     def __init__(self, points: Any, *, leaf_size: int = 16, depth: int | None = None,
                  build: str = "auto", device: str | torch.device | None = None):
         pts = _checks.index_points(points)
@@ -75,6 +78,7 @@ class KDTreeIndex:
         self.points = pts
         self.leaf_size = self._tree.max_leaf_size
         self._payloads: dict[str, torch.Tensor] = {}
+        self._inv_perm: torch.Tensor | None = None  # original index -> tree position (hints)
 
     # ------------------------------------------------------------------ structure
     @property
@@ -230,6 +234,30 @@ class KDTreeIndex:
         max_distance = _checks.check_distance(max_distance, "max_distance")
         d2, pos = _k.knn(self._tree, self._query(query), 1, max_dist2=float(max_distance) ** 2)
         return self._result(d2, pos)
+
+    def nearest_within_unchecked(self, query: torch.Tensor, max_distance: float,
+                                 hint: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ICP's fast path of :meth:`nearest_within`: ``(dists (N,), idx (N,))`` (-1 = none).
+
+        ``hint``: optional ``(N,)`` int64 original indices (-1: none), a candidate per query
+        such as the previous ICP iteration's correspondence: the search starts from its
+        distance (see :func:`pointalign.kernels.kdtree.knn`), same answer, much less of the
+        tree visited when the hint is close. No argument checks and no host synchronisation;
+        the queries are not regrouped by leaf, so pass them in a spatially coherent order.
+        ``query`` must be a finite contiguous ``(N, 3)`` tensor of the points' dtype and
+        device, ``max_distance > 0``.
+        """
+        if hint is not None:
+            if self._inv_perm is None:
+                inv = torch.empty_like(self.perm)
+                inv[self.perm] = torch.arange(self.perm.shape[0], device=self.perm.device)
+                self._inv_perm = inv
+            hint = torch.where(hint >= 0, self._inv_perm[hint.clamp_min(0)], hint)
+        d2, pos = _k.knn(self._tree, query, 1, max_dist2=float(max_distance) ** 2, hint=hint,
+                         reorder=False)
+        r = self._result(d2, pos)
+        return r.dists[:, 0], r.idx[:, 0]
 
     def __repr__(self) -> str:
         return (f"KDTreeIndex(M={self.points.shape[0]}, depth={self.depth}, "
