@@ -257,6 +257,26 @@ def _interp_case(seed):
     return Q, P, T, ql, pl, gw
 
 
+def _step_case(Q, P, T, ql, pl):
+    """emicp_step arguments: the second entry frozen (it must keep its pose)."""
+    return (Q, soft.point_layout(P), T.double(), torch.tensor([50.0, 5e5]),
+            torch.tensor([-1.0, -1e4]), torch.tensor([False, True]),
+            dict(source_lengths=ql, target_lengths=pl))
+
+
+def _check_step(got, Q, P, T, ql, pl):
+    """emicp_step vs emicp_rows + horn_reference in float64."""
+    Tg, vg, lam = got
+    rl, rx = soft.emicp_rows(Q.double(), P.double(), T.double(), None,
+                             torch.tensor([-1.0, -1e4]).double(), source_lengths=ql.cpu(),
+                             target_lengths=pl.cpu(), scale=torch.tensor([50.0, 5e5]).double())
+    Tr, vr = soft.horn_reference(Q.double(), rx, rl)
+    _masked_close(lam.cpu(), rl, ql.cpu(), 1e-6, 1e-4)
+    assert vg.cpu().tolist() == vr.tolist()
+    torch.testing.assert_close(Tg[0].cpu(), Tr[0], atol=1e-5, rtol=0)
+    assert torch.equal(Tg[1].cpu(), T[1].double().cpu())  # frozen: pose kept
+
+
 def run_interpreted_cases(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): every entry point through Triton."""
     from pointalign.kernels import _backend, _soft_triton
@@ -277,6 +297,8 @@ def run_interpreted_cases(out_path: str) -> None:
                                                     point_lengths=pl)
         w = torch.rand(2, 37, generator=torch.Generator().manual_seed(seed))
         out[("horn", seed)] = soft.weighted_horn(Q, P[:, :37], w)
+        *args, kw = _step_case(Q, P, T, ql, pl)
+        out[("step", seed)] = soft.emicp_step(*args, **kw)
     g = torch.Generator().manual_seed(5)
     x, y = _cloud(40, g), _cloud(45, g)
     out["sinkhorn_dense"] = kernel_sinkhorn(x.float(), y.float(), _pose(g, 10, 0.02), 60.0,
@@ -329,6 +351,13 @@ def test_triton_interpreted_matches_reference(seed, interpreted):
     Tr, vr = soft.horn_reference(Q, P[:, :37], w)
     assert torch.equal(valid, vr)
     torch.testing.assert_close(Th, Tr, atol=1e-5, rtol=0)
+    _check_step(interpreted[("step", seed)], Q, P, T, ql, pl)
+
+
+def test_emicp_step_reference(seed):
+    Q, P, T, ql, pl, _ = _interp_case(seed)
+    Q, P, T2, s, lo, frozen, kw = _step_case(Q, P, T, ql, pl)
+    _check_step(soft.emicp_step(Q, P, T2, s, lo, frozen, **kw), Q, P, T, ql, pl)
 
 
 def test_triton_interpreted_sinkhorn_matches_dense_matrix(interpreted):
@@ -356,6 +385,14 @@ def test_triton_cuda_matches_reference(n, m, rng):
         torch.testing.assert_close(got.lse.cpu().double(), ref.lse, atol=1e-3, rtol=1e-5)
         torch.testing.assert_close(got.lse2.cpu().double(), ref.lse2, atol=1e-3, rtol=1e-5)
         torch.testing.assert_close(got.mean.cpu().double(), ref.mean, atol=1e-5, rtol=1e-4)
+    if n > 1:  # the fused EM-ICP step (moments in the row kernels) on a ragged batch
+        Q = torch.stack([q, q.flip(0)]).cuda()
+        P = torch.stack([p, p]).cuda()
+        ql, pl = torch.tensor([n, n // 2]).cuda(), torch.tensor([m, max(1, m // 3)]).cuda()
+        T2 = torch.cat([T, T]).cuda()
+        Q2, P2, Td, s2, lo, frozen, kw = _step_case(Q, P, T2, ql, pl)
+        got = soft.emicp_step(Q2, P2, Td, s2.cuda(), lo.cuda(), frozen.cuda(), **kw)
+        _check_step(got, Q.cpu(), P.cpu(), T2.cpu(), ql.cpu(), pl.cpu())
     w = torch.rand(1, n, generator=rng)
     Tg, vg = soft.weighted_horn(q[None].cuda(), q[None].cuda() + 0.1, w.cuda())
     Tr, vr = soft.horn_reference(q[None], q[None] + 0.1, w)

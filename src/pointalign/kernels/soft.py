@@ -29,6 +29,7 @@ Entry points (all batched: ``query (B, N, 3)``, ``points (B, M, 3)``, padded, wi
 * :func:`emicp_rows`: EM-ICP weights λ_i = Σ_j √α_ij and x'_i (Granger & Pennec).
 * :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
 * :func:`weighted_horn`: the weighted Horn solve on (q_i, m_i, w_i), on the device.
+* :func:`emicp_step`: one whole EM-ICP iteration (E-step and Horn), fused on Triton.
 
 Dispatch via :func:`pointalign.kernels._backend.backend`: Triton kernels from
 ``_soft_triton.py`` on CUDA (and through the interpreter under ``TRITON_INTERPRET=1``),
@@ -261,6 +262,63 @@ def emicp_rows(
     r = soft_rows_reference(source, target, transform, scale, query_lengths=ql,
                             point_lengths=pl, squares=True)
     return emicp_weights(r.lse, r.lse2, log_outlier.to(r.lse.dtype)), r.mean
+
+
+def emicp_step(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    transform: torch.Tensor,
+    scale: torch.Tensor,
+    log_outlier: torch.Tensor,
+    frozen: torch.Tensor,
+    *,
+    source_lengths: torch.Tensor,
+    target_lengths: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One EM-ICP iteration: :func:`emicp_rows` then :func:`weighted_horn` on (x_i, x'_i, λ_i).
+
+    On Triton the row kernels also write each row block's Horn moments, and one tiny
+    kernel solves Horn from them (no second pass over the points, no casts, no masking
+    launches): three launches per iteration.
+
+    Args:
+        source: ``(B, N, 3)`` x_i; target: ``(B, M, 3)`` y_j (best in :func:`point_layout`).
+        transform: ``(B, 4, 4)`` float64 current T_target_source.
+        scale: ``(B,)`` 1/(2σ²); log_outlier: ``(B,)`` −d₀²/σ² (as :func:`emicp_rows`).
+        frozen: ``(B,)`` bool: these entries keep ``transform``.
+        source_lengths, target_lengths: ``(B,)`` valid points.
+
+    Returns:
+        ``(T (B, 4, 4) float64, valid (B,) bool, lam (B, N))``: entries that are frozen or
+        have zero total weight (``valid`` False) keep ``transform``.
+
+    """
+    if _use_triton(source):
+        from pointalign.kernels import _soft_triton
+
+        lam, mom, _ = _soft_triton.rows(source, target, transform, scale, source_lengths,
+                                        target_lengths, None, log_outlier, mode="emicp",
+                                        squares=True, moments=True)
+        T, valid = _soft_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
+        return T, valid, lam
+    lam, xp = emicp_rows(source, target, transform, None, log_outlier, scale=scale,
+                         source_lengths=source_lengths, target_lengths=target_lengths)
+    T_new, valid = weighted_horn(source, xp, lam)
+    keep = valid & ~frozen
+    return torch.where(keep[:, None, None], T_new, transform.to(torch.float64)), valid, lam
+
+
+def point_layout(points: torch.Tensor) -> torch.Tensor:
+    """``points (B, M, 3)`` in the layout the backend's row kernels read fastest.
+
+    On Triton a float32 view of coordinate-contiguous storage (converted once here, not in
+    every pass); elsewhere ``points`` itself. Values are unchanged.
+    """
+    if backend(points) == "triton":
+        from pointalign.kernels import _soft_triton
+
+        return _soft_triton.soa(points)
+    return points
 
 
 def emicp_weights(lse: torch.Tensor, lse2: torch.Tensor, log_outlier: torch.Tensor):

@@ -98,12 +98,15 @@ def _centroid(points: torch.Tensor, lengths: torch.Tensor):
 def _collinear(src, sl, tgt, tl_) -> torch.Tensor:
     """``(B,)`` True where the source or the target lies on a line (or a point): the rotation
     about that line is then undetermined, so the pair is reported "degenerate"."""
-    def flat(points, lengths):
+    def cov(points, lengths):
         w = (torch.arange(points.shape[1], device=points.device)[None, :]
              < lengths[:, None]).to(torch.float64)
-        cov = estimate._weighted_moments(points, points, w).source_cov
-        return ~estimate._spans_plane(cov)
-    return flat(src, sl) | flat(tgt, tl_)
+        return estimate._weighted_moments(points, points, w).source_cov
+    # one 3×3 eigenvalue call for both clouds, on the host (a device eigensolver launch
+    # costs more than the whole problem)
+    covs = torch.cat([cov(src, sl), cov(tgt, tl_)]).cpu()
+    flat = ~estimate._spans_plane(covs).reshape(2, -1)
+    return (flat[0] | flat[1]).to(src.device)
 
 
 def _translate(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -137,41 +140,67 @@ def _criteria(criteria: ConvergenceCriteria | None, default_max: int) -> Converg
 
 
 class _Tracker:
-    """Per-pair convergence bookkeeping on the device (pose update and weight change)."""
+    """Per-pair convergence bookkeeping on the device (pose update and weight change).
+
+    ``done`` changes only at checks, so iteration counts are brought up to date there (and
+    in :meth:`finish`), not every iteration: no per-iteration launches.
+    """
 
     def __init__(self, B: int, dev: torch.device, crit: ConvergenceCriteria):
         self.crit = crit
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         self.iters = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.any_done = False
+        self.counted = 0
         self.history: list[dict[str, Any]] = []
 
-    def step(self, T_old, T_new, w_old, w_new, valid, check: bool, record: dict):
-        """Return the pose to keep; on ``check`` iterations evaluate the stop test.
+    def keep(self, T_old, T_new, valid):
+        """The pose to keep: ``T_new`` where valid and not yet converged, else ``T_old``."""
+        return torch.where((valid & ~self.done)[:, None, None], T_new, T_old)
+
+    def finish(self, it: int) -> None:
+        """Count iterations ``counted+1 .. it`` for the pairs that had not converged."""
+        if it > self.counted:
+            self.iters += (~self.done).to(torch.int64) * (it - self.counted)
+            self.counted = it
+
+    def step(self, it: int, T_old, T, w_old, w_new, check: bool, record: dict) -> bool:
+        """After iteration ``it`` (1-based; ``T`` already kept by :meth:`keep` or the
+        kernel): on ``check`` iterations evaluate the stop test; True when all converged.
 
         While a CUDA graph is captured (the whole schedule replayed at once) nothing is
         read back: pairs that converged keep their pose and iteration count on the device
         (``done`` masks them), and the loop runs to the end of the schedule.
         """
-        graph = ksoft.capturing()
-        keep = valid & ~self.done if (self.any_done or graph) else valid
-        T = torch.where(keep[:, None, None], T_new, T_old)
-        self.iters += (~self.done).to(torch.int64) if (self.any_done or graph) else 1
-        if check:
-            dR = (T[:, :3, :3] - T_old[:, :3, :3]).square().sum((-1, -2)).sqrt() / math.sqrt(2)
-            dt = (T[:, :3, 3] - T_old[:, :3, 3]).norm(dim=-1)
-            dw = (w_new - w_old).abs().sum(-1).double() / w_new.sum(-1).double().clamp_min(1e-300)
-            conv = (dR < self.crit.rotation_tolerance) & (dt < self.crit.translation_tolerance) \
-                & (dw < self.crit.relative_fitness)
-            self.done = self.done | conv
-            self.history.append(dict(record, rotation_update=dR, translation_update=dt,
-                                     weight_change=dw))
-            if graph:
-                return T, False
-            done = self.done.all()
-            self.any_done = bool(self.done.any())  # the one host sync per CHECK_EVERY steps
-            return T, bool(done)
-        return T, False
+        if not check:
+            return False
+        self.finish(it)
+        dR = (T[:, :3, :3] - T_old[:, :3, :3]).square().sum((-1, -2)).sqrt() / math.sqrt(2)
+        dt = (T[:, :3, 3] - T_old[:, :3, 3]).norm(dim=-1)
+        dw = (w_new - w_old).abs().sum(-1).double() / w_new.sum(-1).double().clamp_min(1e-300)
+        conv = (dR < self.crit.rotation_tolerance) & (dt < self.crit.translation_tolerance) \
+            & (dw < self.crit.relative_fitness)
+        self.done = self.done | conv
+        self.history.append(dict(record, rotation_update=dR, translation_update=dt,
+                                 weight_change=dw))
+        if ksoft.capturing():
+            return False
+        return bool(self.done.all())  # the one host sync per CHECK_EVERY steps
+
+
+def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """Copy many small device tensors to NumPy in one transfer (float64 round trip, exact
+    for bool and for integers below 2**53)."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    out, k = [], 0
+    for t in tensors:
+        n = t.numel()
+        v = flat[k:k + n].reshape(tuple(t.shape))
+        k += n
+        dt = {torch.bool: np.bool_, torch.int64: np.int64}.get(t.dtype, np.float64)
+        out.append(v.astype(dt) if dt is not np.float64 else v)
+    return out
 
 
 def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_distance,
@@ -193,14 +222,23 @@ def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_
     d2 = (-r.lse.double() / big[:, None]).clamp_min(0)
     inl = mask & (d2 <= inlier_distance.square()[:, None])
     n_in = inl.sum(1)
-    fitness = (n_in.double() / sl.double()).cpu().numpy()
     rmse_t = torch.where(n_in > 0, (torch.where(inl, d2, 0).sum(1) / n_in.clamp_min(1)).sqrt(),
                          torch.full_like(d2[:, 0], math.inf))
-    rmse = rmse_t.cpu().numpy()
-    iters = torch.where(flat, 0, tracker.iters).cpu().numpy()
-    done = tracker.done.cpu().numpy()
+    hist_keys = [[k for k, v in h.items() if isinstance(v, torch.Tensor)]
+                 for h in tracker.history]
+    info_keys = [k for k, v in info.items() if isinstance(v, torch.Tensor)]
+    host = iter(_to_host(n_in.double() / sl.double(), rmse_t,
+                         torch.where(flat, 0, tracker.iters), tracker.done, flat, T,
+                         inlier_distance, *(info[k] for k in info_keys),
+                         *(h[k] for h, ks in zip(tracker.history, hist_keys, strict=True)
+                           for k in ks)))
+    fitness, rmse, iters, done, flat_h, Tn = (next(host) for _ in range(6))
+    inlier_h = next(host)
+    info = dict(info, **{k: next(host) for k in info_keys})
+    history = [dict(h, **{k: next(host) for k in ks})
+               for h, ks in zip(tracker.history, hist_keys, strict=True)]
     reasons = []
-    for f, d, it in zip(flat.cpu().numpy(), done, iters, strict=True):
+    for f, d, it in zip(flat_h, done, iters, strict=True):
         if f:
             reasons.append("degenerate")
         elif d:
@@ -210,18 +248,12 @@ def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_
         else:
             reasons.append("max_iterations")
     converged = np.array([r not in ("max_iterations", "degenerate") for r in reasons])
-    history = []
-    for h in tracker.history:
-        history.append({k: (v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
-                        for k, v in h.items()})
     if not batched:
         history = [{k: (float(v[0]) if isinstance(v, np.ndarray) else v) for k, v in h.items()}
                    for h in history]
     t_end = time.perf_counter()
     timings = {"iterate": t_iter - t_start, "total": t_end - t_start}
-    Tn = T.cpu().numpy()
-    info = dict(info, algorithm=name, inlier_distance=inlier_distance.cpu().numpy(),
-                scheduled_iterations=n_sched)
+    info = dict(info, algorithm=name, inlier_distance=inlier_h, scheduled_iterations=n_sched)
     if not batched:
         info = {k: (v[0] if isinstance(v, np.ndarray) and v.ndim >= 1 and len(v) == 1 else v)
                 for k, v in info.items()}
@@ -331,6 +363,7 @@ def emicp(
     tgt_c = (tgt - b[:, None].to(tgt.dtype))
     mask = torch.arange(src.shape[1], device=dev)[None, :] < sl[:, None]
     src_c = torch.where(mask[..., None], src_c, torch.zeros_like(src_c))
+    tgt_c = ksoft.point_layout(tgt_c)
     Tc = _translate(T0, a, b)
     scale_f = (0.5 / sig2).to(torch.float32)                         # 1/(2σ²) per iteration
     log_out_f = log_out.to(torch.float32)
@@ -338,17 +371,18 @@ def emicp(
     def loop(src_c, tgt_c, sl, tl_, Tc, scale_f, log_out_f, sig2):
         tracker = _Tracker(B, dev, crit)
         lam_prev = torch.zeros(src_c.shape[:2], dtype=torch.float32, device=dev)
-        for it in range(n_iter):
-            lam, xp = ksoft.emicp_rows(src_c, tgt_c, Tc.to(torch.float32), None,
-                                       log_out_f[it], source_lengths=sl, target_lengths=tl_,
-                                       scale=scale_f[it])
-            T_new, valid = ksoft.weighted_horn(src_c, xp, lam)
-            check = (it + 1) % CHECK_EVERY == 0 and it + 1 < n_iter
-            Tc, stop = tracker.step(Tc, T_new, lam_prev, lam, valid, check,
-                                    {"iteration": it + 1, "sigma": sig2[it].sqrt()})
-            lam_prev = lam
+        it = 0
+        for it in range(1, n_iter + 1):
+            T_new, _, lam = ksoft.emicp_step(src_c, tgt_c, Tc, scale_f[it - 1],
+                                             log_out_f[it - 1], tracker.done,
+                                             source_lengths=sl, target_lengths=tl_)
+            check = it % CHECK_EVERY == 0 and it < n_iter
+            stop = tracker.step(it, Tc, T_new, lam_prev, lam, check,
+                                {"iteration": it, "sigma": sig2[it - 1].sqrt()})
+            Tc, lam_prev = T_new, lam
             if stop:
                 break
+        tracker.finish(it)
         return Tc, tracker.iters, tracker.done, tracker.history
 
     key = ("emicp", tuple(src_c.shape), tuple(tgt_c.shape), str(dev), n_iter, CHECK_EVERY,
@@ -365,9 +399,8 @@ def emicp(
     sig_used = sig2[last, torch.arange(B, device=dev)].sqrt() if n_iter else sig0
     return _finish("emicp", Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, n_iter,
                    3 * sigmin, batched, t_start, t_iter,
-                   {"sigma0": sig0.cpu().numpy(), "sigma_min": sigmin.cpu().numpy(),
-                    "sigma_final": sig_used.cpu().numpy(),
-                    "outlier_distance": d0.cpu().numpy(), "rms_radius": rho.cpu().numpy()},
+                   {"sigma0": sig0, "sigma_min": sigmin, "sigma_final": sig_used,
+                    "outlier_distance": d0, "rms_radius": rho},
                    T0)
 
 
@@ -448,8 +481,8 @@ def softassign(
     n_sched = int(temperatures) * int(iterations_per_temperature)
     crit = _criteria(criteria, n_sched)
     n_iter = min(n_sched, int(crit.max_iterations))
-    src_c = src - a[:, None].to(src.dtype)
-    tgt_c = tgt - b[:, None].to(tgt.dtype)
+    src_c = ksoft.point_layout(src - a[:, None].to(src.dtype))
+    tgt_c = ksoft.point_layout(tgt - b[:, None].to(tgt.dtype))
     Tc = _translate(T0, a, b)
     log_w = torch.full((B,), math.log(w_out), dtype=torch.float32, device=dev)
     n_temp = int(temperatures)
@@ -470,8 +503,8 @@ def softassign(
             for _ in range(n_per):
                 if it >= n_iter:
                     break
-                T32 = Tc.to(torch.float32)
-                Ti32 = _invert(Tc).to(torch.float32)
+                T32 = Tc  # the kernels read float64 poses directly
+                Ti32 = _invert(Tc)
                 g_col = ba[:, None].expand(B, tgt_c.shape[1])     # log c + βα, c = 1
                 for s_ in range(n_sink):
                     g_row = ksoft.sinkhorn_scaling(src_c, tgt_c, T32, beta_f, g_col, log_w,
@@ -493,13 +526,15 @@ def softassign(
                 T_new, valid = ksoft.weighted_horn(r.mean, tgt_c, w)
                 it += 1
                 check = it % CHECK_EVERY == 0 and it < n_iter
-                Tc, stop = tracker.step(Tc, T_new, w_prev, w, valid, check,
-                                        {"iteration": it, "beta": betas[j]})
-                w_prev = w
+                T_new = tracker.keep(Tc, T_new, valid)
+                stop = tracker.step(it, Tc, T_new, w_prev, w, check,
+                                    {"iteration": it, "beta": betas[j]})
+                Tc, w_prev = T_new, w
                 if stop:
                     break
             if stop or it >= n_iter:
                 break
+        tracker.finish(it)
         return Tc, tracker.iters, tracker.done, tracker.history
 
     key = ("softassign", tuple(src_c.shape), tuple(tgt_c.shape), str(dev), n_temp, n_per,
@@ -518,6 +553,6 @@ def softassign(
     inlier = torch.maximum(alpha_v.sqrt(), 3.0 / beta_end.sqrt())
     return _finish("softassign", Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, n_iter,
                    inlier, batched, t_start, t_iter,
-                   {"beta0": beta_0.cpu().numpy(), "beta_final": beta_end.cpu().numpy(),
-                    "alpha": alpha_v.cpu().numpy(), "rms_radius": rho.cpu().numpy()},
+                   {"beta0": beta_0, "beta_final": beta_end, "alpha": alpha_v,
+                    "rms_radius": rho},
                    T0)
