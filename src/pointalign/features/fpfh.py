@@ -13,7 +13,8 @@ added. Finally each of the three 11-bin histograms is scaled to sum to 100 (Open
 sum to 200 per histogram, i.e. ours are Open3D's halved; feature-space nearest neighbours
 are unchanged by that uniform scale).
 
-The neighbour table comes from :meth:`Index.radius` (squared distances, ``-1`` = none);
+The neighbour table comes from :func:`neighbourhoods` (:meth:`Index.radius`, or the fused
+brute-force radius search for small clouds on a GPU; squared distances, ``-1`` = none);
 the histograms from :mod:`pointalign.kernels.fpfh`. One code path on CPU and GPU.
 """
 
@@ -25,10 +26,49 @@ import torch
 
 from pointalign import _validate
 from pointalign.cloud import PointCloud
+from pointalign.kernels import features as _features
 from pointalign.kernels import fpfh as _kernels
+from pointalign.search.base import KnnResult
 
 #: feature dimension
 FPFH_DIM = 33
+
+
+def neighbourhoods(points: torch.Tensor, radius: float, max_neighbors: int,
+                   index: Any) -> KnnResult:
+    """Up to ``max_neighbors`` nearest points within ``radius`` of every one of ``points``.
+
+    The self-query of ``index.radius(points, radius, max_neighbors)``: ``(N, K)`` squared
+    distances ascending and indices (``-1`` = none). A brute-force index (small clouds on a
+    GPU) is answered by :func:`pointalign.kernels.features.radius_neighbours` instead, which
+    has no cap on K in its fused path (FPFH's 100 neighbours).
+
+    Args:
+        points: ``(N, 3)`` float tensor, the points ``index`` was built over.
+        radius: search radius (> 0).
+        max_neighbors: K (>= 1).
+        index: an :class:`~pointalign.search.base.Index` over ``points``.
+
+    """
+    from pointalign.search.brute import BruteForceIndex
+
+    if isinstance(index, BruteForceIndex) and index.points.shape == points.shape:
+        return KnnResult(*_features.radius_neighbours(index.points, radius, max_neighbors))
+    return index.radius(points, radius, max_neighbors)
+
+
+def restrict(neighbors: KnnResult, radius: float, max_neighbors: int) -> torch.Tensor:
+    """The sub-neighbourhoods within ``radius``, at most ``max_neighbors`` each: ``(N, k)``.
+
+    ``neighbors`` must be sorted by distance (as :func:`neighbourhoods` returns them) and
+    come from a radius at least ``radius`` and a cap at least ``max_neighbors``; then the
+    result equals a search with ``(radius, max_neighbors)`` (up to ties at the cut), so one
+    search serves both normals (2v, 30) and FPFH (5v, 100). Returns int64 indices, ``-1`` =
+    none.
+    """
+    k = min(max_neighbors, neighbors.idx.shape[1])
+    d, i = neighbors.dists[:, :k], neighbors.idx[:, :k]
+    return torch.where(d <= radius * radius, i, torch.full_like(i, -1))
 
 
 @_validate.out_of_memory_is_clear
@@ -39,6 +79,7 @@ def fpfh(
     max_neighbors: int = 100,
     normals: Any = None,
     index: Any = None,
+    neighbors: KnnResult | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """33-bin FPFH descriptors of every point (Rusu et al. 2009, Open3D's conventions).
@@ -56,6 +97,8 @@ def fpfh(
             towards the cloud's centroid.
         index: optional prebuilt :class:`~pointalign.search.base.Index` over these very
             points (reused, e.g. from normal estimation); default builds one.
+        neighbors: the precomputed neighbourhoods ``(dists_sq (N, K), idx (N, K))`` of
+            :func:`neighbourhoods` for this radius and cap (replaces the search).
         device: compute device (default: the input's).
 
     Returns:
@@ -75,20 +118,29 @@ def fpfh(
         raise ValueError(f"max_neighbors: expected an integer >= 2, got {max_neighbors!r}")
     if normals is None and isinstance(cloud_or_points, PointCloud):
         normals = cloud_or_points.normals
-    if index is None:
+    if index is None and neighbors is None:
         from pointalign.search import build_index
 
         index = build_index(points)
+    if neighbors is None:
+        nbr = neighbourhoods(points, radius, min(max_neighbors, points.shape[0]), index)
+    elif not isinstance(neighbors, KnnResult) or neighbors.idx.shape[0] != points.shape[0] \
+            or neighbors.idx.device != points.device:
+        raise ValueError(f"neighbors: expected a KnnResult with {points.shape[0]} rows on "
+                         f"{points.device}")
+    else:
+        nbr = neighbors
     if normals is None:
         from pointalign.features.normals import estimate_normals
 
         # facing the cloud's centroid: a sign convention that moves with the cloud, so the
-        # descriptors are invariant to a rigid motion of it
+        # descriptors are invariant to a rigid motion of it; neighbourhoods within
+        # radius / 2.5 (30 at most), cut from the FPFH ones when those hold 30
+        table = restrict(nbr, radius / 2.5, 30) if nbr.idx.shape[1] >= 30 else None
         normals = estimate_normals(points, radius=radius / 2.5, max_neighbors=30, index=index,
-                                   orient="viewpoint", viewpoint=points.mean(0))
+                                   neighbors=table, orient="viewpoint",
+                                   viewpoint=points.mean(0))
     normals = _validate.as_vectors(normals, "normals", points.shape[0], device=points.device,
                                    dtype=points.dtype)
-    k = min(max_neighbors, points.shape[0])
-    nbr = index.radius(points, radius, k)
     hist = _kernels.spfh(points, normals, nbr.idx)
     return _kernels.fpfh_combine(hist, nbr.idx, nbr.dists)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pointalign import _validate
+from pointalign.kernels import features as _kernels
 
 #: neighbourhoods per chunk (bounds memory to about chunk × max_neighbors × 3 floats)
 _CHUNK = 1 << 18
@@ -159,6 +160,7 @@ def estimate_normals(
     viewpoint: Any = None,
     orient: str | None = "viewpoint",
     index: Any = None,
+    neighbors: torch.Tensor | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """Unit normals of a point cloud by PCA of each neighbourhood (Hoppe et al. 1992).
@@ -184,6 +186,9 @@ def estimate_normals(
         orient: ``"viewpoint"``, ``"majority"`` or None.
         index: an :class:`~pointalign.search.base.Index` built over these points (reused;
             default: ``build_index(points)``).
+        neighbors: a precomputed ``(N, K)`` int64 neighbour table (``-1`` = none; e.g. from
+            :func:`pointalign.features.fpfh.neighbourhoods`, shared with FPFH); replaces the
+            search, so ``k``, ``radius`` and ``index`` are not used.
         device: compute device (default: the points' device for tensors, else cuda when
             available).
 
@@ -214,27 +219,30 @@ def estimate_normals(
         if vp.shape != (3,):
             raise ValueError(f"viewpoint: expected shape (3,), got {tuple(vp.shape)}")
         _validate._check_finite("viewpoint", vp)
-    if index is None:
-        from pointalign.search import build_index
+    centre_vp = vp if orient == "viewpoint" else None
+    if neighbors is not None:
+        if not isinstance(neighbors, torch.Tensor) or neighbors.dim() != 2 \
+                or neighbors.shape[0] != n or neighbors.device != dev:
+            raise ValueError(f"neighbors: expected an ({n}, K) tensor on {dev}")
+        out = _kernels.pca_normals(pts, neighbors, centre_vp)
+    else:
+        if index is None:
+            from pointalign.search import build_index
 
-        index = build_index(pts)
-    elif index.points.shape[0] != n or index.points.device != dev:
-        raise ValueError(f"index: built over {index.points.shape[0]} points on "
-                         f"{index.points.device}, but points has {n} on {dev}")
-    out = torch.empty_like(pts)
-    for s in range(0, n, _CHUNK):
-        q = pts[s:s + _CHUNK]
-        if radius is not None:
-            cap = min(k if k is not None else max_neighbors, n)
-            res = index.radius(q, radius, cap)
-        else:
-            res = index.knn(q, min(k if k is not None else max_neighbors, n))
-        cov = _neighbour_covariances(pts, res.idx)
-        out[s:s + _CHUNK], _ = smallest_eigenvector(cov)
-    if orient == "viewpoint":
-        flip = ((vp - pts) * out).sum(-1) < 0
-        out = torch.where(flip[:, None], -out, out)
-    elif orient == "majority":
+            index = build_index(pts)
+        elif index.points.shape[0] != n or index.points.device != dev:
+            raise ValueError(f"index: built over {index.points.shape[0]} points on "
+                             f"{index.points.device}, but points has {n} on {dev}")
+        out = torch.empty_like(pts)
+        for s in range(0, n, _CHUNK):
+            q = pts[s:s + _CHUNK]
+            if radius is not None:
+                cap = min(k if k is not None else max_neighbors, n)
+                res = index.radius(q, radius, cap)
+            else:
+                res = index.knn(q, min(k if k is not None else max_neighbors, n))
+            out[s:s + _CHUNK] = _kernels.pca_normals(pts, res.idx, centre_vp, centers=q)
+    if orient == "majority":
         S = out.to(torch.float64).transpose(0, 1) @ out.to(torch.float64)
         _, V = torch.linalg.eigh(S)
         d = V[:, -1]

@@ -6,7 +6,8 @@ The recipe of Open3D's global-registration tutorial (Rusu et al. 2009 features; 
 1. ``voxel_downsample`` both clouds (edge v);
 2. normals by PCA within 2v (30 neighbours at most), oriented towards each cloud's centroid
    (a convention that moves with the cloud, so features do not depend on the pose);
-3. FPFH within 5v (100 neighbours at most);
+3. FPFH within 5v (100 neighbours at most); one neighbour search per cloud (5v, 100) serves
+   both steps, the normals taking its first 30 neighbours within 2v;
 4. parallel RANSAC on feature nearest neighbours, inlier bound 1.5v;
 5. point-to-plane ICP on the full clouds (or clouds downsampled at ``icp_voxel_size``)
    from the RANSAC pose, first with a correspondence bound of 1.5v, then 0.5v.
@@ -30,7 +31,7 @@ import torch
 from pointalign import _validate
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import count_voxels, voxel_downsample
-from pointalign.features.fpfh import fpfh
+from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
 from pointalign.registration.ransac import _Clock, ransac
 from pointalign.registration.result import RegistrationResult
 
@@ -133,13 +134,16 @@ def register(
     clock.lap("downsample")
     s_idx, t_idx = build_index(s_down), build_index(t_down)
     clock.lap("index")
-    s_nrm = estimate_normals(s_down, radius=2 * v, max_neighbors=30, index=s_idx,
+    # one search per cloud (5v, 100 nearest) serves FPFH and, cut to 2v / 30, the normals
+    s_nb = neighbourhoods(s_down, 5 * v, min(100, s_down.shape[0]), s_idx)
+    t_nb = neighbourhoods(t_down, 5 * v, min(100, t_down.shape[0]), t_idx)
+    s_nrm = estimate_normals(s_down, neighbors=restrict(s_nb, 2 * v, 30),
                              orient="viewpoint", viewpoint=s_down.mean(0))
-    t_nrm = estimate_normals(t_down, radius=2 * v, max_neighbors=30, index=t_idx,
+    t_nrm = estimate_normals(t_down, neighbors=restrict(t_nb, 2 * v, 30),
                              orient="viewpoint", viewpoint=t_down.mean(0))
     clock.lap("normals")
-    s_f = fpfh(s_down, radius=5 * v, max_neighbors=100, normals=s_nrm, index=s_idx)
-    t_f = fpfh(t_down, radius=5 * v, max_neighbors=100, normals=t_nrm, index=t_idx)
+    s_f = fpfh(s_down, radius=5 * v, normals=s_nrm, neighbors=s_nb)
+    t_f = fpfh(t_down, radius=5 * v, normals=t_nrm, neighbors=t_nb)
     clock.lap("fpfh")
     ransac_options.setdefault("max_correspondence_distance", 1.5 * v)
     glob = ransac(s_down, t_down, source_features=s_f, target_features=t_f,
