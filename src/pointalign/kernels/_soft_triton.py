@@ -1,13 +1,15 @@
 """Triton kernels of ``kernels/soft.py``: fused distance → exp → row reductions, and Horn.
 
 Row kernel: program (i-block, split, batch) keeps BLOCK_N query rows, moves them by the
-pose (read from device memory: no host sync, no recompilation per iteration), and streams
-its share of the points in BLOCK_M tiles. Per tile: squared distance from coordinate
-differences, base-2 logit ``z = −s·log2(e)·d + g·log2(e)``, the tile's row maximum, and
-``exp2(z − m)`` added into 2-D (BLOCK_N × BLOCK_M) accumulators of ``Σ e``, ``Σ e²`` and
-``Σ e p``, reduced over the columns once after the loop. The row shift m is raised lazily,
-only when a tile's row maximum exceeds it by more than 8 (then the accumulators are
-rescaled): e ≤ 2^8, so nothing overflows, and no row underflows to 0/0.
+pose (float32 or float64, read from device memory: no host sync, no recompilation per
+iteration), and streams its share of the points (coordinate-contiguous, see :func:`soa`)
+in tiles of BLOCK_M points × BLOCK_N rows. Rows lie along the tile's fast axis, so each
+thread owns whole rows and every reduction over points stays in-thread (no shuffles, no
+barriers). Per tile: squared distance from coordinate differences, base-2 logit
+``z = −s·log2(e)·d + g·log2(e)``, the exact running row maximum m, and ``exp2(z − m)``
+summed into Σe, Σe² and Σe·p after rescaling the sums by ``exp2(m_old − m)`` (one exp2 per
+row per tile): e ≤ 1, nothing overflows, and no row underflows to 0/0. Only the last
+tile of a chunk is masked.
 With SPLIT > 1 the points are divided among SPLIT programs per row block (flash-decoding)
 so that small clouds still fill the GPU; their partial (max, sums) are merged by a second
 tiny kernel, which applies the same epilogue. Accumulation in float32; no N×M storage.
