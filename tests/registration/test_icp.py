@@ -461,8 +461,11 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     s, t = pair.source.cuda(), pair.target.cuda()
     ix = build_index(t, index_method, max_distance=0.01)
     kw = dict(max_correspondence_distance=0.01, method=method, index=ix, criteria=CRIT)
+    first = icp(s, t, **kw)  # the first call with an index runs eagerly, the next captures
+    assert first.info["cuda_graph"] == "first_use", first.info["cuda_graph"]
     res = icp(s, t, **kw)
     assert res.info["cuda_graph"] == "captured", res.info["cuda_graph"]
+    np.testing.assert_allclose(res.transformation, first.transformation, atol=1e-6)
     monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", False)
     eager = icp(s, t, **kw)
     assert eager.info["cuda_graph"] == "off"
@@ -479,6 +482,6 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     assert again.iterations == eager2.iterations and again.stop_reason == eager2.stop_reason
     np.testing.assert_allclose(again.transformation, eager2.transformation, atol=1e-6)
     # another index (even over the same points) captures its own graph
-    other = icp(s2, t, init=init,
-                **dict(kw, index=build_index(t, index_method, max_distance=0.01)))
-    assert other.info["cuda_graph"] == "captured"
+    other_ix = build_index(t, index_method, max_distance=0.01)
+    other = [icp(s2, t, init=init, **dict(kw, index=other_ix)) for _ in range(2)]
+    assert [o.info["cuda_graph"] for o in other] == ["first_use", "captured"]
