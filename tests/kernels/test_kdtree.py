@@ -89,6 +89,10 @@ def run_interpreted_kdtree(out_path: str) -> None:
         for md in (math.inf, 0.3):
             out[("hint", md, seed)] = KT.knn(tree, q, 1, max_dist2=md**2,
                                              hint=_hints(tree, q, seed))
+        # hints and answers as original indices, mapped inside the kernel
+        h = _hints(tree, q, seed)
+        out[("ids", seed)] = KT.knn(tree, q, 1, hint=torch.where(h >= 0, tree.perm[h], h),
+                                    ids=(tree.perm, torch.argsort(tree.perm)))
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
         tree = K.build(pts, 2)
         out[("f64", seed)] = KT.knn(tree, q, 3)
@@ -170,6 +174,20 @@ def test_triton_interpreter_hint_keeps_the_answer(max_d, interpreted, seed):
     got = interpreted[("hint", max_d, seed)]
     assert_knn_matches(_orig(tree, got), q, pts, 1,
                        **({} if math.isinf(max_d) else {"max_distance": max_d}))
+
+
+def test_triton_interpreter_original_ids(interpreted, seed):
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    pts, q = _interp_inputs((60, 9, 6, 3), seed)
+    assert_knn_matches(interpreted[("ids", seed)], q, pts, 1)
+
+
+def test_reference_original_ids(rng):
+    pts, q = _cloud(300, rng), _cloud(40, rng)
+    tree = K.build(pts, 4)
+    got = K.knn(tree, q, 1, ids=(tree.perm, torch.argsort(tree.perm)))
+    assert_knn_matches(got, q, pts, 1)
 
 
 def test_hint_is_checked(rng):

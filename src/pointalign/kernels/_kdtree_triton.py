@@ -29,9 +29,11 @@ BIG = tl.constexpr(BIG_HOST)
 
 @triton.jit
 def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, end_ptr,
-                stack_ptr, hint_ptr, out_d_ptr, out_i_ptr, n_query, first_leaf, max_d2,
+                stack_ptr, hint_ptr, perm_ptr, inv_ptr, out_d_ptr, out_i_ptr, n_query,
+                first_leaf, max_d2,
                 K: tl.constexpr, KP: tl.constexpr, LMAX: tl.constexpr, STACK: tl.constexpr,
-                APPROX: tl.constexpr, HAS_HINT: tl.constexpr, BLOCK: tl.constexpr):
+                APPROX: tl.constexpr, HAS_HINT: tl.constexpr, MAP: tl.constexpr,
+                BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     qmask = offs < n_query
@@ -45,6 +47,8 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
     best_i = tl.zeros((BLOCK, KP), dtype=tl.int64) - 1
     if HAS_HINT:  # K == 1: the hint, where within the maximum, is the first candidate
         h = tl.load(hint_ptr + offs, mask=qmask, other=-1)
+        if MAP:  # original index -> tree position
+            h = tl.where(h >= 0, tl.load(inv_ptr + h, mask=qmask & (h >= 0), other=-1), -1)
         hm = qmask & (h >= 0)
         hx = tl.load(pts_ptr + h * 3 + 0, mask=hm, other=0.0) - qx
         hy = tl.load(pts_ptr + h * 3 + 1, mask=hm, other=0.0) - qy
@@ -109,6 +113,10 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
         tl.store(stack_ptr + sbase + sp, near.to(tl.int32), mask=inner)
         sp = sp + inner.to(tl.int32)
     omask = qmask[:, None] & (cols[None, :] < K)
+    found = best_i >= 0
+    best_d = tl.where(found, best_d, float("inf"))
+    if MAP:  # tree position -> original index
+        best_i = tl.where(found, tl.load(perm_ptr + best_i, mask=omask & found, other=-1), -1)
     optr = offs[:, None] * K + cols[None, :]
     tl.store(out_d_ptr + optr, best_d, mask=omask)
     tl.store(out_i_ptr + optr, best_i, mask=omask)
@@ -116,8 +124,13 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
 
 def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
         approximate: bool = False, hint: torch.Tensor | None = None,
+        ids: tuple[torch.Tensor, torch.Tensor] | None = None,
         block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher for :func:`pointalign.kernels.kdtree.knn` (same contract)."""
+    """Launcher for :func:`pointalign.kernels.kdtree.knn` (same contract).
+
+    ``ids = (perm, inverse perm)``: ``hint`` and the returned indices are original indices,
+    mapped inside the kernel (no extra launches).
+    """
     q = query.to(tree.points.dtype).contiguous()
     n = q.shape[0]
     dev = q.device
@@ -133,13 +146,13 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
     grid = (triton.cdiv(n, block),)
     _knn_kernel[grid](
         q, tree.points, tree.lo, tree.hi, tree.split_axis, tree.split_value,
-        tree.start, tree.end, stack, out_i if hint is None else hint.contiguous(), out_d, out_i,
-        n, tree.first_leaf, md2,
+        tree.start, tree.end, stack, out_i if hint is None else hint.contiguous(),
+        tree.perm if ids is None else ids[0], tree.perm if ids is None else ids[1],
+        out_d, out_i, n, tree.first_leaf, md2,
         K=k, KP=kp, LMAX=tree.max_leaf_size, STACK=tree.depth + 2,
-        APPROX=bool(approximate), HAS_HINT=hint is not None, BLOCK=block,
-        num_warps=max(1, block // 32),
+        APPROX=bool(approximate), HAS_HINT=hint is not None, MAP=ids is not None,
+        BLOCK=block, num_warps=max(1, block // 32),
     )
-    out_d = out_d.masked_fill(out_i < 0, math.inf)
     if k == 1:
         return out_d, out_i
     out_d, order = torch.sort(out_d, dim=1)

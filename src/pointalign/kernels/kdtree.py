@@ -244,7 +244,8 @@ def descend(tree: TreeArrays, query: torch.Tensor, depth: int | None = None) -> 
 
 def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
         approximate: bool = False, hint: torch.Tensor | None = None,
-        reorder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        reorder: bool = True, ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Find the k nearest tree points of each ``query (N, 3)`` within ``d^2 <= max_dist2``.
 
     Returns ``dists (N, k)`` squared distances ascending (``inf`` where none) and
@@ -256,7 +257,9 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
     from its distance, which prunes most of the tree when the hint is near the answer; the
     answer does not change (the reference ignores the hint). ``reorder=False`` skips the
     grouping of large query sets by leaf (for callers whose queries are already in a
-    spatially coherent order).
+    spatially coherent order). ``ids = (tree.perm, its inverse (M,) int64)``: ``hint`` and
+    the returned indices are original indices instead of tree positions (mapped inside the
+    Triton kernel).
     """
     if k < 1:
         raise ValueError(f"k: must be >= 1, got {k}")
@@ -271,14 +274,17 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
             order = torch.argsort(descend(tree, query))
             d, i = _kdtree_triton.knn(tree, query[order], k, max_dist2=max_dist2,
                                       approximate=approximate,
-                                      hint=None if hint is None else hint[order])
+                                      hint=None if hint is None else hint[order], ids=ids)
             out_d, out_i = torch.empty_like(d), torch.empty_like(i)
             out_d[order] = d
             out_i[order] = i
             return out_d, out_i
         return _kdtree_triton.knn(tree, query, k, max_dist2=max_dist2, approximate=approximate,
-                                  hint=hint)
-    return knn_reference(tree, query, k, max_dist2=max_dist2, approximate=approximate)
+                                  hint=hint, ids=ids)
+    d, i = knn_reference(tree, query, k, max_dist2=max_dist2, approximate=approximate)
+    if ids is not None:
+        i = torch.where(i >= 0, ids[0][i.clamp_min(0)], i)
+    return d, i
 
 
 def _box_dist2(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

@@ -248,16 +248,13 @@ class KDTreeIndex:
         ``query`` must be a finite contiguous ``(N, 3)`` tensor of the points' dtype and
         device, ``max_distance > 0``.
         """
-        if hint is not None:
-            if self._inv_perm is None:
-                inv = torch.empty_like(self.perm)
-                inv[self.perm] = torch.arange(self.perm.shape[0], device=self.perm.device)
-                self._inv_perm = inv
-            hint = torch.where(hint >= 0, self._inv_perm[hint.clamp_min(0)], hint)
-        d2, pos = _k.knn(self._tree, query, 1, max_dist2=float(max_distance) ** 2, hint=hint,
-                         reorder=False)
-        r = self._result(d2, pos)
-        return r.dists[:, 0], r.idx[:, 0]
+        if self._inv_perm is None:
+            inv = torch.empty_like(self.perm)
+            inv[self.perm] = torch.arange(self.perm.shape[0], device=self.perm.device)
+            self._inv_perm = inv
+        d2, idx = _k.knn(self._tree, query, 1, max_dist2=float(max_distance) ** 2, hint=hint,
+                         reorder=False, ids=(self.perm, self._inv_perm))
+        return d2[:, 0], idx[:, 0]
 
     def __repr__(self) -> str:
         return (f"KDTreeIndex(M={self.points.shape[0]}, depth={self.depth}, "
