@@ -461,7 +461,9 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     s, t = pair.source.cuda(), pair.target.cuda()
     ix = build_index(t, index_method, max_distance=0.01)
     kw = dict(max_correspondence_distance=0.01, method=method, index=ix, criteria=CRIT)
-    first = icp(s, t, **kw)  # the first call with an index runs eagerly, the next captures
+    # a short first call with an index runs eagerly, the next call captures
+    monkeypatch.setattr(icp_mod, "GRAPH_AFTER_STEPS", 10**9)
+    first = icp(s, t, **kw)
     assert first.info["cuda_graph"] == "first_use", first.info["cuda_graph"]
     res = icp(s, t, **kw)
     assert res.info["cuda_graph"] == "captured", res.info["cuda_graph"]
@@ -485,3 +487,13 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     other_ix = build_index(t, index_method, max_distance=0.01)
     other = [icp(s2, t, init=init, **dict(kw, index=other_ix)) for _ in range(2)]
     assert [o.info["cuda_graph"] for o in other] == ["first_use", "captured"]
+    # a long first call captures once past GRAPH_AFTER_STEPS steps: same result as eager
+    monkeypatch.setattr(icp_mod, "GRAPH_AFTER_STEPS", 3)
+    crit = ConvergenceCriteria(max_iterations=20, relative_fitness=0, relative_rmse=0,
+                               translation_tolerance=0, rotation_tolerance=0)
+    ix3 = build_index(t, index_method, max_distance=0.01)
+    long = icp(s2, t, init=init, **dict(kw, index=ix3, criteria=crit))
+    assert long.info["cuda_graph"] == "captured", long.info["cuda_graph"]
+    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", False)
+    long_eager = icp(s2, t, init=init, **dict(kw, index=ix3, criteria=crit))
+    np.testing.assert_allclose(long.transformation, long_eager.transformation, atol=1e-6)

@@ -158,12 +158,14 @@ CHUNK = 8
 
 #: Replay the CHUNK-step chunks of a single (unbatched) problem from a CUDA graph (no
 #: per-launch host overhead); falls back to eager launches if the capture fails. A capture
-#: costs more than a whole eager run (H100, a new index per call: bunny 40k ICP 51 ms with a
-#: capture, 39 ms eager; the KITTI refinement of ``register`` 58 vs 26 ms), so it pays only
-#: when replayed by later calls: the first call with an index runs eagerly, the second
-#: captures, later ones replay. info["cuda_graph"] says which happened ("first_use",
-#: "captured", "reused", a failure, or "off").
+#: costs a few eager chunks, so it pays only when replayed often: a call captures once it
+#: has run ``GRAPH_AFTER_STEPS`` steps (short refinements, as in ``register``, never do), and
+#: a later call with the same index captures or replays from its first chunk.
+#: info["cuda_graph"] says which happened ("first_use", "captured", "reused", a failure,
+#: or "off").
 USE_CUDA_GRAPHS = True
+#: Steps after which a call captures its graph (see ``USE_CUDA_GRAPHS``).
+GRAPH_AFTER_STEPS = 15
 #: Captured graphs kept for later calls with the same index and problem shape (least
 #: recently used first out). Each holds its own copy of the inputs (source, target,
 #: normals, ~3 floats per point each), refreshed by a device copy on every call.
@@ -673,7 +675,8 @@ def icp(
         The graph is captured on first use or kept from an earlier call; without one the
         steps run eagerly.
         """
-        if not (reused or capture) or graph.get("failed"):
+        late = len(sums_h) >= GRAPH_AFTER_STEPS
+        if not use_graph or not (reused or capture or late) or graph.get("failed"):
             return None
         if "g" not in graph:
             T_in, Tf_in, bufs = T_cur.clone(), Tf_cur.clone(), alloc(CHUNK)
@@ -684,9 +687,17 @@ def icp(
                 with torch.cuda.stream(side):  # warm-up outside the capture (allocations)
                     steps(1, T_in, Tf_in, bufs, static[-1], static[:-1], hint.clone())
                 torch.cuda.current_stream(dev).wait_stream(side)
+                # captured on the side stream directly: torch.cuda.graph() would first empty
+                # the allocator's cache (every later allocation then goes back to cudaMalloc)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    rec_dev = steps(CHUNK, T_in, Tf_in, bufs, static[-1], static[:-1], hint)
+                with torch.cuda.stream(side):
+                    g.capture_begin()
+                    try:
+                        rec_dev = steps(CHUNK, T_in, Tf_in, bufs, static[-1], static[:-1],
+                                        hint)
+                    finally:
+                        g.capture_end()
+                torch.cuda.current_stream(dev).wait_stream(side)
             except Exception as exc:  # e.g. an index whose query synchronises
                 graph["failed"] = f"{type(exc).__name__}: {exc}"[:300]
                 torch.cuda.synchronize(dev)
