@@ -199,3 +199,74 @@ def test_estimators_on_cuda():
     assert metrics.rotation_error(est.transformation, Tt).max() < 1e-3
     est = estimate.umeyama(x.cuda(), y.cuda())
     assert torch.allclose(est.transformation.cpu(), Tt, atol=1e-9)
+
+
+
+def test_horn_matrix_and_rotation_bases_match_formulas(seed):
+    g = torch.Generator().manual_seed(seed)
+    S = torch.randn(50, 3, 3, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(estimate.horn_matrix(S), estimate.horn_matrix_reference(S),
+                               atol=1e-15, rtol=0)
+    q = torch.randn(50, 4, generator=g, dtype=torch.float64)
+    q[0, 0] = 0.0  # a half turn
+    torch.testing.assert_close(estimate.quaternion_rotation(q),
+                               T.quaternion_to_matrix(q), atol=1e-14, rtol=0)
+    torch.testing.assert_close(estimate.quaternion_rotation(3.0 * q[1]),
+                               T.quaternion_to_matrix(q[1]), atol=1e-14, rtol=0)
+
+@pytest.mark.parametrize("axis", [(1.0, 0, 0), (0, 1.0, 0), (0, 0, 1.0), (1.0, -2, 0.5)])
+def test_horn_half_turn(seed, axis):
+    # a 180-degree rotation: quaternion w = 0, the case where some closed forms break
+    a = torch.tensor(axis, dtype=torch.float64)
+    q = torch.cat([torch.zeros(1, dtype=torch.float64), a / a.norm()])
+    Tt = T.make(T.quaternion_to_matrix(q), torch.tensor([0.1, -2.0, 0.3], dtype=torch.float64))
+    for n in (3, 20):
+        x = _problem(seed, n)[0]
+        y = T.apply(Tt, x)
+        est = estimate.horn(x, y)
+        assert torch.allclose(est.transformation, Tt, atol=1e-10)
+        R_o, t_o = numpy_umeyama(x.numpy(), y.numpy(), np.ones(n))
+        np.testing.assert_allclose(est.transformation[:3, :3].numpy(), R_o, atol=1e-10)
+
+
+def test_spans_plane_matches_eigvalsh_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    pts = torch.randn(300, 12, 3, generator=g, dtype=torch.float64)
+    # squash a third of the sets towards a line, a third towards a plane, by factors that
+    # stay away from the threshold (1e-10 on variances: 1e-5 on spreads) by 100x both ways
+    f = torch.tensor([1e-8, 1e-3, 1.0], dtype=torch.float64).repeat(100)[:, None]
+    pts[:, :, 1] *= torch.where(torch.arange(300)[:, None] % 3 == 0, f, 1.0)
+    pts[:, :, 2] *= f
+    R = T.random_rotation(300, generator=g)
+    pts = pts @ R.mT
+    m = estimate._weighted_moments(pts, pts, None)
+    fast, ref = estimate._spans_plane(m.source_cov), estimate._spans_plane_reference(m.source_cov)
+    assert torch.equal(fast, ref)
+    assert 0 < int(fast.sum()) < 300
+
+
+def test_spans_plane_degenerate_sets():
+    line = torch.linspace(-1, 1, 7)[:, None] * torch.tensor([[1.0, 2, 3]]) + 5.0  # float32
+    point = torch.full((4, 3), 2.5)
+    tri = torch.tensor([[0.0, 0, 0], [1, 0, 0], [0, 1e-3, 0]])
+    for pts, spans in ((line, False), (point, False), (tri, True), (line[:2], False)):
+        cov = estimate._weighted_moments(pts, pts, None).source_cov
+        assert bool(estimate._spans_plane(cov)) == spans
+        assert bool(estimate._spans_plane_reference(cov)) == spans
+    assert not bool(estimate._spans_plane(torch.zeros(3, 3, dtype=torch.float64)))
+
+
+
+@pytest.mark.gpu
+def test_closed_forms_on_cuda_match_cpu(seed):
+    x, y, w, _ = _problem(seed, 30, noise=0.05, batch=(4096,))
+    m = estimate._weighted_moments(x, y, w)
+    S = m.cross.cuda()
+    torch.testing.assert_close(estimate.horn_matrix(S).cpu(),
+                               estimate.horn_matrix_reference(m.cross), atol=1e-12, rtol=0)
+    q = torch.randn(4096, 4, dtype=torch.float64)
+    torch.testing.assert_close(estimate.quaternion_rotation(q.cuda()).cpu(),
+                               T.quaternion_to_matrix(q), atol=1e-14, rtol=0)
+    covs = torch.cat([m.source_cov, torch.zeros(1, 3, 3, dtype=torch.float64)])
+    assert torch.equal(estimate._spans_plane(covs.cuda()).cpu(),
+                       estimate._spans_plane_reference(covs))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pointalign import PointCloud, datasets
-from pointalign.features.downsample import count_voxels, voxel_downsample
+from pointalign.features.downsample import count_voxels, voxel_downsample, voxel_keys
 
 
 def _oracle(points: np.ndarray, v: float) -> dict[tuple, np.ndarray]:
@@ -108,3 +108,20 @@ def test_cuda_matches_cpu(seed):
     b = voxel_downsample(pts.cuda(), 0.03)
     assert b.is_cuda
     torch.testing.assert_close(b.cpu(), a, atol=1e-6, rtol=0)
+
+
+def test_sort_based_grouping_equals_unique(seed):
+    # the single stable sort groups exactly as torch.unique + a stable argsort of the
+    # inverse (the former implementation): same voxels, same order, same centroids
+    g = torch.Generator().manual_seed(seed)
+    pts = torch.rand(5000, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 0.5, 0.01])
+    v = 0.02
+    keys, _ = voxel_keys(pts, v)
+    _, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)
+    order = torch.argsort(inverse, stable=True)
+    seg = inverse[order]
+    ref = torch.zeros(counts.numel(), 3, dtype=torch.float64).index_add_(0, seg, pts[order])
+    ref /= counts[:, None].to(torch.float64)
+    out = voxel_downsample(pts, v)
+    assert count_voxels(pts, v) == counts.numel() == out.shape[0]
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)

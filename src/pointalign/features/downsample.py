@@ -6,14 +6,16 @@ each occupied cube ``k = floor((p - p_min) / voxel_size)`` yields the mean of it
 ``VoxelGrid`` and Open3D's ``voxel_down_sample``, as used before FPFH + RANSAC in the
 parallel RANSAC paper (5 mm leaf) and Open3D's global-registration tutorial.
 
-Implementation: integer voxel keys, ``torch.unique`` (sort-based) for the occupied cells, a
-stable sort of the points by cell, and segment sums taken as differences of a float64
-cumulative sum. No atomics, so the result is bit-identical from run to run on a device
-(RANSAC's determinism for a fixed seed depends on it). Same code on CPU and GPU.
+Implementation: integer voxel keys, one stable sort of the points by key (the occupied cells
+are the runs of equal keys), and segment sums taken as differences of a float64 cumulative
+sum. No atomics, so the result is bit-identical from run to run on a device (RANSAC's
+determinism for a fixed seed depends on it). Same code on CPU and GPU; two host
+synchronisations per call (the grid's extent and the number of voxels).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -41,14 +43,18 @@ def voxel_keys(points: torch.Tensor, voxel_size: float) -> tuple[torch.Tensor, t
 
     """
     p = points.to(torch.float64)
-    origin = p.min(0).values
-    cell = torch.floor((p - origin) / voxel_size).to(torch.int64)
-    dims = cell.max(0).values + 1
-    if bool((dims > _MAX_CELLS_PER_AXIS).any()):
+    bounds = torch.stack([p.min(0).values, p.max(0).values])
+    origin = bounds[0]
+    # floor is monotone, so the largest cell index is that of the largest coordinate (the
+    # host's division may round differently from the device's only at a cell boundary)
+    lo, hi = bounds.tolist()
+    dims = [math.floor((h - o) / voxel_size) + 1 for o, h in zip(lo, hi, strict=True)]
+    if max(dims) > _MAX_CELLS_PER_AXIS:
         raise ValueError(
             f"voxel_size: {voxel_size} is too small for this cloud's extent "
-            f"({dims.tolist()} voxels per axis, at most {_MAX_CELLS_PER_AXIS})"
+            f"({dims} voxels per axis, at most {_MAX_CELLS_PER_AXIS})"
         )
+    cell = torch.floor((p - origin) / voxel_size).to(torch.int64)
     keys = (cell[:, 0] * _MAX_CELLS_PER_AXIS + cell[:, 1]) * _MAX_CELLS_PER_AXIS + cell[:, 2]
     return keys, origin
 
@@ -56,18 +62,21 @@ def voxel_keys(points: torch.Tensor, voxel_size: float) -> tuple[torch.Tensor, t
 def count_voxels(points: torch.Tensor, voxel_size: float) -> int:
     """Count the voxels of edge ``voxel_size`` occupied by ``points (N, 3)``."""
     keys, _ = voxel_keys(points, voxel_size)
-    return int(torch.unique(keys).numel())
+    sorted_keys = torch.sort(keys).values
+    return int((sorted_keys[1:] != sorted_keys[:-1]).sum()) + 1
 
 
-def _segment_mean(values: torch.Tensor, order: torch.Tensor, ends: torch.Tensor,
-                  counts: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` over consecutive segments of ``values[order]`` (float64 sums).
+def _segment_mean(values: torch.Tensor, order: torch.Tensor, seg: torch.Tensor,
+                  ends: torch.Tensor, counts: torch.Tensor,
+                  shift: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values (N, C)`` over consecutive segments of ``values[order]`` (float64 sums).
 
-    ``shift (V, C)`` is subtracted per segment before summing (keeps the float64 cumulative
-    sum small, so differences of it stay exact to ~1e-12 of a voxel).
+    ``seg (N,)``: segment of each sorted row (non-decreasing); ``ends, counts (V,)``: end
+    (exclusive) and length of each segment. ``shift (V, C)`` is subtracted per segment
+    before summing (keeps the float64 cumulative sum small, so differences of it stay exact
+    to ~1e-12 of a voxel).
     """
     sorted_vals = values[order].to(torch.float64)
-    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=values.device), counts)
     rel = sorted_vals - shift[seg]
     cs = exclusive_cumsum_rows(rel)
     starts = ends - counts
@@ -96,27 +105,31 @@ def voxel_downsample(cloud: Any, voxel_size: float) -> Any:
     is_cloud = isinstance(cloud, PointCloud)
     points = _validate.as_points(cloud, "cloud")
     voxel_size = _validate.positive(voxel_size, "voxel_size")
-    keys, origin = voxel_keys(points, voxel_size)
-    _, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True,
-                                      return_counts=True)
-    order = torch.argsort(inverse, stable=True)
-    ends = torch.cumsum(counts, 0)
-    first = order[ends - counts]  # one member of each voxel (the lowest index)
+    keys, _ = voxel_keys(points, voxel_size)
+    # one stable sort: voxels in increasing key order, points in index order within each
+    sorted_keys, order = torch.sort(keys, stable=True)
+    new = torch.ones_like(sorted_keys, dtype=torch.bool)
+    new[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    starts = new.nonzero().squeeze(1)  # the one host synchronisation: V
+    ends = torch.cat([starts[1:], starts.new_full((1,), keys.numel())])
+    counts = ends - starts
+    seg = torch.cumsum(new, 0) - 1
+    first = order[starts]  # one member of each voxel (the lowest index)
     shift = points[first].to(torch.float64)
-    centers = _segment_mean(points, order, ends, counts, shift).to(points.dtype)
+    centers = _segment_mean(points, order, seg, ends, counts, shift).to(points.dtype)
     if not is_cloud:
         return centers
     normals = colors = None
     if cloud.normals is not None:
         first_n = cloud.normals[first].to(torch.float64)
-        mean_n = _segment_mean(cloud.normals, order, ends, counts,
+        mean_n = _segment_mean(cloud.normals, order, seg, ends, counts,
                                torch.zeros_like(first_n))
         norm = mean_n.norm(dim=1, keepdim=True)
         ok = norm > 1e-12
         normals = torch.where(ok, mean_n / norm.clamp_min(1e-300), first_n)
         normals = normals.to(points.dtype)
     if cloud.colors is not None:
-        colors = _segment_mean(cloud.colors, order, ends, counts,
+        colors = _segment_mean(cloud.colors, order, seg, ends, counts,
                                torch.zeros(counts.numel(), 3, dtype=torch.float64,
                                            device=points.device)).to(points.dtype)
     return PointCloud(centers, normals=normals, colors=colors)

@@ -126,25 +126,44 @@ def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool,
     return torch.stack([i[keep], j[keep, 0]], 1)
 
 
-def _score(T: torch.Tensor, points: torch.Tensor, index: Any,
-           max_distance: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
+           *, with_matches: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Score transforms: inlier count and sum of squared inlier distances.
 
-    ``T (S, 4, 4)`` applied to ``points (P, 3)`` → ``(S,) int64, (S,) float64``.
+    ``T (S, 4, 4)`` applied to ``points (P, 3)`` → ``(S,) int64, (S,) float64`` and, with
+    ``with_matches``, the matched target index of every point ``(S, P) int64`` (−1: none
+    within the bound), else None.
     """
     s, p = T.shape[0], points.shape[0]
     counts = torch.zeros(s, dtype=torch.int64, device=points.device)
     sq = torch.zeros(s, dtype=torch.float64, device=points.device)
+    matches = torch.empty(s, p, dtype=torch.int64, device=points.device) if with_matches \
+        else None
     step = max(1, _SCORE_QUERIES // max(p, 1))
     for a in range(0, s, step):
         b = min(s, a + step)
         q = _k.transform_points(T[a:b], points)
         res = index.nearest_within(q.reshape(-1, 3), max_distance)
-        hit = (res.idx[:, 0] >= 0).view(b - a, p)
+        idx = res.idx[:, 0].view(b - a, p)
+        hit = idx >= 0
         d2 = torch.where(hit, res.dists[:, 0].view(b - a, p), torch.zeros_like(q[..., 0]))
         counts[a:b] = hit.sum(1)
         sq[a:b] = d2.to(torch.float64).sum(1)
-    return counts, sq
+        if matches is not None:
+            matches[a:b] = idx
+    return counts, sq, matches
+
+
+def _horn(source: torch.Tensor, target: torch.Tensor,
+          weights: torch.Tensor | None = None) -> estimate.Estimate:
+    """Horn's method on already validated inputs (no checks, no host synchronisation).
+
+    ``source, target (B, K, 3)``, optional ``weights (B, K)`` → ``Estimate`` with
+    ``transformation (B, 4, 4)`` (identity where not ``valid``) and ``valid (B,)``.
+    """
+    return estimate.horn_from_moments(estimate._weighted_moments(source, target, weights),
+                                      strict=False)
 
 
 def _key(counts: torch.Tensor, sq: torch.Tensor, max_distance: float) -> torch.Tensor:
@@ -160,22 +179,23 @@ def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.
 
     Each round re-estimates every motion by Horn on all its inliers (nearest target point
     within the bound) and keeps the update only if it scores better; at most
-    ``iterations`` rounds.
+    ``iterations`` rounds. The matches found when scoring an update are its inliers for
+    the next round (one neighbour query per round), and the only host synchronisation per
+    round is the test whether any motion improved.
     """
+    _, _, idx = _score(T, src, index, max_distance, with_matches=True)
+    src_b = src.expand(T.shape[0], -1, -1)
     for _ in range(iterations):
-        q = _k.transform_points(T, src)
-        res = index.nearest_within(q.reshape(-1, 3), max_distance)
-        idx = res.idx[:, 0].view(T.shape[0], -1)
-        w = (idx >= 0).to(torch.float64)
-        y = tgt[idx.clamp_min(0)]
-        est = estimate.horn(src.expand(T.shape[0], -1, -1), y, w, strict=False)
-        c_new, sq_new = _score(est.transformation, src, index, max_distance)
+        est = _horn(src_b, tgt[idx.clamp_min(0)], (idx >= 0).to(torch.float64))
+        c_new, sq_new, idx_new = _score(est.transformation, src, index, max_distance,
+                                        with_matches=True)
         better = est.valid & (_key(c_new, sq_new, max_distance) > _key(counts, sq, max_distance))
         if not bool(better.any()):
             break
         T = torch.where(better[:, None, None], est.transformation, T)
         counts = torch.where(better, c_new, counts)
         sq = torch.where(better, sq_new, sq)
+        idx = torch.where(better[:, None], idx_new, idx)
     return T, counts, sq
 
 
@@ -335,36 +355,39 @@ def ransac(
         clock.lap("triangle")
         if surv.numel():
             tri = triples[surv]
-            est = estimate.horn(cs[tri], ct[tri], strict=False)
-            T = est.transformation[est.valid]
-            info["after_estimation"] += int(T.shape[0])
+            est = _horn(cs[tri], ct[tri])
             clock.lap("estimate")
+            # degenerate motions stay in the batch with a T(d,d) count of −1 (no compaction)
+            c_sub, _, _ = _score(est.transformation, subset, target_index, dist)
+            c_sub = torch.where(est.valid, c_sub, -1)
+            passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
+            # failures sort last; a stable sort keeps equal counts in hypothesis order
+            order = torch.sort(torch.where(passed, c_sub, -1), descending=True,
+                               stable=True).indices
+            n_valid, n_passed = torch.stack([est.valid.sum(), passed.sum()]).tolist()
+            info["after_estimation"] += n_valid
+            info["after_tdd"] += n_passed
+            T = est.transformation[order[:min(n_passed, max_validations)]]
+            clock.lap("tdd")
             if T.shape[0]:
-                c_sub, _ = _score(T, subset, target_index, dist)
-                best_sub = int(c_sub.max())
-                passed = ((c_sub >= 1) & (2 * c_sub >= best_sub)).nonzero().squeeze(1)
-                info["after_tdd"] += int(passed.numel())
-                order = torch.sort(c_sub[passed], descending=True, stable=True).indices
-                T = T[passed[order[:max_validations]]]
-                clock.lap("tdd")
-                if T.shape[0]:
-                    c, sq = _score(T, src, target_index, dist)
-                    info["validated"] += int(T.shape[0])
-                    pool_T = torch.cat([pool_T, T])
-                    pool_c = torch.cat([pool_c, c])
-                    pool_sq = torch.cat([pool_sq, sq])
-                    top = torch.sort(_key(pool_c, pool_sq, dist), descending=True,
-                                     stable=True).indices[:max(refine_top, 1)]
-                    pool_T, pool_c, pool_sq = pool_T[top], pool_c[top], pool_sq[top]
-                    clock.lap("score")
+                c, sq, _ = _score(T, src, target_index, dist)
+                info["validated"] += int(T.shape[0])
+                pool_T = torch.cat([pool_T, T])
+                pool_c = torch.cat([pool_c, c])
+                pool_sq = torch.cat([pool_sq, sq])
+                top = torch.sort(_key(pool_c, pool_sq, dist), descending=True,
+                                 stable=True).indices[:max(refine_top, 1)]
+                pool_T, pool_c, pool_sq = pool_T[top], pool_c[top], pool_sq[top]
+                clock.lap("score")
         if pool_T.shape[0] == 0:
             continue
-        fit = float(pool_c[0]) / src.shape[0]
+        explained = _explained(pool_T[0], cs, ct, dist)
+        best_count, n_explained = torch.stack([pool_c[0], explained]).tolist()
+        fit = best_count / src.shape[0]
         if inlier_ratio_threshold is not None and fit >= inlier_ratio_threshold:
             stop = "inlier_ratio"
             break
-        res = (_k.transform_points(pool_T[:1], cs)[0] - ct).norm(dim=1)
-        w = float((res <= dist).sum()) / n_corr
+        w = n_explained / n_corr
         info["correspondence_inlier_ratio"] = w
         info["required_hypotheses"] = required_hypotheses(w, conf)
         clock.lap("score")
@@ -374,19 +397,22 @@ def ransac(
     if pool_T.shape[0] == 0:
         return _failed(info, clock, dev, "no_hypothesis")
 
+    before = pool_c[0]
     if local_refinement and refine_iterations > 0:
-        before = int(pool_c[0])
         pool_T, pool_c, pool_sq = _refine(pool_T, pool_c, pool_sq, src, tgt, target_index,
                                           dist, refine_iterations)
         best = torch.sort(_key(pool_c, pool_sq, dist), descending=True, stable=True).indices
         pool_T, pool_c, pool_sq = pool_T[best], pool_c[best], pool_sq[best]
-        info["refined_inliers_gain"] = int(pool_c[0]) - before
+    explained = _explained(pool_T[0], cs, ct, dist)
+    count, sq_best, before, n_explained = torch.stack(
+        [pool_c[0].double(), pool_sq[0], before.double(), explained.double()]).tolist()
+    count, before = int(count), int(before)
+    if local_refinement and refine_iterations > 0:
+        info["refined_inliers_gain"] = count - before
         clock.lap("refine")
-    count = int(pool_c[0])
     fitness = count / src.shape[0]
-    rmse = math.sqrt(float(pool_sq[0]) / count) if count else math.inf
-    res = (_k.transform_points(pool_T[:1], cs)[0] - ct).norm(dim=1)
-    info["correspondence_inlier_ratio"] = float((res <= dist).sum()) / n_corr
+    rmse = math.sqrt(sq_best / count) if count else math.inf
+    info["correspondence_inlier_ratio"] = n_explained / n_corr
     converged = inlier_ratio_threshold is None or fitness >= inlier_ratio_threshold
     if not converged:
         stop = "below_threshold"
@@ -396,6 +422,16 @@ def ransac(
         fitness=fitness, rmse=rmse, iterations=info["hypotheses"], converged=converged,
         stop_reason=stop, timings=clock.total(), info=info, transformation_tensor=T_best,
     )
+
+
+def _explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor,
+               max_distance: float) -> torch.Tensor:
+    """Count the correspondences ``cs → ct (C, 3)`` that ``T (4, 4)`` maps within the bound.
+
+    Returns a 0-dim int64 tensor, left on the device.
+    """
+    res = (_k.transform_points(T[None], cs)[0] - ct).norm(dim=1)
+    return (res <= max_distance).sum()
 
 
 def _failed(info: dict[str, Any], clock: _Clock, dev: torch.device,
