@@ -46,6 +46,15 @@ TRIU6 = [(i, j) for i in range(6) for j in range(i, 6)]
 TRIU3 = [(i, j) for i in range(3) for j in range(i, 3)]
 
 
+def _sym_gather(triu: list[tuple[int, int]], n: int) -> list[int]:
+    """For each entry (a, b) of an n×n symmetric matrix (row-major), its position in triu."""
+    pos = {ab: q for q, ab in enumerate(triu)}
+    return [pos[(min(a, b), max(a, b))] for a in range(n) for b in range(n)]
+
+
+_SYM6, _SYM3 = _sym_gather(TRIU6, 6), _sym_gather(TRIU3, 3)
+
+
 def robust_weights(r: torch.Tensor, kernel: str, scale: float) -> torch.Tensor:
     """M-estimator weights w(r) (same formulas as ``RobustKernel.weights``)."""
     a = r.abs()
@@ -186,21 +195,12 @@ def normal_equations_reference(
 
 def unpack_hessian(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Point-to-plane sums ``(B, 30)`` → ``(JᵀWJ (B, 6, 6), JᵀWr (B, 6))`` (symmetric)."""
-    B = sums.shape[0]
-    H = torch.zeros(B, 6, 6, dtype=sums.dtype, device=sums.device)
-    for q, (a, b) in enumerate(TRIU6):
-        H[:, a, b] = sums[:, q]
-        H[:, b, a] = sums[:, q]
-    return H, sums[:, 21:27]
+    return sums[:, _SYM6].reshape(-1, 6, 6), sums[:, 21:27]
 
 
 def unpack_sym3(v: torch.Tensor) -> torch.Tensor:
     """Upper-triangle sums ``(B, 6)`` (00, 01, 02, 11, 12, 22) → symmetric ``(B, 3, 3)``."""
-    M = torch.zeros(v.shape[0], 3, 3, dtype=v.dtype, device=v.device)
-    for q, (a, b) in enumerate(TRIU3):
-        M[:, a, b] = v[:, q]
-        M[:, b, a] = v[:, q]
-    return M
+    return v[:, _SYM3].reshape(-1, 3, 3)
 
 
 # ---- the rigid update from the sums (the device-side solve of ICP) ------------------------

@@ -196,6 +196,11 @@ def _store_graph(key: tuple, ix: Any, rec: dict) -> None:
         _graphs.pop(next(iter(_graphs)))
 
 
+#: Queries are put in a spatially coherent (Morton) order from this many on; below it the
+#: search is too small for the order to matter and the ~40 launches of the sort would not pay.
+SPATIAL_ORDER_MIN = 8192
+
+
 def _spatial_order(points: torch.Tensor) -> torch.Tensor:
     """Permutation ``(N,)`` sorting ``points (N, 3)`` along a Morton (Z-order) curve.
 
@@ -595,7 +600,7 @@ def icp(
     N = src.shape[1]
     kind, scale = rk.kind, float(rk.k)
     single = B == 1 and int(slens_h[0]) == N
-    if single and N > 1:
+    if single and N >= SPATIAL_ORDER_MIN:
         # queries in a spatially coherent order: neighbouring threads of the search kernels
         # visit the same cells / tree nodes (the sums do not depend on the order)
         src = src[:, _spatial_order(src[0])]
