@@ -619,6 +619,8 @@ def icp(
     D_h: list[np.ndarray] = [None]     # D_j (j >= 1)
     T_h: list[np.ndarray] = [T.copy()]  # T_j
     fl_h: list[np.ndarray] = [None]
+    upd_h: list[tuple] = [None]         # (angle, move) of D_j
+    stats_h: list[tuple] = []           # (correspondences, fitness, rmse) of sums_j
     active = np.ones(B, dtype=bool)
     eps = estimate.DEGENERACY_EPS
 
@@ -735,11 +737,18 @@ def icp(
         te = time.perf_counter()
         timings["launch"] += tr - ts
         timings["sync"] += te - tr
+        # what the stopping rules read, for the whole chunk at once (few NumPy calls)
+        D = rec[:, :, 30:46].reshape(k_steps, B, 4, 4)
+        ang = _angle_np(D[..., :3, :3].reshape(-1, 3, 3)).reshape(k_steps, B)
+        mov = np.linalg.norm(D[..., :3, 3], axis=-1)
+        cnt, fit, rmse = stats(rec[:, :, :30])
         for k in range(k_steps):
             sums_h.append(rec[k, :, :30])
-            D_h.append(rec[k, :, 30:46].reshape(B, 4, 4))
+            D_h.append(D[k])
             T_h.append(rec[k, :, 46:62].reshape(B, 4, 4))
             fl_h.append(rec[k, :, 62:64] > 0.5)
+            upd_h.append((ang[k], mov[k]))
+            stats_h.append((cnt[k], fit[k], rmse[k]))
 
     max_it = int(crit.max_iterations)
     # steps per host check: 1, 2, 4, ... CHUNK; whole chunks at once when a kept graph makes
@@ -756,9 +765,10 @@ def icp(
     n_src = slens_h.numpy().astype(np.float64)
 
     def stats(s: np.ndarray):
-        cnt = s[:, 28].copy()
+        """Correspondences, fitness and RMSE ``(..., B)`` from sums ``(..., B, 30)``."""
+        cnt = s[..., 28].copy()
         fit = cnt / n_src
-        rmse = np.where(cnt > 0, np.sqrt(s[:, 29] / np.maximum(cnt, 1)), np.inf)
+        rmse = np.where(cnt > 0, np.sqrt(s[..., 29] / np.maximum(cnt, 1)), np.inf)
         return cnt, fit, rmse
 
     t_it = time.perf_counter()
@@ -769,7 +779,7 @@ def icp(
     need(0)
     sums = sums_h[0]
     last = sums.copy()
-    cnt, fit, rmse = stats(sums)
+    cnt, fit, rmse = stats_h[0]
     history = [{"iteration": 0, "fitness": fit.copy(), "rmse": rmse.copy(),
                 "correspondences": cnt.copy()}]
     for b in range(B):
@@ -784,14 +794,13 @@ def icp(
         for b in np.nonzero(active & ~usable)[0]:
             active[b], reasons[b] = False, "degenerate"
         T = np.where(active[:, None, None], T_h[it], T)
-        ang = _angle_np(D[:, :3, :3])
-        mov = np.linalg.norm(D[:, :3, 3], axis=-1)
+        ang, mov = upd_h[it]
         iters[active] += 1
         if not active.any():
             break
         prev_fit, prev_rmse = fit, rmse
         sums = sums_h[it]
-        cnt, fit_new, rmse_new = stats(sums)
+        cnt, fit_new, rmse_new = stats_h[it]
         fit = np.where(active, fit_new, prev_fit)
         rmse = np.where(active, rmse_new, prev_rmse)
         last[active] = sums[active]
