@@ -18,8 +18,9 @@ Epilogues (constexpr MODE): 0 raw (lse, lse2, mean), 1 EM-ICP (λ_i, x'_i),
 2 Sinkhorn (``offset − logaddexp(lse, log_slack)``).
 
 Horn kernel: one program per batch entry reduces the weighted moments in float64, builds
-Horn's 4×4 matrix and finds its top eigenvector by repeated squaring of the shifted,
-positive semi-definite matrix (no eigh, no host sync), then writes the pose. A cross-
+Horn's 4×4 matrix (10 scalars per thread: no shuffles) and finds its top eigenvector by 40
+squarings of the shifted, positive semi-definite matrix, normalised every 4th (no eigh, no
+host sync), then writes the pose. A cross-
 covariance that is only rounding noise of the moments it is computed from (one point,
 coincident points) counts as 0, and a tiny εI breaks ties towards R = I (as the reference).
 """
@@ -84,6 +85,19 @@ def _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
 
 
 @triton.jit
+def _exp2(x, FTZ: tl.constexpr):
+    """``exp2(x)``, with ``FTZ`` as one ``ex2.approx.ftz.f32`` (no denormal fix-up).
+
+    Results below 2**-126 of the row maximum become 0, which the sums cannot see anyway.
+    """
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
 def _tload(ptr, k):
     return tl.load(ptr + k).to(tl.float32)
 
@@ -119,7 +133,8 @@ def _horn_moments(w, x0, x1, x2, m0, m1, m2, out_ptr):
 
 @triton.jit
 def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, spc,
-              HAS_G: tl.constexpr, SQUARES: tl.constexpr, MASKED: tl.constexpr):
+              HAS_G: tl.constexpr, SQUARES: tl.constexpr, MASKED: tl.constexpr,
+              FTZ: tl.constexpr):
     """One tile: BLOCK_M points (axis 0) × BLOCK_N query rows (axis 1) of the online
     log-sum-exp. Returns the row state (m2, l1, l2, ux, uy, uz), each (BLOCK_N,).
 
@@ -150,14 +165,14 @@ def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, 
         z = (g.to(tl.float32) * 1.4426950408889634)[:, None] - s2 * d
         m_new = tl.maximum(m2, tl.max(z, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.exp2(z - m_safe[None, :])
+        e = _exp2(z - m_safe[None, :], FTZ)
     else:
         # z = −s2·d: the row maximum is −s2 · min d, and exp2(z − m) is one FMA + exp2
         if MASKED:
             d = tl.where(cmask[:, None], d, float("inf"))
         m_new = tl.maximum(m2, -s2 * tl.min(d, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.exp2(d * (-s2) - m_safe[None, :])
+        e = _exp2(d * (-s2) - m_safe[None, :], FTZ)
     alpha = tl.exp2(m2 - m_safe)
     l1 = l1 * alpha + tl.sum(e, 0)
     if SQUARES:
@@ -176,6 +191,7 @@ def _rows_body(
     sqb, sqn, sqc, spb, spc, sgb,
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
     MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    FTZ: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     sp = tl.program_id(1)
@@ -209,12 +225,12 @@ def _rows_body(
         cols = lo + t * BLOCK_M + tl.arange(0, BLOCK_M)
         m2, l1, l2, ux, uy, uz = _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base,
                                            g_base, cols, hi, spc,
-                                           HAS_G, SQUARES, False)
+                                           HAS_G, SQUARES, False, FTZ)
     if lo + n_full * BLOCK_M < hi:
         cols = lo + n_full * BLOCK_M + tl.arange(0, BLOCK_M)
         m2, l1, l2, ux, uy, uz = _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base,
                                            g_base, cols, hi, spc,
-                                           HAS_G, SQUARES, True)
+                                           HAS_G, SQUARES, True, FTZ)
     if SPLIT == 1:
         extra = tl.load(extra_ptr + b)
         offset = tl.load(offset_ptr + b)
@@ -242,11 +258,12 @@ def _rows_kernel(
     sqb, sqn, sqc, spb, spc, sgb,
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
     MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    FTZ: tl.constexpr = False,
 ):
     _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
                out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, N, M, CHUNK,
                sqb, sqn, sqc, spb, spc, sgb,
-               HAS_G, SQUARES, MODE, SPLIT, MOMENTS, BLOCK_N, BLOCK_M)
+               HAS_G, SQUARES, MODE, SPLIT, MOMENTS, BLOCK_N, BLOCK_M, FTZ)
 
 
 @triton.jit
@@ -256,11 +273,12 @@ def _rows_kernel_const(
     sqb, sqn, sqc, spb, spc, sgb,
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
     MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    FTZ: tl.constexpr = False,
 ):
     _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
                out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, N, M, CHUNK,
                sqb, sqn, sqc, spb, spc, sgb,
-               HAS_G, SQUARES, MODE, SPLIT, MOMENTS, BLOCK_N, BLOCK_M)
+               HAS_G, SQUARES, MODE, SPLIT, MOMENTS, BLOCK_N, BLOCK_M, FTZ)
 
 
 @triton.jit
@@ -284,7 +302,8 @@ def _merge_kernel(
         qy = tl.load(qb + sqc, mask=rmask, other=0.0)
         qz = tl.load(qb + 2 * sqc, mask=rmask, other=0.0)
     m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    for sp in range(SPLIT):
+    # unrolled (SPLIT is a constexpr): every partial's load is in flight at once
+    for sp in tl.static_range(SPLIT):
         pm = tl.load(part_ptr + ((b * SPLIT + sp) * 6) * N + rows, mask=rmask,
                      other=float("-inf"))
         m2 = tl.maximum(m2, pm)
@@ -294,7 +313,7 @@ def _merge_kernel(
     ux = tl.zeros((BLOCK_N,), tl.float32)
     uy = tl.zeros((BLOCK_N,), tl.float32)
     uz = tl.zeros((BLOCK_N,), tl.float32)
-    for sp in range(SPLIT):
+    for sp in tl.static_range(SPLIT):
         pb = part_ptr + ((b * SPLIT + sp) * 6) * N + rows
         a = tl.exp2(tl.load(pb, mask=rmask, other=float("-inf")) - m_safe)
         l1 += a * tl.load(pb + N, mask=rmask, other=0.0)
@@ -370,6 +389,9 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
         tile = os.environ.get("POINTALIGN_SOFT_TILE")  # "BLOCK_N,BLOCK_M,num_warps" (tuning)
         if tile:
             BLOCK_N, BLOCK_M, warps = (int(v) for v in tile.split(","))
+    # ex2.approx.ftz in the pair loop (inline PTX: CUDA only); POINTALIGN_SOFT_FTZ=0 turns
+    # it off (tl.exp2)
+    ftz = (not interp) and os.environ.get("POINTALIGN_SOFT_FTZ", "1") != "0"
     nblk = triton.cdiv(N, BLOCK_N)
     mtiles = triton.cdiv(M, BLOCK_M)
     if split is None:
@@ -392,7 +414,7 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
         points.stride(0), points.stride(2),
         g.stride(0) if point_log_weights is not None else 0,
         HAS_G=point_log_weights is not None, SQUARES=SQ, MODE=MODE, SPLIT=split,
-        MOMENTS=MOM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, num_warps=warps,
+        MOMENTS=MOM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, FTZ=ftz, num_warps=warps,
     )
     if split > 1:
         _merge_kernel[(triton.cdiv(N, 128), B)](
@@ -485,7 +507,6 @@ def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c
     Writes ``T (4, 4)`` and ``valid`` (W > 0). With ``KEEP``, an entry that is invalid or
     ``frozen`` gets ``Told`` instead of the identity / the new pose.
     """
-    f64 = tl.float64
     Wc = tl.maximum(W, 1e-300)
     xm0 = sx0 / Wc
     xm1 = sx1 / Wc
@@ -524,35 +545,100 @@ def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c
     szx = szx * inv
     szy = szy * inv
     szz = szz * inv + 1e-9
-    ri = tl.arange(0, 4)[:, None]
-    ci = tl.arange(0, 4)[None, :]
-    A = tl.zeros((4, 4), f64)
-    A = tl.where((ri == 0) & (ci == 0), sxx + syy + szz, A)
-    A = tl.where(((ri == 0) & (ci == 1)) | ((ri == 1) & (ci == 0)), syz - szy, A)
-    A = tl.where(((ri == 0) & (ci == 2)) | ((ri == 2) & (ci == 0)), szx - sxz, A)
-    A = tl.where(((ri == 0) & (ci == 3)) | ((ri == 3) & (ci == 0)), sxy - syx, A)
-    A = tl.where((ri == 1) & (ci == 1), sxx - syy - szz, A)
-    A = tl.where(((ri == 1) & (ci == 2)) | ((ri == 2) & (ci == 1)), sxy + syx, A)
-    A = tl.where(((ri == 1) & (ci == 3)) | ((ri == 3) & (ci == 1)), szx + sxz, A)
-    A = tl.where((ri == 2) & (ci == 2), syy - sxx - szz, A)
-    A = tl.where(((ri == 2) & (ci == 3)) | ((ri == 3) & (ci == 2)), syz + szy, A)
-    A = tl.where((ri == 3) & (ci == 3), szz - sxx - syy, A)
+    # Horn's symmetric 4×4 matrix N(S) as 10 scalars (every thread holds them: squarings
+    # are ~40 float64 FMAs each, in registers, with no shuffles or layout conversions)
+    a00 = sxx + syy + szz
+    a01 = syz - szy
+    a02 = szx - sxz
+    a03 = sxy - syx
+    a11 = sxx - syy - szz
+    a12 = sxy + syx
+    a13 = szx + sxz
+    a22 = syy - sxx - szz
+    a23 = syz + szy
+    a33 = szz - sxx - syy
     # shift to positive semi-definite: eigenvalues of N lie in [-||N||_F, ||N||_F]
-    fro = tl.sqrt(tl.sum(tl.sum(A * A, 1), 0))
-    fro = tl.maximum(fro, 1e-300)
-    A = A / fro + tl.where(ri == ci, 1.0, 0.0)
-    for _ in range(SQUARINGS):
-        A = tl.sum(A[:, :, None] * A[None, :, :], 1)
-        A = A / tl.maximum(tl.max(tl.max(tl.abs(A), 1), 0), 1e-300)
-    diag = tl.sum(tl.where(ri == ci, A, 0.0), 1)
-    j = tl.argmax(diag, 0)
-    col = tl.sum(tl.where(ci == j, A, 0.0), 1)
-    col = col / tl.maximum(tl.sqrt(tl.sum(col * col, 0)), 1e-300)
-    k4 = tl.arange(0, 4)
-    qw = _sel(col, k4, 0)
-    qx = _sel(col, k4, 1)
-    qy = _sel(col, k4, 2)
-    qz = _sel(col, k4, 3)
+    fro = tl.sqrt(a00 * a00 + a11 * a11 + a22 * a22 + a33 * a33
+                  + 2.0 * (a01 * a01 + a02 * a02 + a03 * a03 + a12 * a12 + a13 * a13
+                           + a23 * a23))
+    ifro = 1.0 / tl.maximum(fro, 1e-300)
+    a00 = a00 * ifro + 1.0
+    a01 = a01 * ifro
+    a02 = a02 * ifro
+    a03 = a03 * ifro
+    a11 = a11 * ifro + 1.0
+    a12 = a12 * ifro
+    a13 = a13 * ifro
+    a22 = a22 * ifro + 1.0
+    a23 = a23 * ifro
+    a33 = a33 * ifro + 1.0
+    # 40 squarings, normalised every 4th (entries grow at most 4**16 in between: far
+    # inside float64's range; only the scaling, not the direction, changes)
+    for _ in range(SQUARINGS // 4):
+        for _k in tl.static_range(4):
+            b00 = a00 * a00 + a01 * a01 + a02 * a02 + a03 * a03
+            b01 = a00 * a01 + a01 * a11 + a02 * a12 + a03 * a13
+            b02 = a00 * a02 + a01 * a12 + a02 * a22 + a03 * a23
+            b03 = a00 * a03 + a01 * a13 + a02 * a23 + a03 * a33
+            b11 = a01 * a01 + a11 * a11 + a12 * a12 + a13 * a13
+            b12 = a01 * a02 + a11 * a12 + a12 * a22 + a13 * a23
+            b13 = a01 * a03 + a11 * a13 + a12 * a23 + a13 * a33
+            b22 = a02 * a02 + a12 * a12 + a22 * a22 + a23 * a23
+            b23 = a02 * a03 + a12 * a13 + a22 * a23 + a23 * a33
+            b33 = a03 * a03 + a13 * a13 + a23 * a23 + a33 * a33
+            a00 = b00
+            a01 = b01
+            a02 = b02
+            a03 = b03
+            a11 = b11
+            a12 = b12
+            a13 = b13
+            a22 = b22
+            a23 = b23
+            a33 = b33
+        big = tl.maximum(tl.maximum(tl.maximum(a00, a11), tl.maximum(a22, a33)),
+                         tl.maximum(tl.maximum(tl.maximum(tl.abs(a01), tl.abs(a02)),
+                                               tl.maximum(tl.abs(a03), tl.abs(a12))),
+                                    tl.maximum(tl.abs(a13), tl.abs(a23))))
+        ib = 1.0 / tl.maximum(big, 1e-300)
+        a00 = a00 * ib
+        a01 = a01 * ib
+        a02 = a02 * ib
+        a03 = a03 * ib
+        a11 = a11 * ib
+        a12 = a12 * ib
+        a13 = a13 * ib
+        a22 = a22 * ib
+        a23 = a23 * ib
+        a33 = a33 * ib
+    # the column of the largest diagonal entry (the first on ties, as argmax)
+    qw = a00
+    qx = a01
+    qy = a02
+    qz = a03
+    best = a00
+    pick = a11 > best
+    qw = tl.where(pick, a01, qw)
+    qx = tl.where(pick, a11, qx)
+    qy = tl.where(pick, a12, qy)
+    qz = tl.where(pick, a13, qz)
+    best = tl.where(pick, a11, best)
+    pick = a22 > best
+    qw = tl.where(pick, a02, qw)
+    qx = tl.where(pick, a12, qx)
+    qy = tl.where(pick, a22, qy)
+    qz = tl.where(pick, a23, qz)
+    best = tl.where(pick, a22, best)
+    pick = a33 > best
+    qw = tl.where(pick, a03, qw)
+    qx = tl.where(pick, a13, qx)
+    qy = tl.where(pick, a23, qy)
+    qz = tl.where(pick, a33, qz)
+    qn = 1.0 / tl.maximum(tl.sqrt(qw * qw + qx * qx + qy * qy + qz * qz), 1e-300)
+    qw = qw * qn
+    qx = qx * qn
+    qy = qy * qn
+    qz = qz * qn
     r00 = 1 - 2 * (qy * qy + qz * qz)
     r01 = 2 * (qx * qy - qz * qw)
     r02 = 2 * (qx * qz + qy * qw)
@@ -629,9 +715,11 @@ def horn_from_parts(moments, T_old, frozen):
     dev = moments.device
     T = torch.empty((B, 4, 4), dtype=torch.float64, device=dev)
     valid = torch.empty((B,), dtype=torch.int8, device=dev)
-    _horn_parts_kernel[(B,)](moments, n_parts, T, valid, T_old.contiguous(),
-                             frozen.to(torch.int8), SQUARINGS=40, BLOCK=32, num_warps=1)
-    return T, valid.bool()
+    # bool ↔ uint8 views (same bytes, 0/1): no cast launches per iteration
+    frozen_u8 = frozen.to(torch.bool).contiguous().view(torch.uint8)
+    _horn_parts_kernel[(B,)](moments, n_parts, T, valid, T_old.contiguous(), frozen_u8,
+                             SQUARINGS=40, BLOCK=32, num_warps=1)
+    return T, valid.view(torch.bool)
 
 
 def horn(source, targets, weights):
