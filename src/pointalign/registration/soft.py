@@ -21,7 +21,9 @@ flag every ``CHECK_EVERY`` iterations (a batched convergence check) to stop earl
 CUDA (Triton backend) the whole fixed-length schedule is instead captured once into a
 CUDA graph (:func:`pointalign.kernels.soft.run_schedule`, cached per shape and schedule)
 and replayed: no host reads, converged pairs are frozen on the device, the loop runs to
-the end of the schedule.
+the end of the schedule. EM-ICP's graph holds the whole call (centroids, defaults from ρ,
+schedule, loop, pose back to the input frames, fitness pass, the degeneracy test's
+covariances) and writes one packed float64 buffer: one device → host transfer per call.
 
 Conventions: ``source`` is moved onto ``target``; results are ``T_target_source``
 (``x_t = R x_s + t``). Batches: padded ``(B, N, 3)`` clouds plus ``source_lengths`` /
@@ -341,34 +343,53 @@ def emicp(
                                                    target_lengths, init, device)
     factor = _validate.in_range(factor, "factor", 0.0, 1.0)
     B = src.shape[0]
-    a, _, _ = _centroid(src, sl)
-    b, rho, _ = _centroid(tgt, tl_)
-    rho = rho.clamp_min(1e-12)
-    sig0 = _per_pair(sigma, "sigma", EMICP_SIGMA * rho, B, dev)
-    sigmin = _per_pair(sigma_min, "sigma_min", EMICP_SIGMA_MIN * rho, B, dev)
-    d0 = _per_pair(outlier_distance, "outlier_distance", EMICP_OUTLIER * rho, B, dev,
-                   allow_inf=True)
-    ratio = (sigmin / sig0).cpu()
-    if bool((ratio >= 1).any()):
-        raise ValueError(f"sigma_min: must be smaller than sigma, got sigma_min {sigmin.tolist()}"
-                         f" and sigma {sig0.tolist()}")
-    n_sched = int(max(math.ceil(math.log(float(r) ** 2) / math.log(factor) - 1e-9)
-                      for r in ratio))
+    # defaults are multiples of ρ and are computed on the device with everything else; only
+    # user-given σ's need a host look at ρ (the schedule length depends on σ_min/σ₀)
+    defaults = (sigma is None, sigma_min is None, outlier_distance is None)
+    given = [None if d else _per_pair(v, n, None, B, dev, allow_inf=n == "outlier_distance")
+             for d, v, n in zip(defaults, (sigma, sigma_min, outlier_distance),
+                                ("sigma", "sigma_min", "outlier_distance"), strict=True)]
+    if defaults[0] and defaults[1]:
+        ratios = [EMICP_SIGMA_MIN / EMICP_SIGMA]
+    else:
+        rho_h = (_centroid(tgt, tl_)[1].clamp_min(1e-12) if not all(
+            g is not None for g in given[:2]) else None)
+        s0 = given[0] if given[0] is not None else EMICP_SIGMA * rho_h
+        s1 = given[1] if given[1] is not None else EMICP_SIGMA_MIN * rho_h
+        ratio = (s1 / s0).cpu()
+        if bool((ratio >= 1).any()):
+            raise ValueError(f"sigma_min: must be smaller than sigma, got sigma_min "
+                             f"{s1.tolist()} and sigma {s0.tolist()}")
+        ratios = [float(r) for r in ratio]
+    n_sched = int(max(math.ceil(math.log(r ** 2) / math.log(factor) - 1e-9) for r in ratios))
     crit = _criteria(criteria, max(n_sched, 1))
     n_iter = min(n_sched, int(crit.max_iterations))
-    k = torch.arange(n_iter, dtype=torch.float64, device=dev)
-    sig2 = sig0.square()[None, :] * factor ** k[:, None]            # (n_iter, B)
-    log_out = -(d0.square()[None, :] / sig2)                         # −d₀²/σ² (−inf allowed)
-    src_c = (src - a[:, None].to(src.dtype))
-    tgt_c = (tgt - b[:, None].to(tgt.dtype))
-    mask = torch.arange(src.shape[1], device=dev)[None, :] < sl[:, None]
-    src_c = torch.where(mask[..., None], src_c, torch.zeros_like(src_c))
-    tgt_c = ksoft.point_layout(tgt_c)
-    Tc = _translate(T0, a, b)
-    scale_f = (0.5 / sig2).to(torch.float32)                         # 1/(2σ²) per iteration
-    log_out_f = log_out.to(torch.float32)
+    params = (torch.zeros((3, B), dtype=torch.float64, device=dev) if all(defaults) else
+              torch.stack([torch.zeros(B, dtype=torch.float64, device=dev) if g is None else g
+                           for g in given]))
 
-    def loop(src_c, tgt_c, sl, tl_, Tc, scale_f, log_out_f, sig2):
+    def run(src, tgt, sl, tl_, T0, params):
+        """Run everything on the device (one CUDA graph on Triton).
+
+        Prelude, annealing loop, pose back to the input frames, fitness pass and the
+        covariances of the degeneracy test; returns ``(packed float64 results, T, check
+        iterations)`` (see :func:`_emicp_unpack`).
+        """
+        a, _, _ = _centroid(src, sl)
+        b, rho, _ = _centroid(tgt, tl_)
+        rho = rho.clamp_min(1e-12)
+        sig0 = EMICP_SIGMA * rho if defaults[0] else params[0]
+        sigmin = EMICP_SIGMA_MIN * rho if defaults[1] else params[1]
+        d0 = EMICP_OUTLIER * rho if defaults[2] else params[2]
+        k = torch.arange(n_iter, dtype=torch.float64, device=dev)
+        sig2 = sig0.square()[None, :] * factor ** k[:, None]            # (n_iter, B)
+        log_out = -(d0.square()[None, :] / sig2)                         # −d₀²/σ² (−inf ok)
+        mask = torch.arange(src.shape[1], device=dev)[None, :] < sl[:, None]
+        src_c = torch.where(mask[..., None], src - a[:, None].to(src.dtype), 0.0)
+        tgt_c = ksoft.point_layout(tgt - b[:, None].to(tgt.dtype))
+        Tc = _translate(T0, a, b)
+        scale_f = (0.5 / sig2).to(torch.float32)                         # 1/(2σ²)
+        log_out_f = log_out.to(torch.float32)
         tracker = _Tracker(B, dev, crit)
         lam_prev = torch.zeros(src_c.shape[:2], dtype=torch.float32, device=dev)
         it = 0
@@ -383,25 +404,127 @@ def emicp(
             if stop:
                 break
         tracker.finish(it)
-        return Tc, tracker.iters, tracker.done, tracker.history
+        T = _untranslate(Tc, a, b)
+        if n_iter:
+            last = tracker.iters.clamp(1, n_iter) - 1
+            sig_used = sig2.gather(0, last[None, :])[0].sqrt()
+        else:
+            sig_used = sig0
+        inlier = 3 * sigmin
+        fit, rmse = _fitness(src, sl, tgt, tl_, T, inlier)
+        covs = _covariances(src, sl, tgt, tl_)
+        hist = [h[key] for h in tracker.history for key in _HIST_KEYS]
+        packed = torch.cat([fit, rmse, tracker.iters.double(), tracker.done.double(),
+                            T.reshape(-1), covs.reshape(-1), inlier, sig0, sigmin, sig_used,
+                            d0, rho, *hist])
+        its = [h["iteration"] for h in tracker.history]
+        return packed, T, its
 
-    key = ("emicp", tuple(src_c.shape), tuple(tgt_c.shape), str(dev), n_iter, CHECK_EVERY,
-           crit.rotation_tolerance, crit.translation_tolerance, crit.relative_fitness)
-    Tc, iters, done, history = ksoft.run_schedule(key, loop, src_c, tgt_c, sl, tl_, Tc,
-                                                  scale_f, log_out_f, sig2,
-                                                  pairs=B * src_c.shape[1] * tgt_c.shape[1])
-    tracker = _Tracker(B, dev, crit)
-    tracker.iters, tracker.done, tracker.history = iters, done, history
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    key = ("emicp", tuple(src.shape), tuple(tgt.shape), str(dev), n_iter, n_sched, factor,
+           defaults, CHECK_EVERY, crit.rotation_tolerance, crit.translation_tolerance,
+           crit.relative_fitness)
+    packed, T, its = ksoft.run_schedule(key, run, src, tgt, sl, tl_, T0, params,
+                                        pairs=B * src.shape[1] * tgt.shape[1])
+    host = packed.cpu().numpy()  # the one device → host transfer (and sync)
     t_iter = time.perf_counter()
-    last = (iters.clamp(1, max(n_iter, 1)) - 1) if n_iter else None
-    sig_used = sig2[last, torch.arange(B, device=dev)].sqrt() if n_iter else sig0
-    return _finish("emicp", Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, n_iter,
-                   3 * sigmin, batched, t_start, t_iter,
-                   {"sigma0": sig0, "sigma_min": sigmin, "sigma_final": sig_used,
-                    "outlier_distance": d0, "rms_radius": rho},
-                   T0)
+    return _emicp_unpack(host, its, T, T0, src, sl, tgt, tl_, B, n_sched, batched,
+                         t_start, t_iter)
+
+
+#: per-check history values of EM-ICP, in the packed order
+_HIST_KEYS = ("sigma", "rotation_update", "translation_update", "weight_change")
+
+
+def _fitness(src, sl, tgt, tl_, T, inlier_distance):
+    """Fitness and rmse with hard nearest neighbours within ``inlier_distance`` (B,).
+
+    The distances come from the same fused pass at a huge scale: −lse/s → min_j d_ij²
+    (soft-min; error ≤ log(M)/s).
+    """
+    big = 1e4 / inlier_distance.square().clamp_min(1e-30)
+    r = ksoft.soft_rows(src, tgt, T.to(torch.float32), big.to(torch.float32),
+                        query_lengths=sl, point_lengths=tl_)
+    mask = torch.arange(src.shape[1], device=src.device)[None, :] < sl[:, None]
+    d2 = (-r.lse.double() / big[:, None]).clamp_min(0)
+    inl = mask & (d2 <= inlier_distance.square()[:, None])
+    n_in = inl.sum(1)
+    rmse = torch.where(n_in > 0, (torch.where(inl, d2, 0).sum(1) / n_in.clamp_min(1)).sqrt(),
+                       torch.full_like(d2[:, 0], math.inf))
+    return n_in.double() / sl.double(), rmse
+
+
+def _covariances(src, sl, tgt, tl_) -> torch.Tensor:
+    """``(2, B, 3, 3)`` float64 covariances of the source and target (degeneracy test)."""
+    def cov(points, lengths):
+        w = (torch.arange(points.shape[1], device=points.device)[None, :]
+             < lengths[:, None]).to(torch.float64)
+        return estimate._weighted_moments(points, points, w).source_cov
+    return torch.stack([cov(src, sl), cov(tgt, tl_)])
+
+
+def _emicp_unpack(host, its, T_dev, T0, src, sl, tgt, tl_, B, n_sched, batched, t_start,
+                  t_iter):
+    """Build EM-ICP's RegistrationResult from the packed host copy of ``run``'s results.
+
+    A degenerate pair (collinear source or target, decided here on the host from the
+    packed covariances) keeps ``T0``, with 0 iterations and ``stop_reason`` "degenerate";
+    its fitness and rmse are then recomputed at ``T0`` (an extra pass, only in that case).
+    """
+    sizes = [B, B, B, B, 16 * B, 18 * B, B, B, B, B, B, B] + [B] * (len(_HIST_KEYS) * len(its))
+    parts, k = [], 0
+    for n in sizes:
+        parts.append(host[k:k + n])
+        k += n
+    fitness, rmse, iters, done, Tn, covs, inlier, sig0, sigmin, sig_used, d0, rho = parts[:12]
+    hist = parts[12:]
+    flat = (~estimate._spans_plane(torch.from_numpy(covs.reshape(2, B, 3, 3)))).numpy()
+    flat = flat[0] | flat[1]
+    iters = np.where(flat, 0, iters.astype(np.int64))
+    done = done.astype(bool)
+    Tn = Tn.reshape(B, 4, 4).copy()
+    T_dev = T_dev.clone()
+    if flat.any():
+        fd = torch.as_tensor(flat, device=T0.device)
+        T_dev = torch.where(fd[:, None, None], T0, T_dev)
+        fit0, rmse0 = _fitness(src, sl, tgt, tl_, T_dev,
+                               torch.as_tensor(inlier, device=T0.device))
+        fitness = np.where(flat, fit0.cpu().numpy(), fitness)
+        rmse = np.where(flat, rmse0.cpu().numpy(), rmse)
+        Tn = np.where(flat[:, None, None], T0.cpu().numpy(), Tn)
+    reasons = []
+    for f, d, it in zip(flat, done, iters, strict=True):
+        if f:
+            reasons.append("degenerate")
+        elif d:
+            reasons.append("pose_and_weights")
+        elif it >= n_sched:
+            reasons.append("schedule")
+        else:
+            reasons.append("max_iterations")
+    converged = np.array([r not in ("max_iterations", "degenerate") for r in reasons])
+    history, j = [], 0
+    for it in its:
+        h = {"iteration": it}
+        for key in _HIST_KEYS:
+            h[key] = hist[j]
+            j += 1
+        history.append(h)
+    info = {"sigma0": sig0, "sigma_min": sigmin, "sigma_final": sig_used,
+            "outlier_distance": d0, "rms_radius": rho, "algorithm": "emicp",
+            "inlier_distance": inlier, "scheduled_iterations": n_sched}
+    t_end = time.perf_counter()
+    # "iterate": until the device results were read (the graph also holds the fitness pass)
+    timings = {"iterate": t_iter - t_start, "total": t_end - t_start}
+    if not batched:
+        history = [{k: (float(v[0]) if isinstance(v, np.ndarray) else v) for k, v in h.items()}
+                   for h in history]
+        info = {k: (v[0] if isinstance(v, np.ndarray) and v.ndim >= 1 and len(v) == 1 else v)
+                for k, v in info.items()}
+        return RegistrationResult(Tn[0], float(fitness[0]), float(rmse[0]), int(iters[0]),
+                                  bool(converged[0]), reasons[0], history, timings, info,
+                                  T_dev[0])
+    return RegistrationResult(Tn, fitness, rmse, iters, converged, reasons, history, timings,
+                              info, T_dev)
 
 
 # --------------------------------------------------------------------------------------
