@@ -18,8 +18,8 @@ Weights w_i come from the robust kernel (IRLS: recomputed from the current resid
 The search of each iteration is warm-started where the index allows it: the k-d tree starts
 from the distance to the last iteration's correspondence (an exact search still, but one
 that prunes most of the tree once the updates are small: on the H100, ICP on the 40k-point
-bunny pair at 5 cm went from 1.8 to 0.54 ms per iteration, and at 1M points from 15.7 to
-6.1 ms).
+bunny pair at 5 cm went from 1.4 to 0.40 ms per iteration in ``bench_icp``, and at 1M
+points from about 15.7 to 6-7 ms).
 
 Device traffic: none per iteration. Each step (move the source, search, fused reduction,
 float64 solve by Jacobi rotations in a Triton kernel, compose the estimate) is enqueued on
@@ -27,8 +27,9 @@ the device; the estimate feeds the next step there. The host fetches the records
 updates, estimates, flags) after chunks of 1, 2, 4, then 8 steps (one transfer each) and
 replays the stopping rules iteration by iteration, so results equal a per-iteration check;
 steps computed past a stop are discarded (``info["device_steps"]``). Chunks of 8 of a single
-problem are replayed from a CUDA graph captured once per call (``info["cuda_graph"]``). On
-the CPU the same loop runs the PyTorch references (``torch.linalg.eigh`` solve).
+problem are replayed from a CUDA graph, captured once a run is long enough or an index is
+reused, and kept for later calls (``USE_CUDA_GRAPHS``, ``info["cuda_graph"]``). On the CPU the
+same loop runs the PyTorch references (``torch.linalg.eigh`` solve).
 """
 
 from __future__ import annotations
@@ -679,8 +680,9 @@ def icp(
     def graphed_chunk():
         """Replay CHUNK steps from a CUDA graph; None where graphs are off or failed.
 
-        The graph is captured on first use or kept from an earlier call; without one the
-        steps run eagerly.
+        The graph is kept from an earlier call with this index, or captured now when this
+        is a later call with the index or the run is past ``GRAPH_AFTER_STEPS`` steps;
+        otherwise the steps run eagerly.
         """
         late = len(sums_h) >= GRAPH_AFTER_STEPS
         if not use_graph or not (reused or capture or late) or graph.get("failed"):
