@@ -617,10 +617,9 @@ def icp(
     T_cur = torch.from_numpy(T).to(dev)
     Tf_cur = T_cur.to(torch.float32)
     sums_h: list[np.ndarray] = []      # sums_j
-    D_h: list[np.ndarray] = [None]     # D_j (j >= 1)
     T_h: list[np.ndarray] = [T.copy()]  # T_j
     fl_h: list[np.ndarray] = [None]
-    upd_h: list[tuple] = [None]         # (angle, move) of D_j
+    upd_h: list[tuple] = [None]         # (angle, move) of the update D_j (j >= 1)
     stats_h: list[tuple] = []           # (correspondences, fitness, rmse) of sums_j
     active = np.ones(B, dtype=bool)
     eps = estimate.DEGENERACY_EPS
@@ -746,7 +745,6 @@ def icp(
         cnt, fit, rmse = stats(rec[:, :, :30])
         for k in range(k_steps):
             sums_h.append(rec[k, :, :30])
-            D_h.append(D[k])
             T_h.append(rec[k, :, 46:62].reshape(B, 4, 4))
             fl_h.append(rec[k, :, 62:64] > 0.5)
             upd_h.append((ang[k], mov[k]))
@@ -791,7 +789,7 @@ def icp(
         if not active.any():
             break
         need(it)
-        D, (valid, usable) = D_h[it], fl_h[it].T
+        valid, usable = fl_h[it].T
         rank_deficient |= active & ~valid
         for b in np.nonzero(active & ~usable)[0]:
             active[b], reasons[b] = False, "degenerate"
