@@ -205,6 +205,26 @@ def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     return out
 
 
+def _stop_reasons(degenerate, done, iters, n_sched: int) -> tuple[list[str], np.ndarray]:
+    """Why each pair stopped, and whether that counts as converged: ``(B,)`` inputs.
+
+    ``degenerate`` (collinear input), ``done`` (pose and weights settled), ``iters``
+    (iterations run) against the schedule's length ``n_sched``.
+    """
+    reasons = []
+    for f, d, it in zip(degenerate, done, iters, strict=True):
+        if f:
+            reasons.append("degenerate")
+        elif d:
+            reasons.append("pose_and_weights")
+        elif it >= n_sched:
+            reasons.append("schedule")
+        else:
+            reasons.append("max_iterations")
+    converged = np.array([r not in ("max_iterations", "degenerate") for r in reasons])
+    return reasons, converged
+
+
 def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_distance,
             batched, t_start, t_iter, info, T0):
     """Build the RegistrationResult: pose back to the input frames, fitness and rmse.
@@ -239,17 +259,7 @@ def _finish(name, Tc, a, b, src, sl, tgt, tl_, tracker, n_sched, max_it, inlier_
     info = dict(info, **{k: next(host) for k in info_keys})
     history = [dict(h, **{k: next(host) for k in ks})
                for h, ks in zip(tracker.history, hist_keys, strict=True)]
-    reasons = []
-    for f, d, it in zip(flat_h, done, iters, strict=True):
-        if f:
-            reasons.append("degenerate")
-        elif d:
-            reasons.append("pose_and_weights")
-        elif it >= n_sched:
-            reasons.append("schedule")
-        else:
-            reasons.append("max_iterations")
-    converged = np.array([r not in ("max_iterations", "degenerate") for r in reasons])
+    reasons, converged = _stop_reasons(flat_h, done, iters, n_sched)
     if not batched:
         history = [{k: (float(v[0]) if isinstance(v, np.ndarray) else v) for k, v in h.items()}
                    for h in history]
@@ -491,17 +501,7 @@ def _emicp_unpack(host, its, T_dev, T0, src, sl, tgt, tl_, B, n_sched, batched, 
         fitness = np.where(flat, fit0.cpu().numpy(), fitness)
         rmse = np.where(flat, rmse0.cpu().numpy(), rmse)
         Tn = np.where(flat[:, None, None], T0.cpu().numpy(), Tn)
-    reasons = []
-    for f, d, it in zip(flat, done, iters, strict=True):
-        if f:
-            reasons.append("degenerate")
-        elif d:
-            reasons.append("pose_and_weights")
-        elif it >= n_sched:
-            reasons.append("schedule")
-        else:
-            reasons.append("max_iterations")
-    converged = np.array([r not in ("max_iterations", "degenerate") for r in reasons])
+    reasons, converged = _stop_reasons(flat, done, iters, n_sched)
     history, j = [], 0
     for it in its:
         h = {"iteration": it}
