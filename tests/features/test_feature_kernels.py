@@ -114,3 +114,19 @@ def test_bad_neighbors():
         estimate_normals(pts, neighbors=torch.zeros(3, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="neighbors"):
         fpfh(pts, radius=0.05, neighbors=(torch.zeros(3, 4), torch.zeros(3, 4)))
+
+
+def test_neighbour_tables_out_of_range_or_wrong_dtype():
+    """A bad table is a clear ValueError, never an IndexError from inside the kernels."""
+    from pointalign.search.base import KnnResult
+
+    pts = _cloud(torch.float32)
+    n = pts.shape[0]
+    for bad, match in ((torch.full((n, 4), n, dtype=torch.int64), "in \\[0"),
+                       (torch.full((n, 4), -2, dtype=torch.int64), "in \\[0"),
+                       (torch.zeros(n, 4), "int64")):
+        with pytest.raises(ValueError, match=match):
+            estimate_normals(pts, neighbors=bad)
+    with pytest.raises(ValueError, match="neighbors.idx"):
+        fpfh(pts, radius=0.05,
+             neighbors=KnnResult(torch.zeros(n, 4), torch.full((n, 4), n, dtype=torch.int64)))

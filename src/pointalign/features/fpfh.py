@@ -124,11 +124,13 @@ def fpfh(
         index = build_index(points)
     if neighbors is None:
         nbr = neighbourhoods(points, radius, min(max_neighbors, points.shape[0]), index)
-    elif not isinstance(neighbors, KnnResult) or neighbors.idx.shape[0] != points.shape[0] \
-            or neighbors.idx.device != points.device:
-        raise ValueError(f"neighbors: expected a KnnResult with {points.shape[0]} rows on "
-                         f"{points.device}")
+    elif not isinstance(neighbors, KnnResult):
+        raise ValueError(f"neighbors: expected a KnnResult (dists, idx), got "
+                         f"{type(neighbors).__name__}")
     else:
+        from pointalign.features.normals import check_neighbour_table
+
+        check_neighbour_table(neighbors.idx, points.shape[0], points.device, "neighbors.idx")
         nbr = neighbors
     if normals is None:
         from pointalign.features.normals import estimate_normals

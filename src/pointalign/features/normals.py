@@ -151,6 +151,19 @@ def _neighbour_covariances(pts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor
 
 
 @_validate.out_of_memory_is_clear
+def check_neighbour_table(idx: Any, n: int, device: torch.device,
+                          name: str = "neighbors") -> None:
+    """Raise ValueError unless ``idx`` is an ``(n, K)`` int64 table on ``device`` of point
+    indices in ``[0, n)`` or ``-1`` (none)."""
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != n \
+            or idx.dtype != torch.int64 or idx.device != device:
+        got = (f"{tuple(idx.shape)} {idx.dtype} on {idx.device}"
+               if isinstance(idx, torch.Tensor) else type(idx).__name__)
+        raise ValueError(f"{name}: expected an ({n}, K) int64 tensor on {device}, got {got}")
+    if idx.numel() and not bool(((idx >= -1) & (idx < n)).all()):
+        raise ValueError(f"{name}: indices must be in [0, {n}) or -1 (no neighbour)")
+
+
 def estimate_normals(
     points: Any,
     *,
@@ -221,9 +234,7 @@ def estimate_normals(
         _validate._check_finite("viewpoint", vp)
     centre_vp = vp if orient == "viewpoint" else None
     if neighbors is not None:
-        if not isinstance(neighbors, torch.Tensor) or neighbors.dim() != 2 \
-                or neighbors.shape[0] != n or neighbors.device != dev:
-            raise ValueError(f"neighbors: expected an ({n}, K) tensor on {dev}")
+        check_neighbour_table(neighbors, n, dev)
         out = _kernels.pca_normals(pts, neighbors, centre_vp)
     else:
         if index is None:
