@@ -115,7 +115,7 @@ def horn_matrix(S: torch.Tensor) -> torch.Tensor:
     of ~25); :func:`horn_matrix_reference` spells out the entries.
     """
     flat = S.reshape(*S.shape[:-2], 9)
-    return (flat @ _constant(_HORN_BASIS, flat)).reshape(*S.shape[:-2], 4, 4)
+    return (flat @ _constant(HORN_BASIS, flat)).reshape(*S.shape[:-2], 4, 4)
 
 
 def horn_matrix_reference(S: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ def horn_matrix_reference(S: torch.Tensor) -> torch.Tensor:
 
 
 #: (9, 16): N(S) = vec(S) @ basis (row k: N of the k-th unit matrix)
-_HORN_BASIS = horn_matrix_reference(torch.eye(9, dtype=torch.float64).reshape(9, 3, 3)
+HORN_BASIS = horn_matrix_reference(torch.eye(9, dtype=torch.float64).reshape(9, 3, 3)
                                     ).reshape(9, 16)
 
 

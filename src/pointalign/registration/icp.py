@@ -331,25 +331,8 @@ _TRIU3 = np.array(normal_eq.TRIU3)
 _TRIU6 = np.array(normal_eq.TRIU6)
 
 
-def _horn_n_basis() -> np.ndarray:
-    """Horn's symmetric 4×4 matrix N(S) is linear in S: N = Σ_k S_k C_k; returns C (9, 4, 4)."""
-    C = np.zeros((9, 4, 4))
-    # (row, col, S index i*3+j, sign) for each term of N (Horn 1987, eq. in section 4)
-    xx, xy, xz, yx, yy, yz, zx, zy, zz = range(9)
-    terms = {(0, 0): [(xx, 1), (yy, 1), (zz, 1)], (0, 1): [(yz, 1), (zy, -1)],
-             (0, 2): [(zx, 1), (xz, -1)], (0, 3): [(xy, 1), (yx, -1)],
-             (1, 1): [(xx, 1), (yy, -1), (zz, -1)], (1, 2): [(xy, 1), (yx, 1)],
-             (1, 3): [(zx, 1), (xz, 1)], (2, 2): [(xx, -1), (yy, 1), (zz, -1)],
-             (2, 3): [(yz, 1), (zy, 1)], (3, 3): [(xx, -1), (yy, -1), (zz, 1)]}
-    for (r, c), lst in terms.items():
-        for k, sign in lst:
-            C[k, r, c] += sign
-            if r != c:
-                C[k, c, r] += sign
-    return C
-
-
-_HORN_N = _horn_n_basis()
+#: Horn's N(S) is linear in S: N = Σ_k S_k C_k with C (9, 4, 4) (estimate's basis)
+_HORN_N = estimate.HORN_BASIS.numpy().reshape(9, 4, 4)
 
 
 def _sym_np(v: np.ndarray, pairs: np.ndarray, n: int) -> np.ndarray:
