@@ -150,7 +150,6 @@ def _neighbour_covariances(pts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor
     return d.transpose(1, 2) @ d / cnt[..., None]
 
 
-@_validate.out_of_memory_is_clear
 def check_neighbour_table(idx: Any, n: int, device: torch.device,
                           name: str = "neighbors") -> None:
     """Raise ValueError unless ``idx`` is an ``(n, K)`` int64 table on ``device`` of point
@@ -164,6 +163,7 @@ def check_neighbour_table(idx: Any, n: int, device: torch.device,
         raise ValueError(f"{name}: indices must be in [0, {n}) or -1 (no neighbour)")
 
 
+@_validate.out_of_memory_is_clear
 def estimate_normals(
     points: Any,
     *,
