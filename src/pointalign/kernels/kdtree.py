@@ -114,8 +114,9 @@ def node_ranges(m: int, depth: int, device: torch.device | str = "cpu") -> torch
 def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays:
     """Build the tree over ``points (M, 3)`` with ``depth`` split levels (``2^depth <= M``).
 
-    ``where="device"``: torch ops on the points' device (per level: segment bounding boxes by
-    scatter-reduce, axis of largest extent, two stable sorts: by coordinate, then by node).
+    ``where="device"``: torch ops on the points' device (per level: node bounding boxes by a
+    padded gather and row reduction, axis of largest extent, two stable sorts: by
+    coordinate, then by node).
     ``where="host"``: the same algorithm in NumPy (``lexsort``), copied back. Both give the same
     tree up to the order of points with equal coordinates.
     """
@@ -150,15 +151,25 @@ def _segments(m: int, level: int, device) -> torch.Tensor:
                                    output_size=m)
 
 
-def _node_boxes(pts: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bounding boxes of all nodes: leaves by scatter-reduce, parents from their children."""
+def _segment_boxes(pts: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounding boxes ``lo, hi (2^level, 3)`` of the level's node ranges of ``pts (M, 3)``.
+
+    Every range is non-empty and at most ``ceil(M / 2^level)`` long, so the ranges are read
+    as rows of one padded gather (short rows repeat their last point, which leaves min and
+    max unchanged) and reduced along the rows: no atomics, unlike a scatter-reduce, whose
+    few segments near the root serialise on a GPU.
+    """
     m = pts.shape[0]
-    n_leaf = 2**depth
-    seg = _segments(m, depth, pts.device)[:, None].expand(m, 3)
-    lo = torch.full((n_leaf, 3), math.inf, dtype=pts.dtype, device=pts.device)
-    hi = torch.full((n_leaf, 3), -math.inf, dtype=pts.dtype, device=pts.device)
-    lo = lo.scatter_reduce(0, seg, pts, "amin")
-    hi = hi.scatter_reduce(0, seg, pts, "amax")
+    b = level_bounds(m, level, pts.device)
+    width = -(-m // 2**level)
+    pos = torch.minimum(b[:-1, None] + torch.arange(width, device=pts.device),
+                        b[1:, None] - 1)
+    return torch.aminmax(pts[pos], dim=1)
+
+
+def _node_boxes(pts: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounding boxes of all nodes: leaves from their points, parents from their children."""
+    lo, hi = _segment_boxes(pts, depth)
     los, his = [lo], [hi]
     for _ in range(depth):
         lo = torch.minimum(lo[0::2], lo[1::2])
@@ -174,13 +185,8 @@ def _build_torch(points: torch.Tensor, depth: int):
     pts = points
     axes, splits = [], []
     for level in range(depth):
-        n_lvl = 2**level
         seg = _segments(m, level, dev)
-        seg3 = seg[:, None].expand(m, 3)
-        lo = torch.full((n_lvl, 3), math.inf, dtype=pts.dtype, device=dev)
-        hi = torch.full((n_lvl, 3), -math.inf, dtype=pts.dtype, device=dev)
-        lo = lo.scatter_reduce(0, seg3, pts, "amin")
-        hi = hi.scatter_reduce(0, seg3, pts, "amax")
+        lo, hi = _segment_boxes(pts, level)
         axis = (hi - lo).argmax(1)
         key = pts.gather(1, axis[seg][:, None]).squeeze(1)
         o1 = torch.sort(key, stable=True).indices
