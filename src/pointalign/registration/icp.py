@@ -153,8 +153,11 @@ def _default_index(pts: torch.Tensor, max_dist: float, build_index):
     return build_index(pts, "brute")
 
 
-#: Device steps between host checks grow 1, 2, 4, ... up to this many: a check costs one
-#: synchronisation; steps run past a stop (at most CHUNK - 1) are discarded.
+#: Steps per CUDA-graph replay; steps run past a stop (at most CHUNK - 1) are discarded.
+#: Eager steps are checked one at a time: launching a step costs the host more than the
+#: synchronisation of a check (about 0.3 ms against 30 us for a few thousand points), and
+#: on large clouds the device time of a wasted step is larger still, so a longer eager
+#: chunk only adds discarded steps.
 CHUNK = 8
 
 #: Replay the CHUNK-step chunks of a single (unbatched) problem from a CUDA graph (no
@@ -290,6 +293,7 @@ def _query_fn(ix: Any, max_dist: float):
             return fast(q, max_dist)[1]
         return ix.nearest_within(q, max_dist).idx[:, 0]
 
+    last.hinted = hinted  # whether the hint is read (callers keep it up to date only then)
     if not tiers:
         return last
 
@@ -301,6 +305,7 @@ def _query_fn(ix: Any, max_dist: float):
             q = torch.where(i[:, None] >= 0, torch.full_like(q[:1], _FAR), q)
         return torch.where(idx >= 0, idx, last(q, hint))
 
+    query.hinted = hinted
     return query
 
 
@@ -540,8 +545,10 @@ def icp(
     if tbatched and not batched:
         raise ValueError("target: batched (B, M, 3) but source is a single (N, 3) cloud")
     shared_target = not tbatched and B > 1
-    T0 = _validate.as_transform(init, "init", batch=B if batched else None, dtype=torch.float64)
-    T = (T0 if batched else T0[None]).detach().to("cpu", torch.float64).numpy().copy()
+    # checked on the host: the loop keeps T there, and a (4, 4) check is cheaper than launches
+    T0 = _validate.as_transform(init, "init", batch=B if batched else None, device="cpu",
+                                dtype=torch.float64)
+    T = (T0 if batched else T0[None]).detach().numpy().copy()
     plane = method == "point_to_plane"
     slens_h = slens.cpu()
     tlens_h = tlens.cpu()
@@ -590,6 +597,7 @@ def icp(
         src = src[:, _spatial_order(src[0])]
     src = src.contiguous()
     queries = [_query_fn(ix, max_dist) for ix in idxs]
+    hinted = any(getattr(q, "hinted", False) for q in queries)
 
     # ---- the device loop -----------------------------------------------------------------
     # Step j moves the source by T_j, searches, reduces and solves on the device, writing
@@ -632,7 +640,8 @@ def icp(
                         if active[b]:
                             n_b = int(slens_h[b])
                             idx[b, :n_b] = queries[b](x[b, :n_b], hint[b, :n_b])
-                hint.copy_(idx)
+                if hinted:
+                    hint.copy_(idx)
                 normal_eq.icp_update(x, tgt_k, idx, transform=T_in, plane=plane,
                                      target_normals=normals, lengths=lens_eff,
                                      center=center_dev, kernel=kind, scale=scale, eps=eps,
@@ -659,6 +668,10 @@ def icp(
     else:  # the last correspondences (none yet); a captured graph keeps this buffer
         hint = torch.full((B, N), -1, dtype=torch.int64, device=dev)
 
+    def graph_ready() -> bool:
+        late = len(sums_h) >= GRAPH_AFTER_STEPS
+        return use_graph and (reused or capture or late) and not graph.get("failed")
+
     def graphed_chunk():
         """Replay CHUNK steps from a CUDA graph; None where graphs are off or failed.
 
@@ -666,8 +679,7 @@ def icp(
         is a later call with the index or the run is past ``GRAPH_AFTER_STEPS`` steps;
         otherwise the steps run eagerly.
         """
-        late = len(sums_h) >= GRAPH_AFTER_STEPS
-        if not use_graph or not (reused or capture or late) or graph.get("failed"):
+        if not graph_ready():
             return None
         if "g" not in graph:
             T_in, Tf_in, bufs = T_cur.clone(), Tf_cur.clone(), alloc(CHUNK)
@@ -701,7 +713,14 @@ def icp(
         graph["g"].replay()
         return graph["rec"]
 
-    def run_chunk(k_steps: int) -> None:
+    # chunks in flight: (host record, event, steps). On a GPU the next eager step is
+    # launched before the last one is read, so the device works while the host checks the
+    # stop rules (the one step launched past a stop is discarded); graphed chunks are cheap
+    # to launch, so they wait for the check rather than discard a whole chunk.
+    pending: list[tuple] = []
+    max_it = int(crit.max_iterations)
+
+    def launch_chunk(k_steps: int) -> None:
         nonlocal T_cur, Tf_cur
         ts = time.perf_counter()
         rec_dev = graphed_chunk() if k_steps == CHUNK else None
@@ -716,11 +735,23 @@ def icp(
                                        torch.zeros_like(slens))
             rec_dev = steps(k_steps, T_cur, Tf_cur, bufs, lens_eff, data, hint)
         T_cur, Tf_cur = bufs[2][-1], bufs[3][-1]
+        if dev.type == "cuda":  # stream-ordered: a later replay cannot overwrite it first
+            rec = torch.empty(rec_dev.shape, dtype=rec_dev.dtype, pin_memory=True)
+            rec.copy_(rec_dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            rec, done = rec_dev.cpu(), None
+        pending.append((rec, done, k_steps))
+        timings["launch"] += time.perf_counter() - ts
+
+    def collect() -> None:
         tr = time.perf_counter()
-        rec = rec_dev.cpu().numpy()  # the one transfer
-        te = time.perf_counter()
-        timings["launch"] += tr - ts
-        timings["sync"] += te - tr
+        rec, done, k_steps = pending.pop(0)
+        if done is not None:
+            done.synchronize()
+        rec = rec.numpy()
+        timings["sync"] += time.perf_counter() - tr
         # what the stopping rules read, for the whole chunk at once (few NumPy calls)
         D = rec[:, :, 30:46].reshape(k_steps, B, 4, 4)
         ang = _angle_np(D[..., :3, :3].reshape(-1, 3, 3)).reshape(k_steps, B)
@@ -733,17 +764,21 @@ def icp(
             upd_h.append((ang[k], mov[k]))
             stats_h.append((cnt[k], fit[k], rmse[k]))
 
-    max_it = int(crit.max_iterations)
-    # steps per host check: 1, 2, 4, ... CHUNK; whole chunks at once when a kept graph makes
-    # them cheap to launch (steps past a stop are discarded either way)
-    chunk = [CHUNK if reused else 1]
-
     def need(j: int) -> None:
-        """Make sure sums_j (step j) is on the host."""
+        """Make sure sums_j (step j) is on the host.
+
+        One eager step per check (one more in flight on a GPU), or a whole chunk replayed
+        from a graph (see ``CHUNK``).
+        """
         while len(sums_h) <= j:
-            k = min(chunk[0], max_it + 1 - len(sums_h))
-            run_chunk(max(1, k))
-            chunk[0] = min(CHUNK, 2 * chunk[0])
+            launched = len(sums_h) + sum(p[2] for p in pending)
+            while launched <= max_it:
+                whole = graph_ready() and max_it + 1 - launched >= CHUNK
+                if pending and (whole or dev.type != "cuda" or len(pending) > 1):
+                    break
+                launch_chunk(CHUNK if whole else 1)
+                launched += CHUNK if whole else 1
+            collect()
 
     n_src = slens_h.numpy().astype(np.float64)
 
