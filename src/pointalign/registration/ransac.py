@@ -30,7 +30,9 @@ import torch
 from pointalign import _validate, estimate
 from pointalign.cloud import PointCloud
 from pointalign.kernels import ransac as _k
+from pointalign.kernels.soft import weighted_horn
 from pointalign.registration.result import RegistrationResult
+from pointalign.search._checks import trusted_queries
 
 #: queries per call of the index when scoring many hypotheses
 _SCORE_QUERIES = 1 << 21
@@ -144,7 +146,8 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
     for a in range(0, s, step):
         b = min(s, a + step)
         q = _k.transform_points(T[a:b], points)
-        res = index.nearest_within(q.reshape(-1, 3), max_distance)
+        with trusted_queries():  # finite points moved by finite motions: no host check
+            res = index.nearest_within(q.reshape(-1, 3), max_distance)
         idx = res.idx[:, 0].view(b - a, p)
         hit = idx >= 0
         d2 = torch.where(hit, res.dists[:, 0].view(b - a, p), torch.zeros_like(q[..., 0]))
@@ -181,18 +184,20 @@ def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.
     within the bound) and keeps the update only if it scores better; at most
     ``iterations`` rounds. The matches found when scoring an update are its inliers for
     the next round (one neighbour query per round), and the only host synchronisation per
-    round is the test whether any motion improved.
+    round is the test whether any motion improved. The re-estimation is the fused weighted
+    Horn of :func:`pointalign.kernels.soft.weighted_horn` (one launch on a GPU); it tests
+    only for a zero weight, not for collinear inliers, whose motion (any turn about their
+    line) is kept only if it scores better, as any candidate is.
     """
     _, _, idx = _score(T, src, index, max_distance, with_matches=True)
     src_b = src.expand(T.shape[0], -1, -1)
     for _ in range(iterations):
-        est = _horn(src_b, tgt[idx.clamp_min(0)], (idx >= 0).to(torch.float64))
-        c_new, sq_new, idx_new = _score(est.transformation, src, index, max_distance,
-                                        with_matches=True)
-        better = est.valid & (_key(c_new, sq_new, max_distance) > _key(counts, sq, max_distance))
+        T_new, valid = weighted_horn(src_b, tgt[idx.clamp_min(0)], (idx >= 0).to(src.dtype))
+        c_new, sq_new, idx_new = _score(T_new, src, index, max_distance, with_matches=True)
+        better = valid & (_key(c_new, sq_new, max_distance) > _key(counts, sq, max_distance))
         if not bool(better.any()):
             break
-        T = torch.where(better[:, None, None], est.transformation, T)
+        T = torch.where(better[:, None, None], T_new, T)
         counts = torch.where(better, c_new, counts)
         sq = torch.where(better, sq_new, sq)
         idx = torch.where(better[:, None], idx_new, idx)
