@@ -48,6 +48,18 @@ def test_node_ranges_partition():
             assert torch.equal(rows[1:, 0], rows[:-1, 1])
 
 
+@pytest.mark.parametrize("m", [1, 7, 1000, 1023])
+def test_segment_boxes_match_each_range(m, rng):
+    """The padded-gather boxes equal each node range's own min and max, on every level."""
+    pts = torch.randn(m, 3, generator=rng)
+    for level in range(int(math.log2(m)) + 1):
+        lo, hi = K._segment_boxes(pts, level)
+        b = K.level_bounds(m, level)
+        for j in range(2**level):
+            seg = pts[b[j]:b[j + 1]]
+            assert torch.equal(lo[j], seg.amin(0)) and torch.equal(hi[j], seg.amax(0))
+
+
 def test_build_rejects_bad_depth():
     with pytest.raises(ValueError, match="depth"):
         K.build(torch.zeros(4, 3), 3)
