@@ -60,6 +60,20 @@ def test_segment_boxes_match_each_range(m, rng):
             assert torch.equal(lo[j], seg.amin(0)) and torch.equal(hi[j], seg.amax(0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_node_order_is_the_stable_sort_by_node_then_key(dtype, rng):
+    """One packed sort (float32) or two stable sorts: by node, then key, ties in index order."""
+    m = 500
+    key = torch.randn(m, generator=rng).to(dtype)
+    key[::7] = 0.0
+    key[::11] = -0.0
+    key[::13] = key[0]
+    seg = torch.randint(0, 9, (m,), generator=rng)
+    got = K._node_order(seg, key)
+    want = sorted(range(m), key=lambda i: (int(seg[i]), float(key[i]), i))
+    assert got.tolist() == want
+
+
 def test_build_rejects_bad_depth():
     with pytest.raises(ValueError, match="depth"):
         K.build(torch.zeros(4, 3), 3)

@@ -145,12 +145,6 @@ def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays
                       ranges[:, 0].contiguous(), ranges[:, 1].contiguous(), depth)
 
 
-def _segments(m: int, level: int, device) -> torch.Tensor:
-    b = level_bounds(m, level, device)
-    return torch.repeat_interleave(torch.arange(2**level, device=device), b[1:] - b[:-1],
-                                   output_size=m)
-
-
 def _segment_boxes(pts: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounding boxes ``lo, hi (2^level, 3)`` of the level's node ranges of ``pts (M, 3)``.
 
@@ -179,19 +173,35 @@ def _node_boxes(pts: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(los[::-1], 0).contiguous(), torch.cat(his[::-1], 0).contiguous()
 
 
+def _node_order(seg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting positions by node ``seg (M,)``, then by ``key (M,)``, stably.
+
+    float32 keys: one sort of ``seg · 2³² + u(key)``, with ``u`` the order-preserving map of
+    the float's bits to [0, 2³²) (negative floats reversed below the positive ones; -0.0
+    folded onto +0.0 first, as a float comparison treats them). Wider keys: two stable
+    sorts (by key, then by node).
+    """
+    if key.dtype == torch.float32:
+        b = (key + 0.0).view(torch.int32).to(torch.int64)
+        u = torch.where(b < 0, -1 - b, b + (1 << 31))
+        return torch.sort((seg << 32) | u, stable=True).indices
+    o1 = torch.sort(key, stable=True).indices
+    return o1[torch.sort(seg[o1], stable=True).indices]
+
+
 def _build_torch(points: torch.Tensor, depth: int):
     m, dev = points.shape[0], points.device
     perm = torch.arange(m, device=dev)
+    after = perm + 1
     pts = points
     axes, splits = [], []
     for level in range(depth):
-        seg = _segments(m, level, dev)
+        # node of each position p: the largest j with floor(j m / 2^level) <= p
+        seg = ((after << level) - 1) // m
         lo, hi = _segment_boxes(pts, level)
         axis = (hi - lo).argmax(1)
         key = pts.gather(1, axis[seg][:, None]).squeeze(1)
-        o1 = torch.sort(key, stable=True).indices
-        o2 = torch.sort(seg[o1], stable=True).indices
-        order = o1[o2]
+        order = _node_order(seg, key)
         perm = perm[order]
         pts = pts[order]
         key = key[order]
