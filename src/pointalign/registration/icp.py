@@ -153,28 +153,56 @@ def _default_index(pts: torch.Tensor, max_dist: float, build_index):
     return build_index(pts, "brute")
 
 
-#: Steps per CUDA-graph replay; steps run past a stop (at most CHUNK - 1) are discarded.
+#: Steps per replay of a graph kept for later calls; steps run past a stop are discarded.
 #: Eager steps are checked one at a time: launching a step costs the host more than the
 #: synchronisation of a check (about 0.3 ms against 30 us for a few thousand points), and
 #: on large clouds the device time of a wasted step is larger still, so a longer eager
 #: chunk only adds discarded steps.
 CHUNK = 8
 
-#: Replay the CHUNK-step chunks of a single (unbatched) problem from a CUDA graph (no
-#: per-launch host overhead); falls back to eager launches if the capture fails. A capture
-#: costs a few eager chunks, so it pays only when replayed often: a call captures once it
-#: has run ``GRAPH_AFTER_STEPS`` steps (short refinements, as in ``register``, never do), and
-#: a later call with the same index captures or replays from its first chunk.
-#: info["cuda_graph"] says which happened ("first_use", "captured", "reused", a failure,
-#: or "off").
+#: Replay the steps of a single (unbatched) problem from a CUDA graph: a replay costs the
+#: host a few API calls where an eager step costs ~15 launches (and Python around each);
+#: falls back to eager launches if the capture fails. Two graphs:
+#:
+#: * within a call, once it has run ``GRAPH_AFTER_STEPS`` steps eagerly, a graph of one
+#:   step is captured on the call's own tensors (capturing costs about one eager step) and
+#:   replayed for the remaining steps, one in flight while the host checks the last;
+#: * a later call with the same index captures a ``CHUNK``-step graph on copies of its
+#:   inputs at its start and keeps it: calls after that refresh the copies and replay.
+#:
+#: info["cuda_graph"] says which happened ("first_use": eager only, "captured", "reused",
+#: a failure, or "off").
 USE_CUDA_GRAPHS = True
-#: Steps after which a call captures its graph (see ``USE_CUDA_GRAPHS``).
-GRAPH_AFTER_STEPS = 15
+#: Eager steps a call runs before it captures its one-step graph (see ``USE_CUDA_GRAPHS``).
+GRAPH_AFTER_STEPS = 2
 #: Captured graphs kept for later calls with the same index and problem shape (least
 #: recently used first out). Each holds its own copy of the inputs (source, target,
 #: normals, ~3 floats per point each), refreshed by a device copy on every call.
 GRAPH_CACHE_SIZE = 4
 _graphs: dict[tuple, dict] = {}
+
+
+_streams: dict[torch.device, Any] = {}
+_anchors: dict[torch.device, Any] = {}
+
+
+def _side_stream(dev: torch.device):
+    """Return the side stream graphs are captured on (one per device, created once)."""
+    if dev not in _streams:
+        _streams[dev] = torch.cuda.Stream(dev)
+    return _streams[dev]
+
+
+def _scratch_pool(dev: torch.device):
+    """Return the memory pool the one-step graphs of single calls share (None: a new one).
+
+    The pool of the last such graph, which is kept alive for it (a pool lives while a graph
+    uses it), so later captures reuse its memory instead of allocating afresh. Sharing is
+    safe because replays never overlap: every graph is replayed on the current stream, and
+    what outlives a replay (the record) stays referenced by its call.
+    """
+    g = _anchors.get(dev)
+    return None if g is None else g.pool()
 
 
 def _cached_graph(key: tuple, ix: Any) -> dict:
@@ -672,32 +700,42 @@ def icp(
         late = len(sums_h) >= GRAPH_AFTER_STEPS
         return use_graph and (reused or capture or late) and not graph.get("failed")
 
-    def graphed_chunk():
-        """Replay CHUNK steps from a CUDA graph; None where graphs are off or failed.
+    def graph_steps() -> int:
+        """Count the steps per replay of this call's graph (kept, or the one a capture makes)."""
+        return graph.get("k", CHUNK if reused or capture else 1)
 
-        The graph is kept from an earlier call with this index, or captured now when this
-        is a later call with the index or the run is past ``GRAPH_AFTER_STEPS`` steps;
-        otherwise the steps run eagerly.
+    def graphed_chunk():
+        """Replay the call's graph (see ``USE_CUDA_GRAPHS``), capturing it first if needed.
+
+        Returns the record (device), or None where graphs are off or the capture failed
+        (the steps then run eagerly).
         """
         if not graph_ready():
             return None
         if "g" not in graph:
-            T_in, Tf_in, bufs = T_cur.clone(), Tf_cur.clone(), alloc(CHUNK)
-            static = tuple(None if x is None else x.clone() for x in data + (slens,))
+            k = graph_steps()
+            keep = k == CHUNK  # a graph for later calls reads its own copies of the inputs
+            T_in, Tf_in, bufs = T_cur.clone(), Tf_cur.clone(), alloc(k)
+            static = tuple(None if x is None or not keep else x.clone()
+                           for x in data + (slens,))
+            if not keep:
+                static = data + (slens,)
             try:
-                side = torch.cuda.Stream(dev)
+                side = _side_stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):  # warm-up outside the capture (allocations)
-                    steps(1, T_in, Tf_in, bufs, static[-1], static[:-1], hint.clone())
-                torch.cuda.current_stream(dev).wait_stream(side)
+                if keep:  # warm-up outside the capture (compilation, allocations)
+                    with torch.cuda.stream(side):
+                        steps(1, T_in, Tf_in, bufs, static[-1], static[:-1], hint.clone())
+                    torch.cuda.current_stream(dev).wait_stream(side)
                 # captured on the side stream directly: torch.cuda.graph() would first empty
                 # the allocator's cache (every later allocation then goes back to cudaMalloc)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.stream(side):
-                    g.capture_begin()
+                    # a kept graph has a memory pool of its own; the one-step graphs of
+                    # single calls share one, so each capture does not allocate afresh
+                    g.capture_begin(pool=None if keep else _scratch_pool(dev))
                     try:
-                        rec_dev = steps(CHUNK, T_in, Tf_in, bufs, static[-1], static[:-1],
-                                        hint)
+                        rec_dev = steps(k, T_in, Tf_in, bufs, static[-1], static[:-1], hint)
                     finally:
                         g.capture_end()
                 torch.cuda.current_stream(dev).wait_stream(side)
@@ -705,25 +743,28 @@ def icp(
                 graph["failed"] = f"{type(exc).__name__}: {exc}"[:300]
                 torch.cuda.synchronize(dev)
                 return None
-            graph.update(g=g, T_in=T_in, Tf_in=Tf_in, bufs=bufs, rec=rec_dev, data=static,
-                         hint=hint)
-            _store_graph(gkey, idxs[0], graph)
+            graph.update(g=g, k=k, T_in=T_in, Tf_in=Tf_in, bufs=bufs, rec=rec_dev,
+                         data=static, hint=hint)
+            if keep:
+                _store_graph(gkey, idxs[0], graph)
+            else:
+                _anchors[dev] = g
         graph["T_in"].copy_(T_cur)
         graph["Tf_in"].copy_(Tf_cur)
         graph["g"].replay()
         return graph["rec"]
 
-    # chunks in flight: (host record, event, steps). On a GPU the next eager step is
+    # chunks in flight: (host record, event, steps). On a GPU a next single step is
     # launched before the last one is read, so the device works while the host checks the
-    # stop rules (the one step launched past a stop is discarded); graphed chunks are cheap
-    # to launch, so they wait for the check rather than discard a whole chunk.
+    # stop rules (the one step launched past a stop is discarded); a CHUNK-step replay
+    # waits for the check rather than risk discarding a whole chunk.
     pending: list[tuple] = []
     max_it = int(crit.max_iterations)
 
     def launch_chunk(k_steps: int) -> None:
         nonlocal T_cur, Tf_cur
         ts = time.perf_counter()
-        rec_dev = graphed_chunk() if k_steps == CHUNK else None
+        rec_dev = graphed_chunk() if graph_ready() and k_steps == graph_steps() else None
         if rec_dev is not None:
             bufs = graph["bufs"]
         else:
@@ -767,17 +808,18 @@ def icp(
     def need(j: int) -> None:
         """Make sure sums_j (step j) is on the host.
 
-        One eager step per check (one more in flight on a GPU), or a whole chunk replayed
-        from a graph (see ``CHUNK``).
+        One step per check (eager or replayed, one more in flight on a GPU), or a whole
+        chunk replayed from a kept graph (see ``USE_CUDA_GRAPHS``).
         """
         while len(sums_h) <= j:
             launched = len(sums_h) + sum(p[2] for p in pending)
             while launched <= max_it:
-                whole = graph_ready() and max_it + 1 - launched >= CHUNK
-                if pending and (whole or dev.type != "cuda" or len(pending) > 1):
+                k = graph_steps() if graph_ready() else 1
+                k = k if max_it + 1 - launched >= k else 1
+                if pending and (k > 1 or dev.type != "cuda" or len(pending) > 1):
                     break
-                launch_chunk(CHUNK if whole else 1)
-                launched += CHUNK if whole else 1
+                launch_chunk(k)
+                launched += k
             collect()
 
     n_src = slens_h.numpy().astype(np.float64)
