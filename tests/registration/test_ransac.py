@@ -201,3 +201,22 @@ def test_cuda_recovers_pose_and_is_deterministic(bunny_features, seed):
     assert np.array_equal(a.transformation, b.transformation) and a.info == b.info
     rot, disp = _point_error(a.transformation, T_true, s2.cpu())
     assert rot < 10.0 and disp < 0.01
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_triangle_motions_match_horn(device, rng):
+    """The fused per-triangle Horn agrees with estimate.horn, degenerate triangles included."""
+    from pointalign import estimate
+    from pointalign.registration.ransac import _triangle_motions
+
+    h = 64
+    src = torch.randn(h, 3, 3, generator=rng)
+    P = _random_pose(int(torch.randint(0, 1000, (1,), generator=rng)))
+    tgt = transforms.apply(P, src.double()).float() + 1e-4 * torch.randn(h, 3, 3, generator=rng)
+    src[:8, 2] = src[:8, 0] + 0.5 * (src[:8, 1] - src[:8, 0])  # collinear source triangles
+    tgt[8:16, 1] = tgt[8:16, 0]  # coincident target vertices
+    got = _triangle_motions(src.to(device), tgt.to(device))
+    want = estimate.horn(src.double(), tgt.double(), strict=False)
+    assert torch.equal(got.valid.cpu(), want.valid)
+    assert not got.valid[:16].any() and got.valid[16:].all()
+    torch.testing.assert_close(got.transformation.cpu(), want.transformation, atol=1e-6, rtol=0)

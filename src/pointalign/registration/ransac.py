@@ -158,15 +158,28 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
     return counts, sq, matches
 
 
-def _horn(source: torch.Tensor, target: torch.Tensor,
-          weights: torch.Tensor | None = None) -> estimate.Estimate:
-    """Horn's method on already validated inputs (no checks, no host synchronisation).
+def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
+    """Horn's motion of every triangle pair ``src, tgt (H, 3, 3)`` → ``Estimate`` (H,).
 
-    ``source, target (B, K, 3)``, optional ``weights (B, K)`` → ``Estimate`` with
-    ``transformation (B, 4, 4)`` (identity where not ``valid``) and ``valid (B,)``.
+    The fused weighted Horn of :func:`pointalign.kernels.soft.weighted_horn` (one launch on
+    a GPU, no host synchronisation). A pair is valid when both triangles have an area,
+    ``|e₁ × e₂|² > ε |e₁|² |e₂|²`` in float64 (e: the edges from the first vertex,
+    ε = ``estimate.DEGENERACY_EPS``): collinear or coincident vertices leave a turn about
+    their line free, as :func:`pointalign.estimate.horn` says of a degenerate problem.
+    Invalid entries are the identity.
     """
-    return estimate.horn_from_moments(estimate._weighted_moments(source, target, weights),
-                                      strict=False)
+    T, ok = weighted_horn(src, tgt, src.new_ones(src.shape[:2]))
+    valid = ok & _has_area(src) & _has_area(tgt)
+    eye = torch.eye(4, dtype=T.dtype, device=T.device)
+    return estimate.Estimate(torch.where(valid[:, None, None], T, eye), valid)
+
+
+def _has_area(tri: torch.Tensor) -> torch.Tensor:
+    """Tell which triangles ``(H, 3, 3)`` span a plane (see :func:`_triangle_motions`)."""
+    t = tri.to(torch.float64)
+    e1, e2 = t[:, 1] - t[:, 0], t[:, 2] - t[:, 0]
+    c = torch.linalg.cross(e1, e2)
+    return (c * c).sum(-1) > estimate.DEGENERACY_EPS * (e1 * e1).sum(-1) * (e2 * e2).sum(-1)
 
 
 def _key(counts: torch.Tensor, sq: torch.Tensor, max_distance: float) -> torch.Tensor:
@@ -360,7 +373,7 @@ def ransac(
         clock.lap("triangle")
         if surv.numel():
             tri = triples[surv]
-            est = _horn(cs[tri], ct[tri])
+            est = _triangle_motions(cs[tri], ct[tri])
             clock.lap("estimate")
             # degenerate motions stay in the batch with a T(d,d) count of −1 (no compaction)
             c_sub, _, _ = _score(est.transformation, subset, target_index, dist)
