@@ -46,7 +46,6 @@ from pointalign.cloud import PointCloud
 from pointalign.kernels import normal_eq
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.result import RegistrationResult
-from pointalign.search import _checks
 
 METHODS = ("point_to_point", "point_to_plane")
 
@@ -657,7 +656,7 @@ def icp(
         """
         sums_r, D_r, T_r, Tf_r, fl_r = bufs
         src, tgt_k, normals, center_dev = data
-        with _checks.trusted_queries():
+        with _validate.trusted():
             for k in range(k_steps):
                 x = torch.baddbmm(Tf_in[:, None, :3, 3], src, Tf_in[:, :3, :3].transpose(1, 2))
                 if single:

@@ -9,12 +9,11 @@ The recipe of Open3D's global-registration tutorial (Rusu et al. 2009 features; 
 3. FPFH within 5v (100 neighbours at most); one neighbour search per cloud (5v, 100) serves
    both steps, the normals taking its first 30 neighbours within 2v;
 4. parallel RANSAC on feature nearest neighbours, inlier bound 1.5v;
-5. point-to-plane ICP against the full target (or the target downsampled at
-   ``icp_voxel_size``; normals as in step 2, at every point) from the RANSAC pose: first
-   the downsampled source of step 1 with a correspondence bound of 1.5v (a coarse stage:
-   one point per voxel constrains the motion as well as all of them, at a fraction of the
-   searches), then the full source (or its ``icp_voxel_size`` copy) with 0.5v; each stops
-   on Open3D's relative-change rule or an update below 0.1 % of v and 0.01°.
+5. point-to-plane ICP from the RANSAC pose: a coarse stage on the clouds of steps 1-2
+   (their index and normals) with a correspondence bound of 1.5v, then the full clouds
+   (or their ``icp_voxel_size`` copies; target normals as in step 2, at every point)
+   with 0.5v; each stops on Open3D's relative-change rule or an update below 0.1 % of v
+   and 0.01°.
 
 Default v: the edge at which the larger of the two clouds keeps about
 ``target_points`` = 5,000 points (found by a few secant steps on the occupied-voxel count,
@@ -120,6 +119,17 @@ def register(
     dev = _validate.as_device(device, like)
     src = _validate.as_points(source, "source", min_points=3, device=dev, dtype=torch.float32)
     tgt = _validate.as_points(target, "target", min_points=3, device=dev, dtype=torch.float32)
+    # the arrays below are derived from validated ones: no NaN/Inf scans (host syncs) on them
+    with _validate.trusted():
+        return _register(src, tgt, dev, voxel_size, method, target_points, hypotheses,
+                         icp_voxel_size, max_iterations, seed, ransac_options)
+
+
+def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
+              voxel_size: float | None, method: str, target_points: int, hypotheses: int,
+              icp_voxel_size: float | None, max_iterations: int, seed: int,
+              ransac_options: dict[str, Any]) -> RegistrationResult:
+    """:func:`register` on validated ``src, tgt (N, 3), (M, 3)`` float32 tensors on ``dev``."""
     clock = _Clock(dev)
     if voxel_size is None:
         big = src if src.shape[0] >= tgt.shape[0] else tgt
@@ -184,11 +194,12 @@ def register(
     T = glob.transformation_tensor
     iters = 0
     local = None
-    s_coarse = s_down if s_down.shape[0] < s_full.shape[0] else s_full
-    for s_icp, bound in ((s_coarse, 1.5 * v), (s_full, 0.5 * v)):
-        local = icp(s_icp, t_full, init=T, max_correspondence_distance=bound,
-                    method="point_to_plane", criteria=criteria, index=t_full_idx,
-                    target_normals=t_full_nrm, device=dev)
+    stages = ((s_down, t_down, t_idx, t_nrm, 1.5 * v),
+              (s_full, t_full, t_full_idx, t_full_nrm, 0.5 * v))
+    for s_icp, t_icp, t_icp_idx, t_icp_nrm, bound in stages:
+        local = icp(s_icp, t_icp, init=T, max_correspondence_distance=bound,
+                    method="point_to_plane", criteria=criteria, index=t_icp_idx,
+                    target_normals=t_icp_nrm, device=dev)
         iters += int(local.iterations)
         if local.transformation_tensor is not None:
             T = local.transformation_tensor

@@ -32,7 +32,6 @@ from pointalign.cloud import PointCloud
 from pointalign.kernels import ransac as _k
 from pointalign.kernels.soft import weighted_horn
 from pointalign.registration.result import RegistrationResult
-from pointalign.search._checks import trusted_queries
 
 #: queries per call of the index when scoring many hypotheses
 _SCORE_QUERIES = 1 << 21
@@ -146,7 +145,7 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
     for a in range(0, s, step):
         b = min(s, a + step)
         q = _k.transform_points(T[a:b], points)
-        with trusted_queries():  # finite points moved by finite motions: no host check
+        with _validate.trusted():  # finite points moved by finite motions: no host check
             res = index.nearest_within(q.reshape(-1, 3), max_distance)
         idx = res.idx[:, 0].view(b - a, p)
         hit = idx >= 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any
 
 import torch
@@ -15,25 +13,6 @@ def index_points(points: Any, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """The ``points (M, 3)`` an index is built over: non-empty, finite, float, contiguous."""
     return _validate.as_points(points, "points", device=device, dtype=dtype).contiguous()
-
-
-#: set inside :func:`trusted_queries`
-_TRUSTED = contextvars.ContextVar("pointalign_trusted_queries", default=False)
-
-
-@contextlib.contextmanager
-def trusted_queries():
-    """Within this block, a query tensor already ``(N, 3)``, on the index's device and of its
-    dtype is used as is: no finiteness check, so no device synchronisation per query.
-
-    For internal callers whose queries are finite by construction (ICP moves validated
-    source points by a finite transform); the device check still applies.
-    """
-    token = _TRUSTED.set(True)
-    try:
-        yield
-    finally:
-        _TRUSTED.reset(token)
 
 
 def query_points(query: Any, like: torch.Tensor) -> torch.Tensor:
@@ -49,7 +28,7 @@ def query_points(query: Any, like: torch.Tensor) -> torch.Tensor:
                 "move the query (or build the index) on one device")
         if query.dim() == 2 and query.shape == (0, 3):
             return query.to(like.dtype)
-        if (_TRUSTED.get() and query.dim() == 2 and query.shape[1] == 3
+        if (_validate.is_trusted() and query.dim() == 2 and query.shape[1] == 3
                 and query.dtype == like.dtype):
             return query.contiguous()
     q = _validate.as_points(query, "query", device=like.device, dtype=like.dtype)
