@@ -132,11 +132,14 @@ def _kernels() -> dict[str, object]:
 
 def knn(query: torch.Tensor, points: torch.Tensor, k: int,
         max_distance_sq: float | None = None, *, block_n: int | None = None,
-        block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        block_m: int | None = None, points_t: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kNN kernel; same contract as :func:`pointalign.kernels.knn.knn_tiles`.
 
     ``query (N, 3)``, ``points (M, 3)`` (one float dtype, one device; CPU tensors only under
     ``TRITON_INTERPRET=1``), ``1 <= k <= 32``. Returns ``(dists_sq (N, k), idx (N, k))``.
+    ``points_t``: ``points.t().contiguous()`` when the caller keeps it (the kernel reads the
+    points as a structure of arrays; otherwise this call makes that copy).
     """
     from pointalign.kernels.knn import MAX_TRITON_K, _sort_rows
 
@@ -147,7 +150,7 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int,
         raise ValueError(f"points: at most 2**31 - 2 points, got {points.shape[0]}")
     n, m = query.shape[0], points.shape[0]
     q = query.contiguous()
-    p = points.t().contiguous()  # (3, M) structure of arrays
+    p = points.t().contiguous() if points_t is None else points_t  # (3, M) SoA
     has_max = max_distance_sq is not None
     md2 = float(max_distance_sq) if has_max else 0.0
     kk = min(k, m)

@@ -163,17 +163,19 @@ CHUNK = 8
 #: host a few API calls where an eager step costs ~15 launches (and Python around each);
 #: falls back to eager launches if the capture fails. Two graphs:
 #:
-#: * within a call, once it has run ``GRAPH_AFTER_STEPS`` steps eagerly, a graph of one
-#:   step is captured on the call's own tensors (capturing costs about one eager step) and
-#:   replayed for the remaining steps, one in flight while the host checks the last;
+#: * within a call, once it has launched ``GRAPH_AFTER_STEPS`` steps eagerly (which
+#:   compiles every kernel the capture records), a graph of one step is captured on the
+#:   call's own tensors (capturing costs about two eager steps) and replayed for the
+#:   remaining steps, one in flight while the host checks the last;
 #: * a later call with the same index captures a ``CHUNK``-step graph on copies of its
 #:   inputs at its start and keeps it: calls after that refresh the copies and replay.
 #:
 #: info["cuda_graph"] says which happened ("first_use": eager only, "captured", "reused",
 #: a failure, or "off").
 USE_CUDA_GRAPHS = True
-#: Eager steps a call runs before it captures its one-step graph (see ``USE_CUDA_GRAPHS``).
-GRAPH_AFTER_STEPS = 2
+#: Eager steps a call launches before it captures its one-step graph (see
+#: ``USE_CUDA_GRAPHS``).
+GRAPH_AFTER_STEPS = 1
 #: Captured graphs kept for later calls with the same index and problem shape (least
 #: recently used first out). Each holds its own copy of the inputs (source, target,
 #: normals, ~3 floats per point each), refreshed by a device copy on every call.
@@ -696,7 +698,7 @@ def icp(
         hint = torch.full((B, N), -1, dtype=torch.int64, device=dev)
 
     def graph_ready() -> bool:
-        late = len(sums_h) >= GRAPH_AFTER_STEPS
+        late = launched_steps[0] >= GRAPH_AFTER_STEPS
         return use_graph and (reused or capture or late) and not graph.get("failed")
 
     def graph_steps() -> int:
@@ -758,6 +760,8 @@ def icp(
     # stop rules (the one step launched past a stop is discarded); a CHUNK-step replay
     # waits for the check rather than risk discarding a whole chunk.
     pending: list[tuple] = []
+    stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+    launched_steps = [0]
     max_it = int(crit.max_iterations)
 
     def launch_chunk(k_steps: int) -> None:
@@ -775,11 +779,12 @@ def icp(
                                        torch.zeros_like(slens))
             rec_dev = steps(k_steps, T_cur, Tf_cur, bufs, lens_eff, data, hint)
         T_cur, Tf_cur = bufs[2][-1], bufs[3][-1]
-        if dev.type == "cuda":  # stream-ordered: a later replay cannot overwrite it first
+        launched_steps[0] += k_steps
+        if stream is not None:  # stream-ordered: a later replay cannot overwrite it first
             rec = torch.empty(rec_dev.shape, dtype=rec_dev.dtype, pin_memory=True)
             rec.copy_(rec_dev, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
+            done.record(stream)
         else:
             rec, done = rec_dev.cpu(), None
         pending.append((rec, done, k_steps))

@@ -11,7 +11,7 @@ The recipe of Open3D's global-registration tutorial (Rusu et al. 2009 features; 
 4. parallel RANSAC on feature nearest neighbours, inlier bound 1.5v;
 5. point-to-plane ICP from the RANSAC pose: a coarse stage on the clouds of steps 1-2
    (their index and normals) with a correspondence bound of 1.5v, then the full clouds
-   (or their ``icp_voxel_size`` copies; target normals as in step 2, at every point)
+   (or their ``icp_voxel_size`` copies; target normals within 2v from 16 neighbours)
    with 0.5v; each stops on Open3D's relative-change rule or an update below 0.1 % of v
    and 0.01°.
 
@@ -181,8 +181,10 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
         vi = _validate.positive(icp_voxel_size, "icp_voxel_size")
         s_full, t_full = voxel_downsample(src, vi), voxel_downsample(tgt, vi)
     t_full_idx = build_index(t_full)
-    # the normals of step 2 (within 2v, at most 30), now for every target point
-    t_full_nb = neighbourhoods(t_full, 2 * v, min(30, t_full.shape[0]), t_full_idx)
+    # normals within 2v as in step 2, from at most 16 neighbours: the full clouds are dense
+    # (16 nearest points are well within 2v wherever the surface is sampled finer than the
+    # voxel), and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
+    t_full_nb = neighbourhoods(t_full, 2 * v, min(16, t_full.shape[0]), t_full_idx)
     t_full_nrm = estimate_normals(t_full, neighbors=t_full_nb.idx, orient="viewpoint",
                                   viewpoint=t_full.mean(0))
     clock.lap("icp_prepare")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pointalign.kernels import knn as _knn
+from pointalign.kernels._backend import backend
 from pointalign.search import _checks
 from pointalign.search.base import KnnResult
 
@@ -31,6 +32,7 @@ class BruteForceIndex:
 
     def __init__(self, points: Any, *, device: str | torch.device | None = None):
         self.points = _checks.index_points(points, device=device)
+        self._points_t: torch.Tensor | None = None  # (3, M) copy for the Triton kernel
 
     def __repr__(self) -> str:
         return f"BruteForceIndex(M={self.points.shape[0]}, device={self.points.device})"
@@ -54,3 +56,22 @@ class BruteForceIndex:
         md = _checks.check_distance(max_distance, "max_distance")
         q = _checks.query_points(query, self.points)
         return KnnResult(*_knn.knn_tiles(q, self.points, 1, md * md))
+
+    def nearest_within_unchecked(self, query: torch.Tensor, max_distance: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ICP's fast path of :meth:`nearest_within`: ``(dists (N,), idx (N,))`` (-1 = none).
+
+        No argument checks; on the Triton path the kernel reads a structure-of-arrays copy
+        of the points kept from the first call. ``query`` must be a finite contiguous
+        ``(N, 3)`` tensor of the points' dtype and device, ``max_distance > 0``.
+        """
+        md2 = float(max_distance) ** 2
+        if query.shape[0] and backend(query) == "triton":
+            from pointalign.kernels import _knn_triton
+
+            if self._points_t is None:
+                self._points_t = self.points.t().contiguous()
+            d, i = _knn_triton.knn(query, self.points, 1, md2, points_t=self._points_t)
+        else:
+            d, i = _knn.knn_tiles(query, self.points, 1, md2)
+        return d[:, 0], i[:, 0]
