@@ -28,12 +28,22 @@ from pointalign.cloud import PointCloud
 _MAX_CELLS_PER_AXIS = 1 << 20
 
 
-def voxel_keys(points: torch.Tensor, voxel_size: float) -> tuple[torch.Tensor, torch.Tensor]:
+def bounds(points: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]]:
+    """``(points (N, 3) as float64, min corner, max corner)``; one host synchronisation."""
+    p = points.to(torch.float64)
+    lo, hi = torch.stack([p.min(0).values, p.max(0).values]).tolist()
+    return p, lo, hi
+
+
+def voxel_keys(points: torch.Tensor, voxel_size: float,
+               extent: tuple[torch.Tensor, list[float], list[float]] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed int64 voxel key of every point and the grid origin.
 
     Args:
         points: ``(N, 3)`` float tensor.
         voxel_size: cube edge, same units as the points (> 0).
+        extent: ``bounds(points)`` when the caller has it (saves its synchronisation).
 
     Returns:
         ``(keys (N,) int64, origin (3,) float64)``; points in one voxel share a key.
@@ -42,12 +52,10 @@ def voxel_keys(points: torch.Tensor, voxel_size: float) -> tuple[torch.Tensor, t
         ValueError: the grid would need more than 2**20 voxels along an axis.
 
     """
-    p = points.to(torch.float64)
-    bounds = torch.stack([p.min(0).values, p.max(0).values])
-    origin = bounds[0]
+    p, lo, hi = bounds(points) if extent is None else extent
+    origin = torch.tensor(lo, dtype=torch.float64).to(p.device, non_blocking=True)
     # floor is monotone, so the largest cell index is that of the largest coordinate (the
     # host's division may round differently from the device's only at a cell boundary)
-    lo, hi = bounds.tolist()
     dims = [math.floor((h - o) / voxel_size) + 1 for o, h in zip(lo, hi, strict=True)]
     if max(dims) > _MAX_CELLS_PER_AXIS:
         raise ValueError(
@@ -59,9 +67,13 @@ def voxel_keys(points: torch.Tensor, voxel_size: float) -> tuple[torch.Tensor, t
     return keys, origin
 
 
-def count_voxels(points: torch.Tensor, voxel_size: float) -> int:
-    """Count the voxels of edge ``voxel_size`` occupied by ``points (N, 3)``."""
-    keys, _ = voxel_keys(points, voxel_size)
+def count_voxels(points: torch.Tensor, voxel_size: float,
+                 extent: tuple[torch.Tensor, list[float], list[float]] | None = None) -> int:
+    """Count the voxels of edge ``voxel_size`` occupied by ``points (N, 3)``.
+
+    ``extent``: ``bounds(points)`` when the caller counts at several sizes.
+    """
+    keys, _ = voxel_keys(points, voxel_size, extent)
     sorted_keys = torch.sort(keys).values
     return int((sorted_keys[1:] != sorted_keys[:-1]).sum()) + 1
 

@@ -32,7 +32,7 @@ import torch
 
 from pointalign import _validate
 from pointalign.cloud import PointCloud
-from pointalign.features.downsample import count_voxels, voxel_downsample
+from pointalign.features.downsample import bounds, count_voxels, voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
 from pointalign.registration.ransac import _Clock, ransac
 from pointalign.registration.result import RegistrationResult
@@ -52,8 +52,8 @@ def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int =
     target_points = int(target_points)
     if target_points < 3:
         raise ValueError(f"target_points: expected an integer >= 3, got {target_points}")
-    lo, hi = pts.min(0).values, pts.max(0).values
-    diag = float((hi - lo).double().norm())
+    extent = bounds(pts)  # one synchronisation for the loop
+    diag = math.dist(extent[1], extent[2])
     if diag == 0.0:
         raise ValueError("points: all points coincide; cannot choose a voxel size")
     # a cloud not much larger than the target is still halved: every voxel must keep a
@@ -62,7 +62,7 @@ def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int =
     v = diag / math.sqrt(want)
     best_v, best_err = v, math.inf
     for _ in range(iterations):
-        c = count_voxels(pts, v)
+        c = count_voxels(pts, v, extent)
         err = abs(math.log(c / want))
         if err < best_err:
             best_v, best_err = v, err

@@ -142,14 +142,23 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
     matches = torch.empty(s, p, dtype=torch.int64, device=points.device) if with_matches \
         else None
     step = max(1, _SCORE_QUERIES // max(p, 1))
+    # the k-d tree's fast path skips grouping the queries by leaf, which scattered
+    # hypotheses need: it keeps the checked path
+    fast = None if getattr(index, "supports_hint", False) else \
+        getattr(index, "nearest_within_unchecked", None)
     for a in range(0, s, step):
         b = min(s, a + step)
-        q = _k.transform_points(T[a:b], points)
-        with _validate.trusted():  # finite points moved by finite motions: no host check
-            res = index.nearest_within(q.reshape(-1, 3), max_distance)
-        idx = res.idx[:, 0].view(b - a, p)
+        q = _k.transform_points(T[a:b], points).reshape(-1, 3)
+        # finite points moved by finite motions: no checks (the index's fast path if any)
+        if callable(fast) and q.dtype == index.points.dtype:
+            dist, idx = fast(q, max_distance)
+        else:
+            with _validate.trusted():
+                res = index.nearest_within(q, max_distance)
+            dist, idx = res.dists[:, 0], res.idx[:, 0]
+        idx = idx.view(b - a, p)
         hit = idx >= 0
-        d2 = torch.where(hit, res.dists[:, 0].view(b - a, p), torch.zeros_like(q[..., 0]))
+        d2 = torch.where(hit, dist.view(b - a, p), torch.zeros_like(dist.view(b - a, p)))
         counts[a:b] = hit.sum(1)
         sq[a:b] = d2.to(torch.float64).sum(1)
         if matches is not None:
