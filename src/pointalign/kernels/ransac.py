@@ -69,6 +69,7 @@ def triangle_similar(src: torch.Tensor, tgt: torch.Tensor, similarity: float) ->
 
 def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     """``R_s p + t_s`` for every transform s and point p: ``(S, 4, 4), (P, 3) -> (S, P, 3)``."""
-    R = T[:, :3, :3].to(points.dtype)
-    t = T[:, :3, 3].to(points.dtype)
-    return torch.einsum("sij,pj->spi", R, points) + t[:, None, :]
+    Tp = T.to(points.dtype)
+    # one batched GEMM with the translation as its bias: x Rᵀ + t
+    return torch.baddbmm(Tp[:, None, :3, 3], points.expand(T.shape[0], -1, -1),
+                         Tp[:, :3, :3].transpose(1, 2))

@@ -137,15 +137,12 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
     within the bound), else None.
     """
     s, p = T.shape[0], points.shape[0]
-    counts = torch.zeros(s, dtype=torch.int64, device=points.device)
-    sq = torch.zeros(s, dtype=torch.float64, device=points.device)
-    matches = torch.empty(s, p, dtype=torch.int64, device=points.device) if with_matches \
-        else None
     step = max(1, _SCORE_QUERIES // max(p, 1))
     # the k-d tree's fast path skips grouping the queries by leaf, which scattered
     # hypotheses need: it keeps the checked path
     fast = None if getattr(index, "supports_hint", False) else \
         getattr(index, "nearest_within_unchecked", None)
+    parts = []
     for a in range(0, s, step):
         b = min(s, a + step)
         q = _k.transform_points(T[a:b], points).reshape(-1, 3)
@@ -158,12 +155,13 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
             dist, idx = res.dists[:, 0], res.idx[:, 0]
         idx = idx.view(b - a, p)
         hit = idx >= 0
-        d2 = torch.where(hit, dist.view(b - a, p), torch.zeros_like(dist.view(b - a, p)))
-        counts[a:b] = hit.sum(1)
-        sq[a:b] = d2.to(torch.float64).sum(1)
-        if matches is not None:
-            matches[a:b] = idx
-    return counts, sq, matches
+        d2 = torch.where(hit, dist.view(b - a, p), 0.0)
+        parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64), idx))
+    if len(parts) == 1:  # the usual case: no concatenation
+        counts, sq, matches = parts[0]
+    else:
+        counts, sq, matches = (torch.cat(x) for x in zip(*parts, strict=True))
+    return counts, sq, matches if with_matches else None
 
 
 def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
@@ -212,15 +210,18 @@ def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.
     """
     _, _, idx = _score(T, src, index, max_distance, with_matches=True)
     src_b = src.expand(T.shape[0], -1, -1)
+    key = _key(counts, sq, max_distance)
     for _ in range(iterations):
         T_new, valid = weighted_horn(src_b, tgt[idx.clamp_min(0)], (idx >= 0).to(src.dtype))
         c_new, sq_new, idx_new = _score(T_new, src, index, max_distance, with_matches=True)
-        better = valid & (_key(c_new, sq_new, max_distance) > _key(counts, sq, max_distance))
+        key_new = _key(c_new, sq_new, max_distance)
+        better = valid & (key_new > key)
         if not bool(better.any()):
             break
         T = torch.where(better[:, None, None], T_new, T)
         counts = torch.where(better, c_new, counts)
         sq = torch.where(better, sq_new, sq)
+        key = torch.where(better, key_new, key)
         idx = torch.where(better[:, None], idx_new, idx)
     return T, counts, sq
 
