@@ -279,9 +279,11 @@ def test_descend_reaches_cell(rng):
     assert torch.equal(K.descend(tree, q, 99), leaf)
 
 
-def test_host_build_matches_device(rng):
-    pts = _cloud(777, rng)
-    a, b = K.build(pts, 6, "device"), K.build(pts, 6, "host")
+@pytest.mark.parametrize("m,depth,dtype", [(777, 6, torch.float32), (1000, 9, torch.float32),
+                                           (5, 2, torch.float32), (300, 5, torch.float64)])
+def test_host_build_matches_device(m, depth, dtype, rng):
+    pts = _cloud(m, rng).to(dtype)
+    a, b = K.build(pts, depth, "device"), K.build(pts, depth, "host")
     assert torch.equal(a.perm, b.perm)
     assert torch.equal(a.lo, b.lo) and torch.equal(a.hi, b.hi)
     assert np.allclose(a.split_value.numpy(), b.split_value.numpy())

@@ -103,9 +103,9 @@ def node_ranges(m: int, depth: int, device: torch.device | str = "cpu") -> torch
     """``(n_nodes, 2)`` int64 ``[start, end)`` of every node, in level order."""
     parts = []
     for level in range(depth + 1):
-        b = level_bounds(m, level, device)
+        b = level_bounds(m, level)
         parts.append(torch.stack([b[:-1], b[1:]], 1))
-    return torch.cat(parts, 0)
+    return torch.cat(parts, 0).to(device)  # made on the host: one copy, not ~5 launches a level
 
 
 # ----------------------------------------------------------------------------- build
@@ -115,8 +115,8 @@ def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays
     """Build the tree over ``points (M, 3)`` with ``depth`` split levels (``2^depth <= M``).
 
     ``where="device"``: torch ops on the points' device (per level: node bounding boxes by a
-    padded gather and row reduction, axis of largest extent, two stable sorts: by
-    coordinate, then by node).
+    padded gather and row reduction, axis of largest extent, one stable sort by node, then
+    coordinate; see :func:`_node_order`).
     ``where="host"``: the same algorithm in NumPy (``lexsort``), copied back. Both give the same
     tree up to the order of points with equal coordinates.
     """
@@ -124,15 +124,16 @@ def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays
     if depth < 0 or 2**depth > m:
         raise ValueError(f"depth: must satisfy 0 <= depth and 2**depth <= {m}, got {depth}")
     if where == "device":
-        perm, axes, splits = _build_torch(points, depth)
+        perm, axes, splits, pts = _build_torch(points, depth)
     elif where == "host":
         perm_np, axes_np, splits_np = _build_numpy(points.detach().cpu().double().numpy(), depth)
         perm = torch.from_numpy(perm_np).to(points.device)
         axes = torch.from_numpy(axes_np).to(points.device)
         splits = torch.from_numpy(splits_np).to(device=points.device, dtype=points.dtype)
+        pts = points[perm]
     else:
         raise ValueError(f"where: must be 'device' or 'host', got {where!r}")
-    pts = points[perm].contiguous()
+    pts = pts.contiguous()
     ranges = node_ranges(m, depth, points.device)
     lo, hi = _node_boxes(pts, depth)
     n_int = 2**depth - 1
@@ -145,8 +146,11 @@ def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays
                       ranges[:, 0].contiguous(), ranges[:, 1].contiguous(), depth)
 
 
-def _segment_boxes(pts: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment_boxes(pts: torch.Tensor, level: int, b: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounding boxes ``lo, hi (2^level, 3)`` of the level's node ranges of ``pts (M, 3)``.
+
+    ``b``: the level's ``level_bounds`` on the points' device, when the caller has them.
 
     Every range is non-empty and at most ``ceil(M / 2^level)`` long, so the ranges are read
     as rows of one padded gather (short rows repeat their last point, which leaves min and
@@ -154,7 +158,7 @@ def _segment_boxes(pts: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.T
     few segments near the root serialise on a GPU.
     """
     m = pts.shape[0]
-    b = level_bounds(m, level, pts.device)
+    b = level_bounds(m, level, pts.device) if b is None else b
     width = -(-m // 2**level)
     pos = torch.minimum(b[:-1, None] + torch.arange(width, device=pts.device),
                         b[1:, None] - 1)
@@ -190,27 +194,34 @@ def _node_order(seg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 def _build_torch(points: torch.Tensor, depth: int):
+    """Device build; returns ``(perm, axes, splits, points[perm])``."""
     m, dev = points.shape[0], points.device
-    perm = torch.arange(m, device=dev)
-    after = perm + 1
+    # every level's bounds and split positions, made on the host and copied at once
+    bounds = [level_bounds(m, level) for level in range(depth + 1)]
+    mids = [torch.stack([b[1:-1:2] - 1, b[1:-1:2]]) for b in bounds[1:]]
+    flat = torch.cat(bounds + [x.reshape(-1) for x in mids]).to(dev)
+    sizes = [b.numel() for b in bounds] + [x.numel() for x in mids]
+    parts = list(torch.split(flat, sizes))
+    bounds_d, mids_d = parts[:depth + 1], [x.view(2, -1) for x in parts[depth + 1:]]
+    pos = torch.arange(m, device=dev)
+    perm = pos
     pts = points
     axes, splits = [], []
     for level in range(depth):
-        # node of each position p: the largest j with floor(j m / 2^level) <= p
-        seg = ((after << level) - 1) // m
-        lo, hi = _segment_boxes(pts, level)
+        b = bounds_d[level]
+        seg = torch.bucketize(pos, b[1:], right=True)  # node j of position p: b[j] <= p < b[j+1]
+        lo, hi = _segment_boxes(pts, level, b)
         axis = (hi - lo).argmax(1)
         key = pts.gather(1, axis[seg][:, None]).squeeze(1)
         order = _node_order(seg, key)
         perm = perm[order]
         pts = pts[order]
-        key = key[order]
-        mid = level_bounds(m, level + 1, dev)[1:-1:2]
-        splits.append(0.5 * (key[mid - 1] + key[mid]))
+        # the split: midway between the two points either side of the children's boundary
+        splits.append(key[order[mids_d[level]]].mean(0))
         axes.append(axis)
     if depth == 0:
-        return perm, torch.zeros(0, dtype=torch.int64, device=dev), points.new_zeros(0)
-    return perm, torch.cat(axes), torch.cat(splits)
+        return perm, torch.zeros(0, dtype=torch.int64, device=dev), points.new_zeros(0), pts
+    return perm, torch.cat(axes), torch.cat(splits), pts
 
 
 def _build_numpy(points: np.ndarray, depth: int):
