@@ -579,8 +579,9 @@ def icp(
                                 dtype=torch.float64)
     T = (T0 if batched else T0[None]).detach().numpy().copy()
     plane = method == "point_to_plane"
-    slens_h = slens.cpu()
-    tlens_h = tlens.cpu()
+    # lengths on the host: known without a transfer unless the caller passed them
+    slens_h = slens.cpu() if source_lengths is not None else torch.full((B,), src.shape[1])
+    tlens_h = tlens.cpu() if target_lengths is not None else torch.full((B,), tgt.shape[1])
 
     timings = {"index": 0.0, "normals": 0.0, "launch": 0.0, "sync": 0.0}
     t0 = time.perf_counter()
@@ -612,9 +613,11 @@ def icp(
         normals = normals.contiguous()
 
     # centre of the coordinates for the float32 sums: the target centroid (host and device)
-    rows = torch.arange(tgt.shape[1], device=dev)[None, :, None] < tlens[:, None, None]
-    center_dev = ((tgt * rows).sum(1) / tlens[:, None].clamp_min(1)).to(torch.float32)
-    center = center_dev.cpu().to(torch.float64)
+    if target_lengths is None:  # every row valid
+        center_dev = tgt.mean(1, dtype=torch.float32)
+    else:
+        rows = torch.arange(tgt.shape[1], device=dev)[None, :, None] < tlens[:, None, None]
+        center_dev = ((tgt * rows).sum(1) / tlens[:, None].clamp_min(1)).to(torch.float32)
     tgt_k = tgt.contiguous()
 
     N = src.shape[1]
@@ -883,6 +886,7 @@ def icp(
         reasons[b] = "max_iterations"
     info_steps = len(sums_h)
     timings["iterate"] = time.perf_counter() - t_it
+    center = center_dev.cpu().to(torch.float64)  # read once the loop is over
     H = _information(torch.from_numpy(last), plane, center).numpy()
     timings["total"] = time.perf_counter() - t_start
     n_eval = max(1, len(history))
