@@ -119,6 +119,8 @@ def run_interpreted_kdtree(out_path: str) -> None:
         h = _hints(tree, q, seed)
         out[("ids", seed)] = KT.knn(tree, q, 1, hint=torch.where(h >= 0, tree.perm[h], h),
                                     ids=(tree.perm, torch.argsort(tree.perm)))
+        tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
+        out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
         tree = K.build(pts, 2)
         out[("f64", seed)] = KT.knn(tree, q, 3)
@@ -147,6 +149,15 @@ def _hints(tree, q, seed):
     exact = K.knn_reference(tree, q, 1)[1][:, 0]
     kind = torch.arange(n) % 3
     return torch.where(kind == 0, torch.full_like(h, -1), torch.where(kind == 1, h, exact))
+
+
+def _build_cloud(seed):
+    """500 points with repeated coordinates and signed zeros (ties in the build's sorts)."""
+    pts = _cloud(500, torch.Generator().manual_seed(100 + seed))
+    pts[::9, 1] = 0.0
+    pts[::13, 1] = -0.0
+    pts[::7, 0] = pts[0, 0]
+    return pts
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +288,17 @@ def test_descend_reaches_cell(rng):
         assert node == int(leaf[row])
     assert torch.equal(K.descend(tree, q, 0), torch.zeros(50, dtype=torch.int64))
     assert torch.equal(K.descend(tree, q, 99), leaf)
+
+
+def test_triton_interpreter_build_matches_host(interpreted, seed):
+    """The fused per-level kernels build the tree the NumPy build makes."""
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    perm, axis, split, lo, hi = interpreted[("build", seed)]
+    ref = K.build(_build_cloud(seed), 6, "host")
+    assert torch.equal(perm, ref.perm) and torch.equal(axis, ref.split_axis)
+    assert torch.equal(lo, ref.lo) and torch.equal(hi, ref.hi)
+    assert np.allclose(split.numpy(), ref.split_value.numpy())
 
 
 @pytest.mark.parametrize("m,depth,dtype", [(777, 6, torch.float32), (1000, 9, torch.float32),

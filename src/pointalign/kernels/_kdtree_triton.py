@@ -157,3 +157,75 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
         return out_d, out_i
     out_d, order = torch.sort(out_d, dim=1)
     return out_d, out_i.gather(1, order)
+
+
+# ----------------------------------------------------------------------------- build
+
+
+@triton.jit
+def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, BLOCK: tl.constexpr):
+    """Axis of largest extent (first on ties, as ``argmax``) of node ``program_id``'s
+    points ``pts[b[j]:b[j + 1]]``, read in blocks of ``BLOCK``."""
+    node = tl.program_id(0).to(tl.int64)
+    start = tl.load(b_ptr + node)
+    end = tl.load(b_ptr + node + 1)
+    lx = tl.full((BLOCK,), BIG, tl.float32)
+    ly = tl.full((BLOCK,), BIG, tl.float32)
+    lz = tl.full((BLOCK,), BIG, tl.float32)
+    hx = tl.full((BLOCK,), -BIG, tl.float32)
+    hy = tl.full((BLOCK,), -BIG, tl.float32)
+    hz = tl.full((BLOCK,), -BIG, tl.float32)
+    for s in range(start, end, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        m = offs < end
+        x = tl.load(pts_ptr + offs * 3 + 0, mask=m, other=0.0)
+        y = tl.load(pts_ptr + offs * 3 + 1, mask=m, other=0.0)
+        z = tl.load(pts_ptr + offs * 3 + 2, mask=m, other=0.0)
+        lx = tl.where(m, tl.minimum(lx, x), lx)
+        ly = tl.where(m, tl.minimum(ly, y), ly)
+        lz = tl.where(m, tl.minimum(lz, z), lz)
+        hx = tl.where(m, tl.maximum(hx, x), hx)
+        hy = tl.where(m, tl.maximum(hy, y), hy)
+        hz = tl.where(m, tl.maximum(hz, z), hz)
+    ex = tl.max(hx, 0) - tl.min(lx, 0)
+    ey = tl.max(hy, 0) - tl.min(ly, 0)
+    ez = tl.max(hz, 0) - tl.min(lz, 0)
+    ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2))
+    tl.store(axis_ptr + node, ax.to(tl.int64))
+
+
+@triton.jit
+def _level_keys_kernel(pts_ptr, axis_ptr, key_ptr, packed_ptr, m_points, level,
+                       BLOCK: tl.constexpr):
+    """For every position p: its node j (``floor(j M / 2^level) <= p``), its coordinate
+    along j's split axis (-0.0 as +0.0), and the sort key ``j · 2³² + u(coordinate)``
+    with ``u`` the order-preserving map of the float's bits to [0, 2³²)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < m_points
+    seg = (((offs + 1) << level) - 1) // m_points
+    ax = tl.load(axis_ptr + seg, mask=m, other=0)
+    key = tl.load(pts_ptr + offs * 3 + ax, mask=m, other=0.0)
+    key = tl.where(key == 0.0, 0.0, key)
+    bits = key.to(tl.int32, bitcast=True).to(tl.int64)
+    u = tl.where(bits < 0, -1 - bits, bits + 2147483648)
+    tl.store(key_ptr + offs, key, mask=m)
+    tl.store(packed_ptr + offs, (seg << 32) | u, mask=m)
+
+
+def level_keys(pts: torch.Tensor, bounds: torch.Tensor, level: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One build level on float32 ``pts (M, 3)`` with the level's node ``bounds``.
+
+    Returns ``(axis (2^level,) int64, key (M,) float32, packed (M,) int64)``: each node's
+    split axis, each position's coordinate along it, and the key whose stable sort orders
+    the points by node, then coordinate (as :func:`pointalign.kernels.kdtree._node_order`).
+    """
+    m, n_nodes = pts.shape[0], bounds.shape[0] - 1
+    axis = torch.empty(n_nodes, dtype=torch.int64, device=pts.device)
+    key = torch.empty(m, dtype=pts.dtype, device=pts.device)
+    packed = torch.empty(m, dtype=torch.int64, device=pts.device)
+    block = 1024 if pts.is_cuda else 64
+    _split_axis_kernel[(n_nodes,)](pts, bounds, axis, BLOCK=block, num_warps=4)
+    _level_keys_kernel[(triton.cdiv(m, block),)](pts, axis, key, packed, m, level,
+                                                 BLOCK=block, num_warps=4)
+    return axis, key, packed

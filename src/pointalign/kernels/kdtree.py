@@ -205,15 +205,24 @@ def _build_torch(points: torch.Tensor, depth: int):
     bounds_d, mids_d = parts[:depth + 1], [x.view(2, -1) for x in parts[depth + 1:]]
     pos = torch.arange(m, device=dev)
     perm = pos
-    pts = points
+    pts = points.contiguous()
     axes, splits = [], []
+    # float32 on a Triton backend: two fused kernels per level (axis per node; node, key
+    # and packed sort key per point) in place of ~20 launches of the same arithmetic
+    fused = points.dtype == torch.float32 and backend(points) in ("triton", "interpret")
     for level in range(depth):
         b = bounds_d[level]
-        seg = torch.bucketize(pos, b[1:], right=True)  # node j of position p: b[j] <= p < b[j+1]
-        lo, hi = _segment_boxes(pts, level, b)
-        axis = (hi - lo).argmax(1)
-        key = pts.gather(1, axis[seg][:, None]).squeeze(1)
-        order = _node_order(seg, key)
+        if fused:
+            from pointalign.kernels import _kdtree_triton
+
+            axis, key, packed = _kdtree_triton.level_keys(pts, b, level)
+            order = torch.sort(packed, stable=True).indices
+        else:
+            seg = torch.bucketize(pos, b[1:], right=True)  # node j of p: b[j] <= p < b[j+1]
+            lo, hi = _segment_boxes(pts, level, b)
+            axis = (hi - lo).argmax(1)
+            key = pts.gather(1, axis[seg][:, None]).squeeze(1)
+            order = _node_order(seg, key)
         perm = perm[order]
         pts = pts[order]
         # the split: midway between the two points either side of the children's boundary
