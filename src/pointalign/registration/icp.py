@@ -822,7 +822,10 @@ def icp(
             launched = len(sums_h) + sum(p[2] for p in pending)
             while launched <= max_it:
                 k = graph_steps() if graph_ready() else 1
-                k = k if max_it + 1 - launched >= k else 1
+                # a kept chunk near the iteration cap: replayed whole (steps past the cap
+                # are discarded) while at least half of it is used; eager steps cost the
+                # host more than a few surplus steps cost the device
+                k = k if 2 * (max_it + 1 - launched) >= k else 1
                 if pending and (k > 1 or dev.type != "cuda" or len(pending) > 1):
                     break
                 launch_chunk(k)
