@@ -62,7 +62,8 @@ ALL_SCANS = ("bun000", "bun045", "bun090", "bun180", "bun270", "bun315", "chin",
 NOTES = (
     "Whole register() pipeline from the identity (downsample to ~5,000 points, normals 2v, "
     "FPFH 5v, parallel RANSAC 16,384 hypotheses/batch with triangle 0.2 and T(32,32), "
-    "Lo-RANSAC on the best 4, point-to-plane ICP at 1.5v then 0.5v on the full clouds); "
+    "Lo-RANSAC on the best 4, point-to-plane ICP at 1.5v on the downsampled clouds, then "
+    "0.5v on the full clouds); "
     "10 seeds per case, mean ± std. inlier_pct = RANSAC inlier ratio (paper's inlier "
     "percentage); ransac_ms excludes feature matching (paper's processing time). Open3D "
     "rows (if any) ran on the CPU machine, ours on the device named in the metadata."
