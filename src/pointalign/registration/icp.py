@@ -21,15 +21,16 @@ that prunes most of the tree once the updates are small: on the H100, ICP on the
 bunny pair at 5 cm went from 1.4 to 0.40 ms per iteration in ``bench_icp``, and at 1M
 points from about 15.7 to 6-7 ms).
 
-Device traffic: none per iteration. Each step (move the source, search, fused reduction,
-float64 solve by Jacobi rotations in a Triton kernel, compose the estimate) is enqueued on
-the device; the estimate feeds the next step there. The host fetches the records (sums,
-updates, estimates, flags) after chunks of 1, 2, 4, then 8 steps (one transfer each) and
-replays the stopping rules iteration by iteration, so results equal a per-iteration check;
-steps computed past a stop are discarded (``info["device_steps"]``). Chunks of 8 of a single
-problem are replayed from a CUDA graph, captured once a run is long enough or an index is
-reused, and kept for later calls (``USE_CUDA_GRAPHS``, ``info["cuda_graph"]``). On the CPU the
-same loop runs the PyTorch references (``torch.linalg.eigh`` solve).
+Device traffic: one small record per step. Each step (move the source, search, fused
+reduction, float64 solve by Jacobi rotations in a Triton kernel, compose the estimate) is
+enqueued on the device; the estimate feeds the next step there. The host reads each step's
+record (sums, update, estimate, flags) while the next step already runs, and replays the
+stopping rules iteration by iteration, so results equal a per-iteration check; a step
+computed past a stop is discarded (``info["device_steps"]``). A single problem's steps are
+replayed from CUDA graphs: a one-step graph captured after the first step of a call, and
+chunks of ``CHUNK`` steps kept for later calls with the same index (``USE_CUDA_GRAPHS``,
+``info["cuda_graph"]``). On the CPU the same loop runs the PyTorch references
+(``torch.linalg.eigh`` solve), one step per check.
 """
 
 from __future__ import annotations
