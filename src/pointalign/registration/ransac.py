@@ -156,12 +156,12 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
         idx = idx.view(b - a, p)
         hit = idx >= 0
         d2 = torch.where(hit, dist.view(b - a, p), 0.0)
-        parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64), idx))
+        parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64),
+                      idx if with_matches else None))
     if len(parts) == 1:  # the usual case: no concatenation
-        counts, sq, matches = parts[0]
-    else:
-        counts, sq, matches = (torch.cat(x) for x in zip(*parts, strict=True))
-    return counts, sq, matches if with_matches else None
+        return parts[0]
+    counts, sq, matches = zip(*parts, strict=True)
+    return torch.cat(counts), torch.cat(sq), torch.cat(matches) if with_matches else None
 
 
 def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
