@@ -302,6 +302,15 @@ def positive(value: float, name: str, *, allow_zero: bool = False) -> float:
     return v
 
 
+def instance(value: Any, cls: type, name: str) -> Any:
+    """``value`` if it is a ``cls``, ``cls()`` (the defaults) if None, else a TypeError."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+    return value
+
+
 def in_range(value: float, name: str, lo: float, hi: float) -> float:
     """Check ``lo < value < hi`` (open interval)."""
     v = positive(value, name, allow_zero=True) if lo >= 0 else float(value)
