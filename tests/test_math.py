@@ -185,7 +185,7 @@ def run_math_kernels(device: str) -> dict:
     g = torch.Generator().manual_seed(0)
     out: dict = {}
     r = torch.linspace(-3, 3, 61, dtype=torch.float32)
-    for kind, code in zip(_math.ROBUST_KINDS, range(4)):
+    for code, kind in enumerate(_math.ROBUST_KINDS):
         o = torch.empty(61, dtype=torch.float32, device=device)
         _k_robust[(1,)](r.to(device), o, 61, 0.7, KIND=code, BLOCK=64)
         out[("robust", kind)] = o.cpu()

@@ -128,7 +128,8 @@ def so3_exp(omega: torch.Tensor) -> torch.Tensor:
 
 def so3_log(R: torch.Tensor) -> torch.Tensor:
     """Rotation vectors ``(…, 3)`` (|ω| ≤ π) of ``R (…, 3, 3)``, through the quaternion
-    (stable near 0 and near π), in R's dtype."""
+    (stable near 0 and near π), in R's dtype.
+    """
     q = rot_to_quat(R)
     w = q[..., 0].clamp(-1, 1)
     v = q[..., 1:]
@@ -194,6 +195,7 @@ def horn_pose(W: torch.Tensor, sum_x: torch.Tensor, sum_y: torch.Tensor,
     Returns:
         ``(R (…, 3, 3), t (…, 3), ok (…) bool)`` float64, ``ok = W > 0`` and R, t finite;
         where not ok, R = I and t = 0.
+
     """
     W, sum_x, sum_y, cross = _f64(W), _f64(sum_x), _f64(sum_y), _f64(cross)
     Wc = W.clamp_min(1e-300)[..., None]
@@ -333,6 +335,7 @@ def eigh3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(eigenvalues (…, 3) ascending, eigenvectors (…, 3, 3))`` in A's dtype; column
         ``j`` is the eigenvector of eigenvalue ``j``; the columns form a rotation (det +1).
+
     """
     dt = A.dtype
     A64 = _f64(A)
@@ -356,7 +359,8 @@ def eigh3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def eigh6(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenpairs of symmetric ``A (…, 6, 6)``: ``(ascending eigenvalues (…, 6), vectors
     (…, 6, 6))`` float64 (``torch.linalg.eigh``; the device solver is cyclic Jacobi,
-    ``_tl_math.eigh6``)."""
+    ``_tl_math.eigh6``).
+    """
     return torch.linalg.eigh(_f64(A))
 
 
@@ -374,6 +378,7 @@ def least_norm_solve(A: torch.Tensor, b: torch.Tensor, eps: float = DEGENERACY_E
         ``(x (…, n), full (…) bool, usable (…) bool)`` float64: ``full`` when no direction
         was dropped, ``usable`` when x is finite and some direction was kept (else x = 0).
         ``full`` implies ``usable``.
+
     """
     ev, V = eigh6(A) if A.shape[-1] == 6 else torch.linalg.eigh(_f64(A))
     keep = ev > eps * ev[..., -1:].clamp_min(1e-300)

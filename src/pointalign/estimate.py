@@ -103,7 +103,8 @@ def _finish(T: torch.Tensor, valid: torch.Tensor, strict: bool, what: str) -> Es
 
 def horn_matrix(S: torch.Tensor) -> torch.Tensor:
     """Horn's symmetric 4×4 matrix N(S) of cross-covariances ``S (…, 3, 3)``: ``(…, 4, 4)``
-    (:func:`pointalign._math.horn_matrix`)."""
+    (:func:`pointalign._math.horn_matrix`).
+    """
     return _math.horn_matrix(S)
 
 
@@ -149,7 +150,8 @@ def _constant(c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def quaternion_rotation(q: torch.Tensor) -> torch.Tensor:
     """Rotation matrices ``(…, 3, 3)`` of quaternions ``q (…, 4)`` = (w, x, y, z) ≠ 0
-    (:func:`pointalign._math.quat_to_rot`)."""
+    (:func:`pointalign._math.quat_to_rot`).
+    """
     return _math.quat_to_rot(q)
 
 
@@ -187,6 +189,7 @@ def horn(
         source: ``(…, N, 3)`` float tensor, x_i.
         target: ``(…, N, 3)`` float tensor, y_i (corresponding row by row).
         weights: optional ``(…, N)`` non-negative weights (0 drops a row).
+
     """
     source, target, weights = _check_pairs(source, target, weights)
     return horn_from_moments(_weighted_moments(source, target, weights), strict=strict)
@@ -219,6 +222,7 @@ def horn_soft(
             and b = ``target_center`` (default 0): kernels centre coordinates on a rough
             centroid before accumulating in float32, to avoid cancellation.
         source_center, target_center: ``(…, 3)`` the shifts a and b used in ``cross``.
+
     """
     x = source.to(torch.float64)
     y = target.to(torch.float64)
@@ -289,6 +293,7 @@ def point_to_plane_system(
 
     Returns:
         ``(JᵀWJ (…, 6, 6), JᵀWr (…, 6), Σ w r² (…))`` in float64.
+
     """
     x = source.to(torch.float64)
     y = target.to(torch.float64)
@@ -315,6 +320,7 @@ def solve_point_to_plane(
     Args:
         JtJ: ``(…, 6, 6)``; Jtr: ``(…, 6)``, e.g. from :func:`point_to_plane_system` or the
             fused reduction of ``kernels.normal_eq``.
+
     """
     xi, valid, _ = _math.least_norm_solve(JtJ, -Jtr.to(torch.float64), DEGENERACY_EPS)
     T = transforms.make(_math.so3_exp(xi[..., :3]), xi[..., 3:])
@@ -341,6 +347,7 @@ def point_to_plane(
     Args:
         source, target: ``(…, N, 3)`` corresponding points; target_normals: ``(…, N, 3)``
         unit normals at the targets; weights: optional ``(…, N)``.
+
     """
     source, target, weights = _check_pairs(source, target, weights)
     target_normals = _validate._to_tensor("target_normals", target_normals)

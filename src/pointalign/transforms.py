@@ -116,7 +116,8 @@ def axis_angle_to_matrix(axis: torch.Tensor, angle: torch.Tensor | float) -> tor
 
 def so3_exp(omega: torch.Tensor) -> torch.Tensor:
     """Rodrigues: rotation vectors ``(…, 3)`` (radians) → ``(…, 3, 3)``; exact near 0
-    (:func:`pointalign._math.so3_exp`)."""
+    (:func:`pointalign._math.so3_exp`).
+    """
     return _math.so3_exp(omega)
 
 

@@ -120,7 +120,8 @@ def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c
 def _horn_parts_kernel(mom_ptr, n_parts, T_ptr, valid_ptr, Told_ptr, frozen_ptr,
                        SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
     """Horn from per-block moments ``(B, n_parts, 16)`` (float64) written by the row
-    kernels' EM-ICP epilogue; frozen or invalid entries keep ``Told``."""
+    kernels' EM-ICP epilogue; frozen or invalid entries keep ``Told``.
+    """
     b = tl.program_id(0).to(tl.int64)
     k16 = tl.arange(0, 16)
     acc = tl.zeros((BLOCK, 16), tl.float64)

@@ -83,7 +83,8 @@ def so3_exp(w0, w1, w2):
 @triton.jit
 def horn_matrix(S):
     """``_math.horn_matrix``: S a 9-tuple (row-major) → N(S) as the 10-tuple of its upper
-    triangle (n00, n01, n02, n03, n11, n12, n13, n22, n23, n33)."""
+    triangle (n00, n01, n02, n03, n11, n12, n13, n22, n23, n33).
+    """
     return (S[0] + S[4] + S[8], S[5] - S[7], S[6] - S[2], S[1] - S[3],
             S[0] - S[4] - S[8], S[1] + S[3], S[6] + S[2],
             S[4] - S[0] - S[8], S[5] + S[7],
@@ -224,7 +225,8 @@ def mask_pose(ok, R, t):
 @triton.jit
 def spans_plane(c00, c01, c02, c11, c12, c22, eps):
     """``_math.spans_plane``: ``(tr² − ‖C‖_F²) / 2 > ε ‖C‖_F²`` for the symmetric 3×3 C
-    given by its upper triangle (≈ λ₂ > ε λ₃; no eigen-solve)."""
+    given by its upper triangle (≈ λ₂ > ε λ₃; no eigen-solve).
+    """
     tr = c00 + c11 + c22
     fro2 = c00 * c00 + c11 * c11 + c22 * c22 + 2.0 * (c01 * c01 + c02 * c02 + c12 * c12)
     return 0.5 * (tr * tr - fro2) > eps * fro2
@@ -249,7 +251,8 @@ def _rotated_entry(A, k: tl.constexpr, p: tl.constexpr, q: tl.constexpr, c, s, t
                    N: tl.constexpr):
     """Entry k = i·N + j of JᵀAJ for symmetric A (J the (p, q) rotation). Off-diagonal
     entries of rows p, q are read from columns p, q, so that (i, p) and (p, i) are the same
-    expression (compiled once)."""
+    expression (compiled once).
+    """
     i: tl.constexpr = k // N
     j: tl.constexpr = k % N
     if (i == p and j == q) or (i == q and j == p):

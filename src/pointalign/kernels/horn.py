@@ -48,7 +48,8 @@ def weighted_horn(
 def horn_moments(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(W (B,), sx (B, 3), sm (B, 3), cross (B, 3, 3))`` in float64: Σw, Σw x, Σw m,
-    Σw x mᵀ of ``source (B, N, 3)``, ``targets (B, N, 3)``, ``weights (B, N)``."""
+    Σw x mᵀ of ``source (B, N, 3)``, ``targets (B, N, 3)``, ``weights (B, N)``.
+    """
     x = source.to(torch.float64)
     m = targets.to(torch.float64)
     w = weights.to(torch.float64)
@@ -66,6 +67,7 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
 
     Returns:
         ``(T (…, 4, 4) float64, valid (…) bool)``; T = I where not valid.
+
     """
     R, t, ok = _math.horn_pose(W, sx, sm, cross, tie=_math.HORN_TIE)
     T = torch.zeros(ok.shape + (4, 4), dtype=torch.float64, device=ok.device)

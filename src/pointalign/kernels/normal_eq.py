@@ -268,8 +268,8 @@ def icp_update(
 
     :func:`normal_equations` followed by :func:`solve_update_reference`'s contract, with no
     host round trip on the Triton path (a torch reduction sums the block partials in float64
-    and one kernel solves with the ``_tl_math`` helpers; ``_normal_eq_triton``). ``source`` is the moved source
-    x = T s, ``transform`` the T that moved it (float64 ``(B, 4, 4)``).
+    and one kernel solves with the ``_tl_math`` helpers; ``_normal_eq_triton``). ``source``
+    is the moved source x = T s, ``transform`` the T that moved it (float64 ``(B, 4, 4)``).
 
     Returns (written into ``out`` when given, which must not alias ``transform``):
     ``sums (B, 30)`` float64, ``D (B, 4, 4)`` float64, ``T_new (B, 4, 4)`` float64,

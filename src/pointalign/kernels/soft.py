@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pointalign.kernels._backend import backend
+
 # the Horn step is the kernels.horn family; these names stay for registration/soft.py
 from pointalign.kernels.horn import (  # noqa: F401
     horn_from_sums,

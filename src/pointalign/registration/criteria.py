@@ -21,6 +21,7 @@ class ConvergenceCriteria:
         translation_tolerance: stop when the last update moved by less than this (metres)
             and ``rotation_tolerance`` holds too.
         rotation_tolerance: radians; see ``translation_tolerance``.
+
     """
 
     max_iterations: int = 50
@@ -56,5 +57,6 @@ class RobustKernel:
 
     def weights(self, residual: torch.Tensor) -> torch.Tensor:
         """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0
-        (:func:`pointalign._math.robust_weight`, the formula the ICP kernels use)."""
+        (:func:`pointalign._math.robust_weight`, the formula the ICP kernels use).
+        """
         return _math.robust_weight(residual, self.kind, self.k)
