@@ -28,7 +28,7 @@ Entry points (all batched: ``query (B, N, 3)``, ``points (B, M, 3)``, padded, wi
 * :func:`soft_rows`: the raw reductions (lse, lse2, mean).
 * :func:`emicp_rows`: EM-ICP weights λ_i = Σ_j √α_ij and x'_i (Granger & Pennec).
 * :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
-* :func:`weighted_horn`: the weighted Horn solve on (q_i, m_i, w_i), on the device.
+* :func:`weighted_horn`: the weighted Horn solve (from :mod:`pointalign.kernels.horn`).
 * :func:`emicp_step`: one whole EM-ICP iteration (E-step and Horn), fused on Triton.
 
 Dispatch via :func:`pointalign.kernels._backend.backend`: Triton kernels from
@@ -48,8 +48,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pointalign import estimate, transforms
 from pointalign.kernels._backend import backend
+
+# the Horn step is the kernels.horn family; these names stay for registration/soft.py
+from pointalign.kernels.horn import (  # noqa: F401
+    horn_from_sums,
+    horn_moments,
+    horn_reference,
+    weighted_horn,
+)
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
 TILE_PAIRS = 1 << 20
@@ -294,12 +301,12 @@ def emicp_step(
 
     """
     if _use_triton(source):
-        from pointalign.kernels import _soft_triton
+        from pointalign.kernels import _horn_triton, _soft_triton
 
         lam, mom, _ = _soft_triton.rows(source, target, transform, scale, source_lengths,
                                         target_lengths, None, log_outlier, mode="emicp",
                                         squares=True, moments=True)
-        T, valid = _soft_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
+        T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
         return T, valid, lam
     lam, xp = emicp_rows(source, target, transform, None, log_outlier, scale=scale,
                          source_lengths=source_lengths, target_lengths=target_lengths)
@@ -368,83 +375,6 @@ def sinkhorn_scaling(
     out = offset.to(r.lse.dtype)[:, None] - torch.logaddexp(
         r.lse, log_slack.to(r.lse.dtype)[:, None].expand_as(r.lse))
     return torch.where(_row_mask(ql, query.shape[1]), out, torch.full_like(out, -math.inf))
-
-
-# --------------------------------------------------------------------------------------
-# weighted Horn on the device
-# --------------------------------------------------------------------------------------
-
-
-def weighted_horn(
-    source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted Horn ``argmin Σ w_i ||R x_i + t − m_i||²`` for every batch entry.
-
-    The soft form of Tamaki et al. (eqs. 18-20, 26) reduces to this with w_i the row sums
-    and m_i the soft correspondences. Moments in float64; the rotation is the top
-    eigenvector of Horn's 4×4 matrix. Never raises, never returns NaN: an entry with zero
-    total weight gets the identity and ``valid`` False.
-
-    Args:
-        source: ``(B, N, 3)`` x_i.
-        targets: ``(B, N, 3)`` m_i.
-        weights: ``(B, N)`` w_i ≥ 0 (0 on padding rows).
-
-    Returns:
-        ``(T (B, 4, 4) float64, valid (B,) bool)``.
-
-    """
-    if _use_triton(source):
-        from pointalign.kernels import _soft_triton
-
-        return _soft_triton.horn(source, targets, weights)
-    return horn_reference(source, targets, weights)
-
-
-def horn_moments(source, targets, weights):
-    """``(W (B,), sx (B,3), sm (B,3), cross (B,3,3))`` in float64: Σw, Σw x, Σw m, Σw x mᵀ."""
-    x = source.to(torch.float64)
-    m = targets.to(torch.float64)
-    w = weights.to(torch.float64)
-    W = w.sum(-1)
-    sx = (w[..., None] * x).sum(-2)
-    sm = (w[..., None] * m).sum(-2)
-    cross = (w[..., None] * x).transpose(-1, -2) @ m
-    return W, sx, sm, cross
-
-
-def horn_from_sums(W, sx, sm, cross) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pose from the weighted moments (float64; uses ``torch.linalg.eigh``)."""
-    Wc = W.clamp_min(1e-300)[..., None]
-    xm, mm = sx / Wc, sm / Wc
-    sub = W[..., None, None] * (xm[..., :, None] * mm[..., None, :])
-    S = cross - sub
-    # scale-free: normalise S so eigh sees O(1) numbers; an S that is only rounding noise
-    # of the two moments it is the difference of (one point, coincident points) is 0
-    smax = S.abs().amax((-1, -2), keepdim=True)
-    mag = cross.abs().sum((-1, -2), keepdim=True) + (
-        W.abs()[..., None, None] * xm.abs().sum(-1)[..., None, None]
-        * mm.abs().sum(-1)[..., None, None])
-    S = torch.where(smax > 1e-10 * mag, S / smax.clamp_min(1e-300), torch.zeros_like(S))
-    # a tiny εI breaks ties towards the identity rotation (N(εI) = diag(3ε, -ε, -ε, -ε)),
-    # as the Triton kernel's power iteration (started at q = 1) does: a single point or a
-    # degenerate S then keeps R = I instead of an arbitrary eigenvector
-    S = S + 1e-9 * torch.eye(3, dtype=S.dtype, device=S.device)
-    _, vecs = torch.linalg.eigh(estimate.horn_matrix(S))
-    R = transforms.quaternion_to_matrix(vecs[..., :, -1], check=False)
-    t = mm - (R @ xm[..., None])[..., 0]
-    valid = (W > 0) & torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)
-    T = torch.zeros(W.shape + (4, 4), dtype=torch.float64, device=W.device)
-    T[..., :3, :3] = R
-    T[..., :3, 3] = t
-    T[..., 3, 3] = 1
-    eye = torch.eye(4, dtype=torch.float64, device=W.device).expand_as(T)
-    return torch.where(valid[..., None, None], torch.nan_to_num(T), eye), valid
-
-
-def horn_reference(source, targets, weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of :func:`weighted_horn`."""
-    return horn_from_sums(*horn_moments(source, targets, weights))
 
 
 # --------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pointalign import _validate
+from pointalign import _math, _validate
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class ConvergenceCriteria:
         translation_tolerance: stop when the last update moved by less than this (metres)
             and ``rotation_tolerance`` holds too.
         rotation_tolerance: radians; see ``translation_tolerance``.
+
     """
 
     max_iterations: int = 50
@@ -49,19 +50,13 @@ class RobustKernel:
     k: float = 1.0
 
     def __post_init__(self) -> None:
-        kinds = ("none", "huber", "tukey", "cauchy")
+        kinds = _math.ROBUST_KINDS
         if self.kind not in kinds:
             raise ValueError(f"robust_kernel: kind must be one of {kinds}, got {self.kind!r}")
         _validate.positive(self.k, "robust_kernel.k")
 
     def weights(self, residual: torch.Tensor) -> torch.Tensor:
-        """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0."""
-        r = residual.abs()
-        k = self.k
-        if self.kind == "none":
-            return torch.ones_like(r)
-        if self.kind == "huber":
-            return torch.where(r <= k, torch.ones_like(r), k / r.clamp_min(1e-30))
-        if self.kind == "tukey":
-            return torch.where(r < k, (1 - (r / k) ** 2) ** 2, torch.zeros_like(r))
-        return 1.0 / (1.0 + (r / k) ** 2)
+        """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0
+        (:func:`pointalign._math.robust_weight`, the formula the ICP kernels use).
+        """
+        return _math.robust_weight(residual, self.kind, self.k)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from pointalign import _validate, estimate, transforms
-from pointalign.features.normals import symmetric_eigh3
+from pointalign._math import eigh3 as symmetric_eigh3
 from pointalign.kernels import kdtree as _kd
 from pointalign.kernels import surface as _ks
 from pointalign.registration.criteria import ConvergenceCriteria
