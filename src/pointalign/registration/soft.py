@@ -1,25 +1,21 @@
 """Soft-correspondence registration: EM-ICP and Softassign, with O(N + M) memory.
 
-Both algorithms weigh every (source, target) pair instead of picking nearest neighbours,
-which tolerates a poor initial pose, and both reduce each step to a weighted Horn problem on
-per-point soft correspondences (Tamaki et al., "Softassign and EM-ICP on GPU", eqs. 18-20,
-26, 28-29): with row weights w_i and soft correspondences m_i,
-``argmin Σ_i w_i ||R x_i + t − m_i||²`` has the same centroids and cross-covariance as the
-soft problem ``Σ_ij m_ij ||R x_i + t − y_j||²``. The N×M matrix is never stored: each step
-is one or more fused passes of :mod:`pointalign.kernels.soft` (distance, exp, row
-reductions in the log domain), and Softassign keeps Sinkhorn's row and column scalings only
-(M = diag(r) K diag(c), K recomputed on the fly).
+Both weigh every (source, target) pair instead of picking nearest neighbours, which
+tolerates a poor initial pose, and both reduce each step to a weighted Horn problem on
+soft correspondences (Tamaki et al., "Softassign and EM-ICP on GPU", eqs. 18-20, 26,
+28-29): with row weights w_i and soft correspondences m_i, ``Σ_i w_i ||R x_i + t − m_i||²``
+has the centroids and cross-covariance of ``Σ_ij m_ij ||R x_i + t − y_j||²``. The N×M
+matrix is never stored: each step is fused passes of :mod:`pointalign.kernels.soft`, and
+Softassign keeps Sinkhorn's scalings only (M = diag(r) K diag(c), K recomputed on the fly).
 
 Each algorithm is one fixed-length device program (:class:`EmicpProgram`,
 :class:`SoftassignProgram`): centre both clouds, anneal, take the pose back to the input
 frames, measure fitness. Every ``CHECK_EVERY`` iterations a problem whose pose and weights
-settled is frozen on the device (:class:`_Settling`). How the program runs (eagerly,
-stopping once every problem settled, or replayed as one CUDA graph with one transfer of
-its outputs) is :func:`pointalign.kernels._loop.run_program`'s business.
+settled is frozen (:class:`_Settling`). How the program runs (eagerly, stopping once all
+settled, or as one CUDA graph replay) is :func:`pointalign.kernels._loop.run_program`'s.
 
-Conventions: ``source`` is moved onto ``target``; results are ``T_target_source``
-(``x_t = R x_s + t``). Batches: padded ``(B, N, 3)`` clouds plus ``source_lengths`` /
-``target_lengths`` (B,), as for ICP.
+``source`` is moved onto ``target``: results are ``T_target_source`` (``x_t = R x_s + t``).
+Batches: padded ``(B, N, 3)`` clouds with ``source_lengths`` / ``target_lengths``, as ICP.
 """
 
 from __future__ import annotations
@@ -41,21 +37,17 @@ from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.result import RegistrationResult
 
 # Defaults are multiples of the target's RMS radius ρ (root-mean-square distance of its
-# points from their centroid), so they hold in metres on real scans and in any other unit.
-# The seed code (Tamaki et al.) was written for the Stanford bunny, ρ = 0.0562 m: its EM-ICP
-# σ₀² = 0.01 m², σ_min² = 1e-5 m² and d₀² = 0.01 m² are σ₀ = 1.78 ρ, σ_min = 0.0563 ρ and
-# d₀ = 1.78 ρ; its Softassign σ = 0.1 m (β₀ = 1/σ²) is 1.78 ρ.
-#: EM-ICP σ_min / ρ, tuned on held-out bunny pairs (benchmarks/tune_soft.py,
-#: results/soft_tuning-cpu.json): 0.03 (seed: 0.0563) lowers the median rotation error by
-#: 17 % (4.24° → 3.53°, 1000 points, same success rate).
+# points from their centroid), so they hold in any unit. The seed code (Tamaki et al.) was
+# written for the Stanford bunny, ρ = 0.0562 m: its EM-ICP σ₀² = 0.01 m², σ_min² = 1e-5 m²
+# and d₀² = 0.01 m² are σ₀ = 1.78 ρ, σ_min = 0.0563 ρ, d₀ = 1.78 ρ; its Softassign σ = 0.1 m
+# (β₀ = 1/σ²) is 1.78 ρ. Tuning on held-out bunny pairs: benchmarks/tune_soft.py.
+#: EM-ICP σ_min / ρ, tuned (seed: 0.0563): 17 % lower median rotation error, same success
 EMICP_SIGMA_MIN = 0.03
-#: EM-ICP σ₀ / ρ: the seed's ratio σ₀/σ_min = √(0.01/1e-5) = √1000 (0.949; 66 iterations at
-#: factor 0.9, as the seed; σ₀ between 1 ρ and 3 ρ made no difference)
+#: EM-ICP σ₀ / ρ: the seed's σ₀/σ_min = √(0.01/1e-5) = √1000 (66 iterations at factor 0.9)
 EMICP_SIGMA = EMICP_SIGMA_MIN * math.sqrt(1000.0)
 #: EM-ICP d₀ / ρ: the seed's (anything from 1 ρ to ∞ did alike)
 EMICP_OUTLIER = 1.78
-#: Softassign 1/(√β₀ ρ), tuned (seed: 1.78): the same success rate and a 32 % lower median
-#: rotation error (2.34° → 1.58°, 1000 points, short schedule)
+#: Softassign 1/(√β₀ ρ), tuned (seed: 1.78): 32 % lower median rotation error, same success
 SOFT_SIGMA = 1.0
 #: Softassign √α / ρ, the seed's (0.05 ρ .. 0.2 ρ did not do better)
 SOFT_ALPHA = 0.1
@@ -64,10 +56,9 @@ CHECK_EVERY = 8
 
 
 def _recentre(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Return ``Tr(−b) T Tr(a)``: the pose between the clouds shifted by −a and −b.
+    """Return ``Tr(−b) T Tr(a)``, ``T (B, 4, 4)`` between clouds shifted by −a, −b ``(B, 3)``.
 
-    ``T (B, 4, 4)`` between source and target; ``a, b (B, 3)`` the source's and target's
-    shifts; ``_recentre(·, −a, −b)`` undoes it.
+    ``_recentre(·, −a, −b)`` undoes it.
     """
     out = T.clone()
     out[:, :3, 3] += (T[:, :3, :3] @ a[..., None])[..., 0] - b
@@ -81,11 +72,8 @@ def _rho(y: ksoft.Centred) -> torch.Tensor:
 
 
 def _fitness(x: ksoft.Centred, y: ksoft.Centred, T: torch.Tensor, inlier: torch.Tensor):
-    """Fitness and RMSE ``(B,)`` with hard nearest neighbours within ``inlier (B,)``.
-
-    The distances come from the fused pass at a huge scale s: −lse/s → min_j d_ij²
-    (a soft-min; error ≤ log(M)/s).
-    """
+    """Fitness and RMSE ``(B,)`` of hard nearest neighbours within ``inlier (B,)``."""
+    # the fused pass at a huge scale s: −lse/s → min_j d_ij² (a soft-min; error ≤ log(M)/s)
     big = 1e4 / inlier.square().clamp_min(1e-30)
     r = ksoft.soft_rows(x.points, y.points, T, big.to(torch.float32),
                         query_lengths=x.lengths, point_lengths=y.lengths)
@@ -101,10 +89,9 @@ def _fitness(x: ksoft.Centred, y: ksoft.Centred, T: torch.Tensor, inlier: torch.
 class _Settling:
     """Per-problem settling on the device, for B problems at once.
 
-    Every ``check_every`` iterations (before the last) a problem whose pose update is below
-    both tolerances (the translation at the source centroid) and whose soft weights changed
-    by less than ``relative_weights`` (relative L1) is done: it keeps its pose from then on
-    and its iteration count. Degenerate problems are done from the start.
+    Every ``check_every`` iterations (before the last) a problem whose update is below both
+    tolerances (translation at the source centroid) and whose soft weights changed by less
+    than ``relative_weights`` (relative L1) is done: it keeps its pose and iteration count.
     """
 
     def __init__(self, prog: _Annealing, T: torch.Tensor, flat: torch.Tensor):
@@ -139,11 +126,9 @@ class _Settling:
 class _Annealing:
     """What both annealing programs share: the iteration count and the settling test.
 
-    Inputs: ``source (B, N, 3)``, ``target (B, M, 3)`` (local frames), ``source_lengths``,
-    ``target_lengths (B,)``, ``init (B, 4, 4)`` float64, plus the per-problem parameters the
-    caller gave (metres). Outputs: ``T (B, 4, 4)`` float64, ``fitness``, ``rmse``,
-    ``iterations``, ``done``, ``flat`` (degenerate), ``inlier_distance``, the algorithm's
-    info values (all ``(B,)``) and ``history.<key> (checks, B)``.
+    Inputs: ``source (B, N, 3)``, ``target (B, M, 3)``, ``source_lengths``, ``target_lengths``,
+    ``init (B, 4, 4)`` float64 and the caller's per-problem parameters. Outputs: ``T``,
+    ``history.<key> (checks, B)`` and ``(B,)`` fitness, rmse, iterations, done, flat, info.
     """
 
     n_iter: int
@@ -153,11 +138,7 @@ class _Annealing:
     relative_weights: float
 
     def _start(self, inputs: _loop.Tensors):
-        """Both clouds centred, ρ, and the settling state from ``init``.
-
-        A problem whose source or target lies on a line (or a point) is degenerate: the
-        rotation about that line is undetermined (``estimate``'s degeneracy rule).
-        """
+        """Centre both clouds; ρ; the settling state (done: source or target on a line)."""
         x = ksoft.centre(inputs["source"], inputs["source_lengths"])
         y = ksoft.centre(inputs["target"], inputs["target_lengths"])
         flat = ~(estimate._spans_plane(x.scatter) & estimate._spans_plane(y.scatter))
@@ -181,8 +162,7 @@ class _Annealing:
 class EmicpProgram(_Annealing):
     """EM-ICP's whole schedule (Granger & Pennec; Tamaki et al. Algorithm 3) on the device.
 
-    ``sigma``, ``sigma_min``, ``outlier``: σ₀, σ_min and d₀ as multiples of ρ, or None to
-    read the caller's values from inputs ``sigma``, ``sigma_min``, ``outlier_distance``.
+    ``sigma``, ``sigma_min``, ``outlier``: σ₀, σ_min, d₀ / ρ; None: the caller's (inputs).
     """
 
     factor: float
@@ -219,8 +199,7 @@ class EmicpProgram(_Annealing):
 class SoftassignProgram(_Annealing):
     """Softassign's whole schedule (Gold et al.; Tamaki et al. Algorithm 2) on the device.
 
-    ``sigma``: 1/√β₀ and ``alpha``: √α as multiples of ρ, or None to read the caller's
-    values from inputs ``beta0`` and ``alpha``.
+    ``sigma``: 1/(√β₀ ρ), ``alpha``: √α / ρ; None: the caller's (inputs ``beta0``, ``alpha``).
     """
 
     temperatures: int
@@ -253,12 +232,10 @@ class SoftassignProgram(_Annealing):
                     g_col = ksoft.sinkhorn_scaling(y.points, x.points, Ti, beta, g_row, log_w,
                                                    ba, query_lengths=y.lengths,
                                                    point_lengths=x.lengths)
-            # the last column normalisation and the statistics in one pass: column log-sums
-            # and the soft correspondences x'_j = Σ_i m_ij x_i / Σ_i m_ij
+            # last column normalisation and x'_j = Σ_i m_ij x_i / Σ_i m_ij in one pass
             r = ksoft.soft_rows(y.points, x.points, Ti, beta, query_lengths=y.lengths,
                                 point_lengths=x.lengths, point_log_weights=g_row)
-            # column sums of M = diag(r) K diag(c): c_j Σ_i K_ij r_i = exp(lse_j + log c_j),
-            # log c_j = −log(slack + Σ_i K_ij r_i)
+            # column sums of M: c_j Σ_i K_ij r_i, log c_j = −log(slack + Σ_i K_ij r_i)
             log_c = -torch.logaddexp(r.lse, log_w[:, None].expand_as(r.lse))
             w = torch.nan_to_num(torch.exp(r.lse + log_c), nan=0.0, posinf=0.0)
             # Σ_ij m_ij ||R x_i + t − y_j||² has the moments of Σ_j w_j ||R x'_j + t − y_j||²
@@ -275,32 +252,32 @@ class SoftassignProgram(_Annealing):
                             alpha=alpha, rms_radius=rho)
 
 
-# ---- the edge ------------------------------------------------------------------------------
-
-def _prepare(source, target, init, device, source_lengths, target_lengths) -> _edge.Pair:
+def _prepare(source, target, init, device, source_lengths, target_lengths, criteria,
+             **params: Any) -> tuple[_edge.Pair, dict[str, torch.Tensor]]:
+    """Check the inputs; the pair and the given ``params`` (B numbers > 0, finite but d₀)."""
+    _validate.instance(criteria, ConvergenceCriteria, "criteria")
     dev = _edge.resolve_device(device, source=source, target=target)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, min_points=3,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     if pair.shared_target:
         raise ValueError("source, target: both must be single clouds (N, 3) or both batches "
                          f"(B, N, 3); got {pair.size} sources and one target")
-    return pair
+    given = {}
+    for name, value in ((n, v) for n, v in params.items() if v is not None):
+        v = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(-1)
+        if v.numel() not in (1, pair.size):
+            raise ValueError(f"{name}: expected a number or {pair.size} values, got {v.numel()}")
+        if not bool(((v > 0) & ((v < math.inf) | (name == "outlier_distance"))).all()):
+            raise ValueError(f"{name}: must be > 0{', finite' * (name != 'outlier_distance')}"
+                             f", got {value}")
+        given[name] = v.expand(pair.size).clone()
+    return pair, given
 
 
-def _per_pair(value: Any, name: str, B: int, *, allow_inf: bool = False) -> torch.Tensor:
-    """Check a positive number or B of them; ``(B,)`` float64 on the host."""
-    v = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(-1)
-    if v.numel() not in (1, B):
-        raise ValueError(f"{name}: expected a number or {B} values, got {v.numel()}")
-    if bool(torch.isnan(v).any() | (v <= 0).any()) or (not allow_inf
-                                                      and not bool(torch.isfinite(v).all())):
-        raise ValueError(f"{name}: must be {'> 0' if allow_inf else 'finite and > 0'}, "
-                         f"got {value}")
-    return v.expand(B).clone()
-
-
-def _settling(crit: ConvergenceCriteria, n_iter: int) -> dict[str, Any]:
-    return dict(n_iter=n_iter, check_every=CHECK_EVERY,
+def _settling(criteria: ConvergenceCriteria | None, n_sched: int) -> dict[str, Any]:
+    """Return a program's settling fields from ``criteria`` (None: the whole schedule)."""
+    crit = ConvergenceCriteria(max_iterations=n_sched) if criteria is None else criteria
+    return dict(n_iter=min(n_sched, int(crit.max_iterations)), check_every=CHECK_EVERY,
                 rotation_tolerance=float(crit.rotation_tolerance),
                 translation_tolerance=float(crit.translation_tolerance),
                 relative_weights=float(crit.weight_change))
@@ -309,11 +286,10 @@ def _settling(crit: ConvergenceCriteria, n_iter: int) -> dict[str, Any]:
 def _run(algorithm: str, prog: _Annealing, pair: _edge.Pair, given: dict[str, torch.Tensor],
          n_sched: int, t_start: float) -> RegistrationResult:
     """Run ``prog`` on ``pair`` and build the result (stop reasons, history, info)."""
-    dev = pair.device
-    inputs = {"source": pair.source, "target": pair.target,
-              "source_lengths": pair.source_lengths, "target_lengths": pair.target_lengths,
-              "init": torch.from_numpy(pair.init).to(dev)} | \
-        {n: v.to(dev) for n, v in given.items()}
+    inputs = {"source": pair.source, "target": pair.target, "source_lengths": pair.source_lengths,
+              "target_lengths": pair.target_lengths, "init": torch.from_numpy(pair.init),
+              **given}
+    inputs = {n: v.to(pair.device) for n, v in inputs.items()}
     host, _ = _loop.run_program(prog, inputs, device_outputs=False,
                                 pairs=pair.size * pair.source.shape[1] * pair.target.shape[1])
     t_run = time.perf_counter()
@@ -330,8 +306,6 @@ def _run(algorithm: str, prog: _Annealing, pair: _edge.Pair, given: dict[str, to
     return _edge.build_result(pair, T, fitness=fitness, rmse=rmse, iterations=iters,
                               reasons=reasons, history=history, timings=timings, info=info)
 
-
-# ---- the algorithms ----------------------------------------------------------------------
 
 @_validate.out_of_memory_is_clear
 def emicp(
@@ -359,22 +333,17 @@ def emicp(
         source: ``(N, 3)`` points moved onto the target, or a padded batch ``(B, N, 3)``.
         target: ``(M, 3)`` fixed points, or ``(B, M, 3)``.
         init: initial ``T_target_source`` ``(4, 4)`` (or ``(B, 4, 4)``); identity if None.
-        sigma: initial σ (metres, a number or B of them); default ``EMICP_SIGMA`` ρ =
-            0.949 ρ, ρ the target's RMS radius (the seed code's σ² = 0.01 m² is 1.78 ρ on
-            the bunny).
-        sigma_min: σ at which annealing stops; default ``EMICP_SIGMA_MIN`` ρ = 0.03 ρ (the
-            seed's 0.0563 ρ; both tuned on held-out bunny pairs). Must be < sigma.
-        factor: multiplies **σ²** each iteration (the seed code's ``sigma_factor``), in
-            (0, 1). The number of iterations is ⌈log(σ_min²/σ²) / log(factor)⌉ (66 with the
-            defaults, as with the seed's values), unless the pose and weights settle first.
+        sigma: initial σ (metres; a number or B); default ``EMICP_SIGMA`` ρ = 0.949 ρ, ρ the
+            target's RMS radius (the seed code's σ² = 0.01 m² on the bunny is 1.78 ρ).
+        sigma_min: σ at which annealing stops, < sigma; default ``EMICP_SIGMA_MIN`` ρ = 0.03 ρ.
+        factor: multiplies **σ²** each iteration (the seed's ``sigma_factor``), in (0, 1):
+            ⌈log(σ_min²/σ²) / log(factor)⌉ iterations (66 with the defaults, as the seed's).
         outlier_distance: d₀ (metres), the distance at which a point is as likely an outlier
-            as a match; default ``EMICP_OUTLIER`` ρ = 1.78 ρ (the seed's); ``inf`` turns the
-            outlier term off.
-        criteria: ``max_iterations`` caps the iterations (default: the schedule's length);
-            a problem stops early when, at a check (every ``CHECK_EVERY`` iterations), the
-            pose update is below ``rotation_tolerance`` (rad) and ``translation_tolerance``
-            (m, at the source centroid) **and** the relative L1 change of the weights λ is
-            below ``relative_weights`` (None: ``relative_fitness``).
+            as a match; default ``EMICP_OUTLIER`` ρ = 1.78 ρ; ``inf``: no outlier term.
+        criteria: ``max_iterations`` caps the schedule (default: its length); at a check
+            (every ``CHECK_EVERY`` iterations) a problem stops when its update is below
+            ``rotation_tolerance`` and ``translation_tolerance`` (at the source centroid)
+            and its weights λ changed by less than ``relative_weights`` (relative L1).
         device: compute device (default: the inputs' device, else CUDA if present).
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
@@ -388,29 +357,20 @@ def emicp(
     """
     t_start = time.perf_counter()
     factor = _validate.in_range(factor, "factor", 0.0, 1.0)
-    crit = None if criteria is None else \
-        _validate.instance(criteria, ConvergenceCriteria, "criteria")
-    pair = _prepare(source, target, init, device, source_lengths, target_lengths)
-    B = pair.size
-    given = {n: _per_pair(v, n, B, allow_inf=n == "outlier_distance") for n, v in (
-        ("sigma", sigma), ("sigma_min", sigma_min), ("outlier_distance", outlier_distance))
-        if v is not None}
+    pair, given = _prepare(source, target, init, device, source_lengths, target_lengths,
+                           criteria, sigma=sigma, sigma_min=sigma_min,
+                           outlier_distance=outlier_distance)
     # the schedule's length needs σ_min/σ₀ on the host: ρ is read only when one σ is given
-    rho = None
-    if (sigma is None) != (sigma_min is None):
-        rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu()
-    s0 = given["sigma"] if sigma is not None else EMICP_SIGMA * (1.0 if rho is None else rho)
-    s1 = given["sigma_min"] if sigma_min is not None else \
-        EMICP_SIGMA_MIN * (1.0 if rho is None else rho)
+    rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu() \
+        if (sigma is None) != (sigma_min is None) else 1.0
+    s0, s1 = (given.get(n, r * rho) for n, r in (("sigma", EMICP_SIGMA),
+                                                  ("sigma_min", EMICP_SIGMA_MIN)))
     ratio = torch.as_tensor(s1 / s0, dtype=torch.float64).reshape(-1)
     if bool((ratio >= 1).any()):
-        raise ValueError(f"sigma_min: must be smaller than sigma, got sigma_min {s1} and "
-                         f"sigma {s0}")
-    n_sched = int(max(math.ceil(math.log(r ** 2) / math.log(factor) - 1e-9)
-                      for r in ratio.tolist()))
-    crit = ConvergenceCriteria(max_iterations=n_sched) if crit is None else crit
-    prog = EmicpProgram(**_settling(crit, min(n_sched, int(crit.max_iterations))),
-                        factor=factor, sigma=None if sigma is not None else EMICP_SIGMA,
+        raise ValueError(f"sigma_min: must be smaller than sigma, got {s1} and sigma {s0}")
+    n_sched = max(math.ceil(math.log(r ** 2) / math.log(factor) - 1e-9) for r in ratio.tolist())
+    prog = EmicpProgram(**_settling(criteria, n_sched), factor=factor,
+                        sigma=None if sigma is not None else EMICP_SIGMA,
                         sigma_min=None if sigma_min is not None else EMICP_SIGMA_MIN,
                         outlier=None if outlier_distance is not None else EMICP_OUTLIER)
     return _run("emicp", prog, pair, given, n_sched, t_start)
@@ -437,18 +397,16 @@ def softassign(
     """Softassign with deterministic annealing (Gold et al. 1998; Tamaki et al. Alg. 2).
 
     For each of ``temperatures`` values β = β₀ · beta_factor^k and each of
-    ``iterations_per_temperature`` updates: K_ij = exp(−β (d_ij² − α)) with
-    d_ij = ||R x_i + t − y_j||, an outlier (slack) column and row of value
-    ``outlier_weight``, ``sinkhorn_iterations`` rounds of row then column normalisation of
-    M = diag(r) K diag(c) (only r and c are stored, in logs), then the weighted Horn step on
-    the row sums of M and S = X̂ᵀ M Ŷ (eqs. 18-20, 26).
+    ``iterations_per_temperature`` updates: K_ij = exp(−β (d_ij² − α)), d_ij =
+    ||R x_i + t − y_j||, with a slack row and column of value ``outlier_weight``;
+    ``sinkhorn_iterations`` rounds of row then column normalisation of M = diag(r) K diag(c)
+    (r, c stored in logs); the weighted Horn step on S = X̂ᵀ M Ŷ (eqs. 18-20, 26).
 
     Args:
         source: ``(N, 3)`` or ``(B, N, 3)`` points moved onto the target (as :func:`emicp`).
         target: ``(M, 3)`` or ``(B, M, 3)`` fixed points.
         init: initial ``T_target_source``; identity if None.
-        beta0: initial β (1/m²), > 0; default 1/(``SOFT_SIGMA`` ρ)² = 1/ρ² (tuned on
-            held-out bunny pairs; the seed's σ = 0.1 m on the bunny is 1/(1.78 ρ)²).
+        beta0: initial β (1/m²), > 0; default 1/(``SOFT_SIGMA`` ρ)² = 1/ρ².
         beta_factor: β multiplier per temperature, > 1 (Gold et al.'s 1.075).
         temperatures: number of β values (the seed's 100).
         alpha: squared distance (m²) below which a pair beats the outlier slot at low
@@ -456,8 +414,7 @@ def softassign(
         iterations_per_temperature: pose updates per β (the seed's 5).
         sinkhorn_iterations: Sinkhorn rounds per update (the seed's 3).
         outlier_weight: value of the slack entries (> 0).
-        criteria: as :func:`emicp` (counted in pose updates; the weights are the column
-            sums of M).
+        criteria: as :func:`emicp` (in pose updates; the weights: M's column sums).
         device: compute device, as :func:`emicp`.
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
@@ -472,24 +429,18 @@ def softassign(
     beta_factor = float(beta_factor)
     if not math.isfinite(beta_factor) or beta_factor <= 1.0:
         raise ValueError(f"beta_factor: must be finite and > 1, got {beta_factor}")
-    for name, v in (("temperatures", temperatures),
-                    ("iterations_per_temperature", iterations_per_temperature),
-                    ("sinkhorn_iterations", sinkhorn_iterations)):
+    for name, v in (("temperatures", temperatures), ("sinkhorn_iterations", sinkhorn_iterations),
+                    ("iterations_per_temperature", iterations_per_temperature)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
     w_out = _validate.positive(outlier_weight, "outlier_weight")
-    crit = None if criteria is None else \
-        _validate.instance(criteria, ConvergenceCriteria, "criteria")
-    pair = _prepare(source, target, init, device, source_lengths, target_lengths)
-    given = {n: _per_pair(v, n, pair.size) for n, v in (("beta0", beta0), ("alpha", alpha))
-             if v is not None}
+    pair, given = _prepare(source, target, init, device, source_lengths, target_lengths,
+                           criteria, beta0=beta0, alpha=alpha)
     n_sched = int(temperatures) * int(iterations_per_temperature)
-    crit = ConvergenceCriteria(max_iterations=n_sched) if crit is None else crit
-    prog = SoftassignProgram(**_settling(crit, min(n_sched, int(crit.max_iterations))),
-                             temperatures=int(temperatures),
-                             per_temperature=int(iterations_per_temperature),
-                             sinkhorn_rounds=int(sinkhorn_iterations), beta_factor=beta_factor,
-                             outlier_weight=w_out,
-                             sigma=None if beta0 is not None else SOFT_SIGMA,
-                             alpha=None if alpha is not None else SOFT_ALPHA)
+    prog = SoftassignProgram(
+        **_settling(criteria, n_sched), temperatures=int(temperatures),
+        per_temperature=int(iterations_per_temperature), sinkhorn_rounds=int(sinkhorn_iterations),
+        beta_factor=beta_factor, outlier_weight=w_out,
+        sigma=None if beta0 is not None else SOFT_SIGMA,
+        alpha=None if alpha is not None else SOFT_ALPHA)
     return _run("softassign", prog, pair, given, n_sched, t_start)
