@@ -480,7 +480,8 @@ class _Checkpoint:
         return self.eager and bool(done.all())
 
 
-def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0) -> tuple[Host, Tensors]:
+def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
+                device_outputs: bool = True) -> tuple[Host, Tensors]:
     """Run a fixed device program and bring its outputs to the host in one transfer.
 
     ``program(inputs, checkpoint) -> outputs`` (a frozen dataclass, dict of tensors in and
@@ -491,7 +492,9 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0) -> tuple[H
     ``pairs`` (point pairs per pass) above ``PROGRAM_GRAPH_MAX_PAIRS`` runs eagerly.
 
     Returns:
-        ``(host, device)``: the outputs as NumPy arrays and as device tensors.
+        ``(host, device)``: the outputs as NumPy arrays and as device tensors (on a graph
+        replay the device copies are made only if ``device_outputs``; else ``{}``). A
+        replay packs the outputs inside the graph: one copy to the host, no launch after it.
     """
     first = next(iter(inputs.values()))
     if not graphs_enabled(first) or pairs > PROGRAM_GRAPH_MAX_PAIRS:
@@ -514,18 +517,20 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0) -> tuple[H
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 gout = program(static, _Checkpoint(False))
+                layout = _Layout(gout)
+                packed = layout.pack(gout)
         except Exception:  # capture unsupported here: eager from now on
             _programs.put(key, objects, "failed")
             torch.cuda.synchronize(dev)
             return to_host(out), out
-        ent = (graph, static, gout)
+        ent = (graph, static, gout, layout, packed)
         _programs.put(key, objects, ent)
-    graph, static, gout = ent
+    graph, static, gout, layout, packed = ent
     for n, v in inputs.items():
         static[n].copy_(v)
     graph.replay()
-    out = _tree_clone(gout)
-    return to_host(out), out
+    out = _tree_clone(gout) if device_outputs else {}
+    return layout.unpack(packed.cpu().numpy()), out
 
 
 def to_host(tensors: Tensors) -> Host:

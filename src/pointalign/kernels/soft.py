@@ -28,8 +28,8 @@ Entry points (all batched: ``query (B, N, 3)``, ``points (B, M, 3)``, padded, wi
 * :func:`soft_rows`: the raw reductions (lse, lse2, mean).
 * :func:`emicp_rows`: EM-ICP weights λ_i = Σ_j √α_ij and x'_i (Granger & Pennec).
 * :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
-* :func:`weighted_horn`: the weighted Horn solve (from :mod:`pointalign.kernels.horn`).
 * :func:`emicp_step`: one whole EM-ICP iteration (E-step and Horn), fused on Triton.
+* :func:`centre`: a cloud centred once, with its moments, in the layout the passes read.
 
 Dispatch via :func:`pointalign.kernels._backend.backend`: Triton kernels from
 ``_soft_triton.py`` on CUDA (and through the interpreter under ``TRITON_INTERPRET=1``),
@@ -40,23 +40,12 @@ Recognition 1998.
 
 from __future__ import annotations
 
-import collections
 import math
-import os
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from pointalign.kernels._backend import backend
-
-# the Horn step is the kernels.horn family; these names stay for registration/soft.py
-from pointalign.kernels.horn import (  # noqa: F401
-    horn_from_sums,
-    horn_moments,
-    horn_reference,
-    weighted_horn,
-)
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
 TILE_PAIRS = 1 << 20
@@ -289,11 +278,14 @@ def emicp_step(
     launches): three launches per iteration.
 
     Args:
-        source: ``(B, N, 3)`` x_i; target: ``(B, M, 3)`` y_j (best in :func:`point_layout`).
+        source: ``(B, N, 3)`` x_i.
+        target: ``(B, M, 3)`` y_j (best as :attr:`Centred.points`: read without a copy).
         transform: ``(B, 4, 4)`` float64 current T_target_source.
-        scale: ``(B,)`` 1/(2σ²); log_outlier: ``(B,)`` −d₀²/σ² (as :func:`emicp_rows`).
+        scale: ``(B,)`` 1/(2σ²).
+        log_outlier: ``(B,)`` −d₀²/σ² (as :func:`emicp_rows`).
         frozen: ``(B,)`` bool: these entries keep ``transform``.
-        source_lengths, target_lengths: ``(B,)`` valid points.
+        source_lengths: ``(B,)`` valid source points.
+        target_lengths: ``(B,)`` valid target points.
 
     Returns:
         ``(T (B, 4, 4) float64, valid (B,) bool, lam (B, N))``: entries that are frozen or
@@ -326,6 +318,35 @@ def point_layout(points: torch.Tensor) -> torch.Tensor:
 
         return _soft_triton.soa(points)
     return points
+
+
+class Centred(NamedTuple):
+    """A padded batch of clouds centred on their centroids, ready for repeated passes.
+
+    ``points (B, N, 3)`` float32 ``x_i − c`` (padding rows 0) in the layout the backend's row
+    kernels read fastest (:func:`point_layout`), usable as query or points; ``lengths (B,)``;
+    ``center (B, 3)`` float64 centroids c; ``scatter (B, 3, 3)`` float64
+    ``Σ_i (x_i − c)(x_i − c)ᵀ`` over the valid rows.
+    """
+
+    points: torch.Tensor
+    lengths: torch.Tensor
+    center: torch.Tensor
+    scatter: torch.Tensor
+
+
+def centre(points: torch.Tensor, lengths: torch.Tensor) -> Centred:
+    """Centre ``points (B, N, 3)`` (``lengths (B,)`` valid rows) once for many passes.
+
+    The moments are taken in float64; the layout is chosen here, once, so that the passes
+    over the cloud (:func:`soft_rows`, :func:`emicp_step`, :func:`sinkhorn_scaling`) read it
+    without a conversion. No host reads (safe inside a CUDA graph).
+    """
+    rows = _row_mask(lengths, points.shape[1])[..., None]
+    p = points.to(torch.float64)
+    c = torch.where(rows, p, 0.0).sum(1) / lengths.to(torch.float64).clamp_min(1)[:, None]
+    d = torch.where(rows, p - c[:, None], 0.0)
+    return Centred(point_layout(d.to(points.dtype)), lengths, c, d.transpose(1, 2) @ d)
 
 
 def emicp_weights(lse: torch.Tensor, lse2: torch.Tensor, log_outlier: torch.Tensor):
@@ -375,78 +396,3 @@ def sinkhorn_scaling(
     out = offset.to(r.lse.dtype)[:, None] - torch.logaddexp(
         r.lse, log_slack.to(r.lse.dtype)[:, None].expand_as(r.lse))
     return torch.where(_row_mask(ql, query.shape[1]), out, torch.full_like(out, -math.inf))
-
-
-# --------------------------------------------------------------------------------------
-# whole fixed-length schedules as one CUDA graph
-# --------------------------------------------------------------------------------------
-
-#: captured schedules kept (least recently used dropped first)
-GRAPH_CACHE = 8
-_GRAPHS: collections.OrderedDict = collections.OrderedDict()
-_GRAPH_FAILED: set = set()
-
-
-def capturing() -> bool:
-    """Tell whether a CUDA graph is being captured (host reads must be skipped then)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _tree_clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, dict):
-        return {k: _tree_clone(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_tree_clone(v) for v in x)
-    return x
-
-
-#: above this many pairs per pass a launch is negligible next to the pass: no graph
-GRAPH_MAX_PAIRS = 4e9
-
-
-def run_schedule(key: Any, fn: Callable[..., Any], *tensors: torch.Tensor,
-                 pairs: float = 0.0) -> Any:
-    """Run ``fn(*tensors)`` (a fixed-length device loop), as a cached CUDA graph on Triton.
-
-    Small clouds are bound by launch overhead (a few launches per iteration, tens of
-    microseconds each); on the Triton backend the whole loop is captured once per ``key``
-    (which must name every shape and Python constant ``fn`` depends on) into a CUDA graph
-    with static input buffers, and later calls copy their inputs in and replay it. ``fn``
-    must not read device values on the host while :func:`capturing` is true. Other
-    backends (and ``POINTALIGN_CUDA_GRAPHS=0``) simply call ``fn``. Returns ``fn``'s
-    result (tensors cloned out of the graph's memory pool). ``pairs`` (per pass) above
-    :data:`GRAPH_MAX_PAIRS` runs eagerly: the launches are then a small fraction.
-    """
-    dev = tensors[0]
-    if (backend(dev) != "triton" or os.environ.get("POINTALIGN_CUDA_GRAPHS", "1") == "0"
-            or key in _GRAPH_FAILED or pairs > GRAPH_MAX_PAIRS):
-        return fn(*tensors)
-    ent = _GRAPHS.get(key)
-    if ent is None:
-        static = tuple(t.clone() for t in tensors)
-        side = torch.cuda.Stream(device=dev.device)
-        side.wait_stream(torch.cuda.current_stream(dev.device))
-        with torch.cuda.stream(side):  # warm-up: compiles the kernels, fills the allocator
-            out = fn(*static)
-        torch.cuda.current_stream(dev.device).wait_stream(side)
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                gout = fn(*static)
-        except Exception:  # capture unsupported here: run eagerly from now on
-            _GRAPH_FAILED.add(key)
-            torch.cuda.synchronize(dev.device)
-            return out
-        ent = (graph, static, gout)
-        _GRAPHS[key] = ent
-        while len(_GRAPHS) > GRAPH_CACHE:
-            _GRAPHS.popitem(last=False)
-    else:
-        _GRAPHS.move_to_end(key)
-    graph, static, gout = ent
-    for dst, src in zip(static, tensors, strict=True):
-        dst.copy_(src)
-    graph.replay()
-    return _tree_clone(gout)

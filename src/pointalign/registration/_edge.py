@@ -135,6 +135,8 @@ class Pair:
         batched: whether the caller passed batches (results keep that form).
         shared_target: one target for all B sources.
         device: the compute device.
+        init_world: ``(B, 4, 4)`` float64 NumPy, the initial estimate as given (a problem
+            left at ``init`` is returned as exactly this, see :func:`build_result`).
     """
 
     source: torch.Tensor
@@ -148,6 +150,7 @@ class Pair:
     batched: bool
     shared_target: bool
     device: torch.device
+    init_world: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -210,7 +213,7 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
     frame = Frame(c.cpu().numpy().astype(np.float64))
     return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
                 np.asarray(t_counts, dtype=np.int64), frame.to_local(T0), frame, batched,
-                shared, device)
+                shared, device, T0)
 
 
 def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None:
@@ -248,6 +251,9 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
         info: extras; ``(B, …)`` arrays are split per problem when squeezing.
     """
     T = pair.frame.to_world(T_local)
+    if pair.init_world is not None:  # left at init: exactly init (no float64 round trip)
+        kept = (T_local == pair.init).all(axis=(1, 2))
+        T = np.where(kept[:, None, None], pair.init_world, T)
     conv = np.array([r.converged for r in reasons]) if converged is None else converged
     if pair.batched:
         return RegistrationResult(

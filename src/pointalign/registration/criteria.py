@@ -13,6 +13,24 @@ from pointalign import _math, _validate
 class ConvergenceCriteria:
     """When an iterative algorithm stops.
 
+    Which algorithm reads which field (a field an algorithm does not read has no effect
+    on it):
+
+    ======================  ========================  ======================  ===============
+    field                   icp                       emicp, softassign       surface_newton,
+                                                                              approximate_icp
+    ======================  ========================  ======================  ===============
+    max_iterations          iteration cap             cap on the schedule     iteration cap
+                                                      (criteria=None: none)
+    relative_fitness        with relative_rmse        default of              —
+                                                      relative_weights
+    relative_rmse           with relative_fitness     —                       RMS change
+    translation_tolerance   update                    update (at checks)      update
+    rotation_tolerance      update                    update (at checks)      update
+    relative_weights        —                         weight change, with     —
+                                                      both tolerances
+    ======================  ========================  ======================  ===============
+
     Attributes:
         max_iterations: hard cap on iterations (>= 1).
         relative_fitness: stop when ``|fitness_k - fitness_{k-1}| < relative_fitness``
@@ -21,6 +39,11 @@ class ConvergenceCriteria:
         translation_tolerance: stop when the last update moved by less than this (metres)
             and ``rotation_tolerance`` holds too.
         rotation_tolerance: radians; see ``translation_tolerance``.
+        relative_weights: the annealing methods' settling test: the relative L1 change of
+            the soft weights between checks, ``Σ|w_k − w_{k−1}| / Σ w_k``. None (default)
+            takes the value of ``relative_fitness``, which EM-ICP and Softassign read with
+            this meaning before this field existed (so ``relative_fitness=0.2`` passed to
+            them still takes effect).
 
     """
 
@@ -29,6 +52,7 @@ class ConvergenceCriteria:
     relative_rmse: float = 1e-6
     translation_tolerance: float = 1e-7
     rotation_tolerance: float = 1e-7
+    relative_weights: float | None = None
 
     def __post_init__(self) -> None:
         if int(self.max_iterations) < 1:
@@ -36,6 +60,14 @@ class ConvergenceCriteria:
         for name in ("relative_fitness", "relative_rmse", "translation_tolerance",
                      "rotation_tolerance"):
             _validate.positive(getattr(self, name), name, allow_zero=True)
+        if self.relative_weights is not None:
+            _validate.positive(self.relative_weights, "relative_weights", allow_zero=True)
+
+    @property
+    def weight_change(self) -> float:
+        """The relative weight change the annealing methods stop below (see the table)."""
+        return self.relative_fitness if self.relative_weights is None else \
+            self.relative_weights
 
 
 @dataclass(frozen=True)
