@@ -14,7 +14,7 @@ from pointalign.kernels import surface as ks
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.surface import (
     APPROXIMANTS,
-    MAX_EXPANSION,
+    NewtonStep,
     _solve_spd4,
     approximant_coefficients,
     approximate_icp,
@@ -269,7 +269,7 @@ def test_armijo_never_increases_exact_objective(kind, seed):
     assert math.isclose(float(d2.sum()), obj[-1], rel_tol=1e-4)
     assert all(b <= a * (1 + 1e-9) for a, b in zip(obj, obj[1:], strict=False))
     # the point approximant may stretch an accepted full step (2ξ, 4ξ, …; surface_newton)
-    top = MAX_EXPANSION if kind == "point" else 1.0
+    top = NewtonStep.MAX_STRETCH if kind == "point" else 1.0
     assert all(0 < h["step"] <= top for h in r.history)
 
 
