@@ -454,15 +454,19 @@ def newton_direction(F: np.ndarray, g: np.ndarray, radius: float
 
     ``F (6, 6)``, ``g (6,)`` float64 about the rotation centre; ``radius`` is the length
     that makes the rotation columns unitless (the source's RMS radius). The degeneracy rule
-    is the library's (:data:`pointalign.estimate.DEGENERACY_EPS`): on the scaled system
-    ``S F S`` (``S = diag(1/radius ×3, 1 ×3)``) eigenvalues at or below ``eps ×`` the
+    has the library's form (as :data:`pointalign.estimate.DEGENERACY_EPS`): on the scaled
+    system ``S F S`` (``S = diag(1/radius ×3, 1 ×3)``) eigenvalues at or below ``eps ×`` the
     largest are dropped and the step is the least-norm one on the determined directions;
     F is *determined* when none is dropped (a plane leaves three motions free, a line two,
-    identical points three).
+    identical points three). Here ``eps = 1e-5``: F comes from float32 coefficients and
+    float32 block sums, so a free motion shows as an eigenvalue of ~1e-8-1e-6 of the
+    largest, of either sign (1e-10 would sit inside that rounding); the bunny's smallest is
+    ~0.1 of its largest.
     """
+    rank_eps = 1e-5
     s = np.array([1.0 / radius] * 3 + [1.0] * 3) if radius > 0 else np.ones(6)
     ev, V = np.linalg.eigh(F * s[:, None] * s[None, :])
-    keep = ev > estimate.DEGENERACY_EPS * max(ev[-1], 1e-300)
+    keep = ev > rank_eps * max(ev[-1], 1e-300)
     inv = np.where(keep, 1.0 / np.where(keep, ev, 1.0), 0.0)
     return s * (V @ (inv * (V.T @ (s * g)))), bool(keep.all())
 
