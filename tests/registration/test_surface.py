@@ -499,6 +499,23 @@ def test_level_schedule_rules():
     assert LevelSchedule.for_tree(tree, 5, cell_means=False).levels == [5]
 
 
+def test_steps_run_on_the_executor(seed):
+    # both methods are a step + rules on kernels._loop; a step's signature (the CUDA-graph
+    # key) must be computable from its fields: the tree by identity, numbers by value
+    from pointalign.kernels import _loop
+    from pointalign.registration.surface import CellMeanStep
+
+    p = _pair(10.0, seed, n=400)
+    tree = KDTreeIndex(p.target, leaf_size=8)
+    key, objects = _loop.signature(CellMeanStep(tree, 4, math.inf), {"x": p.source})
+    assert objects == [tree] and key[0][1][1:] == (4, math.inf)
+    assert not NewtonStep.graph_safe  # the line search reads each trial's objective
+    r = surface_newton(p.source, index=tree, criteria=CRIT)
+    a = approximate_icp(p.source, index=tree)
+    assert r.info["device_steps"] == r.iterations  # no step computed past a stop (eager)
+    assert a.info["device_steps"] >= a.iterations and a.info["cuda_graph"] == "off"
+
+
 def test_bad_inputs(rng):
     p = _pair(5.0, 0, n=300)
     with pytest.raises(ValueError, match="source"):

@@ -484,9 +484,9 @@ class NewtonStep:
     iteration when the full step is taken.
 
     Inputs: ``source (N, 3)`` float32, ``coeffs (K, 10)``. State (host, float64): ``T (4, 4)``
-    and ``terms (29,)`` at T on this step's level. Record: ``usable`` (F is not empty),
-    ``accepted``, ``alpha``, ``xi (6,)``, ``f0``, ``determined`` (of F), ``passes`` and the
-    new state (``T``, ``terms``).
+    and ``terms (29,)`` at T on this step's level. Record: ``line (6,)`` = (usable: F is not
+    empty, accepted, α, f0, determined: of F, passes), the direction ``xi (6,)`` and the new
+    state (``T``, ``terms``).
     """
 
     #: the line search reads each trial's objective on the host: the executor runs it eagerly
@@ -496,7 +496,7 @@ class NewtonStep:
     #: the point approximant's accepted full step may be stretched up to this factor
     MAX_STRETCH: ClassVar[float] = 8.0
 
-    tree: Any                     # the k-d tree arrays (kernels.kdtree.TreeArrays)
+    tree: KDTreeIndex             # the target's tree (a signature names it by identity)
     level: int
     tau2: float                   # squared truncation distance (inf: none)
     beta: float
@@ -508,7 +508,7 @@ class NewtonStep:
     def terms(self, inputs: _loop.Tensors, T: torch.Tensor) -> torch.Tensor:
         """``(29,)`` float64 host terms at pose ``T`` about the moved centroid."""
         center = T[:3, :3] @ torch.tensor(self.centroid, dtype=torch.float64) + T[:3, 3]
-        return _ks.newton_terms(inputs["source"], T, center, self.tree, inputs["coeffs"],
+        return _ks.newton_terms(inputs["source"], T, center, self.tree.arrays, inputs["coeffs"],
                                 self.level, tau2=self.tau2).cpu()
 
     def __call__(self, inputs: _loop.Tensors, state: _loop.Tensors):
@@ -543,12 +543,12 @@ class NewtonStep:
                 break
             best = (a2, Te, te)
         new = state if best is None else {"T": best[1], "terms": best[2]}
-        f64 = torch.float64
-        record = {"usable": torch.tensor(usable), "accepted": torch.tensor(best is not None),
-                  "alpha": torch.tensor(alpha if best is None else best[0], dtype=f64),
+        # one host row: the executor packs records into one float64 row per step
+        line = [usable, best is not None, alpha if best is None else best[0], f0, determined,
+                passes]
+        record = {"line": torch.tensor(line, dtype=torch.float64),
                   "xi": torch.from_numpy(np.asarray(xi, dtype=np.float64)),
-                  "f0": torch.tensor(f0, dtype=f64), "determined": torch.tensor(determined),
-                  "passes": torch.tensor(passes), "T": new["T"], "terms": new["terms"]}
+                  "T": new["T"], "terms": new["terms"]}
         return new, record
 
 
@@ -580,19 +580,20 @@ class _NewtonRules:
 
     def __call__(self, rec: dict[str, np.ndarray]) -> bool:
         """Apply the rules to one record; True when this level's run ends (stop or new level)."""
-        self.passes += int(rec["passes"])
-        if not rec["usable"]:
+        usable, accepted, alpha, f0, _, passes = rec["line"].tolist()
+        self.passes += int(passes)
+        if not usable:
             no_terms = self.terms[28] == 0
             return self._stop(StopReason.NO_CORRESPONDENCES if no_terms else
                               StopReason.DEGENERATE)
         self.it += 1
         sch = self.schedule
-        if not rec["accepted"]:
+        if not accepted:
             if sch.finest:
                 return self._stop(StopReason.NO_DECREASE)
             sch.descend()
             return True
-        alpha, xi, f0 = float(rec["alpha"]), rec["xi"], float(rec["f0"])
+        xi = rec["xi"]
         center = self.T[:3, :3] @ self.prob.centroid + self.T[:3, 3]
         # the full Newton step ξ (not the damped one) measures the motion still expected: a
         # step cut short by the line search is small because the model is poor, not because
@@ -718,7 +719,7 @@ def surface_newton(
         # the truncation applies on the finest level only: on coarse levels the cells'
         # approximants lie farther from the surface than a correspondence distance meant
         # for it
-        step = NewtonStep(prob.tree.arrays, schedule.level, tau2 if schedule.finest
+        step = NewtonStep(prob.tree, schedule.level, tau2 if schedule.finest
                           else math.inf, beta, sigma, stretch, tuple(prob.centroid.tolist()),
                           prob.radius)
         left = int(crit.max_iterations) - rules.it
@@ -772,7 +773,7 @@ class CellMeanStep:
     """
 
     graph_safe: ClassVar[bool] = True
-    tree: Any                     # the k-d tree arrays (kernels.kdtree.TreeArrays)
+    tree: KDTreeIndex             # the target's tree (a signature names it by identity)
     level: int
     tau2: float
 
@@ -780,7 +781,7 @@ class CellMeanStep:
         """Run one step: ``(inputs, state) -> (state, record)`` (class docstring)."""
         T, Tf = state["T"], state["Tf"]
         x = torch.baddbmm(Tf[:, None, :3, 3], inputs["source"], Tf[:, :3, :3].transpose(1, 2))
-        node = _kd.descend(self.tree, x[0], self.level)
+        node = _kd.descend(self.tree.arrays, x[0], self.level)
         if math.isfinite(self.tau2):
             d2 = ((x[0] - inputs["means"][0, node]) ** 2).sum(-1)
             node = torch.where(d2 <= self.tau2, node, torch.full_like(node, -1))
@@ -918,7 +919,7 @@ def approximate_icp(
     rules = _CellMeanRules(crit, schedule, prob, prob.pair.init[0].copy())
     t_it, runs = time.perf_counter(), []
     while rules.reason is None:
-        step = CellMeanStep(tree.arrays, schedule.level, tau2 if schedule.finest else math.inf)
+        step = CellMeanStep(tree, schedule.level, tau2 if schedule.finest else math.inf)
         T = torch.from_numpy(rules.T.copy())[None].to(dev)
         run = _loop.iterate(step, inputs, {"T": T, "Tf": T.float()},
                             max_steps=int(crit.max_iterations) - rules.it + 1)
