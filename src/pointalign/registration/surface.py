@@ -24,13 +24,20 @@ built from the node's points: its mean ``s*`` (the representative point), and th
 * a callable ``f(s_star (K, 3), normal (K, 3), frame (K, 3, 3)) -> (A (K, 3, 3), b (K, 3),
   c (K,))`` (float64; ``frame[:, :, j]`` = e1, e2, n as columns) for any other approximant.
 
-``surface_newton`` minimises ``Σ_q d̂²(R q + t)`` by damped Newton steps (Algorithm 2): the
-motion is linearised (small rotation), the 6×6 system ``F ξ = g`` is reduced in one fused
-pass (:func:`pointalign.kernels.surface.newton_terms`) and solved in float64, and the step
-length is chosen by the Armijo rule (Algorithm 1) on the **exact** objective (the
-approximants looked up at the moved points). ``approximate_icp`` is the paper's approximate
-GPU ICP: the correspondence of a source point is the mean of the tree cell it falls in (no
+``surface_newton`` minimises ``Σ_q d̂²(R q + t)`` by damped Newton steps (Algorithm 2,
+:class:`NewtonStep`): the motion is linearised (small rotation), the 6×6 system ``F ξ = g``
+is reduced in one fused pass (:func:`pointalign.kernels.surface.newton_terms`) and solved
+in float64 (:func:`newton_direction`), and the step length is chosen by the Armijo rule
+(Algorithm 1) on the **exact** objective (the approximants looked up at the moved points).
+``approximate_icp`` is the paper's approximate GPU ICP (:class:`CellMeanStep`): the
+correspondence of a source point is the mean of the tree cell it falls in (no
 backtracking), and the update is Horn's closed form.
+
+Both are a step and host rules on the one executor (:mod:`pointalign.kernels._loop`), go
+coarse to fine through the tree's levels by one :class:`LevelSchedule` (not in the paper:
+a lookup without backtracking needs cells larger than the motion), and share the edge of
+every algorithm (:mod:`pointalign.registration._edge`: device, local float64 frame, stop
+reasons, result).
 """
 
 from __future__ import annotations
