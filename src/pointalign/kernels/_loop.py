@@ -21,7 +21,8 @@ Steps computed past the consumer's stop are discarded (``Run.launched`` counts t
 **Eager** (the PyTorch references on the CPU, the Triton interpreter, steps that read the
 device on the host, ``POINTALIGN_CUDA_GRAPHS=0``): one step, then its record, checked
 before the next. On a GPU the next step is launched before the last record is read, so
-the device works while the host checks.
+the device works while the host checks (graph-safe steps only: a step that reads the device
+has waited for it already, and a step ahead would be wasted at every stop).
 
 **Graphs** (Triton on CUDA; :func:`iterate` only, per :func:`signature`):
 
@@ -291,7 +292,8 @@ class Run:
         self._pending: deque[_Transfer] = deque()
         any_tensor = next(iter(self.inputs.values()))
         self.dev = any_tensor.device
-        self._graphs = graphs_enabled(any_tensor) and getattr(step, "graph_safe", True)
+        self._ahead = getattr(step, "graph_safe", True)
+        self._graphs = graphs_enabled(any_tensor) and self._ahead
         self.graph = "first_use" if self._graphs else "off"
         self._g: _Graph | None = None
         self._seen = False
@@ -330,7 +332,9 @@ class Run:
             left = self.max_steps - self.launched
             k = self._g.k if self._g is not None and self._g.k > 1 and 2 * left >= self._g.k \
                 else 1
-            depth = 2 if self.dev.type == "cuda" and k == 1 else 1
+            # one step in flight while the host checks the last; not for a step that reads
+            # the device itself (it has waited already: a step ahead would be pure waste)
+            depth = 2 if self.dev.type == "cuda" and k == 1 and self._ahead else 1
             if self._pending and (k > 1 or len(self._pending) >= depth or
                                   self._pending[-1].steps > 1):
                 return

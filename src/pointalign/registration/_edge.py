@@ -33,7 +33,10 @@ class StopReason(str, enum.Enum):
       moved by less than ``translation_tolerance``;
     * ``RELATIVE_CHANGE``: fitness and RMSE stopped changing (Open3D's rule);
     * ``SCHEDULE``: an annealing schedule reached its end (EM-ICP's σ_min, Softassign's β);
-    * ``POSE_AND_WEIGHTS``: an annealing method's pose and soft weights settled early.
+    * ``POSE_AND_WEIGHTS``: an annealing method's pose and soft weights settled early;
+    * ``NO_DECREASE``: no step along the last update lowers the objective any more (a
+      descent method's line search found none, or approximate ICP's step raised it and was
+      taken back): a numerical minimum.
 
     Not converged:
 
@@ -49,6 +52,7 @@ class StopReason(str, enum.Enum):
     RELATIVE_CHANGE = "relative_change"
     SCHEDULE = "schedule"
     POSE_AND_WEIGHTS = "pose_and_weights"
+    NO_DECREASE = "no_decrease"
     MAX_ITERATIONS = "max_iterations"
     NO_CORRESPONDENCES = "no_correspondences"
     DEGENERATE = "degenerate"
@@ -65,7 +69,8 @@ class StopReason(str, enum.Enum):
 
 
 _CONVERGED = frozenset({StopReason.SMALL_UPDATE, StopReason.RELATIVE_CHANGE,
-                        StopReason.SCHEDULE, StopReason.POSE_AND_WEIGHTS})
+                        StopReason.SCHEDULE, StopReason.POSE_AND_WEIGHTS,
+                        StopReason.NO_DECREASE})
 
 
 def resolve_device(device: Any, **inputs: Any) -> torch.device:
