@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from pointalign.kernels._backend import backend
+from pointalign.kernels.horn import weighted_horn
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
 TILE_PAIRS = 1 << 20
