@@ -73,6 +73,57 @@ def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int =
     return best_v
 
 
+#: raw neighbours within one voxel edge: a point with fewer is a stray point ...
+SPARSE_NEIGHBOURS = 4
+#: ... provided the cloud's median point has at least this many (else it is too sparse
+#: against the voxel to tell strays from surface: nothing is removed)
+DENSE_MEDIAN = 8
+
+
+def dense_mask(points: torch.Tensor, v: float, index: Any = None) -> torch.Tensor:
+    """Tell the points of ``points (N, 3)`` that lie in the dense part of the cloud at scale v.
+
+    A point is kept when at least :data:`SPARSE_NEIGHBOURS` other points lie within ``v``
+    of it. Outliers scattered through the bounding box have none at the voxel scale
+    (measured on the hard-pair benchmark at 20 % outliers: 90 % of them have at most 3,
+    while 99 % of surface points have at least 7), while a sampled surface, or a lidar ring
+    whose spacing is well under the voxel, has many. When the median point has fewer than
+    :data:`DENSE_MEDIAN` (an input already about as sparse as the voxel grid), the rule
+    cannot tell the two apart and every point is kept. Returns an ``(N,)`` bool tensor.
+    """
+    from pointalign.search import build_index
+
+    if points.shape[0] <= SPARSE_NEIGHBOURS + 1:
+        return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
+    idx = build_index(points) if index is None else index
+    cap = min(2 * DENSE_MEDIAN + 1, points.shape[0])
+    count = (idx.radius(points, v, cap).idx >= 0).sum(1) - 1
+    if float(count.float().median()) < DENSE_MEDIAN:
+        return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
+    return count >= SPARSE_NEIGHBOURS
+
+
+def robust_voxel_size(points: Any, target_points: int = 5000, *,
+                      iterations: int = 2) -> float:
+    """Voxel edge at which ``points (N, 3)`` without its stray points keeps ``target_points``.
+
+    :func:`auto_voxel_size` counts every occupied voxel, so stray points (outliers spread
+    through the bounding box, one voxel each) inflate the edge: 20 % uniform outliers on a
+    bunny scan take it from 2.6 to 5.1 mm, and then make up more than half of the voxels.
+    Here the edge is recomputed on the points :func:`dense_mask` keeps at the current edge
+    (``iterations`` times; a clean cloud keeps its :func:`auto_voxel_size` edge).
+    """
+    pts = _validate.as_points(points, "points")
+    v = auto_voxel_size(pts, target_points)
+    for _ in range(iterations):
+        keep = dense_mask(pts, v)
+        n = int(keep.sum())
+        if n == pts.shape[0] or n < 3:
+            break
+        v = auto_voxel_size(pts[keep], target_points)
+    return v
+
+
 @_validate.out_of_memory_is_clear
 def register(
     source: Any,
@@ -86,6 +137,7 @@ def register(
     icp_voxel_size: float | None = None,
     max_iterations: int = 30,
     seed: int = 0,
+    remove_outliers: bool = True,
     **ransac_options: Any,
 ) -> RegistrationResult:
     """Register ``source`` onto ``target`` with no initial guess: FPFH + RANSAC, then ICP.
@@ -122,25 +174,32 @@ def register(
     # the arrays below are derived from validated ones: no NaN/Inf scans (host syncs) on them
     with _validate.trusted():
         return _register(src, tgt, dev, voxel_size, method, target_points, hypotheses,
-                         icp_voxel_size, max_iterations, seed, ransac_options)
+                         icp_voxel_size, max_iterations, seed, remove_outliers,
+                         ransac_options)
 
 
 def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
               voxel_size: float | None, method: str, target_points: int, hypotheses: int,
               icp_voxel_size: float | None, max_iterations: int, seed: int,
-              ransac_options: dict[str, Any]) -> RegistrationResult:
+              remove_outliers: bool, ransac_options: dict[str, Any]) -> RegistrationResult:
     """:func:`register` on validated ``src, tgt (N, 3), (M, 3)`` float32 tensors on ``dev``."""
     clock = _Clock(dev)
     if voxel_size is None:
         big = src if src.shape[0] >= tgt.shape[0] else tgt
-        voxel_size = auto_voxel_size(big, target_points)
+        voxel_size = robust_voxel_size(big, target_points) if remove_outliers \
+            else auto_voxel_size(big, target_points)
     v = _validate.positive(voxel_size, "voxel_size")
     clock.lap("voxel_size")
 
     from pointalign.features.normals import estimate_normals
     from pointalign.search import build_index
 
-    s_down, t_down = voxel_downsample(src, v), voxel_downsample(tgt, v)
+    s_clean, t_clean = src, tgt
+    if remove_outliers:
+        s_keep, t_keep = dense_mask(src, v), dense_mask(tgt, v)
+        if int(s_keep.sum()) >= 3 and int(t_keep.sum()) >= 3:
+            s_clean, t_clean = src[s_keep], tgt[t_keep]
+    s_down, t_down = voxel_downsample(s_clean, v), voxel_downsample(t_clean, v)
     if s_down.shape[0] < 3 or t_down.shape[0] < 3:
         raise ValueError(f"voxel_size: {v:g} leaves {s_down.shape[0]} source and "
                          f"{t_down.shape[0]} target points; at least 3 each are needed")
