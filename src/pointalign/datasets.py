@@ -191,7 +191,7 @@ def make_hard_pair(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> Pair:
-    """A partial-overlap pair with noise and outliers cut from one scan (issue 13's generator).
+    """Cut a partial-overlap pair with noise and outliers from one scan (issue 13's generator).
 
     1. A random direction d orders the points by ``p · d``; the source keeps the lowest
        fraction ``s = 1 / (2 − overlap)`` of them, the target the highest ``s``, so the
