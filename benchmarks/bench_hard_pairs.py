@@ -129,7 +129,9 @@ def run_ours(pair: datasets.Pair, dev: str, kw: dict) -> dict:
     sync()
     wall = time.perf_counter() - t0
     return dict(T=r.transformation, s=wall, converged=bool(r.converged),
-                verdict=r.info.get("verdict", ""), voxel=r.info.get("voxel_size"))
+                verdict=r.info.get("verdict", ""), voxel=r.info.get("voxel_size"),
+                **{k: round(float(r.info[k]), 4) for k in ("overlap", "margin", "concentration")
+                   if k in r.info})
 
 
 def _o3d_prep(o3d, p: torch.Tensor, v: float):
@@ -226,7 +228,8 @@ def main() -> None:
             row[m] = dict(ok=_ok(rot, trans, scale), rot=round(rot, 3),
                           trans_rel=round(trans / (TRANS_TOL * scale), 3),
                           ms=round(1e3 * r["s"], 1),
-                          **{k: r[k] for k in ("converged", "verdict", "voxel") if k in r})
+                          **{k: r[k] for k in ("converged", "verdict", "voxel", "overlap", "margin",
+                                               "concentration") if k in r})
         print(row, flush=True)
         rows.append(row)
     rec = Recorder("hard_pairs", dev if "ours" in methods else "cpu",

@@ -320,9 +320,9 @@ CORRESPONDENCES = 1000
 #: global hypotheses refined by the coarse ICP stage
 REFINE_TOP = 4
 #: verdict thresholds, calibrated on benchmarks/bench_hard_pairs.py (see its docstring)
-MIN_OVERLAP = 0.25
-MAX_MARGIN = 0.8
-MIN_CONCENTRATION = 0.5
+MIN_OVERLAP = 0.2
+MAX_MARGIN = 0.9
+MIN_CONCENTRATION = 0.35
 
 
 def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torch.Tensor,
