@@ -321,8 +321,8 @@ CORRESPONDENCES = 1000
 REFINE_TOP = 4
 #: verdict thresholds, calibrated on benchmarks/bench_hard_pairs.py (see its docstring)
 MIN_OVERLAP = 0.2
-MAX_MARGIN = 0.9
-MIN_CONCENTRATION = 0.35
+MAX_MARGIN = 0.95
+MIN_CONCENTRATION = 0.45
 
 
 def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torch.Tensor,
