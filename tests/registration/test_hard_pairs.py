@@ -5,8 +5,12 @@ import torch
 
 from pointalign import datasets, metrics, transforms
 from pointalign.features.outliers import radius_outlier_mask, statistical_outlier_mask
-from pointalign.registration.pipeline import auto_voxel_size, dense_mask, register, \
-    robust_voxel_size
+from pointalign.registration.pipeline import (
+    auto_voxel_size,
+    dense_mask,
+    register,
+    robust_voxel_size,
+)
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
 
 
