@@ -262,6 +262,8 @@ def _jsonable(v: Any) -> Any:
         return v
     if isinstance(v, enum.Enum):
         return _jsonable(v.value)
+    if isinstance(v, RegistrationResult):  # e.g. register()'s info["global"]
+        return {"__result__": v.to_dict()}
     if isinstance(v, (np.bool_,)):
         return bool(v)
     if isinstance(v, (int, np.integer)):
@@ -294,6 +296,8 @@ def _restore(v: Any) -> Any:
         return [_restore(x) for x in v]
     if not isinstance(v, dict):
         return v
+    if "__result__" in v and len(v) == 1:
+        return RegistrationResult.from_dict(v["__result__"])
     if "__float__" in v and len(v) == 1:
         return float(v["__float__"])
     if "__ndarray__" in v:
