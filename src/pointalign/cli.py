@@ -34,8 +34,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NOT_CONVERGED = 3
 
+# plain click help (rich_markup_mode=None): choices shown as [a|b|c], flags without a type
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True,
+    add_completion=False, no_args_is_help=True, rich_markup_mode=None,
     help="Rigid point-cloud registration on the GPU and the CPU.",
     epilog="Exit codes: 0 success, 1 failure, 2 usage error, 3 registration did not "
            "converge (see --allow-failure).")
@@ -151,7 +152,8 @@ def _config_callback(ctx: typer.Context, param: Any, value: Path | None) -> Path
 
 def _config_option() -> Any:
     return typer.Option(None, "--config", help="TOML file with values for any option "
-                        "(keys = option names; a [command] table wins over top-level keys)",
+                        "(keys = option names; a table named after the command wins over "
+                        "top-level keys)",
                         callback=_config_callback, is_eager=True, exists=True,
                         dir_okay=False, metavar="FILE.toml")
 
@@ -165,6 +167,12 @@ def _verbosity(verbose: int, quiet: bool) -> int:
     level = -1 if quiet else verbose
     _progress.configure_logging(level)
     return level
+
+
+def _positive(value: float | None) -> float | None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"expected a finite number > 0, got {value}")
+    return value
 
 
 def _check_output(path: Path | None, suffixes: tuple[str, ...], hint: str) -> None:
@@ -219,7 +227,7 @@ def _resolve(method: str) -> Callable[..., Any]:
 
 
 def _read_init(path: Path | None) -> np.ndarray | None:
-    """An initial transform from a text file (16 numbers) or a result JSON (before work)."""
+    """Read an initial transform from a text file (16 numbers) or a result JSON (before work)."""
     if path is None:
         return None
     from pointalign import _validate
@@ -400,23 +408,25 @@ _METHOD_HELP = "; ".join(f"{k}: {v[2]}" for k, v in METHODS.items())
 @app.command()
 def register(
     source: Path = typer.Argument(..., help="source cloud file (moved onto the target)",
+                                  metavar="SOURCE",
                                   exists=True, dir_okay=False, readable=True),
     target: Path = typer.Argument(..., help="target cloud file", exists=True, dir_okay=False,
-                                  readable=True),
-    method: Method = typer.Option("global", help=_METHOD_HELP),
+                                  readable=True, metavar="TARGET"),
+    method: Method = typer.Option("global", help="registration method (see 'pointalign "
+                                  "info')"),
     init: Path | None = typer.Option(None, help="initial T_target_source: a text file with "
                                      "16 numbers or a result JSON", exists=True,
                                      dir_okay=False),
     device: Device = typer.Option(Device.auto, help="compute device (auto: cuda if present)"),
-    voxel_size: float | None = typer.Option(None, min=0.0, min_open=True,
+    voxel_size: float | None = typer.Option(None, callback=_positive,
                                             help="voxel edge for global registration "
                                             "(default: automatic, printed)"),
-    max_distance: float | None = typer.Option(None, min=0.0, min_open=True,
+    max_distance: float | None = typer.Option(None, callback=_positive,
                                               help="max correspondence distance (icp default: "
                                               "5% of the source's diagonal, printed)"),
-    max_iterations: int | None = typer.Option(None, min=1, help="iteration cap"),
-    seed: int | None = typer.Option(None, min=0, max=2**63 - 1, help="random seed (global)"),
-    bin_columns: int = typer.Option(4, min=3, help="float32 columns per point of .bin "
+    max_iterations: int | None = typer.Option(None, min=1, metavar="N", help="iteration cap"),
+    seed: int | None = typer.Option(None, min=0, metavar="N", help="random seed (global)"),
+    bin_columns: int = typer.Option(4, min=3, metavar="N", help="float32 columns per point of .bin "
                                     "scans (KITTI: 4)"),
     output: Path | None = typer.Option(None, help="write the aligned source cloud here "
                                        "(suffix picks the format)"),
@@ -510,10 +520,11 @@ def _errors(T_est: np.ndarray, T_true: np.ndarray) -> tuple[float, float]:
 
 @app.command()
 def demo(
-    method: Method = typer.Option("global", help=_METHOD_HELP),
+    method: Method = typer.Option("global", help="registration method (see 'pointalign "
+                                  "info')"),
     device: Device = typer.Option(Device.auto, help="compute device (auto: cuda if present)"),
-    max_iterations: int | None = typer.Option(None, min=1, help="iteration cap"),
-    seed: int | None = typer.Option(None, min=0, max=2**63 - 1, help="random seed (global)"),
+    max_iterations: int | None = typer.Option(None, min=1, metavar="N", help="iteration cap"),
+    seed: int | None = typer.Option(None, min=0, metavar="N", help="random seed (global)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
     plot: Path | None = typer.Option(None, help="before/after picture (PNG)"),
     html: Path | None = typer.Option(None, help="self-contained HTML viewer"),
@@ -575,17 +586,20 @@ def demo(
 
 @app.command()
 def view(
-    source: Path = typer.Argument(..., exists=True, dir_okay=False, help="source cloud"),
-    target: Path = typer.Argument(..., exists=True, dir_okay=False, help="target cloud"),
+    source: Path = typer.Argument(..., exists=True, dir_okay=False, help="source cloud",
+                                  metavar="SOURCE"),
+    target: Path = typer.Argument(..., exists=True, dir_okay=False, help="target cloud",
+                                  metavar="TARGET"),
     transform: Path | None = typer.Option(None, exists=True, dir_okay=False,
                                           help="text file with the 4x4 T_target_source"),
     json_in: Path | None = typer.Option(None, "--json", exists=True, dir_okay=False,
                                         help="result JSON (from register --json or "
                                         "RegistrationResult.save)"),
     output: Path = typer.Option(Path("view.html"), help="HTML file to write"),
-    max_points: int = typer.Option(20000, min=100, help="points drawn per cloud "
+    max_points: int = typer.Option(20000, min=100, metavar="N", help="points drawn per cloud "
                                    "(subsampled for drawing only)"),
-    bin_columns: int = typer.Option(4, min=3, help="float32 columns per point of .bin scans"),
+    bin_columns: int = typer.Option(4, min=3, metavar="N",
+                                    help="float32 columns per point of .bin scans"),
     config: Path | None = _config_option(),
 ) -> None:
     """Write one self-contained HTML file showing SOURCE and TARGET before and after."""

@@ -209,9 +209,9 @@ def plot_history(result: Any, path: str | os.PathLike = "history.png", *,
 
 
 def _numbers(result: Any, T: np.ndarray) -> list[tuple[str, str]]:
-    from pointalign import transforms
-
     import torch
+
+    from pointalign import transforms
 
     ang = math.degrees(float(transforms.rotation_angle(torch.from_numpy(T[:3, :3]))))
     rows = [("rotation", f"{ang:.4f} deg"), ("translation", f"{np.linalg.norm(T[:3, 3]):.6g}")]
