@@ -103,7 +103,7 @@ def test_demo_unknown_method_fails_before_loading(monkeypatch):
     (["--html", "{tmp}/v.txt"], "unknown suffix"),
     (["--device", "tpu"], "tpu"),
     (["--max-distance", "-1"], "> 0"),
-    (["--max-iterations", "0"], "0"),
+    (["--max-iterations", "0"], "--max-iterations"),
     (["-v", "-q"], "exclude"),
 ])
 def test_usage_errors_exit_2_before_any_work(tmp_path, monkeypatch, args, words):

@@ -322,9 +322,13 @@ def _json_doc(command: str, inputs: dict[str, Any], used: dict[str, Any], result
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch
 
+    res = result.to_dict()
+    # the headline numbers also at the top level, for scripts (jq .transformation)
     doc = {"pointalign_version": _version(), "command": command, "inputs": inputs,
-           "parameters": used, "device": used.get("device"),
-           "torch": torch.__version__, "result": result.to_dict()}
+           "parameters": used, "device": used.get("device"), "torch": torch.__version__,
+           **{k: res[k] for k in ("transformation", "fitness", "rmse", "iterations",
+                                  "converged", "stop_reason")},
+           "result": res}
     if extra:
         doc.update(extra)
     return doc

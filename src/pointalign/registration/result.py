@@ -206,7 +206,8 @@ class RegistrationResult:
             raise ValueError(f"path: cannot read {str(p)!r}: {exc.strerror or exc}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"path: {str(p)!r} is not JSON ({exc})") from None
-        if isinstance(doc, dict) and "result" in doc and "transformation" not in doc:
+        if isinstance(doc, dict) and isinstance(doc.get("result"), dict) \
+                and "transformation" in doc["result"]:
             doc = doc["result"]  # the CLI's --json document wraps the result
         try:
             return cls.from_dict(doc)
