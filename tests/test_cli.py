@@ -226,7 +226,9 @@ def test_bench_runs_suites_and_summarises(tmp_path, monkeypatch):
         "assert '--quick' in sys.argv\n"
         "d = sys.argv[sys.argv.index('--device') + 1]\n"
         "p = os.path.join(os.environ['POINTALIGN_BENCH_RESULTS'], f'fake-{d}.json')\n"
-        "json.dump({'rows': [{'a': 1}, {'a': 2}], 'tables': {}}, open(p, 'w'))\n")
+        "json.dump({'rows': [{'a': 1}, {'a': 2}], 'tables': {}}, open(p, 'w'))\n"
+        "print(json.dumps({'case': 'small', 'total_ms': 12.5}))\n"
+        "print(json.dumps({'case': 'large', 'total_ms': 99.0}))\n")
     (root / "bench_broken.py").write_text("raise SystemExit(4)\n")
     monkeypatch.setattr(cli, "_find_benchmarks", lambda: root)
     out = tmp_path / "res"
@@ -235,6 +237,7 @@ def test_bench_runs_suites_and_summarises(tmp_path, monkeypatch):
                                   "--results", str(out)])
     assert res.exit_code == 0, res.output
     assert "fake" in res.output and (out / "fake-cpu.json").is_file()
+    assert "small: 12.5 (total_ms)" in res.output
     res = runner.invoke(cli.app, ["bench", "--quick", "--suite", "broken", "--device", "cpu",
                                   "--results", str(out)])
     assert res.exit_code == 1 and "exit 4" in res.output

@@ -650,12 +650,12 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="small sizes: a smoke run "
                                "(under a minute on a 2-core CPU with the default suites)"),
     suite: list[str] = typer.Option([], "--suite", help="suite name (repeatable), e.g. knn, "
-                                    "icp, kdtree, soft, surface, ransac; default: knn and icp "
-                                    "with --quick, all otherwise"),
+                                    "icp, kdtree, soft, surface, ransac; default: knn with "
+                                    "--quick, all otherwise"),
     device: Device = typer.Option(Device.auto, help="compute device (auto: cuda if present)"),
     results: Path | None = typer.Option(None, help="folder for the JSON results (default: a "
                                         "temporary folder; the recorded results are kept)"),
-    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="show each "
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="also print each "
                                 "benchmark's own output"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="only the summary"),
     config: Path | None = _config_option(),
@@ -669,7 +669,7 @@ def bench(
                   "that holds benchmarks/), e.g. after 'git clone' and 'make demo'.[/red]")
         raise typer.Exit(EXIT_USAGE)
     available = sorted(p.stem.removeprefix("bench_") for p in root.glob("bench_*.py"))
-    chosen = list(suite) or (["knn", "icp"] if quick else available)
+    chosen = list(suite) or (["knn"] if quick else available)
     unknown = [s for s in chosen if s not in available]
     if unknown:
         raise typer.BadParameter(f"unknown suite(s) {', '.join(unknown)}; available: "
@@ -689,7 +689,7 @@ def bench(
     src_dir = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src_dir), env.get("PYTHONPATH")]))
     summary = Table(title=f"pointalign bench ({dev}{', quick' if quick else ''})")
-    for col in ("suite", "status", "rows", "seconds", "results"):
+    for col in ("suite", "status", "rows", "seconds", "fastest rows (ms)"):
         summary.add_column(col)
     failed = 0
     for name in _progress.track(chosen, "benchmarks", quiet=level < 0):
@@ -698,26 +698,55 @@ def bench(
         if level >= 0:
             console.print(f"running {name} ...")
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=level < 1, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         secs = time.perf_counter() - t0
-        path = out_dir / f"{name}-{dev}.json"
-        rows = "-"
-        if path.is_file():
-            try:
-                doc = json.loads(path.read_text())
-                rows = str(len(doc.get("rows", [])) +
-                           sum(len(t) for t in doc.get("tables", {}).values()))
-            except (OSError, ValueError):
-                rows = "?"
+        if level >= 1:
+            console.print(proc.stdout, markup=False)
+        rows = _bench_rows(proc.stdout)
         ok = proc.returncode == 0
         failed += not ok
         summary.add_row(name, "[green]ok[/green]" if ok else f"[red]exit {proc.returncode}"
-                        "[/red]", rows, f"{secs:.1f}", str(path) if path.is_file() else "-")
-        if not ok and level < 1 and proc.stderr:
-            err.print(proc.stderr[-1500:])
+                        "[/red]", str(len(rows)), f"{secs:.1f}", _bench_headline(rows))
+        if not ok and proc.stderr:
+            err.print(proc.stderr[-1500:], markup=False)
     console.print(summary)
+    saved = sorted(out_dir.glob("*.json"))
+    if saved:
+        console.print(f"JSON results in {out_dir}")
     if failed:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _bench_rows(stdout: str) -> list[dict[str, Any]]:
+    """Parse the result rows a benchmark printed (one JSON object per line)."""
+    rows = []
+    for line in stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def _bench_headline(rows: list[dict[str, Any]], n: int = 3) -> str:
+    """Describe the n rows with the smallest time: their labels and milliseconds."""
+    timed = []
+    for r in rows:
+        key = next((k for k in ("ms_per_iter", "total_ms", "median_ms", "ms")
+                    if isinstance(r.get(k), (int, float))), None)
+        if key is None:
+            key = next((k for k, v in r.items() if k.endswith("_ms")
+                        and isinstance(v, (int, float))), None)
+        if key is None:
+            continue
+        label = " ".join(str(v) for k, v in r.items() if isinstance(v, str)
+                         and k not in ("device", "criteria", "stop"))[:48]
+        timed.append((float(r[key]), f"{label}: {float(r[key]):.3g} ({key})"))
+    return "\n".join(t for _, t in sorted(timed)[:n]) or "-"
 
 
 if __name__ == "__main__":  # pragma: no cover
