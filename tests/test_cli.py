@@ -246,3 +246,38 @@ def test_bench_runs_suites_and_summarises(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "_find_benchmarks", lambda: None)
     res = runner.invoke(cli.app, ["bench", "--quick"])
     assert res.exit_code == 2 and "checkout" in res.output
+
+
+def test_progress_silent_off_terminal_and_forced_on(monkeypatch, capsys):
+    import io as _io
+    import logging
+    import warnings
+
+    from pointalign import _progress
+
+    monkeypatch.delenv("POINTALIGN_PROGRESS", raising=False)
+    assert not _progress.enabled(stream=_io.StringIO())  # not a terminal
+    assert list(_progress.track(range(3), "steps")) == [0, 1, 2]
+    monkeypatch.setenv("POINTALIGN_PROGRESS", "1")
+    assert _progress.enabled()
+    with _progress.quiet():
+        assert not _progress.enabled()
+    assert not _progress.enabled(quiet=True)
+    with _progress.task("outer", total=2) as bar:
+        bar.advance()
+        with _progress.task("inner", total=1) as inner:  # nested: one display
+            inner.advance()
+        bar.advance()
+    monkeypatch.setenv("POINTALIGN_PROGRESS", "0")
+    assert not _progress.enabled()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _progress.warn_ignored("voxel_size", "icp", "no downsampling in ICP")
+    assert rec and issubclass(rec[0].category, _progress.IgnoredParameterWarning)
+    assert "voxel_size is ignored by icp" in str(rec[0].message)
+    _progress.configure_logging(2)
+    assert logging.getLogger("pointalign").level == logging.DEBUG
+    _progress.configure_logging(-1)
+    assert logging.getLogger("pointalign").level == logging.ERROR and not _progress.enabled()
+    _progress.configure_logging(0)
+    _progress.set_quiet(False)
