@@ -237,7 +237,7 @@ def test_bench_runs_suites_and_summarises(tmp_path, monkeypatch):
                                   "--results", str(out)])
     assert res.exit_code == 0, res.output
     assert "fake" in res.output and (out / "fake-cpu.json").is_file()
-    assert "small: 12.5 (total_ms)" in res.output
+    assert "small: 12.5 total_ms" in res.output
     res = runner.invoke(cli.app, ["bench", "--quick", "--suite", "broken", "--device", "cpu",
                                   "--results", str(out)])
     assert res.exit_code == 1 and "exit 4" in res.output

@@ -689,7 +689,7 @@ def bench(
     src_dir = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src_dir), env.get("PYTHONPATH")]))
     summary = Table(title=f"pointalign bench ({dev}{', quick' if quick else ''})")
-    for col in ("suite", "status", "rows", "seconds", "fastest rows (ms)"):
+    for col in ("suite", "status", "rows", "seconds", "fastest at the largest size"):
         summary.add_column(col)
     failed = 0
     for name in _progress.track(chosen, "benchmarks", quiet=level < 0):
@@ -732,21 +732,45 @@ def _bench_rows(stdout: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _bench_headline(rows: list[dict[str, Any]], n: int = 3) -> str:
-    """Describe the n rows with the smallest time: their labels and milliseconds."""
-    timed = []
-    for r in rows:
-        key = next((k for k in ("ms_per_iter", "total_ms", "median_ms", "ms")
-                    if isinstance(r.get(k), (int, float))), None)
-        if key is None:
-            key = next((k for k, v in r.items() if k.endswith("_ms")
-                        and isinstance(v, (int, float))), None)
-        if key is None:
+def _bench_headline(rows: list[dict[str, Any]], n: int = 8) -> str:
+    """Describe the rows at the largest size: method (or label) and its time, fastest first."""
+    def size(r: dict[str, Any]) -> float:
+        for k in ("n", "n_source", "points", "n_points", "size"):
+            if isinstance(r.get(k), (int, float)):
+                return float(r[k])
+        return 0.0
+
+    def timing(r: dict[str, Any]) -> tuple[str, float] | None:
+        for k in ("ms_per_iter", "total_ms", "median_ms", "ms"):
+            if isinstance(r.get(k), (int, float)):
+                return k, float(r[k])
+        for k, v in r.items():
+            if k.endswith("_ms") and isinstance(v, (int, float)):
+                return k, float(v)
+        return None
+
+    timed = [r for r in rows if timing(r) is not None]
+    if not timed:
+        return "-"
+    big = max(size(r) for r in timed)
+    out = []
+    for r in timed:
+        if size(r) != big:
             continue
-        label = " ".join(str(v) for k, v in r.items() if isinstance(v, str)
-                         and k not in ("device", "criteria", "stop"))[:48]
-        timed.append((float(r[key]), f"{label}: {float(r[key]):.3g} ({key})"))
-    return "\n".join(t for _, t in sorted(timed)[:n]) or "-"
+        key, ms = timing(r)  # type: ignore[misc]
+        label = str(r.get("method") or r.get("case") or r.get("dataset") or "?")
+        where = r.get("dataset") or r.get("problem")
+        out.append((ms, f"{label}{f' ({where})' if where else ''}: {ms:.3g} {key}"))
+    head = f"at size {big:.0f}:\n" if big else ""
+    seen: set[str] = set()
+    lines = []
+    for _, t in sorted(out):
+        name = t.split(":")[0]
+        if name not in seen:
+            seen.add(name)
+            lines.append(t)
+    return head + "\n".join(lines[:n])
+
 
 
 if __name__ == "__main__":  # pragma: no cover
