@@ -39,8 +39,15 @@ def as_device(device: str | torch.device | None, like: torch.Tensor | None = Non
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: cannot interpret {device!r} as a torch device") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device!r} is not supported; pointalign runs on 'cpu' and "
+                         "'cuda' devices")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested but no CUDA device is available")
+        raise ValueError(f"device: {device!r} requested but no CUDA device is available; "
+                         "pass device='cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} requested but only {torch.cuda.device_count()} "
+                         "CUDA device(s) exist")
     return dev
 
 

@@ -455,20 +455,20 @@ def test_cuda_tiered_query_is_exact(seed, index_method):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("index_method", ["grid", "kdtree"])
 def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
-    from pointalign.registration import icp as icp_mod
+    from pointalign.kernels import _loop
 
     pair = datasets.load_bunny_pair()
     s, t = pair.source.cuda(), pair.target.cuda()
     ix = build_index(t, index_method, max_distance=0.01)
     kw = dict(max_correspondence_distance=0.01, method=method, index=ix, criteria=CRIT)
     # a short first call with an index runs eagerly, the next call captures
-    monkeypatch.setattr(icp_mod, "GRAPH_AFTER_STEPS", 10**9)
+    monkeypatch.setattr(_loop, "EAGER_STEPS", 10**9)
     first = icp(s, t, **kw)
     assert first.info["cuda_graph"] == "first_use", first.info["cuda_graph"]
     res = icp(s, t, **kw)
     assert res.info["cuda_graph"] == "captured", res.info["cuda_graph"]
     np.testing.assert_allclose(res.transformation, first.transformation, atol=1e-6)
-    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", False)
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
     eager = icp(s, t, **kw)
     assert eager.info["cuda_graph"] == "off"
     assert res.iterations == eager.iterations and res.stop_reason == eager.stop_reason
@@ -478,7 +478,7 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     s2 = s + 1e-3 * torch.randn(s.shape, generator=g).cuda()
     init = transforms.random_transform(3.0, 0.005, generator=g)
     eager2 = icp(s2, t, init=init, **kw)
-    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", True)
+    monkeypatch.setattr(_loop, "USE_GRAPHS", True)
     again = icp(s2, t, init=init, **kw)
     assert again.info["cuda_graph"] == "reused", again.info["cuda_graph"]
     assert again.iterations == eager2.iterations and again.stop_reason == eager2.stop_reason
@@ -487,13 +487,13 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     other_ix = build_index(t, index_method, max_distance=0.01)
     other = [icp(s2, t, init=init, **dict(kw, index=other_ix)) for _ in range(2)]
     assert [o.info["cuda_graph"] for o in other] == ["first_use", "captured"]
-    # a long first call captures once past GRAPH_AFTER_STEPS steps: same result as eager
-    monkeypatch.setattr(icp_mod, "GRAPH_AFTER_STEPS", 3)
+    # a long first call captures once past EAGER_STEPS steps: same result as eager
+    monkeypatch.setattr(_loop, "EAGER_STEPS", 3)
     crit = ConvergenceCriteria(max_iterations=20, relative_fitness=0, relative_rmse=0,
                                translation_tolerance=0, rotation_tolerance=0)
     ix3 = build_index(t, index_method, max_distance=0.01)
     long = icp(s2, t, init=init, **dict(kw, index=ix3, criteria=crit))
     assert long.info["cuda_graph"] == "captured", long.info["cuda_graph"]
-    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", False)
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
     long_eager = icp(s2, t, init=init, **dict(kw, index=ix3, criteria=crit))
     np.testing.assert_allclose(long.transformation, long_eager.transformation, atol=1e-6)

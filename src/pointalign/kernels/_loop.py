@@ -368,14 +368,14 @@ class Run:
                 torch.cuda.synchronize(self.dev)
                 return None
             self._g, self.graph = g, "captured"
-            if self._layout is None:
-                self._layout = g.layout
             if keep:
                 _graphs.put(self._key, self._objects, g)
             else:
                 _anchors[self.dev] = g.graph
         if k != g.k:
             return None
+        if self._layout is None:
+            self._layout = g.layout
         g.load_state(self.state)
         g.graph.replay()
         self.state = g.state_in

@@ -28,8 +28,15 @@ def choose_index(points, *, max_distance=None):
     return build_index(points, "auto", max_distance=max_distance)
 
 
+import weakref
+_cache = weakref.WeakKeyDictionary()
+
+
 def correspondence_index(index, max_distance):
-    return _Plain(index)
+    d = _cache.setdefault(index, {})
+    if max_distance not in d:
+        d[max_distance] = _Plain(index)
+    return d[max_distance]
 
 
 def query_order(points: torch.Tensor):
