@@ -115,7 +115,8 @@ class Countdown:
     tol: float
 
     def __call__(self, inputs, checkpoint):
-        x, steps = inputs["x"].clone(), torch.zeros((), dtype=torch.int64)
+        x = inputs["x"].clone()
+        steps = torch.zeros((), dtype=torch.int64, device=x.device)
         for _ in range(self.n):
             x = torch.where(x.abs() < self.tol, x, 0.5 * x)
             steps = steps + 1
