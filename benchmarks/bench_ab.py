@@ -131,7 +131,9 @@ def run(args) -> None:
 
 
 def compare(paths: list[str]) -> None:
-    runs = [json.loads(Path(p).read_text()) for p in paths]
+    runs = [r for r in (json.loads(Path(p).read_text()) for p in paths) if "rows" in r]
+    colds = [json.loads(Path(p).read_text()) for p in paths]
+    colds = [c for c in colds if "cold" in c]
     labels = sorted({r["label"] for r in runs})
     assert labels == ["after", "before"], labels
     by = {lab: [r for r in runs if r["label"] == lab] for lab in labels}
@@ -147,12 +149,18 @@ def compare(paths: list[str]) -> None:
                       "first_after_ms": round(fa, 1),
                       "runs": [len(by["before"]), len(by["after"])]})
         print(f"{n:<44} {b:9.2f} -> {a:9.2f} ms  x{a / b:.3f}")
+    cold_rows = {}
+    for c in colds:
+        for n, r in c["cold"].items():
+            cold_rows.setdefault(n, {})[c["label"]] = round(r["first_ms"], 1)
     meta = dict(by["after"][0]["meta"])
     meta["command"] = "benchmarks/bench_ab.py (before: .base = 356792a; after: this commit)"
     dev = "cuda" if "cuda" in str(meta.get("device", "")).lower() or "NVIDIA" in str(meta) \
         else "cpu"
     dest = Path(__file__).parent / "results" / f"refactor_ab-{dev}.json"
-    dest.write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
+    dest.write_text(json.dumps({"meta": meta, "rows": table,
+                                "cold": [{"row": n, **v} for n, v in cold_rows.items()]},
+                               indent=1))
     print("wrote", dest)
 
 
@@ -164,11 +172,38 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--compare", nargs="*")
+    ap.add_argument("--cold", action="store_true",
+                    help="each --only row in a fresh process with an empty Triton cache: "
+                         "first_ms is what a user meets on a new machine")
     args = ap.parse_args()
     if args.compare:
         compare(args.compare)
+    elif args.cold:
+        cold(args)
     else:
         run(args)
+
+
+def cold(args) -> None:
+    """Time each row's first call in a new process with an empty Triton kernel cache."""
+    import subprocess
+    import tempfile
+
+    out = {"label": args.label, "cold": {}}
+    for row in args.only or []:
+        with tempfile.TemporaryDirectory() as cache, tempfile.NamedTemporaryFile() as f:
+            env = dict(os.environ, TRITON_CACHE_DIR=cache)
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--device", args.device, "--label",
+                            args.label, "--only", row, "--repeat", "1", "--out", f.name],
+                           env=env, check=True, stdout=subprocess.DEVNULL)
+            wall = time.perf_counter() - t0
+            rows = json.loads(Path(f.name).read_text())["rows"]
+        for name, r in rows.items():
+            out["cold"][name] = {"first_ms": r["first_ms"], "process_s": wall}
+            print(f"{args.label:>7} cold {name:<40} first call {r['first_ms']:9.0f} ms "
+                  f"(process {wall:.1f} s)", flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
