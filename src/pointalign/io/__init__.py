@@ -124,7 +124,7 @@ inject failures.
 # what a parser may raise on a bad file; converted to ValueError naming the file
 _PARSE_ERRORS: tuple[type[BaseException], ...] = (
     ValueError, KeyError, IndexError, TypeError, struct.error, EOFError, RuntimeError,
-    OverflowError, zipfile.BadZipFile, AssertionError,
+    ArithmeticError, zipfile.BadZipFile, AssertionError,
 )
 
 

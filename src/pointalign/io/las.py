@@ -108,7 +108,38 @@ def _las_check_header(f: Any, laz: bool) -> None:
         raise _FormatError(f"truncated: {count} points (byte {107 if count == legacy else 247}"
                            f") of {rec_len} bytes need {need} bytes after byte {offset}, the "
                            f"file has {have}")
+    if laz and count:
+        _laz_check_chunk_table(f, offset, count)
     f.seek(0)
+
+
+def _laz_check_chunk_table(f: Any, offset: int, count: int) -> None:
+    """Check the LAZ chunk count before the decoder reserves memory for it.
+
+    The point data starts with the (absolute) offset of the chunk table, or -1 when the
+    offset was written in the file's last 8 bytes; the table starts with a version and the
+    number of chunks. lazrs reserves that many entries up front and aborts the whole
+    process when the allocation fails, so a corrupt count must not reach it.
+    """
+    size = f.size
+    f.seek(offset)
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise _FormatError(f"truncated: no LAZ chunk-table offset at byte {offset}")
+    (table,) = struct.unpack("<q", raw)
+    where = offset
+    if table == -1:
+        f.seek(size - 8)
+        (table,) = struct.unpack("<q", f.read(8))
+        where = size - 8
+    if not offset + 8 <= table <= size - 8:
+        raise _FormatError(f"LAZ chunk table offset {table} (byte {where}) is outside "
+                           f"{offset + 8}..{size - 8}")
+    f.seek(table)
+    _, chunks = struct.unpack("<II", f.read(8))
+    if chunks > min(count, table - offset):  # a chunk holds >= 1 point and >= 1 byte
+        raise _FormatError(f"the LAZ chunk table at byte {table} lists {chunks} chunks for "
+                           f"{count} points in {table - offset} bytes")
 
 
 def _read_las(path: Path) -> _Fields:
@@ -119,7 +150,12 @@ def _read_las(path: Path) -> _Fields:
         laspy = _laspy(laz)
         f.seek(0)
         _las_check_header(f, laz)
-        las = laspy.read(f, closefd=False)
+        try:
+            las = laspy.read(f, closefd=False)
+        except BaseException as exc:  # a Rust decoder's panic is a BaseException
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise _FormatError(f"the LAZ decoder failed (panic): {exc}") from None
     pts = np.stack([np.asarray(las.x), np.asarray(las.y), np.asarray(las.z)], axis=1)
     dims = list(las.point_format.dimension_names)
     std = set(las.point_format.standard_dimension_names)
