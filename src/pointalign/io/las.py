@@ -80,8 +80,14 @@ def _las_check_header(f: Any, laz: bool) -> None:
                            f"{offset - header_size} bytes before the point data")
     pos = header_size
     for i in range(n_vlr):  # at most (offset - header_size) / 54 iterations
-        f.seek(pos + 52)
-        (length,) = struct.unpack("<H", f.read(2))
+        f.seek(pos + 2)
+        vlr = f.read(52)
+        (length,) = struct.unpack_from("<H", vlr, 18)
+        if laz and vlr[:14] == b"laszip encoded" and vlr[16:18] == b"\xbc\x56" \
+                and length >= 16:  # record 22204: the LAZ parameters
+            f.seek(pos + 54 + 12)
+            if struct.unpack("<I", f.read(4))[0] == 0:
+                raise _FormatError(f"the laszip VLR at byte {pos} has a chunk size of 0")
         pos += 54 + length
         if pos > offset:
             raise _FormatError(f"VLR {i} at byte {pos - 54 - length} runs past the start of "
