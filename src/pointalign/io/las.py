@@ -63,7 +63,7 @@ def _las_check_header(f: Any, laz: bool) -> None:
     if major != 1 or minor not in _LAS_HEADER:
         raise _FormatError(f"unsupported LAS version {major}.{minor} (byte 24)")
     header_size, offset, n_vlr, pf, rec_len, legacy = struct.unpack_from("<HIIBHI", head, 94)
-    if header_size < _LAS_HEADER[minor] or len(head) < min(header_size, 375):
+    if header_size < _LAS_HEADER[minor] or header_size > size:
         raise _FormatError(f"header size {header_size} (byte 94) is too small for LAS "
                            f"{major}.{minor} or larger than the file ({size} bytes)")
     if not header_size <= offset <= size:

@@ -32,15 +32,17 @@ def _pcd_check_size(f: Any) -> None:
         try:
             line = bline.decode("utf-8").strip()
         except UnicodeDecodeError as exc:
-            raise _FormatError(f"header line at byte offset {offset} is not text (byte "
+            raise _FormatError(f"the header line at byte {offset} is not text (byte "
                                f"{offset + exc.start})") from None
         offset += len(bline)
         if line.startswith("#") or not line:
             continue
+        if not lines and not line.upper().startswith(("VERSION", "FIELDS")):
+            break
         lines.append(line)
         if line.startswith("DATA") or len(lines) >= 10:
             break
-    if not lines or not lines[0].upper().startswith(("VERSION", "FIELDS")):
+    if not lines:
         raise _FormatError("not a PCD file (no VERSION/FIELDS header line)")
     meta = MetaData.parse_header(lines)
     nf = len(meta.fields)
