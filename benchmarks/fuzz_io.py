@@ -449,9 +449,33 @@ def campaign(fmt: str, cases: int, seed: int, hang_s: float, save_bugs: Path | N
     }
 
 
+def table(folder: Path) -> str:
+    """Markdown table of the campaign results in ``folder`` (one JSON per format)."""
+    rows = ["| format | cases | ok | ValueError | other (bugs) | max time / read | p99 time | "
+            "max traced memory / read | largest file | child max RSS |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for fmt in FORMATS:
+        p = folder / f"{fmt}.json"
+        if not p.is_file():
+            continue
+        d = json.loads(p.read_text())
+        o = d["outcomes"]
+        rows.append(
+            f"| {fmt} (`{d['suffix']}`) | {d['cases']} | {o.get('ok', 0)} | "
+            f"{o.get('ValueError', 0) + o.get('TypeError', 0)} | {d['bugs']} | "
+            f"{d['time_per_read_s']['max'] * 1e3:.0f} ms | "
+            f"{d['time_per_read_s']['p99'] * 1e3:.1f} ms | "
+            f"{d['peak_traced_bytes_per_read']['max'] / 2**20:.2f} MiB | "
+            f"{d['file_bytes']['max'] / 1024:.1f} kB | "
+            f"{d['child_max_rss_bytes'] / 2**20:.0f} MiB |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--format", required=True, choices=[*FORMATS, "all"])
+    ap.add_argument("--format", choices=[*FORMATS, "all"])
+    ap.add_argument("--table", action="store_true", help="print the Markdown table of the "
+                    "results in --out and exit")
     ap.add_argument("--cases", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hang-s", type=float, default=20.0, help="a read longer than this is "
@@ -461,6 +485,11 @@ def main() -> None:
     ap.add_argument("--save-bugs", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "fuzz_io")
     args = ap.parse_args()
+    if args.table:
+        print(table(args.out))
+        return
+    if args.format is None:
+        ap.error("--format is required")
     fmts = list(FORMATS) if args.format == "all" else [args.format]
     args.out.mkdir(parents=True, exist_ok=True)
     for fmt in fmts:

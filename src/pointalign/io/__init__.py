@@ -57,11 +57,28 @@ Integer colours are scaled to [0, 1] by the type's maximum (255 for uint8). Ever
 error is a ``ValueError`` naming the file (and the row, line or byte offset where it is
 known); a missing file is a ``FileNotFoundError``. A file with 0 points is an error.
 
+**Corrupt files.** Every reader checks what a header claims (vertex and point counts, field
+counts, ``.npy`` shapes, zip member sizes, LAS VLR/point counts and offsets, the LAZ chunk
+count) against the file size before it allocates or loops, and every read of the file is
+clamped to the bytes left in it, so a corrupt or hostile file fails fast with memory bounded
+by a small multiple of the file size. ``.npy``/``.npz`` are parsed without pickle and
+without ``np.load``. ``benchmarks/fuzz_io.py`` fuzzes every reader (results in
+RELIABILITY.md). One limit is outside this package: lazrs (the LAZ decoder) reserves the
+byte counts of a chunk's layers (point formats 6-10) as read from the file; with Linux's
+default overcommit such a reservation is virtual and the read fails with a ValueError, but
+under a hard address-space limit (``ulimit -v``) the decoder aborts the process.
+
+The readers live in ``pointalign.io.{ply,pcd,text,npz,las}``, the shared record and the
+conversion to a cloud in ``pointalign.io._common``.
+
 Writers never lose data silently: a field the format cannot store (normals in ``.npy``,
 extras in text files, ...) raises ``ValueError`` before anything is written. Colours are
 stored as 8-bit integers in PLY, PCD and text (16-bit in LAS), so they come back rounded to
 1/255. Every write goes to a temporary file in the target's directory, which then replaces
 the target with ``os.replace``; a failure part-way leaves any existing file untouched.
+Writing through a symbolic link replaces the file it points to (the link stays), and a
+replaced file keeps its permission bits. :func:`check_writable` checks a destination
+before any work is done.
 """
 
 from __future__ import annotations

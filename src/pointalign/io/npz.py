@@ -170,7 +170,8 @@ def _member(z: zipfile.ZipFile, info: zipfile.ZipInfo, archive_size: int) -> np.
         with z.open(info) as m:
             buf = m.read()
     except _ZIP_ERRORS as exc:
-        raise _FormatError(f"member {name!r}: {type(exc).__name__}: {exc}") from None
+        kind = "zlib error" if isinstance(exc, zlib.error) else type(exc).__name__
+        raise _FormatError(f"member {name!r}: {kind}: {exc}") from None
     try:
         return _npy_from_bytes(buf)
     except _FormatError as exc:
