@@ -359,6 +359,18 @@ def _vm_size() -> int:
     return 0
 
 
+def _reader_versions() -> dict[str, str]:
+    from importlib import metadata as md
+
+    out = {}
+    for dist in ("plyfile", "pypcd4", "python-lzf", "laspy", "lazrs", "numpy"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = "absent"
+    return out
+
+
 def campaign(fmt: str, cases: int, seed: int, hang_s: float, save_bugs: Path | None,
              mem_limit_gb: float) -> dict[str, Any]:
     ctx = mp.get_context("fork")
@@ -424,6 +436,7 @@ def campaign(fmt: str, cases: int, seed: int, hang_s: float, save_bugs: Path | N
         meta = metadata("cpu")
     except Exception:  # noqa: BLE001 - metadata is optional
         meta = {}
+    meta["readers"] = _reader_versions()
     return {
         "topic": "fuzz_io", "format": fmt, "suffix": FORMATS[fmt], "cases": len(results),
         "seed": seed, "hang_limit_s": hang_s, "wall_s": wall,
@@ -465,9 +478,20 @@ def table(folder: Path) -> str:
             f"{o.get('ValueError', 0) + o.get('TypeError', 0)} | {d['bugs']} | "
             f"{d['time_per_read_s']['max'] * 1e3:.0f} ms | "
             f"{d['time_per_read_s']['p99'] * 1e3:.1f} ms | "
-            f"{d['peak_traced_bytes_per_read']['max'] / 2**20:.2f} MiB | "
+            f"{d['peak_traced_bytes_per_read']['max'] / 1024:.0f} KiB | "
             f"{d['file_bytes']['max'] / 1024:.1f} kB | "
             f"{d['child_max_rss_bytes'] / 2**20:.0f} MiB |")
+    fam: dict[str, Counter] = {}
+    for p in sorted(folder.glob("*.json")):
+        for k, v in json.loads(p.read_text())["by_mutation"].items():
+            k = k.rstrip("0123456789")
+            fam.setdefault("header-int" if k == "header-u" else k, Counter()).update(v)
+    rows += ["", "| mutation (all formats) | cases | ok | ValueError | bugs |",
+             "|---|---:|---:|---:|---:|"]
+    for k, c in sorted(fam.items()):
+        bugs = sum(v for o, v in c.items() if o.startswith("bug"))
+        rows.append(f"| {k} | {sum(c.values())} | {c.get('ok', 0)} | "
+                    f"{c.get('ValueError', 0) + c.get('TypeError', 0)} | {bugs} |")
     return "\n".join(rows)
 
 
