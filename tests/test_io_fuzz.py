@@ -261,3 +261,26 @@ def test_kitti_bin_fuzz_sizes(tmp_path):
     path.write_bytes(nan.tobytes())
     with pytest.raises(ValueError, match="k.bin.*finite"):
         pio.read_bin(path, columns=4)
+
+
+@pytest.mark.skipif(not fuzz_io.available("laz"), reason="no LAZ backend")
+def test_laz_layer_sizes_and_chunk_size_claims(tmp_path):
+    """Corrupt sizes that made lazrs hang, reserve 4 GB per layer or abort the process."""
+    import laspy
+
+    las = laspy.LasData(laspy.LasHeader(point_format=6, version="1.4"))
+    las.x, las.y, las.z = np.random.default_rng(0).normal(size=(3, 12)) * 100
+    path = tmp_path / "layers.laz"
+    las.write(str(path), do_compress=True)
+    assert len(pio.read(path)) == 12
+    raw = path.read_bytes()
+    offset = struct.unpack_from("<I", raw, 96)[0]
+    bad = bytearray(raw)
+    struct.pack_into("<I", bad, offset + 8 + 30 + 4, 2**32 - 1)  # first layer's byte count
+    path.write_bytes(bytes(bad))
+    _claims_fail_fast(path, "layers .* claim")
+    # the laszip VLR's chunk size (first VLR after the 375-byte 1.4 header)
+    bad = bytearray(raw)
+    struct.pack_into("<I", bad, 375 + 54 + 12, 956351312)
+    path.write_bytes(bytes(bad))
+    _claims_fail_fast(path, "chunk size")

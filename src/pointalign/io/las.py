@@ -79,15 +79,21 @@ def _las_check_header(f: Any, laz: bool) -> None:
         raise _FormatError(f"{n_vlr} VLRs (byte 100) cannot fit in the "
                            f"{offset - header_size} bytes before the point data")
     pos = header_size
+    chunk_size, items = None, None
     for i in range(n_vlr):  # at most (offset - header_size) / 54 iterations
         f.seek(pos + 2)
         vlr = f.read(52)
         (length,) = struct.unpack_from("<H", vlr, 18)
         if laz and vlr[:14] == b"laszip encoded" and vlr[16:18] == b"\xbc\x56" \
-                and length >= 16:  # record 22204: the LAZ parameters
-            f.seek(pos + 54 + 12)
-            if struct.unpack("<I", f.read(4))[0] == 0:
-                raise _FormatError(f"the laszip VLR at byte {pos} has a chunk size of 0")
+                and length >= 34:  # record 22204: the LAZ parameters
+            f.seek(pos + 54)
+            laszip = f.read(length)
+            chunk_size, n_items = struct.unpack_from("<I", laszip, 12)[0], \
+                struct.unpack_from("<H", laszip, 32)[0]
+            if length < 34 + 6 * n_items:
+                raise _FormatError(f"the laszip VLR at byte {pos} lists {n_items} items in "
+                                   f"{length} bytes")
+            items = [struct.unpack_from("<HHH", laszip, 34 + 6 * k)[:2] for k in range(n_items)]
         pos += 54 + length
         if pos > offset:
             raise _FormatError(f"VLR {i} at byte {pos - 54 - length} runs past the start of "
@@ -115,11 +121,53 @@ def _las_check_header(f: Any, laz: bool) -> None:
                            f") of {rec_len} bytes need {need} bytes after byte {offset}, the "
                            f"file has {have}")
     if laz and count:
-        _laz_check_chunk_table(f, offset, count)
+        if chunk_size is None or items is None:
+            raise _FormatError("no laszip VLR (user 'laszip encoded', record 22204)")
+        # the decoder reserves a whole chunk of points (chunk_size, or all points when
+        # chunks vary in size: 2**32 - 1) before it reads it
+        if chunk_size == 0 or (chunk_size != 2**32 - 1
+                               and chunk_size * rec_len > max(need, 2**26)):
+            raise _FormatError(f"LAZ chunk size {chunk_size} is impossible for {count} points "
+                               f"of {rec_len} bytes")
+        table, _ = _laz_check_chunk_table(f, offset, count)
+        _laz_check_first_chunk(f, offset, table, count, items)
     f.seek(0)
 
 
-def _laz_check_chunk_table(f: Any, offset: int, count: int) -> None:
+# layers of each LAZ 1.4 item type in a layered chunk (type 14: one layer per extra byte)
+_LAZ_LAYERS = {10: 9, 11: 1, 12: 2, 13: 1}
+
+
+def _laz_check_first_chunk(f: Any, offset: int, table: int, count: int,
+                           items: list[tuple[int, int]]) -> None:
+    """Check the first chunk's point count and layer sizes (point formats 6-10).
+
+    A layered chunk holds the first point raw, the chunk's point count and the byte
+    count of every layer; lazrs reserves each layer's bytes as read (a corrupt size
+    reserves up to 4 GB per layer), so they are checked against the compressed bytes.
+    Only the first chunk's header can be found without decoding the chunk table.
+    """
+    if not any(t >= 10 for t, _ in items):
+        return  # LAZ 1.0-1.3 items: not layered
+    raw = sum(size for _, size in items)
+    layers = sum(_LAZ_LAYERS.get(t, size if t == 14 else 0) for t, size in items)
+    pos = offset + 8 + raw
+    if pos + 4 + 4 * layers > table:
+        raise _FormatError(f"the first LAZ chunk at byte {offset + 8} is cut by the chunk "
+                           f"table at byte {table}")
+    f.seek(pos)
+    head = f.read(4 + 4 * layers)
+    in_chunk, *sizes = struct.unpack(f"<I{layers}I", head)
+    if in_chunk > count:
+        raise _FormatError(f"the first LAZ chunk (byte {pos}) claims {in_chunk} points of "
+                           f"{count}")
+    room = table - (pos + 4 + 4 * layers)
+    if sum(sizes) > room:
+        raise _FormatError(f"the first LAZ chunk's layers (byte {pos + 4}) claim "
+                           f"{sum(sizes)} bytes, {room} are present")
+
+
+def _laz_check_chunk_table(f: Any, offset: int, count: int) -> tuple[int, int]:
     """Check the LAZ chunk count before the decoder reserves memory for it.
 
     The point data starts with the (absolute) offset of the chunk table, or -1 when the
@@ -146,6 +194,7 @@ def _laz_check_chunk_table(f: Any, offset: int, count: int) -> None:
     if chunks > min(count, table - offset):  # a chunk holds >= 1 point and >= 1 byte
         raise _FormatError(f"the LAZ chunk table at byte {table} lists {chunks} chunks for "
                            f"{count} points in {table - offset} bytes")
+    return table, chunks
 
 
 def _read_las(path: Path) -> _Fields:
