@@ -284,3 +284,7 @@ def test_laz_layer_sizes_and_chunk_size_claims(tmp_path):
     struct.pack_into("<I", bad, 375 + 54 + 12, 956351312)
     path.write_bytes(bytes(bad))
     _claims_fail_fast(path, "chunk size")
+    bad = bytearray(raw)  # the point item's type 10 (point14) made 11 (rgb14): lazrs hung
+    struct.pack_into("<H", bad, 375 + 54 + 34, 11)
+    path.write_bytes(bytes(bad))
+    _claims_fail_fast(path, "item of type 11")

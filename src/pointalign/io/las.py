@@ -94,6 +94,13 @@ def _las_check_header(f: Any, laz: bool) -> None:
                 raise _FormatError(f"the laszip VLR at byte {pos} lists {n_items} items in "
                                    f"{length} bytes")
             items = [struct.unpack_from("<HHH", laszip, 34 + 6 * k)[:2] for k in range(n_items)]
+            for t, item_size in items:  # types 0 and 14: extra bytes of any size
+                if t not in (0, 14) and _LAZ_ITEM_SIZE.get(t) != item_size:
+                    raise _FormatError(f"the laszip VLR at byte {pos} has an item of type {t} "
+                                       f"and size {item_size}")
+            if sum(item_size for _, item_size in items) != rec_len:
+                raise _FormatError(f"the laszip VLR's items (byte {pos}) do not add up to the "
+                                   f"point record length {rec_len}")
         pos += 54 + length
         if pos > offset:
             raise _FormatError(f"VLR {i} at byte {pos - 54 - length} runs past the start of "
@@ -134,6 +141,9 @@ def _las_check_header(f: Any, laz: bool) -> None:
     f.seek(0)
 
 
+# bytes of each LAZ item type (6-9: LAS 1.0-1.3 point, GPS time, RGB, wave packet;
+# 10-13: the LAS 1.4 ones, with RGB+NIR as 12)
+_LAZ_ITEM_SIZE = {6: 20, 7: 8, 8: 6, 9: 29, 10: 30, 11: 6, 12: 8, 13: 29}
 # layers of each LAZ 1.4 item type in a layered chunk (type 14: one layer per extra byte)
 _LAZ_LAYERS = {10: 9, 11: 1, 12: 2, 13: 1}
 
