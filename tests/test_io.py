@@ -216,7 +216,7 @@ def test_ply_without_plyfile_private_helpers(tmp_path, monkeypatch):
     cloud = make_cloud(0, dtype=torch.float32, extras=True)
     pio.write(tmp_path / "a.ply", cloud)
     fast = pio.read(tmp_path / "a.ply")
-    monkeypatch.setattr(pio, "_PLY_VERTEX_ONLY", False)
+    monkeypatch.setattr(pio.ply, "_PLY_VERTEX_ONLY", False)
     slow = pio.read(tmp_path / "a.ply")
     for name in ("points", "normals", "colors"):
         assert torch.equal(getattr(fast, name), getattr(slow, name))
@@ -411,7 +411,7 @@ def test_missing_and_unknown(tmp_path):
         pio.write(tmp_path / "x.ply", np.zeros((3, 2)))
     pio.write(tmp_path / "bare.ply", np.zeros((3, 3)))  # a bare array is a cloud of points
     assert len(pio.read(tmp_path / "bare.ply")) == 3
-    with pytest.raises(FileNotFoundError, match="no_dir"):
+    with pytest.raises(ValueError, match="no_dir.*does not exist"):
         pio.write(tmp_path / "no_dir" / "x.ply", make_cloud(0))
     (tmp_path / "j.ply").write_bytes(b"\x00junk" * 10)
     with pytest.raises(ValueError, match="j.ply.*not a PLY file"):
@@ -596,3 +596,55 @@ def test_fuzz_text_and_ascii_round_trip(tmp_path, pts, suffix):
     back = pio.read(path, dtype=torch.float64)
     tol = 1e-9 if suffix == ".pcd" else 0.0  # pypcd4's %.10f
     np.testing.assert_allclose(back.points.numpy(), pts, rtol=1e-15 if tol else 0, atol=tol)
+
+
+# ----------------------------------------------------------------------------------------
+# writing through symbolic links, keeping the replaced file's mode
+# ----------------------------------------------------------------------------------------
+
+def test_write_through_symlink_keeps_the_link(tmp_path):
+    real_dir = tmp_path / "data"
+    real_dir.mkdir()
+    target = real_dir / "scan.ply"
+    pio.write(target, make_cloud(0))
+    link = tmp_path / "latest.ply"
+    link.symlink_to(target)
+    new = make_cloud(1)
+    pio.write(link, new)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert_close(pio.read(target).points, new.points, 0.0)
+    assert no_temp_files(tmp_path) and no_temp_files(real_dir)
+    # a relative link, a chain of links, and a dangling link (creates the target)
+    (tmp_path / "rel.ply").symlink_to(Path("data") / "scan.ply")
+    (tmp_path / "chain.ply").symlink_to(tmp_path / "rel.ply")
+    pio.write(tmp_path / "chain.ply", make_cloud(2))
+    assert (tmp_path / "chain.ply").is_symlink() and (tmp_path / "rel.ply").is_symlink()
+    assert_close(pio.read(target).points, make_cloud(2).points, 0.0)
+    (tmp_path / "dangling.ply").symlink_to(real_dir / "new.ply")
+    pio.write(tmp_path / "dangling.ply", make_cloud(3))
+    assert (tmp_path / "dangling.ply").is_symlink() and (real_dir / "new.ply").is_file()
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o444, 0o755])
+def test_write_keeps_the_replaced_files_mode(tmp_path, mode):
+    path = tmp_path / "m.pcd"
+    pio.write(path, make_cloud(0))
+    os.chmod(path, mode)
+    pio.write(path, make_cloud(1))
+    assert os.stat(path).st_mode & 0o7777 == mode
+    assert_close(pio.read(path).points, make_cloud(1).points, 0.0)
+    link = tmp_path / "l.pcd"  # through a link: the target's mode, the link untouched
+    link.symlink_to(path)
+    pio.write(link, make_cloud(2))
+    assert os.stat(path).st_mode & 0o7777 == mode and link.is_symlink()
+
+
+def test_failed_write_through_symlink_keeps_target(tmp_path):
+    target = tmp_path / "t.npy"
+    pio.write(target, make_cloud(0, normals=False, colors=False))
+    old = target.read_bytes()
+    (tmp_path / "l.npy").symlink_to(target)
+    with pytest.raises(ValueError, match="normals"):
+        pio.write(tmp_path / "l.npy", make_cloud(1))
+    assert target.read_bytes() == old and (tmp_path / "l.npy").is_symlink()
+    assert no_temp_files(tmp_path)
