@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pointalign.kernels._backend import SearchPlan
+from pointalign.kernels import SearchPlan
 from pointalign.search import BruteForceIndex, build_index, policy
 from pointalign.search.base import Index
 from pointalign.search.grid import VoxelGridIndex, auto_cell_size

@@ -23,7 +23,7 @@ import torch
 from pointalign import _validate
 from pointalign._ops import exclusive_cumsum_rows
 from pointalign.cloud import PointCloud
-from pointalign.kernels._backend import upload
+from pointalign.kernels import upload
 
 #: largest number of voxels along one axis (the three keys are packed in one int64)
 _MAX_CELLS_PER_AXIS = 1 << 20

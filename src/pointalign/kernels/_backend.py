@@ -55,8 +55,9 @@ def backend(x: torch.Tensor | None = None) -> str:
 class SearchPlan(NamedTuple):
     """What the kernel layer offers nearest-neighbour search for points on one device.
 
-    :mod:`pointalign.search.policy` turns this into the choice of index and of the fine grid
-    tiers; it never looks at devices or backends itself.
+    Exported as ``pointalign.kernels.SearchPlan``; :mod:`pointalign.search.policy` turns it
+    into the choice of index and of the fine grid tiers, and never looks at devices or
+    backends itself.
 
     Attributes:
         host_tree: the points live in host memory, where SciPy's cKDTree (built and queried

@@ -122,11 +122,14 @@ def radius_tiles(query: torch.Tensor, points: torch.Tensor, radius: float, k: in
     """Up to ``k`` nearest ``points`` within ``radius`` (not squared) of every ``query`` row.
 
     :func:`knn_tiles` with ``max_distance_sq = radius**2``, same results and padding. The
-    self-query (``query is points``, as FPFH and normal estimation ask) goes to
-    :func:`pointalign.kernels.features.radius_neighbours`, whose Triton path has no cap on
-    ``k`` (FPFH keeps 100 neighbours; :func:`knn_tiles` fuses only ``k <= 32``).
+    self-query (``query`` is ``points``: the same memory, shape and strides; FPFH asks it)
+    goes to :func:`pointalign.kernels.features.radius_neighbours`, whose Triton path has no
+    cap on ``k`` (FPFH keeps 100 neighbours; :func:`knn_tiles` fuses only ``k <= 32``).
     """
-    if query is points:
+    if query is points or (
+            query.data_ptr() == points.data_ptr() and query.shape == points.shape
+            and query.stride() == points.stride() and query.dtype == points.dtype
+            and query.device == points.device):
         from pointalign.kernels.features import radius_neighbours
 
         return radius_neighbours(points, radius, k)

@@ -9,7 +9,7 @@ Three decisions, each a function here:
 * :func:`query_order` — the order in which ICP sends its queries.
 
 What depends on the device (where SciPy's tree runs, whether the fused Triton kernels run)
-comes from the kernel layer, :func:`pointalign.kernels._backend.search_plan`; nothing here
+comes from the kernel layer, :func:`pointalign.kernels.search_plan`; nothing here
 looks at devices or backends. The thresholds, all in this module:
 
 =========================  =====  ==========================================================
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from pointalign.kernels import _backend
+from pointalign import kernels
 from pointalign.kernels import grid as _grid
 from pointalign.search import _checks
 from pointalign.search.base import Index, KnnResult
@@ -67,15 +67,15 @@ SPATIAL_ORDER_MIN = 8192
 _FAR = 1e30
 
 
-def search_plan(points: torch.Tensor) -> _backend.SearchPlan:
-    """Ask the kernel layer for its :class:`~pointalign.kernels._backend.SearchPlan`."""
-    return _backend.search_plan(points)
+def search_plan(points: torch.Tensor) -> kernels.SearchPlan:
+    """Ask the kernel layer for its :class:`~pointalign.kernels.SearchPlan` for the points."""
+    return kernels.search_plan(points)
 
 
 # ------------------------------------------------------------------------- choose_index
 
 
-def index_method(plan: _backend.SearchPlan, m: int, distance: float | None = None,
+def index_method(plan: kernels.SearchPlan, m: int, distance: float | None = None,
                  auto_cell: float | None = None) -> str:
     """Name the index :func:`choose_index` builds, a pure function of what it measured.
 
@@ -168,7 +168,7 @@ def tier_cells(max_distance: float, auto_cell: float) -> list[float]:
     return out
 
 
-def wants_tiers(plan: _backend.SearchPlan, index: Index, auto_cell: float) -> bool:
+def wants_tiers(plan: kernels.SearchPlan, index: Index, auto_cell: float) -> bool:
     """Tell whether fine grid tiers in front of ``index`` pay (see the module table)."""
     from pointalign.search.grid import VoxelGridIndex
 
