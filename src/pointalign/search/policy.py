@@ -142,8 +142,8 @@ def _choose(pts: torch.Tensor, distance: float | None, **kw: Any) -> Index:
     if method == "kdtree":
         try:
             from pointalign.search.kdtree import KDTreeIndex
-        except ImportError:
-            method = "grid"
+        except ImportError:  # no k-d tree module: a grid (cells of the distance, or automatic)
+            pass
         else:
             return KDTreeIndex(pts, **kw)
     from pointalign.search.grid import VoxelGridIndex
@@ -285,20 +285,20 @@ class TieredIndex:
         """
         md = _checks.check_distance(max_distance, "max_distance")
         q = _checks.query_points(query, self.points)
-        d = idx = None
+        found: KnnResult | None = None
         for g in self.tiers:
             if g.cell_size > md:
                 break
             r = g.nearest_within(q, g.cell_size)
-            if idx is None:
-                d, idx = r.dists, r.idx
-            else:
-                d, idx = torch.minimum(d, r.dists), torch.maximum(idx, r.idx)
+            found = r if found is None else _merge(found, r)
             q = torch.where(r.idx >= 0, self._far, q)
         last = self.index.nearest_within(q, md, hint=hint)
-        if idx is None:
-            return last
-        return KnnResult(torch.minimum(d, last.dists), torch.maximum(idx, last.idx))
+        return last if found is None else _merge(found, last)
+
+
+def _merge(a: KnnResult, b: KnnResult) -> KnnResult:
+    """Merge two disjoint ``(N, 1)`` answers (each ``inf`` / ``-1`` where the other has one)."""
+    return KnnResult(torch.minimum(a.dists, b.dists), torch.maximum(a.idx, b.idx))
 
 
 # --------------------------------------------------------------------------- query_order
