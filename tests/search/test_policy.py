@@ -8,6 +8,8 @@ too, on the PyTorch references); the GPU tests check the rule on the bunny on th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -144,10 +146,17 @@ def test_correspondence_index_with_a_device_plan(rng, monkeypatch):
     assert isinstance(tiered, TieredIndex) and tiered.index is coarse
     assert [t.cell_size for t in tiered.tiers] == pytest.approx(tier_cells(md, auto), rel=1e-4)
     assert len(tiered.tiers) == 2
-    # built once per index: a second call reads the same grids and far point (graph safe)
+    # built once per index: a second call reads the same grids, and the two wrappers are
+    # equal, so an executor's graph signature (objects named by identity) is the same
     again = correspondence_index(coarse, md)
     assert all(a is b for a, b in zip(again.tiers, tiered.tiers, strict=True))
-    assert again._far is tiered._far
+    assert again == tiered and hash(again) == hash(tiered)
+    from pointalign.kernels._loop import signature
+
+    key1, objs1 = signature(_Step((tiered,), md))
+    key2, objs2 = signature(_Step((again,), md))
+    assert key1 == key2 and all(a is b for a, b in zip(objs1, objs2, strict=True))
+    assert coarse in objs1  # the index itself is named, so a graph dies with it
     # a bound whose half is below the finest tier: no tiers
     assert correspondence_index(coarse, 3 * auto) is coarse
     for ix in (VoxelGridIndex(p, 2 * auto), BruteForceIndex(p), build_index(p, "kdtree")):
@@ -158,6 +167,14 @@ def test_correspondence_index_with_a_device_plan(rng, monkeypatch):
     q = _cloud(200, g) * 1.2 - 0.1
     q[:, 2] *= 0.3
     assert_knn_matches(tiered.nearest_within(q, md), q, p, 1, max_distance=md)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A step like ICP's: the correspondence indexes and the bound are its fields."""
+
+    indexes: tuple
+    max_distance: float
 
 
 # --- query_order ----------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_tiered_index_matches_oracle(rng, device):
     q = (_cloud(150, rng) * 1.2 - 0.1).to(device)
     q[:20] += 0.3  # some far from every point
     for inner in (VoxelGridIndex(p, 0.3), build_index(p, "kdtree"), build_index(p, "ckdtree")):
-        tiers = [VoxelGridIndex(p, c) for c in (0.04, 0.1)]
+        tiers = tuple(VoxelGridIndex(p, c) for c in (0.04, 0.1))
         ix = TieredIndex(inner, tiers)
         assert isinstance(ix, Index) and ix.uses_hint is inner.uses_hint
         hint = _hints(inner, q, 0.25, rng)

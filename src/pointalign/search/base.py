@@ -53,8 +53,15 @@ class Index(Protocol):
 
     """
 
-    points: torch.Tensor
-    uses_hint: bool
+    @property
+    def points(self) -> torch.Tensor:
+        """The ``(M, 3)`` points (read-only for callers)."""
+        ...
+
+    @property
+    def uses_hint(self) -> bool:
+        """Whether :meth:`nearest_within` reads its ``hint``."""
+        ...
 
     def knn(self, query: torch.Tensor, k: int) -> KnnResult:
         """Find the k nearest points of each ``query (N, 3)``: ``dists, idx (N, k)``.

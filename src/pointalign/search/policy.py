@@ -45,6 +45,7 @@ Points in host memory always get SciPy's cKDTree (all cores).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -179,19 +180,19 @@ def wants_tiers(plan: kernels.SearchPlan, index: Index, auto_cell: float) -> boo
 
 
 class _Tiers:
-    """What the tiers of one index keep: its automatic cell, the tier grids, a far point."""
+    """What the tiers of one index keep: its automatic cell and the tier grids built so far."""
 
     def __init__(self, points: torch.Tensor):
         from pointalign.search.grid import auto_cell_size
 
         self.auto_cell = auto_cell_size(points)
         self.grids: dict[float, Any] = {}
-        self.far = torch.full((1, 3), _FAR, dtype=points.dtype, device=points.device)
 
 
-#: per index (weakly: dropped with the index), built once and reused, so that every
-#: :class:`TieredIndex` over one index reads the same tensors (a CUDA graph captured on one
-#: stays valid for the later ones)
+#: per index, weakly (dropped with the index; the grids hold the points, not the index):
+#: built once and reused, so that the :class:`TieredIndex` of every call over one index
+#: reads the same tensors and compares equal (a CUDA graph captured on one is replayed for
+#: the later ones)
 _tier_cache: weakref.WeakKeyDictionary[Any, _Tiers] = weakref.WeakKeyDictionary()
 
 
@@ -234,9 +235,10 @@ def correspondence_index(index: Index, max_distance: float) -> Index:
     for c in cells:
         if c not in cache.grids:
             cache.grids[c] = VoxelGridIndex(pts, c)
-    return TieredIndex(index, [cache.grids[c] for c in cells], far=cache.far)
+    return TieredIndex(index, tuple(cache.grids[c] for c in cells))
 
 
+@dataclasses.dataclass(frozen=True)
 class TieredIndex:
     """An index behind fine voxel grids for ``nearest_within`` (ICP's correspondences).
 
@@ -248,21 +250,28 @@ class TieredIndex:
     Tiers with cells larger than the requested bound are skipped, so the answer equals
     ``index.nearest_within`` for every bound. ``knn`` and ``radius`` go to ``index``.
 
-    Args:
+    A frozen dataclass: two wrappers of the same index and tier grids are equal and hash
+    alike (an executor's graph signature names them by their fields), and the wrapper keeps
+    no state of its own.
+
+    Attributes:
         index: the index behind the tiers.
         tiers: grid indexes over ``index.points``, ascending cell size.
-        far: optional ``(1, 3)`` far-away point in the points' dtype and device (kept by the
-            caller so that every wrapper reads the same tensor).
 
     """
 
-    def __init__(self, index: Index, tiers: list[Any], *, far: torch.Tensor | None = None):
-        self.index = index
-        self.tiers = tuple(tiers)
-        self.points = index.points
-        self.uses_hint = index.uses_hint
-        self._far = far if far is not None else torch.full(
-            (1, 3), _FAR, dtype=self.points.dtype, device=self.points.device)
+    index: Any
+    tiers: tuple[Any, ...]
+
+    @property
+    def points(self) -> torch.Tensor:
+        """The ``(M, 3)`` points of ``index``."""
+        return self.index.points
+
+    @property
+    def uses_hint(self) -> bool:
+        """Whether ``index`` reads hints (passed on to it)."""
+        return bool(self.index.uses_hint)
 
     def __repr__(self) -> str:
         cells = ", ".join(f"{t.cell_size:.4g}" for t in self.tiers)
@@ -291,7 +300,7 @@ class TieredIndex:
                 break
             r = g.nearest_within(q, g.cell_size)
             found = r if found is None else _merge(found, r)
-            q = torch.where(r.idx >= 0, self._far, q)
+            q = torch.where(r.idx >= 0, _FAR, q)
         last = self.index.nearest_within(q, md, hint=hint)
         return last if found is None else _merge(found, last)
 
