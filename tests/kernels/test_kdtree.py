@@ -74,6 +74,13 @@ def test_node_order_is_the_stable_sort_by_node_then_key(dtype, rng):
     assert got.tolist() == want
 
 
+def test_build_auto_is_the_host_build_on_the_cpu(rng):
+    pts = torch.rand(500, 3, generator=rng)
+    a, b = K.build(pts, 5, "auto"), K.build(pts, 5, "host")
+    for name in ("points", "perm", "lo", "hi", "split_axis", "split_value", "start", "end"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_build_rejects_bad_depth():
     with pytest.raises(ValueError, match="depth"):
         K.build(torch.zeros(4, 3), 3)

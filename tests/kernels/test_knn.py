@@ -45,6 +45,21 @@ def test_reference_tie_break_smallest_index():
     assert sorted(i[0].tolist()) == [0, 1, 2, 3]
 
 
+def test_points_layout_and_radius_tiles(rng, dtype):
+    q, p = _cloud(41, rng, dtype), _cloud(157, rng, dtype)
+    layout = knn_mod.points_layout(p)
+    assert layout is None  # the PyTorch path reads the points as they are
+    d, i = knn_mod.knn_tiles(q, p, 3, 0.2**2, points_t=layout)
+    assert_knn_matches((d, i), q, p, 3, max_distance=0.2)
+    # radius_tiles: knn_tiles with the squared radius; the self-query through the feature
+    # kernels' radius search (same contract)
+    rd, ri = knn_mod.radius_tiles(q, p, 0.2, 3)
+    assert torch.equal(rd, d) and torch.equal(ri, i)
+    sd, si = knn_mod.radius_tiles(p, p, 0.15, 40)
+    assert_knn_matches((sd, si), p, p, 40, max_distance=0.15)
+    assert (si[:, 0] == torch.arange(157)).all()  # itself first, at distance 0
+
+
 def test_no_neighbour_and_padding(rng):
     p = _cloud(5, rng) + 10.0
     q = _cloud(4, rng)
@@ -123,6 +138,9 @@ def run_interpreted_cases(out_path: str) -> None:
             out[(name, seed)] = _knn_triton.knn(q, p, k, md2, block_m=bm)
         q, p = _interp_inputs(INTERP_CASES[5], seed)
         out[("dispatch", seed)] = knn_mod.knn_tiles(q, p, 5, 0.15**2)  # via the backend
+        layout = knn_mod.points_layout(p)  # (3, M): the kept copy the kernel reads
+        assert layout is not None and layout.shape == (3, p.shape[0])
+        out[("layout", seed)] = knn_mod.knn_tiles(q, p, 1, 0.15**2, points_t=layout)
     q, p = _interp_ties()
     out["ties1"] = _knn_triton.knn(q, p, 1, block_m=4)
     out["ties3"] = _knn_triton.knn(q, p, 3, block_m=4)
@@ -154,6 +172,7 @@ def test_triton_interpreted_matches_reference(case, seed, interpreted):
 def test_triton_interpreted_dispatch(seed, interpreted):
     q, p = _interp_inputs(INTERP_CASES[5], seed)
     assert_knn_matches(interpreted[("dispatch", seed)], q, p, 5, max_distance=0.15)
+    assert_knn_matches(interpreted[("layout", seed)], q, p, 1, max_distance=0.15)
 
 
 def test_triton_interpreted_ties_keep_smallest_index(interpreted):

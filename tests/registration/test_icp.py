@@ -409,20 +409,6 @@ def test_host_solver_matches_estimate(bunny, seed, plane):
         np.testing.assert_allclose(Dn[1] @ T.double().numpy(), np.eye(4), atol=1e-5)
 
 
-@pytest.mark.gpu
-def test_cuda_default_index_rule():
-    from pointalign.registration import icp as icp_mod
-
-    t = datasets.load_bunny("bun000").cuda()
-    small = icp(t, t, max_correspondence_distance=0.002, criteria=ConvergenceCriteria(2))
-    assert small.info["index"] == "VoxelGridIndex"
-    big = icp(t, t, max_correspondence_distance=0.05, criteria=ConvergenceCriteria(2))
-    from pointalign.search.grid import auto_cell_size
-
-    assert 0.05 > icp_mod.GRID_MAX_RATIO * auto_cell_size(t)
-    assert big.info["index"] in ("KDTreeIndex", "VoxelGridIndex")
-
-
 def test_spatial_order_is_a_permutation(rng):
     from pointalign.registration import icp as icp_mod
 

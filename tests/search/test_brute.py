@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pointalign import _validate
 from pointalign.search import BruteForceIndex
 from pointalign.search.base import Index, KnnResult
 from tests._oracles import assert_knn_matches
@@ -33,9 +34,10 @@ def test_radius_and_nearest_within(rng, device):
     assert_knn_matches(ix.radius(q, 0.12, 9), q, p, 9, max_distance=0.12)
     assert_knn_matches(ix.radius(q, 0.2, 400), q, p, 400, max_distance=0.2)  # > M: padding
     assert_knn_matches(ix.nearest_within(q, 0.03), q, p, 1, max_distance=0.03)
-    for _ in range(2):  # the second call reads the kept structure-of-arrays copy
-        d, i = ix.nearest_within_unchecked(q, 0.03)
-        assert_knn_matches(KnnResult(d[:, None], i[:, None]), q, p, 1, max_distance=0.03)
+    for _ in range(2):  # the trusted path, twice (both calls read the kept layout)
+        with _validate.trusted():
+            res = ix.nearest_within(q, 0.03)
+        assert_knn_matches(res, q, p, 1, max_distance=0.03)
 
 
 def test_duplicates_compare_distances(rng):

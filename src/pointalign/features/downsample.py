@@ -23,6 +23,7 @@ import torch
 from pointalign import _validate
 from pointalign._ops import exclusive_cumsum_rows
 from pointalign.cloud import PointCloud
+from pointalign.kernels import upload
 
 #: largest number of voxels along one axis (the three keys are packed in one int64)
 _MAX_CELLS_PER_AXIS = 1 << 20
@@ -53,7 +54,7 @@ def voxel_keys(points: torch.Tensor, voxel_size: float,
 
     """
     p, lo, hi = bounds(points) if extent is None else extent
-    origin = torch.tensor(lo, dtype=torch.float64).to(p.device, non_blocking=True)
+    origin = upload(lo, dtype=torch.float64, device=p.device)
     # floor is monotone, so the largest cell index is that of the largest coordinate (the
     # host's division may round differently from the device's only at a cell boundary)
     dims = [math.floor((h - o) / voxel_size) + 1 for o, h in zip(lo, hi, strict=True)]

@@ -13,8 +13,8 @@ added. Finally each of the three 11-bin histograms is scaled to sum to 100 (Open
 sum to 200 per histogram, i.e. ours are Open3D's halved; feature-space nearest neighbours
 are unchanged by that uniform scale).
 
-The neighbour table comes from :func:`neighbourhoods` (:meth:`Index.radius`, or the fused
-brute-force radius search for small clouds on a GPU; squared distances, ``-1`` = none);
+The neighbour table comes from :func:`neighbourhoods` (the self-query of :meth:`Index.radius`;
+squared distances, ``-1`` = none);
 the histograms from :mod:`pointalign.kernels.fpfh`. One code path on CPU and GPU.
 """
 
@@ -26,7 +26,6 @@ import torch
 
 from pointalign import _validate
 from pointalign.cloud import PointCloud
-from pointalign.kernels import features as _features
 from pointalign.kernels import fpfh as _kernels
 from pointalign.search.base import KnnResult
 
@@ -38,10 +37,11 @@ def neighbourhoods(points: torch.Tensor, radius: float, max_neighbors: int,
                    index: Any) -> KnnResult:
     """Up to ``max_neighbors`` nearest points within ``radius`` of every one of ``points``.
 
-    The self-query of ``index.radius(points, radius, max_neighbors)``: ``(N, K)`` squared
-    distances ascending and indices (``-1`` = none). A brute-force index (small clouds on a
-    GPU) is answered by :func:`pointalign.kernels.features.radius_neighbours` instead, which
-    has no cap on K in its fused path (FPFH's 100 neighbours).
+    The self-query ``index.radius(points, radius, max_neighbors)``: ``(N, K)`` squared
+    distances ascending and indices (``-1`` = none). Pass the index's own points tensor
+    (``index.points``, or the tensor it was built from without a copy): it is not checked
+    again, and the brute-force index answers that self-query with the fused radius search,
+    which has no cap on K (FPFH's 100 neighbours).
 
     Args:
         points: ``(N, 3)`` float tensor, the points ``index`` was built over.
@@ -50,15 +50,11 @@ def neighbourhoods(points: torch.Tensor, radius: float, max_neighbors: int,
         index: an :class:`~pointalign.search.base.Index` over ``points``.
 
     """
-    from pointalign.search.brute import BruteForceIndex
-
-    if isinstance(index, BruteForceIndex) and index.points.shape == points.shape:
-        return KnnResult(*_features.radius_neighbours(index.points, radius, max_neighbors))
     return index.radius(points, radius, max_neighbors)
 
 
 def restrict(neighbors: KnnResult, radius: float, max_neighbors: int) -> torch.Tensor:
-    """The sub-neighbourhoods within ``radius``, at most ``max_neighbors`` each: ``(N, k)``.
+    """Cut neighbourhoods to ``radius`` and at most ``max_neighbors`` each: ``(N, k)``.
 
     ``neighbors`` must be sorted by distance (as :func:`neighbourhoods` returns them) and
     come from a radius at least ``radius`` and a cap at least ``max_neighbors``; then the

@@ -1,5 +1,5 @@
 """Kernel layer: one entry point per operation family; each dispatches via ``_backend``."""
 
-from pointalign.kernels._backend import backend
+from pointalign.kernels._backend import SearchPlan, backend, search_plan, upload
 
-__all__ = ["backend"]
+__all__ = ["SearchPlan", "backend", "search_plan", "upload"]

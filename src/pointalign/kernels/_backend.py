@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -23,7 +25,7 @@ BACKENDS = ("torch", "triton", "interpret")
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
-    """True when ``import triton`` works."""
+    """Tell whether ``import triton`` works."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -48,6 +50,43 @@ def backend(x: torch.Tensor | None = None) -> str:
     if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
         return "interpret"
     return "torch"
+
+
+class SearchPlan(NamedTuple):
+    """What the kernel layer offers nearest-neighbour search for points on one device.
+
+    Exported as ``pointalign.kernels.SearchPlan``; :mod:`pointalign.search.policy` turns it
+    into the choice of index and of the fine grid tiers, and never looks at devices or
+    backends itself.
+
+    Attributes:
+        host_tree: the points live in host memory, where SciPy's cKDTree (built and queried
+            on all cores) is the fastest exact search; the fused kernels do not run there
+            (except through the slow Triton interpreter).
+        fused: the Triton search kernels run for these points (CUDA, or the interpreter
+            under ``TRITON_INTERPRET=1``): brute force, the voxel grid and the k-d tree are
+            single fused kernels whose cost follows the work per query, so fine grids in
+            front of an index ("tiers") can pay; with the PyTorch references they do not.
+
+    """
+
+    host_tree: bool
+    fused: bool
+
+
+def search_plan(points: torch.Tensor) -> SearchPlan:
+    """Return the :class:`SearchPlan` for ``points (M, 3)`` (reads their device only; no sync)."""
+    return SearchPlan(host_tree=points.device.type == "cpu", fused=backend(points) != "torch")
+
+
+def upload(values: Sequence[float], *, dtype: torch.dtype,
+           device: torch.device | str) -> torch.Tensor:
+    """Copy a small host list to ``device`` as a 1-D ``dtype`` tensor.
+
+    On a GPU the copy is enqueued without waiting for the device (``non_blocking``); stream
+    order keeps every later kernel behind it. On the CPU it is a plain tensor.
+    """
+    return torch.tensor(list(values), dtype=dtype).to(device, non_blocking=True)
 
 
 def describe() -> dict[str, str]:

@@ -2,13 +2,15 @@
 
 One query per lane, ``BLOCK`` lanes per program. Queries are first sorted by cell key so
 the lanes of a program visit the same cells (coherent loads, similar loop lengths); results
-are scattered back. For each of the 9 ``(i, j)`` columns a lane reads its contiguous range
+are scattered back (``sort_queries=False`` skips that for queries already in a coherent
+order). For each of the 9 ``(i, j)`` columns a lane reads its contiguous range
 ``cell_start[key(i, j, l - 1)] .. cell_start[key(i, j, l + 1) + 1]`` and walks it, keeping
 the best by (squared distance, original index): a running minimum for ``k == 1`` (``U``
-candidates per lane per step, so that their loads overlap), a running top-k (replace the worst kept entry) for ``k <= 32``. Cell coordinates are
-computed in float64 from the grid's ``params``; distances in the input dtype; offsets in
-int64; every load masked. Rows are sorted by (distance, index) afterwards for ``k > 1``.
-Kernels are decorated on first use per mode (compiled / ``TRITON_INTERPRET=1``).
+candidates per lane per step, so that their loads overlap), a running top-k (replace the
+worst kept entry) for ``k <= 32``. Cell coordinates are computed in float64 from the grid's
+``params``; distances in the input dtype; offsets in int64; every load masked. Rows are
+sorted by (distance, index) afterwards for ``k > 1``. Kernels are decorated on first use
+per mode (compiled / ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -160,10 +162,9 @@ def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = N
     out_i = torch.empty((n, k), dtype=torch.int64, device=q.device)
     has_max = max_distance_sq is not None
     bl = block or (128 if k == 1 else 32)
-    dims = torch.tensor(g.dims, dtype=torch.int64, device=q.device)
     grid = (max(1, -(-n // bl)),)
-    _kernel()[grid](q, g.params, dims, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
-                    n, m, float(max_distance_sq) if has_max else 0.0,
+    _kernel()[grid](q, g.params, g.dims_dev, g.cell_start, g.sorted_points, g.sorted_idx,
+                    out_d, out_i, n, m, float(max_distance_sq) if has_max else 0.0,
                     HAS_MAX=has_max, K=k, KP=kp, BLOCK=bl, U=NN_UNROLL, num_warps=4)
     if k > 1:
         out_d, out_i = _sort_rows(out_d, out_i)

@@ -42,6 +42,8 @@ class GridData(NamedTuple):
         cell_start: ``(nx * ny * nz + 1,)`` int32, sorted-order start of each cell.
         sorted_points: ``(3, M)`` coordinates in key order, structure of arrays.
         sorted_idx: ``(M,)`` int32 original index of each sorted point.
+        dims_dev: ``(3,)`` int64 ``dims`` on the points' device (read by the kernel, so a
+            query needs no host-to-device copy: no synchronisation, graph capture safe).
 
     """
 
@@ -51,6 +53,16 @@ class GridData(NamedTuple):
     cell_start: torch.Tensor
     sorted_points: torch.Tensor
     sorted_idx: torch.Tensor
+    dims_dev: torch.Tensor
+
+    @property
+    def radius(self) -> float:
+        """The certified radius: every point within it of a query is in the query's 27 cells.
+
+        The cell edge without the safety margin (the ``cell_size`` the grid was built for, or
+        larger when ``max_cells`` forced larger cells).
+        """
+        return self.cell / (1 + _CELL_MARGIN)
 
 
 def grid_build(points: torch.Tensor, cell_size: float, *,
@@ -89,7 +101,8 @@ def grid_build(points: torch.Tensor, cell_size: float, *,
     torch.cumsum(counts, 0, out=cell_start[1:])
     params = torch.cat([lo, lo.new_tensor([1.0 / cell])])
     return GridData(params, cell, (nx, ny, nz), cell_start.to(torch.int32),
-                    points[order].t().contiguous(), order.to(torch.int32))
+                    points[order].t().contiguous(), order.to(torch.int32),
+                    torch.tensor(dims, dtype=torch.int64).to(points.device))
 
 
 def _query_cells(g: GridData, query: torch.Tensor) -> torch.Tensor:
@@ -127,7 +140,8 @@ def _ranges(g: GridData, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def grid_query(g: GridData, query: torch.Tensor, k: int,
-               max_distance_sq: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               max_distance_sq: float | None = None, *,
+               sort_queries: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """K nearest points of each query among the 27 cells around it.
 
     Args:
@@ -135,6 +149,10 @@ def grid_query(g: GridData, query: torch.Tensor, k: int,
         query: ``(N, 3)`` float tensor, dtype and device of the grid's points.
         k: neighbours per query (>= 1).
         max_distance_sq: optional inclusive bound on squared distances.
+        sort_queries: the Triton path visits the queries grouped by cell (one sort, results
+            scattered back). ``False`` takes them in the given order: one kernel launch and
+            nothing else for ``k == 1`` (no synchronisation, capture safe); for callers whose
+            queries are already in a spatially coherent order (:func:`morton_order`).
 
     Returns:
         ``(dists_sq (N, k), idx (N, k) int64)`` ascending, ``inf`` / ``-1`` where fewer than
@@ -159,8 +177,28 @@ def grid_query(g: GridData, query: torch.Tensor, k: int,
     if be in ("triton", "interpret") and k <= 32:
         from pointalign.kernels import _grid_triton
 
-        return _grid_triton.grid_query(g, query, k, max_distance_sq)
+        return _grid_triton.grid_query(g, query, k, max_distance_sq, sort_queries=sort_queries)
     return grid_query_reference(g, query, k, max_distance_sq)
+
+
+def morton_order(points: torch.Tensor) -> torch.Tensor:
+    """Permutation ``(N,)`` int64 sorting ``points (N, 3)`` along a Morton (Z-order) curve.
+
+    10 bits per axis over the bounding box (one sort; no synchronisation). Queries taken in
+    this order are spatially coherent: neighbouring lanes of the search kernels visit the
+    same cells or tree nodes.
+    """
+    lo = points.amin(0)
+    span = (points.amax(0) - lo).amax().clamp_min(1e-30)
+    q = ((points - lo) / span * 1023).clamp(0, 1023).to(torch.int64)
+
+    def spread(v: torch.Tensor) -> torch.Tensor:
+        v = (v | (v << 16)) & 0x030000FF
+        v = (v | (v << 8)) & 0x0300F00F
+        v = (v | (v << 4)) & 0x030C30C3
+        return (v | (v << 2)) & 0x09249249
+
+    return torch.argsort(spread(q[:, 0]) | (spread(q[:, 1]) << 1) | (spread(q[:, 2]) << 2))
 
 
 def grid_query_reference(g: GridData, query: torch.Tensor, k: int,

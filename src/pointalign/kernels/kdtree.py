@@ -119,10 +119,15 @@ def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays
     coordinate; see :func:`_node_order`).
     ``where="host"``: the same algorithm in NumPy (``lexsort``), copied back. Both give the same
     tree up to the order of points with equal coordinates.
+    ``where="auto"``: ``"device"`` for points on a GPU, ``"host"`` for points in host memory
+    (NumPy's lexsort beat torch's scatter-reduce and two sorts per level by about 2x on the
+    CPU; see ``benchmarks/bench_kdtree.py``).
     """
     m = points.shape[0]
     if depth < 0 or 2**depth > m:
         raise ValueError(f"depth: must satisfy 0 <= depth and 2**depth <= {m}, got {depth}")
+    if where == "auto":
+        where = "host" if points.device.type == "cpu" else "device"
     if where == "device":
         perm, axes, splits, pts = _build_torch(points, depth)
     elif where == "host":
@@ -132,7 +137,7 @@ def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays
         splits = torch.from_numpy(splits_np).to(device=points.device, dtype=points.dtype)
         pts = points[perm]
     else:
-        raise ValueError(f"where: must be 'device' or 'host', got {where!r}")
+        raise ValueError(f"where: must be 'device', 'host' or 'auto', got {where!r}")
     pts = pts.contiguous()
     ranges = node_ranges(m, depth, points.device)
     lo, hi = _node_boxes(pts, depth)

@@ -55,8 +55,21 @@ def _check(query: torch.Tensor, points: torch.Tensor, k: int,
         raise ValueError(f"max_distance_sq: must be > 0, got {max_distance_sq}")
 
 
+def points_layout(points: torch.Tensor) -> torch.Tensor | None:
+    """Make the copy of ``points (M, 3)`` the fused kernel reads, for callers that keep it.
+
+    ``(3, M)`` contiguous (structure of arrays) where the Triton path runs, else ``None``;
+    pass it to :func:`knn_tiles` / :func:`radius_tiles` as ``points_t`` so that a query makes
+    no copy of the points (one launch fewer per call).
+    """
+    if backend(points) in ("triton", "interpret"):
+        return points.t().contiguous()
+    return None
+
+
 def knn_tiles(query: torch.Tensor, points: torch.Tensor, k: int,
-              max_distance_sq: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              max_distance_sq: float | None = None, *,
+              points_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact k nearest ``points`` of every ``query`` row by tiled brute force.
 
     ``dists_sq[i, r]`` is the r-th smallest ``||query_i - points_j||^2`` over ``j`` (limited to
@@ -67,9 +80,14 @@ def knn_tiles(query: torch.Tensor, points: torch.Tensor, k: int,
         points: ``(M, 3)`` float tensor, same dtype and device as ``query``.
         k: neighbours per query, >= 1 (``k > M`` pads with ``inf`` / ``-1``).
         max_distance_sq: optional bound on the **squared** distance (inclusive).
+        points_t: :func:`points_layout` of ``points`` when the caller keeps it (read by the
+            Triton path; ignored by the reference).
 
     Returns:
         ``(dists_sq (N, k), idx (N, k) int64)``; see the module docstring for ties/padding.
+
+    Only metadata is checked (no synchronisation): with ``k == 1`` on the Triton path a call
+    is two allocations and one launch, safe inside CUDA-graph capture.
 
     Dispatch: Triton on CUDA (and under ``TRITON_INTERPRET=1``) for ``k <= 32``; the chunked
     PyTorch reference :func:`knn_reference` otherwise (also for ``k > 32`` on CUDA), whose
@@ -85,7 +103,7 @@ def knn_tiles(query: torch.Tensor, points: torch.Tensor, k: int,
     if be in ("triton", "interpret") and k <= MAX_TRITON_K:
         from pointalign.kernels import _knn_triton
 
-        return _knn_triton.knn(query, points, k, max_distance_sq)
+        return _knn_triton.knn(query, points, k, max_distance_sq, points_t=points_t)
     # out of device memory: retry with tiles a quarter the size, down to 2^16 pairs
     tile = _TILE_PAIRS
     while True:
@@ -97,6 +115,25 @@ def knn_tiles(query: torch.Tensor, points: torch.Tensor, k: int,
             tile //= 4
             if query.is_cuda:
                 torch.cuda.empty_cache()
+
+
+def radius_tiles(query: torch.Tensor, points: torch.Tensor, radius: float, k: int, *,
+                 points_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``k`` nearest ``points`` within ``radius`` (not squared) of every ``query`` row.
+
+    :func:`knn_tiles` with ``max_distance_sq = radius**2``, same results and padding. The
+    self-query (``query`` is ``points``: the same memory, shape and strides; FPFH asks it)
+    goes to :func:`pointalign.kernels.features.radius_neighbours`, whose Triton path has no
+    cap on ``k`` (FPFH keeps 100 neighbours; :func:`knn_tiles` fuses only ``k <= 32``).
+    """
+    if query is points or (
+            query.data_ptr() == points.data_ptr() and query.shape == points.shape
+            and query.stride() == points.stride() and query.dtype == points.dtype
+            and query.device == points.device):
+        from pointalign.kernels.features import radius_neighbours
+
+        return radius_neighbours(points, radius, k)
+    return knn_tiles(query, points, k, float(radius) ** 2, points_t=points_t)
 
 
 def _sort_rows(d: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,21 +138,15 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
     """
     s, p = T.shape[0], points.shape[0]
     step = max(1, _SCORE_QUERIES // max(p, 1))
-    # the k-d tree's fast path skips grouping the queries by leaf, which scattered
-    # hypotheses need: it keeps the checked path
-    fast = None if getattr(index, "supports_hint", False) else \
-        getattr(index, "nearest_within_unchecked", None)
     parts = []
     for a in range(0, s, step):
         b = min(s, a + step)
         q = _k.transform_points(T[a:b], points).reshape(-1, 3)
-        # finite points moved by finite motions: no checks (the index's fast path if any)
-        if callable(fast) and q.dtype == index.points.dtype:
-            dist, idx = fast(q, max_distance)
-        else:
-            with _validate.trusted():
-                res = index.nearest_within(q, max_distance)
-            dist, idx = res.dists[:, 0], res.idx[:, 0]
+        # finite points moved by finite motions: the index's trusted path (no checks; no
+        # hint, so a k-d tree groups these scattered queries by leaf first)
+        with _validate.trusted():
+            res = index.nearest_within(q, max_distance)
+        dist, idx = res.dists[:, 0], res.idx[:, 0]
         idx = idx.view(b - a, p)
         hit = idx >= 0
         d2 = torch.where(hit, dist.view(b - a, p), 0.0)

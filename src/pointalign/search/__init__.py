@@ -1,8 +1,10 @@
 """Nearest-neighbour search: indexes behind one protocol, and :func:`build_index`.
 
 Every index implements :class:`~pointalign.search.base.Index` (``knn``, ``radius``,
-``nearest_within``) and returns :class:`~pointalign.search.base.KnnResult` with squared
-distances and ``-1`` for "no neighbour".
+``nearest_within`` with an optional hint, ``uses_hint``, ``points``) and returns
+:class:`~pointalign.search.base.KnnResult` with squared distances and ``-1`` for "no
+neighbour". Which index serves a cloud is decided in one place,
+:mod:`pointalign.search.policy`; the indexes call only the kernel layer's entry points.
 """
 
 from __future__ import annotations
@@ -13,17 +15,10 @@ import torch
 
 from pointalign import _validate
 from pointalign.search import _checks
+from pointalign.search import policy as _policy
 from pointalign.search.base import Index, KnnResult
 from pointalign.search.brute import BruteForceIndex
-
-#: On CUDA, "auto" picks brute force up to this many target points (no build cost, and the
-#: fused kernel beats tree traversal there); tuned from benchmarks/bench_knn.py.
-AUTO_BRUTE_MAX_POINTS = 20_000
-
-#: "auto" uses the grid only when the cloud spans at least this many cells along its longest
-#: axis: with fewer, the 27 cells around a query hold a large share of the cloud and the
-#: fused brute force / k-d tree do less work (a guess to tune from benchmarks/bench_knn.py).
-AUTO_GRID_MIN_CELLS = 8
+from pointalign.search.policy import AUTO_BRUTE_MAX_POINTS, choose_index
 
 METHODS = ("auto", "brute", "grid", "kdtree", "ckdtree")
 
@@ -66,10 +61,11 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
     * ``"kdtree"``: :class:`pointalign.search.kdtree.KDTreeIndex` (flat k-d tree on device).
     * ``"ckdtree"``: :class:`~pointalign.search.ckdtree.CKDTreeIndex`, SciPy's cKDTree on the
       host with all cores; results come back on the points' device.
-    * ``"auto"``: points on the CPU -> ``"ckdtree"``; on a GPU -> ``"grid"`` when
-      ``cell_size`` or ``max_distance`` is given and the cloud spans at least
-      ``AUTO_GRID_MIN_CELLS`` such cells, else ``"brute"`` when ``M <= AUTO_BRUTE_MAX_POINTS``,
-      else ``"kdtree"`` when it imports, else ``"grid"`` (automatic cell).
+    * ``"auto"``: :func:`pointalign.search.policy.choose_index` with ``max_distance`` (or
+      ``cell_size``, which then also sets the grid's cells): SciPy's cKDTree for points in
+      host memory; on a GPU a voxel grid when that distance is at most ``GRID_MAX_RATIO``
+      (8) automatic cells, else brute force up to ``AUTO_BRUTE_MAX_POINTS`` points, else
+      the k-d tree.
 
     Args:
         points: ``(M, 3)`` array, tensor or PointCloud; non-empty and finite.
@@ -92,21 +88,7 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
         max_distance = _checks.check_distance(max_distance, "max_distance")
     pts = _checks.index_points(points, device=device)
     if method == "auto":
-        cs = cell_size if cell_size is not None else max_distance
-        on_cpu = pts.device.type == "cpu"
-        span = float((pts.amax(0) - pts.amin(0)).max()) if cs is not None and not on_cpu else 0.0
-        if on_cpu:
-            method = "ckdtree"
-        elif cs is not None and span >= AUTO_GRID_MIN_CELLS * cs:
-            method = "grid"
-        elif pts.shape[0] <= AUTO_BRUTE_MAX_POINTS:
-            method = "brute"
-        else:
-            try:
-                _kdtree_class()
-                method = "kdtree"
-            except ValueError:
-                method, cell_size, max_distance = "grid", None, None
+        return _policy._choose(pts, cell_size if cell_size is not None else max_distance, **kw)
     if method == "brute":
         return BruteForceIndex(pts, **kw)
     if method == "ckdtree":
@@ -120,5 +102,5 @@ def build_index(points: Any, method: str = "auto", *, cell_size: float | None = 
     return _kdtree_class()(pts, **kw)
 
 
-__all__ = ["AUTO_BRUTE_MAX_POINTS", "AUTO_GRID_MIN_CELLS", "METHODS", "BruteForceIndex",
-           "CKDTreeIndex", "Index", "KnnResult", "VoxelGridIndex", "build_index"]
+__all__ = ["AUTO_BRUTE_MAX_POINTS", "METHODS", "BruteForceIndex", "CKDTreeIndex", "Index",
+           "KnnResult", "VoxelGridIndex", "build_index", "choose_index"]

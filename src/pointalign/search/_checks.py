@@ -11,16 +11,19 @@ from pointalign import _validate
 
 def index_points(points: Any, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The ``points (M, 3)`` an index is built over: non-empty, finite, float, contiguous."""
+    """Check the ``points (M, 3)`` of an index: non-empty, finite, float, contiguous."""
     return _validate.as_points(points, "points", device=device, dtype=dtype).contiguous()
 
 
 def query_points(query: Any, like: torch.Tensor) -> torch.Tensor:
-    """``query (N, 3)`` on ``like``'s device, cast to its dtype; N may be 0.
+    """Check ``query (N, 3)``: on ``like``'s device, cast to its dtype; N may be 0.
 
     A tensor on another device than the index is an error (no silent copies); NumPy input is
-    moved to the index's device.
+    moved to the index's device. The index's own points (``query is like``, a self-query)
+    were checked when the index was built and are returned as they are.
     """
+    if query is like:
+        return like
     if isinstance(query, torch.Tensor):
         if query.device != like.device:
             raise ValueError(
@@ -36,7 +39,7 @@ def query_points(query: Any, like: torch.Tensor) -> torch.Tensor:
 
 
 def check_k(k: Any, m: int, name: str = "k", *, allow_more: bool = False) -> int:
-    """An integer ``k >= 1``; ``k > m`` (more than the index holds) is an error unless allowed."""
+    """Check an integer ``k >= 1``; ``k > m`` (more than the index holds) fails unless allowed."""
     if isinstance(k, bool) or not isinstance(k, int):
         try:
             import numpy as np
@@ -55,5 +58,29 @@ def check_k(k: Any, m: int, name: str = "k", *, allow_more: bool = False) -> int
 
 
 def check_distance(value: Any, name: str) -> float:
-    """A finite distance > 0 (ValueError naming the argument otherwise)."""
+    """Check a finite distance > 0 (ValueError naming the argument otherwise)."""
     return _validate.positive(value, name)
+
+
+def check_hint(hint: Any, n: int, like: torch.Tensor, *, values: bool) -> torch.Tensor | None:
+    """Check a ``hint (N,)`` int64 tensor on ``like``'s device (None passes).
+
+    Shape, dtype and device are always checked (``ValueError``/``TypeError`` naming
+    ``hint``); with ``values`` (an index that reads the hint, outside ``trusted()``) also that
+    every entry is ``-1`` or a valid index into the ``M`` points (one synchronisation).
+    """
+    if hint is None:
+        return None
+    if not isinstance(hint, torch.Tensor):
+        raise TypeError(f"hint: expected an int64 tensor, got {type(hint).__name__}")
+    if hint.dtype != torch.int64:
+        raise TypeError(f"hint: expected dtype int64, got {hint.dtype}")
+    if hint.shape != (n,):
+        raise ValueError(f"hint: expected shape ({n},), got {tuple(hint.shape)}")
+    if hint.device != like.device:
+        raise ValueError(f"hint: on {hint.device} but the index is on {like.device}")
+    if values and not _validate.is_trusted() and n:
+        m = like.shape[0]
+        if not bool(((hint >= -1) & (hint < m)).all()):
+            raise ValueError(f"hint: entries must be -1 or indices in [0, {m})")
+    return hint

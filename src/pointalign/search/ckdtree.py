@@ -28,7 +28,11 @@ class CKDTreeIndex:
         leafsize: cKDTree leaf size.
         workers: threads for queries (-1: all cores).
 
+    ``nearest_within`` ignores ``hint``.
+
     """
+
+    uses_hint = False
 
     def __init__(self, points: Any, *, device: str | torch.device | None = None,
                  leafsize: int = 16, workers: int = -1):
@@ -42,8 +46,8 @@ class CKDTreeIndex:
     def __repr__(self) -> str:
         return f"CKDTreeIndex(M={self.points.shape[0]}, device={self.points.device})"
 
-    def _query(self, query: Any, k: int, max_distance: float | None) -> KnnResult:
-        q = _checks.query_points(query, self.points)
+    def _query(self, q: torch.Tensor, k: int, max_distance: float | None) -> KnnResult:
+        """Search checked queries ``q (N, 3)`` (see :func:`_checks.query_points`)."""
         n, m = q.shape[0], self.points.shape[0]
         dev, dt = self.points.device, self.points.dtype
         if n == 0:
@@ -83,18 +87,25 @@ class CKDTreeIndex:
         return KnnResult(d.to(dev), idx.to(dev))
 
     def knn(self, query: Any, k: int) -> KnnResult:
-        """The k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
+        """Find the k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
         k = _checks.check_k(k, self.points.shape[0])
-        return self._query(query, k, None)
+        return self._query(_checks.query_points(query, self.points), k, None)
 
     def radius(self, query: Any, r: float, max_neighbors: int) -> KnnResult:
         """Up to ``max_neighbors`` nearest points within distance ``r``: ``(N, max_neighbors)``."""
         r = _checks.check_distance(r, "r")
         k = _checks.check_k(max_neighbors, self.points.shape[0], "max_neighbors",
                             allow_more=True)
-        return self._query(query, k, r)
+        return self._query(_checks.query_points(query, self.points), k, r)
 
-    def nearest_within(self, query: Any, max_distance: float) -> KnnResult:
-        """Nearest point within ``max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none."""
+    def nearest_within(self, query: Any, max_distance: float, *,
+                       hint: torch.Tensor | None = None) -> KnnResult:
+        """Nearest point within ``max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none.
+
+        ``hint`` is ignored. The search runs on the host: a query on a GPU is copied there
+        and back (synchronising), also inside :func:`~pointalign._validate.trusted`.
+        """
         md = _checks.check_distance(max_distance, "max_distance")
-        return self._query(query, 1, md)
+        q = _checks.query_points(query, self.points)
+        _checks.check_hint(hint, q.shape[0], self.points, values=False)
+        return self._query(q, 1, md)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pointalign import _validate
 from pointalign.kernels import grid as _grid
 from pointalign.kernels import knn as _knn
 from pointalign.search import _checks
@@ -36,7 +37,7 @@ from pointalign.search.base import KnnResult
 
 
 def auto_cell_size(points: torch.Tensor, per_cell: float = 4.0) -> float:
-    """A cell edge giving about ``per_cell`` points per occupied cell.
+    """Choose a cell edge giving about ``per_cell`` points per occupied cell.
 
     Starts from the bounding box volume per point (``(V / M)^(1/3) * per_cell^(1/3)``), then
     corrects once by the measured occupancy assuming the points lie on surfaces
@@ -76,9 +77,12 @@ class VoxelGridIndex:
         cell_size: the certified radius: every point this close to a query is in its 27
             cells (the requested size, or larger when ``max_cells`` forced it).
 
-    ``knn`` with ``k > M`` raises ``ValueError``; ``radius`` pads with ``inf`` / ``-1``.
+    ``knn`` with ``k > M`` raises ``ValueError``; ``radius`` pads with ``inf`` / ``-1``;
+    ``nearest_within`` ignores ``hint``.
 
     """
+
+    uses_hint = False
 
     #: Each fallback level's cells are this many times larger than the previous level's.
     LEVEL_FACTOR = 2
@@ -93,7 +97,7 @@ class VoxelGridIndex:
             cell_size = _checks.check_distance(cell_size, "cell_size")
         self._max_cells = max_cells
         self.grid = _grid.grid_build(self.points, cell_size, max_cells=max_cells)
-        self.cell_size = self.grid.cell / (1 + _grid._CELL_MARGIN)
+        self.cell_size = self.grid.radius
         self._grids: dict[float, _grid.GridData] = {}
         self._fine_cell: float | None = None
         occupied = int((self.grid.cell_start[1:] > self.grid.cell_start[:-1]).sum())
@@ -103,44 +107,51 @@ class VoxelGridIndex:
         return (f"VoxelGridIndex(M={self.points.shape[0]}, cell_size={self.cell_size:.4g}, "
                 f"dims={self.grid.dims}, device={self.points.device})")
 
-    def _grid_for(self, cell: float) -> tuple[_grid.GridData, float]:
-        """Get a grid with cells of at least ``cell`` and its certified radius (cached)."""
+    def _grid_for(self, cell: float) -> _grid.GridData:
+        """Get a grid with cells of at least ``cell`` (built on first use; up to 8 kept)."""
         if cell == self.cell_size:
-            return self.grid, self.cell_size
+            return self.grid
         if cell not in self._grids:
             if len(self._grids) >= 8:
                 self._grids.pop(next(iter(self._grids)))
             self._grids[cell] = _grid.grid_build(self.points, cell, max_cells=self._max_cells)
-        g = self._grids[cell]
-        return g, g.cell / (1 + _grid._CELL_MARGIN)
+        return self._grids[cell]
+
+    def _bounded_grid(self, bound: float) -> _grid.GridData:
+        """Pick the grid that answers a search bounded by ``bound`` exactly in one pass.
+
+        A bound larger than the cell size: a grid with cells of the bound. A bound of at most
+        half the cell size: a finer grid (cells halved, not below the density-based size, so
+        a shrinking ICP schedule builds at most a few grids), when its certified radius still
+        covers the bound. Otherwise the grid itself.
+        """
+        if bound > self.cell_size:
+            return self._grid_for(bound)
+        if bound <= self.cell_size / 2:
+            if self._fine_cell is None:
+                self._fine_cell = auto_cell_size(self.points)
+            j = int(math.floor(math.log2(self.cell_size / max(bound, self._fine_cell))))
+            if j >= 1:
+                g = self._grid_for(self.cell_size / 2**j)
+                if g.radius >= bound:
+                    return g
+        return self.grid
 
     def _search(self, q: torch.Tensor, k: int, bound: float | None) -> KnnResult:
-        b2 = None if bound is None else bound * bound
-        if bound is not None and bound > self.cell_size:
-            # a grid with cells of the bound answers every query in one pass
-            return KnnResult(*_grid.grid_query(self._grid_for(bound)[0], q, k, b2))
         if bound is not None:
-            # much smaller bounds scan a finer grid (cells halved, not below the density-based
-            # size, so a shrinking ICP schedule builds at most a few grids)
-            g = self.grid
-            if bound <= self.cell_size / 2:
-                if self._fine_cell is None:
-                    self._fine_cell = auto_cell_size(self.points)
-                j = int(math.floor(math.log2(self.cell_size / max(bound, self._fine_cell))))
-                if j >= 1:
-                    g, radius = self._grid_for(self.cell_size / 2**j)
-                    g = g if radius >= bound else self.grid
-            return KnnResult(*_grid.grid_query(g, q, k, b2))
+            return KnnResult(*_grid.grid_query(self._bounded_grid(bound), q, k, bound * bound))
         # k nearest: start with cells expected to hold about 1.5 k points within one edge
         # (occupied cells as surface patches: about 3 x occupancy points per edge radius)
         f = max(1.0, math.sqrt(k / (2.0 * self._occupancy)))
-        g, radius = self._grid_for(self.cell_size * f)
+        g = self._grid_for(self.cell_size * f)
+        radius = g.radius
         d, i = _grid.grid_query(g, q, k, None)
         # certified where the k-th found neighbour is within the certified radius; the
         # others go to grids with cells twice as large, then to brute force
         rows = (~(d[:, k - 1] <= radius**2)).nonzero().squeeze(1)
         while rows.numel():
-            g, radius = self._grid_for(radius * self.LEVEL_FACTOR)
+            g = self._grid_for(radius * self.LEVEL_FACTOR)
+            radius = g.radius
             if max(g.dims) <= 2:
                 bd, bi = _knn.knn_tiles(q[rows], self.points, k, None)
                 d, i = d.index_copy(0, rows, bd), i.index_copy(0, rows, bi)
@@ -150,50 +161,8 @@ class VoxelGridIndex:
             rows = rows[~(bd[:, k - 1] <= radius**2)]
         return KnnResult(d, i)
 
-    def nearest_within_unchecked(self, query: torch.Tensor, max_distance: float
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ICP's fast path of :meth:`nearest_within`: ``(dists (N,), idx (N,))`` (-1 = none).
-
-        No argument checks and no host synchronisation (the grid's ``dims`` are cached on the
-        device; the queries are not re-sorted, so pass them in a spatially coherent order for
-        speed). ``query`` must be a finite contiguous ``(N, 3)`` tensor of the points' dtype
-        and device and ``max_distance > 0``. Falls back to :meth:`nearest_within` off the
-        Triton path.
-        """
-        from pointalign.kernels._backend import backend
-
-        md = float(max_distance)
-        n = query.shape[0]
-        if n == 0 or backend(query) == "torch":
-            r = self.nearest_within(query, md)
-            return r.dists[:, 0], r.idx[:, 0]
-        if md > self.cell_size:
-            g = self._grid_for(md)[0]
-        else:
-            g = self.grid
-            if md <= self.cell_size / 2:
-                if self._fine_cell is None:
-                    self._fine_cell = auto_cell_size(self.points)
-                j = int(math.floor(math.log2(self.cell_size / max(md, self._fine_cell))))
-                if j >= 1:
-                    g2, radius = self._grid_for(self.cell_size / 2**j)
-                    g = g2 if radius >= md else self.grid
-        cache = self.__dict__.setdefault("_dims_dev", {})
-        dims = cache.get(g.cell)
-        if dims is None:
-            dims = cache[g.cell] = torch.tensor(g.dims, dtype=torch.int64, device=query.device)
-        from pointalign.kernels import _grid_triton
-
-        out_d = torch.empty((n, 1), dtype=query.dtype, device=query.device)
-        out_i = torch.empty((n, 1), dtype=torch.int64, device=query.device)
-        _grid_triton._kernel()[(-(-n // 128),)](
-            query, g.params, dims, g.cell_start, g.sorted_points, g.sorted_idx, out_d, out_i,
-            n, g.sorted_points.shape[1], md * md, HAS_MAX=True, K=1, KP=1, BLOCK=128,
-            U=_grid_triton.NN_UNROLL, num_warps=4)
-        return out_d[:, 0], out_i[:, 0]
-
     def knn(self, query: Any, k: int) -> KnnResult:
-        """The k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
+        """Find the k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
         k = _checks.check_k(k, self.points.shape[0])
         q = _checks.query_points(query, self.points)
         return self._search(q, k, None)
@@ -209,11 +178,18 @@ class VoxelGridIndex:
         q = _checks.query_points(query, self.points)
         return self._search(q, k, r)
 
-    def nearest_within(self, query: Any, max_distance: float) -> KnnResult:
+    def nearest_within(self, query: Any, max_distance: float, *,
+                       hint: torch.Tensor | None = None) -> KnnResult:
         """Nearest point with ``||q - p|| <= max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none.
 
-        One pass over the 27 cells when ``max_distance <= cell_size`` (the fast path for ICP).
+        One pass over the 27 cells of the grid that covers the bound (the fast path for ICP
+        when ``max_distance <= cell_size``). Inside :func:`~pointalign._validate.trusted`: no
+        argument checks and, on the GPU, one kernel launch over the queries in the given
+        order (no sort by cell, no synchronisation once the grid for this bound exists; pass
+        the queries in a spatially coherent order). ``hint`` is ignored.
         """
         md = _checks.check_distance(max_distance, "max_distance")
         q = _checks.query_points(query, self.points)
-        return self._search(q, 1, md)
+        _checks.check_hint(hint, q.shape[0], self.points, values=False)
+        return KnnResult(*_grid.grid_query(self._bounded_grid(md), q, 1, md * md,
+                                           sort_queries=not _validate.is_trusted()))

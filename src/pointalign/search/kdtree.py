@@ -38,9 +38,8 @@ class KDTreeIndex:
         depth: number of split levels D (leaves at level D, ``2^D`` leaves); clamped to
             ``2^D <= M`` so that no node is empty. Overrides ``leaf_size``.
         build: ``"device"`` (torch sorts on the points' device), ``"host"`` (NumPy, then copied)
-            or ``"auto"``: ``"device"`` for CUDA points, ``"host"`` for CPU points (NumPy's
-            lexsort beat torch's scatter-reduce + two sorts per level by about 2x on the CPU;
-            see ``benchmarks/bench_kdtree.py``).
+            or ``"auto"``: the kernel layer's choice for the points' device (see
+            :func:`pointalign.kernels.kdtree.build`).
         device: where the tree lives (default: the points' device).
 
     Attributes:
@@ -54,8 +53,8 @@ class KDTreeIndex:
 
     """
 
-    #: :meth:`nearest_within_unchecked` takes a ``hint`` (ICP passes its last correspondences)
-    supports_hint = True
+    #: :meth:`nearest_within` reads its ``hint`` (ICP passes its last correspondences)
+    uses_hint = True
 
     def __init__(self, points: Any, *, leaf_size: int = 16, depth: int | None = None,
                  build: str = "auto", device: str | torch.device | None = None):
@@ -73,12 +72,15 @@ class KDTreeIndex:
             if int(depth) < 0:
                 raise ValueError(f"depth: must be >= 0, got {depth}")
             d = min(int(depth), int(math.floor(math.log2(m))))
-        where = build if build != "auto" else ("device" if dev.type == "cuda" else "host")
-        self._tree = _k.build(pts, d, where)
+        self._tree = _k.build(pts, d, build)
         self.points = pts
         self.leaf_size = self._tree.max_leaf_size
         self._payloads: dict[str, torch.Tensor] = {}
-        self._inv_perm: torch.Tensor | None = None  # original index -> tree position (hints)
+        # original index -> tree position: the kernel maps hints in and answers out with it
+        perm = self._tree.perm
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.shape[0], device=perm.device)
+        self._ids = (perm, inv)
 
     # ------------------------------------------------------------------ structure
     @property
@@ -229,32 +231,25 @@ class KDTreeIndex:
         d2, pos = _k.knn(self._tree, self._query(query), k, max_dist2=float(r) ** 2)
         return self._result(d2, pos)
 
-    def nearest_within(self, query: Any, max_distance: float) -> KnnResult:
-        """Find the nearest point within ``max_distance`` of each query: ``(N, 1)``, -1 if none."""
-        max_distance = _checks.check_distance(max_distance, "max_distance")
-        d2, pos = _k.knn(self._tree, self._query(query), 1, max_dist2=float(max_distance) ** 2)
-        return self._result(d2, pos)
-
-    def nearest_within_unchecked(self, query: torch.Tensor, max_distance: float,
-                                 hint: torch.Tensor | None = None
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ICP's fast path of :meth:`nearest_within`: ``(dists (N,), idx (N,))`` (-1 = none).
+    def nearest_within(self, query: Any, max_distance: float, *,
+                       hint: torch.Tensor | None = None) -> KnnResult:
+        """Find the nearest point within ``max_distance`` of each query: ``(N, 1)``, -1 if none.
 
         ``hint``: optional ``(N,)`` int64 original indices (-1: none), a candidate per query
         such as the previous ICP iteration's correspondence: the search starts from its
         distance (see :func:`pointalign.kernels.kdtree.knn`), same answer, much less of the
-        tree visited when the hint is close. No argument checks and no host synchronisation;
-        the queries are not regrouped by leaf, so pass them in a spatially coherent order.
-        ``query`` must be a finite contiguous ``(N, 3)`` tensor of the points' dtype and
-        device, ``max_distance > 0``.
+        tree visited when the hint is close. With a hint the queries are searched in the
+        given order (pass them in a spatially coherent order, as ICP does); without one, a
+        large query set is first grouped by leaf (scattered queries such as RANSAC's).
+        Inside :func:`~pointalign._validate.trusted`: no check of the query's values or of
+        the hint's entries, and no host synchronisation.
         """
-        if self._inv_perm is None:
-            inv = torch.empty_like(self.perm)
-            inv[self.perm] = torch.arange(self.perm.shape[0], device=self.perm.device)
-            self._inv_perm = inv
-        d2, idx = _k.knn(self._tree, query, 1, max_dist2=float(max_distance) ** 2, hint=hint,
-                         reorder=False, ids=(self.perm, self._inv_perm))
-        return d2[:, 0], idx[:, 0]
+        md = _checks.check_distance(max_distance, "max_distance")
+        q = self._query(query)
+        hint = _checks.check_hint(hint, q.shape[0], self.points, values=True)
+        d2, idx = _k.knn(self._tree, q, 1, max_dist2=md * md, hint=hint,
+                         reorder=hint is None, ids=self._ids)
+        return KnnResult(d2, idx)
 
     def __repr__(self) -> str:
         return (f"KDTreeIndex(M={self.points.shape[0]}, depth={self.depth}, "

@@ -1,43 +1,332 @@
-"""TEMPORARY shim (replaced by the search helper's policy module at merge)."""
+"""Index policy: the one place that chooses how a cloud is searched.
+
+Three decisions, each a function here:
+
+* :func:`choose_index` — which index to build over a cloud (``build_index(method="auto")``
+  and ICP's default index);
+* :func:`correspondence_index` — what ICP queries for its nearest-within correspondences:
+  the index itself, or the index behind fine voxel-grid "tiers" (:class:`TieredIndex`);
+* :func:`query_order` — the order in which ICP sends its queries.
+
+What depends on the device (where SciPy's tree runs, whether the fused Triton kernels run)
+comes from the kernel layer, :func:`pointalign.kernels.search_plan`; nothing here
+looks at devices or backends. The thresholds, all in this module:
+
+=========================  =====  ==========================================================
+knob                       value  rule (and where it was measured)
+=========================  =====  ==========================================================
+``GRID_MAX_RATIO``         8      with a distance d and device kernels: a voxel grid with
+                                  cells of d when d <= 8 automatic cells (about 4 points per
+                                  occupied cell, :func:`~pointalign.search.grid.auto_cell_size`);
+                                  a larger bound makes every query scan thousands of points,
+                                  where the k-d tree's cost does not grow with the bound
+                                  (ICP on the bunny pair, H100, ``benchmarks/bench_icp.py``)
+``AUTO_BRUTE_MAX_POINTS``  20000  otherwise, on a device: brute force up to this many target
+                                  points (no build, and the fused kernel beats a traversal
+                                  there; ``benchmarks/bench_knn.py``), else the k-d tree
+``TIER_BASE``, ``TIERS``   2, 2   tier j has cells of ``TIER_BASE * 4**j`` automatic cells, at
+                                  most ``TIERS`` tiers, all at most half the distance; only
+                                  with the fused kernels, and not in front of brute force
+                                  (its cost does not drop for queries already answered), of
+                                  an index that reads hints (the last correspondences prune
+                                  its search better), or of a grid with cells <=
+                                  ``GRID_MAX_RATIO`` automatic cells (one pass is cheaper).
+                                  H100, bunny 40k: grid 1 cm 0.60 -> 0.84 ms per iteration
+                                  with tiers (so none there); k-d tree 5 cm 2.9 -> 2.2
+                                  without hints (the hinted tree does better still)
+``SPATIAL_ORDER_MIN``      8192   :func:`query_order` sorts queries along a Morton curve
+                                  from this many on; below, the search is too small for the
+                                  order to matter and the ~40 launches of the sort would not
+                                  pay
+=========================  =====  ==========================================================
+
+Points in host memory always get SciPy's cKDTree (all cores).
+"""
+
 from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
 
 import torch
 
-from pointalign.search import build_index
+from pointalign import kernels
+from pointalign.kernels import grid as _grid
+from pointalign.search import _checks
+from pointalign.search.base import Index, KnnResult
+from pointalign.search.brute import BruteForceIndex
+
+GRID_MAX_RATIO = 8.0
+AUTO_BRUTE_MAX_POINTS = 20_000
+TIER_BASE = 2.0
+TIERS = 2
+SPATIAL_ORDER_MIN = 8192
+
+#: a query answered by a tier is moved this far away for the next stages, which every index
+#: rejects at once (shapes stay static: no compaction, no synchronisation)
+_FAR = 1e30
 
 
-class _Plain:
-    def __init__(self, ix):
-        self.index = ix
-        self.points = ix.points
-        self.uses_hint = bool(getattr(ix, "supports_hint", False))
-
-    def nearest_within(self, q, d, *, hint=None):
-        fast = getattr(self.index, "nearest_within_unchecked", None)
-        if fast is not None:
-            if self.uses_hint:
-                dd, i = fast(q, d, hint)
-            else:
-                dd, i = fast(q, d)
-            from pointalign.search.base import KnnResult
-            return KnnResult(dd[:, None], i[:, None])
-        return self.index.nearest_within(q, d)
+def search_plan(points: torch.Tensor) -> kernels.SearchPlan:
+    """Ask the kernel layer for its :class:`~pointalign.kernels.SearchPlan` for the points."""
+    return kernels.search_plan(points)
 
 
-def choose_index(points, *, max_distance=None):
-    return build_index(points, "auto", max_distance=max_distance)
+# ------------------------------------------------------------------------- choose_index
 
 
-import weakref
-_cache = weakref.WeakKeyDictionary()
+def index_method(plan: kernels.SearchPlan, m: int, distance: float | None = None,
+                 auto_cell: float | None = None) -> str:
+    """Name the index :func:`choose_index` builds, a pure function of what it measured.
+
+    Args:
+        plan: the kernel layer's plan for the points' device.
+        m: number of target points M.
+        distance: the largest query distance expected (ICP's maximum correspondence
+            distance), or None.
+        auto_cell: :func:`~pointalign.search.grid.auto_cell_size` of the points (needed only
+            when ``distance`` is given and ``plan.host_tree`` is False).
+
+    Returns:
+        ``"ckdtree"``, ``"grid"``, ``"brute"`` or ``"kdtree"`` (see the module table).
+
+    """
+    if plan.host_tree:
+        return "ckdtree"
+    if distance is not None and auto_cell is not None and distance <= GRID_MAX_RATIO * auto_cell:
+        return "grid"
+    if m <= AUTO_BRUTE_MAX_POINTS:
+        return "brute"
+    return "kdtree"
 
 
-def correspondence_index(index, max_distance):
-    d = _cache.setdefault(index, {})
-    if max_distance not in d:
-        d[max_distance] = _Plain(index)
-    return d[max_distance]
+def choose_index(points: Any, *, max_distance: float | None = None) -> Index:
+    """Build the index that serves ``points (M, 3)`` best on their device.
+
+    The rule (thresholds in the module table): points in host memory -> SciPy's cKDTree;
+    on a device, with ``max_distance`` at most ``GRID_MAX_RATIO`` automatic grid cells -> a
+    voxel grid with cells of ``max_distance``; else brute force up to
+    ``AUTO_BRUTE_MAX_POINTS`` points; else the k-d tree (a grid with automatic cells, or
+    with cells of ``max_distance``, when the k-d tree module does not import).
+
+    Args:
+        points: ``(M, 3)`` array, tensor or PointCloud; non-empty and finite.
+        max_distance: the largest query distance expected (> 0), e.g. ICP's maximum
+            correspondence distance; None when unknown.
+
+    Returns:
+        An :class:`~pointalign.search.base.Index` over the points, on their device.
+
+    """
+    pts = _checks.index_points(points)
+    if max_distance is not None:
+        max_distance = _checks.check_distance(max_distance, "max_distance")
+    return _choose(pts, max_distance)
 
 
-def query_order(points: torch.Tensor):
-    return None
+def _choose(pts: torch.Tensor, distance: float | None, **kw: Any) -> Index:
+    """:func:`choose_index` on checked points; ``distance`` is also the grid's cell size."""
+    plan = search_plan(pts)
+    auto = None
+    if distance is not None and not plan.host_tree:
+        from pointalign.search.grid import auto_cell_size
+
+        auto = auto_cell_size(pts)
+    method = index_method(plan, pts.shape[0], distance, auto)
+    if method == "ckdtree":
+        from pointalign.search.ckdtree import CKDTreeIndex
+
+        return CKDTreeIndex(pts, **kw)
+    if method == "brute":
+        return BruteForceIndex(pts, **kw)
+    if method == "kdtree":
+        try:
+            from pointalign.search.kdtree import KDTreeIndex
+        except ImportError:  # no k-d tree module: a grid (cells of the distance, or automatic)
+            pass
+        else:
+            return KDTreeIndex(pts, **kw)
+    from pointalign.search.grid import VoxelGridIndex
+
+    return VoxelGridIndex(pts, distance, **kw)
+
+
+# ------------------------------------------------------------------ correspondence_index
+
+
+def tier_cells(max_distance: float, auto_cell: float) -> list[float]:
+    """List the tiers' cell sizes for a bound (pure): ``TIER_BASE * 4**j * auto_cell``.
+
+    At most ``TIERS`` of them, ascending, each at most half of ``max_distance``.
+    """
+    out = []
+    for j in range(TIERS):
+        cell = TIER_BASE * 4**j * auto_cell
+        if cell > max_distance / 2:
+            break
+        out.append(cell)
+    return out
+
+
+def wants_tiers(plan: kernels.SearchPlan, index: Index, auto_cell: float) -> bool:
+    """Tell whether fine grid tiers in front of ``index`` pay (see the module table)."""
+    from pointalign.search.grid import VoxelGridIndex
+
+    if not plan.fused or index.uses_hint or isinstance(index, BruteForceIndex):
+        return False
+    return not (isinstance(index, VoxelGridIndex)
+                and index.cell_size <= GRID_MAX_RATIO * auto_cell)
+
+
+class _Tiers:
+    """What the tiers of one index keep: its automatic cell and the tier grids built so far."""
+
+    def __init__(self, points: torch.Tensor):
+        from pointalign.search.grid import auto_cell_size
+
+        self.auto_cell = auto_cell_size(points)
+        self.grids: dict[float, Any] = {}
+
+
+#: per index, weakly (dropped with the index; the grids hold the points, not the index):
+#: built once and reused, so that the :class:`TieredIndex` of every call over one index
+#: reads the same tensors and compares equal (a CUDA graph captured on one is replayed for
+#: the later ones)
+_tier_cache: weakref.WeakKeyDictionary[Any, _Tiers] = weakref.WeakKeyDictionary()
+
+
+def correspondence_index(index: Index, max_distance: float) -> Index:
+    """Return what ICP should query for nearest-within-``max_distance`` correspondences.
+
+    ``index`` itself, or a :class:`TieredIndex` that first asks fine voxel grids ("tiers",
+    built over the same points once per index and cached) and sends only the queries they
+    cannot answer on to ``index`` (see the module table for when tiers pay). Either way,
+    ``nearest_within(query, max_distance, hint=...)`` gives the same answer as
+    ``index.nearest_within``; inside :func:`~pointalign._validate.trusted` it does not
+    synchronise (capture safe, static shapes).
+
+    Args:
+        index: an :class:`~pointalign.search.base.Index` over the target.
+        max_distance: the bound the correspondences will be searched with (> 0).
+
+    Returns:
+        An :class:`~pointalign.search.base.Index` over ``index.points``.
+
+    """
+    md = _checks.check_distance(max_distance, "max_distance")
+    pts = index.points
+    plan = search_plan(pts)
+    if not plan.fused or index.uses_hint or isinstance(index, BruteForceIndex):
+        return index  # decided before measuring the automatic cell
+    try:
+        cache = _tier_cache.get(index)
+        if cache is None:
+            cache = _tier_cache[index] = _Tiers(pts)
+    except TypeError:  # an index that cannot be weakly referenced: no cache, no tiers
+        return index
+    if not wants_tiers(plan, index, cache.auto_cell):
+        return index
+    cells = tier_cells(md, cache.auto_cell)
+    if not cells:
+        return index
+    from pointalign.search.grid import VoxelGridIndex
+
+    for c in cells:
+        if c not in cache.grids:
+            cache.grids[c] = VoxelGridIndex(pts, c)
+    return TieredIndex(index, tuple(cache.grids[c] for c in cells))
+
+
+@dataclasses.dataclass(frozen=True)
+class TieredIndex:
+    """An index behind fine voxel grids for ``nearest_within`` (ICP's correspondences).
+
+    A query whose nearest point in tier ``j`` (a :class:`~pointalign.search.grid.VoxelGridIndex`
+    over the same points, finest first) lies within that grid's cell is answered there,
+    exactly: every closer point is in its 27 cells. The others go on to the next tier and
+    finally to ``index``; queries already answered are sent on as a far-away point, which
+    every index rejects at once, so shapes stay static (no compaction, no synchronisation).
+    Tiers with cells larger than the requested bound are skipped, so the answer equals
+    ``index.nearest_within`` for every bound. ``knn`` and ``radius`` go to ``index``.
+
+    A frozen dataclass: two wrappers of the same index and tier grids are equal and hash
+    alike (an executor's graph signature names them by their fields), and the wrapper keeps
+    no state of its own.
+
+    Attributes:
+        index: the index behind the tiers.
+        tiers: grid indexes over ``index.points``, ascending cell size.
+
+    """
+
+    index: Any
+    tiers: tuple[Any, ...]
+
+    @property
+    def points(self) -> torch.Tensor:
+        """The ``(M, 3)`` points of ``index``."""
+        return self.index.points
+
+    @property
+    def uses_hint(self) -> bool:
+        """Whether ``index`` reads hints (passed on to it)."""
+        return bool(self.index.uses_hint)
+
+    def __repr__(self) -> str:
+        cells = ", ".join(f"{t.cell_size:.4g}" for t in self.tiers)
+        return f"TieredIndex({self.index!r}, tiers=[{cells}])"
+
+    def knn(self, query: Any, k: int) -> KnnResult:
+        """``index.knn``."""
+        return self.index.knn(query, k)
+
+    def radius(self, query: Any, r: float, max_neighbors: int) -> KnnResult:
+        """``index.radius``."""
+        return self.index.radius(query, r, max_neighbors)
+
+    def nearest_within(self, query: Any, max_distance: float, *,
+                       hint: torch.Tensor | None = None) -> KnnResult:
+        """Nearest point within ``max_distance``: ``(N, 1)``; the tiers first, then the index.
+
+        Answers of the stages are disjoint (``-1`` / ``inf`` where a stage has none), so they
+        merge by an element-wise maximum of the indices and minimum of the distances.
+        """
+        md = _checks.check_distance(max_distance, "max_distance")
+        q = _checks.query_points(query, self.points)
+        found: KnnResult | None = None
+        for g in self.tiers:
+            if g.cell_size > md:
+                break
+            r = g.nearest_within(q, g.cell_size)
+            found = r if found is None else _merge(found, r)
+            q = torch.where(r.idx >= 0, _FAR, q)
+        last = self.index.nearest_within(q, md, hint=hint)
+        return last if found is None else _merge(found, last)
+
+
+def _merge(a: KnnResult, b: KnnResult) -> KnnResult:
+    """Merge two disjoint ``(N, 1)`` answers (each ``inf`` / ``-1`` where the other has one)."""
+    return KnnResult(torch.minimum(a.dists, b.dists), torch.maximum(a.idx, b.idx))
+
+
+# --------------------------------------------------------------------------- query_order
+
+
+def query_order(points: torch.Tensor) -> torch.Tensor | None:
+    """Return the order to send ``points (N, 3)`` as queries in, or None to keep theirs.
+
+    From ``SPATIAL_ORDER_MIN`` points on: the permutation ``(N,)`` int64 along a Morton
+    (Z-order) curve (:func:`pointalign.kernels.grid.morton_order`; one sort), so that
+    neighbouring lanes of the search kernels visit the same cells or tree nodes; callers
+    permute their queries once (``x[order]``) and use it for every query of that set (the
+    trusted ``nearest_within`` paths do not re-sort). Below that: None.
+    """
+    if points.shape[0] < SPATIAL_ORDER_MIN:
+        return None
+    return _grid.morton_order(points)
+
+
+__all__ = ["AUTO_BRUTE_MAX_POINTS", "GRID_MAX_RATIO", "SPATIAL_ORDER_MIN", "TIERS",
+           "TIER_BASE", "TieredIndex", "choose_index", "correspondence_index", "index_method",
+           "query_order", "search_plan", "tier_cells", "wants_tiers"]
