@@ -409,14 +409,6 @@ def test_host_solver_matches_estimate(bunny, seed, plane):
         np.testing.assert_allclose(Dn[1] @ T.double().numpy(), np.eye(4), atol=1e-5)
 
 
-def test_spatial_order_is_a_permutation(rng):
-    from pointalign.registration import icp as icp_mod
-
-    pts = torch.randn(1001, 3, generator=rng)
-    p = icp_mod._spatial_order(pts)
-    assert torch.equal(torch.sort(p).values, torch.arange(1001))
-
-
 def test_chunked_loop_matches_max_iterations(bunny, seed):
     """The host replays the stop rules over device chunks: a fixed cap is hit exactly."""
     p = datasets.make_pair(bunny, 10.0, 0.02, noise=5e-4, seed=seed)
@@ -436,7 +428,7 @@ def test_chunked_loop_matches_max_iterations(bunny, seed):
 @pytest.mark.parametrize("index_method", ["grid", "kdtree"])
 def test_cuda_tiered_query_is_exact(seed, index_method):
     from pointalign import _validate
-    from pointalign.registration import icp as icp_mod
+    from pointalign.search import policy
 
     t = datasets.load_bunny("bun000").cuda()
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -446,11 +438,12 @@ def test_cuda_tiered_query_is_exact(seed, index_method):
     ix = build_index(t, index_method, max_distance=md)
     # the k-d tree starts from hints (the last correspondences) instead of going through tiers
     hinted = index_method == "kdtree"
-    assert len(icp_mod._tiers(ix, md)) == (0 if hinted else 2)
+    cix = policy.correspondence_index(ix, md)
+    assert len(getattr(cix, "tiers", ())) == (0 if hinted else 2)
     hint = torch.randint(-1, t.shape[0], (q.shape[0],), device="cuda", generator=g)
     hint[::3] = ix.nearest_within(q, md).idx[::3, 0]  # some at the answer, as in ICP
     with _validate.trusted():
-        got = icp_mod._query_fn(ix, md)(q.contiguous(), hint)
+        got = cix.nearest_within(q.contiguous(), md, hint=hint).idx[:, 0]
     want = ix.nearest_within(q, md)
     same = got == want.idx[:, 0]
     # ties aside, the same neighbour; where different, the same distance
