@@ -287,6 +287,7 @@ class Run:
         self.step, self.inputs, self.state = step, dict(inputs), dict(state)
         self.max_steps = int(max_steps)
         self.launched = 0
+        self._yielded = 0
         self.timings = {"launch": 0.0, "sync": 0.0}
         self._layout: _Layout | None = None
         self._pending: deque[_Transfer] = deque()
@@ -323,6 +324,9 @@ class Run:
             self.timings["sync"] += time.perf_counter() - t0
             assert self._layout is not None
             for r in range(tr.steps):
+                if self._yielded == self.max_steps:  # a chunk replayed past the cap
+                    return
+                self._yielded += 1
                 yield self._layout.unpack(rows[r])
 
     # -- launching
