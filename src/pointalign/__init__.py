@@ -1,6 +1,7 @@
 """pointalign: rigid point-cloud registration on the GPU and the CPU."""
 
 from pointalign import datasets, metrics, transforms
+from pointalign._threads import get_num_threads, set_num_threads
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh
@@ -34,9 +35,11 @@ __all__ = [
     "emicp",
     "estimate_normals",
     "fpfh",
+    "get_num_threads",
     "icp",
     "metrics",
     "ransac",
+    "set_num_threads",
     "read",
     "read_bin",
     "register",

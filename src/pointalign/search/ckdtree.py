@@ -39,6 +39,33 @@ class CKDTreeIndex:
         self._tree = cKDTree(self._host.to(torch.float64).numpy(), leafsize=leafsize)
         self.workers = workers
 
+    #: ICP may pass its last correspondences to :meth:`nearest_within_unchecked`
+    supports_hint = True
+
+    def _cpu_tree(self):
+        """Return the numba k-d tree of the "cpu" backend (built on first use), else None."""
+        from pointalign.kernels._backend import backend
+
+        if backend(self._host) != "cpu":
+            return None
+        if getattr(self, "_cpu", None) is None:
+            from pointalign.kernels._knn_cpu import CpuTree
+
+            self._cpu = CpuTree(self._host.numpy())
+        return self._cpu
+
+    def nearest_within_unchecked(self, query: torch.Tensor, max_distance: float,
+                                 hint: torch.Tensor | None = None):
+        """ICP's fast path: ``(dists (N,), idx (N,))`` (-1 = none), ``hint`` as in KDTreeIndex."""
+        tree = self._cpu_tree()
+        if tree is None or query.shape[0] == 0:
+            r = self._query(query, 1, float(max_distance))
+            return r.dists[:, 0], r.idx[:, 0]
+        h = None if hint is None else hint.detach().cpu().numpy()
+        d, i = tree.nearest(query.detach().cpu().numpy(), float(max_distance) ** 2, h)
+        dev = self.points.device
+        return torch.from_numpy(d).to(dev), torch.from_numpy(i).to(dev)
+
     def __repr__(self) -> str:
         return f"CKDTreeIndex(M={self.points.shape[0]}, device={self.points.device})"
 
@@ -51,6 +78,10 @@ class CKDTreeIndex:
                              torch.full((0, k), -1, dtype=torch.int64, device=dev))
         qh = q.detach().cpu()
         kk = min(k, m)
+        tree = self._cpu_tree()
+        if tree is not None:  # "cpu" backend: ordered by (distance, index) already
+            d, i = tree.knn(qh.numpy(), kk, None if max_distance is None else max_distance ** 2)
+            return self._pad(torch.from_numpy(d), torch.from_numpy(i), k, dt, dev)
         bound = math.inf if max_distance is None else max_distance * (1 + 1e-9) + 1e-300
         _, idx = self._tree.query(qh.to(torch.float64).numpy(), k=kk,
                                   distance_upper_bound=bound, workers=self.workers)

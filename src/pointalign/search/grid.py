@@ -164,7 +164,7 @@ class VoxelGridIndex:
 
         md = float(max_distance)
         n = query.shape[0]
-        if n == 0 or backend(query) == "torch":
+        if n == 0 or backend(query) in ("torch", "cpu"):
             r = self.nearest_within(query, md)
             return r.dists[:, 0], r.idx[:, 0]
         if md > self.cell_size:
