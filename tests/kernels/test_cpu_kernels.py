@@ -244,3 +244,37 @@ def test_cpu_plan():
     assert soft.cpu_plan(40000, 40000, 66, approximation="exact").mode == "exact"
     with pytest.raises(ValueError, match="approximation"):
         soft.cpu_plan(1, 1, 1, approximation="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pca_normals_cpu_equals_reference(seed, dtype, bunny_pair_or_skip):
+    from pointalign.kernels import _features_cpu, features
+
+    g = torch.Generator().manual_seed(seed)
+    pts = torch.cat([bunny_pair_or_skip[1][::10].to(dtype),
+                     torch.randn(300, 3, generator=g, dtype=dtype)])
+    pts[-50:, 2] = 0  # a flat patch: a simple smallest eigenvalue, normal +-z
+    pts[-60:-50] = pts[-60]  # a collapsed neighbourhood: repeated eigenvalues
+    idx = torch.from_numpy(_knn_cpu.CpuTree(pts.numpy()).knn(pts.numpy(), 12)[1])
+    idx[::7, -3:] = -1
+    idx[5] = -1  # no neighbour at all
+    vp = torch.tensor([0.3, -1.0, 2.0], dtype=dtype)
+    for view in (None, vp):
+        ref = features.pca_normals_reference(pts, idx, view)
+        got = _features_cpu.pca_normals_cpu(pts, idx, view, pts)
+        torch.testing.assert_close(got.norm(dim=1), torch.ones(len(pts), dtype=dtype))
+        close = (got - ref).norm(dim=1) <= (2e-3 if dtype == torch.float32 else 1e-8)
+        # a repeated smallest eigenvalue: any unit vector orthogonal to the largest's axis
+        assert close.float().mean() >= 0.99, close.float().mean()
+        assert torch.equal(features.pca_normals(pts, idx, view), got)
+
+
+def test_radius_neighbours_cpu_equals_reference(monkeypatch, seed):
+    from pointalign.kernels import features
+
+    pts = torch.from_numpy(_cloud(seed, 1500, np.float32))
+    got = features.radius_neighbours(pts, 0.4, 10)
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
+    ref = features.radius_neighbours(pts, 0.4, 10)
+    _same_neighbours(pts.numpy(), pts.numpy(), ref[1].numpy(), got[1].numpy(),
+                     ref[0].numpy(), got[0].numpy(), np.float32)

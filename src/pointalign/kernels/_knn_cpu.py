@@ -311,7 +311,7 @@ class CpuTree:
 
     """
 
-    def __init__(self, points: np.ndarray, leaf_size: int = 8):
+    def __init__(self, points: np.ndarray, leaf_size: int = 16):
         if not available():
             raise RuntimeError("the CPU k-d tree needs numba (pip install numba)")
         pts = np.ascontiguousarray(points)
