@@ -116,6 +116,7 @@ def icp_rows(rec: Recorder, s: torch.Tensor, t: torch.Tensor, truth: np.ndarray,
     crit = pa.ConvergenceCriteria(max_iterations=ITERS, relative_fitness=0, relative_rmse=0,
                                   translation_tolerance=0, rotation_tolerance=0)
     s_np, t_np = s.double().numpy(), t.double().numpy()
+    reg = None if o3d is None else o3d.pipelines.registration
     for method, table in (("point_to_point", "icp_p2p"), ("point_to_plane", "icp_p2pl")):
         load = _load()
         res, w, c = timed(lambda m=method: pa.icp(s, t, max_correspondence_distance=MAX_DIST,
@@ -125,7 +126,6 @@ def icp_rows(rec: Recorder, s: torch.Tensor, t: torch.Tensor, truth: np.ndarray,
         rec.add(table, impl="pointalign (cpu backend)", wall_s=w, cpu_s=c, load1=load,
                 threads=threads, fitness=res.fitness, rot_err_deg=rot, trans_err_mm=1e3 * tr)
         if o3d is not None:
-            reg = o3d.pipelines.registration
             est = (reg.TransformationEstimationPointToPoint() if method == "point_to_point"
                    else reg.TransformationEstimationPointToPlane())
             cr = reg.ICPConvergenceCriteria(relative_fitness=0, relative_rmse=0,

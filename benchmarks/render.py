@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = HERE.parent / "BENCHMARKS.md"
 
-ORDER = ["knn", "kdtree", "icp", "soft", "surface", "ransac"]
+ORDER = ["knn", "kdtree", "icp", "soft", "surface", "ransac", "cpu"]  # "cpu": bench_cpu.py
 
 
 def _fmt(v):
