@@ -1,38 +1,64 @@
 # The README's two commands: `make demo` and `make test`. Each creates (or reuses) the
-# virtual environment in .venv and installs what it needs first.
+# virtual environment in .venv and installs what it needs first, with pip's progress shown.
+#   make demo  -> the library and its command line only (pip install -e ".[cli]")
+#   make test  -> plus the test tools (".[dev]": pytest, hypothesis, ruff, Triton for the
+#                 kernels' interpreter tests, matplotlib/plotly/selenium for the viewer)
+#   make docs  -> the API reference (mkdocs build --strict into site/)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU build of PyTorch; override (e.g. TORCH="torch") where another build is wanted.
 TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip --disable-pip-version-check
+BASE   := $(VENV)/.base
+DEMO   := $(VENV)/.demo
+DEV    := $(VENV)/.dev
+DOCS   := $(VENV)/.docs
 
-.PHONY: demo test test-gpu bench lint clean
+.PHONY: demo test test-gpu bench docs lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(BASE): Makefile
+	@echo "== creating $(VENV) and installing PyTorch ($(TORCH)); this can take minutes"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
-	touch $(STAMP)
+	$(PIP) install --upgrade pip
+	$(PIP) install --progress-bar on "$(TORCH)"
+	touch $(BASE)
 
-demo: $(STAMP)
+$(DEMO): $(BASE) pyproject.toml
+	@echo "== installing pointalign with its command line (no test tools)"
+	$(PIP) install --progress-bar on -e ".[cli]"
+	touch $(DEMO)
+
+$(DEV): $(DEMO) pyproject.toml
+	@echo "== installing the test tools (pytest, ruff, hypothesis, Triton, viz, selenium)"
+	$(PIP) install --progress-bar on -e ".[cli,viz,dev]"
+	touch $(DEV)
+
+$(DOCS): $(DEMO) pyproject.toml
+	$(PIP) install --progress-bar on -e ".[cli,docs]"
+	touch $(DOCS)
+
+demo: $(DEMO)
 	$(BIN)/pointalign demo
 
-test: $(STAMP)
+test: $(DEV)
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 # on a CUDA machine: the GPU tests (Triton kernels vs references on CUDA tensors)
-test-gpu: $(STAMP)
+test-gpu: $(DEV)
 	$(BIN)/python -m pytest -q -m gpu
 
 # every benchmark for this machine's device (--quick on CPU), then BENCHMARKS.md;
-# e.g. make bench ARGS="--device cpu --full --only knn icp"
-bench: $(STAMP)
+# e.g. make bench ARGS="--device cpu --full --only knn icp".
+# For a quick look at the speed on your machine: $(BIN)/pointalign bench --quick
+bench: $(DEV)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)
 
-lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+docs: $(DOCS)
+	$(BIN)/mkdocs build --strict
+
+lint: $(DEV)
+	$(BIN)/ruff check src tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# POINTALIGN_BENCH_RESULTS redirects the JSON (``pointalign bench`` uses it so that a quick
+# run on a user's machine does not overwrite the recorded results)
+RESULTS = Path(os.environ.get("POINTALIGN_BENCH_RESULTS")
+               or Path(__file__).resolve().parent / "results")
 
 
 def sync(device: str | torch.device | None = None) -> None:

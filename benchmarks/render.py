@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = HERE.parent / "BENCHMARKS.md"
 
-ORDER = ["knn", "kdtree", "icp", "soft", "surface", "ransac", "cpu"]  # "cpu": bench_cpu.py
+ORDER = ["knn", "kdtree", "icp", "soft", "surface", "ransac", "hard_pairs", "cpu"]
 
 
 def _fmt(v):
@@ -64,6 +64,8 @@ def main() -> None:
         if d.get("rows"):
             out += [_table(d["rows"], d.get("columns")), ""]
         for name, rows in d.get("tables", {}).items():
+            if d["topic"] == "hard_pairs" and name == "pairs":
+                continue  # per-pair rows stay in the JSON; the cells summarise them
             out += [f"### {name}", "", _table(rows), ""]
         for png in sorted(RESULTS.glob(f"{d['topic']}-{m['device_type']}*.png")):
             out += [f"![{png.stem}](benchmarks/results/{png.name})", ""]

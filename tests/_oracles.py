@@ -120,3 +120,98 @@ def assert_same_or_tied(d, i, ref_d, ref_i, *, rtol: float = 1e-5, atol: float =
         ties = int(((ref_d[r] - d[r, c]).abs() <= tol).sum())
         assert ties >= 2 or c == k - 1, \
             f"row {r}, slot {c}: index {int(i[r, c])} vs {int(ref_i[r, c])} without a tie"
+
+
+# ---- the ICP solve: NumPy host oracle (independent of pointalign._math) ------------------
+
+_TRIU3 = [(i, j) for i in range(3) for j in range(i, 3)]
+_TRIU6 = [(i, j) for i in range(6) for j in range(i, 6)]
+#: ε of the degeneracy and rank rules (``pointalign._math.DEGENERACY_EPS``)
+ORACLE_EPS = 1e-10
+
+
+def _sym_np(v: np.ndarray, pairs, n: int) -> np.ndarray:
+    M = np.zeros((v.shape[0], n, n))
+    for q, (a, b) in enumerate(pairs):
+        M[:, a, b] = v[:, q]
+        M[:, b, a] = v[:, q]
+    return M
+
+
+def horn_matrix_np(S: np.ndarray) -> np.ndarray:
+    """Horn's N(S) ``(B, 4, 4)`` from ``S (B, 3, 3)``, entry by entry (Horn 1987)."""
+    (xx, xy, xz), (yx, yy, yz), (zx, zy, zz) = S[:, 0].T, S[:, 1].T, S[:, 2].T
+    return np.stack([
+        np.stack([xx + yy + zz, yz - zy, zx - xz, xy - yx], -1),
+        np.stack([yz - zy, xx - yy - zz, xy + yx, zx + xz], -1),
+        np.stack([zx - xz, xy + yx, yy - xx - zz, yz + zy], -1),
+        np.stack([xy - yx, zx + xz, yz + zy, zz - xx - yy], -1)], -2)
+
+
+def quat_to_rot_np(q: np.ndarray) -> np.ndarray:
+    """Rotation matrices ``(B, 3, 3)`` of quaternions ``(B, 4)`` = (w, x, y, z)."""
+    q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), 1e-300)
+    w, x, y, z = q.T
+    return np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+                     2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+                     2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)],
+                    -1).reshape(-1, 3, 3)
+
+
+def rodrigues_np(w: np.ndarray) -> np.ndarray:
+    """so(3) exponential of ``w (B, 3)`` (Taylor coefficients near 0)."""
+    th2 = (w * w).sum(-1)[:, None, None]
+    K = np.zeros((w.shape[0], 3, 3))
+    K[:, 0, 1], K[:, 0, 2], K[:, 1, 2] = -w[:, 2], w[:, 1], -w[:, 0]
+    K[:, 1, 0], K[:, 2, 0], K[:, 2, 1] = w[:, 2], -w[:, 1], w[:, 0]
+    small = th2 < 1e-12
+    safe = np.where(small, 1.0, np.sqrt(th2))
+    a = np.where(small, 1 - th2 / 6, np.sin(safe) / safe)
+    b = np.where(small, 0.5 - th2 / 24, (1 - np.cos(safe)) / (safe * safe))
+    return np.eye(3) + a * K + b * (K @ K)
+
+
+def spans_plane_np(cov: np.ndarray) -> np.ndarray:
+    """Middle eigenvalue > ε × largest (``np.linalg.eigvalsh``): ``(B,)`` bool."""
+    ev = np.linalg.eigvalsh(cov)
+    return ev[:, 1] > ORACLE_EPS * np.maximum(ev[:, 2], 1e-300)
+
+
+def icp_solve_np(sums: np.ndarray, plane: bool, c: np.ndarray):
+    """NumPy oracle of the ICP update from the ``(B, 30)`` sums of ``kernels.normal_eq``.
+
+    Point-to-point: Horn (top eigenvector of N(S) by ``np.linalg.eigh``), valid when W > 0
+    and both centred covariances span a plane (eigenvalue form). Point-to-plane: eigen
+    pseudo-inverse of the 6×6 (least-norm step when rank-deficient), Rodrigues. Un-centred
+    about c. Returns ``(D (B, 4, 4), valid (B,), usable (B,))``.
+    """
+    B = sums.shape[0]
+    if plane:
+        A = _sym_np(sums[:, :21], _TRIU6, 6)
+        ev, V = np.linalg.eigh(A)
+        keep = ev > ORACLE_EPS * np.maximum(ev[:, -1:], 1e-300)
+        inv = np.where(keep, 1.0 / np.maximum(ev, 1e-300), 0.0)
+        xi = (V @ (inv[:, :, None] * (V.transpose(0, 2, 1) @ -sums[:, 21:27, None])))[:, :, 0]
+        usable = np.isfinite(xi).all(-1) & keep.any(-1)
+        xi = np.where(usable[:, None], xi, 0.0)
+        valid = keep.all(-1) & usable
+        R, t = rodrigues_np(xi[:, :3]), xi[:, 3:]
+    else:
+        W = sums[:, 0]
+        sx, sy = sums[:, 1:4], sums[:, 4:7]
+        Wd = np.maximum(W, 1e-300)[:, None]
+        xm, ym = sx / Wd, sy / Wd
+        S = sums[:, 7:16].reshape(B, 3, 3) - W[:, None, None] * (xm[:, :, None] * ym[:, None, :])
+        cov_x = _sym_np(sums[:, 16:22], _TRIU3, 3) - sx[:, :, None] * sx[:, None, :] / Wd[..., None]
+        cov_y = _sym_np(sums[:, 22:28], _TRIU3, 3) - sy[:, :, None] * sy[:, None, :] / Wd[..., None]
+        R = quat_to_rot_np(np.linalg.eigh(horn_matrix_np(S))[1][:, :, -1])
+        t = ym - (R @ xm[:, :, None])[:, :, 0]
+        valid = (W > 0) & spans_plane_np(cov_x) & spans_plane_np(cov_y)
+        valid &= np.isfinite(R).all((-1, -2)) & np.isfinite(t).all(-1)
+        R = np.where(valid[:, None, None], np.nan_to_num(R), np.eye(3))
+        t = np.where(valid[:, None], np.nan_to_num(t), 0.0)
+        usable = valid
+    D = np.tile(np.eye(4), (B, 1, 1))
+    D[:, :3, :3] = R
+    D[:, :3, 3] = t + c - (R @ c[:, :, None])[:, :, 0]
+    return D, valid, usable

@@ -7,6 +7,7 @@ from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh
 from pointalign.features.normals import estimate_normals
 from pointalign.io import read, read_bin, write
+from pointalign.metrics import RegistrationEvaluation, evaluate_registration
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.icp import icp
 from pointalign.registration.pipeline import register
@@ -26,6 +27,7 @@ __all__ = [
     "VoxelGridIndex",
     "ConvergenceCriteria",
     "PointCloud",
+    "RegistrationEvaluation",
     "RegistrationResult",
     "RobustKernel",
     "__version__",
@@ -34,6 +36,7 @@ __all__ = [
     "datasets",
     "emicp",
     "estimate_normals",
+    "evaluate_registration",
     "fpfh",
     "get_num_threads",
     "icp",

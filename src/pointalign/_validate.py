@@ -2,7 +2,8 @@
 
 Every public function passes its array arguments through :func:`as_points`,
 :func:`as_batch`, :func:`as_transform` or :func:`as_vectors`. They accept NumPy arrays,
-PyTorch tensors or :class:`~pointalign.cloud.PointCloud` and return tensors; every
+PyTorch tensors, :class:`~pointalign.cloud.PointCloud`, Open3D point clouds (legacy and
+tensor API), ``open3d.core.Tensor`` and any ``__dlpack__`` object, and return tensors; every
 error is a ``ValueError`` or ``TypeError`` whose message names the argument, what was
 expected and what was given. Inputs are never modified: a tensor that already has the
 wanted device and dtype is returned as is (callers must not write into it).
@@ -39,16 +40,61 @@ def as_device(device: str | torch.device | None, like: torch.Tensor | None = Non
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: cannot interpret {device!r} as a torch device") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device!r} is not supported; pointalign runs on 'cpu' and "
+                         "'cuda' devices")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested but no CUDA device is available")
+        raise ValueError(f"device: {device!r} requested but no CUDA device is available; "
+                         "pass device='cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} requested but only {torch.cuda.device_count()} "
+                         "CUDA device(s) exist")
     return dev
 
 
-def _to_tensor(name: str, x: Any) -> torch.Tensor:
-    from pointalign.cloud import PointCloud
+def _is_open3d(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "open3d"
 
-    if isinstance(x, PointCloud):
-        return x.points
+
+def _from_open3d(name: str, x: Any) -> torch.Tensor | None:
+    """Points of an Open3D object without importing Open3D (duck-typed by module name).
+
+    Legacy ``open3d.geometry.PointCloud``: a zero-copy view of its float64 points.
+    ``open3d.t.geometry.PointCloud``: its ``positions`` tensor through DLPack (zero-copy, same
+    device). ``open3d.core.Tensor``: through DLPack. Other Open3D objects: None.
+    """
+    if hasattr(x, "point") and hasattr(x, "to_legacy"):  # tensor PointCloud
+        try:
+            pos = x.point["positions"]
+        except (KeyError, RuntimeError) as exc:
+            raise ValueError(f"{name}: the Open3D tensor PointCloud has no positions") from exc
+        return _from_dlpack(name, pos)
+    if hasattr(x, "points") and hasattr(x, "has_normals"):  # legacy PointCloud
+        return torch.from_numpy(np.asarray(x.points))
+    if hasattr(x, "__dlpack__") or hasattr(x, "to_dlpack"):
+        return _from_dlpack(name, x)
+    return None
+
+
+def _from_dlpack(name: str, x: Any) -> torch.Tensor:
+    try:
+        if hasattr(x, "__dlpack__"):
+            return torch.from_dlpack(x)
+        from torch.utils import dlpack
+
+        return dlpack.from_dlpack(x.to_dlpack())
+    except (RuntimeError, TypeError, BufferError, ValueError) as exc:
+        raise TypeError(f"{name}: cannot read {type(x).__name__} through DLPack ({exc})") from None
+
+
+def _to_tensor(name: str, x: Any) -> torch.Tensor:
+    """Return the tensor behind any accepted array-like, zero-copy where possible.
+
+    Accepted: tensors (as is), NumPy arrays (shared memory), pointalign ``PointCloud`` and
+    anything else whose ``.points`` is a tensor, Open3D legacy and tensor point clouds,
+    ``open3d.core.Tensor``, any object with ``__dlpack__`` (CuPy, JAX, …: zero-copy on its
+    own device through ``torch.from_dlpack``), and lists/tuples of numbers.
+    """
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
@@ -57,14 +103,25 @@ def _to_tensor(name: str, x: Any) -> torch.Tensor:
         ):
             raise TypeError(f"{name}: expected a numeric array, got dtype {x.dtype}")
         return torch.from_numpy(np.ascontiguousarray(x))
+    pts = getattr(x, "points", None)
+    if isinstance(pts, torch.Tensor):  # PointCloud (duck-typed: no import of cloud.py)
+        return pts
+    if _is_open3d(x):
+        t = _from_open3d(name, x)
+        if t is not None:
+            return t
+    elif hasattr(x, "__dlpack__"):
+        return _from_dlpack(name, x)
     if isinstance(x, (list, tuple)):
         try:
             arr = np.asarray(x, dtype=np.float64)
         except (ValueError, TypeError) as exc:
-            raise TypeError(f"{name}: cannot convert {type(x).__name__} to a numeric array") from exc
+            raise TypeError(
+                f"{name}: cannot convert {type(x).__name__} to a numeric array") from exc
         return torch.from_numpy(arr)
     raise TypeError(
-        f"{name}: expected a NumPy array, torch tensor or PointCloud, got {type(x).__name__}"
+        f"{name}: expected a NumPy array, torch tensor, PointCloud, Open3D point cloud or "
+        f"DLPack array, got {type(x).__module__}.{type(x).__name__}"
     )
 
 
@@ -131,6 +188,7 @@ def as_points(
     Raises:
         TypeError: not an array, or a non-numeric dtype.
         ValueError: wrong shape, too few points, NaN/Inf.
+
     """
     t = _to_tensor(name, x)
     if t.dim() != 2 or t.shape[-1] != 3:
@@ -162,15 +220,21 @@ def as_batch(
     Args:
         x: ``(N, 3)`` or ``(B, N, 3)`` array/tensor, a PointCloud, or a list of ``(N_b, 3)``
             clouds (padded with zeros here).
+        name: argument name used in error messages.
+        min_points: fewest points per cloud the calling operation needs.
+        device: move to this device (default: keep).
+        dtype: cast to this dtype (default: as :func:`as_points`).
         lengths: ``(B,)`` integer count of valid points per batch entry; default all N.
             Padding rows (index >= length) may hold anything finite.
 
     Returns:
         ``(points (B, N, 3), lengths (B,) int64, batched)`` where ``batched`` says whether
         the input had a batch dimension (so results can be returned in the same form).
+
     """
     if isinstance(x, (list, tuple)) and x and not isinstance(x[0], (int, float)):
-        if not all(hasattr(c, "shape") or hasattr(c, "points") for c in x):
+        if not all(hasattr(c, "shape") or hasattr(c, "points") or hasattr(c, "point")
+                   or hasattr(c, "__dlpack__") for c in x):
             x = _to_tensor(name, x)
         else:
             clouds = [as_points(c, f"{name}[{i}]", min_points=min_points, device=device,
@@ -300,6 +364,15 @@ def positive(value: float, name: str, *, allow_zero: bool = False) -> float:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}: must be finite and {bound}, got {value}")
     return v
+
+
+def instance(value: Any, cls: type, name: str) -> Any:
+    """``value`` if it is a ``cls``, ``cls()`` (the defaults) if None, else a TypeError."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+    return value
 
 
 def in_range(value: float, name: str, lo: float, hi: float) -> float:

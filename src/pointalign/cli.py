@@ -1,13 +1,25 @@
-"""Command line: ``pointalign info | register | demo``. Parses, calls the public API, prints.
+"""Command line: ``pointalign info | register | demo | view | bench``.
 
-No numerics live here.
+Parses, checks every option and output path before any work, calls the public API, prints.
+No numerics live here. Exit codes: 0 success; 1 the work failed (unreadable data, an error
+while registering); 2 usage error (bad option, missing input, unwritable output); 3 the
+registration ran but did not converge (``--allow-failure`` keeps 0).
+
+Every option of a command can also come from a TOML file given with ``--config``: keys are
+the option names (``max-distance`` or ``max_distance``), at the top level or in a table
+named after the command (``[register]``), which wins; options on the command line win over
+the file.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,11 +30,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Rigid point-cloud registration on the GPU and the CPU.")
-console = Console()
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_CONVERGED = 3
 
-#: method name -> (module, function, what it needs); resolved lazily so a method whose
+# plain click help (rich_markup_mode=None): choices shown as [a|b|c], flags without a type
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+    help="Rigid point-cloud registration on the GPU and the CPU.",
+    epilog="Exit codes: 0 success, 1 failure, 2 usage error, 3 registration did not "
+           "converge (see --allow-failure).")
+console = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+#: method name -> (module, function, what it does); resolved lazily so a method whose
 #: module is missing gets a clear message instead of an ImportError.
 METHODS: dict[str, tuple[str, str, str]] = {
     "global": ("pointalign.registration.pipeline", "register",
@@ -33,43 +54,317 @@ METHODS: dict[str, tuple[str, str, str]] = {
     "softassign": ("pointalign.registration.soft", "softassign", "Softassign with Sinkhorn"),
     "newton": ("pointalign.registration.surface", "surface_newton",
                "distance-map Newton (point-to-plane approximant)"),
+    "approx-icp": ("pointalign.registration.surface", "approximate_icp",
+                   "ICP on k-d tree cell approximants"),
 }
+
+Method = enum.Enum("Method", {m.replace("-", "_").upper(): m for m in METHODS}, type=str)
+
+
+class Device(str, enum.Enum):
+    """Compute device choices."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+#: which of the shared options each method uses (the others are reported as ignored)
+USES: dict[str, set[str]] = {
+    "global": {"voxel_size", "max_iterations", "seed"},
+    "icp": {"init", "max_distance", "max_iterations"},
+    "icp-plane": {"init", "max_distance", "max_iterations"},
+    "emicp": {"init", "max_iterations"},
+    "softassign": {"init", "max_iterations"},
+    "newton": {"init", "max_distance", "max_iterations"},
+    "approx-icp": {"init", "max_distance", "max_iterations"},
+}
+
+CLOUD_SUFFIXES = (".ply", ".pcd", ".xyz", ".txt", ".csv", ".pts", ".xyzn", ".xyzrgb", ".npy",
+                  ".npz", ".las", ".laz", ".bin")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
+HTML_SUFFIXES = (".html", ".htm")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def _version() -> str:
+    import pointalign
+
+    return pointalign.__version__
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        console.print(f"pointalign {_version()}")
+        raise typer.Exit()
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise typer.BadParameter("reading TOML on Python 3.10 needs 'pip install tomli'",
+                                     param_hint="--config") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}",
+                                 param_hint="--config") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise typer.BadParameter(f"{path} is not valid TOML: {exc}",
+                                 param_hint="--config") from None
+
+
+def _config_callback(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:
+    """Eager: read the TOML file into the command's default_map before other options."""
+    if value is None:
+        return value
+    doc = _load_toml(value)
+    cmd = ctx.info_name or ""
+    names: dict[str, str] = {}
+    for p in ctx.command.params:
+        if getattr(p, "param_type_name", "") != "option" or p.name == "config":
+            continue
+        names[p.name] = p.name
+        for opt in p.opts:
+            names[opt.lstrip("-").replace("-", "_")] = p.name
+    section = doc.get(cmd, {})
+    flat = {k: v for k, v in doc.items() if not isinstance(v, dict)}
+    if not isinstance(section, dict):
+        raise typer.BadParameter(f"[{cmd}] must be a table", param_hint="--config")
+    flat.update(section)
+    defaults: dict[str, Any] = {}
+    for key, v in flat.items():
+        k = key.replace("-", "_")
+        if k not in names:
+            known = ", ".join(sorted(n.replace("_", "-") for n in set(names.values())))
+            raise typer.BadParameter(f"{value}: unknown option {key!r} for '{cmd}'; "
+                                     f"known: {known}", param_hint="--config")
+        defaults[names[k]] = v
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def _config_option() -> Any:
+    return typer.Option(None, "--config", help="TOML file with values for any option "
+                        "(keys = option names; a table named after the command wins over "
+                        "top-level keys)",
+                        callback=_config_callback, is_eager=True, exists=True,
+                        dir_okay=False, metavar="FILE.toml")
+
+
+def _verbosity(verbose: int, quiet: bool) -> int:
+    from pointalign import _progress
+
+    if verbose and quiet:
+        raise typer.BadParameter("--verbose and --quiet exclude each other",
+                                 param_hint="--quiet")
+    level = -1 if quiet else verbose
+    _progress.configure_logging(level)
+    return level
+
+
+def _positive(value: float | None) -> float | None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"expected a finite number > 0, got {value}")
+    return value
+
+
+def _check_output(path: Path | None, suffixes: tuple[str, ...], hint: str) -> None:
+    """Fail with a usage error unless ``path`` can be written (before any work)."""
+    if path is None:
+        return
+    if path.suffix.lower() not in suffixes:
+        raise typer.BadParameter(f"{path}: unknown suffix {path.suffix!r}; use one of "
+                                 f"{', '.join(suffixes)}", param_hint=hint)
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a directory", param_hint=hint)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise typer.BadParameter(f"folder {parent} does not exist", param_hint=hint)
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise typer.BadParameter(f"{path} is not writable", param_hint=hint)
+
+
+def _check_input(path: Path, hint: str) -> None:
+    if path.suffix.lower() not in CLOUD_SUFFIXES:
+        raise typer.BadParameter(f"{path}: unknown suffix {path.suffix!r}; readable: "
+                                 f"{', '.join(CLOUD_SUFFIXES)}", param_hint=hint)
+
+
+def _resolve_device(device: Device) -> str:
+    import torch
+
+    if device is Device.auto:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device is Device.cuda and not torch.cuda.is_available():
+        raise typer.BadParameter("cuda was asked for but no CUDA device is available "
+                                 "(use --device cpu)", param_hint="--device")
+    return device.value
+
+
+def _need_module(module: str, extra: str, hint: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise typer.BadParameter(f"needs {module}: pip install 'pointalign[{extra}]'",
+                                 param_hint=hint) from None
 
 
 def _resolve(method: str) -> Callable[..., Any]:
-    if method not in METHODS:
-        raise typer.BadParameter(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     module, func, _ = METHODS[method]
     try:
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError):
-        console.print(f"[red]method {method!r} is not available in this build "
-                      f"({module}.{func} is missing).[/red]")
-        raise typer.Exit(2) from None
+        err.print(f"[red]method {method!r} is not available in this build "
+                  f"({module}.{func} is missing).[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
 
 
-def _call(method: str, source: Any, target: Any, *, init: Any, device: str | None,
-          max_distance: float | None, voxel_size: float | None) -> Any:
+def _read_init(path: Path | None) -> np.ndarray | None:
+    """Read an initial transform from a text file (16 numbers) or a result JSON (before work)."""
+    if path is None:
+        return None
     from pointalign import _validate
+    from pointalign.registration.result import RegistrationResult
+
+    try:
+        if path.suffix.lower() == ".json":
+            T = RegistrationResult.load(path).transformation
+        else:
+            T = np.loadtxt(path, dtype=np.float64).reshape(4, 4)
+        return _validate.as_transform(T, "init").numpy()
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"{path}: {exc}", param_hint="--init") from None
+
+
+def _read_cloud(path: Path, bin_columns: int) -> Any:
+    from pointalign import io
+
+    if path.suffix.lower() == ".bin":
+        return io.read_bin(path, columns=bin_columns)
+    return io.read(path)
+
+
+def _ignored(method: str, given: dict[str, Any]) -> list[str]:
+    return [k for k, v in given.items() if v is not None and k not in USES[method]]
+
+
+def _run(method: str, source: Any, target: Any, *, init: np.ndarray | None, device: str,
+         max_distance: float | None, voxel_size: float | None, max_iterations: int | None,
+         seed: int | None) -> tuple[Any, dict[str, Any]]:
+    """Run one method; returns the result and the parameters actually used."""
+    from pointalign import _validate
+    from pointalign.registration.criteria import ConvergenceCriteria
 
     fn = _resolve(method)
-    src = _validate.as_points(source, "source")
-    extent = float((src.amax(0) - src.amin(0)).norm())
+    used: dict[str, Any] = {"method": method, "device": device}
+    crit = None if max_iterations is None else ConvergenceCriteria(max_iterations=max_iterations)
     if method == "global":
-        return fn(source, target, voxel_size=voxel_size, device=device)
+        kw: dict[str, Any] = {"voxel_size": voxel_size, "device": device}
+        if max_iterations is not None:
+            kw["max_iterations"] = max_iterations
+        if seed is not None:
+            kw["seed"] = seed
+        result = fn(source, target, **kw)
+        v = float(result.info.get("voxel_size", voxel_size or float("nan")))
+        used.update(voxel_size=v, voxel_size_source="given" if voxel_size else "automatic",
+                    max_distance=0.5 * v, max_distance_source="0.5 x voxel size (final ICP)",
+                    max_iterations=max_iterations or 30, seed=seed or 0)
+        return result, used
+    common: dict[str, Any] = {"init": init, "device": device}
+    if crit is not None:
+        common["criteria"] = crit
     if method in ("icp", "icp-plane"):
-        dist = max_distance if max_distance is not None else 0.05 * extent
-        return fn(source, target, init=init, max_correspondence_distance=dist,
-                  method="point_to_plane" if method == "icp-plane" else "point_to_point",
-                  device=device)
-    return fn(source, target, init=init, device=device)
+        src = _validate.as_points(source, "source")
+        dist = max_distance
+        used["max_distance_source"] = "given"
+        if dist is None:
+            dist = 0.05 * float((src.amax(0) - src.amin(0)).norm())
+            used["max_distance_source"] = "5% of the source's bounding-box diagonal"
+        used["max_distance"] = dist
+        used["estimation"] = "point_to_plane" if method == "icp-plane" else "point_to_point"
+        result = fn(source, target, max_correspondence_distance=dist,
+                    method=used["estimation"], **common)
+    elif method in ("newton", "approx-icp"):
+        used["max_distance"] = max_distance
+        used["max_distance_source"] = "given" if max_distance else "none (no truncation)"
+        result = fn(source, target, max_correspondence_distance=max_distance, **common)
+    else:
+        result = fn(source, target, **common)
+    used["max_iterations"] = max_iterations if max_iterations is not None else "method default"
+    return result, used
 
 
-def _errors(T_est: np.ndarray, T_true: np.ndarray) -> tuple[float, float]:
-    from pointalign import metrics
+def _print_result(result: Any, used: dict[str, Any]) -> None:
+    table = Table(title="parameters used", show_header=False)
+    table.add_column("parameter")
+    table.add_column("value")
+    for k, v in used.items():
+        if k.endswith("_source"):
+            continue
+        src = used.get(f"{k}_source")
+        val = f"{v:.6g}" if isinstance(v, float) else str(v)
+        table.add_row(k.replace("_", " "), val + (f" ({src})" if src else ""))
+    table.add_row("pointalign", _version())
+    console.print(table)
+    console.print(result.summary())
+    console.print(np.array2string(np.asarray(result.transformation), precision=6,
+                                  suppress_small=True))
 
-    rot, trans = metrics.relative_error(T_est, T_true)
-    return float(rot), float(trans)
+
+def _json_doc(command: str, inputs: dict[str, Any], used: dict[str, Any], result: Any,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    import torch
+
+    res = result.to_dict()
+    # the headline numbers also at the top level, for scripts (jq .transformation)
+    doc = {"pointalign_version": _version(), "command": command, "inputs": inputs,
+           "parameters": used, "device": used.get("device"), "torch": torch.__version__,
+           **{k: res[k] for k in ("transformation", "fitness", "rmse", "iterations",
+                                  "converged", "stop_reason")},
+           "result": res}
+    if extra:
+        doc.update(extra)
+    return doc
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    from pointalign.registration.result import _jsonable
+
+    path.write_text(json.dumps(_jsonable(doc), indent=2, allow_nan=False) + "\n")
+
+
+def _pictures(src: Any, tgt: Any, result: Any, plot: Path | None, html: Path | None,
+              title: str) -> None:
+    from pointalign import viz
+
+    if plot is not None:
+        viz.render(src, tgt, result.transformation, path=plot, title=title)
+        hist = plot.with_name(plot.stem + "_history" + plot.suffix)
+        if result.history or result.timings:
+            viz.plot_history(result, hist)
+            console.print(f"pictures written to {plot} and {hist}")
+        else:
+            console.print(f"picture written to {plot}")
+    if html is not None:
+        viz.write_html(src, tgt, result.transformation, html, result=result, title=title)
+        console.print(f"viewer written to {html}")
+
+
+# ------------------------------------------------------------------------------ commands
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version_callback,
+                                 is_eager=True, help="print the version and exit"),
+) -> None:
+    """Rigid point-cloud registration on the GPU and the CPU."""
 
 
 @app.command()
@@ -77,10 +372,9 @@ def info() -> None:
     """Versions, devices, and which backend each kernel family uses."""
     import torch
 
-    import pointalign
     from pointalign.kernels import _backend
 
-    table = Table(title=f"pointalign {pointalign.__version__}")
+    table = Table(title=f"pointalign {_version()}")
     table.add_column("item")
     table.add_column("value")
     table.add_row("torch", torch.__version__)
@@ -101,55 +395,160 @@ def info() -> None:
         except ImportError:
             ok = False
         table.add_row(f"method {method}", ("ready: " if ok else "missing: ") + what)
+    for extra, module in (("viz", "matplotlib"), ("viz", "plotly"), ("open3d", "open3d"),
+                          ("las", "laspy")):
+        try:
+            importlib.import_module(module)
+            state = "installed"
+        except ImportError:
+            state = f"not installed (pip install 'pointalign[{extra}]')"
+        table.add_row(f"optional {module}", state)
     console.print(table)
+
+
+_METHOD_HELP = "; ".join(f"{k}: {v[2]}" for k, v in METHODS.items())
 
 
 @app.command()
 def register(
-    source: Path = typer.Argument(..., help="source cloud file (moved onto the target)"),
-    target: Path = typer.Argument(..., help="target cloud file"),
-    method: str = typer.Option("global", help=f"one of {', '.join(METHODS)}"),
-    init: Path | None = typer.Option(None, help="text file with the initial 4x4 T_target_source"),
-    device: str | None = typer.Option(None, help="cpu or cuda (default: cuda if present)"),
-    voxel_size: float | None = typer.Option(None, help="voxel size for global registration"),
-    max_distance: float | None = typer.Option(None, help="max correspondence distance"),
-    output: Path | None = typer.Option(None, help="write the aligned source cloud here"),
-    json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
+    source: Path = typer.Argument(..., help="source cloud file (moved onto the target)",
+                                  metavar="SOURCE",
+                                  exists=True, dir_okay=False, readable=True),
+    target: Path = typer.Argument(..., help="target cloud file", exists=True, dir_okay=False,
+                                  readable=True, metavar="TARGET"),
+    method: Method = typer.Option("global", help="registration method (see 'pointalign "
+                                  "info')"),
+    init: Path | None = typer.Option(None, help="initial T_target_source: a text file with "
+                                     "16 numbers or a result JSON", exists=True,
+                                     dir_okay=False),
+    device: Device = typer.Option(Device.auto, help="compute device (auto: cuda if present)"),
+    voxel_size: float | None = typer.Option(None, callback=_positive,
+                                            help="voxel edge for global registration "
+                                            "(default: automatic, printed)"),
+    max_distance: float | None = typer.Option(None, callback=_positive,
+                                              help="max correspondence distance (icp default: "
+                                              "5% of the source's diagonal, printed)"),
+    max_iterations: int | None = typer.Option(None, min=1, metavar="N", help="iteration cap"),
+    seed: int | None = typer.Option(None, min=0, metavar="N", help="random seed (global)"),
+    bin_columns: int = typer.Option(4, min=3, metavar="N", help="float32 columns per point of .bin "
+                                    "scans (KITTI: 4)"),
+    output: Path | None = typer.Option(None, help="write the aligned source cloud here "
+                                       "(suffix picks the format)"),
+    json_out: Path | None = typer.Option(None, "--json", help="write inputs, parameters, "
+                                         "device, version and the result as JSON"),
+    plot: Path | None = typer.Option(None, help="before/after picture (PNG); also writes "
+                                     "<name>_history.png"),
+    html: Path | None = typer.Option(None, help="self-contained HTML viewer"),
+    allow_failure: bool = typer.Option(False, "--allow-failure",
+                                       help="exit 0 even when the registration did not "
+                                       "converge"),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="more log output"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="only errors; no progress"),
+    config: Path | None = _config_option(),
 ) -> None:
     """Align SOURCE onto TARGET and print the transformation T_target_source."""
-    from pointalign import io
+    level = _verbosity(verbose, quiet)
+    m = method.value
+    # every check before any work
+    _check_input(source, "SOURCE")
+    _check_input(target, "TARGET")
+    _check_output(output, CLOUD_SUFFIXES[:-1], "--output")
+    _check_output(json_out, (".json",), "--json")
+    _check_output(plot, PLOT_SUFFIXES, "--plot")
+    _check_output(html, HTML_SUFFIXES, "--html")
+    if plot is not None:
+        _need_module("matplotlib", "viz", "--plot")
+    if html is not None:
+        _need_module("plotly", "viz", "--html")
+    dev = _resolve_device(device)
+    T0 = _read_init(init)
+    for name in _ignored(m, {"init": init, "voxel_size": voxel_size,
+                             "max_distance": max_distance, "seed": seed}):
+        err.print(f"[yellow]warning: --{name.replace('_', '-')} is ignored by method "
+                  f"{m}[/yellow]")
+
+    from pointalign import _progress
 
     try:
-        src, tgt = io.read(source), io.read(target)
-        T0 = np.loadtxt(init).reshape(4, 4) if init is not None else None
-    except (OSError, ValueError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
+        with _progress.task("reading clouds", total=2) as bar:
+            src = _read_cloud(source, bin_columns)
+            bar.advance()
+            tgt = _read_cloud(target, bin_columns)
+            bar.advance()
+    except (OSError, ValueError, ImportError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
+    if level >= 0:
+        console.print(f"{source} ({len(src)} points) -> {target} ({len(tgt)} points), "
+                      f"method {m}, device {dev}")
+    t0 = time.perf_counter()
     try:
-        result = _call(method, src, tgt, init=T0, device=device, max_distance=max_distance,
-                       voxel_size=voxel_size)
-    except (ValueError, TypeError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
-    console.print(result.summary())
-    console.print(np.array2string(result.transformation, precision=6, suppress_small=True))
-    if output is not None:
-        io.write(output, src.transform(result.transformation))
-        console.print(f"aligned source written to {output}")
-    if json_out is not None:
-        doc = {"method": method, "transformation": result.transformation.tolist(),
-               "fitness": float(result.fitness), "rmse": float(result.rmse),
-               "iterations": int(result.iterations), "converged": bool(result.converged),
-               "stop_reason": str(result.stop_reason), "timings": result.timings}
-        json_out.write_text(json.dumps(doc, indent=2))
+        with _progress.task(f"registering ({m})"):
+            result, used = _run(m, src, tgt, init=T0, device=dev, max_distance=max_distance,
+                                voxel_size=voxel_size, max_iterations=max_iterations,
+                                seed=seed)
+    except (ValueError, TypeError, MemoryError) as exc:
+        err.print(f"[red]registration failed: {exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
+    used["wall_seconds"] = time.perf_counter() - t0
+    _print_result(result, used)
+    try:
+        if output is not None:
+            from pointalign import io
+
+            io.write(output, src.transform(result.transformation))
+            console.print(f"aligned source written to {output}")
+        if json_out is not None:
+            inputs = {"source": {"path": str(source), "points": len(src)},
+                      "target": {"path": str(target), "points": len(tgt)},
+                      "init": str(init) if init else None}
+            _write_json(json_out, _json_doc("register", inputs, used, result))
+            console.print(f"result written to {json_out}")
+        _pictures(src, tgt, result, plot, html, f"{source.name} -> {target.name} ({m})")
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
+    if not bool(result.converged):
+        err.print(f"[red]the registration did not converge ({result.stop_reason})[/red]"
+                  + (" (--allow-failure: exit 0)" if allow_failure else ""))
+        if not allow_failure:
+            raise typer.Exit(EXIT_NOT_CONVERGED)
+
+
+def _errors(T_est: np.ndarray, T_true: np.ndarray) -> tuple[float, float]:
+    from pointalign import metrics
+
+    rot, trans = metrics.relative_error(T_est, T_true)
+    return float(rot), float(trans)
 
 
 @app.command()
 def demo(
-    method: str = typer.Option("global", help=f"one of {', '.join(METHODS)}"),
-    device: str | None = typer.Option(None, help="cpu or cuda (default: cuda if present)"),
+    method: Method = typer.Option("global", help="registration method (see 'pointalign "
+                                  "info')"),
+    device: Device = typer.Option(Device.auto, help="compute device (auto: cuda if present)"),
+    max_iterations: int | None = typer.Option(None, min=1, metavar="N", help="iteration cap"),
+    seed: int | None = typer.Option(None, min=0, metavar="N", help="random seed (global)"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
+    plot: Path | None = typer.Option(None, help="before/after picture (PNG)"),
+    html: Path | None = typer.Option(None, help="self-contained HTML viewer"),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="more log output"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="only errors; no progress"),
+    config: Path | None = _config_option(),
 ) -> None:
     """Align the bundled Stanford bunny scans bun045 -> bun000 from the identity."""
+    _verbosity(verbose, quiet)
+    m = method.value
+    _check_output(json_out, (".json",), "--json")
+    _check_output(plot, PLOT_SUFFIXES, "--plot")
+    _check_output(html, HTML_SUFFIXES, "--html")
+    if plot is not None:
+        _need_module("matplotlib", "viz", "--plot")
+    if html is not None:
+        _need_module("plotly", "viz", "--html")
+    dev = _resolve_device(device)
+    if seed is not None and m != "global":
+        err.print(f"[yellow]warning: --seed is ignored by method {m}[/yellow]")
     from pointalign import datasets
 
     pair = datasets.load_bunny_pair()
@@ -157,12 +556,16 @@ def demo(
     rot0, trans0 = _errors(np.eye(4), T_true)
     console.print(f"bun045 ({len(pair.source)} points) -> bun000 ({len(pair.target)} points); "
                   f"true motion {rot0:.1f} deg, {trans0 * 1e3:.1f} mm; start: identity")
+    from pointalign import _progress
+
     t0 = time.perf_counter()
-    result = _call(method, pair.source, pair.target, init=None, device=device,
-                   max_distance=None, voxel_size=None)
+    with _progress.task(f"registering ({m})"):
+        result, used = _run(m, pair.source, pair.target, init=None, device=dev,
+                            max_distance=None, voxel_size=None, max_iterations=max_iterations,
+                            seed=seed)
     wall = time.perf_counter() - t0
     rot, trans = _errors(result.transformation, T_true)
-    table = Table(title=f"demo: method {method}")
+    table = Table(title=f"demo: method {m}")
     for col in ("rotation error", "translation error", "fitness", "rmse", "time"):
         table.add_column(col)
     table.add_row(f"{rot:.3f} deg", f"{trans * 1e3:.3f} mm", f"{float(result.fitness):.3f}",
@@ -171,11 +574,203 @@ def demo(
     if result.timings:
         console.print("stages: " + ", ".join(f"{k} {v * 1e3:.1f} ms"
                                              for k, v in result.timings.items()))
+    used["wall_seconds"] = wall
+    _print_result(result, used)
+    if json_out is not None:
+        inputs = {"source": "bundled bun045", "target": "bundled bun000", "init": "identity"}
+        _write_json(json_out, _json_doc("demo", inputs, used, result, {
+            "errors": {"rotation_deg": rot, "translation": trans}}))
+    _pictures(pair.source, pair.target, result, plot, html, f"bun045 -> bun000 ({m})")
     ok = rot < 1.0 and trans < 2e-3
     verdict = "[green]aligned[/green]" if ok else "[red]NOT aligned[/red]"
     console.print(f"{verdict}: errors {'below' if ok else 'above'} 1 deg / 2 mm")
     if not ok or not math.isfinite(rot):
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def view(
+    source: Path = typer.Argument(..., exists=True, dir_okay=False, help="source cloud",
+                                  metavar="SOURCE"),
+    target: Path = typer.Argument(..., exists=True, dir_okay=False, help="target cloud",
+                                  metavar="TARGET"),
+    transform: Path | None = typer.Option(None, exists=True, dir_okay=False,
+                                          help="text file with the 4x4 T_target_source"),
+    json_in: Path | None = typer.Option(None, "--json", exists=True, dir_okay=False,
+                                        help="result JSON (from register --json or "
+                                        "RegistrationResult.save)"),
+    output: Path = typer.Option(Path("view.html"), help="HTML file to write"),
+    max_points: int = typer.Option(20000, min=100, metavar="N", help="points drawn per cloud "
+                                   "(subsampled for drawing only)"),
+    bin_columns: int = typer.Option(4, min=3, metavar="N",
+                                    help="float32 columns per point of .bin scans"),
+    config: Path | None = _config_option(),
+) -> None:
+    """Write one self-contained HTML file showing SOURCE and TARGET before and after."""
+    _check_input(source, "SOURCE")
+    _check_input(target, "TARGET")
+    _check_output(output, HTML_SUFFIXES, "--output")
+    _need_module("plotly", "viz", "--output")
+    if transform is not None and json_in is not None:
+        raise typer.BadParameter("give --transform or --json, not both", param_hint="--json")
+    result = None
+    if json_in is not None:
+        from pointalign.registration.result import RegistrationResult
+
+        try:
+            result = RegistrationResult.load(json_in)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--json") from None
+        T = result.transformation
+    else:
+        T = _read_init(transform) if transform is not None else np.eye(4)
+    try:
+        src, tgt = _read_cloud(source, bin_columns), _read_cloud(target, bin_columns)
+    except (OSError, ValueError, ImportError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
+    from pointalign import viz
+
+    viz.write_html(src, tgt, T, output, result=result, max_points=max_points,
+                   title=f"{source.name} -> {target.name}")
+    console.print(f"viewer written to {output}")
+
+
+def _find_benchmarks() -> Path | None:
+    here = Path(__file__).resolve()
+    for base in [Path.cwd(), *Path.cwd().parents, *here.parents]:
+        cand = base / "benchmarks"
+        if (cand / "common.py").is_file() and any(cand.glob("bench_*.py")):
+            return cand
+    return None
+
+
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="small sizes: a smoke run "
+                               "(under a minute on a 2-core CPU with the default suites)"),
+    suite: list[str] = typer.Option([], "--suite", help="suite name (repeatable), e.g. knn, "
+                                    "icp, kdtree, soft, surface, ransac; default: knn with "
+                                    "--quick, all otherwise"),
+    device: Device = typer.Option(Device.auto, help="compute device (auto: cuda if present)"),
+    results: Path | None = typer.Option(None, help="folder for the JSON results (default: a "
+                                        "temporary folder; the recorded results are kept)"),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="also print each "
+                                "benchmark's own output"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="only the summary"),
+    config: Path | None = _config_option(),
+) -> None:
+    """Run the benchmark suites of a source checkout and print a summary table."""
+    level = _verbosity(verbose, quiet)
+    root = _find_benchmarks()
+    if root is None:
+        err.print("[red]the benchmarks are not part of the installed package: run "
+                  "'pointalign bench' inside a source checkout of pointalign (the folder "
+                  "that holds benchmarks/), e.g. after 'git clone' and 'make demo'.[/red]")
+        raise typer.Exit(EXIT_USAGE)
+    available = sorted(p.stem.removeprefix("bench_") for p in root.glob("bench_*.py"))
+    chosen = list(suite) or (["knn"] if quick else available)
+    unknown = [s for s in chosen if s not in available]
+    if unknown:
+        raise typer.BadParameter(f"unknown suite(s) {', '.join(unknown)}; available: "
+                                 f"{', '.join(available)}", param_hint="--suite")
+    dev = _resolve_device(device)
+    if results is not None:
+        if not results.is_dir():
+            raise typer.BadParameter(f"folder {results} does not exist", param_hint="--results")
+        out_dir = results
+    else:
+        import tempfile
+
+        out_dir = Path(tempfile.mkdtemp(prefix="pointalign-bench-"))
+    from pointalign import _progress
+
+    env = dict(os.environ, POINTALIGN_BENCH_RESULTS=str(out_dir), PYTHONUNBUFFERED="1")
+    src_dir = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src_dir), env.get("PYTHONPATH")]))
+    summary = Table(title=f"pointalign bench ({dev}{', quick' if quick else ''})")
+    for col in ("suite", "status", "rows", "seconds", "fastest at the largest size"):
+        summary.add_column(col)
+    failed = 0
+    for name in _progress.track(chosen, "benchmarks", quiet=level < 0):
+        cmd = [sys.executable, str(root / f"bench_{name}.py"), "--device", dev]
+        cmd += ["--quick"] if quick else []
+        if level >= 0:
+            console.print(f"running {name} ...")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        secs = time.perf_counter() - t0
+        if level >= 1:
+            console.print(proc.stdout, markup=False)
+        rows = _bench_rows(proc.stdout)
+        ok = proc.returncode == 0
+        failed += not ok
+        summary.add_row(name, "[green]ok[/green]" if ok else f"[red]exit {proc.returncode}"
+                        "[/red]", str(len(rows)), f"{secs:.1f}", _bench_headline(rows))
+        if not ok and proc.stderr:
+            err.print(proc.stderr[-1500:], markup=False)
+    console.print(summary)
+    saved = sorted(out_dir.glob("*.json"))
+    if saved:
+        console.print(f"JSON results in {out_dir}")
+    if failed:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _bench_rows(stdout: str) -> list[dict[str, Any]]:
+    """Parse the result rows a benchmark printed (one JSON object per line)."""
+    rows = []
+    for line in stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def _bench_headline(rows: list[dict[str, Any]], n: int = 8) -> str:
+    """Describe the rows at the largest size: method (or label) and its time, fastest first."""
+    def size(r: dict[str, Any]) -> float:
+        for k in ("n", "n_source", "points", "n_points", "size"):
+            if isinstance(r.get(k), (int, float)):
+                return float(r[k])
+        return 0.0
+
+    def timing(r: dict[str, Any]) -> tuple[str, float] | None:
+        for k in ("ms_per_iter", "total_ms", "median_ms", "ms"):
+            if isinstance(r.get(k), (int, float)):
+                return k, float(r[k])
+        for k, v in r.items():
+            if k.endswith("_ms") and isinstance(v, (int, float)):
+                return k, float(v)
+        return None
+
+    timed = [r for r in rows if timing(r) is not None]
+    if not timed:
+        return "-"
+    big = max(size(r) for r in timed)
+    out = []
+    for r in timed:
+        if size(r) != big:
+            continue
+        key, ms = timing(r)  # type: ignore[misc]
+        label = str(r.get("method") or r.get("case") or r.get("dataset") or "?")
+        where = r.get("dataset") or r.get("problem")
+        out.append((ms, f"{label}{f' ({where})' if where else ''}: {ms:.3g} {key}"))
+    head = f"at size {big:.0f}:\n" if big else ""
+    seen: set[str] = set()
+    lines = []
+    for _, t in sorted(out):
+        name = t.split(":")[0]
+        if name not in seen:
+            seen.add(name)
+            lines.append(t)
+    return head + "\n".join(lines[:n])
+
 
 
 if __name__ == "__main__":  # pragma: no cover

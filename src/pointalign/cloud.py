@@ -26,6 +26,7 @@ class PointCloud:
     Construct with NumPy arrays or tensors; everything is coerced to one device and one
     float dtype (that of ``points``) and validated. The object is immutable; use
     :meth:`replace`, :meth:`to` or :meth:`transform` to get modified copies.
+
     """
 
     points: torch.Tensor
@@ -132,20 +133,77 @@ class PointCloud:
 
     @classmethod
     def from_open3d(cls, pcd: Any) -> PointCloud:
-        """Build from an ``open3d.geometry.PointCloud`` (legacy API)."""
-        pts = np.asarray(pcd.points)
-        nrm = np.asarray(pcd.normals) if pcd.has_normals() else None
-        col = np.asarray(pcd.colors) if pcd.has_colors() else None
+        """Build from an Open3D point cloud, legacy or tensor API.
+
+        Args:
+            pcd: ``open3d.geometry.PointCloud`` (float64 points, normals and colours are
+                copied) or ``open3d.t.geometry.PointCloud`` (``positions``, ``normals``,
+                ``colors`` and every other per-point attribute, the latter into
+                :attr:`extras`; read through DLPack, so zero-copy on the cloud's device where
+                PyTorch supports it).
+
+        Raises:
+            TypeError: ``pcd`` is not an Open3D point cloud.
+
+        """
+        mod = type(pcd).__module__.split(".")[0]
+        if mod != "open3d":
+            raise TypeError(f"pcd: expected an Open3D PointCloud, got {type(pcd).__name__}")
+        if hasattr(pcd, "point") and hasattr(pcd, "to_legacy"):
+            attrs = {k: _validate._from_dlpack(f"pcd.point[{k!r}]", pcd.point[k])
+                     for k in pcd.point}
+            if "positions" not in attrs:
+                raise ValueError("pcd: the Open3D tensor PointCloud has no positions")
+            pts = attrs.pop("positions")
+            nrm, col = attrs.pop("normals", None), attrs.pop("colors", None)
+            extras = {k: (v[:, 0] if v.dim() == 2 and v.shape[1] == 1 else v)
+                      for k, v in attrs.items()}
+            return cls(pts, nrm, col, extras=extras)
+        if not (hasattr(pcd, "points") and hasattr(pcd, "has_normals")):
+            raise TypeError(f"pcd: expected an Open3D PointCloud, got {type(pcd).__name__}")
+        pts = np.array(pcd.points)
+        nrm = np.array(pcd.normals) if pcd.has_normals() else None
+        col = np.array(pcd.colors) if pcd.has_colors() else None
         return cls(pts, nrm, col)
 
-    def to_open3d(self) -> Any:
-        """Convert to an ``open3d.geometry.PointCloud`` (needs the ``open3d`` extra)."""
+    def to_open3d(self, tensor: bool = False) -> Any:
+        """Convert to an Open3D point cloud (needs the ``open3d`` extra).
+
+        Args:
+            tensor: False: ``open3d.geometry.PointCloud`` (legacy API, float64 copies of
+                points, normals and colours). True: ``open3d.t.geometry.PointCloud`` with
+                ``positions``, ``normals``, ``colors`` and the :attr:`extras` as attributes,
+                in this cloud's dtype; handed over through DLPack (shared memory on the CPU;
+                a CUDA cloud stays on the GPU when Open3D was built with CUDA, otherwise it
+                is copied to the CPU).
+
+        Returns:
+            The Open3D point cloud. ``features`` are not carried (Open3D keeps them apart).
+
+        """
         try:
             import open3d as o3d
         except ImportError as exc:  # pragma: no cover - optional
             raise ImportError(
                 "to_open3d needs Open3D: pip install 'pointalign[open3d]'"
             ) from exc
+        if tensor:
+            on_cuda = self.device.type == "cuda" and o3d.core.cuda.is_available()
+
+            def o3t(t: torch.Tensor) -> Any:
+                t = t.detach()
+                if not on_cuda:
+                    t = t.cpu()
+                return o3d.core.Tensor.from_dlpack(t.contiguous())
+
+            pcd = o3d.t.geometry.PointCloud(o3t(self.points))
+            if self.normals is not None:
+                pcd.point["normals"] = o3t(self.normals)
+            if self.colors is not None:
+                pcd.point["colors"] = o3t(self.colors)
+            for k, v in self.extras.items():
+                pcd.point[k] = o3t(v[:, None] if v.dim() == 1 else v)
+            return pcd
         pcd = o3d.geometry.PointCloud()
         arrs = self.numpy()
         pcd.points = o3d.utility.Vector3dVector(arrs["points"].astype(np.float64))

@@ -172,3 +172,91 @@ def random_subsample(points: torch.Tensor, n: int, seed: int = 0) -> torch.Tenso
         return points
     g = torch.Generator().manual_seed(int(seed))
     return points[torch.randperm(points.shape[0], generator=g)[:n].to(points.device)]
+
+
+#: the reference size of :func:`make_hard_pair`'s millimetre quantities: the bounding-box
+#: diagonal of the Stanford bunny scan bun000 (metres)
+HARD_PAIR_REFERENCE_DIAGONAL = 0.2474
+
+
+def make_hard_pair(
+    cloud: Any,
+    overlap: float = 0.5,
+    rotation_deg: float = 90.0,
+    outlier_fraction: float = 0.05,
+    *,
+    translation: float = 0.05,
+    noise: float = 0.0005,
+    scale: float | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Pair:
+    """Cut a partial-overlap pair with noise and outliers from one scan (issue 13's generator).
+
+    1. A random direction d orders the points by ``p · d``; the source keeps the lowest
+       fraction ``s = 1 / (2 − overlap)`` of them, the target the highest ``s``, so the
+       shared slab holds ``overlap`` of each (counted in points, exactly up to rounding).
+    2. Each side gets independent Gaussian noise of std ``noise · scale`` per coordinate.
+    3. ``outlier_fraction`` of each side's points (chosen at random) are replaced by
+       uniform samples in that side's bounding box.
+    4. The source is moved by the inverse of ``T_target_source``: a turn of exactly
+       ``rotation_deg`` about a random axis through the source's centroid, then a shift of
+       exactly ``translation · scale`` along a random direction.
+
+    The millimetre-sized defaults are for a bunny-sized object; ``scale`` multiplies the
+    lengths ``translation`` and ``noise`` (default: the cloud's bounding-box diagonal over
+    :data:`HARD_PAIR_REFERENCE_DIAGONAL`, so every scan is treated as a bunny of its size).
+
+    Args:
+        cloud: ``(N, 3)`` points (array, tensor or PointCloud), N >= 10.
+        overlap: shared fraction of each side, in (0, 1].
+        rotation_deg: the turn in degrees.
+        outlier_fraction: fraction in [0, 1) of each side replaced by outliers.
+        translation: shift length before scaling (metres for a bunny-sized cloud).
+        noise: noise std before scaling.
+        scale: length scale (> 0); default as above.
+        seed: seeds a ``torch.Generator``; the same arguments give the same pair.
+        dtype: float dtype of the returned clouds.
+
+    Returns:
+        :class:`Pair` with ``source (Ns, 3)``, ``target (Nt, 3)`` and ``T_target_source``
+        (float64); ``name`` records the parameters.
+
+    """
+    pts = _validate.as_points(cloud, "cloud", min_points=10, device="cpu", dtype=torch.float64)
+    if not 0 < float(overlap) <= 1:
+        raise ValueError(f"overlap: must be in (0, 1], got {overlap}")
+    if not 0 <= float(outlier_fraction) < 1:
+        raise ValueError(f"outlier_fraction: must be in [0, 1), got {outlier_fraction}")
+    _validate.positive(noise, "noise", allow_zero=True)
+    _validate.positive(translation, "translation", allow_zero=True)
+    lo, hi = pts.min(0).values, pts.max(0).values
+    if scale is None:
+        scale = float((hi - lo).norm()) / HARD_PAIR_REFERENCE_DIAGONAL
+    scale = _validate.positive(scale, "scale")
+    g = torch.Generator().manual_seed(int(seed))
+    d = torch.randn(3, generator=g, dtype=torch.float64)
+    order = torch.argsort(pts @ (d / d.norm()))
+    n = pts.shape[0]
+    keep = int(round(n / (2.0 - float(overlap))))
+    src, tgt = pts[order[:keep]], pts[order[n - keep:]]
+
+    def corrupt(p: torch.Tensor) -> torch.Tensor:
+        p = p + noise * scale * torch.randn(p.shape, generator=g, dtype=torch.float64)
+        n_out = int(math.floor(outlier_fraction * p.shape[0]))
+        if n_out:
+            a, b = p.min(0).values, p.max(0).values
+            idx = torch.randperm(p.shape[0], generator=g)[:n_out]
+            p = p.clone()
+            p[idx] = a + torch.rand(n_out, 3, generator=g, dtype=torch.float64) * (b - a)
+        return p
+
+    src, tgt = corrupt(src), corrupt(tgt)
+    T = transforms.random_transform(rotation_deg, translation * scale, generator=g)
+    c = src.mean(0)
+    R = T[:3, :3]
+    T = transforms.make(R, c - R @ c + T[:3, 3])  # the turn about the source's centroid
+    src = transforms.apply(transforms.invert(T), src)
+    name = (f"overlap {overlap:g}, {rotation_deg:g} deg, {100 * outlier_fraction:g}% outliers, "
+            f"seed {seed}")
+    return Pair(src.to(dtype), tgt.to(dtype), T, name)

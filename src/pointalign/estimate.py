@@ -22,10 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from pointalign import _validate, transforms
+from pointalign import _math, _validate, transforms
 
-#: relative eigenvalue below which a covariance direction counts as empty (degenerate)
-DEGENERACY_EPS = 1e-10
+#: relative eigenvalue below which a covariance direction counts as empty (degenerate);
+#: the one ε of :func:`pointalign._math.spans_plane`
+DEGENERACY_EPS = _math.DEGENERACY_EPS
 
 
 class Estimate(NamedTuple):
@@ -72,19 +73,13 @@ def _weighted_moments(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) 
 
 
 def _spans_plane(cov: torch.Tensor) -> torch.Tensor:
-    """Test whether 3×3 covariances ``(…, 3, 3)`` span (at least) a plane: ``(…)`` bool.
+    """The degeneracy rule :func:`pointalign._math.spans_plane` (``(…, 3, 3)`` → ``(…)`` bool).
 
-    With eigenvalues λ₁ ≤ λ₂ ≤ λ₃ the test is ``λ₁ + λ₂ > ε λ₃`` (ε = ``DEGENERACY_EPS``),
-    evaluated without an eigensolver: ``e₂ = λ₁λ₂ + λ₁λ₃ + λ₂λ₃ = (tr² − ‖C‖_F²) / 2`` and
-    ``‖C‖_F² = Σ λᵢ²``, so ``e₂ > ε ‖C‖_F²`` is the same test to first order in λ₂/λ₃ near
-    the threshold (where λ₁ ≤ λ₂ ≪ λ₃). Both sides are exact to ~1e-16 ‖C‖_F², so a line
-    in float32 coordinates (λ₂/λ₃ ~ 1e-14) is still flat. :func:`_spans_plane_reference`
-    (``λ₂ > ε λ₃`` by ``eigvalsh``) differs only within a factor 2 of the threshold.
+    ``e₂ > ε ‖C‖_F²`` with ``e₂ = (tr² − ‖C‖_F²) / 2``, ≈ λ₂ > ε λ₃; it differs from
+    :func:`_spans_plane_reference` (``λ₂ > ε λ₃`` by ``eigvalsh``) only within a factor 2
+    of the threshold.
     """
-    c = cov.to(torch.float64)
-    tr = torch.diagonal(c, dim1=-2, dim2=-1).sum(-1)
-    fro2 = (c * c).sum((-2, -1))
-    return 0.5 * (tr * tr - fro2) > DEGENERACY_EPS * fro2
+    return _math.spans_plane(cov, DEGENERACY_EPS)
 
 
 def _spans_plane_reference(cov: torch.Tensor) -> torch.Tensor:
@@ -107,33 +102,21 @@ def _finish(T: torch.Tensor, valid: torch.Tensor, strict: bool, what: str) -> Es
 
 
 def horn_matrix(S: torch.Tensor) -> torch.Tensor:
-    """Horn's symmetric 4×4 matrix N(S) of cross-covariances ``S (…, 3, 3)``: ``(…, 4, 4)``.
-
-    Its eigenvector of the largest eigenvalue is the unit quaternion (w, x, y, z) of the
-    rotation maximising ``Σ w yᵀ R x`` (Horn 1987, eq. 15 in Tamaki et al.). N is linear in
-    S, so it is one matmul with a constant (9, 16) basis (one kernel launch on a GPU instead
-    of ~25); :func:`horn_matrix_reference` spells out the entries.
+    """Horn's symmetric 4×4 matrix N(S) of cross-covariances ``S (…, 3, 3)``: ``(…, 4, 4)``
+    (:func:`pointalign._math.horn_matrix`).
     """
+    return _math.horn_matrix(S)
+
+
+def horn_matrix_reference(S: torch.Tensor) -> torch.Tensor:
+    """N(S) as ``vec(S) @ HORN_BASIS`` (N is linear in S): a second form, for tests."""
     flat = S.reshape(*S.shape[:-2], 9)
     return (flat @ _constant(HORN_BASIS, flat)).reshape(*S.shape[:-2], 4, 4)
 
 
-def horn_matrix_reference(S: torch.Tensor) -> torch.Tensor:
-    """:func:`horn_matrix` entry by entry (Horn 1987), for tests and the basis itself."""
-    sxx, sxy, sxz = S[..., 0, 0], S[..., 0, 1], S[..., 0, 2]
-    syx, syy, syz = S[..., 1, 0], S[..., 1, 1], S[..., 1, 2]
-    szx, szy, szz = S[..., 2, 0], S[..., 2, 1], S[..., 2, 2]
-    return torch.stack([
-        torch.stack([sxx + syy + szz, syz - szy, szx - sxz, sxy - syx], -1),
-        torch.stack([syz - szy, sxx - syy - szz, sxy + syx, szx + sxz], -1),
-        torch.stack([szx - sxz, sxy + syx, -sxx + syy - szz, syz + szy], -1),
-        torch.stack([sxy - syx, szx + sxz, syz + szy, -sxx - syy + szz], -1),
-    ], -2)
-
-
 #: (9, 16): N(S) = vec(S) @ basis (row k: N of the k-th unit matrix)
-HORN_BASIS = horn_matrix_reference(torch.eye(9, dtype=torch.float64).reshape(9, 3, 3)
-                                    ).reshape(9, 16)
+HORN_BASIS = _math.horn_matrix(torch.eye(9, dtype=torch.float64).reshape(9, 3, 3)
+                               ).reshape(9, 16)
 
 
 def _rotation_basis() -> torch.Tensor:
@@ -166,11 +149,14 @@ def _constant(c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def quaternion_rotation(q: torch.Tensor) -> torch.Tensor:
-    """Rotation matrices ``(…, 3, 3)`` of quaternions ``q (…, 4)`` = (w, x, y, z) ≠ 0.
-
-    ``R = Σ_ij q_i q_j K_ij / |q|²``: two batched products instead of the ~35 elementwise
-    launches of :func:`pointalign.transforms.quaternion_to_matrix` (same matrix to rounding).
+    """Rotation matrices ``(…, 3, 3)`` of quaternions ``q (…, 4)`` = (w, x, y, z) ≠ 0
+    (:func:`pointalign._math.quat_to_rot`).
     """
+    return _math.quat_to_rot(q)
+
+
+def quaternion_rotation_reference(q: torch.Tensor) -> torch.Tensor:
+    """``R = Σ_ij q_i q_j K_ij / |q|²`` (the quadratic form with a constant basis), for tests."""
     outer = (q[..., :, None] * q[..., None, :]).reshape(*q.shape[:-1], 16)
     R = outer @ _constant(_ROTATION_BASIS, outer)
     return (R / (q * q).sum(-1, keepdim=True)).reshape(*q.shape[:-1], 3, 3)
@@ -179,21 +165,14 @@ def quaternion_rotation(q: torch.Tensor) -> torch.Tensor:
 def horn_from_moments(m: Moments, *, strict: bool = True) -> Estimate:
     """Horn's quaternion method from weighted moments (the core all Horn variants share).
 
-    With centroids x̄ = Σx/W, ȳ = Σy/W and S = cross − W x̄ ȳᵀ, the rotation is the unit
-    quaternion of the largest eigenvalue of Horn's symmetric 4×4 matrix N(S); then
-    t = ȳ − R x̄. Never synchronises with the host when ``strict=False``.
+    :func:`pointalign._math.horn_pose`: with centroids x̄ = Σx/W, ȳ = Σy/W and
+    S = cross − W x̄ ȳᵀ, the rotation is the unit quaternion of the largest eigenvalue of
+    Horn's symmetric 4×4 matrix N(S); then t = ȳ − R x̄. Valid when W > 0 and both
+    covariances pass the degeneracy rule :func:`pointalign._math.spans_plane`. Never
+    synchronises with the host when ``strict=False``.
     """
-    W = m.total
-    denom = W.clamp_min(1e-300)[..., None]
-    xm, ym = m.sum_source / denom, m.sum_target / denom
-    S = m.cross - W[..., None, None] * (xm[..., :, None] * ym[..., None, :])
-    _, vecs = torch.linalg.eigh(horn_matrix(S))
-    R = quaternion_rotation(vecs[..., :, -1])
-    t = ym - (R @ xm[..., None])[..., 0]
-    valid = (W > 0) & _spans_plane(m.source_cov) & _spans_plane(m.target_cov)
-    valid = valid & torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)
-    R = torch.nan_to_num(R)
-    t = torch.nan_to_num(t)
+    R, t, ok = _math.horn_pose(m.total, m.sum_source, m.sum_target, m.cross)
+    valid = ok & _spans_plane(m.source_cov) & _spans_plane(m.target_cov)
     return _finish(transforms.make(R, t), valid, strict, "horn")
 
 
@@ -210,6 +189,7 @@ def horn(
         source: ``(…, N, 3)`` float tensor, x_i.
         target: ``(…, N, 3)`` float tensor, y_i (corresponding row by row).
         weights: optional ``(…, N)`` non-negative weights (0 drops a row).
+
     """
     source, target, weights = _check_pairs(source, target, weights)
     return horn_from_moments(_weighted_moments(source, target, weights), strict=strict)
@@ -242,6 +222,7 @@ def horn_soft(
             and b = ``target_center`` (default 0): kernels centre coordinates on a rough
             centroid before accumulating in float32, to avoid cancellation.
         source_center, target_center: ``(…, 3)`` the shifts a and b used in ``cross``.
+
     """
     x = source.to(torch.float64)
     y = target.to(torch.float64)
@@ -312,6 +293,7 @@ def point_to_plane_system(
 
     Returns:
         ``(JᵀWJ (…, 6, 6), JᵀWr (…, 6), Σ w r² (…))`` in float64.
+
     """
     x = source.to(torch.float64)
     y = target.to(torch.float64)
@@ -338,17 +320,10 @@ def solve_point_to_plane(
     Args:
         JtJ: ``(…, 6, 6)``; Jtr: ``(…, 6)``, e.g. from :func:`point_to_plane_system` or the
             fused reduction of ``kernels.normal_eq``.
+
     """
-    A = JtJ.to(torch.float64)
-    b = -Jtr.to(torch.float64)
-    ev, V = torch.linalg.eigh(A)
-    keep = ev > DEGENERACY_EPS * ev[..., -1:].clamp_min(1e-300)
-    inv = torch.where(keep, 1.0 / ev.clamp_min(1e-300), torch.zeros_like(ev))
-    xi = (V @ (inv[..., None] * (V.transpose(-1, -2) @ b[..., None])))[..., 0]
-    finite = torch.isfinite(xi).all(-1) & keep.any(-1)
-    xi = torch.where(finite[..., None], xi, torch.zeros_like(xi))
-    T = transforms.make(transforms.so3_exp(xi[..., :3]), xi[..., 3:])
-    valid = keep.all(-1) & finite
+    xi, valid, _ = _math.least_norm_solve(JtJ, -Jtr.to(torch.float64), DEGENERACY_EPS)
+    T = transforms.make(_math.so3_exp(xi[..., :3]), xi[..., 3:])
     if strict and not bool(valid.all()):
         raise ValueError(
             "point_to_plane: degenerate input: the correspondences leave some motion "
@@ -372,6 +347,7 @@ def point_to_plane(
     Args:
         source, target: ``(…, N, 3)`` corresponding points; target_normals: ``(…, N, 3)``
         unit normals at the targets; weights: optional ``(…, N)``.
+
     """
     source, target, weights = _check_pairs(source, target, weights)
     target_normals = _validate._to_tensor("target_normals", target_normals)

@@ -6,6 +6,7 @@ Transforms are ``T_target_source`` (``(4, 4)`` or ``(B, 4, 4)``; NumPy or tensor
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,14 +67,49 @@ def zabatani_error(estimate: Any, truth: Any) -> Any:
     return _out(rot + trans)
 
 
-def correspondence_stats(
-    source: Any, target: Any, transformation: Any, max_correspondence_distance: float
-) -> tuple[float, float]:
-    """Fitness and inlier RMSE of a transform, Open3D's meaning, using a SciPy cKDTree.
+@dataclass(frozen=True)
+class RegistrationEvaluation:
+    """What :func:`evaluate_registration` measures (Open3D's ``evaluate_registration``).
 
-    fitness = (source points whose nearest target point after transforming lies within
-    ``max_correspondence_distance``) / (source points); rmse = RMS of those distances
-    (``inf`` when there is none). Runs on the CPU in float64.
+    Attributes:
+        fitness: inlier correspondences / source points, in [0, 1].
+        inlier_rmse: RMS distance over the inlier correspondences (``inf`` when none).
+        correspondence_set: ``(K, 2)`` int64 NumPy array of ``(source index, target index)``
+            pairs whose distance after moving the source is within the maximum distance.
+        transformation: the ``(4, 4)`` float64 transformation that was evaluated.
+
+    """
+
+    fitness: float
+    inlier_rmse: float
+    correspondence_set: np.ndarray
+    transformation: np.ndarray
+
+
+def evaluate_registration(
+    source: Any, target: Any, transformation: Any, max_correspondence_distance: float
+) -> RegistrationEvaluation:
+    """Fitness, inlier RMSE and correspondence set of a transformation (Open3D's meaning).
+
+    Each source point ``T x_s`` is paired with its nearest target point; pairs closer than
+    ``max_correspondence_distance`` are inliers. ``fitness = inliers / N`` and
+    ``inlier_rmse = sqrt(mean(d²))`` over the inliers. This is the one meaning of
+    ``RegistrationResult.fitness``/``rmse`` (see its docstring for the distance each method
+    uses). Runs on the CPU in float64 with a SciPy cKDTree, whatever the inputs' device.
+
+    Args:
+        source: ``(N, 3)`` cloud (array, tensor, PointCloud, Open3D cloud, DLPack object).
+        target: ``(M, 3)`` cloud.
+        transformation: ``(4, 4)`` rigid ``T_target_source``.
+        max_correspondence_distance: inlier distance (> 0), in the units of the data.
+
+    Returns:
+        :class:`RegistrationEvaluation`.
+
+    Raises:
+        ValueError / TypeError: bad shapes, NaN/Inf, a non-rigid transform or a distance
+            that is not a positive number; the message names the argument.
+
     """
     from scipy.spatial import cKDTree
 
@@ -82,11 +118,20 @@ def correspondence_stats(
     T = _validate.as_transform(transformation, "transformation", device="cpu")
     d = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
     moved = transforms.apply(T, src).numpy()
-    dist, _ = cKDTree(tgt.numpy()).query(moved, k=1, distance_upper_bound=d, workers=-1)
-    inl = np.isfinite(dist)
+    dist, idx = cKDTree(tgt.numpy()).query(moved, k=1, distance_upper_bound=d, workers=-1)
+    inl = np.isfinite(dist) & (dist <= d)
     fit = float(inl.mean())
     rmse = float(np.sqrt(np.mean(dist[inl] ** 2))) if inl.any() else math.inf
-    return fit, rmse
+    pairs = np.stack([np.nonzero(inl)[0], idx[inl]], axis=1).astype(np.int64)
+    return RegistrationEvaluation(fit, rmse, pairs, T.numpy().copy())
+
+
+def correspondence_stats(
+    source: Any, target: Any, transformation: Any, max_correspondence_distance: float
+) -> tuple[float, float]:
+    """Fitness and inlier RMSE of a transform (see :func:`evaluate_registration`)."""
+    ev = evaluate_registration(source, target, transformation, max_correspondence_distance)
+    return ev.fitness, ev.inlier_rmse
 
 
 def fitness(source: Any, target: Any, transformation: Any,
@@ -103,7 +148,9 @@ def inlier_rmse(source: Any, target: Any, transformation: Any,
 
 def registration_recall(rotation_errors: Any, translation_errors: Any, *,
                         max_rotation_deg: float = 15.0, max_translation: float = 0.3) -> float:
-    """Fraction of pairs with rotation error < ``max_rotation_deg`` and translation error <
+    """Fraction of pairs that succeed: rotation and translation errors below the limits.
+
+    Success means rotation error < ``max_rotation_deg`` and translation error <
     ``max_translation`` (defaults: the 3DMatch success test, 15° and 30 cm).
     """
     r = np.asarray(rotation_errors, dtype=float)

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from pointalign import _math
+
 
 def make(rotation: torch.Tensor, translation: torch.Tensor) -> torch.Tensor:
     """Build ``(…, 4, 4)`` from rotation ``(…, 3, 3)`` and translation ``(…, 3)``."""
@@ -64,33 +66,19 @@ def apply(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 
 def skew(v: torch.Tensor) -> torch.Tensor:
     """Cross-product matrices ``[v]_x`` of shape ``(…, 3, 3)`` for ``v (…, 3)``."""
-    z = torch.zeros_like(v[..., 0])
-    x, y, w = v[..., 0], v[..., 1], v[..., 2]
-    return torch.stack(
-        [torch.stack([z, -w, y], -1), torch.stack([w, z, -x], -1), torch.stack([-y, x, z], -1)],
-        -2,
-    )
+    return _math.skew(v)
 
 
 def quaternion_to_matrix(q: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Rotation matrices ``(…, 3, 3)`` from quaternions ``(…, 4)`` = (w, x, y, z).
 
-    The quaternion is normalised first; a zero quaternion raises ``ValueError``. With
-    ``check=False`` (inside device loops: no host sync) that test is skipped and a zero
-    quaternion gives a zero matrix.
+    The quaternion is normalised first (:func:`pointalign._math.quat_to_rot`); a zero
+    quaternion raises ``ValueError``. With ``check=False`` (inside device loops: no host
+    sync) that test is skipped and a zero quaternion gives the identity.
     """
-    n = q.norm(dim=-1, keepdim=True)
-    if check and bool((n == 0).any()):
+    if check and bool((q.norm(dim=-1) == 0).any()):
         raise ValueError("q: zero quaternion has no rotation")
-    w, x, y, z = (q / n.clamp_min(1e-300)).unbind(-1)
-    return torch.stack(
-        [
-            1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
-            2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
-            2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y),
-        ],
-        -1,
-    ).reshape(*q.shape[:-1], 3, 3)
+    return _math.quat_to_rot(q)
 
 
 def matrix_to_quaternion(R: torch.Tensor) -> torch.Tensor:
@@ -99,29 +87,7 @@ def matrix_to_quaternion(R: torch.Tensor) -> torch.Tensor:
     Uses the largest of the four candidate denominators (Shepperd's method), so it is
     stable for every rotation, including 180°.
     """
-    m = R
-    tr = m[..., 0, 0] + m[..., 1, 1] + m[..., 2, 2]
-    cands = torch.stack(
-        [tr, m[..., 0, 0], m[..., 1, 1], m[..., 2, 2]], -1
-    )
-    choice = cands.argmax(-1)
-    qs = []
-    # four closed forms; pick per element
-    s0 = (1 + tr).clamp_min(1e-30).sqrt() * 2
-    qs.append(torch.stack([0.25 * s0, (m[..., 2, 1] - m[..., 1, 2]) / s0,
-                           (m[..., 0, 2] - m[..., 2, 0]) / s0, (m[..., 1, 0] - m[..., 0, 1]) / s0], -1))
-    s1 = (1 + m[..., 0, 0] - m[..., 1, 1] - m[..., 2, 2]).clamp_min(1e-30).sqrt() * 2
-    qs.append(torch.stack([(m[..., 2, 1] - m[..., 1, 2]) / s1, 0.25 * s1,
-                           (m[..., 0, 1] + m[..., 1, 0]) / s1, (m[..., 0, 2] + m[..., 2, 0]) / s1], -1))
-    s2 = (1 + m[..., 1, 1] - m[..., 0, 0] - m[..., 2, 2]).clamp_min(1e-30).sqrt() * 2
-    qs.append(torch.stack([(m[..., 0, 2] - m[..., 2, 0]) / s2, (m[..., 0, 1] + m[..., 1, 0]) / s2,
-                           0.25 * s2, (m[..., 1, 2] + m[..., 2, 1]) / s2], -1))
-    s3 = (1 + m[..., 2, 2] - m[..., 0, 0] - m[..., 1, 1]).clamp_min(1e-30).sqrt() * 2
-    qs.append(torch.stack([(m[..., 1, 0] - m[..., 0, 1]) / s3, (m[..., 0, 2] + m[..., 2, 0]) / s3,
-                           (m[..., 1, 2] + m[..., 2, 1]) / s3, 0.25 * s3], -1))
-    q = torch.stack(qs, -2).gather(-2, choice[..., None, None].expand(*choice.shape, 1, 4))[..., 0, :]
-    q = q / q.norm(dim=-1, keepdim=True)
-    return torch.where(q[..., :1] < 0, -q, q)
+    return _math.rot_to_quat(R)
 
 
 def random_rotation(
@@ -149,30 +115,19 @@ def axis_angle_to_matrix(axis: torch.Tensor, angle: torch.Tensor | float) -> tor
 
 
 def so3_exp(omega: torch.Tensor) -> torch.Tensor:
-    """Rodrigues: rotation vectors ``(…, 3)`` (radians) → ``(…, 3, 3)``; exact near 0."""
-    theta2 = (omega * omega).sum(-1)[..., None, None]
-    theta = theta2.sqrt()
-    K = skew(omega)
-    small = theta2 < 1e-12
-    safe = torch.where(small, torch.ones_like(theta), theta)
-    a = torch.where(small, 1 - theta2 / 6, torch.sin(safe) / safe)
-    b = torch.where(small, 0.5 - theta2 / 24, (1 - torch.cos(safe)) / (safe * safe))
-    eye = torch.eye(3, dtype=omega.dtype, device=omega.device)
-    return eye + a * K + b * (K @ K)
+    """Rodrigues: rotation vectors ``(…, 3)`` (radians) → ``(…, 3, 3)``; exact near 0
+    (:func:`pointalign._math.so3_exp`).
+    """
+    return _math.so3_exp(omega)
 
 
 def so3_log(R: torch.Tensor) -> torch.Tensor:
     """Rotation vectors ``(…, 3)`` from rotation matrices ``(…, 3, 3)``; |result| ≤ π.
 
-    Goes through the quaternion, which is stable near 0 and near π.
+    Goes through the quaternion, which is stable near 0 and near π
+    (:func:`pointalign._math.so3_log`).
     """
-    q = matrix_to_quaternion(R)
-    w = q[..., 0].clamp(-1, 1)
-    v = q[..., 1:]
-    s = v.norm(dim=-1)
-    angle = 2 * torch.atan2(s, w)
-    scale = torch.where(s > 1e-12, angle / s.clamp_min(1e-30), 2 / w.clamp_min(1e-30))
-    return v * scale[..., None]
+    return _math.so3_log(R)
 
 
 def _V(omega: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from pointalign import estimate
 from pointalign.kernels import normal_eq as ne
-from tests._oracles import run_interpreted
+from tests._oracles import icp_solve_np, run_interpreted
 
 KERNELS = ne.KERNELS
 
@@ -226,13 +226,11 @@ def _solve_case(seed: int, plane: bool):
 
 @pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])
 def test_solve_reference_matches_numpy_solver(seed, plane):
-    """The torch spec of the device solve equals ICP's independent NumPy host solver."""
-    from pointalign.registration import icp as icp_mod
-
+    """The torch spec of the device solve equals the independent NumPy oracle."""
     x, y, idx, n, c, Tin, T = _solve_case(seed, plane)
     s = ne.normal_equations_reference(x, y, idx, target_normals=n, center=c)
     D, Tn, fl = ne.solve_update_reference(s, c, Tin, plane=plane)
-    Dn, vn, un = icp_mod._solve_np(s.numpy(), plane, c.double().numpy())
+    Dn, vn, un = icp_solve_np(s.numpy(), plane, c.double().numpy())
     np.testing.assert_allclose(D.numpy(), Dn, atol=1e-9)
     np.testing.assert_allclose(Tn.numpy(), Dn @ Tin.numpy(), atol=1e-9)
     np.testing.assert_array_equal(fl[:, 0].numpy() > 0, vn)
@@ -265,7 +263,10 @@ def run_interpreted_solve(out_path: str) -> None:
         s = ne.normal_equations_reference(x, y, idx, target_normals=n, center=c)
         o = (torch.empty(3, 4, 4, dtype=torch.float64), torch.empty(3, 4, 4, dtype=torch.float64),
              torch.empty(3, 4, 4), torch.empty(3, 2, dtype=torch.int32))
-        _normal_eq_triton._solve_kernel[(3,)](s, c, Tin, *o, 1e-10, PLANE=plane, num_warps=1)
+        _normal_eq_triton._solve_kernel[(3,)](s, c, Tin, *o, 1e-10, PLANE=plane,
+                                              SWEEPS=_normal_eq_triton._SWEEPS6,
+                                              SQUARINGS=_normal_eq_triton._SQUARINGS,
+                                              num_warps=1)
         out[plane] = (s,) + o
     torch.save(out, out_path)
 

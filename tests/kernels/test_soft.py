@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pointalign import datasets, transforms
-from pointalign.kernels import soft
+from pointalign.kernels import horn, soft
 from tests._oracles import run_interpreted
 
 # ------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_emicp_rows_match_dense_row_col_sums_and_cross(rng):
     torch.testing.assert_close(lam[0], lam_d)
     torch.testing.assert_close(xp[0], xp_d)
     # the soft Horn moments (Tamaki eqs. 18-20, 26) from the rows alone
-    W, sx, sm, cross = soft.horn_moments(x[None], xp, lam)
+    W, sx, sm, cross = horn.horn_moments(x[None], xp, lam)
     torch.testing.assert_close(W[0], Ms.sum())
     torch.testing.assert_close(sx[0], (Ms.sum(1)[:, None] * x).sum(0))
     torch.testing.assert_close(sm[0], (Ms.sum(0)[:, None] * y).sum(0))  # uses column sums
@@ -211,7 +211,7 @@ def test_weighted_horn_matches_svd_oracle(rng):
     Tt = _pose(rng, 70, 0.5)
     m = transforms.apply(Tt, x) + 0.01 * torch.randn(60, 3, generator=rng, dtype=torch.float64)
     w = torch.rand(60, generator=rng, dtype=torch.float64)
-    T, valid = soft.weighted_horn(x[None], m[None], w[None])
+    T, valid = horn.weighted_horn(x[None], m[None], w[None])
     assert bool(valid[0])
     # independent oracle: NumPy weighted Umeyama (SVD)
     X, Y, W = x.numpy(), m.numpy(), w.numpy()
@@ -226,7 +226,7 @@ def test_weighted_horn_matches_svd_oracle(rng):
 
 def test_weighted_horn_zero_weight_is_identity_not_nan(rng):
     x = _cloud(10, rng)
-    T, valid = soft.weighted_horn(x[None], x[None], torch.zeros(1, 10, dtype=torch.float64))
+    T, valid = horn.weighted_horn(x[None], x[None], torch.zeros(1, 10, dtype=torch.float64))
     assert not bool(valid[0])
     assert torch.equal(T[0], torch.eye(4, dtype=torch.float64))
 
@@ -270,7 +270,7 @@ def _check_step(got, Q, P, T, ql, pl):
     rl, rx = soft.emicp_rows(Q.double(), P.double(), T.double(), None,
                              torch.tensor([-1.0, -1e4]).double(), source_lengths=ql.cpu(),
                              target_lengths=pl.cpu(), scale=torch.tensor([50.0, 5e5]).double())
-    Tr, vr = soft.horn_reference(Q.double(), rx, rl)
+    Tr, vr = horn.horn_reference(Q.double(), rx, rl)
     # float32 logits of up to ~50 at s = 5e5: λ agrees to a few 1e-4 relative
     _masked_close(lam.cpu(), rl, ql.cpu(), 1e-6, 5e-4)
     assert vg.cpu().tolist() == vr.tolist()
@@ -297,7 +297,7 @@ def run_interpreted_cases(out_path: str) -> None:
                                                     torch.tensor([0.5, 1.0]), query_lengths=ql,
                                                     point_lengths=pl)
         w = torch.rand(2, 37, generator=torch.Generator().manual_seed(seed))
-        out[("horn", seed)] = soft.weighted_horn(Q, P[:, :37], w)
+        out[("horn", seed)] = horn.weighted_horn(Q, P[:, :37], w)
         *args, kw = _step_case(Q, P, T, ql, pl)
         out[("step", seed)] = soft.emicp_step(*args, **kw)
     g = torch.Generator().manual_seed(5)
@@ -349,7 +349,7 @@ def test_triton_interpreted_matches_reference(seed, interpreted):
     _masked_close(sk, rs, ql, 1e-4, 2e-6)
     w = torch.rand(2, 37, generator=torch.Generator().manual_seed(seed))
     Th, valid = interpreted[("horn", seed)]
-    Tr, vr = soft.horn_reference(Q, P[:, :37], w)
+    Tr, vr = horn.horn_reference(Q, P[:, :37], w)
     assert torch.equal(valid, vr)
     torch.testing.assert_close(Th, Tr, atol=1e-5, rtol=0)
     _check_step(interpreted[("step", seed)], Q, P, T, ql, pl)
@@ -395,8 +395,8 @@ def test_triton_cuda_matches_reference(n, m, rng):
         got = soft.emicp_step(Q2, P2, Td, s2.cuda(), lo.cuda(), frozen.cuda(), **kw)
         _check_step(got, Q.cpu(), P.cpu(), T2.cpu(), ql.cpu(), pl.cpu())
     w = torch.rand(1, n, generator=rng)
-    Tg, vg = soft.weighted_horn(q[None].cuda(), q[None].cuda() + 0.1, w.cuda())
-    Tr, vr = soft.horn_reference(q[None], q[None] + 0.1, w)
+    Tg, vg = horn.weighted_horn(q[None].cuda(), q[None].cuda() + 0.1, w.cuda())
+    Tr, vr = horn.horn_reference(q[None], q[None] + 0.1, w)
     torch.testing.assert_close(Tg.cpu(), Tr, atol=1e-5, rtol=0)
 
 
@@ -407,7 +407,7 @@ def test_weighted_horn_single_point_is_identity_rotation(offset, rng):
     m = x + torch.tensor([0.01, -0.02, 0.03], dtype=torch.float64)
     w = torch.tensor([[0.37]], dtype=torch.float64)
     for xs, ms in ((x, m), (x.float(), m.float())):
-        T, valid = soft.horn_reference(xs, ms, w.to(xs.dtype))
+        T, valid = horn.horn_reference(xs, ms, w.to(xs.dtype))
         assert bool(valid[0])
         torch.testing.assert_close(T[0, :3, :3], torch.eye(3, dtype=torch.float64))
         torch.testing.assert_close(T[0, :3, 3], (ms - xs)[0, 0].double(), atol=1e-5, rtol=0)

@@ -361,11 +361,13 @@ def test_cuda_batched_equals_separate(seed):
 
 @pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])
 def test_host_solver_matches_estimate(bunny, seed, plane):
-    """The loop's NumPy solve equals the estimate-module path (horn_from_moments /
-    solve_point_to_plane), including a degenerate entry."""
+    """The NumPy oracle of the ICP solve (tests/_oracles.py) equals the estimate-module
+    path (horn_from_moments / solve_point_to_plane on _math) and ICP's torch solve,
+    including a degenerate entry."""
+    from pointalign import estimate
     from pointalign.features.normals import estimate_normals
     from pointalign.kernels import normal_eq
-    from pointalign.registration import icp as icp_mod
+    from tests._oracles import icp_solve_np
 
     g = torch.Generator().manual_seed(seed)
     T = transforms.random_transform(20.0, 0.02, generator=g).float()
@@ -377,12 +379,32 @@ def test_host_solver_matches_estimate(bunny, seed, plane):
     n = estimate_normals(bunny, k=10)[None].repeat(3, 1, 1) if plane else None
     c = bunny.mean(0)[None].repeat(3, 1)
     s = normal_eq.normal_equations_reference(x, y, idx, target_normals=n, center=c)
-    D, valid = icp_mod._solve(s, plane, c.double())
-    Dn, vn, un = icp_mod._solve_np(s.numpy(), plane, c.double().numpy())
+    Dn, vn, un = icp_solve_np(s.numpy(), plane, c.double().numpy())
+    if plane:
+        A, g6 = normal_eq.unpack_hessian(s)
+        est = estimate.solve_point_to_plane(A, g6, strict=False)
+        R, t = est.transformation[:, :3, :3], est.transformation[:, :3, 3]
+        valid = est.valid
+    else:
+        W = s[:, 0]
+        Wd = W.clamp_min(1e-300)[:, None, None]
+        sx, sy = s[:, 1:4], s[:, 4:7]
+        m = estimate.Moments(W, sx, sy, s[:, 7:16].reshape(3, 3, 3),
+                             normal_eq.unpack_sym3(s[:, 16:22]) - sx[:, :, None] * sx[:, None, :] / Wd,
+                             normal_eq.unpack_sym3(s[:, 22:28]) - sy[:, :, None] * sy[:, None, :] / Wd)
+        est = estimate.horn_from_moments(m, strict=False)
+        R, t = est.transformation[:, :3, :3], est.transformation[:, :3, 3]
+        valid = est.valid
+    cd = c.double()
+    D = transforms.make(R, t + cd - (R @ cd[:, :, None])[:, :, 0])
     assert un[:2].all() and un[2] == plane  # a rank-deficient 6x6 still gives a step
     np.testing.assert_array_equal(vn, valid.numpy())
     assert not vn[2] and vn[:2].all()
     np.testing.assert_allclose(Dn, D.numpy(), atol=1e-10)
+    Dr, _, flags = normal_eq.solve_update_reference(s, c, torch.eye(4, dtype=torch.float64)
+                                                    .expand(3, 4, 4), plane=plane)
+    np.testing.assert_allclose(Dn, Dr.numpy(), atol=1e-10)
+    np.testing.assert_array_equal(flags[:, 0].numpy() > 0, vn)
     if not plane:  # exact correspondences: the update undoes T
         np.testing.assert_allclose(Dn[1] @ T.double().numpy(), np.eye(4), atol=1e-5)
 
@@ -455,20 +477,20 @@ def test_cuda_tiered_query_is_exact(seed, index_method):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("index_method", ["grid", "kdtree"])
 def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
-    from pointalign.registration import icp as icp_mod
+    from pointalign.kernels import _loop
 
     pair = datasets.load_bunny_pair()
     s, t = pair.source.cuda(), pair.target.cuda()
     ix = build_index(t, index_method, max_distance=0.01)
     kw = dict(max_correspondence_distance=0.01, method=method, index=ix, criteria=CRIT)
     # a short first call with an index runs eagerly, the next call captures
-    monkeypatch.setattr(icp_mod, "GRAPH_AFTER_STEPS", 10**9)
+    monkeypatch.setattr(_loop, "EAGER_STEPS", 10**9)
     first = icp(s, t, **kw)
     assert first.info["cuda_graph"] == "first_use", first.info["cuda_graph"]
     res = icp(s, t, **kw)
     assert res.info["cuda_graph"] == "captured", res.info["cuda_graph"]
     np.testing.assert_allclose(res.transformation, first.transformation, atol=1e-6)
-    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", False)
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
     eager = icp(s, t, **kw)
     assert eager.info["cuda_graph"] == "off"
     assert res.iterations == eager.iterations and res.stop_reason == eager.stop_reason
@@ -478,7 +500,7 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     s2 = s + 1e-3 * torch.randn(s.shape, generator=g).cuda()
     init = transforms.random_transform(3.0, 0.005, generator=g)
     eager2 = icp(s2, t, init=init, **kw)
-    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", True)
+    monkeypatch.setattr(_loop, "USE_GRAPHS", True)
     again = icp(s2, t, init=init, **kw)
     assert again.info["cuda_graph"] == "reused", again.info["cuda_graph"]
     assert again.iterations == eager2.iterations and again.stop_reason == eager2.stop_reason
@@ -487,13 +509,13 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     other_ix = build_index(t, index_method, max_distance=0.01)
     other = [icp(s2, t, init=init, **dict(kw, index=other_ix)) for _ in range(2)]
     assert [o.info["cuda_graph"] for o in other] == ["first_use", "captured"]
-    # a long first call captures once past GRAPH_AFTER_STEPS steps: same result as eager
-    monkeypatch.setattr(icp_mod, "GRAPH_AFTER_STEPS", 3)
+    # a long first call captures once past EAGER_STEPS steps: same result as eager
+    monkeypatch.setattr(_loop, "EAGER_STEPS", 3)
     crit = ConvergenceCriteria(max_iterations=20, relative_fitness=0, relative_rmse=0,
                                translation_tolerance=0, rotation_tolerance=0)
     ix3 = build_index(t, index_method, max_distance=0.01)
     long = icp(s2, t, init=init, **dict(kw, index=ix3, criteria=crit))
     assert long.info["cuda_graph"] == "captured", long.info["cuda_graph"]
-    monkeypatch.setattr(icp_mod, "USE_CUDA_GRAPHS", False)
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
     long_eager = icp(s2, t, init=init, **dict(kw, index=ix3, criteria=crit))
     np.testing.assert_allclose(long.transformation, long_eager.transformation, atol=1e-6)

@@ -330,3 +330,73 @@ def test_cuda_200k_points_linear_memory():
     assert np.isfinite(res.transformation).all() and np.isfinite(sres.transformation).all()
     assert peak < 256 * 2**20, f"peak {peak / 2**20:.1f} MiB"  # ≈ 100 floats per point
     assert peak < n * n * 4 / 1000
+
+
+# ------------------------------------------------------------------------------------------
+# the program on the executor: signature and criteria
+# ------------------------------------------------------------------------------------------
+
+
+def _captured_program(monkeypatch, algo, *args, **kwargs):
+    """Run ``algo`` and return the (program, inputs) it handed to the executor."""
+    from pointalign.kernels import _loop
+    from pointalign.registration import soft
+
+    seen, run = [], _loop.run_program
+
+    def spy(program, inputs, **kw):
+        seen.append((program, inputs))
+        return run(program, inputs, **kw)
+
+    monkeypatch.setattr(soft._loop, "run_program", spy)
+    algo(*args, **kwargs)
+    monkeypatch.undo()
+    return seen[-1]
+
+
+@pytest.mark.parametrize("algo,change", [(emicp, dict(factor=0.7)),
+                                         (emicp, dict(criteria=ConvergenceCriteria(
+                                             max_iterations=1, rotation_tolerance=1e-3))),
+                                         (softassign, dict(beta_factor=1.6)),
+                                         (softassign, dict(outlier_weight=0.25))])
+def test_program_signature_changes_with_every_constant(monkeypatch, algo, change):
+    """A cached graph is keyed by the program's fields: a changed constant must change it."""
+    import dataclasses
+
+    from pointalign.kernels import _loop
+
+    x, y, _ = _bunny_small(30, 30)
+    base = EM_ARGS if algo is emicp else SA_ARGS
+    kw = dict(base, device="cpu", criteria=ConvergenceCriteria(max_iterations=1))
+    p1, in1 = _captured_program(monkeypatch, algo, x, y, **kw)
+    p1b, in1b = _captured_program(monkeypatch, algo, x, y, **kw)
+    p2, in2 = _captured_program(monkeypatch, algo, x, y, **dict(kw, **change))
+    key = _loop.signature(p1, in1)[0]
+    assert key == _loop.signature(p1b, in1b)[0]
+    assert key != _loop.signature(p2, in2)[0]
+    # a per-problem value the caller gives is an input, not a constant: the graph is reused
+    name = "sigma" if algo is emicp else "beta0"
+    p3, in3 = _captured_program(monkeypatch, algo, x, y, **dict(kw, **{name: 0.9 * base[name]}))
+    assert _loop.signature(p3, in3)[0] == key and not torch.equal(in3[name], in1[name])
+    # every field of the program is part of the key
+    for f in dataclasses.fields(p1):
+        v = getattr(p1, f.name)
+        other = (v + 1 if isinstance(v, int) else 0.5 * v + 0.125) if v is not None else 1.0
+        assert _loop.signature(dataclasses.replace(p1, **{f.name: other}), in1)[0] != key, f.name
+
+
+def test_relative_weights_is_the_weight_rule():
+    """``relative_weights`` decides the weight test; ``relative_fitness`` only stands in for
+    it when it is None (the meaning EM-ICP gave relative_fitness before)."""
+    x, y, _ = _bunny_small(200, 200)
+    crit = ConvergenceCriteria(max_iterations=48, translation_tolerance=1e-3,
+                               rotation_tolerance=1e-2, relative_weights=0.2)
+    args = dict(sigma=0.02, sigma_min=0.019, factor=0.9999, device="cpu")
+    assert emicp(x, y, criteria=crit, **args).stop_reason == "pose_and_weights"
+    strict = ConvergenceCriteria(max_iterations=48, translation_tolerance=1e-3,
+                                 rotation_tolerance=1e-2, relative_fitness=0.2,
+                                 relative_weights=0.0)
+    res = emicp(x, y, criteria=strict, **args)
+    assert res.stop_reason == "max_iterations" and res.iterations == 48
+    with pytest.raises(ValueError, match="relative_weights"):
+        ConvergenceCriteria(relative_weights=-1.0)

@@ -14,7 +14,8 @@ from pointalign.kernels import surface as ks
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.surface import (
     APPROXIMANTS,
-    MAX_EXPANSION,
+    LevelSchedule,
+    NewtonStep,
     _solve_spd4,
     approximant_coefficients,
     approximate_icp,
@@ -269,7 +270,7 @@ def test_armijo_never_increases_exact_objective(kind, seed):
     assert math.isclose(float(d2.sum()), obj[-1], rel_tol=1e-4)
     assert all(b <= a * (1 + 1e-9) for a, b in zip(obj, obj[1:], strict=False))
     # the point approximant may stretch an accepted full step (2ξ, 4ξ, …; surface_newton)
-    top = MAX_EXPANSION if kind == "point" else 1.0
+    top = NewtonStep.MAX_STRETCH if kind == "point" else 1.0
     assert all(0 < h["step"] <= top for h in r.history)
 
 
@@ -412,6 +413,107 @@ def test_truncation_with_partial_overlap(seed):
     r = surface_newton(p.source, p.target, max_correspondence_distance=0.01, criteria=CRIT)
     assert metrics.rotation_error(r.transformation, p.T_target_source) < 0.5
     assert 0.5 < r.fitness <= 1.0
+
+
+# ---- the shared edge: precision far from the origin, honest convergence ------------------
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("method", ["newton", "aicp"])
+def test_georeferenced_offsets_keep_precision(method, device):
+    # issue 16: at +1e6 m surface_newton returned a pose 6.6 km off. The problem is solved
+    # in a frame centred on the target in float64: the shifted run moves the source as the
+    # unshifted one does, to 1e-6 of the cloud's extent
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 500, 1)
+    p = datasets.make_pair(cloud, 10.0, 0.01, noise=2e-4, seed=1)
+    src, tgt = p.source.double(), p.target.double()
+    run = (lambda s, t: surface_newton(s, t, device=device)) if method == "newton" else \
+        (lambda s, t: approximate_icp(s, t, device=device))
+    base = run(src, tgt)
+    assert base.converged
+    moved = transforms.apply(torch.as_tensor(base.transformation), src)
+    extent = float((src - src.mean(0)).norm(dim=1).max())
+    for off in (1e3, 1e4, 1e5, 1e6):
+        o = torch.tensor([off, -0.7 * off, 0.3 * off], dtype=torch.float64)
+        r = run(src + o, tgt + o)
+        assert r.converged and r.iterations == base.iterations, off
+        got = transforms.apply(torch.as_tensor(r.transformation), src + o) - o
+        assert float((got - moved).norm(dim=1).max()) < 1e-6 * extent, off
+
+
+def _tilted_plane(n, g):
+    uv = torch.rand(n, 2, generator=g, dtype=torch.float64) - 0.5
+    Q, _ = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
+    return (uv @ Q[:, :2].T).float(), Q
+
+
+@pytest.mark.parametrize("kind", ["plane", "second_order"])
+def test_plane_moved_in_plane_is_degenerate(kind, rng):
+    # a rotation about the normal and a slide along the plane leave the distance to the plane
+    # unchanged: the Newton system cannot determine them, so the result must not say
+    # converged (it did, issue 16); the motion across the plane is still solved
+    tgt, Q = _tilted_plane(600, rng)
+    n = Q[:, 2]
+    T = transforms.make(transforms.so3_exp(0.1 * n), 0.02 * Q[:, 0] + 0.01 * n)
+    src = transforms.apply(transforms.invert(T), tgt.double()).float()
+    r = surface_newton(src, tgt, approximant=kind, device="cpu")
+    assert not r.converged and r.stop_reason == "degenerate"
+    assert r.info["rank_deficient"]
+    across = (transforms.apply(torch.as_tensor(r.transformation), src.double()) @ n).abs()
+    assert float(across.max()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["plane", "point", "aicp"])
+def test_collinear_and_identical_points_are_degenerate(kind, rng):
+    line = (torch.linspace(-1, 1, 400, dtype=torch.float64)[:, None]
+            * torch.tensor([[0.3, -0.5, 0.8]], dtype=torch.float64)).float()
+    T = transforms.random_transform(5.0, 0.01, generator=rng)
+    src = transforms.apply(transforms.invert(T), line.double()).float()
+    same = torch.full((60, 3), 0.25)
+    for s, t in ((src, line), (same, same)):
+        r = approximate_icp(s, t, device="cpu") if kind == "aicp" else \
+            surface_newton(s, t, approximant=kind, device="cpu")
+        assert not r.converged and r.stop_reason == "degenerate", (kind, r.stop_reason)
+
+
+def test_level_schedule_rules():
+    sch = LevelSchedule(levels=[3, 4, 5, 6], radii=[8.0, 4.0, 2.0, 1.0], margin=2.0)
+    assert (sch.level, sch.finest) == (3, False)
+    # a large motion still expected keeps the level (cells must be >= 2 × the motion)
+    assert not sch.after_step(disp=3.0, rel_change=0.5) and sch.level == 3
+    # a slow rate (ρ = 0.9) stretches the expected motion to 9 × the step: no move
+    assert not sch.after_step(disp=2.7, rel_change=0.5) and sch.level == 3
+    # a fast-shrinking motion goes straight to the deepest level whose cells are big enough
+    assert sch.after_step(disp=0.6, rel_change=0.5) and sch.level == 5
+    assert math.isnan(sch.prev_disp)
+    # a stalled objective goes one level deeper even when the motion is not small
+    assert sch.after_step(disp=5.0, rel_change=1e-4) and sch.level == 6 and sch.finest
+    sch.descend()
+    assert sch.level == 6  # never past the finest
+    # the cell-mean schedule starts on cells sized against the target (a length)
+    src, tgt, _ = _upsampled_problem(20_000)
+    tree = KDTreeIndex(tgt, leaf_size=8)
+    a = LevelSchedule.for_tree(tree, None, cell_means=True)
+    b = LevelSchedule.for_tree(tree, None, cell_means=False)
+    assert a.levels[-1] == b.levels[-1] and a.levels[0] <= b.levels[0]
+    assert a.margin > b.margin
+    assert LevelSchedule.for_tree(tree, 5, cell_means=False).levels == [5]
+
+
+def test_steps_run_on_the_executor(seed):
+    # both methods are a step + rules on kernels._loop; a step's signature (the CUDA-graph
+    # key) must be computable from its fields: the tree by identity, numbers by value
+    from pointalign.kernels import _loop
+    from pointalign.registration.surface import CellMeanStep
+
+    p = _pair(10.0, seed, n=400)
+    tree = KDTreeIndex(p.target, leaf_size=8)
+    key, objects = _loop.signature(CellMeanStep(tree, 4, math.inf), {"x": p.source})
+    assert objects == [tree] and key[0][1][1:] == (4, math.inf)
+    assert not NewtonStep.graph_safe  # the line search reads each trial's objective
+    r = surface_newton(p.source, index=tree, criteria=CRIT)
+    a = approximate_icp(p.source, index=tree)
+    assert r.info["device_steps"] == r.iterations  # no step computed past a stop (eager)
+    assert a.info["device_steps"] >= a.iterations and a.info["cuda_graph"] == "off"
 
 
 def test_bad_inputs(rng):

@@ -11,12 +11,11 @@ CACM 1961), the eigenvector as the largest cross product of two rows of ``C − 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from pointalign import _validate
+from pointalign import _math, _validate
 from pointalign.kernels import features as _kernels
 
 #: neighbourhoods per chunk (bounds memory to about chunk × max_neighbors × 3 floats)
@@ -25,118 +24,10 @@ _CHUNK = 1 << 18
 ORIENTS = ("viewpoint", "majority", None)
 
 
-def _cross(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.cross(a, b, dim=-1)
-
-
-def symmetric_eigenvalues(A: torch.Tensor) -> torch.Tensor:
-    """Eigenvalues ``(…, 3)`` ascending of symmetric ``A (…, 3, 3)``, closed form (Smith 1961).
-
-    With q = tr(A)/3, p = sqrt(tr((A − qI)²)/6), B = (A − qI)/p and φ = acos(det(B)/2)/3,
-    the eigenvalues are q + 2p cos(φ + 2πk/3).
-    """
-    a00, a11, a22 = A[..., 0, 0], A[..., 1, 1], A[..., 2, 2]
-    a01, a02, a12 = A[..., 0, 1], A[..., 0, 2], A[..., 1, 2]
-    q = (a00 + a11 + a22) / 3
-    b00, b11, b22 = a00 - q, a11 - q, a22 - q
-    p2 = b00 * b00 + b11 * b11 + b22 * b22 + 2 * (a01 * a01 + a02 * a02 + a12 * a12)
-    p = (p2 / 6).sqrt()
-    ps = torch.where(p > 0, p, torch.ones_like(p))
-    c00, c11, c22 = b00 / ps, b11 / ps, b22 / ps
-    c01, c02, c12 = a01 / ps, a02 / ps, a12 / ps
-    det = (c00 * (c11 * c22 - c12 * c12) - c01 * (c01 * c22 - c12 * c02)
-           + c02 * (c01 * c12 - c11 * c02))
-    phi = torch.acos((det / 2).clamp(-1, 1)) / 3
-    l_max = q + 2 * p * torch.cos(phi)
-    l_min = q + 2 * p * torch.cos(phi + 2 * math.pi / 3)
-    l_mid = 3 * q - l_max - l_min
-    return torch.stack([l_min, l_mid, l_max], -1)
-
-
-def _null_vector(A: torch.Tensor, lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unit vector spanning the null space of ``A − λI``, and its squared raw norm.
-
-    The vector is the largest cross product of two rows; its squared norm is small when λ is
-    not a simple eigenvalue.
-    """
-    eye = torch.eye(3, dtype=A.dtype, device=A.device)
-    Mm = A - lam[..., None, None] * eye
-    r0, r1, r2 = Mm[..., 0, :], Mm[..., 1, :], Mm[..., 2, :]
-    cands = torch.stack([_cross(r0, r1), _cross(r0, r2), _cross(r1, r2)], -2)
-    n2 = (cands * cands).sum(-1)
-    best = n2.argmax(-1)
-    v = torch.gather(cands, -2, best[..., None, None].expand(*best.shape, 1, 3))[..., 0, :]
-    nb = torch.gather(n2, -1, best[..., None])[..., 0]
-    return v / nb.clamp_min(1e-300).sqrt()[..., None], nb
-
-
-def _any_orthogonal(u: torch.Tensor) -> torch.Tensor:
-    """A unit vector orthogonal to unit ``u (…, 3)``."""
-    ax = torch.zeros_like(u)
-    k = u.abs().argmin(-1)
-    ax.scatter_(-1, k[..., None], 1.0)
-    v = _cross(u, ax)
-    return v / v.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-
-
-def smallest_eigenvector(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unit eigenvector of the smallest eigenvalue of symmetric ``A (…, 3, 3)``, closed form.
-
-    Computed in float64. The matrix is first scaled by its largest entry. When the smallest
-    eigenvalue is (nearly) repeated the eigenvector is not unique: the result is then a unit
-    vector orthogonal to the eigenvector of the largest eigenvalue (any vector when all three
-    coincide). Returns ``(vectors (…, 3), eigenvalues (…, 3) ascending)`` in A's dtype.
-    """
-    dt = A.dtype
-    A64 = A.to(torch.float64)
-    s = A64.abs().amax((-1, -2))
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    An = A64 / s[..., None, None]
-    lam = symmetric_eigenvalues(An)
-    v, nv = _null_vector(An, lam[..., 0])
-    gap = (lam[..., 1] - lam[..., 0])
-    spread = (lam[..., 2] - lam[..., 0])
-    # the largest cross product has norm ~ gap * spread for a simple eigenvalue
-    simple = nv > (1e-8 * spread.clamp_min(1e-300)) ** 2
-    simple &= gap > 1e-9 * spread.clamp_min(1e-300)
-    u, nu = _null_vector(An, lam[..., 2])
-    alt = _any_orthogonal(u)
-    alt = torch.where((nu > 0)[..., None] & (spread > 0)[..., None], alt,
-                      torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64, device=A.device))
-    v = torch.where(simple[..., None], v, alt)
-    return v.to(dt), (lam * s[..., None]).to(dt)
-
-
-def symmetric_eigh3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """All eigenpairs of symmetric ``A (…, 3, 3)`` in closed form (no LAPACK/cuSOLVER call).
-
-    Eigenvalues by :func:`symmetric_eigenvalues`; the smallest eigenvector by
-    :func:`smallest_eigenvector`, the largest as the null vector of ``A − λ_max I`` made
-    orthogonal to it (any orthogonal unit vector when ``λ_max`` is repeated), the middle one
-    as their cross product. O(1) memory per matrix, computed in float64.
-
-    Returns:
-        ``(eigenvalues (…, 3) ascending, eigenvectors (…, 3, 3))`` in A's dtype; column
-        ``j`` is the eigenvector of eigenvalue ``j``; the columns form a rotation (det +1).
-
-    """
-    dt = A.dtype
-    A64 = A.to(torch.float64)
-    s = A64.abs().amax((-1, -2))
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    An = A64 / s[..., None, None]
-    lam = symmetric_eigenvalues(An)
-    v0, _ = smallest_eigenvector(An)
-    v2, n2 = _null_vector(An, lam[..., 2])
-    spread = (lam[..., 2] - lam[..., 0]).clamp_min(1e-300)
-    v2 = v2 - (v2 * v0).sum(-1, keepdim=True) * v0
-    nrm = v2.norm(dim=-1, keepdim=True)
-    simple = (n2 > (1e-8 * spread) ** 2) & (lam[..., 2] - lam[..., 1] > 1e-9 * spread)
-    simple &= nrm[..., 0] > 0.5
-    v2 = torch.where(simple[..., None], v2 / nrm.clamp_min(1e-300), _any_orthogonal(v0))
-    v1 = _cross(v2, v0)
-    V = torch.stack([v0, v1, v2], -1)
-    return (lam * s[..., None]).to(dt), V.to(dt)
+# the closed-form 3×3 eigen-solver is the library's one 3×3 solver, in ``pointalign._math``
+symmetric_eigenvalues = _math.eigvalsh3
+smallest_eigenvector = _math.smallest_eigenvector3
+symmetric_eigh3 = _math.eigh3
 
 
 def _neighbour_covariances(pts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -12,25 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pointalign.kernels import _tl_math as tm
 from pointalign.kernels.normal_eq import KERNELS, WIDTH
 
 BLOCK = 256
-
-
-@triton.jit
-def _weight(r, scale, KIND: tl.constexpr):
-    a = tl.abs(r)
-    if KIND == 0:
-        w = tl.full(a.shape, 1.0, tl.float32)
-    elif KIND == 1:
-        w = tl.where(a <= scale, 1.0, scale / tl.maximum(a, 1e-30))
-    elif KIND == 2:
-        u = a / scale
-        w = tl.where(a < scale, (1.0 - u * u) * (1.0 - u * u), 0.0)
-    else:
-        u = a / scale
-        w = 1.0 / (1.0 + u * u)
-    return w
 
 
 @triton.jit
@@ -68,7 +53,7 @@ def _normal_eq_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr,
         n1 = tl.load(nb + 1, mask=valid, other=0.0).to(tl.float32)
         n2 = tl.load(nb + 2, mask=valid, other=0.0).to(tl.float32)
         r = n0 * d0 + n1 * d1 + n2 * d2
-        w = _weight(r, scale, KIND) * vf
+        w = tm.robust_weight(r, scale, KIND) * vf
         # J = [x̃ × n, n]
         j0 = x1 * n2 - x2 * n1
         j1 = x2 * n0 - x0 * n2
@@ -108,7 +93,7 @@ def _normal_eq_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr,
         tl.store(o + 26, tl.sum(w5 * r, 0))
         tl.store(o + 27, tl.sum(w * r * r, 0))
     else:
-        w = _weight(tl.sqrt(dd), scale, KIND) * vf
+        w = tm.robust_weight(tl.sqrt(dd), scale, KIND) * vf
         wx0 = w * x0
         wx1 = w * x1
         wx2 = w * x2
@@ -171,194 +156,74 @@ def normal_equations_triton(source: torch.Tensor, target: torch.Tensor, idx: tor
 # ---- the solve: partial sums -> update, on the device (no host round trip) ----------------
 #
 # The (P, 30) float32 block partials are summed in float64 (one torch reduction), then one
-# program per batch entry solves in float64 with scalar code: Horn's 4×4 eigenproblem (point-to-point; plus the two 3×3
-# covariance spectra of the degeneracy test) or the 6×6 pseudo-inverse (point-to-plane), by
-# cyclic Jacobi rotations with a fixed number of sweeps (quadratic convergence: 6-8 sweeps
-# reach float64 round-off for these sizes). Triton has no small local arrays, so the
-# straight-line scalar code (one variable per matrix entry) is generated below from the
-# index pairs, registered with ``linecache`` (Triton reads a kernel's source) and compiled.
+# program per batch entry solves in float64 with the scalar helpers of ``_tl_math`` (the
+# twins of ``pointalign._math``): Horn's pose from the moments plus the degeneracy rule
+# (point-to-point) or the least-norm 6×6 solve by cyclic Jacobi and Rodrigues
+# (point-to-plane). The spec is ``normal_eq.solve_update_reference``.
 
-_SWEEPS = {3: 6, 4: 6, 6: 8}
-
-
-def _a(p: str, i: int, j: int) -> str:
-    return f"{p}{min(i, j)}{max(i, j)}"
+#: Jacobi sweeps of the 6×6 solve (quadratic convergence: 8 reach float64 round-off)
+_SWEEPS6 = 8
+#: squarings of Horn's 4×4 (top eigenvector; converges for gaps above ~1e-11 ‖N‖)
+_SQUARINGS = 40
 
 
-def _jacobi(n: int, a: str, v: str | None, ind: str) -> list[str]:
-    """Lines: cyclic Jacobi on the symmetric scalars ``a{i}{j}`` (and vectors ``v{i}{j}``)."""
-    out = [f"for _sw in range({_SWEEPS[n]}):"]
-    i2 = ind + "    "
-    for p in range(n):
-        for q in range(p + 1, n):
-            apq, app, aqq = _a(a, p, q), _a(a, p, p), _a(a, q, q)
-            out += [f"nz = tl.abs({apq}) > 1e-300",
-                    f"th = ({aqq} - {app}) / tl.where(nz, 2.0 * {apq}, 1.0)",
-                    "tt = tl.where(th >= 0, 1.0, -1.0) / (tl.abs(th) + tl.sqrt(th * th + 1.0))",
-                    "tt = tl.where(nz, tt, 0.0)",
-                    "cs = 1.0 / tl.sqrt(tt * tt + 1.0)",
-                    "sn = tt * cs",
-                    f"{app} = {app} - tt * {apq}",
-                    f"{aqq} = {aqq} + tt * {apq}",
-                    f"{apq} = {apq} * 0.0"]
-            for k in range(n):
-                if k in (p, q):
-                    continue
-                kp, kq = _a(a, k, p), _a(a, k, q)
-                out += [f"u0 = {kp}", f"u1 = {kq}",
-                        f"{kp} = cs * u0 - sn * u1", f"{kq} = sn * u0 + cs * u1"]
-            if v is not None:
-                for k in range(n):
-                    kp, kq = f"{v}{k}{p}", f"{v}{k}{q}"
-                    out += [f"u0 = {kp}", f"u1 = {kq}",
-                            f"{kp} = cs * u0 - sn * u1", f"{kq} = sn * u0 + cs * u1"]
-    return [ind + out[0]] + [i2 + x for x in out[1:]]
-
-
-def _finite(x: str) -> str:
-    return f"(({x}) == ({x})) & (tl.abs({x}) < float('inf'))"
-
-
-def _solve_source() -> str:
-    from pointalign.kernels.normal_eq import TRIU3, TRIU6
-
-    I1 = "    "
-    I2 = "        "
-    L = ["def _solve_kernel(sums_ptr, c_ptr, tin_ptr, d_ptr, tn_ptr, tf_ptr, flag_ptr, eps,",
-         "                  PLANE: tl.constexpr):",
-         "    b = tl.program_id(0).to(tl.int64)"]
-    L += [f"    s{k} = tl.load(sums_ptr + b * 30 + {k})" for k in range(30)]
-    L += [f"    c{k} = tl.load(c_ptr + b * 3 + {k}).to(tl.float64)" for k in range(3)]
-    L += [f"    T{i}{j} = tl.load(tin_ptr + b * 16 + {4 * i + j})"
-          for i in range(4) for j in range(4)]
-    L += ["    zero = s0 * 0.0", "    one = zero + 1.0"]
-    # ---- point-to-plane
-    L += ["    if PLANE:"]
-    L += [I2 + f"h{i}{j} = s{q}" for q, (i, j) in enumerate(TRIU6)]
-    L += [I2 + f"g{i} = -s{21 + i}" for i in range(6)]
-    L += [I2 + f"v{i}{j} = {'one' if i == j else 'zero'}" for i in range(6) for j in range(6)]
-    L += _jacobi(6, "h", "v", I2)
-    L += [I2 + "mx = " + "tl.maximum(" * 5 + "h00" +
-          "".join(f", h{i}{i})" for i in range(1, 6))]
-    L += [I2 + "thr = eps * tl.maximum(mx, 1e-300)"]
-    for i in range(6):
-        L += [I2 + f"k{i} = h{i}{i} > thr",
-              I2 + f"inv{i} = tl.where(k{i}, 1.0 / tl.maximum(h{i}{i}, 1e-300), 0.0)",
-              I2 + f"y{i} = inv{i} * (" + " + ".join(f"v{k}{i} * g{k}" for k in range(6)) + ")"]
-    for k in range(6):
-        L += [I2 + f"xi{k} = " + " + ".join(f"v{k}{i} * y{i}" for i in range(6))]
-    L += [I2 + "usable = (" + " | ".join(f"k{i}" for i in range(6)) + ")"]
-    for k in range(6):
-        L += [I2 + f"usable = usable & {_finite(f'xi{k}')}"]
-    L += [I2 + "valid = usable & " + " & ".join(f"k{i}" for i in range(6))]
-    for k in range(6):
-        L += [I2 + f"xi{k} = tl.where(usable, xi{k}, 0.0)"]
-    # Rodrigues: R = I + a K + b (w wᵀ − θ² I)
-    L += [I2 + "th2 = xi0 * xi0 + xi1 * xi1 + xi2 * xi2",
-          I2 + "small = th2 < 1e-12",
-          I2 + "safe = tl.where(small, 1.0, tl.sqrt(th2))",
-          I2 + "ra = tl.where(small, 1.0 - th2 / 6.0, tl.sin(safe) / safe)",
-          I2 + "rb = tl.where(small, 0.5 - th2 / 24.0, (1.0 - tl.cos(safe)) / (safe * safe))"]
-    K = {(0, 1): "-xi2", (0, 2): "xi1", (1, 0): "xi2", (1, 2): "-xi0", (2, 0): "-xi1",
-         (2, 1): "xi0"}
-    for i in range(3):
-        for j in range(3):
-            e = f"rb * xi{i} * xi{j}"
-            e += " + one - rb * th2" if i == j else f" + ra * ({K[(i, j)]})"
-            L += [I2 + f"R{i}{j} = {e}"]
-    L += [I2 + f"t{i} = xi{3 + i}" for i in range(3)]
-    # ---- point-to-point (Horn)
-    L += ["    else:",
-          I2 + "W = s0",
-          I2 + "Wd = tl.maximum(W, 1e-300)"]
-    L += [I2 + f"xm{i} = s{1 + i} / Wd" for i in range(3)]
-    L += [I2 + f"ym{i} = s{4 + i} / Wd" for i in range(3)]
-    L += [I2 + f"S{i}{j} = s{7 + 3 * i + j} - W * xm{i} * ym{j}"
-          for i in range(3) for j in range(3)]
-    for q, (i, j) in enumerate(TRIU3):
-        L += [I2 + f"p{i}{j} = s{16 + q} - s{1 + i} * s{1 + j} / Wd",
-              I2 + f"p{i + 3}{j + 3} = s{22 + q} - s{4 + i} * s{4 + j} / Wd"]
-    terms = {(0, 0): "S00 + S11 + S22", (0, 1): "S12 - S21", (0, 2): "S20 - S02",
-             (0, 3): "S01 - S10", (1, 1): "S00 - S11 - S22", (1, 2): "S01 + S10",
-             (1, 3): "S20 + S02", (2, 2): "S11 - S00 - S22", (2, 3): "S12 + S21",
-             (3, 3): "S22 - S00 - S11"}
-    L += [I2 + f"n{i}{j} = {e}" for (i, j), e in terms.items()]
-    L += [I2 + f"v{i}{j} = {'one' if i == j else 'zero'}" for i in range(4) for j in range(4)]
-    L += _jacobi(4, "n", "v", I2)
-    # eigenvector of the largest eigenvalue (the last on ties, as numpy's eigh)
-    L += [I2 + "best = n00"] + [I2 + f"q{k} = v{k}0" for k in range(4)]
-    for i in range(1, 4):
-        L += [I2 + f"sel = n{i}{i} >= best", I2 + f"best = tl.where(sel, n{i}{i}, best)"]
-        L += [I2 + f"q{k} = tl.where(sel, v{k}{i}, q{k})" for k in range(4)]
-    L += [I2 + "qn = tl.maximum(tl.sqrt(q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3), 1e-300)"]
-    L += [I2 + f"q{k} = q{k} / qn" for k in range(4)]
-    L += [I2 + "R00 = 1.0 - 2.0 * (q2 * q2 + q3 * q3)",
-          I2 + "R01 = 2.0 * (q1 * q2 - q3 * q0)",
-          I2 + "R02 = 2.0 * (q1 * q3 + q2 * q0)",
-          I2 + "R10 = 2.0 * (q1 * q2 + q3 * q0)",
-          I2 + "R11 = 1.0 - 2.0 * (q1 * q1 + q3 * q3)",
-          I2 + "R12 = 2.0 * (q2 * q3 - q1 * q0)",
-          I2 + "R20 = 2.0 * (q1 * q3 - q2 * q0)",
-          I2 + "R21 = 2.0 * (q2 * q3 + q1 * q0)",
-          I2 + "R22 = 1.0 - 2.0 * (q1 * q1 + q2 * q2)"]
-    L += [I2 + f"t{i} = ym{i} - (R{i}0 * xm0 + R{i}1 * xm1 + R{i}2 * xm2)" for i in range(3)]
-    # degeneracy: both covariances span a plane (middle eigenvalue > eps * largest)
-    blk = []
-    for o in (0, 3):
-        for p in range(3):
-            for q in range(p + 1, 3):
-                blk.append((o + p, o + q))
-    # two independent 3×3 Jacobi runs in one loop (pairs within each block only)
-    jl = _jacobi(3, "p", None, I2)
-    jl2 = [x.replace("p00", "P33").replace("p01", "P34").replace("p02", "P35")
-           .replace("p11", "P44").replace("p12", "P45").replace("p22", "P55") for x in jl[1:]]
-    L += jl + jl2
-    L = [x.replace("P33", "p33").replace("P34", "p34").replace("P35", "p35")
-         .replace("P44", "p44").replace("P45", "p45").replace("P55", "p55") for x in L]
-    L += [I2 + "valid = W > 0"]
-    for o in (0, 3):
-        e = [f"p{o + i}{o + i}" for i in range(3)]
-        L += [I2 + f"emax = tl.maximum(tl.maximum({e[0]}, {e[1]}), {e[2]})",
-              I2 + f"emin = tl.minimum(tl.minimum({e[0]}, {e[1]}), {e[2]})",
-              I2 + f"emid = {e[0]} + {e[1]} + {e[2]} - emax - emin",
-              I2 + "valid = valid & (emid > eps * tl.maximum(emax, 1e-300))"]
-    for i in range(3):
-        for j in range(3):
-            L += [I2 + f"valid = valid & {_finite(f'R{i}{j}')}"]
-        L += [I2 + f"valid = valid & {_finite(f't{i}')}"]
-    for i in range(3):
-        for j in range(3):
-            L += [I2 + f"R{i}{j} = tl.where(valid, R{i}{j}, {1.0 if i == j else 0.0})"]
-        L += [I2 + f"t{i} = tl.where(valid, t{i}, 0.0)"]
-    L += [I2 + "usable = valid"]
-    # ---- un-centre (x ↦ R (x − c) + t + c), compose with T, store
-    L += [I1 + f"D{i}3 = t{i} + c{i} - (R{i}0 * c0 + R{i}1 * c1 + R{i}2 * c2)"
-          for i in range(3)]
-    L += [I1 + f"D{i}{j} = R{i}{j}" for i in range(3) for j in range(3)]
-    L += [I1 + "D30 = zero", I1 + "D31 = zero", I1 + "D32 = zero", I1 + "D33 = one"]
-    for i in range(4):
-        for j in range(4):
-            L += [I1 + f"N{i}{j} = " + " + ".join(f"D{i}{k} * T{k}{j}" for k in range(4))]
-            L += [I1 + f"tl.store(d_ptr + b * 16 + {4 * i + j}, D{i}{j})",
-                  I1 + f"tl.store(tn_ptr + b * 16 + {4 * i + j}, N{i}{j})",
-                  I1 + f"tl.store(tf_ptr + b * 16 + {4 * i + j}, N{i}{j}.to(tl.float32))"]
-    L += [I1 + "tl.store(flag_ptr + b * 2 + 0, valid.to(tl.int32))",
-          I1 + "tl.store(flag_ptr + b * 2 + 1, usable.to(tl.int32))"]
-    return "\n".join(L) + "\n"
-
-
-def _compile_solve():
-    import linecache
-
-    src = _solve_source()
-    fname = "<pointalign._normal_eq_triton._solve_kernel>"
-    linecache.cache[fname] = (len(src), None, src.splitlines(True), fname)
-    ns = {"tl": tl, "triton": triton}
-    exec(compile(src, fname, "exec"), ns)
-    return triton.jit(ns["_solve_kernel"])
-
-
-_solve_kernel = _compile_solve()
+@triton.jit
+def _solve_kernel(sums_ptr, c_ptr, tin_ptr, d_ptr, tn_ptr, tf_ptr, flag_ptr, eps,
+                  PLANE: tl.constexpr, SWEEPS: tl.constexpr = 8,
+                  SQUARINGS: tl.constexpr = 40):
+    b = tl.program_id(0).to(tl.int64)
+    s = [tl.load(sums_ptr + b * 30 + k)
+         for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                   21, 22, 23, 24, 25, 26, 27, 28, 29)]
+    c0 = tl.load(c_ptr + b * 3 + 0).to(tl.float64)
+    c1 = tl.load(c_ptr + b * 3 + 1).to(tl.float64)
+    c2 = tl.load(c_ptr + b * 3 + 2).to(tl.float64)
+    if PLANE:
+        # the symmetric 6×6 from its upper triangle (row-major TRIU6 positions)
+        A = [s[m] for m in (0, 1, 2, 3, 4, 5, 1, 6, 7, 8, 9, 10, 2, 7, 11, 12, 13, 14,
+                            3, 8, 12, 15, 16, 17, 4, 9, 13, 16, 18, 19,
+                            5, 10, 14, 17, 19, 20)]
+        g = [-s[21 + k] for k in (0, 1, 2, 3, 4, 5)]
+        xi, valid, usable = tm.least_norm_solve6(A, g, eps, SWEEPS)
+        R = tm.so3_exp(xi[0], xi[1], xi[2])
+        t = (xi[3], xi[4], xi[5])
+    else:
+        W = s[0]
+        R, t, ok = tm.horn_pose(W, (s[1], s[2], s[3]), (s[4], s[5], s[6]),
+                                (s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]),
+                                0.0, SQUARINGS)
+        # the centred covariances Σ w x̃ x̃ᵀ − Σwx̃ Σwx̃ᵀ / W (upper triangles)
+        Wd = tl.maximum(W, 1e-300)
+        valid = ok & tm.spans_plane(s[16] - s[1] * s[1] / Wd, s[17] - s[1] * s[2] / Wd,
+                                    s[18] - s[1] * s[3] / Wd, s[19] - s[2] * s[2] / Wd,
+                                    s[20] - s[2] * s[3] / Wd, s[21] - s[3] * s[3] / Wd, eps)
+        valid = valid & tm.spans_plane(s[22] - s[4] * s[4] / Wd, s[23] - s[4] * s[5] / Wd,
+                                       s[24] - s[4] * s[6] / Wd, s[25] - s[5] * s[5] / Wd,
+                                       s[26] - s[5] * s[6] / Wd, s[27] - s[6] * s[6] / Wd, eps)
+        R, t = tm.mask_pose(valid, R, t)
+        usable = valid
+    # un-centre (x ↦ R (x − c) + t + c), compose with T, store
+    D = (R[0], R[1], R[2], t[0] + c0 - (R[0] * c0 + R[1] * c1 + R[2] * c2),
+         R[3], R[4], R[5], t[1] + c1 - (R[3] * c0 + R[4] * c1 + R[5] * c2),
+         R[6], R[7], R[8], t[2] + c2 - (R[6] * c0 + R[7] * c1 + R[8] * c2))
+    for i in tl.static_range(4):
+        for j in tl.static_range(4):
+            Tij = tl.load(tin_ptr + b * 16 + 12 + j)
+            if i < 3:
+                Tij = D[4 * i] * tl.load(tin_ptr + b * 16 + j) \
+                    + D[4 * i + 1] * tl.load(tin_ptr + b * 16 + 4 + j) \
+                    + D[4 * i + 2] * tl.load(tin_ptr + b * 16 + 8 + j) \
+                    + D[4 * i + 3] * Tij
+                tl.store(d_ptr + b * 16 + 4 * i + j, D[4 * i + j])
+            else:
+                if j == 3:
+                    tl.store(d_ptr + b * 16 + 4 * i + j, c0 * 0.0 + 1.0)
+                else:
+                    tl.store(d_ptr + b * 16 + 4 * i + j, c0 * 0.0)
+            tl.store(tn_ptr + b * 16 + 4 * i + j, Tij)
+            tl.store(tf_ptr + b * 16 + 4 * i + j, Tij.to(tl.float32))
+    tl.store(flag_ptr + b * 2 + 0, valid.to(tl.int32))
+    tl.store(flag_ptr + b * 2 + 1, usable.to(tl.int32))
 
 
 def partials_triton(source, target, idx, target_normals, lengths, center, kernel, scale):
@@ -388,5 +253,6 @@ def icp_update_triton(source, target, idx, target_normals, lengths, center, kern
     sums, D, Tn, Tf, flags = out
     torch.sum(partial, 1, dtype=torch.float64, out=sums)
     _solve_kernel[(B,)](sums, center, transform, D, Tn, Tf, flags, float(eps),
-                        PLANE=target_normals is not None, num_warps=1)
+                        PLANE=target_normals is not None, SWEEPS=_SWEEPS6,
+                        SQUARINGS=_SQUARINGS, num_warps=1)
     return out

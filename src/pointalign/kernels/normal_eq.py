@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import torch
 
+from pointalign import _math
 from pointalign.kernels._backend import backend
 
 #: number of sums per batch entry
 WIDTH = 30
-KERNELS = ("none", "huber", "tukey", "cauchy")
+KERNELS = _math.ROBUST_KINDS
 
 #: upper-triangle (i <= j) index pairs of a 6×6 and of a 3×3 matrix, row-major
 TRIU6 = [(i, j) for i in range(6) for j in range(i, 6)]
@@ -56,15 +57,8 @@ _SYM6, _SYM3 = _sym_gather(TRIU6, 6), _sym_gather(TRIU3, 3)
 
 
 def robust_weights(r: torch.Tensor, kernel: str, scale: float) -> torch.Tensor:
-    """M-estimator weights w(r) (same formulas as ``RobustKernel.weights``)."""
-    a = r.abs()
-    if kernel == "none":
-        return torch.ones_like(a)
-    if kernel == "huber":
-        return torch.where(a <= scale, torch.ones_like(a), scale / a.clamp_min(1e-30))
-    if kernel == "tukey":
-        return torch.where(a < scale, (1 - (a / scale) ** 2) ** 2, torch.zeros_like(a))
-    return 1.0 / (1.0 + (a / scale) ** 2)
+    """M-estimator weights w(r) of residuals ``r (…)``: :func:`pointalign._math.robust_weight`."""
+    return _math.robust_weight(r, kernel, scale)
 
 
 def _check(source, target, idx, target_normals, lengths, center, kernel, scale):
@@ -215,40 +209,16 @@ def unpack_sym3(v: torch.Tensor) -> torch.Tensor:
 FLAG_VALID, FLAG_USABLE = 0, 1
 
 
-def _horn_terms(S: torch.Tensor) -> torch.Tensor:
-    """Horn's symmetric 4×4 ``N(S)`` ``(B, 4, 4)`` from the cross-covariance ``S (B, 3, 3)``."""
-    xx, xy, xz = S[:, 0, 0], S[:, 0, 1], S[:, 0, 2]
-    yx, yy, yz = S[:, 1, 0], S[:, 1, 1], S[:, 1, 2]
-    zx, zy, zz = S[:, 2, 0], S[:, 2, 1], S[:, 2, 2]
-    rows = [[xx + yy + zz, yz - zy, zx - xz, xy - yx],
-            [yz - zy, xx - yy - zz, xy + yx, zx + xz],
-            [zx - xz, xy + yx, yy - xx - zz, yz + zy],
-            [xy - yx, zx + xz, yz + zy, zz - xx - yy]]
-    return torch.stack([torch.stack(r, -1) for r in rows], -2)
-
-
-def _rodrigues(w: torch.Tensor) -> torch.Tensor:
-    th2 = (w * w).sum(-1)[:, None, None]
-    small = th2 < 1e-12
-    safe = torch.where(small, torch.ones_like(th2), th2.sqrt())
-    a = torch.where(small, 1 - th2 / 6, safe.sin() / safe)
-    b = torch.where(small, 0.5 - th2 / 24, (1 - safe.cos()) / (safe * safe))
-    eye = torch.eye(3, dtype=w.dtype, device=w.device)
-    K = torch.zeros(w.shape[0], 3, 3, dtype=w.dtype, device=w.device)
-    K[:, 0, 1], K[:, 0, 2], K[:, 1, 2] = -w[:, 2], w[:, 1], -w[:, 0]
-    K[:, 1, 0], K[:, 2, 0], K[:, 2, 1] = w[:, 2], -w[:, 1], w[:, 0]
-    return eye + a * K + b * (w[:, :, None] * w[:, None, :] - th2 * eye)
-
-
 def solve_update_reference(sums: torch.Tensor, center: torch.Tensor, transform: torch.Tensor,
                            *, plane: bool, eps: float = 1e-10):
     """The ICP update from the sums, float64 PyTorch (the spec of the device solve).
 
-    Point-to-point: Horn's quaternion (largest eigenvector of N(S)), valid when W > 0 and
-    both weighted covariances span a plane (middle eigenvalue > eps × largest). Point-to-
-    plane: ξ = (ω, v) = −A⁺ g with the eigen pseudo-inverse of the 6×6 A (eigenvalues ≤ eps ×
-    largest dropped; valid when none is dropped), R = exp([ω]×). The update was solved about
-    the centre c and is un-centred: ``D = [R, t + c − R c]``.
+    Point-to-point: :func:`pointalign._math.horn_pose` (no tie-breaker), valid when W > 0
+    and both weighted covariances pass :func:`pointalign._math.spans_plane` (the one
+    degeneracy rule, ≈ middle eigenvalue > eps × largest). Point-to-plane: ξ = (ω, v) =
+    −A⁺ g by :func:`pointalign._math.least_norm_solve` (eigenvalues ≤ eps × largest
+    dropped; valid when none is dropped), R = :func:`pointalign._math.so3_exp` (ω). The
+    update was solved about the centre c and is un-centred: ``D = [R, t + c − R c]``.
 
     Args:
         sums: ``(B, 30)`` float64 from :func:`normal_equations`.
@@ -262,42 +232,20 @@ def solve_update_reference(sums: torch.Tensor, center: torch.Tensor, transform: 
     s = sums.to(torch.float64)
     B = s.shape[0]
     c = center.to(torch.float64)
-    eye3 = torch.eye(3, dtype=torch.float64, device=s.device).expand(B, 3, 3)
     if plane:
-        A = torch.zeros(B, 6, 6, dtype=torch.float64, device=s.device)
-        for q, (a, b) in enumerate(TRIU6):
-            A[:, a, b] = s[:, q]
-            A[:, b, a] = s[:, q]
-        ev, V = torch.linalg.eigh(A)
-        keep = ev > eps * ev[:, -1:].clamp_min(1e-300)
-        inv = torch.where(keep, 1.0 / ev.clamp_min(1e-300), torch.zeros_like(ev))
-        xi = (V @ (inv[:, :, None] * (V.transpose(1, 2) @ -s[:, 21:27, None])))[:, :, 0]
-        usable = torch.isfinite(xi).all(-1) & keep.any(-1)
-        xi = torch.where(usable[:, None], xi, torch.zeros_like(xi))
-        valid = keep.all(-1) & usable
-        R, t = _rodrigues(xi[:, :3]), xi[:, 3:]
+        A = unpack_hessian(s)[0]
+        xi, valid, usable = _math.least_norm_solve(A, -s[:, 21:27], eps)
+        R, t = _math.so3_exp(xi[:, :3]), xi[:, 3:]
     else:
         W = s[:, 0]
-        Wd = W.clamp_min(1e-300)[:, None]
+        Wd = W.clamp_min(1e-300)[:, None, None]
         sx, sy = s[:, 1:4], s[:, 4:7]
-        xm, ym = sx / Wd, sy / Wd
-        S = s[:, 7:16].reshape(B, 3, 3) - W[:, None, None] * xm[:, :, None] * ym[:, None, :]
-        cov_x = unpack_sym3(s[:, 16:22]) - sx[:, :, None] * sx[:, None, :] / Wd[..., None]
-        cov_y = unpack_sym3(s[:, 22:28]) - sy[:, :, None] * sy[:, None, :] / Wd[..., None]
-        q = torch.linalg.eigh(_horn_terms(S))[1][:, :, -1]
-        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-        w, x, y, z = q.unbind(-1)
-        R = torch.stack([1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
-                         2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
-                         2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)],
-                        -1).reshape(B, 3, 3)
-        t = ym - (R @ xm[:, :, None])[:, :, 0]
-        ev = torch.linalg.eigvalsh(torch.cat([cov_x, cov_y]))
-        spans = ev[:, 1] > eps * ev[:, 2].clamp_min(1e-300)
-        valid = (W > 0) & spans[:B] & spans[B:]
-        valid &= torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)
-        R = torch.where(valid[:, None, None], torch.nan_to_num(R), eye3)
-        t = torch.where(valid[:, None], torch.nan_to_num(t), torch.zeros_like(t))
+        R, t, ok = _math.horn_pose(W, sx, sy, s[:, 7:16].reshape(B, 3, 3))
+        cov_x = unpack_sym3(s[:, 16:22]) - sx[:, :, None] * sx[:, None, :] / Wd
+        cov_y = unpack_sym3(s[:, 22:28]) - sy[:, :, None] * sy[:, None, :] / Wd
+        valid = ok & _math.spans_plane(cov_x, eps) & _math.spans_plane(cov_y, eps)
+        R = torch.where(valid[:, None, None], R, torch.eye(3, dtype=R.dtype, device=R.device))
+        t = torch.where(valid[:, None], t, torch.zeros_like(t))
         usable = valid
     D = torch.eye(4, dtype=torch.float64, device=s.device).repeat(B, 1, 1)
     D[:, :3, :3] = R
@@ -324,9 +272,9 @@ def icp_update(
     """One ICP step after the search: the sums, the update and the new estimate, on device.
 
     :func:`normal_equations` followed by :func:`solve_update_reference`'s contract, with no
-    host round trip on the Triton path (a second kernel sums the block partials in float64
-    and solves by Jacobi rotations; ``_normal_eq_triton``). ``source`` is the moved source
-    x = T s, ``transform`` the T that moved it (float64 ``(B, 4, 4)``).
+    host round trip on the Triton path (a torch reduction sums the block partials in float64
+    and one kernel solves with the ``_tl_math`` helpers; ``_normal_eq_triton``). ``source``
+    is the moved source x = T s, ``transform`` the T that moved it (float64 ``(B, 4, 4)``).
 
     Returns (written into ``out`` when given, which must not alias ``transform``):
     ``sums (B, 30)`` float64, ``D (B, 4, 4)`` float64, ``T_new (B, 4, 4)`` float64,

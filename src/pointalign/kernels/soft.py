@@ -28,8 +28,8 @@ Entry points (all batched: ``query (B, N, 3)``, ``points (B, M, 3)``, padded, wi
 * :func:`soft_rows`: the raw reductions (lse, lse2, mean).
 * :func:`emicp_rows`: EM-ICP weights λ_i = Σ_j √α_ij and x'_i (Granger & Pennec).
 * :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
-* :func:`weighted_horn`: the weighted Horn solve on (q_i, m_i, w_i), on the device.
 * :func:`emicp_step`: one whole EM-ICP iteration (E-step and Horn), fused on Triton.
+* :func:`centre`: a cloud centred once, with its moments, in the layout the passes read.
 
 Dispatch via :func:`pointalign.kernels._backend.backend`: Triton kernels from
 ``_soft_triton.py`` on CUDA (and through the interpreter under ``TRITON_INTERPRET=1``),
@@ -40,16 +40,13 @@ Recognition 1998.
 
 from __future__ import annotations
 
-import collections
 import math
-import os
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from pointalign import estimate, transforms
 from pointalign.kernels._backend import backend
+from pointalign.kernels.horn import weighted_horn
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
 TILE_PAIRS = 1 << 20
@@ -290,11 +287,14 @@ def emicp_step(
     launches): three launches per iteration.
 
     Args:
-        source: ``(B, N, 3)`` x_i; target: ``(B, M, 3)`` y_j (best in :func:`point_layout`).
+        source: ``(B, N, 3)`` x_i.
+        target: ``(B, M, 3)`` y_j (best as :attr:`Centred.points`: read without a copy).
         transform: ``(B, 4, 4)`` float64 current T_target_source.
-        scale: ``(B,)`` 1/(2σ²); log_outlier: ``(B,)`` −d₀²/σ² (as :func:`emicp_rows`).
+        scale: ``(B,)`` 1/(2σ²).
+        log_outlier: ``(B,)`` −d₀²/σ² (as :func:`emicp_rows`).
         frozen: ``(B,)`` bool: these entries keep ``transform``.
-        source_lengths, target_lengths: ``(B,)`` valid points.
+        source_lengths: ``(B,)`` valid source points.
+        target_lengths: ``(B,)`` valid target points.
         approximation: a :func:`cpu_plan` or None (see :func:`emicp_rows`).
 
     Returns:
@@ -303,12 +303,12 @@ def emicp_step(
 
     """
     if _use_triton(source):
-        from pointalign.kernels import _soft_triton
+        from pointalign.kernels import _horn_triton, _soft_triton
 
         lam, mom, _ = _soft_triton.rows(source, target, transform, scale, source_lengths,
                                         target_lengths, None, log_outlier, mode="emicp",
                                         squares=True, moments=True)
-        T, valid = _soft_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
+        T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
         return T, valid, lam
     lam, xp = emicp_rows(source, target, transform, None, log_outlier, scale=scale,
                          source_lengths=source_lengths, target_lengths=target_lengths,
@@ -340,6 +340,35 @@ def point_layout(points: torch.Tensor) -> torch.Tensor:
 
         return _soft_triton.soa(points)
     return points
+
+
+class Centred(NamedTuple):
+    """A padded batch of clouds centred on their centroids, ready for repeated passes.
+
+    ``points (B, N, 3)`` float32 ``x_i − c`` (padding rows 0) in the layout the backend's row
+    kernels read fastest (:func:`point_layout`), usable as query or points; ``lengths (B,)``;
+    ``center (B, 3)`` float64 centroids c; ``scatter (B, 3, 3)`` float64
+    ``Σ_i (x_i − c)(x_i − c)ᵀ`` over the valid rows.
+    """
+
+    points: torch.Tensor
+    lengths: torch.Tensor
+    center: torch.Tensor
+    scatter: torch.Tensor
+
+
+def centre(points: torch.Tensor, lengths: torch.Tensor) -> Centred:
+    """Centre ``points (B, N, 3)`` (``lengths (B,)`` valid rows) once for many passes.
+
+    The moments are taken in float64; the layout is chosen here, once, so that the passes
+    over the cloud (:func:`soft_rows`, :func:`emicp_step`, :func:`sinkhorn_scaling`) read it
+    without a conversion. No host reads (safe inside a CUDA graph).
+    """
+    rows = _row_mask(lengths, points.shape[1])[..., None]
+    p = points.to(torch.float64)
+    c = torch.where(rows, p, 0.0).sum(1) / lengths.to(torch.float64).clamp_min(1)[:, None]
+    d = torch.where(rows, p - c[:, None], 0.0)
+    return Centred(point_layout(d.to(points.dtype)), lengths, c, d.transpose(1, 2) @ d)
 
 
 def emicp_weights(lse: torch.Tensor, lse2: torch.Tensor, log_outlier: torch.Tensor):
@@ -389,155 +418,3 @@ def sinkhorn_scaling(
     out = offset.to(r.lse.dtype)[:, None] - torch.logaddexp(
         r.lse, log_slack.to(r.lse.dtype)[:, None].expand_as(r.lse))
     return torch.where(_row_mask(ql, query.shape[1]), out, torch.full_like(out, -math.inf))
-
-
-# --------------------------------------------------------------------------------------
-# weighted Horn on the device
-# --------------------------------------------------------------------------------------
-
-
-def weighted_horn(
-    source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted Horn ``argmin Σ w_i ||R x_i + t − m_i||²`` for every batch entry.
-
-    The soft form of Tamaki et al. (eqs. 18-20, 26) reduces to this with w_i the row sums
-    and m_i the soft correspondences. Moments in float64; the rotation is the top
-    eigenvector of Horn's 4×4 matrix. Never raises, never returns NaN: an entry with zero
-    total weight gets the identity and ``valid`` False.
-
-    Args:
-        source: ``(B, N, 3)`` x_i.
-        targets: ``(B, N, 3)`` m_i.
-        weights: ``(B, N)`` w_i ≥ 0 (0 on padding rows).
-
-    Returns:
-        ``(T (B, 4, 4) float64, valid (B,) bool)``.
-
-    """
-    if _use_triton(source):
-        from pointalign.kernels import _soft_triton
-
-        return _soft_triton.horn(source, targets, weights)
-    return horn_reference(source, targets, weights)
-
-
-def horn_moments(source, targets, weights):
-    """``(W (B,), sx (B,3), sm (B,3), cross (B,3,3))`` in float64: Σw, Σw x, Σw m, Σw x mᵀ."""
-    x = source.to(torch.float64)
-    m = targets.to(torch.float64)
-    w = weights.to(torch.float64)
-    W = w.sum(-1)
-    sx = (w[..., None] * x).sum(-2)
-    sm = (w[..., None] * m).sum(-2)
-    cross = (w[..., None] * x).transpose(-1, -2) @ m
-    return W, sx, sm, cross
-
-
-def horn_from_sums(W, sx, sm, cross) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pose from the weighted moments (float64; uses ``torch.linalg.eigh``)."""
-    Wc = W.clamp_min(1e-300)[..., None]
-    xm, mm = sx / Wc, sm / Wc
-    sub = W[..., None, None] * (xm[..., :, None] * mm[..., None, :])
-    S = cross - sub
-    # scale-free: normalise S so eigh sees O(1) numbers; an S that is only rounding noise
-    # of the two moments it is the difference of (one point, coincident points) is 0
-    smax = S.abs().amax((-1, -2), keepdim=True)
-    mag = cross.abs().sum((-1, -2), keepdim=True) + (
-        W.abs()[..., None, None] * xm.abs().sum(-1)[..., None, None]
-        * mm.abs().sum(-1)[..., None, None])
-    S = torch.where(smax > 1e-10 * mag, S / smax.clamp_min(1e-300), torch.zeros_like(S))
-    # a tiny εI breaks ties towards the identity rotation (N(εI) = diag(3ε, -ε, -ε, -ε)),
-    # as the Triton kernel's power iteration (started at q = 1) does: a single point or a
-    # degenerate S then keeps R = I instead of an arbitrary eigenvector
-    S = S + 1e-9 * torch.eye(3, dtype=S.dtype, device=S.device)
-    _, vecs = torch.linalg.eigh(estimate.horn_matrix(S))
-    R = transforms.quaternion_to_matrix(vecs[..., :, -1], check=False)
-    t = mm - (R @ xm[..., None])[..., 0]
-    valid = (W > 0) & torch.isfinite(R).all(-1).all(-1) & torch.isfinite(t).all(-1)
-    T = torch.zeros(W.shape + (4, 4), dtype=torch.float64, device=W.device)
-    T[..., :3, :3] = R
-    T[..., :3, 3] = t
-    T[..., 3, 3] = 1
-    eye = torch.eye(4, dtype=torch.float64, device=W.device).expand_as(T)
-    return torch.where(valid[..., None, None], torch.nan_to_num(T), eye), valid
-
-
-def horn_reference(source, targets, weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of :func:`weighted_horn`."""
-    return horn_from_sums(*horn_moments(source, targets, weights))
-
-
-# --------------------------------------------------------------------------------------
-# whole fixed-length schedules as one CUDA graph
-# --------------------------------------------------------------------------------------
-
-#: captured schedules kept (least recently used dropped first)
-GRAPH_CACHE = 8
-_GRAPHS: collections.OrderedDict = collections.OrderedDict()
-_GRAPH_FAILED: set = set()
-
-
-def capturing() -> bool:
-    """Tell whether a CUDA graph is being captured (host reads must be skipped then)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _tree_clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, dict):
-        return {k: _tree_clone(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_tree_clone(v) for v in x)
-    return x
-
-
-#: above this many pairs per pass a launch is negligible next to the pass: no graph
-GRAPH_MAX_PAIRS = 4e9
-
-
-def run_schedule(key: Any, fn: Callable[..., Any], *tensors: torch.Tensor,
-                 pairs: float = 0.0) -> Any:
-    """Run ``fn(*tensors)`` (a fixed-length device loop), as a cached CUDA graph on Triton.
-
-    Small clouds are bound by launch overhead (a few launches per iteration, tens of
-    microseconds each); on the Triton backend the whole loop is captured once per ``key``
-    (which must name every shape and Python constant ``fn`` depends on) into a CUDA graph
-    with static input buffers, and later calls copy their inputs in and replay it. ``fn``
-    must not read device values on the host while :func:`capturing` is true. Other
-    backends (and ``POINTALIGN_CUDA_GRAPHS=0``) simply call ``fn``. Returns ``fn``'s
-    result (tensors cloned out of the graph's memory pool). ``pairs`` (per pass) above
-    :data:`GRAPH_MAX_PAIRS` runs eagerly: the launches are then a small fraction.
-    """
-    dev = tensors[0]
-    if (backend(dev) != "triton" or os.environ.get("POINTALIGN_CUDA_GRAPHS", "1") == "0"
-            or key in _GRAPH_FAILED or pairs > GRAPH_MAX_PAIRS):
-        return fn(*tensors)
-    ent = _GRAPHS.get(key)
-    if ent is None:
-        static = tuple(t.clone() for t in tensors)
-        side = torch.cuda.Stream(device=dev.device)
-        side.wait_stream(torch.cuda.current_stream(dev.device))
-        with torch.cuda.stream(side):  # warm-up: compiles the kernels, fills the allocator
-            out = fn(*static)
-        torch.cuda.current_stream(dev.device).wait_stream(side)
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                gout = fn(*static)
-        except Exception:  # capture unsupported here: run eagerly from now on
-            _GRAPH_FAILED.add(key)
-            torch.cuda.synchronize(dev.device)
-            return out
-        ent = (graph, static, gout)
-        _GRAPHS[key] = ent
-        while len(_GRAPHS) > GRAPH_CACHE:
-            _GRAPHS.popitem(last=False)
-    else:
-        _GRAPHS.move_to_end(key)
-    graph, static, gout = ent
-    for dst, src in zip(static, tensors, strict=True):
-        dst.copy_(src)
-    graph.replay()
-    return _tree_clone(gout)

@@ -6,12 +6,30 @@ from dataclasses import dataclass
 
 import torch
 
-from pointalign import _validate
+from pointalign import _math, _validate
 
 
 @dataclass(frozen=True)
 class ConvergenceCriteria:
     """When an iterative algorithm stops.
+
+    Which algorithm reads which field (a field an algorithm does not read has no effect
+    on it):
+
+    ======================  ========================  ======================  ===============
+    field                   icp                       emicp, softassign       surface_newton,
+                                                                              approximate_icp
+    ======================  ========================  ======================  ===============
+    max_iterations          iteration cap             cap on the schedule     iteration cap
+                                                      (criteria=None: none)
+    relative_fitness        with relative_rmse        default of              —
+                                                      relative_weights
+    relative_rmse           with relative_fitness     —                       RMS change
+    translation_tolerance   update                    update (at checks)      update
+    rotation_tolerance      update                    update (at checks)      update
+    relative_weights        —                         weight change, with     —
+                                                      both tolerances
+    ======================  ========================  ======================  ===============
 
     Attributes:
         max_iterations: hard cap on iterations (>= 1).
@@ -21,6 +39,12 @@ class ConvergenceCriteria:
         translation_tolerance: stop when the last update moved by less than this (metres)
             and ``rotation_tolerance`` holds too.
         rotation_tolerance: radians; see ``translation_tolerance``.
+        relative_weights: the annealing methods' settling test: the relative L1 change of
+            the soft weights between checks, ``Σ|w_k − w_{k−1}| / Σ w_k``. None (default)
+            takes the value of ``relative_fitness``, which EM-ICP and Softassign read with
+            this meaning before this field existed (so ``relative_fitness=0.2`` passed to
+            them still takes effect).
+
     """
 
     max_iterations: int = 50
@@ -28,6 +52,7 @@ class ConvergenceCriteria:
     relative_rmse: float = 1e-6
     translation_tolerance: float = 1e-7
     rotation_tolerance: float = 1e-7
+    relative_weights: float | None = None
 
     def __post_init__(self) -> None:
         if int(self.max_iterations) < 1:
@@ -35,6 +60,14 @@ class ConvergenceCriteria:
         for name in ("relative_fitness", "relative_rmse", "translation_tolerance",
                      "rotation_tolerance"):
             _validate.positive(getattr(self, name), name, allow_zero=True)
+        if self.relative_weights is not None:
+            _validate.positive(self.relative_weights, "relative_weights", allow_zero=True)
+
+    @property
+    def weight_change(self) -> float:
+        """The relative weight change the annealing methods stop below (see the table)."""
+        return self.relative_fitness if self.relative_weights is None else \
+            self.relative_weights
 
 
 @dataclass(frozen=True)
@@ -49,19 +82,13 @@ class RobustKernel:
     k: float = 1.0
 
     def __post_init__(self) -> None:
-        kinds = ("none", "huber", "tukey", "cauchy")
+        kinds = _math.ROBUST_KINDS
         if self.kind not in kinds:
             raise ValueError(f"robust_kernel: kind must be one of {kinds}, got {self.kind!r}")
         _validate.positive(self.k, "robust_kernel.k")
 
     def weights(self, residual: torch.Tensor) -> torch.Tensor:
-        """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0."""
-        r = residual.abs()
-        k = self.k
-        if self.kind == "none":
-            return torch.ones_like(r)
-        if self.kind == "huber":
-            return torch.where(r <= k, torch.ones_like(r), k / r.clamp_min(1e-30))
-        if self.kind == "tukey":
-            return torch.where(r < k, (1 - (r / k) ** 2) ** 2, torch.zeros_like(r))
-        return 1.0 / (1.0 + (r / k) ** 2)
+        """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0
+        (:func:`pointalign._math.robust_weight`, the formula the ICP kernels use).
+        """
+        return _math.robust_weight(residual, self.kind, self.k)

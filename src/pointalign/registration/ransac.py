@@ -30,7 +30,7 @@ import torch
 from pointalign import _validate, estimate
 from pointalign.cloud import PointCloud
 from pointalign.kernels import ransac as _k
-from pointalign.kernels.soft import weighted_horn
+from pointalign.kernels.horn import weighted_horn
 from pointalign.registration.result import RegistrationResult
 
 #: queries per call of the index when scoring many hypotheses
@@ -167,7 +167,7 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
 def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
     """Horn's motion of every triangle pair ``src, tgt (H, 3, 3)`` → ``Estimate`` (H,).
 
-    The fused weighted Horn of :func:`pointalign.kernels.soft.weighted_horn` (one launch on
+    The fused weighted Horn of :func:`pointalign.kernels.horn.weighted_horn` (one launch on
     a GPU, no host synchronisation). A pair is valid when both triangles have an area,
     ``|e₁ × e₂|² > ε |e₁|² |e₂|²`` in float64 (e: the edges from the first vertex,
     ε = ``estimate.DEGENERACY_EPS``): collinear or coincident vertices leave a turn about
@@ -204,7 +204,7 @@ def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.
     ``iterations`` rounds. The matches found when scoring an update are its inliers for
     the next round (one neighbour query per round), and the only host synchronisation per
     round is the test whether any motion improved. The re-estimation is the fused weighted
-    Horn of :func:`pointalign.kernels.soft.weighted_horn` (one launch on a GPU); it tests
+    Horn of :func:`pointalign.kernels.horn.weighted_horn` (one launch on a GPU); it tests
     only for a zero weight, not for collinear inliers, whose motion (any turn about their
     line) is kept only if it scores better, as any candidate is.
     """

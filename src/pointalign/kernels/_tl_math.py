@@ -1,0 +1,353 @@
+"""The shared formulas as ``@triton.jit`` helpers: the device twins of :mod:`pointalign._math`.
+
+Same names and meanings as the float64 PyTorch spec; ``tests/test_math.py`` compares each
+helper with its spec element by element (Triton interpreter on CPU, compiled on CUDA).
+
+Triton has no small local arrays, so a small matrix is a tuple of scalars (row-major,
+``A[i * n + j]``): tuples are unrolled at compile time into straight-line scalar code, one
+register per entry, with no shuffles or layout conversions. Loops over matrix entries use
+``tl.static_range`` or tuple comprehensions over literal index tuples (both unrolled).
+Scalars are float64 when the caller passes float64 (the solves); :func:`robust_weight`
+works on float32 blocks.
+
+Solvers (one per size, as in the spec):
+
+* 4×4 (Horn's N, only the top eigenvector is needed): repeated squaring of the shifted,
+  positive semi-definite matrix (:func:`top_eigenvector4`).
+* 6×6 (point-to-plane normal equations): cyclic Jacobi (:func:`eigh6`), then the
+  least-norm solve (:func:`least_norm_solve6`).
+* 3×3: none on the device; the degeneracy rule (:func:`spans_plane`) needs no eigenvalues.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# ---- robust weights ---------------------------------------------------------------------
+
+
+@triton.jit
+def robust_weight(r, scale, KIND: tl.constexpr):
+    """``_math.robust_weight``: KIND 0 none, 1 huber, 2 tukey, 3 cauchy (``ROBUST_KINDS``)."""
+    a = tl.abs(r)
+    if KIND == 0:
+        w = tl.full(a.shape, 1.0, a.dtype)
+    elif KIND == 1:
+        w = tl.where(a <= scale, 1.0, scale / tl.maximum(a, 1e-30))
+    elif KIND == 2:
+        u = a / scale
+        w = tl.where(a < scale, (1.0 - u * u) * (1.0 - u * u), 0.0)
+    else:
+        u = a / scale
+        w = 1.0 / (1.0 + u * u)
+    return w
+
+
+# ---- rotations --------------------------------------------------------------------------
+
+
+@triton.jit
+def quat_to_rot(qw, qx, qy, qz):
+    """``_math.quat_to_rot``: (w, x, y, z), normalised first → R as a 9-tuple (row-major)."""
+    inv = 1.0 / tl.maximum(tl.sqrt(qw * qw + qx * qx + qy * qy + qz * qz), 1e-300)
+    w = qw * inv
+    x = qx * inv
+    y = qy * inv
+    z = qz * inv
+    return (1.0 - 2.0 * (y * y + z * z), 2.0 * (x * y - z * w), 2.0 * (x * z + y * w),
+            2.0 * (x * y + z * w), 1.0 - 2.0 * (x * x + z * z), 2.0 * (y * z - x * w),
+            2.0 * (x * z - y * w), 2.0 * (y * z + x * w), 1.0 - 2.0 * (x * x + y * y))
+
+
+@triton.jit
+def so3_exp(w0, w1, w2):
+    """``_math.so3_exp`` (Rodrigues, Taylor coefficients for θ² < 1e-12) → R as a 9-tuple.
+
+    ``R = I + a [ω]× + b [ω]×²`` with ``[ω]×² = ω ωᵀ − θ² I``.
+    """
+    th2 = w0 * w0 + w1 * w1 + w2 * w2
+    small = th2 < 1e-12
+    safe = tl.where(small, 1.0, tl.sqrt(th2))
+    a = tl.where(small, 1.0 - th2 / 6.0, tl.sin(safe) / safe)
+    b = tl.where(small, 0.5 - th2 / 24.0, (1.0 - tl.cos(safe)) / (safe * safe))
+    d = 1.0 - b * th2
+    return (b * w0 * w0 + d, b * w0 * w1 - a * w2, b * w0 * w2 + a * w1,
+            b * w1 * w0 + a * w2, b * w1 * w1 + d, b * w1 * w2 - a * w0,
+            b * w2 * w0 - a * w1, b * w2 * w1 + a * w0, b * w2 * w2 + d)
+
+
+# ---- Horn's closed form -----------------------------------------------------------------
+
+
+@triton.jit
+def horn_matrix(S):
+    """``_math.horn_matrix``: S a 9-tuple (row-major) → N(S) as the 10-tuple of its upper
+    triangle (n00, n01, n02, n03, n11, n12, n13, n22, n23, n33).
+    """
+    return (S[0] + S[4] + S[8], S[5] - S[7], S[6] - S[2], S[1] - S[3],
+            S[0] - S[4] - S[8], S[1] + S[3], S[6] + S[2],
+            S[4] - S[0] - S[8], S[5] + S[7],
+            S[8] - S[0] - S[4])
+
+
+@triton.jit
+def _square4(a):
+    """The upper triangle of A² for a symmetric 4×4 A given by its upper triangle."""
+    a00, a01, a02, a03, a11, a12, a13, a22, a23, a33 = a
+    return (a00 * a00 + a01 * a01 + a02 * a02 + a03 * a03,
+            a00 * a01 + a01 * a11 + a02 * a12 + a03 * a13,
+            a00 * a02 + a01 * a12 + a02 * a22 + a03 * a23,
+            a00 * a03 + a01 * a13 + a02 * a23 + a03 * a33,
+            a01 * a01 + a11 * a11 + a12 * a12 + a13 * a13,
+            a01 * a02 + a11 * a12 + a12 * a22 + a13 * a23,
+            a01 * a03 + a11 * a13 + a12 * a23 + a13 * a33,
+            a02 * a02 + a12 * a12 + a22 * a22 + a23 * a23,
+            a02 * a03 + a12 * a13 + a22 * a23 + a23 * a33,
+            a03 * a03 + a13 * a13 + a23 * a23 + a33 * a33)
+
+
+@triton.jit
+def top_eigenvector4(n, SQUARINGS: tl.constexpr):
+    """``_math.top_eigenvector4``: unit eigenvector (4-tuple) of the largest eigenvalue of
+    the symmetric 4×4 given by its upper triangle ``n`` (10-tuple).
+
+    N's eigenvalues lie in [−‖N‖_F, ‖N‖_F], so A = N/‖N‖_F + I is positive semi-definite
+    with the same eigenvectors; ``SQUARINGS`` squarings of A (normalised every 4th: entries
+    grow at most 4¹⁶ in between) make it proportional to the projector onto the top
+    eigenvector, whose column of largest diagonal (the first on ties) is returned,
+    normalised. Converges when the top two eigenvalues of N differ by more than
+    ~2^-SQUARINGS ‖N‖_F (40 squarings: ~1e-11). N = 0 gives (1, 0, 0, 0).
+    """
+    n00, n01, n02, n03, n11, n12, n13, n22, n23, n33 = n
+    fro = tl.sqrt(n00 * n00 + n11 * n11 + n22 * n22 + n33 * n33
+                  + 2.0 * (n01 * n01 + n02 * n02 + n03 * n03 + n12 * n12 + n13 * n13
+                           + n23 * n23))
+    f = 1.0 / tl.maximum(fro, 1e-300)
+    a = (n00 * f + 1.0, n01 * f, n02 * f, n03 * f, n11 * f + 1.0, n12 * f, n13 * f,
+         n22 * f + 1.0, n23 * f, n33 * f + 1.0)
+    for _ in range(SQUARINGS // 4):
+        for _k in tl.static_range(4):
+            a = _square4(a)
+        a00, a01, a02, a03, a11, a12, a13, a22, a23, a33 = a
+        big = tl.maximum(tl.maximum(tl.maximum(a00, a11), tl.maximum(a22, a33)),
+                         tl.maximum(tl.maximum(tl.maximum(tl.abs(a01), tl.abs(a02)),
+                                               tl.maximum(tl.abs(a03), tl.abs(a12))),
+                                    tl.maximum(tl.abs(a13), tl.abs(a23))))
+        ib = 1.0 / tl.maximum(big, 1e-300)
+        a = (a00 * ib, a01 * ib, a02 * ib, a03 * ib, a11 * ib, a12 * ib, a13 * ib,
+             a22 * ib, a23 * ib, a33 * ib)
+    a00, a01, a02, a03, a11, a12, a13, a22, a23, a33 = a
+    qw = a00
+    qx = a01
+    qy = a02
+    qz = a03
+    best = a00
+    pick = a11 > best
+    qw = tl.where(pick, a01, qw)
+    qx = tl.where(pick, a11, qx)
+    qy = tl.where(pick, a12, qy)
+    qz = tl.where(pick, a13, qz)
+    best = tl.where(pick, a11, best)
+    pick = a22 > best
+    qw = tl.where(pick, a02, qw)
+    qx = tl.where(pick, a12, qx)
+    qy = tl.where(pick, a22, qy)
+    qz = tl.where(pick, a23, qz)
+    best = tl.where(pick, a22, best)
+    pick = a33 > best
+    qw = tl.where(pick, a03, qw)
+    qx = tl.where(pick, a13, qx)
+    qy = tl.where(pick, a23, qy)
+    qz = tl.where(pick, a33, qz)
+    inv = 1.0 / tl.maximum(tl.sqrt(qw * qw + qx * qx + qy * qy + qz * qz), 1e-300)
+    return qw * inv, qx * inv, qy * inv, qz * inv
+
+
+@triton.jit
+def horn_pose(W, sx, sy, cross, TIE: tl.constexpr, SQUARINGS: tl.constexpr):
+    """``_math.horn_pose``: float64 moments → ``(R 9-tuple, t 3-tuple, ok)``.
+
+    ``W`` = Σw, ``sx`` = Σwx and ``sy`` = Σwy (3-tuples), ``cross`` = Σ w x yᵀ (9-tuple,
+    row-major). S = cross − W x̄ ȳᵀ is scaled by its largest entry, set to 0 when it is
+    rounding noise of the moments, plus ``TIE``·I; q = top eigenvector of N(S); where not
+    ok (W ≤ 0 or a non-finite result) R = I, t = 0.
+    """
+    Wc = tl.maximum(W, 1e-300)
+    xm0 = sx[0] / Wc
+    xm1 = sx[1] / Wc
+    xm2 = sx[2] / Wc
+    ym0 = sy[0] / Wc
+    ym1 = sy[1] / Wc
+    ym2 = sy[2] / Wc
+    S = (cross[0] - W * xm0 * ym0, cross[1] - W * xm0 * ym1, cross[2] - W * xm0 * ym2,
+         cross[3] - W * xm1 * ym0, cross[4] - W * xm1 * ym1, cross[5] - W * xm1 * ym2,
+         cross[6] - W * xm2 * ym0, cross[7] - W * xm2 * ym1, cross[8] - W * xm2 * ym2)
+    mag = tl.abs(W) * (tl.abs(xm0) + tl.abs(xm1) + tl.abs(xm2)) \
+        * (tl.abs(ym0) + tl.abs(ym1) + tl.abs(ym2))
+    smax = tl.abs(S[0])
+    for k in tl.static_range(9):
+        mag += tl.abs(cross[k])
+        smax = tl.maximum(smax, tl.abs(S[k]))
+    inv = tl.where(smax > 1e-10 * mag, 1.0 / tl.maximum(smax, 1e-300), 0.0)
+    S = (S[0] * inv + TIE, S[1] * inv, S[2] * inv,
+         S[3] * inv, S[4] * inv + TIE, S[5] * inv,
+         S[6] * inv, S[7] * inv, S[8] * inv + TIE)
+    qw, qx, qy, qz = top_eigenvector4(horn_matrix(S), SQUARINGS)
+    R = quat_to_rot(qw, qx, qy, qz)
+    t0 = ym0 - (R[0] * xm0 + R[1] * xm1 + R[2] * xm2)
+    t1 = ym1 - (R[3] * xm0 + R[4] * xm1 + R[5] * xm2)
+    t2 = ym2 - (R[6] * xm0 + R[7] * xm1 + R[8] * xm2)
+    ok = (W > 0) & _finite(t0) & _finite(t1) & _finite(t2)
+    for k in tl.static_range(9):
+        ok = ok & _finite(R[k])
+    R, t = mask_pose(ok, R, (t0, t1, t2))
+    return R, t, ok
+
+
+@triton.jit
+def _finite(x):
+    return (x == x) & (tl.abs(x) < float("inf"))
+
+
+@triton.jit
+def mask_pose(ok, R, t):
+    """``(R, t)`` where ``ok``, else ``(I, 0)`` (R a 9-tuple, t a 3-tuple)."""
+    return ((tl.where(ok, R[0], 1.0), tl.where(ok, R[1], 0.0), tl.where(ok, R[2], 0.0),
+             tl.where(ok, R[3], 0.0), tl.where(ok, R[4], 1.0), tl.where(ok, R[5], 0.0),
+             tl.where(ok, R[6], 0.0), tl.where(ok, R[7], 0.0), tl.where(ok, R[8], 1.0)),
+            (tl.where(ok, t[0], 0.0), tl.where(ok, t[1], 0.0), tl.where(ok, t[2], 0.0)))
+
+
+# ---- the one degeneracy rule ------------------------------------------------------------
+
+
+@triton.jit
+def spans_plane(c00, c01, c02, c11, c12, c22, eps):
+    """``_math.spans_plane``: ``(tr² − ‖C‖_F²) / 2 > ε ‖C‖_F²`` for the symmetric 3×3 C
+    given by its upper triangle (≈ λ₂ > ε λ₃; no eigen-solve).
+    """
+    tr = c00 + c11 + c22
+    fro2 = c00 * c00 + c11 * c11 + c22 * c22 + 2.0 * (c01 * c01 + c02 * c02 + c12 * c12)
+    return 0.5 * (tr * tr - fro2) > eps * fro2
+
+
+# ---- the 6×6 eigen-solver and the least-norm solve --------------------------------------
+
+
+@triton.jit
+def _jacobi_coefficients(app, aqq, apq):
+    """The rotation (c, s) zeroing a_pq, and t = s / c (Golub & Van Loan, Alg. 8.4.2)."""
+    nz = tl.abs(apq) > 1e-300
+    th = (aqq - app) / tl.where(nz, 2.0 * apq, 1.0)
+    t = tl.where(th >= 0, 1.0, -1.0) / (tl.abs(th) + tl.sqrt(th * th + 1.0))
+    t = tl.where(nz, t, 0.0)
+    c = 1.0 / tl.sqrt(t * t + 1.0)
+    return c, t * c, t
+
+
+@triton.jit
+def _rotated_entry(A, k: tl.constexpr, p: tl.constexpr, q: tl.constexpr, c, s, t,
+                   N: tl.constexpr):
+    """Entry k = i·N + j of JᵀAJ for symmetric A (J the (p, q) rotation). Off-diagonal
+    entries of rows p, q are read from columns p, q, so that (i, p) and (p, i) are the same
+    expression (compiled once).
+    """
+    i: tl.constexpr = k // N
+    j: tl.constexpr = k % N
+    if (i == p and j == q) or (i == q and j == p):
+        return A[k] * 0.0
+    elif i == p and j == p:
+        return A[k] - t * A[p * N + q]
+    elif i == q and j == q:
+        return A[k] + t * A[p * N + q]
+    elif j == p:
+        return c * A[i * N + p] - s * A[i * N + q]
+    elif j == q:
+        return s * A[i * N + p] + c * A[i * N + q]
+    elif i == p:
+        return c * A[j * N + p] - s * A[j * N + q]
+    elif i == q:
+        return s * A[j * N + p] + c * A[j * N + q]
+    else:
+        return A[k]
+
+
+@triton.jit
+def _rotated_vector(V, k: tl.constexpr, p: tl.constexpr, q: tl.constexpr, c, s,
+                    N: tl.constexpr):
+    """Entry k = i·N + j of V J (columns p and q rotated)."""
+    i: tl.constexpr = k // N
+    j: tl.constexpr = k % N
+    if j == p:
+        return c * V[i * N + p] - s * V[i * N + q]
+    elif j == q:
+        return s * V[i * N + p] + c * V[i * N + q]
+    else:
+        return V[k]
+
+
+@triton.jit
+def _eye_entry(z, k: tl.constexpr, N: tl.constexpr):
+    """Entry k = i·N + j of the N×N identity, as ``z``'s type (z = 0)."""
+    if k % (N + 1) == 0:
+        return z + 1.0
+    else:
+        return z
+
+
+@triton.jit
+def eigh6(A, SWEEPS: tl.constexpr):
+    """Eigen-decomposition of a symmetric 6×6 ``A`` (36-tuple, row-major) by cyclic Jacobi.
+
+    Returns ``(D, V)``: D is A rotated to (numerically) diagonal form, its diagonal
+    ``D[7 k]`` the eigenvalues (unordered), V (36-tuple) the eigenvectors in its columns.
+    ``SWEEPS`` sweeps of the 15 rotations (convergence is quadratic: 8 reach float64
+    round-off for 6×6). The spec is ``_math.eigh6`` (``torch.linalg.eigh``).
+    """
+    V = [_eye_entry(A[0] * 0.0, k, 6)
+         for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                   20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)]
+    for _ in range(SWEEPS):
+        for p in tl.static_range(6):
+            for q in tl.static_range(p + 1, 6):
+                c, s, t = _jacobi_coefficients(A[p * 7], A[q * 7], A[p * 6 + q])
+                A = [_rotated_entry(A, k, p, q, c, s, t, 6)
+                     for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+                               18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32,
+                               33, 34, 35)]
+                V = [_rotated_vector(V, k, p, q, c, s, 6)
+                     for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+                               18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32,
+                               33, 34, 35)]
+    return A, V
+
+
+@triton.jit
+def least_norm_solve6(A, b, eps, SWEEPS: tl.constexpr):
+    """``_math.least_norm_solve`` for n = 6: ``A`` 36-tuple (symmetric PSD), ``b`` 6-tuple.
+
+    ``x = V diag(1/λ_k if λ_k > ε λ_max else 0) Vᵀ b``; returns ``(x 6-tuple, full,
+    usable)`` with x = 0 where not usable (as the spec).
+    """
+    D, V = eigh6(A, SWEEPS)
+    mx = tl.maximum(tl.maximum(tl.maximum(D[0], D[7]), tl.maximum(D[14], D[21])),
+                    tl.maximum(D[28], D[35]))
+    thr = eps * tl.maximum(mx, 1e-300)
+    full = D[0] > thr
+    some = D[0] > thr
+    y = []
+    for k in tl.static_range(6):
+        keep = D[7 * k] > thr
+        full = full & keep
+        some = some | keep
+        proj = V[k] * b[0] + V[6 + k] * b[1] + V[12 + k] * b[2] + V[18 + k] * b[3] \
+            + V[24 + k] * b[4] + V[30 + k] * b[5]
+        y = y + [tl.where(keep, 1.0 / tl.maximum(D[7 * k], 1e-300), 0.0) * proj]
+    x = [V[6 * i] * y[0] + V[6 * i + 1] * y[1] + V[6 * i + 2] * y[2] + V[6 * i + 3] * y[3]
+         + V[6 * i + 4] * y[4] + V[6 * i + 5] * y[5] for i in (0, 1, 2, 3, 4, 5)]
+    usable = some
+    for i in tl.static_range(6):
+        usable = usable & _finite(x[i])
+    x = [tl.where(usable, x[i], 0.0) for i in (0, 1, 2, 3, 4, 5)]
+    return x, full & usable, usable

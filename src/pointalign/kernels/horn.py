@@ -1,0 +1,83 @@
+"""Weighted moments → rigid pose (Horn's closed form): one kernel family for every caller.
+
+Used by ICP point-to-point (inside the fused ICP solve of ``kernels.normal_eq``, through the
+same helper ``_tl_math.horn_pose``), EM-ICP and Softassign (``kernels.soft``) and RANSAC
+(``registration.ransac``).
+
+Contract: for sources x_i, targets m_i and weights w_i ≥ 0 of each batch entry, the pose
+``argmin Σ w_i ||R x_i + t − m_i||²``: moments W = Σw, Σw x, Σw m, Σw x mᵀ in float64, then
+:func:`pointalign._math.horn_pose` with the tie-breaker :data:`pointalign._math.HORN_TIE`
+(a tied top eigenvalue, as for one or two points, resolves towards R = I). Never raises,
+never returns NaN: an entry with zero total weight (or a non-finite result) gets the
+identity and ``valid`` False. The soft form of Tamaki et al. (eqs. 18-20, 26) reduces to
+this with w_i the row sums and m_i the soft correspondences.
+
+The reference (:func:`horn_reference`) is the CPU path and the spec; on Triton one program
+per batch entry reduces the moments and solves (``_horn_triton``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pointalign import _math
+from pointalign.kernels._backend import backend
+
+
+def weighted_horn(
+    source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted Horn ``argmin Σ w_i ||R x_i + t − m_i||²`` for every batch entry.
+
+    Args:
+        source: ``(B, N, 3)`` float tensor, x_i.
+        targets: ``(B, N, 3)`` float tensor, m_i.
+        weights: ``(B, N)`` w_i ≥ 0 (0 on padding rows).
+
+    Returns:
+        ``(T (B, 4, 4) float64, valid (B,) bool)``.
+
+    """
+    if backend(source) in ("triton", "interpret"):
+        from pointalign.kernels import _horn_triton
+
+        return _horn_triton.horn(source, targets, weights)
+    return horn_reference(source, targets, weights)
+
+
+def horn_moments(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(W (B,), sx (B, 3), sm (B, 3), cross (B, 3, 3))`` in float64: Σw, Σw x, Σw m,
+    Σw x mᵀ of ``source (B, N, 3)``, ``targets (B, N, 3)``, ``weights (B, N)``.
+    """
+    x = source.to(torch.float64)
+    m = targets.to(torch.float64)
+    w = weights.to(torch.float64)
+    W = w.sum(-1)
+    sx = (w[..., None] * x).sum(-2)
+    sm = (w[..., None] * m).sum(-2)
+    cross = (w[..., None] * x).transpose(-1, -2) @ m
+    return W, sx, sm, cross
+
+
+def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pose from the weighted moments of :func:`horn_moments` (float64):
+    :func:`pointalign._math.horn_pose` with ``tie=HORN_TIE``.
+
+    Returns:
+        ``(T (…, 4, 4) float64, valid (…) bool)``; T = I where not valid.
+
+    """
+    R, t, ok = _math.horn_pose(W, sx, sm, cross, tie=_math.HORN_TIE)
+    T = torch.zeros(ok.shape + (4, 4), dtype=torch.float64, device=ok.device)
+    T[..., :3, :3] = R
+    T[..., :3, 3] = t
+    T[..., 3, 3] = 1
+    return T, ok
+
+
+def horn_reference(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`weighted_horn` (same arguments and result)."""
+    return horn_from_sums(*horn_moments(source, targets, weights))

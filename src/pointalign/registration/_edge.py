@@ -1,0 +1,273 @@
+"""The edge every registration algorithm shares: devices, inputs, frames, stop reasons, results.
+
+* :func:`resolve_device`: the one rule for ``device=`` (explicit, else the inputs' common
+  device, else CUDA when present); inputs on different devices are an error.
+* :func:`prepare_pair`: source and target as padded float32 batches **in a local frame**:
+  both are shifted by the target's centroid in float64 before anything becomes float32, so
+  georeferenced coordinates (UTM: ~5·10⁵ m) keep their millimetres. :class:`Frame` carries
+  that shift; :meth:`Frame.to_world` composes a local estimate back in float64.
+* :class:`StopReason`: why an algorithm stopped, one vocabulary for all of them.
+* :func:`build_result`: a :class:`RegistrationResult` from per-problem host arrays, batched
+  or squeezed to one problem.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pointalign import _validate
+from pointalign.registration.result import RegistrationResult
+
+
+class StopReason(str, enum.Enum):
+    """Why an algorithm stopped; compares equal to its string value.
+
+    Converged (``result.converged`` is True):
+
+    * ``SMALL_UPDATE``: the last update rotated by less than ``rotation_tolerance`` and
+      moved by less than ``translation_tolerance``;
+    * ``RELATIVE_CHANGE``: fitness and RMSE stopped changing (Open3D's rule);
+    * ``SCHEDULE``: an annealing schedule reached its end (EM-ICP's σ_min, Softassign's β);
+    * ``POSE_AND_WEIGHTS``: an annealing method's pose and soft weights settled early;
+    * ``NO_DECREASE``: no step along the last update lowers the objective any more (a
+      descent method's line search found none, or approximate ICP's step raised it and was
+      taken back): a numerical minimum.
+
+    Not converged:
+
+    * ``MAX_ITERATIONS``: the iteration cap was reached first;
+    * ``NO_CORRESPONDENCES``: no source point had a partner within the distance bound;
+    * ``DEGENERATE``: the problem does not determine a pose (collinear points, too few
+      correspondences, a rank-deficient system);
+    * ``NO_HYPOTHESIS`` / ``BELOW_THRESHOLD``: a global method found no (good enough)
+      hypothesis.
+    """
+
+    SMALL_UPDATE = "small_update"
+    RELATIVE_CHANGE = "relative_change"
+    SCHEDULE = "schedule"
+    POSE_AND_WEIGHTS = "pose_and_weights"
+    NO_DECREASE = "no_decrease"
+    MAX_ITERATIONS = "max_iterations"
+    NO_CORRESPONDENCES = "no_correspondences"
+    DEGENERATE = "degenerate"
+    NO_HYPOTHESIS = "no_hypothesis"
+    BELOW_THRESHOLD = "below_threshold"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def converged(self) -> bool:
+        """True for the reasons that mean the algorithm converged."""
+        return self in _CONVERGED
+
+
+_CONVERGED = frozenset({StopReason.SMALL_UPDATE, StopReason.RELATIVE_CHANGE,
+                        StopReason.SCHEDULE, StopReason.POSE_AND_WEIGHTS,
+                        StopReason.NO_DECREASE})
+
+
+def resolve_device(device: Any, **inputs: Any) -> torch.device:
+    """The compute device: ``device`` if given, else the inputs' one device, else default.
+
+    ``inputs`` are named arrays, tensors, PointClouds (or lists of them); those that live on
+    a device must agree, or a ValueError names them.
+    """
+    devs: dict[str, torch.device] = {}
+
+    def note(name: str, x: Any) -> None:
+        pts = getattr(x, "points", x)
+        if isinstance(pts, torch.Tensor):
+            devs[name] = pts.device
+
+    for name, x in inputs.items():
+        if isinstance(x, (list, tuple)):
+            for i, c in enumerate(x):
+                note(f"{name}[{i}]", c)
+        else:
+            note(name, x)
+    if len(set(devs.values())) > 1:
+        desc = ", ".join(f"{k} on {v}" for k, v in devs.items())
+        raise ValueError(f"inputs are on different devices: {desc}; move them to one device "
+                         "(or pass NumPy arrays and device=)")
+    if device is not None:
+        return _validate.as_device(device)
+    if devs:
+        return next(iter(devs.values()))
+    return _validate.default_device()
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The local frame of a batch of problems: ``x_local = x_world − center``.
+
+    ``center (B, 3)`` float64 on the host (the target's centroid).
+    """
+
+    center: np.ndarray
+
+    def _shift(self, sign: float) -> np.ndarray:
+        S = np.tile(np.eye(4), (self.center.shape[0], 1, 1))
+        S[:, :3, 3] = sign * self.center
+        return S
+
+    def to_local(self, T: np.ndarray) -> np.ndarray:
+        """``T_target_source (B, 4, 4)`` between world frames → between local frames."""
+        return self._shift(-1.0) @ T @ self._shift(1.0)
+
+    def to_world(self, T: np.ndarray) -> np.ndarray:
+        """Inverse of :meth:`to_local`, in float64."""
+        return self._shift(1.0) @ T @ self._shift(-1.0)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Validated inputs of a batch of B problems, in their local :class:`Frame`.
+
+    Attributes:
+        source: ``(B, N, 3)`` float32, padded; rows ``>= source_lengths[b]`` are padding.
+        target: ``(B, M, 3)`` float32 (expanded, not copied, for a shared target).
+        source_lengths, target_lengths: ``(B,)`` int64 on the device.
+        source_counts, target_counts: the same on the host (NumPy int64).
+        init: ``(B, 4, 4)`` float64 NumPy, the initial estimate in the local frames.
+        frame: the shift back to the caller's coordinates.
+        batched: whether the caller passed batches (results keep that form).
+        shared_target: one target for all B sources.
+        device: the compute device.
+        init_world: ``(B, 4, 4)`` float64 NumPy, the initial estimate as given (a problem
+            left at ``init`` is returned as exactly this, see :func:`build_result`).
+    """
+
+    source: torch.Tensor
+    target: torch.Tensor
+    source_lengths: torch.Tensor
+    target_lengths: torch.Tensor
+    source_counts: np.ndarray
+    target_counts: np.ndarray
+    init: np.ndarray
+    frame: Frame
+    batched: bool
+    shared_target: bool
+    device: torch.device
+    init_world: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        """B, the number of problems."""
+        return self.source.shape[0]
+
+
+def _centroids(pts: torch.Tensor, lengths: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+    """``(B, 3)`` centroids in the points' dtype (padding rows excluded)."""
+    if bool((counts == pts.shape[1]).all()):
+        return pts.mean(1)
+    rows = torch.arange(pts.shape[1], device=pts.device)[None, :, None] < lengths[:, None, None]
+    return (pts * rows).sum(1) / lengths[:, None].clamp_min(1).to(pts.dtype)
+
+
+def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
+                 source_lengths: Any = None, target_lengths: Any = None,
+                 min_points: int = 1, local: bool = True) -> Pair:
+    """Validate a registration problem (or a batch of them) and move it to its local frame.
+
+    Args:
+        source: ``(N, 3)``, ``(B, N, 3)`` or a list of clouds (arrays, tensors, PointClouds).
+        target: ``(M, 3)`` (shared by every source) or ``(B, M, 3)``.
+        init: ``(4, 4)`` or ``(B, 4, 4)`` initial ``T_target_source`` (None: identity).
+        device: the compute device (:func:`resolve_device`).
+        source_lengths, target_lengths: ``(B,)`` valid points per padded batch entry.
+        min_points: fewest points a cloud may have.
+        local: shift to the target's centroid (False: keep the caller's coordinates, e.g.
+            to query an index the caller built over the target as given).
+    """
+    src, slens, batched = _validate.as_batch(source, "source", lengths=source_lengths,
+                                             min_points=min_points, device=device)
+    tgt, tlens, tbatched = _validate.as_batch(target, "target", lengths=target_lengths,
+                                              min_points=min_points, device=device)
+    B = src.shape[0]
+    if tbatched and not batched:
+        raise ValueError("target: batched (B, M, 3) but source is a single (N, 3) cloud")
+    shared = not tbatched and B > 1
+    if tgt.shape[0] != B and not shared:
+        raise ValueError(f"target: expected {B} clouds (like source) or one, got {tgt.shape[0]}")
+    T0 = _validate.as_transform(init, "init", batch=B if batched else None, device="cpu",
+                                dtype=torch.float64)
+    T0 = (T0 if batched else T0[None]).detach().numpy()
+    # lengths on the host: known without a transfer unless the caller passed them
+    s_counts = (slens.cpu().numpy() if source_lengths is not None
+                or isinstance(source, (list, tuple)) else np.full(B, src.shape[1]))
+    t_counts = (tlens.cpu().numpy() if target_lengths is not None
+                or isinstance(target, (list, tuple)) else np.full(tgt.shape[0], tgt.shape[1]))
+    # the local frame: shift by the target centroid in float64 before going to float32
+    c = _centroids(tgt.to(torch.float64), tlens, t_counts)           # (B_t, 3)
+    if not local:
+        c = torch.zeros_like(c)
+    src_l = (src.to(torch.float64) - (c if not shared else c.expand(B, 3))[:, None]) \
+        .to(torch.float32).contiguous()
+    tgt_l = (tgt.to(torch.float64) - c[:, None]).to(torch.float32).contiguous()
+    if shared:
+        tgt_l, tlens, t_counts = tgt_l.expand(B, -1, -1), tlens.expand(B), \
+            np.repeat(t_counts, B)
+        c = c.expand(B, 3)
+    frame = Frame(c.cpu().numpy().astype(np.float64))
+    return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
+                np.asarray(t_counts, dtype=np.int64), frame.to_local(T0), frame, batched,
+                shared, device, T0)
+
+
+def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None:
+    """Unit normals ``(B, M, 3)`` float32 from ``normals`` or a PointCloud target, else None."""
+    if normals is None:
+        normals = getattr(target, "normals", None) if hasattr(target, "points") else None
+    if normals is None:
+        return None
+    t = _validate._to_tensor("target_normals", normals)
+    shape = tuple(pair.target.shape)
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    if tuple(t.shape) != shape and not (t.shape[0] == 1 and tuple(t.shape[1:]) == shape[1:]):
+        raise ValueError(f"target_normals: expected shape {shape[1:]} or {shape} (like "
+                         f"target), got {tuple(t.shape)}")
+    t = _validate._float("target_normals", t, torch.float32).to(pair.device)
+    _validate._check_finite("target_normals", t)
+    return t.expand(*shape).contiguous()
+
+
+def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: np.ndarray,
+                 iterations: np.ndarray, reasons: list[StopReason],
+                 history: list[dict[str, Any]], timings: dict[str, float],
+                 info: dict[str, Any], converged: np.ndarray | None = None
+                 ) -> RegistrationResult:
+    """The :class:`RegistrationResult` of B problems, squeezed when the input was unbatched.
+
+    Args:
+        pair: the prepared inputs.
+        T_local: ``(B, 4, 4)`` float64 estimates in the local frames.
+        fitness, rmse, iterations: ``(B,)`` host arrays.
+        reasons: B stop reasons; ``converged`` defaults to ``reason.converged``.
+        history: one dict per iteration of ``(B,)`` arrays (or scalars).
+        timings: seconds per stage.
+        info: extras; ``(B, …)`` arrays are split per problem when squeezing.
+    """
+    T = pair.frame.to_world(T_local)
+    if pair.init_world is not None:  # left at init: exactly init (no float64 round trip)
+        kept = (T_local == pair.init).all(axis=(1, 2))
+        T = np.where(kept[:, None, None], pair.init_world, T)
+    conv = np.array([r.converged for r in reasons]) if converged is None else converged
+    if pair.batched:
+        return RegistrationResult(
+            transformation=T, fitness=fitness, rmse=rmse, iterations=iterations,
+            converged=conv, stop_reason=[str(r) for r in reasons], history=history,
+            timings=timings, info=info,
+            transformation_tensor=torch.from_numpy(T).to(pair.device))
+    one = RegistrationResult(
+        transformation=T, fitness=fitness, rmse=rmse, iterations=iterations, converged=conv,
+        stop_reason=[str(r) for r in reasons], history=history, timings=timings, info=info,
+        transformation_tensor=torch.from_numpy(T).to(pair.device))[0]
+    return one

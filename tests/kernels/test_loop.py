@@ -1,0 +1,210 @@
+"""The device-loop executor: eager and graph runs give the same records; keys cannot drift."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign.kernels import _loop
+
+
+@dataclass(frozen=True)
+class Affine:
+    """x ← a·x + b (per entry); records x before the update, its sum and a flag."""
+
+    graph_safe: ClassVar[bool] = True
+    a: float
+    b: float
+
+    def __call__(self, inputs, state):
+        x = state["x"]
+        new = self.a * x + self.b * inputs["w"]
+        return {"x": new}, {"x": x, "total": x.sum(), "big": (x.abs() > 1).any()}
+
+
+@dataclass(frozen=True)
+class Syncing(Affine):
+    """Reads the device on the host: cannot be captured."""
+
+    graph_safe: ClassVar[bool] = False
+
+    def __call__(self, inputs, state):
+        if float(state["x"].sum()) > 1e30:
+            raise AssertionError("unreachable")
+        return super().__call__(inputs, state)
+
+
+def _expected(x0, w, a, b, n):
+    out, x = [], x0.double().clone()
+    for _ in range(n):
+        out.append(x.clone())
+        x = a * x + b * w.double()
+    return out
+
+
+def _collect(run, stop_after=None):
+    recs = []
+    for r in run:
+        recs.append(r)
+        if stop_after is not None and len(recs) == stop_after:
+            break
+    return recs
+
+
+def _inputs(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ({"w": torch.randn(5, generator=g).to(device)},
+            {"x": torch.randn(5, generator=g).to(device)})
+
+
+def test_eager_records_every_step_in_order():
+    inputs, state = _inputs("cpu")
+    run = _loop.iterate(Affine(0.5, 1.0), inputs, state, max_steps=6)
+    recs = _collect(run)
+    want = _expected(state["x"], inputs["w"], 0.5, 1.0, 6)
+    assert len(recs) == 6 and run.launched == 6 and run.graph == "off"
+    for r, w in zip(recs, want, strict=True):
+        np.testing.assert_allclose(r["x"], w.numpy(), rtol=1e-6)
+        assert r["total"].shape == () and r["big"].dtype == bool
+        assert bool(r["big"]) == bool((w.abs() > 1).any())
+
+
+def test_eager_stops_when_the_consumer_stops_and_leaves_inputs_alone():
+    inputs, state = _inputs("cpu")
+    x0 = state["x"].clone()
+    run = _loop.iterate(Affine(0.5, 1.0), inputs, state, max_steps=50)
+    assert len(_collect(run, stop_after=3)) == 3
+    assert run.launched == 3  # on the CPU nothing is launched ahead
+    assert torch.equal(state["x"], x0)
+
+
+def test_signature_follows_every_field_and_shape():
+    inputs, state = _inputs("cpu")
+    k1, _ = _loop.signature(Affine(0.5, 1.0), inputs, state)
+    assert k1 == _loop.signature(Affine(0.5, 1.0), inputs, state)[0]
+    assert k1 != _loop.signature(Affine(0.5, 2.0), inputs, state)[0]
+    assert k1 != _loop.signature(Affine(0.5, 1.0), {"w": torch.zeros(6)}, state)[0]
+    assert k1 != _loop.signature(Syncing(0.5, 1.0), inputs, state)[0]
+
+
+def test_signature_names_objects_by_identity_and_refuses_tensors():
+    @dataclass(frozen=True)
+    class WithObject:
+        obj: object
+
+    @dataclass(frozen=True)
+    class WithTensor:
+        t: object
+
+    a, b = object(), object()
+    ka, objs = _loop.signature(WithObject(a))
+    assert objs == [a] and ka != _loop.signature(WithObject(b))[0]
+    with pytest.raises(TypeError, match="tensor"):
+        _loop.signature(WithTensor(torch.zeros(1)))
+    with pytest.raises(TypeError, match="frozen dataclass"):
+        _loop.signature(lambda i, s: (s, s))
+
+
+@dataclass(frozen=True)
+class Countdown:
+    """A fixed program: n halvings with an early stop once every entry is below tol."""
+
+    n: int
+    tol: float
+
+    def __call__(self, inputs, checkpoint):
+        x = inputs["x"].clone()
+        steps = torch.zeros((), dtype=torch.int64, device=x.device)
+        for _ in range(self.n):
+            x = torch.where(x.abs() < self.tol, x, 0.5 * x)
+            steps = steps + 1
+            if checkpoint(x.abs() < self.tol):
+                break
+        return {"x": x, "steps": steps}
+
+
+def test_program_stops_early_when_eager():
+    host, dev = _loop.run_program(Countdown(100, 1e-3), {"x": torch.tensor([1.0, -2.0])})
+    assert int(host["steps"]) == 11 and np.all(np.abs(host["x"]) < 1e-3)
+    assert torch.equal(dev["steps"], torch.tensor(11))
+
+
+def test_to_host_round_trip_keeps_dtypes():
+    t = {"f": torch.tensor([[1.5, 2.0]]), "i": torch.tensor([3, -4]), "b": torch.tensor([True]),
+         "d": torch.tensor(2.0**40 + 1, dtype=torch.float64)}
+    h = _loop.to_host(t)
+    assert h["f"].shape == (1, 2) and h["i"].dtype == np.int64 and h["b"].dtype == bool
+    assert int(h["i"][1]) == -4 and float(h["d"]) == 2.0**40 + 1
+
+
+# ---- CUDA graphs --------------------------------------------------------------------------
+
+def _graph_run(step, inputs, state, n, stop_after=None):
+    run = _loop.iterate(step, inputs, state, max_steps=n)
+    return run, _collect(run, stop_after)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_policy_and_equality(monkeypatch):
+    monkeypatch.setattr(_loop, "USE_GRAPHS", True)
+    _loop.clear_caches()
+    inputs, state = _inputs("cuda")
+    step = Affine(0.9, 0.1)
+    want = [w.cpu().numpy() for w in _expected(state["x"], inputs["w"], 0.9, 0.1, 20)]
+    first, recs = _graph_run(step, inputs, state, 20)
+    assert first.graph == "captured"  # step 1 eager, then a one-step graph
+    second, recs2 = _graph_run(step, inputs, state, 20)
+    assert second.graph == "captured"  # the kept CHUNK-step graph
+    third, recs3 = _graph_run(step, inputs, state, 20)
+    assert third.graph == "reused"
+    for rs in (recs, recs2, recs3):
+        assert len(rs) == 20
+        for r, w in zip(rs, want, strict=True):
+            np.testing.assert_allclose(r["x"], w, rtol=1e-5, atol=1e-6)
+    # a stop inside a chunk discards the rest of it; new inputs are copied into the graph
+    inputs2, state2 = _inputs("cuda", seed=1)
+    fourth, recs4 = _graph_run(step, inputs2, state2, 20, stop_after=5)
+    assert fourth.graph == "reused" and fourth.launched == _loop.CHUNK and len(recs4) == 5
+    want2 = _expected(state2["x"], inputs2["w"], 0.9, 0.1, 5)
+    for r, w in zip(recs4, want2, strict=True):
+        np.testing.assert_allclose(r["x"], w.cpu().numpy(), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
+    off, recs5 = _graph_run(step, inputs, state, 20)
+    assert off.graph == "off"
+    for a, b in zip(recs5, recs3, strict=True):
+        np.testing.assert_allclose(a["x"], b["x"], rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_capture_failure_falls_back_to_eager(monkeypatch):
+    @dataclass(frozen=True)
+    class Sneaky(Affine):
+        graph_safe: ClassVar[bool] = True  # claims so, but reads the device
+
+        def __call__(self, inputs, state):
+            _ = float(state["x"].sum())
+            return super().__call__(inputs, state)
+
+    _loop.clear_caches()
+    inputs, state = _inputs("cuda")
+    run, recs = _graph_run(Sneaky(0.9, 0.1), inputs, state, 6)
+    assert len(recs) == 6 and run.graph not in ("captured", "reused", "off")
+    want = _expected(state["x"], inputs["w"], 0.9, 0.1, 6)
+    np.testing.assert_allclose(recs[-1]["x"], want[-1].cpu().numpy(), rtol=1e-5)
+    # a step that declares it reads the device is never captured
+    run2, _ = _graph_run(Syncing(0.9, 0.1), inputs, state, 4)
+    assert run2.graph == "off"
+
+
+@pytest.mark.gpu
+def test_cuda_program_is_one_graph_and_matches_eager():
+    _loop.clear_caches()
+    x = torch.tensor([1.0, -2.0, 0.25], device="cuda")
+    eager, _ = _loop.run_program(Countdown(40, 1e-3), {"x": x.cpu()})
+    for _ in range(3):  # warm-up + capture, then replays
+        host, _ = _loop.run_program(Countdown(40, 1e-3), {"x": x})
+    # the graph cannot stop early: it runs all 40 steps, with the same masked result
+    assert int(host["steps"]) == 40
+    np.testing.assert_allclose(host["x"], eager["x"], rtol=1e-6)

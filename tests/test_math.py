@@ -1,0 +1,318 @@
+"""Every ``kernels._tl_math`` helper against its ``pointalign._math`` spec, element by element.
+
+One tiny ``@triton.jit`` kernel per helper (one program per case) runs through the Triton
+interpreter in a child process (:func:`tests._oracles.run_interpreted`) and, with the
+``gpu`` marker, compiled on CUDA. Inputs are random plus edge cases: zero rotation, 180°,
+tiny angles, rank-deficient and degenerate matrices, a zero cross-covariance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pointalign import _math
+from tests._oracles import run_interpreted
+
+try:
+    import triton
+    import triton.language as tl
+
+    from pointalign.kernels import _tl_math as tm
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _k_robust(r_ptr, o_ptr, n, scale, KIND: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        r = tl.load(r_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(o_ptr + offs, tm.robust_weight(r, scale, KIND), mask=offs < n)
+
+    @triton.jit
+    def _k_quat(q_ptr, o_ptr):
+        b = tl.program_id(0).to(tl.int64)
+        R = tm.quat_to_rot(tl.load(q_ptr + 4 * b), tl.load(q_ptr + 4 * b + 1),
+                           tl.load(q_ptr + 4 * b + 2), tl.load(q_ptr + 4 * b + 3))
+        for k in tl.static_range(9):
+            tl.store(o_ptr + 9 * b + k, R[k])
+
+    @triton.jit
+    def _k_exp(w_ptr, o_ptr):
+        b = tl.program_id(0).to(tl.int64)
+        R = tm.so3_exp(tl.load(w_ptr + 3 * b), tl.load(w_ptr + 3 * b + 1),
+                       tl.load(w_ptr + 3 * b + 2))
+        for k in tl.static_range(9):
+            tl.store(o_ptr + 9 * b + k, R[k])
+
+    @triton.jit
+    def _k_horn_matrix(s_ptr, o_ptr):
+        b = tl.program_id(0).to(tl.int64)
+        S = [tl.load(s_ptr + 9 * b + k) for k in (0, 1, 2, 3, 4, 5, 6, 7, 8)]
+        n = tm.horn_matrix(S)
+        for k in tl.static_range(10):
+            tl.store(o_ptr + 10 * b + k, n[k])
+
+    @triton.jit
+    def _k_top4(n_ptr, o_ptr, SQUARINGS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        n = [tl.load(n_ptr + 10 * b + k) for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)]
+        q = tm.top_eigenvector4(n, SQUARINGS)
+        for k in tl.static_range(4):
+            tl.store(o_ptr + 4 * b + k, q[k])
+
+    @triton.jit
+    def _k_horn_pose(m_ptr, o_ptr, TIE: tl.constexpr, SQUARINGS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        m = [tl.load(m_ptr + 16 * b + k)
+             for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        R, t, ok = tm.horn_pose(m[0], (m[1], m[2], m[3]), (m[4], m[5], m[6]),
+                                (m[7], m[8], m[9], m[10], m[11], m[12], m[13], m[14], m[15]),
+                                TIE, SQUARINGS)
+        for k in tl.static_range(9):
+            tl.store(o_ptr + 13 * b + k, R[k])
+        for k in tl.static_range(3):
+            tl.store(o_ptr + 13 * b + 9 + k, t[k])
+        tl.store(o_ptr + 13 * b + 12, tl.where(ok, 1.0, 0.0))
+
+    @triton.jit
+    def _k_spans(c_ptr, o_ptr, eps):
+        b = tl.program_id(0).to(tl.int64)
+        c = c_ptr + 9 * b
+        ok = tm.spans_plane(tl.load(c), tl.load(c + 1), tl.load(c + 2), tl.load(c + 4),
+                            tl.load(c + 5), tl.load(c + 8), eps)
+        tl.store(o_ptr + b, ok.to(tl.int32))
+
+    @triton.jit
+    def _k_solve6(a_ptr, b_ptr, o_ptr, eps, SWEEPS: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        A = [tl.load(a_ptr + 36 * pid + k)
+             for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                       20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)]
+        g = [tl.load(b_ptr + 6 * pid + k) for k in (0, 1, 2, 3, 4, 5)]
+        x, full, usable = tm.least_norm_solve6(A, g, eps, SWEEPS)
+        D, V = tm.eigh6(A, SWEEPS)
+        for k in tl.static_range(6):
+            tl.store(o_ptr + 16 * pid + k, x[k])
+            tl.store(o_ptr + 16 * pid + 6 + k, D[7 * k])
+        tl.store(o_ptr + 16 * pid + 12, tl.where(full, 1.0, 0.0))
+        tl.store(o_ptr + 16 * pid + 13, tl.where(usable, 1.0, 0.0))
+        # ‖A V − V D‖ for the eigenpairs (row 0 of the residual, enough to pin V)
+        res = A[0] * 0.0
+        for j in tl.static_range(6):
+            e = A[0] * V[j] + A[1] * V[6 + j] + A[2] * V[12 + j] + A[3] * V[18 + j] \
+                + A[4] * V[24 + j] + A[5] * V[30 + j] - V[j] * D[7 * j]
+            res = tl.maximum(res, tl.abs(e))
+        tl.store(o_ptr + 16 * pid + 14, res)
+
+
+# ---- inputs ------------------------------------------------------------------------------
+
+def _quats(g):
+    q = torch.randn(40, 4, generator=g, dtype=torch.float64)
+    q[0] = torch.tensor([1.0, 0, 0, 0])         # zero rotation
+    q[1] = torch.tensor([0.0, 1, 0, 0])         # 180° about x
+    q[2] = torch.tensor([0.0, 0.6, 0, 0.8])     # 180° about an oblique axis
+    q[3] = torch.tensor([-1e-3, 2.0, -1, 0.5])  # near 180°, w < 0, not unit
+    q[4] = 7.0 * q[5]
+    return q
+
+
+def _omegas(g):
+    w = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    w[0] = 0.0                                       # zero rotation
+    w[1] = torch.tensor([math.pi, 0, 0])             # 180°
+    w[2] = torch.tensor([1e-7, -2e-7, 3e-8])         # θ² < 1e-12: Taylor branch
+    w[3] = torch.tensor([1e-6, 0, 0]) * (1 + 1e-9)   # just above the branch
+    w[4] = 3.0 * torch.nn.functional.normalize(w[4], dim=0)
+    return w
+
+
+def _moments(g):
+    """(B, 16): Σw, Σwx, Σwy, Σwxyᵀ of random weighted problems and edge cases."""
+    from pointalign import transforms
+
+    rows = []
+    for b in range(12):
+        n = [1, 2, 3, 50][b % 4]
+        x = torch.randn(n, 3, generator=g, dtype=torch.float64) + 5 * (b % 3)
+        R = transforms.random_rotation(generator=g)
+        if b == 3:
+            R = transforms.axis_angle_to_matrix(torch.tensor([0.0, 0, 1]), math.pi)  # 180°
+        y = x @ R.T + torch.randn(3, generator=g, dtype=torch.float64)
+        y = y + 0.01 * torch.randn(n, 3, generator=g, dtype=torch.float64)
+        w = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
+        if b == 5:
+            w = torch.zeros(n, dtype=torch.float64)  # zero total weight
+        rows.append(torch.cat([w.sum()[None], (w[:, None] * x).sum(0), (w[:, None] * y).sum(0),
+                               ((w[:, None] * x).T @ y).reshape(9)]))
+    return torch.stack(rows)
+
+
+def _covs(g):
+    P = torch.randn(30, 3, 3, generator=g, dtype=torch.float64)
+    C = P @ P.transpose(1, 2)
+    d = torch.nn.functional.normalize(torch.randn(3, generator=g, dtype=torch.float64), dim=0)
+    C[0] = 0.0                                   # empty
+    C[1] = torch.outer(d, d) * 4.0               # a line
+    e = torch.nn.functional.normalize(torch.randn(3, generator=g, dtype=torch.float64), dim=0)
+    e = e - (e @ d) * d
+    C[2] = torch.outer(d, d) + 1e-3 * torch.outer(e, e) / (e @ e)  # a thin plane
+    C[3] = torch.outer(d, d) + 1e-14 * torch.eye(3, dtype=torch.float64)  # line + rounding
+    return C
+
+
+def _systems(g):
+    J = torch.randn(8, 40, 6, generator=g, dtype=torch.float64)
+    J[1, :, 3:] = 0.0                            # rotation only: translation undetermined
+    J[2, :, :] = J[2, :1, :]                     # rank 1
+    A = J.transpose(1, 2) @ J
+    A[3] = 0.0                                   # empty system
+    b = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    return A, b
+
+
+def run_interpreted_math(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): every helper on the inputs above."""
+    out = run_math_kernels("cpu")
+    torch.save(out, out_path)
+
+
+def run_math_kernels(device: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    out: dict = {}
+    r = torch.linspace(-3, 3, 61, dtype=torch.float32)
+    for code, kind in enumerate(_math.ROBUST_KINDS):
+        o = torch.empty(61, dtype=torch.float32, device=device)
+        _k_robust[(1,)](r.to(device), o, 61, 0.7, KIND=code, BLOCK=64)
+        out[("robust", kind)] = o.cpu()
+    q = _quats(g)
+    o = torch.empty(40, 9, dtype=torch.float64, device=device)
+    _k_quat[(40,)](q.to(device), o)
+    out["quat"] = o.cpu()
+    w = _omegas(g)
+    o = torch.empty(40, 9, dtype=torch.float64, device=device)
+    _k_exp[(40,)](w.to(device), o)
+    out["exp"] = o.cpu()
+    S = torch.randn(20, 3, 3, generator=g, dtype=torch.float64)
+    o = torch.empty(20, 10, dtype=torch.float64, device=device)
+    _k_horn_matrix[(20,)](S.to(device), o)
+    out["horn_matrix"] = o.cpu()
+    N = _math.horn_matrix(S)
+    N[0] = torch.diag(torch.tensor([3.0, -1, -1, -1], dtype=torch.float64))
+    N[1] = 0.0
+    triu = N[:, [0, 0, 0, 0, 1, 1, 1, 2, 2, 3], [0, 1, 2, 3, 1, 2, 3, 2, 3, 3]]
+    o = torch.empty(20, 4, dtype=torch.float64, device=device)
+    _k_top4[(20,)](triu.contiguous().to(device), o, SQUARINGS=40)
+    out["top4"] = o.cpu()
+    m = _moments(g)
+    for tie in (0.0, _math.HORN_TIE):
+        o = torch.empty(m.shape[0], 13, dtype=torch.float64, device=device)
+        _k_horn_pose[(m.shape[0],)](m.to(device), o, TIE=tie, SQUARINGS=40)
+        out[("horn_pose", tie)] = o.cpu()
+    C = _covs(g)
+    o = torch.empty(30, dtype=torch.int32, device=device)
+    _k_spans[(30,)](C.to(device), o, _math.DEGENERACY_EPS)
+    out["spans"] = o.cpu()
+    A, b = _systems(g)
+    o = torch.empty(8, 16, dtype=torch.float64, device=device)
+    _k_solve6[(8,)](A.to(device), b.to(device), o, _math.DEGENERACY_EPS, SWEEPS=8)
+    out["solve6"] = o.cpu()
+    out["inputs"] = dict(r=r, q=q, w=w, S=S, N=N, m=m, C=C, A=A, b=b)
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    if triton is None:
+        pytest.skip("triton not installed")
+    mp = pytest.MonkeyPatch()
+    try:
+        return run_interpreted("tests.test_math", "run_interpreted_math",
+                               tmp_path_factory.mktemp("interp") / "math.pt", mp)
+    finally:
+        mp.undo()
+
+
+def _check_all(out: dict) -> None:
+    inp = out["inputs"]
+    for kind in _math.ROBUST_KINDS:
+        torch.testing.assert_close(out[("robust", kind)],
+                                   _math.robust_weight(inp["r"], kind, 0.7), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out["quat"], _math.quat_to_rot(inp["q"]).reshape(-1, 9),
+                               atol=1e-14, rtol=0)
+    torch.testing.assert_close(out["exp"], _math.so3_exp(inp["w"]).reshape(-1, 9),
+                               atol=1e-14, rtol=0)
+    N = _math.horn_matrix(inp["S"])
+    triu = N[:, [0, 0, 0, 0, 1, 1, 1, 2, 2, 3], [0, 1, 2, 3, 1, 2, 3, 2, 3, 3]]
+    torch.testing.assert_close(out["horn_matrix"], triu, atol=1e-14, rtol=0)
+    # top eigenvector: equal up to sign to the spec's
+    q_ref = _math.top_eigenvector4(inp["N"])
+    q = out["top4"]
+    sign = torch.sign((q * q_ref).sum(-1, keepdim=True))
+    torch.testing.assert_close(q[2:], (sign * q_ref)[2:], atol=1e-9, rtol=0)
+    assert torch.equal(q[0], torch.tensor([1.0, 0, 0, 0], dtype=torch.float64))
+    assert torch.equal(q[1], torch.tensor([1.0, 0, 0, 0], dtype=torch.float64))  # N = 0
+    m = inp["m"]
+    for tie in (0.0, _math.HORN_TIE):
+        R, t, ok = _math.horn_pose(m[:, 0], m[:, 1:4], m[:, 4:7], m[:, 7:].reshape(-1, 3, 3),
+                                   tie=tie)
+        got = out[("horn_pose", tie)]
+        assert torch.equal(got[:, 12] > 0, ok)
+        assert not ok[5] and ok[[0, 1, 2, 3, 4, 6]].all()
+        # one point (rows 0, 4, 8) and two points (1, 5, 9) leave the rotation (partly)
+        # free: compare where it is determined, or where the tie-breaker fixes it
+        det = [0, 2, 3, 4, 6, 7, 8, 10, 11]
+        torch.testing.assert_close(got[det, :9], R.reshape(-1, 9)[det], atol=1e-8, rtol=0)
+        torch.testing.assert_close(got[det, 9:12], t[det], atol=1e-7, rtol=0)
+        if tie:
+            # two points: the εI tie-breaker leaves a gap of ~1e-9 ‖N‖ between the top two
+            # eigenvalues; 40 squarings resolve it only to ~1e-4 (measured 4e-5)
+            torch.testing.assert_close(got[[1, 9], :9], R.reshape(-1, 9)[[1, 9]], atol=1e-4,
+                                       rtol=0)
+    spans = _math.spans_plane(inp["C"])
+    assert torch.equal(out["spans"] > 0, spans)
+    assert not spans[0] and not spans[1] and spans[2] and not spans[3] and spans[4:].all()
+    A, b = inp["A"], inp["b"]
+    x, full, usable = _math.least_norm_solve(A, b)
+    got = out["solve6"]
+    torch.testing.assert_close(got[:, :6], x, atol=1e-8, rtol=1e-8)
+    assert torch.equal(got[:, 12] > 0, full) and torch.equal(got[:, 13] > 0, usable)
+    assert full[0] and not full[1] and not full[2] and usable[2] and not usable[3]
+    ev = torch.sort(got[:, 6:12], -1).values
+    scale = A.abs().amax((-1, -2)).clamp_min(1e-300)[:, None]
+    torch.testing.assert_close(ev / scale, _math.eigh6(A)[0] / scale, atol=1e-12, rtol=0)
+    assert (got[:, 14] <= 1e-12 * scale[:, 0] + 1e-300).all()
+
+
+def test_tl_math_interpreted_matches_spec(interpreted):
+    _check_all(interpreted)
+
+
+@pytest.mark.gpu
+def test_tl_math_cuda_matches_spec():
+    _check_all(run_math_kernels("cuda"))
+
+
+# ---- the spec alone ----------------------------------------------------------------------
+
+def test_spec_rotations_are_consistent():
+    g = torch.Generator().manual_seed(1)
+    q = _quats(g)
+    R = _math.quat_to_rot(q)
+    torch.testing.assert_close(R @ R.transpose(-1, -2), torch.eye(3, dtype=torch.float64)
+                               .expand_as(R), atol=1e-13, rtol=0)
+    torch.testing.assert_close(_math.quat_to_rot(_math.rot_to_quat(R)), R, atol=1e-13, rtol=0)
+    w = _omegas(g)
+    torch.testing.assert_close(_math.so3_exp(_math.so3_log(_math.so3_exp(w))),
+                               _math.so3_exp(w), atol=1e-12, rtol=0)
+    torch.testing.assert_close(_math.so3_exp(w), torch.linalg.matrix_exp(_math.skew(w)),
+                               atol=1e-13, rtol=0)
+
+
+def test_robust_weight_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="kind"):
+        _math.robust_weight(torch.zeros(3), "welsch", 1.0)
