@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = HERE.parent / "BENCHMARKS.md"
 
-ORDER = ["knn", "kdtree", "icp", "soft", "surface", "ransac", "hard_pairs"]
+ORDER = ["knn", "kdtree", "icp", "soft", "surface", "ransac", "hard_pairs", "cpu"]
 
 
 def _fmt(v):

@@ -1,6 +1,7 @@
 """pointalign: rigid point-cloud registration on the GPU and the CPU."""
 
 from pointalign import datasets, metrics, transforms
+from pointalign._threads import get_num_threads, set_num_threads
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh
@@ -37,9 +38,11 @@ __all__ = [
     "estimate_normals",
     "evaluate_registration",
     "fpfh",
+    "get_num_threads",
     "icp",
     "metrics",
     "ransac",
+    "set_num_threads",
     "read",
     "read_bin",
     "register",

@@ -240,7 +240,8 @@ def test_solve_reference_matches_numpy_solver(seed, plane):
         np.testing.assert_allclose(Dn[0] @ T.double().numpy(), np.eye(4), atol=1e-5)
 
 
-def test_icp_update_torch_path_outputs(seed):
+def test_icp_update_torch_path_outputs(seed, monkeypatch):
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")  # the CPU default is the "cpu" backend
     x, y, idx, n, c, Tin, _ = _solve_case(seed, True)
     L = torch.full((3,), x.shape[1])
     s, D, Tn, Tf, fl = ne.icp_update(x, y, idx, transform=Tin, plane=True, target_normals=n,

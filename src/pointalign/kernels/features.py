@@ -72,6 +72,16 @@ def radius_neighbours(points: torch.Tensor, radius: float,
                 return d[:, :k].contiguous(), i[:, :k].contiguous()
             return (torch.cat([d, d.new_full((n, k - cap), math.inf)], 1),
                     torch.cat([i, i.new_full((n, k - cap), -1)], 1))
+    if be == "cpu" and n:
+        from pointalign.kernels._knn_cpu import CpuTree
+
+        d, i = CpuTree(points.detach().contiguous().numpy()).knn(
+            points.detach().contiguous().numpy(), min(k, n), r2)
+        d, i = torch.from_numpy(d), torch.from_numpy(i)
+        if k > n:
+            d = torch.cat([d, d.new_full((n, k - n), math.inf)], 1)
+            i = torch.cat([i, i.new_full((n, k - n), -1)], 1)
+        return d, i
     from pointalign.kernels.knn import knn_tiles
 
     return knn_tiles(points, points, k, r2)
@@ -113,6 +123,10 @@ def pca_normals(points: torch.Tensor, nbr_idx: torch.Tensor,
         raise ValueError(f"pca_normals: expected points (N, 3), nbr_idx (Q, K) and centers "
                          f"(Q, 3), got {tuple(points.shape)}, {tuple(nbr_idx.shape)} and "
                          f"{tuple(c.shape)}")
+    if backend(points) == "cpu":
+        from pointalign.kernels import _features_cpu
+
+        return _features_cpu.pca_normals_cpu(points, nbr_idx, viewpoint, c)
     if backend(points) in ("triton", "interpret"):
         from pointalign.kernels import _features_triton
 

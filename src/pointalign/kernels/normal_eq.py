@@ -122,6 +122,11 @@ def normal_equations(
         center = torch.zeros(B, 3, dtype=source.dtype, device=source.device)
     _check(source, target, idx, target_normals, lengths, center, kernel, float(scale))
     be = backend(source)
+    if be == "cpu":
+        from pointalign.kernels import _normal_eq_cpu
+
+        return _normal_eq_cpu.normal_equations_cpu(source, target, idx, target_normals,
+                                                    lengths, center, kernel, float(scale))
     if be == "torch":
         return normal_equations_reference(source, target, idx, target_normals=target_normals,
                                           lengths=lengths, center=center, kernel=kernel,
@@ -284,10 +289,17 @@ def icp_update(
                torch.empty(B, 4, 4, dtype=torch.float32, device=dev),
                torch.empty(B, 2, dtype=torch.int32, device=dev))
     normals = target_normals if plane else None
-    if backend(source) == "torch":
-        s = normal_equations_reference(source, target, idx, target_normals=normals,
-                                       lengths=lengths, center=center, kernel=kernel,
-                                       scale=scale)
+    be = backend(source)
+    if be in ("torch", "cpu"):
+        if be == "cpu":
+            from pointalign.kernels import _normal_eq_cpu
+
+            s = _normal_eq_cpu.normal_equations_cpu(source, target, idx, normals, lengths,
+                                                    center, kernel, float(scale))
+        else:
+            s = normal_equations_reference(source, target, idx, target_normals=normals,
+                                           lengths=lengths, center=center, kernel=kernel,
+                                           scale=scale)
         D, Tn, fl = solve_update_reference(s, center, transform, plane=plane, eps=eps)
         for o, v in zip(out, (s, D, Tn, Tn, fl)):
             o.copy_(v)

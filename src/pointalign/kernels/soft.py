@@ -225,6 +225,7 @@ def emicp_rows(
     source_lengths: torch.Tensor | None = None,
     target_lengths: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
+    approximation: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EM-ICP E-step (Granger & Pennec; Tamaki et al. eqs. 8-11), fused.
 
@@ -242,6 +243,7 @@ def emicp_rows(
         target_lengths: ``(B,)`` valid target points (default all).
         scale: optional ``(B,)`` precomputed 1/(2σ²) in the source's dtype, used instead
             of ``sigma2`` (which may then be None): saves a launch per iteration.
+        approximation: a :func:`cpu_plan` (CPU tensors only; None or mode "exact": exact).
 
     Returns:
         ``(lam (B, N), x_prime (B, N, 3))``; padding rows have λ = 0.
@@ -250,6 +252,11 @@ def emicp_rows(
     if scale is None:
         scale = 0.5 / sigma2.to(source.dtype)
     ql, pl = _check(source, target, transform, scale, source_lengths, target_lengths, None)
+    if getattr(approximation, "mode", "exact") != "exact" and backend(source) == "cpu":
+        from pointalign.kernels import _soft_cpu
+
+        return _soft_cpu.emicp_rows_truncated(source, target, transform, scale, log_outlier,
+                                              ql, pl, approximation)
     if _use_triton(source):
         from pointalign.kernels import _soft_triton
 
@@ -271,6 +278,7 @@ def emicp_step(
     *,
     source_lengths: torch.Tensor,
     target_lengths: torch.Tensor,
+    approximation: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One EM-ICP iteration: :func:`emicp_rows` then :func:`weighted_horn` on (x_i, x'_i, λ_i).
 
@@ -287,6 +295,7 @@ def emicp_step(
         frozen: ``(B,)`` bool: these entries keep ``transform``.
         source_lengths: ``(B,)`` valid source points.
         target_lengths: ``(B,)`` valid target points.
+        approximation: a :func:`cpu_plan` or None (see :func:`emicp_rows`).
 
     Returns:
         ``(T (B, 4, 4) float64, valid (B,) bool, lam (B, N))``: entries that are frozen or
@@ -302,10 +311,22 @@ def emicp_step(
         T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
         return T, valid, lam
     lam, xp = emicp_rows(source, target, transform, None, log_outlier, scale=scale,
-                         source_lengths=source_lengths, target_lengths=target_lengths)
+                         source_lengths=source_lengths, target_lengths=target_lengths,
+                         approximation=approximation)
     T_new, valid = weighted_horn(source, xp, lam)
     keep = valid & ~frozen
     return torch.where(keep[:, None, None], T_new, transform.to(torch.float64)), valid, lam
+
+
+def cpu_plan(n: int, m: int, iterations: int, **kw: Any):
+    """Choose the CPU E-step of a soft method up front (:func:`._soft_cpu.plan`).
+
+    Returns a Plan to pass as ``approximation=`` to :func:`emicp_step` /
+    :func:`emicp_rows`; ``plan.info()`` goes into ``result.info["approximation"]``.
+    """
+    from pointalign.kernels import _soft_cpu
+
+    return _soft_cpu.plan(n, m, iterations, **kw)
 
 
 def point_layout(points: torch.Tensor) -> torch.Tensor:

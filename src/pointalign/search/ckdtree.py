@@ -28,11 +28,10 @@ class CKDTreeIndex:
         leafsize: cKDTree leaf size.
         workers: threads for queries (-1: all cores).
 
-    ``nearest_within`` ignores ``hint``.
+    ``nearest_within`` starts from ``hint`` (the last correspondences) when the kernel
+    layer's host tree answers it (the "cpu" backend); SciPy's tree ignores it.
 
     """
-
-    uses_hint = False
 
     def __init__(self, points: Any, *, device: str | torch.device | None = None,
                  leafsize: int = 16, workers: int = -1):
@@ -42,6 +41,19 @@ class CKDTreeIndex:
         self._host = self.points.detach().cpu()
         self._tree = cKDTree(self._host.to(torch.float64).numpy(), leafsize=leafsize)
         self.workers = workers
+
+    def _cpu_tree(self) -> Any:
+        """The kernel layer's fast host tree (built on first use), or None off that backend."""
+        if not hasattr(self, "_cpu"):
+            from pointalign.kernels.knn import host_tree
+
+            self._cpu = host_tree(self._host)
+        return self._cpu
+
+    @property
+    def uses_hint(self) -> bool:  # type: ignore[override]
+        """True when the fast host tree answers ``nearest_within`` (it starts from hints)."""
+        return self._cpu_tree() is not None
 
     def __repr__(self) -> str:
         return f"CKDTreeIndex(M={self.points.shape[0]}, device={self.points.device})"
@@ -55,6 +67,10 @@ class CKDTreeIndex:
                              torch.full((0, k), -1, dtype=torch.int64, device=dev))
         qh = q.detach().cpu()
         kk = min(k, m)
+        tree = self._cpu_tree()
+        if tree is not None:  # "cpu" backend: ordered by (distance, index) already
+            d, i = tree.knn(qh.numpy(), kk, None if max_distance is None else max_distance ** 2)
+            return self._pad(torch.from_numpy(d), torch.from_numpy(i), k, dt, dev)
         bound = math.inf if max_distance is None else max_distance * (1 + 1e-9) + 1e-300
         _, idx = self._tree.query(qh.to(torch.float64).numpy(), k=kk,
                                   distance_upper_bound=bound, workers=self.workers)
@@ -102,10 +118,16 @@ class CKDTreeIndex:
                        hint: torch.Tensor | None = None) -> KnnResult:
         """Nearest point within ``max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none.
 
-        ``hint`` is ignored. The search runs on the host: a query on a GPU is copied there
-        and back (synchronising), also inside :func:`~pointalign._validate.trusted`.
+        The search runs on the host: a query on a GPU is copied there and back
+        (synchronising), also inside :func:`~pointalign._validate.trusted`.
         """
         md = _checks.check_distance(max_distance, "max_distance")
         q = _checks.query_points(query, self.points)
         _checks.check_hint(hint, q.shape[0], self.points, values=False)
-        return self._query(q, 1, md)
+        tree = self._cpu_tree()
+        if tree is None or q.shape[0] == 0:
+            return self._query(q, 1, md)
+        h = None if hint is None else hint.detach().cpu().numpy()
+        d, i = tree.nearest(q.detach().cpu().numpy(), md * md, h)
+        dev = self.points.device
+        return KnnResult(torch.from_numpy(d)[:, None].to(dev), torch.from_numpy(i)[:, None].to(dev))

@@ -1,0 +1,90 @@
+"""How many CPU threads pointalign uses (PyTorch, the numba CPU kernels, SciPy's workers).
+
+Default: ``POINTALIGN_NUM_THREADS`` if set, else ``OMP_NUM_THREADS`` if set, else all cores
+(``os.cpu_count()``, or the CPUs this process may run on where the OS says). The setting is
+applied lazily: to numba when a CPU kernel first runs, to PyTorch at once when
+:func:`set_num_threads` is called (at import only when one of the variables is set, so that
+importing pointalign does not change a user's own ``torch.set_num_threads``).
+
+    import pointalign as pa
+    pa.set_num_threads(1)   # share the machine
+    pa.get_num_threads()    # -> 1
+"""
+
+from __future__ import annotations
+
+import os
+
+_ENV = ("POINTALIGN_NUM_THREADS", "OMP_NUM_THREADS")
+_n: int | None = None
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _from_env() -> int | None:
+    for name in _ENV:
+        v = os.environ.get(name, "").strip()
+        if v:
+            try:
+                n = int(v.split(",")[0])
+            except ValueError:
+                raise ValueError(f"{name}: expected a positive integer, got {v!r}") from None
+            if n < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+            return n
+    return None
+
+
+def get_num_threads() -> int:
+    """Threads the CPU kernels use (see the module docstring for the default)."""
+    if _n is not None:
+        return _n
+    env = _from_env()
+    return env if env is not None else _cores()
+
+
+def set_num_threads(n: int | None) -> None:
+    """Use ``n`` threads (>= 1) in PyTorch, the numba kernels and SciPy; None: the default.
+
+    Args:
+        n: number of threads, or None to go back to the environment / all cores.
+
+    """
+    global _n
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n: expected an integer, got {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"n: must be >= 1, got {n}")
+    _n = n
+    _apply_torch()
+
+
+def _apply_torch() -> None:
+    import torch
+
+    torch.set_num_threads(get_num_threads())
+
+
+def numba_threads() -> int:
+    """Set numba's thread count to :func:`get_num_threads` (capped by its pool); return it."""
+    import numba
+
+    n = min(get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+def scipy_workers() -> int:
+    """Return the ``workers=`` argument for SciPy calls (cKDTree queries)."""
+    return get_num_threads()
+
+
+if os.environ.get("POINTALIGN_NUM_THREADS", "").strip():
+    _apply_torch()  # OMP_NUM_THREADS is read by PyTorch itself

@@ -1,0 +1,284 @@
+"""The "cpu" backend's kernels (numba) against the PyTorch references.
+
+Tolerances: neighbour indices equal the brute-force reference's except between points whose
+squared distances differ by at most a few ulps (the reference's ``addcmul`` may fuse
+multiply-adds, the tree does not); distances to within that rounding. The ICP sums equal the
+float64 reference to rtol 1e-10 (only the order of float64 additions differs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import pointalign as pa
+from pointalign.kernels import _backend
+from pointalign.kernels import normal_eq as ne
+from pointalign.kernels.knn import knn_reference
+
+_knn_cpu = pytest.importorskip("pointalign.kernels._knn_cpu")
+if not _knn_cpu.available():
+    pytest.skip("numba is not installed", allow_module_level=True)
+from pointalign.kernels import _normal_eq_cpu  # noqa: E402
+
+ULP = {np.float32: 4e-7, np.float64: 1e-15}
+
+
+def _cloud(seed, n, dtype, dup=True):
+    g = np.random.default_rng(seed)
+    p = g.normal(size=(n, 3)).astype(dtype)
+    if dup:  # exact duplicates and a flat sheet: ties by distance
+        p[n // 2: n // 2 + n // 10] = p[: n // 10]
+        p[: n // 5, 2] = 0
+    return p
+
+
+def _same_neighbours(q, p, i_ref, i_got, d_ref, d_got, dtype):
+    """Indices equal, or both at the same distance up to rounding."""
+    assert i_ref.shape == i_got.shape
+    miss_ref, miss_got = i_ref < 0, i_got < 0
+    fin = np.isfinite(d_ref) & np.isfinite(d_got)
+    tol = 8 * ULP[dtype] * np.maximum(d_ref, 1e-30) + 1e-30
+    # a point missing from one side only must sit at the bound (rounding)
+    assert np.all(np.abs(d_ref[fin] - d_got[fin]) <= tol[fin])
+    diff = (i_ref != i_got) & ~miss_ref & ~miss_got
+    if diff.any():
+        rows = np.nonzero(diff)[0] if diff.ndim == 1 else np.nonzero(diff)[0]
+        for r in np.unique(rows)[:50]:
+            a = i_ref[r] if i_ref.ndim == 1 else i_ref[r][i_ref[r] != i_got[r]]
+            b = i_got[r] if i_got.ndim == 1 else i_got[r][i_ref[r] != i_got[r]]
+            qa = np.asarray(q[r], np.float64)
+            da = ((p[np.atleast_1d(a)].astype(np.float64) - qa) ** 2).sum(-1)
+            db = ((p[np.atleast_1d(b)].astype(np.float64) - qa) ** 2).sum(-1)
+            assert np.allclose(da, db, rtol=16 * ULP[dtype], atol=1e-30)
+    assert (miss_ref != miss_got).sum() <= max(1, miss_ref.size // 1000)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 5, 9, 700])
+def test_nearest_equals_brute(seed, dtype, n):
+    p = _cloud(seed, n, dtype, dup=n > 10)
+    q = _cloud(seed + 100, 333, dtype, dup=False)
+    q[:20] = p[np.arange(20) % n]  # exact hits
+    tree = _knn_cpu.CpuTree(p, leaf_size=4)
+    for md in (None, 0.7):
+        rd, ri = knn_reference(torch.from_numpy(q), torch.from_numpy(p), 1,
+                               None if md is None else md * md)
+        d, i = tree.nearest(q, None if md is None else md * md)
+        _same_neighbours(q, p, ri[:, 0].numpy(), i, rd[:, 0].numpy(), d, dtype)
+        # any hint (right, wrong, out of range of the bound, none) gives the same answer
+        g = np.random.default_rng(seed)
+        for hint in (i, g.integers(-1, n, size=q.shape[0])):
+            d2, i2 = tree.nearest(q, None if md is None else md * md, hint)
+            assert np.array_equal(i2, i) and np.array_equal(d2, d)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [1, 4, 20])
+def test_knn_equals_brute(seed, dtype, k):
+    p = _cloud(seed, 900, dtype)
+    q = np.concatenate([p[:200], _cloud(seed + 1, 100, dtype, dup=False)])
+    tree = _knn_cpu.CpuTree(p)
+    for md in (None, 0.3):
+        rd, ri = knn_reference(torch.from_numpy(q), torch.from_numpy(p), k,
+                               None if md is None else md * md)
+        d, i = tree.knn(q, k, None if md is None else md * md)
+        _same_neighbours(q, p, ri.numpy(), i, rd.numpy(), d, dtype)
+        assert np.all((d[:, 1:] >= d[:, :-1]) | ~np.isfinite(d[:, 1:]))
+
+
+def test_tree_bad_input():
+    with pytest.raises(ValueError, match="points"):
+        _knn_cpu.CpuTree(np.zeros((0, 3), np.float32))
+    with pytest.raises(ValueError, match="points"):
+        _knn_cpu.CpuTree(np.zeros((4, 2), np.float32))
+    with pytest.raises(ValueError, match="leaf_size"):
+        _knn_cpu.CpuTree(np.zeros((4, 3), np.float32), leaf_size=0)
+
+
+def test_ckdtree_index_cpu_equals_torch_backend(monkeypatch, seed):
+    p = torch.from_numpy(_cloud(seed, 2000, np.float32))
+    q = torch.from_numpy(_cloud(seed + 7, 500, np.float32, dup=False))
+    ix = pa.CKDTreeIndex(p)
+    assert _backend.backend(p) == "cpu"
+    fast = [ix.knn(q, 7), ix.radius(q, 0.2, 9), ix.nearest_within(q, 0.3)]
+    d_u, i_u = ix.nearest_within_unchecked(q, 0.3, torch.full((500,), 3, dtype=torch.int64))
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
+    assert _backend.backend(p) == "torch"
+    ref = [ix.knn(q, 7), ix.radius(q, 0.2, 9), ix.nearest_within(q, 0.3)]
+    for a, b in zip(fast, ref, strict=True):
+        _same_neighbours(q.numpy(), p.numpy(), b.idx.numpy(), a.idx.numpy(), b.dists.numpy(),
+                         a.dists.numpy(), np.float32)
+    assert torch.equal(i_u, fast[2].idx[:, 0]) and torch.equal(d_u, fast[2].dists[:, 0])
+
+
+def test_bunny_nearest_equals_brute(bunny_pair_or_skip):
+    s, t = bunny_pair_or_skip
+    q = s[::8].numpy()
+    tree = _knn_cpu.CpuTree(t.numpy())
+    rd, ri = knn_reference(torch.from_numpy(q), t, 1, 0.05 ** 2)
+    d, i = tree.nearest(q, 0.05 ** 2)
+    _same_neighbours(q, t.numpy(), ri[:, 0].numpy(), i, rd[:, 0].numpy(), d, np.float32)
+
+
+@pytest.fixture
+def bunny_pair_or_skip():
+    try:
+        return pa.datasets.load_bunny("bun045"), pa.datasets.load_bunny("bun000")
+    except Exception as e:  # pragma: no cover - package data missing
+        pytest.skip(f"bunny not available: {e}")
+
+
+def _sums_case(seed, dtype, B=3, N=1000, M=600, offset=5.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, N, 3, generator=g) + offset).to(dtype)
+    y = (torch.randn(B, M, 3, generator=g) + offset).to(dtype)
+    n = torch.nn.functional.normalize(torch.randn(B, M, 3, generator=g), dim=-1).to(dtype)
+    idx = torch.randint(-1, M, (B, N), generator=g)
+    lengths = torch.tensor([N, N // 3, 0])
+    center = torch.full((B, 3), offset, dtype=dtype) + 0.1
+    return x, y, n, idx, lengths, center
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("plane", [False, True])
+@pytest.mark.parametrize("kernel", ne.KERNELS)
+def test_normal_equations_cpu_equals_reference(seed, dtype, plane, kernel):
+    x, y, n, idx, lengths, center = _sums_case(seed, dtype)
+    args = (x, y, idx)
+    kw = dict(target_normals=n if plane else None, lengths=lengths, center=center,
+              kernel=kernel, scale=0.8)
+    ref = ne.normal_equations_reference(*args, **kw)
+    got = _normal_eq_cpu.normal_equations_cpu(x, y, idx, n if plane else None, lengths, center,
+                                              kernel, 0.8)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-9)
+    assert torch.equal(ne.normal_equations(*args, **kw), got)  # the dispatcher's choice
+    assert torch.all(got[2] == 0)  # lengths 0: nothing
+
+
+def test_normal_equations_cpu_thread_invariant(seed):
+    x, y, n, idx, lengths, center = _sums_case(seed, torch.float32, N=20000)
+    try:
+        pa.set_num_threads(1)
+        a = _normal_eq_cpu.normal_equations_cpu(x, y, idx, n, lengths, center, "huber", 0.5)
+        pa.set_num_threads(2)
+        b = _normal_eq_cpu.normal_equations_cpu(x, y, idx, n, lengths, center, "huber", 0.5)
+    finally:
+        pa.set_num_threads(None)
+    assert torch.equal(a, b)
+
+
+def test_icp_cpu_backend_equals_torch_backend(monkeypatch, bunny_pair_or_skip):
+    s, t = bunny_pair_or_skip
+    s, t = s[::6].contiguous(), t[::6].contiguous()
+    crit = pa.ConvergenceCriteria(max_iterations=15, relative_fitness=0, relative_rmse=0,
+                                  translation_tolerance=0, rotation_tolerance=0)
+    out = {}
+    for be in ("cpu", "torch"):
+        monkeypatch.setenv("POINTALIGN_BACKEND", be)
+        for m in ("point_to_point", "point_to_plane"):
+            out[be, m] = pa.icp(s, t, max_correspondence_distance=0.05, method=m,
+                                criteria=crit, device="cpu")
+    for m in ("point_to_point", "point_to_plane"):
+        a, b = out["cpu", m], out["torch", m]
+        # float64 sums in another order, float32 normals (point-to-plane) and distance ties
+        # of the search: after 15 iterations the estimates differ by ~1e-5 (measured 1.2e-5)
+        tol = 1e-4
+        torch.testing.assert_close(torch.as_tensor(a.transformation),
+                                   torch.as_tensor(b.transformation), rtol=0, atol=tol)
+        assert abs(a.fitness - b.fitness) <= 1e-3
+
+
+def test_threads_api(monkeypatch):
+    try:
+        pa.set_num_threads(1)
+        assert pa.get_num_threads() == 1 and torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="n"):
+            pa.set_num_threads(0)
+        with pytest.raises(TypeError, match="n"):
+            pa.set_num_threads(1.5)
+        pa.set_num_threads(None)
+        monkeypatch.setenv("POINTALIGN_NUM_THREADS", "1")
+        assert pa.get_num_threads() == 1
+        monkeypatch.setenv("POINTALIGN_NUM_THREADS", "zero")
+        with pytest.raises(ValueError, match="POINTALIGN_NUM_THREADS"):
+            pa.get_num_threads()
+    finally:
+        monkeypatch.delenv("POINTALIGN_NUM_THREADS", raising=False)
+        pa.set_num_threads(None)
+
+
+@pytest.mark.parametrize("sigma", [0.3, 0.1])
+def test_soft_rows_truncated_bounds(seed, sigma):
+    from pointalign.kernels import _soft_cpu, soft
+
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(600, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 1.0, 0.05],
+                                                                              dtype=torch.float64)
+    s = t[::3] + 0.02 * torch.randn(200, 3, generator=g, dtype=torch.float64)
+    T = torch.eye(4, dtype=torch.float64)
+    T[:3, 3] = torch.tensor([0.05, -0.02, 0.01])
+    sc = 0.5 / sigma ** 2
+    ref = soft.soft_rows_reference(s[None], t[None], T[None],
+                                   torch.tensor([sc], dtype=torch.float64), squares=True)
+    k = 3.0
+    # truncation only: the row sum is low by at most M e^(-k^2/2)
+    lse, lse2, mean = _soft_cpu.soft_rows_truncated(s, t, T, sc, k=k, eps=0.0)
+    gap = ref.lse[0].exp() - lse.exp()
+    assert torch.all(gap >= -1e-12) and torch.all(gap <= t.shape[0] * math.exp(-k * k / 2))
+    # merging too: each kept term within exp(+-(eps k + eps^2/2)), plus the truncation
+    eps = 0.1
+    lse_m, _, _ = _soft_cpu.soft_rows_truncated(s, t, T, sc, k=k, eps=eps)
+    f = math.exp(eps * k + eps * eps / 2)
+    hi = ref.lse[0].exp() * f
+    lo = (ref.lse[0].exp() - t.shape[0] * math.exp(-k * k / 2)) / f
+    assert torch.all(lse_m.exp() <= hi + 1e-12) and torch.all(lse_m.exp() >= lo - 1e-12)
+
+
+def test_cpu_plan():
+    from pointalign.kernels import soft
+
+    assert soft.cpu_plan(100, 100, 10).mode == "exact"
+    p = soft.cpu_plan(40000, 40000, 66)
+    assert p.mode == "truncated" and p.exact_estimate_s > 3
+    assert p.info()["mode"] == "truncated" and p.info()["dropped_term_bound"] < 1e-5
+    assert soft.cpu_plan(40000, 40000, 66, approximation="exact").mode == "exact"
+    with pytest.raises(ValueError, match="approximation"):
+        soft.cpu_plan(1, 1, 1, approximation="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pca_normals_cpu_equals_reference(seed, dtype, bunny_pair_or_skip):
+    from pointalign.kernels import _features_cpu, features
+
+    g = torch.Generator().manual_seed(seed)
+    pts = torch.cat([bunny_pair_or_skip[1][::10].to(dtype),
+                     torch.randn(300, 3, generator=g, dtype=dtype)])
+    pts[-50:, 2] = 0  # a flat patch: a simple smallest eigenvalue, normal +-z
+    pts[-60:-50] = pts[-60]  # a collapsed neighbourhood: repeated eigenvalues
+    idx = torch.from_numpy(_knn_cpu.CpuTree(pts.numpy()).knn(pts.numpy(), 12)[1])
+    idx[::7, -3:] = -1
+    idx[5] = -1  # no neighbour at all
+    vp = torch.tensor([0.3, -1.0, 2.0], dtype=dtype)
+    for view in (None, vp):
+        ref = features.pca_normals_reference(pts, idx, view)
+        got = _features_cpu.pca_normals_cpu(pts, idx, view, pts)
+        torch.testing.assert_close(got.norm(dim=1), torch.ones(len(pts), dtype=dtype))
+        close = (got - ref).norm(dim=1) <= (2e-3 if dtype == torch.float32 else 1e-8)
+        # a repeated smallest eigenvalue: any unit vector orthogonal to the largest's axis
+        assert close.float().mean() >= 0.99, close.float().mean()
+        assert torch.equal(features.pca_normals(pts, idx, view), got)
+
+
+def test_radius_neighbours_cpu_equals_reference(monkeypatch, seed):
+    from pointalign.kernels import features
+
+    pts = torch.from_numpy(_cloud(seed, 1500, np.float32))
+    got = features.radius_neighbours(pts, 0.4, 10)
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
+    ref = features.radius_neighbours(pts, 0.4, 10)
+    _same_neighbours(pts.numpy(), pts.numpy(), ref[1].numpy(), got[1].numpy(),
+                     ref[0].numpy(), got[0].numpy(), np.float32)
