@@ -64,11 +64,15 @@ class IcpStep:
 
     def _search(self, x: torch.Tensor, hint: torch.Tensor | None) -> torch.Tensor:
         """Nearest target point within the bound for each row of ``x (B, N, 3)``; -1: none."""
+        if all(ix is self.indexes[0] for ix in self.indexes):  # one index: one query
+            h = None if hint is None else hint.reshape(-1)
+            r = self.indexes[0].nearest_within(x.reshape(-1, 3), self.max_distance, hint=h)
+            return r.idx.view(x.shape[:2])
         out = []
         for b, ix in enumerate(self.indexes):
             h = None if hint is None else hint[b]
             out.append(ix.nearest_within(x[b], self.max_distance, hint=h).idx[:, 0])
-        return out[0][None] if len(out) == 1 else torch.stack(out)
+        return torch.stack(out)
 
     def __call__(self, inputs: _loop.Tensors, state: _loop.Tensors):
         T, Tf = state["T"], state["Tf"]
@@ -198,7 +202,8 @@ def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
                                  f"target{'' if B == 1 else f'[{b}]'} has ({n}, 3) on "
                                  f"{pair.device}")
     built = built * B if len(built) == 1 else built
-    return tuple(policy.correspondence_index(ix, max_distance) for ix in built)
+    search = {id(ix): policy.correspondence_index(ix, max_distance) for ix in built}
+    return tuple(search[id(ix)] for ix in built)
 
 
 def _normals(target: Any, target_normals: Any, pair: _edge.Pair) -> torch.Tensor:

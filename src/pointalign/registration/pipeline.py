@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from pointalign import _validate
@@ -266,15 +267,13 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
                                    rotation_tolerance=math.radians(0.01))
     counts, _, _ = _score(cands, s_down, t_idx, 1.5 * v)
     top = torch.argsort(counts, descending=True, stable=True)[:REFINE_TOP if robust else 1]
-    refined, iters0 = [], 0
-    for T0 in cands[top]:
-        loc = icp(s_down, t_down, init=T0, max_correspondence_distance=1.5 * v,
-                  method="point_to_plane", criteria=criteria, index=t_idx,
-                  target_normals=t_nrm, device=dev)
-        iters0 += int(loc.iterations)
-        refined.append(loc.transformation_tensor if loc.transformation_tensor is not None
-                       else torch.as_tensor(loc.transformation, dtype=torch.float64, device=dev))
-    R = torch.stack(refined)
+    # one batched ICP over the k hypotheses (the same source, the shared target and index)
+    k = int(top.shape[0])
+    loc = icp(s_down[None].expand(k, -1, -1), t_down, init=cands[top],
+              max_correspondence_distance=1.5 * v, method="point_to_plane", criteria=criteria,
+              index=t_idx, target_normals=t_nrm, device=dev)
+    iters0 = int(np.max(loc.iterations))
+    R = loc.transformation_tensor
     # robust score: source points with a target point within one voxel (a trimmed overlap)
     fit_v, _, _ = _score(R, s_down, t_idx, v)
     order = torch.argsort(fit_v, descending=True, stable=True)
