@@ -96,7 +96,8 @@ def dense_mask(points: torch.Tensor, v: float, index: Any = None) -> torch.Tenso
 
     if points.shape[0] <= SPARSE_NEIGHBOURS + 1:
         return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
-    idx = build_index(points) if index is None else index
+    # a grid with cells of v answers a radius-v count in one pass over 27 cells
+    idx = build_index(points, max_distance=v) if index is None else index
     cap = min(2 * DENSE_MEDIAN + 1, points.shape[0])
     count = (idx.radius(points, v, cap).idx >= 0).sum(1) - 1
     if float(count.float().median()) < DENSE_MEDIAN:

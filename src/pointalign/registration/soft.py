@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -140,7 +140,7 @@ class _Annealing:
 
     def _start(self, inputs: _loop.Tensors):
         """Centre both clouds; ρ; the settling state (done: source or target on a line)."""
-        x = ksoft.centre(inputs["source"], inputs["source_lengths"])
+        x = ksoft.centre(inputs["source"], inputs["source_lengths"], layout=self.SOURCE_LAYOUT)
         y = ksoft.centre(inputs["target"], inputs["target_lengths"])
         flat = ~(estimate._spans_plane(x.scatter) & estimate._spans_plane(y.scatter))
         track = _Settling(self, _recentre(inputs["init"], x.center, y.center), flat)
@@ -166,6 +166,7 @@ class EmicpProgram(_Annealing):
     ``sigma``, ``sigma_min``, ``outlier``: σ₀, σ_min, d₀ / ρ; None: the caller's (inputs).
     """
 
+    SOURCE_LAYOUT: ClassVar[bool] = False  # the source is only ever the row pass's query
     factor: float
     sigma: float | None
     sigma_min: float | None
@@ -203,6 +204,7 @@ class SoftassignProgram(_Annealing):
     ``sigma``: 1/(√β₀ ρ), ``alpha``: √α / ρ; None: the caller's (inputs ``beta0``, ``alpha``).
     """
 
+    SOURCE_LAYOUT: ClassVar[bool] = True  # the source is also the column pass's points
     temperatures: int
     per_temperature: int
     sinkhorn_rounds: int
