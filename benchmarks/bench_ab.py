@@ -16,6 +16,8 @@ code in one device session::
 Rows (inputs as in the benchmark named in brackets):
 
 * register bunny ~5k / KITTI [bench_ransac pipeline]: ``register(seed=0)`` from the identity;
+  the "(tranche-1 stages)" rows switch off the stages issue #13 added (outlier removal, the
+  compatibility-graph proposer, several refined hypotheses), a like-for-like comparison;
 * ICP bunny 40k, Open3D's rule; ICP 1M point-to-point, small_gicp's rule [bench_icp];
 * EM-ICP 5k and 40k, Softassign 5k [bench_soft];
 * Newton plane 1M with a prebuilt tree [bench_surface]; exact 1-NN kNN 1M uniform [bench_knn].
@@ -71,6 +73,13 @@ def rows(dev: torch.device):
     v5k = auto_voxel_size(pair.target, 5000)
     s5, t5 = voxel_downsample(pair.source, v5k).to(dev), voxel_downsample(pair.target, v5k).to(dev)
     yield "register bunny ~5k", lambda: register(s5, t5, seed=0)
+    import inspect
+
+    if "robust" in inspect.signature(register).parameters:  # the tranche-1 front end alone
+        yield "register bunny ~5k (tranche-1 stages)", lambda: register(
+            s5, t5, seed=0, robust=False, remove_outliers=False)
+    else:
+        yield "register bunny ~5k (tranche-1 stages)", lambda: register(s5, t5, seed=0)
     kdir = None if data is None else data / "lidar" / "kitti_00"
     if kdir is not None and (kdir / "000000_xyz.bin").is_file():
         def kb(i):
@@ -78,6 +87,11 @@ def rows(dev: torch.device):
                                     .reshape(-1, 3).copy()).to(dev)
         ks, kt = kb(1), kb(0)
         yield "register KITTI", lambda: register(ks, kt, seed=0)
+        if "robust" in inspect.signature(register).parameters:
+            yield "register KITTI (tranche-1 stages)", lambda: register(
+                ks, kt, seed=0, robust=False, remove_outliers=False)
+        else:
+            yield "register KITTI (tranche-1 stages)", lambda: register(ks, kt, seed=0)
     s, t = pair.source.to(dev), pair.target.to(dev)
     rel = ConvergenceCriteria(max_iterations=100)
     yield "ICP bunny 40k (Open3D's rule)", lambda: pa.icp(
