@@ -12,7 +12,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = HERE.parent / "BENCHMARKS.md"
 
-ORDER = ["knn", "kdtree", "icp", "soft", "surface", "ransac", "hard_pairs", "cpu"]
+ORDER = ["refactor_ab", "knn", "kdtree", "icp", "soft", "surface", "ransac", "hard_pairs",
+         "hard_pairs_open3d", "cpu"]
 
 
 def _fmt(v):

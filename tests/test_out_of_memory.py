@@ -54,7 +54,7 @@ def test_entry_point_turns_out_of_memory_into_a_clear_error(monkeypatch, rng):
     def broke(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
 
-    monkeypatch.setattr(icp_mod, "_build_indexes", broke)
+    monkeypatch.setattr(icp_mod, "_indexes", broke)
     with pytest.raises(MemoryError, match=r"^icp: the device ran out of memory .*80\.00 GiB"):
         icp(src, src + 0.01, max_correspondence_distance=0.05, device="cpu")
     assert torch.equal(src, before)

@@ -105,7 +105,8 @@ def test_ckdtree_index_cpu_equals_torch_backend(monkeypatch, seed):
     ix = pa.CKDTreeIndex(p)
     assert _backend.backend(p) == "cpu"
     fast = [ix.knn(q, 7), ix.radius(q, 0.2, 9), ix.nearest_within(q, 0.3)]
-    d_u, i_u = ix.nearest_within_unchecked(q, 0.3, torch.full((500,), 3, dtype=torch.int64))
+    hinted = ix.nearest_within(q, 0.3, hint=torch.full((500,), 3, dtype=torch.int64))
+    d_u, i_u = hinted.dists[:, 0], hinted.idx[:, 0]
     monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
     assert _backend.backend(p) == "torch"
     ref = [ix.knn(q, 7), ix.radius(q, 0.2, 9), ix.nearest_within(q, 0.3)]

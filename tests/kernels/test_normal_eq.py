@@ -305,8 +305,11 @@ def test_icp_update_cuda_matches_reference(seed, plane):
                                      center=args[4], transform=args[5], lengths=args[6],
                                      plane=plane)
     Dr, Tr, flr = ne.solve_update_reference(s.cpu(), c, Tin, plane=plane)
-    torch.testing.assert_close(D.cpu(), Dr, atol=1e-7, rtol=0)
-    torch.testing.assert_close(Tn.cpu(), Tr, atol=1e-7, rtol=0)
+    # the device's 6×6 solve is 8 cyclic Jacobi sweeps against LAPACK's eigh: they agree to
+    # ~3e-7 on the worst seed (point-to-plane), far below the float32 sums' own rounding
+    tol = 1e-6 if plane else 1e-7
+    torch.testing.assert_close(D.cpu(), Dr, atol=tol, rtol=0)
+    torch.testing.assert_close(Tn.cpu(), Tr, atol=tol, rtol=0)
     assert torch.equal(fl.cpu(), flr)
     ref = ne.normal_equations_reference(x, y, idx, target_normals=n, lengths=L, center=c)
     _close(s, ref.numpy(), 1e-4)

@@ -75,7 +75,8 @@ def test_tier_cells_table():
     assert tier_cells(1.0, 0.01) == [0.02, 0.08]
 
 
-def test_wants_tiers_table(rng):
+def test_wants_tiers_table(rng, monkeypatch):
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")  # SciPy's tree (the "cpu" one reads hints)
     p = _plane(800, rng)
     auto = auto_cell_size(p)
     coarse = VoxelGridIndex(p, 3 * GRID_MAX_RATIO * auto)
@@ -137,6 +138,7 @@ def test_correspondence_index_on_the_cpu_is_the_index(rng):
 
 
 def test_correspondence_index_with_a_device_plan(rng, monkeypatch):
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")  # SciPy's tree (the "cpu" one reads hints)
     monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE)
     p = _plane(600, rng)
     auto = auto_cell_size(p)

@@ -47,7 +47,10 @@ def test_every_method_matches_oracle_checked_and_trusted(method, rng, device, dt
     md = 0.08
     ix = _build(method, p, md)
     assert isinstance(ix, Index)
-    assert ix.uses_hint is (method == "kdtree")
+    from pointalign.kernels import knn as _knn
+
+    reads_hint = method == "kdtree" or (method == "ckdtree" and _knn.uses_host_tree(p.cpu()))
+    assert ix.uses_hint is reads_hint
     assert ix.points.shape == (503, 3)
     hint = _hints(ix, q, md, rng)
     q0, h0 = q.clone(), hint.clone()

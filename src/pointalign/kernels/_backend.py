@@ -95,7 +95,8 @@ class SearchPlan(NamedTuple):
 
 def search_plan(points: torch.Tensor) -> SearchPlan:
     """Return the :class:`SearchPlan` for ``points (M, 3)`` (reads their device only; no sync)."""
-    return SearchPlan(host_tree=points.device.type == "cpu", fused=backend(points) != "torch")
+    return SearchPlan(host_tree=points.device.type == "cpu",
+                      fused=backend(points) in ("triton", "interpret"))
 
 
 def upload(values: Sequence[float], *, dtype: torch.dtype,

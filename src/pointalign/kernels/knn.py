@@ -55,12 +55,15 @@ def _check(query: torch.Tensor, points: torch.Tensor, k: int,
         raise ValueError(f"max_distance_sq: must be > 0, got {max_distance_sq}")
 
 
-def host_tree(points: torch.Tensor) -> object | None:
-    """The "cpu" backend's k-d tree over host ``points (M, 3)`` (tight node boxes, hinted
-    nearest-within and kNN; ``_knn_cpu.CpuTree``), or None on other backends.
+def uses_host_tree(points: torch.Tensor) -> bool:
+    """Tell whether searches over host ``points`` run on the "cpu" backend's k-d tree."""
+    return backend(points) == "cpu"
+
+
+def host_tree(points: torch.Tensor) -> object:
+    """The "cpu" backend's k-d tree over host ``points (M, 3)``: tight node boxes, hinted
+    nearest-within and kNN (``_knn_cpu.CpuTree``).
     """
-    if backend(points) != "cpu":
-        return None
     from pointalign.kernels._knn_cpu import CpuTree
 
     return CpuTree(points.detach().cpu().numpy())

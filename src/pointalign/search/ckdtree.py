@@ -44,10 +44,12 @@ class CKDTreeIndex:
 
     def _cpu_tree(self) -> Any:
         """The kernel layer's fast host tree (built on first use), or None off that backend."""
-        if not hasattr(self, "_cpu"):
-            from pointalign.kernels.knn import host_tree
+        from pointalign.kernels import knn
 
-            self._cpu = host_tree(self._host)
+        if not knn.uses_host_tree(self._host):
+            return None
+        if getattr(self, "_cpu", None) is None:
+            self._cpu = knn.host_tree(self._host)
         return self._cpu
 
     @property
@@ -123,8 +125,8 @@ class CKDTreeIndex:
         """
         md = _checks.check_distance(max_distance, "max_distance")
         q = _checks.query_points(query, self.points)
-        _checks.check_hint(hint, q.shape[0], self.points, values=False)
         tree = self._cpu_tree()
+        _checks.check_hint(hint, q.shape[0], self.points, values=tree is not None)
         if tree is None or q.shape[0] == 0:
             return self._query(q, 1, md)
         h = None if hint is None else hint.detach().cpu().numpy()
