@@ -59,6 +59,7 @@ docs: $(DOCS)
 
 lint: $(DEV)
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/python -m mypy src/pointalign
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site
