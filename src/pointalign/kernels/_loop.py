@@ -114,20 +114,37 @@ def synchronize(x: torch.Tensor | torch.device) -> None:
 
 
 class Clock:
-    """Seconds per named stage, the device synchronised at each boundary (honest timings)."""
+    """Seconds per named stage, the device synchronised at each boundary (honest timings).
+
+    Either time a call with :meth:`stage`, or charge the time since the last boundary with
+    :meth:`lap`; :meth:`total` adds ``"total"`` since the clock was made.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.timings: dict[str, float] = {}
+        self._t0 = self._last = time.perf_counter()
 
     def stage(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` as stage ``name`` (times of a repeated name add up)."""
-        synchronize(self.device)
-        t0 = time.perf_counter()
+        self.lap(None)
         out = fn(*args, **kwargs)
-        synchronize(self.device)
-        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+        self.lap(name)
         return out
+
+    def lap(self, name: str | None) -> None:
+        """Charge the time since the last boundary to ``name`` (None: to nothing)."""
+        synchronize(self.device)
+        now = time.perf_counter()
+        if name is not None:
+            self.timings[name] = self.timings.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def total(self) -> dict[str, float]:
+        """The stage timings plus ``"total"``: seconds since the clock was made."""
+        synchronize(self.device)
+        self.timings["total"] = time.perf_counter() - self._t0
+        return self.timings
 
 
 # ---- signatures -------------------------------------------------------------------------
@@ -140,7 +157,7 @@ def _key_of(value: Any, objects: list) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_key_of(v, objects) for v in value)
     if dataclasses.is_dataclass(value) and dataclasses.fields(value) and \
-            getattr(type(value), "__dataclass_params__").frozen:
+            type(value).__dataclass_params__.frozen:
         return (type(value).__qualname__,
                 tuple(_key_of(getattr(value, f.name), objects) for f in dataclasses.fields(value)))
     objects.append(value)
@@ -159,7 +176,7 @@ def signature(step: Any, *tensor_dicts: Tensors) -> tuple[tuple, list]:
     the tensors; ``objects`` are the objects named by identity, which a cache must hold
     weakly and check on a hit.
     """
-    if not (dataclasses.is_dataclass(step) and getattr(type(step), "__dataclass_params__").frozen):
+    if not (dataclasses.is_dataclass(step) and type(step).__dataclass_params__.frozen):
         raise TypeError(f"a step must be a frozen dataclass, got {type(step).__name__}")
     objects: list = []
     key = (_key_of(step, objects),) + tuple(_shapes(t) for t in tensor_dicts)
@@ -281,6 +298,7 @@ class Run:
         graph: how the steps ran: ``"off"`` (eager: no graphs on this backend),
             ``"first_use"`` (eager: too few steps to capture), ``"captured"`` (a graph made
             in this call), ``"reused"`` (a kept graph), or why a capture failed.
+
     """
 
     def __init__(self, step: Any, inputs: Tensors, state: Tensors, max_steps: int):
@@ -464,6 +482,7 @@ def iterate(step: Any, inputs: Tensors, state: Tensors, *, max_steps: int) -> Ru
     Returns:
         A :class:`Run`; iterating it yields one host record per step (dict of NumPy arrays
         with the record's shapes). Stop iterating to stop the loop.
+
     """
     return Run(step, inputs, state, max_steps)
 
@@ -503,6 +522,7 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
         ``(host, device)``: the outputs as NumPy arrays and as device tensors (on a graph
         replay the device copies are made only if ``device_outputs``; else ``{}``). A
         replay packs the outputs inside the graph: one copy to the host, no launch after it.
+
     """
     first = next(iter(inputs.values()))
     if not graphs_enabled(first) or pairs > PROGRAM_GRAPH_MAX_PAIRS:

@@ -35,7 +35,8 @@ from pointalign import _validate
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import bounds, count_voxels, voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
-from pointalign.registration.ransac import _Clock, ransac
+from pointalign.kernels import _loop
+from pointalign.registration.ransac import ransac
 from pointalign.registration.result import RegistrationResult
 
 METHODS = ("icp", "none")
@@ -218,7 +219,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
               remove_outliers: bool, robust: bool,
               ransac_options: dict[str, Any]) -> RegistrationResult:
     """:func:`register` on validated ``src, tgt (N, 3), (M, 3)`` float32 tensors on ``dev``."""
-    clock = _Clock(dev)
+    clock = _loop.Clock(dev)
     big = src if src.shape[0] >= tgt.shape[0] else tgt
     v = auto_voxel_size(big, target_points) if voxel_size is None \
         else _validate.positive(voxel_size, "voxel_size")

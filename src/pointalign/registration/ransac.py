@@ -21,7 +21,6 @@ result on a given device.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import numpy as np
@@ -29,38 +28,13 @@ import torch
 
 from pointalign import _validate, estimate
 from pointalign.cloud import PointCloud
+from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _k
 from pointalign.kernels.horn import weighted_horn
 from pointalign.registration.result import RegistrationResult
 
 #: queries per call of the index when scoring many hypotheses
 _SCORE_QUERIES = 1 << 21
-
-
-class _Clock:
-    """Per-stage wall-clock timer; synchronises a CUDA device so stage times are honest."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.timings: dict[str, float] = {}
-        self._t0 = time.perf_counter()
-        self._last = self._t0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def lap(self, stage: str) -> None:
-        """Charge the time since the last lap to ``stage`` (accumulates)."""
-        self._sync()
-        now = time.perf_counter()
-        self.timings[stage] = self.timings.get(stage, 0.0) + now - self._last
-        self._last = now
-
-    def total(self) -> dict[str, float]:
-        self._sync()
-        self.timings["total"] = time.perf_counter() - self._t0
-        return self.timings
 
 
 def _features(x: Any, name: str, cloud: Any, n: int, device: torch.device) -> torch.Tensor:
@@ -337,7 +311,7 @@ def ransac(
     if ratio_test is not None:
         ratio_test = _validate.in_range(ratio_test, "ratio_test", 0.0, 1.0 + 1e-9)
 
-    clock = _Clock(dev)
+    clock = _loop.Clock(dev)
     if target_index is None:
         from pointalign.search import build_index
 
@@ -455,7 +429,7 @@ def _explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor,
     return (res <= max_distance).sum()
 
 
-def _failed(info: dict[str, Any], clock: _Clock, dev: torch.device,
+def _failed(info: dict[str, Any], clock: _loop.Clock, dev: torch.device,
             reason: str) -> RegistrationResult:
     eye = torch.eye(4, dtype=torch.float64, device=dev)
     return RegistrationResult(
