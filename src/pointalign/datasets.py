@@ -31,6 +31,7 @@ class Pair:
         target: ``(M, 3)`` float tensor.
         T_target_source: ``(4, 4)`` float64 tensor, the true transform.
         name: a short label.
+
     """
 
     source: torch.Tensor
@@ -139,6 +140,7 @@ def make_pair(
 
     Returns:
         :class:`Pair` with ``source (N', 3)``, ``target (N, 3)`` and ``T_target_source``.
+
     """
     pts = _validate.as_points(cloud, "cloud", min_points=3, device="cpu", dtype=torch.float64)
     _validate.positive(noise, "noise", allow_zero=True)

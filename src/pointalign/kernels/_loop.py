@@ -140,7 +140,7 @@ def _key_of(value: Any, objects: list) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_key_of(v, objects) for v in value)
     if dataclasses.is_dataclass(value) and dataclasses.fields(value) and \
-            getattr(type(value), "__dataclass_params__").frozen:
+            getattr(type(value), "__dataclass_params__").frozen:  # noqa: B009 (untyped attr)
         return (type(value).__qualname__,
                 tuple(_key_of(getattr(value, f.name), objects) for f in dataclasses.fields(value)))
     objects.append(value)
@@ -159,7 +159,9 @@ def signature(step: Any, *tensor_dicts: Tensors) -> tuple[tuple, list]:
     the tensors; ``objects`` are the objects named by identity, which a cache must hold
     weakly and check on a hit.
     """
-    if not (dataclasses.is_dataclass(step) and getattr(type(step), "__dataclass_params__").frozen):
+    frozen = dataclasses.is_dataclass(step) and \
+        getattr(type(step), "__dataclass_params__").frozen  # noqa: B009 (untyped attr)
+    if not frozen:
         raise TypeError(f"a step must be a frozen dataclass, got {type(step).__name__}")
     objects: list = []
     key = (_key_of(step, objects),) + tuple(_shapes(t) for t in tensor_dicts)
@@ -281,6 +283,7 @@ class Run:
         graph: how the steps ran: ``"off"`` (eager: no graphs on this backend),
             ``"first_use"`` (eager: too few steps to capture), ``"captured"`` (a graph made
             in this call), ``"reused"`` (a kept graph), or why a capture failed.
+
     """
 
     def __init__(self, step: Any, inputs: Tensors, state: Tensors, max_steps: int):
@@ -464,6 +467,7 @@ def iterate(step: Any, inputs: Tensors, state: Tensors, *, max_steps: int) -> Ru
     Returns:
         A :class:`Run`; iterating it yields one host record per step (dict of NumPy arrays
         with the record's shapes). Stop iterating to stop the loop.
+
     """
     return Run(step, inputs, state, max_steps)
 
@@ -503,6 +507,7 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
         ``(host, device)``: the outputs as NumPy arrays and as device tensors (on a graph
         replay the device copies are made only if ``device_outputs``; else ``{}``). A
         replay packs the outputs inside the graph: one copy to the host, no launch after it.
+
     """
     first = next(iter(inputs.values()))
     if not graphs_enabled(first) or pairs > PROGRAM_GRAPH_MAX_PAIRS:

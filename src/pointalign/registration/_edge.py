@@ -142,6 +142,7 @@ class Pair:
         device: the compute device.
         init_world: ``(B, 4, 4)`` float64 NumPy, the initial estimate as given (a problem
             left at ``init`` is returned as exactly this, see :func:`build_result`).
+
     """
 
     source: torch.Tensor
@@ -185,6 +186,7 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
         min_points: fewest points a cloud may have.
         local: shift to the target's centroid (False: keep the caller's coordinates, e.g.
             to query an index the caller built over the target as given).
+
     """
     src, slens, batched = _validate.as_batch(source, "source", lengths=source_lengths,
                                              min_points=min_points, device=device)
@@ -254,6 +256,7 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
         history: one dict per iteration of ``(B,)`` arrays (or scalars).
         timings: seconds per stage.
         info: extras; ``(B, …)`` arrays are split per problem when squeezing.
+
     """
     T = pair.frame.to_world(T_local)
     if pair.init_world is not None:  # left at init: exactly init (no float64 round trip)
