@@ -69,8 +69,9 @@ def bunny_poses() -> dict[str, torch.Tensor]:
 
 
 def bunny_relative_pose(source: str = "bun045", target: str = "bun000") -> torch.Tensor:
-    """Ground-truth ``T_target_source`` (4, 4) float64 between two bunny scans (names without
-    ``.ply``).
+    """Ground-truth ``T_target_source`` (4, 4) float64 between two bunny scans.
+
+    The scans are named without ``.ply``.
     """
     poses = bunny_poses()
     try:
@@ -95,7 +96,7 @@ def load_bunny_pair() -> Pair:
 
 
 def shared_data_dir() -> Path | None:
-    """The project's shared real-data folder, if present.
+    """Return the project's shared real-data folder, if present.
 
     Looks at ``$POINTALIGN_DATA`` first, then ``../shared/data`` and ``shared/data`` relative
     to the working directory and to this package's source tree, then ``.data`` (the copy

@@ -73,7 +73,7 @@ def _weighted_moments(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) 
 
 
 def _spans_plane(cov: torch.Tensor) -> torch.Tensor:
-    """The degeneracy rule :func:`pointalign._math.spans_plane` (``(…, 3, 3)`` → ``(…)`` bool).
+    """Apply the degeneracy rule :func:`pointalign._math.spans_plane` (``(…, 3, 3)`` → ``(…)``).
 
     ``e₂ > ε ‖C‖_F²`` with ``e₂ = (tr² − ‖C‖_F²) / 2``, ≈ λ₂ > ε λ₃; it differs from
     :func:`_spans_plane_reference` (``λ₂ > ε λ₃`` by ``eigvalsh``) only within a factor 2
@@ -102,8 +102,9 @@ def _finish(T: torch.Tensor, valid: torch.Tensor, strict: bool, what: str) -> Es
 
 
 def horn_matrix(S: torch.Tensor) -> torch.Tensor:
-    """Horn's symmetric 4×4 matrix N(S) of cross-covariances ``S (…, 3, 3)``: ``(…, 4, 4)``
-    (:func:`pointalign._math.horn_matrix`).
+    """Horn's symmetric 4×4 matrix N(S) of cross-covariances ``S (…, 3, 3)``: ``(…, 4, 4)``.
+
+    See :func:`pointalign._math.horn_matrix`.
     """
     return _math.horn_matrix(S)
 
@@ -149,8 +150,9 @@ def _constant(c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def quaternion_rotation(q: torch.Tensor) -> torch.Tensor:
-    """Rotation matrices ``(…, 3, 3)`` of quaternions ``q (…, 4)`` = (w, x, y, z) ≠ 0
-    (:func:`pointalign._math.quat_to_rot`).
+    """Rotation matrices ``(…, 3, 3)`` of quaternions ``q (…, 4)`` = (w, x, y, z) ≠ 0.
+
+    See :func:`pointalign._math.quat_to_rot`.
     """
     return _math.quat_to_rot(q)
 
@@ -286,7 +288,7 @@ def point_to_plane_system(
     target_normals: torch.Tensor,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normal equations of linearised point-to-plane ICP.
+    """Build the normal equations of linearised point-to-plane ICP.
 
     Residual r_i = n_iᵀ (x_i − y_i), Jacobian J_i = [(x_i × n_i)ᵀ, n_iᵀ] w.r.t. the twist
     ξ = (ω, v) of a small motion ``x ↦ (I + [ω]×) x + v``.
@@ -341,8 +343,10 @@ def point_to_plane(
     *,
     strict: bool = True,
 ) -> Estimate:
-    """One Gauss-Newton step of point-to-plane alignment: ``argmin Σ w (nᵀ(R x + t − y))²``
-    linearised at the identity, solved as a 6×6 system in float64.
+    """One Gauss-Newton step of point-to-plane alignment.
+
+    Minimises ``Σ w (nᵀ(R x + t − y))²`` linearised at the identity, solved as a 6×6 system
+    in float64.
 
     Args:
         source, target: ``(…, N, 3)`` corresponding points; target_normals: ``(…, N, 3)``

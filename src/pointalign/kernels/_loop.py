@@ -152,7 +152,7 @@ def _shapes(tensors: Tensors) -> tuple:
 
 
 def signature(step: Any, *tensor_dicts: Tensors) -> tuple[tuple, list]:
-    """The cache key of a step over tensors like ``tensor_dicts``, and the objects it names.
+    """Return the cache key of a step over tensors like ``tensor_dicts`` and the objects named.
 
     Returns ``(key, objects)``: the key holds the step's type, every field (numbers and
     strings by value, other objects by ``id``) and the names, shapes, dtypes and devices of
@@ -554,7 +554,7 @@ def to_host(tensors: Tensors) -> Host:
     return layout.unpack(layout.pack(tensors).cpu().numpy())
 
 
-__all__ = ["CHUNK", "Clock", "Run", "Step", "clear_caches", "graphs_enabled", "iterate", "run_program",
-           "signature", "synchronize", "to_host"]
+__all__ = ["CHUNK", "Clock", "Run", "Step", "clear_caches", "graphs_enabled", "iterate",
+           "run_program", "signature", "synchronize", "to_host"]
 
 

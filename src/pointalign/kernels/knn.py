@@ -56,8 +56,10 @@ def _check(query: torch.Tensor, points: torch.Tensor, k: int,
 
 
 def host_tree(points: torch.Tensor) -> object | None:
-    """The "cpu" backend's k-d tree over host ``points (M, 3)`` (tight node boxes, hinted
-    nearest-within and kNN; ``_knn_cpu.CpuTree``), or None on other backends.
+    """Return the "cpu" backend's k-d tree over host ``points (M, 3)``, or None elsewhere.
+
+    The tree (``_knn_cpu.CpuTree``) has tight node boxes, hinted nearest-within and kNN;
+    on other backends this returns None.
     """
     if backend(points) != "cpu":
         return None

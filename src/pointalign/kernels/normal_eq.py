@@ -99,7 +99,7 @@ def normal_equations(
     kernel: str = "none",
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """The ICP sums of one iteration, fused into one pass (see the module docstring).
+    """Compute the ICP sums of one iteration, fused into one pass (see the module docstring).
 
     Args:
         source: ``(B, N, 3)`` float tensor, moved source points x_i.
@@ -211,7 +211,7 @@ FLAG_VALID, FLAG_USABLE = 0, 1
 
 def solve_update_reference(sums: torch.Tensor, center: torch.Tensor, transform: torch.Tensor,
                            *, plane: bool, eps: float = 1e-10):
-    """The ICP update from the sums, float64 PyTorch (the spec of the device solve).
+    """Compute the ICP update from the sums, float64 PyTorch (the spec of the device solve).
 
     Point-to-point: :func:`pointalign._math.horn_pose` (no tie-breaker), valid when W > 0
     and both weighted covariances pass :func:`pointalign._math.spans_plane` (the one

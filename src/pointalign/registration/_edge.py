@@ -74,7 +74,7 @@ _CONVERGED = frozenset({StopReason.SMALL_UPDATE, StopReason.RELATIVE_CHANGE,
 
 
 def resolve_device(device: Any, **inputs: Any) -> torch.device:
-    """The compute device: ``device`` if given, else the inputs' one device, else default.
+    """Return the compute device: ``device`` if given, else the inputs' one, else default.
 
     ``inputs`` are named arrays, tensors, PointClouds (or lists of them); those that live on
     a device must agree, or a ValueError names them.
@@ -224,7 +224,7 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
 
 
 def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None:
-    """Unit normals ``(B, M, 3)`` float32 from ``normals`` or a PointCloud target, else None."""
+    """Return unit normals ``(B, M, 3)`` float32 from ``normals`` or a PointCloud, else None."""
     if normals is None:
         normals = getattr(target, "normals", None) if hasattr(target, "points") else None
     if normals is None:
@@ -246,7 +246,7 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
                  history: list[dict[str, Any]], timings: dict[str, float],
                  info: dict[str, Any], converged: np.ndarray | None = None
                  ) -> RegistrationResult:
-    """The :class:`RegistrationResult` of B problems, squeezed when the input was unbatched.
+    """Build the :class:`RegistrationResult` of B problems, squeezed for unbatched input.
 
     Args:
         pair: the prepared inputs.

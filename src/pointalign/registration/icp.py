@@ -182,7 +182,7 @@ def information_matrix(sums: np.ndarray, plane: bool, center: np.ndarray) -> np.
 
 
 def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
-    """The correspondence search of each problem: built here, or the caller's index."""
+    """Return the correspondence search of each problem: built here, or the caller's index."""
     B = pair.size
     if index is None:
         n = 1 if pair.shared_target else B

@@ -43,7 +43,7 @@ class CKDTreeIndex:
         self.workers = workers
 
     def _cpu_tree(self) -> Any:
-        """The kernel layer's fast host tree (built on first use), or None off that backend."""
+        """Return the kernel layer's fast host tree (built on first use), or None elsewhere."""
         if not hasattr(self, "_cpu"):
             from pointalign.kernels.knn import host_tree
 
