@@ -237,7 +237,8 @@ def horn_soft(
     sy = (c[..., None] * y).sum(-2)
     # shift the cross moment back to the origin: Σ m (x-a)(y-b)ᵀ + a Σy ᵀ + Σx bᵀ − W a bᵀ
     S0 = cross.to(torch.float64) + a[..., :, None] * sy[..., None, :] \
-        + sx[..., :, None] * b[..., None, :] - W[..., None, None] * (a[..., :, None] * b[..., None, :])
+        + sx[..., :, None] * b[..., None, :] \
+        - W[..., None, None] * (a[..., :, None] * b[..., None, :])
     xm = sx / W.clamp_min(1e-300)[..., None]
     ym = sy / W.clamp_min(1e-300)[..., None]
     xc, yc = x - xm[..., None, :], y - ym[..., None, :]
@@ -357,7 +358,8 @@ def point_to_plane(
     target_normals = _validate._to_tensor("target_normals", target_normals)
     if target_normals.shape != target.shape:
         raise ValueError(
-            f"target_normals: expected shape {tuple(target.shape)}, got {tuple(target_normals.shape)}"
+            f"target_normals: expected shape {tuple(target.shape)}, "
+            f"got {tuple(target_normals.shape)}"
         )
     JtJ, Jtr, _ = point_to_plane_system(source, target, target_normals, weights)
     return solve_point_to_plane(JtJ, Jtr, strict=strict)

@@ -152,7 +152,7 @@ def se3_exp(xi: torch.Tensor) -> torch.Tensor:
 
 
 def se3_log(T: torch.Tensor) -> torch.Tensor:
-    """Map transforms ``(…, 4, 4)`` to twists ``(…, 6)`` = (omega, v); inverse of :func:`se3_exp`."""
+    """Map transforms ``(…, 4, 4)`` to twists ``(…, 6)`` = (omega, v); inverts :func:`se3_exp`."""
     omega = so3_log(T[..., :3, :3])
     t = T[..., :3, 3]
     v = torch.linalg.solve(_V(omega), t[..., None])[..., 0]

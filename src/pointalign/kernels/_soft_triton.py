@@ -134,7 +134,8 @@ def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, 
               FTZ: tl.constexpr):
     """One tile of the online log-sum-exp.
 
-    The tile is BLOCK_M points (axis 0) × BLOCK_N query rows (axis 1). Returns the row state (m2, l1, l2, ux, uy, uz), each (BLOCK_N,).
+    The tile is BLOCK_M points (axis 0) × BLOCK_N query rows (axis 1). Returns the row
+    state (m2, l1, l2, ux, uy, uz), each (BLOCK_N,).
 
     Rows lie along the fast axis, so a thread owns whole rows and every reduction over the
     points is in-thread (no shuffles, no barriers). The row shift m2 (log2 units) is the

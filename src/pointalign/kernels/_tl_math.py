@@ -254,8 +254,8 @@ def _rotated_entry(A, k: tl.constexpr, p: tl.constexpr, q: tl.constexpr, c, s, t
                    N: tl.constexpr):
     """Entry k = i·N + j of JᵀAJ for symmetric A (J the (p, q) rotation).
 
-    Off-diagonal entries of rows p, q are read from columns p, q, so that (i, p) and (p, i) are the same
-    expression (compiled once).
+    Off-diagonal entries of rows p, q are read from columns p, q, so that (i, p) and (p, i)
+    are the same expression (compiled once).
     """
     i: tl.constexpr = k // N
     j: tl.constexpr = k % N

@@ -49,7 +49,8 @@ def horn_moments(source: torch.Tensor, targets: torch.Tensor, weights: torch.Ten
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted moments ``(W (B,), sx (B, 3), sm (B, 3), cross (B, 3, 3))`` in float64.
 
-    They are Σw, Σw x, Σw m, Σw x mᵀ of ``source (B, N, 3)``, ``targets (B, N, 3)``, ``weights (B, N)``.
+    They are Σw, Σw x, Σw m, Σw x mᵀ of ``source (B, N, 3)``, ``targets (B, N, 3)``,
+    ``weights (B, N)``.
     """
     x = source.to(torch.float64)
     m = targets.to(torch.float64)

@@ -301,7 +301,7 @@ def icp_update(
                                            lengths=lengths, center=center, kernel=kernel,
                                            scale=scale)
         D, Tn, fl = solve_update_reference(s, center, transform, plane=plane, eps=eps)
-        for o, v in zip(out, (s, D, Tn, Tn, fl)):
+        for o, v in zip(out, (s, D, Tn, Tn, fl), strict=False):
             o.copy_(v)
         return out
     from pointalign.kernels import _normal_eq_triton
