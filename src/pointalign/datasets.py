@@ -135,9 +135,14 @@ def make_pair(
 
     Args:
         cloud: ``(N, 3)`` points (array, tensor or PointCloud).
+        rotation_deg: exact rotation angle of ``T_target_source``, in degrees.
+        translation: exact translation length of ``T_target_source`` (cloud units).
+        noise: std of the Gaussian noise added per source coordinate.
+        outlier_fraction: fraction of source points replaced by uniform outliers.
         overlap: fraction in (0, 1] of the target's points kept in the source: the source is
             cut by a random plane so that it keeps that fraction (partial overlap).
         seed: seeds a ``torch.Generator``; the same seed gives the same pair.
+        dtype: float dtype of the returned ``source`` and ``target``.
 
     Returns:
         :class:`Pair` with ``source (N', 3)``, ``target (N, 3)`` and ``T_target_source``.

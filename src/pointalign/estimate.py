@@ -191,6 +191,8 @@ def horn(
         source: ``(…, N, 3)`` float tensor, x_i.
         target: ``(…, N, 3)`` float tensor, y_i (corresponding row by row).
         weights: optional ``(…, N)`` non-negative weights (0 drops a row).
+        strict: raise ``ValueError`` on a degenerate problem (False: report it as not
+            valid instead; see the module docstring).
 
     """
     source, target, weights = _check_pairs(source, target, weights)
@@ -223,7 +225,10 @@ def horn_soft(
         cross: ``(…, 3, 3)`` ``Σ_ij m_ij (x_i − a)(y_j − b)ᵀ`` where a = ``source_center``
             and b = ``target_center`` (default 0): kernels centre coordinates on a rough
             centroid before accumulating in float32, to avoid cancellation.
-        source_center, target_center: ``(…, 3)`` the shifts a and b used in ``cross``.
+        source_center: ``(…, 3)`` the shift a used in ``cross``.
+        target_center: ``(…, 3)`` the shift b used in ``cross``.
+        strict: raise ``ValueError`` on a degenerate problem (False: report it as not
+            valid instead; see the module docstring).
 
     """
     x = source.to(torch.float64)
@@ -321,8 +326,11 @@ def solve_point_to_plane(
     non-finite system gives the identity).
 
     Args:
-        JtJ: ``(…, 6, 6)``; Jtr: ``(…, 6)``, e.g. from :func:`point_to_plane_system` or the
-            fused reduction of ``kernels.normal_eq``.
+        JtJ: ``(…, 6, 6)``, e.g. from :func:`point_to_plane_system` or the fused
+            reduction of ``kernels.normal_eq``.
+        Jtr: ``(…, 6)``, from the same source as ``JtJ``.
+        strict: raise ``ValueError`` on a rank-deficient system (False: return the
+            least-norm step, reported as not valid).
 
     """
     xi, valid, _ = _math.least_norm_solve(JtJ, -Jtr.to(torch.float64), DEGENERACY_EPS)
@@ -350,8 +358,12 @@ def point_to_plane(
     in float64.
 
     Args:
-        source, target: ``(…, N, 3)`` corresponding points; target_normals: ``(…, N, 3)``
-        unit normals at the targets; weights: optional ``(…, N)``.
+        source: ``(…, N, 3)`` source points.
+        target: ``(…, N, 3)`` target points (corresponding row by row).
+        target_normals: ``(…, N, 3)`` unit normals at the targets.
+        weights: optional ``(…, N)`` non-negative weights.
+        strict: raise ``ValueError`` on a degenerate system (False: return the least-norm
+            step, reported as not valid; see :func:`solve_point_to_plane`).
 
     """
     source, target, weights = _check_pairs(source, target, weights)

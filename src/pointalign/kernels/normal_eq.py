@@ -224,6 +224,8 @@ def solve_update_reference(sums: torch.Tensor, center: torch.Tensor, transform: 
         sums: ``(B, 30)`` float64 from :func:`normal_equations`.
         center: ``(B, 3)`` the centre used by the reduction.
         transform: ``(B, 4, 4)`` float64 current estimate T.
+        plane: point-to-plane (True) or point-to-point (False) sums.
+        eps: the relative eigenvalue threshold of the degeneracy rules above.
 
     Returns:
         ``(D (B, 4, 4), T_new = D T (B, 4, 4), flags (B, 2) int32)`` float64 on sums' device.

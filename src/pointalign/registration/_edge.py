@@ -182,7 +182,8 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
         target: ``(M, 3)`` (shared by every source) or ``(B, M, 3)``.
         init: ``(4, 4)`` or ``(B, 4, 4)`` initial ``T_target_source`` (None: identity).
         device: the compute device (:func:`resolve_device`).
-        source_lengths, target_lengths: ``(B,)`` valid points per padded batch entry.
+        source_lengths: ``(B,)`` valid source points per padded batch entry.
+        target_lengths: ``(B,)`` valid target points per padded batch entry.
         min_points: fewest points a cloud may have.
         local: shift to the target's centroid (False: keep the caller's coordinates, e.g.
             to query an index the caller built over the target as given).
@@ -251,11 +252,14 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
     Args:
         pair: the prepared inputs.
         T_local: ``(B, 4, 4)`` float64 estimates in the local frames.
-        fitness, rmse, iterations: ``(B,)`` host arrays.
-        reasons: B stop reasons; ``converged`` defaults to ``reason.converged``.
+        fitness: ``(B,)`` host array.
+        rmse: ``(B,)`` host array.
+        iterations: ``(B,)`` host array.
+        reasons: B stop reasons.
         history: one dict per iteration of ``(B,)`` arrays (or scalars).
         timings: seconds per stage.
         info: extras; ``(B, …)`` arrays are split per problem when squeezing.
+        converged: ``(B,)`` bools; defaults to ``reason.converged`` of each reason.
 
     """
     T = pair.frame.to_world(T_local)

@@ -75,6 +75,7 @@ class IcpStep:
         return torch.stack(out)
 
     def __call__(self, inputs: _loop.Tensors, state: _loop.Tensors):
+        """Run one iteration: search, fused sums and solve; return the new state and record."""
         T, Tf = state["T"], state["Tf"]
         x = torch.baddbmm(Tf[:, None, :3, 3], inputs["source"], Tf[:, :3, :3].transpose(1, 2))
         with _validate.trusted():
