@@ -41,7 +41,7 @@ class Pair:
 
 
 def _data_file(name: str) -> Any:
-    return resources.files("pointalign").joinpath("data", name)
+    return resources.files("pointalign").joinpath("data").joinpath(name)
 
 
 def read_bun_conf(text: str) -> dict[str, torch.Tensor]:

@@ -263,7 +263,7 @@ class _Transfer:
             self.done = torch.cuda.Event()
             self.done.record(torch.cuda.current_stream(packed.device))
         else:
-            self.host, self.done = packed, None
+            self.host, self.done = packed, None  # type: ignore[assignment]
 
     def wait(self) -> np.ndarray:
         if self.done is not None:
