@@ -120,7 +120,8 @@ def rows(dev: torch.device):
     yield "Newton plane 1M (tree prebuilt)", lambda: surface_newton(src_d, index=tree,
                                                                      approximant="plane")
     g = torch.Generator().manual_seed(0)
-    p, q = torch.rand(1_000_000, 3, generator=g).to(dev), torch.rand(1_000_000, 3, generator=g).to(dev)
+    p = torch.rand(1_000_000, 3, generator=g).to(dev)
+    q = torch.rand(1_000_000, 3, generator=g).to(dev)
     ix = pa.build_index(p, "grid" if dev.type == "cuda" else "ckdtree")
     yield "kNN 1M uniform, k=1 (grid query)", lambda: ix.knn(q, 1)
 

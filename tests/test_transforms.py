@@ -75,8 +75,10 @@ def test_so3_exp_small_angles_match_first_order():
 @given(st.integers(0, 2**31 - 1))
 def test_compose_invert_apply(seed):
     g = torch.Generator().manual_seed(seed)
-    A = T.make(T.random_rotation(4, generator=g), torch.randn(4, 3, generator=g, dtype=torch.float64))
-    B = T.make(T.random_rotation(4, generator=g), torch.randn(4, 3, generator=g, dtype=torch.float64))
+    A = T.make(T.random_rotation(4, generator=g),
+               torch.randn(4, 3, generator=g, dtype=torch.float64))
+    B = T.make(T.random_rotation(4, generator=g),
+               torch.randn(4, 3, generator=g, dtype=torch.float64))
     p = torch.randn(4, 10, 3, generator=g, dtype=torch.float64)
     assert torch.allclose(T.apply(T.compose(A, B), p), T.apply(A, T.apply(B, p)), atol=1e-12)
     assert torch.allclose(T.apply(T.invert(A), T.apply(A, p)), p, atol=1e-12)

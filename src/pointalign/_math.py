@@ -79,7 +79,7 @@ def quat_to_rot(q: torch.Tensor) -> torch.Tensor:
 
 
 def rot_to_quat(R: torch.Tensor) -> torch.Tensor:
-    """Unit quaternions ``(…, 4)`` (w ≥ 0) of rotation matrices ``R (…, 3, 3)``, in R's dtype.
+    """Return unit quaternions ``(…, 4)`` (w ≥ 0) of rotations ``R (…, 3, 3)``, in R's dtype.
 
     Shepperd's method: the largest of the four candidate denominators, so it is stable for
     every rotation, including 180°.
@@ -127,8 +127,9 @@ def so3_exp(omega: torch.Tensor) -> torch.Tensor:
 
 
 def so3_log(R: torch.Tensor) -> torch.Tensor:
-    """Rotation vectors ``(…, 3)`` (|ω| ≤ π) of ``R (…, 3, 3)``, through the quaternion
-    (stable near 0 and near π), in R's dtype.
+    """Rotation vectors ``(…, 3)`` (|ω| ≤ π) of ``R (…, 3, 3)``, in R's dtype.
+
+    Computed through the quaternion (stable near 0 and near π).
     """
     q = rot_to_quat(R)
     w = q[..., 0].clamp(-1, 1)
@@ -164,7 +165,7 @@ def horn_matrix(S: torch.Tensor) -> torch.Tensor:
 
 
 def top_eigenvector4(N: torch.Tensor) -> torch.Tensor:
-    """Unit eigenvector ``(…, 4)`` of the largest eigenvalue of symmetric ``N (…, 4, 4)``.
+    """Return the unit eigenvector ``(…, 4)`` of the largest eigenvalue of ``N (…, 4, 4)``.
 
     The spec uses ``torch.linalg.eigh``; the device solver (``_tl_math.top_eigenvector4``)
     is repeated squaring of the shifted matrix. They agree wherever the top eigenvalue is
@@ -271,7 +272,7 @@ def _cross(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _null_vector(A: torch.Tensor, lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unit vector spanning the null space of ``A − λI``, and its squared raw norm.
+    """Return a unit vector spanning the null space of ``A − λI``, and its squared raw norm.
 
     The vector is the largest cross product of two rows; its squared norm is small when λ is
     not a simple eigenvalue.
@@ -288,7 +289,7 @@ def _null_vector(A: torch.Tensor, lam: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _any_orthogonal(u: torch.Tensor) -> torch.Tensor:
-    """A unit vector orthogonal to unit ``u (…, 3)``."""
+    """Return a unit vector orthogonal to unit ``u (…, 3)``."""
     ax = torch.zeros_like(u)
     k = u.abs().argmin(-1)
     ax.scatter_(-1, k[..., None], 1.0)
@@ -297,7 +298,7 @@ def _any_orthogonal(u: torch.Tensor) -> torch.Tensor:
 
 
 def smallest_eigenvector3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unit eigenvector of the smallest eigenvalue of symmetric ``A (…, 3, 3)``, closed form.
+    """Return the unit eigenvector of the smallest eigenvalue of ``A (…, 3, 3)``, closed form.
 
     Computed in float64. The matrix is first scaled by its largest entry. When the smallest
     eigenvalue is (nearly) repeated the eigenvector is not unique: the result is then a unit
@@ -357,9 +358,10 @@ def eigh3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def eigh6(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenpairs of symmetric ``A (…, 6, 6)``: ``(ascending eigenvalues (…, 6), vectors
-    (…, 6, 6))`` float64 (``torch.linalg.eigh``; the device solver is cyclic Jacobi,
-    ``_tl_math.eigh6``).
+    """Eigenpairs of symmetric ``A (…, 6, 6)`` in float64.
+
+    Returns ``(ascending eigenvalues (…, 6), vectors (…, 6, 6))`` (``torch.linalg.eigh``;
+    the device solver is cyclic Jacobi, ``_tl_math.eigh6``).
     """
     return torch.linalg.eigh(_f64(A))
 

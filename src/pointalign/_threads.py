@@ -75,7 +75,7 @@ def numba_threads() -> int:
     """Set numba's thread count to :func:`get_num_threads` (capped by its pool); return it."""
     import numba
 
-    n = min(get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    n = min(get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n

@@ -31,6 +31,7 @@ class Pair:
         target: ``(M, 3)`` float tensor.
         T_target_source: ``(4, 4)`` float64 tensor, the true transform.
         name: a short label.
+
     """
 
     source: torch.Tensor
@@ -40,7 +41,7 @@ class Pair:
 
 
 def _data_file(name: str) -> Any:
-    return resources.files("pointalign").joinpath("data", name)
+    return resources.files("pointalign").joinpath("data").joinpath(name)
 
 
 def read_bun_conf(text: str) -> dict[str, torch.Tensor]:
@@ -68,8 +69,9 @@ def bunny_poses() -> dict[str, torch.Tensor]:
 
 
 def bunny_relative_pose(source: str = "bun045", target: str = "bun000") -> torch.Tensor:
-    """Ground-truth ``T_target_source`` (4, 4) float64 between two bunny scans (names without
-    ``.ply``).
+    """Ground-truth ``T_target_source`` (4, 4) float64 between two bunny scans.
+
+    The scans are named without ``.ply``.
     """
     poses = bunny_poses()
     try:
@@ -94,7 +96,7 @@ def load_bunny_pair() -> Pair:
 
 
 def shared_data_dir() -> Path | None:
-    """The project's shared real-data folder, if present.
+    """Return the project's shared real-data folder, if present.
 
     Looks at ``$POINTALIGN_DATA`` first, then ``../shared/data`` and ``shared/data`` relative
     to the working directory and to this package's source tree, then ``.data`` (the copy
@@ -133,12 +135,18 @@ def make_pair(
 
     Args:
         cloud: ``(N, 3)`` points (array, tensor or PointCloud).
+        rotation_deg: exact rotation angle of ``T_target_source``, in degrees.
+        translation: exact translation length of ``T_target_source`` (cloud units).
+        noise: std of the Gaussian noise added per source coordinate.
+        outlier_fraction: fraction of source points replaced by uniform outliers.
         overlap: fraction in (0, 1] of the target's points kept in the source: the source is
             cut by a random plane so that it keeps that fraction (partial overlap).
         seed: seeds a ``torch.Generator``; the same seed gives the same pair.
+        dtype: float dtype of the returned ``source`` and ``target``.
 
     Returns:
         :class:`Pair` with ``source (N', 3)``, ``target (N, 3)`` and ``T_target_source``.
+
     """
     pts = _validate.as_points(cloud, "cloud", min_points=3, device="cpu", dtype=torch.float64)
     _validate.positive(noise, "noise", allow_zero=True)

@@ -73,7 +73,7 @@ def _weighted_moments(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) 
 
 
 def _spans_plane(cov: torch.Tensor) -> torch.Tensor:
-    """The degeneracy rule :func:`pointalign._math.spans_plane` (``(…, 3, 3)`` → ``(…)`` bool).
+    """Apply the degeneracy rule :func:`pointalign._math.spans_plane` (``(…, 3, 3)`` → ``(…)``).
 
     ``e₂ > ε ‖C‖_F²`` with ``e₂ = (tr² − ‖C‖_F²) / 2``, ≈ λ₂ > ε λ₃; it differs from
     :func:`_spans_plane_reference` (``λ₂ > ε λ₃`` by ``eigvalsh``) only within a factor 2
@@ -102,8 +102,9 @@ def _finish(T: torch.Tensor, valid: torch.Tensor, strict: bool, what: str) -> Es
 
 
 def horn_matrix(S: torch.Tensor) -> torch.Tensor:
-    """Horn's symmetric 4×4 matrix N(S) of cross-covariances ``S (…, 3, 3)``: ``(…, 4, 4)``
-    (:func:`pointalign._math.horn_matrix`).
+    """Horn's symmetric 4×4 matrix N(S) of cross-covariances ``S (…, 3, 3)``: ``(…, 4, 4)``.
+
+    See :func:`pointalign._math.horn_matrix`.
     """
     return _math.horn_matrix(S)
 
@@ -149,8 +150,9 @@ def _constant(c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def quaternion_rotation(q: torch.Tensor) -> torch.Tensor:
-    """Rotation matrices ``(…, 3, 3)`` of quaternions ``q (…, 4)`` = (w, x, y, z) ≠ 0
-    (:func:`pointalign._math.quat_to_rot`).
+    """Rotation matrices ``(…, 3, 3)`` of quaternions ``q (…, 4)`` = (w, x, y, z) ≠ 0.
+
+    See :func:`pointalign._math.quat_to_rot`.
     """
     return _math.quat_to_rot(q)
 
@@ -189,6 +191,8 @@ def horn(
         source: ``(…, N, 3)`` float tensor, x_i.
         target: ``(…, N, 3)`` float tensor, y_i (corresponding row by row).
         weights: optional ``(…, N)`` non-negative weights (0 drops a row).
+        strict: raise ``ValueError`` on a degenerate problem (False: report it as not
+            valid instead; see the module docstring).
 
     """
     source, target, weights = _check_pairs(source, target, weights)
@@ -221,7 +225,10 @@ def horn_soft(
         cross: ``(…, 3, 3)`` ``Σ_ij m_ij (x_i − a)(y_j − b)ᵀ`` where a = ``source_center``
             and b = ``target_center`` (default 0): kernels centre coordinates on a rough
             centroid before accumulating in float32, to avoid cancellation.
-        source_center, target_center: ``(…, 3)`` the shifts a and b used in ``cross``.
+        source_center: ``(…, 3)`` the shift a used in ``cross``.
+        target_center: ``(…, 3)`` the shift b used in ``cross``.
+        strict: raise ``ValueError`` on a degenerate problem (False: report it as not
+            valid instead; see the module docstring).
 
     """
     x = source.to(torch.float64)
@@ -235,7 +242,8 @@ def horn_soft(
     sy = (c[..., None] * y).sum(-2)
     # shift the cross moment back to the origin: Σ m (x-a)(y-b)ᵀ + a Σy ᵀ + Σx bᵀ − W a bᵀ
     S0 = cross.to(torch.float64) + a[..., :, None] * sy[..., None, :] \
-        + sx[..., :, None] * b[..., None, :] - W[..., None, None] * (a[..., :, None] * b[..., None, :])
+        + sx[..., :, None] * b[..., None, :] \
+        - W[..., None, None] * (a[..., :, None] * b[..., None, :])
     xm = sx / W.clamp_min(1e-300)[..., None]
     ym = sy / W.clamp_min(1e-300)[..., None]
     xc, yc = x - xm[..., None, :], y - ym[..., None, :]
@@ -286,7 +294,7 @@ def point_to_plane_system(
     target_normals: torch.Tensor,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normal equations of linearised point-to-plane ICP.
+    """Build the normal equations of linearised point-to-plane ICP.
 
     Residual r_i = n_iᵀ (x_i − y_i), Jacobian J_i = [(x_i × n_i)ᵀ, n_iᵀ] w.r.t. the twist
     ξ = (ω, v) of a small motion ``x ↦ (I + [ω]×) x + v``.
@@ -318,8 +326,11 @@ def solve_point_to_plane(
     non-finite system gives the identity).
 
     Args:
-        JtJ: ``(…, 6, 6)``; Jtr: ``(…, 6)``, e.g. from :func:`point_to_plane_system` or the
-            fused reduction of ``kernels.normal_eq``.
+        JtJ: ``(…, 6, 6)``, e.g. from :func:`point_to_plane_system` or the fused
+            reduction of ``kernels.normal_eq``.
+        Jtr: ``(…, 6)``, from the same source as ``JtJ``.
+        strict: raise ``ValueError`` on a rank-deficient system (False: return the
+            least-norm step, reported as not valid).
 
     """
     xi, valid, _ = _math.least_norm_solve(JtJ, -Jtr.to(torch.float64), DEGENERACY_EPS)
@@ -341,19 +352,26 @@ def point_to_plane(
     *,
     strict: bool = True,
 ) -> Estimate:
-    """One Gauss-Newton step of point-to-plane alignment: ``argmin Σ w (nᵀ(R x + t − y))²``
-    linearised at the identity, solved as a 6×6 system in float64.
+    """One Gauss-Newton step of point-to-plane alignment.
+
+    Minimises ``Σ w (nᵀ(R x + t − y))²`` linearised at the identity, solved as a 6×6 system
+    in float64.
 
     Args:
-        source, target: ``(…, N, 3)`` corresponding points; target_normals: ``(…, N, 3)``
-        unit normals at the targets; weights: optional ``(…, N)``.
+        source: ``(…, N, 3)`` source points.
+        target: ``(…, N, 3)`` target points (corresponding row by row).
+        target_normals: ``(…, N, 3)`` unit normals at the targets.
+        weights: optional ``(…, N)`` non-negative weights.
+        strict: raise ``ValueError`` on a degenerate system (False: return the least-norm
+            step, reported as not valid; see :func:`solve_point_to_plane`).
 
     """
     source, target, weights = _check_pairs(source, target, weights)
     target_normals = _validate._to_tensor("target_normals", target_normals)
     if target_normals.shape != target.shape:
         raise ValueError(
-            f"target_normals: expected shape {tuple(target.shape)}, got {tuple(target_normals.shape)}"
+            f"target_normals: expected shape {tuple(target.shape)}, "
+            f"got {tuple(target_normals.shape)}"
         )
     JtJ, Jtr, _ = point_to_plane_system(source, target, target_normals, weights)
     return solve_point_to_plane(JtJ, Jtr, strict=strict)

@@ -82,7 +82,7 @@ def quaternion_to_matrix(q: torch.Tensor, *, check: bool = True) -> torch.Tensor
 
 
 def matrix_to_quaternion(R: torch.Tensor) -> torch.Tensor:
-    """Unit quaternions ``(…, 4)`` (w >= 0) from rotation matrices ``(…, 3, 3)``.
+    """Convert rotation matrices ``(…, 3, 3)`` to unit quaternions ``(…, 4)`` (w >= 0).
 
     Uses the largest of the four candidate denominators (Shepperd's method), so it is
     stable for every rotation, including 180°.
@@ -115,8 +115,9 @@ def axis_angle_to_matrix(axis: torch.Tensor, angle: torch.Tensor | float) -> tor
 
 
 def so3_exp(omega: torch.Tensor) -> torch.Tensor:
-    """Rodrigues: rotation vectors ``(…, 3)`` (radians) → ``(…, 3, 3)``; exact near 0
-    (:func:`pointalign._math.so3_exp`).
+    """Rodrigues: rotation vectors ``(…, 3)`` (radians) → ``(…, 3, 3)``; exact near 0.
+
+    See :func:`pointalign._math.so3_exp`.
     """
     return _math.so3_exp(omega)
 
@@ -151,7 +152,7 @@ def se3_exp(xi: torch.Tensor) -> torch.Tensor:
 
 
 def se3_log(T: torch.Tensor) -> torch.Tensor:
-    """Transforms ``(…, 4, 4)`` → twists ``(…, 6)`` = (omega, v); inverse of :func:`se3_exp`."""
+    """Map transforms ``(…, 4, 4)`` to twists ``(…, 6)`` = (omega, v); inverts :func:`se3_exp`."""
     omega = so3_log(T[..., :3, :3])
     t = T[..., :3, 3]
     v = torch.linalg.solve(_V(omega), t[..., None])[..., 0]
@@ -170,8 +171,10 @@ def random_transform(
     generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """A ``(4, 4)`` transform rotating by exactly ``rotation_deg`` about a random axis and
-    translating by exactly ``translation`` along a random direction.
+    """Return a random ``(4, 4)`` transform of exact rotation angle and translation length.
+
+    It rotates by exactly ``rotation_deg`` about a random axis and translates by exactly
+    ``translation`` along a random direction.
     """
     axis = torch.randn(3, generator=generator, dtype=torch.float64)
     direction = torch.randn(3, generator=generator, dtype=torch.float64)

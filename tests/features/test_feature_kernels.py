@@ -87,7 +87,8 @@ def test_cuda_kernels_match_reference(dtype):
 
 
 def test_radius_neighbours_reference_path_is_knn_tiles(seed, monkeypatch):
-    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")  # the reference (CPU kernels: test_cpu_kernels)
+    # the reference (CPU kernels: test_cpu_kernels)
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
     pts = torch.rand(300, 3, generator=torch.Generator().manual_seed(seed))
     d, i = KF.radius_neighbours(pts, 0.2, 40)
     rd, ri = KNN.knn_tiles(pts, pts, 40, 0.04)

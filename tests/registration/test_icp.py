@@ -389,9 +389,10 @@ def test_host_solver_matches_estimate(bunny, seed, plane):
         W = s[:, 0]
         Wd = W.clamp_min(1e-300)[:, None, None]
         sx, sy = s[:, 1:4], s[:, 4:7]
-        m = estimate.Moments(W, sx, sy, s[:, 7:16].reshape(3, 3, 3),
-                             normal_eq.unpack_sym3(s[:, 16:22]) - sx[:, :, None] * sx[:, None, :] / Wd,
-                             normal_eq.unpack_sym3(s[:, 22:28]) - sy[:, :, None] * sy[:, None, :] / Wd)
+        m = estimate.Moments(
+            W, sx, sy, s[:, 7:16].reshape(3, 3, 3),
+            normal_eq.unpack_sym3(s[:, 16:22]) - sx[:, :, None] * sx[:, None, :] / Wd,
+            normal_eq.unpack_sym3(s[:, 22:28]) - sy[:, :, None] * sy[:, None, :] / Wd)
         est = estimate.horn_from_moments(m, strict=False)
         R, t = est.transformation[:, :3, :3], est.transformation[:, :3, 3]
         valid = est.valid

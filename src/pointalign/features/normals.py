@@ -71,7 +71,7 @@ def estimate_normals(
     neighbors: torch.Tensor | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
-    """Unit normals of a point cloud by PCA of each neighbourhood (Hoppe et al. 1992).
+    """Estimate unit normals of a point cloud by PCA of each neighbourhood (Hoppe et al. 1992).
 
     Neighbourhoods: ``k`` nearest points (``k`` given, no ``radius``); up to
     ``max_neighbors`` nearest within ``radius`` (``radius`` given); both given: up to ``k``

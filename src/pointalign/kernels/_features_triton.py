@@ -78,7 +78,7 @@ def _cross(ax, ay, az, bx, by, bz):
 
 @triton.jit
 def _null_vector(a00, a01, a02, a11, a12, a22, lam):
-    """Unit largest cross product of two rows of ``A − λI``, and its squared raw norm."""
+    """Return the unit largest cross product of two rows of ``A − λI`` and its squared norm."""
     r00 = a00 - lam
     r11 = a11 - lam
     r22 = a22 - lam
@@ -237,7 +237,7 @@ def _bin(x, lo, hi):
 
 @triton.jit
 def _count_at_least(x, edges_ptr, E: tl.constexpr):
-    """Number of the E ascending ``edges`` that ``x`` reaches: its bin index."""
+    """Count the E ascending ``edges`` that ``x`` reaches: its bin index."""
     b = tl.zeros(x.shape, dtype=tl.int32)
     for e in tl.static_range(E):
         b += (x >= tl.load(edges_ptr + e)).to(tl.int32)
@@ -366,7 +366,7 @@ _EDGES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _alpha_edges(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The 10 inner α bin edges −π + 2πk/11 as pseudo-angles ``(10,)`` (cached)."""
+    """Return the 10 inner α bin edges −π + 2πk/11 as pseudo-angles ``(10,)`` (cached)."""
     key = (dtype, device)
     if key not in _EDGES:
         _EDGES[key] = torch.tensor([_pseudo_angle(-math.pi + 2 * math.pi * k / 11)

@@ -92,8 +92,9 @@ def _horn_body(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N,
 def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c12s,
                 c20s, c21s, c22s, b, T_ptr, valid_ptr, Told_ptr, frozen_ptr,
                 SQUARINGS: tl.constexpr, KEEP: tl.constexpr):
-    """Pose of batch entry ``b`` from its float64 moments Σw, Σw x, Σw m, Σw x mᵀ
-    (``_tl_math.horn_pose`` with the tie-breaker ``_math.HORN_TIE``).
+    """Pose of batch entry ``b`` from its float64 moments Σw, Σw x, Σw m, Σw x mᵀ.
+
+    Uses ``_tl_math.horn_pose`` with the tie-breaker ``_math.HORN_TIE``.
 
     Writes ``T (4, 4)`` and ``valid``. With ``KEEP``, an entry that is invalid or
     ``frozen`` gets ``Told`` instead of the identity / the new pose.
@@ -119,8 +120,10 @@ def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c
 @triton.jit
 def _horn_parts_kernel(mom_ptr, n_parts, T_ptr, valid_ptr, Told_ptr, frozen_ptr,
                        SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
-    """Horn from per-block moments ``(B, n_parts, 16)`` (float64) written by the row
-    kernels' EM-ICP epilogue; frozen or invalid entries keep ``Told``.
+    """Horn from per-block moments ``(B, n_parts, 16)`` (float64).
+
+    The moments are written by the row kernels' EM-ICP epilogue; frozen or invalid entries
+    keep ``Told``.
     """
     b = tl.program_id(0).to(tl.int64)
     k16 = tl.arange(0, 16)

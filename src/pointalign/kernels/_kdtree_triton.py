@@ -164,8 +164,10 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
 
 @triton.jit
 def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, BLOCK: tl.constexpr):
-    """Axis of largest extent (first on ties, as ``argmax``) of node ``program_id``'s
-    points ``pts[b[j]:b[j + 1]]``, read in blocks of ``BLOCK``."""
+    """Axis of largest extent (first on ties, as ``argmax``) of node ``program_id``.
+
+    The node's points ``pts[b[j]:b[j + 1]]`` are read in blocks of ``BLOCK``.
+    """
     node = tl.program_id(0).to(tl.int64)
     start = tl.load(b_ptr + node)
     end = tl.load(b_ptr + node + 1)
@@ -197,9 +199,12 @@ def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, BLOCK: tl.constexpr):
 @triton.jit
 def _level_keys_kernel(pts_ptr, axis_ptr, key_ptr, packed_ptr, m_points, level,
                        BLOCK: tl.constexpr):
-    """For every position p: its node j (``floor(j M / 2^level) <= p``), its coordinate
+    """Compute the node, split coordinate and sort key of every position.
+
+    For every position p: its node j (``floor(j M / 2^level) <= p``), its coordinate
     along j's split axis (-0.0 as +0.0), and the sort key ``j · 2³² + u(coordinate)``
-    with ``u`` the order-preserving map of the float's bits to [0, 2³²)."""
+    with ``u`` the order-preserving map of the float's bits to [0, 2³²).
+    """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < m_points
     seg = (((offs + 1) << level) - 1) // m_points

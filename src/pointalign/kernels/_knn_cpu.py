@@ -34,7 +34,7 @@ from pointalign import _threads
 try:
     import numba as _nb
 except Exception:  # pragma: no cover - numba missing: the "cpu" backend is unavailable
-    _nb = None
+    _nb = None  # type: ignore[assignment]
 
 #: queries per parallel work item (one stack and one candidate list each)
 QUERY_BLOCK = 256
@@ -54,7 +54,7 @@ else:  # pragma: no cover
             return f
         return deco if not (a and callable(a[0])) else a[0]
 
-    prange = range
+    prange = range  # type: ignore[misc]
 
 
 @njit(cache=True, nogil=True)

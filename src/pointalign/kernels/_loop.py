@@ -157,7 +157,7 @@ def _key_of(value: Any, objects: list) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_key_of(v, objects) for v in value)
     if dataclasses.is_dataclass(value) and dataclasses.fields(value) and \
-            type(value).__dataclass_params__.frozen:
+            getattr(type(value), "__dataclass_params__").frozen:  # noqa: B009 (untyped attr)
         return (type(value).__qualname__,
                 tuple(_key_of(getattr(value, f.name), objects) for f in dataclasses.fields(value)))
     objects.append(value)
@@ -169,14 +169,16 @@ def _shapes(tensors: Tensors) -> tuple:
 
 
 def signature(step: Any, *tensor_dicts: Tensors) -> tuple[tuple, list]:
-    """The cache key of a step over tensors like ``tensor_dicts``, and the objects it names.
+    """Return the cache key of a step over tensors like ``tensor_dicts`` and the objects named.
 
     Returns ``(key, objects)``: the key holds the step's type, every field (numbers and
     strings by value, other objects by ``id``) and the names, shapes, dtypes and devices of
     the tensors; ``objects`` are the objects named by identity, which a cache must hold
     weakly and check on a hit.
     """
-    if not (dataclasses.is_dataclass(step) and type(step).__dataclass_params__.frozen):
+    frozen = dataclasses.is_dataclass(step) and \
+        getattr(type(step), "__dataclass_params__").frozen  # noqa: B009 (untyped attr)
+    if not frozen:
         raise TypeError(f"a step must be a frozen dataclass, got {type(step).__name__}")
     objects: list = []
     key = (_key_of(step, objects),) + tuple(_shapes(t) for t in tensor_dicts)
@@ -278,7 +280,7 @@ class _Transfer:
             self.done = torch.cuda.Event()
             self.done.record(torch.cuda.current_stream(packed.device))
         else:
-            self.host, self.done = packed, None
+            self.host, self.done = packed, None  # type: ignore[assignment]
 
     def wait(self) -> np.ndarray:
         if self.done is not None:
@@ -569,7 +571,7 @@ def to_host(tensors: Tensors) -> Host:
     return layout.unpack(layout.pack(tensors).cpu().numpy())
 
 
-__all__ = ["CHUNK", "Clock", "Run", "Step", "clear_caches", "graphs_enabled", "iterate", "run_program",
-           "signature", "synchronize", "to_host"]
+__all__ = ["CHUNK", "Clock", "Run", "Step", "clear_caches", "graphs_enabled", "iterate",
+           "run_program", "signature", "synchronize", "to_host"]
 
 

@@ -227,7 +227,7 @@ def _solve_kernel(sums_ptr, c_ptr, tin_ptr, d_ptr, tn_ptr, tf_ptr, flag_ptr, eps
 
 
 def partials_triton(source, target, idx, target_normals, lengths, center, kernel, scale):
-    """The ``(B, P, 30)`` float32 block partials of :func:`normal_equations_triton`."""
+    """Return the ``(B, P, 30)`` float32 block partials of :func:`normal_equations_triton`."""
     B, N = source.shape[:2]
     M = target.shape[1]
     n = target_normals if target_normals is not None else target

@@ -132,8 +132,10 @@ def _horn_moments(w, x0, x1, x2, m0, m1, m2, out_ptr):
 def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, spc,
               HAS_G: tl.constexpr, SQUARES: tl.constexpr, MASKED: tl.constexpr,
               FTZ: tl.constexpr):
-    """One tile: BLOCK_M points (axis 0) × BLOCK_N query rows (axis 1) of the online
-    log-sum-exp. Returns the row state (m2, l1, l2, ux, uy, uz), each (BLOCK_N,).
+    """One tile of the online log-sum-exp.
+
+    The tile is BLOCK_M points (axis 0) × BLOCK_N query rows (axis 1). Returns the row
+    state (m2, l1, l2, ux, uy, uz), each (BLOCK_N,).
 
     Rows lie along the fast axis, so a thread owns whole rows and every reduction over the
     points is in-thread (no shuffles, no barriers). The row shift m2 (log2 units) is the

@@ -82,8 +82,9 @@ def so3_exp(w0, w1, w2):
 
 @triton.jit
 def horn_matrix(S):
-    """``_math.horn_matrix``: S a 9-tuple (row-major) → N(S) as the 10-tuple of its upper
-    triangle (n00, n01, n02, n03, n11, n12, n13, n22, n23, n33).
+    """``_math.horn_matrix``: S a 9-tuple (row-major) → N(S) as its upper triangle.
+
+    The upper triangle is the 10-tuple (n00, n01, n02, n03, n11, n12, n13, n22, n23, n33).
     """
     return (S[0] + S[4] + S[8], S[5] - S[7], S[6] - S[2], S[1] - S[3],
             S[0] - S[4] - S[8], S[1] + S[3], S[6] + S[2],
@@ -93,7 +94,7 @@ def horn_matrix(S):
 
 @triton.jit
 def _square4(a):
-    """The upper triangle of A² for a symmetric 4×4 A given by its upper triangle."""
+    """Return the upper triangle of A² for a symmetric 4×4 A given by its upper triangle."""
     a00, a01, a02, a03, a11, a12, a13, a22, a23, a33 = a
     return (a00 * a00 + a01 * a01 + a02 * a02 + a03 * a03,
             a00 * a01 + a01 * a11 + a02 * a12 + a03 * a13,
@@ -109,8 +110,9 @@ def _square4(a):
 
 @triton.jit
 def top_eigenvector4(n, SQUARINGS: tl.constexpr):
-    """``_math.top_eigenvector4``: unit eigenvector (4-tuple) of the largest eigenvalue of
-    the symmetric 4×4 given by its upper triangle ``n`` (10-tuple).
+    """``_math.top_eigenvector4``: unit eigenvector (4-tuple) of the largest eigenvalue.
+
+    The symmetric 4×4 is given by its upper triangle ``n`` (10-tuple).
 
     N's eigenvalues lie in [−‖N‖_F, ‖N‖_F], so A = N/‖N‖_F + I is positive semi-definite
     with the same eigenvectors; ``SQUARINGS`` squarings of A (normalised every 4th: entries
@@ -224,8 +226,9 @@ def mask_pose(ok, R, t):
 
 @triton.jit
 def spans_plane(c00, c01, c02, c11, c12, c22, eps):
-    """``_math.spans_plane``: ``(tr² − ‖C‖_F²) / 2 > ε ‖C‖_F²`` for the symmetric 3×3 C
-    given by its upper triangle (≈ λ₂ > ε λ₃; no eigen-solve).
+    """``_math.spans_plane``: ``(tr² − ‖C‖_F²) / 2 > ε ‖C‖_F²`` for a symmetric 3×3 C.
+
+    C is given by its upper triangle (≈ λ₂ > ε λ₃; no eigen-solve).
     """
     tr = c00 + c11 + c22
     fro2 = c00 * c00 + c11 * c11 + c22 * c22 + 2.0 * (c01 * c01 + c02 * c02 + c12 * c12)
@@ -237,7 +240,7 @@ def spans_plane(c00, c01, c02, c11, c12, c22, eps):
 
 @triton.jit
 def _jacobi_coefficients(app, aqq, apq):
-    """The rotation (c, s) zeroing a_pq, and t = s / c (Golub & Van Loan, Alg. 8.4.2)."""
+    """Return the rotation (c, s) zeroing a_pq and t = s / c (Golub & Van Loan, Alg. 8.4.2)."""
     nz = tl.abs(apq) > 1e-300
     th = (aqq - app) / tl.where(nz, 2.0 * apq, 1.0)
     t = tl.where(th >= 0, 1.0, -1.0) / (tl.abs(th) + tl.sqrt(th * th + 1.0))
@@ -249,9 +252,10 @@ def _jacobi_coefficients(app, aqq, apq):
 @triton.jit
 def _rotated_entry(A, k: tl.constexpr, p: tl.constexpr, q: tl.constexpr, c, s, t,
                    N: tl.constexpr):
-    """Entry k = i·N + j of JᵀAJ for symmetric A (J the (p, q) rotation). Off-diagonal
-    entries of rows p, q are read from columns p, q, so that (i, p) and (p, i) are the same
-    expression (compiled once).
+    """Entry k = i·N + j of JᵀAJ for symmetric A (J the (p, q) rotation).
+
+    Off-diagonal entries of rows p, q are read from columns p, q, so that (i, p) and (p, i)
+    are the same expression (compiled once).
     """
     i: tl.constexpr = k // N
     j: tl.constexpr = k % N

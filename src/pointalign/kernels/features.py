@@ -104,7 +104,7 @@ def pca_normals_reference(points: torch.Tensor, nbr_idx: torch.Tensor,
 def pca_normals(points: torch.Tensor, nbr_idx: torch.Tensor,
                 viewpoint: torch.Tensor | None = None,
                 centers: torch.Tensor | None = None) -> torch.Tensor:
-    """Unit PCA normals of neighbourhoods (entry point; see the module contract).
+    """Compute unit PCA normals of neighbourhoods (entry point; see the module contract).
 
     Args:
         points: ``(N, 3)`` float tensor; ``nbr_idx`` indexes it.

@@ -22,7 +22,8 @@ milliseconds at a few thousand points.
 
 Pair features, as in Open3D ``ComputePairFeatures`` (p1, n1, p2, n2): d = p2 − p1;
 the point whose normal makes the smaller angle with the line is the source (swap and negate
-d otherwise; a tie within 16 ulps is never swapped, so rounding cannot flip it); u = n_s, v = (d × u)/|d × u|, w = u × v;
+d otherwise; a tie within 16 ulps is never swapped, so rounding cannot flip it);
+u = n_s, v = (d × u)/|d × u|, w = u × v;
 α = atan2(w·n_t, u·n_t), φ = v·n_t, θ = ±(n·d)/|d|. Bins: α over [−π, π], φ and θ over [−1, 1].
 """
 

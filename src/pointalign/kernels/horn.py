@@ -47,8 +47,10 @@ def weighted_horn(
 
 def horn_moments(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(W (B,), sx (B, 3), sm (B, 3), cross (B, 3, 3))`` in float64: Σw, Σw x, Σw m,
-    Σw x mᵀ of ``source (B, N, 3)``, ``targets (B, N, 3)``, ``weights (B, N)``.
+    """Weighted moments ``(W (B,), sx (B, 3), sm (B, 3), cross (B, 3, 3))`` in float64.
+
+    They are Σw, Σw x, Σw m, Σw x mᵀ of ``source (B, N, 3)``, ``targets (B, N, 3)``,
+    ``weights (B, N)``.
     """
     x = source.to(torch.float64)
     m = targets.to(torch.float64)
@@ -62,8 +64,9 @@ def horn_moments(source: torch.Tensor, targets: torch.Tensor, weights: torch.Ten
 
 def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pose from the weighted moments of :func:`horn_moments` (float64):
-    :func:`pointalign._math.horn_pose` with ``tie=HORN_TIE``.
+    """Pose from the weighted moments of :func:`horn_moments` (float64).
+
+    Computed by :func:`pointalign._math.horn_pose` with ``tie=HORN_TIE``.
 
     Returns:
         ``(T (…, 4, 4) float64, valid (…) bool)``; T = I where not valid.

@@ -61,8 +61,9 @@ def uses_host_tree(points: torch.Tensor) -> bool:
 
 
 def host_tree(points: torch.Tensor) -> object:
-    """The "cpu" backend's k-d tree over host ``points (M, 3)``: tight node boxes, hinted
-    nearest-within and kNN (``_knn_cpu.CpuTree``).
+    """Return the "cpu" backend's k-d tree over host ``points (M, 3)``.
+
+    The tree (``_knn_cpu.CpuTree``) has tight node boxes, hinted nearest-within and kNN.
     """
     from pointalign.kernels._knn_cpu import CpuTree
 

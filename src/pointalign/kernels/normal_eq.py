@@ -99,7 +99,7 @@ def normal_equations(
     kernel: str = "none",
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """The ICP sums of one iteration, fused into one pass (see the module docstring).
+    """Compute the ICP sums of one iteration, fused into one pass (see the module docstring).
 
     Args:
         source: ``(B, N, 3)`` float tensor, moved source points x_i.
@@ -211,7 +211,7 @@ FLAG_VALID, FLAG_USABLE = 0, 1
 
 def solve_update_reference(sums: torch.Tensor, center: torch.Tensor, transform: torch.Tensor,
                            *, plane: bool, eps: float = 1e-10):
-    """The ICP update from the sums, float64 PyTorch (the spec of the device solve).
+    """Compute the ICP update from the sums, float64 PyTorch (the spec of the device solve).
 
     Point-to-point: :func:`pointalign._math.horn_pose` (no tie-breaker), valid when W > 0
     and both weighted covariances pass :func:`pointalign._math.spans_plane` (the one
@@ -224,6 +224,8 @@ def solve_update_reference(sums: torch.Tensor, center: torch.Tensor, transform: 
         sums: ``(B, 30)`` float64 from :func:`normal_equations`.
         center: ``(B, 3)`` the centre used by the reduction.
         transform: ``(B, 4, 4)`` float64 current estimate T.
+        plane: point-to-plane (True) or point-to-point (False) sums.
+        eps: the relative eigenvalue threshold of the degeneracy rules above.
 
     Returns:
         ``(D (B, 4, 4), T_new = D T (B, 4, 4), flags (B, 2) int32)`` float64 on sums' device.
@@ -301,7 +303,7 @@ def icp_update(
                                            lengths=lengths, center=center, kernel=kernel,
                                            scale=scale)
         D, Tn, fl = solve_update_reference(s, center, transform, plane=plane, eps=eps)
-        for o, v in zip(out, (s, D, Tn, Tn, fl)):
+        for o, v in zip(out, (s, D, Tn, Tn, fl), strict=False):
             o.copy_(v)
         return out
     from pointalign.kernels import _normal_eq_triton

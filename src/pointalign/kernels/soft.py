@@ -41,7 +41,7 @@ Recognition 1998.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 

@@ -74,7 +74,7 @@ _CONVERGED = frozenset({StopReason.SMALL_UPDATE, StopReason.RELATIVE_CHANGE,
 
 
 def resolve_device(device: Any, **inputs: Any) -> torch.device:
-    """The compute device: ``device`` if given, else the inputs' one device, else default.
+    """Return the compute device: ``device`` if given, else the inputs' one, else default.
 
     ``inputs`` are named arrays, tensors, PointClouds (or lists of them); those that live on
     a device must agree, or a ValueError names them.
@@ -142,6 +142,7 @@ class Pair:
         device: the compute device.
         init_world: ``(B, 4, 4)`` float64 NumPy, the initial estimate as given (a problem
             left at ``init`` is returned as exactly this, see :func:`build_result`).
+
     """
 
     source: torch.Tensor
@@ -181,10 +182,12 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
         target: ``(M, 3)`` (shared by every source) or ``(B, M, 3)``.
         init: ``(4, 4)`` or ``(B, 4, 4)`` initial ``T_target_source`` (None: identity).
         device: the compute device (:func:`resolve_device`).
-        source_lengths, target_lengths: ``(B,)`` valid points per padded batch entry.
+        source_lengths: ``(B,)`` valid source points per padded batch entry.
+        target_lengths: ``(B,)`` valid target points per padded batch entry.
         min_points: fewest points a cloud may have.
         local: shift to the target's centroid (False: keep the caller's coordinates, e.g.
             to query an index the caller built over the target as given).
+
     """
     src, slens, batched = _validate.as_batch(source, "source", lengths=source_lengths,
                                              min_points=min_points, device=device)
@@ -222,7 +225,7 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
 
 
 def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None:
-    """Unit normals ``(B, M, 3)`` float32 from ``normals`` or a PointCloud target, else None."""
+    """Return unit normals ``(B, M, 3)`` float32 from ``normals`` or a PointCloud, else None."""
     if normals is None:
         normals = getattr(target, "normals", None) if hasattr(target, "points") else None
     if normals is None:
@@ -244,16 +247,20 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
                  history: list[dict[str, Any]], timings: dict[str, float],
                  info: dict[str, Any], converged: np.ndarray | None = None
                  ) -> RegistrationResult:
-    """The :class:`RegistrationResult` of B problems, squeezed when the input was unbatched.
+    """Build the :class:`RegistrationResult` of B problems, squeezed for unbatched input.
 
     Args:
         pair: the prepared inputs.
         T_local: ``(B, 4, 4)`` float64 estimates in the local frames.
-        fitness, rmse, iterations: ``(B,)`` host arrays.
-        reasons: B stop reasons; ``converged`` defaults to ``reason.converged``.
+        fitness: ``(B,)`` host array.
+        rmse: ``(B,)`` host array.
+        iterations: ``(B,)`` host array.
+        reasons: B stop reasons.
         history: one dict per iteration of ``(B,)`` arrays (or scalars).
         timings: seconds per stage.
         info: extras; ``(B, …)`` arrays are split per problem when squeezing.
+        converged: ``(B,)`` bools; defaults to ``reason.converged`` of each reason.
+
     """
     T = pair.frame.to_world(T_local)
     if pair.init_world is not None:  # left at init: exactly init (no float64 round trip)

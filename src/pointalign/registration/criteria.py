@@ -88,7 +88,8 @@ class RobustKernel:
         _validate.positive(self.k, "robust_kernel.k")
 
     def weights(self, residual: torch.Tensor) -> torch.Tensor:
-        """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0
-        (:func:`pointalign._math.robust_weight`, the formula the ICP kernels use).
+        """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0.
+
+        Uses :func:`pointalign._math.robust_weight`, the formula the ICP kernels use.
         """
         return _math.robust_weight(residual, self.kind, self.k)

@@ -75,6 +75,7 @@ class IcpStep:
         return torch.stack(out)
 
     def __call__(self, inputs: _loop.Tensors, state: _loop.Tensors):
+        """Run one iteration: search, fused sums and solve; return the new state and record."""
         T, Tf = state["T"], state["Tf"]
         x = torch.baddbmm(Tf[:, None, :3, 3], inputs["source"], Tf[:, :3, :3].transpose(1, 2))
         with _validate.trusted():
@@ -182,7 +183,7 @@ def information_matrix(sums: np.ndarray, plane: bool, center: np.ndarray) -> np.
 
 
 def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
-    """The correspondence search of each problem: built here, or the caller's index."""
+    """Return the correspondence search of each problem: built here, or the caller's index."""
     B = pair.size
     if index is None:
         n = 1 if pair.shared_target else B

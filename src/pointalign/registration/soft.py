@@ -132,6 +132,7 @@ class _Annealing:
     ``history.<key> (checks, B)`` and ``(B,)`` fitness, rmse, iterations, done, flat, info.
     """
 
+    SOURCE_LAYOUT: ClassVar[bool]  # set by each subclass
     n_iter: int
     check_every: int
     rotation_tolerance: float

@@ -94,7 +94,7 @@ def _solve_spd4(M: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     rows whose pivot is not positive give NaN.
     """
     n = 4
-    L = [[None] * n for _ in range(n)]
+    L: list[list[Any]] = [[None] * n for _ in range(n)]
     for j in range(n):
         d = M[:, j, j] - sum((L[j][k] * L[j][k] for k in range(j)), torch.zeros_like(M[:, 0, 0]))
         ljj = torch.where(d > 0, d, torch.full_like(d, float("nan"))).sqrt()
@@ -102,11 +102,11 @@ def _solve_spd4(M: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         for i in range(j + 1, n):
             v = M[:, i, j] - sum((L[i][k] * L[j][k] for k in range(j)), torch.zeros_like(ljj))
             L[i][j] = v / ljj
-    y = []
+    y: list[torch.Tensor] = []
     for i in range(n):
         y.append((r[:, i] - sum((L[i][k] * y[k] for k in range(i)), torch.zeros_like(r[:, 0])))
                  / L[i][i])
-    x = [None] * n
+    x: list[Any] = [None] * n
     for i in reversed(range(n)):
         x[i] = (y[i] - sum((L[k][i] * x[k] for k in range(i + 1, n)), torch.zeros_like(y[i])))\
             / L[i][i]
