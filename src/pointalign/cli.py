@@ -58,7 +58,8 @@ METHODS: dict[str, tuple[str, str, str]] = {
                    "ICP on k-d tree cell approximants"),
 }
 
-Method = enum.Enum("Method", {m.replace("-", "_").upper(): m for m in METHODS}, type=str)
+Method = enum.Enum(  # type: ignore[misc]  # mypy reads only literal functional Enums
+    "Method", {m.replace("-", "_").upper(): m for m in METHODS}, type=str)
 
 
 class Device(str, enum.Enum):
@@ -621,7 +622,7 @@ def view(
             result = RegistrationResult.load(json_in)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--json") from None
-        T = result.transformation
+        T: Any = result.transformation
     else:
         T = _read_init(transform) if transform is not None else np.eye(4)
     try:

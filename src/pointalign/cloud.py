@@ -93,7 +93,8 @@ class PointCloud:
             return None if t is None else t.to(device=device, dtype=dtype)
 
         return PointCloud(
-            mv(self.points), mv(self.normals), mv(self.colors), mv(self.features),
+            self.points.to(device=device, dtype=dtype), mv(self.normals), mv(self.colors),
+            mv(self.features),
             {k: v.to(device) for k, v in self.extras.items()},
         )
 
@@ -105,7 +106,7 @@ class PointCloud:
             return None if t is None else t[idx]
 
         return PointCloud(
-            sel(self.points), sel(self.normals), sel(self.colors), sel(self.features),
+            self.points[idx], sel(self.normals), sel(self.colors), sel(self.features),
             {k: v[idx] for k, v in self.extras.items()},
         )
 
@@ -161,10 +162,11 @@ class PointCloud:
             return cls(pts, nrm, col, extras=extras)
         if not (hasattr(pcd, "points") and hasattr(pcd, "has_normals")):
             raise TypeError(f"pcd: expected an Open3D PointCloud, got {type(pcd).__name__}")
-        pts = np.array(pcd.points)
-        nrm = np.array(pcd.normals) if pcd.has_normals() else None
-        col = np.array(pcd.colors) if pcd.has_colors() else None
-        return cls(pts, nrm, col)
+        def arr(v: Any) -> torch.Tensor:
+            return torch.from_numpy(np.array(v))
+
+        return cls(arr(pcd.points), arr(pcd.normals) if pcd.has_normals() else None,
+                   arr(pcd.colors) if pcd.has_colors() else None)
 
     def to_open3d(self, tensor: bool = False) -> Any:
         """Convert to an Open3D point cloud (needs the ``open3d`` extra).
@@ -204,7 +206,8 @@ class PointCloud:
             for k, v in self.extras.items():
                 pcd.point[k] = o3t(v[:, None] if v.dim() == 1 else v)
             return pcd
-        pcd = o3d.geometry.PointCloud()
+        legacy: Any = o3d.geometry.PointCloud()
+        pcd = legacy
         arrs = self.numpy()
         pcd.points = o3d.utility.Vector3dVector(arrs["points"].astype(np.float64))
         if "normals" in arrs:

@@ -114,7 +114,9 @@ def _build(f: _Fields, dtype: torch.dtype | None) -> PointCloud:
         if v.shape[0] != pts.shape[0]:
             raise _FormatError(f"field {k!r} has {v.shape[0]} rows for {pts.shape[0]} points")
         extras[k] = torch.from_numpy(_native(v[sel]))
-    return PointCloud(cast(pts, "coordinates"), cast(f.normals, "normals"),
+    coords = cast(pts, "coordinates")
+    assert coords is not None  # the coordinates were read above
+    return PointCloud(coords, cast(f.normals, "normals"),
                       cast(f.colors, "colours"), cast(f.features, "features"), extras)
 
 

@@ -169,7 +169,10 @@ def _write_pcd(f: Any, cloud: PointCloud, binary: bool) -> None:
         if np.dtype(v.dtype) not in NUMPY_TYPE_TO_PCD_TYPE:
             raise ValueError(f"extras[{k!r}]: dtype {v.dtype} cannot be stored in PCD")
         fields.append((k, v))
-    names, sizes, types, counts = [], [], [], []
+    names: list[str] = []
+    sizes: list[int] = []
+    types: list[Any] = []
+    counts: list[int] = []
     for n, v in fields:
         t, s = NUMPY_TYPE_TO_PCD_TYPE[np.dtype(v.dtype)]
         names.append(n)

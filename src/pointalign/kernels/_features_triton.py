@@ -25,13 +25,14 @@ Kernels are decorated on first use, separately for compiled and interpreted runs
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from triton import knobs
 
-_CACHE: dict[bool, dict[str, object]] = {}
+_CACHE: dict[bool, dict[str, Any]] = {}
 
 #: histogram lanes per row (33 bins, padded to a power of two)
 _HIST_LANES = 64
@@ -374,7 +375,7 @@ def _alpha_edges(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _EDGES[key]
 
 
-def _kernels() -> dict[str, object]:
+def _kernels() -> dict[str, Any]:
     interp = bool(knobs.runtime.interpret)
     if interp not in _CACHE:
         _CACHE[interp] = {name: triton.jit(f) for name, f in (

@@ -164,7 +164,8 @@ def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = N
     bl = block or (128 if k == 1 else 32)
     grid = (max(1, -(-n // bl)),)
     _kernel()[grid](q, g.params, g.dims_dev, g.cell_start, g.sorted_points, g.sorted_idx,
-                    out_d, out_i, n, m, float(max_distance_sq) if has_max else 0.0,
+                    out_d, out_i, n, m,
+                    0.0 if max_distance_sq is None else float(max_distance_sq),
                     HAS_MAX=has_max, K=k, KP=kp, BLOCK=bl, U=NN_UNROLL, num_warps=4)
     if k > 1:
         out_d, out_i = _sort_rows(out_d, out_i)

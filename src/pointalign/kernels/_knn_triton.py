@@ -21,13 +21,14 @@ int64.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from triton import knobs
 
-_CACHE: dict[bool, dict[str, object]] = {}
+_CACHE: dict[bool, dict[str, Any]] = {}
 
 
 def _nn1_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
@@ -123,7 +124,7 @@ def _topk_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
     tl.store(out_i_ptr + out, best_i, mask=omask)
 
 
-def _kernels() -> dict[str, object]:
+def _kernels() -> dict[str, Any]:
     interp = bool(knobs.runtime.interpret)
     if interp not in _CACHE:
         _CACHE[interp] = {"nn1": triton.jit(_nn1_kernel), "topk": triton.jit(_topk_kernel)}
@@ -152,7 +153,7 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int,
     q = query.contiguous()
     p = points.t().contiguous() if points_t is None else points_t  # (3, M) SoA
     has_max = max_distance_sq is not None
-    md2 = float(max_distance_sq) if has_max else 0.0
+    md2 = 0.0 if max_distance_sq is None else float(max_distance_sq)
     kk = min(k, m)
     out_d = torch.empty((n, kk), dtype=q.dtype, device=q.device)
     out_i = torch.empty((n, kk), dtype=torch.int64, device=q.device)

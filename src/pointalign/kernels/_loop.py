@@ -141,7 +141,7 @@ class Clock:
         self._last = now
 
     def total(self) -> dict[str, float]:
-        """The stage timings plus ``"total"``: seconds since the clock was made."""
+        """Return the stage timings plus ``"total"``: seconds since the clock was made."""
         synchronize(self.device)
         self.timings["total"] = time.perf_counter() - self._t0
         return self.timings

@@ -340,7 +340,7 @@ def least_norm_solve6(A, b, eps, SWEEPS: tl.constexpr):
     thr = eps * tl.maximum(mx, 1e-300)
     full = D[0] > thr
     some = D[0] > thr
-    y = []
+    y = []  # type: ignore[var-annotated]  # a Triton list: no annotations in @triton.jit code
     for k in tl.static_range(6):
         keep = D[7 * k] > thr
         full = full & keep

@@ -75,9 +75,9 @@ def radius_neighbours(points: torch.Tensor, radius: float,
     if be == "cpu" and n:
         from pointalign.kernels._knn_cpu import CpuTree
 
-        d, i = CpuTree(points.detach().contiguous().numpy()).knn(
+        dn, inn = CpuTree(points.detach().contiguous().numpy()).knn(
             points.detach().contiguous().numpy(), min(k, n), r2)
-        d, i = torch.from_numpy(d), torch.from_numpy(i)
+        d, i = torch.from_numpy(dn), torch.from_numpy(inn)
         if k > n:
             d = torch.cat([d, d.new_full((n, k - n), math.inf)], 1)
             i = torch.cat([i, i.new_full((n, k - n), -1)], 1)

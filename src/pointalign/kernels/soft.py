@@ -157,7 +157,7 @@ def soft_rows_reference(
                 u = u * alpha[:, None] + e @ pj
                 run_m = m_new
             lse[b, i0:i0 + qi.shape[0]] = run_m + torch.log(l1)
-            if squares:
+            if lse2 is not None:
                 lse2[b, i0:i0 + qi.shape[0]] = 2 * run_m + torch.log(l2)
             mean[b, i0:i0 + qi.shape[0]] = torch.where(
                 l1[:, None] > 0, u / l1.clamp_min(torch.finfo(dt).tiny)[:, None],
@@ -219,7 +219,7 @@ def emicp_rows(
     source: torch.Tensor,
     target: torch.Tensor,
     transform: torch.Tensor,
-    sigma2: torch.Tensor,
+    sigma2: torch.Tensor | None,
     log_outlier: torch.Tensor,
     *,
     source_lengths: torch.Tensor | None = None,
@@ -237,7 +237,7 @@ def emicp_rows(
         source: ``(B, N, 3)`` source points x_i.
         target: ``(B, M, 3)`` target points y_j.
         transform: ``(B, 4, 4)`` T_target_source applied to the source.
-        sigma2: ``(B,)`` σ² > 0.
+        sigma2: ``(B,)`` σ² > 0, or None with ``scale``.
         log_outlier: ``(B,)`` −d₀²/σ² (may be ``-inf``: no outlier term).
         source_lengths: ``(B,)`` valid source points (default all).
         target_lengths: ``(B,)`` valid target points (default all).
@@ -250,6 +250,8 @@ def emicp_rows(
 
     """
     if scale is None:
+        if sigma2 is None:
+            raise ValueError("sigma2: needed when scale is not given")
         scale = 0.5 / sigma2.to(source.dtype)
     ql, pl = _check(source, target, transform, scale, source_lengths, target_lengths, None)
     if getattr(approximation, "mode", "exact") != "exact" and backend(source) == "cpu":
@@ -265,6 +267,7 @@ def emicp_rows(
         return w, mean
     r = soft_rows_reference(source, target, transform, scale, query_lengths=ql,
                             point_lengths=pl, squares=True)
+    assert r.lse2 is not None  # squares=True
     return emicp_weights(r.lse, r.lse2, log_outlier.to(r.lse.dtype)), r.mean
 
 

@@ -199,9 +199,9 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
     shared = not tbatched and B > 1
     if tgt.shape[0] != B and not shared:
         raise ValueError(f"target: expected {B} clouds (like source) or one, got {tgt.shape[0]}")
-    T0 = _validate.as_transform(init, "init", batch=B if batched else None, device="cpu",
-                                dtype=torch.float64)
-    T0 = (T0 if batched else T0[None]).detach().numpy()
+    T0t = _validate.as_transform(init, "init", batch=B if batched else None, device="cpu",
+                                 dtype=torch.float64)
+    T0 = (T0t if batched else T0t[None]).detach().numpy()
     # lengths on the host: known without a transfer unless the caller passed them
     s_counts = (slens.cpu().numpy() if source_lengths is not None
                 or isinstance(source, (list, tuple)) else np.full(B, src.shape[1]))

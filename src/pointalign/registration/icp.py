@@ -111,6 +111,7 @@ class _Rules:
     T: np.ndarray
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    pending: tuple[np.ndarray, ...] = ()  # the last record's update (D, T', flags)
 
     def __post_init__(self) -> None:
         B = self.T.shape[0]

@@ -93,7 +93,7 @@ def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool,
     d, j = _k.feature_knn(sf, tf, k)
     i = torch.arange(sf.shape[0], device=sf.device)
     keep = torch.ones_like(i, dtype=torch.bool)
-    if k == 2:
+    if ratio is not None and k == 2:
         keep &= d[:, 0].sqrt() < float(ratio) * d[:, 1].sqrt()
     if mutual:
         _, back = _k.feature_knn(tf, sf, 1)
@@ -177,11 +177,13 @@ def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.
     line) is kept only if it scores better, as any candidate is.
     """
     _, _, idx = _score(T, src, index, max_distance, with_matches=True)
+    assert idx is not None  # with_matches
     src_b = src.expand(T.shape[0], -1, -1)
     key = _key(counts, sq, max_distance)
     for _ in range(iterations):
         T_new, valid = weighted_horn(src_b, tgt[idx.clamp_min(0)], (idx >= 0).to(src.dtype))
         c_new, sq_new, idx_new = _score(T_new, src, index, max_distance, with_matches=True)
+        assert idx_new is not None  # with_matches
         key_new = _key(c_new, sq_new, max_distance)
         better = valid & (key_new > key)
         if not bool(better.any()):
@@ -399,11 +401,11 @@ def ransac(
         best = torch.sort(_key(pool_c, pool_sq, dist), descending=True, stable=True).indices
         pool_T, pool_c, pool_sq = pool_T[best], pool_c[best], pool_sq[best]
     explained = _explained(pool_T[0], cs, ct, dist)
-    count, sq_best, before, n_explained = torch.stack(
+    count_f, sq_best, before_f, n_explained = torch.stack(
         [pool_c[0].double(), pool_sq[0], before.double(), explained.double()]).tolist()
-    count, before = int(count), int(before)
+    count, n_before = int(count_f), int(before_f)
     if local_refinement and refine_iterations > 0:
-        info["refined_inliers_gain"] = count - before
+        info["refined_inliers_gain"] = count - n_before
         clock.lap("refine")
     fitness = count / src.shape[0]
     rmse = math.sqrt(sq_best / count) if count else math.inf

@@ -213,6 +213,7 @@ def approximant_coefficients(tree: KDTreeIndex, approximant: Approximant = "plan
         A = normal[:, :, None] * normal[:, None, :] + (dirs * lam[:, None, :]) @ \
             dirs.transpose(1, 2)
     else:
+        assert callable(approximant)  # a name was handled above
         out = approximant(mean.clone(), normal.clone(), frame.clone())
         if not (isinstance(out, tuple) and len(out) == 3):
             raise TypeError("approximant: a callable must return (A, b, c)")

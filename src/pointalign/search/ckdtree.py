@@ -43,7 +43,7 @@ class CKDTreeIndex:
         self.workers = workers
 
     def _cpu_tree(self) -> Any:
-        """Return the kernel layer's fast host tree (built on first use), or None off that backend."""
+        """Return the kernel layer's host tree (built on first use), or None off its backend."""
         from pointalign.kernels import knn
 
         if not knn.uses_host_tree(self._host):
