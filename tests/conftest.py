@@ -1,4 +1,4 @@
-"""Shared fixtures: devices, dtypes, seeds, tolerances, and the real data when present."""
+"""Shared fixtures: devices, dtypes, seeds, and the real data when present."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import torch
 from pointalign import datasets
 
 HAS_CUDA = torch.cuda.is_available()
-
-# absolute tolerances keyed by dtype, for comparisons of fast paths with references
-TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 # seeds range: tests must pass for any of them; POINTALIGN_SEED picks another one
 _SEED = int(os.environ.get("POINTALIGN_SEED", "0"))

@@ -14,8 +14,7 @@ frames, measure fitness. Every ``CHECK_EVERY`` iterations a problem whose pose a
 settled is frozen (:class:`_Settling`). How the program runs (eagerly, stopping once all
 settled, or as one CUDA graph replay) is :func:`pointalign.kernels._loop.run_program`'s.
 
-``source`` is moved onto ``target``: results are ``T_target_source`` (``x_t = R x_s + t``).
-Batches: padded ``(B, N, 3)`` clouds with ``source_lengths`` / ``target_lengths``, as ICP.
+Results are ``T_target_source``; batches are padded ``(B, N, 3)`` with lengths, as in ICP.
 """
 
 from __future__ import annotations
