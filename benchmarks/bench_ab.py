@@ -38,6 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_icp import upsample as _upsample  # noqa: E402
+from bench_soft import subsample_pair  # noqa: E402
 from common import metadata, sync, timeit  # noqa: E402
 
 import pointalign as pa  # noqa: E402
@@ -45,25 +47,6 @@ from pointalign import datasets, transforms  # noqa: E402
 from pointalign.features.downsample import voxel_downsample  # noqa: E402
 from pointalign.registration.criteria import ConvergenceCriteria  # noqa: E402
 from pointalign.registration.pipeline import auto_voxel_size, register  # noqa: E402
-
-
-def _upsample(points: torch.Tensor, n: int, jitter: float, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, points.shape[0], (n,), generator=g)
-    return points[idx] + jitter * torch.randn(n, 3, generator=g, dtype=points.dtype)
-
-
-def _subsample_pair(n: int):
-    pair = datasets.load_bunny_pair()
-    out = []
-    for k, cloud in enumerate((pair.source, pair.target)):
-        if n <= cloud.shape[0]:
-            out.append(datasets.random_subsample(cloud, n, seed=10 + k))
-        else:
-            g = torch.Generator().manual_seed(20 + k)
-            idx = torch.randint(0, cloud.shape[0], (n,), generator=g)
-            out.append(cloud[idx] + 1e-4 * torch.randn(n, 3, generator=g))
-    return out
 
 
 def rows(dev: torch.device):
@@ -104,9 +87,9 @@ def rows(dev: torch.device):
     yield "ICP 1M point-to-point (small_gicp's rule)", lambda: pa.icp(
         bs, bt, max_correspondence_distance=0.05, criteria=upd, device=dev)
     for n in (5000, 40000):
-        x, y = (c.to(dev) for c in _subsample_pair(n))
+        x, y = (c.to(dev) for c in subsample_pair(n)[:2])
         yield f"EM-ICP {n // 1000}k", lambda x=x, y=y: pa.emicp(x, y, device=dev)
-    x, y = (c.to(dev) for c in _subsample_pair(5000))
+    x, y = (c.to(dev) for c in subsample_pair(5000)[:2])
     yield "Softassign 5k", lambda: pa.softassign(x, y, device=dev)
     base = datasets.load_bunny("bun000")
     tgt = _upsample(base, 1_000_000, 3e-4, 0)

@@ -297,6 +297,14 @@ def _any_orthogonal(u: torch.Tensor) -> torch.Tensor:
     return v / v.norm(dim=-1, keepdim=True).clamp_min(1e-300)
 
 
+def _scaled(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``A (…, 3, 3)`` in float64 over its largest entry, and that scale ``(…,)``."""
+    A64 = _f64(A)
+    s = A64.abs().amax((-1, -2))
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return A64 / s[..., None, None], s
+
+
 def smallest_eigenvector3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the unit eigenvector of the smallest eigenvalue of ``A (…, 3, 3)``, closed form.
 
@@ -306,10 +314,7 @@ def smallest_eigenvector3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     coincide). Returns ``(vectors (…, 3), eigenvalues (…, 3) ascending)`` in A's dtype.
     """
     dt = A.dtype
-    A64 = _f64(A)
-    s = A64.abs().amax((-1, -2))
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    An = A64 / s[..., None, None]
+    An, s = _scaled(A)
     lam = eigvalsh3(An)
     v, nv = _null_vector(An, lam[..., 0])
     gap = (lam[..., 1] - lam[..., 0])
@@ -339,10 +344,7 @@ def eigh3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     """
     dt = A.dtype
-    A64 = _f64(A)
-    s = A64.abs().amax((-1, -2))
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    An = A64 / s[..., None, None]
+    An, s = _scaled(A)
     lam = eigvalsh3(An)
     v0, _ = smallest_eigenvector3(An)
     v2, n2 = _null_vector(An, lam[..., 2])

@@ -198,6 +198,17 @@ def _check_input(path: Path, hint: str) -> None:
                                  f"{', '.join(CLOUD_SUFFIXES)}", param_hint=hint)
 
 
+def _check_reports(json_out: Path | None, plot: Path | None, html: Path | None) -> None:
+    """Check the report paths (``--json``, ``--plot``, ``--html``) and their extras first."""
+    _check_output(json_out, (".json",), "--json")
+    _check_output(plot, PLOT_SUFFIXES, "--plot")
+    _check_output(html, HTML_SUFFIXES, "--html")
+    if plot is not None:
+        _need_module("matplotlib", "viz", "--plot")
+    if html is not None:
+        _need_module("plotly", "viz", "--html")
+
+
 def _resolve_device(device: Device) -> str:
     import torch
 
@@ -454,13 +465,7 @@ def register(
     _check_input(source, "SOURCE")
     _check_input(target, "TARGET")
     _check_output(output, CLOUD_SUFFIXES[:-1], "--output")
-    _check_output(json_out, (".json",), "--json")
-    _check_output(plot, PLOT_SUFFIXES, "--plot")
-    _check_output(html, HTML_SUFFIXES, "--html")
-    if plot is not None:
-        _need_module("matplotlib", "viz", "--plot")
-    if html is not None:
-        _need_module("plotly", "viz", "--html")
+    _check_reports(json_out, plot, html)
     dev = _resolve_device(device)
     T0 = _read_init(init)
     for name in _ignored(m, {"init": init, "voxel_size": voxel_size,
@@ -540,13 +545,7 @@ def demo(
     """Align the bundled Stanford bunny scans bun045 -> bun000 from the identity."""
     _verbosity(verbose, quiet)
     m = method.value
-    _check_output(json_out, (".json",), "--json")
-    _check_output(plot, PLOT_SUFFIXES, "--plot")
-    _check_output(html, HTML_SUFFIXES, "--html")
-    if plot is not None:
-        _need_module("matplotlib", "viz", "--plot")
-    if html is not None:
-        _need_module("plotly", "viz", "--html")
+    _check_reports(json_out, plot, html)
     dev = _resolve_device(device)
     if seed is not None and m != "global":
         err.print(f"[yellow]warning: --seed is ignored by method {m}[/yellow]")

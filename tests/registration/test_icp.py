@@ -426,34 +426,6 @@ def test_chunked_loop_matches_max_iterations(bunny, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index_method", ["grid", "kdtree"])
-def test_cuda_tiered_query_is_exact(seed, index_method):
-    from pointalign import _validate
-    from pointalign.search import policy
-
-    t = datasets.load_bunny("bun000").cuda()
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = t[::2] + 0.004 * torch.randn(t[::2].shape, device="cuda", generator=g)
-    q[:500] += 0.03
-    md = 0.05
-    ix = build_index(t, index_method, max_distance=md)
-    # the k-d tree starts from hints (the last correspondences) instead of going through tiers
-    hinted = index_method == "kdtree"
-    cix = policy.correspondence_index(ix, md)
-    assert len(getattr(cix, "tiers", ())) == (0 if hinted else 2)
-    hint = torch.randint(-1, t.shape[0], (q.shape[0],), device="cuda", generator=g)
-    hint[::3] = ix.nearest_within(q, md).idx[::3, 0]  # some at the answer, as in ICP
-    with _validate.trusted():
-        got = cix.nearest_within(q.contiguous(), md, hint=hint).idx[:, 0]
-    want = ix.nearest_within(q, md)
-    same = got == want.idx[:, 0]
-    # ties aside, the same neighbour; where different, the same distance
-    d_got = torch.where(got >= 0, ((t[got.clamp_min(0)] - q) ** 2).sum(-1), torch.inf)
-    assert torch.equal(got >= 0, want.idx[:, 0] >= 0)
-    torch.testing.assert_close(d_got[~same], want.dists[~same, 0])
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("index_method", ["grid", "kdtree"])
 def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
