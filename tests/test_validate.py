@@ -84,3 +84,16 @@ def test_same_device_and_scalars():
 def test_mismatched_devices_rejected():
     with pytest.raises(ValueError, match="different devices"):
         _validate.same_device(source=torch.zeros(3), target=torch.zeros(3, device="cuda"))
+
+
+@pytest.mark.parametrize("algorithm", ["icp", "emicp", "register", "surface_newton"])
+def test_tensors_that_require_grad_are_accepted_and_left_alone(algorithm):
+    import pointalign as pa
+
+    pair = pa.datasets.load_bunny_pair()
+    s = pa.datasets.random_subsample(pair.source, 600, 0).requires_grad_(True)
+    t = pa.datasets.random_subsample(pair.target, 600, 1).requires_grad_(True)
+    kw = {"max_correspondence_distance": 0.05} if algorithm == "icp" else {}
+    res = getattr(pa, algorithm)(s, t, device="cpu", **kw)
+    assert res.transformation.shape == (4, 4)
+    assert s.requires_grad and s.grad is None and t.grad is None

@@ -96,7 +96,8 @@ def _to_tensor(name: str, x: Any) -> torch.Tensor:
     own device through ``torch.from_dlpack``), and lists/tuples of numbers.
     """
     if isinstance(x, torch.Tensor):
-        return x
+        # registration is not differentiable: a view without the autograd graph
+        return x.detach() if x.requires_grad else x
     if isinstance(x, np.ndarray):
         if x.dtype == object or not (
             np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)
@@ -105,7 +106,7 @@ def _to_tensor(name: str, x: Any) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(x))
     pts = getattr(x, "points", None)
     if isinstance(pts, torch.Tensor):  # PointCloud (duck-typed: no import of cloud.py)
-        return pts
+        return pts.detach() if pts.requires_grad else pts
     if _is_open3d(x):
         t = _from_open3d(name, x)
         if t is not None:
