@@ -32,6 +32,16 @@ def _index(points: torch.Tensor, index: Any) -> Any:
     return build_index(points)
 
 
+def neighbour_counts(index: Any, queries: torch.Tensor, radius: float, cap: int
+                     ) -> torch.Tensor:
+    """Count the indexed points within ``radius`` of each query, up to ``cap``: ``(Q,)`` int.
+
+    ``queries (Q, 3)`` on the index's device; a query that is itself an indexed point counts
+    itself (subtract 1 for "other points"). One ``radius`` search with ``cap`` columns.
+    """
+    return (index.radius(queries, radius, cap).idx >= 0).sum(1)
+
+
 @_validate.out_of_memory_is_clear
 def radius_outlier_mask(points: Any, radius: float, min_neighbors: int = 2, *,
                         index: Any = None, device: str | torch.device | None = None
@@ -56,8 +66,7 @@ def radius_outlier_mask(points: Any, radius: float, min_neighbors: int = 2, *,
             or min_neighbors < 1:
         raise ValueError(f"min_neighbors: expected an integer >= 1, got {min_neighbors!r}")
     k = min(min_neighbors + 1, pts.shape[0])  # the point itself is its own first neighbour
-    nb = _index(pts, index).radius(pts, r, k)
-    return (nb.idx >= 0).sum(1) >= min_neighbors + 1
+    return neighbour_counts(_index(pts, index), pts, r, k) >= min_neighbors + 1
 
 
 @_validate.out_of_memory_is_clear

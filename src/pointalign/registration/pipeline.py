@@ -35,6 +35,7 @@ from pointalign import _validate
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import bounds, count_voxels, voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
+from pointalign.features.outliers import neighbour_counts
 from pointalign.kernels import _loop
 from pointalign.registration.ransac import ransac
 from pointalign.registration.result import RegistrationResult
@@ -101,8 +102,7 @@ def dense_mask(points: torch.Tensor, v: float, index: Any = None) -> torch.Tenso
     if points.shape[0] <= SPARSE_NEIGHBOURS + 1:
         return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
     idx = build_index(points) if index is None else index
-    cap = min(2 * DENSE_MEDIAN + 1, points.shape[0])
-    count = (idx.radius(points, v, cap).idx >= 0).sum(1) - 1
+    count = neighbour_counts(idx, points, v, min(2 * DENSE_MEDIAN + 1, points.shape[0])) - 1
     if float(count.float().median()) < DENSE_MEDIAN:
         return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
     return count >= SPARSE_NEIGHBOURS
@@ -123,7 +123,7 @@ def stray_fraction(points: torch.Tensor, v: float, sample: int = 4096) -> float:
     q = points[:: max(1, n // sample)]
     # a grid with cells of v: one sort to build, and a few thousand queries over 27 cells
     index = build_index(points, max_distance=v)
-    count = (index.radius(q, v, SPARSE_NEIGHBOURS + 1).idx >= 0).sum(1) - 1
+    count = neighbour_counts(index, q, v, SPARSE_NEIGHBOURS + 1) - 1
     return float((count < SPARSE_NEIGHBOURS).float().mean())
 
 
