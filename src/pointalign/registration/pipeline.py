@@ -201,6 +201,9 @@ def register(
         the ICP's own stop test.
 
     """
+    for name, flag in (("remove_outliers", remove_outliers), ("robust", robust)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected True or False, got {flag!r}")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     like = source.points if isinstance(source, PointCloud) else \
