@@ -1,36 +1,39 @@
-"""EM-ICP's E-step on the CPU, exact or with a stated, bounded approximation (numba).
+"""The soft methods' row passes on the CPU (numba), exact or with a stated, bounded approximation.
 
-The exact E-step sums over all N·M pairs (``soft.emicp_rows``); at 40k × 40k that is 1.6e9
-exponentials per iteration, seconds on a laptop, minutes for a run. Above a cost the caller
-accepts (:func:`plan`), the sums are approximated in two stated ways, both controlled by
-the current σ (scale s = 1/(2σ²)):
+EM-ICP and Softassign sum over all N·M pairs every pass (``soft.soft_rows``); at 40k × 40k
+that is 1.6e9 exponentials per EM-ICP iteration, minutes for a run. Here one numba kernel
+(:func:`_rows`, all cores, float64 sums with a running maximum per row) computes the row
+reductions of ``soft.soft_rows`` (lse, lse2, mean) over a k-d tree of the points side, and
+:func:`plan` chooses up front, from a cost estimate, one of three forms:
 
-* **truncation** at ``R = k·σ``: pairs with d_ij > kσ are left out. Each dropped term
-  exp(−d²/(2σ²)) is below ``e^(−k²/2)`` (k = 5: 3.7e-6), so the row sum
-  ``Σ_j exp(−s d_ij²)`` is low by at most ``M·e^(−k²/2)`` in absolute terms;
-* **merging** of the target points into cubic cells of half-diagonal ``h = εσ``
-  (side ``a = 2εσ/√3``; only while that merges anything): the points of a cell act as their
-  centroid c with weight n (the count). For a point p of the cell, ``|d_ip² − d_ic²| ≤
-  2 d_ic h + h²``, so a kept term at distance d is off by a factor within
-  ``exp(±(ε·d/σ + ε²/2))``: within ``e^(±1.005ε)`` for the terms within one σ, which carry
-  most of a row's mass (ε = 0.1: ±10.6%), and the soft correspondence (a weighted mean of
-  the target points) moves by at most h plus that relative change of its weights times
-  the spread of the points within kσ. Both shrink with σ, so late iterations (small σ,
-  cells smaller than the point spacing: nothing merged) are exact up to the truncation.
+* ``"exact"``: every pair (the tree prunes nothing); equal to the PyTorch reference up to
+  the order of float64 sums. Chosen automatically while its estimate is at most
+  ``AUTO_BUDGET_S`` seconds.
+* ``"cells"`` (EM-ICP): at each annealing step (scale s = 1/(2σ²)) both clouds are merged
+  into cubic cells of side ``a = c·σ`` rounded down to a power of √2 (in the input's
+  unit; ``c = CELL_RATIO``, so ``a ∈ (cσ/√2, cσ]``, half-diagonal ``h = a√3/2 ≤ 0.87cσ``),
+  and pairs of cells whose centroids are more than ``kσ`` apart are dropped
+  (``k = TRUNCATE_K``). A target cell acts as its centroid ȳ with weight n (its count); each
+  source point takes the E-step values (λ, x') of its cell's centroid. Bounds, at a source
+  centroid q and a kept target cell at centroid distance d (Jensen and Hoeffding's lemma on
+  the centred offsets of the cell's points, |δ| ≤ h):
+  ``n e^(−s d²) / Σ_cell e^(−s d_j²) ∈ [e^(−(4 s d h + s h²)²/8), e^(s h²)]``: second order
+  in h/σ (at d = σ, c = 0.4: within [0.93, 1.06]); each dropped point's term is below
+  ``e^(−s (kσ − h)²)``. Once the cells are smaller than the point spacing they hold one
+  point each and only the truncation is left (the late, small-σ iterations).
+* ``"truncated"`` (Softassign): pairs with ``s d² > k²/2 + offset`` are dropped, where
+  ``offset`` = βα is the logits' known shift (so every dropped term of a Sinkhorn pass,
+  ``exp(−β(d² − α)) c_j``, is below ``e^(−k²/2)/w``: its scalings are at most ``1/w``, w the
+  slack entry); k is chosen so that every normaliser ``w + Σ`` is low by a relative
+  ``M e^(−k²/2)/w² ≤ SOFTASSIGN_TOLERANCE``.
 
-A row with no target point within kσ gets lse = −inf (λ = 0: an outlier). Its exact
-weight is ``λ_i ≤ M·e^(−k²/2)/√C_i``: negligible when the outlier term (d₀ < kσ) is on;
-without an outlier term the exact E-step still pulls such a row toward its distant
-neighbours, the truncated one drops it.
-
-Every row reduction of ``soft_rows`` (lse, lse2, mean) is returned for the same contract as
-the reference, so :func:`pointalign.kernels.soft.emicp_weights` applies unchanged.
+A row with no kept pair gets lse = −inf (λ = 0: an outlier; Softassign: only the slack).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,104 +41,263 @@ import torch
 from pointalign import _threads
 from pointalign.kernels._knn_cpu import CpuTree, _boxd2, njit, prange
 
-#: default truncation radius in σ (dropped terms < e^(−k²/2) = 3.7e-6 for k = 5)
-TRUNCATE_K = 5.0
-#: default merge tolerance ε (each kept term within a factor e^(±ε), see the module doc)
-MERGE_EPS = 0.1
-#: exact pairs per second of the CPU E-step per thread (measured on the 2-core machine,
-#: bunny 40k; an estimate for :func:`plan`, not a promise)
-EXACT_PAIRS_PER_S = 1.5e8
+#: EM-ICP truncation radius in σ (each dropped term below e^(−(k − 0.87c)²/2))
+TRUNCATE_K = 4.0
+#: EM-ICP cell side / σ (half-diagonal ≤ 0.87 c σ)
+CELL_RATIO = 0.4
+#: Softassign: relative bound on every Sinkhorn normaliser (sets k)
+SOFTASSIGN_TOLERANCE = 1e-4
+#: exact pairs per second of :func:`_rows` per thread (measured on the 2-core machine, bunny
+#: 40k; an estimate for :func:`plan`, not a promise)
+EXACT_PAIRS_PER_S = 1.0e8
+#: pairs per second per thread when pruning (tree overhead included; same measurement)
+PRUNED_PAIRS_PER_S = 6.0e7
 #: the "auto" mode approximates when the exact run would take longer than this (seconds)
 AUTO_BUDGET_S = 3.0
 
 
+class _Cache:
+    """Trees and cell sets of one run, keyed by (tensor storage, shape, cell level)."""
+
+    def __init__(self) -> None:
+        self.items: dict = {}
+
+    def get(self, key, make):
+        if key not in self.items:
+            self.items[key] = make()
+        return self.items[key]
+
+
 @dataclass(frozen=True)
 class Plan:
-    """How a soft method's E-step runs on the CPU (from :func:`plan`); goes into ``info``.
+    """How a soft method's row passes run on the CPU (from :func:`plan`); goes into ``info``.
 
     Attributes:
-        mode: "exact" (all pairs) or "truncated" (radius kσ and merged cells, see module).
-        k: truncation radius in σ.
-        eps: merge tolerance ε.
-        exact_estimate_s: predicted seconds of the exact E-steps for the whole run.
-        bound: per-term relative bound of the approximation (0 when exact) and the
-            absolute bound ``e^(−k²/2)`` of each dropped term, as a dict.
+        mode: "exact", "cells" (EM-ICP) or "truncated" (Softassign), see the module doc.
+        k: truncation radius in σ (inf when exact).
+        cell_ratio: cell side / σ (0: no cells).
+        exact_estimate_s: predicted seconds of the exact passes for the whole run.
+        estimate_s: predicted seconds of the chosen form's passes for the whole run.
 
     """
 
     mode: str
     k: float
-    eps: float
+    cell_ratio: float
     exact_estimate_s: float
+    estimate_s: float
+    cache: _Cache = field(default_factory=_Cache, compare=False, repr=False)
 
     def info(self) -> dict:
-        """Return the record for ``result.info["approximation"]``."""
-        if self.mode == "exact":
-            return {"mode": "exact", "exact_estimate_s": self.exact_estimate_s}
-        return {"mode": "truncated", "k": self.k, "eps": self.eps,
-                "dropped_term_bound": math.exp(-self.k ** 2 / 2),
-                "kept_term_factor_within_1_sigma": math.exp(self.eps + self.eps ** 2 / 2),
-                "exact_estimate_s": self.exact_estimate_s}
+        """Return the record for ``result.info["approximation"]`` (JSON-safe)."""
+        out: dict = {"mode": self.mode, "exact_estimate_s": round(self.exact_estimate_s, 3),
+                     "estimate_s": round(self.estimate_s, 3)}
+        if self.mode == "cells":
+            out.update(k=self.k, cell_ratio=self.cell_ratio,
+                       cell_rule="side c*sigma rounded down to a power of sqrt(2); "
+                                 "cell pairs with centroids beyond k*sigma dropped",
+                       dropped_term_bound=math.exp(-(self.k - 0.87 * self.cell_ratio) ** 2 / 2),
+                       kept_cell_ratio_at_1_sigma=list(cell_factor(1.0, self.cell_ratio)))
+        elif self.mode == "truncated":
+            out.update(k=self.k, rule="pairs with s*d^2 > k^2/2 + beta*alpha dropped",
+                       dropped_term_bound=math.exp(-self.k ** 2 / 2),
+                       normaliser_relative_bound=SOFTASSIGN_TOLERANCE)
+        return out
 
 
-def estimate_exact_seconds(n: int, m: int, iterations: int, threads: int | None = None) -> float:
-    """Return the predicted seconds of ``iterations`` exact E-steps of n × m pairs."""
-    t = _threads.get_num_threads() if threads is None else threads
-    return float(n) * float(m) * float(iterations) / (EXACT_PAIRS_PER_S * max(1, t))
+def cell_factor(d_over_sigma: float, cell_ratio: float) -> tuple[float, float]:
+    """Bounds ``(lo, hi)`` of a kept cell's term / its points' exact terms (module doc).
+
+    At centroid distance ``d = d_over_sigma·σ`` and cells of side ``cell_ratio·σ``, scale
+    s = 1/(2σ²).
+    """
+    h = math.sqrt(3) / 2 * cell_ratio  # h/σ
+    rng = 2 * d_over_sigma * h + h * h / 2  # (4 s d h + s h²) in units of σ
+    return math.exp(-rng * rng / 8), math.exp(h * h / 2)
 
 
-def plan(n: int, m: int, iterations: int, *, approximation: str = "auto",
-         budget_s: float = AUTO_BUDGET_S, k: float = TRUNCATE_K,
-         eps: float = MERGE_EPS) -> Plan:
-    """Choose the CPU E-step up front (call once per run, before the iterations).
+def cell_side(sigma: float, cell_ratio: float) -> tuple[int, float]:
+    """Return ``(level, side)``: the cell side c·σ rounded down to a power of √2."""
+    level = math.floor(2 * math.log2(cell_ratio * sigma))
+    return level, 2.0 ** (level / 2)
+
+
+def _threads_now(threads: int | None) -> int:
+    return max(1, _threads.get_num_threads() if threads is None else threads)
+
+
+def estimate_exact_seconds(n: int, m: int, passes: int, threads: int | None = None) -> float:
+    """Return the predicted seconds of ``passes`` exact row passes over n × m pairs."""
+    return float(n) * float(m) * float(passes) / (EXACT_PAIRS_PER_S * _threads_now(threads))
+
+
+def _cells_estimate(source: np.ndarray, target: np.ndarray, sigmas: list[float], k: float,
+                    c: float, threads: int) -> float:
+    """Predicted seconds of the "cells" E-steps: cells counted, neighbours from a surface."""
+    total, counts = 0.0, {}
+    for sig in sigmas:
+        level, a = cell_side(sig, c)
+        if level not in counts:
+            counts[level] = (_count_cells(source, a), _count_cells(target, a))
+        ns, nt = counts[level]
+        # cells within kσ of a cell on a surface of nt·a² (a 3-D cloud has more: an estimate)
+        near = min(nt, math.pi * (k * sig) ** 2 / (a * a) * 1.3)
+        total += ns * near / PRUNED_PAIRS_PER_S + 2e-3 + 1e-7 * (ns + nt)
+    return total / threads
+
+
+def _count_cells(points: np.ndarray, a: float) -> int:
+    key = np.floor((points - points.min(0)) / a).astype(np.int64)
+    dims = key.max(0) + 1
+    if float(dims[0]) * float(dims[1]) * float(dims[2]) >= 2.0 ** 62:
+        return points.shape[0]
+    return int(np.unique((key[:, 0] * dims[1] + key[:, 1]) * dims[2] + key[:, 2]).shape[0])
+
+
+def plan(n: int, m: int, passes: int, *, approximation: str = "auto",
+         budget_s: float = AUTO_BUDGET_S, method: str = "emicp",
+         source: np.ndarray | None = None, target: np.ndarray | None = None,
+         sigmas: list[float] | None = None, outlier_weight: float = 1.0) -> Plan:
+    """Choose the CPU form of a soft method's row passes up front (once per run).
 
     Args:
-        n: source points.
-        m: target points.
-        iterations: scheduled iterations.
-        approximation: "auto" (truncate when the exact estimate exceeds ``budget_s``),
-            "exact" or "truncated".
+        n: source points (the largest of a batch).
+        m: target points (the largest of a batch).
+        passes: row passes of n × m pairs in the whole run.
+        approximation: "auto" (approximate when the exact estimate exceeds ``budget_s``),
+            "exact" or "approximate" (EM-ICP: "cells", Softassign: "truncated").
         budget_s: seconds the exact run may take in "auto" mode.
-        k: truncation radius in σ (> 0).
-        eps: merge tolerance (>= 0, 0: no merging).
+        method: "emicp" or "softassign".
+        source: ``(N, 3)`` float64 source (EM-ICP: to estimate the cells' cost; optional).
+        target: ``(M, 3)`` float64 target (as ``source``).
+        sigmas: EM-ICP's σ per iteration (as ``source``).
+        outlier_weight: Softassign's slack w (sets k).
 
     Returns:
         a :class:`Plan`; ``plan.info()`` is what the algorithm records in
         ``result.info["approximation"]``.
 
     """
-    if approximation not in ("auto", "exact", "truncated"):
-        raise ValueError(f"approximation: expected 'auto', 'exact' or 'truncated', got "
+    if approximation not in ("auto", "exact", "approximate"):
+        raise ValueError("approximation: expected 'auto', 'exact' or 'approximate', got "
                          f"{approximation!r}")
-    if not k > 0:
-        raise ValueError(f"k: must be > 0, got {k}")
-    if not eps >= 0:
-        raise ValueError(f"eps: must be >= 0, got {eps}")
-    est = estimate_exact_seconds(n, m, iterations)
-    mode = approximation
-    if mode == "auto":
-        mode = "truncated" if est > budget_s else "exact"
-    return Plan(mode, float(k), float(eps), est)
+    if method not in ("emicp", "softassign"):
+        raise ValueError(f"method: expected 'emicp' or 'softassign', got {method!r}")
+    threads = _threads_now(None)
+    exact = estimate_exact_seconds(n, m, passes, threads)
+    use = approximation == "approximate" or (approximation == "auto" and exact > budget_s)
+    if not use:
+        return Plan("exact", math.inf, 0.0, exact, exact)
+    if method == "softassign":
+        w = float(outlier_weight)
+        k = math.sqrt(max(2 * math.log(max(m, n) / (w * w * SOFTASSIGN_TOLERANCE)), 1.0))
+        # early temperatures see every pair, later ones a shrinking ball: about a quarter
+        return Plan("truncated", k, 0.0, exact, exact / 4)
+    k, c = TRUNCATE_K, CELL_RATIO
+    est = exact / 10
+    if source is not None and target is not None and sigmas:
+        est = _cells_estimate(source, target, sigmas, k, c, threads)
+    return Plan("cells", k, c, exact, est)
 
 
-def _merge(points: np.ndarray, cell: float):
-    """Return (centroids (V, 3) float64, counts (V,) float64) of points in cubic cells."""
-    if cell <= 0:
-        return points.astype(np.float64), np.ones(points.shape[0])
-    key = np.floor((points - points.min(0)) / cell).astype(np.int64)
+def _merge(points: np.ndarray, a: float):
+    """Cells of side ``a``: ``(centroids (V, 3), counts (V,), inverse (N,) or None)``.
+
+    None: every cell holds one point (the centroids are the points, in their order).
+    """
+    key = np.floor((points - points.min(0)) / a).astype(np.int64)
     dims = key.max(0) + 1
+    if float(dims[0]) * float(dims[1]) * float(dims[2]) >= 2.0 ** 62:  # cells finer than
+        return points, np.ones(points.shape[0]), None  # the extent
     lin = (key[:, 0] * dims[1] + key[:, 1]) * dims[2] + key[:, 2]
     uniq, inv, cnt = np.unique(lin, return_inverse=True, return_counts=True)
-    cen = np.zeros((uniq.shape[0], 3))
+    if uniq.shape[0] == points.shape[0]:
+        return points, np.ones(points.shape[0]), None
+    cen = np.empty((uniq.shape[0], 3))
     for d in range(3):
-        cen[:, d] = np.bincount(inv, weights=points[:, d].astype(np.float64),
-                                minlength=uniq.shape[0])
-    return cen / cnt[:, None], cnt.astype(np.float64)
+        cen[:, d] = np.bincount(inv, weights=points[:, d], minlength=uniq.shape[0])
+    return cen / cnt[:, None], cnt.astype(np.float64), inv.reshape(-1)
 
 
 @njit(cache=True, parallel=True)
-def _rows(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, lse, lse2, mean):
-    """Row sums over the cells within ``r2`` of each (moved) query, weights ``w``."""
+def _rows(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, lse, lse2, mean):
+    """Row reductions over the stored points within ``r2`` of each (moved) query.
+
+    ``lse_i = log Σ_j exp(−s d² + g_j)``, ``lse2_i = log Σ_j exp(−2 s d² + g_j)`` (when
+    ``want2``; g_j = log n_j: a cell's count enters once), ``mean_i`` the first sum's
+    weighted mean of the points; running maxima keep every sum finite.
+    """
+    nq = q.shape[0]
+    first_leaf = (1 << depth) - 1
+    for i in prange(nq):
+        stack = np.empty(2 * depth + 4, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        m1 = -np.inf
+        m2 = -np.inf
+        l1 = 0.0
+        l2 = 0.0
+        u0 = 0.0
+        u1 = 0.0
+        u2 = 0.0
+        top = 1
+        stack[0] = 0
+        while top > 0:
+            top -= 1
+            v = stack[top]
+            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
+                continue
+            if v >= first_leaf:
+                for j in range(lo[v], hi[v]):
+                    p0, p1, p2 = spts[j, 0], spts[j, 1], spts[j, 2]
+                    e0, e1, e2 = q0 - p0, q1 - p1, q2 - p2
+                    dd = e0 * e0 + e1 * e1 + e2 * e2
+                    if dd > r2:
+                        continue
+                    gj = g[perm[j]]
+                    z = gj - s * dd
+                    if z > m1:
+                        a = math.exp(m1 - z)
+                        l1 *= a
+                        u0 *= a
+                        u1 *= a
+                        u2 *= a
+                        m1 = z
+                    e = math.exp(z - m1)
+                    l1 += e
+                    u0 += e * p0
+                    u1 += e * p1
+                    u2 += e * p2
+                    if want2:
+                        z2 = gj - 2.0 * s * dd
+                        if z2 > m2:
+                            l2 *= math.exp(m2 - z2)
+                            m2 = z2
+                        l2 += math.exp(z2 - m2)
+                continue
+            stack[top] = 2 * v + 1
+            stack[top + 1] = 2 * v + 2
+            top += 2
+        if l1 > 0:
+            lse[i] = m1 + math.log(l1)
+            mean[i, 0] = u0 / l1
+            mean[i, 1] = u1 / l1
+            mean[i, 2] = u2 / l1
+        else:
+            lse[i] = -np.inf
+            mean[i, 0] = 0.0
+            mean[i, 1] = 0.0
+            mean[i, 2] = 0.0
+        lse2[i] = m2 + math.log(l2) if l2 > 0 else -np.inf
+
+
+@njit(cache=True, parallel=True)
+def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, lse, lse2, mean):
+    """:func:`_rows` with linear weights ``w_j = exp(g_j − shift)`` and no running maximum.
+
+    Only for a finite ``r2`` with every kept term representable (the caller checks
+    ``s·r2 + spread of g < LINEAR_RANGE``): one exponential per pair.
+    ``lse2 = log Σ_j w_j exp(−2 s d²)``; the caller adds the shift back.
+    """
     nq = q.shape[0]
     first_leaf = (1 << depth) - 1
     for i in prange(nq):
@@ -155,24 +317,25 @@ def _rows(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, lse, lse2, mean):
                 continue
             if v >= first_leaf:
                 for j in range(lo[v], hi[v]):
-                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                    p0, p1, p2 = spts[j, 0], spts[j, 1], spts[j, 2]
+                    e0, e1, e2 = q0 - p0, q1 - p1, q2 - p2
                     dd = e0 * e0 + e1 * e1 + e2 * e2
                     if dd > r2:
                         continue
-                    e = math.exp(-s * dd)
-                    wj = w[perm[j]]
-                    l1 += wj * e
-                    l2 += wj * e * e
-                    u0 += wj * e * spts[j, 0]
-                    u1 += wj * e * spts[j, 1]
-                    u2 += wj * e * spts[j, 2]
+                    k = math.exp(-s * dd)
+                    e = w[perm[j]] * k
+                    l1 += e
+                    l2 += e * k
+                    u0 += e * p0
+                    u1 += e * p1
+                    u2 += e * p2
                 continue
             stack[top] = 2 * v + 1
             stack[top + 1] = 2 * v + 2
             top += 2
         if l1 > 0:
             lse[i] = math.log(l1)
-            lse2[i] = math.log(l2)
+            lse2[i] = math.log(l2) if l2 > 0 else -np.inf
             mean[i, 0] = u0 / l1
             mean[i, 1] = u1 / l1
             mean[i, 2] = u2 / l1
@@ -184,20 +347,53 @@ def _rows(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, lse, lse2, mean):
             mean[i, 2] = 0.0
 
 
-def soft_rows_truncated(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor,
-                        scale: float, *, k: float = TRUNCATE_K, eps: float = MERGE_EPS):
-    """Approximate ``(lse (N,), lse2 (N,), mean (N, 3))`` of one problem (see module doc).
+#: largest ``s·r2 + (max g − min g)`` for which :func:`_rows_linear` is used (e^-600 > 0)
+LINEAR_RANGE = 600.0
+
+
+def _run_rows(q, g, tree: CpuTree, s: float, r2: float, squares: bool):
+    """``(lse, lse2, mean)`` NumPy float64 of the queries ``q`` against ``tree``'s points."""
+    n = q.shape[0]
+    lse, lse2, mean = np.empty(n), np.empty(n), np.empty((n, 3))
+    q = np.ascontiguousarray(q)
+    gmax = float(g.max()) if g.shape[0] else 0.0
+    gmin = float(g.min()) if g.shape[0] else 0.0
+    if math.isfinite(gmax) and math.isfinite(gmin) and s * r2 + gmax - gmin < LINEAR_RANGE:
+        _rows_linear(q, np.exp(g - gmax), tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin,
+                     tree.bmax, tree.depth, s, r2, squares, lse, lse2, mean)
+        lse += gmax
+        lse2 += gmax
+    else:
+        _rows(q, np.ascontiguousarray(g), tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin,
+              tree.bmax, tree.depth, s, r2, squares, lse, lse2, mean)
+    return lse, lse2, mean
+
+
+def _tree(plan_: Plan, points: np.ndarray, key) -> CpuTree:
+    return plan_.cache.get(("tree",) + key, lambda: CpuTree(points, leaf_size=8))
+
+
+def rows(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor, scale: float, *,
+         log_weights: torch.Tensor | None = None, radius2: float = math.inf,
+         squares: bool = False, plan_: Plan | None = None, numpy: bool = False):
+    """Row reductions ``(lse (N,), lse2 (N,) or None, mean (N, 3))`` of one problem.
+
+    ``lse_i = log Σ_j exp(−s ||R q_i + t − p_j||² + g_j)`` over the pairs within
+    ``radius2`` (squared; inf: all), as :func:`pointalign.kernels.soft.soft_rows_reference`.
 
     Args:
         query: ``(N, 3)`` float tensor, moved by ``transform``.
-        points: ``(M, 3)`` float tensor (the target).
+        points: ``(M, 3)`` float tensor (M >= 1).
         transform: ``(4, 4)`` float tensor applied to the query.
-        scale: s = 1/(2σ²) > 0.
-        k: truncation radius in σ.
-        eps: merge tolerance.
+        scale: s > 0.
+        log_weights: optional ``(M,)`` g_j.
+        radius2: squared truncation radius.
+        squares: also ``lse2 = log Σ_j exp(2(−s d²) + g_j)``.
+        plan_: the run's :class:`Plan` (caches the tree of ``points``), or None.
+        numpy: return NumPy float64 arrays instead.
 
     Returns:
-        the three row reductions in the query's dtype (CPU tensors).
+        the reductions in the query's dtype (CPU tensors).
 
     """
     _threads.numba_threads()
@@ -205,35 +401,155 @@ def soft_rows_truncated(query: torch.Tensor, points: torch.Tensor, transform: to
     T = transform.detach().to(torch.float64).cpu().numpy()
     q = query.detach().cpu().to(torch.float64).numpy() @ T[:3, :3].T + T[:3, 3]
     p = points.detach().cpu().to(torch.float64).numpy()
-    sigma = math.sqrt(0.5 / float(scale))
-    R = k * sigma
-    cen, cnt = _merge(p, 2 * eps * sigma / math.sqrt(3))
-    tree = CpuTree(cen, leaf_size=8)
-    n = q.shape[0]
-    lse, lse2 = np.empty(n), np.empty(n)
-    mean = np.empty((n, 3))
-    _rows(np.ascontiguousarray(q), cnt, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin,
-          tree.bmax, tree.depth, float(scale), R * R, lse, lse2, mean)
-    return (torch.from_numpy(lse).to(dt), torch.from_numpy(lse2).to(dt),
+    key = (points.data_ptr(), tuple(points.shape), points.stride())
+    tree = CpuTree(p, leaf_size=8) if plan_ is None else _tree(plan_, p, key)
+    g = np.zeros(p.shape[0]) if log_weights is None else \
+        log_weights.detach().cpu().to(torch.float64).numpy()
+    lse, lse2, mean = _run_rows(q, g, tree, float(scale), float(radius2), squares)
+    if numpy:
+        return lse, lse2, mean
+    return (torch.from_numpy(lse).to(dt), torch.from_numpy(lse2).to(dt) if squares else None,
             torch.from_numpy(mean).to(dt))
 
 
-def emicp_rows_truncated(source, target, transform, scale, log_outlier, source_lengths,
-                         target_lengths, plan_: Plan):
-    """Batched EM-ICP rows ``(lam (B, N), x_prime (B, N, 3))`` by :func:`soft_rows_truncated`."""
-    from pointalign.kernels.soft import emicp_weights
+def _weights(lse: np.ndarray, lse2: np.ndarray, log_outlier: float) -> np.ndarray:
+    """EM-ICP's λ from the row sums (as ``soft.emicp_weights``, in NumPy float64)."""
+    log_c = np.logaddexp(lse2, log_outlier)
+    log_c[np.isinf(log_c)] = 0.0
+    with np.errstate(invalid="ignore"):
+        lam = np.exp(lse - 0.5 * log_c)
+    return np.nan_to_num(lam, nan=0.0)
 
+
+def emicp_cells(source: torch.Tensor, target: torch.Tensor, transform: torch.Tensor,
+                scale: float, log_outlier: float, plan_: Plan):
+    """EM-ICP's E-step per source cell in "cells" form (module doc), NumPy float64.
+
+    Args:
+        source: ``(N, 3)`` float tensor (source frame; its cells do not move with the pose).
+        target: ``(M, 3)`` float tensor.
+        transform: ``(4, 4)`` applied to the source.
+        scale: s = 1/(2σ²).
+        log_outlier: −d₀²/σ² (−inf: no outlier term).
+        plan_: the run's :class:`Plan` (caches cells and trees per level).
+
+    Returns:
+        ``(λ (V,), x' (V, 3), centroids (V, 3), counts (V,), inverse (N,) or None)`` of the
+        V source cells (inverse: each source point's cell; None: one point per cell).
+
+    """
+    _threads.numba_threads()
+    sigma = math.sqrt(0.5 / scale)
+    level, a = cell_side(sigma, plan_.cell_ratio)
+
+    def cells(t: torch.Tensor):
+        key = ("cells", t.data_ptr(), tuple(t.shape), t.stride(), level)
+
+        def make():
+            c, n, inv = _merge(t.detach().cpu().to(torch.float64).numpy(), a)
+            return c, n, np.log(n), inv, CpuTree(c, leaf_size=8)
+        return plan_.cache.get(key, make)
+
+    sc, sn, _, sinv, _ = cells(source)
+    _, _, tg, _, tree = cells(target)
+    T = transform.detach().to(torch.float64).cpu().numpy()
+    q = sc @ T[:3, :3].T + T[:3, 3]
+    r = plan_.k * sigma
+    lse, lse2, mean = _run_rows(q, tg, tree, float(scale), r * r, True)
+    return _weights(lse, lse2, log_outlier), mean, sc, sn, sinv
+
+
+def _source64(plan_: Plan, source: torch.Tensor) -> np.ndarray:
+    key = ("source64", source.data_ptr(), tuple(source.shape), source.stride())
+    return plan_.cache.get(key, lambda: source.detach().cpu().to(torch.float64).numpy())
+
+
+def emicp_moments(source, target, transform, scale, log_outlier, source_lengths,
+                  target_lengths, plan_: Plan):
+    """Batched EM-ICP E-step in the plan's form, reduced to Horn's moments.
+
+    Returns:
+        ``(lam (B, N) in the source's dtype, W (B,), Σλx (B, 3), Σλx' (B, 3),
+        Σλ x x'ᵀ (B, 3, 3))`` (float64 torch; the moments of
+        :func:`pointalign.kernels.horn.horn_moments` of ``(x_i, x'_i, λ_i)``, summed per
+        source cell in "cells" form: its points share λ and x').
+    """
     B, N = source.shape[:2]
-    lam = torch.zeros(B, N, dtype=source.dtype)
-    xp = torch.zeros(B, N, 3, dtype=source.dtype)
+    lam = np.zeros((B, N))
+    W, sx, sm, cross = np.zeros(B), np.zeros((B, 3)), np.zeros((B, 3)), np.zeros((B, 3, 3))
     sl, tl = source_lengths.tolist(), target_lengths.tolist()
+    scale_h, lo_h = scale.tolist(), log_outlier.tolist()
     for b in range(B):
         if sl[b] == 0 or tl[b] == 0:
             continue
-        lse, lse2, mean = soft_rows_truncated(source[b, :sl[b]], target[b, :tl[b]],
-                                              transform[b], float(scale[b]), k=plan_.k,
-                                              eps=plan_.eps)
-        lam[b, :sl[b]] = emicp_weights(lse[None], lse2[None], log_outlier[b:b + 1].to(
-            lse.dtype))[0]
+        if plan_.mode == "cells":
+            lam_c, xp, x, n, inv = emicp_cells(source[b, :sl[b]], target[b, :tl[b]],
+                                               transform[b], scale_h[b], lo_h[b], plan_)
+            lam[b, :sl[b]] = lam_c if inv is None else lam_c[inv]
+            wc = lam_c * n
+        else:
+            lse, lse2, xp = rows(source[b, :sl[b]], target[b, :tl[b]], transform[b],
+                                 scale_h[b], squares=True, plan_=plan_, numpy=True)
+            wc = lam[b, :sl[b]] = _weights(lse, lse2, lo_h[b])
+            x = _source64(plan_, source[b, :sl[b]])
+        W[b] = wc.sum()
+        wx = wc[:, None] * x
+        sx[b], sm[b], cross[b] = wx.sum(0), wc @ xp, wx.T @ xp
+    t = torch.from_numpy
+    return t(lam).to(source.dtype), t(W), t(sx), t(sm), t(cross)
+
+
+def emicp_rows(source, target, transform, scale, log_outlier, source_lengths,
+               target_lengths, plan_: Plan):
+    """Batched EM-ICP rows ``(lam (B, N), x_prime (B, N, 3))`` in the plan's form."""
+    B, N = source.shape[:2]
+    lam = np.zeros((B, N))
+    xp = np.zeros((B, N, 3))
+    sl, tl = source_lengths.tolist(), target_lengths.tolist()
+    scale_h, lo_h = scale.tolist(), log_outlier.tolist()
+    for b in range(B):
+        if sl[b] == 0 or tl[b] == 0:
+            continue
+        if plan_.mode == "cells":
+            lam_c, mean, _, _, inv = emicp_cells(source[b, :sl[b]], target[b, :tl[b]],
+                                                 transform[b], scale_h[b], lo_h[b], plan_)
+            lam_b, mean = (lam_c, mean) if inv is None else (lam_c[inv], mean[inv])
+        else:
+            lse, lse2, mean = rows(source[b, :sl[b]], target[b, :tl[b]], transform[b],
+                                   scale_h[b], squares=True, plan_=plan_, numpy=True)
+            lam_b = _weights(lse, lse2, lo_h[b])
+        lam[b, :sl[b]] = lam_b
         xp[b, :sl[b]] = mean
-    return lam, xp
+    dt = source.dtype
+    return torch.from_numpy(lam).to(dt), torch.from_numpy(xp).to(dt)
+
+
+def soft_rows(query, points, transform, scale, query_lengths, point_lengths,
+              point_log_weights, squares: bool, offset, plan_: Plan):
+    """Batched ``soft.soft_rows`` (lse, lse2, mean) in the plan's form ("exact"/"truncated").
+
+    ``offset (B,)`` or None: the logits' known shift (Softassign's βα); "truncated" drops the
+    pairs with ``s d² > k²/2 + offset``.
+    """
+    B, N = query.shape[:2]
+    dt = query.dtype
+    lse = torch.full((B, N), -math.inf, dtype=dt)
+    lse2 = torch.full((B, N), -math.inf, dtype=dt) if squares else None
+    mean = torch.zeros(B, N, 3, dtype=dt)
+    ql, pl = query_lengths.tolist(), point_lengths.tolist()
+    for b in range(B):
+        if ql[b] == 0 or pl[b] == 0:
+            continue
+        s_b = float(scale[b])
+        r2 = math.inf
+        if plan_.mode == "truncated":
+            off = 0.0 if offset is None else max(0.0, float(offset[b]))
+            r2 = (plan_.k ** 2 / 2 + off) / s_b
+        g = None if point_log_weights is None else point_log_weights[b, :pl[b]]
+        lb, l2b, mb = rows(query[b, :ql[b]], points[b, :pl[b]], transform[b], s_b,
+                           log_weights=g, radius2=r2, squares=squares, plan_=plan_)
+        lse[b, :ql[b]] = lb
+        if lse2 is not None and l2b is not None:
+            lse2[b, :ql[b]] = l2b
+        mean[b, :ql[b]] = mb
+    return lse, lse2, mean

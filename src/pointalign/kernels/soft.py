@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pointalign.kernels._backend import backend
-from pointalign.kernels.horn import weighted_horn
+from pointalign.kernels.horn import horn_from_sums, weighted_horn
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
 TILE_PAIRS = 1 << 20
@@ -90,6 +90,11 @@ def _check(query, points, transform, scale, query_lengths, point_lengths, point_
 
 def _use_triton(x: torch.Tensor) -> bool:
     return backend(x) in ("triton", "interpret")
+
+
+def _use_cpu(x: torch.Tensor, approximation: Any) -> bool:
+    """True when a :func:`cpu_plan` is given and ``x`` runs on the numba "cpu" backend."""
+    return approximation is not None and backend(x) == "cpu"
 
 
 # --------------------------------------------------------------------------------------
@@ -180,6 +185,8 @@ def soft_rows(
     point_lengths: torch.Tensor | None = None,
     point_log_weights: torch.Tensor | None = None,
     squares: bool = False,
+    approximation: Any = None,
+    offset: torch.Tensor | None = None,
 ) -> SoftRows:
     """Row reductions of ``exp(z_ij)``, ``z_ij = −s ||R q_i + t − p_j||² + g_j``.
 
@@ -192,6 +199,9 @@ def soft_rows(
         point_lengths: ``(B,)`` valid points per batch entry (default all).
         point_log_weights: optional ``(B, M)`` column log-offsets g_j (log Sinkhorn scalings).
         squares: also return ``lse2 = log Σ_j exp(2 z_ij)``.
+        approximation: a :func:`cpu_plan` (used on the "cpu" backend only); None: reference.
+        offset: ``(B,)`` the logits' known shift (Softassign's βα), for the plan's
+            truncation rule (pairs with ``s d² > k²/2 + offset`` dropped); None: 0.
 
     Returns:
         :class:`SoftRows`; ``lse`` in the query's dtype.
@@ -199,6 +209,12 @@ def soft_rows(
     """
     ql, pl = _check(query, points, transform, scale, query_lengths, point_lengths,
                     point_log_weights)
+    if _use_cpu(query, approximation):
+        from pointalign.kernels import _soft_cpu
+
+        return SoftRows(*_soft_cpu.soft_rows(query, points, transform, scale, ql, pl,
+                                             point_log_weights, squares, offset,
+                                             approximation))
     if _use_triton(query):
         from pointalign.kernels import _soft_triton
 
@@ -243,7 +259,8 @@ def emicp_rows(
         target_lengths: ``(B,)`` valid target points (default all).
         scale: optional ``(B,)`` precomputed 1/(2σ²) in the source's dtype, used instead
             of ``sigma2`` (which may then be None): saves a launch per iteration.
-        approximation: a :func:`cpu_plan` (CPU tensors only; None or mode "exact": exact).
+        approximation: a :func:`cpu_plan` (used on the "cpu" backend only: the numba
+            passes in the plan's form); None: the reference.
 
     Returns:
         ``(lam (B, N), x_prime (B, N, 3))``; padding rows have λ = 0.
@@ -254,11 +271,11 @@ def emicp_rows(
             raise ValueError("sigma2: needed when scale is not given")
         scale = 0.5 / sigma2.to(source.dtype)
     ql, pl = _check(source, target, transform, scale, source_lengths, target_lengths, None)
-    if getattr(approximation, "mode", "exact") != "exact" and backend(source) == "cpu":
+    if _use_cpu(source, approximation):
         from pointalign.kernels import _soft_cpu
 
-        return _soft_cpu.emicp_rows_truncated(source, target, transform, scale, log_outlier,
-                                              ql, pl, approximation)
+        return _soft_cpu.emicp_rows(source, target, transform, scale, log_outlier, ql, pl,
+                                    approximation)
     if _use_triton(source):
         from pointalign.kernels import _soft_triton
 
@@ -313,23 +330,34 @@ def emicp_step(
                                         squares=True, moments=True)
         T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
         return T, valid, lam
-    lam, xp = emicp_rows(source, target, transform, None, log_outlier, scale=scale,
-                         source_lengths=source_lengths, target_lengths=target_lengths,
-                         approximation=approximation)
-    T_new, valid = weighted_horn(source, xp, lam)
+    if _use_cpu(source, approximation):
+        from pointalign.kernels import _soft_cpu
+
+        _check(source, target, transform, scale, source_lengths, target_lengths, None)
+        lam, *moments = _soft_cpu.emicp_moments(source, target, transform, scale, log_outlier,
+                                                source_lengths, target_lengths, approximation)
+        T_new, valid = horn_from_sums(*moments)
+    else:
+        lam, xp = emicp_rows(source, target, transform, None, log_outlier, scale=scale,
+                             source_lengths=source_lengths, target_lengths=target_lengths,
+                             approximation=approximation)
+        T_new, valid = weighted_horn(source, xp, lam)
     keep = valid & ~frozen
     return torch.where(keep[:, None, None], T_new, transform.to(torch.float64)), valid, lam
 
 
-def cpu_plan(n: int, m: int, iterations: int, **kw: Any):
-    """Choose the CPU E-step of a soft method up front (:func:`._soft_cpu.plan`).
+def cpu_plan(n: int, m: int, passes: int, **kw: Any):
+    """Choose the CPU form of a soft method's passes up front (:func:`._soft_cpu.plan`).
 
-    Returns a Plan to pass as ``approximation=`` to :func:`emicp_step` /
-    :func:`emicp_rows`; ``plan.info()`` goes into ``result.info["approximation"]``.
+    Returns a Plan to pass as ``approximation=`` to :func:`emicp_step`, :func:`emicp_rows`,
+    :func:`soft_rows` and :func:`sinkhorn_scaling` (it holds the run's trees and cells:
+    one plan per run); ``plan.info()`` goes into ``result.info["approximation"]``.
+    ``plan.estimate_s`` is the predicted time of the chosen form, ``plan.exact_estimate_s``
+    the exact one's. Without numba (backend "torch") the plan is ignored: the reference.
     """
     from pointalign.kernels import _soft_cpu
 
-    return _soft_cpu.plan(n, m, iterations, **kw)
+    return _soft_cpu.plan(n, m, passes, **kw)
 
 
 def point_layout(points: torch.Tensor) -> torch.Tensor:
@@ -398,6 +426,7 @@ def sinkhorn_scaling(
     *,
     query_lengths: torch.Tensor | None = None,
     point_lengths: torch.Tensor | None = None,
+    approximation: Any = None,
 ) -> torch.Tensor:
     """One Sinkhorn half-step for M = diag(r) K diag(c) with a slack entry, in logs.
 
@@ -406,6 +435,9 @@ def sinkhorn_scaling(
     eq. 5, with the outlier column's entry ``exp(log_slack)``); with the clouds swapped and
     the inverse transform it is a column normalisation (eq. 6). ``offset`` (B,) is added so
     the result can feed the next pass directly (pass βα).
+
+    ``approximation``: a :func:`cpu_plan` (the "cpu" backend only; its truncation drops
+    the pairs with ``β d² > k²/2 + offset``); None: the reference.
 
     Returns:
         ``(B, N)`` in the query's dtype; padding rows are ``-inf``.
@@ -419,8 +451,14 @@ def sinkhorn_scaling(
         return _soft_triton.rows(query, points, transform, beta.to(query.dtype), ql, pl,
                                  point_log_weights, log_slack, mode="sinkhorn",
                                  offset=offset)[0]
-    r = soft_rows_reference(query, points, transform, beta.to(query.dtype), query_lengths=ql,
-                            point_lengths=pl, point_log_weights=point_log_weights)
+    if _use_cpu(query, approximation):
+        r = soft_rows(query, points, transform, beta.to(query.dtype), query_lengths=ql,
+                      point_lengths=pl, point_log_weights=point_log_weights,
+                      approximation=approximation, offset=offset)
+    else:
+        r = soft_rows_reference(query, points, transform, beta.to(query.dtype),
+                                query_lengths=ql, point_lengths=pl,
+                                point_log_weights=point_log_weights)
     out = offset.to(r.lse.dtype)[:, None] - torch.logaddexp(
         r.lse, log_slack.to(r.lse.dtype)[:, None].expand_as(r.lse))
     return torch.where(_row_mask(ql, query.shape[1]), out, torch.full_like(out, -math.inf))

@@ -19,6 +19,7 @@ Results are ``T_target_source``; batches are padded ``(B, N, 3)`` with lengths, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -27,10 +28,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _validate, estimate, transforms
+from pointalign import _progress, _validate, estimate, transforms
 from pointalign.kernels import _loop
 from pointalign.kernels import horn as khorn
 from pointalign.kernels import soft as ksoft
+from pointalign.kernels._backend import backend
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
@@ -53,6 +55,10 @@ SOFT_SIGMA = 1.0
 SOFT_ALPHA = 0.1
 #: iterations between settling checks
 CHECK_EVERY = 8
+#: σ₀, σ_min, 1/√β₀ and √α must lie within [RANGE⁻¹ ρ, RANGE ρ] (ρ: the target's RMS radius)
+RANGE = 1e6
+#: a run estimated to take longer than this (seconds) warns (SlowOperationWarning)
+SLOW_S = 30.0
 
 
 def _recentre(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -137,6 +143,14 @@ class _Annealing:
     rotation_tolerance: float
     translation_tolerance: float
     relative_weights: float
+    #: the CPU form of the passes (``kernels.soft.cpu_plan``); None: the backend's exact one
+    approximation: Any = dataclasses.field(default=None, kw_only=True)
+    #: a progress bar (``_progress.task``) advanced per iteration on the host; None: none
+    progress: Any = dataclasses.field(default=None, kw_only=True)
+
+    def _advance(self) -> None:
+        if self.progress is not None:
+            self.progress.advance()
 
     def _start(self, inputs: _loop.Tensors):
         """Centre both clouds; ρ; the settling state (done: source or target on a line)."""
@@ -187,7 +201,9 @@ class EmicpProgram(_Annealing):
             # E-step (λ_i, x'_i) and M-step (weighted Horn) in one fused call
             T, _, lam = ksoft.emicp_step(x.points, y.points, track.T, scale[it - 1],
                                          log_out[it - 1], track.done,
-                                         source_lengths=x.lengths, target_lengths=y.lengths)
+                                         source_lengths=x.lengths, target_lengths=y.lengths,
+                                         approximation=self.approximation)
+            self._advance()
             if track.step(it, T, lam, checkpoint, sigma=sig2[it - 1].sqrt()):
                 break
         track.finish(it)
@@ -228,22 +244,26 @@ class SoftassignProgram(_Annealing):
             j = (it - 1) // self.per_temperature
             T, Ti, beta, ba = track.T, transforms.invert(track.T), betas_f[j], offsets[j]
             g_col = ba[:, None].expand(-1, y.points.shape[1])            # log c + βα, c = 1
+            ap = self.approximation
             for s in range(self.sinkhorn_rounds):                        # eqs. 5-6, in logs
                 g_row = ksoft.sinkhorn_scaling(x.points, y.points, T, beta, g_col, log_w, ba,
-                                               query_lengths=x.lengths, point_lengths=y.lengths)
+                                               query_lengths=x.lengths, point_lengths=y.lengths,
+                                               approximation=ap)
                 if s + 1 < self.sinkhorn_rounds:
                     g_col = ksoft.sinkhorn_scaling(y.points, x.points, Ti, beta, g_row, log_w,
                                                    ba, query_lengths=y.lengths,
-                                                   point_lengths=x.lengths)
+                                                   point_lengths=x.lengths, approximation=ap)
             # last column normalisation and x'_j = Σ_i m_ij x_i / Σ_i m_ij in one pass
             r = ksoft.soft_rows(y.points, x.points, Ti, beta, query_lengths=y.lengths,
-                                point_lengths=x.lengths, point_log_weights=g_row)
+                                point_lengths=x.lengths, point_log_weights=g_row,
+                                approximation=ap, offset=ba)
             # column sums of M: c_j Σ_i K_ij r_i, log c_j = −log(slack + Σ_i K_ij r_i)
             log_c = -torch.logaddexp(r.lse, log_w[:, None].expand_as(r.lse))
             w = torch.nan_to_num(torch.exp(r.lse + log_c), nan=0.0, posinf=0.0)
             # Σ_ij m_ij ||R x_i + t − y_j||² has the moments of Σ_j w_j ||R x'_j + t − y_j||²
             T_new, valid = khorn.weighted_horn(r.mean, y.points, w)
             T_new = torch.where((valid & ~track.done)[:, None, None], T_new, T)
+            self._advance()
             if track.step(it, T_new, w, checkpoint, beta=betas[j]):
                 break
         track.finish(it)
@@ -286,6 +306,35 @@ def _settling(criteria: ConvergenceCriteria | None, n_sched: int) -> dict[str, A
                 relative_weights=float(crit.weight_change))
 
 
+def choose_form(algorithm: str, pair: _edge.Pair, n_iter: int, approximation: str,
+                sigmas: list[float] | None = None, outlier_weight: float = 1.0,
+                sinkhorn_rounds: int = 3) -> Any:
+    """The form of the passes for ``pair`` (``kernels.soft.cpu_plan``), chosen up front.
+
+    On the "cpu" backend (numba) a plan: exact while its estimate is a few seconds
+    (``AUTO_BUDGET_S``), else the bounded approximation (``approximation="auto"``), or as
+    forced ("exact", "approximate"). Elsewhere (CUDA, the Triton interpreter, the PyTorch
+    reference) None: the exact passes.
+    """
+    if approximation not in ("auto", "exact", "approximate"):
+        raise ValueError("approximation: expected 'auto', 'exact' or 'approximate', got "
+                         f"{approximation!r}")
+    if pair.device.type != "cpu" or backend(pair.source) != "cpu":
+        return None
+    n, m = pair.source.shape[1], pair.target.shape[1]
+    if algorithm == "emicp":
+        return ksoft.cpu_plan(n, m, n_iter * pair.size, approximation=approximation,
+                              method="emicp", source=pair.source[0].double().numpy(),
+                              target=pair.target[0].double().numpy(), sigmas=sigmas)
+    return ksoft.cpu_plan(n, m, n_iter * 2 * sinkhorn_rounds * pair.size,
+                          approximation=approximation, method="softassign",
+                          outlier_weight=outlier_weight)
+
+
+def _form_info(plan: Any, pair: _edge.Pair) -> dict[str, Any]:
+    return {"mode": "exact", "device": str(pair.device)} if plan is None else plan.info()
+
+
 def _run(algorithm: str, prog: _Annealing, pair: _edge.Pair, given: dict[str, torch.Tensor],
          n_sched: int, t_start: float) -> RegistrationResult:
     """Run ``prog`` on ``pair`` and build the result (stop reasons, history, info)."""
@@ -293,18 +342,32 @@ def _run(algorithm: str, prog: _Annealing, pair: _edge.Pair, given: dict[str, to
               "target_lengths": pair.target_lengths, "init": torch.from_numpy(pair.init),
               **given}
     inputs = {n: v.to(pair.device) for n, v in inputs.items()}
-    host, _ = _loop.run_program(prog, inputs, device_outputs=False,
-                                pairs=pair.size * pair.source.shape[1] * pair.target.shape[1])
+    plan = prog.approximation
+    if plan is not None and plan.estimate_s > SLOW_S:
+        _progress.warn(f"{algorithm} on {pair.source.shape[1]} x {pair.target.shape[1]} points "
+                       f"on the CPU is estimated to take {plan.estimate_s:.0f} s "
+                       f"({plan.mode} form); subsample the clouds, use a GPU or a "
+                       "nearest-neighbour method (icp) for speed",
+                       _progress.SlowOperationWarning, stacklevel=3)
+    label = "EM-ICP" if algorithm == "emicp" else "Softassign"
+    with _progress.task(label, total=prog.n_iter,
+                        quiet=None if pair.device.type == "cpu" else True) as bar:
+        run = dataclasses.replace(prog, progress=bar) if pair.device.type == "cpu" else prog
+        host, _ = _loop.run_program(run, inputs, device_outputs=False,
+                                    pairs=pair.size * pair.source.shape[1] * pair.target.shape[1])
     t_run = time.perf_counter()
-    reasons = [StopReason.DEGENERATE if f else StopReason.POSE_AND_WEIGHTS if d else
+    # no source point near the target at the end: nothing was matched, not a solution
+    reasons = [StopReason.DEGENERATE if f else StopReason.NO_CORRESPONDENCES if not fit > 0 else
+               StopReason.POSE_AND_WEIGHTS if d else
                StopReason.SCHEDULE if i >= n_sched else StopReason.MAX_ITERATIONS
-               for f, d, i in zip(host.pop("flat"), host.pop("done"), host["iterations"],
-                                  strict=True)]
+               for f, d, i, fit in zip(host.pop("flat"), host.pop("done"), host["iterations"],
+                                       host["fitness"], strict=True)]
     hist = {k.split(".", 1)[1]: host.pop(k) for k in list(host) if k.startswith("history.")}
     history = [{"iteration": prog.check_every * (c + 1), **{k: v[c] for k, v in hist.items()}}
                for c in range(len(next(iter(hist.values()), ())))]
     T, fitness, rmse, iters = (host.pop(k) for k in ("T", "fitness", "rmse", "iterations"))
-    info = dict(host, algorithm=algorithm, scheduled_iterations=n_sched)
+    info = dict(host, algorithm=algorithm, scheduled_iterations=n_sched,
+                approximation=_form_info(plan, pair))
     timings = {"iterate": t_run - t_start, "total": time.perf_counter() - t_start}
     return _edge.build_result(pair, T, fitness=fitness, rmse=rmse, iterations=iters,
                               reasons=reasons, history=history, timings=timings, info=info)
@@ -324,6 +387,7 @@ def emicp(
     device: str | torch.device | None = None,
     source_lengths: Any = None,
     target_lengths: Any = None,
+    approximation: str = "auto",
 ) -> RegistrationResult:
     """Multi-scale EM-ICP (Granger & Pennec 2002, as in Tamaki et al.'s Algorithm 3).
 
@@ -350,33 +414,119 @@ def emicp(
         device: compute device (default: the inputs' device, else CUDA if present).
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
+        approximation: the form of the E-step on the CPU ("cpu" backend, numba): "auto"
+            (exact while the exact run is estimated at a few seconds, ``AUTO_BUDGET_S`` of
+            :mod:`pointalign.kernels._soft_cpu`; above, the approximation), "exact" or
+            "approximate": at each σ both clouds merged into cells of side 0.4σ (rounded
+            down to a power of √2) and cell pairs farther than 4σ apart dropped; each kept
+            term within a factor ``[e^(−(4sdh + sh²)²/8), e^(sh²)]`` of its points' exact
+            terms (s = 1/(2σ²), h the cell half-diagonal, d the distance; within [0.93, 1.06]
+            at d = σ), each dropped one below e^(−(4 − 0.35)²/2) = 1.3e-3. Ignored off the
+            CPU (the GPU runs the exact E-step). ``result.info["approximation"]`` records
+            the form, its parameters and bounds; :func:`estimate_seconds` predicts the time
+            up front, and a run estimated above ``SLOW_S`` seconds warns
+            (:class:`~pointalign._progress.SlowOperationWarning`).
+
+    Raises:
+        ValueError: naming the argument, for σ, σ_min outside ``[1e-6 ρ, 1e6 ρ]`` (ρ: the
+            target's RMS radius), σ_min ≥ σ, factor outside (0, 1) etc.
 
     Returns:
         :class:`RegistrationResult`; ``stop_reason`` is ``"schedule"`` (σ reached
-        sigma_min), ``"pose_and_weights"`` (settled early), ``"max_iterations"`` or
-        ``"degenerate"`` (source or target on a line: ``init`` is returned). ``fitness``
-        and ``rmse`` use hard nearest neighbours within ``3 σ_min``.
+        sigma_min), ``"pose_and_weights"`` (settled early), ``"max_iterations"``,
+        ``"degenerate"`` (source or target on a line: ``init`` is returned) or
+        ``"no_correspondences"`` (no source point within ``3 σ_min`` of the target at the
+        end: not converged). ``fitness`` and ``rmse`` use hard nearest neighbours within
+        ``3 σ_min``. A progress bar over the iterations is shown on a terminal (CPU only;
+        see :mod:`pointalign._progress`).
 
     """
     t_start = time.perf_counter()
+    prog, pair, given, n_sched = _emicp_setup(source, target, init, sigma, sigma_min, factor,
+                                              outlier_distance, criteria, device,
+                                              source_lengths, target_lengths, approximation)
+    return _run("emicp", prog, pair, given, n_sched, t_start)
+
+
+def _check_range(given: dict[str, torch.Tensor], rho: torch.Tensor,
+                 rules: dict[str, Any]) -> None:
+    """ValueError naming the argument when ``rules[name](value) / ρ`` leaves [1/RANGE, RANGE].
+
+    ``rho (B,)`` the targets' RMS radii; ``rules`` maps a parameter to its length in metres.
+    """
+    for name, length in rules.items():
+        if name not in given:
+            continue
+        rel = length(given[name]) / rho
+        bad = ~((rel >= 1 / RANGE) & (rel <= RANGE))
+        if bool(bad.any()):
+            raise ValueError(
+                f"{name}: {given[name][bad][0].item():.3g} is out of range for clouds of RMS "
+                f"radius {rho[bad][0].item():.3g} (the length it sets must lie within "
+                f"[{1 / RANGE:g}, {RANGE:g}] times the radius)")
+
+
+def _emicp_setup(source, target, init, sigma, sigma_min, factor, outlier_distance, criteria,
+                 device, source_lengths, target_lengths, approximation):
+    """Check EM-ICP's arguments; its program (form of the passes chosen), pair, inputs."""
     factor = _validate.in_range(factor, "factor", 0.0, 1.0)
     pair, given = _prepare(source, target, init, device, source_lengths, target_lengths,
                            criteria, sigma=sigma, sigma_min=sigma_min,
                            outlier_distance=outlier_distance)
-    # the schedule's length needs σ_min/σ₀ on the host: ρ is read only when one σ is given
-    rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu() \
-        if (sigma is None) != (sigma_min is None) else 1.0
+    # the schedule's length needs σ_min/σ₀ on the host: ρ is read only when a σ is given or
+    # the passes run on the host anyway
+    need_rho = sigma is not None or sigma_min is not None or pair.device.type == "cpu"
+    rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu() if need_rho else \
+        torch.ones(pair.size, dtype=torch.float64)
+    _check_range(given, rho, {"sigma": lambda v: v, "sigma_min": lambda v: v})
     s0, s1 = (given.get(n, r * rho) for n, r in (("sigma", EMICP_SIGMA),
                                                   ("sigma_min", EMICP_SIGMA_MIN)))
     ratio = torch.as_tensor(s1 / s0, dtype=torch.float64).reshape(-1)
     if bool((ratio >= 1).any()):
         raise ValueError(f"sigma_min: must be smaller than sigma, got {s1} and sigma {s0}")
     n_sched = max(math.ceil(math.log(r ** 2) / math.log(factor) - 1e-9) for r in ratio.tolist())
-    prog = EmicpProgram(**_settling(criteria, n_sched), factor=factor,
+    settle = _settling(criteria, n_sched)
+    s00 = float(torch.as_tensor(s0).reshape(-1)[0])
+    plan = choose_form("emicp", pair, settle["n_iter"], approximation,
+                       sigmas=[s00 * factor ** (k / 2) for k in range(settle["n_iter"])])
+    prog = EmicpProgram(**settle, factor=factor,
                         sigma=None if sigma is not None else EMICP_SIGMA,
                         sigma_min=None if sigma_min is not None else EMICP_SIGMA_MIN,
-                        outlier=None if outlier_distance is not None else EMICP_OUTLIER)
-    return _run("emicp", prog, pair, given, n_sched, t_start)
+                        outlier=None if outlier_distance is not None else EMICP_OUTLIER,
+                        approximation=plan)
+    return prog, pair, given, n_sched
+
+
+def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) -> dict[str, Any]:
+    """Predict, up front, how long :func:`emicp` or :func:`softassign` will take on the CPU.
+
+    Args:
+        algorithm: "emicp" or "softassign".
+        source: as the algorithm's ``source``.
+        target: as the algorithm's ``target``.
+        **params: the algorithm's keyword arguments (``approximation`` included).
+
+    Returns:
+        ``{"seconds": predicted seconds of the chosen form (None off the CPU backend),
+        "exact_seconds": the exact form's, "approximation": what ``result.info
+        ["approximation"]`` will say}``. An estimate from a pairs-per-second model
+        (``kernels._soft_cpu``), not a promise; the algorithms warn
+        (``SlowOperationWarning``) above ``SLOW_S`` seconds.
+    """
+    if algorithm == "emicp":
+        names = ("init", "sigma", "sigma_min", "factor", "outlier_distance", "criteria",
+                 "device", "source_lengths", "target_lengths", "approximation")
+        defaults = dict(factor=0.9, approximation="auto")
+        args = [params.get(n, defaults.get(n)) for n in names]
+        prog, pair, _, _ = _emicp_setup(source, target, *args)
+    elif algorithm == "softassign":
+        prog, pair, _, _ = _softassign_setup(source, target, **params)
+    else:
+        raise ValueError(f"algorithm: expected 'emicp' or 'softassign', got {algorithm!r}")
+    plan = prog.approximation
+    return {"seconds": None if plan is None else plan.estimate_s,
+            "exact_seconds": None if plan is None else plan.exact_estimate_s,
+            "approximation": _form_info(plan, pair)}
 
 
 @_validate.out_of_memory_is_clear
@@ -396,6 +546,7 @@ def softassign(
     device: str | torch.device | None = None,
     source_lengths: Any = None,
     target_lengths: Any = None,
+    approximation: str = "auto",
 ) -> RegistrationResult:
     """Softassign with deterministic annealing (Gold et al. 1998; Tamaki et al. Alg. 2).
 
@@ -421,14 +572,43 @@ def softassign(
         device: compute device, as :func:`emicp`.
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
+        approximation: the form of the passes on the CPU ("cpu" backend): "auto" (exact
+            while estimated at a few seconds, else the approximation), "exact" or
+            "approximate": pairs with ``β d² > k²/2 + βα`` dropped, k chosen so that every
+            Sinkhorn normaliser (slack included) is low by a relative
+            ``max(N, M) e^(−k²/2)/w² ≤ 1e-4`` (w = ``outlier_weight``; each dropped term is
+            below ``e^(−k²/2)/w``). Ignored off the CPU. Recorded in
+            ``result.info["approximation"]``; see :func:`estimate_seconds`.
+
+    Raises:
+        ValueError: naming the argument, e.g. for 1/√β₀ or √α outside ``[1e-6 ρ, 1e6 ρ]``
+            (ρ: the target's RMS radius).
 
     Returns:
         :class:`RegistrationResult` (``iterations`` counts pose updates); ``stop_reason`` is
-        ``"schedule"``, ``"pose_and_weights"``, ``"max_iterations"`` or ``"degenerate"``
-        (source or target on a line: ``init`` is returned).
+        ``"schedule"``, ``"pose_and_weights"``, ``"max_iterations"``, ``"degenerate"``
+        (source or target on a line: ``init`` is returned) or ``"no_correspondences"``
+        (as :func:`emicp`).
 
     """
     t_start = time.perf_counter()
+    prog, pair, given, n_sched = _softassign_setup(
+        source, target, init=init, beta0=beta0, beta_factor=beta_factor,
+        temperatures=temperatures, alpha=alpha,
+        iterations_per_temperature=iterations_per_temperature,
+        sinkhorn_iterations=sinkhorn_iterations, outlier_weight=outlier_weight,
+        criteria=criteria, device=device, source_lengths=source_lengths,
+        target_lengths=target_lengths, approximation=approximation)
+    return _run("softassign", prog, pair, given, n_sched, t_start)
+
+
+def _softassign_setup(source, target, *, init=None, beta0=None, beta_factor=1.075,
+                      temperatures=100, alpha=None, iterations_per_temperature=5,
+                      sinkhorn_iterations=3, outlier_weight=1.0, criteria=None, device=None,
+                      source_lengths=None, target_lengths=None, approximation="auto"):
+    """Check Softassign's arguments; its program (form of the passes chosen), pair, inputs."""
+    if isinstance(beta_factor, (str, bytes, bool)):
+        raise ValueError(f"beta_factor: expected a number > 1, got {beta_factor!r}")
     beta_factor = float(beta_factor)
     if not math.isfinite(beta_factor) or beta_factor <= 1.0:
         raise ValueError(f"beta_factor: must be finite and > 1, got {beta_factor}")
@@ -439,11 +619,17 @@ def softassign(
     w_out = _validate.positive(outlier_weight, "outlier_weight")
     pair, given = _prepare(source, target, init, device, source_lengths, target_lengths,
                            criteria, beta0=beta0, alpha=alpha)
+    if beta0 is not None or alpha is not None:
+        rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu()
+        _check_range(given, rho, {"beta0": lambda v: 1 / v.sqrt(), "alpha": lambda v: v.sqrt()})
     n_sched = int(temperatures) * int(iterations_per_temperature)
+    settle = _settling(criteria, n_sched)
+    plan = choose_form("softassign", pair, settle["n_iter"], approximation,
+                       outlier_weight=w_out, sinkhorn_rounds=int(sinkhorn_iterations))
     prog = SoftassignProgram(
-        **_settling(criteria, n_sched), temperatures=int(temperatures),
+        **settle, temperatures=int(temperatures),
         per_temperature=int(iterations_per_temperature), sinkhorn_rounds=int(sinkhorn_iterations),
         beta_factor=beta_factor, outlier_weight=w_out,
         sigma=None if beta0 is not None else SOFT_SIGMA,
-        alpha=None if alpha is not None else SOFT_ALPHA)
-    return _run("softassign", prog, pair, given, n_sched, t_start)
+        alpha=None if alpha is not None else SOFT_ALPHA, approximation=plan)
+    return prog, pair, given, n_sched
