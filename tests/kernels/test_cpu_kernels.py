@@ -8,8 +8,6 @@ float64 reference to rtol 1e-10 (only the order of float64 additions differs).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -212,43 +210,7 @@ def test_threads_api(monkeypatch):
         pa.set_num_threads(None)
 
 
-@pytest.mark.parametrize("sigma", [0.3, 0.1])
-def test_soft_rows_truncated_bounds(seed, sigma):
-    from pointalign.kernels import _soft_cpu, soft
-
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(600, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 1.0, 0.05],
-                                                                              dtype=torch.float64)
-    s = t[::3] + 0.02 * torch.randn(200, 3, generator=g, dtype=torch.float64)
-    T = torch.eye(4, dtype=torch.float64)
-    T[:3, 3] = torch.tensor([0.05, -0.02, 0.01])
-    sc = 0.5 / sigma ** 2
-    ref = soft.soft_rows_reference(s[None], t[None], T[None],
-                                   torch.tensor([sc], dtype=torch.float64), squares=True)
-    k = 3.0
-    # truncation only: the row sum is low by at most M e^(-k^2/2)
-    lse, lse2, mean = _soft_cpu.soft_rows_truncated(s, t, T, sc, k=k, eps=0.0)
-    gap = ref.lse[0].exp() - lse.exp()
-    assert torch.all(gap >= -1e-12) and torch.all(gap <= t.shape[0] * math.exp(-k * k / 2))
-    # merging too: each kept term within exp(+-(eps k + eps^2/2)), plus the truncation
-    eps = 0.1
-    lse_m, _, _ = _soft_cpu.soft_rows_truncated(s, t, T, sc, k=k, eps=eps)
-    f = math.exp(eps * k + eps * eps / 2)
-    hi = ref.lse[0].exp() * f
-    lo = (ref.lse[0].exp() - t.shape[0] * math.exp(-k * k / 2)) / f
-    assert torch.all(lse_m.exp() <= hi + 1e-12) and torch.all(lse_m.exp() >= lo - 1e-12)
-
-
-def test_cpu_plan():
-    from pointalign.kernels import soft
-
-    assert soft.cpu_plan(100, 100, 10).mode == "exact"
-    p = soft.cpu_plan(40000, 40000, 66)
-    assert p.mode == "truncated" and p.exact_estimate_s > 3
-    assert p.info()["mode"] == "truncated" and p.info()["dropped_term_bound"] < 1e-5
-    assert soft.cpu_plan(40000, 40000, 66, approximation="exact").mode == "exact"
-    with pytest.raises(ValueError, match="approximation"):
-        soft.cpu_plan(1, 1, 1, approximation="fast")
+# the soft methods' CPU passes: tests/kernels/test_soft_cpu.py
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -473,6 +473,7 @@ def emicp_moments(source, target, transform, scale, log_outlier, source_lengths,
         Σλ x x'ᵀ (B, 3, 3))`` (float64 torch; the moments of
         :func:`pointalign.kernels.horn.horn_moments` of ``(x_i, x'_i, λ_i)``, summed per
         source cell in "cells" form: its points share λ and x').
+
     """
     B, N = source.shape[:2]
     lam = np.zeros((B, N))
@@ -553,3 +554,38 @@ def soft_rows(query, points, transform, scale, query_lengths, point_lengths,
             lse2[b, :ql[b]] = l2b
         mean[b, :ql[b]] = mb
     return lse, lse2, mean
+
+
+def nearest_d2(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor,
+               query_lengths: torch.Tensor, point_lengths: torch.Tensor,
+               max_d2: torch.Tensor, plan_: Plan) -> torch.Tensor:
+    """Exact squared distance of each moved query to its nearest point within ``max_d2``.
+
+    Args:
+        query: ``(B, N, 3)`` float tensor, moved by ``transform (B, 4, 4)``.
+        points: ``(B, M, 3)`` float tensor.
+        transform: ``(B, 4, 4)``.
+        query_lengths: ``(B,)`` valid queries.
+        point_lengths: ``(B,)`` valid points.
+        max_d2: ``(B,)`` squared bound.
+        plan_: the run's :class:`Plan` (caches the trees).
+
+    Returns:
+        ``(B, N)`` float64, ``inf`` beyond the bound and on padding rows (the k-d tree of
+        ``kernels._knn_cpu``: float64 distances, no soft-min).
+
+    """
+    B, N = query.shape[:2]
+    out = np.full((B, N), np.inf)
+    ql, pl, md = query_lengths.tolist(), point_lengths.tolist(), max_d2.tolist()
+    for b in range(B):
+        if ql[b] == 0 or pl[b] == 0:
+            continue
+        p = points[b, :pl[b]]
+        key = (p.data_ptr(), tuple(p.shape), p.stride())
+        tree = _tree(plan_, p.detach().cpu().to(torch.float64).numpy(), key)
+        T = transform[b].detach().to(torch.float64).cpu().numpy()
+        q = query[b, :ql[b]].detach().cpu().to(torch.float64).numpy() @ T[:3, :3].T + T[:3, 3]
+        d2, _ = tree.nearest(q, float(md[b]))
+        out[b, :ql[b]] = d2
+    return torch.from_numpy(out)

@@ -93,7 +93,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def _use_cpu(x: torch.Tensor, approximation: Any) -> bool:
-    """True when a :func:`cpu_plan` is given and ``x`` runs on the numba "cpu" backend."""
+    """Tell whether a :func:`cpu_plan` is given and ``x`` runs on the numba "cpu" backend."""
     return approximation is not None and backend(x) == "cpu"
 
 

@@ -77,14 +77,21 @@ def _rho(y: ksoft.Centred) -> torch.Tensor:
     return (tr / y.lengths.to(torch.float64).clamp_min(1)).sqrt().clamp_min(1e-12)
 
 
-def _fitness(x: ksoft.Centred, y: ksoft.Centred, T: torch.Tensor, inlier: torch.Tensor):
+def _fitness(x: ksoft.Centred, y: ksoft.Centred, T: torch.Tensor, inlier: torch.Tensor,
+             plan: Any = None):
     """Fitness and RMSE ``(B,)`` of hard nearest neighbours within ``inlier (B,)``."""
-    # the fused pass at a huge scale s: −lse/s → min_j d_ij² (a soft-min; error ≤ log(M)/s)
-    big = 1e4 / inlier.square().clamp_min(1e-30)
-    r = ksoft.soft_rows(x.points, y.points, T, big.to(torch.float32),
-                        query_lengths=x.lengths, point_lengths=y.lengths)
     rows = torch.arange(x.points.shape[1], device=T.device)[None, :] < x.lengths[:, None]
-    d2 = (-r.lse.double() / big[:, None]).clamp_min(0)
+    if plan is not None:  # the CPU's k-d tree: exact nearest neighbours
+        from pointalign.kernels import _soft_cpu
+
+        d2 = _soft_cpu.nearest_d2(x.points, y.points, T, x.lengths, y.lengths,
+                                  inlier.square(), plan)
+    else:
+        # the fused pass at a huge scale s: −lse/s → min_j d_ij² (soft-min; error ≤ log(M)/s)
+        big = 1e4 / inlier.square().clamp_min(1e-30)
+        r = ksoft.soft_rows(x.points, y.points, T, big.to(torch.float32),
+                            query_lengths=x.lengths, point_lengths=y.lengths)
+        d2 = (-r.lse.double() / big[:, None]).clamp_min(0)
     inl = rows & (d2 <= inlier.square()[:, None])
     n_in = inl.sum(1)
     rmse = torch.where(n_in > 0, (torch.where(inl, d2, 0).sum(1) / n_in.clamp_min(1)).sqrt(),
@@ -164,7 +171,7 @@ class _Annealing:
                 track: _Settling, inlier: torch.Tensor, **info: torch.Tensor) -> _loop.Tensors:
         """Collect the outputs: the pose in the input frames (``init`` if degenerate) etc."""
         T = _recentre(track.T, -x.center, -y.center)
-        fitness, rmse = _fitness(x, y, track.T, inlier)
+        fitness, rmse = _fitness(x, y, track.T, inlier, self.approximation)
         out = {"T": torch.where(track.flat[:, None, None], inputs["init"], T),
                "fitness": fitness, "rmse": rmse, "iterations": track.iters,
                "done": track.done, "flat": track.flat, "inlier_distance": inlier, **info}
@@ -309,7 +316,7 @@ def _settling(criteria: ConvergenceCriteria | None, n_sched: int) -> dict[str, A
 def choose_form(algorithm: str, pair: _edge.Pair, n_iter: int, approximation: str,
                 sigmas: list[float] | None = None, outlier_weight: float = 1.0,
                 sinkhorn_rounds: int = 3) -> Any:
-    """The form of the passes for ``pair`` (``kernels.soft.cpu_plan``), chosen up front.
+    """Choose the form of the passes for ``pair`` up front (``kernels.soft.cpu_plan``).
 
     On the "cpu" backend (numba) a plan: exact while its estimate is a few seconds
     (``AUTO_BUDGET_S``), else the bounded approximation (``approximation="auto"``), or as
@@ -512,6 +519,7 @@ def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) ->
         ["approximation"]`` will say}``. An estimate from a pairs-per-second model
         (``kernels._soft_cpu``), not a promise; the algorithms warn
         (``SlowOperationWarning``) above ``SLOW_S`` seconds.
+
     """
     if algorithm == "emicp":
         names = ("init", "sigma", "sigma_min", "factor", "outlier_distance", "criteria",

@@ -1,0 +1,162 @@
+"""kernels._soft_cpu: the numba row passes of the soft methods against the PyTorch reference.
+
+Exact form: equal to ``soft.soft_rows_reference`` (float64 sums in another order). EM-ICP's
+"cells" form: every row sum within the bounds the module states (Jensen / Hoeffding per kept
+cell, ``e^(−s(R − h)²)`` per dropped point). Softassign's "truncated" form: every Sinkhorn
+output within its relative bound. The plan: modes, info, estimates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign.kernels import _soft_cpu, soft
+from pointalign.kernels._knn_cpu import CpuTree, available
+
+pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed")
+
+
+def _cloud(g, n, flat=0.05):
+    """A noisy sheet-like cloud (n, 3) float64: surfaces are what the soft methods see."""
+    return torch.randn(n, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 1.0, flat],
+                                                                                dtype=torch.float64)
+
+
+def _pose(rz=0.1, t=(0.05, -0.02, 0.01)):
+    T = torch.eye(4, dtype=torch.float64)
+    c, s = math.cos(rz), math.sin(rz)
+    T[:2, :2] = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
+    T[:3, 3] = torch.tensor(t, dtype=torch.float64)
+    return T
+
+
+@pytest.mark.parametrize("scale,weights", [(2.0, False), (50.0, True), (1e6, True)])
+def test_exact_rows_equal_reference(scale, weights):
+    """The exact numba pass (both kernels: linear weights and running maximum) = reference."""
+    g = torch.Generator().manual_seed(3)
+    q, p = _cloud(g, 301), _cloud(g, 257)
+    lw = torch.randn(1, 257, generator=g, dtype=torch.float64) * 3 if weights else None
+    sc = torch.tensor([scale], dtype=torch.float64)
+    T = _pose()[None]
+    ref = soft.soft_rows_reference(q[None], p[None], T, sc, point_log_weights=lw, squares=True)
+    plan = soft.cpu_plan(301, 257, 1, approximation="exact")
+    got = soft.soft_rows(q[None], p[None], T, sc, point_log_weights=lw, squares=True,
+                         approximation=plan)
+    fin = torch.isfinite(ref.lse)
+    assert torch.equal(fin, torch.isfinite(got.lse))
+    assert torch.allclose(got.lse[fin], ref.lse[fin], rtol=0, atol=1e-9)
+    assert got.lse2 is not None and ref.lse2 is not None
+    assert torch.allclose(got.lse2[fin], ref.lse2[fin], rtol=0, atol=1e-9)
+    assert torch.allclose(got.mean, ref.mean, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("sigma", [0.6, 0.2, 0.05])
+def test_cells_row_sums_within_stated_bounds(sigma):
+    """At source-cell centroids, the cells' row sums bracket the exact all-pairs sums."""
+    g = torch.Generator().manual_seed(5)
+    t = _cloud(g, 3000)
+    q = _cloud(g, 400) + 0.05
+    k, c = _soft_cpu.TRUNCATE_K, _soft_cpu.CELL_RATIO
+    _, a = _soft_cpu.cell_side(sigma, c)
+    assert c * sigma / math.sqrt(2) < a <= c * sigma
+    cen, n, _ = _soft_cpu._merge(t.numpy(), a)
+    if sigma > 0.1:
+        assert cen.shape[0] < t.shape[0] / 2  # cells do merge here
+    tree = CpuTree(cen, leaf_size=8)
+    for mult in (1.0, 2.0):  # lse (scale s) and lse2 (scale 2s) of the same pass
+        s = 0.5 / sigma ** 2
+        R, h = k * sigma, math.sqrt(3) / 2 * a
+        lse, lse2, _ = _soft_cpu._run_rows(q.numpy(), np.log(n), tree, s, R * R, True)
+        approx = torch.from_numpy(lse if mult == 1 else lse2)
+        sm = mult * s
+        ref = soft.soft_rows_reference(q[None], t[None], torch.eye(4, dtype=torch.float64)[None],
+                                       torch.tensor([sm], dtype=torch.float64)).lse[0]
+        hi = ref + sm * h * h                                      # Jensen, every kept cell
+        rng = 4 * sm * R * h + sm * h * h                           # Hoeffding at d <= R
+        dropped = t.shape[0] * math.exp(-sm * (R - h) ** 2)
+        lo = torch.log((ref.exp() - dropped).clamp_min(1e-300)) - rng * rng / 8
+        assert torch.all(approx <= hi + 1e-9), (approx - hi).max()
+        assert torch.all(approx >= lo - 1e-9), (lo - approx).max()
+
+
+def test_cells_emicp_step_close_to_exact():
+    """One EM-ICP step in cells form lands near the exact step (a bounded perturbation)."""
+    g = torch.Generator().manual_seed(7)
+    y = _cloud(g, 2000).float()[None]
+    x = (_cloud(g, 1500).float() @ _pose()[:3, :3].T.float())[None]
+    L = torch.tensor([1500]), torch.tensor([2000])
+    T0 = torch.eye(4, dtype=torch.float64)[None]
+    fr = torch.zeros(1, dtype=torch.bool)
+    for sigma in (0.5, 0.1):
+        sc = torch.tensor([0.5 / sigma ** 2])
+        lo = torch.tensor([-4.0 / sigma ** 2])
+        plan = soft.cpu_plan(1500, 2000, 1, approximation="approximate")
+        assert plan.mode == "cells"
+        Ta, _, lam_a = soft.emicp_step(x, y, T0, sc, lo, fr, source_lengths=L[0],
+                                       target_lengths=L[1], approximation=plan)
+        Te, _, lam_e = soft.emicp_step(x, y, T0, sc, lo, fr, source_lengths=L[0],
+                                       target_lengths=L[1])
+        R = Ta[0, :3, :3] @ Te[0, :3, :3].T
+        ang = math.degrees(math.acos(max(-1.0, min(1.0, (float(R.trace()) - 1) / 2))))
+        assert ang < 0.5 and float((Ta[0, :3, 3] - Te[0, :3, 3]).norm()) < 0.02 * sigma
+        assert float((lam_a - lam_e).abs().sum() / lam_e.sum()) < 0.1
+        # the exact numba form is the reference up to float rounding
+        plan_x = soft.cpu_plan(1500, 2000, 1, approximation="exact")
+        Tx, _, _ = soft.emicp_step(x, y, T0, sc, lo, fr, source_lengths=L[0],
+                                   target_lengths=L[1], approximation=plan_x)
+        assert torch.allclose(Tx, Te, atol=1e-5)
+
+
+def test_truncated_sinkhorn_within_its_bound():
+    """Softassign's truncation: each half-step's output within the stated relative bound."""
+    g = torch.Generator().manual_seed(11)
+    x, y = _cloud(g, 500)[None], _cloud(g, 450)[None]
+    T = _pose()[None]
+    Ti = torch.linalg.inv(T)
+    for beta, alpha in ((1.0, 0.01), (30.0, 0.01), (2000.0, 0.001)):
+        b = torch.tensor([beta], dtype=torch.float64)
+        ba = torch.tensor([beta * alpha], dtype=torch.float64)
+        lw = torch.zeros(1, dtype=torch.float64)
+        plan = soft.cpu_plan(500, 450, 1, approximation="approximate", method="softassign")
+        assert plan.mode == "truncated"
+        g_col = ba[:, None].expand(1, 450)
+        for _ in range(2):
+            ref = soft.sinkhorn_scaling(x, y, T, b, g_col, lw, ba)
+            got = soft.sinkhorn_scaling(x, y, T, b, g_col, lw, ba, approximation=plan)
+            # out = βα − log(w + Σ): a relative error ≤ tol of the normaliser
+            assert torch.all(got >= ref - 1e-9)
+            assert torch.all(got - ref <= -math.log1p(-_soft_cpu.SOFTASSIGN_TOLERANCE) + 1e-9)
+            g_row = ref
+            g_col = soft.sinkhorn_scaling(y, x, Ti, b, g_row, lw, ba)
+        r_ref = soft.soft_rows(y, x, Ti, b, point_log_weights=g_row)
+        r_got = soft.soft_rows(y, x, Ti, b, point_log_weights=g_row, approximation=plan,
+                               offset=ba)
+        fin = torch.isfinite(r_got.lse)
+        assert torch.all(r_got.lse[fin] <= r_ref.lse[fin] + 1e-9)
+
+
+def test_plan_modes_info_and_estimates():
+    assert soft.cpu_plan(100, 100, 10).mode == "exact"
+    p = soft.cpu_plan(40000, 40000, 66)
+    assert p.mode == "cells" and p.exact_estimate_s > _soft_cpu.AUTO_BUDGET_S
+    info = p.info()
+    assert info["mode"] == "cells" and info["k"] == _soft_cpu.TRUNCATE_K
+    assert info["dropped_term_bound"] < 2e-3 and 0.9 < info["kept_cell_ratio_at_1_sigma"][0] < 1
+    assert soft.cpu_plan(40000, 40000, 66, approximation="exact").mode == "exact"
+    sa = soft.cpu_plan(2000, 2000, 3000, method="softassign")
+    assert sa.mode == "truncated"
+    assert 2000 * math.exp(-sa.k ** 2 / 2) <= _soft_cpu.SOFTASSIGN_TOLERANCE * 1.0001
+    with pytest.raises(ValueError, match="approximation"):
+        soft.cpu_plan(1, 1, 1, approximation="fast")
+    with pytest.raises(ValueError, match="method"):
+        soft.cpu_plan(1, 1, 1, method="icp")
+    # with the clouds, the cells' estimate counts cells: far below the exact one at 40k
+    g = torch.Generator().manual_seed(1)
+    pts = _cloud(g, 40000).numpy() * 0.05
+    sig = [0.05 * 0.9 ** (k / 2) for k in range(66)]
+    est = soft.cpu_plan(40000, 40000, 66, source=pts, target=pts, sigmas=sig)
+    assert 0 < est.estimate_s < est.exact_estimate_s / 5

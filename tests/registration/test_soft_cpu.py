@@ -1,0 +1,127 @@
+"""EM-ICP and Softassign on the CPU: the chosen form, its record, extreme parameters, offsets.
+
+The approximated forms (``approximation="approximate"``) must land near the exact form on a
+bunny subsample; ``info["approximation"]`` says which ran; parameters out of range raise a
+ValueError naming them; a run that matched nothing is not "converged"; clouds far from the
+origin (float64) give the unshifted run's pose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign import _progress, datasets, metrics
+from pointalign.kernels._knn_cpu import available
+from pointalign.registration import soft
+from pointalign.registration.soft import emicp, softassign
+
+pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed")
+
+EM_SHORT = dict(sigma=0.03, sigma_min=0.004, factor=0.8)          # 18 iterations
+SA_SHORT = dict(temperatures=12, beta_factor=1.4, iterations_per_temperature=2,
+                sinkhorn_iterations=2)
+
+
+def _bunny(n_src, n_tgt, seed=0):
+    p = datasets.load_bunny_pair()
+    return (datasets.random_subsample(p.source, n_src, seed).double(),
+            datasets.random_subsample(p.target, n_tgt, seed + 1).double(), p.T_target_source)
+
+
+def _translation(v) -> torch.Tensor:
+    T = torch.eye(4, dtype=torch.float64)
+    T[:3, 3] = torch.as_tensor(v, dtype=torch.float64)
+    return T
+
+
+def _pose_gap(Ta, Tb):
+    r, t = metrics.relative_error(np.asarray(Ta), np.asarray(Tb))
+    return r, t
+
+
+def test_emicp_approximate_lands_near_exact():
+    """Cells + truncation on 1500 x 1500 bunny points: within 0.5° / 1 mm of the exact form
+    (both from the identity; the pose is ~34° away), and near the truth."""
+    x, y, Td = _bunny(1500, 1500)
+    ex = emicp(x, y, device="cpu", approximation="exact", **EM_SHORT)
+    ap = emicp(x, y, device="cpu", approximation="approximate", **EM_SHORT)
+    assert ex.info["approximation"]["mode"] == "exact"
+    assert ap.info["approximation"]["mode"] == "cells"
+    assert ap.info["approximation"]["k"] == 4.0 and "cell_rule" in ap.info["approximation"]
+    r, t = _pose_gap(ap.transformation, ex.transformation)
+    assert r < 0.5 and t < 1e-3, (r, t)
+    r, t = _pose_gap(ap.transformation, Td.numpy())
+    assert r < 3 and t < 5e-3, (r, t)
+
+
+def test_softassign_approximate_lands_near_exact():
+    x, y, _ = _bunny(300, 300)
+    ex = softassign(x, y, device="cpu", approximation="exact", **SA_SHORT)
+    ap = softassign(x, y, device="cpu", approximation="approximate", **SA_SHORT)
+    assert ex.info["approximation"]["mode"] == "exact"
+    info = ap.info["approximation"]
+    assert info["mode"] == "truncated" and info["normaliser_relative_bound"] <= 1e-4
+    r, t = _pose_gap(ap.transformation, ex.transformation)
+    assert r < 0.05 and t < 1e-4, (r, t)
+
+
+def test_auto_form_estimate_and_slow_warning(monkeypatch):
+    x, y, _ = _bunny(200, 200)
+    res = emicp(x, y, device="cpu", **EM_SHORT)
+    assert res.info["approximation"]["mode"] == "exact"  # small: the exact form is seconds
+    est = soft.estimate_seconds("emicp", x, y, device="cpu", **EM_SHORT)
+    assert est["approximation"]["mode"] == "exact" and 0 < est["seconds"] < 3
+    est = soft.estimate_seconds("softassign", x, y, device="cpu", approximation="approximate")
+    assert est["approximation"]["mode"] == "truncated" and est["seconds"] > 0
+    with pytest.raises(ValueError, match="algorithm"):
+        soft.estimate_seconds("icp", x, y)
+    with pytest.raises(ValueError, match="approximation"):
+        emicp(x, y, device="cpu", approximation="fast")
+    monkeypatch.setattr(soft, "SLOW_S", -1.0)
+    with pytest.warns(_progress.SlowOperationWarning, match="estimated"):
+        emicp(x, y, device="cpu", criteria=soft.ConvergenceCriteria(max_iterations=1))
+
+
+@pytest.mark.parametrize("algo,kwargs,match", [
+    (emicp, dict(sigma=1e-30), "sigma"),
+    (emicp, dict(sigma=1e30), "sigma"),
+    (emicp, dict(sigma_min=1e-30), "sigma_min"),
+    (emicp, dict(sigma=1e30, sigma_min=1e29), "sigma"),
+    (emicp, dict(sigma=1e-29, sigma_min=1e-30), "sigma"),
+    (softassign, dict(beta0=1e-30), "beta0"),
+    (softassign, dict(beta0=1e30), "beta0"),
+    (softassign, dict(alpha=1e30), "alpha"),
+    (softassign, dict(beta_factor="fast"), "beta_factor"),
+])
+def test_extreme_parameters_name_the_argument(algo, kwargs, match):
+    x, y, _ = _bunny(50, 50)
+    with pytest.raises(ValueError, match=match):
+        algo(x, y, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("algo,kwargs", [(emicp, EM_SHORT), (softassign, SA_SHORT)])
+def test_nothing_matched_is_not_converged(algo, kwargs):
+    """The source placed 100 m away: no pair within reach, the pose stays: not converged."""
+    x, y, _ = _bunny(100, 100)
+    init = _translation([100.0, 0.0, 0.0])
+    res = algo(x, y, init=init, device="cpu", **kwargs)
+    assert not res.converged and res.stop_reason == "no_correspondences"
+    assert res.fitness == 0
+
+
+@pytest.mark.parametrize("offset", [1e3, 1e4, 1e5, 1e6])
+@pytest.mark.parametrize("algo,kwargs", [(emicp, EM_SHORT), (softassign, SA_SHORT)])
+def test_far_from_origin_matches_unshifted(algo, kwargs, offset):
+    """Float64 clouds shifted by 1e3..1e6 m: the pose of the unshifted run, moved along."""
+    x, y, _ = _bunny(150, 150)
+    o = torch.tensor([offset, -0.7 * offset, 0.3 * offset], dtype=torch.float64)
+    base = algo(x, y, device="cpu", **kwargs)
+    far = algo(x + o, y + o, device="cpu", **kwargs)
+    S = _translation(o).numpy()
+    expect = S @ np.asarray(base.transformation) @ np.linalg.inv(S)
+    got = np.asarray(far.transformation)
+    assert np.abs(got[:3, :3] - expect[:3, :3]).max() < 1e-6
+    assert np.abs(got[:3, 3] - expect[:3, 3]).max() < 1e-6 * max(1.0, offset * 1e-3)
+    assert far.converged == base.converged and far.iterations == base.iterations
