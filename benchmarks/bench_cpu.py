@@ -14,11 +14,13 @@ Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
   point-to-plane ICP at 0.4v on the downsampled clouds) and small_gicp's GICP alone
   (``align`` GICP, downsampling 2.54 mm, which is a local method: it needs no features but
   converges from the identity only because this pair starts within its basin).
-* ``emicp``: the EM-ICP E-step on the 40k pair on the "cpu" backend with the automatic
-  approximation (``kernels.soft.cpu_plan``: truncation at 5σ, target cells of half-
-  diagonal 0.1σ), along the default schedule (σ₀ = 0.949ρ → 0.03ρ, 66 iterations, d₀ =
-  1.78ρ); every ``EMICP_STRIDE``-th iteration is timed and the run estimated from them
-  (``--emicp-full`` times the whole loop).
+* ``emicp``: ``pa.emicp`` end to end on the 40k pair on the "cpu" backend, default
+  schedule (σ₀ = 0.949ρ → 0.03ρ, 66 iterations, d₀ = 1.78ρ), the form chosen automatically
+  (``approximation="auto"``: cells of 0.4σ and truncation at 4σ above a few seconds of exact
+  work; ``info["approximation"]`` is recorded), after one warm-up run (numba compilation).
+* ``softassign``: ``pa.softassign`` end to end on 2000 x 2000 random points of the pair,
+  the seed's schedule (100 temperatures x 5 updates x 3 Sinkhorn rounds), the form chosen
+  automatically (truncation, k from the 1e-4 normaliser bound); one run after the warm-up.
 * ``surface_newton`` on the LiDAR pair (``--slow`` only: it still runs the PyTorch
   reference of the Newton reduction on the CPU).
 
@@ -62,7 +64,6 @@ from pointalign import datasets, metrics  # noqa: E402
 MAX_DIST = 0.05
 ITERS = 30
 VOXEL = 0.00254
-EMICP_STRIDE = 6
 
 NOTES = (
     "bun045 -> bun000 (40k points each) from the identity; 2-core machine shared with other "
@@ -71,8 +72,8 @@ NOTES = (
     "fixed iterations, 5 cm, index (and for point-to-plane the target normals, k = 20 / "
     "Open3D hybrid 1 cm, 20) built inside each call. register: voxel 2.54 mm, Open3D's "
     "tutorial pipeline (FPFH + RANSAC + point-to-plane ICP) and small_gicp GICP alone. "
-    "emicp: E-step on the cpu backend with the automatic bounded approximation, estimated "
-    "from every 6th iteration of the default 66-iteration schedule. Targets: ICP p2p/p2pl "
+    "emicp: pa.emicp end to end (40k, automatic form); softassign: pa.softassign 2k x 2k "
+    "(automatic form), both after a warm-up. Targets: ICP p2p/p2pl "
     "and register() no slower than Open3D, EM-ICP 40k <= 10 s, surface_newton LiDAR <= 2 s."
 )
 
@@ -210,42 +211,33 @@ def register_rows(rec: Recorder, s: torch.Tensor, t: torch.Tensor, truth: np.nda
                 load1=load, rot_err_deg=rot, trans_err_mm=1e3 * tr)
 
 
-def emicp_rows(rec: Recorder, s: torch.Tensor, t: torch.Tensor, full: bool) -> None:
-    from pointalign.kernels import soft as ksoft
+def emicp_rows(rec: Recorder, s: torch.Tensor, t: torch.Tensor, truth: np.ndarray,
+               repeat: int) -> None:
+    """End-to-end ``pa.emicp`` on the 40k pair and ``pa.softassign`` on 2k x 2k (CPU)."""
+    from pointalign.registration import soft
 
-    rho = float((t - t.mean(0)).square().sum(1).mean().sqrt())
-    s0, s1, d0 = 0.949 * rho, 0.03 * rho, 1.78 * rho
-    n_iter = math.ceil(math.log((s1 / s0) ** 2) / math.log(0.9) - 1e-9)
-    plan = ksoft.cpu_plan(s.shape[0], t.shape[0], n_iter)
-    src, tgt = s[None].double(), t[None].double()
-    lens_s = torch.tensor([s.shape[0]])
-    lens_t = torch.tensor([t.shape[0]])
-    T = torch.eye(4, dtype=torch.float64)[None]
-    frozen = torch.zeros(1, dtype=torch.bool)
+    est = soft.estimate_seconds("emicp", s, t, device="cpu")
     load = _load()
+    res, w, c = timed(lambda: pa.emicp(s, t, device="cpu"), repeat)
+    rot, tr = metrics.relative_error(np.asarray(res.transformation), truth)
+    rec.add("emicp", impl="pointalign emicp 40k (cpu backend, " +
+            res.info["approximation"]["mode"] + ")", points=s.shape[0], wall_s=w, cpu_s=c,
+            load1=load, iterations=int(res.iterations), rot_err_deg=rot, trans_err_mm=1e3 * tr,
+            estimate_s=est["seconds"], exact_estimate_s=est["exact_seconds"],
+            approximation=str(res.info["approximation"]))
+    s2, t2 = datasets.random_subsample(s, 2000, 0), datasets.random_subsample(t, 2000, 1)
+    est = soft.estimate_seconds("softassign", s2, t2, device="cpu")
+    load = _load()
+    pa.softassign(s2, t2, device="cpu", temperatures=1, iterations_per_temperature=1)  # warm
     c0, w0 = time.process_time(), time.perf_counter()
-    timed_w, timed_c, n_timed = 0.0, 0.0, 0
-    for k in range(n_iter):
-        sig2 = s0 * s0 * 0.9 ** k
-        scale = torch.tensor([0.5 / sig2], dtype=torch.float64)
-        lo = torch.tensor([-d0 * d0 / sig2], dtype=torch.float64)
-        if not full and k % EMICP_STRIDE:
-            continue  # estimated from the timed iterations (the pose then lags: E-step cost
-            # depends on σ, not on the pose, once the clouds overlap)
-        a, b = time.process_time(), time.perf_counter()
-        T, _, _ = ksoft.emicp_step(src, tgt, T, scale, lo, frozen, source_lengths=lens_s,
-                                   target_lengths=lens_t, approximation=plan)
-        timed_c += time.process_time() - a
-        timed_w += time.perf_counter() - b
-        n_timed += 1
-    w = time.perf_counter() - w0
-    c = time.process_time() - c0
-    scale_up = n_iter / n_timed
-    rec.add("emicp", impl="pointalign EM-ICP E-step+Horn (cpu backend, " + plan.mode + ")",
-            iterations=n_iter, timed_iterations=n_timed,
-            wall_s=w if full else timed_w * scale_up, cpu_s=c if full else timed_c * scale_up,
-            estimated=not full, load1=load, exact_estimate_s=plan.exact_estimate_s,
-            approximation=str(plan.info()))
+    res = pa.softassign(s2, t2, device="cpu")
+    w, c = time.perf_counter() - w0, time.process_time() - c0
+    rot, tr = metrics.relative_error(np.asarray(res.transformation), truth)
+    rec.add("softassign", impl="pointalign softassign 2k x 2k (cpu backend, " +
+            res.info["approximation"]["mode"] + ")", points=2000, wall_s=w, cpu_s=c,
+            load1=load, iterations=int(res.iterations), rot_err_deg=rot, trans_err_mm=1e3 * tr,
+            estimate_s=est["seconds"], exact_estimate_s=est["exact_seconds"],
+            approximation=str(res.info["approximation"]))
 
 
 def surface_rows(rec: Recorder) -> None:
@@ -266,7 +258,8 @@ def main() -> None:
     p = parse_args(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--slow", action="store_true", help="also surface_newton on the LiDAR pair")
-    p.add_argument("--emicp-full", action="store_true", help="time every EM-ICP iteration")
+    p.add_argument("--emicp-repeat", type=int, default=1,
+                   help="timed EM-ICP runs after the warm-up (softassign: one run)")
     p.add_argument("--only", default=None, help="comma-separated tables to run")
     args = p.parse_args()
     rec = Recorder("cpu", "cpu", title="CPU", notes=NOTES)
@@ -282,7 +275,7 @@ def main() -> None:
     if want("register"):
         register_rows(rec, s, t, truth, args.repeat)
     if want("emicp"):
-        emicp_rows(rec, s, t, args.emicp_full)
+        emicp_rows(rec, s, t, truth, args.emicp_repeat)
     if args.slow and want("surface"):
         surface_rows(rec)
     rec.save()

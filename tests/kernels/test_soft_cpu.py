@@ -64,7 +64,7 @@ def test_cells_row_sums_within_stated_bounds(sigma):
     _, a = _soft_cpu.cell_side(sigma, c)
     assert c * sigma / math.sqrt(2) < a <= c * sigma
     cen, n, _ = _soft_cpu._merge(t.numpy(), a)
-    if sigma > 0.1:
+    if sigma > 0.5:
         assert cen.shape[0] < t.shape[0] / 2  # cells do merge here
     tree = CpuTree(cen, leaf_size=8)
     for mult in (1.0, 2.0):  # lse (scale s) and lse2 (scale 2s) of the same pass
@@ -78,7 +78,7 @@ def test_cells_row_sums_within_stated_bounds(sigma):
         hi = ref + sm * h * h                                      # Jensen, every kept cell
         rng = 4 * sm * R * h + sm * h * h                           # Hoeffding at d <= R
         dropped = t.shape[0] * math.exp(-sm * (R - h) ** 2)
-        lo = torch.log((ref.exp() - dropped).clamp_min(1e-300)) - rng * rng / 8
+        lo = torch.log((ref.exp() - dropped).clamp_min(0)) - rng * rng / 8  # -inf: vacuous
         assert torch.all(approx <= hi + 1e-9), (approx - hi).max()
         assert torch.all(approx >= lo - 1e-9), (lo - approx).max()
 

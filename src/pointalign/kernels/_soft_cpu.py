@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -220,12 +221,13 @@ def _merge(points: np.ndarray, a: float):
 
 
 @njit(cache=True, parallel=True)
-def _rows(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, lse, lse2, mean):
+def _rows(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2, mean):
     """Row reductions over the stored points within ``r2`` of each (moved) query.
 
-    ``lse_i = log Σ_j exp(−s d² + g_j)``, ``lse2_i = log Σ_j exp(−2 s d² + g_j)`` (when
-    ``want2``; g_j = log n_j: a cell's count enters once), ``mean_i`` the first sum's
-    weighted mean of the points; running maxima keep every sum finite.
+    ``lse_i = log Σ_j exp(−s d² + g_j)``, ``lse2_i = log Σ_j exp(2(−s d²) + c g_j)`` (when
+    ``want2``; c = 2 with ``sq_w``, the square of each term, else 1: g_j = log n_j, a cell's
+    count enters once), ``mean_i`` the first sum's weighted mean of the points; running
+    maxima keep every sum finite.
     """
     nq = q.shape[0]
     first_leaf = (1 << depth) - 1
@@ -268,7 +270,7 @@ def _rows(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, lse, lse2, 
                     u1 += e * p1
                     u2 += e * p2
                     if want2:
-                        z2 = gj - 2.0 * s * dd
+                        z2 = (2.0 * gj if sq_w else gj) - 2.0 * s * dd
                         if z2 > m2:
                             l2 *= math.exp(m2 - z2)
                             m2 = z2
@@ -291,12 +293,14 @@ def _rows(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, lse, lse2, 
 
 
 @njit(cache=True, parallel=True)
-def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, lse, lse2, mean):
+def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
+                 mean):
     """:func:`_rows` with linear weights ``w_j = exp(g_j − shift)`` and no running maximum.
 
     Only for a finite ``r2`` with every kept term representable (the caller checks
-    ``s·r2 + spread of g < LINEAR_RANGE``): one exponential per pair.
-    ``lse2 = log Σ_j w_j exp(−2 s d²)``; the caller adds the shift back.
+    ``s·r2 + 2·spread of g < LINEAR_RANGE``): one exponential per pair.
+    ``lse2 = log Σ_j w_j^c exp(−2 s d²)`` (c = 2 with ``sq_w``, else 1); the caller adds
+    the shift back.
     """
     nq = q.shape[0]
     first_leaf = (1 << depth) - 1
@@ -325,7 +329,7 @@ def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, lse,
                     k = math.exp(-s * dd)
                     e = w[perm[j]] * k
                     l1 += e
-                    l2 += e * k
+                    l2 += e * e if sq_w else e * k
                     u0 += e * p0
                     u1 += e * p1
                     u2 += e * p2
@@ -351,26 +355,33 @@ def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, lse,
 LINEAR_RANGE = 600.0
 
 
-def _run_rows(q, g, tree: CpuTree, s: float, r2: float, squares: bool):
-    """``(lse, lse2, mean)`` NumPy float64 of the queries ``q`` against ``tree``'s points."""
+def _run_rows(q, g, tree: CpuTree, s: float, r2: float, squares: bool,
+              square_weights: bool = False):
+    """``(lse, lse2, mean)`` NumPy float64 of the queries ``q`` against ``tree``'s points.
+
+    ``square_weights``: lse2 sums the squares of the terms (``soft_rows``' contract); else
+    each weight enters lse2 once (cells: a count).
+    """
     n = q.shape[0]
     lse, lse2, mean = np.empty(n), np.empty(n), np.empty((n, 3))
     q = np.ascontiguousarray(q)
     gmax = float(g.max()) if g.shape[0] else 0.0
     gmin = float(g.min()) if g.shape[0] else 0.0
-    if math.isfinite(gmax) and math.isfinite(gmin) and s * r2 + gmax - gmin < LINEAR_RANGE:
+    if math.isfinite(gmax) and math.isfinite(gmin) and \
+            2 * (s * r2 + gmax - gmin) < LINEAR_RANGE:
         _rows_linear(q, np.exp(g - gmax), tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin,
-                     tree.bmax, tree.depth, s, r2, squares, lse, lse2, mean)
+                     tree.bmax, tree.depth, s, r2, squares, square_weights, lse, lse2, mean)
         lse += gmax
-        lse2 += gmax
+        lse2 += 2 * gmax if square_weights else gmax
     else:
         _rows(q, np.ascontiguousarray(g), tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin,
-              tree.bmax, tree.depth, s, r2, squares, lse, lse2, mean)
+              tree.bmax, tree.depth, s, r2, squares, square_weights, lse, lse2, mean)
     return lse, lse2, mean
 
 
-def _tree(plan_: Plan, points: np.ndarray, key) -> CpuTree:
-    return plan_.cache.get(("tree",) + key, lambda: CpuTree(points, leaf_size=8))
+def _tree(plan_: Plan, points: Any, key) -> CpuTree:
+    """Return the run's tree of ``points()`` (a function giving ``(M, 3)`` float64)."""
+    return plan_.cache.get(("tree",) + key, lambda: CpuTree(points(), leaf_size=8))
 
 
 def rows(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor, scale: float, *,
@@ -388,7 +399,7 @@ def rows(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor, sca
         scale: s > 0.
         log_weights: optional ``(M,)`` g_j.
         radius2: squared truncation radius.
-        squares: also ``lse2 = log Σ_j exp(2(−s d²) + g_j)``.
+        squares: also ``lse2 = log Σ_j exp(2(−s d² + g_j))``.
         plan_: the run's :class:`Plan` (caches the tree of ``points``), or None.
         numpy: return NumPy float64 arrays instead.
 
@@ -400,12 +411,15 @@ def rows(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor, sca
     dt = query.dtype
     T = transform.detach().to(torch.float64).cpu().numpy()
     q = query.detach().cpu().to(torch.float64).numpy() @ T[:3, :3].T + T[:3, 3]
-    p = points.detach().cpu().to(torch.float64).numpy()
     key = (points.data_ptr(), tuple(points.shape), points.stride())
-    tree = CpuTree(p, leaf_size=8) if plan_ is None else _tree(plan_, p, key)
-    g = np.zeros(p.shape[0]) if log_weights is None else \
+
+    def p64() -> np.ndarray:
+        return points.detach().cpu().to(torch.float64).numpy()
+    tree = CpuTree(p64(), leaf_size=8) if plan_ is None else _tree(plan_, p64, key)
+    g = np.zeros(points.shape[0]) if log_weights is None else \
         log_weights.detach().cpu().to(torch.float64).numpy()
-    lse, lse2, mean = _run_rows(q, g, tree, float(scale), float(radius2), squares)
+    lse, lse2, mean = _run_rows(q, g, tree, float(scale), float(radius2), squares,
+                                square_weights=True)
     if numpy:
         return lse, lse2, mean
     return (torch.from_numpy(lse).to(dt), torch.from_numpy(lse2).to(dt) if squares else None,
@@ -583,7 +597,7 @@ def nearest_d2(query: torch.Tensor, points: torch.Tensor, transform: torch.Tenso
             continue
         p = points[b, :pl[b]]
         key = (p.data_ptr(), tuple(p.shape), p.stride())
-        tree = _tree(plan_, p.detach().cpu().to(torch.float64).numpy(), key)
+        tree = _tree(plan_, lambda p=p: p.detach().cpu().to(torch.float64).numpy(), key)
         T = transform[b].detach().to(torch.float64).cpu().numpy()
         q = query[b, :ql[b]].detach().cpu().to(torch.float64).numpy() @ T[:3, :3].T + T[:3, 3]
         d2, _ = tree.nearest(q, float(md[b]))
