@@ -14,6 +14,13 @@ frames, measure fitness. Every ``CHECK_EVERY`` iterations a problem whose pose a
 settled is frozen (:class:`_Settling`). How the program runs (eagerly, stopping once all
 settled, or as one CUDA graph replay) is :func:`pointalign.kernels._loop.run_program`'s.
 
+On the CPU ("cpu" backend, numba) the passes run on the host, iteration by iteration, in a
+form chosen up front by :func:`choose_form` (``kernels.soft.cpu_plan``): exact while that
+is estimated at a few seconds, else a stated, bounded approximation (EM-ICP: cells of 0.4σ
+and truncation at 4σ; Softassign: truncation with a 1e-4 relative bound on every Sinkhorn
+normaliser), recorded in ``result.info["approximation"]``; :func:`estimate_seconds` gives
+the cost up front, long runs warn and show a progress bar. The GPU runs the exact kernels.
+
 Results are ``T_target_source``; batches are padded ``(B, N, 3)`` with lengths, as in ICP.
 """
 
