@@ -133,3 +133,29 @@ def test_far_from_origin_matches_unshifted(algo, kwargs, offset):
     assert np.abs(np.asarray(far.transformation)[:3, :3]
                   - np.asarray(base.transformation)[:3, :3]).max() < 1e-6
     assert far.converged == base.converged and far.iterations == base.iterations
+
+
+@pytest.mark.parametrize("algo,kwargs", [(emicp, EM_SHORT), (softassign, SA_SHORT)])
+def test_progress_advances_once_per_iteration(monkeypatch, algo, kwargs):
+    """The CPU run opens one progress task over the schedule and advances it per iteration."""
+    import contextlib
+
+    seen = []
+
+    class Bar:
+        n = 0
+
+        def advance(self, n=1):
+            self.n += n
+
+    @contextlib.contextmanager
+    def task(description, total=None, *, quiet=None):
+        bar = Bar()
+        seen.append((description, total, bar))
+        yield bar
+
+    monkeypatch.setattr(soft._progress, "task", task)
+    x, y, _ = _bunny(100, 100)
+    res = algo(x, y, device="cpu", **kwargs)
+    (desc, total, bar), = seen
+    assert total == res.info["scheduled_iterations"] and bar.n == res.iterations
