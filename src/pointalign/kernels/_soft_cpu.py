@@ -52,7 +52,9 @@ SOFTASSIGN_TOLERANCE = 1e-4
 #: 40k; an estimate for :func:`plan`, not a promise)
 EXACT_PAIRS_PER_S = 1.0e8
 #: pairs per second per thread when pruning (tree overhead included; same measurement)
-PRUNED_PAIRS_PER_S = 6.0e7
+PRUNED_PAIRS_PER_S = 3.0e7
+#: points per leaf of the trees the passes search
+LEAF_SIZE = 16
 #: the "auto" mode approximates when the exact run would take longer than this (seconds)
 AUTO_BUDGET_S = 3.0
 
@@ -381,7 +383,7 @@ def _run_rows(q, g, tree: CpuTree, s: float, r2: float, squares: bool,
 
 def _tree(plan_: Plan, points: Any, key) -> CpuTree:
     """Return the run's tree of ``points()`` (a function giving ``(M, 3)`` float64)."""
-    return plan_.cache.get(("tree",) + key, lambda: CpuTree(points(), leaf_size=8))
+    return plan_.cache.get(("tree",) + key, lambda: CpuTree(points(), leaf_size=LEAF_SIZE))
 
 
 def rows(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor, scale: float, *,
@@ -415,7 +417,7 @@ def rows(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor, sca
 
     def p64() -> np.ndarray:
         return points.detach().cpu().to(torch.float64).numpy()
-    tree = CpuTree(p64(), leaf_size=8) if plan_ is None else _tree(plan_, p64, key)
+    tree = CpuTree(p64(), leaf_size=LEAF_SIZE) if plan_ is None else _tree(plan_, p64, key)
     g = np.zeros(points.shape[0]) if log_weights is None else \
         log_weights.detach().cpu().to(torch.float64).numpy()
     lse, lse2, mean = _run_rows(q, g, tree, float(scale), float(radius2), squares,
@@ -461,7 +463,11 @@ def emicp_cells(source: torch.Tensor, target: torch.Tensor, transform: torch.Ten
 
         def make():
             c, n, inv = _merge(t.detach().cpu().to(torch.float64).numpy(), a)
-            return c, n, np.log(n), inv, CpuTree(c, leaf_size=8)
+            if inv is None:  # one point per cell: the points' own tree, built once per run
+                tree = _tree(plan_, lambda: c, (t.data_ptr(), tuple(t.shape), t.stride()))
+            else:
+                tree = CpuTree(c, leaf_size=LEAF_SIZE)
+            return c, n, np.log(n), inv, tree
         return plan_.cache.get(key, make)
 
     sc, sn, _, sinv, _ = cells(source)
