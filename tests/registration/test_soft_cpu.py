@@ -42,9 +42,9 @@ def _pose_gap(Ta, Tb):
 
 
 def test_emicp_approximate_lands_near_exact():
-    """Cells + truncation on 1500 x 1500 bunny points: within 0.5° / 1 mm of the exact form
-    (both from the identity; the pose is ~34° away), and near the truth."""
-    x, y, Td = _bunny(1500, 1500)
+    """Cells + truncation on 1200 x 1200 bunny points: within 0.5° / 1 mm of the exact form
+    (both from the identity; the pose is ~34° away), and as near the truth (+0.5°)."""
+    x, y, Td = _bunny(1200, 1200)
     ex = emicp(x, y, device="cpu", approximation="exact", **EM_SHORT)
     ap = emicp(x, y, device="cpu", approximation="approximate", **EM_SHORT)
     assert ex.info["approximation"]["mode"] == "exact"
@@ -112,8 +112,9 @@ def test_nothing_matched_is_not_converged(algo, kwargs):
     assert res.fitness == 0
 
 
-@pytest.mark.parametrize("offset", [1e3, 1e4, 1e5, 1e6])
-@pytest.mark.parametrize("algo,kwargs", [(emicp, EM_SHORT), (softassign, SA_SHORT)])
+@pytest.mark.parametrize("algo,kwargs,offset",
+                         [(emicp, EM_SHORT, o) for o in (1e3, 1e4, 1e5, 1e6)]
+                         + [(softassign, SA_SHORT, o) for o in (1e3, 1e6)])
 def test_far_from_origin_matches_unshifted(algo, kwargs, offset):
     """Float64 clouds shifted by 1e3..1e6 m: the pose of the unshifted run, moved along."""
     x, y, _ = _bunny(150, 150)
