@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pointalign import _validate, estimate
+from pointalign import _progress, _validate, estimate
 from pointalign.cloud import PointCloud
 from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _k
@@ -312,6 +312,9 @@ def ransac(
                                                     "inlier_ratio_threshold", 0.0, 1.0 + 1e-9)
     if ratio_test is not None:
         ratio_test = _validate.in_range(ratio_test, "ratio_test", 0.0, 1.0 + 1e-9)
+    if not local_refinement and (refine_top, refine_iterations) != (4, 5):
+        _progress.warn_ignored("refine_top/refine_iterations", "ransac", "local_refinement "
+                               "is False", stacklevel=3)
 
     clock = _loop.Clock(dev)
     if target_index is None:
@@ -340,8 +343,8 @@ def ransac(
     pool_c = torch.empty(0, dtype=torch.int64, device=dev)
     pool_sq = torch.empty(0, dtype=torch.float64, device=dev)
     stop = "max_hypotheses"
-    while info["hypotheses"] < max_h:
-        h = min(hypotheses, max_h - info["hypotheses"])
+    # a progress bar on a terminal once the batches run over a second (nothing otherwise)
+    for h in _progress.batches(max_h, hypotheses, "RANSAC hypotheses"):
         info["hypotheses"] += h
         info["batches"] += 1
         triples = torch.randint(0, n_corr, (h, 3), generator=g, device=dev)
@@ -407,6 +410,8 @@ def ransac(
     if local_refinement and refine_iterations > 0:
         info["refined_inliers_gain"] = count - n_before
         clock.lap("refine")
+    timings = clock.total()
+    _progress.log_timings("ransac", timings)
     fitness = count / src.shape[0]
     rmse = math.sqrt(sq_best / count) if count else math.inf
     info["correspondence_inlier_ratio"] = n_explained / n_corr
@@ -417,7 +422,7 @@ def ransac(
     return RegistrationResult(
         transformation=T_best.detach().cpu().numpy().astype(np.float64),
         fitness=fitness, rmse=rmse, iterations=info["hypotheses"], converged=converged,
-        stop_reason=stop, timings=clock.total(), info=info, transformation_tensor=T_best,
+        stop_reason=stop, timings=timings, info=info, transformation_tensor=T_best,
     )
 
 
