@@ -850,12 +850,19 @@ def _operation_table(name: str, rows: list[dict[str, Any]]) -> Table:
     keys = [k for k in ("operation", "size", "pointalign_ms", "peer", "peer_ms", "ratio",
                         "check") if any(r.get(k) not in (None, "") for r in rows)]
     table = Table(title=f"{name}: times in ms (median)")
+    names = {"pointalign_ms": "ours ms", "ratio": "ours/peer"}
     for k in keys:
-        table.add_column(k.replace("_", " "), justify="right" if k.endswith(("ms", "ratio"))
-                         else "left")
+        table.add_column(names.get(k, k.replace("_", " ")),
+                         justify="right" if k.endswith(("ms", "ratio")) else "left")
+    def cell(v: Any) -> str:
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+        return str(v)
+
     for r in rows:
-        table.add_row(*["" if r.get(k) is None else
-                        f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys])
+        table.add_row(*[cell(r.get(k)) for k in keys])
     return table
 
 
