@@ -62,7 +62,7 @@ def test_bench_quick_runs_the_quick_suite_and_prints_its_table(tmp_path, monkeyp
                                   "--results", str(tmp_path)])
     assert res.exit_code == 0, res.output
     words = res.output.split()  # the table wraps at the runner's 80 columns
-    assert "quick:" in words and "k-NN" in words and "k=1" in words and "cKDTree" in words
+    assert "quick:" in words and "k-NN" in words and "k=1," in words and "cKDTree" in words
     assert "see its table above" in " ".join(words)
     saved = json.loads((tmp_path / "quick-cpu.json").read_text())
     assert len(saved["rows"]) == 2 and all(r["pointalign_ms"] > 0 for r in saved["rows"])
