@@ -69,3 +69,22 @@ def test_bench_quick_runs_the_quick_suite_and_prints_its_table(tmp_path, monkeyp
     assert all(r["check"].startswith("max diff") and float(r["check"].split()[-1]) < 1e-4
                for r in saved["rows"])
     assert os.environ.get("POINTALIGN_BENCH_RESULTS") is None  # the child's, not ours
+
+
+def test_library_warnings_are_one_short_line_in_the_cli(capsys):
+    import warnings
+
+    from pointalign import _progress
+
+    with warnings.catch_warnings():  # restores warnings.showwarning afterwards
+        warnings.simplefilter("always")
+        cli._verbosity(0, False)
+        cli._verbosity(1, False)  # installed once
+        _progress.warn("register: the result is doubtful (weak margin)",
+                       _progress.DoubtfulResultWarning)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+    err = capsys.readouterr().err
+    assert "warning: register: the result is doubtful (weak margin)" in err
+    assert "DoubtfulResultWarning" not in err and err.count("doubtful") == 1
+    assert "warning: something else" not in err  # other warnings: Python's own path
+    _progress.configure_logging(0)

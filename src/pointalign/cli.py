@@ -167,7 +167,33 @@ def _verbosity(verbose: int, quiet: bool) -> int:
                                  param_hint="--quiet")
     level = -1 if quiet else verbose
     _progress.configure_logging(level)
+    _short_warnings()
     return level
+
+
+def _short_warnings() -> None:
+    """Show the library's warnings as one yellow line each.
+
+    Python's default shows the file, line and source of the warning: noise for a
+    command-line user. Other warnings keep Python's format.
+    """
+    import warnings
+
+    from pointalign import _progress
+
+    default = warnings.showwarning
+    if getattr(default, "_pointalign_cli", False):
+        return
+
+    def show(message: Any, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if issubclass(category, _progress.PointalignWarning):
+            err.print(f"[yellow]warning: {message}[/yellow]")
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show._pointalign_cli = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
 
 
 def _positive(value: float | None) -> float | None:
