@@ -39,10 +39,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Recorder, parse_args, timeit  # noqa: E402
+from common import Recorder, parse_args, progress, timeit  # noqa: E402
 
 import pointalign as pa  # noqa: E402
-from pointalign import _progress, datasets, metrics, transforms  # noqa: E402
+from pointalign import datasets, metrics, transforms  # noqa: E402
 
 #: seconds of timed calls per row (after the warm-up); a call slower than this runs once
 ROW_BUDGET_S = 2.0
@@ -201,7 +201,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"POINTALIGN_BENCH_STEPS: unknown {unknown}; known: {list(every)}")
     steps = [every[s] for s in names or every]
-    for i, step in enumerate(_progress.track(steps, "quick benchmark")):
+    for i, step in enumerate(progress(steps, "quick benchmark")):
         n, c0, t0 = len(rec.rows), time.process_time(), time.perf_counter()
         step()
         # the noise of a shared machine, with every row: CPU seconds of the whole step

@@ -220,14 +220,21 @@ def _open_bar(description: str, total: float | None, completed: float) -> tuple[
         TimeRemainingColumn,
     )
 
+    class _Count(MofNCompleteColumn):  # type: ignore[misc]
+        """``done/total`` for a bar, nothing for a spinner (no ``0/?``)."""
+
+        def render(self, task: Any) -> Any:
+            from rich.text import Text
+
+            return super().render(task) if task.total is not None else Text("")
+
     with _LOCK:
         if _SHARED["progress"] is None:
             from rich.console import Console
 
             prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                            MofNCompleteColumn(), TimeElapsedColumn(),
-                            TimeRemainingColumn(), transient=True,
-                            console=Console(stderr=True))
+                            _Count(), TimeElapsedColumn(), TimeRemainingColumn(),
+                            transient=True, console=Console(stderr=True))
             prog.start()
             _SHARED["progress"] = prog
         _SHARED["bars"] += 1
