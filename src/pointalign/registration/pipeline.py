@@ -318,8 +318,10 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     # normals within 2v as in step 2, from at most 16 neighbours: the full clouds are dense
     # (16 nearest points are well within 2v wherever the surface is sampled finer than the
     # voxel), and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
-    t_full_nb = neighbourhoods(t_full, 2 * v, min(16, t_full.shape[0]), t_full_idx)
-    t_full_nrm = estimate_normals(t_full, neighbors=t_full_nb.idx, orient="viewpoint",
+    # (searched a chunk at a time inside estimate_normals: the full (M, 16) neighbour table
+    # of a 50M-point target alone held 26 GiB on the GPU)
+    t_full_nrm = estimate_normals(t_full, k=min(16, t_full.shape[0]), radius=2 * v,
+                                  index=t_full_idx, orient="viewpoint",
                                   viewpoint=t_full.mean(0))
     clock.lap("icp_prepare")
     local = icp(s_full, t_full, init=R[0], max_correspondence_distance=0.5 * v,
