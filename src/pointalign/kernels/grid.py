@@ -30,6 +30,8 @@ DEFAULT_MAX_CELLS = 1 << 24
 
 #: Cells are this much larger than asked, so rounding never hides a point within ``c``.
 _CELL_MARGIN = 1e-5
+#: points per chunk of the float64 cell computation of a build (bounds its temporaries)
+_BUILD_CHUNK = 1 << 22
 
 
 class GridData(NamedTuple):
@@ -78,9 +80,9 @@ def grid_build(points: torch.Tensor, cell_size: float, *,
         raise ValueError(f"points: at most 2**31 - 2 points, got {points.shape[0]}")
     if not cell_size > 0 or not math.isfinite(cell_size):
         raise ValueError(f"cell_size: must be finite and > 0, got {cell_size}")
-    p64 = points.to(torch.float64)
-    lo = p64.amin(0)
-    ext = (p64.amax(0) - lo).tolist()
+    # float32 extrema widen to float64 exactly; the points are widened a chunk at a time
+    lo = points.amin(0).to(torch.float64)
+    ext = (points.amax(0).to(torch.float64) - lo).tolist()
     cell = float(cell_size) * (1 + _CELL_MARGIN)
     dims = [int(e // cell) + 1 for e in ext]
     total = dims[0] * dims[1] * dims[2]
@@ -91,10 +93,15 @@ def grid_build(points: torch.Tensor, cell_size: float, *,
             cell *= 1.01
             dims = [int(e // cell) + 1 for e in ext]
     nx, ny, nz = dims
-    ijk = ((p64 - lo) / cell).floor().to(torch.int64)
-    for a in range(3):
-        ijk[:, a].clamp_(0, dims[a] - 1)
-    keys = (ijk[:, 0] * ny + ijk[:, 1]) * nz + ijk[:, 2]
+    m = points.shape[0]
+    keys = torch.empty(m, dtype=torch.int32 if nx * ny * nz < 2**31 else torch.int64,
+                       device=points.device)
+    for s in range(0, m, _BUILD_CHUNK):
+        ijk = ((points[s:s + _BUILD_CHUNK].to(torch.float64) - lo) / cell).floor()
+        ijk = ijk.to(torch.int64)
+        for a in range(3):
+            ijk[:, a].clamp_(0, dims[a] - 1)
+        keys[s:s + _BUILD_CHUNK] = (ijk[:, 0] * ny + ijk[:, 1]) * nz + ijk[:, 2]
     order = torch.argsort(keys, stable=True)
     counts = torch.bincount(keys, minlength=nx * ny * nz)
     cell_start = torch.zeros(nx * ny * nz + 1, dtype=torch.int64, device=points.device)
