@@ -108,7 +108,7 @@ def grid_build(points: torch.Tensor, cell_size: float, *,
     torch.cumsum(counts, 0, out=cell_start[1:])
     params = torch.cat([lo, lo.new_tensor([1.0 / cell])])
     return GridData(params, cell, (nx, ny, nz), cell_start.to(torch.int32),
-                    points[order].t().contiguous(), order.to(torch.int32),
+                    points.t().index_select(1, order), order.to(torch.int32),
                     torch.tensor(dims, dtype=torch.int64).to(points.device))
 
 
@@ -197,7 +197,6 @@ def morton_order(points: torch.Tensor) -> torch.Tensor:
     """
     lo = points.amin(0)
     span = (points.amax(0) - lo).amax().clamp_min(1e-30)
-    q = ((points - lo) / span * 1023).clamp(0, 1023).to(torch.int64)
 
     def spread(v: torch.Tensor) -> torch.Tensor:
         v = (v | (v << 16)) & 0x030000FF
@@ -205,7 +204,14 @@ def morton_order(points: torch.Tensor) -> torch.Tensor:
         v = (v | (v << 4)) & 0x030C30C3
         return (v | (v << 2)) & 0x09249249
 
-    return torch.argsort(spread(q[:, 0]) | (spread(q[:, 1]) << 1) | (spread(q[:, 2]) << 2))
+    # 30-bit codes, computed a chunk at a time (the int64 temporaries of a whole 50M-point
+    # cloud would hold ~3 GiB)
+    code = torch.empty(points.shape[0], dtype=torch.int32, device=points.device)
+    for s in range(0, points.shape[0], _BUILD_CHUNK):
+        q = ((points[s:s + _BUILD_CHUNK] - lo) / span * 1023).clamp(0, 1023).to(torch.int64)
+        code[s:s + _BUILD_CHUNK] = spread(q[:, 0]) | (spread(q[:, 1]) << 1) \
+            | (spread(q[:, 2]) << 2)
+    return torch.argsort(code)
 
 
 def grid_query_reference(g: GridData, query: torch.Tensor, k: int,
