@@ -9,7 +9,6 @@ import torch
 
 from pointalign import _math, _validate
 
-
 #: the default translation tolerance, as a fraction of the cloud's extent (the RMS distance
 #: of the target's points from their centroid): 1e-6 ≈ 8 float32 roundings of a coordinate
 #: in the local frame, and 6e-8 m on the Stanford bunny (whose RMS radius is ~6 cm)
@@ -31,6 +30,7 @@ class PerExtent(float):
     fraction: float
 
     def __new__(cls, fraction: float) -> PerExtent:
+        """Make the tolerance ``fraction × extent``."""
         self = super().__new__(cls, float(fraction) * REFERENCE_EXTENT)
         self.fraction = float(fraction)
         return self
@@ -100,7 +100,7 @@ class ConvergenceCriteria:
             _validate.positive(self.relative_weights, "relative_weights", allow_zero=True)
 
     def translation_for(self, extent: np.ndarray | float) -> np.ndarray:
-        """The translation tolerance in metres for clouds of ``extent`` (``(B,)`` or scalar).
+        """Return the translation tolerance in metres for clouds of ``extent`` (``(B,)``).
 
         ``extent``: the RMS distance of the target's points from their centroid (metres). A
         :class:`PerExtent` tolerance (the default) is its fraction of it; a plain number is

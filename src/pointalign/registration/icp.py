@@ -43,7 +43,8 @@ METHODS = ("point_to_point", "point_to_plane")
 #: neighbours used for target normals when point-to-plane needs them and none are given
 NORMALS_K = 20
 
-#: point-to-point's stability test (:func:`stability`): correspondences sampled per problem, and the neighbours of their target normals
+#: point-to-point's stability test (:func:`stability`): correspondences sampled per
+#: problem, and the neighbours of their target normals
 STABILITY_SAMPLE = 2048
 STABILITY_K = NORMALS_K
 
@@ -203,12 +204,13 @@ def _point_information(pair: _edge.Pair, b: int, index: Any, T: np.ndarray,
                        max_distance: float) -> torch.Tensor:
     """Point-to-plane information ``(6, 6)`` of problem b's final correspondences, sampled.
 
-    At most :data:`STABILITY_SAMPLE` source points (a seeded random sample) moved by ``T (4, 4)``, their
-    nearest target points within the bound, and those points' normals by PCA of their
-    :data:`STABILITY_K` nearest target points: ``Σ J Jᵀ`` with ``J = [(y − c) × n, n]``
-    about the target centroid c. One search of the sample: a few host synchronisations,
-    once per call.
+    At most :data:`STABILITY_SAMPLE` source points (a seeded random sample) moved by
+    ``T (4, 4)``, their nearest target points within the bound, and those points'
+    normals by PCA of their :data:`STABILITY_K` nearest target points: ``Σ J Jᵀ`` with
+    ``J = [(y − c) × n, n]`` about the target centroid c. One search of the sample: a few
+    host synchronisations, once per call.
     """
+    assert pair.centroid is not None  # set by prepare_pair
     n, m = int(pair.source_counts[b]), int(pair.target_counts[b])
     # a random sample with a fixed seed: a stride can alias with the scan pattern of an
     # ordered cloud (lidar rings) and pick a biased, near-degenerate subset
@@ -238,6 +240,7 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray,
     point-to-plane information of a sample of the final correspondences is measured
     (:func:`_point_information`).
     """
+    assert pair.centroid is not None and pair.extent is not None  # set by prepare_pair
     c = torch.from_numpy(pair.centroid)
     if plane:
         H = _about(normal_eq.unpack_hessian(torch.from_numpy(sums))[0], c)

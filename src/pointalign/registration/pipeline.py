@@ -239,7 +239,7 @@ def local_frame(source: torch.Tensor, target: torch.Tensor
 
 
 def to_world(result: RegistrationResult, frame: _edge.Frame) -> RegistrationResult:
-    """``result`` of a problem solved in ``frame`` (local) → in the caller's coordinates.
+    """Return ``result`` (solved in the local ``frame``) in the caller's coordinates.
 
     The transformation (and its tensor, and a nested ``info["global"]`` result) are
     composed back in float64: ``T_world = Tr(c) T_local Tr(−c)``.
@@ -406,8 +406,7 @@ def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torc
     * ``stability`` (of the final ICP, :func:`pointalign._math.stability`): at or below
       ``STABILITY_EPS`` the data do not determine the pose ("pose not determined").
     """
-    from pointalign import _math
-    from pointalign import transforms
+    from pointalign import _math, transforms
     from pointalign.registration.ransac import _score
 
     c15, _, _ = _score(T[None], s_down, t_idx, 1.5 * v)
