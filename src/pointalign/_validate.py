@@ -49,6 +49,10 @@ def as_device(device: str | torch.device | None, like: torch.Tensor | None = Non
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device: {device!r} requested but only {torch.cuda.device_count()} "
                          "CUDA device(s) exist")
+    if dev.type == "cuda" and dev.index is None:
+        # "cuda" means the current device; name it, so that it compares equal to the
+        # devices of the tensors made on it ("cuda" != "cuda:0" for torch.device)
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

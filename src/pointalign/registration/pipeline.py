@@ -25,6 +25,7 @@ registered at.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -37,6 +38,7 @@ from pointalign.features.downsample import bounds, count_voxels, voxel_downsampl
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
 from pointalign.features.outliers import neighbour_counts
 from pointalign.kernels import _loop
+from pointalign.registration import _edge
 from pointalign.registration.ransac import ransac
 from pointalign.registration.result import RegistrationResult
 
@@ -209,14 +211,18 @@ def register(
     like = source.points if isinstance(source, PointCloud) else \
         source if isinstance(source, torch.Tensor) else None
     dev = _validate.as_device(device, like)
-    src = _validate.as_points(source, "source", min_points=3, device=dev, dtype=torch.float32)
-    tgt = _validate.as_points(target, "target", min_points=3, device=dev, dtype=torch.float32)
+    src = _validate.as_points(source, "source", min_points=3, device=dev)
+    tgt = _validate.as_points(target, "target", min_points=3, device=dev)
     _warn_register(src, tgt, dev, method, target_points, icp_voxel_size, max_iterations)
+    # the local frame: both clouds shifted by the target's centroid in float64 before
+    # anything becomes float32 (georeferenced coordinates keep their precision)
+    frame, src_l, tgt_l = local_frame(src, tgt)
     # the arrays below are derived from validated ones: no NaN/Inf scans (host syncs) on them
     with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY):
-        result = _register(src, tgt, dev, voxel_size, method, target_points, hypotheses,
-                           icp_voxel_size, max_iterations, seed, remove_outliers,
-                           robust, ransac_options)
+        res = _register(src_l, tgt_l, dev, voxel_size, method, target_points, hypotheses,
+                        icp_voxel_size, max_iterations, seed, remove_outliers,
+                        robust, ransac_options)
+    result = to_world(res, frame)
     _progress.log_timings("register", result.timings)
     if not result.converged:
         why = result.info.get("verdict") if method == "icp" else None
@@ -253,6 +259,37 @@ def _warn_register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device, meth
                             "pass icp_voxel_size (ICP on downsampled clouds) or downsample "
                             "the clouds first (pointalign.voxel_downsample), or use a GPU",
                             stacklevel=4)
+
+
+def local_frame(source: torch.Tensor, target: torch.Tensor
+                ) -> tuple[_edge.Frame, torch.Tensor, torch.Tensor]:
+    """Shift ``source (N, 3)`` and ``target (M, 3)`` by the target's centroid, in float64.
+
+    Returns the :class:`~pointalign.registration._edge.Frame` and both clouds in it as
+    float32. Float64 input far from the origin keeps its precision; float32 input is
+    already rounded to its own resolution (about 6 cm at 10⁶ m), which no frame restores.
+    """
+    c = target.to(torch.float64).mean(0)
+    src_l = (source.to(torch.float64) - c).to(torch.float32)
+    tgt_l = (target.to(torch.float64) - c).to(torch.float32)
+    return _edge.Frame(c.cpu().numpy()[None].astype(np.float64)), src_l, tgt_l
+
+
+def to_world(result: RegistrationResult, frame: _edge.Frame) -> RegistrationResult:
+    """Return ``result`` (solved in the local ``frame``) in the caller's coordinates.
+
+    The transformation (and its tensor, and a nested ``info["global"]`` result) are
+    composed back in float64: ``T_world = Tr(c) T_local Tr(−c)``.
+    """
+    T = frame.to_world(np.asarray(result.transformation, dtype=np.float64)[None])[0]
+    tt = result.transformation_tensor
+    info = dict(result.info)
+    if isinstance(info.get("global"), RegistrationResult):
+        info["global"] = to_world(info["global"], frame)
+    return dataclasses.replace(
+        result, transformation=T, info=info,
+        transformation_tensor=None if tt is None else
+        torch.from_numpy(T).to(device=tt.device, dtype=torch.float64))
 
 
 def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
@@ -355,8 +392,10 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     # normals within 2v as in step 2, from at most 16 neighbours: the full clouds are dense
     # (16 nearest points are well within 2v wherever the surface is sampled finer than the
     # voxel), and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
-    t_full_nb = neighbourhoods(t_full, 2 * v, min(16, t_full.shape[0]), t_full_idx)
-    t_full_nrm = estimate_normals(t_full, neighbors=t_full_nb.idx, orient="viewpoint",
+    # (searched a chunk at a time inside estimate_normals: the full (M, 16) neighbour table
+    # of a 50M-point target alone held 26 GiB on the GPU)
+    t_full_nrm = estimate_normals(t_full, k=min(16, t_full.shape[0]), radius=2 * v,
+                                  index=t_full_idx, orient="viewpoint",
                                   viewpoint=t_full.mean(0))
     clock.lap("icp_prepare")
     local = icp(s_full, t_full, init=R[0], max_correspondence_distance=0.5 * v,
@@ -365,7 +404,8 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     T = local.transformation_tensor if local.transformation_tensor is not None else \
         torch.as_tensor(local.transformation, dtype=torch.float64, device=dev)
     clock.lap("icp")
-    verdict = _verdict(T, R, fit_v, s_down, t_idx, v, local.converged)
+    verdict = _verdict(T, R, fit_v, s_down, t_idx, v, local.converged,
+                       float(local.info.get("stability", 1.0)))
     clock.lap("verdict")
     timings = clock.total()
     timings.update({f"ransac.{k}": x for k, x in glob.timings.items() if k != "total"})
@@ -392,7 +432,8 @@ MIN_CONCENTRATION = 0.45
 
 
 def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torch.Tensor,
-             t_idx: Any, v: float, icp_converged: bool) -> dict[str, Any]:
+             t_idx: Any, v: float, icp_converged: bool,
+             stability: float = 1.0) -> dict[str, Any]:
     """Whether the final ``T (4, 4)`` is trustworthy, and why not.
 
     * ``overlap``: fraction of the downsampled source within v of the target under T;
@@ -400,9 +441,11 @@ def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torc
       hypothesis is different when it maps the source's centroid more than 3v away or
       turns more than 5 degrees away from T); near 1 = ambiguous;
     * ``concentration``: of the source points within 1.5v, the fraction within 0.5v (a
-      right pose puts most matches near zero, a wrong one spreads them over the bound).
+      right pose puts most matches near zero, a wrong one spreads them over the bound);
+    * ``stability`` (of the final ICP, :func:`pointalign._math.stability`): at or below
+      ``STABILITY_EPS`` the data do not determine the pose ("pose not determined").
     """
-    from pointalign import transforms
+    from pointalign import _math, transforms
     from pointalign.registration.ransac import _score
 
     c15, _, _ = _score(T[None], s_down, t_idx, 1.5 * v)
@@ -427,5 +470,7 @@ def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torc
         why.append("weak margin")
     if concentration < MIN_CONCENTRATION:
         why.append("residuals not concentrated")
+    if not stability > _math.STABILITY_EPS:
+        why.append("pose not determined")
     return {"overlap": overlap, "margin": margin, "concentration": concentration,
             "trusted": not why, "verdict": "trusted" if not why else ", ".join(why)}

@@ -266,7 +266,11 @@ def ransac(
         local_refinement: run the Lo-RANSAC step.
         refine_top: how many of the best motions the Lo-RANSAC step refines.
         refine_iterations: rounds of re-estimation per refined motion.
-        target_index: optional prebuilt :class:`~pointalign.search.base.Index` over target.
+        target_index: optional prebuilt :class:`~pointalign.search.base.Index` over target
+            (its points are checked against target: a ValueError when they differ). Without
+            one, the problem is solved in a frame centred on the target's centroid (shifted
+            in float64 before anything becomes float32), so coordinates far from the origin
+            keep their precision; with one, the caller's coordinates are kept.
         seed: seeds the device ``torch.Generator``.
         device: compute device (default: the source's).
 
@@ -287,8 +291,18 @@ def ransac(
     like = source.points if isinstance(source, PointCloud) else \
         source if isinstance(source, torch.Tensor) else None
     dev = _validate.as_device(device, like)
-    src = _validate.as_points(source, "source", min_points=3, device=dev, dtype=torch.float32)
-    tgt = _validate.as_points(target, "target", min_points=3, device=dev, dtype=torch.float32)
+    src = _validate.as_points(source, "source", min_points=3, device=dev)
+    tgt = _validate.as_points(target, "target", min_points=3, device=dev)
+    # the local frame (shift by the target's centroid in float64, then float32), unless the
+    # caller's index was built in the caller's coordinates
+    center = torch.zeros(3, dtype=torch.float64, device=dev)
+    if target_index is None:
+        center = tgt.to(torch.float64).mean(0)
+        src = (src.to(torch.float64) - center).to(torch.float32)
+        tgt = (tgt.to(torch.float64) - center).to(torch.float32)
+    else:
+        src, tgt = src.to(torch.float32), tgt.to(torch.float32)
+        _check_index(target_index, tgt)
     sf = _features(source_features, "source_features", source, src.shape[0], dev)
     tf = _features(target_features, "target_features", target, tgt.shape[0], dev)
     if sf.shape[1] != tf.shape[1]:
@@ -418,12 +432,48 @@ def ransac(
     converged = inlier_ratio_threshold is None or fitness >= inlier_ratio_threshold
     if not converged:
         stop = "below_threshold"
-    T_best = pool_T[0]
+    T_best = _to_world(pool_T[0], center)
     return RegistrationResult(
         transformation=T_best.detach().cpu().numpy().astype(np.float64),
         fitness=fitness, rmse=rmse, iterations=info["hypotheses"], converged=converged,
         stop_reason=stop, timings=timings, info=info, transformation_tensor=T_best,
     )
+
+
+def _to_world(T: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``T (4, 4)`` between frames shifted by −c → between the caller's: Tr(c) T Tr(−c)."""
+    out = T.to(torch.float64).clone()
+    out[:3, 3] = T[:3, 3].to(torch.float64) + c - T[:3, :3].to(torch.float64) @ c
+    return out
+
+
+#: target rows compared with a caller's index (evenly spaced; one transfer)
+_INDEX_CHECK_ROWS = 64
+
+
+def _check_index(index: Any, target: torch.Tensor) -> None:
+    """Raise a ValueError unless ``index`` was built over ``target (M, 3)``.
+
+    Compares the point count, the device and, unless the index holds ``target`` itself,
+    up to :data:`_INDEX_CHECK_ROWS` evenly spaced rows (float32 rounding allowed): an index
+    over another cloud would score every hypothesis against the wrong points.
+    """
+    p = getattr(index, "points", None)
+    if not isinstance(p, torch.Tensor) or not hasattr(index, "nearest_within"):
+        raise TypeError("target_index: expected an object implementing the Index protocol "
+                        "(pointalign.search.build_index)")
+    if tuple(p.shape) != tuple(target.shape) or p.device != target.device:
+        raise ValueError(f"target_index: built over {tuple(p.shape)} points on {p.device}, "
+                         f"but target has {tuple(target.shape)} on {target.device}")
+    if p is target or p.data_ptr() == target.data_ptr():
+        return
+    rows = torch.linspace(0, p.shape[0] - 1, min(_INDEX_CHECK_ROWS, p.shape[0]),
+                          device=p.device).long()
+    a, b = p[rows].to(torch.float64), target[rows].to(torch.float64)
+    tol = 1e-6 * (1.0 + b.abs().max())
+    if not bool(((a - b).abs().max() <= tol).item()):
+        raise ValueError("target_index: built over a different cloud than target (its "
+                         "points differ); build it with pointalign.search.build_index(target)")
 
 
 def _explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor,
