@@ -408,13 +408,30 @@ def eigh6(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- the point-to-plane solve -----------------------------------------------------------
 
+def block_scales6(A: torch.Tensor) -> torch.Tensor:
+    """``(…, 6)`` scales equalising the rotation and translation blocks of ``A (…, 6, 6)``.
+
+    ``1/√(tr A_ωω / 3)`` for the three rotations and ``1/√(tr A_tt / 3)`` for the three
+    translations (1 for an empty block). Whole blocks, not single entries: one noisy,
+    nearly empty direction (an in-plane translation) stays nearly empty.
+    """
+    tr_r = (A[..., 0, 0] + A[..., 1, 1] + A[..., 2, 2]) / 3
+    tr_t = (A[..., 3, 3] + A[..., 4, 4] + A[..., 5, 5]) / 3
+    s_r = torch.where(tr_r > 0, 1.0 / tr_r.clamp_min(1e-300).sqrt(), torch.ones_like(tr_r))
+    s_t = torch.where(tr_t > 0, 1.0 / tr_t.clamp_min(1e-300).sqrt(), torch.ones_like(tr_t))
+    return torch.stack([s_r, s_r, s_r, s_t, s_t, s_t], -1)
+
+
 def least_norm_solve(A: torch.Tensor, b: torch.Tensor, eps: float = DEGENERACY_EPS
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Least-norm solution of ``A x = b`` for symmetric PSD ``A (…, n, n)``, ``b (…, n)``.
 
     ``x = V diag(1/λ_k if λ_k > ε λ_max else 0) Vᵀ b`` (eigen pseudo-inverse): on a
     rank-deficient system (e.g. one plane leaves the in-plane translation free) the step on
-    the determined directions, 0 along the others.
+    the determined directions, 0 along the others. A 6×6 system is the point-to-plane
+    ``(ω, t)`` layout: it is first equalised by :func:`block_scales6` (``D A D y = D b``,
+    ``x = D y``), so that the rule compares rotations and translations in the same units
+    whatever the cloud's size (a 15 µm object's rotations would otherwise fall under ε).
 
     Returns:
         ``(x (…, n), full (…) bool, usable (…) bool)`` float64: ``full`` when no direction
@@ -422,10 +439,16 @@ def least_norm_solve(A: torch.Tensor, b: torch.Tensor, eps: float = DEGENERACY_E
         ``full`` implies ``usable``.
 
     """
-    ev, V = eigh6(A) if A.shape[-1] == 6 else torch.linalg.eigh(_f64(A))
+    A, b = _f64(A), _f64(b)
+    d = torch.ones_like(b)
+    if A.shape[-1] == 6:
+        d = block_scales6(A)
+        A = d[..., :, None] * A * d[..., None, :]
+        b = d * b
+    ev, V = eigh6(A) if A.shape[-1] == 6 else torch.linalg.eigh(A)
     keep = ev > eps * ev[..., -1:].clamp_min(1e-300)
     inv = torch.where(keep, 1.0 / ev.clamp_min(1e-300), torch.zeros_like(ev))
-    x = (V @ (inv[..., None] * (V.transpose(-1, -2) @ _f64(b)[..., None])))[..., 0]
+    x = d * (V @ (inv[..., None] * (V.transpose(-1, -2) @ b[..., None])))[..., 0]
     usable = torch.isfinite(x).all(-1) & keep.any(-1)
     x = torch.where(usable[..., None], x, torch.zeros_like(x))
     return x, keep.all(-1) & usable, usable
