@@ -81,7 +81,7 @@ def _feature_knn(q, rt, k, out_d, out_i):
 
 def feature_knn_cpu(query: torch.Tensor, ref: torch.Tensor,
                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k nearest rows of ``ref (M, D)`` for every row of ``query (N, D)``, ``1 <= k <= M``.
+    """Return the k nearest rows of ``ref (M, D)`` for each row of ``query (N, D)`` (k <= M).
 
     Returns ``(dists_sq (N, k), idx (N, k) int64)`` (see the module contract); float32 or
     float64 features of one dtype, ``k <= MAX_K``.

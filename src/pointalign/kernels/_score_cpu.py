@@ -172,10 +172,11 @@ class BoundGrid:
 
 
 class ScoringTree(CpuTree):
-    """:class:`~pointalign.kernels._knn_cpu.CpuTree` whose unhinted bounded ``nearest`` calls
-    with many queries go through a :class:`BoundGrid` (built once per bound, kept).
+    """The k-d tree, with a :class:`BoundGrid` for many unhinted bounded queries.
 
-    The answers are the tree's (same contract); only the time differs.
+    :class:`~pointalign.kernels._knn_cpu.CpuTree` whose unhinted bounded ``nearest`` calls
+    with many queries go through a :class:`BoundGrid` (built once per bound, kept). The
+    answers are the tree's (same contract); only the time differs.
     """
 
     def __init__(self, points: np.ndarray, leaf_size: int = 16):

@@ -16,9 +16,9 @@ Contract (the PyTorch reference here is the CPU path and the spec):
 Both are deterministic (integer bin counts; fixed-order reductions), which RANSAC's
 reproducibility needs. On CUDA each is one Triton kernel (``_features_triton``: one lane per
 point walks its neighbour row, histogram in registers); on the "cpu" backend a numba loop
-per point (``_fpfh_cpu``); the PyTorch references below are the spec. The work is tiny (a gather and a few dozen flops per pair); what
-the kernels remove is the dozens of small PyTorch launches and the chunk loop, which cost
-milliseconds at a few thousand points.
+per point (``_fpfh_cpu``); the PyTorch references below are the spec. The work is tiny (a
+gather and a few dozen flops per pair); what the kernels remove is the dozens of small
+PyTorch launches and the chunk loop, which cost milliseconds at a few thousand points.
 
 Pair features, as in Open3D ``ComputePairFeatures`` (p1, n1, p2, n2): d = p2 − p1;
 the point whose normal makes the smaller angle with the line is the source (swap and negate
