@@ -61,7 +61,7 @@ pipeline under ``OMP_NUM_THREADS=1`` in the same minutes 0.63-0.74 s, of which i
   normals ~0.03 s each, the final point-to-plane ICP on the full clouds ~0.15 s;
 * first call in a fresh process: numba compiles the register path's kernels once (~50 s of
   CPU at load 12 with an empty cache; ``cache=True`` stores them under ``__pycache__``), then
-  loading the cache costs ~0.5 s of CPU on the first call of each later process.
+  loading the cache costs ~0.7 s of CPU on the first call of each later process.
 
 Point-to-plane ICP (30 iterations, one thread): 0.94 s of CPU, of which the 31 hinted
 nearest-within searches 0.54 s, the target normals' k = 20 self-search 0.09 s (the likely 5 %
