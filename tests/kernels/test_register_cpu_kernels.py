@@ -180,3 +180,18 @@ def test_bound_grid_declines_a_huge_extent():
     t = _score_cpu.ScoringTree(pts)
     d, i = t.nearest(np.zeros((20, 3)), 1e-6)
     assert (i == 0).all() and not math.isnan(float(d[0]))
+
+
+def test_numba_pool_start_keeps_torch_threads():
+    """numba's OpenMP pool start used to reset PyTorch's thread count (fresh process)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, torch, pointalign as pa\n"
+            "from pointalign.kernels._knn_cpu import CpuTree\n"
+            "torch.set_num_threads(2); pa.set_num_threads(1)\n"
+            "CpuTree(np.random.rand(100, 3)).nearest(np.zeros((4, 3)))\n"
+            "print(torch.get_num_threads())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip().splitlines()[-1] == "1"
