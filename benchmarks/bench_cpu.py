@@ -38,6 +38,36 @@ one thread, the same run: search 29 ms per iteration on average (67 ms at the id
 ~19 ms once converged), reduction 1.4 ms, moving the source ~7 ms (torch baddbmm in
 ``registration/icp.py``), solve ~4 ms.
 
+Profile of ``register()`` on the CPU (issue 14; cProfile with ``time.process_time`` as its
+clock, ``pa.set_num_threads(1)``, bun045 -> bun000 at v = 2.54 mm, 4,496 / 4,695 points
+after downsampling; the shared 2-core machine at load 10-12, so absolute numbers are
+inflated, proportions are not). Before the kernels below: 4.7 s of CPU per call
+(``feature_knn_reference``: cdist + topk, 3 calls, ~1.2 s; ``spfh_reference`` +
+``fpfh_combine_reference`` ~1.6 s with their (chunk, K, ·) temporaries; the rest mostly
+PyTorch's OpenMP threads spinning: numba's pool start reset ``torch.set_num_threads(1)`` to
+2, see ``_threads._launch_numba``). After (0.95-1.05 s of CPU per call; Open3D's tutorial
+pipeline under ``OMP_NUM_THREADS=1`` in the same minutes 0.63-0.74 s, of which its FPFH
+0.39-0.45 s and RANSAC 0.19-0.22 s):
+
+* feature-space kNN (``_ransac_cpu``, fused, no N×M matrix): 0.24 s for its 3 calls (RANSAC's
+  correspondences k = 1, and ``rank_correspondences``' k = 2 forward and k = 1 backward);
+* inlier scoring (``_score_cpu`` cell grid behind the host tree): 0.15 s for ~620k queries
+  (RANSAC score 2 × 145k, refine 3 × 18k, the robust stage's 65 candidates × 4.5k = 292k;
+  the k-d tree took 0.41 s for the same queries) + hinted ICP queries 0.09 s;
+* radius kNN (5v / 100 per downsampled cloud, stray-point counts): 0.12 s;
+* SPFH + combine (``_fpfh_cpu``): 0.08 s (the references: ~1.6 s);
+* compatibility hypotheses 0.08 s, tree builds 0.04 s (plus 0.03 s of SciPy cKDTrees that the
+  "cpu" backend never queries: ``search/ckdtree.py`` builds one per index), downsample and
+  normals ~0.03 s each, the final point-to-plane ICP on the full clouds ~0.15 s;
+* first call in a fresh process: numba compiles the register path's kernels once (~50 s of
+  CPU at load 12 with an empty cache; ``cache=True`` stores them under ``__pycache__``), then
+  loading the cache costs ~0.7 s of CPU on the first call of each later process.
+
+Point-to-plane ICP (30 iterations, one thread): 0.94 s of CPU, of which the 31 hinted
+nearest-within searches 0.54 s, the target normals' k = 20 self-search 0.09 s (the likely 5 %
+against Open3D), the reduction 0.05 s, and a second k-d tree (and two SciPy trees) over the
+target built for the normals' index: ~0.03 s.
+
     python benchmarks/bench_cpu.py            # all rows except surface_newton
     python benchmarks/bench_cpu.py --slow     # with surface_newton on the LiDAR pair
 """
