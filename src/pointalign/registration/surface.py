@@ -123,6 +123,9 @@ def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     frame. float64.
     """
     min_frame_points = 5  # fewer points: no PCA frame of their own
+    fast = _ks.node_frames(tree.arrays, min_frame_points)  # the "cpu" backend's kernel
+    if fast is not None:
+        return fast
     pts = tree.points.double()
     size = tree.node_sizes().double()
     mean = tree.node_sums(pts) / size[:, None]
@@ -259,6 +262,11 @@ def _resolve_depth(tree: KDTreeIndex, depth: int | None) -> int:
 def _level_radii(tree: KDTreeIndex, levels: list[int]) -> list[float]:
     """Median RMS radius of the cells of each level in ``levels`` (cached per node)."""
     key = "surface:radius"
+    if not tree.has_payload(key):
+        fast = _ks.node_moments(tree.arrays)  # the "cpu" backend's kernel
+        if fast is not None:
+            tree.attach(key, fast[1].diagonal(dim1=1, dim2=2).sum(-1).clamp_min(0).sqrt()
+                        .float())
     if not tree.has_payload(key):
         pts = tree.points.double()
         size = tree.node_sizes().double().clamp_min(1)
