@@ -31,6 +31,9 @@ from pointalign.kernels._knn_cpu import njit, prange
 
 #: point blocks of the reduction (fixed: the summation order does not depend on threads)
 BLOCKS = 64
+#: fewer points than this run on one thread (a parallel region costs more than it saves;
+#: on a loaded machine OpenMP's wake-up of the other threads alone took 50-100 ms)
+PARALLEL_MIN_POINTS = 32768
 #: points descended together (their node reads overlap)
 GROUP = 16
 N_TERMS = 29
@@ -161,25 +164,41 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def newton_terms_cpu(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor, tree,
                      coeffs: torch.Tensor, depth: int, *, weights: torch.Tensor | None = None,
                      tau2: float = math.inf, objective_only: bool = False) -> torch.Tensor:
-    """Return the ``(29,)`` float64 terms (arguments as in :func:`.surface.newton_terms`)."""
-    _threads.numba_threads()
-    x = _np(points)
+    """Return the ``(29,)`` float64 terms (arguments as in :func:`.surface.newton_terms`).
+
+    The points, weights and split values reach the kernel as float64 (exact for float32) with
+    flags saying where the reference rounds to float32, so one compiled signature serves
+    both dtypes; coefficients other than float32 are passed as float64.
+    """
+    if points.shape[0] >= PARALLEL_MIN_POINTS:
+        _threads.numba_threads()
+    else:
+        _one_thread()
+    x = _f64(points)
     # T rounded to the points' dtype, as the reference applies it
     rt = T.detach().to(points.dtype).to(torch.float64).cpu().numpy()
     o = center.detach().to(torch.float64).cpu().numpy().reshape(3)
     co = _np(coeffs)
-    if co.dtype not in (np.float32, np.float64):
+    if co.dtype != np.float32:
         co = co.astype(np.float64)
     has_w = weights is not None
-    w = _np(weights) if has_w else np.zeros(1, x.dtype)
-    if w.dtype not in (np.float32, np.float64):
-        w = w.astype(np.float64)
+    w = _f64(weights) if weights is not None else np.zeros(1)
     d = max(0, min(int(depth), tree.depth))
-    axis = _np(tree.split_axis)
-    split = _np(tree.split_value)
-    out = _terms(x, w, has_w, rt, o, axis, split, co, d, float(tau2),
-                 x.dtype == np.float32, split.dtype == np.float32, bool(objective_only))
+    out = _terms(x, w, has_w, rt, o, _np(tree.split_axis), _f64(tree.split_value), co, d,
+                 float(tau2), points.dtype == torch.float32,
+                 tree.split_value.dtype == torch.float32, bool(objective_only))
     return torch.from_numpy(out)
+
+
+def _one_thread() -> None:
+    import numba
+
+    if numba.get_num_threads() != 1:
+        numba.set_num_threads(1)
+
+
+def _f64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).contiguous().numpy()
 
 
 # ----------------------------------------------------------------------------- node frames
@@ -242,7 +261,7 @@ def _moments(pts, depth):
     return mean, cov
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _eigvals(a00, a01, a02, a11, a12, a22):
     """Ascending eigenvalues of a symmetric 3×3 (the closed form of ``_math.eigvalsh3``)."""
     q = (a00 + a11 + a22) / 3
@@ -261,7 +280,7 @@ def _eigvals(a00, a01, a02, a11, a12, a22):
     return l_min, l_mid, l_max
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _null_vector(a00, a01, a02, a11, a12, a22, lam, out):
     """Unit null vector of ``A − λI`` into ``out (3,)`` (the largest cross product of two
     rows, as ``_math._null_vector``); returns its squared raw norm."""
@@ -294,7 +313,7 @@ def _null_vector(a00, a01, a02, a11, a12, a22, lam, out):
     return nb
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _any_orthogonal(u, out):
     """A unit vector orthogonal to unit ``u`` into ``out`` (as ``_math._any_orthogonal``)."""
     a0, a1, a2 = abs(u[0]), abs(u[1]), abs(u[2])
@@ -315,11 +334,12 @@ def _any_orthogonal(u, out):
     out[2] = z / s
 
 
-@njit(cache=True, inline="always")
-def _eigh3(c, evals, V):
+@njit(cache=True)
+def _eigh3(c, evals, V, work):
     """Eigenpairs of the symmetric 3×3 ``c (6,)`` into ``evals (3,)`` ascending and ``V``
     (columns), by the formulas of ``pointalign._math.eigh3`` (scaled by the largest entry;
-    the smallest eigenvector, the largest one made orthogonal to it, their cross product)."""
+    the smallest eigenvector, the largest one made orthogonal to it, their cross product);
+    ``work (3, 3)`` is scratch."""
     s = 0.0
     for k in range(6):
         s = max(s, abs(c[k]))
@@ -327,9 +347,9 @@ def _eigh3(c, evals, V):
         s = 1.0
     a00, a01, a02, a11, a12, a22 = c[0] / s, c[1] / s, c[2] / s, c[3] / s, c[4] / s, c[5] / s
     l0, l1, l2 = _eigvals(a00, a01, a02, a11, a12, a22)
-    v0 = np.empty(3)
-    u = np.empty(3)
-    v2 = np.empty(3)
+    v0 = work[0]
+    u = work[1]
+    v2 = work[2]
     # smallest eigenvector (``smallest_eigenvector3``; its own rescaling is by 1 here)
     nv = _null_vector(a00, a01, a02, a11, a12, a22, l0, v0)
     gap = l1 - l0
@@ -366,17 +386,18 @@ def _eigh3(c, evals, V):
     evals[2] = l2 * s
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _frames(cov, sizes, min_points, depth):
     """Frames ``(K, 3, 3)`` (columns e1, e2, n) and RMS radii ``(K,)`` from ``cov (K, 6)``;
     nodes with fewer than ``min_points`` points take their parent's frame."""
     K = cov.shape[0]
     frame = np.empty((K, 3, 3), np.float64)
     radius = np.empty(K, np.float64)
-    for v in prange(K):
-        ev = np.empty(3)
-        V = np.empty((3, 3))
-        _eigh3(cov[v], ev, V)
+    ev = np.empty(3)
+    V = np.empty((3, 3))
+    work = np.empty((3, 3))
+    for v in range(K):
+        _eigh3(cov[v], ev, V, work)
         for r in range(3):
             frame[v, r, 0] = V[r, 2]
             frame[v, r, 1] = V[r, 1]
@@ -399,8 +420,8 @@ def node_moments_cpu(tree) -> tuple[torch.Tensor, torch.Tensor]:
     Centred two-pass sums per node (the reference takes differences of float64 prefix sums
     of the raw coordinates and their products; the two agree to the rounding of those).
     """
-    _threads.numba_threads()
-    mean, c = _moments(_np(tree.points), int(tree.depth))
+    _threads.numba_threads() if tree.points.shape[0] >= PARALLEL_MIN_POINTS else _one_thread()
+    mean, c = _moments(_f64(tree.points), int(tree.depth))
     cov = c[:, [0, 1, 2, 1, 3, 4, 2, 4, 5]].reshape(-1, 3, 3)
     return torch.from_numpy(mean), torch.from_numpy(cov)
 
@@ -409,8 +430,8 @@ def node_frames_cpu(tree, min_frame_points: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(mean (K, 3), frame (K, 3, 3), radius (K,))`` float64, the contract of
     :func:`pointalign.registration.surface.node_frames` for a tree in host memory."""
-    _threads.numba_threads()
-    mean, c = _moments(_np(tree.points), int(tree.depth))
+    _threads.numba_threads() if tree.points.shape[0] >= PARALLEL_MIN_POINTS else _one_thread()
+    mean, c = _moments(_f64(tree.points), int(tree.depth))
     sizes = _np(tree.end - tree.start)
     frame, radius = _frames(c, sizes, int(min_frame_points), int(tree.depth))
     return torch.from_numpy(mean), torch.from_numpy(frame), torch.from_numpy(radius)
