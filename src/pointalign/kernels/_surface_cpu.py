@@ -170,10 +170,7 @@ def newton_terms_cpu(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor
     flags saying where the reference rounds to float32, so one compiled signature serves
     both dtypes; coefficients other than float32 are passed as float64.
     """
-    if points.shape[0] >= PARALLEL_MIN_POINTS:
-        _threads.numba_threads()
-    else:
-        _one_thread()
+    _threads_for(points.shape[0])
     x = _f64(points)
     # T rounded to the points' dtype, as the reference applies it
     rt = T.detach().to(points.dtype).to(torch.float64).cpu().numpy()
@@ -190,7 +187,11 @@ def newton_terms_cpu(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor
     return torch.from_numpy(out)
 
 
-def _one_thread() -> None:
+def _threads_for(n: int) -> None:
+    """All the configured threads for ``n`` items of work from PARALLEL_MIN_POINTS on, else 1."""
+    if n >= PARALLEL_MIN_POINTS:
+        _threads.numba_threads()
+        return
     import numba
 
     if numba.get_num_threads() != 1:
@@ -282,8 +283,10 @@ def _eigvals(a00, a01, a02, a11, a12, a22):
 
 @njit(cache=True)
 def _null_vector(a00, a01, a02, a11, a12, a22, lam, out):
-    """Unit null vector of ``A − λI`` into ``out (3,)`` (the largest cross product of two
-    rows, as ``_math._null_vector``); returns its squared raw norm."""
+    """Write the unit null vector of ``A − λI`` into ``out (3,)``; return its squared raw norm.
+
+    The largest cross product of two rows, as ``pointalign._math._null_vector``.
+    """
     r00, r01, r02 = a00 - lam, a01, a02
     r10, r11, r12 = a01, a11 - lam, a12
     r20, r21, r22 = a02, a12, a22 - lam
@@ -315,7 +318,7 @@ def _null_vector(a00, a01, a02, a11, a12, a22, lam, out):
 
 @njit(cache=True)
 def _any_orthogonal(u, out):
-    """A unit vector orthogonal to unit ``u`` into ``out`` (as ``_math._any_orthogonal``)."""
+    """Write a unit vector orthogonal to unit ``u`` into ``out`` (``_math._any_orthogonal``)."""
     a0, a1, a2 = abs(u[0]), abs(u[1]), abs(u[2])
     k = 0
     if a1 < a0:
@@ -336,10 +339,12 @@ def _any_orthogonal(u, out):
 
 @njit(cache=True)
 def _eigh3(c, evals, V, work):
-    """Eigenpairs of the symmetric 3×3 ``c (6,)`` into ``evals (3,)`` ascending and ``V``
-    (columns), by the formulas of ``pointalign._math.eigh3`` (scaled by the largest entry;
-    the smallest eigenvector, the largest one made orthogonal to it, their cross product);
-    ``work (3, 3)`` is scratch."""
+    """Write the eigenpairs of the symmetric 3×3 ``c (6,)`` into ``evals (3,)`` and ``V``.
+
+    Eigenvalues ascending, eigenvectors as the columns of ``V (3, 3)``, by the formulas of
+    ``pointalign._math.eigh3`` (scaled by the largest entry; the smallest eigenvector, the
+    largest one made orthogonal to it, their cross product); ``work (3, 3)`` is scratch.
+    """
     s = 0.0
     for k in range(6):
         s = max(s, abs(c[k]))
@@ -388,8 +393,10 @@ def _eigh3(c, evals, V, work):
 
 @njit(cache=True)
 def _frames(cov, sizes, min_points, depth):
-    """Frames ``(K, 3, 3)`` (columns e1, e2, n) and RMS radii ``(K,)`` from ``cov (K, 6)``;
-    nodes with fewer than ``min_points`` points take their parent's frame."""
+    """Return frames ``(K, 3, 3)`` (columns e1, e2, n) and RMS radii ``(K,)`` of ``cov (K, 6)``.
+
+    Nodes with fewer than ``min_points`` points take their parent's frame.
+    """
     K = cov.shape[0]
     frame = np.empty((K, 3, 3), np.float64)
     radius = np.empty(K, np.float64)
@@ -420,7 +427,7 @@ def node_moments_cpu(tree) -> tuple[torch.Tensor, torch.Tensor]:
     Centred two-pass sums per node (the reference takes differences of float64 prefix sums
     of the raw coordinates and their products; the two agree to the rounding of those).
     """
-    _threads.numba_threads() if tree.points.shape[0] >= PARALLEL_MIN_POINTS else _one_thread()
+    _threads_for(tree.points.shape[0])
     mean, c = _moments(_f64(tree.points), int(tree.depth))
     cov = c[:, [0, 1, 2, 1, 3, 4, 2, 4, 5]].reshape(-1, 3, 3)
     return torch.from_numpy(mean), torch.from_numpy(cov)
@@ -428,9 +435,12 @@ def node_moments_cpu(tree) -> tuple[torch.Tensor, torch.Tensor]:
 
 def node_frames_cpu(tree, min_frame_points: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(mean (K, 3), frame (K, 3, 3), radius (K,))`` float64, the contract of
-    :func:`pointalign.registration.surface.node_frames` for a tree in host memory."""
-    _threads.numba_threads() if tree.points.shape[0] >= PARALLEL_MIN_POINTS else _one_thread()
+    """Return ``(mean (K, 3), frame (K, 3, 3), radius (K,))`` float64 of every node.
+
+    The contract of :func:`pointalign.registration.surface.node_frames`, for a tree in host
+    memory.
+    """
+    _threads_for(tree.points.shape[0])
     mean, c = _moments(_f64(tree.points), int(tree.depth))
     sizes = _np(tree.end - tree.start)
     frame, radius = _frames(c, sizes, int(min_frame_points), int(tree.depth))
