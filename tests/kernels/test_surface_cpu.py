@@ -162,6 +162,27 @@ def test_node_frames_equal_reference(seed, cloud, monkeypatch):
     assert torch.allclose(f1[big][:, :, 0], V[big][:, :, 2], atol=1e-9)
 
 
+def test_quadric_sums_equal_reference(monkeypatch):
+    """The second-order approximant's quadric fits: curvatures from the kernel's sums."""
+    pts = datasets.random_subsample(datasets.load_bunny("bun000"), 2000, 4)
+    tree = KDTreeIndex(pts, leaf_size=8)
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
+    mean, frame, _ = rs.node_frames(tree)
+    assert ks.quadric_sums(tree.arrays, mean, frame) is None
+    k0, d0 = rs._curvatures(tree, mean, frame)
+    monkeypatch.setenv("POINTALIGN_BACKEND", "cpu")
+    k1, d1 = rs._curvatures(tree, mean, frame)
+    scale = float(k0.abs().max())
+    assert scale > 0
+    assert torch.allclose(k1, k0, rtol=1e-6, atol=1e-9 * scale)
+    # principal directions where the curvatures differ (a direction is a projector)
+    sep = (k0[:, 1] - k0[:, 0]).abs() > 1e-3 * scale
+    P0 = d0[:, :, :, None].transpose(1, 2) * d0[:, :, None, :].transpose(1, 2)
+    P1 = d1[:, :, :, None].transpose(1, 2) * d1[:, :, None, :].transpose(1, 2)
+    assert sep.float().mean() > 0.5
+    assert torch.allclose(P1[sep], P0[sep], atol=1e-6)
+
+
 def test_node_frames_degenerate_cells():
     # coincident points: the covariance is exactly 0 and the frame follows eigh3's rule
     # (a unit normal, a rotation); a line: the normal is perpendicular to it

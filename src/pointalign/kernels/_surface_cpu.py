@@ -7,9 +7,11 @@
   float64 registers; the block partials are added in block order. The block split does not
   depend on the thread count, so the result is the same bit for bit with any
   ``set_num_threads``.
-* :func:`node_frames_cpu`: mean, covariance and the closed-form eigenpairs of every tree node
-  (the numbers of :func:`pointalign.registration.surface.node_frames` before its
-  small-node rule), one node per work item.
+* :func:`node_frames_cpu`: mean, covariance (centred two-pass sums) and the closed-form
+  eigenpairs of every tree node, the contract of
+  :func:`pointalign.registration.surface.node_frames` (small nodes take their parent's
+  frame); :func:`quadric_sums_cpu`: the sums of the second-order approximant's quadric
+  fits. Both serial (once a call, ~10-30 ms on 70k points).
 
 Rounding follows the reference (:func:`~pointalign.kernels.surface.newton_terms_reference`):
 ``T`` is rounded to the points' dtype, the moved point ``q`` is rounded to the points' dtype
@@ -205,18 +207,19 @@ def _f64(t: torch.Tensor) -> np.ndarray:
 # ----------------------------------------------------------------------------- node frames
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _moments(pts, depth):
     """Mean ``(K, 3)`` and centred covariance ``(K, 6)`` (c00 c01 c02 c11 c12 c22) per node.
 
     Two passes over each node's range of the tree-ordered points (mean, then the centred
-    second moment) in float64.
+    second moment) in float64; serial: ~10 ms for 70k points, once a call (a parallel
+    kernel compiles for seconds longer and gains a few milliseconds).
     """
     m = pts.shape[0]
     K = 2 ** (depth + 1) - 1
     mean = np.zeros((K, 3), np.float64)
     cov = np.zeros((K, 6), np.float64)
-    for v in prange(K):
+    for v in range(K):
         level = 0
         while (2 ** (level + 1)) - 1 <= v:
             level += 1
@@ -427,7 +430,6 @@ def node_moments_cpu(tree) -> tuple[torch.Tensor, torch.Tensor]:
     Centred two-pass sums per node (the reference takes differences of float64 prefix sums
     of the raw coordinates and their products; the two agree to the rounding of those).
     """
-    _threads_for(tree.points.shape[0])
     mean, c = _moments(_f64(tree.points), int(tree.depth))
     cov = c[:, [0, 1, 2, 1, 3, 4, 2, 4, 5]].reshape(-1, 3, 3)
     return torch.from_numpy(mean), torch.from_numpy(cov)
@@ -440,8 +442,51 @@ def node_frames_cpu(tree, min_frame_points: int
     The contract of :func:`pointalign.registration.surface.node_frames`, for a tree in host
     memory.
     """
-    _threads_for(tree.points.shape[0])
     mean, c = _moments(_f64(tree.points), int(tree.depth))
     sizes = _np(tree.end - tree.start)
     frame, radius = _frames(c, sizes, int(min_frame_points), int(tree.depth))
     return torch.from_numpy(mean), torch.from_numpy(frame), torch.from_numpy(radius)
+
+
+@njit(cache=True)
+def _quadric_sums(pts, mean, frame, depth):
+    """Return the quadric fits' normal equations ``(K, 4, 4)`` and right-hand sides ``(K, 4)``.
+
+    For every node, its points in its PCA frame ``(u, v, w) = (p − mean) · frame`` give
+    ``φ = (u², uv, v², 1)``; the sums are ``Σ φφᵀ`` and ``Σ φ w`` in float64.
+    """
+    m = pts.shape[0]
+    K = 2 ** (depth + 1) - 1
+    ne = np.zeros((K, 4, 4), np.float64)
+    rhs = np.zeros((K, 4), np.float64)
+    for v in range(K):
+        level = 0
+        while (2 ** (level + 1)) - 1 <= v:
+            level += 1
+        j = v - (2**level - 1)
+        s = (j * m) >> level
+        e = ((j + 1) * m) >> level
+        phi = np.empty(4)
+        for i in range(s, e):
+            d0 = pts[i, 0] - mean[v, 0]
+            d1 = pts[i, 1] - mean[v, 1]
+            d2 = pts[i, 2] - mean[v, 2]
+            u = d0 * frame[v, 0, 0] + d1 * frame[v, 1, 0] + d2 * frame[v, 2, 0]
+            vv = d0 * frame[v, 0, 1] + d1 * frame[v, 1, 1] + d2 * frame[v, 2, 1]
+            w = d0 * frame[v, 0, 2] + d1 * frame[v, 1, 2] + d2 * frame[v, 2, 2]
+            phi[0] = u * u
+            phi[1] = u * vv
+            phi[2] = vv * vv
+            phi[3] = 1.0
+            for a in range(4):
+                for b in range(4):
+                    ne[v, a, b] += phi[a] * phi[b]
+                rhs[v, a] += phi[a] * w
+    return ne, rhs
+
+
+def quadric_sums_cpu(tree, mean: torch.Tensor, frame: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the quadric fits' ``(K, 4, 4)`` and ``(K, 4)`` float64 sums (``_quadric_sums``)."""
+    ne, rhs = _quadric_sums(_f64(tree.points), _f64(mean), _f64(frame), int(tree.depth))
+    return torch.from_numpy(ne), torch.from_numpy(rhs)

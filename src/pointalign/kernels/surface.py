@@ -107,6 +107,20 @@ def node_moments(tree: _kd.TreeArrays) -> tuple[torch.Tensor, torch.Tensor] | No
     return None
 
 
+def quadric_sums(tree: _kd.TreeArrays, mean: torch.Tensor, frame: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Return the quadric fits' sums ``(K, 4, 4)``, ``(K, 4)`` from the backend's kernel, or None.
+
+    None on every backend but ``"cpu"``, where the caller's reference runs (the per-level
+    sums in ``pointalign.registration.surface._curvatures``).
+    """
+    if backend(tree.points) == "cpu":
+        from pointalign.kernels import _surface_cpu
+
+        return _surface_cpu.quadric_sums_cpu(tree, mean, frame)
+    return None
+
+
 def sym3(co: torch.Tensor) -> torch.Tensor:
     """``(…, 3, 3)`` symmetric A from the first six coefficients ``(…, ≥6)``."""
     a00, a01, a02, a11, a12, a22 = co[..., 0], co[..., 1], co[..., 2], co[..., 3], co[..., 4], \

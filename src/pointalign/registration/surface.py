@@ -157,7 +157,10 @@ def _curvatures(tree: KDTreeIndex, mean: torch.Tensor, frame: torch.Tensor):
     rhs = torch.zeros(K, 4, dtype=torch.float64, device=dev)
     tp = tree.tree_points.double()
     m = tp.shape[0]
-    for level in range(tree.depth + 1):
+    fast = _ks.quadric_sums(tree.arrays, mean, frame)  # the "cpu" backend's kernel
+    if fast is not None:
+        normal_eq, rhs = fast
+    for level in range(tree.depth + 1 if fast is None else 0):
         b = _kd.level_bounds(m, level, dev)
         seg = torch.repeat_interleave(torch.arange(2**level, device=dev), b[1:] - b[:-1],
                                       output_size=m) + (2**level - 1)
