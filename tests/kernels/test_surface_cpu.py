@@ -98,8 +98,9 @@ def test_newton_terms_dispatch_and_threads(monkeypatch):
     # the block split does not depend on the thread count: the same bits with 1 or 2
     monkeypatch.setattr(_surface_cpu, "PARALLEL_MIN_POINTS", 0)
     import pointalign as pa
+    from pointalign import _threads
 
-    before = pa.get_num_threads()
+    before = _threads._n  # None: the default (environment / all cores)
     try:
         pa.set_num_threads(1)
         one = _surface_cpu.newton_terms_cpu(src, T, c, tree.arrays, co, tree.depth)
