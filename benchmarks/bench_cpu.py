@@ -55,6 +55,14 @@ node reads: 9.8 -> 3.5 ms a pass), tree build (NumPy lexsort, ``kernels/kdtree.p
 0.25 s, input validation and the local frame (``_edge.prepare_pair``) 0.12 s, node frames
 and coefficients 0.06 s, level radii 0.035 s, default criteria 0.035 s, host loop 0.05 s.
 
+Measured (``--only surface``, this 2-core machine shared and loaded, so CPU seconds are the
+comparable figure; the lead's quiet run replaces these): load 12, 2 threads: cpu backend
+8.4 s wall / 2.3 s CPU, torch reference 140 s / 46.7 s (pose difference 4e-7° / 4e-5 mm),
+Open3D point-to-plane ICP 9.5 s / 3.4 s, small_gicp PLANE_ICP 2.3 s / 0.76 s; load 10,
+``POINTALIGN_NUM_THREADS=1``: cpu backend 3.0 s / 1.27 s, Open3D 8.1 s / 3.8 s (all cores),
+small_gicp 1.4 s / 0.67 s. Against relative.txt: ours 0.78° / 50 mm (the torch reference
+gives the same pose), Open3D 0.04° / 16 mm, small_gicp 0.10° / 30 mm.
+
     python benchmarks/bench_cpu.py            # all rows (surface_newton: cpu backend + peers)
     python benchmarks/bench_cpu.py --slow     # plus surface_newton on the torch reference
 """
