@@ -123,6 +123,9 @@ def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     frame. float64.
     """
     min_frame_points = 5  # fewer points: no PCA frame of their own
+    fast = _ks.node_frames(tree.arrays, min_frame_points)  # the "cpu" backend's kernel
+    if fast is not None:
+        return fast
     pts = tree.points.double()
     size = tree.node_sizes().double()
     mean = tree.node_sums(pts) / size[:, None]
@@ -154,7 +157,10 @@ def _curvatures(tree: KDTreeIndex, mean: torch.Tensor, frame: torch.Tensor):
     rhs = torch.zeros(K, 4, dtype=torch.float64, device=dev)
     tp = tree.tree_points.double()
     m = tp.shape[0]
-    for level in range(tree.depth + 1):
+    fast = _ks.quadric_sums(tree.arrays, mean, frame)  # the "cpu" backend's kernel
+    if fast is not None:
+        normal_eq, rhs = fast
+    for level in range(tree.depth + 1 if fast is None else 0):
         b = _kd.level_bounds(m, level, dev)
         seg = torch.repeat_interleave(torch.arange(2**level, device=dev), b[1:] - b[:-1],
                                       output_size=m) + (2**level - 1)
@@ -259,6 +265,11 @@ def _resolve_depth(tree: KDTreeIndex, depth: int | None) -> int:
 def _level_radii(tree: KDTreeIndex, levels: list[int]) -> list[float]:
     """Median RMS radius of the cells of each level in ``levels`` (cached per node)."""
     key = "surface:radius"
+    if not tree.has_payload(key):
+        fast = _ks.node_moments(tree.arrays)  # the "cpu" backend's kernel
+        if fast is not None:
+            tree.attach(key, fast[1].diagonal(dim1=1, dim2=2).sum(-1).clamp_min(0).sqrt()
+                        .float())
     if not tree.has_payload(key):
         pts = tree.points.double()
         size = tree.node_sizes().double().clamp_min(1)
