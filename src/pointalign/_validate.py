@@ -96,6 +96,9 @@ def _to_tensor(name: str, x: Any) -> torch.Tensor:
     own device through ``torch.from_dlpack``), and lists/tuples of numbers.
     """
     if isinstance(x, torch.Tensor):
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: a tensor on {x.device}; pointalign runs on 'cpu' and "
+                             "'cuda' devices")
         # registration is not differentiable: a view without the autograd graph
         return x.detach() if x.requires_grad else x
     if isinstance(x, np.ndarray):
