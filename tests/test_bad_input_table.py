@@ -116,8 +116,6 @@ REFUSED: list[tuple] = [
     ("compose", lambda: transforms.compose(TE4.expand(2, 4, 4), TE4.expand(3, 4, 4)),
      ValueError, "Ts"),
     ("compose", lambda: transforms.compose(None), TypeError, "Ts[0]"),
-    ("compose", lambda: transforms.compose(TE4, torch.eye(4, device="meta")), ValueError,
-     "Ts[0]"),
     ("invert", lambda: transforms.invert(torch.eye(3)), ValueError, "T"),
     ("invert", lambda: transforms.invert(torch.zeros(4)), ValueError, "T"),
     ("invert", lambda: transforms.invert(torch.eye(4, dtype=torch.complex64)), TypeError, "T"),

@@ -106,7 +106,8 @@ def _to_tensor(name: str, x: Any) -> torch.Tensor:
             np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)
         ):
             raise TypeError(f"{name}: expected a numeric array, got dtype {x.dtype}")
-        return torch.from_numpy(np.ascontiguousarray(x))
+        # (ascontiguousarray turns a 0-d array into shape (1,): keep the shape)
+        return torch.from_numpy(np.ascontiguousarray(x).reshape(x.shape))
     pts = getattr(x, "points", None)
     if isinstance(pts, torch.Tensor):  # PointCloud (duck-typed: no import of cloud.py)
         return pts.detach() if pts.requires_grad else pts

@@ -57,12 +57,17 @@ def _same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"{next(iter(devs))}: the arguments are on different devices ({desc})")
 
 
-def _batch(what: str, *shapes: torch.Size) -> torch.Size:
-    try:
-        return torch.broadcast_shapes(*shapes)
-    except RuntimeError:
-        raise ValueError(f"{what}: batch shapes {', '.join(str(tuple(s)) for s in shapes)} "
-                         "do not broadcast") from None
+def _batch(what: str, *shapes: torch.Size) -> tuple[int, ...]:
+    """Broadcast batch shapes (NumPy rules), or a ValueError naming ``what``."""
+    nd = max(len(s) for s in shapes)
+    out = []
+    for dims in zip(*((1,) * (nd - len(s)) + tuple(s) for s in shapes), strict=True):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            raise ValueError(f"{what}: batch shapes {', '.join(str(tuple(s)) for s in shapes)} "
+                             "do not broadcast")
+        out.append(sizes.pop() if sizes else min(dims))
+    return tuple(out)
 
 
 def make(rotation: torch.Tensor, translation: torch.Tensor) -> torch.Tensor:
