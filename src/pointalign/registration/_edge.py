@@ -84,7 +84,6 @@ def resolve_device(device: Any, **inputs: Any) -> torch.device:
     def note(name: str, x: Any) -> None:
         pts = getattr(x, "points", x)
         if isinstance(pts, torch.Tensor):
-            _validate._to_tensor(name, pts)  # a device pointalign cannot run on: named
             devs[name] = pts.device
 
     for name, x in inputs.items():
