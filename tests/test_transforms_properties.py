@@ -181,7 +181,8 @@ def test_numpy_inputs_are_accepted_and_agree_with_tensors(seed, data):
         mixed = tuple(a.numpy() if flip else a for a, flip in zip(args, as_numpy, strict=True))
         ref, got = fn(*args), fn(*mixed)
         assert isinstance(got, torch.Tensor), name
-        torch.testing.assert_close(got, ref, atol=0, rtol=0, msg=name)
+        # equal up to rounding (a strided view and its contiguous copy reduce in other orders)
+        torch.testing.assert_close(got, ref, atol=1e-12, rtol=0, msg=name)
 
 
 @settings(max_examples=15, deadline=None)
