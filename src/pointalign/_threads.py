@@ -57,10 +57,9 @@ def set_num_threads(n: int | None) -> None:
     """
     global _n
     if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n: expected an integer, got {type(n).__name__}")
-        if n < 1:
-            raise ValueError(f"n: must be >= 1, got {n}")
+        from pointalign import _validate
+
+        n = _validate.integer(n, "n", minimum=1)
     _n = n
     _apply_torch()
 

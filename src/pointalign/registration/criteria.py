@@ -91,13 +91,16 @@ class ConvergenceCriteria:
     relative_weights: float | None = None
 
     def __post_init__(self) -> None:
-        if int(self.max_iterations) < 1:
-            raise ValueError(f"max_iterations: must be >= 1, got {self.max_iterations}")
+        # checked and stored as plain int / float (NumPy scalars accepted)
+        object.__setattr__(self, "max_iterations",
+                           _validate.integer(self.max_iterations, "max_iterations", minimum=1))
         for name in ("relative_fitness", "relative_rmse", "translation_tolerance",
                      "rotation_tolerance"):
-            _validate.positive(getattr(self, name), name, allow_zero=True)
+            object.__setattr__(self, name,
+                               _validate.positive(getattr(self, name), name, allow_zero=True))
         if self.relative_weights is not None:
-            _validate.positive(self.relative_weights, "relative_weights", allow_zero=True)
+            object.__setattr__(self, "relative_weights", _validate.positive(
+                self.relative_weights, "relative_weights", allow_zero=True))
 
     def translation_for(self, extent: np.ndarray | float) -> np.ndarray:
         """Return the translation tolerance in metres for clouds of ``extent`` (``(B,)``).
@@ -131,10 +134,8 @@ class RobustKernel:
     k: float = 1.0
 
     def __post_init__(self) -> None:
-        kinds = _math.ROBUST_KINDS
-        if self.kind not in kinds:
-            raise ValueError(f"robust_kernel: kind must be one of {kinds}, got {self.kind!r}")
-        _validate.positive(self.k, "robust_kernel.k")
+        _validate.choice(self.kind, "robust_kernel.kind", tuple(_math.ROBUST_KINDS))
+        object.__setattr__(self, "k", _validate.positive(self.k, "robust_kernel.k"))
 
     def weights(self, residual: torch.Tensor) -> torch.Tensor:
         """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0.

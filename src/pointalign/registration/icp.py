@@ -369,6 +369,8 @@ def icp(
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     plane, B = method == "point_to_plane", pair.size
+    if target_normals is not None and not plane:
+        _edge.target_normals(target, target_normals, pair)  # checked even when not used
     clock = _loop.Clock(dev)
     idxs = clock.stage("index", _indexes, pair, index, max_dist)
     inputs = {"source": pair.source, "target": pair.target, "lengths": pair.source_lengths,

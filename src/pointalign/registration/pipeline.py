@@ -180,7 +180,9 @@ def register(
         hypotheses: RANSAC hypotheses per batch.
         icp_voxel_size: downsample the clouds for ICP at this edge (default: full clouds).
         max_iterations: ICP iteration cap per stage.
-        seed: RANSAC seed.
+        seed: RANSAC's seed (see :func:`~pointalign.registration.ransac.ransac`): an integer
+            in [0, 2**64 - 1]; the same seed and inputs give identical results on one
+            device (CPU, or a GPU), not across devices (their generators differ).
         remove_outliers: drop stray points before downsampling and choose the voxel edge
             without them (:func:`dense_mask`, :func:`robust_voxel_size`); False restores
             :func:`auto_voxel_size` on all points.
@@ -208,6 +210,14 @@ def register(
             raise TypeError(f"{name}: expected True or False, got {flag!r}")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    seed = _validate.seed(seed)
+    target_points = _validate.integer(target_points, "target_points", minimum=3)
+    hypotheses = _validate.integer(hypotheses, "hypotheses", minimum=1)
+    max_iterations = _validate.integer(max_iterations, "max_iterations", minimum=1)
+    if voxel_size is not None:
+        voxel_size = _validate.positive(voxel_size, "voxel_size")
+    if icp_voxel_size is not None:
+        icp_voxel_size = _validate.positive(icp_voxel_size, "icp_voxel_size")
     like = source.points if isinstance(source, PointCloud) else \
         source if isinstance(source, torch.Tensor) else None
     dev = _validate.as_device(device, like)

@@ -271,7 +271,14 @@ def ransac(
             one, the problem is solved in a frame centred on the target's centroid (shifted
             in float64 before anything becomes float32), so coordinates far from the origin
             keep their precision; with one, the caller's coordinates are kept.
-        seed: seeds the device ``torch.Generator``.
+        seed: seeds the ``torch.Generator`` on the compute device (an integer in
+            [0, 2**64 - 1]; NumPy integers accepted). Every random draw (samples, the
+            T(d,d) subset) comes from it and every reduction has a fixed order, so the same
+            seed and inputs give identical results on one device: on the CPU, and on a GPU
+            (repeated runs with one seed were identical in the project's checks, issue 16).
+            The CPU and CUDA generators produce different streams, so one seed draws
+            different (equally valid) hypotheses on the CPU and on a GPU, and different
+            seeds give slightly different results.
         device: compute device (default: the source's).
 
     Returns:
@@ -311,14 +318,22 @@ def ransac(
     dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
     sim = _validate.in_range(triangle_similarity, "triangle_similarity", 0.0, 1.0)
     conf = _validate.in_range(confidence, "confidence", 0.0, 1.0)
-    for name, v in (("hypotheses", hypotheses), ("tdd_points", tdd_points),
-                    ("max_validations", max_validations), ("refine_top", refine_top)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
-    if isinstance(refine_iterations, bool) or not isinstance(refine_iterations, int) \
-            or refine_iterations < 0:
-        raise ValueError(f"refine_iterations: expected an integer >= 0, got {refine_iterations!r}")
-    max_h = 4 * hypotheses if max_hypotheses is None else int(max_hypotheses)
+    hypotheses, tdd_points, max_validations, refine_top = (
+        _validate.integer(v, name, minimum=1) for name, v in (
+            ("hypotheses", hypotheses), ("tdd_points", tdd_points),
+            ("max_validations", max_validations), ("refine_top", refine_top)))
+    refine_iterations = _validate.integer(refine_iterations, "refine_iterations", minimum=0)
+    seed = _validate.seed(seed)
+    for name, flag in (("mutual", mutual), ("local_refinement", local_refinement)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected True or False, got {flag!r}")
+    if target_index is not None and not (
+            isinstance(getattr(target_index, "points", None), torch.Tensor)
+            and hasattr(target_index, "nearest_within")):
+        raise TypeError("target_index: expected an Index over the target "
+                        f"(pointalign.search.build_index), got {type(target_index).__name__}")
+    max_h = 4 * hypotheses if max_hypotheses is None else \
+        _validate.integer(max_hypotheses, "max_hypotheses", minimum=1)
     if max_h < hypotheses:
         raise ValueError(f"max_hypotheses: must be >= hypotheses ({hypotheses}), got {max_h}")
     if inlier_ratio_threshold is not None:

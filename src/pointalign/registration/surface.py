@@ -257,9 +257,7 @@ def _resolve_depth(tree: KDTreeIndex, depth: int | None) -> int:
         m = tree.points.shape[0]
         return max((lv for lv in range(tree.depth + 1) if (m >> lv) >= min_cell_points),
                    default=0)
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
-        raise ValueError(f"tree_depth: expected a non-negative integer, got {depth!r}")
-    return min(int(depth), tree.depth)
+    return min(_validate.integer(depth, "tree_depth", minimum=0), tree.depth)
 
 
 def _level_radii(tree: KDTreeIndex, levels: list[int]) -> list[float]:
@@ -716,12 +714,12 @@ def surface_newton(
     """
     t_start = time.perf_counter()
     crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
-    try:
-        beta, sigma = (float(v) for v in armijo)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"armijo: expected a pair (beta, sigma), got {armijo!r}") from exc
-    if not (0 < beta < 1 and 0 < sigma < 1):
-        raise ValueError(f"armijo: expected 0 < beta, sigma < 1, got {armijo}")
+    if tree_depth is not None:
+        _validate.integer(tree_depth, "tree_depth", minimum=0)
+    if not isinstance(armijo, (tuple, list)) or len(armijo) != 2:
+        raise TypeError(f"armijo: expected a pair (beta, sigma), each in (0, 1), got {armijo!r}")
+    beta = _validate.in_range(armijo[0], "armijo beta", 0.0, 1.0)
+    sigma = _validate.in_range(armijo[1], "armijo sigma", 0.0, 1.0)
     tau2 = math.inf if max_correspondence_distance is None else _validate.positive(
         max_correspondence_distance, "max_correspondence_distance") ** 2
     prob, clock = _prepare(source, target, init, device, index)
@@ -917,6 +915,8 @@ def approximate_icp(
     """
     t_start = time.perf_counter()
     crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
+    if tree_depth is not None:
+        _validate.integer(tree_depth, "tree_depth", minimum=0)
     tau2 = math.inf if max_correspondence_distance is None else _validate.positive(
         max_correspondence_distance, "max_correspondence_distance") ** 2
     prob, clock = _prepare(source, target, init, device, index)
