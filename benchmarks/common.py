@@ -6,6 +6,8 @@
 * ``Recorder``: collects rows (dicts) and writes ``benchmarks/results/<topic>-<device>.json``
   with metadata (date, commit, device name, versions, command line).
 * ``benchmarks/render.py`` turns every results file into BENCHMARKS.md.
+* ``progress(items, description)``: a bar on standard error (terminal only) for a driver's
+  outer loop; the rows stay one JSON object per line on standard output.
 """
 
 from __future__ import annotations
@@ -153,6 +155,17 @@ class Recorder:
         path.write_text(json.dumps(doc, indent=1, default=str))
         print(f"wrote {path}")
         return path
+
+
+def progress(items, description: str):
+    """Iterate ``items`` with a progress bar on standard error when it is a terminal.
+
+    The rows stay one JSON object per line on standard output (``pointalign bench`` reads
+    them from there and draws its own bar per suite); the bar never mixes into them.
+    """
+    from pointalign import _progress
+
+    return _progress.track(items, description)
 
 
 def parse_args(description: str):

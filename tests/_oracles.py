@@ -182,16 +182,21 @@ def icp_solve_np(sums: np.ndarray, plane: bool, c: np.ndarray):
 
     Point-to-point: Horn (top eigenvector of N(S) by ``np.linalg.eigh``), valid when W > 0
     and both centred covariances span a plane (eigenvalue form). Point-to-plane: eigen
-    pseudo-inverse of the 6×6 (least-norm step when rank-deficient), Rodrigues. Un-centred
-    about c. Returns ``(D (B, 4, 4), valid (B,), usable (B,))``.
+    pseudo-inverse of the 6×6 equalised by block (least-norm step when rank-deficient),
+    Rodrigues. Un-centred about c. Returns ``(D (B, 4, 4), valid (B,), usable (B,))``.
     """
     B = sums.shape[0]
     if plane:
         A = _sym_np(sums[:, :21], _TRIU6, 6)
-        ev, V = np.linalg.eigh(A)
+        # rotations and translations equalised by their blocks' mean diagonals
+        tr = np.stack([np.trace(A[:, :3, :3], axis1=1, axis2=2),
+                       np.trace(A[:, 3:, 3:], axis1=1, axis2=2)], 1) / 3
+        d = np.repeat(np.where(tr > 0, 1 / np.sqrt(np.maximum(tr, 1e-300)), 1.0), 3, axis=1)
+        ev, V = np.linalg.eigh(d[:, :, None] * A * d[:, None, :])
         keep = ev > ORACLE_EPS * np.maximum(ev[:, -1:], 1e-300)
         inv = np.where(keep, 1.0 / np.maximum(ev, 1e-300), 0.0)
-        xi = (V @ (inv[:, :, None] * (V.transpose(0, 2, 1) @ -sums[:, 21:27, None])))[:, :, 0]
+        g = -(d * sums[:, 21:27])[:, :, None]
+        xi = d * (V @ (inv[:, :, None] * (V.transpose(0, 2, 1) @ g)))[:, :, 0]
         usable = np.isfinite(xi).all(-1) & keep.any(-1)
         xi = np.where(usable[:, None], xi, 0.0)
         valid = keep.all(-1) & usable

@@ -4,16 +4,20 @@ Logging
     The library logs through ``logging.getLogger("pointalign")`` (children such as
     ``"pointalign.icp"`` via :func:`get_logger`) and never configures handlers itself: a
     :class:`logging.NullHandler` keeps it silent until the application configures logging.
-    Levels: ``DEBUG`` per-iteration or per-stage detail, ``INFO`` one line per call (sizes,
-    chosen parameters, the result's summary), ``WARNING`` only through :func:`warn`.
+    Levels: ``DEBUG`` per-iteration or per-stage detail (:func:`log_timings`: one line of
+    stage timings per call), ``INFO`` one line per call (sizes, chosen parameters, the
+    result's summary), ``WARNING`` only through :func:`warn`.
     The CLI's ``-v``/``-q`` call :func:`configure_logging`.
 
 Warning categories
     :func:`warn` issues :class:`PointalignWarning` subclasses through :mod:`warnings` (so
-    users can filter or turn them into errors) and logs them at ``DEBUG``:
+    users can filter or turn them into errors) and logs them at ``DEBUG``. Under
+    :func:`quiet` / :func:`set_quiet` (the CLI's ``--quiet``) they are only logged. Unlike
+    progress bars they are issued off a terminal too (a batch job's log should keep them):
 
     * :class:`SlowOperationWarning`: the call will take long (e.g. EM-ICP on 40k points on a
-      CPU): say roughly how long and what to do instead (downsample, another method).
+      CPU): say roughly how long and what to do instead (downsample, another method);
+      :func:`warn_slow` issues it above :data:`SLOW_SECONDS`.
     * :class:`IgnoredParameterWarning`: a parameter the method does not use was given
       (:func:`warn_ignored`).
     * :class:`DoubtfulResultWarning`: the result's verdict is uncertain.
@@ -36,7 +40,9 @@ Progress
     installed, and progress is not switched off by :func:`set_quiet` / :func:`quiet`, the
     ``quiet=True`` argument or ``POINTALIGN_PROGRESS=0`` (``=1`` forces it on). Otherwise
     both are no-ops costing a few attribute look-ups per step, so algorithms may call them
-    unconditionally. Nested tasks share one display (rich allows one live display). Keep
+    unconditionally. ``task(..., delay=LIBRARY_DELAY)`` shows the bar only once the work has
+    run that long (library calls use it: a fast call draws nothing). Nested tasks share one
+    display (rich allows one live display). Keep
     ``advance`` calls off the GPU hot path: advance per host-side step, not per kernel, and
     never synchronise a device just to report progress.
 """
@@ -48,6 +54,7 @@ import contextvars
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
@@ -91,6 +98,8 @@ def warn(message: str, category: type[Warning] = PointalignWarning,
 
     """
     logger.debug("warning (%s): %s", category.__name__, message)
+    if _QUIET.get():  # quiet: progress and pointalign's warnings are both off
+        return
     warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
@@ -99,6 +108,42 @@ def warn_ignored(parameter: str, method: str, reason: str = "", stacklevel: int 
     tail = f" ({reason})" if reason else ""
     warn(f"{parameter} is ignored by {method}{tail}", IgnoredParameterWarning,
          stacklevel=stacklevel + 1)
+
+
+#: a call expected to take longer than this (seconds) gets a :class:`SlowOperationWarning`
+SLOW_SECONDS = 60.0
+
+
+def warn_slow(what: str, seconds: float, advice: str, stacklevel: int = 2) -> bool:
+    """Warn that ``what`` will take about ``seconds`` when that exceeds :data:`SLOW_SECONDS`.
+
+    Args:
+        what: the operation ("register() on 3,000,000 + 2,900,000 points on the CPU").
+        seconds: a rough estimate (order of magnitude is enough).
+        advice: what to do instead ("pass icp_voxel_size=...").
+        stacklevel: as in :func:`warn`.
+
+    Returns:
+        True when the warning was issued (or would have been, without quiet).
+
+    """
+    if not (seconds > SLOW_SECONDS):
+        return False
+    minutes = seconds / 60.0
+    warn(f"{what} will take about {minutes:.0f} minute{'s' if minutes >= 1.5 else ''}; "
+         f"{advice}", SlowOperationWarning, stacklevel=stacklevel + 1)
+    return True
+
+
+def log_timings(name: str, timings: dict[str, float]) -> None:
+    """Log one ``DEBUG`` line with the stage timings (seconds) of ``name``'s last call."""
+    log = get_logger(name)
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in timings.items() if k != "total")
+    total = timings.get("total")
+    head = f"total {1e3 * total:.1f} ms" if total is not None else "stages (ms)"
+    log.debug("%s: %s: %s", name, head, parts)
 
 
 # ------------------------------------------------------------------------------ quiet state
@@ -152,36 +197,19 @@ class _NoBar:
         """Change ``description``/``total``/``completed`` (nothing drawn)."""
 
 
-class _Bar:
-    def __init__(self, progress: Any, task_id: Any) -> None:
-        self._p, self._id = progress, task_id
+# The one rich Progress on screen, shared by every open bar (rich allows one live display):
+# started by the first bar that shows, stopped when the last one closes, whatever the order
+# in which nested (or lazily shown) bars open and close.
+_SHARED: dict[str, Any] = {"progress": None, "bars": 0}
 
-    def advance(self, n: float = 1) -> None:
-        """Count ``n`` more steps done."""
-        self._p.advance(self._id, n)
-
-    def update(self, **fields: Any) -> None:
-        """Change ``description``/``total``/``completed`` of the bar."""
-        self._p.update(self._id, **fields)
+#: seconds a library call runs before its bar appears (``task(..., delay=LIBRARY_DELAY)``)
+LIBRARY_DELAY = 1.0
 
 
-_LIVE: list[Any] = []  # the one rich Progress on screen, while a task is open
+_LOCK = threading.RLock()  # a delayed bar is shown from a timer thread
 
 
-@contextlib.contextmanager
-def task(description: str, total: float | None = None, *,
-         quiet: bool | None = None) -> Iterator[_Bar | _NoBar]:
-    """Show a progress bar for a block of work; yields an object with ``advance(n)``.
-
-    Args:
-        description: short text in front of the bar ("EM-ICP", "reading files").
-        total: number of steps (None: an indeterminate spinner).
-        quiet: True: draw nothing; None: follow :func:`set_quiet` / the terminal test.
-
-    """
-    if not enabled(quiet):
-        yield _NoBar()
-        return
+def _open_bar(description: str, total: float | None, completed: float) -> tuple[Any, Any]:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -192,34 +220,145 @@ def task(description: str, total: float | None = None, *,
         TimeRemainingColumn,
     )
 
-    if _LIVE:  # nested: one more line in the display that is already live
-        prog = _LIVE[-1]
-        tid = prog.add_task(description, total=total)
-        try:
-            yield _Bar(prog, tid)
-        finally:
-            prog.remove_task(tid)
+    class _Count(MofNCompleteColumn):  # type: ignore[misc]
+        """``done/total`` for a bar, nothing for a spinner (no ``0/?``)."""
+
+        def render(self, task: Any) -> Any:
+            from rich.text import Text
+
+            return super().render(task) if task.total is not None else Text("")
+
+    with _LOCK:
+        if _SHARED["progress"] is None:
+            from rich.console import Console
+
+            prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                            _Count(), TimeElapsedColumn(), TimeRemainingColumn(),
+                            transient=True, console=Console(stderr=True))
+            prog.start()
+            _SHARED["progress"] = prog
+        _SHARED["bars"] += 1
+        prog = _SHARED["progress"]
+        return prog, prog.add_task(description, total=total, completed=completed)
+
+
+def _close_bar(prog: Any, task_id: Any) -> None:
+    with _LOCK:
+        prog.remove_task(task_id)
+        _SHARED["bars"] -= 1
+        if _SHARED["bars"] <= 0:
+            _SHARED["progress"], _SHARED["bars"] = None, 0
+            prog.stop()
+
+
+class _Bar:
+    """A bar on the shared display; with ``delay`` it appears only once the work runs long.
+
+    Until ``delay`` seconds have passed since it was opened, ``advance``/``update`` only
+    count; a daemon timer then puts the bar on screen with the counts so far (so a spinner
+    appears even when nothing advances it). A call that ends sooner draws nothing.
+    """
+
+    def __init__(self, description: str, total: float | None, delay: float) -> None:
+        self._desc, self._total, self._done = description, total, 0.0
+        self._p: Any = None
+        self._id: Any = None
+        self._closed = False
+        self._timer: threading.Timer | None = None
+        if delay <= 0:
+            self._show()
+        else:
+            self._timer = threading.Timer(delay, self._show)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _show(self) -> None:
+        with _LOCK:
+            if self._p is None and not self._closed:
+                self._p, self._id = _open_bar(self._desc, self._total, self._done)
+
+    def advance(self, n: float = 1) -> None:
+        """Count ``n`` more steps done."""
+        with _LOCK:
+            self._done += n
+            if self._p is not None:
+                self._p.advance(self._id, n)
+
+    def update(self, **fields: Any) -> None:
+        """Change ``description``/``total``/``completed`` of the bar."""
+        with _LOCK:
+            self._desc = fields.get("description", self._desc)
+            self._total = fields.get("total", self._total)
+            self._done = fields.get("completed", self._done)
+            if self._p is not None:
+                self._p.update(self._id, **fields)
+
+    @property
+    def shown(self) -> bool:
+        """Whether the bar is on screen (False while it waits for its ``delay``)."""
+        return self._p is not None
+
+    def close(self) -> None:
+        """Take the bar off the display (the display stops with its last bar)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        with _LOCK:
+            self._closed = True
+            if self._p is not None:
+                _close_bar(self._p, self._id)
+                self._p = None
+
+
+@contextlib.contextmanager
+def task(description: str, total: float | None = None, *, quiet: bool | None = None,
+         delay: float = 0.0) -> Iterator[_Bar | _NoBar]:
+    """Show a progress bar for a block of work; yields an object with ``advance(n)``.
+
+    Args:
+        description: short text in front of the bar ("EM-ICP", "reading files").
+        total: number of steps (None: an indeterminate spinner).
+        quiet: True: draw nothing; None: follow :func:`set_quiet` / the terminal test.
+        delay: seconds of work before the bar appears; library calls pass
+            :data:`LIBRARY_DELAY`, so that only long calls show a bar.
+
+    """
+    if not enabled(quiet):
+        yield _NoBar()
         return
-    prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                    MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-                    transient=True)
-    with prog:
-        _LIVE.append(prog)
-        try:
-            yield _Bar(prog, prog.add_task(description, total=total))
-        finally:
-            _LIVE.pop()
+    bar = _Bar(description, total, delay)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def track(iterable: Iterable[T], description: str, total: float | None = None, *,
-          quiet: bool | None = None) -> Iterator[T]:
+          quiet: bool | None = None, delay: float = 0.0) -> Iterator[T]:
     """Yield the items of ``iterable`` while advancing a progress bar (see :func:`task`)."""
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
-    with task(description, total, quiet=quiet) as bar:
+    with task(description, total, quiet=quiet, delay=delay) as bar:
         for item in iterable:
             yield item
             bar.advance()
+
+
+def batches(total: int, size: int, description: str, *,
+            delay: float = LIBRARY_DELAY) -> Iterator[int]:
+    """Yield batch sizes ``min(size, left)`` until ``total`` steps are covered, with a bar.
+
+    For library loops over batches (RANSAC hypotheses): ``for h in batches(n, b, "RANSAC")``
+    replaces a ``while`` loop; the bar (shown after ``delay`` seconds) advances by each
+    batch once the loop body asks for the next one. A ``break`` closes the bar when the
+    generator is released (at once in CPython).
+    """
+    with task(description, total, delay=delay) as bar:
+        done = 0
+        while done < total:
+            step = min(size, total - done)
+            yield step
+            done += step
+            bar.advance(step)
 
 
 # ------------------------------------------------------------------------------ logging setup

@@ -57,10 +57,9 @@ def set_num_threads(n: int | None) -> None:
     """
     global _n
     if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n: expected an integer, got {type(n).__name__}")
-        if n < 1:
-            raise ValueError(f"n: must be >= 1, got {n}")
+        from pointalign import _validate
+
+        n = _validate.integer(n, "n", minimum=1)
     _n = n
     _apply_torch()
 
@@ -71,10 +70,34 @@ def _apply_torch() -> None:
     torch.set_num_threads(get_num_threads())
 
 
+_numba_launched = False
+
+
+def _launch_numba() -> None:
+    """Start numba's thread pool once, keeping PyTorch's thread count.
+
+    numba's OpenMP threading layer shares the OpenMP runtime with PyTorch, and starting its
+    pool sets that runtime's thread count to numba's pool size: without this, the first CPU
+    kernel silently undid ``set_num_threads`` (or the user's ``torch.set_num_threads``).
+    """
+    global _numba_launched
+    if _numba_launched:
+        return
+    import torch
+    from numba.np.ufunc import parallel
+
+    before = torch.get_num_threads()
+    parallel._launch_threads()
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+    _numba_launched = True
+
+
 def numba_threads() -> int:
     """Set numba's thread count to :func:`get_num_threads` (capped by its pool); return it."""
     import numba
 
+    _launch_numba()
     n = min(get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)

@@ -49,6 +49,10 @@ def as_device(device: str | torch.device | None, like: torch.Tensor | None = Non
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device: {device!r} requested but only {torch.cuda.device_count()} "
                          "CUDA device(s) exist")
+    if dev.type == "cuda" and dev.index is None:
+        # "cuda" means the current device; name it, so that it compares equal to the
+        # devices of the tensors made on it ("cuda" != "cuda:0" for torch.device)
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -96,6 +100,9 @@ def _to_tensor(name: str, x: Any) -> torch.Tensor:
     own device through ``torch.from_dlpack``), and lists/tuples of numbers.
     """
     if isinstance(x, torch.Tensor):
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: a tensor on {x.device}; pointalign runs on 'cpu' and "
+                             "'cuda' devices")
         # registration is not differentiable: a view without the autograd graph
         return x.detach() if x.requires_grad else x
     if isinstance(x, np.ndarray):
@@ -103,7 +110,8 @@ def _to_tensor(name: str, x: Any) -> torch.Tensor:
             np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)
         ):
             raise TypeError(f"{name}: expected a numeric array, got dtype {x.dtype}")
-        return torch.from_numpy(np.ascontiguousarray(x))
+        # (ascontiguousarray turns a 0-d array into shape (1,): keep the shape)
+        return torch.from_numpy(np.ascontiguousarray(x).reshape(x.shape))
     pts = getattr(x, "points", None)
     if isinstance(pts, torch.Tensor):  # PointCloud (duck-typed: no import of cloud.py)
         return pts.detach() if pts.requires_grad else pts
@@ -355,16 +363,106 @@ def same_device(**tensors: torch.Tensor) -> torch.device:
     return uniq.pop()
 
 
-def positive(value: float, name: str, *, allow_zero: bool = False) -> float:
-    """Check a scalar parameter is finite and > 0 (or >= 0)."""
+def _number(value: Any, name: str) -> float:
+    """Return a real scalar (Python/NumPy number, 0-d real array) as a float; else TypeError."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, (str, bytes, complex)) or \
+            isinstance(value, np.complexfloating):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim != 0 or value.dtype in (torch.bool, np.bool_) or \
+                (isinstance(value, torch.Tensor) and value.is_complex()) or \
+                (isinstance(value, np.ndarray) and not np.issubdtype(value.dtype, np.number)) \
+                or (isinstance(value, np.ndarray) and np.iscomplexobj(value)):
+            raise TypeError(f"{name}: expected a real number, got a {type(value).__name__} of "
+                            f"shape {tuple(value.shape)} and dtype {value.dtype}")
     try:
-        v = float(value)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from exc
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}") from None
+
+
+def integer(value: Any, name: str, *, minimum: int | None = None,
+            maximum: int | None = None) -> int:
+    """Check an integer argument and return it as a Python ``int``.
+
+    Accepted: ``int`` and NumPy integers (``np.int64(10)``) and 0-d integer tensors; refused
+    with a ``TypeError``: ``bool``, floats (``10.0``, NaN), strings, None. Out of
+    ``[minimum, maximum]``: ``ValueError`` stating the range.
+    """
+    ok = not isinstance(value, (bool, np.bool_)) and (
+        isinstance(value, (int, np.integer))
+        or (isinstance(value, torch.Tensor) and value.ndim == 0
+            and not value.dtype.is_floating_point and not value.is_complex()
+            and value.dtype != torch.bool))
+    if not ok:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum is None else f"<= {maximum}"
+        raise ValueError(f"{name}: must be an integer {' and '.join(x for x in (lo, hi) if x)}"
+                         f", got {v}")
+    return v
+
+
+def positive(value: Any, name: str, *, allow_zero: bool = False) -> float:
+    """Check a real scalar is finite and > 0 (or >= 0); NumPy scalars are accepted."""
+    v = _number(value, name)
     if not np.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}: must be finite and {bound}, got {value}")
     return v
+
+
+def in_range(value: Any, name: str, lo: float, hi: float, *, low_closed: bool = False,
+             high_closed: bool = False) -> float:
+    """Check ``lo < value < hi`` (ends included where ``low_closed`` / ``high_closed``).
+
+    The message states the interval, e.g. ``armijo beta: must lie in (0, 1), got 1.5``.
+    """
+    v = _number(value, name)
+    above = v >= lo if low_closed else v > lo
+    below = v <= hi if high_closed else v < hi
+    if not (np.isfinite(v) and above and below):
+        span = f"{'[' if low_closed else '('}{lo:g}, {hi:g}{']' if high_closed else ')'}"
+        raise ValueError(f"{name}: must lie in {span}, got {value}")
+    return v
+
+
+def probability(value: Any, name: str, *, zero: bool = False, one: bool = False) -> float:
+    """Check a probability / fraction in ``(0, 1)``; ``zero`` / ``one`` include the ends."""
+    return in_range(value, name, 0.0, 1.0, low_closed=zero, high_closed=one)
+
+
+def choice(value: Any, name: str, options: tuple[Any, ...]) -> Any:
+    """Check ``value`` is one of ``options`` (ValueError listing them otherwise)."""
+    try:
+        ok = any(value == o and type(value) is type(o) for o in options) or \
+            (isinstance(value, str) and value in options)
+    except Exception:  # an array compared to a string, …
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, options))}, "
+                         f"got {value!r}")
+    return value
+
+
+#: seeds go to ``torch.Generator.manual_seed``, which takes 64-bit values
+SEED_MAX = 2**64 - 1
+
+
+def seed(value: Any, name: str = "seed") -> int:
+    """Check a random seed: an integer (NumPy integers accepted) in ``[0, 2**64 - 1]``."""
+    return integer(value, name, minimum=0, maximum=SEED_MAX)
+
+
+def normals_for(x: Any, name: str, points: torch.Tensor) -> torch.Tensor:
+    """Per-point unit normals ``(N, 3)`` for ``points (N, 3)``: same length, finite.
+
+    Returned on the points' device in their dtype. Wrong length, NaN/Inf, a non-numeric
+    dtype: ``ValueError``/``TypeError`` naming ``name``.
+    """
+    return as_vectors(x, name, int(points.shape[0]), device=points.device, dtype=points.dtype)
 
 
 def instance(value: Any, cls: type, name: str) -> Any:
@@ -374,14 +472,6 @@ def instance(value: Any, cls: type, name: str) -> Any:
     if not isinstance(value, cls):
         raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
     return value
-
-
-def in_range(value: float, name: str, lo: float, hi: float) -> float:
-    """Check ``lo < value < hi`` (open interval)."""
-    v = positive(value, name, allow_zero=True) if lo >= 0 else float(value)
-    if not (lo < v < hi):
-        raise ValueError(f"{name}: must lie strictly between {lo} and {hi}, got {value}")
-    return v
 
 
 def out_of_memory_is_clear(fn):

@@ -1,4 +1,4 @@
-"""Command line: ``pointalign info | register | demo | view | bench``.
+"""Command line: ``pointalign info | register | batch | demo | view | bench``.
 
 Parses, checks every option and output path before any work, calls the public API, prints.
 No numerics live here. Exit codes: 0 success; 1 the work failed (unreadable data, an error
@@ -167,7 +167,33 @@ def _verbosity(verbose: int, quiet: bool) -> int:
                                  param_hint="--quiet")
     level = -1 if quiet else verbose
     _progress.configure_logging(level)
+    _short_warnings()
     return level
+
+
+def _short_warnings() -> None:
+    """Show the library's warnings as one yellow line each.
+
+    Python's default shows the file, line and source of the warning: noise for a
+    command-line user. Other warnings keep Python's format.
+    """
+    import warnings
+
+    from pointalign import _progress
+
+    default = warnings.showwarning
+    if getattr(default, "_pointalign_cli", False):
+        return
+
+    def show(message: Any, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if issubclass(category, _progress.PointalignWarning):
+            err.print(f"[yellow]warning: {message}[/yellow]")
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show._pointalign_cli = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
 
 
 def _positive(value: float | None) -> float | None:
@@ -469,7 +495,7 @@ def register(
     dev = _resolve_device(device)
     T0 = _read_init(init)
     for name in _ignored(m, {"init": init, "voxel_size": voxel_size,
-                             "max_distance": max_distance, "seed": seed}):
+                             "max_distance": max_distance, "seed": seed}) * (level >= 0):
         err.print(f"[yellow]warning: --{name.replace('_', '-')} is ignored by method "
                   f"{m}[/yellow]")
 
@@ -521,6 +547,94 @@ def register(
             raise typer.Exit(EXIT_NOT_CONVERGED)
 
 
+@app.command()
+def batch(
+    sources: list[Path] = typer.Argument(..., help="source clouds, each aligned onto TARGET",
+                                         metavar="SOURCE...", exists=True, dir_okay=False,
+                                         readable=True),
+    target: Path = typer.Option(..., "--target", help="the cloud every source is aligned "
+                                "onto", exists=True, dir_okay=False, readable=True),
+    method: Method = typer.Option("global", help="registration method (see 'pointalign "
+                                  "info')"),
+    device: Device = typer.Option(Device.auto, help="compute device (auto: cuda if present)"),
+    voxel_size: float | None = typer.Option(None, callback=_positive,
+                                            help="voxel edge for global registration"),
+    max_distance: float | None = typer.Option(None, callback=_positive,
+                                              help="max correspondence distance (local "
+                                              "methods)"),
+    max_iterations: int | None = typer.Option(None, min=1, metavar="N", help="iteration cap"),
+    seed: int | None = typer.Option(None, min=0, metavar="N", help="random seed (global)"),
+    bin_columns: int = typer.Option(4, min=3, metavar="N", help="float32 columns per point "
+                                    "of .bin scans (KITTI: 4)"),
+    json_out: Path | None = typer.Option(None, "--json", help="write every result (and the "
+                                         "parameters used) as one JSON file"),
+    allow_failure: bool = typer.Option(False, "--allow-failure",
+                                       help="exit 0 even when some registration did not "
+                                       "converge"),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="more log output"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="only errors; no progress"),
+    config: Path | None = _config_option(),
+) -> None:
+    """Align many SOURCE files onto one --target, with a progress bar and a table."""
+    level = _verbosity(verbose, quiet)
+    m = method.value
+    for path in [*sources, target]:
+        _check_input(path, "SOURCE" if path != target else "--target")
+    _check_reports(json_out, None, None)
+    dev = _resolve_device(device)
+    for name in _ignored(m, {"voxel_size": voxel_size, "max_distance": max_distance,
+                             "seed": seed}) * (level >= 0):
+        err.print(f"[yellow]warning: --{name.replace('_', '-')} is ignored by method "
+                  f"{m}[/yellow]")
+    from pointalign import _progress
+
+    try:
+        tgt = _read_cloud(target, bin_columns)
+    except (OSError, ValueError, ImportError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
+    table = Table(title=f"batch: {len(sources)} source(s) -> {target.name} ({m}, {dev})")
+    for col in ("source", "points", "fitness", "rmse", "converged", "ms"):
+        table.add_column(col, justify="left" if col == "source" else "right")
+    docs: list[dict[str, Any]] = []
+    failed = not_converged = 0
+    for path in _progress.track(sources, "registering files", quiet=level < 0):
+        try:
+            src = _read_cloud(path, bin_columns)
+            t0 = time.perf_counter()
+            result, used = _run(m, src, tgt, init=None, device=dev, max_distance=max_distance,
+                                voxel_size=voxel_size, max_iterations=max_iterations,
+                                seed=seed)
+        except (OSError, ValueError, TypeError, ImportError, MemoryError) as exc:
+            failed += 1
+            table.add_row(path.name, "-", "-", "-", f"[red]failed: {exc}[/red]", "-")
+            docs.append({"source": str(path), "error": str(exc)})
+            continue
+        used["wall_seconds"] = time.perf_counter() - t0
+        ok = bool(result.converged)
+        not_converged += not ok
+        table.add_row(path.name, str(len(src)), f"{float(result.fitness):.4f}",
+                      f"{float(result.rmse):.4g}", "yes" if ok else "[red]no[/red]",
+                      f"{used['wall_seconds'] * 1e3:.0f}")
+        docs.append(_json_doc("batch", {"source": {"path": str(path), "points": len(src)},
+                                        "target": {"path": str(target), "points": len(tgt)}},
+                              used, result))
+    console.print(table)
+    if json_out is not None:
+        try:
+            _write_json(json_out, {"pointalign_version": _version(), "command": "batch",
+                                   "results": docs})
+        except (OSError, ValueError) as exc:
+            err.print(f"[red]{exc}[/red]")
+            raise typer.Exit(EXIT_FAILED) from None
+        console.print(f"results written to {json_out}")
+    if failed:
+        raise typer.Exit(EXIT_FAILED)
+    if not_converged and not allow_failure:
+        err.print(f"[red]{not_converged} registration(s) did not converge[/red]")
+        raise typer.Exit(EXIT_NOT_CONVERGED)
+
+
 def _errors(T_est: np.ndarray, T_true: np.ndarray) -> tuple[float, float]:
     from pointalign import metrics
 
@@ -543,11 +657,11 @@ def demo(
     config: Path | None = _config_option(),
 ) -> None:
     """Align the bundled Stanford bunny scans bun045 -> bun000 from the identity."""
-    _verbosity(verbose, quiet)
+    level = _verbosity(verbose, quiet)
     m = method.value
     _check_reports(json_out, plot, html)
     dev = _resolve_device(device)
-    if seed is not None and m != "global":
+    if seed is not None and m != "global" and level >= 0:
         err.print(f"[yellow]warning: --seed is ignored by method {m}[/yellow]")
     from pointalign import datasets
 
@@ -649,9 +763,10 @@ def _find_benchmarks() -> Path | None:
 def bench(
     quick: bool = typer.Option(False, "--quick", help="small sizes: a smoke run "
                                "(under a minute on a 2-core CPU with the default suites)"),
-    suite: list[str] = typer.Option([], "--suite", help="suite name (repeatable), e.g. knn, "
-                                    "icp, kdtree, soft, surface, ransac; default: knn with "
-                                    "--quick, all otherwise"),
+    suite: list[str] = typer.Option([], "--suite", help="suite name (repeatable), e.g. quick, "
+                                    "knn, icp, kdtree, soft, surface, ransac; default: quick "
+                                    "(k-NN, features, ICP, register on the bundled bunny) "
+                                    "with --quick, every other suite otherwise"),
     device: Device = typer.Option(Device.auto, help="compute device (auto: cuda if present)"),
     results: Path | None = typer.Option(None, help="folder for the JSON results (default: a "
                                         "temporary folder; the recorded results are kept)"),
@@ -669,7 +784,9 @@ def bench(
                   "that holds benchmarks/), e.g. after 'git clone' and 'make demo'.[/red]")
         raise typer.Exit(EXIT_USAGE)
     available = sorted(p.stem.removeprefix("bench_") for p in root.glob("bench_*.py"))
-    chosen = list(suite) or (["knn"] if quick else available)
+    # --quick: the one-process quick look (bench_quick.py); full: every suite but that one
+    chosen = list(suite) or (["quick"] if quick and "quick" in available else
+                             ["knn"] if quick else [s for s in available if s != "quick"])
     unknown = [s for s in chosen if s not in available]
     if unknown:
         raise typer.BadParameter(f"unknown suite(s) {', '.join(unknown)}; available: "
@@ -692,29 +809,87 @@ def bench(
     for col in ("suite", "status", "rows", "seconds", "fastest at the largest size"):
         summary.add_column(col)
     failed = 0
+    details: list[tuple[str, list[dict[str, Any]]]] = []
     for name in _progress.track(chosen, "benchmarks", quiet=level < 0):
         cmd = [sys.executable, str(root / f"bench_{name}.py"), "--device", dev]
         cmd += ["--quick"] if quick else []
         if level >= 0:
             console.print(f"running {name} ...")
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        code, stdout, stderr = _run_suite(cmd, env, name, echo=level >= 1, quiet=level < 0)
         secs = time.perf_counter() - t0
-        if level >= 1:
-            console.print(proc.stdout, markup=False)
-        rows = _bench_rows(proc.stdout)
-        ok = proc.returncode == 0
+        rows = _bench_rows(stdout)
+        ok = code == 0
         failed += not ok
-        summary.add_row(name, "[green]ok[/green]" if ok else f"[red]exit {proc.returncode}"
-                        "[/red]", str(len(rows)), f"{secs:.1f}", _bench_headline(rows))
-        if not ok and proc.stderr:
-            err.print(proc.stderr[-1500:], markup=False)
+        detailed = bool(rows) and all("operation" in r for r in rows)
+        summary.add_row(name, "[green]ok[/green]" if ok else f"[red]exit {code}[/red]",
+                        str(len(rows)), f"{secs:.1f}",
+                        "see its table above" if detailed else _bench_headline(rows))
+        if detailed:
+            details.append((name, rows))
+        if not ok and stderr:
+            err.print(stderr[-1500:], markup=False)
+    for name, rows in details:
+        console.print(_operation_table(name, rows))
     console.print(summary)
     saved = sorted(out_dir.glob("*.json"))
     if saved:
         console.print(f"JSON results in {out_dir}")
     if failed:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _run_suite(cmd: list[str], env: dict[str, str], name: str, *, echo: bool,
+               quiet: bool) -> tuple[int, str, str]:
+    """Run one benchmark script; stream its rows into a progress bar (and echo with -v).
+
+    Returns the exit code, standard output and standard error (read by a thread so that
+    neither pipe fills up).
+    """
+    import threading
+
+    from pointalign import _progress
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
+    err_parts: list[str] = []
+    reader = threading.Thread(target=lambda: err_parts.append(proc.stderr.read()),  # type: ignore[union-attr]
+                              daemon=True)
+    reader.start()
+    out: list[str] = []
+    rows = 0
+    with _progress.task(f"{name}: 0 rows", quiet=quiet) as bar:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            out.append(line)
+            if echo:
+                console.print(line.rstrip("\n"), markup=False)
+            if line.lstrip().startswith("{"):
+                rows += 1
+                bar.update(description=f"{name}: {rows} rows")
+    code = proc.wait()
+    reader.join()
+    return code, "".join(out), "".join(err_parts)
+
+
+def _operation_table(name: str, rows: list[dict[str, Any]]) -> Table:
+    """One table row per benchmark row of a suite whose rows name an ``operation``."""
+    keys = [k for k in ("operation", "size", "pointalign_ms", "peer", "peer_ms", "ratio",
+                        "check") if any(r.get(k) not in (None, "") for r in rows)]
+    table = Table(title=f"{name}: times in ms (median)")
+    names = {"pointalign_ms": "ours ms", "ratio": "ours/peer"}
+    for k in keys:
+        table.add_column(names.get(k, k.replace("_", " ")),
+                         justify="right" if k.endswith(("ms", "ratio")) else "left")
+    def cell(v: Any) -> str:
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+        return str(v)
+
+    for r in rows:
+        table.add_row(*[cell(r.get(k)) for k in keys])
+    return table
 
 
 def _bench_rows(stdout: str) -> list[dict[str, Any]]:

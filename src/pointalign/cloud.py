@@ -88,7 +88,19 @@ class PointCloud:
 
     def to(self, device: str | torch.device | None = None,
            dtype: torch.dtype | None = None) -> PointCloud:
-        """Copy on another device and/or with another float dtype."""
+        """Copy on another device and/or with another float dtype.
+
+        Args:
+            device: target device (``"cpu"``, ``"cuda"``, ``"cuda:1"``; None: keep).
+            dtype: ``torch.float32`` or ``torch.float64`` (None: keep); other dtypes raise
+                ``TypeError`` (a point cloud holds real coordinates).
+
+        """
+        if dtype is not None and dtype not in _validate.FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {dtype!r}")
+        if device is not None:
+            device = _validate.as_device(device)
+
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device=device, dtype=dtype)
 
@@ -99,8 +111,25 @@ class PointCloud:
         )
 
     def select(self, index: torch.Tensor | np.ndarray) -> PointCloud:
-        """Subset of points (and their attributes) by integer index or boolean mask."""
-        idx = torch.as_tensor(index, device=self.device)
+        """Subset of points (and their attributes) by integer index or boolean mask.
+
+        Args:
+            index: ``(K,)`` integer indices in ``[-N, N)`` or an ``(N,)`` boolean mask (NumPy
+                array, tensor or list); the result must keep at least one point.
+
+        """
+        idx = index if isinstance(index, torch.Tensor) else torch.as_tensor(np.asarray(index))
+        n = len(self)
+        if idx.dim() != 1:
+            raise ValueError(f"index: expected a 1-D index or mask, got shape {tuple(idx.shape)}")
+        if idx.dtype == torch.bool:
+            if idx.shape[0] != n:
+                raise ValueError(f"index: a boolean mask needs {n} entries, got {idx.shape[0]}")
+        elif idx.dtype.is_floating_point or idx.is_complex():
+            raise TypeError(f"index: expected integers or booleans, got dtype {idx.dtype}")
+        elif idx.numel() and not bool(((idx >= -n) & (idx < n)).all()):
+            raise ValueError(f"index: entries must lie in [-{n}, {n})")
+        idx = idx.to(self.device)
 
         def sel(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[idx]

@@ -74,10 +74,11 @@ def bunny_relative_pose(source: str = "bun045", target: str = "bun000") -> torch
     The scans are named without ``.ply``.
     """
     poses = bunny_poses()
-    try:
-        T_w_s, T_w_t = poses[source + ".ply"], poses[target + ".ply"]
-    except KeyError as exc:
-        raise ValueError(f"unknown bunny scan {exc.args[0]!r}; known: {sorted(poses)}") from None
+    for name, scan in (("source", source), ("target", target)):
+        if not isinstance(scan, str) or scan + ".ply" not in poses:
+            known = sorted(k.removesuffix(".ply") for k in poses)
+            raise ValueError(f"{name}: unknown bunny scan {scan!r}; known: {known}")
+    T_w_s, T_w_t = poses[source + ".ply"], poses[target + ".ply"]
     return transforms.invert(T_w_t) @ T_w_s
 
 
@@ -85,7 +86,8 @@ def load_bunny(name: str = "bun000") -> torch.Tensor:
     """One bundled bunny scan as an ``(N, 3)`` float32 tensor in metres (bun000 or bun045)."""
     with _data_file("bunny_scans.npz").open("rb") as f, np.load(f) as z:
         if name not in z.files:
-            raise ValueError(f"bundled scans are {z.files}, not {name!r}; use shared_data_dir()")
+            raise ValueError(f"name: the bundled scans are {z.files}, not {name!r}; use "
+                             "shared_data_dir()")
         return torch.from_numpy(z[name].copy())
 
 
@@ -141,7 +143,9 @@ def make_pair(
         outlier_fraction: fraction of source points replaced by uniform outliers.
         overlap: fraction in (0, 1] of the target's points kept in the source: the source is
             cut by a random plane so that it keeps that fraction (partial overlap).
-        seed: seeds a ``torch.Generator``; the same seed gives the same pair.
+        seed: seeds a CPU ``torch.Generator`` (an integer in [0, 2**64 - 1], NumPy integers
+            accepted); the pair is drawn on the host, so the same seed gives the same pair
+            on every device.
         dtype: float dtype of the returned ``source`` and ``target``.
 
     Returns:
@@ -154,7 +158,7 @@ def make_pair(
         raise ValueError(f"outlier_fraction: must be in [0, 1), got {outlier_fraction}")
     if not 0 < overlap <= 1:
         raise ValueError(f"overlap: must be in (0, 1], got {overlap}")
-    g = torch.Generator().manual_seed(int(seed))
+    g = torch.Generator().manual_seed(_validate.seed(seed))
     T = transforms.random_transform(rotation_deg, translation, generator=g)
     src = pts
     if overlap < 1:
@@ -175,10 +179,20 @@ def make_pair(
 
 
 def random_subsample(points: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
-    """``n`` points drawn without replacement (all points when n >= N), fixed seed."""
+    """``n`` points drawn without replacement (all points when n >= N), fixed seed.
+
+    Args:
+        points: ``(N, 3)`` tensor.
+        n: how many points (>= 0; NumPy integers accepted).
+        seed: seeds a CPU ``torch.Generator`` (an integer in [0, 2**64 - 1]); the same seed
+            draws the same rows whatever the points' device.
+
+    """
+    n = _validate.integer(n, "n", minimum=0)
+    seed = _validate.seed(seed)
     if n >= points.shape[0]:
         return points
-    g = torch.Generator().manual_seed(int(seed))
+    g = torch.Generator().manual_seed(seed)
     return points[torch.randperm(points.shape[0], generator=g)[:n].to(points.device)]
 
 
@@ -223,7 +237,9 @@ def make_hard_pair(
         translation: shift length before scaling (metres for a bunny-sized cloud).
         noise: noise std before scaling.
         scale: length scale (> 0); default as above.
-        seed: seeds a ``torch.Generator``; the same arguments give the same pair.
+        seed: seeds a CPU ``torch.Generator`` (an integer in [0, 2**64 - 1], NumPy integers
+            accepted); drawn on the host, so the same arguments give the same pair on every
+            device.
         dtype: float dtype of the returned clouds.
 
     Returns:
@@ -242,7 +258,7 @@ def make_hard_pair(
     if scale is None:
         scale = float((hi - lo).norm()) / HARD_PAIR_REFERENCE_DIAGONAL
     scale = _validate.positive(scale, "scale")
-    g = torch.Generator().manual_seed(int(seed))
+    g = torch.Generator().manual_seed(_validate.seed(seed))
     d = torch.randn(3, generator=g, dtype=torch.float64)
     order = torch.argsort(pts @ (d / d.norm()))
     n = pts.shape[0]

@@ -153,6 +153,8 @@ def registration_recall(rotation_errors: Any, translation_errors: Any, *,
     Success means rotation error < ``max_rotation_deg`` and translation error <
     ``max_translation`` (defaults: the 3DMatch success test, 15° and 30 cm).
     """
+    _validate.positive(max_rotation_deg, "max_rotation_deg")
+    _validate.positive(max_translation, "max_translation")
     r = np.asarray(rotation_errors, dtype=float)
     t = np.asarray(translation_errors, dtype=float)
     if r.shape != t.shape or r.size == 0:

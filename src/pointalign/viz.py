@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from pointalign import _validate
+
 SOURCE_COLOUR = "#e4572e"  # orange-red: the moving cloud
 TARGET_COLOUR = "#2e86ab"  # blue: the fixed cloud
 
@@ -61,8 +63,8 @@ def subsample(points: np.ndarray, max_points: int, seed: int = 0) -> np.ndarray:
         ``(min(N, max_points), 3)`` array, rows in their original order.
 
     """
-    if max_points < 1:
-        raise ValueError(f"max_points: expected >= 1, got {max_points}")
+    max_points = _validate.integer(max_points, "max_points", minimum=1)
+    seed = _validate.seed(seed)
     if len(points) <= max_points:
         return points
     idx = np.sort(np.random.default_rng(seed).choice(len(points), max_points, replace=False))

@@ -125,3 +125,26 @@ def test_sort_based_grouping_equals_unique(seed):
     out = voxel_downsample(pts, v)
     assert count_voxels(pts, v) == counts.numel() == out.shape[0]
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_chunked_float64_work_equals_one_pass(seed, chunk, monkeypatch):
+    """Keys and segment sums taken a chunk at a time (large clouds) equal the one-pass ones,
+    including voxels that straddle a chunk boundary or are longer than a chunk."""
+    from pointalign.features import downsample as ds
+
+    g = torch.Generator().manual_seed(seed)
+    # clustered points: some voxels hold hundreds of points (longer than a small chunk)
+    pts = torch.cat([torch.rand(500, 3, generator=g),
+                     0.5 + 0.01 * torch.rand(300, 3, generator=g)])
+    cloud = PointCloud(pts, normals=torch.nn.functional.normalize(
+        torch.randn(800, 3, generator=g), dim=1), colors=torch.rand(800, 3, generator=g))
+    one = ds.voxel_downsample(cloud, 0.1)
+    keys_one, _ = ds.voxel_keys(pts, 0.1)
+    monkeypatch.setattr(ds, "_CHUNK", chunk)
+    many = ds.voxel_downsample(cloud, 0.1)
+    keys_many, _ = ds.voxel_keys(pts, 0.1)
+    assert torch.equal(keys_one, keys_many)
+    torch.testing.assert_close(many.points, one.points, rtol=0, atol=1e-6)
+    torch.testing.assert_close(many.normals, one.normals, rtol=0, atol=1e-6)
+    torch.testing.assert_close(many.colors, one.colors, rtol=0, atol=1e-6)

@@ -126,6 +126,15 @@ def run_interpreted_kdtree(out_path: str) -> None:
         h = _hints(tree, q, seed)
         out[("ids", seed)] = KT.knn(tree, q, 1, hint=torch.where(h >= 0, tree.perm[h], h),
                                     ids=(tree.perm, torch.argsort(tree.perm)))
+        # launched over chunks of 4 queries (large query sets): hints and k > 1 included
+        pts, q = _interp_inputs((60, 9, 6, 3), seed)
+        tree = K.build(pts, 3)
+        KT.QUERY_CHUNK, chunk = 4, KT.QUERY_CHUNK
+        try:
+            out[("chunked", seed)] = (KT.knn(tree, q, 6), KT.knn(tree, q, 1,
+                                                                 hint=_hints(tree, q, seed)))
+        finally:
+            KT.QUERY_CHUNK = chunk
         tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
         out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
@@ -225,6 +234,16 @@ def test_triton_interpreter_original_ids(interpreted, seed):
         pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
     pts, q = _interp_inputs((60, 9, 6, 3), seed)
     assert_knn_matches(interpreted[("ids", seed)], q, pts, 1)
+
+
+def test_triton_interpreter_chunked_launches(interpreted, seed):
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    pts, q = _interp_inputs((60, 9, 6, 3), seed)
+    tree = K.build(pts, 3)
+    many, hinted = interpreted[("chunked", seed)]
+    assert_knn_matches(_orig(tree, many), q, pts, 6)
+    assert_knn_matches(_orig(tree, hinted), q, pts, 1)
 
 
 def test_reference_original_ids(rng):

@@ -228,3 +228,16 @@ def test_cuda_bunny_nearest_within(bunny_pair):
     assert res.idx.is_cuda
     assert_knn_matches(res, q, p, 1, max_distance=0.005)
     assert_knn_matches(ix.knn(q, 8), q, p, 8)
+
+
+def test_build_in_chunks_equals_one_pass(rng, monkeypatch):
+    """The float64 cell computation taken a chunk at a time (large clouds) changes nothing."""
+    p = torch.rand(500, 3, generator=rng) * torch.tensor([3.0, 1.0, 0.2])
+    one = grid_mod.grid_build(p, 0.15)
+    monkeypatch.setattr(grid_mod, "_BUILD_CHUNK", 7)
+    many = grid_mod.grid_build(p, 0.15)
+    for a, b in zip(one, many, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+        else:
+            assert a == b

@@ -243,3 +243,14 @@ def test_cuda_correspondence_index_is_exact(seed, method):
     assert torch.equal(got.idx >= 0, want.idx >= 0)
     torch.testing.assert_close(got.dists, want.dists)
     assert_knn_matches(got, q, t, 1, max_distance=md)
+
+
+def test_morton_order_in_chunks_equals_one_pass(rng, monkeypatch):
+    from pointalign.kernels import grid as grid_mod
+
+    cells = torch.stack(torch.meshgrid(torch.arange(5.0), torch.arange(5.0), torch.arange(4.0),
+                                       indexing="ij"), -1).reshape(-1, 3)
+    pts = cells[torch.randperm(cells.shape[0], generator=rng)]  # distinct codes: no ties
+    one = grid_mod.morton_order(pts)
+    monkeypatch.setattr(grid_mod, "_BUILD_CHUNK", 7)
+    assert torch.equal(grid_mod.morton_order(pts), one)

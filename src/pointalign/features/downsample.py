@@ -30,10 +30,18 @@ _MAX_CELLS_PER_AXIS = 1 << 20
 
 
 def bounds(points: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]]:
-    """``(points (N, 3) as float64, min corner, max corner)``; one host synchronisation."""
-    p = points.to(torch.float64)
-    lo, hi = torch.stack([p.min(0).values, p.max(0).values]).tolist()
-    return p, lo, hi
+    """``(points (N, 3), min corner, max corner)``; one host synchronisation.
+
+    The corners are exact (a float32 extremum converts to float64 without rounding); the
+    points are returned as given: :func:`voxel_keys` widens them to float64 a chunk at a time.
+    """
+    lo, hi = torch.stack([points.min(0).values, points.max(0).values]).to(torch.float64).tolist()
+    return points, lo, hi
+
+
+#: rows per chunk of the float64 work in :func:`voxel_keys` and :func:`_segment_mean`
+#: (bounds its temporaries to ~100 MB whatever the cloud's size)
+_CHUNK = 1 << 22
 
 
 def voxel_keys(points: torch.Tensor, voxel_size: float,
@@ -63,8 +71,12 @@ def voxel_keys(points: torch.Tensor, voxel_size: float,
             f"voxel_size: {voxel_size} is too small for this cloud's extent "
             f"({dims} voxels per axis, at most {_MAX_CELLS_PER_AXIS})"
         )
-    cell = torch.floor((p - origin) / voxel_size).to(torch.int64)
-    keys = (cell[:, 0] * _MAX_CELLS_PER_AXIS + cell[:, 1]) * _MAX_CELLS_PER_AXIS + cell[:, 2]
+    keys = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
+    for s in range(0, p.shape[0], _CHUNK):
+        cell = torch.floor((p[s:s + _CHUNK].to(torch.float64) - origin) / voxel_size)
+        cell = cell.to(torch.int64)
+        keys[s:s + _CHUNK] = ((cell[:, 0] * _MAX_CELLS_PER_AXIS + cell[:, 1])
+                              * _MAX_CELLS_PER_AXIS + cell[:, 2])
     return keys, origin
 
 
@@ -87,14 +99,28 @@ def _segment_mean(values: torch.Tensor, order: torch.Tensor, seg: torch.Tensor,
     ``seg (N,)``: segment of each sorted row (non-decreasing); ``ends, counts (V,)``: end
     (exclusive) and length of each segment. ``shift (V, C)`` is subtracted per segment
     before summing (keeps the float64 cumulative sum small, so differences of it stay exact
-    to ~1e-12 of a voxel).
+    to ~1e-12 of a voxel). The rows are taken in runs of whole segments of about
+    :data:`_CHUNK` rows (one host synchronisation for the cuts when there are several).
     """
-    sorted_vals = values[order].to(torch.float64)
-    rel = sorted_vals - shift[seg]
-    cs = exclusive_cumsum_rows(rel)
+    n, nseg = order.shape[0], counts.shape[0]
     starts = ends - counts
-    sums = cs[ends] - cs[starts]
-    return shift + sums / counts[:, None].to(torch.float64)
+    if n <= _CHUNK:
+        cuts = [(0, nseg, 0, n)]
+    else:
+        # segment index at each chunk boundary (a segment longer than a chunk stays whole)
+        rows = torch.arange(_CHUNK, n, _CHUNK, device=order.device)
+        segs = torch.unique(torch.cat([seg.new_zeros(1), seg[rows], seg.new_full((1,), nseg)]))
+        at = torch.cat([starts, starts.new_full((1,), n)])[segs]
+        segs_h, at_h = segs.tolist(), at.tolist()
+        cuts = [(a, b, r0, r1) for a, b, r0, r1 in
+                zip(segs_h[:-1], segs_h[1:], at_h[:-1], at_h[1:], strict=True)]
+    out = torch.empty(nseg, values.shape[1], dtype=torch.float64, device=values.device)
+    for a, b, r0, r1 in cuts:
+        rel = values[order[r0:r1]].to(torch.float64) - shift[seg[r0:r1]]
+        cs = exclusive_cumsum_rows(rel)
+        sums = cs[ends[a:b] - r0] - cs[starts[a:b] - r0]
+        out[a:b] = shift[a:b] + sums / counts[a:b, None].to(torch.float64)
+    return out
 
 
 @_validate.out_of_memory_is_clear

@@ -110,8 +110,7 @@ def fpfh(
     if points.dtype != torch.float32 and points.dtype != torch.float64:
         points = points.float()
     radius = _validate.positive(radius, "radius")
-    if isinstance(max_neighbors, bool) or not isinstance(max_neighbors, int) or max_neighbors < 2:
-        raise ValueError(f"max_neighbors: expected an integer >= 2, got {max_neighbors!r}")
+    max_neighbors = _validate.integer(max_neighbors, "max_neighbors", minimum=2)
     if normals is None and isinstance(cloud_or_points, PointCloud):
         normals = cloud_or_points.normals
     if index is None and neighbors is None:

@@ -110,15 +110,12 @@ def estimate_normals(
         dev = _validate.as_device(device)
     pts = _validate.as_points(points, "points", device=dev)
     n = pts.shape[0]
-    if orient not in ORIENTS:
-        raise ValueError(f"orient: expected one of {ORIENTS}, got {orient!r}")
+    _validate.choice(orient, "orient", ORIENTS)
     if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 3:
-            raise ValueError(f"k: expected an integer >= 3, got {k!r}")
+        k = _validate.integer(k, "k", minimum=3)
     if radius is not None:
         radius = _validate.positive(radius, "radius")
-    if isinstance(max_neighbors, bool) or not isinstance(max_neighbors, int) or max_neighbors < 3:
-        raise ValueError(f"max_neighbors: expected an integer >= 3, got {max_neighbors!r}")
+    max_neighbors = _validate.integer(max_neighbors, "max_neighbors", minimum=3)
     vp = None
     if orient == "viewpoint":
         vp = torch.zeros(3, dtype=pts.dtype, device=dev) if viewpoint is None else \

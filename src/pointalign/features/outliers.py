@@ -62,9 +62,7 @@ def radius_outlier_mask(points: Any, radius: float, min_neighbors: int = 2, *,
     dev = _validate.as_device(device, points if isinstance(points, torch.Tensor) else None)
     pts = _validate.as_points(points, "points", device=dev)
     r = _validate.positive(radius, "radius")
-    if isinstance(min_neighbors, bool) or not isinstance(min_neighbors, int) \
-            or min_neighbors < 1:
-        raise ValueError(f"min_neighbors: expected an integer >= 1, got {min_neighbors!r}")
+    min_neighbors = _validate.integer(min_neighbors, "min_neighbors", minimum=1)
     k = min(min_neighbors + 1, pts.shape[0])  # the point itself is its own first neighbour
     return neighbour_counts(_index(pts, index), pts, r, k) >= min_neighbors + 1
 
@@ -91,8 +89,7 @@ def statistical_outlier_mask(points: Any, neighbors: int = 16, std_ratio: float 
     """
     dev = _validate.as_device(device, points if isinstance(points, torch.Tensor) else None)
     pts = _validate.as_points(points, "points", min_points=2, device=dev)
-    if isinstance(neighbors, bool) or not isinstance(neighbors, int) or neighbors < 1:
-        raise ValueError(f"neighbors: expected an integer >= 1, got {neighbors!r}")
+    neighbors = _validate.integer(neighbors, "neighbors", minimum=1)
     ratio = _validate.positive(std_ratio, "std_ratio")
     k = min(neighbors + 1, pts.shape[0])
     nb = _index(pts, index).knn(pts, k)

@@ -122,6 +122,10 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
     tl.store(out_i_ptr + optr, best_i, mask=omask)
 
 
+#: queries per launch of the k-nearest kernel (bounds its traversal stacks)
+QUERY_CHUNK = 1 << 20
+
+
 def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
         approximate: bool = False, hint: torch.Tensor | None = None,
         ids: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -138,21 +142,26 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
     out_i = torch.empty((n, k), dtype=torch.int64, device=dev)
     if n == 0:
         return out_d, out_i
-    stack = torch.empty(n * (tree.depth + 2), dtype=torch.int32, device=dev)
+    # one traversal stack per query: launched over chunks of queries, so that the stacks
+    # stay ~100 MB whatever n is (a stack for each of 50M queries would hold 4 GiB)
+    chunk = min(n, QUERY_CHUNK)
+    stack = torch.empty(chunk * (tree.depth + 2), dtype=torch.int32, device=dev)
     kp = max(2, triton.next_power_of_2(k))
     md2 = min(float(max_dist2), BIG_HOST)
     if block is None:  # small blocks keep the interpreter (CPU tensors) fast
         block = 64 if q.is_cuda else 16
-    grid = (triton.cdiv(n, block),)
-    _knn_kernel[grid](
-        q, tree.points, tree.lo, tree.hi, tree.split_axis, tree.split_value,
-        tree.start, tree.end, stack, out_i if hint is None else hint.contiguous(),
-        tree.perm if ids is None else ids[0], tree.perm if ids is None else ids[1],
-        out_d, out_i, n, tree.first_leaf, md2,
-        K=k, KP=kp, LMAX=tree.max_leaf_size, STACK=tree.depth + 2,
-        APPROX=bool(approximate), HAS_HINT=hint is not None, MAP=ids is not None,
-        BLOCK=block, num_warps=max(1, block // 32),
-    )
+    hint_c = None if hint is None else hint.contiguous()
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        _knn_kernel[(triton.cdiv(e - s, block),)](
+            q[s:e], tree.points, tree.lo, tree.hi, tree.split_axis, tree.split_value,
+            tree.start, tree.end, stack, out_i[s:e] if hint_c is None else hint_c[s:e],
+            tree.perm if ids is None else ids[0], tree.perm if ids is None else ids[1],
+            out_d[s:e], out_i[s:e], e - s, tree.first_leaf, md2,
+            K=k, KP=kp, LMAX=tree.max_leaf_size, STACK=tree.depth + 2,
+            APPROX=bool(approximate), HAS_HINT=hint is not None, MAP=ids is not None,
+            BLOCK=block, num_warps=max(1, block // 32),
+        )
     if k == 1:
         return out_d, out_i
     out_d, order = torch.sort(out_d, dim=1)

@@ -334,6 +334,16 @@ def least_norm_solve6(A, b, eps, SWEEPS: tl.constexpr):
     ``x = V diag(1/λ_k if λ_k > ε λ_max else 0) Vᵀ b``; returns ``(x 6-tuple, full,
     usable)`` with x = 0 where not usable (as the spec).
     """
+    # the block equalisation of ``_math.block_scales6``: D A D y = D b, x = D y
+    tr_r = (A[0] + A[7] + A[14]) / 3.0
+    tr_t = (A[21] + A[28] + A[35]) / 3.0
+    s_r = tl.where(tr_r > 0, 1.0 / tl.sqrt(tl.maximum(tr_r, 1e-300)), 1.0)
+    s_t = tl.where(tr_t > 0, 1.0 / tl.sqrt(tl.maximum(tr_t, 1e-300)), 1.0)
+    d = [s_r, s_r, s_r, s_t, s_t, s_t]
+    A = [A[k] * d[k // 6] * d[k % 6]
+         for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                   20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)]
+    b = [b[i] * d[i] for i in (0, 1, 2, 3, 4, 5)]
     D, V = eigh6(A, SWEEPS)
     mx = tl.maximum(tl.maximum(tl.maximum(D[0], D[7]), tl.maximum(D[14], D[21])),
                     tl.maximum(D[28], D[35]))
@@ -348,8 +358,9 @@ def least_norm_solve6(A, b, eps, SWEEPS: tl.constexpr):
         proj = V[k] * b[0] + V[6 + k] * b[1] + V[12 + k] * b[2] + V[18 + k] * b[3] \
             + V[24 + k] * b[4] + V[30 + k] * b[5]
         y = y + [tl.where(keep, 1.0 / tl.maximum(D[7 * k], 1e-300), 0.0) * proj]
-    x = [V[6 * i] * y[0] + V[6 * i + 1] * y[1] + V[6 * i + 2] * y[2] + V[6 * i + 3] * y[3]
-         + V[6 * i + 4] * y[4] + V[6 * i + 5] * y[5] for i in (0, 1, 2, 3, 4, 5)]
+    x = [d[i] * (V[6 * i] * y[0] + V[6 * i + 1] * y[1] + V[6 * i + 2] * y[2]
+                 + V[6 * i + 3] * y[3] + V[6 * i + 4] * y[4] + V[6 * i + 5] * y[5])
+         for i in (0, 1, 2, 3, 4, 5)]
     usable = some
     for i in tl.static_range(6):
         usable = usable & _finite(x[i])

@@ -15,10 +15,10 @@ Contract (the PyTorch reference here is the CPU path and the spec):
 
 Both are deterministic (integer bin counts; fixed-order reductions), which RANSAC's
 reproducibility needs. On CUDA each is one Triton kernel (``_features_triton``: one lane per
-point walks its neighbour row, histogram in registers); the PyTorch references below are
-the CPU path and the spec. The work is tiny (a gather and a few dozen flops per pair); what
-the kernels remove is the dozens of small PyTorch launches and the chunk loop, which cost
-milliseconds at a few thousand points.
+point walks its neighbour row, histogram in registers); on the "cpu" backend a numba loop
+per point (``_fpfh_cpu``); the PyTorch references below are the spec. The work is tiny (a
+gather and a few dozen flops per pair); what the kernels remove is the dozens of small
+PyTorch launches and the chunk loop, which cost milliseconds at a few thousand points.
 
 Pair features, as in Open3D ``ComputePairFeatures`` (p1, n1, p2, n2): d = p2 − p1;
 the point whose normal makes the smaller angle with the line is the source (swap and negate
@@ -153,6 +153,10 @@ def spfh(points: torch.Tensor, normals: torch.Tensor, nbr_idx: torch.Tensor) -> 
         from pointalign.kernels import _features_triton
 
         return _features_triton.spfh(points, normals.to(points.dtype), nbr_idx.to(torch.int64))
+    if backend(points) == "cpu" and points.dtype in (torch.float32, torch.float64):
+        from pointalign.kernels import _fpfh_cpu
+
+        return _fpfh_cpu.spfh_cpu(points, normals, nbr_idx)
     return spfh_reference(points, normals, nbr_idx)
 
 
@@ -175,6 +179,10 @@ def fpfh_combine(spfh_hist: torch.Tensor, nbr_idx: torch.Tensor,
 
         return _features_triton.fpfh_combine(spfh_hist, nbr_idx.to(torch.int64),
                                              nbr_dist_sq.to(spfh_hist.dtype))
+    if backend(spfh_hist) == "cpu" and spfh_hist.dtype in (torch.float32, torch.float64):
+        from pointalign.kernels import _fpfh_cpu
+
+        return _fpfh_cpu.fpfh_combine_cpu(spfh_hist, nbr_idx, nbr_dist_sq)
     return fpfh_combine_reference(spfh_hist, nbr_idx, nbr_dist_sq)
 
 

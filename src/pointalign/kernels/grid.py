@@ -30,6 +30,8 @@ DEFAULT_MAX_CELLS = 1 << 24
 
 #: Cells are this much larger than asked, so rounding never hides a point within ``c``.
 _CELL_MARGIN = 1e-5
+#: points per chunk of the float64 cell computation of a build (bounds its temporaries)
+_BUILD_CHUNK = 1 << 22
 
 
 class GridData(NamedTuple):
@@ -78,9 +80,9 @@ def grid_build(points: torch.Tensor, cell_size: float, *,
         raise ValueError(f"points: at most 2**31 - 2 points, got {points.shape[0]}")
     if not cell_size > 0 or not math.isfinite(cell_size):
         raise ValueError(f"cell_size: must be finite and > 0, got {cell_size}")
-    p64 = points.to(torch.float64)
-    lo = p64.amin(0)
-    ext = (p64.amax(0) - lo).tolist()
+    # float32 extrema widen to float64 exactly; the points are widened a chunk at a time
+    lo = points.amin(0).to(torch.float64)
+    ext = (points.amax(0).to(torch.float64) - lo).tolist()
     cell = float(cell_size) * (1 + _CELL_MARGIN)
     dims = [int(e // cell) + 1 for e in ext]
     total = dims[0] * dims[1] * dims[2]
@@ -91,17 +93,22 @@ def grid_build(points: torch.Tensor, cell_size: float, *,
             cell *= 1.01
             dims = [int(e // cell) + 1 for e in ext]
     nx, ny, nz = dims
-    ijk = ((p64 - lo) / cell).floor().to(torch.int64)
-    for a in range(3):
-        ijk[:, a].clamp_(0, dims[a] - 1)
-    keys = (ijk[:, 0] * ny + ijk[:, 1]) * nz + ijk[:, 2]
+    m = points.shape[0]
+    keys = torch.empty(m, dtype=torch.int32 if nx * ny * nz < 2**31 else torch.int64,
+                       device=points.device)
+    for s in range(0, m, _BUILD_CHUNK):
+        ijk = ((points[s:s + _BUILD_CHUNK].to(torch.float64) - lo) / cell).floor()
+        ijk = ijk.to(torch.int64)
+        for a in range(3):
+            ijk[:, a].clamp_(0, dims[a] - 1)
+        keys[s:s + _BUILD_CHUNK] = (ijk[:, 0] * ny + ijk[:, 1]) * nz + ijk[:, 2]
     order = torch.argsort(keys, stable=True)
     counts = torch.bincount(keys, minlength=nx * ny * nz)
     cell_start = torch.zeros(nx * ny * nz + 1, dtype=torch.int64, device=points.device)
     torch.cumsum(counts, 0, out=cell_start[1:])
     params = torch.cat([lo, lo.new_tensor([1.0 / cell])])
     return GridData(params, cell, (nx, ny, nz), cell_start.to(torch.int32),
-                    points[order].t().contiguous(), order.to(torch.int32),
+                    points.t().index_select(1, order), order.to(torch.int32),
                     torch.tensor(dims, dtype=torch.int64).to(points.device))
 
 
@@ -190,7 +197,6 @@ def morton_order(points: torch.Tensor) -> torch.Tensor:
     """
     lo = points.amin(0)
     span = (points.amax(0) - lo).amax().clamp_min(1e-30)
-    q = ((points - lo) / span * 1023).clamp(0, 1023).to(torch.int64)
 
     def spread(v: torch.Tensor) -> torch.Tensor:
         v = (v | (v << 16)) & 0x030000FF
@@ -198,7 +204,14 @@ def morton_order(points: torch.Tensor) -> torch.Tensor:
         v = (v | (v << 4)) & 0x030C30C3
         return (v | (v << 2)) & 0x09249249
 
-    return torch.argsort(spread(q[:, 0]) | (spread(q[:, 1]) << 1) | (spread(q[:, 2]) << 2))
+    # 30-bit codes, computed a chunk at a time (the int64 temporaries of a whole 50M-point
+    # cloud would hold ~3 GiB)
+    code = torch.empty(points.shape[0], dtype=torch.int32, device=points.device)
+    for s in range(0, points.shape[0], _BUILD_CHUNK):
+        q = ((points[s:s + _BUILD_CHUNK] - lo) / span * 1023).clamp(0, 1023).to(torch.int64)
+        code[s:s + _BUILD_CHUNK] = spread(q[:, 0]) | (spread(q[:, 1]) << 1) \
+            | (spread(q[:, 2]) << 2)
+    return torch.argsort(code)
 
 
 def grid_query_reference(g: GridData, query: torch.Tensor, k: int,

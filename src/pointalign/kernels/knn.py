@@ -63,11 +63,13 @@ def uses_host_tree(points: torch.Tensor) -> bool:
 def host_tree(points: torch.Tensor) -> object:
     """Return the "cpu" backend's k-d tree over host ``points (M, 3)``.
 
-    The tree (``_knn_cpu.CpuTree``) has tight node boxes, hinted nearest-within and kNN.
+    The tree (``_knn_cpu.CpuTree``) has tight node boxes, hinted nearest-within and kNN;
+    unhinted bounded nearest-within calls with many queries per point (RANSAC scoring) go
+    through a per-bound cell grid (``_score_cpu.ScoringTree``; same answers).
     """
-    from pointalign.kernels._knn_cpu import CpuTree
+    from pointalign.kernels._score_cpu import ScoringTree
 
-    return CpuTree(points.detach().cpu().numpy())
+    return ScoringTree(points.detach().cpu().numpy())
 
 
 def points_layout(points: torch.Tensor) -> torch.Tensor | None:

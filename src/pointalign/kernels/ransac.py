@@ -1,13 +1,15 @@
 """RANSAC kernels: feature-space nearest neighbours, the triangle test, batched transforms.
 
-Contracts (the PyTorch references here are the CPU path and the spec; no Triton kernel:
-each operation is a single fused PyTorch op or a GEMM that already runs near the GPU's
-limits, so a hand-written kernel would not clearly pay):
+Contracts (the PyTorch references here are the spec; no Triton kernel: each operation is a
+single fused PyTorch op or a GEMM that already runs near the GPU's limits, so a
+hand-written kernel would not clearly pay):
 
 * ``feature_knn(query (N, D), ref (M, D), k) -> (dists_sq (N, k), idx (N, k) int64)``:
   exact k nearest rows of ``ref`` in Euclidean feature space, ascending, ``k <= M``.
-  Distances come from ``torch.cdist`` over row chunks (the N×M matrix exists one chunk at
-  a time), clamped at 0.
+  Reference: distances from ``torch.cdist`` over row chunks (the N×M matrix exists one
+  chunk at a time), clamped at 0. The "cpu" backend (``_ransac_cpu``, k <= 16) fuses the
+  distances and the selection and sums ``(q_d − r_d)²`` directly; the two agree up to
+  ``cdist``'s rounding (a neighbour can differ only between near-equidistant rows).
 * ``triangle_similar(src (H, 3, 3), tgt (H, 3, 3), similarity) -> (H,) bool``: for the
   three edges e of the source triangle and the matching target edges,
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
@@ -19,6 +21,8 @@ limits, so a hand-written kernel would not clearly pay):
 from __future__ import annotations
 
 import torch
+
+from pointalign.kernels._backend import backend
 
 #: feature-distance entries per chunk of ``feature_knn``
 _CHUNK_ENTRIES = 1 << 24
@@ -55,6 +59,12 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor,
                          f"and {tuple(ref.shape)}")
     if not 1 <= k <= ref.shape[0]:
         raise ValueError(f"feature_knn: k must be in [1, {ref.shape[0]}], got {k}")
+    if (backend(query) == "cpu" and query.device.type == "cpu" and ref.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float64) and ref.dtype == query.dtype):
+        from pointalign.kernels import _ransac_cpu
+
+        if k <= _ransac_cpu.MAX_K:
+            return _ransac_cpu.feature_knn_cpu(query, ref, k)
     return feature_knn_reference(query, ref, k)
 
 

@@ -70,8 +70,55 @@ def newton_terms(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
         return _surface_triton.newton_terms(points, T, center, tree, coeffs, depth,
                                             weights=weights, tau2=tau2,
                                             objective_only=objective_only)
+    if be == "cpu" and points.shape[0] > 0:
+        from pointalign.kernels import _surface_cpu
+
+        return _surface_cpu.newton_terms_cpu(points, T, center, tree, coeffs, depth,
+                                             weights=weights, tau2=tau2,
+                                             objective_only=objective_only)
     return newton_terms_reference(points, T, center, tree, coeffs, depth, weights=weights,
                                   tau2=tau2, objective_only=objective_only)
+
+
+def node_frames(tree: _kd.TreeArrays, min_frame_points: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Mean, PCA frame and RMS radius of every node from the backend's kernel, or None.
+
+    The contract of :func:`pointalign.registration.surface.node_frames` (its PyTorch code is
+    the reference, and runs where this returns None: every backend but ``"cpu"``).
+    """
+    if backend(tree.points) == "cpu":
+        from pointalign.kernels import _surface_cpu
+
+        return _surface_cpu.node_frames_cpu(tree, min_frame_points)
+    return None
+
+
+def node_moments(tree: _kd.TreeArrays) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Mean ``(K, 3)`` and covariance ``(K, 3, 3)`` float64 of every node, or None.
+
+    From the backend's kernel (``"cpu"`` only); None elsewhere, where the caller sums with
+    :meth:`pointalign.search.kdtree.KDTreeIndex.node_sums` (the reference).
+    """
+    if backend(tree.points) == "cpu":
+        from pointalign.kernels import _surface_cpu
+
+        return _surface_cpu.node_moments_cpu(tree)
+    return None
+
+
+def quadric_sums(tree: _kd.TreeArrays, mean: torch.Tensor, frame: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Return the quadric fits' sums ``(K, 4, 4)``, ``(K, 4)`` from the backend's kernel, or None.
+
+    None on every backend but ``"cpu"``, where the caller's reference runs (the per-level
+    sums in ``pointalign.registration.surface._curvatures``).
+    """
+    if backend(tree.points) == "cpu":
+        from pointalign.kernels import _surface_cpu
+
+        return _surface_cpu.quadric_sums_cpu(tree, mean, frame)
+    return None
 
 
 def sym3(co: torch.Tensor) -> torch.Tensor:

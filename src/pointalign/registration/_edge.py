@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pointalign import _validate
+from pointalign import _math, _validate
 from pointalign.registration.result import RegistrationResult
 
 
@@ -44,6 +44,11 @@ class StopReason(str, enum.Enum):
     * ``NO_CORRESPONDENCES``: no source point had a partner within the distance bound;
     * ``DEGENERATE``: the problem does not determine a pose (collinear points, too few
       correspondences, a rank-deficient system);
+    * ``AMBIGUOUS``: the iteration settled, but the data do not determine the pose there:
+      the final correspondences let the source slide along the target without changing
+      any residual (a plane moved in-plane, a sphere or cylinder turned, fewer than 6
+      correspondences); :func:`pointalign._math.stability` ≤ ``STABILITY_EPS``
+      (``info["stability"]``), decided once at the end by :func:`build_result`;
     * ``NO_HYPOTHESIS`` / ``BELOW_THRESHOLD``: a global method found no (good enough)
       hypothesis.
     """
@@ -56,6 +61,7 @@ class StopReason(str, enum.Enum):
     MAX_ITERATIONS = "max_iterations"
     NO_CORRESPONDENCES = "no_correspondences"
     DEGENERATE = "degenerate"
+    AMBIGUOUS = "ambiguous"
     NO_HYPOTHESIS = "no_hypothesis"
     BELOW_THRESHOLD = "below_threshold"
 
@@ -142,6 +148,10 @@ class Pair:
         device: the compute device.
         init_world: ``(B, 4, 4)`` float64 NumPy, the initial estimate as given (a problem
             left at ``init`` is returned as exactly this, see :func:`build_result`).
+        extent: ``(B,)`` float64 NumPy, each target's RMS distance from its centroid
+            (metres): the scale that relative tolerances and the stability rule read.
+        centroid: ``(B, 3)`` float64 NumPy, each target's centroid in the local frame (0
+            unless ``local=False``).
 
     """
 
@@ -157,6 +167,8 @@ class Pair:
     shared_target: bool
     device: torch.device
     init_world: np.ndarray | None = None
+    extent: np.ndarray | None = None
+    centroid: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -208,20 +220,26 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
     t_counts = (tlens.cpu().numpy() if target_lengths is not None
                 or isinstance(target, (list, tuple)) else np.full(tgt.shape[0], tgt.shape[1]))
     # the local frame: shift by the target centroid in float64 before going to float32
-    c = _centroids(tgt.to(torch.float64), tlens, t_counts)           # (B_t, 3)
+    t64 = tgt.to(torch.float64)
+    c = _centroids(t64, tlens, t_counts)                              # (B_t, 3)
+    # the extent (RMS distance from the centroid) comes back with the centroid: one transfer
+    d2 = ((t64 - c[:, None]) ** 2).sum(-1, keepdim=True)
+    rms = _centroids(d2.expand(-1, -1, 3), tlens, t_counts)[:, :1].sqrt()
+    c_true = c
     if not local:
         c = torch.zeros_like(c)
     src_l = (src.to(torch.float64) - (c if not shared else c.expand(B, 3))[:, None]) \
         .to(torch.float32).contiguous()
-    tgt_l = (tgt.to(torch.float64) - c[:, None]).to(torch.float32).contiguous()
+    tgt_l = (t64 - c[:, None]).to(torch.float32).contiguous()
+    host = torch.cat([c, rms, c_true - c], 1).cpu().numpy().astype(np.float64)
     if shared:
         tgt_l, tlens, t_counts = tgt_l.expand(B, -1, -1), tlens.expand(B), \
             np.repeat(t_counts, B)
-        c = c.expand(B, 3)
-    frame = Frame(c.cpu().numpy().astype(np.float64))
+        host = np.repeat(host, B, axis=0)
+    frame = Frame(host[:, :3].copy())
     return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
                 np.asarray(t_counts, dtype=np.int64), frame.to_local(T0), frame, batched,
-                shared, device, T0)
+                shared, device, T0, host[:, 3].copy(), host[:, 4:7].copy())
 
 
 def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None:
@@ -245,8 +263,8 @@ def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None
 def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: np.ndarray,
                  iterations: np.ndarray, reasons: list[StopReason],
                  history: list[dict[str, Any]], timings: dict[str, float],
-                 info: dict[str, Any], converged: np.ndarray | None = None
-                 ) -> RegistrationResult:
+                 info: dict[str, Any], converged: np.ndarray | None = None,
+                 stability: np.ndarray | None = None) -> RegistrationResult:
     """Build the :class:`RegistrationResult` of B problems, squeezed for unbatched input.
 
     Args:
@@ -260,8 +278,17 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
         timings: seconds per stage.
         info: extras; ``(B, …)`` arrays are split per problem when squeezing.
         converged: ``(B,)`` bools; defaults to ``reason.converged`` of each reason.
+        stability: ``(B,)`` :func:`pointalign._math.stability` of each final pose (None:
+            not measured). **The determinacy rule**: a converged reason at a stability
+            ≤ :data:`pointalign._math.STABILITY_EPS` becomes ``AMBIGUOUS`` (not
+            converged); ``info["stability"]`` records the values.
 
     """
+    if stability is not None:
+        stab = np.asarray(stability, dtype=np.float64)
+        reasons = [StopReason.AMBIGUOUS if r.converged and not st > _math.STABILITY_EPS
+                   else r for r, st in zip(reasons, stab, strict=True)]
+        info = {**info, "stability": stab}
     T = pair.frame.to_world(T_local)
     if pair.init_world is not None:  # left at init: exactly init (no float64 round trip)
         kept = (T_local == pair.init).all(axis=(1, 2))

@@ -4,9 +4,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pointalign import _math, _validate
+
+#: the default translation tolerance, as a fraction of the cloud's extent (the RMS distance
+#: of the target's points from their centroid): 1e-6 ≈ 8 float32 roundings of a coordinate
+#: in the local frame, and 6e-8 m on the Stanford bunny (whose RMS radius is ~6 cm)
+RELATIVE_TRANSLATION = 1e-6
+
+#: the extent a :class:`PerExtent` tolerance reads as when nothing knows the cloud (a plain
+#: ``float()``): a 10 cm object, so the default reads as the old absolute 1e-7 m
+REFERENCE_EXTENT = 0.1
+
+
+class PerExtent(float):
+    """A translation tolerance given relative to the cloud: ``fraction × extent`` metres.
+
+    ``extent``: the RMS distance of the target's points from their centroid (see
+    :meth:`ConvergenceCriteria.translation_for`). As a plain float it reads as the
+    tolerance of a :data:`REFERENCE_EXTENT` object, ``fraction × 0.1`` metres.
+    """
+
+    fraction: float
+
+    def __new__(cls, fraction: float) -> PerExtent:
+        """Make the tolerance ``fraction × extent``."""
+        self = super().__new__(cls, float(fraction) * REFERENCE_EXTENT)
+        self.fraction = float(fraction)
+        return self
+
+    def __repr__(self) -> str:
+        return f"PerExtent({self.fraction!r})"
+
+    def __reduce__(self) -> tuple:
+        return (PerExtent, (self.fraction,))
 
 
 @dataclass(frozen=True)
@@ -37,7 +70,10 @@ class ConvergenceCriteria:
             (Open3D's meaning).
         relative_rmse: stop when ``|rmse_k - rmse_{k-1}| / rmse_{k-1} < relative_rmse``.
         translation_tolerance: stop when the last update moved by less than this (metres)
-            and ``rotation_tolerance`` holds too.
+            and ``rotation_tolerance`` holds too. Default: :data:`RELATIVE_TRANSLATION`
+            (1e-6) of the target's extent (its RMS distance from its centroid), so the rule
+            means the same for a 15 µm object and a 15 m one; a number is used in metres as
+            given (``PerExtent(f)`` asks for another fraction).
         rotation_tolerance: radians; see ``translation_tolerance``.
         relative_weights: the annealing methods' settling test: the relative L1 change of
             the soft weights between checks, ``Σ|w_k − w_{k−1}| / Σ w_k``. None (default)
@@ -50,18 +86,34 @@ class ConvergenceCriteria:
     max_iterations: int = 50
     relative_fitness: float = 1e-6
     relative_rmse: float = 1e-6
-    translation_tolerance: float = 1e-7
+    translation_tolerance: float = PerExtent(RELATIVE_TRANSLATION)
     rotation_tolerance: float = 1e-7
     relative_weights: float | None = None
 
     def __post_init__(self) -> None:
-        if int(self.max_iterations) < 1:
-            raise ValueError(f"max_iterations: must be >= 1, got {self.max_iterations}")
+        # checked and stored as plain int / float (NumPy scalars accepted)
+        object.__setattr__(self, "max_iterations",
+                           _validate.integer(self.max_iterations, "max_iterations", minimum=1))
         for name in ("relative_fitness", "relative_rmse", "translation_tolerance",
                      "rotation_tolerance"):
-            _validate.positive(getattr(self, name), name, allow_zero=True)
+            object.__setattr__(self, name,
+                               _validate.positive(getattr(self, name), name, allow_zero=True))
         if self.relative_weights is not None:
-            _validate.positive(self.relative_weights, "relative_weights", allow_zero=True)
+            object.__setattr__(self, "relative_weights", _validate.positive(
+                self.relative_weights, "relative_weights", allow_zero=True))
+
+    def translation_for(self, extent: np.ndarray | float) -> np.ndarray:
+        """Return the translation tolerance in metres for clouds of ``extent`` (``(B,)``).
+
+        ``extent``: the RMS distance of the target's points from their centroid (metres). A
+        :class:`PerExtent` tolerance (the default) is its fraction of it; a plain number is
+        returned as given.
+        """
+        e = np.asarray(extent, dtype=np.float64)
+        tol = self.translation_tolerance
+        if isinstance(tol, PerExtent):
+            return tol.fraction * e
+        return np.full_like(e, float(tol))
 
     @property
     def weight_change(self) -> float:
@@ -82,10 +134,8 @@ class RobustKernel:
     k: float = 1.0
 
     def __post_init__(self) -> None:
-        kinds = _math.ROBUST_KINDS
-        if self.kind not in kinds:
-            raise ValueError(f"robust_kernel: kind must be one of {kinds}, got {self.kind!r}")
-        _validate.positive(self.k, "robust_kernel.k")
+        _validate.choice(self.kind, "robust_kernel.kind", tuple(_math.ROBUST_KINDS))
+        object.__setattr__(self, "k", _validate.positive(self.k, "robust_kernel.k"))
 
     def weights(self, residual: torch.Tensor) -> torch.Tensor:
         """Weights for residuals ``(…)`` (same shape); non-negative, 1 at r = 0.

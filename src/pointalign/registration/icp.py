@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _validate, estimate, transforms
+from pointalign import _math, _validate, estimate, transforms
 from pointalign.kernels import _loop, normal_eq
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
@@ -42,6 +42,11 @@ METHODS = ("point_to_point", "point_to_plane")
 
 #: neighbours used for target normals when point-to-plane needs them and none are given
 NORMALS_K = 20
+
+#: point-to-point's stability test (:func:`stability`): correspondences sampled per
+#: problem, and the neighbours of their target normals
+STABILITY_SAMPLE = 2048
+STABILITY_K = NORMALS_K
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ class _Rules:
     crit: ConvergenceCriteria
     n_src: np.ndarray
     T: np.ndarray
+    translation_tolerance: np.ndarray  # (B,) metres (ConvergenceCriteria.translation_for)
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     pending: tuple[np.ndarray, ...] = ()  # the last record's update (D, T', flags)
@@ -146,7 +152,7 @@ class _Rules:
             c = self.crit
             self._stop(cnt == 0, StopReason.NO_CORRESPONDENCES)
             self._stop((_angle(D[:, :3, :3]) < c.rotation_tolerance)
-                       & (np.linalg.norm(D[:, :3, 3], axis=-1) < c.translation_tolerance),
+                       & (np.linalg.norm(D[:, :3, 3], axis=-1) < self.translation_tolerance),
                        StopReason.SMALL_UPDATE)
             self._stop((np.abs(self.fitness - prev_fit) < c.relative_fitness)
                        & (np.abs(self.rmse - prev_rmse) / np.maximum(prev_rmse, 1e-300)
@@ -181,6 +187,67 @@ def information_matrix(sums: np.ndarray, plane: bool, center: np.ndarray) -> np.
     H[:, 3:, :3] = transforms.skew(sy).transpose(1, 2)
     H[:, 3:, 3:] = W[:, None, None] * eye3
     return H.numpy()
+
+
+def _about(H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Move a twist information matrix ``(B, 6, 6)`` about the origin to one about ``c (B, 3)``.
+
+    ``J_c = J_0 A`` with ``A = [[I, 0], [[c]×ᵀ, I]]`` (the inverse of the shift in
+    :func:`information_matrix`).
+    """
+    A = torch.eye(6, dtype=torch.float64).repeat(H.shape[0], 1, 1)
+    A[:, 3:, :3] = transforms.skew(c).transpose(1, 2)
+    return A.transpose(1, 2) @ H @ A
+
+
+def _point_information(pair: _edge.Pair, b: int, index: Any, T: np.ndarray,
+                       max_distance: float) -> torch.Tensor:
+    """Point-to-plane information ``(6, 6)`` of problem b's final correspondences, sampled.
+
+    At most :data:`STABILITY_SAMPLE` source points (a seeded random sample) moved by
+    ``T (4, 4)``, their nearest target points within the bound, and those points'
+    normals by PCA of their :data:`STABILITY_K` nearest target points: ``Σ J Jᵀ`` with
+    ``J = [(y − c) × n, n]`` about the target centroid c. One search of the sample: a few
+    host synchronisations, once per call.
+    """
+    assert pair.centroid is not None  # set by prepare_pair
+    n, m = int(pair.source_counts[b]), int(pair.target_counts[b])
+    # a random sample with a fixed seed: a stride can alias with the scan pattern of an
+    # ordered cloud (lidar rings) and pick a biased, near-degenerate subset
+    rows = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:STABILITY_SAMPLE]
+    x = pair.source[b, rows.to(pair.source.device)]
+    Tf = torch.from_numpy(T).to(device=x.device, dtype=torch.float32)
+    with _validate.trusted():
+        j = index.nearest_within(x @ Tf[:3, :3].T + Tf[:3, 3], max_distance).idx[:, 0]
+        tgt = pair.target[b, :m]
+        y = tgt[j.clamp_min(0)]
+        nb = index.knn(y, min(STABILITY_K, m)).idx
+    P = tgt[nb.clamp_min(0)].to(torch.float64)                     # (S, k, 3)
+    P = P - P.mean(1, keepdim=True)
+    normal, _ = _math.smallest_eigenvector3(P.transpose(1, 2) @ P)
+    c = torch.from_numpy(pair.centroid[b]).to(x.device)
+    J = torch.cat([torch.linalg.cross(y.to(torch.float64) - c, normal), normal], -1)
+    J = J * (j >= 0)[:, None]
+    return (J.T @ J).cpu()
+
+
+def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray, plane: bool,
+              max_distance: float) -> np.ndarray:
+    """:func:`pointalign._math.stability` of each problem's final pose, ``(B,)`` float64.
+
+    Point-to-plane: from the final sums (the 6×6 the last step solved, no extra work).
+    Point-to-point: Horn's moments cannot see a slide along the surface, so the
+    point-to-plane information of a sample of the final correspondences is measured
+    (:func:`_point_information`).
+    """
+    assert pair.centroid is not None and pair.extent is not None  # set by prepare_pair
+    c = torch.from_numpy(pair.centroid)
+    if plane:
+        H = _about(normal_eq.unpack_hessian(torch.from_numpy(sums))[0], c)
+    else:
+        H = torch.stack([_point_information(pair, b, indexes[b], T[b], max_distance)
+                         for b in range(pair.size)])
+    return _math.stability(H, torch.from_numpy(pair.extent)).numpy()
 
 
 def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
@@ -302,6 +369,8 @@ def icp(
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     plane, B = method == "point_to_plane", pair.size
+    if target_normals is not None and not plane:
+        _edge.target_normals(target, target_normals, pair)  # checked even when not used
     clock = _loop.Clock(dev)
     idxs = clock.stage("index", _indexes, pair, index, max_dist)
     inputs = {"source": pair.source, "target": pair.target, "lengths": pair.source_lengths,
@@ -316,7 +385,8 @@ def icp(
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)
     step = IcpStep(idxs, max_dist, plane, rk.kind, float(rk.k))
-    rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy())
+    rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy(),
+                   crit.translation_for(pair.extent))
     t_it = time.perf_counter()
     run = _loop.iterate(step, inputs, state, max_steps=int(crit.max_iterations) + 1)
     for record in run:
@@ -329,6 +399,8 @@ def icp(
             "method": method, "index": type(getattr(idxs[0], "index", idxs[0])).__name__,
             "rank_deficient": rules.rank_deficient, "device_steps": run.launched,
             "cuda_graph": run.graph}
+    stab = stability(pair, idxs, rules.T, rules.sums, plane, max_dist)
     return _edge.build_result(pair, rules.T, fitness=rules.fitness, rmse=rules.rmse,
                               iterations=rules.iterations, reasons=rules.reasons,
-                              history=rules.history, timings=timings, info=info)
+                              history=rules.history, timings=timings, info=info,
+                              stability=stab)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pointalign import _validate, estimate
+from pointalign import _progress, _validate, estimate
 from pointalign.cloud import PointCloud
 from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _k
@@ -266,8 +266,19 @@ def ransac(
         local_refinement: run the Lo-RANSAC step.
         refine_top: how many of the best motions the Lo-RANSAC step refines.
         refine_iterations: rounds of re-estimation per refined motion.
-        target_index: optional prebuilt :class:`~pointalign.search.base.Index` over target.
-        seed: seeds the device ``torch.Generator``.
+        target_index: optional prebuilt :class:`~pointalign.search.base.Index` over target
+            (its points are checked against target: a ValueError when they differ). Without
+            one, the problem is solved in a frame centred on the target's centroid (shifted
+            in float64 before anything becomes float32), so coordinates far from the origin
+            keep their precision; with one, the caller's coordinates are kept.
+        seed: seeds the ``torch.Generator`` on the compute device (an integer in
+            [0, 2**64 - 1]; NumPy integers accepted). Every random draw (samples, the
+            T(d,d) subset) comes from it and every reduction has a fixed order, so the same
+            seed and inputs give identical results on one device: on the CPU, and on a GPU
+            (repeated runs with one seed were identical in the project's checks, issue 16).
+            The CPU and CUDA generators produce different streams, so one seed draws
+            different (equally valid) hypotheses on the CPU and on a GPU, and different
+            seeds give slightly different results.
         device: compute device (default: the source's).
 
     Returns:
@@ -287,8 +298,18 @@ def ransac(
     like = source.points if isinstance(source, PointCloud) else \
         source if isinstance(source, torch.Tensor) else None
     dev = _validate.as_device(device, like)
-    src = _validate.as_points(source, "source", min_points=3, device=dev, dtype=torch.float32)
-    tgt = _validate.as_points(target, "target", min_points=3, device=dev, dtype=torch.float32)
+    src = _validate.as_points(source, "source", min_points=3, device=dev)
+    tgt = _validate.as_points(target, "target", min_points=3, device=dev)
+    # the local frame (shift by the target's centroid in float64, then float32), unless the
+    # caller's index was built in the caller's coordinates
+    center = torch.zeros(3, dtype=torch.float64, device=dev)
+    if target_index is None:
+        center = tgt.to(torch.float64).mean(0)
+        src = (src.to(torch.float64) - center).to(torch.float32)
+        tgt = (tgt.to(torch.float64) - center).to(torch.float32)
+    else:
+        src, tgt = src.to(torch.float32), tgt.to(torch.float32)
+        _check_index(target_index, tgt)
     sf = _features(source_features, "source_features", source, src.shape[0], dev)
     tf = _features(target_features, "target_features", target, tgt.shape[0], dev)
     if sf.shape[1] != tf.shape[1]:
@@ -297,14 +318,22 @@ def ransac(
     dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
     sim = _validate.in_range(triangle_similarity, "triangle_similarity", 0.0, 1.0)
     conf = _validate.in_range(confidence, "confidence", 0.0, 1.0)
-    for name, v in (("hypotheses", hypotheses), ("tdd_points", tdd_points),
-                    ("max_validations", max_validations), ("refine_top", refine_top)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
-    if isinstance(refine_iterations, bool) or not isinstance(refine_iterations, int) \
-            or refine_iterations < 0:
-        raise ValueError(f"refine_iterations: expected an integer >= 0, got {refine_iterations!r}")
-    max_h = 4 * hypotheses if max_hypotheses is None else int(max_hypotheses)
+    hypotheses, tdd_points, max_validations, refine_top = (
+        _validate.integer(v, name, minimum=1) for name, v in (
+            ("hypotheses", hypotheses), ("tdd_points", tdd_points),
+            ("max_validations", max_validations), ("refine_top", refine_top)))
+    refine_iterations = _validate.integer(refine_iterations, "refine_iterations", minimum=0)
+    seed = _validate.seed(seed)
+    for name, flag in (("mutual", mutual), ("local_refinement", local_refinement)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected True or False, got {flag!r}")
+    if target_index is not None and not (
+            isinstance(getattr(target_index, "points", None), torch.Tensor)
+            and hasattr(target_index, "nearest_within")):
+        raise TypeError("target_index: expected an Index over the target "
+                        f"(pointalign.search.build_index), got {type(target_index).__name__}")
+    max_h = 4 * hypotheses if max_hypotheses is None else \
+        _validate.integer(max_hypotheses, "max_hypotheses", minimum=1)
     if max_h < hypotheses:
         raise ValueError(f"max_hypotheses: must be >= hypotheses ({hypotheses}), got {max_h}")
     if inlier_ratio_threshold is not None:
@@ -312,6 +341,9 @@ def ransac(
                                                     "inlier_ratio_threshold", 0.0, 1.0 + 1e-9)
     if ratio_test is not None:
         ratio_test = _validate.in_range(ratio_test, "ratio_test", 0.0, 1.0 + 1e-9)
+    if not local_refinement and (refine_top, refine_iterations) != (4, 5):
+        _progress.warn_ignored("refine_top/refine_iterations", "ransac", "local_refinement "
+                               "is False", stacklevel=3)
 
     clock = _loop.Clock(dev)
     if target_index is None:
@@ -340,8 +372,8 @@ def ransac(
     pool_c = torch.empty(0, dtype=torch.int64, device=dev)
     pool_sq = torch.empty(0, dtype=torch.float64, device=dev)
     stop = "max_hypotheses"
-    while info["hypotheses"] < max_h:
-        h = min(hypotheses, max_h - info["hypotheses"])
+    # a progress bar on a terminal once the batches run over a second (nothing otherwise)
+    for h in _progress.batches(max_h, hypotheses, "RANSAC hypotheses"):
         info["hypotheses"] += h
         info["batches"] += 1
         triples = torch.randint(0, n_corr, (h, 3), generator=g, device=dev)
@@ -407,18 +439,56 @@ def ransac(
     if local_refinement and refine_iterations > 0:
         info["refined_inliers_gain"] = count - n_before
         clock.lap("refine")
+    timings = clock.total()
+    _progress.log_timings("ransac", timings)
     fitness = count / src.shape[0]
     rmse = math.sqrt(sq_best / count) if count else math.inf
     info["correspondence_inlier_ratio"] = n_explained / n_corr
     converged = inlier_ratio_threshold is None or fitness >= inlier_ratio_threshold
     if not converged:
         stop = "below_threshold"
-    T_best = pool_T[0]
+    T_best = _to_world(pool_T[0], center)
     return RegistrationResult(
         transformation=T_best.detach().cpu().numpy().astype(np.float64),
         fitness=fitness, rmse=rmse, iterations=info["hypotheses"], converged=converged,
-        stop_reason=stop, timings=clock.total(), info=info, transformation_tensor=T_best,
+        stop_reason=stop, timings=timings, info=info, transformation_tensor=T_best,
     )
+
+
+def _to_world(T: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``T (4, 4)`` between frames shifted by −c → between the caller's: Tr(c) T Tr(−c)."""
+    out = T.to(torch.float64).clone()
+    out[:3, 3] = T[:3, 3].to(torch.float64) + c - T[:3, :3].to(torch.float64) @ c
+    return out
+
+
+#: target rows compared with a caller's index (evenly spaced; one transfer)
+_INDEX_CHECK_ROWS = 64
+
+
+def _check_index(index: Any, target: torch.Tensor) -> None:
+    """Raise a ValueError unless ``index`` was built over ``target (M, 3)``.
+
+    Compares the point count, the device and, unless the index holds ``target`` itself,
+    up to :data:`_INDEX_CHECK_ROWS` evenly spaced rows (float32 rounding allowed): an index
+    over another cloud would score every hypothesis against the wrong points.
+    """
+    p = getattr(index, "points", None)
+    if not isinstance(p, torch.Tensor) or not hasattr(index, "nearest_within"):
+        raise TypeError("target_index: expected an object implementing the Index protocol "
+                        "(pointalign.search.build_index)")
+    if tuple(p.shape) != tuple(target.shape) or p.device != target.device:
+        raise ValueError(f"target_index: built over {tuple(p.shape)} points on {p.device}, "
+                         f"but target has {tuple(target.shape)} on {target.device}")
+    if p is target or p.data_ptr() == target.data_ptr():
+        return
+    rows = torch.linspace(0, p.shape[0] - 1, min(_INDEX_CHECK_ROWS, p.shape[0]),
+                          device=p.device).long()
+    a, b = p[rows].to(torch.float64), target[rows].to(torch.float64)
+    tol = 1e-6 * (1.0 + b.abs().max())
+    if not bool(((a - b).abs().max() <= tol).item()):
+        raise ValueError("target_index: built over a different cloud than target (its "
+                         "points differ); build it with pointalign.search.build_index(target)")
 
 
 def _explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor,

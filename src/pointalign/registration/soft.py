@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from pointalign import _progress, _validate, estimate, transforms
@@ -301,7 +300,13 @@ def _prepare(source, target, init, device, source_lengths, target_lengths, crite
                          f"(B, N, 3); got {pair.size} sources and one target")
     given = {}
     for name, value in ((n, v) for n, v in params.items() if v is not None):
-        v = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(-1)
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError(f"{name}: expected a number or {pair.size} numbers, got {value!r}")
+        try:
+            v = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name}: expected a number or {pair.size} numbers, got "
+                            f"{type(value).__name__}") from None
         if v.numel() not in (1, pair.size):
             raise ValueError(f"{name}: expected a number or {pair.size} values, got {v.numel()}")
         if not bool(((v > 0) & ((v < math.inf) | (name == "outlier_distance"))).all()):
@@ -622,15 +627,11 @@ def _softassign_setup(source, target, *, init=None, beta0=None, beta_factor=1.07
                       sinkhorn_iterations=3, outlier_weight=1.0, criteria=None, device=None,
                       source_lengths=None, target_lengths=None, approximation="auto"):
     """Check Softassign's arguments; its program (form of the passes chosen), pair, inputs."""
-    if isinstance(beta_factor, (str, bytes, bool)):
-        raise ValueError(f"beta_factor: expected a number > 1, got {beta_factor!r}")
-    beta_factor = float(beta_factor)
-    if not math.isfinite(beta_factor) or beta_factor <= 1.0:
-        raise ValueError(f"beta_factor: must be finite and > 1, got {beta_factor}")
-    for name, v in (("temperatures", temperatures), ("sinkhorn_iterations", sinkhorn_iterations),
-                    ("iterations_per_temperature", iterations_per_temperature)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
+    beta_factor = _validate.in_range(beta_factor, "beta_factor", 1.0, math.inf)
+    temperatures, sinkhorn_iterations, iterations_per_temperature = (
+        _validate.integer(v, name, minimum=1) for name, v in (
+            ("temperatures", temperatures), ("sinkhorn_iterations", sinkhorn_iterations),
+            ("iterations_per_temperature", iterations_per_temperature)))
     w_out = _validate.positive(outlier_weight, "outlier_weight")
     pair, given = _prepare(source, target, init, device, source_lengths, target_lengths,
                            criteria, beta0=beta0, alpha=alpha)

@@ -123,6 +123,9 @@ def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     frame. float64.
     """
     min_frame_points = 5  # fewer points: no PCA frame of their own
+    fast = _ks.node_frames(tree.arrays, min_frame_points)  # the "cpu" backend's kernel
+    if fast is not None:
+        return fast
     pts = tree.points.double()
     size = tree.node_sizes().double()
     mean = tree.node_sums(pts) / size[:, None]
@@ -154,7 +157,10 @@ def _curvatures(tree: KDTreeIndex, mean: torch.Tensor, frame: torch.Tensor):
     rhs = torch.zeros(K, 4, dtype=torch.float64, device=dev)
     tp = tree.tree_points.double()
     m = tp.shape[0]
-    for level in range(tree.depth + 1):
+    fast = _ks.quadric_sums(tree.arrays, mean, frame)  # the "cpu" backend's kernel
+    if fast is not None:
+        normal_eq, rhs = fast
+    for level in range(tree.depth + 1 if fast is None else 0):
         b = _kd.level_bounds(m, level, dev)
         seg = torch.repeat_interleave(torch.arange(2**level, device=dev), b[1:] - b[:-1],
                                       output_size=m) + (2**level - 1)
@@ -251,14 +257,17 @@ def _resolve_depth(tree: KDTreeIndex, depth: int | None) -> int:
         m = tree.points.shape[0]
         return max((lv for lv in range(tree.depth + 1) if (m >> lv) >= min_cell_points),
                    default=0)
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
-        raise ValueError(f"tree_depth: expected a non-negative integer, got {depth!r}")
-    return min(int(depth), tree.depth)
+    return min(_validate.integer(depth, "tree_depth", minimum=0), tree.depth)
 
 
 def _level_radii(tree: KDTreeIndex, levels: list[int]) -> list[float]:
     """Median RMS radius of the cells of each level in ``levels`` (cached per node)."""
     key = "surface:radius"
+    if not tree.has_payload(key):
+        fast = _ks.node_moments(tree.arrays)  # the "cpu" backend's kernel
+        if fast is not None:
+            tree.attach(key, fast[1].diagonal(dim1=1, dim2=2).sum(-1).clamp_min(0).sqrt()
+                        .float())
     if not tree.has_payload(key):
         pts = tree.points.double()
         size = tree.node_sizes().double().clamp_min(1)
@@ -705,12 +714,12 @@ def surface_newton(
     """
     t_start = time.perf_counter()
     crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
-    try:
-        beta, sigma = (float(v) for v in armijo)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"armijo: expected a pair (beta, sigma), got {armijo!r}") from exc
-    if not (0 < beta < 1 and 0 < sigma < 1):
-        raise ValueError(f"armijo: expected 0 < beta, sigma < 1, got {armijo}")
+    if tree_depth is not None:
+        _validate.integer(tree_depth, "tree_depth", minimum=0)
+    if not isinstance(armijo, (tuple, list)) or len(armijo) != 2:
+        raise TypeError(f"armijo: expected a pair (beta, sigma), each in (0, 1), got {armijo!r}")
+    beta = _validate.in_range(armijo[0], "armijo beta", 0.0, 1.0)
+    sigma = _validate.in_range(armijo[1], "armijo sigma", 0.0, 1.0)
     tau2 = math.inf if max_correspondence_distance is None else _validate.positive(
         max_correspondence_distance, "max_correspondence_distance") ** 2
     prob, clock = _prepare(source, target, init, device, index)
@@ -906,6 +915,8 @@ def approximate_icp(
     """
     t_start = time.perf_counter()
     crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
+    if tree_depth is not None:
+        _validate.integer(tree_depth, "tree_depth", minimum=0)
     tau2 = math.inf if max_correspondence_distance is None else _validate.positive(
         max_correspondence_distance, "max_correspondence_distance") ** 2
     prob, clock = _prepare(source, target, init, device, index)

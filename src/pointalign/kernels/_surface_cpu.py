@@ -1,0 +1,492 @@
+"""CPU (numba) kernels of the distance-map registration: the contracts of :mod:`.surface`.
+
+* :func:`newton_terms_cpu`: the fused Newton reduction of
+  :func:`pointalign.kernels.surface.newton_terms` in one pass over the points, no
+  ``(N, ·)`` intermediates: each of ``BLOCKS`` fixed point blocks moves its points, descends
+  the tree to the level, reads the node's 10 coefficients and accumulates the 29 sums in
+  float64 registers; the block partials are added in block order. The block split does not
+  depend on the thread count, so the result is the same bit for bit with any
+  ``set_num_threads``.
+* :func:`node_frames_cpu`: mean, covariance (centred two-pass sums) and the closed-form
+  eigenpairs of every tree node, the contract of
+  :func:`pointalign.registration.surface.node_frames` (small nodes take their parent's
+  frame); :func:`quadric_sums_cpu`: the sums of the second-order approximant's quadric
+  fits. Both serial (once a call, ~10-30 ms on 70k points).
+
+Rounding follows the reference (:func:`~pointalign.kernels.surface.newton_terms_reference`):
+``T`` is rounded to the points' dtype, the moved point ``q`` is rounded to the points' dtype
+(the descent compares it in the tree's dtype), and every term is then formed in float64 from
+``q`` and the coefficients. The reference's float32 matrix product may round ``q`` one ulp
+differently, which can send a point lying on a split plane to the neighbouring cell; apart
+from that the sums differ only by the order of float64 additions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pointalign import _threads
+from pointalign.kernels._knn_cpu import njit, prange
+
+#: point blocks of the reduction (fixed: the summation order does not depend on threads)
+BLOCKS = 64
+#: fewer points than this run on one thread (a parallel region costs more than it saves;
+#: on a loaded machine OpenMP's wake-up of the other threads alone took 50-100 ms)
+PARALLEL_MIN_POINTS = 32768
+#: points descended together (their node reads overlap)
+GROUP = 16
+N_TERMS = 29
+
+
+@njit(cache=True, parallel=True)
+def _terms(x, w, has_w, rt, center, axis, split, co, depth, tau2, q32, s32, obj_only):
+    n = x.shape[0]
+    part = np.zeros((BLOCKS, N_TERMS), np.float64)
+    step = (n + BLOCKS - 1) // BLOCKS
+    r00, r01, r02, t0 = rt[0, 0], rt[0, 1], rt[0, 2], rt[0, 3]
+    r10, r11, r12, t1 = rt[1, 0], rt[1, 1], rt[1, 2], rt[1, 3]
+    r20, r21, r22, t2 = rt[2, 0], rt[2, 1], rt[2, 2], rt[2, 3]
+    o0, o1, o2 = center[0], center[1], center[2]
+    for blk in prange(BLOCKS):
+        acc = np.zeros(N_TERMS, np.float64)
+        qs = np.empty((GROUP, 3), np.float64)
+        nodes = np.zeros(GROUP, np.int64)
+        stop = min(n, (blk + 1) * step)
+        for g0 in range(blk * step, stop, GROUP):
+            g1 = min(stop, g0 + GROUP)
+            # move a group of points, then descend them together: their chains of
+            # dependent node reads overlap (3x faster than one point after another)
+            for k in range(g1 - g0):
+                x0 = np.float64(x[g0 + k, 0])
+                x1 = np.float64(x[g0 + k, 1])
+                x2 = np.float64(x[g0 + k, 2])
+                qx = r00 * x0 + r01 * x1 + r02 * x2 + t0
+                qy = r10 * x0 + r11 * x1 + r12 * x2 + t1
+                qz = r20 * x0 + r21 * x1 + r22 * x2 + t2
+                if q32:
+                    qx = np.float64(np.float32(qx))
+                    qy = np.float64(np.float32(qy))
+                    qz = np.float64(np.float32(qz))
+                qs[k, 0] = qx
+                qs[k, 1] = qy
+                qs[k, 2] = qz
+                nodes[k] = 0
+            # descent: q[axis] >= split goes right (compared in the tree's dtype)
+            for _ in range(depth):
+                for k in range(g1 - g0):
+                    node = nodes[k]
+                    qa = qs[k, axis[node]]
+                    if s32:
+                        qa = np.float64(np.float32(qa))
+                    nodes[k] = 2 * node + 1 + (1 if qa >= np.float64(split[node]) else 0)
+            for k in range(g1 - g0):
+                i = g0 + k
+                node = nodes[k]
+                qx = qs[k, 0]
+                qy = qs[k, 1]
+                qz = qs[k, 2]
+                a00 = np.float64(co[node, 0])
+                a01 = np.float64(co[node, 1])
+                a02 = np.float64(co[node, 2])
+                a11 = np.float64(co[node, 3])
+                a12 = np.float64(co[node, 4])
+                a22 = np.float64(co[node, 5])
+                b0 = np.float64(co[node, 6])
+                b1 = np.float64(co[node, 7])
+                b2 = np.float64(co[node, 8])
+                c = np.float64(co[node, 9])
+                ax_ = a00 * qx + a01 * qy + a02 * qz
+                ay_ = a01 * qx + a11 * qy + a12 * qz
+                az_ = a02 * qx + a12 * qy + a22 * qz
+                h = (qx * ax_ + qy * ay_ + qz * az_) - 2.0 * (b0 * qx + b1 * qy + b2 * qz) + c
+                h = max(h, 0.0)
+                wt = np.float64(w[i]) if has_w else 1.0
+                acc[27] += wt * min(h, tau2)
+                if not h <= tau2:
+                    continue  # truncated: the constant tau2 above, nothing in F, g
+                if wt > 0.0:
+                    acc[28] += 1.0
+                if obj_only or wt == 0.0:
+                    continue
+                gx, gy, gz = ax_ - b0, ay_ - b1, az_ - b2
+                px, py, pz = qx - o0, qy - o1, qz - o2
+                # u_i = A m_i with m_i = e_i × p (the rotation columns of Q = [−[p]ₓ | I])
+                u0x = a02 * py - a01 * pz
+                u0y = a12 * py - a11 * pz
+                u0z = a22 * py - a12 * pz
+                u1x = a00 * pz - a02 * px
+                u1y = a01 * pz - a12 * px
+                u1z = a02 * pz - a22 * px
+                u2x = a01 * px - a00 * py
+                u2y = a11 * px - a01 * py
+                u2z = a12 * px - a02 * py
+                acc[0] += wt * (py * u0z - pz * u0y)
+                acc[1] += wt * (py * u1z - pz * u1y)
+                acc[2] += wt * (py * u2z - pz * u2y)
+                acc[3] += wt * u0x
+                acc[4] += wt * u0y
+                acc[5] += wt * u0z
+                acc[6] += wt * (pz * u1x - px * u1z)
+                acc[7] += wt * (pz * u2x - px * u2z)
+                acc[8] += wt * u1x
+                acc[9] += wt * u1y
+                acc[10] += wt * u1z
+                acc[11] += wt * (px * u2y - py * u2x)
+                acc[12] += wt * u2x
+                acc[13] += wt * u2y
+                acc[14] += wt * u2z
+                acc[15] += wt * a00
+                acc[16] += wt * a01
+                acc[17] += wt * a02
+                acc[18] += wt * a11
+                acc[19] += wt * a12
+                acc[20] += wt * a22
+                acc[21] += wt * (pz * gy - py * gz)
+                acc[22] += wt * (px * gz - pz * gx)
+                acc[23] += wt * (py * gx - px * gy)
+                acc[24] -= wt * gx
+                acc[25] -= wt * gy
+                acc[26] -= wt * gz
+        for k in range(N_TERMS):
+            part[blk, k] = acc[k]
+    out = np.zeros(N_TERMS, np.float64)
+    for blk in range(BLOCKS):
+        for k in range(N_TERMS):
+            out[k] += part[blk, k]
+    return out
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+def newton_terms_cpu(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor, tree,
+                     coeffs: torch.Tensor, depth: int, *, weights: torch.Tensor | None = None,
+                     tau2: float = math.inf, objective_only: bool = False) -> torch.Tensor:
+    """Return the ``(29,)`` float64 terms (arguments as in :func:`.surface.newton_terms`).
+
+    The points, weights and split values reach the kernel as float64 (exact for float32) with
+    flags saying where the reference rounds to float32, so one compiled signature serves
+    both dtypes; coefficients other than float32 are passed as float64.
+    """
+    _threads_for(points.shape[0])
+    x = _f64(points)
+    # T rounded to the points' dtype, as the reference applies it
+    rt = T.detach().to(points.dtype).to(torch.float64).cpu().numpy()
+    o = center.detach().to(torch.float64).cpu().numpy().reshape(3)
+    co = _np(coeffs)
+    if co.dtype != np.float32:
+        co = co.astype(np.float64)
+    has_w = weights is not None
+    w = _f64(weights) if weights is not None else np.zeros(1)
+    d = max(0, min(int(depth), tree.depth))
+    out = _terms(x, w, has_w, rt, o, _np(tree.split_axis), _f64(tree.split_value), co, d,
+                 float(tau2), points.dtype == torch.float32,
+                 tree.split_value.dtype == torch.float32, bool(objective_only))
+    return torch.from_numpy(out)
+
+
+def _threads_for(n: int) -> None:
+    """All the configured threads for ``n`` items of work from PARALLEL_MIN_POINTS on, else 1."""
+    if n >= PARALLEL_MIN_POINTS:
+        _threads.numba_threads()
+        return
+    import numba
+
+    if numba.get_num_threads() != 1:
+        numba.set_num_threads(1)
+
+
+def _f64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).contiguous().numpy()
+
+
+# ----------------------------------------------------------------------------- node frames
+
+
+@njit(cache=True)
+def _moments(pts, depth):
+    """Mean ``(K, 3)`` and centred covariance ``(K, 6)`` (c00 c01 c02 c11 c12 c22) per node.
+
+    Two passes over each node's range of the tree-ordered points (mean, then the centred
+    second moment) in float64; serial: ~10 ms for 70k points, once a call (a parallel
+    kernel compiles for seconds longer and gains a few milliseconds).
+    """
+    m = pts.shape[0]
+    K = 2 ** (depth + 1) - 1
+    mean = np.zeros((K, 3), np.float64)
+    cov = np.zeros((K, 6), np.float64)
+    for v in range(K):
+        level = 0
+        while (2 ** (level + 1)) - 1 <= v:
+            level += 1
+        j = v - (2**level - 1)
+        s = (j * m) >> level
+        e = ((j + 1) * m) >> level
+        n = e - s
+        m0 = 0.0
+        m1 = 0.0
+        m2 = 0.0
+        for i in range(s, e):
+            m0 += np.float64(pts[i, 0])
+            m1 += np.float64(pts[i, 1])
+            m2 += np.float64(pts[i, 2])
+        m0 /= n
+        m1 /= n
+        m2 /= n
+        c00 = 0.0
+        c01 = 0.0
+        c02 = 0.0
+        c11 = 0.0
+        c12 = 0.0
+        c22 = 0.0
+        for i in range(s, e):
+            d0 = np.float64(pts[i, 0]) - m0
+            d1 = np.float64(pts[i, 1]) - m1
+            d2 = np.float64(pts[i, 2]) - m2
+            c00 += d0 * d0
+            c01 += d0 * d1
+            c02 += d0 * d2
+            c11 += d1 * d1
+            c12 += d1 * d2
+            c22 += d2 * d2
+        mean[v, 0] = m0
+        mean[v, 1] = m1
+        mean[v, 2] = m2
+        cov[v, 0] = c00 / n
+        cov[v, 1] = c01 / n
+        cov[v, 2] = c02 / n
+        cov[v, 3] = c11 / n
+        cov[v, 4] = c12 / n
+        cov[v, 5] = c22 / n
+    return mean, cov
+
+
+@njit(cache=True)
+def _eigvals(a00, a01, a02, a11, a12, a22):
+    """Ascending eigenvalues of a symmetric 3×3 (the closed form of ``_math.eigvalsh3``)."""
+    q = (a00 + a11 + a22) / 3
+    b00, b11, b22 = a00 - q, a11 - q, a22 - q
+    p2 = b00 * b00 + b11 * b11 + b22 * b22 + 2 * (a01 * a01 + a02 * a02 + a12 * a12)
+    p = math.sqrt(p2 / 6)
+    ps = p if p > 0 else 1.0
+    c00, c11, c22 = b00 / ps, b11 / ps, b22 / ps
+    c01, c02, c12 = a01 / ps, a02 / ps, a12 / ps
+    det = (c00 * (c11 * c22 - c12 * c12) - c01 * (c01 * c22 - c12 * c02)
+           + c02 * (c01 * c12 - c11 * c02))
+    phi = math.acos(min(max(det / 2, -1.0), 1.0)) / 3
+    l_max = q + 2 * p * math.cos(phi)
+    l_min = q + 2 * p * math.cos(phi + 2 * math.pi / 3)
+    l_mid = 3 * q - l_max - l_min
+    return l_min, l_mid, l_max
+
+
+@njit(cache=True)
+def _null_vector(a00, a01, a02, a11, a12, a22, lam, out):
+    """Write the unit null vector of ``A − λI`` into ``out (3,)``; return its squared raw norm.
+
+    The largest cross product of two rows, as ``pointalign._math._null_vector``.
+    """
+    r00, r01, r02 = a00 - lam, a01, a02
+    r10, r11, r12 = a01, a11 - lam, a12
+    r20, r21, r22 = a02, a12, a22 - lam
+    # r0 × r1, r0 × r2, r1 × r2
+    x0 = r01 * r12 - r02 * r11
+    y0 = r02 * r10 - r00 * r12
+    z0 = r00 * r11 - r01 * r10
+    x1 = r01 * r22 - r02 * r21
+    y1 = r02 * r20 - r00 * r22
+    z1 = r00 * r21 - r01 * r20
+    x2 = r11 * r22 - r12 * r21
+    y2 = r12 * r20 - r10 * r22
+    z2 = r10 * r21 - r11 * r20
+    n0 = x0 * x0 + y0 * y0 + z0 * z0
+    n1 = x1 * x1 + y1 * y1 + z1 * z1
+    n2 = x2 * x2 + y2 * y2 + z2 * z2
+    if n0 >= n1 and n0 >= n2:
+        x, y, z, nb = x0, y0, z0, n0
+    elif n1 >= n2:
+        x, y, z, nb = x1, y1, z1, n1
+    else:
+        x, y, z, nb = x2, y2, z2, n2
+    s = math.sqrt(max(nb, 1e-300))
+    out[0] = x / s
+    out[1] = y / s
+    out[2] = z / s
+    return nb
+
+
+@njit(cache=True)
+def _any_orthogonal(u, out):
+    """Write a unit vector orthogonal to unit ``u`` into ``out`` (``_math._any_orthogonal``)."""
+    a0, a1, a2 = abs(u[0]), abs(u[1]), abs(u[2])
+    k = 0
+    if a1 < a0:
+        k = 1
+    if a2 < (a0 if k == 0 else a1):
+        k = 2
+    e0 = 1.0 if k == 0 else 0.0
+    e1 = 1.0 if k == 1 else 0.0
+    e2 = 1.0 if k == 2 else 0.0
+    x = u[1] * e2 - u[2] * e1
+    y = u[2] * e0 - u[0] * e2
+    z = u[0] * e1 - u[1] * e0
+    s = max(math.sqrt(x * x + y * y + z * z), 1e-300)
+    out[0] = x / s
+    out[1] = y / s
+    out[2] = z / s
+
+
+@njit(cache=True)
+def _eigh3(c, evals, V, work):
+    """Write the eigenpairs of the symmetric 3×3 ``c (6,)`` into ``evals (3,)`` and ``V``.
+
+    Eigenvalues ascending, eigenvectors as the columns of ``V (3, 3)``, by the formulas of
+    ``pointalign._math.eigh3`` (scaled by the largest entry; the smallest eigenvector, the
+    largest one made orthogonal to it, their cross product); ``work (3, 3)`` is scratch.
+    """
+    s = 0.0
+    for k in range(6):
+        s = max(s, abs(c[k]))
+    if not s > 0:
+        s = 1.0
+    a00, a01, a02, a11, a12, a22 = c[0] / s, c[1] / s, c[2] / s, c[3] / s, c[4] / s, c[5] / s
+    l0, l1, l2 = _eigvals(a00, a01, a02, a11, a12, a22)
+    v0 = work[0]
+    u = work[1]
+    v2 = work[2]
+    # smallest eigenvector (``smallest_eigenvector3``; its own rescaling is by 1 here)
+    nv = _null_vector(a00, a01, a02, a11, a12, a22, l0, v0)
+    gap = l1 - l0
+    spread = l2 - l0
+    simple = nv > (1e-8 * max(spread, 1e-300)) ** 2 and gap > 1e-9 * max(spread, 1e-300)
+    if not simple:
+        nu = _null_vector(a00, a01, a02, a11, a12, a22, l2, u)
+        if nu > 0 and spread > 0:
+            _any_orthogonal(u, v0)
+        else:
+            v0[0] = 0.0
+            v0[1] = 0.0
+            v0[2] = 1.0
+    # largest eigenvector, orthogonal to v0
+    n2 = _null_vector(a00, a01, a02, a11, a12, a22, l2, v2)
+    spread = max(l2 - l0, 1e-300)
+    dot = v2[0] * v0[0] + v2[1] * v0[1] + v2[2] * v0[2]
+    for k in range(3):
+        v2[k] -= dot * v0[k]
+    nrm = math.sqrt(v2[0] * v2[0] + v2[1] * v2[1] + v2[2] * v2[2])
+    if n2 > (1e-8 * spread) ** 2 and l2 - l1 > 1e-9 * spread and nrm > 0.5:
+        for k in range(3):
+            v2[k] /= max(nrm, 1e-300)
+    else:
+        _any_orthogonal(v0, v2)
+    for k in range(3):
+        V[k, 0] = v0[k]
+        V[k, 2] = v2[k]
+    V[0, 1] = v2[1] * v0[2] - v2[2] * v0[1]
+    V[1, 1] = v2[2] * v0[0] - v2[0] * v0[2]
+    V[2, 1] = v2[0] * v0[1] - v2[1] * v0[0]
+    evals[0] = l0 * s
+    evals[1] = l1 * s
+    evals[2] = l2 * s
+
+
+@njit(cache=True)
+def _frames(cov, sizes, min_points, depth):
+    """Return frames ``(K, 3, 3)`` (columns e1, e2, n) and RMS radii ``(K,)`` of ``cov (K, 6)``.
+
+    Nodes with fewer than ``min_points`` points take their parent's frame.
+    """
+    K = cov.shape[0]
+    frame = np.empty((K, 3, 3), np.float64)
+    radius = np.empty(K, np.float64)
+    ev = np.empty(3)
+    V = np.empty((3, 3))
+    work = np.empty((3, 3))
+    for v in range(K):
+        _eigh3(cov[v], ev, V, work)
+        for r in range(3):
+            frame[v, r, 0] = V[r, 2]
+            frame[v, r, 1] = V[r, 1]
+            frame[v, r, 2] = V[r, 0]
+        radius[v] = math.sqrt(max(ev[0], 0.0) + max(ev[1], 0.0) + max(ev[2], 0.0))
+    # level by level, top-down: a parent's frame is final before its children read it
+    for level in range(1, depth + 1):
+        for v in range(2**level - 1, 2 ** (level + 1) - 1):
+            if sizes[v] < min_points:
+                p = (v - 1) // 2
+                for r in range(3):
+                    for col in range(3):
+                        frame[v, r, col] = frame[p, r, col]
+    return frame, radius
+
+
+def node_moments_cpu(tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``(K, 3)`` and covariance ``(K, 3, 3)`` float64 of every node of ``tree``.
+
+    Centred two-pass sums per node (the reference takes differences of float64 prefix sums
+    of the raw coordinates and their products; the two agree to the rounding of those).
+    """
+    mean, c = _moments(_f64(tree.points), int(tree.depth))
+    cov = c[:, [0, 1, 2, 1, 3, 4, 2, 4, 5]].reshape(-1, 3, 3)
+    return torch.from_numpy(mean), torch.from_numpy(cov)
+
+
+def node_frames_cpu(tree, min_frame_points: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return ``(mean (K, 3), frame (K, 3, 3), radius (K,))`` float64 of every node.
+
+    The contract of :func:`pointalign.registration.surface.node_frames`, for a tree in host
+    memory.
+    """
+    mean, c = _moments(_f64(tree.points), int(tree.depth))
+    sizes = _np(tree.end - tree.start)
+    frame, radius = _frames(c, sizes, int(min_frame_points), int(tree.depth))
+    return torch.from_numpy(mean), torch.from_numpy(frame), torch.from_numpy(radius)
+
+
+@njit(cache=True)
+def _quadric_sums(pts, mean, frame, depth):
+    """Return the quadric fits' normal equations ``(K, 4, 4)`` and right-hand sides ``(K, 4)``.
+
+    For every node, its points in its PCA frame ``(u, v, w) = (p − mean) · frame`` give
+    ``φ = (u², uv, v², 1)``; the sums are ``Σ φφᵀ`` and ``Σ φ w`` in float64.
+    """
+    m = pts.shape[0]
+    K = 2 ** (depth + 1) - 1
+    ne = np.zeros((K, 4, 4), np.float64)
+    rhs = np.zeros((K, 4), np.float64)
+    for v in range(K):
+        level = 0
+        while (2 ** (level + 1)) - 1 <= v:
+            level += 1
+        j = v - (2**level - 1)
+        s = (j * m) >> level
+        e = ((j + 1) * m) >> level
+        phi = np.empty(4)
+        for i in range(s, e):
+            d0 = pts[i, 0] - mean[v, 0]
+            d1 = pts[i, 1] - mean[v, 1]
+            d2 = pts[i, 2] - mean[v, 2]
+            u = d0 * frame[v, 0, 0] + d1 * frame[v, 1, 0] + d2 * frame[v, 2, 0]
+            vv = d0 * frame[v, 0, 1] + d1 * frame[v, 1, 1] + d2 * frame[v, 2, 1]
+            w = d0 * frame[v, 0, 2] + d1 * frame[v, 1, 2] + d2 * frame[v, 2, 2]
+            phi[0] = u * u
+            phi[1] = u * vv
+            phi[2] = vv * vv
+            phi[3] = 1.0
+            for a in range(4):
+                for b in range(4):
+                    ne[v, a, b] += phi[a] * phi[b]
+                rhs[v, a] += phi[a] * w
+    return ne, rhs
+
+
+def quadric_sums_cpu(tree, mean: torch.Tensor, frame: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the quadric fits' ``(K, 4, 4)`` and ``(K, 4)`` float64 sums (``_quadric_sums``)."""
+    ne, rhs = _quadric_sums(_f64(tree.points), _f64(mean), _f64(frame), int(tree.depth))
+    return torch.from_numpy(ne), torch.from_numpy(rhs)

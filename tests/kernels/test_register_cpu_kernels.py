@@ -1,0 +1,197 @@
+"""register()'s CPU kernels (numba) against their PyTorch references.
+
+* ``_fpfh_cpu``: SPFH equals the reference exactly in float64; in float32 an angle within an
+  ulp of a bin edge may fall in the neighbouring bin (libm's ``atan2`` against PyTorch's),
+  so at most a few rows differ, each by one pair moved to an adjacent bin. The combine sums
+  in another order: equal to 1e-4 relative.
+* ``_ransac_cpu``: distances equal the float64 truth to float32 rounding (the reference's
+  ``cdist`` has the larger error); a neighbour may differ from the reference's only between
+  rows within ``cdist``'s rounding of each other.
+* ``_score_cpu``: the per-bound grid returns exactly the k-d tree's answers (and through it
+  the brute force's), at every bound, with exact hits, points at the bound and far queries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign.kernels import fpfh as KP
+from pointalign.kernels import ransac as KR
+from pointalign.kernels.knn import knn_reference
+
+_knn_cpu = pytest.importorskip("pointalign.kernels._knn_cpu")
+if not _knn_cpu.available():
+    pytest.skip("numba is not installed", allow_module_level=True)
+from pointalign.kernels import _fpfh_cpu, _ransac_cpu, _score_cpu  # noqa: E402
+
+
+def _surface(seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bumpy sheet ``(n, 3)`` with its unit normals (duplicates and a flat part)."""
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    z = 0.1 * torch.sin(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1])
+    z[: n // 8] = 0.0  # flat: parallel normals, the tie rule of the pair features
+    p = torch.cat([xy, z[:, None]], 1)
+    dz = torch.stack([-0.6 * torch.cos(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1]),
+                      0.4 * torch.sin(6 * xy[:, 0]) * torch.sin(4 * xy[:, 1])], 1)
+    dz[: n // 8] = 0.0
+    nrm = torch.cat([-dz, torch.ones(n, 1, dtype=torch.float64)], 1)
+    nrm = nrm / nrm.norm(dim=1, keepdim=True)
+    p[n - n // 10:] = p[: n // 10]  # exact duplicates: zero-distance pairs
+    nrm[n - n // 10:] = nrm[: n // 10]
+    return p.to(dtype), nrm.to(dtype)
+
+
+def _table(p: torch.Tensor, r: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d, i = knn_reference(p, p, k, r * r)
+    return d, i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_spfh_and_combine_equal_reference(dtype):
+    p, n = _surface(3, 900, dtype)
+    d, i = _table(p, 0.08, 40)
+    i[::7, 5] = -1  # holes in the table
+    h = _fpfh_cpu.spfh_cpu(p, n, i)
+    ref = KP.spfh_reference(p, n, i)
+    assert h.dtype == dtype and h.shape == (900, 33)
+    rows = (h - ref).abs().amax(1) > 1e-3
+    if dtype == torch.float64:
+        torch.testing.assert_close(h, ref, atol=1e-9, rtol=1e-12)
+    else:  # a bin-edge flip moves one pair: two bins change by 100 / #neighbours
+        assert int(rows.sum()) <= 3
+        torch.testing.assert_close(h[~rows], ref[~rows], atol=1e-4, rtol=1e-5)
+    f = _fpfh_cpu.fpfh_combine_cpu(ref, i, d)
+    torch.testing.assert_close(f, KP.fpfh_combine_reference(ref, i, d), atol=1e-3, rtol=1e-4)
+    # a point without neighbours: zeros, as the reference
+    lone = torch.full_like(i[:2], -1)
+    assert torch.equal(_fpfh_cpu.spfh_cpu(p[:2], n[:2], lone), torch.zeros(2, 33, dtype=dtype))
+
+
+def test_fpfh_entry_points_use_cpu_kernels_on_a_real_scan(monkeypatch):
+    from pointalign import datasets
+    from pointalign.features.downsample import voxel_downsample
+    from pointalign.features.fpfh import neighbourhoods, restrict
+    from pointalign.features.normals import estimate_normals
+    from pointalign.kernels import _backend
+    from pointalign.search import build_index
+
+    monkeypatch.delenv("POINTALIGN_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _backend.backend(torch.empty(0)) == "cpu"
+    v = 0.008
+    pts = voxel_downsample(datasets.load_bunny("bun000"), v)  # ~1,000 points
+    nb = neighbourhoods(pts, 5 * v, 100, build_index(pts))
+    nrm = estimate_normals(pts, neighbors=restrict(nb, 2 * v, 30), orient="viewpoint",
+                           viewpoint=pts.mean(0))
+    h = KP.spfh(pts, nrm, nb.idx)
+    ref = KP.spfh_reference(pts, nrm, nb.idx)
+    assert int(((h - ref).abs().amax(1) > 1e-3).sum()) <= 2
+    f = KP.fpfh_combine(ref, nb.idx, nb.dists)
+    torch.testing.assert_close(f, KP.fpfh_combine_reference(ref, nb.idx, nb.dists),
+                               atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_feature_knn_equals_reference(dtype, k):
+    g = torch.Generator().manual_seed(k)
+    q = (torch.rand(301, 33, generator=g, dtype=torch.float64) * 30).to(dtype)
+    r = (torch.rand(517, 33, generator=g, dtype=torch.float64) * 30).to(dtype)
+    r[100:110] = r[:10]  # duplicate rows: ties to the smaller index
+    q[:20] = r[200:220]  # exact hits
+    d, i = _ransac_cpu.feature_knn_cpu(q, r, k)
+    rd, ri = KR.feature_knn_reference(q, r, k)
+    assert d.dtype == dtype and i.shape == (301, k)
+    truth = ((q[:, None].double() - r[None].double()) ** 2).sum(-1)  # (301, 517)
+    # distances: the true squared distances of the returned rows, to float32 rounding
+    got = truth.gather(1, i)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(d.double(), got, rtol=tol, atol=tol)
+    # the returned rows are the k nearest (up to rounding) and ascending
+    kth = truth.sort(1).values[:, k - 1]
+    assert bool((got[:, -1] <= kth * (1 + 2 * tol) + tol).all())
+    assert bool((d[:, 1:] >= d[:, :-1]).all()) if k > 1 else True
+    assert torch.equal(i[:20, 0], torch.arange(200, 220))
+    # where the reference's neighbours are clearly separated, the same indices
+    gap = (truth.gather(1, ri) - truth.gather(1, i)).abs().amax(1)
+    sep = gap > 1e-3 * truth.amax()
+    assert not bool(((ri != i).any(1) & sep).any())
+    # entry point: the cpu kernel on the "cpu" backend, else the reference
+    from pointalign.kernels import _backend
+
+    _, i2 = KR.feature_knn(q, r, k)
+    assert torch.equal(i2, i if _backend.backend(q) == "cpu" else ri)
+
+
+def test_feature_knn_duplicates_break_ties_by_index():
+    r = torch.zeros(6, 4)
+    r[3] = 1.0
+    d, i = _ransac_cpu.feature_knn_cpu(torch.zeros(2, 4), r, 3)
+    assert torch.equal(i, torch.tensor([[0, 1, 2], [0, 1, 2]]))
+    assert torch.equal(d, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bound_grid_equals_tree_and_brute(dtype):
+    g = np.random.default_rng(7)
+    p, _ = _surface(5, 2000, torch.float64)
+    pts = (p.numpy() * 3 + 100.0).astype(dtype)  # far from the origin: rounding matters
+    q = np.concatenate([pts + g.normal(scale=s, size=pts.shape) for s in (0.0, 0.01, 0.05, 1)])
+    q = q.astype(dtype)
+    tree = _knn_cpu.CpuTree(pts)
+    for r in (0.02, 0.05, 0.3):
+        md = dtype(r * r)
+        grid = _score_cpu.BoundGrid.build(pts, md)
+        assert grid is not None
+        d, i = grid.nearest(q)
+        td, ti = tree.nearest(q, md)
+        assert np.array_equal(i, ti) and np.array_equal(d, td)
+        # points exactly at the bound: rounding decides, identically on both paths
+        edge = pts[:50] + np.array([r, 0, 0], dtype)
+        assert np.array_equal(grid.nearest(edge)[1], tree.nearest(edge, md)[1])
+    bd, bi = knn_reference(torch.from_numpy(q[:500]), torch.from_numpy(pts), 1, 0.03 ** 2)
+    d, i = _score_cpu.BoundGrid.build(pts, dtype(0.03 ** 2)).nearest(q[:500])
+    assert np.array_equal(i, bi[:, 0].numpy())
+
+
+def test_scoring_tree_routes_many_queries_to_the_grid():
+    p, _ = _surface(2, 500, torch.float32)
+    pts = p.numpy()
+    t = _score_cpu.ScoringTree(pts)
+    q = np.repeat(pts, 5, 0) + np.float32(0.01)
+    base = _knn_cpu.CpuTree(pts)
+    d, i = t.nearest(q, 0.05 ** 2)
+    assert len(t._grids) == 1  # built for this bound and kept
+    bd, bi = base.nearest(q, 0.05 ** 2)
+    assert np.array_equal(i, bi) and np.array_equal(d, bd)
+    t.nearest(q[:10], 0.05 ** 2, hint=np.zeros(10, np.int64))  # hinted: the tree
+    t.nearest(q[:10], 0.02 ** 2)  # few queries, new bound: the tree, no grid built
+    assert len(t._grids) == 1
+
+
+def test_bound_grid_declines_a_huge_extent():
+    pts = np.array([[0, 0, 0], [1e6, 1e6, 1e6]], np.float64)
+    assert _score_cpu.BoundGrid.build(pts, 1e-6) is None
+    t = _score_cpu.ScoringTree(pts)
+    d, i = t.nearest(np.zeros((20, 3)), 1e-6)
+    assert (i == 0).all() and not math.isnan(float(d[0]))
+
+
+def test_numba_pool_start_keeps_torch_threads():
+    """numba's OpenMP pool start used to reset PyTorch's thread count (fresh process)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, torch, pointalign as pa\n"
+            "from pointalign.kernels._knn_cpu import CpuTree\n"
+            "torch.set_num_threads(2); pa.set_num_threads(1)\n"
+            "CpuTree(np.random.rand(100, 3)).nearest(np.zeros((4, 3)))\n"
+            "print(torch.get_num_threads())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip().splitlines()[-1] == "1"
