@@ -94,7 +94,7 @@ def test_auto_form_estimate_and_slow_warning(monkeypatch):
     (softassign, dict(beta0=1e-30), "beta0"),
     (softassign, dict(beta0=1e30), "beta0"),
     (softassign, dict(alpha=1e30), "alpha"),
-    (softassign, dict(beta_factor="fast"), "beta_factor"),
+    (softassign, dict(beta_factor=float("inf")), "beta_factor"),
 ])
 def test_extreme_parameters_name_the_argument(algo, kwargs, match):
     x, y, _ = _bunny(50, 50)
