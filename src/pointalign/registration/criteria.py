@@ -96,8 +96,9 @@ class ConvergenceCriteria:
                            _validate.integer(self.max_iterations, "max_iterations", minimum=1))
         for name in ("relative_fitness", "relative_rmse", "translation_tolerance",
                      "rotation_tolerance"):
-            object.__setattr__(self, name,
-                               _validate.positive(getattr(self, name), name, allow_zero=True))
+            value = _validate.positive(getattr(self, name), name, allow_zero=True)
+            if not isinstance(getattr(self, name), PerExtent):  # a PerExtent stays one
+                object.__setattr__(self, name, value)
         if self.relative_weights is not None:
             object.__setattr__(self, "relative_weights", _validate.positive(
                 self.relative_weights, "relative_weights", allow_zero=True))
