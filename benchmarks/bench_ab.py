@@ -128,7 +128,7 @@ def run(args) -> None:
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 
-def compare(paths: list[str]) -> None:
+def compare(paths: list[str], topic: str = "refactor_ab", base: str = ".base = 356792a") -> None:
     runs = [r for r in (json.loads(Path(p).read_text()) for p in paths) if "rows" in r]
     colds = [json.loads(Path(p).read_text()) for p in paths]
     colds = [c for c in colds if "cold" in c]
@@ -152,10 +152,10 @@ def compare(paths: list[str]) -> None:
         for n, r in c["cold"].items():
             cold_rows.setdefault(n, {})[c["label"]] = round(r["first_ms"], 1)
     meta = dict(by["after"][0]["meta"])
-    meta["command"] = "benchmarks/bench_ab.py (before: .base = 356792a; after: this commit)"
+    meta["command"] = f"benchmarks/bench_ab.py (before: {base}; after: this commit)"
     dev = "cuda" if "cuda" in str(meta.get("device", "")).lower() or "NVIDIA" in str(meta) \
         else "cpu"
-    dest = Path(__file__).parent / "results" / f"refactor_ab-{dev}.json"
+    dest = Path(__file__).parent / "results" / f"{topic}-{dev}.json"
     dest.write_text(json.dumps({"meta": meta, "rows": table,
                                 "cold": [{"row": n, **v} for n, v in cold_rows.items()]},
                                indent=1))
@@ -170,12 +170,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--compare", nargs="*")
+    ap.add_argument("--topic", default="refactor_ab", help="--compare writes results/TOPIC-*.json")
+    ap.add_argument("--base", default=".base = 356792a", help="--compare: what 'before' was")
     ap.add_argument("--cold", action="store_true",
                     help="each --only row in a fresh process with an empty Triton cache: "
                          "first_ms is what a user meets on a new machine")
     args = ap.parse_args()
     if args.compare:
-        compare(args.compare)
+        compare(args.compare, args.topic, args.base)
     elif args.cold:
         cold(args)
     else:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Issue 12's before/after timing in one device call: the old code unpacked in .base/
-# (git archive 356792a src benchmarks | tar -x -C .base), the new one in src/.
+# A before/after timing in one device call: the old code unpacked in $BASE (default .base,
+# made with: git archive 356792a src benchmarks | tar -x -C .base), the new one in src/.
+#   BASE=.base2 TOPIC=session_ab BASE_NAME="4e78fc8" bash benchmarks/run_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 POINTALIGN_DATA="$PWD/.data"
 OUT=${OUT:-/tmp/ab}; mkdir -p "$OUT"
+BASE=${BASE:-.base}; TOPIC=${TOPIC:-refactor_ab}; BASE_NAME=${BASE_NAME:-".base = 356792a"}
 for rep in 1 2; do for lab in before after; do
-  if [ $lab = before ]; then SRC=.base/src; else SRC=src; fi
+  if [ $lab = before ]; then SRC=$BASE/src; else SRC=src; fi
   PYTHONPATH="$PWD/$SRC:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --label $lab --out "$OUT/${lab}_$rep.json"
 done; done
-PYTHONPATH="$PWD/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --compare "$OUT"/before_*.json "$OUT"/after_*.json
+PYTHONPATH="$PWD/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --compare "$OUT"/before_*.json "$OUT"/after_*.json --topic "$TOPIC" --base "$BASE_NAME"
