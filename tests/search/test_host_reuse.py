@@ -47,3 +47,22 @@ def test_icp_normals_on_the_correspondence_index_equal_their_own_tree(monkeypatc
     base = getattr(idxs[0], "index", idxs[0])
     if isinstance(base, CKDTreeIndex):  # the host path reuses it, and only then
         assert seen[0] is base and seen[-1] is not base
+
+
+def test_import_sets_passive_wait_policy_unless_set():
+    """Importing pointalign before torch makes idle OpenMP threads sleep; a user's choice
+    is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import {} , os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+    def run(mods, **extra):
+        out = subprocess.run([sys.executable, "-c", code.format(mods)], env={**env, **extra},
+                             capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    assert run("pointalign") == "PASSIVE"
+    assert run("pointalign", OMP_WAIT_POLICY="active") == "active"
