@@ -171,7 +171,7 @@ def test_shared_feature_knn_serves_matching_calls(monkeypatch):
     with shared:
         got.append(KR.feature_knn(b, a, 1))
         other = KR.feature_knn(a.clone(), b, 1)  # another tensor: searched on its own
-    for (d, i), (wd, wi) in zip(got, want):
+    for (d, i), (wd, wi) in zip(got, want, strict=True):
         assert torch.equal(d, wd) and torch.equal(i, wi)
     assert torch.equal(other[1], want[0][1])
     assert len(calls) == (1 if _backend.backend(a) == "cpu" else 0)
