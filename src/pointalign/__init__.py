@@ -1,6 +1,6 @@
 """pointalign: rigid point-cloud registration on the GPU and the CPU."""
 
-from pointalign import datasets, metrics, transforms
+from pointalign import _threads, datasets, metrics, transforms  # noqa: F401 (_threads first)
 from pointalign._threads import get_num_threads, set_num_threads
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import voxel_downsample

@@ -9,11 +9,25 @@ importing pointalign does not change a user's own ``torch.set_num_threads``).
     import pointalign as pa
     pa.set_num_threads(1)   # share the machine
     pa.get_num_threads()    # -> 1
+
+Waiting threads sleep: unless ``OMP_WAIT_POLICY`` is set, importing pointalign before
+PyTorch sets it to ``PASSIVE`` (the OpenMP runtime reads it when it loads, with PyTorch).
+PyTorch's OpenMP workers and numba's pool otherwise spin between parallel regions, and
+register()'s many short PyTorch operations between numba kernels left both pools spinning
+against each other: on the shared 2-core machine, ``register`` on the bunny pair with 2
+threads took 1.1-4.8 s of CPU per call (2-4 s typical) against 0.77-0.95 s with ``PASSIVE``
+(load 2.7-2.9; see ``benchmarks/bench_cpu.py``). Set ``OMP_WAIT_POLICY=ACTIVE`` to keep
+spinning; when PyTorch was imported first, the runtime has read its setting already and
+pointalign leaves it alone.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+
+if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 _ENV = ("POINTALIGN_NUM_THREADS", "OMP_NUM_THREADS")
 _n: int | None = None

@@ -136,6 +136,53 @@ def test_feature_knn_duplicates_break_ties_by_index():
     assert torch.equal(d, torch.zeros(2, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("n", [1, 9, 203])
+def test_feature_knn_both_equals_two_calls(dtype, n):
+    """One pass (forward k + backward 1) equals the two separate kernel calls exactly."""
+    g = torch.Generator().manual_seed(n)
+    q = (torch.rand(n, 33, generator=g, dtype=torch.float64) * 30).to(dtype)
+    r = (torch.rand(157, 33, generator=g, dtype=torch.float64) * 30).to(dtype)
+    if n > 20:
+        q[10:20] = q[:10]  # duplicate queries: the backward ties go to the smaller index
+        r[50:60] = q[:10]  # exact hits both ways
+    d, i, bd, bi = _ransac_cpu.feature_knn_both_cpu(q, r, 2)
+    d1, i1 = _ransac_cpu.feature_knn_cpu(q, r, 2)
+    bd1, bi1 = _ransac_cpu.feature_knn_cpu(r, q, 1)
+    assert torch.equal(d, d1) and torch.equal(i, i1)
+    assert torch.equal(bd, bd1) and torch.equal(bi, bi1)
+    if n > 20:
+        assert torch.equal(bi[50:60, 0], torch.arange(10))
+
+
+def test_shared_feature_knn_serves_matching_calls(monkeypatch):
+    from pointalign.kernels import _backend
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.rand(40, 8, generator=g), torch.rand(30, 8, generator=g)
+    want = [KR.feature_knn(a, b, 1), KR.feature_knn(a, b, 2), KR.feature_knn(b, a, 1)]
+    calls = []
+    real = _ransac_cpu.feature_knn_both_cpu
+    monkeypatch.setattr(_ransac_cpu, "feature_knn_both_cpu",
+                        lambda *x: calls.append(1) or real(*x))
+    shared = KR.shared_feature_knn(a, b, 2)
+    with shared:
+        got = [KR.feature_knn(a, b, 1), KR.feature_knn(a, b, 2)]
+    with shared:
+        got.append(KR.feature_knn(b, a, 1))
+        other = KR.feature_knn(a.clone(), b, 1)  # another tensor: searched on its own
+    for (d, i), (wd, wi) in zip(got, want, strict=True):
+        assert torch.equal(d, wd) and torch.equal(i, wi)
+    assert torch.equal(other[1], want[0][1])
+    assert len(calls) == (1 if _backend.backend(a) == "cpu" else 0)
+    a.copy_(torch.rand(40, 8, generator=g))  # modified in place: no stale answers
+    with shared:
+        d, i = KR.feature_knn(a, b, 1)
+    truth = ((a[:, None].double() - b[None].double()) ** 2).sum(-1)
+    assert torch.equal(i[:, 0], truth.argmin(1))
+    assert len(calls) <= 1
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_bound_grid_equals_tree_and_brute(dtype):
     g = np.random.default_rng(7)

@@ -79,6 +79,97 @@ def _feature_knn(q, rt, k, out_d, out_i):
                 out_i[a + s, c] = bi[s, c]
 
 
+@njit(cache=True, parallel=True)
+def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
+    """:func:`_feature_knn` plus every reference row's nearest query, from the same tiles.
+
+    Query blocks are split into ``nchunks`` contiguous runs, one parallel item each; a run
+    keeps its own best query per reference row (strictly smaller distances replace, and
+    queries come in increasing order, so ties keep the smaller index); the runs are merged
+    in order with the same rule. The answer is that of a separate call with the roles
+    swapped: ``(r_d − q_d)²`` equals ``(q_d − r_d)²`` and the sum runs over d in the same order.
+    """
+    n, dim = q.shape
+    m = rt.shape[1]
+    nblocks = (n + QUERY_BLOCK - 1) // QUERY_BLOCK
+    per = (nblocks + nchunks - 1) // nchunks
+    cd = np.full((nchunks, m), np.inf, q.dtype)
+    ci = np.full((nchunks, m), -1, np.int64)
+    for c in prange(nchunks):
+        acc = np.empty((QUERY_BLOCK, TILE), q.dtype)
+        bd = np.empty((QUERY_BLOCK, k), q.dtype)
+        bi = np.empty((QUERY_BLOCK, k), np.int64)
+        for blk in range(c * per, min(nblocks, (c + 1) * per)):
+            a = blk * QUERY_BLOCK
+            b = min(n, a + QUERY_BLOCK)
+            nq = b - a
+            bd[:] = np.inf
+            bi[:] = -1
+            for t0 in range(0, m, TILE):
+                t1 = min(m, t0 + TILE)
+                w = t1 - t0
+                for s in range(nq):
+                    for j in range(w):
+                        acc[s, j] = 0
+                for d in range(dim):
+                    row = rt[d, t0:t1]
+                    for s in range(nq):
+                        qd = q[a + s, d]
+                        for j in range(w):
+                            x = qd - row[j]
+                            acc[s, j] += x * x
+                for s in range(nq):
+                    worst = bd[s, k - 1]
+                    for j in range(w):
+                        dd = acc[s, j]
+                        if dd < cd[c, t0 + j]:
+                            cd[c, t0 + j] = dd
+                            ci[c, t0 + j] = a + s
+                        if dd < worst:
+                            p = k - 1
+                            while p > 0 and bd[s, p - 1] > dd:
+                                bd[s, p] = bd[s, p - 1]
+                                bi[s, p] = bi[s, p - 1]
+                                p -= 1
+                            bd[s, p] = dd
+                            bi[s, p] = t0 + j
+                            worst = bd[s, k - 1]
+            for s in range(nq):
+                for c2 in range(k):
+                    out_d[a + s, c2] = bd[s, c2]
+                    out_i[a + s, c2] = bi[s, c2]
+    for j in range(m):
+        back_d[j] = cd[0, j]
+        back_i[j] = ci[0, j]
+        for c in range(1, nchunks):
+            if cd[c, j] < back_d[j]:
+                back_d[j] = cd[c, j]
+                back_i[j] = ci[c, j]
+
+
+def feature_knn_both_cpu(query: torch.Tensor, ref: torch.Tensor, k: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward k nearest and backward nearest in one pass over the ``N × M`` distances.
+
+    Returns ``(dists_sq (N, k), idx (N, k) int64, back_dists_sq (M, 1), back_idx (M, 1)
+    int64)``: the first two equal :func:`feature_knn_cpu` ``(query, ref, k)``, the last two
+    :func:`feature_knn_cpu` ``(ref, query, 1)`` (``N >= 1``, ``k <= min(M, MAX_K)``).
+    """
+    threads = _threads.numba_threads()
+    q = query.detach().contiguous().numpy()
+    rt = np.ascontiguousarray(ref.detach().to(query.dtype).numpy().T)
+    n, m = q.shape[0], rt.shape[1]
+    out_d = np.empty((n, k), q.dtype)
+    out_i = np.empty((n, k), np.int64)
+    back_d = np.empty((m, 1), q.dtype)
+    back_i = np.empty((m, 1), np.int64)
+    nblocks = (n + QUERY_BLOCK - 1) // QUERY_BLOCK
+    nchunks = max(1, min(nblocks, 4 * threads))
+    _feature_knn_both(q, rt, int(k), nchunks, out_d, out_i, back_d[:, 0], back_i[:, 0])
+    return (torch.from_numpy(out_d), torch.from_numpy(out_i), torch.from_numpy(back_d),
+            torch.from_numpy(back_i))
+
+
 def feature_knn_cpu(query: torch.Tensor, ref: torch.Tensor,
                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the k nearest rows of ``ref (M, D)`` for each row of ``query (N, D)`` (k <= M).

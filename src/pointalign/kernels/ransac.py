@@ -10,6 +10,9 @@ hand-written kernel would not clearly pay):
   chunk at a time), clamped at 0. The "cpu" backend (``_ransac_cpu``, k <= 16) fuses the
   distances and the selection and sums ``(q_d − r_d)²`` directly; the two agree up to
   ``cdist``'s rounding (a neighbour can differ only between near-equidistant rows).
+  Inside :func:`shared_feature_knn` ``(a, b)``, the calls ``feature_knn(a, b, k <= K)`` and
+  ``feature_knn(b, a, 1)`` on that backend are answered from one fused pass over the
+  ``N × M`` distances (identical answers: the same sums, the same tie rule).
 * ``triangle_similar(src (H, 3, 3), tgt (H, 3, 3), similarity) -> (H,) bool``: for the
   three edges e of the source triangle and the matching target edges,
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
@@ -19,6 +22,9 @@ hand-written kernel would not clearly pay):
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import torch
 
@@ -44,6 +50,83 @@ def feature_knn_reference(query: torch.Tensor, ref: torch.Tensor,
     return d_out, i_out
 
 
+def _fused_applies(query: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Return True when the "cpu" kernel answers ``feature_knn(query, ref, ·)``."""
+    return (backend(query) == "cpu" and query.device.type == "cpu" and ref.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float64) and ref.dtype == query.dtype)
+
+
+class SharedFeatureKnn:
+    """Answers ``feature_knn(a, b, k' <= k)`` and ``feature_knn(b, a, 1)`` from one pass.
+
+    Made by :func:`shared_feature_knn`; a context manager that may be entered more than once
+    (the pass runs at most once, on the first matching call inside any of the blocks).
+    """
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, k: int, enabled: bool):
+        self.a, self.b, self.k, self.enabled = a, b, k, enabled
+        self.versions = (a._version, b._version)
+        self.out: tuple[torch.Tensor, ...] | None = None
+        self._prev: list[Any] = []
+
+    def __enter__(self) -> SharedFeatureKnn:
+        self._prev.append(getattr(_shared, "entry", None))
+        _shared.entry = self if self.enabled else None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _shared.entry = self._prev.pop()
+
+    def answer(self, query: torch.Tensor, ref: torch.Tensor,
+               k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Return the shared answer of ``feature_knn(query, ref, k)``, or None."""
+        if (self.a._version, self.b._version) != self.versions:
+            return None  # modified in place since: search again
+        if query is self.a and ref is self.b and k <= self.k:
+            fwd = True
+        elif query is self.b and ref is self.a and k == 1:
+            fwd = False
+        else:
+            return None
+        if self.out is None:
+            from pointalign.kernels import _ransac_cpu
+
+            self.out = _ransac_cpu.feature_knn_both_cpu(self.a, self.b, self.k)
+        d, i, bd, bi = self.out
+        if not fwd:
+            return bd.clone(), bi.clone()
+        return d[:, :k].contiguous(), i[:, :k].contiguous()
+
+
+_shared = threading.local()
+
+
+def shared_feature_knn(a: torch.Tensor, b: torch.Tensor, k: int = 2) -> SharedFeatureKnn:
+    """Share the work of ``feature_knn(a, b, k' <= k)`` and ``feature_knn(b, a, 1)``.
+
+    Inside ``with`` blocks of the returned object (this thread only), on the "cpu" backend,
+    the first such call runs the fused kernel once (``_ransac_cpu.feature_knn_both_cpu``)
+    and every matching call is served from it: the same tensors (``is``), not modified in
+    place since. Other calls, and every call on other backends, search as usual. The
+    answers are those of separate calls (same sums in the same order, same tie rule): only
+    the work is shared.
+
+    Args:
+        a: ``(N, D)`` float tensor (e.g. the source features), N >= 1.
+        b: ``(M, D)`` float tensor, same dtype and device.
+        k: largest forward k served (``1 <= k``; larger than ``M`` or the kernel's limit:
+            no sharing).
+
+    """
+    ok = (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1] and a.shape[0] >= 1
+          and _fused_applies(a, b))
+    if ok:
+        from pointalign.kernels import _ransac_cpu
+
+        ok = 1 <= k <= min(b.shape[0], _ransac_cpu.MAX_K)
+    return SharedFeatureKnn(a, b, k, ok)
+
+
 def feature_knn(query: torch.Tensor, ref: torch.Tensor,
                 k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact k nearest neighbours in feature space (entry point; see the module contract).
@@ -59,10 +142,13 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor,
                          f"and {tuple(ref.shape)}")
     if not 1 <= k <= ref.shape[0]:
         raise ValueError(f"feature_knn: k must be in [1, {ref.shape[0]}], got {k}")
-    if (backend(query) == "cpu" and query.device.type == "cpu" and ref.device.type == "cpu"
-            and query.dtype in (torch.float32, torch.float64) and ref.dtype == query.dtype):
+    if _fused_applies(query, ref):
         from pointalign.kernels import _ransac_cpu
 
+        entry = getattr(_shared, "entry", None)
+        got = None if entry is None else entry.answer(query, ref, k)
+        if got is not None:
+            return got
         if k <= _ransac_cpu.MAX_K:
             return _ransac_cpu.feature_knn_cpu(query, ref, k)
     return feature_knn_reference(query, ref, k)

@@ -275,19 +275,32 @@ def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
     return tuple(search[id(ix)] for ix in built)
 
 
-def _normals(target: Any, target_normals: Any, pair: _edge.Pair) -> torch.Tensor:
-    """Target normals ``(B, M, 3)``: given, from a PointCloud, or estimated (k = NORMALS_K)."""
+def _normals(target: Any, target_normals: Any, pair: _edge.Pair,
+             idxs: tuple = ()) -> torch.Tensor:
+    """Target normals ``(B, M, 3)``: given, from a PointCloud, or estimated (k = NORMALS_K).
+
+    Estimated ones search the correspondence index of ``idxs`` when it is a host tree over
+    that target (exact k-NN: the same neighbours as a tree built for them).
+    """
     normals = _edge.target_normals(target, target_normals, pair)
     if normals is not None:
         return normals
     from pointalign.features.normals import estimate_normals
+    from pointalign.search.ckdtree import CKDTreeIndex
+
+    def reuse(b: int, m: int) -> Any:
+        ix = getattr(idxs[b], "index", idxs[b]) if b < len(idxs) else None
+        ok = isinstance(ix, CKDTreeIndex) and ix.points.shape[0] == m \
+            and (ix.points is pair.target[b, :m] or torch.equal(ix.points, pair.target[b, :m]))
+        return ix if ok else None
 
     normals = torch.zeros_like(pair.target)
     for b in range(1 if pair.shared_target else pair.size):
         m = int(pair.target_counts[b])
         if m >= 3:
             normals[b, :m] = estimate_normals(pair.target[b, :m], k=max(3, min(NORMALS_K, m)),
-                                              orient=None, device=pair.device)
+                                              orient=None, device=pair.device,
+                                              index=reuse(b, m))
     return normals[:1].expand_as(pair.target) if pair.shared_target else normals
 
 
@@ -376,7 +389,8 @@ def icp(
     inputs = {"source": pair.source, "target": pair.target, "lengths": pair.source_lengths,
               "center": torch.zeros(B, 3, device=dev)}
     if plane:
-        inputs["normals"] = clock.stage("normals", _normals, target, target_normals, pair)
+        inputs["normals"] = clock.stage("normals", _normals, target, target_normals, pair,
+                                       idxs)
     if B == 1 and pair.source_counts[0] == pair.source.shape[1]:
         order = policy.query_order(pair.source[0])  # a spatially coherent order, or None
         inputs["source"] = pair.source if order is None else pair.source[:, order]

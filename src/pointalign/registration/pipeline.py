@@ -347,8 +347,13 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     t_f = fpfh(t_down, radius=5 * v, normals=t_nrm, neighbors=t_nb)
     clock.lap("fpfh")
     ransac_options.setdefault("max_correspondence_distance", 1.5 * v)
-    glob = ransac(s_down, t_down, source_features=s_f, target_features=t_f,
-                  hypotheses=hypotheses, target_index=t_idx, seed=seed, **ransac_options)
+    # RANSAC's feature matches and the ranking's (k = 2 forward, 1 backward): one pass
+    from pointalign.kernels.ransac import shared_feature_knn
+
+    shared = shared_feature_knn(s_f, t_f, 2)
+    with shared:
+        glob = ransac(s_down, t_down, source_features=s_f, target_features=t_f,
+                      hypotheses=hypotheses, target_index=t_idx, seed=seed, **ransac_options)
     clock.lap("ransac")
     info: dict[str, Any] = {"voxel_size": v, "source_down": int(s_down.shape[0]),
                             "target_down": int(t_down.shape[0]), "global": glob}
@@ -370,7 +375,8 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     cands = glob.transformation_tensor[None]
     n_rank = 0
     if robust and t_f.shape[0] >= 2:
-        corr = rank_correspondences(s_f, t_f, CORRESPONDENCES)
+        with shared:
+            corr = rank_correspondences(s_f, t_f, CORRESPONDENCES)
         n_rank = int(corr.shape[0])
         if n_rank >= 3:
             H, _ = compatibility_hypotheses(s_down[corr[:, 0]], t_down[corr[:, 1]], 1.5 * v)

@@ -1,6 +1,7 @@
 """SciPy ``cKDTree`` behind the :class:`~pointalign.search.base.Index` protocol (CPU search).
 
-The tree is built on the host in float64 and queried with all cores (``workers=-1``);
+The tree is built on the host in float64 on first use (the "cpu" backend answers from the
+kernel layer's host tree instead and never builds it) and queried with all cores (``workers=-1``);
 squared distances are then recomputed from the coordinates in the points' dtype, so results
 match :class:`~pointalign.search.brute.BruteForceIndex` exactly. Results come back on the
 query's device (points on a GPU are copied to the host once, at build time).
@@ -35,12 +36,20 @@ class CKDTreeIndex:
 
     def __init__(self, points: Any, *, device: str | torch.device | None = None,
                  leafsize: int = 16, workers: int = -1):
-        from scipy.spatial import cKDTree
-
         self.points = _checks.index_points(points, device=device)
         self._host = self.points.detach().cpu()
-        self._tree = cKDTree(self._host.to(torch.float64).numpy(), leafsize=leafsize)
+        self.leafsize = int(leafsize)
+        self._scipy: Any = None
         self.workers = workers
+
+    @property
+    def _tree(self) -> Any:
+        """SciPy's cKDTree, built on first use (the "cpu" backend's host tree never needs it)."""
+        if self._scipy is None:
+            from scipy.spatial import cKDTree
+
+            self._scipy = cKDTree(self._host.to(torch.float64).numpy(), leafsize=self.leafsize)
+        return self._scipy
 
     def _cpu_tree(self) -> Any:
         """Return the kernel layer's host tree (built on first use), or None off its backend."""
