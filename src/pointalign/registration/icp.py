@@ -214,7 +214,9 @@ def _point_information(pair: _edge.Pair, b: int, index: Any, T: np.ndarray,
     n, m = int(pair.source_counts[b]), int(pair.target_counts[b])
     # a random sample with a fixed seed: a stride can alias with the scan pattern of an
     # ordered cloud (lidar rings) and pick a biased, near-degenerate subset
-    rows = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:STABILITY_SAMPLE]
+    # (drawn with replacement: O(sample) work, where a permutation of n costs ms at 1M)
+    rows = torch.randint(n, (min(n, STABILITY_SAMPLE),),
+                         generator=torch.Generator().manual_seed(0))
     x = pair.source[b, rows.to(pair.source.device)]
     Tf = torch.from_numpy(T).to(device=x.device, dtype=torch.float32)
     with _validate.trusted():
