@@ -52,6 +52,19 @@ def test_icp_far_from_origin_equals_unshifted(small_pair, method, offset):
     assert abs(far.rmse - ref.rmse) <= 1e-6 * ref.rmse
 
 
+@pytest.mark.parametrize(("offset", "coarse"), [(1e3, False), (1e5, True)])
+def test_float32_far_from_origin_is_not_converged(small_pair, offset, coarse):
+    """Float32 coordinates at 10⁵ m are rounded to ~8 mm (5 % of the bunny): a settled
+    iteration there says ``coarse_input``, not converged; at 10³ m (0.1 mm) it converges."""
+    s, t = small_pair
+    ot = torch.tensor([offset, -0.5 * offset, 0.25 * offset], dtype=torch.float64)
+    far = icp((s + ot).float(), (t + ot).float(), max_correspondence_distance=0.02,
+              criteria=CRIT, device="cpu")
+    assert far.converged is not coarse
+    if coarse:
+        assert far.stop_reason == "coarse_input" and "input_resolution" in far.info
+
+
 # ---- register() on the edge: the whole pipeline far from the origin --------------------
 
 REGISTER_KW = dict(target_points=300, hypotheses=1024, max_iterations=15)

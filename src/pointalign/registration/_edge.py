@@ -49,6 +49,10 @@ class StopReason(str, enum.Enum):
       any residual (a plane moved in-plane, a sphere or cylinder turned, fewer than 6
       correspondences); :func:`pointalign._math.stability` ≤ ``STABILITY_EPS``
       (``info["stability"]``), decided once at the end by :func:`build_result`;
+    * ``COARSE_INPUT``: the iteration settled, but the coordinates came rounded by more than
+      :data:`MAX_RESOLUTION` of the target's extent (float32 far from the origin: at 10⁵ m
+      a float32 coordinate's spacing is ~8 mm), so the pose is only as good as that
+      rounding (``info["input_resolution"]``); pass float64 coordinates;
     * ``NO_HYPOTHESIS`` / ``BELOW_THRESHOLD``: a global method found no (good enough)
       hypothesis.
     """
@@ -62,6 +66,7 @@ class StopReason(str, enum.Enum):
     NO_CORRESPONDENCES = "no_correspondences"
     DEGENERATE = "degenerate"
     AMBIGUOUS = "ambiguous"
+    COARSE_INPUT = "coarse_input"
     NO_HYPOTHESIS = "no_hypothesis"
     BELOW_THRESHOLD = "below_threshold"
 
@@ -152,6 +157,9 @@ class Pair:
             (metres): the scale that relative tolerances and the stability rule read.
         centroid: ``(B, 3)`` float64 NumPy, each target's centroid in the local frame (0
             unless ``local=False``).
+        resolution: ``(B,)`` float64 NumPy, about the spacing of the coordinates as given
+            (their dtype's epsilon times their magnitude): what float32 input far from the
+            origin has already lost.
 
     """
 
@@ -169,6 +177,7 @@ class Pair:
     init_world: np.ndarray | None = None
     extent: np.ndarray | None = None
     centroid: np.ndarray | None = None
+    resolution: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -182,6 +191,12 @@ def _centroids(pts: torch.Tensor, lengths: torch.Tensor, counts: np.ndarray) -> 
         return pts.mean(1)
     rows = torch.arange(pts.shape[1], device=pts.device)[None, :, None] < lengths[:, None, None]
     return (pts * rows).sum(1) / lengths[:, None].clamp_min(1).to(pts.dtype)
+
+
+#: the coarsest input spacing, as a fraction of the target's RMS radius, at which a settled
+#: iteration still counts as converged (the bunny in float32 at 10⁴ m: 0.02, poses within
+#: 3·10⁻⁴ of the extent; at 10⁵ m: 0.2, poses ~10 % off)
+MAX_RESOLUTION = 0.05
 
 
 def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
@@ -237,9 +252,12 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
             np.repeat(t_counts, B)
         host = np.repeat(host, B, axis=0)
     frame = Frame(host[:, :3].copy())
+    # the coordinates' spacing as given: epsilon x magnitude (the centroid's plus 3 RMS radii)
+    eps = max(torch.finfo(src.dtype).eps, torch.finfo(tgt.dtype).eps)
+    world = np.abs(host[:, :3] + host[:, 4:7]).max(1) + 3 * host[:, 3]
     return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
                 np.asarray(t_counts, dtype=np.int64), frame.to_local(T0), frame, batched,
-                shared, device, T0, host[:, 3].copy(), host[:, 4:7].copy())
+                shared, device, T0, host[:, 3].copy(), host[:, 4:7].copy(), eps * world)
 
 
 def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None:
@@ -281,9 +299,17 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
         stability: ``(B,)`` :func:`pointalign._math.stability` of each final pose (None:
             not measured). **The determinacy rule**: a converged reason at a stability
             ≤ :data:`pointalign._math.STABILITY_EPS` becomes ``AMBIGUOUS`` (not
-            converged); ``info["stability"]`` records the values.
+            converged); ``info["stability"]`` records the values. Likewise a converged
+            reason on input coarser than :data:`MAX_RESOLUTION` of the extent becomes
+            ``COARSE_INPUT``.
 
     """
+    if pair.resolution is not None and pair.extent is not None:
+        coarse = pair.resolution > MAX_RESOLUTION * pair.extent
+        if coarse.any():
+            reasons = [StopReason.COARSE_INPUT if r.converged and c else r
+                       for r, c in zip(reasons, coarse, strict=True)]
+            info = {**info, "input_resolution": pair.resolution}
     if stability is not None:
         stab = np.asarray(stability, dtype=np.float64)
         reasons = [StopReason.AMBIGUOUS if r.converged and not st > _math.STABILITY_EPS
