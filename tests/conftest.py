@@ -57,3 +57,17 @@ def shared_data():
     if d is None:
         pytest.skip("shared real data (../shared/data) not present")
     return d
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """Undo what a test's CLI run configured (``-v`` attaches a stderr handler to the
+    "pointalign" logger for the process): later tests see the library's own logging."""
+    import logging
+
+    log = logging.getLogger("pointalign")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    log.handlers[:] = handlers
+    log.setLevel(level)
+    log.propagate = propagate
