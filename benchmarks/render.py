@@ -12,8 +12,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = HERE.parent / "BENCHMARKS.md"
 
-ORDER = ["refactor_ab", "knn", "kdtree", "icp", "soft", "surface", "ransac", "hard_pairs",
-         "hard_pairs_open3d", "cpu"]
+ORDER = [
+    "session_ab", "refactor_ab", "memory", "precision", "knn", "kdtree", "icp", "soft",
+    "surface", "ransac", "hard_pairs", "hard_pairs_open3d", "cpu"]
 
 
 def _fmt(v):
