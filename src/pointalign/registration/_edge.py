@@ -305,7 +305,8 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
 
     """
     if pair.resolution is not None and pair.extent is not None:
-        coarse = pair.resolution > MAX_RESOLUTION * pair.extent
+        # (a target of no extent is left to the degeneracy and stability rules)
+        coarse = (pair.extent > 0) & (pair.resolution > MAX_RESOLUTION * pair.extent)
         if coarse.any():
             reasons = [StopReason.COARSE_INPUT if r.converged and c else r
                        for r, c in zip(reasons, coarse, strict=True)]
