@@ -256,6 +256,9 @@ def _interp_pair(seed):
     return datasets.make_pair(cloud, 8.0, 0.01, noise=5e-4, seed=seed)
 
 
+#: pairs the Triton-interpreter ICP runs cover (the GPU tests cover the compiled kernels
+#: on many more)
+INTERP_PAIRS = [0]
 SHORT = ConvergenceCriteria(max_iterations=4, relative_fitness=0, relative_rmse=0,
                             translation_tolerance=0, rotation_tolerance=0)
 
@@ -266,7 +269,7 @@ def run_interpreted_icp(out_path: str) -> None:
 
     assert _backend.backend(torch.empty(0)) == "interpret"
     out = {}
-    for seed in range(2):
+    for seed in INTERP_PAIRS:  # one pair: the 6×6 Jacobi solve is slow when interpreted
         p = _interp_pair(seed)
         for m in METHODS:
             r = icp(p.source, p.target, max_correspondence_distance=0.03, method=m,
@@ -304,7 +307,7 @@ def test_interpreted_hinted_kdtree_icp_matches_torch(interpreted):
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("pseed", [0, 1])
+@pytest.mark.parametrize("pseed", INTERP_PAIRS)
 def test_interpreted_triton_icp_matches_torch(interpreted, pseed, method):
     p = _interp_pair(pseed)
     ref = icp(p.source, p.target, max_correspondence_distance=0.03, method=method,
