@@ -34,9 +34,41 @@ TILE = 256
 MAX_K = 16
 
 
+@njit(cache=True, inline="always")
+def _tile_distances(q, rt, a, nq, t0, t1, acc):
+    """``acc[s, j] = ‖q[a + s] − rt[:, t0 + j]‖²`` for the ``nq`` queries and the tile."""
+    w = t1 - t0
+    for s in range(nq):
+        for j in range(w):
+            acc[s, j] = 0
+    for d in range(q.shape[1]):
+        row = rt[d, t0:t1]
+        for s in range(nq):
+            qd = q[a + s, d]
+            for j in range(w):
+                x = qd - row[j]
+                acc[s, j] += x * x
+
+
+@njit(cache=True, inline="always")
+def _insert(bd, bi, s, k, dd, idx):
+    """Insert ``(dd, idx)`` into row s of the sorted best-k lists; return the k-th distance.
+
+    It goes after every kept entry <= dd (ties: the smaller index first).
+    """
+    p = k - 1
+    while p > 0 and bd[s, p - 1] > dd:
+        bd[s, p] = bd[s, p - 1]
+        bi[s, p] = bi[s, p - 1]
+        p -= 1
+    bd[s, p] = dd
+    bi[s, p] = idx
+    return bd[s, k - 1]
+
+
 @njit(cache=True, parallel=True)
 def _feature_knn(q, rt, k, out_d, out_i):
-    n, dim = q.shape
+    n = q.shape[0]
     m = rt.shape[1]
     nblocks = (n + QUERY_BLOCK - 1) // QUERY_BLOCK
     for blk in prange(nblocks):
@@ -49,30 +81,13 @@ def _feature_knn(q, rt, k, out_d, out_i):
         for t0 in range(0, m, TILE):
             t1 = min(m, t0 + TILE)
             w = t1 - t0
-            for s in range(nq):
-                for j in range(w):
-                    acc[s, j] = 0
-            for d in range(dim):
-                row = rt[d, t0:t1]
-                for s in range(nq):
-                    qd = q[a + s, d]
-                    for j in range(w):
-                        x = qd - row[j]
-                        acc[s, j] += x * x
+            _tile_distances(q, rt, a, nq, t0, t1, acc)
             for s in range(nq):
                 worst = bd[s, k - 1]
                 for j in range(w):
                     dd = acc[s, j]
                     if dd < worst:
-                        # insert after every kept entry <= dd (ties: smaller index first)
-                        p = k - 1
-                        while p > 0 and bd[s, p - 1] > dd:
-                            bd[s, p] = bd[s, p - 1]
-                            bi[s, p] = bi[s, p - 1]
-                            p -= 1
-                        bd[s, p] = dd
-                        bi[s, p] = t0 + j
-                        worst = bd[s, k - 1]
+                        worst = _insert(bd, bi, s, k, dd, t0 + j)
         for s in range(nq):
             for c in range(k):
                 out_d[a + s, c] = bd[s, c]
@@ -89,7 +104,7 @@ def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
     in order with the same rule. The answer is that of a separate call with the roles
     swapped: ``(r_d − q_d)²`` equals ``(q_d − r_d)²`` and the sum runs over d in the same order.
     """
-    n, dim = q.shape
+    n = q.shape[0]
     m = rt.shape[1]
     nblocks = (n + QUERY_BLOCK - 1) // QUERY_BLOCK
     per = (nblocks + nchunks - 1) // nchunks
@@ -108,16 +123,7 @@ def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
             for t0 in range(0, m, TILE):
                 t1 = min(m, t0 + TILE)
                 w = t1 - t0
-                for s in range(nq):
-                    for j in range(w):
-                        acc[s, j] = 0
-                for d in range(dim):
-                    row = rt[d, t0:t1]
-                    for s in range(nq):
-                        qd = q[a + s, d]
-                        for j in range(w):
-                            x = qd - row[j]
-                            acc[s, j] += x * x
+                _tile_distances(q, rt, a, nq, t0, t1, acc)
                 for s in range(nq):
                     worst = bd[s, k - 1]
                     for j in range(w):
@@ -126,14 +132,7 @@ def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
                             cd[c, t0 + j] = dd
                             ci[c, t0 + j] = a + s
                         if dd < worst:
-                            p = k - 1
-                            while p > 0 and bd[s, p - 1] > dd:
-                                bd[s, p] = bd[s, p - 1]
-                                bi[s, p] = bi[s, p - 1]
-                                p -= 1
-                            bd[s, p] = dd
-                            bi[s, p] = t0 + j
-                            worst = bd[s, k - 1]
+                            worst = _insert(bd, bi, s, k, dd, t0 + j)
             for s in range(nq):
                 for c2 in range(k):
                     out_d[a + s, c2] = bd[s, c2]

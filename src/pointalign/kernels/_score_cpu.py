@@ -36,37 +36,13 @@ MIN_QUERIES_PER_POINT = 4
 
 
 @njit(cache=True)
-def _count(pts, origin, c, dims, reach2):
-    """Entries per cell: cells whose box lies within ``sqrt(reach2)`` of each point."""
-    counts = np.zeros(dims[0] * dims[1] * dims[2] + 1, np.int64)
-    reach = math.sqrt(reach2)
-    for i in range(pts.shape[0]):
-        p0, p1, p2 = np.float64(pts[i, 0]), np.float64(pts[i, 1]), np.float64(pts[i, 2])
-        a0 = max(0, int(math.floor((p0 - reach - origin[0]) / c)))
-        a1 = max(0, int(math.floor((p1 - reach - origin[1]) / c)))
-        a2 = max(0, int(math.floor((p2 - reach - origin[2]) / c)))
-        b0 = min(dims[0] - 1, int(math.floor((p0 + reach - origin[0]) / c)))
-        b1 = min(dims[1] - 1, int(math.floor((p1 + reach - origin[1]) / c)))
-        b2 = min(dims[2] - 1, int(math.floor((p2 + reach - origin[2]) / c)))
-        for x in range(a0, b0 + 1):
-            lo = origin[0] + x * c
-            g0 = max(lo - p0, p0 - (lo + c), 0.0)
-            for y in range(a1, b1 + 1):
-                lo1 = origin[1] + y * c
-                g1 = max(lo1 - p1, p1 - (lo1 + c), 0.0)
-                for z in range(a2, b2 + 1):
-                    lo2 = origin[2] + z * c
-                    g2 = max(lo2 - p2, p2 - (lo2 + c), 0.0)
-                    if g0 * g0 + g1 * g1 + g2 * g2 <= reach2:
-                        counts[(x * dims[1] + y) * dims[2] + z + 1] += 1
-    return counts
+def _cells_in_reach(pts, origin, c, dims, reach2, pos, items, fill):
+    """Visit, for every point, the cells whose box lies within ``sqrt(reach2)`` of it.
 
-
-@njit(cache=True)
-def _fill(pts, origin, c, dims, reach2, start):
-    """Candidate lists (point indices, increasing within each cell) in CSR order."""
-    pos = start[:-1].copy()
-    items = np.empty(start[-1], np.int32)
+    Two passes build the CSR candidate lists: ``fill=False`` counts entries per cell into
+    ``pos[cell + 1]``; ``fill=True`` writes each point into ``items`` at ``pos[cell]`` (the
+    cells' starts), so indices increase within each cell.
+    """
     reach = math.sqrt(reach2)
     for i in range(pts.shape[0]):
         p0, p1, p2 = np.float64(pts[i, 0]), np.float64(pts[i, 1]), np.float64(pts[i, 2])
@@ -87,9 +63,11 @@ def _fill(pts, origin, c, dims, reach2, start):
                     g2 = max(lo2 - p2, p2 - (lo2 + c), 0.0)
                     if g0 * g0 + g1 * g1 + g2 * g2 <= reach2:
                         cell = (x * dims[1] + y) * dims[2] + z
-                        items[pos[cell]] = i
-                        pos[cell] += 1
-    return items
+                        if fill:
+                            items[pos[cell]] = i
+                            pos[cell] += 1
+                        else:
+                            pos[cell + 1] += 1
 
 
 @njit(cache=True, parallel=True)
@@ -152,11 +130,15 @@ class BoundGrid:
                 return None
             c = min(r, 2 * c)
         origin = lo - reach
-        counts = _count(points, origin, c, dims, reach * reach)
+        counts = np.zeros(int(np.prod(dims)) + 1, np.int64)
+        _cells_in_reach(points, origin, c, dims, reach * reach, counts,
+                        np.empty(0, np.int32), False)
         start = np.cumsum(counts)
         if start[-1] >= 2 ** 31:
             return None
-        items = _fill(points, origin, c, dims, reach * reach, start)
+        items = np.empty(start[-1], np.int32)
+        _cells_in_reach(points, origin, c, dims, reach * reach, start[:-1].copy(), items,
+                        True)
         return BoundGrid(points, max_d2, origin, c, dims, start, items)
 
     def nearest(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
