@@ -78,6 +78,8 @@ def test_auto_form_estimate_and_slow_warning(monkeypatch):
     assert est["approximation"]["mode"] == "truncated" and est["seconds"] > 0
     with pytest.raises(ValueError, match="algorithm"):
         soft.estimate_seconds("icp", x, y)
+    with pytest.raises(TypeError, match="sigmaa"):
+        soft.estimate_seconds("emicp", x, y, sigmaa=0.1)
     with pytest.raises(ValueError, match="approximation"):
         emicp(x, y, device="cpu", approximation="fast")
     monkeypatch.setattr(soft, "SLOW_S", -1.0)

@@ -537,6 +537,9 @@ def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) ->
         names = ("init", "sigma", "sigma_min", "factor", "outlier_distance", "criteria",
                  "device", "source_lengths", "target_lengths", "approximation")
         defaults = dict(factor=0.9, approximation="auto")
+        unknown = sorted(set(params) - set(names))
+        if unknown:
+            raise TypeError(f"estimate_seconds: emicp takes no argument {unknown[0]!r}")
         args = [params.get(n, defaults.get(n)) for n in names]
         prog, pair, _, _ = _emicp_setup(source, target, *args)
     elif algorithm == "softassign":
