@@ -56,6 +56,7 @@ from pointalign._math import eigh3 as symmetric_eigh3
 from pointalign.kernels import _loop, normal_eq
 from pointalign.kernels import kdtree as _kd
 from pointalign.kernels import surface as _ks
+from pointalign.kernels._backend import backend
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
@@ -797,6 +798,16 @@ class CellMeanStep:
     def __call__(self, inputs: _loop.Tensors, state: _loop.Tensors):
         """Run one step: ``(inputs, state) -> (state, record)`` (class docstring)."""
         T, Tf = state["T"], state["Tf"]
+        if backend(inputs["source"]) == "cpu":
+            # one fused numba pass (move, descend, pair, Horn's sums; the "torch" backend's
+            # moves and reduction below are its reference), then the float64 solve
+            sums = _ks.cell_mean_sums(inputs["source"][0], Tf[0], self.tree.arrays,
+                                      inputs["means"][0], self.level, tau2=self.tau2,
+                                      center=inputs["center"][0])[None]
+            D, T_new, flags = normal_eq.solve_update_reference(
+                sums, inputs["center"], T, plane=False, eps=estimate.DEGENERACY_EPS)
+            return {"T": T_new, "Tf": T_new.float()}, {"sums": sums, "update": D, "T": T_new,
+                                                        "flags": flags}
         x = torch.baddbmm(Tf[:, None, :3, 3], inputs["source"], Tf[:, :3, :3].transpose(1, 2))
         node = _kd.descend(self.tree.arrays, x[0], self.level)
         if math.isfinite(self.tau2):
