@@ -350,6 +350,12 @@ def surface_rows(rec: Recorder, repeat: int, reference: bool) -> None:
         rot, tr = metrics.relative_error(ours_T, np.asarray(ref.transformation))
         rec.add("surface_newton", impl="cpu backend vs torch reference", rot_err_deg=rot,
                 trans_err_mm=1e3 * tr)
+    load = _load()
+    r, w, c = timed(lambda: pa.surface_newton(src, tgt, device="cpu",
+                                              max_correspondence_distance=1.0), repeat)
+    row("pointalign surface_newton (cpu backend, truncated at 1 m as the peers)", r, w, c,
+        load)
+    approximate_icp_rows(rec, src, tgt, truth, "lidar", repeat, reference)
     s_np = np.asarray(src.points, np.float64)
     t_np = np.asarray(tgt.points, np.float64)
     if o3d is not None:
@@ -380,6 +386,49 @@ def surface_rows(rec: Recorder, repeat: int, reference: bool) -> None:
                 trans_err_mm=1e3 * tr)
 
 
+def approximate_icp_rows(rec: Recorder, src, tgt, truth: np.ndarray, pair: str, repeat: int,
+                         reference: bool) -> None:
+    """``approximate_icp`` (cell means as partners, default schedule, from the identity).
+
+    The cpu backend (one fused numba pass a step: move, descend, pair, Horn's sums) and,
+    with ``reference``, one run on the PyTorch reference backend (the "before"). No
+    truncation (its default) and, on the LiDAR pair, 1 m as the peers of
+    :func:`surface_rows`. Its accuracy is that of the cell means (docs: surface methods).
+    """
+    threads = pa.get_num_threads()
+
+    def add(impl, res, w, c, load):
+        rot, tr = metrics.relative_error(np.asarray(res.transformation), truth)
+        rec.add("approximate_icp", impl=impl, pair=pair, wall_s=w, cpu_s=c, load1=load,
+                threads=threads, iterations=int(res.iterations),
+                stop_reason=str(res.stop_reason), stalled=bool(res.info["stalled"]),
+                fitness=float(res.fitness), rot_err_deg=rot, trans_err_mm=1e3 * tr)
+
+    taus = [None] + ([1.0] if pair == "lidar" else [])
+    for tau in taus:
+        def call(tau=tau):
+            return pa.approximate_icp(src, tgt, device="cpu", max_correspondence_distance=tau)
+
+        load = _load()
+        res, w, c = timed(call, repeat)
+        label = "" if tau is None else f", truncated at {tau:g} m"
+        add(f"pointalign approximate_icp (cpu backend{label})", res, w, c, load)
+    if reference:
+        old = os.environ.get("POINTALIGN_BACKEND")
+        os.environ["POINTALIGN_BACKEND"] = "torch"
+        try:
+            load = _load()
+            c0, w0 = time.process_time(), time.perf_counter()
+            ref = pa.approximate_icp(src, tgt, device="cpu")
+            w, c = time.perf_counter() - w0, time.process_time() - c0
+        finally:
+            if old is None:
+                os.environ.pop("POINTALIGN_BACKEND", None)
+            else:
+                os.environ["POINTALIGN_BACKEND"] = old
+        add("pointalign approximate_icp (torch reference backend, 1 run)", ref, w, c, load)
+
+
 def main() -> None:
     p = parse_args(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
@@ -405,6 +454,8 @@ def main() -> None:
         emicp_rows(rec, s, t, truth, args.emicp_repeat)
     if want("surface"):
         surface_rows(rec, args.repeat, reference=args.slow)
+    if want("surface") or want("aicp"):
+        approximate_icp_rows(rec, s, t, truth, "bunny", args.repeat, args.slow)
     rec.save()
 
 

@@ -281,5 +281,5 @@ def test_approximate_icp_cpu_equals_torch(monkeypatch):
     assert math.acos(min(1.0, max(-1.0, (np.trace(dR) - 1) / 2))) < 2e-5
     assert np.abs(Ta[:3, 3] - Tb[:3, 3]).max() < 2e-6
     assert int(a.iterations) == int(b.iterations)
-    assert a.stop_reason == b.stop_reason
+    assert a.stop_reason == b.stop_reason and a.info["stalled"] == b.info["stalled"]
     assert abs(float(a.rmse) - float(b.rmse)) <= 1e-5 * float(a.rmse)
