@@ -148,8 +148,11 @@ def cell_mean_sums(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
 def cell_mean_sums_reference(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
                              means: torch.Tensor, depth: int, *, tau2: float = math.inf,
                              center: torch.Tensor | None = None) -> torch.Tensor:
-    """PyTorch reference of :func:`cell_mean_sums` (the moves and the float64 reduction of
-    :class:`pointalign.registration.surface.CellMeanStep` on the "torch" backend)."""
+    """PyTorch reference of :func:`cell_mean_sums` (same arguments and result).
+
+    The moves and the float64 reduction of
+    :class:`pointalign.registration.surface.CellMeanStep` on the "torch" backend.
+    """
     Tp = T.to(device=points.device, dtype=points.dtype)
     q = points @ Tp[:3, :3].T + Tp[:3, 3]
     node = _kd.descend(tree, q, depth)
