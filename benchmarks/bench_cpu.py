@@ -25,6 +25,15 @@ Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
   identity, plane approximant, default schedule) with Open3D point-to-plane ICP and
   small_gicp PLANE_ICP on the same clouds for context (:func:`surface_rows`); ``--slow``
   adds one run on the PyTorch reference backend and the cpu-vs-reference pose difference.
+  A second ours row truncates at 1 m, as the peers do (docs/surface-methods.md: without a
+  truncation the partial overlap and the ~5k invalid returns at (0, 0, 0) of each scan
+  pull the pose 0.78° / 50 mm off relative.txt).
+* ``approximate_icp`` (:func:`approximate_icp_rows`, run with ``--only surface`` or
+  ``--only aicp``): the LiDAR pair (no truncation and 1 m, beside the surface rows' peers)
+  and the bunny pair (bun045 -> bun000), from the identity, default schedule; ``--slow``
+  adds one run each on the PyTorch reference backend (the "before": the torch move,
+  descent and reduction of ``CellMeanStep``). The "cpu" backend runs one fused numba pass
+  a step (``kernels/_surface_cpu.py``, ``cell_mean_sums``).
 
 Every row records wall time, this process's CPU time (all its threads, peers' OpenMP
 threads included: a load-robust measure) and ``os.getloadavg()`` before the row: the
