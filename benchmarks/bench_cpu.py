@@ -102,7 +102,14 @@ comparable figure; the lead's quiet run replaces these): load 12, 2 threads: cpu
 Open3D point-to-plane ICP 9.5 s / 3.4 s, small_gicp PLANE_ICP 2.3 s / 0.76 s; load 10,
 ``POINTALIGN_NUM_THREADS=1``: cpu backend 3.0 s / 1.27 s, Open3D 8.1 s / 3.8 s (all cores),
 small_gicp 1.4 s / 0.67 s. Against relative.txt: ours 0.78° / 50 mm (the torch reference
-gives the same pose), Open3D 0.04° / 16 mm, small_gicp 0.10° / 30 mm.
+gives the same pose), Open3D 0.04° / 16 mm, small_gicp 0.10° / 30 mm; truncated at 1 m
+as the peers: 0.33° / 49 mm (0.12° / 14 mm with the invalid (0, 0, 0) returns dropped).
+approximate_icp (``--only surface --slow --repeat 2``, load 8.6-9.5, 2 threads): bunny
+cpu 7.2 s / 2.9 s CPU, torch reference 27.9 s / 12.3 s; LiDAR cpu 6.7 s / 2.6 s, reference
+10.3 s / 5.8 s; with ``pa.set_num_threads(1)`` (load 7): bunny 0.78 s / 0.38 s, LiDAR
+1.0 s / 0.51 s (the 2-thread rows measure the oversubscribed machine). Poses equal the
+reference's; accuracy: bunny 4.2° / 3.8 mm, LiDAR 2.35° / 887 mm (``info["stalled"]``),
+see docs/surface-methods.md.
 
     python benchmarks/bench_cpu.py            # all rows (surface_newton: cpu backend + peers)
     python benchmarks/bench_cpu.py --slow     # plus surface_newton on the torch reference
