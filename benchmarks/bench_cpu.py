@@ -25,6 +25,15 @@ Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
   identity, plane approximant, default schedule) with Open3D point-to-plane ICP and
   small_gicp PLANE_ICP on the same clouds for context (:func:`surface_rows`); ``--slow``
   adds one run on the PyTorch reference backend and the cpu-vs-reference pose difference.
+  A second ours row truncates at 1 m, as the peers do (docs/surface-methods.md: without a
+  truncation the partial overlap and the ~5k invalid returns at (0, 0, 0) of each scan
+  pull the pose 0.78° / 50 mm off relative.txt).
+* ``approximate_icp`` (:func:`approximate_icp_rows`, run with ``--only surface`` or
+  ``--only aicp``): the LiDAR pair (no truncation and 1 m, beside the surface rows' peers)
+  and the bunny pair (bun045 -> bun000), from the identity, default schedule; ``--slow``
+  adds one run each on the PyTorch reference backend (the "before": the torch move,
+  descent and reduction of ``CellMeanStep``). The "cpu" backend runs one fused numba pass
+  a step (``kernels/_surface_cpu.py``, ``cell_mean_sums``).
 
 Every row records wall time, this process's CPU time (all its threads, peers' OpenMP
 threads included: a load-robust measure) and ``os.getloadavg()`` before the row: the
@@ -93,7 +102,14 @@ comparable figure; the lead's quiet run replaces these): load 12, 2 threads: cpu
 Open3D point-to-plane ICP 9.5 s / 3.4 s, small_gicp PLANE_ICP 2.3 s / 0.76 s; load 10,
 ``POINTALIGN_NUM_THREADS=1``: cpu backend 3.0 s / 1.27 s, Open3D 8.1 s / 3.8 s (all cores),
 small_gicp 1.4 s / 0.67 s. Against relative.txt: ours 0.78° / 50 mm (the torch reference
-gives the same pose), Open3D 0.04° / 16 mm, small_gicp 0.10° / 30 mm.
+gives the same pose), Open3D 0.04° / 16 mm, small_gicp 0.10° / 30 mm; truncated at 1 m
+as the peers: 0.33° / 49 mm (0.12° / 14 mm with the invalid (0, 0, 0) returns dropped).
+approximate_icp (``--only surface --slow --repeat 2``, load 8.6-9.5, 2 threads): bunny
+cpu 7.2 s / 2.9 s CPU, torch reference 27.9 s / 12.3 s; LiDAR cpu 6.7 s / 2.6 s, reference
+10.3 s / 5.8 s; with ``pa.set_num_threads(1)`` (load 7): bunny 0.78 s / 0.38 s, LiDAR
+1.0 s / 0.51 s (the 2-thread rows measure the oversubscribed machine). Poses equal the
+reference's; accuracy: bunny 4.2° / 3.8 mm, LiDAR 2.35° / 887 mm (``info["stalled"]``),
+see docs/surface-methods.md.
 
     python benchmarks/bench_cpu.py            # all rows (surface_newton: cpu backend + peers)
     python benchmarks/bench_cpu.py --slow     # plus surface_newton on the torch reference
@@ -350,6 +366,12 @@ def surface_rows(rec: Recorder, repeat: int, reference: bool) -> None:
         rot, tr = metrics.relative_error(ours_T, np.asarray(ref.transformation))
         rec.add("surface_newton", impl="cpu backend vs torch reference", rot_err_deg=rot,
                 trans_err_mm=1e3 * tr)
+    load = _load()
+    r, w, c = timed(lambda: pa.surface_newton(src, tgt, device="cpu",
+                                              max_correspondence_distance=1.0), repeat)
+    row("pointalign surface_newton (cpu backend, truncated at 1 m as the peers)", r, w, c,
+        load)
+    approximate_icp_rows(rec, src, tgt, truth, "lidar", repeat, reference)
     s_np = np.asarray(src.points, np.float64)
     t_np = np.asarray(tgt.points, np.float64)
     if o3d is not None:
@@ -380,6 +402,49 @@ def surface_rows(rec: Recorder, repeat: int, reference: bool) -> None:
                 trans_err_mm=1e3 * tr)
 
 
+def approximate_icp_rows(rec: Recorder, src, tgt, truth: np.ndarray, pair: str, repeat: int,
+                         reference: bool) -> None:
+    """``approximate_icp`` (cell means as partners, default schedule, from the identity).
+
+    The cpu backend (one fused numba pass a step: move, descend, pair, Horn's sums) and,
+    with ``reference``, one run on the PyTorch reference backend (the "before"). No
+    truncation (its default) and, on the LiDAR pair, 1 m as the peers of
+    :func:`surface_rows`. Its accuracy is that of the cell means (docs: surface methods).
+    """
+    threads = pa.get_num_threads()
+
+    def add(impl, res, w, c, load):
+        rot, tr = metrics.relative_error(np.asarray(res.transformation), truth)
+        rec.add("approximate_icp", impl=impl, pair=pair, wall_s=w, cpu_s=c, load1=load,
+                threads=threads, iterations=int(res.iterations),
+                stop_reason=str(res.stop_reason), stalled=bool(res.info["stalled"]),
+                fitness=float(res.fitness), rot_err_deg=rot, trans_err_mm=1e3 * tr)
+
+    taus = [None] + ([1.0] if pair == "lidar" else [])
+    for tau in taus:
+        def call(tau=tau):
+            return pa.approximate_icp(src, tgt, device="cpu", max_correspondence_distance=tau)
+
+        load = _load()
+        res, w, c = timed(call, repeat)
+        label = "" if tau is None else f", truncated at {tau:g} m"
+        add(f"pointalign approximate_icp (cpu backend{label})", res, w, c, load)
+    if reference:
+        old = os.environ.get("POINTALIGN_BACKEND")
+        os.environ["POINTALIGN_BACKEND"] = "torch"
+        try:
+            load = _load()
+            c0, w0 = time.process_time(), time.perf_counter()
+            ref = pa.approximate_icp(src, tgt, device="cpu")
+            w, c = time.perf_counter() - w0, time.process_time() - c0
+        finally:
+            if old is None:
+                os.environ.pop("POINTALIGN_BACKEND", None)
+            else:
+                os.environ["POINTALIGN_BACKEND"] = old
+        add("pointalign approximate_icp (torch reference backend, 1 run)", ref, w, c, load)
+
+
 def main() -> None:
     p = parse_args(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
@@ -405,6 +470,8 @@ def main() -> None:
         emicp_rows(rec, s, t, truth, args.emicp_repeat)
     if want("surface"):
         surface_rows(rec, args.repeat, reference=args.slow)
+    if want("surface") or want("aicp"):
+        approximate_icp_rows(rec, s, t, truth, "bunny", args.repeat, args.slow)
     rec.save()
 
 

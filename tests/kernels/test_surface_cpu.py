@@ -222,3 +222,64 @@ def test_surface_newton_cpu_equals_torch(kind, monkeypatch):
     assert np.abs(Ta[:3, 3] - Tb[:3, 3]).max() < 2e-6  # metres; the bunny is ~0.15 m
     assert abs(float(a.rmse) - float(b.rmse)) <= 1e-4 * float(a.rmse)
     assert abs(int(a.iterations) - int(b.iterations)) <= 2
+
+
+def _close_sums(got: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
+    scale = float(ref[:28].abs().max()) + 1e-300
+    assert got.shape == (30,) and got.dtype == torch.float64
+    assert torch.allclose(got[:28], ref[:28], rtol=rtol, atol=rtol * scale)
+    assert float(got[28]) == float(ref[28])
+    assert math.isclose(float(got[29]), float(ref[29]), rel_tol=rtol, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("cloud", ["surface", "bunny"])
+def test_cell_mean_sums_equal_reference(cloud):
+    """approximate_icp's fused step: the same pairs and sums as the torch reference."""
+    seed = 11
+    g = torch.Generator().manual_seed(seed)
+    if cloud == "surface":
+        tgt = _surface(g, 1500)
+        src = _surface(g, 900) + 0.01 * torch.randn(900, 3, generator=g)
+    else:
+        tgt = datasets.random_subsample(datasets.load_bunny("bun000"), 1500, seed)
+        src = datasets.random_subsample(datasets.load_bunny("bun045"), 1000, seed)
+    tree = KDTreeIndex(tgt, leaf_size=4)
+    means = (tree.node_sums(tree.points) / tree.node_sizes()[:, None]).float()
+    T = _motion(g, 0.05, 0.02)
+    eye = torch.eye(4, dtype=torch.float64)
+    center = means[0]
+    d2 = float(((src.double() - src.double().mean(0)) ** 2).sum(-1).mean())
+    for dtype, pose, rtol in ((torch.float32, eye, 1e-9), (torch.float32, T, 1e-5),
+                              (torch.float64, T, 1e-9)):
+        x = src.to(dtype)
+        for depth in (3, tree.depth):
+            for tau2, c in ((math.inf, None), (0.05 * d2, center)):
+                ref = ks.cell_mean_sums_reference(x, pose, tree.arrays, means, depth,
+                                                  tau2=tau2, center=c)
+                got = _surface_cpu.cell_mean_sums_cpu(x, pose, tree.arrays, means, depth,
+                                                      tau2=tau2, center=c)
+                _close_sums(got, ref, rtol)
+                if math.isfinite(tau2) and depth == tree.depth:
+                    assert 0 < float(ref[28]) < x.shape[0]  # the truncation was exercised
+
+
+def test_approximate_icp_cpu_equals_torch(monkeypatch):
+    """Both backends, end to end, on a real subsample (bun045 -> bun000, 3° / 3 mm off)."""
+    src = datasets.random_subsample(datasets.load_bunny("bun045"), 1000, 0)
+    tgt = datasets.random_subsample(datasets.load_bunny("bun000"), 1500, 1)
+    truth = datasets.bunny_relative_pose("bun045", "bun000")
+    g = torch.Generator().manual_seed(3)
+    init = _motion(g, math.radians(3), 0.003 / math.sqrt(3)) @ truth
+    out = {}
+    for be in ("torch", "cpu"):
+        monkeypatch.setenv("POINTALIGN_BACKEND", be)
+        out[be] = rs.approximate_icp(src, tgt, init=init, device="cpu",
+                                     max_correspondence_distance=0.01)
+    a, b = out["torch"], out["cpu"]
+    Ta, Tb = np.asarray(a.transformation), np.asarray(b.transformation)
+    dR = Ta[:3, :3].T @ Tb[:3, :3]
+    assert math.acos(min(1.0, max(-1.0, (np.trace(dR) - 1) / 2))) < 2e-5
+    assert np.abs(Ta[:3, 3] - Tb[:3, 3]).max() < 2e-6
+    assert int(a.iterations) == int(b.iterations)
+    assert a.stop_reason == b.stop_reason and a.info["stalled"] == b.info["stalled"]
+    assert abs(float(a.rmse) - float(b.rmse)) <= 1e-5 * float(a.rmse)

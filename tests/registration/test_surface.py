@@ -475,6 +475,35 @@ def test_collinear_and_identical_points_are_degenerate(kind, rng):
         assert not r.converged and r.stop_reason == "degenerate", (kind, r.stop_reason)
 
 
+def test_cell_mean_rules_say_when_no_decrease_is_a_stall():
+    # approximate ICP ends on "no_decrease" when a step raised the RMS distance to the cell
+    # means; info["stalled"] says whether the steps kept before it were still changing that
+    # distance by >= LevelSchedule.LEVEL_RELATIVE_CHANGE (KITTI: 0.3 % a step, 0.95 m off)
+    from types import SimpleNamespace
+
+    from pointalign.registration.surface import _CellMeanRules
+
+    prob = SimpleNamespace(source=torch.zeros(100, 3), cov=0.01 * np.eye(3),
+                           centroid=np.zeros(3))
+    crit = ConvergenceCriteria(max_iterations=50, relative_rmse=1e-12, rotation_tolerance=0.0,
+                               translation_tolerance=0.0)
+
+    def record(rmse):
+        s = np.zeros((1, 30))
+        s[0, 28], s[0, 29] = 100, 100 * rmse**2
+        D = np.eye(4)
+        D[0, 3] = 1e-3
+        return {"sums": s, "flags": np.array([[1, 1]]), "update": D[None], "T": D[None]}
+
+    for drop, stalled in ((1e-2, True), (1e-4, False)):
+        rules = _CellMeanRules(crit, LevelSchedule([5], [1.0], 8.0), prob, np.eye(4))
+        ends = [rules(record(r)) for r in (1.0, 1.0 - drop, 1.5)]
+        assert ends == [False, False, True]
+        assert rules.reason == "no_decrease" and rules.stalled is stalled
+        assert rules.it == 2 and len(rules.history) == 1  # the raising step was taken back
+        assert math.isclose(rules.last_rel, drop)
+
+
 def test_level_schedule_rules():
     sch = LevelSchedule(levels=[3, 4, 5, 6], radii=[8.0, 4.0, 2.0, 1.0], margin=2.0)
     assert (sch.level, sch.finest) == (3, False)

@@ -490,3 +490,122 @@ def quadric_sums_cpu(tree, mean: torch.Tensor, frame: torch.Tensor
     """Return the quadric fits' ``(K, 4, 4)`` and ``(K, 4)`` float64 sums (``_quadric_sums``)."""
     ne, rhs = _quadric_sums(_f64(tree.points), _f64(mean), _f64(frame), int(tree.depth))
     return torch.from_numpy(ne), torch.from_numpy(rhs)
+
+
+# ----------------------------------------------------------------------------- cell means
+
+
+@njit(cache=True, parallel=True)
+def _cell_mean_sums(x, rt, axis, split, means, depth, tau2, center, q32, s32):
+    """Horn's 30 sums of the approximate-ICP step (the layout of ``normal_eq``), one pass.
+
+    Each point is moved by ``rt`` (rounded to float32 when ``q32``), descended to ``depth``
+    (groups of ``GROUP`` points together, as :func:`_terms`), paired with its node's mean and
+    kept when ``||q − mean||² <= tau2``; coordinates are centred on ``center``.
+    """
+    n = x.shape[0]
+    part = np.zeros((BLOCKS, 30), np.float64)
+    step = (n + BLOCKS - 1) // BLOCKS
+    r00, r01, r02, t0 = rt[0, 0], rt[0, 1], rt[0, 2], rt[0, 3]
+    r10, r11, r12, t1 = rt[1, 0], rt[1, 1], rt[1, 2], rt[1, 3]
+    r20, r21, r22, t2 = rt[2, 0], rt[2, 1], rt[2, 2], rt[2, 3]
+    c0, c1, c2 = center[0], center[1], center[2]
+    for blk in prange(BLOCKS):
+        acc = np.zeros(30, np.float64)
+        qs = np.empty((GROUP, 3), np.float64)
+        nodes = np.zeros(GROUP, np.int64)
+        stop = min(n, (blk + 1) * step)
+        for g0 in range(blk * step, stop, GROUP):
+            g1 = min(stop, g0 + GROUP)
+            for k in range(g1 - g0):
+                x0 = np.float64(x[g0 + k, 0])
+                x1 = np.float64(x[g0 + k, 1])
+                x2 = np.float64(x[g0 + k, 2])
+                qx = r00 * x0 + r01 * x1 + r02 * x2 + t0
+                qy = r10 * x0 + r11 * x1 + r12 * x2 + t1
+                qz = r20 * x0 + r21 * x1 + r22 * x2 + t2
+                if q32:
+                    qx = np.float64(np.float32(qx))
+                    qy = np.float64(np.float32(qy))
+                    qz = np.float64(np.float32(qz))
+                qs[k, 0] = qx
+                qs[k, 1] = qy
+                qs[k, 2] = qz
+                nodes[k] = 0
+            for _ in range(depth):
+                for k in range(g1 - g0):
+                    node = nodes[k]
+                    qa = qs[k, axis[node]]
+                    if s32:
+                        qa = np.float64(np.float32(qa))
+                    nodes[k] = 2 * node + 1 + (1 if qa >= np.float64(split[node]) else 0)
+            for k in range(g1 - g0):
+                node = nodes[k]
+                y0 = np.float64(means[node, 0])
+                y1 = np.float64(means[node, 1])
+                y2 = np.float64(means[node, 2])
+                d0, d1, d2 = qs[k, 0] - y0, qs[k, 1] - y1, qs[k, 2] - y2
+                dd = d0 * d0 + d1 * d1 + d2 * d2
+                if not dd <= tau2:
+                    continue
+                x0, x1, x2 = qs[k, 0] - c0, qs[k, 1] - c1, qs[k, 2] - c2
+                y0 -= c0
+                y1 -= c1
+                y2 -= c2
+                acc[0] += 1.0
+                acc[1] += x0
+                acc[2] += x1
+                acc[3] += x2
+                acc[4] += y0
+                acc[5] += y1
+                acc[6] += y2
+                acc[7] += x0 * y0
+                acc[8] += x0 * y1
+                acc[9] += x0 * y2
+                acc[10] += x1 * y0
+                acc[11] += x1 * y1
+                acc[12] += x1 * y2
+                acc[13] += x2 * y0
+                acc[14] += x2 * y1
+                acc[15] += x2 * y2
+                acc[16] += x0 * x0
+                acc[17] += x0 * x1
+                acc[18] += x0 * x2
+                acc[19] += x1 * x1
+                acc[20] += x1 * x2
+                acc[21] += x2 * x2
+                acc[22] += y0 * y0
+                acc[23] += y0 * y1
+                acc[24] += y0 * y2
+                acc[25] += y1 * y1
+                acc[26] += y1 * y2
+                acc[27] += y2 * y2
+                acc[28] += 1.0
+                acc[29] += dd
+        for k in range(30):
+            part[blk, k] = acc[k]
+    out = np.zeros(30, np.float64)
+    for blk in range(BLOCKS):
+        for k in range(30):
+            out[k] += part[blk, k]
+    return out
+
+
+def cell_mean_sums_cpu(points: torch.Tensor, T: torch.Tensor, tree, means: torch.Tensor,
+                       depth: int, *, tau2: float = math.inf,
+                       center: torch.Tensor | None = None) -> torch.Tensor:
+    """Return the ``(30,)`` float64 sums (arguments as in :func:`.surface.cell_mean_sums`).
+
+    One compiled signature for float32 and float64 points (passed as float64 with flags
+    saying where the reference rounds to float32, as :func:`newton_terms_cpu`).
+    """
+    _threads_for(points.shape[0])
+    x = _f64(points)
+    rt = T.detach().to(points.dtype).to(torch.float64).cpu().numpy()
+    c = np.zeros(3) if center is None else \
+        center.detach().to(points.dtype).to(torch.float64).cpu().numpy().reshape(3)
+    d = max(0, min(int(depth), tree.depth))
+    out = _cell_mean_sums(x, rt, _np(tree.split_axis), _f64(tree.split_value), _f64(means), d,
+                          float(tau2), c, points.dtype == torch.float32,
+                          tree.split_value.dtype == torch.float32)
+    return torch.from_numpy(out)

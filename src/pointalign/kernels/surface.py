@@ -26,6 +26,7 @@ import math
 import torch
 
 from pointalign.kernels import kdtree as _kd
+from pointalign.kernels import normal_eq
 from pointalign.kernels._backend import backend
 
 N_TERMS = 29
@@ -119,6 +120,51 @@ def quadric_sums(tree: _kd.TreeArrays, mean: torch.Tensor, frame: torch.Tensor
 
         return _surface_cpu.quadric_sums_cpu(tree, mean, frame)
     return None
+
+
+def cell_mean_sums(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
+                   means: torch.Tensor, depth: int, *, tau2: float = math.inf,
+                   center: torch.Tensor | None = None) -> torch.Tensor:
+    """Horn's sums of one approximate-ICP step (cell means as partners), fused in one pass.
+
+    Each point of ``points (N, 3)`` is moved by ``T (4, 4)`` (applied in the points' dtype),
+    descended to the level-``depth`` node whose cell holds it (no backtracking) and paired
+    with that node's mean ``means (n_nodes, 3)``; pairs with ``||q − mean||² > tau2`` are
+    dropped. Returns the ``(30,)`` float64 point-to-point sums of
+    :func:`pointalign.kernels.normal_eq.normal_equations` (unit weights, coordinates centred
+    on ``center (3,)``, default 0): ``[0]`` count, ``[1:4]`` Σ x̃, ``[4:7]`` Σ ỹ, ``[7:16]``
+    Σ x̃ỹᵀ, ``[16:22]``/``[22:28]`` the upper triangles of Σ x̃x̃ᵀ and Σ ỹỹᵀ, ``[28]`` count,
+    ``[29]`` Σ ||q − mean||². The ``"cpu"`` backend's numba kernel; every other backend runs
+    :func:`cell_mean_sums_reference`.
+    """
+    if backend(points) == "cpu" and points.shape[0] > 0:
+        from pointalign.kernels import _surface_cpu
+
+        return _surface_cpu.cell_mean_sums_cpu(points, T, tree, means, depth, tau2=tau2,
+                                               center=center)
+    return cell_mean_sums_reference(points, T, tree, means, depth, tau2=tau2, center=center)
+
+
+def cell_mean_sums_reference(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
+                             means: torch.Tensor, depth: int, *, tau2: float = math.inf,
+                             center: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of :func:`cell_mean_sums` (same arguments and result).
+
+    The moves and the float64 reduction of
+    :class:`pointalign.registration.surface.CellMeanStep` on the "torch" backend.
+    """
+    Tp = T.to(device=points.device, dtype=points.dtype)
+    q = points @ Tp[:3, :3].T + Tp[:3, 3]
+    node = _kd.descend(tree, q, depth)
+    y = means.to(q.dtype)
+    if math.isfinite(tau2):
+        d2 = ((q.double() - y[node].double()) ** 2).sum(-1)
+        node = torch.where(d2 <= tau2, node, torch.full_like(node, -1))
+    c = torch.zeros(3, dtype=q.dtype, device=q.device) if center is None else \
+        center.to(device=q.device, dtype=q.dtype).reshape(3)
+    n = torch.tensor([q.shape[0]], dtype=torch.int64, device=q.device)
+    return normal_eq.normal_equations_reference(q[None], y[None], node[None], lengths=n,
+                                                center=c[None])[0]
 
 
 def sym3(co: torch.Tensor) -> torch.Tensor:
