@@ -72,6 +72,20 @@ pipeline under ``OMP_NUM_THREADS=1`` in the same minutes 0.63-0.74 s, of which i
 * compatibility hypotheses 0.08 s, tree builds 0.04 s (plus 0.03 s of SciPy cKDTrees that the
   "cpu" backend never queries: ``search/ckdtree.py`` builds one per index), downsample and
   normals ~0.03 s each, the final point-to-plane ICP on the full clouds ~0.15 s;
+* later (regcpu3; 1 thread, CPU time, load 5-6, same minutes, ``POINTALIGN_NUM_THREADS=1
+  OMP_NUM_THREADS=1 --only register``): main 0.77-0.83 s, this branch 0.71-0.72 s, Open3D
+  0.61-0.67 s. The scoring grid reads each cell's candidates in order of distance from the
+  cell's centre and stops once no later one can be nearer (0.22 -> 0.13 s of CPU at load
+  9 for the same 668k queries, moving the points included; the 65 compatibility
+  hypotheses are mostly right poses, whose queries scanned whole cells); the second-order
+  compatibility ``A ⊙ (A A)`` by bit sets (25 -> 7 ms); the full target's index serves the
+  stray count and the final ICP (one 40k build less). Left: feature kNN ~0.08 s (a variant
+  sorted along the features' principal axis u, skipping tiles by ``|q·u − r·u|``, took
+  0.055 s forward + 0.053 s backward: more than the fused two-way pass's 0.08 s; not
+  kept), SPFH ~0.07 s, radius kNN 5v/100 ~0.05 s, the full target's k = 16 normals ~0.08 s and
+  full-cloud ICP searches ~0.08 s (Open3D's pipeline runs ICP on the downsampled clouds).
+  Under load with 2 threads, small PyTorch ops (sort, baddbmm, sums) cost 10-50x their
+  1-thread CPU time (barrier waits when a thread is descheduled): 1.75 s of CPU at load 7.5.
 * first call in a fresh process: numba compiles the register path's kernels once (~50 s of
   CPU at load 12 with an empty cache; ``cache=True`` stores them under ``__pycache__``), then
   loading the cache costs ~0.7 s of CPU on the first call of each later process.

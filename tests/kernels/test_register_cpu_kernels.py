@@ -242,3 +242,65 @@ def test_numba_pool_start_keeps_torch_threads():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip().splitlines()[-1] == "1"
+
+
+def test_bound_grid_equals_tree_on_a_real_scan():
+    """Scoring queries as register() makes them: the bunny moved by near and far motions."""
+    from pointalign import datasets
+    from pointalign.features.downsample import voxel_downsample
+
+    v = 0.006
+    pts = voxel_downsample(datasets.load_bunny("bun000"), v).numpy()  # ~1,000 points
+    src = voxel_downsample(datasets.load_bunny("bun045"), v)
+    g = torch.Generator().manual_seed(4)
+    ang = torch.rand(8, generator=g, dtype=torch.float64) * 0.6 - 0.3  # turns about z
+    T = torch.eye(4, dtype=torch.float64).repeat(8, 1, 1)
+    T[:, 0, 0], T[:, 0, 1] = torch.cos(ang), -torch.sin(ang)
+    T[:, 1, 0], T[:, 1, 1] = torch.sin(ang), torch.cos(ang)
+    T[:, :3, 3] = torch.rand(8, 3, generator=g, dtype=torch.float64) * 0.02 - 0.01
+    T[0] = torch.as_tensor(datasets.bunny_relative_pose("bun045", "bun000"))
+    q = KR.transform_points(T, src).reshape(-1, 3).numpy()
+    tree = _knn_cpu.CpuTree(pts)
+    for r in (0.5 * v, v, 1.5 * v):
+        md = np.float32(r * r)
+        grid = _score_cpu.BoundGrid.build(pts, md)
+        assert grid is not None
+        d, i = grid.nearest(q)
+        td, ti = tree.nearest(q, md)
+        assert np.array_equal(i, ti) and np.array_equal(d, td)
+        assert (i >= 0).mean() > 0.05  # the aligned hypothesis hits: the early stop acts
+
+
+def _compat(src: torch.Tensor, tgt: torch.Tensor, tau: float) -> torch.Tensor:
+    A = ((torch.cdist(src, src) - torch.cdist(tgt, tgt)).abs() < tau).to(torch.float32)
+    return A.fill_diagonal_(0)
+
+
+@pytest.mark.parametrize("c", [3, 64, 130, 700])
+def test_second_order_equals_reference(c):
+    from pointalign.registration.robust import second_order_reference
+
+    g = torch.Generator().manual_seed(c)
+    src = torch.rand(c, 3, generator=g)
+    tgt = src.clone()
+    tgt[c // 3:] = torch.rand(c - c // 3, 3, generator=g)  # two thirds wrong matches
+    A = _compat(src, tgt, 0.05)
+    S = _ransac_cpu.second_order_cpu(A)
+    assert torch.equal(S, second_order_reference(A))
+    assert bool((S > 0).any()) or c == 3
+
+
+def test_second_order_on_real_correspondences(monkeypatch):
+    """Two bunny scans paired by index: the entry point takes the kernel, equal to the reference."""
+    from pointalign import datasets
+    from pointalign.registration import robust
+
+    p = datasets.load_bunny("bun000")[::40][:1000]
+    q = datasets.load_bunny("bun045")[::40][:1000]
+    A = _compat(q, p, 0.004)
+    calls = []
+    real = _ransac_cpu.second_order_cpu
+    monkeypatch.setattr(_ransac_cpu, "second_order_cpu", lambda a: calls.append(1) or real(a))
+    monkeypatch.setattr("pointalign.kernels._backend.backend", lambda x=None: "cpu")
+    S = robust.second_order(A)
+    assert calls and torch.equal(S, robust.second_order_reference(A))

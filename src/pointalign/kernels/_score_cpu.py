@@ -71,7 +71,45 @@ def _cells_in_reach(pts, origin, c, dims, reach2, pos, items, fill):
 
 
 @njit(cache=True, parallel=True)
-def _query(cpts, origin, c, dims, start, items, q, max_d2, out_d, out_i):
+def _order_cells(pts, origin, c, dims, start, items, dc):
+    """Sort every cell's list by distance from the cell's centre (float64), ties by index.
+
+    ``dc[e]`` receives the distance of entry e's point from its cell's centre.
+    """
+    ncell = start.shape[0] - 1
+    for cell in prange(ncell):
+        a, b = start[cell], start[cell + 1]
+        if b - a == 0:
+            continue
+        z = cell % dims[2]
+        y = (cell // dims[2]) % dims[1]
+        x = cell // (dims[2] * dims[1])
+        c0 = origin[0] + (x + 0.5) * c
+        c1 = origin[1] + (y + 0.5) * c
+        c2 = origin[2] + (z + 0.5) * c
+        key = np.empty(b - a, np.float64)
+        for e in range(a, b):
+            i = items[e]
+            d0 = np.float64(pts[i, 0]) - c0
+            d1 = np.float64(pts[i, 1]) - c1
+            d2 = np.float64(pts[i, 2]) - c2
+            key[e - a] = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
+        order = np.argsort(key, kind="mergesort")  # stable: equal keys keep index order
+        seg = items[a:b].copy()
+        for e in range(b - a):
+            items[a + e] = seg[order[e]]
+            dc[a + e] = key[order[e]]
+
+
+@njit(cache=True, parallel=True)
+def _query(cpts, dc, origin, c, dims, start, items, q, max_d2, reach, pad, out_d, out_i):
+    """Nearest within the bound, each cell's list read in order of distance from its centre.
+
+    A candidate at ``dc`` from the centre is at least ``dc − h`` from a query at ``h`` from
+    it; the scan stops once that exceeds the best distance found (the bound's ``reach``
+    before any) plus ``pad``: every later candidate's rounded squared distance is then
+    larger than the best's (see the module doc for ``pad``). Ties: the smaller index.
+    """
     n = q.shape[0]
     nblocks = (n + 255) // 256
     for blk in prange(nblocks):
@@ -84,14 +122,22 @@ def _query(cpts, origin, c, dims, start, items, q, max_d2, out_d, out_i):
             z = math.floor((np.float64(q2) - origin[2]) / c)
             if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
                 cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
+                h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
+                h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
+                h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
+                h = math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
+                lim = reach + h
                 for e in range(start[cell], start[cell + 1]):
+                    if dc[e] > lim:
+                        break
                     d0 = q0 - cpts[e, 0]
                     d1 = q1 - cpts[e, 1]
                     d2 = q2 - cpts[e, 2]
                     d = d0 * d0 + d1 * d1 + d2 * d2
-                    if d <= max_d2 and d < best:
+                    if d <= max_d2 and (d < best or (d == best and items[e] < bi)):
                         best = d
                         bi = items[e]
+                        lim = math.sqrt(np.float64(best)) + pad + h
             out_d[t] = best
             out_i[t] = bi
 
@@ -104,9 +150,11 @@ class BoundGrid:
     """
 
     def __init__(self, points: np.ndarray, max_d2: float, origin: np.ndarray, c: float,
-                 dims: np.ndarray, start: np.ndarray, items: np.ndarray):
+                 dims: np.ndarray, start: np.ndarray, items: np.ndarray, dc: np.ndarray,
+                 reach: float, pad: float):
         self.points, self.max_d2 = points, max_d2
         self.origin, self.c, self.dims, self.start, self.items = origin, c, dims, start, items
+        self.dc, self.reach, self.pad = dc, reach, pad
         self.cpts = np.ascontiguousarray(points[items])  # candidates' coordinates, in order
 
     @staticmethod
@@ -139,7 +187,10 @@ class BoundGrid:
         items = np.empty(start[-1], np.int32)
         _cells_in_reach(points, origin, c, dims, reach * reach, start[:-1].copy(), items,
                         True)
-        return BoundGrid(points, max_d2, origin, c, dims, start, items)
+        _threads.numba_threads()
+        dc = np.empty(items.shape[0], np.float64)
+        _order_cells(points, origin, c, dims, start, items, dc)
+        return BoundGrid(points, max_d2, origin, c, dims, start, items, dc, reach, pad)
 
     def nearest(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Nearest point within the bound of each ``query (N, 3)``: ``(d2 (N,), idx (N,))``."""
@@ -148,8 +199,8 @@ class BoundGrid:
         out_d = np.empty(q.shape[0], self.points.dtype)
         out_i = np.empty(q.shape[0], np.int64)
         if q.shape[0]:
-            _query(self.cpts, self.origin, self.c, self.dims, self.start, self.items, q,
-                   self.points.dtype.type(self.max_d2), out_d, out_i)
+            _query(self.cpts, self.dc, self.origin, self.c, self.dims, self.start, self.items,
+                   q, self.points.dtype.type(self.max_d2), self.reach, self.pad, out_d, out_i)
         return out_d, out_i
 
 

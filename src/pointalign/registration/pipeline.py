@@ -110,12 +110,14 @@ def dense_mask(points: torch.Tensor, v: float, index: Any = None) -> torch.Tenso
     return count >= SPARSE_NEIGHBOURS
 
 
-def stray_fraction(points: torch.Tensor, v: float, sample: int = 4096) -> float:
+def stray_fraction(points: torch.Tensor, v: float, sample: int = 4096,
+                   index: Any = None) -> float:
     """Estimate the fraction of stray points in ``points (N, 3)`` at scale ``v``.
 
     Stray: fewer than :data:`SPARSE_NEIGHBOURS` others within ``v`` (the points
     :func:`dense_mask` would drop), from an evenly strided sample of at most ``sample``
-    queries: one small search instead of one per point.
+    queries: one small search instead of one per point. ``index``: an index over
+    ``points`` to search (default: one built for the bound ``v``).
     """
     from pointalign.search import build_index
 
@@ -124,7 +126,8 @@ def stray_fraction(points: torch.Tensor, v: float, sample: int = 4096) -> float:
         return 0.0
     q = points[:: max(1, n // sample)]
     # a grid with cells of v: one sort to build, and a few thousand queries over 27 cells
-    index = build_index(points, max_distance=v)
+    if index is None:
+        index = build_index(points, max_distance=v)
     count = neighbour_counts(index, q, v, SPARSE_NEIGHBOURS + 1) - 1
     return float((count < SPARSE_NEIGHBOURS).float().mean())
 
@@ -308,20 +311,25 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
               remove_outliers: bool, robust: bool,
               ransac_options: dict[str, Any]) -> RegistrationResult:
     """:func:`register` on validated ``src, tgt (N, 3), (M, 3)`` float32 tensors on ``dev``."""
+    from pointalign.search import build_index
+
     clock = _loop.Clock(dev)
     big = src if src.shape[0] >= tgt.shape[0] else tgt
     v = auto_voxel_size(big, target_points) if voxel_size is None \
         else _validate.positive(voxel_size, "voxel_size")
+    # on the CPU (where an index's kind does not depend on the bound) the full target's
+    # index serves the stray count below and the final ICP: one build instead of two
+    t_full_idx = build_index(tgt) if (dev.type == "cpu" and method == "icp"
+                                      and icp_voxel_size is None and remove_outliers) else None
     # stray points are looked for only where a sample shows some (a clean scan or a lidar
     # sweep pays nothing for the outlier stages)
-    remove_outliers = remove_outliers and max(stray_fraction(src, v), stray_fraction(tgt, v)) \
-        >= MIN_STRAY_FRACTION
+    remove_outliers = remove_outliers and max(
+        stray_fraction(src, v), stray_fraction(tgt, v, index=t_full_idx)) >= MIN_STRAY_FRACTION
     if remove_outliers and voxel_size is None:
         v = robust_voxel_size(big, target_points)
     clock.lap("voxel_size")
 
     from pointalign.features.normals import estimate_normals
-    from pointalign.search import build_index
 
     s_clean, t_clean = src, tgt
     if remove_outliers:
@@ -404,7 +412,8 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     if icp_voxel_size is not None:
         vi = _validate.positive(icp_voxel_size, "icp_voxel_size")
         s_full, t_full = voxel_downsample(src, vi), voxel_downsample(tgt, vi)
-    t_full_idx = build_index(t_full)
+    if t_full_idx is None or t_full is not tgt:
+        t_full_idx = build_index(t_full)
     # normals within 2v as in step 2, from at most 16 neighbours: the full clouds are dense
     # (16 nearest points are well within 2v wherever the surface is sampled finer than the
     # voxel), and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)

@@ -60,6 +60,28 @@ def rank_correspondences(source_features: torch.Tensor, target_features: torch.T
     return torch.stack([i[order], j[order, 0]], 1)
 
 
+def second_order_reference(A: torch.Tensor) -> torch.Tensor:
+    """Return ``A ⊙ (A A)`` of the 0/1 matrix ``A (C, C)`` float32 (the reference)."""
+    return A * (A @ A)
+
+
+def second_order(A: torch.Tensor) -> torch.Tensor:
+    """Second-order compatibility ``A ⊙ (A A)`` of ``A (C, C)`` (0/1 float32): ``(C, C)``.
+
+    On the "cpu" backend by bit sets (``_ransac_cpu.second_order_cpu``: equal to the
+    reference bit for bit, the counts being exact integers), else
+    :func:`second_order_reference`.
+    """
+    from pointalign.kernels._backend import backend
+
+    if (backend(A) == "cpu" and A.device.type == "cpu" and A.dtype == torch.float32
+            and 0 < A.shape[0] < 1 << 24):
+        from pointalign.kernels import _ransac_cpu
+
+        return _ransac_cpu.second_order_cpu(A)
+    return second_order_reference(A)
+
+
 @_validate.out_of_memory_is_clear
 def compatibility_hypotheses(
     source: torch.Tensor,
@@ -95,7 +117,7 @@ def compatibility_hypotheses(
     dt = torch.cdist(tgt, tgt)
     A = ((ds - dt).abs() < tau).to(torch.float32)
     A.fill_diagonal_(0)
-    S = A * (A @ A)  # second-order compatibility
+    S = second_order(A)  # second-order compatibility
     n_seeds = min(int(seeds), c)
     seed_idx = torch.topk(S.sum(1), n_seeds).indices
     kk = min(max(int(k), 3), c)
