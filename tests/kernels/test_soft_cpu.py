@@ -222,7 +222,7 @@ def test_softassign_cells_plan_phases_and_estimate():
     """The plan's phases go from cells to per point as β grows; its estimate follows."""
     g = torch.Generator().manual_seed(19)
     x, y = _cloud(g, 2000) * 0.05, _cloud(g, 2000) * 0.05
-    betas = [1 / 0.05 ** 2 * 1.075 ** k for k in range(100)]
+    betas = [1 / 0.05 ** 2 * 1.12 ** k for k in range(100)]  # hot to one point per cell
     plan = soft.cpu_plan(2000, 2000, 3000, approximation="approximate", method="softassign",
                          source=x.numpy(), target=y.numpy(), betas=betas, alpha=2.5e-5,
                          passes_per_beta=30)
@@ -234,4 +234,8 @@ def test_softassign_cells_plan_phases_and_estimate():
     info = plan.info()
     assert info["mode"] == "cells" and info["cell_ratio"] == _soft_cpu.SOFT_CELL_RATIO
     lo, hi = info["cell_block_ratio_at_1_sigma"]
-    assert 0.5 < lo < 1 < hi < 1.1
+    assert (lo, hi) == _soft_cpu.block_factor(1.0, _soft_cpu.SOFT_CELL_RATIO)
+    assert 0 < lo < 1 < hi < 1.5
+    # the block bound is second order in a/σ: halving the cells shrinks its log 4x at d -> 0
+    assert math.log(_soft_cpu.block_factor(0.0, 0.2)[1]) == pytest.approx(
+        math.log(_soft_cpu.block_factor(0.0, 0.4)[1]) / 4)

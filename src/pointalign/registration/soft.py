@@ -17,8 +17,9 @@ settled, or as one CUDA graph replay) is :func:`pointalign.kernels._loop.run_pro
 On the CPU ("cpu" backend, numba) the passes run on the host, iteration by iteration, in a
 form chosen up front by :func:`choose_form` (``kernels.soft.cpu_plan``): exact while that
 is estimated at a few seconds, else a stated, bounded approximation (EM-ICP: cells of 0.4σ
-and truncation at 4σ; Softassign: truncation with a 1e-4 relative bound on every Sinkhorn
-normaliser), recorded in ``result.info["approximation"]``; :func:`estimate_seconds` gives
+and truncation at 4σ; Softassign: cells of 0.5σ while they merge points, then per point
+with a 1e-4 relative bound on every Sinkhorn normaliser), recorded in
+``result.info["approximation"]``; :func:`estimate_seconds` gives
 the cost up front, long runs warn and show a progress bar. The GPU runs the exact kernels.
 
 Results are ``T_target_source``; batches are padded ``(B, N, 3)`` with lengths, as in ICP.
@@ -628,11 +629,16 @@ def softassign(
         target_lengths: ``(B,)`` valid target points of a padded batch.
         approximation: the form of the passes on the CPU ("cpu" backend): "auto" (exact
             while estimated at a few seconds, else the approximation), "exact" or
-            "approximate": pairs with ``β d² > k²/2 + βα`` dropped, k chosen so that every
-            Sinkhorn normaliser (slack included) is low by a relative
-            ``max(N, M) e^(−k²/2)/w² ≤ 1e-4`` (w = ``outlier_weight``; each dropped term is
-            below ``e^(−k²/2)/w``). Ignored off the CPU. Recorded in
-            ``result.info["approximation"]``; see :func:`estimate_seconds`.
+            "approximate" ("cells"): while the clouds merge into cells of side 0.5σ
+            (σ = 1/√(2β), rounded down to a power of √2), Sinkhorn runs on the cells (a cell
+            pair's term within ``[e^(−(4√3 βda + 12βa²)²/8), e^(1.5βa²)]`` of its block's
+            exact sum, d the centroid distance, a the side; pairs beyond the 1e-2
+            normaliser radius + 2√3a dropped); once every cell holds one point (the cold
+            temperatures), per point: pairs with ``β d² > k²/2 + βα`` dropped, k chosen so
+            that every Sinkhorn normaliser (slack included) is low by a relative
+            ``max(N, M) e^(−k²/2)/w² ≤ 1e-4`` (w = ``outlier_weight``). Ignored off the
+            CPU. ``result.info["approximation"]`` records the form, the predicted phases
+            and the passes run in each form; see :func:`estimate_seconds`.
 
     Raises:
         ValueError: naming the argument, e.g. for 1/√β₀ or √α outside ``[1e-6 ρ, 1e6 ρ]``
