@@ -239,3 +239,34 @@ def test_softassign_cells_plan_phases_and_estimate():
     # the block bound is second order in a/σ: halving the cells shrinks its log 4x at d -> 0
     assert math.log(_soft_cpu.block_factor(0.0, 0.2)[1]) == pytest.approx(
         math.log(_soft_cpu.block_factor(0.0, 0.4)[1]) / 4)
+
+
+def test_softassign_cells_kernel_matrix_equals_tree_pass(monkeypatch):
+    """One update's cached kernel matrix (row pass, then the column pass through its
+    transpose) gives the tree passes' sums; a new pose rebuilds it. (Weights that vary
+    within a cell take the tree pass: ``test_softassign_cells_pass_within_block_bounds``.)"""
+    g = torch.Generator().manual_seed(29)
+    x, y = _cloud(g, 900)[None], _cloud(g, 800)[None]
+    beta, ba = torch.tensor([2.0], dtype=torch.float64), torch.tensor([0.02], dtype=torch.float64)
+    plan = _softassign_plan(x[0], y[0], [2.0], 0.01)
+    lw = ba[:, None].expand(1, 800)  # the first row pass's column weights: one per cell
+
+    def passes(plan_, T):
+        Ti = torch.linalg.inv(T)
+        g_row = soft.sinkhorn_scaling(x, y, T, beta, lw, torch.zeros(1, dtype=torch.float64),
+                                      ba, approximation=plan_)
+        return g_row, soft.soft_rows(y, x, Ti, beta, point_log_weights=g_row,
+                                     approximation=plan_, offset=ba)
+
+    for T in (_pose()[None], _pose(0.3, (0.1, 0.0, 0.0))[None]):
+        g_row, cols = passes(plan, T)
+        slot = plan.cache.items["kernel"]  # built by the row pass, used by the column pass
+        assert slot["s"] == 2.0 and slot["q"][1] == x.data_ptr()
+        monkeypatch.setattr(_soft_cpu, "KERNEL_CACHE_PAIRS", -1)  # the tree passes
+        tree_plan = _softassign_plan(x[0], y[0], [2.0], 0.01)
+        g_ref, ref = passes(tree_plan, T)
+        monkeypatch.undo()
+        assert "kernel" not in tree_plan.cache.items
+        assert torch.allclose(g_row, g_ref, rtol=0, atol=1e-10)
+        assert torch.allclose(cols.lse, ref.lse, rtol=0, atol=1e-10)
+        assert torch.allclose(cols.mean, ref.mean, rtol=0, atol=1e-10)

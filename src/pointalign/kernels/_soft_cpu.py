@@ -39,7 +39,11 @@ reductions of ``soft.soft_rows`` (lse, lse2, mean) over a k-d tree of the points
   (:func:`block_factor`; at d = σ, c = 0.5: [0.27, 1.21]; second order in a/σ), so the hot
   phase is a coarse Softassign on cell centroids. Once both clouds hold one point per cell
   (the cold temperatures, where the pose is settled) the passes are the per-point
-  "truncated" ones with the 1e-4 normaliser bound. The plan predicts the phases
+  "truncated" ones with the 1e-4 normaliser bound. Within one pose update every pass sees
+  the same cell pairs (one pose, one β): their kernel values are computed once into a
+  sparse matrix (at most ``KERNEL_CACHE_PAIRS``, else the tree passes) and each Sinkhorn
+  pass is a product with it or its transpose (:func:`_kernel_matrix_rows`; the same sums
+  in another order). The plan predicts the phases
   (``Plan.phases``); ``info()["passes"]`` counts what ran. The final pose is measured
   against the exact form in the tests (bunny subsample, short schedule: within 0.1°).
 
@@ -69,6 +73,8 @@ SOFTASSIGN_TOLERANCE = 1e-4
 EXACT_PAIRS_PER_S = 1.0e8
 #: pairs per second per thread when pruning (tree overhead included; same measurement)
 PRUNED_PAIRS_PER_S = 3.0e7
+#: Softassign "cells": most cell pairs one update's kernel matrix keeps (12 bytes each)
+KERNEL_CACHE_PAIRS = 8_000_000
 #: Softassign "cells": cell side / σ, σ = 1/√(2β) (see :func:`block_factor`)
 SOFT_CELL_RATIO = 0.5
 #: Softassign "cells": the normalisers' relative truncation bound while cells merge (their
@@ -76,10 +82,15 @@ SOFT_CELL_RATIO = 0.5
 CELLS_TOLERANCE = 1e-2
 #: source cells sampled by the Softassign estimate
 SAMPLE = 64
-#: seconds per pass besides the pairs (Python, cell weights, expanding to points)
-PASS_OVERHEAD_S = 3e-4
+#: seconds per pass besides the pairs, on one thread whatever the thread count (Python,
+#: PyTorch's small ops, cell weights; measured ~2.2 ms per pass at 2k x 2k, loaded 2 cores)
+PASS_OVERHEAD_S = 2e-3
 #: seconds per point per pass (moving, gathering)
 POINT_COST_S = 5e-8
+#: seconds per cell pair per thread to build an update's kernel matrix (2 tree walks, 1 exp)
+BUILD_S_PER_PAIR = 3e-8
+#: seconds per cell pair per thread of one pass through the kernel matrix
+CSR_S_PER_PAIR = 3e-9
 #: points per leaf of the trees the passes search
 LEAF_SIZE = 16
 #: the "auto" mode approximates when the exact run would take longer than this (seconds)
@@ -230,7 +241,7 @@ def _count_cells(points: np.ndarray, a: float) -> int:
 
 
 def _softassign_k(m: int, n: int, w: float, tolerance: float) -> float:
-    """Truncation radius k (in σ) with every normaliser low by at most ``tolerance``.
+    """Return the truncation radius k (in σ) leaving every normaliser low by ≤ ``tolerance``.
 
     Each dropped term is below ``e^(−k²/2)/w`` (scalings ≤ 1/w), at most max(N, M) of them,
     and each normaliser (slack w included) is at least w.
@@ -240,12 +251,15 @@ def _softassign_k(m: int, n: int, w: float, tolerance: float) -> float:
 
 def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[float],
                          alpha: float, k: float, kc: float, c: float, passes_per_beta: int,
-                         threads: int) -> tuple[float, tuple]:
+                         passes_per_update: int, threads: int) -> tuple[float, tuple]:
     """Predicted seconds of the Softassign "cells" passes and their phases (:class:`Plan`).
 
     The pairs each pass keeps are counted at the identity pose on the centred clouds: for
     up to ``SAMPLE`` source cells (a fixed sample), the target cells within the pass's
-    radius, times the source cells. An estimate at the start pose, not a promise.
+    radius, times the source cells. Cells: one kernel matrix per update
+    (``BUILD_S_PER_PAIR``) and a product with it per pass (``CSR_S_PER_PAIR``); per point:
+    ``PRUNED_PAIRS_PER_S``; both over the threads, plus ``PASS_OVERHEAD_S`` per pass on one.
+    An estimate at the start pose, not a promise.
     """
     src = source - source.mean(0)
     tgt = target - target.mean(0)
@@ -266,15 +280,20 @@ def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[flo
         kk = kc if merged else k
         r = math.sqrt((kk * kk / 2 + beta * alpha) / beta) + (2 * math.sqrt(3) * a if merged else 0)
         pairs = ns * float(np.searchsorted(d2, r * r, side="right")) / n_pick
-        total += passes_per_beta * (pairs / PRUNED_PAIRS_PER_S + PASS_OVERHEAD_S
-                                    + POINT_COST_S * (source.shape[0] + target.shape[0]))
+        if merged:  # one kernel matrix per update, every pass a product with it
+            updates = passes_per_beta / passes_per_update
+            par = updates * pairs * (BUILD_S_PER_PAIR + passes_per_update * CSR_S_PER_PAIR)
+        else:
+            par = passes_per_beta * pairs / PRUNED_PAIRS_PER_S
+        total += par / threads + passes_per_beta * (
+            PASS_OVERHEAD_S + POINT_COST_S * (source.shape[0] + target.shape[0]))
         form = "cells" if merged else "per_point"
         if phases and phases[-1]["form"] == form and (form == "per_point"
                                                       or phases[-1]["cells"] == [ns, nt]):
             phases[-1]["temperatures"][1] = j
         else:
             phases.append({"temperatures": [j, j], "form": form, "cells": [ns, nt]})
-    return total / threads, tuple(phases)
+    return total, tuple(phases)
 
 
 def plan(n: int, m: int, passes: int, *, approximation: str = "auto",
@@ -282,7 +301,7 @@ def plan(n: int, m: int, passes: int, *, approximation: str = "auto",
          source: np.ndarray | None = None, target: np.ndarray | None = None,
          sigmas: list[float] | None = None, outlier_weight: float = 1.0,
          betas: list[float] | None = None, alpha: float = 0.0,
-         passes_per_beta: int = 0) -> Plan:
+         passes_per_beta: int = 0, passes_per_update: int = 1) -> Plan:
     """Choose the CPU form of a soft method's row passes up front (once per run).
 
     Args:
@@ -301,6 +320,7 @@ def plan(n: int, m: int, passes: int, *, approximation: str = "auto",
             without: the per-point "truncated" form throughout).
         alpha: Softassign's α (the truncation radius grows by α).
         passes_per_beta: Softassign's passes per temperature (updates × 2 × rounds).
+        passes_per_update: Softassign's passes per pose update (2 × rounds).
 
     Returns:
         a :class:`Plan`; ``plan.info()`` is what the algorithm records in
@@ -324,7 +344,8 @@ def plan(n: int, m: int, passes: int, *, approximation: str = "auto",
             c = SOFT_CELL_RATIO
             kc = _softassign_k(m, n, w, CELLS_TOLERANCE)
             est, phases = _softassign_estimate(source, target, betas, alpha, k, kc, c,
-                                               max(1, passes_per_beta), threads)
+                                               max(1, passes_per_beta),
+                                               max(1, passes_per_update), threads)
             return Plan("cells", k, c, exact, est, method="softassign", phases=phases,
                         cells_k=kc)
         # the early temperatures see every pair and the kernel costs more per pair than the
@@ -486,6 +507,117 @@ def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w
             mean[i, 0] = 0.0
             mean[i, 1] = 0.0
             mean[i, 2] = 0.0
+
+
+@njit(cache=True, parallel=True)
+def _pair_count(q, spts, lo, hi, bmin, bmax, depth, r2, counts):
+    """Count the stored points within ``r2`` of each query (the CSR row lengths)."""
+    first_leaf = (1 << depth) - 1
+    for i in prange(q.shape[0]):
+        stack = np.empty(2 * depth + 4, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        c = 0
+        top = 1
+        stack[0] = 0
+        while top > 0:
+            top -= 1
+            v = stack[top]
+            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
+                continue
+            if v >= first_leaf:
+                for j in range(lo[v], hi[v]):
+                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                    if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
+                        c += 1
+                continue
+            stack[top] = 2 * v + 1
+            stack[top + 1] = 2 * v + 2
+            top += 2
+        counts[i] = c
+
+
+@njit(cache=True, parallel=True)
+def _pair_fill(q, perm, spts, lo, hi, bmin, bmax, depth, s, r2, indptr, cols, vals):
+    """CSR of ``exp(−s d²)`` over the pairs within ``r2`` (columns: the points' indices)."""
+    first_leaf = (1 << depth) - 1
+    for i in prange(q.shape[0]):
+        stack = np.empty(2 * depth + 4, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        k = indptr[i]
+        top = 1
+        stack[0] = 0
+        while top > 0:
+            top -= 1
+            v = stack[top]
+            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
+                continue
+            if v >= first_leaf:
+                for j in range(lo[v], hi[v]):
+                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                    dd = e0 * e0 + e1 * e1 + e2 * e2
+                    if dd <= r2:
+                        cols[k] = perm[j]
+                        vals[k] = math.exp(-s * dd)
+                        k += 1
+                continue
+            stack[top] = 2 * v + 1
+            stack[top + 1] = 2 * v + 2
+            top += 2
+
+
+@njit(cache=True, parallel=True)
+def _csr_rows(indptr, cols, vals, w, pts, lse, mean):
+    """Per row i: ``lse_i = log Σ vals·w[col]``, ``mean_i`` that sum's mean of ``pts[col]``."""
+    for i in prange(indptr.shape[0] - 1):
+        l1 = 0.0
+        u0 = 0.0
+        u1 = 0.0
+        u2 = 0.0
+        for k in range(indptr[i], indptr[i + 1]):
+            j = cols[k]
+            e = vals[k] * w[j]
+            l1 += e
+            u0 += e * pts[j, 0]
+            u1 += e * pts[j, 1]
+            u2 += e * pts[j, 2]
+        if l1 > 0:
+            lse[i] = math.log(l1)
+            mean[i, 0] = u0 / l1
+            mean[i, 1] = u1 / l1
+            mean[i, 2] = u2 / l1
+        else:
+            lse[i] = -np.inf
+            mean[i, 0] = 0.0
+            mean[i, 1] = 0.0
+            mean[i, 2] = 0.0
+
+
+@njit(cache=True)
+def _csr_cols(indptr, cols, vals, w, pts, n_cols, lse, mean):
+    """:func:`_csr_rows` of the transpose (per column j, rows weighted by ``w``)."""
+    acc = np.zeros((n_cols, 4))
+    for i in range(indptr.shape[0] - 1):
+        wi = w[i]
+        p0, p1, p2 = pts[i, 0], pts[i, 1], pts[i, 2]
+        for k in range(indptr[i], indptr[i + 1]):
+            j = cols[k]
+            e = vals[k] * wi
+            acc[j, 0] += e
+            acc[j, 1] += e * p0
+            acc[j, 2] += e * p1
+            acc[j, 3] += e * p2
+    for j in range(n_cols):
+        l1 = acc[j, 0]
+        if l1 > 0:
+            lse[j] = math.log(l1)
+            mean[j, 0] = acc[j, 1] / l1
+            mean[j, 1] = acc[j, 2] / l1
+            mean[j, 2] = acc[j, 3] / l1
+        else:
+            lse[j] = -np.inf
+            mean[j, 0] = 0.0
+            mean[j, 1] = 0.0
+            mean[j, 2] = 0.0
 
 
 #: largest ``s·r2 + (max g − min g)`` for which :func:`_rows_linear` is used (e^-600 > 0)
@@ -701,6 +833,61 @@ def _cell_weights(pts: np.ndarray, inv: np.ndarray, v: int, g: np.ndarray):
     return lg, cen, bool(np.all(cmax == cmin))
 
 
+def _kernel_matrix_rows(plan_: Plan, qkey: tuple, pkey: tuple, qcen: np.ndarray,
+                        pcen: np.ndarray, tree: CpuTree, T: np.ndarray, s: float, r2: float,
+                        lg: np.ndarray):
+    """Run a "cells" pass through the update's kernel matrix: ``(lse, mean)`` or None.
+
+    Within one Softassign update (one pose, one β) the row and the column passes see the
+    same cell pairs, ``K_IJ = exp(−s |T x̄_I − ȳ_J|²)`` within ``r2``: it is computed once
+    (sparse, CSR over the first pass's query cells) and each pass is a product with it (the
+    column passes through its transpose, ``|T⁻¹ ȳ − x̄| = |T x̄ − ȳ|``). None: not cached
+    (more than ``KERNEL_CACHE_PAIRS`` pairs, or weights too spread for linear sums); the
+    caller runs the tree pass. The same sums as that pass (float64, another order).
+    """
+    gmax, gmin = float(lg.max()), float(lg.min())
+    if not 2 * (s * r2 + gmax - gmin) < LINEAR_RANGE:
+        return None
+    slot = plan_.cache.items.get("kernel")
+    forward = transpose = False
+    if slot is not None and slot["s"] == s and slot["r2"] == r2:
+        if slot["q"] == qkey and slot["p"] == pkey and np.array_equal(slot["T"], T):
+            forward = True
+        elif slot["q"] == pkey and slot["p"] == qkey:
+            Ti = np.linalg.inv(T)
+            tol = 1e-12 * (1.0 + float(np.abs(T[:3, 3]).max()))
+            transpose = bool(np.allclose(Ti, slot["T"], rtol=0, atol=tol))
+    if not forward and not transpose:
+        plan_.cache.items.pop("kernel", None)
+        q = np.ascontiguousarray(qcen @ T[:3, :3].T + T[:3, 3])
+        counts = np.empty(q.shape[0], np.int64)
+        _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, r2,
+                    counts)
+        indptr = np.zeros(q.shape[0] + 1, np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        nnz = int(indptr[-1])
+        if nnz > KERNEL_CACHE_PAIRS:
+            return None
+        cols, vals = np.empty(nnz, np.int64), np.empty(nnz)
+        _pair_fill(q, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth,
+                   s, r2, indptr, cols, vals)
+        slot = dict(q=qkey, p=pkey, T=T.copy(), s=s, r2=r2, indptr=indptr, cols=cols,
+                    vals=vals, qcen=qcen, n_p=pcen.shape[0])
+        plan_.cache.items["kernel"] = slot
+        forward = True
+    assert slot is not None
+    w = np.exp(lg - gmax)
+    if forward:
+        n = slot["indptr"].shape[0] - 1
+        lse, mean = np.empty(n), np.empty((n, 3))
+        _csr_rows(slot["indptr"], slot["cols"], slot["vals"], w, pcen, lse, mean)
+    else:
+        n = slot["n_p"]
+        lse, mean = np.empty(n), np.empty((n, 3))
+        _csr_cols(slot["indptr"], slot["cols"], slot["vals"], w, pcen, n, lse, mean)
+    return lse + gmax, mean
+
+
 def _softassign_cells(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor,
                       s: float, g: torch.Tensor | None, r2: float, plan_: Plan):
     """One Softassign pass in "cells" form: ``(lse (N,), mean (N, 3))`` NumPy, or None.
@@ -747,9 +934,17 @@ def _softassign_cells(query: torch.Tensor, points: torch.Tensor, transform: torc
         cen, lg = np.ascontiguousarray(cen[keep]), lg[keep]
         tree = CpuTree(cen, leaf_size=LEAF_SIZE)
     T = transform.detach().to(torch.float64).cpu().numpy()
-    q = (qp if qinv is None else qc) @ T[:3, :3].T + T[:3, 3]
+    qcen = qp if qinv is None else qc
     r = math.sqrt(r2) + 2 * math.sqrt(3) * a
-    lse, _, mean = _run_rows(q, lg, tree, s, r * r, False)
+    qkey = ("cells", query.data_ptr(), tuple(query.shape), query.stride(), level)
+    got = None
+    if const and bool(keep.all()):
+        got = _kernel_matrix_rows(plan_, qkey, pkey, qcen, cen, tree, T, s, r * r, lg)
+    if got is not None:
+        lse, mean = got
+    else:
+        q = qcen @ T[:3, :3].T + T[:3, 3]
+        lse, _, mean = _run_rows(q, lg, tree, s, r * r, False)
     if qinv is not None:
         lse, mean = lse[qinv], mean[qinv]
     return lse, mean

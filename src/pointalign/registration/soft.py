@@ -355,7 +355,8 @@ def choose_form(algorithm: str, pair: _edge.Pair, n_iter: int, approximation: st
         ns, nt = int(pair.source_lengths[0]), int(pair.target_lengths[0])
         extra = dict(source=pair.source[0, :ns].double().numpy(),
                      target=pair.target[0, :nt].double().numpy(), betas=betas, alpha=alpha,
-                     passes_per_beta=per_temperature * 2 * sinkhorn_rounds)
+                     passes_per_beta=per_temperature * 2 * sinkhorn_rounds,
+                     passes_per_update=2 * sinkhorn_rounds)
     return ksoft.cpu_plan(n, m, n_iter * 2 * sinkhorn_rounds * pair.size,
                           approximation=approximation, method="softassign",
                           outlier_weight=outlier_weight, **extra)
