@@ -20,7 +20,23 @@ Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
   work; ``info["approximation"]`` is recorded), after one warm-up run (numba compilation).
 * ``softassign``: ``pa.softassign`` end to end on 2000 x 2000 random points of the pair,
   the seed's schedule (100 temperatures x 5 updates x 3 Sinkhorn rounds), the form chosen
-  automatically (truncation, k from the 1e-4 normaliser bound); one run after the warm-up.
+  automatically ("cells": Sinkhorn on cells of 0.5σ, σ = 1/√(2β), while they merge points,
+  truncated at the 1e-2 normaliser radius; then per point with the 1e-4 normaliser bound;
+  ``info["approximation"]`` records the phases and the passes of each form); one run after
+  the warm-up. Profile of the per-point "truncated" form it replaces (issue 14, 2-core
+  machine at load 5-8, so the absolute wall times are inflated 10x; 50.5 s quiet): its
+  radius k = 5.8 (1e-4 bound, +α) exceeds the bunny for the first ~30 temperatures (100 %
+  of the pairs kept, 3.2e9 of the run's 4.4e9 pair terms), > 50 % up to temperature ~35,
+  ~1-5 % over the last 40 (where the 3,000 passes' fixed costs dominate); PyTorch on 2
+  threads paid an OpenMP fork/join per small op between the passes (weighted Horn on 2k
+  points 13.5 ms of CPU against 1.4 ms on one thread under load), so the host ops of the
+  CPU programs now run on one PyTorch thread. The "cells" form (2,790 cell passes, 210
+  per-point passes) computes each update's ~1.9e5 cell-pair kernel values once (sparse) and
+  runs its 6 Sinkhorn passes as products with them: 11.2 s of CPU on one thread (load 7;
+  21.7 s when each pass recomputed its kernel values, 179 CPU-s for the truncated form on 2
+  threads at load 5-8), and lands within 1e-5° / 1e-8 m of the truncated form's pose
+  (0.647° / 0.59 mm from the ground truth for both). What is left is mostly the ~2 ms of
+  Python and small PyTorch ops per pass (3,000 passes).
 * ``surface_newton`` on the fast_gicp LiDAR pair (69,792 -> 69,088 points, from the
   identity, plane approximant, default schedule) with Open3D point-to-plane ICP and
   small_gicp PLANE_ICP on the same clouds for context (:func:`surface_rows`); ``--slow``

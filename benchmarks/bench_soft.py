@@ -17,8 +17,11 @@ Sizes: EM-ICP up to 200k a side, Softassign up to ``--softassign-max`` (default 
 seed schedule is 3,000 passes). ``--quick`` on CUDA: 1k, 5k, 40k, Softassign at 5k, no CPU
 rows (about a minute on an H100).
 
-The same run also times the CPU path (torch reference, all cores) at small sizes and,
-when ``pointalign.registration.icp`` exists, point-to-point ICP for comparison.
+The same run also times the CPU path ("cpu" backend, all cores) at small sizes and,
+when ``pointalign.registration.icp`` exists, point-to-point ICP for comparison. ``form`` is
+``info["approximation"]["mode"]``: on the CPU above a few seconds of exact work the
+algorithms approximate (EM-ICP and Softassign: "cells"), and ``pairs`` then counts the
+nominal N·M pairs of each pass, not the pair terms evaluated.
 
 GPU: ``python benchmarks/bench_soft.py``; CPU smoke run: ``--device cpu --quick``.
 """
@@ -89,7 +92,7 @@ def run(rec, table, name, fn, n, pairs_of, device, T_true, slow_after=0.5, once_
     row = dict(algorithm=name, device=str(device), points=n, time_ms=stats["median_s"] * 1e3,
                iqr_ms=stats["iqr_s"] * 1e3, iterations=it, rot_err_deg=round(float(rot), 3),
                trans_err_mm=round(float(trans) * 1e3, 3), stop_reason=res.stop_reason,
-               pairs=pairs)
+               pairs=pairs, form=res.info.get("approximation", {}).get("mode"))
     if pairs:
         fl = floor_s(pairs)
         row.update(floor_ms=fl * 1e3, floor_fraction=round(fl / stats["median_s"], 3),

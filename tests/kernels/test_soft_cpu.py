@@ -160,3 +160,113 @@ def test_plan_modes_info_and_estimates():
     sig = [0.05 * 0.9 ** (k / 2) for k in range(66)]
     est = soft.cpu_plan(40000, 40000, 66, source=pts, target=pts, sigmas=sig)
     assert 0 < est.estimate_s < est.exact_estimate_s / 5
+
+
+def _softassign_plan(x, y, betas, alpha):
+    return soft.cpu_plan(x.shape[0], y.shape[0], 1, approximation="approximate",
+                         method="softassign", source=x.numpy(), target=y.numpy(),
+                         betas=betas, alpha=alpha, passes_per_beta=1)
+
+
+def test_softassign_cells_pass_within_block_bounds():
+    """Hot β: each source cell's term against the target cells brackets its block's exact
+    sums (``block_factor``: Jensen above, Hoeffding at the largest kept distance below)."""
+    g = torch.Generator().manual_seed(13)
+    y = _cloud(g, 1500)
+    x = _cloud(g, 1200) + 0.03
+    beta, alpha = 1.0, 0.01
+    plan = _softassign_plan(x, y, [beta], alpha)
+    assert plan.mode == "cells" and plan.phases[0]["form"] == "cells"
+    c = plan.cell_ratio
+    sigma = math.sqrt(0.5 / beta)
+    _, a = _soft_cpu.cell_side(sigma, c)
+    cx, nx, inv = _soft_cpu._merge(x.numpy(), a)
+    assert inv is not None and cx.shape[0] < 900  # the cells merge here
+    lw = torch.randn(1500, generator=g, dtype=torch.float64) * 0.5  # column scalings
+    T = torch.eye(4, dtype=torch.float64)
+    r2 = (plan.k ** 2 / 2 + beta * alpha) / beta
+    lse, _ = _soft_cpu._softassign_cells(x, y, T, beta, lw, r2, plan)
+    ref = soft.soft_rows_reference(x[None], y[None], T[None],
+                                   torch.tensor([beta], dtype=torch.float64),
+                                   point_log_weights=lw[None]).lse[0].numpy()
+    # per source cell: n_I e^(lse_I) against Σ_(i∈I) e^(ref_i) (each point takes its cell's)
+    block = np.bincount(inv, weights=np.exp(ref), minlength=cx.shape[0])
+    approx = nx * np.exp(lse[np.unique(inv, return_index=True)[1]])
+    R = math.sqrt(r2) + 2 * math.sqrt(3) * a
+    lo, hi = _soft_cpu.block_factor(R / sigma, a / sigma)
+    dropped = nx * 1500 * math.exp(lw.max().item()) * math.exp(-beta * r2)
+    assert np.all(approx <= hi * block * (1 + 1e-12))
+    assert np.all(approx >= lo * (block - dropped) * (1 - 1e-12))
+    # what it gives in practice: every cell's block within a few per cent
+    assert np.abs(np.log(approx / block)).max() < 0.05
+
+
+def test_softassign_cells_equal_truncated_once_cells_hold_one_point():
+    """Cold β: one point per cell on both sides: the pass is the per-point truncated one."""
+    g = torch.Generator().manual_seed(17)
+    y, x = _cloud(g, 400)[None], _cloud(g, 300)[None]
+    beta, alpha = torch.tensor([1e6], dtype=torch.float64), 1e-4
+    plan = _softassign_plan(x[0], y[0], [1e6], alpha)
+    assert [p["form"] for p in plan.phases] == ["per_point"]
+    trunc = soft.cpu_plan(300, 400, 1, approximation="approximate", method="softassign")
+    assert trunc.mode == "truncated"
+    T, lw = _pose()[None], torch.randn(1, 400, generator=g, dtype=torch.float64)
+    ba = beta * alpha
+    a = soft.soft_rows(x, y, T, beta, point_log_weights=lw, approximation=plan, offset=ba)
+    b = soft.soft_rows(x, y, T, beta, point_log_weights=lw, approximation=trunc, offset=ba)
+    assert torch.equal(a.lse, b.lse) and torch.equal(a.mean, b.mean)
+    assert plan.info()["passes"] == {"per_point": 1}
+
+
+def test_softassign_cells_plan_phases_and_estimate():
+    """The plan's phases go from cells to per point as β grows; its estimate follows."""
+    g = torch.Generator().manual_seed(19)
+    x, y = _cloud(g, 2000) * 0.05, _cloud(g, 2000) * 0.05
+    betas = [1 / 0.05 ** 2 * 1.12 ** k for k in range(100)]  # hot to one point per cell
+    plan = soft.cpu_plan(2000, 2000, 3000, approximation="approximate", method="softassign",
+                         source=x.numpy(), target=y.numpy(), betas=betas, alpha=2.5e-5,
+                         passes_per_beta=30)
+    forms = [p["form"] for p in plan.phases]
+    assert forms[0] == "cells" and forms[-1] == "per_point" and forms.count("per_point") == 1
+    assert plan.phases[0]["temperatures"][0] == 0 and plan.phases[-1]["temperatures"][1] == 99
+    assert plan.phases[0]["cells"][0] < 1500
+    assert 0 < plan.estimate_s < plan.exact_estimate_s / 3
+    info = plan.info()
+    assert info["mode"] == "cells" and info["cell_ratio"] == _soft_cpu.SOFT_CELL_RATIO
+    lo, hi = info["cell_block_ratio_at_1_sigma"]
+    assert (lo, hi) == _soft_cpu.block_factor(1.0, _soft_cpu.SOFT_CELL_RATIO)
+    assert 0 < lo < 1 < hi < 1.5
+    # the block bound is second order in a/σ: halving the cells shrinks its log 4x at d -> 0
+    assert math.log(_soft_cpu.block_factor(0.0, 0.2)[1]) == pytest.approx(
+        math.log(_soft_cpu.block_factor(0.0, 0.4)[1]) / 4)
+
+
+def test_softassign_cells_kernel_matrix_equals_tree_pass(monkeypatch):
+    """One update's cached kernel matrix (row pass, then the column pass through its
+    transpose) gives the tree passes' sums; a new pose rebuilds it. (Weights that vary
+    within a cell take the tree pass: ``test_softassign_cells_pass_within_block_bounds``.)"""
+    g = torch.Generator().manual_seed(29)
+    x, y = _cloud(g, 900)[None], _cloud(g, 800)[None]
+    beta, ba = torch.tensor([2.0], dtype=torch.float64), torch.tensor([0.02], dtype=torch.float64)
+    plan = _softassign_plan(x[0], y[0], [2.0], 0.01)
+    lw = ba[:, None].expand(1, 800)  # the first row pass's column weights: one per cell
+
+    def passes(plan_, T):
+        Ti = torch.linalg.inv(T)
+        g_row = soft.sinkhorn_scaling(x, y, T, beta, lw, torch.zeros(1, dtype=torch.float64),
+                                      ba, approximation=plan_)
+        return g_row, soft.soft_rows(y, x, Ti, beta, point_log_weights=g_row,
+                                     approximation=plan_, offset=ba)
+
+    for T in (_pose()[None], _pose(0.3, (0.1, 0.0, 0.0))[None]):
+        g_row, cols = passes(plan, T)
+        slot = plan.cache.items["kernel"]  # built by the row pass, used by the column pass
+        assert slot["s"] == 2.0 and slot["q"][1] == x.data_ptr()
+        monkeypatch.setattr(_soft_cpu, "KERNEL_CACHE_PAIRS", -1)  # the tree passes
+        tree_plan = _softassign_plan(x[0], y[0], [2.0], 0.01)
+        g_ref, ref = passes(tree_plan, T)
+        monkeypatch.undo()
+        assert "kernel" not in tree_plan.cache.items
+        assert torch.allclose(g_row, g_ref, rtol=0, atol=1e-10)
+        assert torch.allclose(cols.lse, ref.lse, rtol=0, atol=1e-10)
+        assert torch.allclose(cols.mean, ref.mean, rtol=0, atol=1e-10)

@@ -21,11 +21,31 @@ reductions of ``soft.soft_rows`` (lse, lse2, mean) over a k-d tree of the points
   in h/σ (at d = σ, c = 0.4: within [0.93, 1.06]); each dropped point's term is below
   ``e^(−s (kσ − h)²)``. Once the cells are smaller than the point spacing they hold one
   point each and only the truncation is left (the late, small-σ iterations).
-* ``"truncated"`` (Softassign): pairs with ``s d² > k²/2 + offset`` are dropped, where
-  ``offset`` = βα is the logits' known shift (so every dropped term of a Sinkhorn pass,
-  ``exp(−β(d² − α)) c_j``, is below ``e^(−k²/2)/w``: its scalings are at most ``1/w``, w the
-  slack entry); k is chosen so that every normaliser ``w + Σ`` is low by a relative
-  ``M e^(−k²/2)/w² ≤ SOFTASSIGN_TOLERANCE``.
+* ``"truncated"`` (Softassign, per point): pairs with ``s d² > k²/2 + offset`` are dropped,
+  where ``offset`` = βα is the logits' known shift (so every dropped term of a Sinkhorn
+  pass, ``exp(−β(d² − α)) c_j``, is below ``e^(−k²/2)/w``: its scalings are at most ``1/w``,
+  w the slack entry); k is chosen so that every normaliser ``w + Σ`` is low by a relative
+  ``M e^(−k²/2)/w² ≤ SOFTASSIGN_TOLERANCE``. Kept pairs are exact. At the hot temperatures
+  the radius exceeds the cloud and every pair is kept (2k × 2k bunny, seed schedule: all
+  pairs for the first ~30 of 100 temperatures, 72 % of the 4.4e9 pair terms there).
+* ``"cells"`` (Softassign, chosen by "approximate"/"auto" when the schedule is known): at
+  each β (σ = 1/√(2β)) both clouds are merged into cubic cells of side ``a = c·σ`` rounded
+  down to a power of √2 (``c = SOFT_CELL_RATIO``); a source cell meets a target cell through
+  one kernel value at their centroids (the target's weighted by its scalings) times the
+  source count and the target's summed scalings, every point takes its cell's row values,
+  and cell pairs beyond the truncation radius for ``CELLS_TOLERANCE`` plus ``2√3 a`` are
+  dropped (every dropped point pair lies beyond that radius). Each kept cell pair's term is
+  within ``[e^(−(4√3 βda + 12βa²)²/8), e^(1.5βa²)]`` of its block's exact sum
+  (:func:`block_factor`; at d = σ, c = 0.5: [0.27, 1.21]; second order in a/σ), so the hot
+  phase is a coarse Softassign on cell centroids. Once both clouds hold one point per cell
+  (the cold temperatures, where the pose is settled) the passes are the per-point
+  "truncated" ones with the 1e-4 normaliser bound. Within one pose update every pass sees
+  the same cell pairs (one pose, one β): their kernel values are computed once into a
+  sparse matrix (at most ``KERNEL_CACHE_PAIRS``, else the tree passes) and each Sinkhorn
+  pass is a product with it or its transpose (:func:`_kernel_matrix_rows`; the same sums
+  in another order). The plan predicts the phases
+  (``Plan.phases``); ``info()["passes"]`` counts what ran. The final pose is measured
+  against the exact form in the tests (bunny subsample, short schedule: within 0.1°).
 
 A row with no kept pair gets lse = −inf (λ = 0: an outlier; Softassign: only the slack).
 """
@@ -53,6 +73,24 @@ SOFTASSIGN_TOLERANCE = 1e-4
 EXACT_PAIRS_PER_S = 1.0e8
 #: pairs per second per thread when pruning (tree overhead included; same measurement)
 PRUNED_PAIRS_PER_S = 3.0e7
+#: Softassign "cells": most cell pairs one update's kernel matrix keeps (12 bytes each)
+KERNEL_CACHE_PAIRS = 8_000_000
+#: Softassign "cells": cell side / σ, σ = 1/√(2β) (see :func:`block_factor`)
+SOFT_CELL_RATIO = 0.5
+#: Softassign "cells": the normalisers' relative truncation bound while cells merge (their
+#: own error, :func:`block_factor`, is far larger than ``SOFTASSIGN_TOLERANCE``)
+CELLS_TOLERANCE = 1e-2
+#: source cells sampled by the Softassign estimate
+SAMPLE = 64
+#: seconds per pass besides the pairs, on one thread whatever the thread count (Python,
+#: PyTorch's small ops, cell weights; measured ~2.2 ms per pass at 2k x 2k, loaded 2 cores)
+PASS_OVERHEAD_S = 2e-3
+#: seconds per point per pass (moving, gathering)
+POINT_COST_S = 5e-8
+#: seconds per cell pair per thread to build an update's kernel matrix (2 tree walks, 1 exp)
+BUILD_S_PER_PAIR = 3e-8
+#: seconds per cell pair per thread of one pass through the kernel matrix
+CSR_S_PER_PAIR = 3e-9
 #: points per leaf of the trees the passes search
 LEAF_SIZE = 16
 #: the "auto" mode approximates when the exact run would take longer than this (seconds)
@@ -60,10 +98,18 @@ AUTO_BUDGET_S = 3.0
 
 
 class _Cache:
-    """Trees and cell sets of one run, keyed by (tensor storage, shape, cell level)."""
+    """Trees and cell sets of one run, keyed by (tensor storage, shape, cell level).
+
+    ``passes`` counts the passes run in each form ("cells", "per_point"): what the run did,
+    for ``result.info["approximation"]``.
+    """
 
     def __init__(self) -> None:
         self.items: dict = {}
+        self.passes: dict[str, int] = {}
+
+    def count(self, form: str) -> None:
+        self.passes[form] = self.passes.get(form, 0) + 1
 
     def get(self, key, make):
         if key not in self.items:
@@ -90,12 +136,32 @@ class Plan:
     exact_estimate_s: float
     estimate_s: float
     cache: _Cache = field(default_factory=_Cache, compare=False, repr=False)
+    #: "emicp" or "softassign"
+    method: str = "emicp"
+    #: Softassign "cells": the truncation radius in σ while cells merge (from
+    #: ``CELLS_TOLERANCE``; the per-point passes use ``k``)
+    cells_k: float = math.inf
+    #: Softassign "cells": the predicted phases, ``({"temperatures": [first, last], "form":
+    #: "cells" | "per_point", "cells": [source, target]}, ...)`` (0-based, inclusive)
+    phases: tuple = ()
 
     def info(self) -> dict:
         """Return the record for ``result.info["approximation"]`` (JSON-safe)."""
         out: dict = {"mode": self.mode, "exact_estimate_s": round(self.exact_estimate_s, 3),
                      "estimate_s": round(self.estimate_s, 3)}
-        if self.mode == "cells":
+        if self.mode == "cells" and self.method == "softassign":
+            out.update(
+                k=self.k, cell_ratio=self.cell_ratio,
+                cell_rule="sigma = 1/sqrt(2 beta); cells of side c*sigma rounded down to a "
+                          "power of sqrt(2) while they merge points, then per point",
+                rule="pairs with beta*d^2 > k^2/2 + beta*alpha dropped (cells: centroid "
+                     "distance beyond that radius + 2*sqrt(3)*side)",
+                dropped_term_bound=math.exp(-self.k ** 2 / 2),
+                normaliser_relative_bound=SOFTASSIGN_TOLERANCE,
+                cell_block_ratio_at_1_sigma=list(block_factor(1.0, self.cell_ratio)),
+                phases=[dict(p) for p in self.phases],
+                passes=dict(self.cache.passes))
+        elif self.mode == "cells":
             out.update(k=self.k, cell_ratio=self.cell_ratio,
                        cell_rule="side c*sigma rounded down to a power of sqrt(2); "
                                  "cell pairs with centroids beyond k*sigma dropped",
@@ -117,6 +183,23 @@ def cell_factor(d_over_sigma: float, cell_ratio: float) -> tuple[float, float]:
     h = math.sqrt(3) / 2 * cell_ratio  # h/σ
     rng = 2 * d_over_sigma * h + h * h / 2  # (4 s d h + s h²) in units of σ
     return math.exp(-rng * rng / 8), math.exp(h * h / 2)
+
+
+def block_factor(d_over_sigma: float, cell_ratio: float) -> tuple[float, float]:
+    """Bounds ``(lo, hi)`` of a Softassign cell pair's term / its block's exact sum.
+
+    A source cell I (n points, centroid x̄) and a target cell J (weights c_j, weighted
+    centroid ȳ), both cubes of side a = ``cell_ratio``·σ, at centroid distance
+    d = ``d_over_sigma``·σ, β = 1/(2σ²): the cells form uses ``n C e^(−β d²)`` (C = Σ c_j)
+    for ``Σ_(i∈I, j∈J) c_j e^(−β |x_i − y_j|²)``. With δ = (x_i − x̄) − (y_j − ȳ) (mean 0
+    under the weights; each side's variance ≤ 3a²/4, its projection on any direction
+    within a width a√3, |δ| ≤ 2a√3), Jensen gives exact ≥ approx · e^(−1.5 β a²) and
+    Hoeffding's lemma exact ≤ approx · e^((2βd·2√3a + 12βa²)²/8): the term / block ratio
+    lies in ``[e^(−(4√3 βda + 12βa²)²/8), e^(1.5 β a²)]``, second order in a/σ.
+    """
+    a = cell_ratio  # a/σ; β = 1/(2σ²)
+    rng = 2 * math.sqrt(3) * d_over_sigma * a + 6 * a * a  # (4√3 βda + 12βa²) in σ units
+    return math.exp(-rng * rng / 8), math.exp(0.75 * a * a)
 
 
 def cell_side(sigma: float, cell_ratio: float) -> tuple[int, float]:
@@ -157,10 +240,68 @@ def _count_cells(points: np.ndarray, a: float) -> int:
     return int(np.unique((key[:, 0] * dims[1] + key[:, 1]) * dims[2] + key[:, 2]).shape[0])
 
 
+def _softassign_k(m: int, n: int, w: float, tolerance: float) -> float:
+    """Return the truncation radius k (in σ) leaving every normaliser low by ≤ ``tolerance``.
+
+    Each dropped term is below ``e^(−k²/2)/w`` (scalings ≤ 1/w), at most max(N, M) of them,
+    and each normaliser (slack w included) is at least w.
+    """
+    return math.sqrt(max(2 * math.log(max(m, n) / (w * w * tolerance)), 1.0))
+
+
+def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[float],
+                         alpha: float, k: float, kc: float, c: float, passes_per_beta: int,
+                         passes_per_update: int, threads: int) -> tuple[float, tuple]:
+    """Predicted seconds of the Softassign "cells" passes and their phases (:class:`Plan`).
+
+    The pairs each pass keeps are counted at the identity pose on the centred clouds: for
+    up to ``SAMPLE`` source cells (a fixed sample), the target cells within the pass's
+    radius, times the source cells. Cells: one kernel matrix per update
+    (``BUILD_S_PER_PAIR``) and a product with it per pass (``CSR_S_PER_PAIR``); per point:
+    ``PRUNED_PAIRS_PER_S``; both over the threads, plus ``PASS_OVERHEAD_S`` per pass on one.
+    An estimate at the start pose, not a promise.
+    """
+    src = source - source.mean(0)
+    tgt = target - target.mean(0)
+    rng = np.random.default_rng(0)
+    total, per_level = 0.0, {}
+    phases: list[dict[str, Any]] = []
+    for j, beta in enumerate(betas):
+        sigma = math.sqrt(0.5 / beta)
+        level, a = cell_side(sigma, c)
+        if level not in per_level:
+            cs, _, inv_s = _merge(src, a)
+            ct, _, inv_t = _merge(tgt, a)
+            pick = rng.choice(cs.shape[0], min(SAMPLE, cs.shape[0]), replace=False)
+            d2 = np.sort(np.square(cs[pick, None, :] - ct[None]).sum(-1).ravel())
+            merged = inv_s is not None or inv_t is not None
+            per_level[level] = (cs.shape[0], ct.shape[0], d2, pick.shape[0], merged, a)
+        ns, nt, d2, n_pick, merged, a = per_level[level]
+        kk = kc if merged else k
+        r = math.sqrt((kk * kk / 2 + beta * alpha) / beta) + (2 * math.sqrt(3) * a if merged else 0)
+        pairs = ns * float(np.searchsorted(d2, r * r, side="right")) / n_pick
+        if merged:  # one kernel matrix per update, every pass a product with it
+            updates = passes_per_beta / passes_per_update
+            par = updates * pairs * (BUILD_S_PER_PAIR + passes_per_update * CSR_S_PER_PAIR)
+        else:
+            par = passes_per_beta * pairs / PRUNED_PAIRS_PER_S
+        total += par / threads + passes_per_beta * (
+            PASS_OVERHEAD_S + POINT_COST_S * (source.shape[0] + target.shape[0]))
+        form = "cells" if merged else "per_point"
+        if phases and phases[-1]["form"] == form and (form == "per_point"
+                                                      or phases[-1]["cells"] == [ns, nt]):
+            phases[-1]["temperatures"][1] = j
+        else:
+            phases.append({"temperatures": [j, j], "form": form, "cells": [ns, nt]})
+    return total, tuple(phases)
+
+
 def plan(n: int, m: int, passes: int, *, approximation: str = "auto",
          budget_s: float = AUTO_BUDGET_S, method: str = "emicp",
          source: np.ndarray | None = None, target: np.ndarray | None = None,
-         sigmas: list[float] | None = None, outlier_weight: float = 1.0) -> Plan:
+         sigmas: list[float] | None = None, outlier_weight: float = 1.0,
+         betas: list[float] | None = None, alpha: float = 0.0,
+         passes_per_beta: int = 0, passes_per_update: int = 1) -> Plan:
     """Choose the CPU form of a soft method's row passes up front (once per run).
 
     Args:
@@ -175,6 +316,11 @@ def plan(n: int, m: int, passes: int, *, approximation: str = "auto",
         target: ``(M, 3)`` float64 target (as ``source``).
         sigmas: EM-ICP's σ per iteration (as ``source``).
         outlier_weight: Softassign's slack w (sets k).
+        betas: Softassign's β per temperature (with ``source``, ``target``: "cells" form;
+            without: the per-point "truncated" form throughout).
+        alpha: Softassign's α (the truncation radius grows by α).
+        passes_per_beta: Softassign's passes per temperature (updates × 2 × rounds).
+        passes_per_update: Softassign's passes per pose update (2 × rounds).
 
     Returns:
         a :class:`Plan`; ``plan.info()`` is what the algorithm records in
@@ -193,11 +339,19 @@ def plan(n: int, m: int, passes: int, *, approximation: str = "auto",
         return Plan("exact", math.inf, 0.0, exact, exact)
     if method == "softassign":
         w = float(outlier_weight)
-        k = math.sqrt(max(2 * math.log(max(m, n) / (w * w * SOFTASSIGN_TOLERANCE)), 1.0))
+        k = _softassign_k(m, n, w, SOFTASSIGN_TOLERANCE)
+        if source is not None and target is not None and betas:
+            c = SOFT_CELL_RATIO
+            kc = _softassign_k(m, n, w, CELLS_TOLERANCE)
+            est, phases = _softassign_estimate(source, target, betas, alpha, k, kc, c,
+                                               max(1, passes_per_beta),
+                                               max(1, passes_per_update), threads)
+            return Plan("cells", k, c, exact, est, method="softassign", phases=phases,
+                        cells_k=kc)
         # the early temperatures see every pair and the kernel costs more per pair than the
         # exact estimate's rate (measured: 2k x 2k, seed schedule, 123 CPU-s on 2 loaded
         # cores against 60 s predicted exact): predict the exact time, not less
-        return Plan("truncated", k, 0.0, exact, exact)
+        return Plan("truncated", k, 0.0, exact, exact, method="softassign")
     k, c = TRUNCATE_K, CELL_RATIO
     est = exact / 10
     if source is not None and target is not None and sigmas:
@@ -353,6 +507,117 @@ def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w
             mean[i, 0] = 0.0
             mean[i, 1] = 0.0
             mean[i, 2] = 0.0
+
+
+@njit(cache=True, parallel=True)
+def _pair_count(q, spts, lo, hi, bmin, bmax, depth, r2, counts):
+    """Count the stored points within ``r2`` of each query (the CSR row lengths)."""
+    first_leaf = (1 << depth) - 1
+    for i in prange(q.shape[0]):
+        stack = np.empty(2 * depth + 4, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        c = 0
+        top = 1
+        stack[0] = 0
+        while top > 0:
+            top -= 1
+            v = stack[top]
+            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
+                continue
+            if v >= first_leaf:
+                for j in range(lo[v], hi[v]):
+                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                    if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
+                        c += 1
+                continue
+            stack[top] = 2 * v + 1
+            stack[top + 1] = 2 * v + 2
+            top += 2
+        counts[i] = c
+
+
+@njit(cache=True, parallel=True)
+def _pair_fill(q, perm, spts, lo, hi, bmin, bmax, depth, s, r2, indptr, cols, vals):
+    """CSR of ``exp(−s d²)`` over the pairs within ``r2`` (columns: the points' indices)."""
+    first_leaf = (1 << depth) - 1
+    for i in prange(q.shape[0]):
+        stack = np.empty(2 * depth + 4, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        k = indptr[i]
+        top = 1
+        stack[0] = 0
+        while top > 0:
+            top -= 1
+            v = stack[top]
+            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
+                continue
+            if v >= first_leaf:
+                for j in range(lo[v], hi[v]):
+                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                    dd = e0 * e0 + e1 * e1 + e2 * e2
+                    if dd <= r2:
+                        cols[k] = perm[j]
+                        vals[k] = math.exp(-s * dd)
+                        k += 1
+                continue
+            stack[top] = 2 * v + 1
+            stack[top + 1] = 2 * v + 2
+            top += 2
+
+
+@njit(cache=True, parallel=True)
+def _csr_rows(indptr, cols, vals, w, pts, lse, mean):
+    """Per row i: ``lse_i = log Σ vals·w[col]``, ``mean_i`` that sum's mean of ``pts[col]``."""
+    for i in prange(indptr.shape[0] - 1):
+        l1 = 0.0
+        u0 = 0.0
+        u1 = 0.0
+        u2 = 0.0
+        for k in range(indptr[i], indptr[i + 1]):
+            j = cols[k]
+            e = vals[k] * w[j]
+            l1 += e
+            u0 += e * pts[j, 0]
+            u1 += e * pts[j, 1]
+            u2 += e * pts[j, 2]
+        if l1 > 0:
+            lse[i] = math.log(l1)
+            mean[i, 0] = u0 / l1
+            mean[i, 1] = u1 / l1
+            mean[i, 2] = u2 / l1
+        else:
+            lse[i] = -np.inf
+            mean[i, 0] = 0.0
+            mean[i, 1] = 0.0
+            mean[i, 2] = 0.0
+
+
+@njit(cache=True)
+def _csr_cols(indptr, cols, vals, w, pts, n_cols, lse, mean):
+    """:func:`_csr_rows` of the transpose (per column j, rows weighted by ``w``)."""
+    acc = np.zeros((n_cols, 4))
+    for i in range(indptr.shape[0] - 1):
+        wi = w[i]
+        p0, p1, p2 = pts[i, 0], pts[i, 1], pts[i, 2]
+        for k in range(indptr[i], indptr[i + 1]):
+            j = cols[k]
+            e = vals[k] * wi
+            acc[j, 0] += e
+            acc[j, 1] += e * p0
+            acc[j, 2] += e * p1
+            acc[j, 3] += e * p2
+    for j in range(n_cols):
+        l1 = acc[j, 0]
+        if l1 > 0:
+            lse[j] = math.log(l1)
+            mean[j, 0] = acc[j, 1] / l1
+            mean[j, 1] = acc[j, 2] / l1
+            mean[j, 2] = acc[j, 3] / l1
+        else:
+            lse[j] = -np.inf
+            mean[j, 0] = 0.0
+            mean[j, 1] = 0.0
+            mean[j, 2] = 0.0
 
 
 #: largest ``s·r2 + (max g − min g)`` for which :func:`_rows_linear` is used (e^-600 > 0)
@@ -547,12 +812,151 @@ def emicp_rows(source, target, transform, scale, log_outlier, source_lengths,
     return torch.from_numpy(lam).to(dt), torch.from_numpy(xp).to(dt)
 
 
+def _cell_weights(pts: np.ndarray, inv: np.ndarray, v: int, g: np.ndarray):
+    """Per cell: ``(log Σ_j e^(g_j) (V,), weighted centroid (V, 3), constant (bool))``.
+
+    ``constant``: every cell's g_j are equal (the weighted centroids are the plain ones).
+    """
+    cmax = np.full(v, -np.inf)
+    np.maximum.at(cmax, inv, g)
+    cmin = np.full(v, np.inf)
+    np.minimum.at(cmin, inv, g)
+    base = np.where(np.isfinite(cmax), cmax, 0.0)
+    w = np.exp(g - base[inv])
+    ws = np.bincount(inv, weights=w, minlength=v)
+    cen = np.empty((v, 3))
+    for d in range(3):
+        cen[:, d] = np.bincount(inv, weights=w * pts[:, d], minlength=v)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cen /= ws[:, None]
+        lg = base + np.log(ws)
+    return lg, cen, bool(np.all(cmax == cmin))
+
+
+def _kernel_matrix_rows(plan_: Plan, qkey: tuple, pkey: tuple, qcen: np.ndarray,
+                        pcen: np.ndarray, tree: CpuTree, T: np.ndarray, s: float, r2: float,
+                        lg: np.ndarray):
+    """Run a "cells" pass through the update's kernel matrix: ``(lse, mean)`` or None.
+
+    Within one Softassign update (one pose, one β) the row and the column passes see the
+    same cell pairs, ``K_IJ = exp(−s |T x̄_I − ȳ_J|²)`` within ``r2``: it is computed once
+    (sparse, CSR over the first pass's query cells) and each pass is a product with it (the
+    column passes through its transpose, ``|T⁻¹ ȳ − x̄| = |T x̄ − ȳ|``). None: not cached
+    (more than ``KERNEL_CACHE_PAIRS`` pairs, or weights too spread for linear sums); the
+    caller runs the tree pass. The same sums as that pass (float64, another order).
+    """
+    gmax, gmin = float(lg.max()), float(lg.min())
+    if not 2 * (s * r2 + gmax - gmin) < LINEAR_RANGE:
+        return None
+    slot = plan_.cache.items.get("kernel")
+    forward = transpose = False
+    if slot is not None and slot["s"] == s and slot["r2"] == r2:
+        if slot["q"] == qkey and slot["p"] == pkey and np.array_equal(slot["T"], T):
+            forward = True
+        elif slot["q"] == pkey and slot["p"] == qkey:
+            Ti = np.linalg.inv(T)
+            tol = 1e-12 * (1.0 + float(np.abs(T[:3, 3]).max()))
+            transpose = bool(np.allclose(Ti, slot["T"], rtol=0, atol=tol))
+    if not forward and not transpose:
+        plan_.cache.items.pop("kernel", None)
+        q = np.ascontiguousarray(qcen @ T[:3, :3].T + T[:3, 3])
+        counts = np.empty(q.shape[0], np.int64)
+        _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, r2,
+                    counts)
+        indptr = np.zeros(q.shape[0] + 1, np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        nnz = int(indptr[-1])
+        if nnz > KERNEL_CACHE_PAIRS:
+            return None
+        cols, vals = np.empty(nnz, np.int64), np.empty(nnz)
+        _pair_fill(q, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth,
+                   s, r2, indptr, cols, vals)
+        slot = dict(q=qkey, p=pkey, T=T.copy(), s=s, r2=r2, indptr=indptr, cols=cols,
+                    vals=vals, qcen=qcen, n_p=pcen.shape[0])
+        plan_.cache.items["kernel"] = slot
+        forward = True
+    assert slot is not None
+    w = np.exp(lg - gmax)
+    if forward:
+        n = slot["indptr"].shape[0] - 1
+        lse, mean = np.empty(n), np.empty((n, 3))
+        _csr_rows(slot["indptr"], slot["cols"], slot["vals"], w, pcen, lse, mean)
+    else:
+        n = slot["n_p"]
+        lse, mean = np.empty(n), np.empty((n, 3))
+        _csr_cols(slot["indptr"], slot["cols"], slot["vals"], w, pcen, n, lse, mean)
+    return lse + gmax, mean
+
+
+def _softassign_cells(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor,
+                      s: float, g: torch.Tensor | None, r2: float, plan_: Plan):
+    """One Softassign pass in "cells" form: ``(lse (N,), mean (N, 3))`` NumPy, or None.
+
+    σ = 1/√(2s); both clouds merged into cells of side ``cell_ratio``·σ (rounded down to a
+    power of √2, cached per level); a query cell's centroid (moved) against the point cells
+    (weight Σ_j e^(g_j), weighted centroid), cell pairs beyond √r2 + 2√3·side dropped (so
+    every dropped point pair lies beyond √r2); each query point takes its cell's values.
+    None when both clouds have one point per cell at this σ (the caller runs per point).
+    """
+    sigma = math.sqrt(0.5 / s)
+    level, a = cell_side(sigma, plan_.cell_ratio)
+
+    def cells(t: torch.Tensor):
+        key = ("cells", t.data_ptr(), tuple(t.shape), t.stride(), level)
+
+        def make():
+            p64 = t.detach().cpu().to(torch.float64).numpy()
+            c, n, inv = _merge(p64, a)
+            first = None if inv is None else np.unique(inv, return_index=True)[1]
+            return p64, c, n, inv, first
+        return plan_.cache.get(key, make)
+
+    qp, qc, _, qinv, _ = cells(query)
+    pp, pc, pn, pinv, pfirst = cells(points)
+    if qinv is None and pinv is None:
+        return None
+    plan_.cache.count("cells")
+    gp = np.zeros(pp.shape[0]) if g is None else g.detach().cpu().to(torch.float64).numpy()
+    pkey = ("cells", points.data_ptr(), tuple(points.shape), points.stride(), level)
+    if pinv is None:
+        lg, cen, const = gp, pp, True
+    elif np.array_equal(gp, gp[pfirst][pinv]):  # one weight per cell (Sinkhorn at one level)
+        lg, cen, const = np.log(pn) + gp[pfirst], pc, True
+    else:
+        lg, cen, const = _cell_weights(pp, pinv, pc.shape[0], gp)
+    keep = np.isfinite(lg)
+    if const and bool(keep.all()):  # weighted = plain centroids: the level's cached tree
+        tree = plan_.cache.get(("ctree",) + pkey, lambda: CpuTree(cen, leaf_size=LEAF_SIZE))
+    elif not keep.any():
+        n = qp.shape[0]
+        return np.full(n, -np.inf), np.zeros((n, 3))
+    else:
+        cen, lg = np.ascontiguousarray(cen[keep]), lg[keep]
+        tree = CpuTree(cen, leaf_size=LEAF_SIZE)
+    T = transform.detach().to(torch.float64).cpu().numpy()
+    qcen = qp if qinv is None else qc
+    r = math.sqrt(r2) + 2 * math.sqrt(3) * a
+    qkey = ("cells", query.data_ptr(), tuple(query.shape), query.stride(), level)
+    got = None
+    if const and bool(keep.all()):
+        got = _kernel_matrix_rows(plan_, qkey, pkey, qcen, cen, tree, T, s, r * r, lg)
+    if got is not None:
+        lse, mean = got
+    else:
+        q = qcen @ T[:3, :3].T + T[:3, 3]
+        lse, _, mean = _run_rows(q, lg, tree, s, r * r, False)
+    if qinv is not None:
+        lse, mean = lse[qinv], mean[qinv]
+    return lse, mean
+
+
 def soft_rows(query, points, transform, scale, query_lengths, point_lengths,
               point_log_weights, squares: bool, offset, plan_: Plan):
-    """Batched ``soft.soft_rows`` (lse, lse2, mean) in the plan's form ("exact"/"truncated").
+    """Batched ``soft.soft_rows`` (lse, lse2, mean) in the plan's form.
 
-    ``offset (B,)`` or None: the logits' known shift (Softassign's βα); "truncated" drops the
-    pairs with ``s d² > k²/2 + offset``.
+    ``offset (B,)`` or None: the logits' known shift (Softassign's βα); Softassign's
+    "truncated" and "cells" forms drop the pairs with ``s d² > k²/2 + offset`` ("cells":
+    merged cells while they hold several points, :func:`_softassign_cells`).
     """
     B, N = query.shape[:2]
     dt = query.dtype
@@ -565,10 +969,19 @@ def soft_rows(query, points, transform, scale, query_lengths, point_lengths,
             continue
         s_b = float(scale[b])
         r2 = math.inf
-        if plan_.mode == "truncated":
+        if plan_.method == "softassign" and plan_.mode != "exact":
             off = 0.0 if offset is None else max(0.0, float(offset[b]))
             r2 = (plan_.k ** 2 / 2 + off) / s_b
         g = None if point_log_weights is None else point_log_weights[b, :pl[b]]
+        if plan_.mode == "cells" and plan_.method == "softassign" and not squares:
+            off = 0.0 if offset is None else max(0.0, float(offset[b]))
+            got = _softassign_cells(query[b, :ql[b]], points[b, :pl[b]], transform[b], s_b,
+                                    g, (plan_.cells_k ** 2 / 2 + off) / s_b, plan_)
+            if got is not None:
+                lse[b, :ql[b]] = torch.from_numpy(got[0]).to(dt)
+                mean[b, :ql[b]] = torch.from_numpy(got[1]).to(dt)
+                continue
+            plan_.cache.count("per_point")
         lb, l2b, mb = rows(query[b, :ql[b]], points[b, :pl[b]], transform[b], s_b,
                            log_weights=g, radius2=r2, squares=squares, plan_=plan_)
         lse[b, :ql[b]] = lb

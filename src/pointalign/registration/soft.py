@@ -17,8 +17,9 @@ settled, or as one CUDA graph replay) is :func:`pointalign.kernels._loop.run_pro
 On the CPU ("cpu" backend, numba) the passes run on the host, iteration by iteration, in a
 form chosen up front by :func:`choose_form` (``kernels.soft.cpu_plan``): exact while that
 is estimated at a few seconds, else a stated, bounded approximation (EM-ICP: cells of 0.4σ
-and truncation at 4σ; Softassign: truncation with a 1e-4 relative bound on every Sinkhorn
-normaliser), recorded in ``result.info["approximation"]``; :func:`estimate_seconds` gives
+and truncation at 4σ; Softassign: cells of 0.5σ while they merge points, then per point
+with a 1e-4 relative bound on every Sinkhorn normaliser), recorded in
+``result.info["approximation"]``; :func:`estimate_seconds` gives
 the cost up front, long runs warn and show a progress bar. The GPU runs the exact kernels.
 
 Results are ``T_target_source``; batches are padded ``(B, N, 3)`` with lengths, as in ICP.
@@ -26,6 +27,7 @@ Results are ``T_target_source``; batches are padded ``(B, N, 3)`` with lengths, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -327,13 +329,16 @@ def _settling(criteria: ConvergenceCriteria | None, n_sched: int) -> dict[str, A
 
 def choose_form(algorithm: str, pair: _edge.Pair, n_iter: int, approximation: str,
                 sigmas: list[float] | None = None, outlier_weight: float = 1.0,
-                sinkhorn_rounds: int = 3) -> Any:
+                sinkhorn_rounds: int = 3, betas: list[float] | None = None,
+                alpha: float = 0.0, per_temperature: int = 1) -> Any:
     """Choose the form of the passes for ``pair`` up front (``kernels.soft.cpu_plan``).
 
     On the "cpu" backend (numba) a plan: exact while its estimate is a few seconds
     (``AUTO_BUDGET_S``), else the bounded approximation (``approximation="auto"``), or as
     forced ("exact", "approximate"). Elsewhere (CUDA, the Triton interpreter, the PyTorch
-    reference) None: the exact passes.
+    reference) None: the exact passes. Softassign: ``betas`` (β of each temperature run),
+    ``alpha`` and ``per_temperature`` (updates per β) of the first problem let the plan
+    predict its "cells" phases and cost; without them it truncates per point throughout.
     """
     if approximation not in ("auto", "exact", "approximate"):
         raise ValueError("approximation: expected 'auto', 'exact' or 'approximate', got "
@@ -345,9 +350,36 @@ def choose_form(algorithm: str, pair: _edge.Pair, n_iter: int, approximation: st
         return ksoft.cpu_plan(n, m, n_iter * pair.size, approximation=approximation,
                               method="emicp", source=pair.source[0].double().numpy(),
                               target=pair.target[0].double().numpy(), sigmas=sigmas)
+    extra: dict[str, Any] = {}
+    if betas:
+        ns, nt = int(pair.source_lengths[0]), int(pair.target_lengths[0])
+        extra = dict(source=pair.source[0, :ns].double().numpy(),
+                     target=pair.target[0, :nt].double().numpy(), betas=betas, alpha=alpha,
+                     passes_per_beta=per_temperature * 2 * sinkhorn_rounds,
+                     passes_per_update=2 * sinkhorn_rounds)
     return ksoft.cpu_plan(n, m, n_iter * 2 * sinkhorn_rounds * pair.size,
                           approximation=approximation, method="softassign",
-                          outlier_weight=outlier_weight)
+                          outlier_weight=outlier_weight, **extra)
+
+
+@contextlib.contextmanager
+def _host_threads(plan: Any):
+    """One PyTorch thread while the numba passes run (``plan`` not None), then as before.
+
+    Between the passes PyTorch only handles (B, N) vectors and the 4x4 poses; on 2 threads
+    each of those small ops paid an OpenMP fork/join (weighted Horn on 2k points: 13.5 ms of
+    CPU on 2 threads against 1.4 ms on one, loaded machine). The numba passes keep their own
+    thread count (``_threads.numba_threads``).
+    """
+    if plan is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _form_info(plan: Any, pair: _edge.Pair) -> dict[str, Any]:
@@ -370,7 +402,8 @@ def _run(algorithm: str, prog: _Annealing, pair: _edge.Pair, given: dict[str, to
                        _progress.SlowOperationWarning, stacklevel=3)
     label = "EM-ICP" if algorithm == "emicp" else "Softassign"
     with _progress.task(label, total=prog.n_iter,
-                        quiet=None if pair.device.type == "cpu" else True) as bar:
+                        quiet=None if pair.device.type == "cpu" else True) as bar, \
+            _host_threads(plan):
         run = dataclasses.replace(prog, progress=bar) if pair.device.type == "cpu" else prog
         host, _ = _loop.run_program(run, inputs, device_outputs=False,
                                     pairs=pair.size * pair.source.shape[1] * pair.target.shape[1])
@@ -597,11 +630,16 @@ def softassign(
         target_lengths: ``(B,)`` valid target points of a padded batch.
         approximation: the form of the passes on the CPU ("cpu" backend): "auto" (exact
             while estimated at a few seconds, else the approximation), "exact" or
-            "approximate": pairs with ``β d² > k²/2 + βα`` dropped, k chosen so that every
-            Sinkhorn normaliser (slack included) is low by a relative
-            ``max(N, M) e^(−k²/2)/w² ≤ 1e-4`` (w = ``outlier_weight``; each dropped term is
-            below ``e^(−k²/2)/w``). Ignored off the CPU. Recorded in
-            ``result.info["approximation"]``; see :func:`estimate_seconds`.
+            "approximate" ("cells"): while the clouds merge into cells of side 0.5σ
+            (σ = 1/√(2β), rounded down to a power of √2), Sinkhorn runs on the cells (a cell
+            pair's term within ``[e^(−(4√3 βda + 12βa²)²/8), e^(1.5βa²)]`` of its block's
+            exact sum, d the centroid distance, a the side; pairs beyond the 1e-2
+            normaliser radius + 2√3a dropped); once every cell holds one point (the cold
+            temperatures), per point: pairs with ``β d² > k²/2 + βα`` dropped, k chosen so
+            that every Sinkhorn normaliser (slack included) is low by a relative
+            ``max(N, M) e^(−k²/2)/w² ≤ 1e-4`` (w = ``outlier_weight``). Ignored off the
+            CPU. ``result.info["approximation"]`` records the form, the predicted phases
+            and the passes run in each form; see :func:`estimate_seconds`.
 
     Raises:
         ValueError: naming the argument, e.g. for 1/√β₀ or √α outside ``[1e-6 ρ, 1e6 ρ]``
@@ -643,8 +681,18 @@ def _softassign_setup(source, target, *, init=None, beta0=None, beta_factor=1.07
         _check_range(given, rho, {"beta0": lambda v: 1 / v.sqrt(), "alpha": lambda v: v.sqrt()})
     n_sched = int(temperatures) * int(iterations_per_temperature)
     settle = _settling(criteria, n_sched)
+    betas: list[float] = []
+    a0 = 0.0
+    if pair.device.type == "cpu":  # the schedule of the first problem, for the CPU plan
+        rho = float(_rho(ksoft.centre(pair.target[:1], pair.target_lengths[:1]))[0])
+        b0 = float(given["beta0"][0]) if "beta0" in given else 1.0 / (SOFT_SIGMA * rho) ** 2
+        a0 = float(given["alpha"][0]) if "alpha" in given else (SOFT_ALPHA * rho) ** 2
+        n_temp = -(-settle["n_iter"] // int(iterations_per_temperature))
+        betas = [b0 * beta_factor ** k for k in range(min(n_temp, int(temperatures)))]
     plan = choose_form("softassign", pair, settle["n_iter"], approximation,
-                       outlier_weight=w_out, sinkhorn_rounds=int(sinkhorn_iterations))
+                       outlier_weight=w_out, sinkhorn_rounds=int(sinkhorn_iterations),
+                       betas=betas, alpha=a0,
+                       per_temperature=int(iterations_per_temperature))
     prog = SoftassignProgram(
         **settle, temperatures=int(temperatures),
         per_temperature=int(iterations_per_temperature), sinkhorn_rounds=int(sinkhorn_iterations),
