@@ -88,6 +88,80 @@ def test_knn_equals_brute(seed, dtype, k):
         assert np.all((d[:, 1:] >= d[:, :-1]) | ~np.isfinite(d[:, 1:]))
 
 
+def _candidates_case(p, seed, dtype, scale):
+    """Queries near ``p`` (jittered points, some far ones) and hints of every kind."""
+    g = np.random.default_rng(seed)
+    n = p.shape[0]
+    src = g.integers(0, n, size=1500)
+    q = (p[src] + g.normal(scale=scale, size=(1500, 3))).astype(dtype)
+    q[:100] = p[src[:100]]  # exact hits (duplicates: ties by index)
+    q[-50:] += 10 * scale  # beyond the bound
+    hints = (src, g.integers(-1, n, size=1500), np.full(1500, -1))
+    return q, hints
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nearest_with_candidates_equals_tree(seed, dtype):
+    p = _cloud(seed, 1500, dtype)  # duplicates and a flat sheet
+    p[-100:] = p[-1]  # a point repeated more often than the candidate lists are long
+    plain = _knn_cpu.CpuTree(p, leaf_size=8)
+    fast = _knn_cpu.CpuTree(p, leaf_size=8)
+    assert fast.set_candidates(*fast.knn(p, 12), k=8)
+    q, hints = _candidates_case(p, seed, dtype, 0.01)
+    for md in (None, 0.02):
+        b = None if md is None else md * md
+        rd, ri = knn_reference(torch.from_numpy(q), torch.from_numpy(p), 1, b)
+        for h in hints:
+            d0, i0 = plain.nearest(q, b, h)
+            d1, i1 = fast.nearest(q, b, h)
+            assert np.array_equal(i0, i1) and np.array_equal(d0, d1)
+            _same_neighbours(q, p, ri[:, 0].numpy(), i1, rd[:, 0].numpy(), d1, dtype)
+    # the shortcut is taken (the test is not vacuous): most jittered queries qualify
+    c, r2 = fast._candidates()
+    e = q.astype(np.float64) - p[hints[0]]
+    assert ((e * e).sum(1) < r2[hints[0]]).mean() > 0.3
+
+
+def test_nearest_with_candidates_bunny(bunny_pair_or_skip):
+    s, t = bunny_pair_or_skip
+    t = t[::4].contiguous().numpy()
+    plain, fast = _knn_cpu.CpuTree(t), _knn_cpu.CpuTree(t)
+    assert fast.set_candidates(*fast.knn(t, 20))
+    q = s[::4].contiguous().numpy()
+    d, i = plain.nearest(q, 0.05 ** 2)
+    for _ in range(2):  # the answers as hints, twice (ICP converged), then a shifted cloud
+        d1, i1 = fast.nearest(q, 0.05 ** 2, i)
+        assert np.array_equal(i1, i) and np.array_equal(d1, d)
+    q2 = q + np.float32(0.002)
+    d2, i2 = plain.nearest(q2, 0.05 ** 2)
+    d3, i3 = fast.nearest(q2, 0.05 ** 2, i)
+    assert np.array_equal(i2, i3) and np.array_equal(d2, d3)
+
+
+def test_set_candidates_rejects_tables_that_do_not_fit():
+    p = _cloud(0, 50, np.float32, dup=False)
+    tree = _knn_cpu.CpuTree(p)
+    d, i = tree.knn(p, 6)
+    assert not tree.set_candidates(d[:10], i[:10], 4)  # other rows
+    assert not tree.set_candidates(d, i, 6)  # no (k+1)-th column
+    i2 = i.copy()
+    i2[3, 4] = -1  # a bounded table: the (k+1)-th neighbour is unknown
+    assert not tree.set_candidates(d, i2, 4)
+    assert tree._candidates()[0].shape[0] == 0
+    assert tree.set_candidates(d, i, 4) and tree._candidates()[0].shape == (50, 4)
+
+
+def test_ckdtree_index_keeps_the_self_query():
+    p = torch.from_numpy(_cloud(3, 500, np.float32, dup=False))
+    ix = pa.CKDTreeIndex(p)
+    ix.knn(p[:100], 12)  # not the points themselves: nothing kept
+    ix.knn(p.clone(), 5)  # too few neighbours for the candidate lists
+    tree = ix._cpu_tree()
+    assert tree._candidates()[0].shape[0] == 0
+    ix.knn(p.clone(), 12)
+    assert tree._candidates()[0].shape == (500, 8)
+
+
 def test_tree_bad_input():
     with pytest.raises(ValueError, match="points"):
         _knn_cpu.CpuTree(np.zeros((0, 3), np.float32))

@@ -175,8 +175,14 @@ def _boxd2(q0, q1, q2, bmin, bmax, v):
 
 
 @njit(cache=True, parallel=True)
-def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, out_d, out_i):
-    """Search k = 1 with an optional candidate per query (``hint`` original index, -1)."""
+def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, cand, cand_r2,
+             out_d, out_i):
+    """Search k = 1 with an optional candidate per query (``hint`` original index, -1).
+
+    ``cand (M, K)`` / ``cand_r2 (M,)`` (``M = 0``: none, see :meth:`CpuTree.set_candidates`):
+    a hinted query with squared distance to its hint below ``cand_r2[hint]`` takes the
+    nearest of the hint's candidate list (stored positions) and skips the tree.
+    """
     nq = q.shape[0]
     first_leaf = (1 << depth) - 1
     nblocks = (nq + QUERY_BLOCK - 1) // QUERY_BLOCK
@@ -192,6 +198,23 @@ def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, out_d,
             if h >= 0:
                 e0, e1, e2 = q0 - pts[h, 0], q1 - pts[h, 1], q2 - pts[h, 2]
                 dh = e0 * e0 + e1 * e1 + e2 * e2
+                if h < cand.shape[0] and dh < cand_r2[h]:
+                    # every point off the list is farther than the hint: the list decides
+                    cb, ci = dh, h
+                    for s in range(cand.shape[1]):
+                        j = cand[h, s]
+                        e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                        dd = e0 * e0 + e1 * e1 + e2 * e2
+                        if dd < cb or (dd == cb and perm[j] < ci):
+                            cb = dd
+                            ci = perm[j]
+                    if cb <= max_d2:
+                        out_d[qi] = cb
+                        out_i[qi] = ci
+                    else:
+                        out_d[qi] = inf
+                        out_i[qi] = -1
+                    continue
                 if dh <= best:
                     best = dh
                     bi = h
@@ -329,6 +352,40 @@ class CpuTree:
         (self.perm, self.spts, self.lo, self.hi, self.bmin,
          self.bmax) = _build(pts, self.depth)
 
+    def set_candidates(self, d2: np.ndarray, idx: np.ndarray, k: int = 8) -> bool:
+        """Keep each point's ``k`` nearest as a shortcut for hinted :meth:`nearest` calls.
+
+        ``d2, idx``: a complete self-query table of these points, ``(M, K)`` with
+        ``K > k`` columns (each row's K nearest points, ordered by squared distance, no
+        bound: :meth:`knn` of ``self.points`` itself). Row ``h`` keeps its first ``k``
+        entries, ``S_h``, and ``r2_h``: a quarter of the (k+1)-th squared distance ``δ²``,
+        less a margin of 1e-4 relative for rounding. A query ``q`` hinted with ``h`` and
+        ``|q − p_h|² < r2_h`` (``|q − p_h| < δ/2``) is nearer to ``p_h`` than to any point
+        off ``S_h`` (those are ``>= δ`` from ``p_h``, so ``> δ/2`` from ``q``, with room for
+        the rounding of both squared distances), so its nearest point (ties: smallest index)
+        is the nearest of ``S_h``: the answer equals the full search. Returns True when kept
+        (False, nothing changed, when the table does not fit these points).
+        """
+        m = self.points.shape[0]
+        if (d2.shape != idx.shape or d2.ndim != 2 or d2.shape[0] != m
+                or not 1 <= int(k) < d2.shape[1] or bool((idx[:, :k + 1] < 0).any())):
+            return False
+        k = int(k)
+        inv = np.empty(m, np.int64)
+        inv[self.perm] = np.arange(m, dtype=np.int64)
+        r2 = (0.25 * (1 - 1e-4)) * d2[:, k].astype(np.float64)
+        r2c = r2.astype(self.points.dtype)
+        r2c = np.where(r2c.astype(np.float64) > r2, np.nextafter(r2c, r2c.dtype.type(0)), r2c)
+        self._cand = np.ascontiguousarray(inv[idx[:, :k]])
+        self._cand_r2 = np.ascontiguousarray(r2c)
+        return True
+
+    def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        c = getattr(self, "_cand", None)
+        if c is None:
+            return np.zeros((0, 1), np.int64), np.zeros(0, self.points.dtype)
+        return c, self._cand_r2
+
     def _bound(self, max_d2: float | None):
         dt = self.points.dtype.type
         return dt(np.inf) if max_d2 is None else dt(max_d2)
@@ -349,7 +406,7 @@ class CpuTree:
         out_i = np.empty(n, np.int64)
         _nearest(self.points, self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax,
                  self.depth, q, np.ascontiguousarray(hint, dtype=np.int64),
-                 self._bound(max_d2), out_d, out_i)
+                 self._bound(max_d2), *self._candidates(), out_d, out_i)
         return out_d, out_i
 
     def knn(self, query: np.ndarray, k: int,

@@ -19,6 +19,9 @@ import torch
 from pointalign.search import _checks
 from pointalign.search.base import KnnResult
 
+#: nearest points kept per target point from a self-query (``_knn_cpu.CpuTree.set_candidates``)
+CANDIDATES = 8
+
 
 class CKDTreeIndex:
     """SciPy cKDTree index over ``points (M, 3)``; same contract as the other indexes.
@@ -81,6 +84,9 @@ class CKDTreeIndex:
         tree = self._cpu_tree()
         if tree is not None:  # "cpu" backend: ordered by (distance, index) already
             d, i = tree.knn(qh.numpy(), kk, None if max_distance is None else max_distance ** 2)
+            if max_distance is None and kk > CANDIDATES and self._is_self(qh):
+                # a complete self-query (target normals): hinted searches reuse it
+                tree.set_candidates(d, i, CANDIDATES)
             return self._pad(torch.from_numpy(d), torch.from_numpy(i), k, dt, dev)
         bound = math.inf if max_distance is None else max_distance * (1 + 1e-9) + 1e-300
         _, idx = self._tree.query(qh.to(torch.float64).numpy(), k=kk,
@@ -102,6 +108,14 @@ class CKDTreeIndex:
         o = torch.argsort(d, dim=1, stable=True)
         d, idx = d.gather(1, o), idx.gather(1, o)
         return self._pad(d, idx, k, dt, dev)
+
+    def _is_self(self, qh: torch.Tensor) -> bool:
+        """Tell whether host queries ``qh (N, 3)`` are this index's points, in order."""
+        p = self._host
+        if qh.shape != p.shape or qh.dtype != p.dtype:
+            return False
+        return (qh.data_ptr() == p.data_ptr() and qh.stride() == p.stride()) \
+            or torch.equal(qh, p)
 
     @staticmethod
     def _pad(d: torch.Tensor, idx: torch.Tensor, k: int, dt: torch.dtype,
