@@ -88,6 +88,21 @@ def test_knn_equals_brute(seed, dtype, k):
         assert np.all((d[:, 1:] >= d[:, :-1]) | ~np.isfinite(d[:, 1:]))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("leaf_size", [1, 4, 32])
+def test_knn_self_equals_knn(seed, dtype, leaf_size):
+    p = _cloud(seed, 700, dtype)  # duplicates and a flat sheet: ties by index
+    tree = _knn_cpu.CpuTree(p, leaf_size=leaf_size)
+    for k, md in ((1, None), (20, None), (20, 0.1), (800, None)):
+        k = min(k, 700)
+        d, i = tree.knn_self(k, md)
+        d0, i0 = tree.knn(p, k, md)
+        assert np.array_equal(i, i0) and np.array_equal(d, d0)
+    rd, ri = knn_reference(torch.from_numpy(p), torch.from_numpy(p), 20)
+    d, i = tree.knn_self(20)
+    _same_neighbours(p, p, ri.numpy(), i, rd.numpy(), d, dtype)
+
+
 def _candidates_case(p, seed, dtype, scale):
     """Queries near ``p`` (jittered points, some far ones) and hints of every kind."""
     g = np.random.default_rng(seed)
@@ -158,8 +173,10 @@ def test_ckdtree_index_keeps_the_self_query():
     ix.knn(p.clone(), 5)  # too few neighbours for the candidate lists
     tree = ix._cpu_tree()
     assert tree._candidates()[0].shape[0] == 0
-    ix.knn(p.clone(), 12)
+    got = ix.knn(p.clone(), 12)  # the self-query (bottom-up) answers as the plain search
     assert tree._candidates()[0].shape == (500, 8)
+    d, i = tree.knn(p.numpy(), 12)
+    assert np.array_equal(got.idx.numpy(), i) and np.array_equal(got.dists.numpy(), d)
 
 
 def test_tree_bad_input():

@@ -260,6 +260,65 @@ def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, cand, 
                 out_i[qi] = -1
 
 
+@njit(cache=True, inline="always")
+def _scan_k(q0, q1, q2, perm, spts, a, b, k, bd, bx, cnt, bound):
+    """Insert the stored points ``a:b`` into the ordered list ``bd, bx`` (k-NN, see _knn)."""
+    for j in range(a, b):
+        e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+        dd = e0 * e0 + e1 * e1 + e2 * e2
+        if dd > bound:
+            continue
+        p = perm[j]
+        if cnt == k and (dd > bd[k - 1] or (dd == bd[k - 1] and p > bx[k - 1])):
+            continue
+        # insertion into the ordered list (distance, index)
+        s = cnt if cnt < k else k - 1
+        while s > 0 and (bd[s - 1] > dd or (bd[s - 1] == dd and bx[s - 1] > p)):
+            bd[s] = bd[s - 1]
+            bx[s] = bx[s - 1]
+            s -= 1
+        bd[s] = dd
+        bx[s] = p
+        if cnt < k:
+            cnt += 1
+        if cnt == k:
+            bound = bd[k - 1]
+    return cnt, bound
+
+
+@njit(cache=True, inline="always")
+def _subtree_k(root, droot, q0, q1, q2, perm, spts, lo, hi, bmin, bmax, first_leaf, stack,
+               sd, k, bd, bx, cnt, bound):
+    """Nearest-first k-NN search of the subtree under ``root`` (box distance ``droot``)."""
+    stack[0] = root
+    sd[0] = droot
+    top = 1
+    while top > 0:
+        top -= 1
+        v = stack[top]
+        if sd[top] > bound:
+            continue
+        if v >= first_leaf:
+            cnt, bound = _scan_k(q0, q1, q2, perm, spts, lo[v], hi[v], k, bd, bx, cnt, bound)
+            continue
+        c1 = 2 * v + 1
+        c2 = c1 + 1
+        da = _boxd2(q0, q1, q2, bmin, bmax, c1)
+        db = _boxd2(q0, q1, q2, bmin, bmax, c2)
+        if da > db:
+            c1, c2 = c2, c1
+            da, db = db, da
+        if db <= bound:
+            stack[top] = c2
+            sd[top] = db
+            top += 1
+        if da <= bound:
+            stack[top] = c1
+            sd[top] = da
+            top += 1
+    return cnt, bound
+
+
 @njit(cache=True, parallel=True)
 def _knn(perm, spts, lo, hi, bmin, bmax, depth, q, k, max_d2, out_d, out_i):
     """Find the k nearest within ``max_d2`` (ordered by distance, then index)."""
@@ -276,53 +335,42 @@ def _knn(perm, spts, lo, hi, bmin, bmax, depth, q, k, max_d2, out_d, out_i):
             for s in range(k):
                 bd[s] = np.inf
                 bx[s] = -1
-            cnt = 0
-            bound = max_d2  # k-th distance once k are held, else max_d2
-            top = 1
-            stack[0] = 0
-            sd[0] = _boxd2(q0, q1, q2, bmin, bmax, 0)
-            while top > 0:
-                top -= 1
-                v = stack[top]
-                if sd[top] > bound:
-                    continue
-                if v >= first_leaf:
-                    for j in range(lo[v], hi[v]):
-                        e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
-                        dd = e0 * e0 + e1 * e1 + e2 * e2
-                        if dd > bound:
-                            continue
-                        p = perm[j]
-                        if cnt == k and (dd > bd[k - 1] or (dd == bd[k - 1] and p > bx[k - 1])):
-                            continue
-                        # insertion into the ordered list (distance, index)
-                        s = cnt if cnt < k else k - 1
-                        while s > 0 and (bd[s - 1] > dd or (bd[s - 1] == dd and bx[s - 1] > p)):
-                            bd[s] = bd[s - 1]
-                            bx[s] = bx[s - 1]
-                            s -= 1
-                        bd[s] = dd
-                        bx[s] = p
-                        if cnt < k:
-                            cnt += 1
-                        if cnt == k:
-                            bound = bd[k - 1]
-                    continue
-                c1 = 2 * v + 1
-                c2 = c1 + 1
-                da = _boxd2(q0, q1, q2, bmin, bmax, c1)
-                db = _boxd2(q0, q1, q2, bmin, bmax, c2)
-                if da > db:
-                    c1, c2 = c2, c1
-                    da, db = db, da
-                if db <= bound:
-                    stack[top] = c2
-                    sd[top] = db
-                    top += 1
-                if da <= bound:
-                    stack[top] = c1
-                    sd[top] = da
-                    top += 1
+            # bound: the k-th distance once k are held, else max_d2
+            _subtree_k(0, _boxd2(q0, q1, q2, bmin, bmax, 0), q0, q1, q2, perm, spts, lo, hi,
+                       bmin, bmax, first_leaf, stack, sd, k, bd, bx, 0, max_d2)
+
+
+@njit(cache=True, parallel=True)
+def _knn_self(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out_i):
+    """:func:`_knn` of every stored point (row ``perm[j]`` for ``spts[j]``), bottom-up.
+
+    Queries go in tree order, each starting at its own leaf and walking up: the leaf, then
+    for every node on the way to the root its sibling's subtree when that box is within the
+    current bound (every point once, the nearest subtrees first; no descent from the root).
+    """
+    first_leaf = (1 << depth) - 1
+    nleaves = 1 << depth
+    for t in prange(nleaves):
+        stack = np.empty(2 * depth + 4, np.int64)
+        sd = np.empty(2 * depth + 4, spts.dtype)
+        leaf = first_leaf + t
+        for j0 in range(lo[leaf], hi[leaf]):
+            q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
+            bd = out_d[perm[j0]]
+            bx = out_i[perm[j0]]
+            for s in range(k):
+                bd[s] = np.inf
+                bx[s] = -1
+            cnt, bound = _scan_k(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, bd, bx, 0,
+                                 max_d2)
+            v = leaf
+            while v > 0:
+                sib = v + 1 if v & 1 else v - 1
+                ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
+                if ds <= bound:
+                    cnt, bound = _subtree_k(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin,
+                                            bmax, first_leaf, stack, sd, k, bd, bx, cnt, bound)
+                v = (v - 1) >> 1
 
 
 class CpuTree:
@@ -419,4 +467,18 @@ class CpuTree:
         out_i = np.empty((n, k), np.int64)
         _knn(self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax, self.depth, q,
              int(k), self._bound(max_d2), out_d, out_i)
+        return out_d, out_i
+
+    def knn_self(self, k: int,
+                 max_d2: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`knn` with the tree's own points as the queries (row i: ``points[i]``).
+
+        The same answers, found bottom-up from each point's leaf in tree order.
+        """
+        _threads.numba_threads()
+        n = self.points.shape[0]
+        out_d = np.empty((n, k), self.points.dtype)
+        out_i = np.empty((n, k), np.int64)
+        _knn_self(self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax, self.depth,
+                  int(k), self._bound(max_d2), out_d, out_i)
         return out_d, out_i

@@ -83,10 +83,13 @@ class CKDTreeIndex:
         kk = min(k, m)
         tree = self._cpu_tree()
         if tree is not None:  # "cpu" backend: ordered by (distance, index) already
-            d, i = tree.knn(qh.numpy(), kk, None if max_distance is None else max_distance ** 2)
-            if max_distance is None and kk > CANDIDATES and self._is_self(qh):
-                # a complete self-query (target normals): hinted searches reuse it
-                tree.set_candidates(d, i, CANDIDATES)
+            md2 = None if max_distance is None else max_distance ** 2
+            if self._is_self(qh):  # the self-query (normals): from each point's own leaf
+                d, i = tree.knn_self(kk, md2)
+                if md2 is None and kk > CANDIDATES:  # complete: hinted searches reuse it
+                    tree.set_candidates(d, i, CANDIDATES)
+            else:
+                d, i = tree.knn(qh.numpy(), kk, md2)
             return self._pad(torch.from_numpy(d), torch.from_numpy(i), k, dt, dev)
         bound = math.inf if max_distance is None else max_distance * (1 + 1e-9) + 1e-300
         _, idx = self._tree.query(qh.to(torch.float64).numpy(), k=kk,
