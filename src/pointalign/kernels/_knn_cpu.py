@@ -431,14 +431,15 @@ class CpuTree:
         r2 = (0.25 * (1 - 1e-4)) * d2[:, k].astype(np.float64)
         r2c = r2.astype(self.points.dtype)
         r2c = np.where(r2c.astype(np.float64) > r2, np.nextafter(r2c, r2c.dtype.type(0)), r2c)
-        self._cand = np.ascontiguousarray(inv[idx[:, :k]])
+        pos_t = np.int32 if m < 2**31 else np.int64  # stored positions: 4 bytes each
+        self._cand = np.ascontiguousarray(inv[idx[:, :k]].astype(pos_t))
         self._cand_r2 = np.ascontiguousarray(r2c)
         return True
 
     def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
         c = getattr(self, "_cand", None)
         if c is None:
-            return np.zeros((0, 1), np.int64), np.zeros(0, self.points.dtype)
+            return np.zeros((0, 1), np.int32), np.zeros(0, self.points.dtype)
         return c, self._cand_r2
 
     def _bound(self, max_d2: float | None):
