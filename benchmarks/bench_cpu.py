@@ -106,10 +106,19 @@ pipeline under ``OMP_NUM_THREADS=1`` in the same minutes 0.63-0.74 s, of which i
   CPU at load 12 with an empty cache; ``cache=True`` stores them under ``__pycache__``), then
   loading the cache costs ~0.7 s of CPU on the first call of each later process.
 
-Point-to-plane ICP (30 iterations, one thread): 0.94 s of CPU, of which the 31 hinted
-nearest-within searches 0.54 s, the target normals' k = 20 self-search 0.09 s (the likely 5 %
-against Open3D), the reduction 0.05 s, and a second k-d tree (and two SciPy trees) over the
-target built for the normals' index: ~0.03 s.
+Point-to-plane ICP (30 iterations, one thread, cProfile with ``time.process_time``, load
+6-9): before, 0.91 s of CPU, of which the 31 hinted nearest-within searches 0.54 s (a
+converged iteration 15 ms: 40k queries descending the tree although 99.99 % keep their
+hint), the normals' k = 20 self-query 0.09 s, the reduction 0.05 s (the "second tree and
+SciPy trees" of earlier profiles were gone: the normals reuse the correspondence index).
+After (0.48 s): each target point's 8 nearest, kept from the normals' self-query, answer a
+hinted query lying within half the 9th-neighbour distance of its hint without the tree
+(exact; ~90 % of the converged queries: 15 -> 3-4 ms per iteration); the self-query runs
+bottom-up from each point's leaf in tree order (0.09 -> 0.07 s); leaves of 16-32 points
+instead of 8-16 (5-10 % off every search, point-to-point included). Searches 0.20-0.25 s,
+of which the first five iterations (queries up to 5 cm off the surface, few hints right)
+~0.16 s: the ball around a far query meets many leaves; a walk along the candidate lists
+did not pay there.
 
 Profile of ``surface_newton`` on the LiDAR pair (cProfile, the plane approximant, from the
 identity: 10-11 Newton steps, 52-64 objective passes with the Armijo trials). Before the

@@ -88,6 +88,111 @@ def test_knn_equals_brute(seed, dtype, k):
         assert np.all((d[:, 1:] >= d[:, :-1]) | ~np.isfinite(d[:, 1:]))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("leaf_size", [1, 32])
+def test_knn_self_equals_knn(seed, dtype, leaf_size):
+    p = _cloud(seed, 400, dtype)  # duplicates and a flat sheet: ties by index
+    tree = _knn_cpu.CpuTree(p, leaf_size=leaf_size)
+    for k, md in ((1, None), (20, None), (20, 0.15), (400, None)):
+        d, i = tree.knn_self(k, md)
+        d0, i0 = tree.knn(p, k, md)
+        assert np.array_equal(i, i0) and np.array_equal(d, d0)
+    rd, ri = knn_reference(torch.from_numpy(p), torch.from_numpy(p), 20)
+    d, i = tree.knn_self(20)
+    _same_neighbours(p, p, ri.numpy(), i, rd.numpy(), d, dtype)
+
+
+def _candidates_case(p, seed, dtype, scale):
+    """Queries near ``p`` (jittered points, some far ones) and hints of every kind."""
+    g = np.random.default_rng(seed)
+    n = p.shape[0]
+    src = g.integers(0, n, size=1500)
+    q = (p[src] + g.normal(scale=scale, size=(1500, 3))).astype(dtype)
+    q[:100] = p[src[:100]]  # exact hits (duplicates: ties by index)
+    q[-50:] += 10 * scale  # beyond the bound
+    hints = (src, g.integers(-1, n, size=1500), np.full(1500, -1))
+    return q, hints
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nearest_with_candidates_equals_tree(seed, dtype):
+    p = _cloud(seed, 1500, dtype)  # duplicates and a flat sheet
+    p[-100:] = p[-1]  # a point repeated more often than the candidate lists are long
+    plain = _knn_cpu.CpuTree(p, leaf_size=8)
+    fast = _knn_cpu.CpuTree(p, leaf_size=8)
+    assert fast.set_candidates(*fast.knn(p, 12), k=8)
+    q, hints = _candidates_case(p, seed, dtype, 0.01)
+    for md in (None, 0.02):
+        b = None if md is None else md * md
+        rd, ri = knn_reference(torch.from_numpy(q), torch.from_numpy(p), 1, b)
+        for h in hints:
+            d0, i0 = plain.nearest(q, b, h)
+            d1, i1 = fast.nearest(q, b, h)
+            assert np.array_equal(i0, i1) and np.array_equal(d0, d1)
+            _same_neighbours(q, p, ri[:, 0].numpy(), i1, rd[:, 0].numpy(), d1, dtype)
+    # the shortcut is taken (the test is not vacuous): most jittered queries qualify
+    c, r2 = fast._candidates()
+    e = q.astype(np.float64) - p[hints[0]]
+    assert ((e * e).sum(1) < r2[hints[0]]).mean() > 0.3
+
+
+def test_nearest_with_candidates_bunny(bunny_pair_or_skip):
+    s, t = bunny_pair_or_skip
+    t = t[::4].contiguous().numpy()
+    plain, fast = _knn_cpu.CpuTree(t), _knn_cpu.CpuTree(t)
+    assert fast.set_candidates(*fast.knn(t, 20))
+    q = s[::4].contiguous().numpy()
+    d, i = plain.nearest(q, 0.05 ** 2)
+    for _ in range(2):  # the answers as hints, twice (ICP converged), then a shifted cloud
+        d1, i1 = fast.nearest(q, 0.05 ** 2, i)
+        assert np.array_equal(i1, i) and np.array_equal(d1, d)
+    q2 = q + np.float32(0.002)
+    d2, i2 = plain.nearest(q2, 0.05 ** 2)
+    d3, i3 = fast.nearest(q2, 0.05 ** 2, i)
+    assert np.array_equal(i2, i3) and np.array_equal(d2, d3)
+
+
+def test_set_candidates_rejects_tables_that_do_not_fit():
+    p = _cloud(0, 50, np.float32, dup=False)
+    tree = _knn_cpu.CpuTree(p)
+    d, i = tree.knn(p, 6)
+    assert not tree.set_candidates(d[:10], i[:10], 4)  # other rows
+    assert not tree.set_candidates(d, i, 6)  # no (k+1)-th column
+    i2 = i.copy()
+    i2[3, 4] = -1  # a bounded table: the (k+1)-th neighbour is unknown
+    assert not tree.set_candidates(d, i2, 4)
+    assert tree._candidates()[0].shape[0] == 0
+    assert tree.set_candidates(d, i, 4) and tree._candidates()[0].shape == (50, 4)
+
+
+def test_ckdtree_index_keeps_the_self_query():
+    p = torch.from_numpy(_cloud(3, 500, np.float32, dup=False))
+    ix = pa.CKDTreeIndex(p)
+    ix.knn(p[:100], 12)  # not the points themselves: nothing kept
+    ix.knn(p.clone(), 5)  # too few neighbours for the candidate lists
+    tree = ix._cpu_tree()
+    assert tree._candidates()[0].shape[0] == 0
+    got = ix.knn(p.clone(), 12)  # the self-query (bottom-up) answers as the plain search
+    assert tree._candidates()[0].shape == (500, 8)
+    d, i = tree.knn(p.numpy(), 12)
+    assert np.array_equal(got.idx.numpy(), i) and np.array_equal(got.dists.numpy(), d)
+
+
+def test_icp_point_to_plane_candidates_change_nothing(monkeypatch, bunny_pair_or_skip):
+    from pointalign.search import ckdtree
+
+    s, t = (c[::4].contiguous() for c in bunny_pair_or_skip)
+    crit = pa.ConvergenceCriteria(max_iterations=12, relative_fitness=0, relative_rmse=0,
+                                  translation_tolerance=0, rotation_tolerance=0)
+    out = []
+    for cand in (ckdtree.CANDIDATES, 10**9):  # the lists kept, then never kept
+        monkeypatch.setattr(ckdtree, "CANDIDATES", cand)
+        out.append(pa.icp(s, t, max_correspondence_distance=0.05, method="point_to_plane",
+                          criteria=crit, device="cpu"))
+    assert np.array_equal(np.asarray(out[0].transformation), np.asarray(out[1].transformation))
+    assert out[0].fitness == out[1].fitness and out[0].rmse == out[1].rmse
+
+
 def test_tree_bad_input():
     with pytest.raises(ValueError, match="points"):
         _knn_cpu.CpuTree(np.zeros((0, 3), np.float32))

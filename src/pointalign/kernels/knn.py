@@ -29,6 +29,12 @@ from pointalign.kernels._backend import backend
 #: Largest k the Triton kernel keeps in registers; larger k runs the reference.
 MAX_TRITON_K = 32
 
+#: leaf size of the "cpu" backend's host tree (:func:`host_tree`): leaves of 16-32 points.
+#: ICP on the bunny pair (40k, 1 thread, hinted nearest-within over 31 iterations):
+#: 16 -> 32 (depth 12 -> 11) 5-10 % less search time for point-to-point and point-to-plane
+#: and for the normals' k = 20 self-query; 64 is slower again (``benchmarks/bench_cpu.py``)
+HOST_LEAF_SIZE = 32
+
 #: Pairs per tile of the reference (memory is about 3 x this many elements).
 _TILE_PAIRS = 1 << 22
 #: the smallest tile the out-of-memory fallback of :func:`knn_tiles` tries
@@ -69,7 +75,7 @@ def host_tree(points: torch.Tensor) -> object:
     """
     from pointalign.kernels._score_cpu import ScoringTree
 
-    return ScoringTree(points.detach().cpu().numpy())
+    return ScoringTree(points.detach().cpu().numpy(), leaf_size=HOST_LEAF_SIZE)
 
 
 def points_layout(points: torch.Tensor) -> torch.Tensor | None:

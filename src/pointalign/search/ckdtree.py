@@ -19,6 +19,9 @@ import torch
 from pointalign.search import _checks
 from pointalign.search.base import KnnResult
 
+#: nearest points kept per target point from a self-query (``_knn_cpu.CpuTree.set_candidates``)
+CANDIDATES = 8
+
 
 class CKDTreeIndex:
     """SciPy cKDTree index over ``points (M, 3)``; same contract as the other indexes.
@@ -30,7 +33,10 @@ class CKDTreeIndex:
         workers: threads for queries (-1: all cores).
 
     ``nearest_within`` starts from ``hint`` (the last correspondences) when the kernel
-    layer's host tree answers it (the "cpu" backend); SciPy's tree ignores it.
+    layer's host tree answers it (the "cpu" backend); SciPy's tree ignores it. There, a
+    complete ``knn`` of the index's own points (k > :data:`CANDIDATES`: the target normals of
+    point-to-plane ICP) runs bottom-up and is kept as each point's candidate list, which
+    answers most hinted queries near the surface without the tree (same results).
 
     """
 
@@ -80,7 +86,13 @@ class CKDTreeIndex:
         kk = min(k, m)
         tree = self._cpu_tree()
         if tree is not None:  # "cpu" backend: ordered by (distance, index) already
-            d, i = tree.knn(qh.numpy(), kk, None if max_distance is None else max_distance ** 2)
+            md2 = None if max_distance is None else max_distance ** 2
+            if self._is_self(qh):  # the self-query (normals): from each point's own leaf
+                d, i = tree.knn_self(kk, md2)
+                if md2 is None and kk > CANDIDATES:  # complete: hinted searches reuse it
+                    tree.set_candidates(d, i, CANDIDATES)
+            else:
+                d, i = tree.knn(qh.numpy(), kk, md2)
             return self._pad(torch.from_numpy(d), torch.from_numpy(i), k, dt, dev)
         bound = math.inf if max_distance is None else max_distance * (1 + 1e-9) + 1e-300
         _, idx = self._tree.query(qh.to(torch.float64).numpy(), k=kk,
@@ -102,6 +114,14 @@ class CKDTreeIndex:
         o = torch.argsort(d, dim=1, stable=True)
         d, idx = d.gather(1, o), idx.gather(1, o)
         return self._pad(d, idx, k, dt, dev)
+
+    def _is_self(self, qh: torch.Tensor) -> bool:
+        """Tell whether host queries ``qh (N, 3)`` are this index's points, in order."""
+        p = self._host
+        if qh.shape != p.shape or qh.dtype != p.dtype:
+            return False
+        return (qh.data_ptr() == p.data_ptr() and qh.stride() == p.stride()) \
+            or torch.equal(qh, p)
 
     @staticmethod
     def _pad(d: torch.Tensor, idx: torch.Tensor, k: int, dt: torch.dtype,
