@@ -161,8 +161,13 @@ import os
 import sys
 import time
 
-import numpy as np
-import torch
+# OpenMP reads its wait policy when torch (or Open3D) loads it: set it first, as ``import
+# pointalign`` does when it comes before torch (README), so that idle threads of either
+# library sleep instead of spinning against the other's work (same setting for the peers)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,7 +189,8 @@ NOTES = (
     "tutorial pipeline (FPFH + RANSAC + point-to-plane ICP) and small_gicp GICP alone. "
     "emicp: pa.emicp end to end (40k, automatic form); softassign: pa.softassign 2k x 2k "
     "(automatic form), both after a warm-up. Targets: ICP p2p/p2pl "
-    "and register() no slower than Open3D, EM-ICP 40k <= 10 s, surface_newton LiDAR <= 2 s."
+    "and register() no slower than Open3D, EM-ICP 40k <= 10 s, surface_newton LiDAR <= 2 s. "
+    f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} for both libraries."
 )
 
 
