@@ -79,30 +79,6 @@ def assert_knn_matches(result, query, points, k: int, max_distance: float | None
         assert np.all(np.abs(edge[disagree] - max_distance**2) <= atol + rtol * max_distance**2)
 
 
-def run_interpreted(module: str, function: str, out_path, monkeypatch) -> dict:
-    """Run ``module.function(out_path)`` in a fresh Python with ``TRITON_INTERPRET=1``.
-
-    Triton decides at import time whether its standard library is interpreted, so a process
-    that already imported Triton for compiled kernels cannot interpret kernels; the Triton
-    kernels' CPU tests therefore run in a child process and return tensors through
-    ``torch.save``. Returns the saved dict.
-    """
-    import os
-    import subprocess
-    import sys
-
-    pytest = __import__("pytest")
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("POINTALIGN_BACKEND", raising=False)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"import {module} as m; m.{function}({str(out_path)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
-                          text=True, env=dict(os.environ), timeout=600)
-    assert proc.returncode == 0, f"interpreted run failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return torch.load(out_path)
-
-
 def assert_same_or_tied(d, i, ref_d, ref_i, *, rtol: float = 1e-5, atol: float = 1e-7) -> None:
     """Two kNN results agree: same inf pattern, close distances, and equal indices except at
     near-ties (fast paths may round a distance one ulp differently and swap two neighbours).

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pointalign import datasets
+from tests import _interpreted
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -20,6 +21,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    _interpreted.move_last(items)
+
+
+def pytest_collection_finish(session):
+    """Start the Triton-interpreter children (tests/_interpreted.py) beside the suite."""
+    _interpreted.start(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _interpreted.stop()
 
 
 @pytest.fixture(params=[0, 1, 2])

@@ -1,7 +1,7 @@
 """Every ``kernels._tl_math`` helper against its ``pointalign._math`` spec, element by element.
 
 One tiny ``@triton.jit`` kernel per helper (one program per case) runs through the Triton
-interpreter in a child process (:func:`tests._oracles.run_interpreted`) and, with the
+interpreter in a child process (:mod:`tests._interpreted`) and, with the
 ``gpu`` marker, compiled on CUDA. Inputs are random plus edge cases: zero rotation, 180°,
 tiny angles, rank-deficient and degenerate matrices, a zero cross-covariance.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pointalign import _math
-from tests._oracles import run_interpreted
+from tests._interpreted import interpreted_fixture
 
 try:
     import triton
@@ -225,16 +225,7 @@ def run_math_kernels(device: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    if triton is None:
-        pytest.skip("triton not installed")
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.test_math", "run_interpreted_math",
-                               tmp_path_factory.mktemp("interp") / "math.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.test_math", "run_interpreted_math")
 
 
 def _check_all(out: dict) -> None:

@@ -1,7 +1,7 @@
 """Fused feature kernels (radius table, PCA normals, SPFH, FPFH combine) vs their references.
 
 The Triton kernels run here through Triton's interpreter on CPU tensors (small clouds, in a
-child process: see ``tests._oracles.run_interpreted``) and on CUDA when present.
+child process: see ``tests._interpreted``) and on CUDA when present.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pointalign.kernels import features as KF
 from pointalign.kernels import fpfh as KP
 from pointalign.kernels import knn as KNN
 from pointalign.search import build_index
-from tests._oracles import run_interpreted
+from tests._interpreted import interpreted_fixture
 
 V = 0.012
 
@@ -63,14 +63,7 @@ def run_interpreted_features(out_path: str) -> None:
                out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.features.test_feature_kernels", "run_interpreted_features",
-                               tmp_path_factory.mktemp("interp") / "features.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.features.test_feature_kernels", "run_interpreted_features")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])

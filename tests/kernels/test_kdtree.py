@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pointalign.kernels import kdtree as K
-from tests._oracles import assert_knn_matches, run_interpreted
+from tests._interpreted import interpreted_fixture
+from tests._oracles import assert_knn_matches
 
 triton = pytest.importorskip("triton")
 
@@ -176,14 +177,7 @@ def _build_cloud(seed):
     return pts
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.kernels.test_kdtree", "run_interpreted_kdtree",
-                               tmp_path_factory.mktemp("interp") / "kdtree.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.kernels.test_kdtree", "run_interpreted_kdtree")
 
 
 @pytest.mark.parametrize("case", INTERP_CASES)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pointalign.kernels import knn as knn_mod
-from tests._oracles import assert_knn_matches, assert_same_or_tied, run_interpreted
+from tests._interpreted import interpreted_fixture
+from tests._oracles import assert_knn_matches, assert_same_or_tied
 
 SIZES = [(1, 1), (1, 2), (2, 3), (3, 1), (7, 13), (31, 17), (97, 211), (257, 64)]
 
@@ -147,14 +148,7 @@ def run_interpreted_cases(out_path: str) -> None:
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.kernels.test_knn", "run_interpreted_cases",
-                               tmp_path_factory.mktemp("interp") / "knn.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.kernels.test_knn", "run_interpreted_cases")
 
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])

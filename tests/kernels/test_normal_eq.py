@@ -9,7 +9,8 @@ import torch
 
 from pointalign import estimate
 from pointalign.kernels import normal_eq as ne
-from tests._oracles import icp_solve_np, run_interpreted
+from tests._interpreted import interpreted_fixture
+from tests._oracles import icp_solve_np
 
 KERNELS = ne.KERNELS
 
@@ -158,14 +159,7 @@ def run_interpreted_cases(out_path: str) -> None:
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.kernels.test_normal_eq", "run_interpreted_cases",
-                               tmp_path_factory.mktemp("interp") / "ne.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.kernels.test_normal_eq", "run_interpreted_cases")
 
 
 @pytest.mark.parametrize("case", INTERP, ids=[c[0] for c in INTERP])
@@ -271,14 +265,8 @@ def run_interpreted_solve(out_path: str) -> None:
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted_solve(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.kernels.test_normal_eq", "run_interpreted_solve",
-                               tmp_path_factory.mktemp("interp") / "solve.pt", mp)
-    finally:
-        mp.undo()
+interpreted_solve = interpreted_fixture("tests.kernels.test_normal_eq", "run_interpreted_solve",
+                                        name="interpreted_solve")
 
 
 @pytest.mark.parametrize("plane", [False, True], ids=["p2p", "p2l"])

@@ -18,7 +18,7 @@ import torch
 
 from pointalign import datasets, transforms
 from pointalign.kernels import horn, soft
-from tests._oracles import run_interpreted
+from tests._interpreted import interpreted_fixture
 
 # ------------------------------------------------------------------------------------------
 # dense float64 references (full matrices)
@@ -307,14 +307,7 @@ def run_interpreted_cases(out_path: str) -> None:
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.kernels.test_soft", "run_interpreted_cases",
-                               tmp_path_factory.mktemp("interp") / "soft.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.kernels.test_soft", "run_interpreted_cases")
 
 
 def _masked_close(a, b, ql, atol, rtol):

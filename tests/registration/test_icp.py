@@ -21,7 +21,7 @@ from pointalign.cloud import PointCloud
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.icp import icp
 from pointalign.search import build_index
-from tests._oracles import run_interpreted
+from tests._interpreted import interpreted_fixture
 
 METHODS = ["point_to_point", "point_to_plane"]
 CRIT = ConvergenceCriteria(max_iterations=60)
@@ -290,14 +290,7 @@ def run_interpreted_icp(out_path: str) -> None:
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.registration.test_icp", "run_interpreted_icp",
-                               tmp_path_factory.mktemp("interp") / "icp.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.registration.test_icp", "run_interpreted_icp")
 
 
 def test_interpreted_hinted_kdtree_icp_matches_torch(interpreted):

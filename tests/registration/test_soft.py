@@ -16,7 +16,7 @@ import torch
 from pointalign import datasets, metrics, transforms
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.soft import CHECK_EVERY, emicp, softassign
-from tests._oracles import run_interpreted
+from tests._interpreted import interpreted_fixture
 from tests.kernels.test_soft import dense_emicp, dense_sinkhorn
 
 
@@ -269,14 +269,7 @@ def run_interpreted_cases(out_path: str) -> None:
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.registration.test_soft", "run_interpreted_cases",
-                               tmp_path_factory.mktemp("interp") / "soft.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.registration.test_soft", "run_interpreted_cases")
 
 
 def test_triton_interpreted_matches_dense(interpreted):

@@ -26,7 +26,7 @@ from pointalign.registration.surface import (
     symmetric_eigh2,
 )
 from pointalign.search.kdtree import KDTreeIndex
-from tests._oracles import run_interpreted
+from tests._interpreted import interpreted_fixture
 
 CRIT = ConvergenceCriteria(max_iterations=80, relative_rmse=1e-5, rotation_tolerance=1e-5,
                            translation_tolerance=1e-6)
@@ -221,14 +221,7 @@ def run_interpreted_surface(out_path: str) -> None:
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.registration.test_surface", "run_interpreted_surface",
-                               tmp_path_factory.mktemp("interp") / "surface.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.registration.test_surface", "run_interpreted_surface")
 
 
 @pytest.mark.parametrize("kind", ["plane", "second_order"])

@@ -8,7 +8,8 @@ import torch
 from pointalign.kernels import grid as grid_mod
 from pointalign.search.base import Index
 from pointalign.search.grid import VoxelGridIndex, auto_cell_size
-from tests._oracles import assert_knn_matches, assert_same_or_tied, run_interpreted
+from tests._interpreted import interpreted_fixture
+from tests._oracles import assert_knn_matches, assert_same_or_tied
 
 
 def _cloud(n, g, dtype=torch.float32):
@@ -165,14 +166,7 @@ def run_interpreted_cases(out_path: str) -> None:
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.search.test_grid", "run_interpreted_cases",
-                               tmp_path_factory.mktemp("interp") / "grid.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.search.test_grid", "run_interpreted_cases")
 
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])

@@ -18,7 +18,8 @@ from pointalign import _validate
 from pointalign.search import build_index
 from pointalign.search.base import Index, KnnResult
 from pointalign.search.policy import TieredIndex
-from tests._oracles import assert_knn_matches, run_interpreted
+from tests._interpreted import interpreted_fixture
+from tests._oracles import assert_knn_matches
 
 METHODS = ["brute", "grid", "kdtree", "ckdtree"]
 
@@ -171,14 +172,7 @@ def _plane(g):
     return plane, q
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        return run_interpreted("tests.search.test_protocol", "run_interpreted_protocol",
-                               tmp_path_factory.mktemp("interp") / "protocol.pt", mp)
-    finally:
-        mp.undo()
+interpreted = interpreted_fixture("tests.search.test_protocol", "run_interpreted_protocol")
 
 
 @pytest.mark.parametrize("method", ["brute", "grid", "kdtree"])
