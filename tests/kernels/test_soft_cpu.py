@@ -145,7 +145,7 @@ def test_plan_modes_info_and_estimates():
     assert p.mode == "cells" and p.exact_estimate_s > _soft_cpu.AUTO_BUDGET_S
     info = p.info()
     assert info["mode"] == "cells" and info["k"] == _soft_cpu.TRUNCATE_K
-    assert info["dropped_term_bound"] < 2e-3 and 0.9 < info["kept_cell_ratio_at_1_sigma"][0] < 1
+    assert info["dropped_term_bound"] < 5e-3 and 0.9 < info["kept_cell_ratio_at_1_sigma"][0] < 1
     assert soft.cpu_plan(40000, 40000, 66, approximation="exact").mode == "exact"
     sa = soft.cpu_plan(2000, 2000, 3000, method="softassign")
     assert sa.mode == "truncated"

@@ -16,11 +16,14 @@ reductions of ``soft.soft_rows`` (lse, lse2, mean) over a k-d tree of the points
   (``k = TRUNCATE_K``). A target cell acts as its centroid ȳ with weight n (its count); each
   source point takes the E-step values (λ, x') of its cell's centroid. Bounds, at a source
   centroid q and a kept target cell at centroid distance d (Jensen and Hoeffding's lemma on
-  the centred offsets of the cell's points, |δ| ≤ h):
+  the centred offsets δ of the cell's points: mean |δ|² ≤ 3a²/4 = h², each coordinate's
+  variance being at most a²/4, and any projection of δ within an interval of width 2h):
   ``n e^(−s d²) / Σ_cell e^(−s d_j²) ∈ [e^(−(4 s d h + s h²)²/8), e^(s h²)]``: second order
-  in h/σ (at d = σ, c = 0.4: within [0.93, 1.06]); each dropped point's term is below
-  ``e^(−s (kσ − h)²)``. Once the cells are smaller than the point spacing they hold one
-  point each and only the truncation is left (the late, small-σ iterations).
+  in h/σ (at d = σ, c = 0.4: within [0.93, 1.06]); a point lies within the full diagonal
+  a√3 = 2h of its cell's centroid, so each dropped point's term is below
+  ``e^(−s (kσ − 2h)²)`` (c = 0.4, k = 4: e^(−(4 − 0.69)²/2) = 4.2e-3). Once the cells are
+  smaller than the point spacing they hold one point each and only the truncation is left
+  (the late, small-σ iterations).
 * ``"truncated"`` (Softassign, per point): pairs with ``s d² > k²/2 + offset`` are dropped,
   where ``offset`` = βα is the logits' known shift (so every dropped term of a Sinkhorn
   pass, ``exp(−β(d² − α)) c_j``, is below ``e^(−k²/2)/w``: its scalings are at most ``1/w``,
@@ -62,9 +65,9 @@ import torch
 from pointalign import _threads
 from pointalign.kernels._knn_cpu import CpuTree, _boxd2, njit, prange
 
-#: EM-ICP truncation radius in σ (each dropped term below e^(−(k − 0.87c)²/2))
+#: EM-ICP truncation radius in σ (each dropped term below e^(−(k − √3 c)²/2))
 TRUNCATE_K = 4.0
-#: EM-ICP cell side / σ (half-diagonal ≤ 0.87 c σ)
+#: EM-ICP cell side / σ (diagonal ≤ √3 c σ)
 CELL_RATIO = 0.4
 #: Softassign: relative bound on every Sinkhorn normaliser (sets k)
 SOFTASSIGN_TOLERANCE = 1e-4
@@ -165,7 +168,8 @@ class Plan:
             out.update(k=self.k, cell_ratio=self.cell_ratio,
                        cell_rule="side c*sigma rounded down to a power of sqrt(2); "
                                  "cell pairs with centroids beyond k*sigma dropped",
-                       dropped_term_bound=math.exp(-(self.k - 0.87 * self.cell_ratio) ** 2 / 2),
+                       dropped_term_bound=math.exp(
+                           -(self.k - math.sqrt(3) * self.cell_ratio) ** 2 / 2),
                        kept_cell_ratio_at_1_sigma=list(cell_factor(1.0, self.cell_ratio)))
         elif self.mode == "truncated":
             out.update(k=self.k, rule="pairs with s*d^2 > k^2/2 + beta*alpha dropped",

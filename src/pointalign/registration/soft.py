@@ -473,7 +473,7 @@ def emicp(
             down to a power of √2) and cell pairs farther than 4σ apart dropped; each kept
             term within a factor ``[e^(−(4sdh + sh²)²/8), e^(sh²)]`` of its points' exact
             terms (s = 1/(2σ²), h the cell half-diagonal, d the distance; within [0.93, 1.06]
-            at d = σ), each dropped one below e^(−(4 − 0.35)²/2) = 1.3e-3. Ignored off the
+            at d = σ), each dropped one below e^(−(4 − 0.69)²/2) = 4.2e-3. Ignored off the
             CPU (the GPU runs the exact E-step). ``result.info["approximation"]`` records
             the form, its parameters and bounds; :func:`estimate_seconds` predicts the time
             up front, and a run estimated above ``SLOW_S`` seconds warns
