@@ -30,6 +30,7 @@ import torch
 
 from pointalign import _threads
 from pointalign.kernels._knn_cpu import njit, prange
+from pointalign.kernels._normal_eq_cpu import add_horn
 
 #: point blocks of the reduction (fixed: the summation order does not depend on threads)
 BLOCKS = 64
@@ -41,14 +42,37 @@ GROUP = 16
 N_TERMS = 29
 
 
+@njit(cache=True, inline="always")
+def _move_descend(x, g0, g1, rt, q32, axis, split, depth, s32, qs, nodes):
+    """Move the points ``x[g0:g1]`` by ``rt`` and descend them together to ``depth``.
+
+    The moved points go to ``qs`` (rounded to float32 when ``q32``), their nodes at
+    ``depth`` to ``nodes``. A group's chains of dependent node reads overlap (3x faster
+    than one point after another). The descent compares ``q[axis] >= split`` (goes right)
+    in the tree's dtype (float32 when ``s32``).
+    """
+    for k in range(g1 - g0):
+        x0 = np.float64(x[g0 + k, 0])
+        x1 = np.float64(x[g0 + k, 1])
+        x2 = np.float64(x[g0 + k, 2])
+        for r in range(3):
+            q = rt[r, 0] * x0 + rt[r, 1] * x1 + rt[r, 2] * x2 + rt[r, 3]
+            qs[k, r] = np.float64(np.float32(q)) if q32 else q
+        nodes[k] = 0
+    for _ in range(depth):
+        for k in range(g1 - g0):
+            node = nodes[k]
+            qa = qs[k, axis[node]]
+            if s32:
+                qa = np.float64(np.float32(qa))
+            nodes[k] = 2 * node + 1 + (1 if qa >= np.float64(split[node]) else 0)
+
+
 @njit(cache=True, parallel=True)
 def _terms(x, w, has_w, rt, center, axis, split, co, depth, tau2, q32, s32, obj_only):
     n = x.shape[0]
     part = np.zeros((BLOCKS, N_TERMS), np.float64)
     step = (n + BLOCKS - 1) // BLOCKS
-    r00, r01, r02, t0 = rt[0, 0], rt[0, 1], rt[0, 2], rt[0, 3]
-    r10, r11, r12, t1 = rt[1, 0], rt[1, 1], rt[1, 2], rt[1, 3]
-    r20, r21, r22, t2 = rt[2, 0], rt[2, 1], rt[2, 2], rt[2, 3]
     o0, o1, o2 = center[0], center[1], center[2]
     for blk in prange(BLOCKS):
         acc = np.zeros(N_TERMS, np.float64)
@@ -59,29 +83,7 @@ def _terms(x, w, has_w, rt, center, axis, split, co, depth, tau2, q32, s32, obj_
             g1 = min(stop, g0 + GROUP)
             # move a group of points, then descend them together: their chains of
             # dependent node reads overlap (3x faster than one point after another)
-            for k in range(g1 - g0):
-                x0 = np.float64(x[g0 + k, 0])
-                x1 = np.float64(x[g0 + k, 1])
-                x2 = np.float64(x[g0 + k, 2])
-                qx = r00 * x0 + r01 * x1 + r02 * x2 + t0
-                qy = r10 * x0 + r11 * x1 + r12 * x2 + t1
-                qz = r20 * x0 + r21 * x1 + r22 * x2 + t2
-                if q32:
-                    qx = np.float64(np.float32(qx))
-                    qy = np.float64(np.float32(qy))
-                    qz = np.float64(np.float32(qz))
-                qs[k, 0] = qx
-                qs[k, 1] = qy
-                qs[k, 2] = qz
-                nodes[k] = 0
-            # descent: q[axis] >= split goes right (compared in the tree's dtype)
-            for _ in range(depth):
-                for k in range(g1 - g0):
-                    node = nodes[k]
-                    qa = qs[k, axis[node]]
-                    if s32:
-                        qa = np.float64(np.float32(qa))
-                    nodes[k] = 2 * node + 1 + (1 if qa >= np.float64(split[node]) else 0)
+            _move_descend(x, g0, g1, rt, q32, axis, split, depth, s32, qs, nodes)
             for k in range(g1 - g0):
                 i = g0 + k
                 node = nodes[k]
@@ -506,9 +508,6 @@ def _cell_mean_sums(x, rt, axis, split, means, depth, tau2, center, q32, s32):
     n = x.shape[0]
     part = np.zeros((BLOCKS, 30), np.float64)
     step = (n + BLOCKS - 1) // BLOCKS
-    r00, r01, r02, t0 = rt[0, 0], rt[0, 1], rt[0, 2], rt[0, 3]
-    r10, r11, r12, t1 = rt[1, 0], rt[1, 1], rt[1, 2], rt[1, 3]
-    r20, r21, r22, t2 = rt[2, 0], rt[2, 1], rt[2, 2], rt[2, 3]
     c0, c1, c2 = center[0], center[1], center[2]
     for blk in prange(BLOCKS):
         acc = np.zeros(30, np.float64)
@@ -517,28 +516,7 @@ def _cell_mean_sums(x, rt, axis, split, means, depth, tau2, center, q32, s32):
         stop = min(n, (blk + 1) * step)
         for g0 in range(blk * step, stop, GROUP):
             g1 = min(stop, g0 + GROUP)
-            for k in range(g1 - g0):
-                x0 = np.float64(x[g0 + k, 0])
-                x1 = np.float64(x[g0 + k, 1])
-                x2 = np.float64(x[g0 + k, 2])
-                qx = r00 * x0 + r01 * x1 + r02 * x2 + t0
-                qy = r10 * x0 + r11 * x1 + r12 * x2 + t1
-                qz = r20 * x0 + r21 * x1 + r22 * x2 + t2
-                if q32:
-                    qx = np.float64(np.float32(qx))
-                    qy = np.float64(np.float32(qy))
-                    qz = np.float64(np.float32(qz))
-                qs[k, 0] = qx
-                qs[k, 1] = qy
-                qs[k, 2] = qz
-                nodes[k] = 0
-            for _ in range(depth):
-                for k in range(g1 - g0):
-                    node = nodes[k]
-                    qa = qs[k, axis[node]]
-                    if s32:
-                        qa = np.float64(np.float32(qa))
-                    nodes[k] = 2 * node + 1 + (1 if qa >= np.float64(split[node]) else 0)
+            _move_descend(x, g0, g1, rt, q32, axis, split, depth, s32, qs, nodes)
             for k in range(g1 - g0):
                 node = nodes[k]
                 y0 = np.float64(means[node, 0])
@@ -552,34 +530,7 @@ def _cell_mean_sums(x, rt, axis, split, means, depth, tau2, center, q32, s32):
                 y0 -= c0
                 y1 -= c1
                 y2 -= c2
-                acc[0] += 1.0
-                acc[1] += x0
-                acc[2] += x1
-                acc[3] += x2
-                acc[4] += y0
-                acc[5] += y1
-                acc[6] += y2
-                acc[7] += x0 * y0
-                acc[8] += x0 * y1
-                acc[9] += x0 * y2
-                acc[10] += x1 * y0
-                acc[11] += x1 * y1
-                acc[12] += x1 * y2
-                acc[13] += x2 * y0
-                acc[14] += x2 * y1
-                acc[15] += x2 * y2
-                acc[16] += x0 * x0
-                acc[17] += x0 * x1
-                acc[18] += x0 * x2
-                acc[19] += x1 * x1
-                acc[20] += x1 * x2
-                acc[21] += x2 * x2
-                acc[22] += y0 * y0
-                acc[23] += y0 * y1
-                acc[24] += y0 * y2
-                acc[25] += y1 * y1
-                acc[26] += y1 * y2
-                acc[27] += y2 * y2
+                add_horn(acc, 1.0, x0, x1, x2, y0, y1, y2)
                 acc[28] += 1.0
                 acc[29] += dd
         for k in range(30):
