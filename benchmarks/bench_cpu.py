@@ -198,6 +198,22 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def on_reference_backend(fn):
+    """Run ``fn()`` once on the PyTorch references: ``(result, wall s, CPU s, load)``."""
+    old = os.environ.get("POINTALIGN_BACKEND")
+    os.environ["POINTALIGN_BACKEND"] = "torch"
+    try:
+        load = _load()
+        c0, w0 = time.process_time(), time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - w0, time.process_time() - c0, load
+    finally:
+        if old is None:
+            os.environ.pop("POINTALIGN_BACKEND", None)
+        else:
+            os.environ["POINTALIGN_BACKEND"] = old
+
+
 def timed(fn, repeat: int = 3):
     """Best-of-``repeat`` wall and CPU seconds of ``fn()`` after one warm-up call."""
     out = fn()
@@ -395,18 +411,7 @@ def surface_rows(rec: Recorder, repeat: int, reference: bool) -> None:
     ours_T = np.asarray(row("pointalign surface_newton (cpu backend)", res, w, c,
                             load).transformation)
     if reference:
-        old = os.environ.get("POINTALIGN_BACKEND")
-        os.environ["POINTALIGN_BACKEND"] = "torch"
-        try:
-            load = _load()
-            c0, w0 = time.process_time(), time.perf_counter()
-            ref = ours()
-            w, c = time.perf_counter() - w0, time.process_time() - c0
-        finally:
-            if old is None:
-                os.environ.pop("POINTALIGN_BACKEND", None)
-            else:
-                os.environ["POINTALIGN_BACKEND"] = old
+        ref, w, c, load = on_reference_backend(ours)
         row("pointalign surface_newton (torch reference backend, 1 run)", ref, w, c, load)
         rot, tr = metrics.relative_error(ours_T, np.asarray(ref.transformation))
         rec.add("surface_newton", impl="cpu backend vs torch reference", rot_err_deg=rot,
@@ -475,18 +480,8 @@ def approximate_icp_rows(rec: Recorder, src, tgt, truth: np.ndarray, pair: str, 
         label = "" if tau is None else f", truncated at {tau:g} m"
         add(f"pointalign approximate_icp (cpu backend{label})", res, w, c, load)
     if reference:
-        old = os.environ.get("POINTALIGN_BACKEND")
-        os.environ["POINTALIGN_BACKEND"] = "torch"
-        try:
-            load = _load()
-            c0, w0 = time.process_time(), time.perf_counter()
-            ref = pa.approximate_icp(src, tgt, device="cpu")
-            w, c = time.perf_counter() - w0, time.process_time() - c0
-        finally:
-            if old is None:
-                os.environ.pop("POINTALIGN_BACKEND", None)
-            else:
-                os.environ["POINTALIGN_BACKEND"] = old
+        ref, w, c, load = on_reference_backend(
+            lambda: pa.approximate_icp(src, tgt, device="cpu"))
         add("pointalign approximate_icp (torch reference backend, 1 run)", ref, w, c, load)
 
 

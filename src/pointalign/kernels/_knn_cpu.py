@@ -181,6 +181,31 @@ def _boxd2(q0, q1, q2, bmin, bmax, v):
     return d
 
 
+@njit(cache=True, inline="always")
+def _push_children(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top):
+    """Push node v's children whose boxes lie within ``bound`` (squared) of the query.
+
+    The nearer child goes last, so it is visited first; ``sd`` keeps each entry's box
+    distance. Returns the new stack top.
+    """
+    c1 = 2 * v + 1
+    c2 = c1 + 1
+    da = _boxd2(q0, q1, q2, bmin, bmax, c1)
+    db = _boxd2(q0, q1, q2, bmin, bmax, c2)
+    if da > db:
+        c1, c2 = c2, c1
+        da, db = db, da
+    if db <= bound:
+        stack[top] = c2
+        sd[top] = db
+        top += 1
+    if da <= bound:
+        stack[top] = c1
+        sd[top] = da
+        top += 1
+    return top
+
+
 @njit(cache=True, parallel=True)
 def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, cand, cand_r2,
              out_d, out_i):
@@ -244,21 +269,7 @@ def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, cand, 
                             best = dd
                             bi = perm[j]
                     continue
-                c1 = 2 * v + 1
-                c2 = c1 + 1
-                da = _boxd2(q0, q1, q2, bmin, bmax, c1)
-                db = _boxd2(q0, q1, q2, bmin, bmax, c2)
-                if da > db:  # visit the nearer child first: push it last
-                    c1, c2 = c2, c1
-                    da, db = db, da
-                if db <= best:
-                    stack[top] = c2
-                    sd[top] = db
-                    top += 1
-                if da <= best:
-                    stack[top] = c1
-                    sd[top] = da
-                    top += 1
+                top = _push_children(q0, q1, q2, bmin, bmax, v, best, stack, sd, top)
             if bi >= 0:
                 out_d[qi] = best
                 out_i[qi] = bi
@@ -308,21 +319,7 @@ def _subtree_k(root, droot, q0, q1, q2, perm, spts, lo, hi, bmin, bmax, first_le
         if v >= first_leaf:
             cnt, bound = _scan_k(q0, q1, q2, perm, spts, lo[v], hi[v], k, bd, bx, cnt, bound)
             continue
-        c1 = 2 * v + 1
-        c2 = c1 + 1
-        da = _boxd2(q0, q1, q2, bmin, bmax, c1)
-        db = _boxd2(q0, q1, q2, bmin, bmax, c2)
-        if da > db:
-            c1, c2 = c2, c1
-            da, db = db, da
-        if db <= bound:
-            stack[top] = c2
-            sd[top] = db
-            top += 1
-        if da <= bound:
-            stack[top] = c1
-            sd[top] = da
-            top += 1
+        top = _push_children(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top)
     return cnt, bound
 
 
