@@ -146,6 +146,169 @@ def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
                 back_i[j] = ci[c, j]
 
 
+# --- the same answers through BLAS: approximate distances by GEMM, exact re-check -------------
+#
+# ``‖q‖² + ‖r‖² − 2 q·r`` (one GEMM per block of queries, through torch's BLAS) differs from
+# the exact sum of the tiles above, ``Σ_d (q_d − r_d)²`` in the features' dtype, by at most
+# ``δ = (4 D + 32) u (‖q‖ + ‖r‖)²`` (u: the unit roundoff; the standard bound of a dot
+# product in any summation order is ``D u Σ|q_d r_d| ≤ D u ‖q‖ ‖r‖`` (+ O(u²)), the norms
+# and the exact sum likewise, and a few roundings of values below ``(‖q‖ + ‖r‖)²``; the
+# factor is about twice their sum). So a row's k-th smallest approximate value a_k bounds
+# its exact k-th smallest by ``a_k + δ``, and every reference row whose exact distance is
+# within that (ties included) has an approximate value ``<= a_k + 2δ``: those few
+# candidates get the exact sum (the tiles' arithmetic: the same bits) and the tiles'
+# insertion rule, so the answer, tie order included, is theirs. The backward nearest keeps
+# a running approximate minimum per reference row and re-checks every query within 2δ of
+# it (an exact minimum at query i has an approximate value ``<= min + 2δ`` when i comes).
+# Used only where the bound holds: finite features, no overflow, and float32 matrix
+# products at full precision (``torch.get_float32_matmul_precision() == "highest"``).
+
+#: queries per GEMM block (the block's distances, 32 × M floats, stay in L2)
+GEMM_BLOCK = 32
+
+
+@njit(cache=True, inline="always")
+def _exact(q, r, i, j, zero):
+    """``Σ_d (q[i, d] − r[j, d])²`` summed in order of d in the features' dtype."""
+    acc = zero
+    for d in range(q.shape[1]):
+        x = q[i, d] - r[j, d]
+        acc += x * x
+    return acc
+
+
+@njit(cache=True, parallel=True)
+def _gemm_scan(E, a, qn2, q, r, k, delta, bdelta, zero, amin, out_d, out_i, back_d, back_i,
+               bcand, nchunks, backward):
+    """Answer rows ``a + s`` and update the backward answers from the block ``E (B, M)``.
+
+    ``E[s, j] = ‖r_j‖² − 2 q_{a+s}·r_j`` (approximate); ``delta (N,)``, ``bdelta (M,)``: the
+    error bounds of the rows and of the reference rows; ``amin (M,)``: the running
+    approximate minimum of ``‖q‖² + E`` over the queries so far; ``bcand (B, M)`` int32
+    scratch. Three phases: the running minima take in the block; one pass per row collects
+    the forward candidates (within 2δ of the running k-th approximate value) and the
+    backward ones (within 2δ of the minimum), re-checks the forward ones exactly; the
+    backward candidates are re-checked in query order (ties keep the first query).
+    """
+    nb, m = E.shape
+    if backward:
+        per = (m + nchunks - 1) // nchunks
+        for c in prange(nchunks):
+            j0 = c * per
+            j1 = min(m, j0 + per)
+            for s in range(nb):
+                qs = qn2[a + s]
+                for j in range(j0, j1):
+                    v = E[s, j] + qs
+                    if v < amin[j]:
+                        amin[j] = v
+    # the thresholds in the block's dtype (their rounding is far inside the slack of δ)
+    bthr = np.empty(m, E.dtype)
+    for j in range(m):
+        bthr[j] = amin[j] + bdelta[j] + bdelta[j]
+    nbc = np.zeros(nb, np.int64)
+    for s in prange(nb):
+        i = a + s
+        qs = qn2[i]
+        two_d = delta[i] + delta[i]
+        ap = np.full(k, np.inf, E.dtype)
+        cand = np.empty(m, np.int64)
+        nc = 0
+        nb_s = 0
+        thr = ap[k - 1]
+        for j in range(m):
+            e = E[s, j]
+            if e <= thr:
+                cand[nc] = j
+                nc += 1
+                if e < ap[k - 1]:
+                    p = k - 1
+                    while p > 0 and ap[p - 1] > e:
+                        ap[p] = ap[p - 1]
+                        p -= 1
+                    ap[p] = e
+                    thr = ap[k - 1] + two_d
+            if backward and e + qs <= bthr[j]:
+                bcand[s, nb_s] = j
+                nb_s += 1
+        nbc[s] = nb_s
+        bd = np.full((1, k), np.inf, q.dtype)
+        bi = np.full((1, k), -1, np.int64)
+        kth = bd[0, k - 1]
+        for t in range(nc):
+            j = cand[t]
+            if E[s, j] <= thr:
+                dd = _exact(q, r, i, j, zero)
+                if dd < kth:
+                    kth = _insert(bd, bi, 0, k, dd, j)
+        for c in range(k):
+            out_d[i, c] = bd[0, c]
+            out_i[i, c] = bi[0, c]
+    if backward:
+        for s in range(nb):
+            for t in range(nbc[s]):
+                j = bcand[s, t]
+                dd = _exact(q, r, a + s, j, zero)
+                if dd < back_d[j]:  # queries come in increasing order: ties keep the first
+                    back_d[j] = dd
+                    back_i[j] = a + s
+
+
+def _gemm_applies(q: torch.Tensor, r: torch.Tensor) -> bool:
+    """Tell whether the GEMM path's error bound holds for ``q (N, D)``, ``r (M, D)``."""
+    if q.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return False
+    if not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(r).all())):
+        return False
+    big = float(q.abs().max()) + float(r.abs().max()) if q.numel() and r.numel() else 0.0
+    # (‖q‖ + ‖r‖)² <= D (max|q| + max|r|)² must stay far below the dtype's largest value
+    return q.shape[1] * big * big < torch.finfo(q.dtype).max * 1e-3
+
+
+def _feature_knn_gemm(query: torch.Tensor, ref: torch.Tensor, k: int, backward: bool
+                      ) -> tuple[torch.Tensor, ...]:
+    """Return the forward ``(N, k)`` answers and, with ``backward``, the ``(M, 1)`` ones."""
+    threads = _threads.numba_threads()
+    qt = query.detach().contiguous()
+    rt_ = ref.detach().to(query.dtype).contiguous()
+    q, r = qt.numpy(), rt_.numpy()
+    n, m, dim = q.shape[0], r.shape[0], q.shape[1]
+    dt = q.dtype
+    u = float(np.finfo(dt).eps) / 2
+    coef = (4 * dim + 32) * u
+    tiny = 64.0 * dim * float(np.finfo(dt).tiny)  # subnormal products: absolute errors
+    qn = np.sqrt((q.astype(np.float64) ** 2).sum(1)) * (1 + 1e-6)
+    rn = np.sqrt((r.astype(np.float64) ** 2).sum(1)) * (1 + 1e-6)
+    qmax = float(qn.max()) if n else 0.0
+    rmax = float(rn.max()) if m else 0.0
+    delta = (coef * (qn + rmax) ** 2 + tiny).astype(dt)
+    rn2 = torch.from_numpy((r.astype(np.float64) ** 2).sum(1).astype(dt))
+    qn2 = (q.astype(np.float64) ** 2).sum(1).astype(dt)
+    out_d = np.empty((n, k), dt)
+    out_i = np.empty((n, k), np.int64)
+    back_d = np.full(m, np.inf, dt)
+    back_i = np.full(m, -1, np.int64)
+    amin = np.full(m, np.inf, dt)
+    bdelta = (coef * (qmax + rn) ** 2 + tiny).astype(dt)
+    zero = dt.type(0)
+    rT = rt_.T
+    buf = torch.empty(min(GEMM_BLOCK, max(n, 1)), m, dtype=query.dtype)
+    bcand = np.empty((buf.shape[0], m), np.int32)
+    nchunks = max(1, min(m, 4 * threads))
+    for a in range(0, n, GEMM_BLOCK):
+        b = min(n, a + GEMM_BLOCK)
+        E = buf[: b - a]
+        torch.addmm(rn2, qt[a:b], rT, beta=1, alpha=-2, out=E)
+        En = E.numpy()
+        _gemm_scan(En, a, qn2, q, r, int(k), delta, bdelta, zero, amin, out_d, out_i, back_d,
+                   back_i, bcand, nchunks, backward)
+    outs = (torch.from_numpy(out_d), torch.from_numpy(out_i))
+    if backward:
+        outs += (torch.from_numpy(back_d[:, None].copy()),
+                 torch.from_numpy(back_i[:, None].copy()))
+    return outs
+
+
 def feature_knn_both_cpu(query: torch.Tensor, ref: torch.Tensor, k: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward k nearest and backward nearest in one pass over the ``N × M`` distances.
