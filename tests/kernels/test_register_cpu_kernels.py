@@ -304,3 +304,33 @@ def test_second_order_on_real_correspondences(monkeypatch):
     monkeypatch.setattr("pointalign.kernels._backend.backend", lambda x=None: "cpu")
     S = robust.second_order(A)
     assert calls and torch.equal(S, robust.second_order_reference(A))
+
+
+@pytest.mark.parametrize("c", [3, 65, 700])
+def test_second_order_of_lengths_equals_reference(c, monkeypatch):
+    """The fused kernel (A from the lengths, never stored) equals A's reference bit for bit.
+
+    Lengths on a grid of float32 steps put many |ds − dt| exactly at tau's float32 value
+    (and one step either side): the strict comparison after tau's rounding is PyTorch's.
+    """
+    from pointalign.registration import robust
+
+    g = torch.Generator().manual_seed(c)
+    tau = 0.7  # rounds down to float32: a float64 comparison would keep the ties below
+    assert float(np.float32(tau)) < tau
+    step = float(np.float32(tau)) / 8
+    ds = torch.randint(0, 64, (c, c), generator=g).to(torch.float32) * step
+    dt = ds + torch.randint(-10, 11, (c, c), generator=g).to(torch.float32) * step
+    ds, dt = (ds + ds.T) / 2, (dt + dt.T) / 2
+    assert bool(((ds - dt).abs() == np.float32(tau)).any()) or c == 3
+    A = ((ds - dt).abs() < tau).to(torch.float32).fill_diagonal_(0)
+    want = robust.second_order_reference(A)
+    assert torch.equal(_ransac_cpu.second_order_lengths_cpu(ds, dt, tau), want)
+    calls = []
+    real = _ransac_cpu.second_order_lengths_cpu
+    monkeypatch.setattr(_ransac_cpu, "second_order_lengths_cpu",
+                        lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr("pointalign.kernels._backend.backend", lambda x=None: "cpu")
+    assert torch.equal(robust.second_order_of_lengths(ds, dt, tau), want) and calls
+    monkeypatch.setattr("pointalign.kernels._backend.backend", lambda x=None: "torch")
+    assert torch.equal(robust.second_order_of_lengths(ds, dt, tau), want) and len(calls) == 1

@@ -205,9 +205,30 @@ def _second_order(A, S):
         for j in range(c):
             if A[i, j] != 0:
                 bits[i, j >> 6] |= np.uint64(1) << np.uint64(j & 63)
+    _count_pairs(bits, S)
+
+
+@njit(cache=True, parallel=True)
+def _second_order_lengths(ds, dt, tau, S):
+    """:func:`_second_order` of ``A_ij = |ds_ij − dt_ij| < tau`` (i ≠ j), A never stored."""
+    c = ds.shape[0]
+    w = (c + 63) // 64
+    bits = np.zeros((c, w), np.uint64)
     for i in prange(c):
         for j in range(c):
-            if A[i, j] != 0:
+            if abs(ds[i, j] - dt[i, j]) < tau and j != i:
+                bits[i, j >> 6] |= np.uint64(1) << np.uint64(j & 63)
+    _count_pairs(bits, S)
+
+
+@njit(cache=True, parallel=True)
+def _count_pairs(bits, S):
+    """``S_ij`` = popcount(bits_i & bits_j) where bit j of row i is set, else 0."""
+    c = S.shape[0]
+    w = bits.shape[1]
+    for i in prange(c):
+        for j in range(c):
+            if (bits[i, j >> 6] >> np.uint64(j & 63)) & np.uint64(1):
                 n = np.uint64(0)
                 for t in range(w):
                     n += _popcount(bits[i, t] & bits[j, t])
@@ -228,4 +249,20 @@ def second_order_cpu(A: torch.Tensor) -> torch.Tensor:
     a = A.detach().contiguous().numpy()
     out = np.empty(a.shape, np.float32)
     _second_order(a, out)
+    return torch.from_numpy(out)
+
+
+def second_order_lengths_cpu(ds: torch.Tensor, dt: torch.Tensor, tau: float) -> torch.Tensor:
+    """Return ``A ⊙ (A A)`` for ``A_ij = |ds_ij − dt_ij| < tau``, i ≠ j: ``(C, C)`` float32.
+
+    ``ds, dt``: ``(C, C)`` float32 length matrices; ``tau`` is rounded to float32 first, as
+    PyTorch does when comparing a float32 tensor with a Python float, so A is that of
+    ``((ds - dt).abs() < tau)`` with a zero diagonal and the answer equals
+    :func:`second_order_cpu` of it bit for bit, without the ``C × C`` A.
+    """
+    _threads.numba_threads()
+    a = ds.detach().contiguous().numpy()
+    b = dt.detach().contiguous().numpy()
+    out = np.empty(a.shape, np.float32)
+    _second_order_lengths(a, b, np.float32(tau), out)
     return torch.from_numpy(out)

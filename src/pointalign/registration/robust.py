@@ -82,6 +82,28 @@ def second_order(A: torch.Tensor) -> torch.Tensor:
     return second_order_reference(A)
 
 
+def second_order_of_lengths(ds: torch.Tensor, dt: torch.Tensor, tau: float) -> torch.Tensor:
+    """Second-order compatibility of the length-consistency graph: ``(C, C)`` float32.
+
+    ``A_ij = 1`` when ``|ds_ij − dt_ij| < tau`` and i ≠ j (``ds, dt``: the ``(C, C)``
+    float32 pairwise lengths at the source and target ends), and the answer is
+    :func:`second_order` ``(A)``. On the "cpu" backend one kernel builds A's bit sets from
+    the lengths (``_ransac_cpu.second_order_lengths_cpu``, equal bit for bit), else A is
+    formed and passed on.
+    """
+    from pointalign.kernels._backend import backend
+
+    c = ds.shape[0]
+    if (backend(ds) == "cpu" and ds.device.type == "cpu" and ds.dtype == torch.float32
+            and dt.dtype == torch.float32 and 0 < c < 1 << 24):
+        from pointalign.kernels import _ransac_cpu
+
+        return _ransac_cpu.second_order_lengths_cpu(ds, dt, tau)
+    A = ((ds - dt).abs() < tau).to(torch.float32)
+    A.fill_diagonal_(0)
+    return second_order(A)
+
+
 @_validate.out_of_memory_is_clear
 def compatibility_hypotheses(
     source: torch.Tensor,
@@ -115,9 +137,7 @@ def compatibility_hypotheses(
     src, tgt = source.to(torch.float32), target.to(torch.float32)
     ds = torch.cdist(src, src)
     dt = torch.cdist(tgt, tgt)
-    A = ((ds - dt).abs() < tau).to(torch.float32)
-    A.fill_diagonal_(0)
-    S = second_order(A)  # second-order compatibility
+    S = second_order_of_lengths(ds, dt, tau)  # second-order compatibility
     n_seeds = min(int(seeds), c)
     seed_idx = torch.topk(S.sum(1), n_seeds).indices
     kk = min(max(int(k), 3), c)
