@@ -456,6 +456,24 @@ MAX_MARGIN = 0.95
 MIN_CONCENTRATION = 0.45
 
 
+def _counts_within(T: torch.Tensor, points: torch.Tensor, index: Any,
+                   bounds: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
+    """Points of ``points (P, 3)`` moved by ``T (4, 4)`` with an indexed point within each bound.
+
+    One search at the largest bound: a nearest point within a smaller bound is the nearest
+    within the largest, so its squared distance (compared in the search's dtype, as the
+    search compares it) tells every count. Equals ``_score(T[None], points, index, b)[0]``
+    for each ``b``; returns one ``(1,)`` int64 count per bound.
+    """
+    from pointalign.kernels.ransac import transform_points
+
+    q = transform_points(T[None], points).reshape(-1, 3)
+    with _validate.trusted():
+        res = index.nearest_within(q, max(bounds))
+    d2 = torch.where(res.idx[:, 0] >= 0, res.dists[:, 0], math.inf)
+    return tuple((d2 <= b * b).sum()[None] for b in bounds)
+
+
 def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torch.Tensor,
              t_idx: Any, v: float, icp_converged: bool,
              stability: float = 1.0) -> dict[str, Any]:
@@ -471,11 +489,8 @@ def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torc
       ``STABILITY_EPS`` the data do not determine the pose ("pose not determined").
     """
     from pointalign import _math, transforms
-    from pointalign.registration.ransac import _score
 
-    c15, _, _ = _score(T[None], s_down, t_idx, 1.5 * v)
-    c05, _, _ = _score(T[None], s_down, t_idx, 0.5 * v)
-    cv, _, _ = _score(T[None], s_down, t_idx, v)
+    c15, c05, cv = _counts_within(T, s_down, t_idx, (1.5 * v, 0.5 * v, v))
     ctr = s_down.mean(0).to(torch.float64)
     moved = R[:, :3, :3] @ ctr + R[:, :3, 3]
     here = T[:3, :3] @ ctr + T[:3, 3]
