@@ -25,6 +25,7 @@ registered at.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pointalign import _progress, _validate
+from pointalign import _progress, _threads, _validate
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import bounds, count_voxels, voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
@@ -231,7 +232,10 @@ def register(
     # anything becomes float32 (georeferenced coordinates keep their precision)
     frame, src_l, tgt_l = local_frame(src, tgt)
     # the arrays below are derived from validated ones: no NaN/Inf scans (host syncs) on them
-    with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY):
+    # on the CPU the stages are small PyTorch operations between numba kernels (which keep
+    # their threads): PyTorch on one thread (see _threads.torch_single)
+    single = _threads.torch_single() if dev.type == "cpu" else contextlib.nullcontext()
+    with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY), single:
         res = _register(src_l, tgt_l, dev, voxel_size, method, target_points, hypotheses,
                         icp_voxel_size, max_iterations, seed, remove_outliers,
                         robust, ransac_options)
