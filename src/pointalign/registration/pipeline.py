@@ -423,9 +423,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     # voxel), and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
     # (searched a chunk at a time inside estimate_normals: the full (M, 16) neighbour table
     # of a 50M-point target alone held 26 GiB on the GPU)
-    t_full_nrm = estimate_normals(t_full, k=min(16, t_full.shape[0]), radius=2 * v,
-                                  index=t_full_idx, orient="viewpoint",
-                                  viewpoint=t_full.mean(0))
+    t_full_nrm = _full_normals(t_full, t_full_idx, min(16, t_full.shape[0]), 2 * v)
     clock.lap("icp_prepare")
     local = icp(s_full, t_full, init=R[0], max_correspondence_distance=0.5 * v,
                 method="point_to_plane", criteria=criteria, index=t_full_idx,
@@ -448,6 +446,28 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
         info={**local.info, **info, "ransac_info": glob.info,
               "icp_converged": bool(local.converged)},
         transformation_tensor=T)
+
+
+def _full_normals(points: torch.Tensor, index: Any, k: int, radius: float) -> torch.Tensor:
+    """Estimate normals of ``points (M, 3)`` from up to ``k`` nearest within ``radius``.
+
+    Facing the centroid: ``estimate_normals(points, k=k, radius=radius, index=index,
+    orient="viewpoint", viewpoint=points.mean(0))``. On the CPU (clouds the normals search
+    in one piece), the same neighbour table comes from the complete k-NN self-query cut to
+    the radius (both ordered by distance, then index; the cut compares in the search's
+    dtype, as the bounded search does): equal normals, and a complete self-query lets the
+    index keep each point's nearest as the shortcut of the final ICP's hinted searches
+    (``CpuTree.set_candidates``), which a bounded one cannot.
+    """
+    from pointalign.features import normals as _normals
+
+    vp = points.mean(0)
+    if points.device.type != "cpu" or points.shape[0] > _normals._CHUNK or k < 3:
+        return _normals.estimate_normals(points, k=k, radius=radius, index=index,
+                                         orient="viewpoint", viewpoint=vp)
+    nb = index.knn(points, k)
+    table = torch.where(nb.dists <= radius * radius, nb.idx, -1)
+    return _normals.estimate_normals(points, neighbors=table, orient="viewpoint", viewpoint=vp)
 
 
 #: correspondences the compatibility graph is built on (the most distinctive first)
