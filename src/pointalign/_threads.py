@@ -23,8 +23,10 @@ pointalign leaves it alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -116,6 +118,29 @@ def numba_threads() -> int:
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
+
+
+@contextlib.contextmanager
+def torch_single() -> Iterator[None]:
+    """Run PyTorch's CPU operations on one thread inside the block (numba keeps its count).
+
+    For stretches of many small PyTorch operations between the numba kernels (the stages of
+    ``register()``): an operation on a few thousand points gains nothing from a second
+    thread, and on a loaded machine each parallel region waits for a descheduled worker at
+    its barrier (a Morton sort of 40k points took 78 ms of wall time on 2 threads under
+    load 2, 9 ms on one). The caller's thread count is restored on exit.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def scipy_workers() -> int:

@@ -234,6 +234,31 @@ def test_solve_reference_matches_numpy_solver(seed, plane):
         np.testing.assert_allclose(Dn[0] @ T.double().numpy(), np.eye(4), atol=1e-5)
 
 
+def test_solve_plane_host_matches_reference(seed):
+    """The cpu backend's NumPy point-to-plane solve equals the torch spec (the case holds a
+    well-posed, a rank-deficient and an empty system), and icp_update takes it."""
+    x, y, idx, n, c, Tin, _ = _solve_case(seed, True)
+    s = ne.normal_equations_reference(x, y, idx, target_normals=n, center=c)
+    s[1, :21] = s[1, :21] * torch.tensor([1.0 if a < 3 and b < 3 else 0.0 for a, b in ne.TRIU6],
+                                         dtype=torch.float64)  # translations undetermined
+    s[1, 24:27] = 0
+    Dr, Tr, flr = ne.solve_update_reference(s, c, Tin, plane=True)
+    D, Tn, fl = ne.solve_update_plane_host(s, c, Tin)
+    assert D.dtype == Tn.dtype == torch.float64 and fl.dtype == torch.int32
+    torch.testing.assert_close(D, Dr, atol=1e-12, rtol=0)
+    torch.testing.assert_close(Tn, Tr, atol=1e-12, rtol=0)
+    assert torch.equal(fl, flr)
+    assert fl[0].tolist() == [1, 1] and fl[1].tolist() == [0, 1] and fl[2, 0] == 0
+    L = torch.full((3,), x.shape[1])
+    _, D2, Tn2, _, fl2 = ne.icp_update(x, y, idx, transform=Tin, plane=True, target_normals=n,
+                                       lengths=L, center=c)
+    D3, _, fl3 = ne.solve_update_reference(
+        ne.normal_equations_reference(x, y, idx, target_normals=n, lengths=L, center=c),
+        c, Tin, plane=True)
+    torch.testing.assert_close(D2, D3, atol=1e-9, rtol=0)
+    assert torch.equal(fl2, fl3)
+
+
 def test_icp_update_torch_path_outputs(seed, monkeypatch):
     monkeypatch.setenv("POINTALIGN_BACKEND", "torch")  # the CPU default is the "cpu" backend
     x, y, idx, n, c, Tin, _ = _solve_case(seed, True)

@@ -76,3 +76,62 @@ def test_demo_pair_cuda(bunny):
     rot, trans = metrics.relative_error(r.transformation, bunny.T_target_source)
     assert rot < 1.0 and trans < 0.002
     assert r.transformation_tensor.is_cuda
+
+
+def test_verdict_counts_equal_separate_scores(bunny, seed):
+    """The verdict's three counts from one search equal three bounded scores (_score)."""
+    from pointalign.features.downsample import voxel_downsample
+    from pointalign.registration import pipeline
+    from pointalign.registration.ransac import _score
+    from pointalign.search import build_index
+
+    v = 0.004
+    s_down, t_down = voxel_downsample(bunny.source, v), voxel_downsample(bunny.target, v)
+    t_idx = build_index(t_down)
+    g = torch.Generator().manual_seed(seed)
+    for scale in (0.0, 0.5, 1.0, 3.0):  # the true pose, then farther from it
+        T = bunny.T_target_source.clone().to(torch.float64)
+        T[:3, 3] += scale * v * torch.randn(3, generator=g, dtype=torch.float64)
+        bounds = (1.5 * v, 0.5 * v, v)
+        got = pipeline._counts_within(T, s_down, t_idx, bounds)
+        want = [_score(T[None], s_down, t_idx, b)[0] for b in bounds]
+        assert [int(x) for x in got] == [int(x) for x in want]
+    assert int(got[0]) > int(got[1])  # not all-or-nothing
+
+
+def test_register_cpu_keeps_torch_threads(bunny):
+    """register() runs PyTorch on one thread inside (CPU) and restores the caller's count."""
+    from pointalign import _threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with _threads.torch_single():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"), _threads.torch_single():
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+        register(bunny.source, bunny.target, voxel_size=0.008, method="none", hypotheses=256)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_full_normals_equal_bounded_search_and_keep_candidates(bunny):
+    """The final ICP's target normals from the complete k-NN cut to the radius equal
+    estimate_normals' bounded search (bit for bit), and the index keeps its shortcut."""
+    from pointalign.features.normals import estimate_normals
+    from pointalign.registration import pipeline
+    from pointalign.search import build_index
+
+    t = bunny.target[::3].contiguous()
+    for r in (0.0005, 0.002, 0.006):  # few, some and 16 neighbours within the radius
+        idx = build_index(t)
+        got = pipeline._full_normals(t, idx, 16, r)
+        want = estimate_normals(t, k=16, radius=r, index=build_index(t), orient="viewpoint",
+                                viewpoint=t.mean(0))
+        assert torch.equal(got, want)
+    tree = idx._cpu_tree()
+    if tree is not None:  # the "cpu" backend: the complete self-query was kept
+        assert tree._candidates()[0].shape == (t.shape[0], 8)

@@ -25,6 +25,7 @@ registered at.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pointalign import _progress, _validate
+from pointalign import _progress, _threads, _validate
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import bounds, count_voxels, voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
@@ -231,7 +232,10 @@ def register(
     # anything becomes float32 (georeferenced coordinates keep their precision)
     frame, src_l, tgt_l = local_frame(src, tgt)
     # the arrays below are derived from validated ones: no NaN/Inf scans (host syncs) on them
-    with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY):
+    # on the CPU the stages are small PyTorch operations between numba kernels (which keep
+    # their threads): PyTorch on one thread (see _threads.torch_single)
+    single = _threads.torch_single() if dev.type == "cpu" else contextlib.nullcontext()
+    with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY), single:
         res = _register(src_l, tgt_l, dev, voxel_size, method, target_points, hypotheses,
                         icp_voxel_size, max_iterations, seed, remove_outliers,
                         robust, ransac_options)
@@ -419,9 +423,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     # voxel), and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
     # (searched a chunk at a time inside estimate_normals: the full (M, 16) neighbour table
     # of a 50M-point target alone held 26 GiB on the GPU)
-    t_full_nrm = estimate_normals(t_full, k=min(16, t_full.shape[0]), radius=2 * v,
-                                  index=t_full_idx, orient="viewpoint",
-                                  viewpoint=t_full.mean(0))
+    t_full_nrm = _full_normals(t_full, t_full_idx, min(16, t_full.shape[0]), 2 * v)
     clock.lap("icp_prepare")
     local = icp(s_full, t_full, init=R[0], max_correspondence_distance=0.5 * v,
                 method="point_to_plane", criteria=criteria, index=t_full_idx,
@@ -446,6 +448,28 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
         transformation_tensor=T)
 
 
+def _full_normals(points: torch.Tensor, index: Any, k: int, radius: float) -> torch.Tensor:
+    """Estimate normals of ``points (M, 3)`` from up to ``k`` nearest within ``radius``.
+
+    Facing the centroid: ``estimate_normals(points, k=k, radius=radius, index=index,
+    orient="viewpoint", viewpoint=points.mean(0))``. On the CPU (clouds the normals search
+    in one piece), the same neighbour table comes from the complete k-NN self-query cut to
+    the radius (both ordered by distance, then index; the cut compares in the search's
+    dtype, as the bounded search does): equal normals, and a complete self-query lets the
+    index keep each point's nearest as the shortcut of the final ICP's hinted searches
+    (``CpuTree.set_candidates``), which a bounded one cannot.
+    """
+    from pointalign.features import normals as _normals
+
+    vp = points.mean(0)
+    if points.device.type != "cpu" or points.shape[0] > _normals._CHUNK or k < 3:
+        return _normals.estimate_normals(points, k=k, radius=radius, index=index,
+                                         orient="viewpoint", viewpoint=vp)
+    nb = index.knn(points, k)
+    table = torch.where(nb.dists <= radius * radius, nb.idx, -1)
+    return _normals.estimate_normals(points, neighbors=table, orient="viewpoint", viewpoint=vp)
+
+
 #: correspondences the compatibility graph is built on (the most distinctive first)
 CORRESPONDENCES = 1000
 #: global hypotheses refined by the coarse ICP stage
@@ -454,6 +478,24 @@ REFINE_TOP = 4
 MIN_OVERLAP = 0.2
 MAX_MARGIN = 0.95
 MIN_CONCENTRATION = 0.45
+
+
+def _counts_within(T: torch.Tensor, points: torch.Tensor, index: Any,
+                   bounds: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
+    """Points of ``points (P, 3)`` moved by ``T (4, 4)`` with an indexed point within each bound.
+
+    One search at the largest bound: a nearest point within a smaller bound is the nearest
+    within the largest, so its squared distance (compared in the search's dtype, as the
+    search compares it) tells every count. Equals ``_score(T[None], points, index, b)[0]``
+    for each ``b``; returns one ``(1,)`` int64 count per bound.
+    """
+    from pointalign.kernels.ransac import transform_points
+
+    q = transform_points(T[None], points).reshape(-1, 3)
+    with _validate.trusted():
+        res = index.nearest_within(q, max(bounds))
+    d2 = torch.where(res.idx[:, 0] >= 0, res.dists[:, 0], math.inf)
+    return tuple((d2 <= b * b).sum()[None] for b in bounds)
 
 
 def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torch.Tensor,
@@ -471,11 +513,8 @@ def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torc
       ``STABILITY_EPS`` the data do not determine the pose ("pose not determined").
     """
     from pointalign import _math, transforms
-    from pointalign.registration.ransac import _score
 
-    c15, _, _ = _score(T[None], s_down, t_idx, 1.5 * v)
-    c05, _, _ = _score(T[None], s_down, t_idx, 0.5 * v)
-    cv, _, _ = _score(T[None], s_down, t_idx, v)
+    c15, c05, cv = _counts_within(T, s_down, t_idx, (1.5 * v, 0.5 * v, v))
     ctr = s_down.mean(0).to(torch.float64)
     moved = R[:, :3, :3] @ ctr + R[:, :3, 3]
     here = T[:3, :3] @ ctr + T[:3, 3]
