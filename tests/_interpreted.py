@@ -17,6 +17,7 @@ fixture whose child was not started (a single test run by name) runs it inline.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,7 @@ class _Child:
 #: children started by :func:`start`, by (module, function); set when the session ends
 _STARTED: dict[tuple[str, str], _Child] = {}
 _STOPPING = threading.Event()
+_TMP_DIRS: list[Path] = []
 
 
 def interpreted_fixture(module: str, function: str, name: str = "interpreted"):
@@ -117,6 +119,7 @@ def start(items: list) -> None:
     if not calls:
         return
     tmp = Path(tempfile.mkdtemp(prefix="pointalign-interp-"))
+    _TMP_DIRS.append(tmp)
     children = [_Child(m, f, tmp / f"{m}.{f}.pt") for m, f in calls]
     _STARTED.update({(c.module, c.function): c for c in children})
 
@@ -136,3 +139,5 @@ def stop() -> None:
     _STOPPING.set()
     for c in _STARTED.values():
         c.kill()
+    for d in _TMP_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
