@@ -892,6 +892,22 @@ def _kernel_matrix_rows(plan_: Plan, qkey: tuple, pkey: tuple, qcen: np.ndarray,
     return lse + gmax, mean
 
 
+def _level_cells(plan_: Plan, t: torch.Tensor, level: int, a: float):
+    """A cloud's cells at one level, cached: ``(points64, centroids, counts, inverse, first)``.
+
+    ``inverse`` (N,) each point's cell and ``first`` (V,) each cell's first point, both
+    None when every cell holds one point (the centroids are then the points).
+    """
+    key = ("cells", t.data_ptr(), tuple(t.shape), t.stride(), level)
+
+    def make():
+        p64 = t.detach().cpu().to(torch.float64).numpy()
+        c, n, inv = _merge(p64, a)
+        first = None if inv is None else np.unique(inv, return_index=True)[1]
+        return p64, c, n, inv, first
+    return plan_.cache.get(key, make)
+
+
 def _softassign_cells(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor,
                       s: float, g: torch.Tensor | None, r2: float, plan_: Plan):
     """One Softassign pass in "cells" form: ``(lse (N,), mean (N, 3))`` NumPy, or None.
@@ -904,19 +920,8 @@ def _softassign_cells(query: torch.Tensor, points: torch.Tensor, transform: torc
     """
     sigma = math.sqrt(0.5 / s)
     level, a = cell_side(sigma, plan_.cell_ratio)
-
-    def cells(t: torch.Tensor):
-        key = ("cells", t.data_ptr(), tuple(t.shape), t.stride(), level)
-
-        def make():
-            p64 = t.detach().cpu().to(torch.float64).numpy()
-            c, n, inv = _merge(p64, a)
-            first = None if inv is None else np.unique(inv, return_index=True)[1]
-            return p64, c, n, inv, first
-        return plan_.cache.get(key, make)
-
-    qp, qc, _, qinv, _ = cells(query)
-    pp, pc, pn, pinv, pfirst = cells(points)
+    qp, qc, _, qinv, _ = _level_cells(plan_, query, level, a)
+    pp, pc, pn, pinv, pfirst = _level_cells(plan_, points, level, a)
     if qinv is None and pinv is None:
         return None
     plan_.cache.count("cells")
@@ -993,6 +998,145 @@ def soft_rows(query, points, transform, scale, query_lengths, point_lengths,
             lse2[b, :ql[b]] = l2b
         mean[b, :ql[b]] = mb
     return lse, lse2, mean
+
+
+def _sinkhorn_step(lse: torch.Tensor, offset: torch.Tensor, log_slack: torch.Tensor,
+                   lengths: torch.Tensor) -> torch.Tensor:
+    """``soft.sinkhorn_scaling``'s normalisation of a pass's ``lse (B, N)``, the same ops."""
+    out = offset.to(lse.dtype)[:, None] - torch.logaddexp(
+        lse, log_slack.to(lse.dtype)[:, None].expand_as(lse))
+    rows_ = torch.arange(lse.shape[1])[None, :] < lengths[:, None]
+    return torch.where(rows_, out, torch.full_like(out, -math.inf))
+
+
+def softassign_update(source: torch.Tensor, target: torch.Tensor, transform: torch.Tensor,
+                      beta: torch.Tensor, offset: torch.Tensor, log_slack: torch.Tensor,
+                      source_lengths: torch.Tensor, target_lengths: torch.Tensor,
+                      rounds: int, plan_: Plan):
+    """One Softassign pose update's passes in "cells" form, fused; or None.
+
+    The ``2·rounds`` passes of one update (``rounds`` row and ``rounds − 1`` column
+    normalisations, then the last column pass with the means) as the program runs them
+    through ``soft.sinkhorn_scaling`` and ``soft.soft_rows``, with the same sums in the same
+    order: each problem's kernel matrix is built once (:func:`_kernel_matrix_rows`' CSR) and
+    every pass is one product with it or its transpose over the cells (NumPy, numba), the
+    normalisations by the slack the same PyTorch ops on the same ``(B, N)`` tensors. What
+    it saves is the fixed cost of each pass (the per-pass keys, checks and conversions of
+    :func:`soft_rows` and :func:`_softassign_cells`): the results are those of the passes.
+
+    Args:
+        source: ``(B, N, 3)`` float tensor x (the row passes' queries).
+        target: ``(B, M, 3)`` float tensor y.
+        transform: ``(B, 4, 4)`` float64 pose applied to the source.
+        beta: ``(B,)`` β (float32 as the program's).
+        offset: ``(B,)`` βα.
+        log_slack: ``(B,)`` log of the slack entry.
+        source_lengths: ``(B,)`` valid source points.
+        target_lengths: ``(B,)`` valid target points.
+        rounds: Sinkhorn rounds (≥ 1).
+        plan_: the run's :class:`Plan` ("cells", Softassign).
+
+    Returns:
+        ``(lse (B, M), mean (B, M, 3))`` of the last column pass in the source's dtype (as
+        ``soft.soft_rows(target, source, T⁻¹, β, point_log_weights=log r)``), or None when
+        the passes do not all run through the kernel matrix at this β (a problem with one
+        point per cell on both sides, more than ``KERNEL_CACHE_PAIRS`` cell pairs, weights
+        too spread for linear sums): the caller runs the passes one by one.
+
+    """
+    if plan_.mode != "cells" or plan_.method != "softassign":
+        return None
+    _threads.numba_threads()
+    B, N = source.shape[:2]
+    M = target.shape[1]
+    dt = source.dtype
+    sl, tl = source_lengths.tolist(), target_lengths.tolist()
+    scales, offs = beta.to(dt).tolist(), offset.tolist()
+    states: list[Any] = []
+    for b in range(B):
+        if sl[b] == 0 or tl[b] == 0:
+            states.append(None)
+            continue
+        s = float(scales[b])
+        level, a = cell_side(math.sqrt(0.5 / s), plan_.cell_ratio)
+        xb, yb = source[b, :sl[b]], target[b, :tl[b]]
+        xp, xc, xn, xinv, xfirst = _level_cells(plan_, xb, level, a)
+        yp, yc, yn, yinv, yfirst = _level_cells(plan_, yb, level, a)
+        if xinv is None and yinv is None:
+            return None
+        r = math.sqrt((plan_.cells_k ** 2 / 2 + max(0.0, float(offs[b]))) / s) \
+            + 2 * math.sqrt(3) * a
+        r2 = r * r
+        xcen = xp if xinv is None else xc
+        ycen = yp if yinv is None else yc
+        ykey = ("cells", yb.data_ptr(), tuple(yb.shape), yb.stride(), level)
+        tree = plan_.cache.get(("ctree",) + ykey,
+                               lambda c=ycen: CpuTree(c, leaf_size=LEAF_SIZE))
+        T = transform[b].detach().to(torch.float64).cpu().numpy()
+        q = np.ascontiguousarray(xcen @ T[:3, :3].T + T[:3, 3])
+        counts = np.empty(q.shape[0], np.int64)
+        _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, r2,
+                    counts)
+        indptr = np.zeros(q.shape[0] + 1, np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        nnz = int(indptr[-1])
+        if nnz > KERNEL_CACHE_PAIRS:
+            return None
+        cols, vals = np.empty(nnz, np.int64), np.empty(nnz)
+        _pair_fill(q, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
+                   tree.depth, s, r2, indptr, cols, vals)
+        states.append(dict(s=s, r2=r2, indptr=indptr, cols=cols, vals=vals,
+                           x=(xcen, None if xinv is None else np.log(xn), xinv, xfirst),
+                           y=(ycen, None if yinv is None else np.log(yn), yinv, yfirst)))
+
+    def weights(g: torch.Tensor, b: int, side: tuple, length: int):
+        """Cell log weights (as :func:`_softassign_cells`) → ``(w, shift)`` or None."""
+        g64 = g[b, :length].detach().cpu().to(torch.float64).numpy()
+        _, logn, _, first = side
+        lg = g64 if logn is None else logn + g64[first]
+        if not bool(np.isfinite(lg).all()):
+            return None
+        gmax, gmin = float(lg.max()), float(lg.min())
+        st = states[b]
+        if not 2 * (st["s"] * st["r2"] + gmax - gmin) < LINEAR_RANGE:
+            return None
+        return np.exp(lg - gmax), gmax
+
+    g = offset[:, None].expand(-1, M)  # log c + βα, c = 1 (the program's first g_col)
+    for p in range(2 * rounds):
+        forward = p % 2 == 0  # rows: source cells against target cells
+        nq, qlen = (N, source_lengths) if forward else (M, target_lengths)
+        lse = torch.full((B, nq), -math.inf, dtype=dt)
+        last = p == 2 * rounds - 1
+        mean = torch.zeros(B, M, 3, dtype=dt) if last else None
+        for b, st in enumerate(states):
+            if st is None:
+                continue
+            qside, pside = (st["x"], st["y"]) if forward else (st["y"], st["x"])
+            got = weights(g, b, pside, tl[b] if forward else sl[b])
+            if got is None:
+                return None
+            w, gmax = got
+            n = qside[0].shape[0]
+            lse_c, mean_c = np.empty(n), np.empty((n, 3))
+            if forward:
+                _csr_rows(st["indptr"], st["cols"], st["vals"], w, pside[0], lse_c, mean_c)
+            else:
+                _csr_cols(st["indptr"], st["cols"], st["vals"], w, pside[0], n, lse_c, mean_c)
+            lse_c = lse_c + gmax
+            inv = qside[2]
+            if inv is not None:
+                lse_c, mean_c = lse_c[inv], mean_c[inv]
+            lse[b, :lse_c.shape[0]] = torch.from_numpy(lse_c).to(dt)
+            if mean is not None:
+                mean[b, :mean_c.shape[0]] = torch.from_numpy(mean_c).to(dt)
+        if last:
+            assert mean is not None
+            for _ in range(2 * rounds * sum(st is not None for st in states)):
+                plan_.cache.count("cells")
+            return lse, mean
+        g = _sinkhorn_step(lse, offset, log_slack, qlen)
+    return None
 
 
 def nearest_d2(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor,
