@@ -624,6 +624,45 @@ def _csr_cols(indptr, cols, vals, w, pts, n_cols, lse, mean):
             mean[j, 2] = 0.0
 
 
+@njit(cache=True, parallel=True)
+def _span_rows(start, end, cols, vals, w, lse):
+    """:func:`_csr_rows`' lse over row spans ``[start_i, end_i)`` (no means; same sums)."""
+    for i in prange(start.shape[0]):
+        l1 = 0.0
+        for k in range(start[i], end[i]):
+            l1 += vals[k] * w[cols[k]]
+        lse[i] = math.log(l1) if l1 > 0 else -np.inf
+
+
+@njit(cache=True)
+def _span_cols(start, end, cols, vals, w, pts, n_cols, want_mean, lse, mean):
+    """:func:`_csr_cols` over row spans ``[start_i, end_i)`` (same sums in the same order)."""
+    acc = np.zeros((n_cols, 4))
+    for i in range(start.shape[0]):
+        wi = w[i]
+        p0, p1, p2 = pts[i, 0], pts[i, 1], pts[i, 2]
+        for k in range(start[i], end[i]):
+            j = cols[k]
+            e = vals[k] * wi
+            acc[j, 0] += e
+            if want_mean:
+                acc[j, 1] += e * p0
+                acc[j, 2] += e * p1
+                acc[j, 3] += e * p2
+    for j in range(n_cols):
+        l1 = acc[j, 0]
+        if l1 > 0:
+            lse[j] = math.log(l1)
+            mean[j, 0] = acc[j, 1] / l1
+            mean[j, 1] = acc[j, 2] / l1
+            mean[j, 2] = acc[j, 3] / l1
+        else:
+            lse[j] = -np.inf
+            mean[j, 0] = 0.0
+            mean[j, 1] = 0.0
+            mean[j, 2] = 0.0
+
+
 #: largest ``s·r2 + (max g − min g)`` for which :func:`_rows_linear` is used (e^-600 > 0)
 LINEAR_RANGE = 600.0
 
@@ -1053,6 +1092,7 @@ def softassign_update(source: torch.Tensor, target: torch.Tensor, transform: tor
     sl, tl = source_lengths.tolist(), target_lengths.tolist()
     scales, offs = beta.to(dt).tolist(), offset.tolist()
     states: list[Any] = []
+    used = 0  # pairs of the earlier problems in the kernel buffer
     for b in range(B):
         if sl[b] == 0 or tl[b] == 0:
             states.append(None)
@@ -1074,18 +1114,32 @@ def softassign_update(source: torch.Tensor, target: torch.Tensor, transform: tor
                                lambda c=ycen: CpuTree(c, leaf_size=LEAF_SIZE))
         T = transform[b].detach().to(torch.float64).cpu().numpy()
         q = np.ascontiguousarray(xcen @ T[:3, :3].T + T[:3, 3])
-        counts = np.empty(q.shape[0], np.int64)
+        nq = q.shape[0]
+        counts = np.empty(nq, np.int64)
+        indptr = np.zeros(nq + 1, np.int64)
         _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, r2,
                     counts)
-        indptr = np.zeros(q.shape[0] + 1, np.int64)
         np.cumsum(counts, out=indptr[1:])
         nnz = int(indptr[-1])
-        if nnz > KERNEL_CACHE_PAIRS:
+        if used + nnz > KERNEL_CACHE_PAIRS:
             return None
-        cols, vals = np.empty(nnz, np.int64), np.empty(nnz)
+        buf = plan_.cache.items.get("kbuf")  # the run's, grown as needed: no fresh pages
+        if buf is None or buf[0].shape[0] < used + nnz:
+            size = min(KERNEL_CACHE_PAIRS, max(used + nnz, 3 * (used + nnz) // 2))
+            buf = (np.empty(size, np.int64), np.empty(size))
+            for st in states:  # the earlier problems' pairs move along
+                if st is not None:
+                    a0, a1 = st["span"]
+                    buf[0][a0:a1], buf[1][a0:a1] = st["cols"], st["vals"]
+                    st["cols"], st["vals"] = buf[0][a0:a1], buf[1][a0:a1]
+            plan_.cache.items["kbuf"] = buf
+        cols, vals = buf[0][used:used + nnz], buf[1][used:used + nnz]
         _pair_fill(q, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
                    tree.depth, s, r2, indptr, cols, vals)
-        states.append(dict(s=s, r2=r2, indptr=indptr, cols=cols, vals=vals,
+        used += nnz
+        start, end = indptr[:-1], indptr[1:]
+        states.append(dict(s=s, r2=r2, start=start, end=end, cols=cols, vals=vals,
+                           span=(used - nnz, used),
                            x=(xcen, None if xinv is None else np.log(xn), xinv, xfirst),
                            y=(ycen, None if yinv is None else np.log(yn), yinv, yfirst)))
 
@@ -1120,10 +1174,11 @@ def softassign_update(source: torch.Tensor, target: torch.Tensor, transform: tor
             n = qside[0].shape[0]
             lse_c, mean_c = np.empty(n), np.empty((n, 3))
             if forward:
-                _csr_rows(st["indptr"], st["cols"], st["vals"], w, pside[0], lse_c, mean_c)
+                _span_rows(st["start"], st["end"], st["cols"], st["vals"], w, lse_c)
             else:
-                _csr_cols(st["indptr"], st["cols"], st["vals"], w, pside[0], n, lse_c, mean_c)
-            lse_c = lse_c + gmax
+                _span_cols(st["start"], st["end"], st["cols"], st["vals"], w, pside[0], n,
+                           last, lse_c, mean_c)
+            lse_c += gmax
             inv = qside[2]
             if inv is not None:
                 lse_c, mean_c = lse_c[inv], mean_c[inv]
