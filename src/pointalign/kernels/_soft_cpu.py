@@ -625,6 +625,63 @@ def _csr_cols(indptr, cols, vals, w, pts, n_cols, lse, mean):
 
 
 @njit(cache=True, parallel=True)
+def _pair_index(q, spts, lo, hi, bmin, bmax, depth, r2, indptr, idx):
+    """:func:`_pair_fill`'s pairs as indices into the tree's sorted points (no values)."""
+    first_leaf = (1 << depth) - 1
+    for i in prange(q.shape[0]):
+        stack = np.empty(2 * depth + 4, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        k = indptr[i]
+        top = 1
+        stack[0] = 0
+        while top > 0:
+            top -= 1
+            v = stack[top]
+            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
+                continue
+            if v >= first_leaf:
+                for j in range(lo[v], hi[v]):
+                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                    if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
+                        idx[k] = j
+                        k += 1
+                continue
+            stack[top] = 2 * v + 1
+            stack[top + 1] = 2 * v + 2
+            top += 2
+
+
+@njit(cache=True, parallel=True)
+def _cand_count(q, spts, cptr, cidx, r2, counts):
+    """:func:`_pair_count` over candidate pairs (a superset in the tree walk's order)."""
+    for i in prange(q.shape[0]):
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        c = 0
+        for k in range(cptr[i], cptr[i + 1]):
+            j = cidx[k]
+            e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+            if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
+                c += 1
+        counts[i] = c
+
+
+@njit(cache=True, parallel=True)
+def _cand_fill(q, perm, spts, cptr, cidx, s, r2, indptr, cols, vals):
+    """:func:`_pair_fill` over candidate pairs: the same pairs, order and values."""
+    for i in prange(q.shape[0]):
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        k = indptr[i]
+        for m in range(cptr[i], cptr[i + 1]):
+            j = cidx[m]
+            e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+            dd = e0 * e0 + e1 * e1 + e2 * e2
+            if dd <= r2:
+                cols[k] = perm[j]
+                vals[k] = math.exp(-s * dd)
+                k += 1
+
+
+@njit(cache=True, parallel=True)
 def _span_rows(start, end, cols, vals, w, lse):
     """:func:`_csr_rows`' lse over row spans ``[start_i, end_i)`` (no means; same sums)."""
     for i in prange(start.shape[0]):
@@ -1048,6 +1105,46 @@ def _sinkhorn_step(lse: torch.Tensor, offset: torch.Tensor, log_slack: torch.Ten
     return torch.where(rows_, out, torch.full_like(out, -math.inf))
 
 
+#: Softassign "cells": the candidate pairs of :func:`_candidates` reach this much (relative)
+#: beyond the radius, so that they serve while the moved cells stay within the margin
+CANDIDATE_MARGIN = 0.15
+
+
+def _cells_key(t: torch.Tensor, level: int) -> tuple:
+    return ("cells", t.data_ptr(), tuple(t.shape), t.stride(), level)
+
+
+def _candidates(plan_: Plan, b: int, keys: tuple, q: np.ndarray, r: float, tree: CpuTree):
+    """Candidate pairs ``(indptr, sorted-point indices)`` covering radius ``r`` around ``q``.
+
+    Built by one tree walk at ``R = (1 + CANDIDATE_MARGIN) r`` around the queries ``q₀`` of
+    that moment, in the walk's order, and reused while ``max_i |q_i − q₀_i| + r ≤ R``
+    (triangle inequality, with a 1e-9 relative margin for rounding): then every pair within
+    ``r`` is a candidate, and filtering the candidates by the same distance test gives the
+    tree walk's pairs in its order (the walk at ``r`` visits a subset of the leaves, in the
+    same order). None: more than ``KERNEL_CACHE_PAIRS`` candidates (walk the tree).
+    """
+    slot = plan_.cache.items.get(("cand", b))
+    if slot is not None and slot["keys"] == keys and slot["q0"].shape == q.shape:
+        move = float(np.sqrt(np.square(q - slot["q0"]).sum(1).max())) if q.shape[0] else 0.0
+        if (r + move) * (1 + 1e-9) <= slot["R"]:
+            return slot["ptr"], slot["idx"]
+    R = (1 + CANDIDATE_MARGIN) * r
+    counts = np.empty(q.shape[0], np.int64)
+    _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, R * R,
+                counts)
+    ptr = np.zeros(q.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    if int(ptr[-1]) > KERNEL_CACHE_PAIRS:
+        plan_.cache.items.pop(("cand", b), None)
+        return None
+    idx = np.empty(int(ptr[-1]), np.int64)
+    _pair_index(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, R * R, ptr,
+                idx)
+    plan_.cache.items[("cand", b)] = dict(keys=keys, q0=q.copy(), R=R, ptr=ptr, idx=idx)
+    return ptr, idx
+
+
 def softassign_update(source: torch.Tensor, target: torch.Tensor, transform: torch.Tensor,
                       beta: torch.Tensor, offset: torch.Tensor, log_slack: torch.Tensor,
                       source_lengths: torch.Tensor, target_lengths: torch.Tensor,
@@ -1117,8 +1214,12 @@ def softassign_update(source: torch.Tensor, target: torch.Tensor, transform: tor
         nq = q.shape[0]
         counts = np.empty(nq, np.int64)
         indptr = np.zeros(nq + 1, np.int64)
-        _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, r2,
-                    counts)
+        cand = _candidates(plan_, b, (_cells_key(xb, level), ykey), q, r, tree)
+        if cand is None:
+            _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, r2,
+                        counts)
+        else:
+            _cand_count(q, tree.spts, cand[0], cand[1], r2, counts)
         np.cumsum(counts, out=indptr[1:])
         nnz = int(indptr[-1])
         if used + nnz > KERNEL_CACHE_PAIRS:
@@ -1134,8 +1235,11 @@ def softassign_update(source: torch.Tensor, target: torch.Tensor, transform: tor
                     st["cols"], st["vals"] = buf[0][a0:a1], buf[1][a0:a1]
             plan_.cache.items["kbuf"] = buf
         cols, vals = buf[0][used:used + nnz], buf[1][used:used + nnz]
-        _pair_fill(q, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
-                   tree.depth, s, r2, indptr, cols, vals)
+        if cand is None:
+            _pair_fill(q, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
+                       tree.depth, s, r2, indptr, cols, vals)
+        else:
+            _cand_fill(q, tree.perm, tree.spts, cand[0], cand[1], s, r2, indptr, cols, vals)
         used += nnz
         start, end = indptr[:-1], indptr[1:]
         states.append(dict(s=s, r2=r2, start=start, end=end, cols=cols, vals=vals,
