@@ -85,15 +85,22 @@ SOFT_CELL_RATIO = 0.5
 CELLS_TOLERANCE = 1e-2
 #: source cells sampled by the Softassign estimate
 SAMPLE = 64
-#: seconds per pass besides the pairs, on one thread whatever the thread count (Python,
-#: PyTorch's small ops, cell weights; measured ~2.2 ms per pass at 2k x 2k, loaded 2 cores)
+#: seconds per per-point pass besides the pairs, on one thread whatever the thread count
+#: (Python, PyTorch's small ops; measured ~2.2 ms per pass at 2k x 2k, loaded 2 cores)
 PASS_OVERHEAD_S = 2e-3
+#: seconds per pass of a fused "cells" update (:func:`softassign_update`) besides the pairs
+#: and points, on one thread (its share of the update's Python, PyTorch normalisations and
+#: Horn step; measured 2k x 2k seed schedule, 1 thread, load 3.5: ~2.1 s over 2,790 passes,
+#: ~2.5 s with the per-point phase's glue; rounded up)
+CELL_PASS_OVERHEAD_S = 7e-4
 #: seconds per point per pass (moving, gathering)
 POINT_COST_S = 5e-8
-#: seconds per cell pair per thread to build an update's kernel matrix (2 tree walks, 1 exp)
-BUILD_S_PER_PAIR = 3e-8
-#: seconds per cell pair per thread of one pass through the kernel matrix
-CSR_S_PER_PAIR = 3e-9
+#: seconds per cell pair per thread to build an update's kernel matrix (from the candidate
+#: pairs of :func:`_candidates`: a distance test per candidate, 1 exp per kept pair;
+#: measured ~20 ns per kept pair, same run)
+BUILD_S_PER_PAIR = 2e-8
+#: seconds per cell pair per thread of one pass through the kernel matrix (same run: 1.7 ns)
+CSR_S_PER_PAIR = 2e-9
 #: points per leaf of the trees the passes search
 LEAF_SIZE = 16
 #: the "auto" mode approximates when the exact run would take longer than this (seconds)
@@ -262,7 +269,8 @@ def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[flo
     up to ``SAMPLE`` source cells (a fixed sample), the target cells within the pass's
     radius, times the source cells. Cells: one kernel matrix per update
     (``BUILD_S_PER_PAIR``) and a product with it per pass (``CSR_S_PER_PAIR``); per point:
-    ``PRUNED_PAIRS_PER_S``; both over the threads, plus ``PASS_OVERHEAD_S`` per pass on one.
+    ``PRUNED_PAIRS_PER_S``; both over the threads, plus ``CELL_PASS_OVERHEAD_S`` (fused
+    cells updates) or ``PASS_OVERHEAD_S`` (per point) per pass on one.
     An estimate at the start pose, not a promise.
     """
     src = source - source.mean(0)
@@ -289,8 +297,9 @@ def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[flo
             par = updates * pairs * (BUILD_S_PER_PAIR + passes_per_update * CSR_S_PER_PAIR)
         else:
             par = passes_per_beta * pairs / PRUNED_PAIRS_PER_S
+        overhead = CELL_PASS_OVERHEAD_S if merged else PASS_OVERHEAD_S
         total += par / threads + passes_per_beta * (
-            PASS_OVERHEAD_S + POINT_COST_S * (source.shape[0] + target.shape[0]))
+            overhead + POINT_COST_S * (source.shape[0] + target.shape[0]))
         form = "cells" if merged else "per_point"
         if phases and phases[-1]["form"] == form and (form == "per_point"
                                                       or phases[-1]["cells"] == [ns, nt]):
