@@ -998,7 +998,7 @@ def _kernel_matrix_rows(plan_: Plan, qkey: tuple, pkey: tuple, qcen: np.ndarray,
 
 
 def _level_cells(plan_: Plan, t: torch.Tensor, level: int, a: float):
-    """A cloud's cells at one level, cached: ``(points64, centroids, counts, inverse, first)``.
+    """Return a cloud's cells at a level (cached): ``(p64, centroids, counts, inverse, first)``.
 
     ``inverse`` (N,) each point's cell and ``first`` (V,) each cell's first point, both
     None when every cell holds one point (the centroids are then the points).
