@@ -35,8 +35,13 @@ Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
   runs its 6 Sinkhorn passes as products with them: 11.2 s of CPU on one thread (load 7;
   21.7 s when each pass recomputed its kernel values, 179 CPU-s for the truncated form on 2
   threads at load 5-8), and lands within 1e-5° / 1e-8 m of the truncated form's pose
-  (0.647° / 0.59 mm from the ground truth for both). What is left is mostly the ~2 ms of
-  Python and small PyTorch ops per pass (3,000 passes).
+  (0.647° / 0.59 mm from the ground truth for both). Each pose update of the cells phase
+  now runs as one call (``_soft_cpu.softassign_update``: no per-pass keys, checks and
+  conversions, ~2 ms each before; the kernel matrix filtered from candidate pairs reused
+  across a cell level's updates instead of two tree walks per update; pose bit-identical):
+  6.1-6.5 s of CPU on one thread at load 3.4-3.6 where the same script measured 8.0-9.1 s
+  before (2k x 2k, seed schedule; numba kernels ~4.0 s of it: the exps of the matrices
+  ~1.9 s, the passes ~1.1 s, the 210 per-point passes ~0.5 s).
 * ``surface_newton`` on the fast_gicp LiDAR pair (69,792 -> 69,088 points, from the
   identity, plane approximant, default schedule) with Open3D point-to-plane ICP and
   small_gicp PLANE_ICP on the same clouds for context (:func:`surface_rows`); ``--slow``

@@ -270,3 +270,60 @@ def test_softassign_cells_kernel_matrix_equals_tree_pass(monkeypatch):
         assert torch.allclose(g_row, g_ref, rtol=0, atol=1e-10)
         assert torch.allclose(cols.lse, ref.lse, rtol=0, atol=1e-10)
         assert torch.allclose(cols.mean, ref.mean, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype,batch", [(torch.float32, 1), (torch.float64, 1),
+                                         (torch.float64, 2)])
+def test_softassign_update_equals_its_passes(dtype, batch):
+    """The fused update (kernel matrix from candidate pairs, all passes in one call) gives
+    exactly the passes run one by one (``sinkhorn_scaling`` x 2·rounds − 1, ``soft_rows``)
+    in float32 and float64: a pose close to the last (candidates reused), one far
+    (candidates rebuilt), and None once no cell merges. A batch of two (padding in the
+    second): within 1e-12, as the per-pass path keeps one problem's matrix at a time (its
+    column passes then walk a tree: the same sums in another order)."""
+    g = torch.Generator().manual_seed(31)
+    x = torch.stack([_cloud(g, 700), _cloud(g, 700)]).to(dtype)[:batch]
+    y = torch.stack([_cloud(g, 600), _cloud(g, 600)]).to(dtype)[:batch]
+    xl, yl = torch.tensor([700, 650])[:batch], torch.tensor([600, 520])[:batch]
+    beta = torch.tensor([2.0, 3.0], dtype=torch.float32)[:batch]
+    ba = torch.tensor([0.02, 0.03], dtype=torch.float32)[:batch]
+    log_w = torch.zeros(batch, dtype=torch.float32)
+    plan = _softassign_plan(x[0].double(), y[0].double(), [2.0], 0.01)
+
+    def passes(T, rounds):
+        Ti = torch.linalg.inv(T)
+        g_col = ba[:, None].expand(-1, 600)
+        for s in range(rounds):
+            g_row = soft.sinkhorn_scaling(x, y, T, beta, g_col, log_w, ba, query_lengths=xl,
+                                          point_lengths=yl, approximation=plan)
+            if s + 1 < rounds:
+                g_col = soft.sinkhorn_scaling(y, x, Ti, beta, g_row, log_w, ba,
+                                              query_lengths=yl, point_lengths=xl,
+                                              approximation=plan)
+        r = soft.soft_rows(y, x, Ti, beta, query_lengths=yl, point_lengths=xl,
+                           point_log_weights=g_row, approximation=plan, offset=ba)
+        return r.lse, r.mean
+
+    poses = [_pose(), _pose(0.1001, (0.0501, -0.02, 0.01)), _pose(0.5, (0.4, 0.2, 0.0))]
+    builds = []
+    for T1, rounds in zip(poses, (3, 3, 1), strict=True):
+        T = torch.stack([T1, torch.linalg.inv(T1)])[:batch]
+        before = plan.cache.passes.get("cells", 0)
+        got = _soft_cpu.softassign_update(x, y, T, beta, ba, log_w, xl, yl, rounds, plan)
+        assert got is not None
+        assert plan.cache.passes["cells"] == before + 2 * rounds * batch
+        builds.append(id(plan.cache.items[("cand", 0)]["idx"]))
+        lse, mean = passes(T, rounds)
+        assert got[0].dtype == dtype
+        if batch == 1:
+            assert torch.equal(got[0], lse) and torch.equal(got[1], mean)
+        else:
+            assert torch.equal(torch.isinf(got[0]), torch.isinf(lse))
+            assert torch.isinf(lse[1, 520:]).all() and torch.isfinite(lse[1, :520]).all()
+            fin = torch.isfinite(lse)
+            assert torch.allclose(got[0][fin], lse[fin], rtol=0, atol=1e-12)
+            assert torch.allclose(got[1], mean, rtol=0, atol=1e-12)
+    assert builds[0] == builds[1] != builds[2]  # reused for the small move only
+    cold = torch.tensor([1e7, 1e7], dtype=torch.float32)[:batch]  # cells below the spacing
+    T = torch.stack([poses[0], poses[0]])[:batch]
+    assert _soft_cpu.softassign_update(x, y, T, cold, ba, log_w, xl, yl, 2, plan) is None

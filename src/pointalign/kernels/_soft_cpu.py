@@ -46,9 +46,17 @@ reductions of ``soft.soft_rows`` (lse, lse2, mean) over a k-d tree of the points
   the same cell pairs (one pose, one β): their kernel values are computed once into a
   sparse matrix (at most ``KERNEL_CACHE_PAIRS``, else the tree passes) and each Sinkhorn
   pass is a product with it or its transpose (:func:`_kernel_matrix_rows`; the same sums
-  in another order). The plan predicts the phases
-  (``Plan.phases``); ``info()["passes"]`` counts what ran. The final pose is measured
-  against the exact form in the tests (bunny subsample, short schedule: within 0.1°).
+  in another order). The program runs a whole update in one call
+  (:func:`softassign_update`: the matrix, then its 2·rounds passes over the cells, with the
+  same sums in the same order and the same PyTorch normalisations, so the pose is the
+  per-pass path's bit for bit), which leaves out each pass's fixed cost (~2 ms of keys,
+  checks and conversions, 3,000 passes in the seed schedule); its matrix comes from
+  candidate pairs (:func:`_candidates`: one tree walk at 1.15× the radius, reused by the
+  later updates and temperatures of a cell level while the moved cells stay within the
+  margin), a distance test and an exp per pair instead of two tree walks. The plan predicts
+  the phases (``Plan.phases``); ``info()["passes"]`` counts what ran. The final pose is
+  measured against the exact form in the tests (bunny subsample, short schedule: within
+  0.1°).
 
 A row with no kept pair gets lse = −inf (λ = 0: an outlier; Softassign: only the slack).
 """
@@ -85,15 +93,22 @@ SOFT_CELL_RATIO = 0.5
 CELLS_TOLERANCE = 1e-2
 #: source cells sampled by the Softassign estimate
 SAMPLE = 64
-#: seconds per pass besides the pairs, on one thread whatever the thread count (Python,
-#: PyTorch's small ops, cell weights; measured ~2.2 ms per pass at 2k x 2k, loaded 2 cores)
+#: seconds per per-point pass besides the pairs, on one thread whatever the thread count
+#: (Python, PyTorch's small ops; measured ~2.2 ms per pass at 2k x 2k, loaded 2 cores)
 PASS_OVERHEAD_S = 2e-3
+#: seconds per pass of a fused "cells" update (:func:`softassign_update`) besides the pairs
+#: and points, on one thread (its share of the update's Python, PyTorch normalisations and
+#: Horn step; measured 2k x 2k seed schedule, 1 thread, load 3.5: ~2.1 s over 2,790 passes,
+#: ~2.5 s with the per-point phase's glue; rounded up)
+CELL_PASS_OVERHEAD_S = 7e-4
 #: seconds per point per pass (moving, gathering)
 POINT_COST_S = 5e-8
-#: seconds per cell pair per thread to build an update's kernel matrix (2 tree walks, 1 exp)
-BUILD_S_PER_PAIR = 3e-8
-#: seconds per cell pair per thread of one pass through the kernel matrix
-CSR_S_PER_PAIR = 3e-9
+#: seconds per cell pair per thread to build an update's kernel matrix (from the candidate
+#: pairs of :func:`_candidates`: a distance test per candidate, 1 exp per kept pair;
+#: measured ~20 ns per kept pair, same run)
+BUILD_S_PER_PAIR = 2e-8
+#: seconds per cell pair per thread of one pass through the kernel matrix (same run: 1.7 ns)
+CSR_S_PER_PAIR = 2e-9
 #: points per leaf of the trees the passes search
 LEAF_SIZE = 16
 #: the "auto" mode approximates when the exact run would take longer than this (seconds)
@@ -262,7 +277,8 @@ def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[flo
     up to ``SAMPLE`` source cells (a fixed sample), the target cells within the pass's
     radius, times the source cells. Cells: one kernel matrix per update
     (``BUILD_S_PER_PAIR``) and a product with it per pass (``CSR_S_PER_PAIR``); per point:
-    ``PRUNED_PAIRS_PER_S``; both over the threads, plus ``PASS_OVERHEAD_S`` per pass on one.
+    ``PRUNED_PAIRS_PER_S``; both over the threads, plus ``CELL_PASS_OVERHEAD_S`` (fused
+    cells updates) or ``PASS_OVERHEAD_S`` (per point) per pass on one.
     An estimate at the start pose, not a promise.
     """
     src = source - source.mean(0)
@@ -289,8 +305,9 @@ def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[flo
             par = updates * pairs * (BUILD_S_PER_PAIR + passes_per_update * CSR_S_PER_PAIR)
         else:
             par = passes_per_beta * pairs / PRUNED_PAIRS_PER_S
+        overhead = CELL_PASS_OVERHEAD_S if merged else PASS_OVERHEAD_S
         total += par / threads + passes_per_beta * (
-            PASS_OVERHEAD_S + POINT_COST_S * (source.shape[0] + target.shape[0]))
+            overhead + POINT_COST_S * (source.shape[0] + target.shape[0]))
         form = "cells" if merged else "per_point"
         if phases and phases[-1]["form"] == form and (form == "per_point"
                                                       or phases[-1]["cells"] == [ns, nt]):
@@ -624,6 +641,102 @@ def _csr_cols(indptr, cols, vals, w, pts, n_cols, lse, mean):
             mean[j, 2] = 0.0
 
 
+@njit(cache=True, parallel=True)
+def _pair_index(q, spts, lo, hi, bmin, bmax, depth, r2, indptr, idx):
+    """:func:`_pair_fill`'s pairs as indices into the tree's sorted points (no values)."""
+    first_leaf = (1 << depth) - 1
+    for i in prange(q.shape[0]):
+        stack = np.empty(2 * depth + 4, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        k = indptr[i]
+        top = 1
+        stack[0] = 0
+        while top > 0:
+            top -= 1
+            v = stack[top]
+            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
+                continue
+            if v >= first_leaf:
+                for j in range(lo[v], hi[v]):
+                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                    if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
+                        idx[k] = j
+                        k += 1
+                continue
+            stack[top] = 2 * v + 1
+            stack[top + 1] = 2 * v + 2
+            top += 2
+
+
+@njit(cache=True, parallel=True)
+def _cand_count(q, spts, cptr, cidx, r2, counts):
+    """:func:`_pair_count` over candidate pairs (a superset in the tree walk's order)."""
+    for i in prange(q.shape[0]):
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        c = 0
+        for k in range(cptr[i], cptr[i + 1]):
+            j = cidx[k]
+            e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+            if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
+                c += 1
+        counts[i] = c
+
+
+@njit(cache=True, parallel=True)
+def _cand_fill(q, perm, spts, cptr, cidx, s, r2, indptr, cols, vals):
+    """:func:`_pair_fill` over candidate pairs: the same pairs, order and values."""
+    for i in prange(q.shape[0]):
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        k = indptr[i]
+        for m in range(cptr[i], cptr[i + 1]):
+            j = cidx[m]
+            e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+            dd = e0 * e0 + e1 * e1 + e2 * e2
+            if dd <= r2:
+                cols[k] = perm[j]
+                vals[k] = math.exp(-s * dd)
+                k += 1
+
+
+@njit(cache=True, parallel=True)
+def _span_rows(start, end, cols, vals, w, lse):
+    """:func:`_csr_rows`' lse over row spans ``[start_i, end_i)`` (no means; same sums)."""
+    for i in prange(start.shape[0]):
+        l1 = 0.0
+        for k in range(start[i], end[i]):
+            l1 += vals[k] * w[cols[k]]
+        lse[i] = math.log(l1) if l1 > 0 else -np.inf
+
+
+@njit(cache=True)
+def _span_cols(start, end, cols, vals, w, pts, n_cols, want_mean, lse, mean):
+    """:func:`_csr_cols` over row spans ``[start_i, end_i)`` (same sums in the same order)."""
+    acc = np.zeros((n_cols, 4))
+    for i in range(start.shape[0]):
+        wi = w[i]
+        p0, p1, p2 = pts[i, 0], pts[i, 1], pts[i, 2]
+        for k in range(start[i], end[i]):
+            j = cols[k]
+            e = vals[k] * wi
+            acc[j, 0] += e
+            if want_mean:
+                acc[j, 1] += e * p0
+                acc[j, 2] += e * p1
+                acc[j, 3] += e * p2
+    for j in range(n_cols):
+        l1 = acc[j, 0]
+        if l1 > 0:
+            lse[j] = math.log(l1)
+            mean[j, 0] = acc[j, 1] / l1
+            mean[j, 1] = acc[j, 2] / l1
+            mean[j, 2] = acc[j, 3] / l1
+        else:
+            lse[j] = -np.inf
+            mean[j, 0] = 0.0
+            mean[j, 1] = 0.0
+            mean[j, 2] = 0.0
+
+
 #: largest ``s·r2 + (max g − min g)`` for which :func:`_rows_linear` is used (e^-600 > 0)
 LINEAR_RANGE = 600.0
 
@@ -892,6 +1005,22 @@ def _kernel_matrix_rows(plan_: Plan, qkey: tuple, pkey: tuple, qcen: np.ndarray,
     return lse + gmax, mean
 
 
+def _level_cells(plan_: Plan, t: torch.Tensor, level: int, a: float):
+    """Return a cloud's cells at a level (cached): ``(p64, centroids, counts, inverse, first)``.
+
+    ``inverse`` (N,) each point's cell and ``first`` (V,) each cell's first point, both
+    None when every cell holds one point (the centroids are then the points).
+    """
+    key = ("cells", t.data_ptr(), tuple(t.shape), t.stride(), level)
+
+    def make():
+        p64 = t.detach().cpu().to(torch.float64).numpy()
+        c, n, inv = _merge(p64, a)
+        first = None if inv is None else np.unique(inv, return_index=True)[1]
+        return p64, c, n, inv, first
+    return plan_.cache.get(key, make)
+
+
 def _softassign_cells(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor,
                       s: float, g: torch.Tensor | None, r2: float, plan_: Plan):
     """One Softassign pass in "cells" form: ``(lse (N,), mean (N, 3))`` NumPy, or None.
@@ -904,19 +1033,8 @@ def _softassign_cells(query: torch.Tensor, points: torch.Tensor, transform: torc
     """
     sigma = math.sqrt(0.5 / s)
     level, a = cell_side(sigma, plan_.cell_ratio)
-
-    def cells(t: torch.Tensor):
-        key = ("cells", t.data_ptr(), tuple(t.shape), t.stride(), level)
-
-        def make():
-            p64 = t.detach().cpu().to(torch.float64).numpy()
-            c, n, inv = _merge(p64, a)
-            first = None if inv is None else np.unique(inv, return_index=True)[1]
-            return p64, c, n, inv, first
-        return plan_.cache.get(key, make)
-
-    qp, qc, _, qinv, _ = cells(query)
-    pp, pc, pn, pinv, pfirst = cells(points)
+    qp, qc, _, qinv, _ = _level_cells(plan_, query, level, a)
+    pp, pc, pn, pinv, pfirst = _level_cells(plan_, points, level, a)
     if qinv is None and pinv is None:
         return None
     plan_.cache.count("cells")
@@ -993,6 +1111,208 @@ def soft_rows(query, points, transform, scale, query_lengths, point_lengths,
             lse2[b, :ql[b]] = l2b
         mean[b, :ql[b]] = mb
     return lse, lse2, mean
+
+
+def _sinkhorn_step(lse: torch.Tensor, offset: torch.Tensor, log_slack: torch.Tensor,
+                   lengths: torch.Tensor) -> torch.Tensor:
+    """``soft.sinkhorn_scaling``'s normalisation of a pass's ``lse (B, N)``, the same ops."""
+    out = offset.to(lse.dtype)[:, None] - torch.logaddexp(
+        lse, log_slack.to(lse.dtype)[:, None].expand_as(lse))
+    rows_ = torch.arange(lse.shape[1])[None, :] < lengths[:, None]
+    return torch.where(rows_, out, torch.full_like(out, -math.inf))
+
+
+#: Softassign "cells": the candidate pairs of :func:`_candidates` reach this much (relative)
+#: beyond the radius, so that they serve while the moved cells stay within the margin
+CANDIDATE_MARGIN = 0.15
+
+
+def _cells_key(t: torch.Tensor, level: int) -> tuple:
+    return ("cells", t.data_ptr(), tuple(t.shape), t.stride(), level)
+
+
+def _candidates(plan_: Plan, b: int, keys: tuple, q: np.ndarray, r: float, tree: CpuTree):
+    """Candidate pairs ``(indptr, sorted-point indices)`` covering radius ``r`` around ``q``.
+
+    Built by one tree walk at ``R = (1 + CANDIDATE_MARGIN) r`` around the queries ``q₀`` of
+    that moment, in the walk's order, and reused while ``max_i |q_i − q₀_i| + r ≤ R``
+    (triangle inequality, with a 1e-9 relative margin for rounding): then every pair within
+    ``r`` is a candidate, and filtering the candidates by the same distance test gives the
+    tree walk's pairs in its order (the walk at ``r`` visits a subset of the leaves, in the
+    same order). None: more than ``KERNEL_CACHE_PAIRS`` candidates (walk the tree).
+    """
+    slot = plan_.cache.items.get(("cand", b))
+    if slot is not None and slot["keys"] == keys and slot["q0"].shape == q.shape:
+        move = float(np.sqrt(np.square(q - slot["q0"]).sum(1).max())) if q.shape[0] else 0.0
+        if (r + move) * (1 + 1e-9) <= slot["R"]:
+            return slot["ptr"], slot["idx"]
+    R = (1 + CANDIDATE_MARGIN) * r
+    counts = np.empty(q.shape[0], np.int64)
+    _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, R * R,
+                counts)
+    ptr = np.zeros(q.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    if int(ptr[-1]) > KERNEL_CACHE_PAIRS:
+        plan_.cache.items.pop(("cand", b), None)
+        return None
+    idx = np.empty(int(ptr[-1]), np.int64)
+    _pair_index(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, R * R, ptr,
+                idx)
+    plan_.cache.items[("cand", b)] = dict(keys=keys, q0=q.copy(), R=R, ptr=ptr, idx=idx)
+    return ptr, idx
+
+
+def softassign_update(source: torch.Tensor, target: torch.Tensor, transform: torch.Tensor,
+                      beta: torch.Tensor, offset: torch.Tensor, log_slack: torch.Tensor,
+                      source_lengths: torch.Tensor, target_lengths: torch.Tensor,
+                      rounds: int, plan_: Plan):
+    """One Softassign pose update's passes in "cells" form, fused; or None.
+
+    The ``2·rounds`` passes of one update (``rounds`` row and ``rounds − 1`` column
+    normalisations, then the last column pass with the means) as the program runs them
+    through ``soft.sinkhorn_scaling`` and ``soft.soft_rows``, with the same sums in the same
+    order: each problem's kernel matrix is built once (:func:`_kernel_matrix_rows`' CSR) and
+    every pass is one product with it or its transpose over the cells (NumPy, numba), the
+    normalisations by the slack the same PyTorch ops on the same ``(B, N)`` tensors. What
+    it saves is the fixed cost of each pass (the per-pass keys, checks and conversions of
+    :func:`soft_rows` and :func:`_softassign_cells`): the results are those of the passes.
+
+    Args:
+        source: ``(B, N, 3)`` float tensor x (the row passes' queries).
+        target: ``(B, M, 3)`` float tensor y.
+        transform: ``(B, 4, 4)`` float64 pose applied to the source.
+        beta: ``(B,)`` β (float32 as the program's).
+        offset: ``(B,)`` βα.
+        log_slack: ``(B,)`` log of the slack entry.
+        source_lengths: ``(B,)`` valid source points.
+        target_lengths: ``(B,)`` valid target points.
+        rounds: Sinkhorn rounds (≥ 1).
+        plan_: the run's :class:`Plan` ("cells", Softassign).
+
+    Returns:
+        ``(lse (B, M), mean (B, M, 3))`` of the last column pass in the source's dtype (as
+        ``soft.soft_rows(target, source, T⁻¹, β, point_log_weights=log r)``), or None when
+        the passes do not all run through the kernel matrix at this β (a problem with one
+        point per cell on both sides, more than ``KERNEL_CACHE_PAIRS`` cell pairs, weights
+        too spread for linear sums): the caller runs the passes one by one.
+
+    """
+    if plan_.mode != "cells" or plan_.method != "softassign":
+        return None
+    _threads.numba_threads()
+    B, N = source.shape[:2]
+    M = target.shape[1]
+    dt = source.dtype
+    sl, tl = source_lengths.tolist(), target_lengths.tolist()
+    scales, offs = beta.to(dt).tolist(), offset.tolist()
+    states: list[Any] = []
+    used = 0  # pairs of the earlier problems in the kernel buffer
+    for b in range(B):
+        if sl[b] == 0 or tl[b] == 0:
+            states.append(None)
+            continue
+        s = float(scales[b])
+        level, a = cell_side(math.sqrt(0.5 / s), plan_.cell_ratio)
+        xb, yb = source[b, :sl[b]], target[b, :tl[b]]
+        xp, xc, xn, xinv, xfirst = _level_cells(plan_, xb, level, a)
+        yp, yc, yn, yinv, yfirst = _level_cells(plan_, yb, level, a)
+        if xinv is None and yinv is None:
+            return None
+        r = math.sqrt((plan_.cells_k ** 2 / 2 + max(0.0, float(offs[b]))) / s) \
+            + 2 * math.sqrt(3) * a
+        r2 = r * r
+        xcen = xp if xinv is None else xc
+        ycen = yp if yinv is None else yc
+        ykey = ("cells", yb.data_ptr(), tuple(yb.shape), yb.stride(), level)
+        tree = plan_.cache.get(("ctree",) + ykey,
+                               lambda c=ycen: CpuTree(c, leaf_size=LEAF_SIZE))
+        T = transform[b].detach().to(torch.float64).cpu().numpy()
+        q = np.ascontiguousarray(xcen @ T[:3, :3].T + T[:3, 3])
+        nq = q.shape[0]
+        counts = np.empty(nq, np.int64)
+        indptr = np.zeros(nq + 1, np.int64)
+        cand = _candidates(plan_, b, (_cells_key(xb, level), ykey), q, r, tree)
+        if cand is None:
+            _pair_count(q, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.depth, r2,
+                        counts)
+        else:
+            _cand_count(q, tree.spts, cand[0], cand[1], r2, counts)
+        np.cumsum(counts, out=indptr[1:])
+        nnz = int(indptr[-1])
+        if used + nnz > KERNEL_CACHE_PAIRS:
+            return None
+        buf = plan_.cache.items.get("kbuf")  # the run's, grown as needed: no fresh pages
+        if buf is None or buf[0].shape[0] < used + nnz:
+            size = min(KERNEL_CACHE_PAIRS, max(used + nnz, 3 * (used + nnz) // 2))
+            buf = (np.empty(size, np.int64), np.empty(size))
+            for st in states:  # the earlier problems' pairs move along
+                if st is not None:
+                    a0, a1 = st["span"]
+                    buf[0][a0:a1], buf[1][a0:a1] = st["cols"], st["vals"]
+                    st["cols"], st["vals"] = buf[0][a0:a1], buf[1][a0:a1]
+            plan_.cache.items["kbuf"] = buf
+        cols, vals = buf[0][used:used + nnz], buf[1][used:used + nnz]
+        if cand is None:
+            _pair_fill(q, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
+                       tree.depth, s, r2, indptr, cols, vals)
+        else:
+            _cand_fill(q, tree.perm, tree.spts, cand[0], cand[1], s, r2, indptr, cols, vals)
+        used += nnz
+        start, end = indptr[:-1], indptr[1:]
+        states.append(dict(s=s, r2=r2, start=start, end=end, cols=cols, vals=vals,
+                           span=(used - nnz, used),
+                           x=(xcen, None if xinv is None else np.log(xn), xinv, xfirst),
+                           y=(ycen, None if yinv is None else np.log(yn), yinv, yfirst)))
+
+    def weights(g: torch.Tensor, b: int, side: tuple, length: int):
+        """Cell log weights (as :func:`_softassign_cells`) → ``(w, shift)`` or None."""
+        g64 = g[b, :length].detach().cpu().to(torch.float64).numpy()
+        _, logn, _, first = side
+        lg = g64 if logn is None else logn + g64[first]
+        if not bool(np.isfinite(lg).all()):
+            return None
+        gmax, gmin = float(lg.max()), float(lg.min())
+        st = states[b]
+        if not 2 * (st["s"] * st["r2"] + gmax - gmin) < LINEAR_RANGE:
+            return None
+        return np.exp(lg - gmax), gmax
+
+    g = offset[:, None].expand(-1, M)  # log c + βα, c = 1 (the program's first g_col)
+    for p in range(2 * rounds):
+        forward = p % 2 == 0  # rows: source cells against target cells
+        nq, qlen = (N, source_lengths) if forward else (M, target_lengths)
+        lse = torch.full((B, nq), -math.inf, dtype=dt)
+        last = p == 2 * rounds - 1
+        mean = torch.zeros(B, M, 3, dtype=dt) if last else None
+        for b, st in enumerate(states):
+            if st is None:
+                continue
+            qside, pside = (st["x"], st["y"]) if forward else (st["y"], st["x"])
+            got = weights(g, b, pside, tl[b] if forward else sl[b])
+            if got is None:
+                return None
+            w, gmax = got
+            n = qside[0].shape[0]
+            lse_c, mean_c = np.empty(n), np.empty((n, 3))
+            if forward:
+                _span_rows(st["start"], st["end"], st["cols"], st["vals"], w, lse_c)
+            else:
+                _span_cols(st["start"], st["end"], st["cols"], st["vals"], w, pside[0], n,
+                           last, lse_c, mean_c)
+            lse_c += gmax
+            inv = qside[2]
+            if inv is not None:
+                lse_c, mean_c = lse_c[inv], mean_c[inv]
+            lse[b, :lse_c.shape[0]] = torch.from_numpy(lse_c).to(dt)
+            if mean is not None:
+                mean[b, :mean_c.shape[0]] = torch.from_numpy(mean_c).to(dt)
+        if last:
+            assert mean is not None
+            for _ in range(2 * rounds * sum(st is not None for st in states)):
+                plan_.cache.count("cells")
+            return lse, mean
+        g = _sinkhorn_step(lse, offset, log_slack, qlen)
+    return None
 
 
 def nearest_d2(query: torch.Tensor, points: torch.Tensor, transform: torch.Tensor,

@@ -258,25 +258,21 @@ class SoftassignProgram(_Annealing):
         for it in range(1, self.n_iter + 1):
             j = (it - 1) // self.per_temperature
             T, Ti, beta, ba = track.T, transforms.invert(track.T), betas_f[j], offsets[j]
-            g_col = ba[:, None].expand(-1, y.points.shape[1])            # log c + βα, c = 1
             ap = self.approximation
-            for s in range(self.sinkhorn_rounds):                        # eqs. 5-6, in logs
-                g_row = ksoft.sinkhorn_scaling(x.points, y.points, T, beta, g_col, log_w, ba,
-                                               query_lengths=x.lengths, point_lengths=y.lengths,
-                                               approximation=ap)
-                if s + 1 < self.sinkhorn_rounds:
-                    g_col = ksoft.sinkhorn_scaling(y.points, x.points, Ti, beta, g_row, log_w,
-                                                   ba, query_lengths=y.lengths,
-                                                   point_lengths=x.lengths, approximation=ap)
-            # last column normalisation and x'_j = Σ_i m_ij x_i / Σ_i m_ij in one pass
-            r = ksoft.soft_rows(y.points, x.points, Ti, beta, query_lengths=y.lengths,
-                                point_lengths=x.lengths, point_log_weights=g_row,
-                                approximation=ap, offset=ba)
+            # CPU "cells" form: the update's passes in one call over its kernel matrix (the
+            # same sums and ops as the passes below); None: run them one by one
+            fused = None if ap is None else _soft_cpu().softassign_update(
+                x.points, y.points, T, beta, ba, log_w, x.lengths, y.lengths,
+                self.sinkhorn_rounds, ap)
+            if fused is None:
+                lse, mean = self._passes(x, y, T, Ti, beta, ba, log_w)
+            else:
+                lse, mean = fused
             # column sums of M: c_j Σ_i K_ij r_i, log c_j = −log(slack + Σ_i K_ij r_i)
-            log_c = -torch.logaddexp(r.lse, log_w[:, None].expand_as(r.lse))
-            w = torch.nan_to_num(torch.exp(r.lse + log_c), nan=0.0, posinf=0.0)
+            log_c = -torch.logaddexp(lse, log_w[:, None].expand_as(lse))
+            w = torch.nan_to_num(torch.exp(lse + log_c), nan=0.0, posinf=0.0)
             # Σ_ij m_ij ||R x_i + t − y_j||² has the moments of Σ_j w_j ||R x'_j + t − y_j||²
-            T_new, valid = khorn.weighted_horn(r.mean, y.points, w)
+            T_new, valid = khorn.weighted_horn(mean, y.points, w)
             T_new = torch.where((valid & ~track.done)[:, None, None], T_new, T)
             self._advance()
             if track.step(it, T_new, w, checkpoint, beta=betas[j]):
@@ -288,6 +284,31 @@ class SoftassignProgram(_Annealing):
         inlier = torch.maximum(alpha.sqrt(), 3.0 / beta_end.sqrt())
         return self._finish(inputs, x, y, track, inlier, beta0=beta0, beta_final=beta_end,
                             alpha=alpha, rms_radius=rho)
+
+    def _passes(self, x: ksoft.Centred, y: ksoft.Centred, T: torch.Tensor, Ti: torch.Tensor,
+                beta: torch.Tensor, ba: torch.Tensor, log_w: torch.Tensor):
+        """One update's Sinkhorn passes: ``(lse (B, M), mean (B, M, 3))`` of the last."""
+        g_col = ba[:, None].expand(-1, y.points.shape[1])                # log c + βα, c = 1
+        ap = self.approximation
+        for s in range(self.sinkhorn_rounds):                            # eqs. 5-6, in logs
+            g_row = ksoft.sinkhorn_scaling(x.points, y.points, T, beta, g_col, log_w, ba,
+                                           query_lengths=x.lengths, point_lengths=y.lengths,
+                                           approximation=ap)
+            if s + 1 < self.sinkhorn_rounds:
+                g_col = ksoft.sinkhorn_scaling(y.points, x.points, Ti, beta, g_row, log_w,
+                                               ba, query_lengths=y.lengths,
+                                               point_lengths=x.lengths, approximation=ap)
+        # last column normalisation and x'_j = Σ_i m_ij x_i / Σ_i m_ij in one pass
+        r = ksoft.soft_rows(y.points, x.points, Ti, beta, query_lengths=y.lengths,
+                            point_lengths=x.lengths, point_log_weights=g_row,
+                            approximation=ap, offset=ba)
+        return r.lse, r.mean
+
+
+def _soft_cpu() -> Any:
+    from pointalign.kernels import _soft_cpu
+
+    return _soft_cpu
 
 
 def _prepare(source, target, init, device, source_lengths, target_lengths, criteria,
