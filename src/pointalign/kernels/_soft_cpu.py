@@ -530,60 +530,66 @@ def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w
             mean[i, 2] = 0.0
 
 
+@njit(cache=True, inline="always")
+def _leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves):
+    """Fill ``leaves`` with the leaves whose boxes lie within ``r2`` (squared) of the query.
+
+    In the walk's order (the right child first), the order the pair kernels keep; returns
+    how many.
+    """
+    first_leaf = (1 << depth) - 1
+    n = 0
+    top = 1
+    stack[0] = 0
+    while top > 0:
+        top -= 1
+        v = stack[top]
+        if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
+            continue
+        if v >= first_leaf:
+            leaves[n] = v
+            n += 1
+            continue
+        stack[top] = 2 * v + 1
+        stack[top + 1] = 2 * v + 2
+        top += 2
+    return n
+
+
 @njit(cache=True, parallel=True)
 def _pair_count(q, spts, lo, hi, bmin, bmax, depth, r2, counts):
     """Count the stored points within ``r2`` of each query (the CSR row lengths)."""
-    first_leaf = (1 << depth) - 1
     for i in prange(q.shape[0]):
         stack = np.empty(2 * depth + 4, np.int64)
+        leaves = np.empty(1 << depth, np.int64)
         q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
         c = 0
-        top = 1
-        stack[0] = 0
-        while top > 0:
-            top -= 1
-            v = stack[top]
-            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
-                continue
-            if v >= first_leaf:
-                for j in range(lo[v], hi[v]):
-                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
-                    if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
-                        c += 1
-                continue
-            stack[top] = 2 * v + 1
-            stack[top + 1] = 2 * v + 2
-            top += 2
+        for a in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
+            v = leaves[a]
+            for j in range(lo[v], hi[v]):
+                e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
+                    c += 1
         counts[i] = c
 
 
 @njit(cache=True, parallel=True)
 def _pair_fill(q, perm, spts, lo, hi, bmin, bmax, depth, s, r2, indptr, cols, vals):
     """CSR of ``exp(−s d²)`` over the pairs within ``r2`` (columns: the points' indices)."""
-    first_leaf = (1 << depth) - 1
     for i in prange(q.shape[0]):
         stack = np.empty(2 * depth + 4, np.int64)
+        leaves = np.empty(1 << depth, np.int64)
         q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
         k = indptr[i]
-        top = 1
-        stack[0] = 0
-        while top > 0:
-            top -= 1
-            v = stack[top]
-            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
-                continue
-            if v >= first_leaf:
-                for j in range(lo[v], hi[v]):
-                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
-                    dd = e0 * e0 + e1 * e1 + e2 * e2
-                    if dd <= r2:
-                        cols[k] = perm[j]
-                        vals[k] = math.exp(-s * dd)
-                        k += 1
-                continue
-            stack[top] = 2 * v + 1
-            stack[top + 1] = 2 * v + 2
-            top += 2
+        for a in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
+            v = leaves[a]
+            for j in range(lo[v], hi[v]):
+                e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                dd = e0 * e0 + e1 * e1 + e2 * e2
+                if dd <= r2:
+                    cols[k] = perm[j]
+                    vals[k] = math.exp(-s * dd)
+                    k += 1
 
 
 @njit(cache=True, parallel=True)
@@ -644,28 +650,18 @@ def _csr_cols(indptr, cols, vals, w, pts, n_cols, lse, mean):
 @njit(cache=True, parallel=True)
 def _pair_index(q, spts, lo, hi, bmin, bmax, depth, r2, indptr, idx):
     """:func:`_pair_fill`'s pairs as indices into the tree's sorted points (no values)."""
-    first_leaf = (1 << depth) - 1
     for i in prange(q.shape[0]):
         stack = np.empty(2 * depth + 4, np.int64)
+        leaves = np.empty(1 << depth, np.int64)
         q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
         k = indptr[i]
-        top = 1
-        stack[0] = 0
-        while top > 0:
-            top -= 1
-            v = stack[top]
-            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
-                continue
-            if v >= first_leaf:
-                for j in range(lo[v], hi[v]):
-                    e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
-                    if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
-                        idx[k] = j
-                        k += 1
-                continue
-            stack[top] = 2 * v + 1
-            stack[top + 1] = 2 * v + 2
-            top += 2
+        for a in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
+            v = leaves[a]
+            for j in range(lo[v], hi[v]):
+                e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
+                    idx[k] = j
+                    k += 1
 
 
 @njit(cache=True, parallel=True)
