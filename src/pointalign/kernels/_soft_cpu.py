@@ -619,34 +619,6 @@ def _csr_rows(indptr, cols, vals, w, pts, lse, mean):
             mean[i, 2] = 0.0
 
 
-@njit(cache=True)
-def _csr_cols(indptr, cols, vals, w, pts, n_cols, lse, mean):
-    """:func:`_csr_rows` of the transpose (per column j, rows weighted by ``w``)."""
-    acc = np.zeros((n_cols, 4))
-    for i in range(indptr.shape[0] - 1):
-        wi = w[i]
-        p0, p1, p2 = pts[i, 0], pts[i, 1], pts[i, 2]
-        for k in range(indptr[i], indptr[i + 1]):
-            j = cols[k]
-            e = vals[k] * wi
-            acc[j, 0] += e
-            acc[j, 1] += e * p0
-            acc[j, 2] += e * p1
-            acc[j, 3] += e * p2
-    for j in range(n_cols):
-        l1 = acc[j, 0]
-        if l1 > 0:
-            lse[j] = math.log(l1)
-            mean[j, 0] = acc[j, 1] / l1
-            mean[j, 1] = acc[j, 2] / l1
-            mean[j, 2] = acc[j, 3] / l1
-        else:
-            lse[j] = -np.inf
-            mean[j, 0] = 0.0
-            mean[j, 1] = 0.0
-            mean[j, 2] = 0.0
-
-
 @njit(cache=True, parallel=True)
 def _pair_index(q, spts, lo, hi, bmin, bmax, depth, r2, indptr, idx):
     """:func:`_pair_fill`'s pairs as indices into the tree's sorted points (no values)."""
@@ -706,7 +678,11 @@ def _span_rows(start, end, cols, vals, w, lse):
 
 @njit(cache=True)
 def _span_cols(start, end, cols, vals, w, pts, n_cols, want_mean, lse, mean):
-    """:func:`_csr_cols` over row spans ``[start_i, end_i)`` (same sums in the same order)."""
+    """:func:`_csr_rows` of the transpose over row spans ``[start_i, end_i)``.
+
+    Per column j, the rows weighted by ``w``; the means only when ``want_mean`` (else the
+    ``mean`` rows of a column with a positive sum are left as zeros).
+    """
     acc = np.zeros((n_cols, 4))
     for i in range(start.shape[0]):
         wi = w[i]
@@ -997,7 +973,8 @@ def _kernel_matrix_rows(plan_: Plan, qkey: tuple, pkey: tuple, qcen: np.ndarray,
     else:
         n = slot["n_p"]
         lse, mean = np.empty(n), np.empty((n, 3))
-        _csr_cols(slot["indptr"], slot["cols"], slot["vals"], w, pcen, n, lse, mean)
+        ip = slot["indptr"]
+        _span_cols(ip[:-1], ip[1:], slot["cols"], slot["vals"], w, pcen, n, True, lse, mean)
     return lse + gmax, mean
 
 
