@@ -399,137 +399,6 @@ def _merge(points: np.ndarray, a: float):
     return cen / cnt[:, None], cnt.astype(np.float64), inv.reshape(-1)
 
 
-@njit(cache=True, parallel=True)
-def _rows(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2, mean):
-    """Row reductions over the stored points within ``r2`` of each (moved) query.
-
-    ``lse_i = log Σ_j exp(−s d² + g_j)``, ``lse2_i = log Σ_j exp(2(−s d²) + c g_j)`` (when
-    ``want2``; c = 2 with ``sq_w``, the square of each term, else 1: g_j = log n_j, a cell's
-    count enters once), ``mean_i`` the first sum's weighted mean of the points; running
-    maxima keep every sum finite.
-    """
-    nq = q.shape[0]
-    first_leaf = (1 << depth) - 1
-    for i in prange(nq):
-        stack = np.empty(2 * depth + 4, np.int64)
-        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
-        m1 = -np.inf
-        m2 = -np.inf
-        l1 = 0.0
-        l2 = 0.0
-        u0 = 0.0
-        u1 = 0.0
-        u2 = 0.0
-        top = 1
-        stack[0] = 0
-        while top > 0:
-            top -= 1
-            v = stack[top]
-            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
-                continue
-            if v >= first_leaf:
-                for j in range(lo[v], hi[v]):
-                    p0, p1, p2 = spts[j, 0], spts[j, 1], spts[j, 2]
-                    e0, e1, e2 = q0 - p0, q1 - p1, q2 - p2
-                    dd = e0 * e0 + e1 * e1 + e2 * e2
-                    if dd > r2:
-                        continue
-                    gj = g[perm[j]]
-                    z = gj - s * dd
-                    if z > m1:
-                        a = math.exp(m1 - z)
-                        l1 *= a
-                        u0 *= a
-                        u1 *= a
-                        u2 *= a
-                        m1 = z
-                    e = math.exp(z - m1)
-                    l1 += e
-                    u0 += e * p0
-                    u1 += e * p1
-                    u2 += e * p2
-                    if want2:
-                        z2 = (2.0 * gj if sq_w else gj) - 2.0 * s * dd
-                        if z2 > m2:
-                            l2 *= math.exp(m2 - z2)
-                            m2 = z2
-                        l2 += math.exp(z2 - m2)
-                continue
-            stack[top] = 2 * v + 1
-            stack[top + 1] = 2 * v + 2
-            top += 2
-        if l1 > 0:
-            lse[i] = m1 + math.log(l1)
-            mean[i, 0] = u0 / l1
-            mean[i, 1] = u1 / l1
-            mean[i, 2] = u2 / l1
-        else:
-            lse[i] = -np.inf
-            mean[i, 0] = 0.0
-            mean[i, 1] = 0.0
-            mean[i, 2] = 0.0
-        lse2[i] = m2 + math.log(l2) if l2 > 0 else -np.inf
-
-
-@njit(cache=True, parallel=True)
-def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
-                 mean):
-    """:func:`_rows` with linear weights ``w_j = exp(g_j − shift)`` and no running maximum.
-
-    Only for a finite ``r2`` with every kept term representable (the caller checks
-    ``s·r2 + 2·spread of g < LINEAR_RANGE``): one exponential per pair.
-    ``lse2 = log Σ_j w_j^c exp(−2 s d²)`` (c = 2 with ``sq_w``, else 1); the caller adds
-    the shift back.
-    """
-    nq = q.shape[0]
-    first_leaf = (1 << depth) - 1
-    for i in prange(nq):
-        stack = np.empty(2 * depth + 4, np.int64)
-        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
-        l1 = 0.0
-        l2 = 0.0
-        u0 = 0.0
-        u1 = 0.0
-        u2 = 0.0
-        top = 1
-        stack[0] = 0
-        while top > 0:
-            top -= 1
-            v = stack[top]
-            if _boxd2(q0, q1, q2, bmin, bmax, v) > r2:
-                continue
-            if v >= first_leaf:
-                for j in range(lo[v], hi[v]):
-                    p0, p1, p2 = spts[j, 0], spts[j, 1], spts[j, 2]
-                    e0, e1, e2 = q0 - p0, q1 - p1, q2 - p2
-                    dd = e0 * e0 + e1 * e1 + e2 * e2
-                    if dd > r2:
-                        continue
-                    k = math.exp(-s * dd)
-                    e = w[perm[j]] * k
-                    l1 += e
-                    l2 += e * e if sq_w else e * k
-                    u0 += e * p0
-                    u1 += e * p1
-                    u2 += e * p2
-                continue
-            stack[top] = 2 * v + 1
-            stack[top + 1] = 2 * v + 2
-            top += 2
-        if l1 > 0:
-            lse[i] = math.log(l1)
-            lse2[i] = math.log(l2) if l2 > 0 else -np.inf
-            mean[i, 0] = u0 / l1
-            mean[i, 1] = u1 / l1
-            mean[i, 2] = u2 / l1
-        else:
-            lse[i] = -np.inf
-            lse2[i] = -np.inf
-            mean[i, 0] = 0.0
-            mean[i, 1] = 0.0
-            mean[i, 2] = 0.0
-
-
 @njit(cache=True, inline="always")
 def _leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves):
     """Fill ``leaves`` with the leaves whose boxes lie within ``r2`` (squared) of the query.
@@ -557,6 +426,117 @@ def _leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves):
 
 
 @njit(cache=True, parallel=True)
+def _rows(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2, mean):
+    """Row reductions over the stored points within ``r2`` of each (moved) query.
+
+    ``lse_i = log Σ_j exp(−s d² + g_j)``, ``lse2_i = log Σ_j exp(2(−s d²) + c g_j)`` (when
+    ``want2``; c = 2 with ``sq_w``, the square of each term, else 1: g_j = log n_j, a cell's
+    count enters once), ``mean_i`` the first sum's weighted mean of the points; running
+    maxima keep every sum finite.
+    """
+    nq = q.shape[0]
+    for i in prange(nq):
+        stack = np.empty(2 * depth + 4, np.int64)
+        leaves = np.empty(1 << depth, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        m1 = -np.inf
+        m2 = -np.inf
+        l1 = 0.0
+        l2 = 0.0
+        u0 = 0.0
+        u1 = 0.0
+        u2 = 0.0
+        for li in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
+            v = leaves[li]
+            for j in range(lo[v], hi[v]):
+                p0, p1, p2 = spts[j, 0], spts[j, 1], spts[j, 2]
+                e0, e1, e2 = q0 - p0, q1 - p1, q2 - p2
+                dd = e0 * e0 + e1 * e1 + e2 * e2
+                if dd > r2:
+                    continue
+                gj = g[perm[j]]
+                z = gj - s * dd
+                if z > m1:
+                    a = math.exp(m1 - z)
+                    l1 *= a
+                    u0 *= a
+                    u1 *= a
+                    u2 *= a
+                    m1 = z
+                e = math.exp(z - m1)
+                l1 += e
+                u0 += e * p0
+                u1 += e * p1
+                u2 += e * p2
+                if want2:
+                    z2 = (2.0 * gj if sq_w else gj) - 2.0 * s * dd
+                    if z2 > m2:
+                        l2 *= math.exp(m2 - z2)
+                        m2 = z2
+                    l2 += math.exp(z2 - m2)
+        if l1 > 0:
+            lse[i] = m1 + math.log(l1)
+            mean[i, 0] = u0 / l1
+            mean[i, 1] = u1 / l1
+            mean[i, 2] = u2 / l1
+        else:
+            lse[i] = -np.inf
+            mean[i, 0] = 0.0
+            mean[i, 1] = 0.0
+            mean[i, 2] = 0.0
+        lse2[i] = m2 + math.log(l2) if l2 > 0 else -np.inf
+
+
+@njit(cache=True, parallel=True)
+def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
+                 mean):
+    """:func:`_rows` with linear weights ``w_j = exp(g_j − shift)`` and no running maximum.
+
+    Only for a finite ``r2`` with every kept term representable (the caller checks
+    ``s·r2 + 2·spread of g < LINEAR_RANGE``): one exponential per pair.
+    ``lse2 = log Σ_j w_j^c exp(−2 s d²)`` (c = 2 with ``sq_w``, else 1); the caller adds
+    the shift back.
+    """
+    nq = q.shape[0]
+    for i in prange(nq):
+        stack = np.empty(2 * depth + 4, np.int64)
+        leaves = np.empty(1 << depth, np.int64)
+        q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
+        l1 = 0.0
+        l2 = 0.0
+        u0 = 0.0
+        u1 = 0.0
+        u2 = 0.0
+        for li in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
+            v = leaves[li]
+            for j in range(lo[v], hi[v]):
+                p0, p1, p2 = spts[j, 0], spts[j, 1], spts[j, 2]
+                e0, e1, e2 = q0 - p0, q1 - p1, q2 - p2
+                dd = e0 * e0 + e1 * e1 + e2 * e2
+                if dd > r2:
+                    continue
+                k = math.exp(-s * dd)
+                e = w[perm[j]] * k
+                l1 += e
+                l2 += e * e if sq_w else e * k
+                u0 += e * p0
+                u1 += e * p1
+                u2 += e * p2
+        if l1 > 0:
+            lse[i] = math.log(l1)
+            lse2[i] = math.log(l2) if l2 > 0 else -np.inf
+            mean[i, 0] = u0 / l1
+            mean[i, 1] = u1 / l1
+            mean[i, 2] = u2 / l1
+        else:
+            lse[i] = -np.inf
+            lse2[i] = -np.inf
+            mean[i, 0] = 0.0
+            mean[i, 1] = 0.0
+            mean[i, 2] = 0.0
+
+
+@njit(cache=True, parallel=True)
 def _pair_count(q, spts, lo, hi, bmin, bmax, depth, r2, counts):
     """Count the stored points within ``r2`` of each query (the CSR row lengths)."""
     for i in prange(q.shape[0]):
@@ -564,8 +544,8 @@ def _pair_count(q, spts, lo, hi, bmin, bmax, depth, r2, counts):
         leaves = np.empty(1 << depth, np.int64)
         q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
         c = 0
-        for a in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
-            v = leaves[a]
+        for li in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
+            v = leaves[li]
             for j in range(lo[v], hi[v]):
                 e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
                 if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
@@ -581,8 +561,8 @@ def _pair_fill(q, perm, spts, lo, hi, bmin, bmax, depth, s, r2, indptr, cols, va
         leaves = np.empty(1 << depth, np.int64)
         q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
         k = indptr[i]
-        for a in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
-            v = leaves[a]
+        for li in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
+            v = leaves[li]
             for j in range(lo[v], hi[v]):
                 e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
                 dd = e0 * e0 + e1 * e1 + e2 * e2
@@ -627,8 +607,8 @@ def _pair_index(q, spts, lo, hi, bmin, bmax, depth, r2, indptr, idx):
         leaves = np.empty(1 << depth, np.int64)
         q0, q1, q2 = q[i, 0], q[i, 1], q[i, 2]
         k = indptr[i]
-        for a in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
-            v = leaves[a]
+        for li in range(_leaves_within(q0, q1, q2, bmin, bmax, depth, r2, stack, leaves)):
+            v = leaves[li]
             for j in range(lo[v], hi[v]):
                 e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
                 if e0 * e0 + e1 * e1 + e2 * e2 <= r2:
