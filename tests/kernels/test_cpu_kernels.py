@@ -102,6 +102,47 @@ def test_knn_self_equals_knn(seed, dtype, leaf_size):
     _same_neighbours(p, p, ri.numpy(), i, rd.numpy(), d, dtype)
 
 
+@pytest.mark.parametrize("leaf_size", [1, 5, 32])
+def test_keyed_lists_equal_plain(monkeypatch, seed, leaf_size):
+    """float32: the keyed k-NN lists give the plain lists' answers bit for bit."""
+    p = _cloud(seed, 500, np.float32)  # duplicates and a flat sheet: ties by index
+    q = np.concatenate([p[::3], _cloud(seed + 1, 120, np.float32, dup=False)])
+    q[-1, 0] = np.nan  # a non-finite query: that call takes the plain lists
+    tree = _knn_cpu.CpuTree(p, leaf_size=leaf_size)
+    assert tree._keyable
+    cases = ((1, None), (7, None), (16, 0.2), (100, 0.5), (500, None))
+    got = [(tree.knn_self(k, md), tree.knn(q, k, md), tree.knn(q[:-1], k, md))
+           for k, md in cases]
+    monkeypatch.setattr(_knn_cpu, "KEYED", False)
+    for (k, md), g in zip(cases, got):
+        want = (tree.knn_self(k, md), tree.knn(q, k, md), tree.knn(q[:-1], k, md))
+        for (d, i), (d0, i0) in zip(g, want):
+            assert np.array_equal(i, i0) and np.array_equal(d, d0, equal_nan=True)
+
+
+def test_keyed_lists_not_for_float64_or_non_finite():
+    assert not _knn_cpu.CpuTree(np.zeros((3, 3), np.float64))._keyable
+    p = np.zeros((3, 3), np.float32)
+    p[1, 2] = np.inf
+    assert not _knn_cpu.CpuTree(p)._keyable
+
+
+def test_flat_box_distance_equals_branchy(seed):
+    """_boxd2_flat equals _boxd2 bit for bit (inside, outside, on a face, empty boxes)."""
+    g = np.random.default_rng(seed)
+    for dt in (np.float32, np.float64):
+        lo = g.normal(size=(300, 3)).astype(dt)
+        hi = (lo + np.abs(g.normal(size=(300, 3)))).astype(dt)
+        hi[:20] = lo[:20]  # degenerate boxes
+        lo[-5:], hi[-5:] = np.inf, -np.inf  # empty nodes
+        q = g.normal(scale=2, size=(300, 3)).astype(dt)
+        q[20:40] = lo[20:40]  # on a corner
+        for v in range(300):
+            a = _knn_cpu._boxd2.py_func(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
+            b = _knn_cpu._boxd2_flat.py_func(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
+            assert a == b and type(a) is type(b)
+
+
 def _candidates_case(p, seed, dtype, scale):
     """Queries near ``p`` (jittered points, some far ones) and hints of every kind."""
     g = np.random.default_rng(seed)

@@ -16,6 +16,16 @@ without the tree (point-to-plane ICP on the bunny pair, once converged: ~90 % of
 15 -> 4 ms per iteration on one thread). The self-query itself (:meth:`CpuTree.knn_self`)
 runs in tree order, each point starting from its own leaf and walking up.
 
+Keyed lists (float32 points, finite, fewer than 2**32): a kept neighbour is one uint64,
+``bits(d²) << 32 | index``. Squared distances are >= +0, and the bits of a non-negative
+float32 order as the float does, so the integer order of the keys is the contract's order
+(distance, then index): the k-NN list is kept with one integer comparison per step, in a
+small local buffer written to the output row once at the end. The plain lists
+(``_scan_k``, one (distance, index) pair of comparisons per step) answer float64 points and
+are the reference of the keyed ones (same answers bit for bit; tests compare them).
+Box distances in these walks are computed without branches (``_boxd2_flat``: the same value,
+bit for bit, as :func:`_boxd2`).
+
 Layout: a balanced implicit tree (node ``v`` has children ``2v+1`` and ``2v+2``) built by
 median splits along the widest side of each node's box (quickselect), ``depth`` levels,
 leaves of at most ``leaf_size`` points stored contiguously (``spts``, with ``perm`` the
@@ -206,6 +216,42 @@ def _push_children(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top):
     return top
 
 
+@njit(cache=True, inline="always")
+def _boxd2_flat(q0, q1, q2, bmin, bmax, v):
+    """:func:`_boxd2` without branches: the same value bit for bit.
+
+    Per axis the gap is ``max(bmin - q, q - bmax, 0)`` (at most one of the two is
+    positive); adding the square of a zero gap adds +0, which changes no sum, so the
+    additions are those of :func:`_boxd2` in the same order.
+    """
+    z = q0 - q0  # zero of the points' dtype
+    g0 = max(bmin[v, 0] - q0, q0 - bmax[v, 0], z)
+    g1 = max(bmin[v, 1] - q1, q1 - bmax[v, 1], z)
+    g2 = max(bmin[v, 2] - q2, q2 - bmax[v, 2], z)
+    return z + g0 * g0 + g1 * g1 + g2 * g2
+
+
+@njit(cache=True, inline="always")
+def _push_children_flat(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top):
+    """:func:`_push_children` with :func:`_boxd2_flat` (the same pushes)."""
+    c1 = 2 * v + 1
+    c2 = c1 + 1
+    da = _boxd2_flat(q0, q1, q2, bmin, bmax, c1)
+    db = _boxd2_flat(q0, q1, q2, bmin, bmax, c2)
+    if da > db:
+        c1, c2 = c2, c1
+        da, db = db, da
+    if db <= bound:
+        stack[top] = c2
+        sd[top] = db
+        top += 1
+    if da <= bound:
+        stack[top] = c1
+        sd[top] = da
+        top += 1
+    return top
+
+
 @njit(cache=True, parallel=True)
 def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, cand, cand_r2,
              out_d, out_i):
@@ -377,6 +423,125 @@ def _knn_self(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out_i):
                 v = (v - 1) >> 1
 
 
+_LOW32 = np.uint64(0xFFFFFFFF)
+_SHIFT = np.uint64(32)
+
+
+@njit(cache=True, inline="always")
+def _scan_key(q0, q1, q2, perm, spts, a, b, k, kb, cnt, bound, f, u):
+    """:func:`_scan_k` on keyed lists (float32 points; module docstring).
+
+    ``kb (k,)`` uint64 keys in increasing order (``cnt`` held); ``f (2,)`` float32 with
+    ``u`` its uint32 view: the bit casts. Returns ``(cnt, bound)`` as :func:`_scan_k`.
+    """
+    for j in range(a, b):
+        e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+        dd = e0 * e0 + e1 * e1 + e2 * e2
+        if dd > bound:
+            continue
+        f[0] = dd
+        key = (np.uint64(u[0]) << _SHIFT) | np.uint64(perm[j])
+        if cnt == k:
+            if key > kb[k - 1]:
+                continue
+            s = k - 1
+        else:
+            s = cnt
+            cnt += 1
+        while s > 0 and kb[s - 1] > key:
+            kb[s] = kb[s - 1]
+            s -= 1
+        kb[s] = key
+        if cnt == k:
+            u[1] = np.uint32(kb[k - 1] >> _SHIFT)
+            bound = f[1]
+    return cnt, bound
+
+
+@njit(cache=True, inline="always")
+def _subtree_key(root, droot, q0, q1, q2, perm, spts, lo, hi, bmin, bmax, first_leaf, stack,
+                 sd, k, kb, cnt, bound, f, u):
+    """:func:`_subtree_k` on keyed lists (the same visits)."""
+    stack[0] = root
+    sd[0] = droot
+    top = 1
+    while top > 0:
+        top -= 1
+        v = stack[top]
+        if sd[top] > bound:
+            continue
+        if v >= first_leaf:
+            cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[v], hi[v], k, kb, cnt, bound,
+                                   f, u)
+            continue
+        top = _push_children_flat(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top)
+    return cnt, bound
+
+
+@njit(cache=True, inline="always")
+def _emit_keys(kb, cnt, k, out_d, out_i, row, f, u):
+    """Write the keyed list ``kb[:cnt]`` to ``out_d[row], out_i[row]`` (``inf`` / -1 after)."""
+    for s in range(cnt):
+        u[0] = np.uint32(kb[s] >> _SHIFT)
+        out_d[row, s] = f[0]
+        out_i[row, s] = np.int64(kb[s] & _LOW32)
+    for s in range(cnt, k):
+        out_d[row, s] = np.inf
+        out_i[row, s] = -1
+
+
+@njit(cache=True, parallel=True)
+def _knn_keyed(perm, spts, lo, hi, bmin, bmax, depth, q, k, max_d2, out_d, out_i):
+    """:func:`_knn` with keyed lists (float32, finite, < 2**32 points): the same answers."""
+    nq = q.shape[0]
+    first_leaf = (1 << depth) - 1
+    nblocks = (nq + QUERY_BLOCK - 1) // QUERY_BLOCK
+    for blk in prange(nblocks):
+        stack = np.empty(2 * depth + 4, np.int64)
+        sd = np.empty(2 * depth + 4, spts.dtype)
+        kb = np.empty(k, np.uint64)
+        f = np.empty(2, np.float32)
+        u = f.view(np.uint32)
+        for qi in range(blk * QUERY_BLOCK, min(nq, (blk + 1) * QUERY_BLOCK)):
+            q0, q1, q2 = q[qi, 0], q[qi, 1], q[qi, 2]
+            cnt, _ = _subtree_key(0, _boxd2_flat(q0, q1, q2, bmin, bmax, 0), q0, q1, q2, perm,
+                                  spts, lo, hi, bmin, bmax, first_leaf, stack, sd, k, kb, 0,
+                                  max_d2, f, u)
+            _emit_keys(kb, cnt, k, out_d, out_i, qi, f, u)
+
+
+@njit(cache=True, parallel=True)
+def _knn_self_keyed(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out_i):
+    """:func:`_knn_self` with keyed lists (float32, finite, < 2**32 points): same answers."""
+    first_leaf = (1 << depth) - 1
+    nleaves = 1 << depth
+    for t in prange(nleaves):
+        stack = np.empty(2 * depth + 4, np.int64)
+        sd = np.empty(2 * depth + 4, spts.dtype)
+        kb = np.empty(k, np.uint64)
+        f = np.empty(2, np.float32)
+        u = f.view(np.uint32)
+        leaf = first_leaf + t
+        for j0 in range(lo[leaf], hi[leaf]):
+            q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
+            cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, 0,
+                                   max_d2, f, u)
+            v = leaf
+            while v > 0:
+                sib = v + 1 if v & 1 else v - 1
+                ds = _boxd2_flat(q0, q1, q2, bmin, bmax, sib)
+                if ds <= bound:
+                    cnt, bound = _subtree_key(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin,
+                                              bmax, first_leaf, stack, sd, k, kb, cnt, bound,
+                                              f, u)
+                v = (v - 1) >> 1
+            _emit_keys(kb, cnt, k, out_d, out_i, perm[j0], f, u)
+
+
+#: use the keyed lists where they apply (tests set False to run the plain reference lists)
+KEYED = True
+
+
 class CpuTree:
     """The k-d tree over ``points (M, 3)`` (NumPy float32 or float64, C-contiguous).
 
@@ -403,6 +568,7 @@ class CpuTree:
         _threads.numba_threads()
         (self.perm, self.spts, self.lo, self.hi, self.bmin,
          self.bmax) = _build(pts, self.depth)
+        self._keyable = bool(pts.dtype == np.float32 and m < 2**32 and np.isfinite(pts).all())
 
     def set_candidates(self, d2: np.ndarray, idx: np.ndarray, k: int = 8) -> bool:
         """Keep each point's ``k`` nearest as a shortcut for hinted :meth:`nearest` calls.
@@ -470,8 +636,10 @@ class CpuTree:
         n = q.shape[0]
         out_d = np.empty((n, k), self.points.dtype)
         out_i = np.empty((n, k), np.int64)
-        _knn(self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax, self.depth, q,
-             int(k), self._bound(max_d2), out_d, out_i)
+        keyed = KEYED and getattr(self, "_keyable", False) and bool(np.isfinite(q).all())
+        (_knn_keyed if keyed else _knn)(self.perm, self.spts, self.lo, self.hi, self.bmin,
+                                        self.bmax, self.depth, q, int(k),
+                                        self._bound(max_d2), out_d, out_i)
         return out_d, out_i
 
     def knn_self(self, k: int,
@@ -484,6 +652,7 @@ class CpuTree:
         n = self.points.shape[0]
         out_d = np.empty((n, k), self.points.dtype)
         out_i = np.empty((n, k), np.int64)
-        _knn_self(self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax, self.depth,
-                  int(k), self._bound(max_d2), out_d, out_i)
+        kern = _knn_self_keyed if KEYED and getattr(self, "_keyable", False) else _knn_self
+        kern(self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax, self.depth, int(k),
+             self._bound(max_d2), out_d, out_i)
         return out_d, out_i
