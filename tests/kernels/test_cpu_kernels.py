@@ -114,9 +114,9 @@ def test_keyed_lists_equal_plain(monkeypatch, seed, leaf_size):
     got = [(tree.knn_self(k, md), tree.knn(q, k, md), tree.knn(q[:-1], k, md))
            for k, md in cases]
     monkeypatch.setattr(_knn_cpu, "KEYED", False)
-    for (k, md), g in zip(cases, got):
+    for (k, md), g in zip(cases, got, strict=True):
         want = (tree.knn_self(k, md), tree.knn(q, k, md), tree.knn(q[:-1], k, md))
-        for (d, i), (d0, i0) in zip(g, want):
+        for (d, i), (d0, i0) in zip(g, want, strict=True):
             assert np.array_equal(i, i0) and np.array_equal(d, d0, equal_nan=True)
 
 

@@ -72,6 +72,53 @@ def test_spfh_and_combine_equal_reference(dtype):
     assert torch.equal(_fpfh_cpu.spfh_cpu(p[:2], n[:2], lone), torch.zeros(2, 33, dtype=dtype))
 
 
+def test_atan2_polynomial_error_bound():
+    """The polynomial arctangent stays within 2e-6 rad: 40x inside ALPHA_MARGIN's budget."""
+    ang = np.linspace(-math.pi, math.pi, 20001)
+    for r in (1e-3, 1.0, 1e3):
+        y, x = r * np.sin(ang), r * np.cos(ang)
+        got = np.array([_fpfh_cpu._atan2_approx(a, b) for a, b in zip(y[::7], x[::7], strict=True)])
+        assert np.abs(got - np.arctan2(y[::7], x[::7])).max() < 2e-6
+    # the bound in bins, against the margin (the exact path's own error is < 1e-5 bin)
+    assert 2e-6 * _fpfh_cpu.BINS / (2 * math.pi) < _fpfh_cpu.ALPHA_MARGIN / 50
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_alpha_bin_equals_atan2_bin(dtype, seed):
+    """Fast α bins equal atan2's everywhere, next to the bin edges and at ±0 / ±π too."""
+    g = np.random.default_rng(seed)
+    edges = -math.pi + 2 * math.pi * np.arange(12) / 11
+    ang = np.concatenate([g.uniform(-math.pi, math.pi, 3000),
+                          (edges[:, None] + np.array([-1e-6, -1e-7, 0, 1e-7, 1e-6])).ravel()])
+    r = g.uniform(1e-3, 10, ang.size)
+    y, x = (r * np.sin(ang)).astype(dtype), (r * np.cos(ang)).astype(dtype)
+    # rows nudged by single ulps around the edges; zeros of both signs; a NaN
+    y = np.concatenate([y, np.nextafter(y[-60:], dtype(np.inf)), [0.0, -0.0, 0.0, -0.0, 1.0],
+                        [np.nan, 0.0]]).astype(dtype)
+    x = np.concatenate([x, x[-60:], [-1.0, -1.0, 0.0, -0.0, 0.0], [1.0, np.inf]]).astype(dtype)
+    lo, span, nb = dtype(-math.pi), dtype(2 * math.pi), dtype(_fpfh_cpu.BINS)
+    fast = [_fpfh_cpu._alpha_bin(a, b, lo, span, nb, False) for a, b in zip(y, x, strict=True)]
+    exact = [_fpfh_cpu._alpha_bin(a, b, lo, span, nb, True) for a, b in zip(y, x, strict=True)]
+    assert fast == exact
+    assert exact[:3000] == [_fpfh_cpu._bin(dtype(math.atan2(a, b)), lo, span, nb)
+                            for a, b in zip(y[:3000], x[:3000], strict=True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_spfh_fast_alpha_equals_exact_atan2(dtype):
+    """The SPFH kernel's α shortcut changes no bin: equal to the all-atan2 run bit for bit."""
+    p, n = _surface(5, 1500, dtype)
+    d, i = _table(p, 0.1, 60)
+    i[::5, 3] = -1
+    pn, nn, inn = p.numpy(), n.numpy(), i.numpy()
+    tol = pn.dtype.type(16 * np.finfo(pn.dtype).eps)
+    fast, exact = (np.empty((1500, 33), pn.dtype) for _ in range(2))
+    _fpfh_cpu._spfh(pn, nn, inn, tol, fast, False)
+    _fpfh_cpu._spfh(pn, nn, inn, tol, exact, True)
+    assert np.array_equal(fast, exact)
+    assert np.array_equal(_fpfh_cpu.spfh_cpu(p, n, i).numpy(), exact)
+
+
 def test_fpfh_entry_points_use_cpu_kernels_on_a_real_scan(monkeypatch):
     from pointalign import datasets
     from pointalign.features.downsample import voxel_downsample

@@ -61,8 +61,11 @@ _C0, _C1, _C2, _C3, _C4, _C5 = ATAN_C
 
 @njit(cache=True, inline="always")
 def _atan2_approx(y, x):
-    """``atan2(y, x)`` in float64 to within 2e-6 rad (NaN for x = y = 0)."""
+    """Return ``atan2(y, x)`` in float64 to within 2e-6 rad (NaN for x = y = 0, inf or NaN)."""
     ax, ay = abs(x), abs(y)
+    tot = ax + ay
+    if not (tot > 0.0 and tot < math.inf):  # x = y = 0 (either sign), inf or NaN
+        return math.nan
     a = min(ax, ay) / max(ax, ay)
     s = a * a
     r = a * (_C0 + s * (_C1 + s * (_C2 + s * (_C3 + s * (_C4 + s * _C5)))))
