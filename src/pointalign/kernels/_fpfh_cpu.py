@@ -93,7 +93,7 @@ def _alpha_bin(y, x, lo_a, span_a, nb, exact):
     return _bin(math.atan2(y, x), lo_a, span_a, nb)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def _spfh(pts, nrm, idx, tol, out, exact=False):
     """SPFH rows of every point (see :func:`spfh_cpu`); ``exact``: α bins from ``atan2``."""
     n, k = idx.shape
@@ -180,7 +180,7 @@ def _normalise(h, out, i):
                 out[i, g * BINS + b] = z
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def _combine(spfh, idx, d2, out):
     n, k = idx.shape
     nblk = (n + POINT_BLOCK - 1) // POINT_BLOCK
