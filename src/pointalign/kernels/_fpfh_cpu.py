@@ -94,7 +94,7 @@ def _alpha_bin(y, x, lo_a, span_a, nb, exact):
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def _spfh(pts, nrm, idx, tol, out, exact=False):
+def _spfh(pts, nrm, idx, tol, out, exact):
     """SPFH rows of every point (see :func:`spfh_cpu`); ``exact``: α bins from ``atan2``."""
     n, k = idx.shape
     nblk = (n + POINT_BLOCK - 1) // POINT_BLOCK
@@ -214,7 +214,8 @@ def spfh_cpu(points: torch.Tensor, normals: torch.Tensor, nbr_idx: torch.Tensor)
     out = np.empty((p.shape[0], 3 * BINS), p.dtype)
     if out.shape[0]:
         tol = p.dtype.type(16 * np.finfo(p.dtype).eps)
-        _spfh(p, nr, nbr_idx.detach().to(torch.int64).contiguous().numpy(), tol, out)
+        # ``exact`` passed, not defaulted: one compiled signature with the tests' calls
+        _spfh(p, nr, nbr_idx.detach().to(torch.int64).contiguous().numpy(), tol, out, False)
     return torch.from_numpy(out)
 
 
