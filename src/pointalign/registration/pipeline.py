@@ -451,23 +451,13 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
 def _full_normals(points: torch.Tensor, index: Any, k: int, radius: float) -> torch.Tensor:
     """Estimate normals of ``points (M, 3)`` from up to ``k`` nearest within ``radius``.
 
-    Facing the centroid: ``estimate_normals(points, k=k, radius=radius, index=index,
-    orient="viewpoint", viewpoint=points.mean(0))``. On the CPU (clouds the normals search
-    in one piece), the same neighbour table comes from the complete k-NN self-query cut to
-    the radius (both ordered by distance, then index; the cut compares in the search's
-    dtype, as the bounded search does): equal normals, and a complete self-query lets the
-    index keep each point's nearest as the shortcut of the final ICP's hinted searches
-    (``CpuTree.set_candidates``), which a bounded one cannot.
+    Facing the centroid. On the CPU the search is the index's self-query, which the index
+    keeps as the shortcut of the final ICP's hinted searches (``CpuTree.set_candidates``).
     """
-    from pointalign.features import normals as _normals
+    from pointalign.features.normals import estimate_normals
 
-    vp = points.mean(0)
-    if points.device.type != "cpu" or points.shape[0] > _normals._CHUNK or k < 3:
-        return _normals.estimate_normals(points, k=k, radius=radius, index=index,
-                                         orient="viewpoint", viewpoint=vp)
-    nb = index.knn(points, k)
-    table = torch.where(nb.dists <= radius * radius, nb.idx, -1)
-    return _normals.estimate_normals(points, neighbors=table, orient="viewpoint", viewpoint=vp)
+    return estimate_normals(points, k=k, radius=radius, index=index, orient="viewpoint",
+                            viewpoint=points.mean(0))
 
 
 #: correspondences the compatibility graph is built on (the most distinctive first)
