@@ -84,12 +84,12 @@ def top_eigenvector4(A, V, q):
             fro += A[i, i] * A[i, i]
             for j in range(i + 1, 4):
                 off += A[i, j] * A[i, j]
-        if not off > 1e-36 * (fro + 2.0 * off):  # also stops on NaN
+        if not off > 1e-36 * (fro + 2.0 * off):  # ‖offdiag‖ ≤ 1e-18 ‖A‖_F; stops on NaN too
             break
         for p in range(3):
             for r in range(p + 1, 4):
                 apq = A[p, r]
-                if abs(apq) <= 1e-300:
+                if abs(apq) <= 1e-19 * math.sqrt(fro):  # negligible for the stop test (or 0)
                     continue
                 th = (A[r, r] - A[p, p]) / (2.0 * apq)
                 t = (1.0 if th >= 0 else -1.0) / (abs(th) + math.sqrt(th * th + 1.0))
