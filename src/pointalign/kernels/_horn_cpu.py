@@ -22,6 +22,7 @@ and to ~rounding / gap where it is nearly tied (two points: the tie-breaker's ga
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ MAX_SWEEPS = 30
 #: batch entries per parallel work item (they share one set of scratch arrays)
 CHUNK = 64
 
+_SIG_POINTS: list[Any]
+_SIG_SUMS: list[Any]
 try:  # the compiled signatures: float32 or float64 inputs, any strides (two compilations)
     from numba import types as _nt
 
@@ -304,14 +307,15 @@ def horn(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
         ``(T (B, 4, 4) float64, valid (B,) bool)``.
 
     """
-    ts = (source.detach(), targets.detach(), weights.detach())
+    ts = [source.detach(), targets.detach(), weights.detach()]
     if len({t.dtype for t in ts}) > 1:  # mixed: all in float64 (exact, as the reference)
-        ts = tuple(t.to(torch.float64) for t in ts)
+        ts = [t.to(torch.float64) for t in ts]
+    kernel: Any = _horn_points  # a numba dispatcher (mypy does not see its signature)
     threads = _threads.numba_threads()
     B = source.shape[0]
     T = np.empty((B, 4, 4), np.float64)
     valid = np.empty(B, np.bool_)
-    _horn_points(*(t.numpy() for t in ts), _TIE, _chunk(B, threads), T, valid)
+    kernel(*(t.numpy() for t in ts), _TIE, _chunk(B, threads), T, valid)
     return torch.from_numpy(T), torch.from_numpy(valid)
 
 
@@ -320,7 +324,10 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
     """Pose from moments (see :func:`pointalign.kernels.horn.horn_from_sums`).
 
     Args:
-        W: ``(…)`` Σw; sx, sm: ``(…, 3)`` Σw x, Σw m; cross: ``(…, 3, 3)`` Σw x mᵀ (CPU).
+        W: ``(…)`` Σw (CPU tensor).
+        sx: ``(…, 3)`` Σw x.
+        sm: ``(…, 3)`` Σw m.
+        cross: ``(…, 3, 3)`` Σw x mᵀ.
 
     Returns:
         ``(T (…, 4, 4) float64, valid (…) bool)``.
@@ -335,5 +342,6 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
     B = mom.shape[0]
     T = np.empty((B, 4, 4), np.float64)
     valid = np.empty(B, np.bool_)
-    _horn_sums(mom.numpy(), _TIE, _chunk(B, threads), T, valid)
+    kernel: Any = _horn_sums
+    kernel(mom.numpy(), _TIE, _chunk(B, threads), T, valid)
     return torch.from_numpy(T).reshape(*lead, 4, 4), torch.from_numpy(valid).reshape(lead)
