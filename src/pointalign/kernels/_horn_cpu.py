@@ -26,6 +26,7 @@ a reordering of its input.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -42,19 +43,6 @@ _TIE = _math.HORN_TIE
 MAX_SWEEPS = 30
 #: batch entries per parallel work item (they share one set of scratch arrays)
 CHUNK = 64
-
-_SIG_POINTS: list[Any]
-_SIG_SUMS: list[Any]
-try:  # the compiled signatures: float32 or float64 inputs, any strides (two compilations)
-    from numba import types as _nt
-
-    _OUT = (_nt.float64, _nt.int64, _nt.Array(_nt.float64, 3, "C"), _nt.Array(_nt.bool_, 1, "C"))
-    _SIG_POINTS = [(_nt.Array(f, 3, "A"), _nt.Array(f, 3, "A"), _nt.Array(f, 2, "A")) + _OUT
-                   for f in (_nt.float32, _nt.float64)]
-    _SIG_SUMS = [(_nt.Array(_nt.float64, 2, "C"),) + _OUT]
-except Exception:  # pragma: no cover - numba missing: this module is never used
-    _SIG_POINTS = _SIG_SUMS = []
-
 
 @njit(cache=True, inline="always")
 def horn_matrix(S, N):
@@ -221,9 +209,11 @@ def horn_pose(mom, tie, S, A, V, q, T):
     return ok
 
 
-@njit(_SIG_POINTS, cache=True, parallel=True)
 def _horn_points(x, m, w, tie, chunk, T, valid):
-    """Moments and pose of every entry of ``x, m (B, N, 3)``, ``w (B, N)`` (any strides)."""
+    """Moments and pose of every entry of ``x, m (B, N, 3)``, ``w (B, N)`` (any strides).
+
+    Compiled by :func:`_points_kernel`, once per input dtype.
+    """
     B = x.shape[0]
     n = x.shape[1]
     for c in prange((B + chunk - 1) // chunk):
@@ -265,7 +255,22 @@ def _horn_points(x, m, w, tie, chunk, T, valid):
             valid[b] = horn_pose(mom, tie, S, A, V, q, T[b])
 
 
-@njit(_SIG_SUMS, cache=True, parallel=True)
+@functools.cache
+def _points_kernel(dtype: torch.dtype) -> Any:
+    """:func:`_horn_points` compiled for float32 or float64 inputs of any strides.
+
+    One signature per dtype ('A' layout: contiguous, strided and expanded inputs share it),
+    compiled (or loaded from numba's cache) on the first call with that dtype only.
+    """
+    from numba import types as nt
+
+    f = nt.float32 if dtype == torch.float32 else nt.float64
+    sig = (nt.Array(f, 3, "A"), nt.Array(f, 3, "A"), nt.Array(f, 2, "A"), nt.float64, nt.int64,
+           nt.Array(nt.float64, 3, "C"), nt.Array(nt.bool_, 1, "C"))
+    return njit([sig], cache=True, parallel=True)(_horn_points)
+
+
+@njit(cache=True, parallel=True)
 def _horn_sums(mom_all, tie, chunk, T, valid):
     """Pose of every row of ``mom_all (B, 16)`` float64 (the layout of :func:`horn_pose`)."""
     B = mom_all.shape[0]
@@ -315,7 +320,7 @@ def horn(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
     ts = [source.detach(), targets.detach(), weights.detach()]
     if len({t.dtype for t in ts}) > 1:  # mixed: all in float64 (exact, as the reference)
         ts = [t.to(torch.float64) for t in ts]
-    kernel: Any = _horn_points  # a numba dispatcher (mypy does not see its signature)
+    kernel = _points_kernel(ts[0].dtype)
     threads = _threads.numba_threads()
     B = source.shape[0]
     T = np.empty((B, 4, 4), np.float64)
