@@ -33,6 +33,8 @@ CELL_FRACTION = 1.0
 MAX_CELLS = 1 << 22
 #: use a grid when a call has at least this many queries per target point (build ~ M·64)
 MIN_QUERIES_PER_POINT = 4
+#: points per work item of the fused transform-and-score kernel (:func:`_score`)
+SCORE_BLOCK = 256
 
 
 @njit(cache=True)
@@ -101,45 +103,105 @@ def _order_cells(pts, origin, c, dims, start, items, dc):
             dc[a + e] = key[order[e]]
 
 
+@njit(cache=True, nogil=True)
+def _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2, reach, pad):
+    """Nearest candidate within the bound of one query: ``(d2, index)`` or ``(inf, -1)``.
+
+    Each cell's list is read in order of distance from its centre. A candidate at ``dc``
+    from the centre is at least ``dc − h`` from a query at ``h`` from it; the scan stops
+    once that exceeds the best distance found (the bound's ``reach`` before any) plus
+    ``pad``: every later candidate's rounded squared distance is then larger than the
+    best's (see the module doc for ``pad``). Ties: the smaller index. A query outside the
+    grid (or not finite) has no candidate.
+    """
+    best = q0 - q0 + np.inf
+    bi = -1
+    x = math.floor((np.float64(q0) - origin[0]) / c)
+    y = math.floor((np.float64(q1) - origin[1]) / c)
+    z = math.floor((np.float64(q2) - origin[2]) / c)
+    if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
+        cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
+        h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
+        h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
+        h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
+        h = math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
+        lim = reach + h
+        for e in range(start[cell], start[cell + 1]):
+            if dc[e] > lim:
+                break
+            d0 = q0 - cpts[e, 0]
+            d1 = q1 - cpts[e, 1]
+            d2 = q2 - cpts[e, 2]
+            d = d0 * d0 + d1 * d1 + d2 * d2
+            if d <= max_d2 and (d < best or (d == best and items[e] < bi)):
+                best = d
+                bi = items[e]
+                lim = math.sqrt(np.float64(best)) + pad + h
+    return best, bi
+
+
 @njit(cache=True, parallel=True)
 def _query(cpts, dc, origin, c, dims, start, items, q, max_d2, reach, pad, out_d, out_i):
-    """Nearest within the bound, each cell's list read in order of distance from its centre.
-
-    A candidate at ``dc`` from the centre is at least ``dc − h`` from a query at ``h`` from
-    it; the scan stops once that exceeds the best distance found (the bound's ``reach``
-    before any) plus ``pad``: every later candidate's rounded squared distance is then
-    larger than the best's (see the module doc for ``pad``). Ties: the smaller index.
-    """
+    """Nearest within the bound of every query ``q (N, 3)`` (:func:`_nearest_one`)."""
     n = q.shape[0]
     nblocks = (n + 255) // 256
     for blk in prange(nblocks):
         for t in range(blk * 256, min(n, blk * 256 + 256)):
-            q0, q1, q2 = q[t, 0], q[t, 1], q[t, 2]
-            best = q0 - q0 + np.inf
-            bi = -1
-            x = math.floor((np.float64(q0) - origin[0]) / c)
-            y = math.floor((np.float64(q1) - origin[1]) / c)
-            z = math.floor((np.float64(q2) - origin[2]) / c)
-            if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
-                cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
-                h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
-                h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
-                h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
-                h = math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
-                lim = reach + h
-                for e in range(start[cell], start[cell + 1]):
-                    if dc[e] > lim:
-                        break
-                    d0 = q0 - cpts[e, 0]
-                    d1 = q1 - cpts[e, 1]
-                    d2 = q2 - cpts[e, 2]
-                    d = d0 * d0 + d1 * d1 + d2 * d2
-                    if d <= max_d2 and (d < best or (d == best and items[e] < bi)):
-                        best = d
-                        bi = items[e]
-                        lim = math.sqrt(np.float64(best)) + pad + h
-            out_d[t] = best
-            out_i[t] = bi
+            d, i = _nearest_one(cpts, dc, origin, c, dims, start, items, q[t, 0], q[t, 1],
+                                q[t, 2], max_d2, reach, pad)
+            out_d[t] = d
+            out_i[t] = i
+
+
+@njit(cache=True, parallel=True)
+def _score(cpts, dc, origin, c, dims, start, items, R, tr, pts, max_d2, reach, pad, block,
+           with_matches, counts, sums, matches):
+    """Move ``pts (P, 3)`` by every ``(R[s], tr[s])`` and score against the grid.
+
+    Work items ``(s, b)`` (transform s, points ``[b·block, (b+1)·block)``) run in
+    parallel. A moved coordinate j is ``((p₀R[j,0] + p₁R[j,1]) + p₂R[j,2]) + t[j]`` in the
+    points' dtype, each product and sum rounded (no fused multiply-add): what PyTorch's
+    ``baddbmm`` of :func:`pointalign.kernels.ransac.transform_points` computes on the
+    CPU. Per item: inliers and the float64 sum of their squared distances, over the
+    block's points in order; then per transform, the items' partial results in block
+    order (a fixed order: the same result for any thread count). ``matches[s, i]``
+    receives the match of point i (−1: none) when ``with_matches``.
+    """
+    S, P = R.shape[0], pts.shape[0]
+    nb = (P + block - 1) // block
+    pc = np.zeros((S, nb), np.int64)
+    ps = np.zeros((S, nb), np.float64)
+    for w in prange(S * nb):
+        s = w // nb
+        b = w - s * nb
+        r00, r01, r02 = R[s, 0, 0], R[s, 0, 1], R[s, 0, 2]
+        r10, r11, r12 = R[s, 1, 0], R[s, 1, 1], R[s, 1, 2]
+        r20, r21, r22 = R[s, 2, 0], R[s, 2, 1], R[s, 2, 2]
+        t0, t1, t2 = tr[s, 0], tr[s, 1], tr[s, 2]
+        cnt = 0
+        acc = 0.0
+        for i in range(b * block, min(P, b * block + block)):
+            p0, p1, p2 = pts[i, 0], pts[i, 1], pts[i, 2]
+            q0 = ((p0 * r00 + p1 * r01) + p2 * r02) + t0
+            q1 = ((p0 * r10 + p1 * r11) + p2 * r12) + t1
+            q2 = ((p0 * r20 + p1 * r21) + p2 * r22) + t2
+            d, j = _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2,
+                                reach, pad)
+            if j >= 0:
+                cnt += 1
+                acc += np.float64(d)
+            if with_matches:
+                matches[s, i] = j
+        pc[s, b] = cnt
+        ps[s, b] = acc
+    for s in prange(S):
+        cnt = 0
+        acc = 0.0
+        for b in range(nb):
+            cnt += pc[s, b]
+            acc += ps[s, b]
+        counts[s] = cnt
+        sums[s] = acc
 
 
 class BoundGrid:
@@ -203,6 +265,25 @@ class BoundGrid:
                    q, self.points.dtype.type(self.max_d2), self.reach, self.pad, out_d, out_i)
         return out_d, out_i
 
+    def score(self, R: np.ndarray, t: np.ndarray, points: np.ndarray, with_matches: bool
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Inliers of ``points (P, 3)`` moved by ``R (S, 3, 3)``, ``t (S, 3)`` (see :func:`_score`).
+
+        All three in the grid's dtype, C-contiguous. Returns ``counts (S,) int64``,
+        ``sums (S,) float64`` (squared distances of the inliers) and, with ``with_matches``,
+        ``matches (S, P) int64`` (−1: none within the bound), else None.
+        """
+        _threads.numba_threads()
+        s, p = R.shape[0], points.shape[0]
+        counts = np.zeros(s, np.int64)
+        sums = np.zeros(s, np.float64)
+        matches = np.empty((s, p) if with_matches else (0, 0), np.int64)
+        if s and p:
+            _score(self.cpts, self.dc, self.origin, self.c, self.dims, self.start, self.items,
+                   R, t, points, self.points.dtype.type(self.max_d2), self.reach, self.pad,
+                   SCORE_BLOCK, with_matches, counts, sums, matches)
+        return counts, sums, matches if with_matches else None
+
 
 class ScoringTree(CpuTree):
     """The k-d tree, with a :class:`BoundGrid` for many unhinted bounded queries.
@@ -216,14 +297,23 @@ class ScoringTree(CpuTree):
         super().__init__(points, leaf_size)
         self._grids: dict[float, BoundGrid | None] = {}
 
+    def grid(self, max_d2: float, queries: int) -> BoundGrid | None:
+        """The grid that answers ``queries`` unhinted queries within ``max_d2``, or None.
+
+        The grid of that bound (in the points' dtype) once built; built when a call has at
+        least :data:`MIN_QUERIES_PER_POINT` queries per point. None: the tree answers.
+        """
+        key = float(self._bound(max_d2))
+        grid = self._grids.get(key, False)
+        if grid is False and queries >= MIN_QUERIES_PER_POINT * self.points.shape[0]:
+            grid = self._grids[key] = BoundGrid.build(self.points, key)
+        return grid if isinstance(grid, BoundGrid) else None
+
     def nearest(self, query: np.ndarray, max_d2: float | None = None,
                 hint: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """As :meth:`CpuTree.nearest`; see the class docstring for the route taken."""
         if hint is None and max_d2 is not None:
-            key = float(self._bound(max_d2))
-            grid = self._grids.get(key, False)
-            if grid is False and query.shape[0] >= MIN_QUERIES_PER_POINT * self.points.shape[0]:
-                grid = self._grids[key] = BoundGrid.build(self.points, key)
-            if isinstance(grid, BoundGrid):
+            grid = self.grid(max_d2, query.shape[0])
+            if grid is not None:
                 return grid.nearest(query)
         return super().nearest(query, max_d2, hint)

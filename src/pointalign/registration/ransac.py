@@ -33,10 +33,6 @@ from pointalign.kernels import ransac as _k
 from pointalign.kernels.horn import weighted_horn
 from pointalign.registration.result import RegistrationResult
 
-#: queries per call of the index when scoring many hypotheses
-_SCORE_QUERIES = 1 << 21
-
-
 def _features(x: Any, name: str, cloud: Any, n: int, device: torch.device) -> torch.Tensor:
     if x is None and isinstance(cloud, PointCloud):
         x = cloud.features
@@ -108,28 +104,10 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
 
     ``T (S, 4, 4)`` applied to ``points (P, 3)`` → ``(S,) int64, (S,) float64`` and, with
     ``with_matches``, the matched target index of every point ``(S, P) int64`` (−1: none
-    within the bound), else None.
+    within the bound), else None. :func:`pointalign.kernels.ransac.score_transforms`: one
+    fused kernel with the "cpu" index, else the index's ``nearest_within``.
     """
-    s, p = T.shape[0], points.shape[0]
-    step = max(1, _SCORE_QUERIES // max(p, 1))
-    parts = []
-    for a in range(0, s, step):
-        b = min(s, a + step)
-        q = _k.transform_points(T[a:b], points).reshape(-1, 3)
-        # finite points moved by finite motions: the index's trusted path (no checks; no
-        # hint, so a k-d tree groups these scattered queries by leaf first)
-        with _validate.trusted():
-            res = index.nearest_within(q, max_distance)
-        dist, idx = res.dists[:, 0], res.idx[:, 0]
-        idx = idx.view(b - a, p)
-        hit = idx >= 0
-        d2 = torch.where(hit, dist.view(b - a, p), 0.0)
-        parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64),
-                      idx if with_matches else None))
-    if len(parts) == 1:  # the usual case: no concatenation
-        return parts[0]
-    counts, sq, matches = zip(*parts, strict=True)
-    return torch.cat(counts), torch.cat(sq), torch.cat(matches) if with_matches else None
+    return _k.score_transforms(T, points, index, max_distance, with_matches)
 
 
 def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
