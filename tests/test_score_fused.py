@@ -8,7 +8,6 @@ equal up to summation order (and exactly the documented blocked order).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

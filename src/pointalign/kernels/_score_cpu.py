@@ -298,7 +298,7 @@ class ScoringTree(CpuTree):
         self._grids: dict[float, BoundGrid | None] = {}
 
     def grid(self, max_d2: float, queries: int) -> BoundGrid | None:
-        """The grid that answers ``queries`` unhinted queries within ``max_d2``, or None.
+        """Return the grid that answers ``queries`` unhinted queries within ``max_d2``, or None.
 
         The grid of that bound (in the points' dtype) once built; built when a call has at
         least :data:`MIN_QUERIES_PER_POINT` queries per point. None: the tree answers.

@@ -188,7 +188,7 @@ def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any,
                                max_distance: float, with_matches: bool = False
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`transform_points` + ``index.nearest_within`` (reference of :func:`score_transforms`)."""
+    """Move by :func:`transform_points`, ask ``index.nearest_within`` (the reference)."""
     from pointalign import _validate
 
     s, p = T.shape[0], points.shape[0]
@@ -215,7 +215,7 @@ def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any
 
 def _scoring_grid(T: torch.Tensor, points: torch.Tensor, index: Any,
                   max_distance: float) -> Any:
-    """The "cpu" index's grid that answers this scoring (``_score_cpu.BoundGrid``), or None."""
+    """Return the "cpu" index's grid that answers this scoring (a ``BoundGrid``), or None."""
     if T.device.type != "cpu" or points.device.type != "cpu":
         return None
     grid_of = getattr(index, "scoring_grid", None)

@@ -33,6 +33,7 @@ from pointalign.kernels import ransac as _k
 from pointalign.kernels.horn import weighted_horn
 from pointalign.registration.result import RegistrationResult
 
+
 def _features(x: Any, name: str, cloud: Any, n: int, device: torch.device) -> torch.Tensor:
     if x is None and isinstance(cloud, PointCloud):
         x = cloud.features

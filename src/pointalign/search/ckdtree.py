@@ -146,7 +146,7 @@ class CKDTreeIndex:
         return self._query(_checks.query_points(query, self.points), k, r)
 
     def scoring_grid(self, max_distance: float, queries: int) -> Any:
-        """The host tree's cell grid for ``queries`` unhinted queries within ``max_distance``.
+        """Return the host tree's cell grid for ``queries`` queries within ``max_distance``.
 
         For the kernel layer's fused scoring (``kernels.ransac.score_transforms``): the
         ``_score_cpu.BoundGrid`` that :meth:`nearest_within` would answer such a call from
