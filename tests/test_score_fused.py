@@ -62,6 +62,9 @@ def _check(T, p, index, r, monkeypatch, min_hits=1):
         else:
             assert m is None
         assert int(c.sum()) >= min_hits
+    # counts only: each point's search stops at its first target point within the bound
+    only, none_sq, none_m = K.score_transforms(T, p, index, r, with_sums=False)
+    assert torch.equal(only, c) and none_sq is None and none_m is None
     return c, sq
 
 
@@ -182,6 +185,8 @@ def test_routes_and_bad_input():
     got = K.score_transforms(T, src, index, 0.05, True)
     want = K.score_transforms_reference(T, src, index, 0.05, True)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    c, sq, m = K.score_transforms(T, src, index, 0.05, with_sums=False)
+    assert torch.equal(c, want[0]) and sq is None and m is None
     # another index kind: the reference path
     from pointalign.search.brute import BruteForceIndex
 

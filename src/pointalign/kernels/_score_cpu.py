@@ -140,6 +140,32 @@ def _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2, re
     return best, bi
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _any_within(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2, reach, pad):
+    """Tell whether one query has a candidate within the bound (no nearest needed).
+
+    The scan of :func:`_nearest_one` up to its first hit: True exactly when that finds one.
+    """
+    x = math.floor((np.float64(q0) - origin[0]) / c)
+    y = math.floor((np.float64(q1) - origin[1]) / c)
+    z = math.floor((np.float64(q2) - origin[2]) / c)
+    if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
+        cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
+        h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
+        h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
+        h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
+        lim = reach + math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
+        for e in range(start[cell], start[cell + 1]):
+            if dc[e] > lim:
+                break
+            d0 = q0 - cpts[e, 0]
+            d1 = q1 - cpts[e, 1]
+            d2 = q2 - cpts[e, 2]
+            if d0 * d0 + d1 * d1 + d2 * d2 <= max_d2:
+                return True
+    return False
+
+
 @njit(cache=True, parallel=True)
 def _query(cpts, dc, origin, c, dims, start, items, q, max_d2, reach, pad, out_d, out_i):
     """Nearest within the bound of every query ``q (N, 3)`` (:func:`_nearest_one`)."""
@@ -155,7 +181,7 @@ def _query(cpts, dc, origin, c, dims, start, items, q, max_d2, reach, pad, out_d
 
 @njit(cache=True, parallel=True)
 def _score(cpts, dc, origin, c, dims, start, items, R, tr, pts, max_d2, reach, pad, block,
-           with_matches, counts, sums, matches):
+           with_sums, with_matches, counts, sums, matches):
     """Move ``pts (P, 3)`` by every ``(R[s], tr[s])`` and score against the grid.
 
     Work items ``(s, b)`` (transform s, points ``[b·block, (b+1)·block)``) run in
@@ -165,7 +191,9 @@ def _score(cpts, dc, origin, c, dims, start, items, R, tr, pts, max_d2, reach, p
     CPU. Per item: inliers and the float64 sum of their squared distances, over the
     block's points in order; then per transform, the items' partial results in block
     order (a fixed order: the same result for any thread count). ``matches[s, i]``
-    receives the match of point i (−1: none) when ``with_matches``.
+    receives the match of point i (−1: none) when ``with_matches``. With neither sums nor
+    matches asked, a point's scan stops at its first candidate within the bound
+    (:func:`_any_within`; the same counts).
     """
     S, P = R.shape[0], pts.shape[0]
     nb = (P + block - 1) // block
@@ -185,13 +213,17 @@ def _score(cpts, dc, origin, c, dims, start, items, R, tr, pts, max_d2, reach, p
             q0 = ((p0 * r00 + p1 * r01) + p2 * r02) + t0
             q1 = ((p0 * r10 + p1 * r11) + p2 * r12) + t1
             q2 = ((p0 * r20 + p1 * r21) + p2 * r22) + t2
-            d, j = _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2,
-                                reach, pad)
-            if j >= 0:
+            if with_sums or with_matches:
+                d, j = _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2,
+                                    max_d2, reach, pad)
+                if j >= 0:
+                    cnt += 1
+                    acc += np.float64(d)
+                if with_matches:
+                    matches[s, i] = j
+            elif _any_within(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2,
+                             reach, pad):
                 cnt += 1
-                acc += np.float64(d)
-            if with_matches:
-                matches[s, i] = j
         pc[s, b] = cnt
         ps[s, b] = acc
     for s in prange(S):
@@ -265,13 +297,14 @@ class BoundGrid:
                    q, self.points.dtype.type(self.max_d2), self.reach, self.pad, out_d, out_i)
         return out_d, out_i
 
-    def score(self, R: np.ndarray, t: np.ndarray, points: np.ndarray, with_matches: bool
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def score(self, R: np.ndarray, t: np.ndarray, points: np.ndarray, with_matches: bool,
+              with_sums: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Inliers of ``points (P, 3)`` moved by ``R (S, 3, 3)``, ``t (S, 3)`` (see :func:`_score`).
 
         All three in the grid's dtype, C-contiguous. Returns ``counts (S,) int64``,
-        ``sums (S,) float64`` (squared distances of the inliers) and, with ``with_matches``,
-        ``matches (S, P) int64`` (−1: none within the bound), else None.
+        ``sums (S,) float64`` (squared distances of the inliers; None without
+        ``with_sums``) and, with ``with_matches``, ``matches (S, P) int64`` (−1: none within
+        the bound), else None.
         """
         _threads.numba_threads()
         s, p = R.shape[0], points.shape[0]
@@ -281,8 +314,8 @@ class BoundGrid:
         if s and p:
             _score(self.cpts, self.dc, self.origin, self.c, self.dims, self.start, self.items,
                    R, t, points, self.points.dtype.type(self.max_d2), self.reach, self.pad,
-                   SCORE_BLOCK, with_matches, counts, sums, matches)
-        return counts, sums, matches if with_matches else None
+                   SCORE_BLOCK, with_sums, with_matches, counts, sums, matches)
+        return counts, sums if with_sums else None, matches if with_matches else None
 
 
 class ScoringTree(CpuTree):

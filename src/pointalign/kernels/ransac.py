@@ -22,7 +22,8 @@ hand-written kernel would not clearly pay):
 * ``score_transforms(T (S, 4, 4), points (P, 3), index, max_distance, with_matches)
   -> (counts (S,) int64, sums (S,) float64, matches (S, P) int64 | None)``: per transform,
   the points whose moved position has an indexed point within ``max_distance``, the sum of
-  their squared distances, and (``with_matches``) every point's match (−1: none).
+  their squared distances (``with_sums``), and (``with_matches``) every point's match
+  (−1: none).
   Reference (:func:`score_transforms_reference`): :func:`transform_points`, then the
   index's ``nearest_within``, then sums in PyTorch. The "cpu" index with a scoring grid
   (``_score_cpu.BoundGrid``) runs one fused numba kernel instead: no ``(S, P, 3)`` tensor
@@ -186,8 +187,9 @@ def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 
 
 def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any,
-                               max_distance: float, with_matches: bool = False
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                               max_distance: float, with_matches: bool = False,
+                               with_sums: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Move by :func:`transform_points`, ask ``index.nearest_within`` (the reference)."""
     from pointalign import _validate
 
@@ -208,9 +210,11 @@ def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any
         parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64),
                       idx if with_matches else None))
     if len(parts) == 1:  # the usual case: no concatenation
-        return parts[0]
-    counts, sq, matches = zip(*parts, strict=True)
-    return torch.cat(counts), torch.cat(sq), torch.cat(matches) if with_matches else None
+        c, sq, m = parts[0]
+        return c, sq if with_sums else None, m
+    counts, sqs, matches = zip(*parts, strict=True)
+    return (torch.cat(counts), torch.cat(sqs) if with_sums else None,
+            torch.cat(matches) if with_matches else None)
 
 
 def _scoring_grid(T: torch.Tensor, points: torch.Tensor, index: Any,
@@ -228,8 +232,8 @@ def _scoring_grid(T: torch.Tensor, points: torch.Tensor, index: Any,
 
 
 def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
-                     with_matches: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     with_matches: bool = False, with_sums: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Score motions by their inliers (entry point; see the module contract).
 
     Args:
@@ -239,10 +243,13 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_dist
             points' dtype and device.
         max_distance: the inlier bound (> 0).
         with_matches: also return every point's match.
+        with_sums: also return the sums (False: counts only, which the fused kernel finds
+            faster: a point's search stops at its first indexed point within the bound).
 
     Returns:
-        ``counts (S,) int64``, ``sums (S,) float64`` (squared distances of the inliers) and
-        ``matches (S, P) int64`` (−1: no indexed point within the bound) or None.
+        ``counts (S,) int64``, ``sums (S,) float64`` (squared distances of the inliers) or
+        None (``with_sums=False``) and ``matches (S, P) int64`` (−1: no indexed point within
+        the bound) or None.
 
     """
     if T.dim() != 3 or T.shape[1:] != (4, 4):
@@ -253,14 +260,16 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_dist
     if s == 0:
         dev = points.device
         return (torch.zeros(0, dtype=torch.int64, device=dev),
-                torch.zeros(0, dtype=torch.float64, device=dev),
+                torch.zeros(0, dtype=torch.float64, device=dev) if with_sums else None,
                 torch.zeros(0, p, dtype=torch.int64, device=dev) if with_matches else None)
     grid = _scoring_grid(T, points, index, max_distance)
     if grid is None:
-        return score_transforms_reference(T, points, index, max_distance, with_matches)
+        return score_transforms_reference(T, points, index, max_distance, with_matches,
+                                          with_sums)
     Tp = T.detach().to(points.dtype)
     R = Tp[:, :3, :3].contiguous().numpy()
     t = Tp[:, :3, 3].contiguous().numpy()
-    c, sq, m = grid.score(R, t, points.detach().contiguous().numpy(), with_matches)
-    return (torch.from_numpy(c), torch.from_numpy(sq),
+    c, sq, m = grid.score(R, t, points.detach().contiguous().numpy(), with_matches,
+                          with_sums)
+    return (torch.from_numpy(c), torch.from_numpy(sq) if sq is not None else None,
             torch.from_numpy(m) if m is not None else None)

@@ -108,7 +108,19 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
     within the bound), else None. :func:`pointalign.kernels.ransac.score_transforms`: one
     fused kernel with the "cpu" index, else the index's ``nearest_within``.
     """
-    return _k.score_transforms(T, points, index, max_distance, with_matches)
+    counts, sq, matches = _k.score_transforms(T, points, index, max_distance, with_matches)
+    assert sq is not None  # with_sums
+    return counts, sq, matches
+
+
+def _count(T: torch.Tensor, points: torch.Tensor, index: Any,
+           max_distance: float) -> torch.Tensor:
+    """Inlier counts ``(S,) int64`` of ``T (S, 4, 4)`` on ``points (P, 3)``: ``_score``'s first.
+
+    Without sums the fused CPU kernel stops each point's search at its first target point
+    within the bound (the same counts, less work).
+    """
+    return _k.score_transforms(T, points, index, max_distance, with_sums=False)[0]
 
 
 def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
@@ -366,7 +378,7 @@ def ransac(
             est = _triangle_motions(cs[tri], ct[tri])
             clock.lap("estimate")
             # degenerate motions stay in the batch with a T(d,d) count of −1 (no compaction)
-            c_sub, _, _ = _score(est.transformation, subset, target_index, dist)
+            c_sub = _count(est.transformation, subset, target_index, dist)
             c_sub = torch.where(est.valid, c_sub, -1)
             passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
             # failures sort last; a stable sort keeps equal counts in hypothesis order
