@@ -8,6 +8,7 @@ equal up to summation order (and exactly the documented blocked order).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -200,3 +201,32 @@ def test_routes_and_bad_input():
         K.score_transforms(T, src[:, :2], index, 0.05)
     with pytest.raises(ValueError, match="max_distance"):
         K.score_transforms(T.repeat(200, 1, 1), src, index, -1.0)
+
+
+def test_grid_lists_sorted_by_centre_distance_then_index():
+    """Build: each cell's list in (distance from the centre, index) order, with coordinates.
+
+    Duplicated points (equal keys) and a dense cluster (lists longer than the insertion
+    sort's limit) take both sort branches.
+    """
+    import math
+
+    g = torch.Generator().manual_seed(9)
+    base = torch.rand(300, 3, generator=g).numpy()
+    pts = np.concatenate([base, base[:40], 0.5 + 1e-4 * torch.rand(200, 3, generator=g).numpy()])
+    pts = np.ascontiguousarray(pts, np.float32)
+    grid = _score_cpu.BoundGrid.build(pts, 0.1 ** 2)
+    assert grid is not None
+    assert np.array_equal(grid.cpts, pts[grid.items])
+    lens = np.diff(grid.start)
+    assert lens.max() > _score_cpu._INSERTION_MAX and (lens >= 3).sum() > 100
+    d1, d2 = grid.dims[1], grid.dims[2]
+    for cell in np.flatnonzero(lens):
+        a, b = grid.start[cell], grid.start[cell + 1]
+        x, y, z = cell // (d1 * d2), (cell // d2) % d1, cell % d2
+        centre = grid.origin + (np.array([x, y, z]) + 0.5) * grid.c
+        p = pts[grid.items[a:b]].astype(np.float64) - centre
+        key = np.array([math.sqrt(u * u + v * v + w * w) for u, v, w in p])
+        assert np.array_equal(grid.dc[a:b], key)
+        want = np.lexsort((grid.items[a:b], key))  # by key, then index
+        assert np.array_equal(want, np.arange(b - a))

@@ -72,11 +72,17 @@ def _cells_in_reach(pts, origin, c, dims, reach2, pos, items, fill):
                             pos[cell + 1] += 1
 
 
+#: cell lists up to this long are sorted by insertion (longer ones: a stable argsort)
+_INSERTION_MAX = 64
+
+
 @njit(cache=True, parallel=True)
-def _order_cells(pts, origin, c, dims, start, items, dc):
+def _order_cells(pts, origin, c, dims, start, items, dc, cpts):
     """Sort every cell's list by distance from the cell's centre (float64), ties by index.
 
-    ``dc[e]`` receives the distance of entry e's point from its cell's centre.
+    ``dc[e]`` receives the distance of entry e's point from its cell's centre and
+    ``cpts[e]`` its coordinates. Both sorts are stable (lists start in increasing index):
+    short lists by insertion in place, long ones by a merge sort.
     """
     ncell = start.shape[0] - 1
     for cell in prange(ncell):
@@ -89,18 +95,38 @@ def _order_cells(pts, origin, c, dims, start, items, dc):
         c0 = origin[0] + (x + 0.5) * c
         c1 = origin[1] + (y + 0.5) * c
         c2 = origin[2] + (z + 0.5) * c
-        key = np.empty(b - a, np.float64)
+        if b - a <= _INSERTION_MAX:
+            for e in range(a, b):
+                i = items[e]
+                d0 = np.float64(pts[i, 0]) - c0
+                d1 = np.float64(pts[i, 1]) - c1
+                d2 = np.float64(pts[i, 2]) - c2
+                k = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
+                j = e
+                while j > a and dc[j - 1] > k:  # strictly: equal keys keep their order
+                    dc[j] = dc[j - 1]
+                    items[j] = items[j - 1]
+                    j -= 1
+                dc[j] = k
+                items[j] = i
+        else:
+            key = np.empty(b - a, np.float64)
+            for e in range(a, b):
+                i = items[e]
+                d0 = np.float64(pts[i, 0]) - c0
+                d1 = np.float64(pts[i, 1]) - c1
+                d2 = np.float64(pts[i, 2]) - c2
+                key[e - a] = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
+            order = np.argsort(key, kind="mergesort")  # stable: equal keys keep index order
+            seg = items[a:b].copy()
+            for e in range(b - a):
+                items[a + e] = seg[order[e]]
+                dc[a + e] = key[order[e]]
         for e in range(a, b):
             i = items[e]
-            d0 = np.float64(pts[i, 0]) - c0
-            d1 = np.float64(pts[i, 1]) - c1
-            d2 = np.float64(pts[i, 2]) - c2
-            key[e - a] = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
-        order = np.argsort(key, kind="mergesort")  # stable: equal keys keep index order
-        seg = items[a:b].copy()
-        for e in range(b - a):
-            items[a + e] = seg[order[e]]
-            dc[a + e] = key[order[e]]
+            cpts[e, 0] = pts[i, 0]
+            cpts[e, 1] = pts[i, 1]
+            cpts[e, 2] = pts[i, 2]
 
 
 @njit(cache=True, nogil=True, inline="always")  # a call per query costs ~2x
@@ -245,11 +271,11 @@ class BoundGrid:
 
     def __init__(self, points: np.ndarray, max_d2: float, origin: np.ndarray, c: float,
                  dims: np.ndarray, start: np.ndarray, items: np.ndarray, dc: np.ndarray,
-                 reach: float, pad: float):
+                 reach: float, pad: float, cpts: np.ndarray):
         self.points, self.max_d2 = points, max_d2
         self.origin, self.c, self.dims, self.start, self.items = origin, c, dims, start, items
         self.dc, self.reach, self.pad = dc, reach, pad
-        self.cpts = np.ascontiguousarray(points[items])  # candidates' coordinates, in order
+        self.cpts = cpts  # candidates' coordinates, in list order (points[items])
 
     @staticmethod
     def build(points: np.ndarray, max_d2: float) -> BoundGrid | None:
@@ -283,8 +309,9 @@ class BoundGrid:
                         True)
         _threads.numba_threads()
         dc = np.empty(items.shape[0], np.float64)
-        _order_cells(points, origin, c, dims, start, items, dc)
-        return BoundGrid(points, max_d2, origin, c, dims, start, items, dc, reach, pad)
+        cpts = np.empty((items.shape[0], 3), points.dtype)
+        _order_cells(points, origin, c, dims, start, items, dc, cpts)
+        return BoundGrid(points, max_d2, origin, c, dims, start, items, dc, reach, pad, cpts)
 
     def nearest(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Nearest point within the bound of each ``query (N, 3)``: ``(d2 (N,), idx (N,))``."""
