@@ -15,6 +15,13 @@ nearest point with squared distance ``<= max_d2`` (computed in the points' dtype
 exact: a point whose rounded squared distance passes the bound lies within ``r + pad`` of
 the query, and every cell lists all points within ``r + pad`` of its box, where ``pad``
 covers the rounding of the distances and of the query's cell index.
+
+:meth:`BoundGrid.score` (kernel :func:`_score`, behind
+:func:`pointalign.kernels.ransac.score_transforms`) moves the source by every hypothesis
+and queries the grid in one parallel pass over (hypothesis, block of points): no moved
+points in memory, per-hypothesis inlier counts and float64 sums of squared distances
+summed in a fixed order, the matches only when asked, and (counts only) a search that
+stops at the first point within the bound.
 """
 
 from __future__ import annotations
