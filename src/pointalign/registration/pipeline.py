@@ -380,7 +380,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
 
     from pointalign.registration.criteria import ConvergenceCriteria
     from pointalign.registration.icp import icp
-    from pointalign.registration.ransac import _score
+    from pointalign.registration.ransac import _count
     from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
 
     # second proposer: length-consistent cliques of the most distinctive correspondences
@@ -397,7 +397,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     # the best few proposals by inliers on the clouds, each refined by the coarse ICP stage
     criteria = ConvergenceCriteria(max_iterations=max_iterations, translation_tolerance=1e-3 * v,
                                    rotation_tolerance=math.radians(0.01))
-    counts, _, _ = _score(cands, s_down, t_idx, 1.5 * v)
+    counts = _count(cands, s_down, t_idx, 1.5 * v)
     top = torch.argsort(counts, descending=True, stable=True)[:REFINE_TOP if robust else 1]
     # one batched ICP over the k hypotheses (the same source, the shared target and index)
     k = int(top.shape[0])
@@ -407,7 +407,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     iters0 = int(np.max(loc.iterations))
     R = loc.transformation_tensor
     # robust score: source points with a target point within one voxel (a trimmed overlap)
-    fit_v, _, _ = _score(R, s_down, t_idx, v)
+    fit_v = _count(R, s_down, t_idx, v)
     order = torch.argsort(fit_v, descending=True, stable=True)
     R, fit_v = R[order], fit_v[order]
     clock.lap("hypotheses")

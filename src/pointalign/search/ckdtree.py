@@ -146,6 +146,20 @@ class CKDTreeIndex:
                             allow_more=True)
         return self._query(_checks.query_points(query, self.points), k, r)
 
+    def scoring_grid(self, max_distance: float, queries: int) -> Any:
+        """Return the host tree's cell grid for ``queries`` queries within ``max_distance``.
+
+        For the kernel layer's fused scoring (``kernels.ransac.score_transforms``): the
+        ``_score_cpu.BoundGrid`` that :meth:`nearest_within` would answer such a call from
+        (the same rule), or None (off the "cpu" backend, points not on the host, or the
+        tree answers).
+        """
+        md = _checks.check_distance(max_distance, "max_distance")
+        tree = self._cpu_tree()
+        if tree is None or self.points.device.type != "cpu":
+            return None
+        return tree.grid(md * md, int(queries))
+
     def nearest_within(self, query: Any, max_distance: float, *,
                        hint: torch.Tensor | None = None) -> KnnResult:
         """Nearest point within ``max_distance``: ``(N, 1)``, ``-1`` / ``inf`` if none.
