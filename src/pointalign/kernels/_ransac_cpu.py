@@ -32,23 +32,34 @@ QUERY_BLOCK = 8
 TILE = 256
 #: largest k this kernel serves (its sorted list is scanned linearly); larger k: reference
 MAX_K = 16
+#: dimensions added per pass over a tile row (each entry stays in a register for them)
+DIM_GROUP = 4
 
 
 @njit(cache=True, inline="always")
-def _tile_distances(q, rt, a, nq, t0, t1, acc):
-    """``acc[s, j] = ‖q[a + s] − rt[:, t0 + j]‖²`` for the ``nq`` queries and the tile.
+def _partial_distances(q, rt, a, nq, t0, t1, stop, acc):
+    """``acc[s, j] = Σ_{d < stop} (q[a + s, d] − rt[d, t0 + j])²`` for the ``nq`` queries.
 
-    Every entry is ``((0 + x_0²) + x_1²) + …`` in order of d in the features' dtype, as a
-    loop over d would give it; four dimensions at a time go through one register per entry
-    (one load and one store of ``acc`` per four dimensions instead of per dimension).
+    The sum is ``((0 + x_0²) + x_1²) + …`` in order of d in the features' dtype, exactly as a
+    loop over d adding into ``acc`` gives it: the first ``stop % DIM_GROUP`` dimensions one at
+    a time, then ``DIM_GROUP`` at a time with the entry held in a register (one load and one
+    store of ``acc`` per group instead of per dimension). Each inner loop runs along the
+    tile's reference rows and vectorises (sub, mul, add: no FMA contraction, as numba
+    compiles without fastmath).
     """
     w = t1 - t0
-    dim = q.shape[1]
     for s in range(nq):
         for j in range(w):
             acc[s, j] = 0
-    d = 0
-    while d + 4 <= dim:
+    rem = stop % DIM_GROUP
+    for d in range(rem):
+        row = rt[d, t0:t1]
+        for s in range(nq):
+            qd = q[a + s, d]
+            for j in range(w):
+                x = qd - row[j]
+                acc[s, j] += x * x
+    for d in range(rem, stop, DIM_GROUP):
         r0 = rt[d, t0:t1]
         r1 = rt[d + 1, t0:t1]
         r2 = rt[d + 2, t0:t1]
@@ -67,15 +78,71 @@ def _tile_distances(q, rt, a, nq, t0, t1, acc):
                 v = v + x * x
                 x = q3 - r3[j]
                 acc[s, j] = v + x * x
-        d += 4
-    while d < dim:
-        row = rt[d, t0:t1]
-        for s in range(nq):
-            qd = q[a + s, d]
-            for j in range(w):
-                x = qd - row[j]
-                acc[s, j] += x * x
-        d += 1
+
+
+@njit(cache=True, inline="always")
+def _last_group(q, rt, a, s, d, t0, t1, acc, worst, cdt, cit, both):
+    """Add dimensions ``d … d + 3`` (the last) into row s of ``acc`` and test the finished row.
+
+    Returns how many entries are ``< worst`` (the caller's k-th best). With ``both``, also
+    ``cdt[j], cit[j] = acc[s, j], a + s`` where ``acc[s, j] < cdt[j]`` (the backward nearest
+    query of each reference row, as selects; queries come in increasing order, so ties keep
+    the first). One vectorised loop: the finished distances are compared while in registers.
+    """
+    w = t1 - t0
+    r0 = rt[d, t0:t1]
+    r1 = rt[d + 1, t0:t1]
+    r2 = rt[d + 2, t0:t1]
+    r3 = rt[d + 3, t0:t1]
+    q0 = q[a + s, d]
+    q1 = q[a + s, d + 1]
+    q2 = q[a + s, d + 2]
+    q3 = q[a + s, d + 3]
+    cnt = 0
+    if both:
+        who = np.int32(a + s)
+        for j in range(w):
+            x = q0 - r0[j]
+            v = acc[s, j] + x * x
+            x = q1 - r1[j]
+            v = v + x * x
+            x = q2 - r2[j]
+            v = v + x * x
+            x = q3 - r3[j]
+            v = v + x * x
+            acc[s, j] = v
+            cnt += v < worst
+            m = cdt[j]
+            i = cit[j]
+            better = v < m
+            cdt[j] = v if better else m
+            cit[j] = who if better else i
+    else:
+        for j in range(w):
+            x = q0 - r0[j]
+            v = acc[s, j] + x * x
+            x = q1 - r1[j]
+            v = v + x * x
+            x = q2 - r2[j]
+            v = v + x * x
+            x = q3 - r3[j]
+            v = v + x * x
+            acc[s, j] = v
+            cnt += v < worst
+    return cnt
+
+
+@njit(cache=True, inline="always")
+def _row_test(acc, s, w, worst, cdt, cit, who, both):
+    """:func:`_last_group`'s tests of a finished row (for fewer than DIM_GROUP dimensions)."""
+    cnt = 0
+    for j in range(w):
+        v = acc[s, j]
+        cnt += v < worst
+        if both and v < cdt[j]:
+            cdt[j] = v
+            cit[j] = who
+    return cnt
 
 
 @njit(cache=True, inline="always")
@@ -95,35 +162,34 @@ def _insert(bd, bi, s, k, dd, idx):
 
 
 @njit(cache=True, inline="always")
-def _row_has_below(acc, s, w, worst):
-    """Whether some ``acc[s, j] < worst`` (j < w): a branch-free count that vectorises."""
-    cnt = 0
-    for j in range(w):
-        cnt += acc[s, j] < worst
-    return cnt > 0
+def _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, both):
+    """One query block against one reference tile: distances, best-k lists, column minima.
 
-
-@njit(cache=True, inline="always")
-def _scan_row(acc, s, w, t0, bd, bi, k):
-    """Insert the tile row's entries below the k-th best into the sorted lists, in order of j."""
-    worst = bd[s, k - 1]
-    if _row_has_below(acc, s, w, worst):
-        for j in range(w):
-            dd = acc[s, j]
-            if dd < worst:
-                worst = _insert(bd, bi, s, k, dd, t0 + j)
-
-
-@njit(cache=True, inline="always")
-def _column_min(acc, s, w, who, cdt, cit):
-    """``cdt[j], cit[j] = acc[s, j], who`` where ``acc[s, j] < cdt[j]`` (j < w; selects)."""
-    for j in range(w):
-        dd = acc[s, j]
-        m = cdt[j]
-        i = cit[j]
-        better = dd < m
-        cdt[j] = dd if better else m
-        cit[j] = who if better else i
+    A row's entries are inserted in order of j, and only rows with some entry below their
+    k-th best are scanned, so the lists are those of inserting every entry in order.
+    """
+    w = t1 - t0
+    dim = q.shape[1]
+    if dim >= DIM_GROUP:
+        last = dim - DIM_GROUP
+        _partial_distances(q, rt, a, nq, t0, t1, last, acc)
+        for s in range(nq):
+            worst = bd[s, k - 1]
+            cnt = _last_group(q, rt, a, s, last, t0, t1, acc, worst, cdt, cit, both)
+            if cnt:
+                for j in range(w):
+                    dd = acc[s, j]
+                    if dd < worst:
+                        worst = _insert(bd, bi, s, k, dd, t0 + j)
+    else:
+        _partial_distances(q, rt, a, nq, t0, t1, dim, acc)
+        for s in range(nq):
+            worst = bd[s, k - 1]
+            if _row_test(acc, s, w, worst, cdt, cit, np.int32(a + s), both):
+                for j in range(w):
+                    dd = acc[s, j]
+                    if dd < worst:
+                        worst = _insert(bd, bi, s, k, dd, t0 + j)
 
 
 @njit(cache=True, parallel=True)
@@ -138,12 +204,11 @@ def _feature_knn(q, rt, k, out_d, out_i):
         acc = np.empty((QUERY_BLOCK, TILE), q.dtype)
         bd = np.full((QUERY_BLOCK, k), np.inf, q.dtype)
         bi = np.full((QUERY_BLOCK, k), -1, np.int64)
+        cdt = np.empty(1, q.dtype)  # unused (no column minima)
+        cit = np.empty(1, np.int32)
         for t0 in range(0, m, TILE):
             t1 = min(m, t0 + TILE)
-            w = t1 - t0
-            _tile_distances(q, rt, a, nq, t0, t1, acc)
-            for s in range(nq):
-                _scan_row(acc, s, w, t0, bd, bi, k)
+            _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, False)
         for s in range(nq):
             for c in range(k):
                 out_d[a + s, c] = bd[s, c]
@@ -159,6 +224,7 @@ def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
     queries come in increasing order, so ties keep the smaller index); the runs are merged
     in order with the same rule. The answer is that of a separate call with the roles
     swapped: ``(r_d − q_d)²`` equals ``(q_d − r_d)²`` and the sum runs over d in the same order.
+    Query indices are kept as int32 per run (``N < 2³¹``, checked by the caller).
     """
     n = q.shape[0]
     m = rt.shape[1]
@@ -180,13 +246,8 @@ def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
             bi[:] = -1
             for t0 in range(0, m, TILE):
                 t1 = min(m, t0 + TILE)
-                w = t1 - t0
-                _tile_distances(q, rt, a, nq, t0, t1, acc)
-                cdt = cdc[t0:t1]
-                cit = cic[t0:t1]
-                for s in range(nq):
-                    _column_min(acc, s, w, np.int32(a + s), cdt, cit)
-                    _scan_row(acc, s, w, t0, bd, bi, k)
+                _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdc[t0:t1], cic[t0:t1],
+                            True)
             for s in range(nq):
                 for c2 in range(k):
                     out_d[a + s, c2] = bd[s, c2]
@@ -212,6 +273,8 @@ def feature_knn_both_cpu(query: torch.Tensor, ref: torch.Tensor, k: int
     q = query.detach().contiguous().numpy()
     rt = np.ascontiguousarray(ref.detach().to(query.dtype).numpy().T)
     n, m = q.shape[0], rt.shape[1]
+    if n >= 2**31:
+        raise ValueError(f"feature_knn_both_cpu: query has {n} rows, at most 2**31 - 1 are served")
     out_d = np.empty((n, k), q.dtype)
     out_i = np.empty((n, k), np.int64)
     back_d = np.empty((m, 1), q.dtype)
