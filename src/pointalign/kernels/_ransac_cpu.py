@@ -34,6 +34,8 @@ TILE = 256
 MAX_K = 16
 #: dimensions added per pass over a tile row (each entry stays in a register for them)
 DIM_GROUP = 4
+#: entries per vectorised test when a row of a tile is scanned for its best k
+SCAN_RUN = 32
 
 
 @njit(cache=True, inline="always")
@@ -162,6 +164,25 @@ def _insert(bd, bi, s, k, dd, idx):
 
 
 @njit(cache=True, inline="always")
+def _scan_row(acc, s, w, t0, worst, bd, bi, k):
+    """Insert row s's entries below the k-th best ``worst`` into its lists, in order of j.
+
+    The row goes in runs of ``SCAN_RUN`` entries; a run is scanned entry by entry only when a
+    vectorised count finds one of its entries below the current k-th best.
+    """
+    for j0 in range(0, w, SCAN_RUN):
+        j1 = min(w, j0 + SCAN_RUN)
+        cnt = 0
+        for j in range(j0, j1):
+            cnt += acc[s, j] < worst
+        if cnt:
+            for j in range(j0, j1):
+                dd = acc[s, j]
+                if dd < worst:
+                    worst = _insert(bd, bi, s, k, dd, t0 + j)
+
+
+@njit(cache=True, inline="always")
 def _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, both):
     """One query block against one reference tile: distances, best-k lists, column minima.
 
@@ -177,19 +198,13 @@ def _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, both):
             worst = bd[s, k - 1]
             cnt = _last_group(q, rt, a, s, last, t0, t1, acc, worst, cdt, cit, both)
             if cnt:
-                for j in range(w):
-                    dd = acc[s, j]
-                    if dd < worst:
-                        worst = _insert(bd, bi, s, k, dd, t0 + j)
+                _scan_row(acc, s, w, t0, worst, bd, bi, k)
     else:
         _partial_distances(q, rt, a, nq, t0, t1, dim, acc)
         for s in range(nq):
             worst = bd[s, k - 1]
             if _row_test(acc, s, w, worst, cdt, cit, np.int32(a + s), both):
-                for j in range(w):
-                    dd = acc[s, j]
-                    if dd < worst:
-                        worst = _insert(bd, bi, s, k, dd, t0 + j)
+                _scan_row(acc, s, w, t0, worst, bd, bi, k)
 
 
 @njit(cache=True, parallel=True)
