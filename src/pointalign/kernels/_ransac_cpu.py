@@ -83,13 +83,15 @@ def _partial_distances(q, rt, a, nq, t0, t1, stop, acc):
 
 
 @njit(cache=True, inline="always")
-def _last_group(q, rt, a, s, d, t0, t1, acc, worst, cdt, cit, both):
+def _last_group(q, rt, a, s, d, t0, t1, acc, worst, cin, iin, cout, iout, both):
     """Add dimensions ``d … d + 3`` (the last) into row s of ``acc`` and test the finished row.
 
-    Returns how many entries are ``< worst`` (the caller's k-th best). With ``both``, also
-    ``cdt[j], cit[j] = acc[s, j], a + s`` where ``acc[s, j] < cdt[j]`` (the backward nearest
-    query of each reference row, as selects; queries come in increasing order, so ties keep
-    the first). One vectorised loop: the finished distances are compared while in registers.
+    Returns whether some entry is ``< worst`` (the caller's k-th best). With ``both``, also
+    the backward nearest query of each reference row: ``cout[j], iout[j]`` become
+    ``acc[s, j], a + s`` where ``acc[s, j] < cin[j]``, else ``cin[j], iin[j]`` (queries come
+    in increasing order, so ties keep the first). In and out are different buffers so that
+    the stores are unconditional (selects; an in-place update compiles to masked stores).
+    One vectorised loop: the finished distances are compared while in registers.
     """
     w = t1 - t0
     r0 = rt[d, t0:t1]
@@ -100,7 +102,7 @@ def _last_group(q, rt, a, s, d, t0, t1, acc, worst, cdt, cit, both):
     q1 = q[a + s, d + 1]
     q2 = q[a + s, d + 2]
     q3 = q[a + s, d + 3]
-    cnt = 0
+    hit = False
     if both:
         who = np.int32(a + s)
         for j in range(w):
@@ -113,12 +115,12 @@ def _last_group(q, rt, a, s, d, t0, t1, acc, worst, cdt, cit, both):
             x = q3 - r3[j]
             v = v + x * x
             acc[s, j] = v
-            cnt += v < worst
-            m = cdt[j]
-            i = cit[j]
+            hit |= v < worst
+            m = cin[j]
+            i = iin[j]
             better = v < m
-            cdt[j] = v if better else m
-            cit[j] = who if better else i
+            cout[j] = v if better else m
+            iout[j] = who if better else i
     else:
         for j in range(w):
             x = q0 - r0[j]
@@ -130,8 +132,8 @@ def _last_group(q, rt, a, s, d, t0, t1, acc, worst, cdt, cit, both):
             x = q3 - r3[j]
             v = v + x * x
             acc[s, j] = v
-            cnt += v < worst
-    return cnt
+            hit |= v < worst
+    return hit
 
 
 @njit(cache=True, inline="always")
@@ -172,10 +174,10 @@ def _scan_row(acc, s, w, t0, worst, bd, bi, k):
     """
     for j0 in range(0, w, SCAN_RUN):
         j1 = min(w, j0 + SCAN_RUN)
-        cnt = 0
+        hit = False
         for j in range(j0, j1):
-            cnt += acc[s, j] < worst
-        if cnt:
+            hit |= acc[s, j] < worst
+        if hit:
             for j in range(j0, j1):
                 dd = acc[s, j]
                 if dd < worst:
@@ -183,11 +185,13 @@ def _scan_row(acc, s, w, t0, worst, bd, bi, k):
 
 
 @njit(cache=True, inline="always")
-def _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, both):
+def _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, pd, pi, both):
     """One query block against one reference tile: distances, best-k lists, column minima.
 
     A row's entries are inserted in order of j, and only rows with some entry below their
-    k-th best are scanned, so the lists are those of inserting every entry in order.
+    k-th best are scanned, so the lists are those of inserting every entry in order. With
+    ``both``, ``cdt, cit`` (the tile's slice of the backward minima) are updated through the
+    scratch ``pd, pi`` (``(TILE,)``), rows alternating between them.
     """
     w = t1 - t0
     dim = q.shape[1]
@@ -196,9 +200,16 @@ def _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, both):
         _partial_distances(q, rt, a, nq, t0, t1, last, acc)
         for s in range(nq):
             worst = bd[s, k - 1]
-            cnt = _last_group(q, rt, a, s, last, t0, t1, acc, worst, cdt, cit, both)
-            if cnt:
+            if s % 2 == 0:
+                hit = _last_group(q, rt, a, s, last, t0, t1, acc, worst, cdt, cit, pd, pi, both)
+            else:
+                hit = _last_group(q, rt, a, s, last, t0, t1, acc, worst, pd, pi, cdt, cit, both)
+            if hit:
                 _scan_row(acc, s, w, t0, worst, bd, bi, k)
+        if both and nq % 2:
+            for j in range(w):
+                cdt[j] = pd[j]
+                cit[j] = pi[j]
     else:
         _partial_distances(q, rt, a, nq, t0, t1, dim, acc)
         for s in range(nq):
@@ -223,7 +234,7 @@ def _feature_knn(q, rt, k, out_d, out_i):
         cit = np.empty(1, np.int32)
         for t0 in range(0, m, TILE):
             t1 = min(m, t0 + TILE)
-            _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, False)
+            _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, cdt, cit, False)
         for s in range(nq):
             for c in range(k):
                 out_d[a + s, c] = bd[s, c]
@@ -253,6 +264,8 @@ def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
         bi = np.empty((QUERY_BLOCK, k), np.int64)
         cdc = cd[c]
         cic = ci[c]
+        pd = np.empty(TILE, q.dtype)
+        pi = np.empty(TILE, np.int32)
         for blk in range(c * per, min(nblocks, (c + 1) * per)):
             a = blk * QUERY_BLOCK
             b = min(n, a + QUERY_BLOCK)
@@ -262,7 +275,7 @@ def _feature_knn_both(q, rt, k, nchunks, out_d, out_i, back_d, back_i):
             for t0 in range(0, m, TILE):
                 t1 = min(m, t0 + TILE)
                 _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdc[t0:t1], cic[t0:t1],
-                            True)
+                            pd, pi, True)
             for s in range(nq):
                 for c2 in range(k):
                     out_d[a + s, c2] = bd[s, c2]
