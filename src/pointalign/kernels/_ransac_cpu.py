@@ -50,17 +50,23 @@ def _partial_distances(q, rt, a, nq, t0, t1, stop, acc):
     compiles without fastmath).
     """
     w = t1 - t0
-    for s in range(nq):
-        for j in range(w):
-            acc[s, j] = 0
     rem = stop % DIM_GROUP
+    if rem == 0:
+        for s in range(nq):
+            for j in range(w):
+                acc[s, j] = 0
     for d in range(rem):
         row = rt[d, t0:t1]
         for s in range(nq):
             qd = q[a + s, d]
-            for j in range(w):
-                x = qd - row[j]
-                acc[s, j] += x * x
+            if d == 0:  # 0 + x² is x² (x² >= +0): the first dimension stores without a load
+                for j in range(w):
+                    x = qd - row[j]
+                    acc[s, j] = x * x
+            else:
+                for j in range(w):
+                    x = qd - row[j]
+                    acc[s, j] += x * x
     for d in range(rem, stop, DIM_GROUP):
         r0 = rt[d, t0:t1]
         r1 = rt[d + 1, t0:t1]
