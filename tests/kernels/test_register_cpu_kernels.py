@@ -174,7 +174,7 @@ def _feature_knn_plain(q: torch.Tensor, r: torch.Tensor, k: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("dim", [3, 4, 7, 33])
+@pytest.mark.parametrize("dim", [3, 4, 7, 8, 33])
 @pytest.mark.parametrize("grid", [False, True], ids=["float", "grid"])
 def test_feature_knn_bit_equal_to_plain_sum(dtype, dim, grid):
     """Both kernels equal the plain in-order sum bit for bit, ties included.
