@@ -218,10 +218,35 @@ def test_set_candidates_rejects_tables_that_do_not_fit():
     assert not tree.set_candidates(d[:10], i[:10], 4)  # other rows
     assert not tree.set_candidates(d, i, 6)  # no (k+1)-th column
     i2 = i.copy()
-    i2[3, 4] = -1  # a bounded table: the (k+1)-th neighbour is unknown
+    i2[3, 4] = -1  # a missing (k+1)-th neighbour in a table said to be complete
     assert not tree.set_candidates(d, i2, 4)
     assert tree._candidates()[0].shape[0] == 0
     assert tree.set_candidates(d, i, 4) and tree._candidates()[0].shape == (50, 4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nearest_with_bounded_candidates_equals_tree(seed, dtype):
+    """A radius-bounded self-query serves as the shortcut; its short rows take the tree."""
+    p = _cloud(seed, 1500, dtype)
+    plain = _knn_cpu.CpuTree(p, leaf_size=8)
+    fast = _knn_cpu.CpuTree(p, leaf_size=8)
+    radius = 0.25
+    d, i = fast.knn_self(12, radius * radius)
+    short = i[:, 8] < 0
+    assert short.any() and not short.all()  # both kinds of rows occur
+    assert not fast.set_candidates(d, i, 8)  # not said to be bounded: refused
+    assert fast.set_candidates(d, i, 8, bounded=True)
+    c, r2 = fast._candidates()
+    assert (r2[short] == 0).all() and (r2[~short] > 0).all()
+    q, hints = _candidates_case(p, seed, dtype, 0.01)
+    for md in (None, 0.02):
+        b = None if md is None else md * md
+        for h in hints:
+            d0, i0 = plain.nearest(q, b, h)
+            d1, i1 = fast.nearest(q, b, h)
+            assert np.array_equal(i0, i1) and np.array_equal(d0, d1)
+    e = q.astype(np.float64) - p[hints[0]]
+    assert ((e * e).sum(1) < r2[hints[0]]).mean() > 0.1  # the shortcut is taken
 
 
 def test_ckdtree_index_keeps_the_self_query():

@@ -202,6 +202,53 @@ def test_feature_knn_both_equals_two_calls(dtype, n):
         assert torch.equal(bi[50:60, 0], torch.arange(10))
 
 
+def _feature_knn_plain(q: torch.Tensor, r: torch.Tensor, k: int):
+    """The module contract written plainly: ``Σ_d (q_d − r_d)²`` in the dtype, in order of d.
+
+    NumPy rounds every subtraction, product and sum on its own (no FMA); a stable sort gives
+    ties to the smaller index, ``argmin`` the first minimum. Returns forward ``(d, i)`` of
+    shape ``(N, k)`` and backward ``(d, i)`` of shape ``(M, 1)``.
+    """
+    qn, rn = q.numpy(), r.numpy()
+    acc = np.zeros((qn.shape[0], rn.shape[0]), qn.dtype)
+    for d in range(qn.shape[1]):
+        x = qn[:, None, d] - rn[None, :, d]
+        acc += x * x
+    i = np.argsort(acc, axis=1, kind="stable")[:, :k]
+    bi = np.argmin(acc, axis=0)[:, None]
+    return (torch.from_numpy(np.take_along_axis(acc, i, 1)), torch.from_numpy(i),
+            torch.from_numpy(np.take_along_axis(acc, bi.T, 0).T), torch.from_numpy(bi))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("dim", [3, 4, 7, 8, 33])
+@pytest.mark.parametrize("grid", [False, True], ids=["float", "grid"])
+def test_feature_knn_bit_equal_to_plain_sum(dtype, dim, grid):
+    """Both kernels equal the plain in-order sum bit for bit, ties included.
+
+    ``dim`` covers fewer dimensions than one register group, whole groups and remainders;
+    ``grid`` features (small integers) make many equal distances; 45 queries are not a
+    multiple of the query block and 300 reference rows are more than one tile.
+    """
+    g = torch.Generator().manual_seed(dim)
+    if grid:
+        q = torch.randint(0, 3, (45, dim), generator=g).to(dtype)
+        r = torch.randint(0, 3, (300, dim), generator=g).to(dtype)
+    else:
+        q = (torch.randn(45, dim, generator=g, dtype=torch.float64) * 7).to(dtype)
+        r = (torch.randn(300, dim, generator=g, dtype=torch.float64) * 7).to(dtype)
+        r[270:280] = r[5:15]
+        q[:5] = r[260:265]
+    d0, i0, bd0, bi0 = _feature_knn_plain(q, r, 3)
+    d, i = _ransac_cpu.feature_knn_cpu(q, r, 3)
+    assert torch.equal(i, i0) and torch.equal(d, d0)
+    d, i, bd, bi = _ransac_cpu.feature_knn_both_cpu(q, r, 3)
+    assert torch.equal(i, i0) and torch.equal(d, d0)
+    assert torch.equal(bi, bi0) and torch.equal(bd, bd0)
+    bd, bi = _ransac_cpu.feature_knn_cpu(r, q, 1)
+    assert torch.equal(bi, bi0) and torch.equal(bd, bd0)
+
+
 def test_shared_feature_knn_serves_matching_calls(monkeypatch):
     from pointalign.kernels import _backend
 

@@ -656,32 +656,42 @@ class CpuTree:
          self.bmax) = _build(pts, self.depth)
         self._keyable = bool(pts.dtype == np.float32 and m < 2**32 and np.isfinite(pts).all())
 
-    def set_candidates(self, d2: np.ndarray, idx: np.ndarray, k: int = 8) -> bool:
+    def set_candidates(self, d2: np.ndarray, idx: np.ndarray, k: int = 8,
+                       bounded: bool = False) -> bool:
         """Keep each point's ``k`` nearest as a shortcut for hinted :meth:`nearest` calls.
 
-        ``d2, idx``: a complete self-query table of these points, ``(M, K)`` with
-        ``K > k`` columns (each row's K nearest points, ordered by squared distance, no
-        bound: :meth:`knn` of ``self.points`` itself). Row ``h`` keeps its first ``k``
-        entries, ``S_h``, and ``r2_h``: a quarter of the (k+1)-th squared distance ``δ²``,
-        less a margin of 1e-4 relative for rounding. A query ``q`` hinted with ``h`` and
+        ``d2, idx``: a self-query table of these points, ``(M, K)`` with ``K > k`` columns
+        (each row's K nearest points, ordered by squared distance: :meth:`knn` or
+        :meth:`knn_self` of ``self.points`` itself; ``bounded``: within a distance bound,
+        missing entries ``-1``, else complete). Row ``h`` keeps its first ``k`` entries,
+        ``S_h``, and ``r2_h``: a quarter of the (k+1)-th squared distance ``δ²``, less a
+        margin of 1e-4 relative for rounding. A query ``q`` hinted with ``h`` and
         ``|q − p_h|² < r2_h`` (``|q − p_h| < δ/2``) is nearer to ``p_h`` than to any point
         off ``S_h`` (those are ``>= δ`` from ``p_h``, so ``> δ/2`` from ``q``, with room for
         the rounding of both squared distances), so its nearest point (ties: smallest index)
-        is the nearest of ``S_h``: the answer equals the full search. Returns True when kept
-        (False, nothing changed, when the table does not fit these points).
+        is the nearest of ``S_h``: the answer equals the full search. A row of a bounded
+        table with fewer than k + 1 entries gets ``r2_h = 0`` (its hinted queries take the
+        tree). Returns True when kept (False, nothing changed, when the table does not fit
+        these points, or a complete one has missing entries).
         """
         m = self.points.shape[0]
         if (d2.shape != idx.shape or d2.ndim != 2 or d2.shape[0] != m
-                or not 1 <= int(k) < d2.shape[1] or bool((idx[:, :k + 1] < 0).any())):
+                or not 1 <= int(k) < d2.shape[1]):
             return False
         k = int(k)
+        short = idx[:, k] < 0  # fewer than k + 1 points within the bound
+        if short.any() and not bounded:
+            return False
         inv = np.empty(m, np.int64)
         inv[self.perm] = np.arange(m, dtype=np.int64)
         r2 = (0.25 * (1 - 1e-4)) * d2[:, k].astype(np.float64)
+        r2[short] = 0.0
         r2c = r2.astype(self.points.dtype)
         r2c = np.where(r2c.astype(np.float64) > r2, np.nextafter(r2c, r2c.dtype.type(0)), r2c)
         pos_t = np.int32 if m < 2**31 else np.int64  # stored positions: 4 bytes each
-        self._cand = np.ascontiguousarray(inv[idx[:, :k]].astype(pos_t))
+        # a short row's missing entries point at the row's own point (never read: r2_h = 0)
+        rows = np.where(idx[:, :k] >= 0, idx[:, :k], np.arange(m)[:, None])
+        self._cand = np.ascontiguousarray(inv[rows].astype(pos_t))
         self._cand_r2 = np.ascontiguousarray(r2c)
         return True
 

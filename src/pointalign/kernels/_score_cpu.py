@@ -15,6 +15,13 @@ nearest point with squared distance ``<= max_d2`` (computed in the points' dtype
 exact: a point whose rounded squared distance passes the bound lies within ``r + pad`` of
 the query, and every cell lists all points within ``r + pad`` of its box, where ``pad``
 covers the rounding of the distances and of the query's cell index.
+
+:meth:`BoundGrid.score` (kernel :func:`_score`, behind
+:func:`pointalign.kernels.ransac.score_transforms`) moves the source by every hypothesis
+and queries the grid in one parallel pass over (hypothesis, block of points): no moved
+points in memory, per-hypothesis inlier counts and float64 sums of squared distances
+summed in a fixed order, the matches only when asked, and (counts only) a search that
+stops at the first point within the bound.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ CELL_FRACTION = 1.0
 MAX_CELLS = 1 << 22
 #: use a grid when a call has at least this many queries per target point (build ~ M·64)
 MIN_QUERIES_PER_POINT = 4
+#: points per work item of the fused transform-and-score kernel (:func:`_score`)
+SCORE_BLOCK = 256
 
 
 @njit(cache=True)
@@ -70,11 +79,17 @@ def _cells_in_reach(pts, origin, c, dims, reach2, pos, items, fill):
                             pos[cell + 1] += 1
 
 
+#: cell lists up to this long are sorted by insertion (longer ones: a stable argsort)
+_INSERTION_MAX = 64
+
+
 @njit(cache=True, parallel=True)
-def _order_cells(pts, origin, c, dims, start, items, dc):
+def _order_cells(pts, origin, c, dims, start, items, dc, cpts):
     """Sort every cell's list by distance from the cell's centre (float64), ties by index.
 
-    ``dc[e]`` receives the distance of entry e's point from its cell's centre.
+    ``dc[e]`` receives the distance of entry e's point from its cell's centre and
+    ``cpts[e]`` its coordinates. Both sorts are stable (lists start in increasing index):
+    short lists by insertion in place, long ones by a merge sort.
     """
     ncell = start.shape[0] - 1
     for cell in prange(ncell):
@@ -87,59 +102,171 @@ def _order_cells(pts, origin, c, dims, start, items, dc):
         c0 = origin[0] + (x + 0.5) * c
         c1 = origin[1] + (y + 0.5) * c
         c2 = origin[2] + (z + 0.5) * c
-        key = np.empty(b - a, np.float64)
+        if b - a <= _INSERTION_MAX:
+            for e in range(a, b):
+                i = items[e]
+                d0 = np.float64(pts[i, 0]) - c0
+                d1 = np.float64(pts[i, 1]) - c1
+                d2 = np.float64(pts[i, 2]) - c2
+                k = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
+                j = e
+                while j > a and dc[j - 1] > k:  # strictly: equal keys keep their order
+                    dc[j] = dc[j - 1]
+                    items[j] = items[j - 1]
+                    j -= 1
+                dc[j] = k
+                items[j] = i
+        else:
+            key = np.empty(b - a, np.float64)
+            for e in range(a, b):
+                i = items[e]
+                d0 = np.float64(pts[i, 0]) - c0
+                d1 = np.float64(pts[i, 1]) - c1
+                d2 = np.float64(pts[i, 2]) - c2
+                key[e - a] = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
+            order = np.argsort(key, kind="mergesort")  # stable: equal keys keep index order
+            seg = items[a:b].copy()
+            for e in range(b - a):
+                items[a + e] = seg[order[e]]
+                dc[a + e] = key[order[e]]
         for e in range(a, b):
             i = items[e]
-            d0 = np.float64(pts[i, 0]) - c0
-            d1 = np.float64(pts[i, 1]) - c1
-            d2 = np.float64(pts[i, 2]) - c2
-            key[e - a] = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
-        order = np.argsort(key, kind="mergesort")  # stable: equal keys keep index order
-        seg = items[a:b].copy()
-        for e in range(b - a):
-            items[a + e] = seg[order[e]]
-            dc[a + e] = key[order[e]]
+            cpts[e, 0] = pts[i, 0]
+            cpts[e, 1] = pts[i, 1]
+            cpts[e, 2] = pts[i, 2]
+
+
+@njit(cache=True, nogil=True, inline="always")  # a call per query costs ~2x
+def _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2, reach, pad):
+    """Nearest candidate within the bound of one query: ``(d2, index)`` or ``(inf, -1)``.
+
+    Each cell's list is read in order of distance from its centre. A candidate at ``dc``
+    from the centre is at least ``dc − h`` from a query at ``h`` from it; the scan stops
+    once that exceeds the best distance found (the bound's ``reach`` before any) plus
+    ``pad``: every later candidate's rounded squared distance is then larger than the
+    best's (see the module doc for ``pad``). Ties: the smaller index. A query outside the
+    grid (or not finite) has no candidate.
+    """
+    best = q0 - q0 + np.inf
+    bi = -1
+    x = math.floor((np.float64(q0) - origin[0]) / c)
+    y = math.floor((np.float64(q1) - origin[1]) / c)
+    z = math.floor((np.float64(q2) - origin[2]) / c)
+    if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
+        cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
+        h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
+        h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
+        h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
+        h = math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
+        lim = reach + h
+        for e in range(start[cell], start[cell + 1]):
+            if dc[e] > lim:
+                break
+            d0 = q0 - cpts[e, 0]
+            d1 = q1 - cpts[e, 1]
+            d2 = q2 - cpts[e, 2]
+            d = d0 * d0 + d1 * d1 + d2 * d2
+            if d <= max_d2 and (d < best or (d == best and items[e] < bi)):
+                best = d
+                bi = items[e]
+                lim = math.sqrt(np.float64(best)) + pad + h
+    return best, bi
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _any_within(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2, reach, pad):
+    """Tell whether one query has a candidate within the bound (no nearest needed).
+
+    The scan of :func:`_nearest_one` up to its first hit: True exactly when that finds one.
+    """
+    x = math.floor((np.float64(q0) - origin[0]) / c)
+    y = math.floor((np.float64(q1) - origin[1]) / c)
+    z = math.floor((np.float64(q2) - origin[2]) / c)
+    if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
+        cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
+        h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
+        h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
+        h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
+        lim = reach + math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
+        for e in range(start[cell], start[cell + 1]):
+            if dc[e] > lim:
+                break
+            d0 = q0 - cpts[e, 0]
+            d1 = q1 - cpts[e, 1]
+            d2 = q2 - cpts[e, 2]
+            if d0 * d0 + d1 * d1 + d2 * d2 <= max_d2:
+                return True
+    return False
 
 
 @njit(cache=True, parallel=True)
 def _query(cpts, dc, origin, c, dims, start, items, q, max_d2, reach, pad, out_d, out_i):
-    """Nearest within the bound, each cell's list read in order of distance from its centre.
-
-    A candidate at ``dc`` from the centre is at least ``dc − h`` from a query at ``h`` from
-    it; the scan stops once that exceeds the best distance found (the bound's ``reach``
-    before any) plus ``pad``: every later candidate's rounded squared distance is then
-    larger than the best's (see the module doc for ``pad``). Ties: the smaller index.
-    """
+    """Nearest within the bound of every query ``q (N, 3)`` (:func:`_nearest_one`)."""
     n = q.shape[0]
     nblocks = (n + 255) // 256
     for blk in prange(nblocks):
         for t in range(blk * 256, min(n, blk * 256 + 256)):
-            q0, q1, q2 = q[t, 0], q[t, 1], q[t, 2]
-            best = q0 - q0 + np.inf
-            bi = -1
-            x = math.floor((np.float64(q0) - origin[0]) / c)
-            y = math.floor((np.float64(q1) - origin[1]) / c)
-            z = math.floor((np.float64(q2) - origin[2]) / c)
-            if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
-                cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
-                h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
-                h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
-                h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
-                h = math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
-                lim = reach + h
-                for e in range(start[cell], start[cell + 1]):
-                    if dc[e] > lim:
-                        break
-                    d0 = q0 - cpts[e, 0]
-                    d1 = q1 - cpts[e, 1]
-                    d2 = q2 - cpts[e, 2]
-                    d = d0 * d0 + d1 * d1 + d2 * d2
-                    if d <= max_d2 and (d < best or (d == best and items[e] < bi)):
-                        best = d
-                        bi = items[e]
-                        lim = math.sqrt(np.float64(best)) + pad + h
-            out_d[t] = best
-            out_i[t] = bi
+            d, i = _nearest_one(cpts, dc, origin, c, dims, start, items, q[t, 0], q[t, 1],
+                                q[t, 2], max_d2, reach, pad)
+            out_d[t] = d
+            out_i[t] = i
+
+
+@njit(cache=True, parallel=True)
+def _score(cpts, dc, origin, c, dims, start, items, R, tr, pts, max_d2, reach, pad, block,
+           with_sums, with_matches, counts, sums, matches):
+    """Move ``pts (P, 3)`` by every ``(R[s], tr[s])`` and score against the grid.
+
+    Work items ``(s, b)`` (transform s, points ``[b·block, (b+1)·block)``) run in
+    parallel. A moved coordinate j is ``((p₀R[j,0] + p₁R[j,1]) + p₂R[j,2]) + t[j]`` in the
+    points' dtype, each product and sum rounded (no fused multiply-add): what PyTorch's
+    ``baddbmm`` of :func:`pointalign.kernels.ransac.transform_points` computes on the
+    CPU. Per item: inliers and the float64 sum of their squared distances, over the
+    block's points in order; then per transform, the items' partial results in block
+    order (a fixed order: the same result for any thread count). ``matches[s, i]``
+    receives the match of point i (−1: none) when ``with_matches``. With neither sums nor
+    matches asked, a point's scan stops at its first candidate within the bound
+    (:func:`_any_within`; the same counts).
+    """
+    S, P = R.shape[0], pts.shape[0]
+    nb = (P + block - 1) // block
+    pc = np.zeros((S, nb), np.int64)
+    ps = np.zeros((S, nb), np.float64)
+    for w in prange(S * nb):
+        s = w // nb
+        b = w - s * nb
+        r00, r01, r02 = R[s, 0, 0], R[s, 0, 1], R[s, 0, 2]
+        r10, r11, r12 = R[s, 1, 0], R[s, 1, 1], R[s, 1, 2]
+        r20, r21, r22 = R[s, 2, 0], R[s, 2, 1], R[s, 2, 2]
+        t0, t1, t2 = tr[s, 0], tr[s, 1], tr[s, 2]
+        cnt = 0
+        acc = 0.0
+        for i in range(b * block, min(P, b * block + block)):
+            p0, p1, p2 = pts[i, 0], pts[i, 1], pts[i, 2]
+            q0 = ((p0 * r00 + p1 * r01) + p2 * r02) + t0
+            q1 = ((p0 * r10 + p1 * r11) + p2 * r12) + t1
+            q2 = ((p0 * r20 + p1 * r21) + p2 * r22) + t2
+            if with_sums or with_matches:
+                d, j = _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2,
+                                    max_d2, reach, pad)
+                if j >= 0:
+                    cnt += 1
+                    acc += np.float64(d)
+                if with_matches:
+                    matches[s, i] = j
+            elif _any_within(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2,
+                             reach, pad):
+                cnt += 1
+        pc[s, b] = cnt
+        ps[s, b] = acc
+    for s in prange(S):
+        cnt = 0
+        acc = 0.0
+        for b in range(nb):
+            cnt += pc[s, b]
+            acc += ps[s, b]
+        counts[s] = cnt
+        sums[s] = acc
 
 
 class BoundGrid:
@@ -151,11 +278,11 @@ class BoundGrid:
 
     def __init__(self, points: np.ndarray, max_d2: float, origin: np.ndarray, c: float,
                  dims: np.ndarray, start: np.ndarray, items: np.ndarray, dc: np.ndarray,
-                 reach: float, pad: float):
+                 reach: float, pad: float, cpts: np.ndarray):
         self.points, self.max_d2 = points, max_d2
         self.origin, self.c, self.dims, self.start, self.items = origin, c, dims, start, items
         self.dc, self.reach, self.pad = dc, reach, pad
-        self.cpts = np.ascontiguousarray(points[items])  # candidates' coordinates, in order
+        self.cpts = cpts  # candidates' coordinates, in list order (points[items])
 
     @staticmethod
     def build(points: np.ndarray, max_d2: float) -> BoundGrid | None:
@@ -189,8 +316,9 @@ class BoundGrid:
                         True)
         _threads.numba_threads()
         dc = np.empty(items.shape[0], np.float64)
-        _order_cells(points, origin, c, dims, start, items, dc)
-        return BoundGrid(points, max_d2, origin, c, dims, start, items, dc, reach, pad)
+        cpts = np.empty((items.shape[0], 3), points.dtype)
+        _order_cells(points, origin, c, dims, start, items, dc, cpts)
+        return BoundGrid(points, max_d2, origin, c, dims, start, items, dc, reach, pad, cpts)
 
     def nearest(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Nearest point within the bound of each ``query (N, 3)``: ``(d2 (N,), idx (N,))``."""
@@ -202,6 +330,26 @@ class BoundGrid:
             _query(self.cpts, self.dc, self.origin, self.c, self.dims, self.start, self.items,
                    q, self.points.dtype.type(self.max_d2), self.reach, self.pad, out_d, out_i)
         return out_d, out_i
+
+    def score(self, R: np.ndarray, t: np.ndarray, points: np.ndarray, with_matches: bool,
+              with_sums: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Inliers of ``points (P, 3)`` moved by ``R (S, 3, 3)``, ``t (S, 3)`` (see :func:`_score`).
+
+        All three in the grid's dtype, C-contiguous. Returns ``counts (S,) int64``,
+        ``sums (S,) float64`` (squared distances of the inliers; None without
+        ``with_sums``) and, with ``with_matches``, ``matches (S, P) int64`` (−1: none within
+        the bound), else None.
+        """
+        _threads.numba_threads()
+        s, p = R.shape[0], points.shape[0]
+        counts = np.zeros(s, np.int64)
+        sums = np.zeros(s, np.float64)
+        matches = np.empty((s, p) if with_matches else (0, 0), np.int64)
+        if s and p:
+            _score(self.cpts, self.dc, self.origin, self.c, self.dims, self.start, self.items,
+                   R, t, points, self.points.dtype.type(self.max_d2), self.reach, self.pad,
+                   SCORE_BLOCK, with_sums, with_matches, counts, sums, matches)
+        return counts, sums if with_sums else None, matches if with_matches else None
 
 
 class ScoringTree(CpuTree):
@@ -216,14 +364,23 @@ class ScoringTree(CpuTree):
         super().__init__(points, leaf_size)
         self._grids: dict[float, BoundGrid | None] = {}
 
+    def grid(self, max_d2: float, queries: int) -> BoundGrid | None:
+        """Return the grid that answers ``queries`` unhinted queries within ``max_d2``, or None.
+
+        The grid of that bound (in the points' dtype) once built; built when a call has at
+        least :data:`MIN_QUERIES_PER_POINT` queries per point. None: the tree answers.
+        """
+        key = float(self._bound(max_d2))
+        grid = self._grids.get(key, False)
+        if grid is False and queries >= MIN_QUERIES_PER_POINT * self.points.shape[0]:
+            grid = self._grids[key] = BoundGrid.build(self.points, key)
+        return grid if isinstance(grid, BoundGrid) else None
+
     def nearest(self, query: np.ndarray, max_d2: float | None = None,
                 hint: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """As :meth:`CpuTree.nearest`; see the class docstring for the route taken."""
         if hint is None and max_d2 is not None:
-            key = float(self._bound(max_d2))
-            grid = self._grids.get(key, False)
-            if grid is False and query.shape[0] >= MIN_QUERIES_PER_POINT * self.points.shape[0]:
-                grid = self._grids[key] = BoundGrid.build(self.points, key)
-            if isinstance(grid, BoundGrid):
+            grid = self.grid(max_d2, query.shape[0])
+            if grid is not None:
                 return grid.nearest(query)
         return super().nearest(query, max_d2, hint)

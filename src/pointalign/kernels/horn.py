@@ -12,8 +12,10 @@ never returns NaN: an entry with zero total weight (or a non-finite result) gets
 identity and ``valid`` False. The soft form of Tamaki et al. (eqs. 18-20, 26) reduces to
 this with w_i the row sums and m_i the soft correspondences.
 
-The reference (:func:`horn_reference`) is the CPU path and the spec; on Triton one program
-per batch entry reduces the moments and solves (``_horn_triton``).
+The reference (:func:`horn_reference`, :func:`horn_from_sums_reference`) is the spec; on
+Triton one program per batch entry reduces the moments and solves (``_horn_triton``); on the
+"cpu" backend one numba loop over the batch does the same (``_horn_cpu``, cyclic Jacobi for
+the top eigenvector, exact to rounding like the reference's ``eigh``).
 """
 
 from __future__ import annotations
@@ -38,10 +40,16 @@ def weighted_horn(
         ``(T (B, 4, 4) float64, valid (B,) bool)``.
 
     """
-    if backend(source) in ("triton", "interpret"):
+    be = backend(source)
+    if be in ("triton", "interpret"):
         from pointalign.kernels import _horn_triton
 
         return _horn_triton.horn(source, targets, weights)
+    if be == "cpu":
+        from pointalign.kernels import _horn_cpu
+
+        if _horn_cpu.accepts(source, targets, weights):
+            return _horn_cpu.horn(source, targets, weights)
     return horn_reference(source, targets, weights)
 
 
@@ -66,12 +74,29 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pose from the weighted moments of :func:`horn_moments` (float64).
 
-    Computed by :func:`pointalign._math.horn_pose` with ``tie=HORN_TIE``.
+    Computed by :func:`pointalign._math.horn_pose` with ``tie=HORN_TIE`` (the reference,
+    :func:`horn_from_sums_reference`), or by its numba twin on the "cpu" backend.
+
+    Args:
+        W: ``(…)`` Σw.
+        sx: ``(…, 3)`` Σw x.
+        sm: ``(…, 3)`` Σw m.
+        cross: ``(…, 3, 3)`` Σw x mᵀ.
 
     Returns:
         ``(T (…, 4, 4) float64, valid (…) bool)``; T = I where not valid.
 
     """
+    if backend(W) == "cpu" and not any(a.requires_grad for a in (W, sx, sm, cross)):
+        from pointalign.kernels import _horn_cpu
+
+        return _horn_cpu.horn_from_sums(W, sx, sm, cross)
+    return horn_from_sums_reference(W, sx, sm, cross)
+
+
+def horn_from_sums_reference(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor,
+                             cross: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`horn_from_sums` (same arguments and result)."""
     R, t, ok = _math.horn_pose(W, sx, sm, cross, tie=_math.HORN_TIE)
     T = torch.zeros(ok.shape + (4, 4), dtype=torch.float64, device=ok.device)
     T[..., :3, :3] = R
@@ -83,4 +108,4 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
 def horn_reference(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`weighted_horn` (same arguments and result)."""
-    return horn_from_sums(*horn_moments(source, targets, weights))
+    return horn_from_sums_reference(*horn_moments(source, targets, weights))

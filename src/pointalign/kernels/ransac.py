@@ -19,6 +19,19 @@ hand-written kernel would not clearly pay):
   Bolles & Fischler, as used in the parallel RANSAC paper; Open3D's edge-length checker
   with ``similarity_threshold = 1 - similarity``).
 * ``transform_points(T (S, 4, 4), points (P, 3)) -> (S, P, 3)`` in the points' dtype.
+* ``score_transforms(T (S, 4, 4), points (P, 3), index, max_distance, with_matches)
+  -> (counts (S,) int64, sums (S,) float64, matches (S, P) int64 | None)``: per transform,
+  the points whose moved position has an indexed point within ``max_distance``, the sum of
+  their squared distances (``with_sums``), and (``with_matches``) every point's match
+  (−1: none).
+  Reference (:func:`score_transforms_reference`): :func:`transform_points`, then the
+  index's ``nearest_within``, then sums in PyTorch. The "cpu" index with a scoring grid
+  (``_score_cpu.BoundGrid``) runs one fused numba kernel instead: no ``(S, P, 3)`` tensor
+  and, without matches, no ``(S·P,)`` results. It moves the points with the same float32
+  products and sums as ``baddbmm`` on the CPU (``((p₀r₀ + p₁r₁) + p₂r₂) + t``, no fused
+  multiply-add), so counts and matches are identical; the float64 sums differ from the
+  reference's only in summation order (blocks of points in a fixed order, see
+  ``_score_cpu._score``).
 """
 
 from __future__ import annotations
@@ -32,6 +45,8 @@ from pointalign.kernels._backend import backend
 
 #: feature-distance entries per chunk of ``feature_knn``
 _CHUNK_ENTRIES = 1 << 24
+#: queries per call of the index when :func:`score_transforms_reference` scores many motions
+SCORE_QUERIES = 1 << 21
 
 
 def feature_knn_reference(query: torch.Tensor, ref: torch.Tensor,
@@ -169,3 +184,92 @@ def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     # one batched GEMM with the translation as its bias: x Rᵀ + t
     return torch.baddbmm(Tp[:, None, :3, 3], points.expand(T.shape[0], -1, -1),
                          Tp[:, :3, :3].transpose(1, 2))
+
+
+def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any,
+                               max_distance: float, with_matches: bool = False,
+                               with_sums: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Move by :func:`transform_points`, ask ``index.nearest_within`` (the reference)."""
+    from pointalign import _validate
+
+    s, p = T.shape[0], points.shape[0]
+    step = max(1, SCORE_QUERIES // max(p, 1))
+    parts = []
+    for a in range(0, s, step):
+        b = min(s, a + step)
+        q = transform_points(T[a:b], points).reshape(-1, 3)
+        # finite points moved by finite motions: the index's trusted path (no checks; no
+        # hint, so a k-d tree groups these scattered queries by leaf first)
+        with _validate.trusted():
+            res = index.nearest_within(q, max_distance)
+        dist, idx = res.dists[:, 0], res.idx[:, 0]
+        idx = idx.view(b - a, p)
+        hit = idx >= 0
+        d2 = torch.where(hit, dist.view(b - a, p), 0.0)
+        parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64),
+                      idx if with_matches else None))
+    if len(parts) == 1:  # the usual case: no concatenation
+        c, sq, m = parts[0]
+        return c, sq if with_sums else None, m
+    counts, sqs, matches = zip(*parts, strict=True)
+    return (torch.cat(counts), torch.cat(sqs) if with_sums else None,
+            torch.cat(matches) if with_matches else None)
+
+
+def _scoring_grid(T: torch.Tensor, points: torch.Tensor, index: Any,
+                  max_distance: float) -> Any:
+    """Return the "cpu" index's grid that answers this scoring (a ``BoundGrid``), or None."""
+    if T.device.type != "cpu" or points.device.type != "cpu":
+        return None
+    grid_of = getattr(index, "scoring_grid", None)
+    if grid_of is None:
+        return None
+    grid = grid_of(max_distance, T.shape[0] * points.shape[0])
+    if grid is None or torch.from_numpy(grid.points[:0]).dtype != points.dtype:
+        return None  # other dtypes: the reference rounds the moved points to the index's
+    return grid
+
+
+def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
+                     with_matches: bool = False, with_sums: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Score motions by their inliers (entry point; see the module contract).
+
+    Args:
+        T: ``(S, 4, 4)`` float tensor of finite motions.
+        points: ``(P, 3)`` float tensor of finite points, on T's device.
+        index: an index over the target (:class:`~pointalign.search.base.Index`) with the
+            points' dtype and device.
+        max_distance: the inlier bound (> 0).
+        with_matches: also return every point's match.
+        with_sums: also return the sums (False: counts only, which the fused kernel finds
+            faster: a point's search stops at its first indexed point within the bound).
+
+    Returns:
+        ``counts (S,) int64``, ``sums (S,) float64`` (squared distances of the inliers) or
+        None (``with_sums=False``) and ``matches (S, P) int64`` (−1: no indexed point within
+        the bound) or None.
+
+    """
+    if T.dim() != 3 or T.shape[1:] != (4, 4):
+        raise ValueError(f"T: expected shape (S, 4, 4), got {tuple(T.shape)}")
+    if points.dim() != 2 or points.shape[1] != 3:
+        raise ValueError(f"points: expected shape (P, 3), got {tuple(points.shape)}")
+    s, p = T.shape[0], points.shape[0]
+    if s == 0:
+        dev = points.device
+        return (torch.zeros(0, dtype=torch.int64, device=dev),
+                torch.zeros(0, dtype=torch.float64, device=dev) if with_sums else None,
+                torch.zeros(0, p, dtype=torch.int64, device=dev) if with_matches else None)
+    grid = _scoring_grid(T, points, index, max_distance)
+    if grid is None:
+        return score_transforms_reference(T, points, index, max_distance, with_matches,
+                                          with_sums)
+    Tp = T.detach().to(points.dtype)
+    R = Tp[:, :3, :3].contiguous().numpy()
+    t = Tp[:, :3, 3].contiguous().numpy()
+    c, sq, m = grid.score(R, t, points.detach().contiguous().numpy(), with_matches,
+                          with_sums)
+    return (torch.from_numpy(c), torch.from_numpy(sq) if sq is not None else None,
+            torch.from_numpy(m) if m is not None else None)

@@ -380,7 +380,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
 
     from pointalign.registration.criteria import ConvergenceCriteria
     from pointalign.registration.icp import icp
-    from pointalign.registration.ransac import _score
+    from pointalign.registration.ransac import _count
     from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
 
     # second proposer: length-consistent cliques of the most distinctive correspondences
@@ -397,7 +397,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     # the best few proposals by inliers on the clouds, each refined by the coarse ICP stage
     criteria = ConvergenceCriteria(max_iterations=max_iterations, translation_tolerance=1e-3 * v,
                                    rotation_tolerance=math.radians(0.01))
-    counts, _, _ = _score(cands, s_down, t_idx, 1.5 * v)
+    counts = _count(cands, s_down, t_idx, 1.5 * v)
     top = torch.argsort(counts, descending=True, stable=True)[:REFINE_TOP if robust else 1]
     # one batched ICP over the k hypotheses (the same source, the shared target and index)
     k = int(top.shape[0])
@@ -407,7 +407,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     iters0 = int(np.max(loc.iterations))
     R = loc.transformation_tensor
     # robust score: source points with a target point within one voxel (a trimmed overlap)
-    fit_v, _, _ = _score(R, s_down, t_idx, v)
+    fit_v = _count(R, s_down, t_idx, v)
     order = torch.argsort(fit_v, descending=True, stable=True)
     R, fit_v = R[order], fit_v[order]
     clock.lap("hypotheses")
@@ -451,23 +451,13 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
 def _full_normals(points: torch.Tensor, index: Any, k: int, radius: float) -> torch.Tensor:
     """Estimate normals of ``points (M, 3)`` from up to ``k`` nearest within ``radius``.
 
-    Facing the centroid: ``estimate_normals(points, k=k, radius=radius, index=index,
-    orient="viewpoint", viewpoint=points.mean(0))``. On the CPU (clouds the normals search
-    in one piece), the same neighbour table comes from the complete k-NN self-query cut to
-    the radius (both ordered by distance, then index; the cut compares in the search's
-    dtype, as the bounded search does): equal normals, and a complete self-query lets the
-    index keep each point's nearest as the shortcut of the final ICP's hinted searches
-    (``CpuTree.set_candidates``), which a bounded one cannot.
+    Facing the centroid. On the CPU the search is the index's self-query, which the index
+    keeps as the shortcut of the final ICP's hinted searches (``CpuTree.set_candidates``).
     """
-    from pointalign.features import normals as _normals
+    from pointalign.features.normals import estimate_normals
 
-    vp = points.mean(0)
-    if points.device.type != "cpu" or points.shape[0] > _normals._CHUNK or k < 3:
-        return _normals.estimate_normals(points, k=k, radius=radius, index=index,
-                                         orient="viewpoint", viewpoint=vp)
-    nb = index.knn(points, k)
-    table = torch.where(nb.dists <= radius * radius, nb.idx, -1)
-    return _normals.estimate_normals(points, neighbors=table, orient="viewpoint", viewpoint=vp)
+    return estimate_normals(points, k=k, radius=radius, index=index, orient="viewpoint",
+                            viewpoint=points.mean(0))
 
 
 #: correspondences the compatibility graph is built on (the most distinctive first)

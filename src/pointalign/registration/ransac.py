@@ -33,9 +33,6 @@ from pointalign.kernels import ransac as _k
 from pointalign.kernels.horn import weighted_horn
 from pointalign.registration.result import RegistrationResult
 
-#: queries per call of the index when scoring many hypotheses
-_SCORE_QUERIES = 1 << 21
-
 
 def _features(x: Any, name: str, cloud: Any, n: int, device: torch.device) -> torch.Tensor:
     if x is None and isinstance(cloud, PointCloud):
@@ -108,28 +105,22 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
 
     ``T (S, 4, 4)`` applied to ``points (P, 3)`` → ``(S,) int64, (S,) float64`` and, with
     ``with_matches``, the matched target index of every point ``(S, P) int64`` (−1: none
-    within the bound), else None.
+    within the bound), else None. :func:`pointalign.kernels.ransac.score_transforms`: one
+    fused kernel with the "cpu" index, else the index's ``nearest_within``.
     """
-    s, p = T.shape[0], points.shape[0]
-    step = max(1, _SCORE_QUERIES // max(p, 1))
-    parts = []
-    for a in range(0, s, step):
-        b = min(s, a + step)
-        q = _k.transform_points(T[a:b], points).reshape(-1, 3)
-        # finite points moved by finite motions: the index's trusted path (no checks; no
-        # hint, so a k-d tree groups these scattered queries by leaf first)
-        with _validate.trusted():
-            res = index.nearest_within(q, max_distance)
-        dist, idx = res.dists[:, 0], res.idx[:, 0]
-        idx = idx.view(b - a, p)
-        hit = idx >= 0
-        d2 = torch.where(hit, dist.view(b - a, p), 0.0)
-        parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64),
-                      idx if with_matches else None))
-    if len(parts) == 1:  # the usual case: no concatenation
-        return parts[0]
-    counts, sq, matches = zip(*parts, strict=True)
-    return torch.cat(counts), torch.cat(sq), torch.cat(matches) if with_matches else None
+    counts, sq, matches = _k.score_transforms(T, points, index, max_distance, with_matches)
+    assert sq is not None  # with_sums
+    return counts, sq, matches
+
+
+def _count(T: torch.Tensor, points: torch.Tensor, index: Any,
+           max_distance: float) -> torch.Tensor:
+    """Inlier counts ``(S,) int64`` of ``T (S, 4, 4)`` on ``points (P, 3)``: ``_score``'s first.
+
+    Without sums the fused CPU kernel stops each point's search at its first target point
+    within the bound (the same counts, less work).
+    """
+    return _k.score_transforms(T, points, index, max_distance, with_sums=False)[0]
 
 
 def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
@@ -387,7 +378,7 @@ def ransac(
             est = _triangle_motions(cs[tri], ct[tri])
             clock.lap("estimate")
             # degenerate motions stay in the batch with a T(d,d) count of −1 (no compaction)
-            c_sub, _, _ = _score(est.transformation, subset, target_index, dist)
+            c_sub = _count(est.transformation, subset, target_index, dist)
             c_sub = torch.where(est.valid, c_sub, -1)
             passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
             # failures sort last; a stable sort keeps equal counts in hypothesis order

@@ -34,9 +34,10 @@ class CKDTreeIndex:
 
     ``nearest_within`` starts from ``hint`` (the last correspondences) when the kernel
     layer's host tree answers it (the "cpu" backend); SciPy's tree ignores it. There, a
-    complete ``knn`` of the index's own points (k > :data:`CANDIDATES`: the target normals of
-    point-to-plane ICP) runs bottom-up and is kept as each point's candidate list, which
-    answers most hinted queries near the surface without the tree (same results).
+    ``knn`` or ``radius`` search of the index's own points (k > :data:`CANDIDATES`: the
+    target normals of point-to-plane ICP, the neighbourhoods of FPFH) runs bottom-up and is
+    kept as each point's candidate list, which answers most hinted queries near the surface
+    without the tree (same results).
 
     """
 
@@ -89,8 +90,8 @@ class CKDTreeIndex:
             md2 = None if max_distance is None else max_distance ** 2
             if self._is_self(qh):  # the self-query (normals): from each point's own leaf
                 d, i = tree.knn_self(kk, md2)
-                if md2 is None and kk > CANDIDATES:  # complete: hinted searches reuse it
-                    tree.set_candidates(d, i, CANDIDATES)
+                if kk > CANDIDATES:  # hinted searches reuse it (see set_candidates)
+                    tree.set_candidates(d, i, CANDIDATES, bounded=md2 is not None)
             else:
                 d, i = tree.knn(qh.numpy(), kk, md2)
             return self._pad(torch.from_numpy(d), torch.from_numpy(i), k, dt, dev)
@@ -144,6 +145,20 @@ class CKDTreeIndex:
         k = _checks.check_k(max_neighbors, self.points.shape[0], "max_neighbors",
                             allow_more=True)
         return self._query(_checks.query_points(query, self.points), k, r)
+
+    def scoring_grid(self, max_distance: float, queries: int) -> Any:
+        """Return the host tree's cell grid for ``queries`` queries within ``max_distance``.
+
+        For the kernel layer's fused scoring (``kernels.ransac.score_transforms``): the
+        ``_score_cpu.BoundGrid`` that :meth:`nearest_within` would answer such a call from
+        (the same rule), or None (off the "cpu" backend, points not on the host, or the
+        tree answers).
+        """
+        md = _checks.check_distance(max_distance, "max_distance")
+        tree = self._cpu_tree()
+        if tree is None or self.points.device.type != "cpu":
+            return None
+        return tree.grid(md * md, int(queries))
 
     def nearest_within(self, query: Any, max_distance: float, *,
                        hint: torch.Tensor | None = None) -> KnnResult:
