@@ -144,23 +144,6 @@ def test_flat_box_distance_equals_branchy(seed):
             assert a == b and type(a) is type(b)
 
 
-def test_box_gap_bounds_every_query_of_the_box(seed):
-    """_boxbox2(a, b) <= _boxd2_flat(q, b) for q in box a (corners included): the pruning
-    of the bounded self-query's candidate lists is exact."""
-    g = np.random.default_rng(seed)
-    for dt in (np.float32, np.float64):
-        lo = g.normal(size=(200, 3)).astype(dt)
-        hi = (lo + np.abs(g.normal(scale=0.3, size=(200, 3)))).astype(dt)
-        for _ in range(400):
-            a, b = g.integers(0, 200, size=2)
-            t = g.uniform(size=3)
-            t[g.uniform(size=3) < 0.3] = 1.0  # on a face / corner
-            q = (lo[a] + t * (hi[a] - lo[a])).astype(dt)
-            q = np.minimum(np.maximum(q, lo[a]), hi[a])
-            gap = _knn_cpu._boxbox2.py_func(lo, hi, a, b, dt(0))
-            assert gap <= _knn_cpu._boxd2_flat.py_func(q[0], q[1], q[2], lo, hi, b)
-
-
 def _candidates_case(p, seed, dtype, scale):
     """Queries near ``p`` (jittered points, some far ones) and hints of every kind."""
     g = np.random.default_rng(seed)

@@ -24,12 +24,7 @@ small local buffer written to the output row once at the end. The plain lists
 (``_scan_k``, one (distance, index) pair of comparisons per step) answer float64 points and
 are the reference of the keyed ones (same answers bit for bit; tests compare them).
 Box distances in these walks are computed without branches (``_boxd2_flat``: the same value,
-bit for bit, as :func:`_boxd2`). A bounded keyed self-query (FPFH's radius search) lists,
-once per leaf, the leaves whose box-to-box gap is within the bound (``_leaf_candidates``,
-nearest gap first) and scans that list for each of the leaf's points instead of walking the
-tree per point, when the list is short (at most ``4 k + 256`` points); every point within
-the bound of a point of the leaf is in the list (``_boxbox2``), so the answers are the
-walk's.
+bit for bit, as :func:`_boxd2`).
 
 Layout: a balanced implicit tree (node ``v`` has children ``2v+1`` and ``2v+2``) built by
 median splits along the widest side of each node's box (quickselect), ``depth`` levels,
