@@ -102,7 +102,7 @@ def test_knn_self_equals_knn(seed, dtype, leaf_size):
     _same_neighbours(p, p, ri.numpy(), i, rd.numpy(), d, dtype)
 
 
-@pytest.mark.parametrize("leaf_size", [1, 6])
+@pytest.mark.parametrize("leaf_size", [1, 5, 32])
 def test_keyed_lists_equal_plain(monkeypatch, seed, leaf_size):
     """float32: the keyed k-NN lists give the plain lists' answers bit for bit."""
     p = _cloud(seed, 500, np.float32)  # duplicates and a flat sheet: ties by index
@@ -110,8 +110,7 @@ def test_keyed_lists_equal_plain(monkeypatch, seed, leaf_size):
     q[-1, 0] = np.nan  # a non-finite query: that call takes the plain lists
     tree = _knn_cpu.CpuTree(p, leaf_size=leaf_size)
     assert tree._keyable
-    # bounded self-queries: per-leaf candidate lists (short) and the walk (3.0: too long)
-    cases = ((1, None), (7, None), (16, 0.2), (100, 0.5), (5, 3.0), (120, None))
+    cases = ((1, None), (7, None), (16, 0.2), (100, 0.5), (500, None))
     got = [(tree.knn_self(k, md), tree.knn(q, k, md), tree.knn(q[:-1], k, md))
            for k, md in cases]
     monkeypatch.setattr(_knn_cpu, "KEYED", False)

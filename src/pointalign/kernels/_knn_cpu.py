@@ -510,66 +510,6 @@ def _knn_keyed(perm, spts, lo, hi, bmin, bmax, depth, q, k, max_d2, out_d, out_i
             _emit_keys(kb, cnt, k, out_d, out_i, qi, f, u)
 
 
-#: a bounded self-query scans a leaf's candidate leaves for all its points when they hold at
-#: most ``BATCH_POINTS_PER_K * k + BATCH_POINTS`` points (else each point walks the tree)
-BATCH_POINTS_PER_K = 4
-BATCH_POINTS = 256
-
-
-@njit(cache=True, inline="always")
-def _boxbox2(bmin, bmax, a, b, z):
-    """Squared gap between the boxes of nodes ``a`` and ``b`` (``z``: zero of the dtype).
-
-    Per axis ``max(bmin_b - bmax_a, bmin_a - bmax_b, 0)``: for any query ``q`` in box ``a``
-    each term is at most the one :func:`_boxd2_flat` computes for ``q`` (rounding is
-    monotone), so the result is at most ``_boxd2_flat(q, b)`` and hence at most the squared
-    distance from ``q`` to any point of ``b``: a leaf whose gap exceeds the bound holds no
-    point within the bound of any point of ``a``.
-    """
-    g0 = max(bmin[b, 0] - bmax[a, 0], bmin[a, 0] - bmax[b, 0], z)
-    g1 = max(bmin[b, 1] - bmax[a, 1], bmin[a, 1] - bmax[b, 1], z)
-    g2 = max(bmin[b, 2] - bmax[a, 2], bmin[a, 2] - bmax[b, 2], z)
-    return z + g0 * g0 + g1 * g1 + g2 * g2
-
-
-@njit(cache=True, inline="always")
-def _leaf_candidates(leaf, lo, hi, bmin, bmax, first_leaf, max_d2, cap, stack, cl, cd):
-    """Non-empty leaves within ``max_d2`` of ``leaf``'s box (gap order) into ``cl, cd``.
-
-    Returns their count, or -1 once they hold more than ``cap`` points.
-    """
-    z = max_d2 - max_d2
-    stack[0] = 0
-    top = 1
-    nc = 0
-    pts = 0
-    while top > 0:
-        top -= 1
-        v = stack[top]
-        if hi[v] <= lo[v]:
-            continue
-        g = _boxbox2(bmin, bmax, leaf, v, z)
-        if g > max_d2:
-            continue
-        if v < first_leaf:
-            stack[top] = 2 * v + 1
-            stack[top + 1] = 2 * v + 2
-            top += 2
-            continue
-        pts += hi[v] - lo[v]
-        if pts > cap:
-            return -1
-        s = nc  # insertion by gap (ties: leaf order)
-        while s > 0 and cd[s - 1] > g:
-            cl[s] = cl[s - 1]
-            cd[s] = cd[s - 1]
-            s -= 1
-        cl[s] = v
-        cd[s] = g
-        nc += 1
-    return nc
-
-
 @njit(cache=True, parallel=True)
 def _knn_self_keyed(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out_i):
     """:func:`_knn_self` with keyed lists (float32, finite, < 2**32 points): same answers."""
@@ -582,29 +522,8 @@ def _knn_self_keyed(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out
         f = np.empty(2, np.float32)
         u = f.view(np.uint32)
         leaf = first_leaf + t
-        if hi[leaf] <= lo[leaf]:
-            continue
-        nc = -1
-        if max_d2 < np.inf:  # bounded: one candidate list for the whole leaf, if short
-            cl = np.empty(nleaves, np.int64)
-            cd = np.empty(nleaves, spts.dtype)
-            nc = _leaf_candidates(leaf, lo, hi, bmin, bmax, first_leaf, max_d2,
-                                  BATCH_POINTS_PER_K * k + BATCH_POINTS, stack, cl, cd)
         for j0 in range(lo[leaf], hi[leaf]):
             q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
-            if nc >= 0:
-                # every point within max_d2 of this one lies in these leaves (_boxbox2)
-                cnt, bound = 0, max_d2
-                for c in range(nc):
-                    v = cl[c]
-                    if cd[c] > bound:
-                        break  # gaps ascend: no later leaf can enter
-                    if _boxd2_flat(q0, q1, q2, bmin, bmax, v) > bound:
-                        continue
-                    cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[v], hi[v], k, kb, cnt,
-                                           bound, f, u)
-                _emit_keys(kb, cnt, k, out_d, out_i, perm[j0], f, u)
-                continue
             cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, 0,
                                    max_d2, f, u)
             v = leaf
