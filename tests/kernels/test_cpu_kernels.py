@@ -193,6 +193,24 @@ def test_nearest_with_candidates_bunny(bunny_pair_or_skip):
     assert np.array_equal(i2, i3) and np.array_equal(d2, d3)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nearest_unhinted_queries_equal_one_at_a_time(seed, dtype):
+    """An unhinted query starts from the previous query's answer: the answers do not change."""
+    p = _cloud(seed, 1200, dtype)
+    tree = _knn_cpu.CpuTree(p, leaf_size=8)
+    assert tree.set_candidates(*tree.knn(p, 12), k=8)  # the shortcut may fire too
+    q, _ = _candidates_case(p, seed, dtype, 0.01)
+    q = q[np.argsort(q[:, 0], kind="stable")]  # a spatial order: neighbours come in turn
+    hint = np.full(q.shape[0], -1)
+    hint[::7] = 0  # some hinted queries in between
+    for md in (None, 0.02):
+        b = None if md is None else md * md
+        d, i = tree.nearest(q, b, hint)
+        one = [tree.nearest(q[j:j + 1], b, hint[j:j + 1]) for j in range(0, q.shape[0], 5)]
+        assert np.array_equal(i[::5], np.concatenate([o[1] for o in one]))
+        assert np.array_equal(d[::5], np.concatenate([o[0] for o in one]))
+
+
 def test_set_candidates_rejects_tables_that_do_not_fit():
     p = _cloud(0, 50, np.float32, dup=False)
     tree = _knn_cpu.CpuTree(p)

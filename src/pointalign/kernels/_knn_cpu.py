@@ -259,7 +259,10 @@ def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, cand, 
 
     ``cand (M, K)`` / ``cand_r2 (M,)`` (``M = 0``: none, see :meth:`CpuTree.set_candidates`):
     a hinted query with squared distance to its hint below ``cand_r2[hint]`` takes the
-    nearest of the hint's candidate list (stored positions) and skips the tree.
+    nearest of the hint's candidate list (stored positions) and skips the tree. A query
+    without a hint takes the answer of the query before it in its block as one (queries
+    in a spatial order, as ICP's, find their neighbour's answer near): the answer never
+    depends on the hint, and blocks do not share them, so nor on the threads.
     """
     nq = q.shape[0]
     first_leaf = (1 << depth) - 1
@@ -268,11 +271,14 @@ def _nearest(pts, perm, spts, lo, hi, bmin, bmax, depth, q, hint, max_d2, cand, 
     for blk in prange(nblocks):
         stack = np.empty(2 * depth + 4, np.int64)
         sd = np.empty(2 * depth + 4, pts.dtype)
-        for qi in range(blk * QUERY_BLOCK, min(nq, (blk + 1) * QUERY_BLOCK)):
+        start = blk * QUERY_BLOCK
+        for qi in range(start, min(nq, start + QUERY_BLOCK)):
             q0, q1, q2 = q[qi, 0], q[qi, 1], q[qi, 2]
             best = max_d2
             bi = -1
             h = hint[qi]
+            if h < 0 and qi > start:
+                h = out_i[qi - 1]
             if h >= 0:
                 e0, e1, e2 = q0 - pts[h, 0], q1 - pts[h, 1], q2 - pts[h, 2]
                 dh = e0 * e0 + e1 * e1 + e2 * e2
