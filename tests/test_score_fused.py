@@ -1,9 +1,10 @@
 """The fused CPU transform-and-score kernel against the reference path (kernels.ransac).
 
 ``score_transforms`` runs ``_score_cpu._score`` when the "cpu" index has a scoring grid;
-``score_transforms_reference`` moves the points with ``transform_points`` (``baddbmm``) and
-asks the index's ``nearest_within``. Counts and matches must be identical, the float64 sums
-equal up to summation order (and exactly the documented blocked order).
+``score_transforms_reference`` moves the points with ``transform_points_reference``
+(``baddbmm``) and asks the index's ``nearest_within``. Counts and matches must be
+identical, the float64 sums equal up to summation order (and exactly the documented
+blocked order).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def _sequential(T: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def _reference(T, p, index, r, with_matches, monkeypatch):
     """The reference path; where this CPU's ``baddbmm`` rounds otherwise (e.g. with FMA),
     with the moved points of the rounding the kernel documents (``_sequential``)."""
-    if not torch.equal(K.transform_points(T, p), _sequential(T, p)):
-        monkeypatch.setattr(K, "transform_points", _sequential)
+    if not torch.equal(K.transform_points_reference(T, p), _sequential(T, p)):
+        monkeypatch.setattr(K, "transform_points_reference", _sequential)
     out = K.score_transforms_reference(T, p, index, r, with_matches)
     monkeypatch.undo()
     return out
@@ -132,7 +133,7 @@ def test_moves_points_as_transform_points_does():
     g = torch.Generator().manual_seed(11)
     src = torch.rand(400, 3, generator=g) * 0.3
     T = _motions(8, g)
-    moved = K.transform_points(T[:1], src)[0]
+    moved = K.transform_points_reference(T[:1], src)[0]
     if not torch.equal(moved, _sequential(T[:1], src)[0]):
         pytest.skip("this CPU's baddbmm rounds otherwise (the kernel's order: _sequential)")
     index = CKDTreeIndex(moved)
@@ -153,7 +154,7 @@ def test_sums_in_the_documented_order_and_thread_count_free():
     index = CKDTreeIndex(tgt)
     c, sq, m = K.score_transforms(T, src, index, 0.08, True)
     # the kernel's own squared distances of the matches (the index's, per point)
-    q = K.transform_points(T, src).reshape(-1, 3)
+    q = K.transform_points_reference(T, src).reshape(-1, 3)
     d2 = index.nearest_within(q, 0.08).dists[:, 0].view(5, -1).to(torch.float64).numpy()
     for s in range(5):
         total = 0.0
@@ -230,3 +231,24 @@ def test_grid_lists_sorted_by_centre_distance_then_index():
         assert np.array_equal(grid.dc[a:b], key)
         want = np.lexsort((grid.items[a:b], key))  # by key, then index
         assert np.array_equal(want, np.arange(b - a))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_transform_points_cpu_equals_reference(dtype):
+    """The numba move equals ``baddbmm`` (shared and per-transform points, S = 1 and more)."""
+    g = torch.Generator().manual_seed(3)
+    T = _motions(6, g)
+    for pts in (torch.rand(700, 3, generator=g, dtype=dtype) * 40 - 20,
+                torch.rand(6, 300, 3, generator=g, dtype=dtype)):
+        for S in (1, 6):
+            p = pts if pts.dim() == 2 else pts[:S]
+            got = K.transform_points(T[:S], p)
+            ref = K.transform_points_reference(T[:S], p)
+            assert got.shape == ref.shape == (S, p.shape[-2], 3) and got.dtype == dtype
+            seq = _sequential(T[:S], p) if p.dim() == 2 else torch.stack(
+                [_sequential(T[s:s + 1], p[s])[0] for s in range(S)])
+            assert torch.equal(got, seq)  # the documented rounding, always
+            if torch.equal(ref, seq):  # and baddbmm's, where this CPU rounds so
+                assert torch.equal(got, ref)
+            assert torch.allclose(got, ref, rtol=1e-6 if dtype == torch.float32 else 1e-14,
+                                  atol=1e-5 if dtype == torch.float32 else 1e-12)

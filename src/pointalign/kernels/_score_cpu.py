@@ -212,17 +212,55 @@ def _query(cpts, dc, origin, c, dims, start, items, q, max_d2, reach, pad, out_d
             out_i[t] = i
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _moved(R, tr, s, p0, p1, p2):
+    """Point ``(p0, p1, p2)`` moved by ``(R[s], tr[s])``.
+
+    Coordinate j is ``((p₀R[j,0] + p₁R[j,1]) + p₂R[j,2]) + t[j]``, each product and sum
+    rounded in the points' dtype (no fused multiply-add): what PyTorch's ``baddbmm`` of
+    :func:`pointalign.kernels.ransac.transform_points_reference` computes on the CPU.
+    """
+    return (((p0 * R[s, 0, 0] + p1 * R[s, 0, 1]) + p2 * R[s, 0, 2]) + tr[s, 0],
+            ((p0 * R[s, 1, 0] + p1 * R[s, 1, 1]) + p2 * R[s, 1, 2]) + tr[s, 1],
+            ((p0 * R[s, 2, 0] + p1 * R[s, 2, 1]) + p2 * R[s, 2, 2]) + tr[s, 2])
+
+
+@njit(cache=True, parallel=True)
+def _move(R, tr, pts, block, out):
+    """``out[s, i]`` = point i of ``pts[s]`` (or of ``pts[0]`` when shared) moved by s."""
+    S, P = out.shape[0], out.shape[1]
+    nb = (P + block - 1) // block
+    shared = pts.shape[0] == 1
+    for w in prange(S * nb):
+        s = w // nb
+        b = w - s * nb
+        src = pts[0] if shared else pts[s]
+        for i in range(b * block, min(P, b * block + block)):
+            out[s, i, 0], out[s, i, 1], out[s, i, 2] = _moved(R, tr, s, src[i, 0], src[i, 1],
+                                                              src[i, 2])
+
+
+def move_points(R: np.ndarray, tr: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """Move ``points (1 or S, P, 3)`` by ``R (S, 3, 3)``, ``tr (S, 3)`` (its dtype): ``(S, P, 3)``.
+
+    The numba twin of :func:`pointalign.kernels.ransac.transform_points_reference`
+    (:func:`_moved`'s rounding), in parallel over blocks of points.
+    """
+    _threads.numba_threads()
+    out = np.empty((R.shape[0], points.shape[1], 3), points.dtype)
+    _move(R, tr, points, SCORE_BLOCK, out)
+    return out
+
+
 @njit(cache=True, parallel=True)
 def _score(cpts, dc, origin, c, dims, start, items, R, tr, pts, max_d2, reach, pad, block,
            with_sums, with_matches, counts, sums, matches):
     """Move ``pts (P, 3)`` by every ``(R[s], tr[s])`` and score against the grid.
 
     Work items ``(s, b)`` (transform s, points ``[b·block, (b+1)·block)``) run in
-    parallel. A moved coordinate j is ``((p₀R[j,0] + p₁R[j,1]) + p₂R[j,2]) + t[j]`` in the
-    points' dtype, each product and sum rounded (no fused multiply-add): what PyTorch's
-    ``baddbmm`` of :func:`pointalign.kernels.ransac.transform_points` computes on the
-    CPU. Per item: inliers and the float64 sum of their squared distances, over the
-    block's points in order; then per transform, the items' partial results in block
+    parallel, each point moved as :func:`_moved` moves it. Per item: inliers and the
+    float64 sum of their squared distances, over the block's points in order; then per
+    transform, the items' partial results in block
     order (a fixed order: the same result for any thread count). ``matches[s, i]``
     receives the match of point i (−1: none) when ``with_matches``. With neither sums nor
     matches asked, a point's scan stops at its first candidate within the bound
@@ -235,17 +273,10 @@ def _score(cpts, dc, origin, c, dims, start, items, R, tr, pts, max_d2, reach, p
     for w in prange(S * nb):
         s = w // nb
         b = w - s * nb
-        r00, r01, r02 = R[s, 0, 0], R[s, 0, 1], R[s, 0, 2]
-        r10, r11, r12 = R[s, 1, 0], R[s, 1, 1], R[s, 1, 2]
-        r20, r21, r22 = R[s, 2, 0], R[s, 2, 1], R[s, 2, 2]
-        t0, t1, t2 = tr[s, 0], tr[s, 1], tr[s, 2]
         cnt = 0
         acc = 0.0
         for i in range(b * block, min(P, b * block + block)):
-            p0, p1, p2 = pts[i, 0], pts[i, 1], pts[i, 2]
-            q0 = ((p0 * r00 + p1 * r01) + p2 * r02) + t0
-            q1 = ((p0 * r10 + p1 * r11) + p2 * r12) + t1
-            q2 = ((p0 * r20 + p1 * r21) + p2 * r22) + t2
+            q0, q1, q2 = _moved(R, tr, s, pts[i, 0], pts[i, 1], pts[i, 2])
             if with_sums or with_matches:
                 d, j = _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2,
                                     max_d2, reach, pad)

@@ -18,13 +18,15 @@ hand-written kernel would not clearly pay):
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
   Bolles & Fischler, as used in the parallel RANSAC paper; Open3D's edge-length checker
   with ``similarity_threshold = 1 - similarity``).
-* ``transform_points(T (S, 4, 4), points (P, 3)) -> (S, P, 3)`` in the points' dtype.
+* ``transform_points(T (S, 4, 4), points (P, 3) or (S, P, 3)) -> (S, P, 3)`` in the points'
+  dtype. Reference: one ``baddbmm``; the "cpu" backend moves the points in one numba pass
+  with the products and sums ``baddbmm`` makes on the CPU (below).
 * ``score_transforms(T (S, 4, 4), points (P, 3), index, max_distance, with_matches)
   -> (counts (S,) int64, sums (S,) float64, matches (S, P) int64 | None)``: per transform,
   the points whose moved position has an indexed point within ``max_distance``, the sum of
   their squared distances (``with_sums``), and (``with_matches``) every point's match
   (−1: none).
-  Reference (:func:`score_transforms_reference`): :func:`transform_points`, then the
+  Reference (:func:`score_transforms_reference`): :func:`transform_points_reference`, then the
   index's ``nearest_within``, then sums in PyTorch. The "cpu" index with a scoring grid
   (``_score_cpu.BoundGrid``) runs one fused numba kernel instead: no ``(S, P, 3)`` tensor
   and, without matches, no ``(S·P,)`` results. It moves the points with the same float32
@@ -179,18 +181,37 @@ def triangle_similar(src: torch.Tensor, tgt: torch.Tensor, similarity: float) ->
 
 
 def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """``R_s p + t_s`` for every transform s and point p: ``(S, 4, 4), (P, 3) -> (S, P, 3)``."""
+    """``R_s p + t_s`` for every transform s and point p, in the points' dtype.
+
+    ``T (S, 4, 4)`` and ``points (P, 3)`` (every transform moves the same points) or
+    ``(S, P, 3)`` (transform s moves ``points[s]``) → ``(S, P, 3)``. On the "cpu" backend
+    one parallel numba pass (``_score_cpu.move_points``: the reference's products and sums
+    in the same order, see the module contract), else :func:`transform_points_reference`.
+    """
+    if (backend(points) == "cpu" and T.device.type == "cpu" and not points.requires_grad
+            and not T.requires_grad and points.dtype in (torch.float32, torch.float64)):
+        from pointalign.kernels import _score_cpu
+
+        Tp = T.detach().to(points.dtype)
+        pts = points if points.dim() == 3 else points[None]
+        return torch.from_numpy(_score_cpu.move_points(
+            Tp[:, :3, :3].contiguous().numpy(), Tp[:, :3, 3].contiguous().numpy(),
+            pts.detach().contiguous().numpy()))
+    return transform_points_reference(T, points)
+
+
+def transform_points_reference(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """PyTorch reference of :func:`transform_points`: one batched GEMM, ``x Rᵀ + t``."""
     Tp = T.to(points.dtype)
-    # one batched GEMM with the translation as its bias: x Rᵀ + t
-    return torch.baddbmm(Tp[:, None, :3, 3], points.expand(T.shape[0], -1, -1),
-                         Tp[:, :3, :3].transpose(1, 2))
+    src = points if points.dim() == 3 else points.expand(T.shape[0], -1, -1)
+    return torch.baddbmm(Tp[:, None, :3, 3], src, Tp[:, :3, :3].transpose(1, 2))
 
 
 def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any,
                                max_distance: float, with_matches: bool = False,
                                with_sums: bool = True
                                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Move by :func:`transform_points`, ask ``index.nearest_within`` (the reference)."""
+    """Move by :func:`transform_points_reference`, ask ``index.nearest_within`` (the reference)."""
     from pointalign import _validate
 
     s, p = T.shape[0], points.shape[0]
@@ -198,7 +219,7 @@ def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any
     parts = []
     for a in range(0, s, step):
         b = min(s, a + step)
-        q = transform_points(T[a:b], points).reshape(-1, 3)
+        q = transform_points_reference(T[a:b], points).reshape(-1, 3)
         # finite points moved by finite motions: the index's trusted path (no checks; no
         # hint, so a k-d tree groups these scattered queries by leaf first)
         with _validate.trusted():

@@ -32,6 +32,7 @@ import torch
 
 from pointalign import _math, _validate, estimate, transforms
 from pointalign.kernels import _loop, features, normal_eq
+from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
@@ -84,7 +85,7 @@ class IcpStep:
     def __call__(self, inputs: _loop.Tensors, state: _loop.Tensors):
         """Run one iteration: search, fused sums and solve; return the new state and record."""
         T, Tf = state["T"], state["Tf"]
-        x = torch.baddbmm(Tf[:, None, :3, 3], inputs["source"], Tf[:, :3, :3].transpose(1, 2))
+        x = _kr.transform_points(Tf, inputs["source"])
         with _validate.trusted():
             idx = self._search(x, state.get("hint"))
         sums, D, T_new, Tf_new, flags = normal_eq.icp_update(
