@@ -548,6 +548,34 @@ def _knn_self_keyed(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out
 KEYED = True
 
 
+@njit(cache=True, parallel=True)
+def _candidate_lists(perm, d2, idx, k, cand, cand_r2):
+    """:meth:`CpuTree.set_candidates`' lists (stored positions) and bounds, row by row.
+
+    ``r2_h = 0.25 (1 − 1e-4) δ²`` in float64, rounded to the points' dtype and stepped
+    down once where that rounding went up; 0 for a short row (no (k+1)-th entry), whose
+    missing entries point at the row's own point (never read).
+    """
+    m = perm.shape[0]
+    inv = np.empty(m, np.int64)
+    for s in prange(m):
+        inv[perm[s]] = s
+    zero = cand_r2.dtype.type(0)
+    for h in prange(m):
+        if idx[h, k] < 0:
+            cand_r2[h] = zero
+        else:
+            r2 = (0.25 * (1 - 1e-4)) * np.float64(d2[h, k])
+            r2c = cand_r2.dtype.type(r2)
+            if np.float64(r2c) > r2:
+                r2c = np.nextafter(r2c, zero)
+            cand_r2[h] = r2c
+        own = inv[np.int64(h)]
+        for s in range(k):
+            j = idx[h, s]
+            cand[h, s] = inv[j] if j >= 0 else own
+
+
 class CpuTree:
     """The k-d tree over ``points (M, 3)`` (NumPy float32 or float64, C-contiguous).
 
@@ -602,17 +630,12 @@ class CpuTree:
         short = idx[:, k] < 0  # fewer than k + 1 points within the bound
         if short.any() and not bounded:
             return False
-        inv = np.empty(m, np.int64)
-        inv[self.perm] = np.arange(m, dtype=np.int64)
-        r2 = (0.25 * (1 - 1e-4)) * d2[:, k].astype(np.float64)
-        r2[short] = 0.0
-        r2c = r2.astype(self.points.dtype)
-        r2c = np.where(r2c.astype(np.float64) > r2, np.nextafter(r2c, r2c.dtype.type(0)), r2c)
         pos_t = np.int32 if m < 2**31 else np.int64  # stored positions: 4 bytes each
-        # a short row's missing entries point at the row's own point (never read: r2_h = 0)
-        rows = np.where(idx[:, :k] >= 0, idx[:, :k], np.arange(m)[:, None])
-        self._cand = np.ascontiguousarray(inv[rows].astype(pos_t))
-        self._cand_r2 = np.ascontiguousarray(r2c)
+        self._cand = np.empty((m, k), pos_t)
+        self._cand_r2 = np.empty(m, self.points.dtype)
+        _threads.numba_threads()
+        _candidate_lists(self.perm, np.ascontiguousarray(d2), np.ascontiguousarray(idx), k,
+                         self._cand, self._cand_r2)
         return True
 
     def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
