@@ -401,30 +401,34 @@ def test_second_order_on_real_correspondences(monkeypatch):
 
 
 @pytest.mark.parametrize("c", [3, 65, 700])
-def test_second_order_of_lengths_equals_reference(c, monkeypatch):
-    """The fused kernel (A from the lengths, never stored) equals A's reference bit for bit.
+def test_second_order_of_points_equals_reference(c, monkeypatch):
+    """The fused kernel (lengths and A pair by pair, never stored) equals the reference.
 
-    Lengths on a grid of float32 steps put many |ds − dt| exactly at tau's float32 value
-    (and one step either side): the strict comparison after tau's rounding is PyTorch's.
+    Bit for bit, with tau at a value some |ds − dt| takes exactly (the strict comparison
+    decides those pairs) and at one that rounds to float32 (the comparison is PyTorch's).
     """
     from pointalign.registration import robust
 
     g = torch.Generator().manual_seed(c)
-    tau = 0.7  # rounds down to float32: a float64 comparison would keep the ties below
-    assert float(np.float32(tau)) < tau
-    step = float(np.float32(tau)) / 8
-    ds = torch.randint(0, 64, (c, c), generator=g).to(torch.float32) * step
-    dt = ds + torch.randint(-10, 11, (c, c), generator=g).to(torch.float32) * step
-    ds, dt = (ds + ds.T) / 2, (dt + dt.T) / 2
-    assert bool(((ds - dt).abs() == np.float32(tau)).any()) or c == 3
-    A = ((ds - dt).abs() < tau).to(torch.float32).fill_diagonal_(0)
-    want = robust.second_order_reference(A)
-    assert torch.equal(_ransac_cpu.second_order_lengths_cpu(ds, dt, tau), want)
+    src = torch.rand(c, 3, generator=g) * 0.1
+    tgt = src + torch.randn(c, 3, generator=g) * 0.004  # noisy correspondences
+    tgt[: c // 3] = torch.rand(c // 3, 3, generator=g) * 0.1  # and wrong ones
+    ds, dt = robust.pair_lengths(src), robust.pair_lengths(tgt)
+    # the lengths themselves: sqrt((dx² + dy²) + dz²) rounded step by step (NumPy float32)
+    d = src.numpy()[:, None] - src.numpy()[None]
+    assert np.array_equal(ds.numpy(), np.sqrt((d[..., 0] ** 2 + d[..., 1] ** 2) + d[..., 2] ** 2))
+    gap = (ds - dt).abs()
+    tie = float(gap[0, 1]) if c > 3 else 0.7
+    for tau in (tie, 0.7 * float(gap.mean()) + 1e-9):
+        A = ((ds - dt).abs() < tau).to(torch.float32).fill_diagonal_(0)
+        want = robust.second_order_reference(A)
+        assert 0 < int(A.sum()) < c * (c - 1) or c == 3
+        assert torch.equal(_ransac_cpu.second_order_points_cpu(src, tgt, tau), want)
     calls = []
-    real = _ransac_cpu.second_order_lengths_cpu
-    monkeypatch.setattr(_ransac_cpu, "second_order_lengths_cpu",
+    real = _ransac_cpu.second_order_points_cpu
+    monkeypatch.setattr(_ransac_cpu, "second_order_points_cpu",
                         lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr("pointalign.kernels._backend.backend", lambda x=None: "cpu")
-    assert torch.equal(robust.second_order_of_lengths(ds, dt, tau), want) and calls
+    assert torch.equal(robust.second_order_of_points(src, tgt, tau), want) and calls
     monkeypatch.setattr("pointalign.kernels._backend.backend", lambda x=None: "torch")
-    assert torch.equal(robust.second_order_of_lengths(ds, dt, tau), want) and len(calls) == 1
+    assert torch.equal(robust.second_order_of_points(src, tgt, tau), want) and len(calls) == 1

@@ -369,15 +369,31 @@ def _second_order(A, S):
     _count_pairs(bits, S)
 
 
+@njit(cache=True, inline="always")
+def _length(p, i, j):
+    """``|p_i − p_j|`` of float32 ``p``, as ``robust.pair_lengths`` computes it.
+
+    ``(dx² + dy²) + dz²`` rounded step by step in float32, its square root taken in
+    float64 and rounded to float32 (the correctly rounded root).
+    """
+    dx = p[i, 0] - p[j, 0]
+    dy = p[i, 1] - p[j, 1]
+    dz = p[i, 2] - p[j, 2]
+    return np.float32(np.sqrt(np.float64((dx * dx + dy * dy) + dz * dz)))
+
+
 @njit(cache=True, parallel=True)
-def _second_order_lengths(ds, dt, tau, S):
-    """:func:`_second_order` of ``A_ij = |ds_ij − dt_ij| < tau`` (i ≠ j), A never stored."""
-    c = ds.shape[0]
+def _second_order_points(src, tgt, tau, S):
+    """:func:`_second_order` of ``A_ij = ||s_i − s_j| − |t_i − t_j|| < tau`` (i ≠ j).
+
+    The lengths are computed as :func:`_length` computes them; neither they nor A are stored.
+    """
+    c = src.shape[0]
     w = (c + 63) // 64
     bits = np.zeros((c, w), np.uint64)
     for i in prange(c):
         for j in range(c):
-            if abs(ds[i, j] - dt[i, j]) < tau and j != i:
+            if j != i and abs(_length(src, i, j) - _length(tgt, i, j)) < tau:
                 bits[i, j >> 6] |= np.uint64(1) << np.uint64(j & 63)
     _count_pairs(bits, S)
 
@@ -413,17 +429,20 @@ def second_order_cpu(A: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def second_order_lengths_cpu(ds: torch.Tensor, dt: torch.Tensor, tau: float) -> torch.Tensor:
-    """Return ``A ⊙ (A A)`` for ``A_ij = |ds_ij − dt_ij| < tau``, i ≠ j: ``(C, C)`` float32.
+def second_order_points_cpu(source: torch.Tensor, target: torch.Tensor,
+                            tau: float) -> torch.Tensor:
+    """Return ``A ⊙ (A A)`` for ``A_ij = ||s_i − s_j| − |t_i − t_j|| < tau``, i ≠ j: ``(C, C)``.
 
-    ``ds, dt``: ``(C, C)`` float32 length matrices; ``tau`` is rounded to float32 first, as
-    PyTorch does when comparing a float32 tensor with a Python float, so A is that of
-    ``((ds - dt).abs() < tau)`` with a zero diagonal and the answer equals
-    :func:`second_order_cpu` of it bit for bit, without the ``C × C`` A.
+    ``source, target``: ``(C, 3)`` float32 correspondence ends. The lengths are those of
+    :func:`pointalign.registration.robust.pair_lengths` (:func:`_length`); ``tau`` is
+    rounded to float32 first, as PyTorch does when comparing a float32 tensor with a Python
+    float: the answer equals
+    :func:`second_order_cpu` of the reference's A bit for bit, with no ``C × C`` matrix
+    but the answer.
     """
     _threads.numba_threads()
-    a = ds.detach().contiguous().numpy()
-    b = dt.detach().contiguous().numpy()
-    out = np.empty(a.shape, np.float32)
-    _second_order_lengths(a, b, np.float32(tau), out)
+    s = source.detach().contiguous().numpy()
+    t = target.detach().contiguous().numpy()
+    out = np.empty((s.shape[0], s.shape[0]), np.float32)
+    _second_order_points(s, t, np.float32(tau), out)
     return torch.from_numpy(out)

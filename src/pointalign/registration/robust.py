@@ -82,24 +82,40 @@ def second_order(A: torch.Tensor) -> torch.Tensor:
     return second_order_reference(A)
 
 
-def second_order_of_lengths(ds: torch.Tensor, dt: torch.Tensor, tau: float) -> torch.Tensor:
-    """Second-order compatibility of the length-consistency graph: ``(C, C)`` float32.
+def pair_lengths(points: torch.Tensor) -> torch.Tensor:
+    """``|p_i − p_j|`` for every pair of ``points (C, 3)``: ``(C, C)`` in the points' dtype.
 
-    ``A_ij = 1`` when ``|ds_ij − dt_ij| < tau`` and i ≠ j (``ds, dt``: the ``(C, C)``
-    float32 pairwise lengths at the source and target ends), and the answer is
-    :func:`second_order` ``(A)``. On the "cpu" backend one kernel builds A's bit sets from
-    the lengths (``_ransac_cpu.second_order_lengths_cpu``, equal bit for bit), else A is
-    formed and passed on.
+    Computed as ``sqrt((dx² + dy²) + dz²)``, the sum rounded step by step (elementwise
+    operations: no fused multiply-add, no ``|p|² + |q|² − 2 p·q`` cancellation) and the
+    root taken in float64, then rounded (PyTorch's float32 root on the CPU is not always
+    the correctly rounded one; this is): for float32 points, the same values on every
+    device and in the CPU kernel of :func:`second_order_of_points`.
+    """
+    d = points[:, None, :] - points[None, :, :]
+    s = (d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1]) + d[..., 2] * d[..., 2]
+    return s.to(torch.float64).sqrt().to(points.dtype)
+
+
+def second_order_of_points(source: torch.Tensor, target: torch.Tensor,
+                           tau: float) -> torch.Tensor:
+    """Second-order compatibility of correspondences ``source, target (C, 3)``: ``(C, C)``.
+
+    The length-consistency graph: ``A_ij = 1`` when ``|ds_ij − dt_ij| < tau`` and i ≠ j,
+    with ``ds, dt`` the :func:`pair_lengths` of the source and target ends; the answer is
+    :func:`second_order` ``(A)``. On the "cpu" backend one kernel computes the lengths and
+    A's bit sets pair by pair (``_ransac_cpu.second_order_points_cpu``, equal bit for bit:
+    neither the lengths nor A are stored), else A is formed and passed on.
     """
     from pointalign.kernels._backend import backend
 
-    c = ds.shape[0]
-    if (backend(ds) == "cpu" and ds.device.type == "cpu" and ds.dtype == torch.float32
-            and dt.dtype == torch.float32 and 0 < c < 1 << 24):
+    c = source.shape[0]
+    if (backend(source) == "cpu" and source.device.type == "cpu"
+            and source.dtype == torch.float32 and target.dtype == torch.float32
+            and 0 < c < 1 << 24):
         from pointalign.kernels import _ransac_cpu
 
-        return _ransac_cpu.second_order_lengths_cpu(ds, dt, tau)
-    A = ((ds - dt).abs() < tau).to(torch.float32)
+        return _ransac_cpu.second_order_points_cpu(source, target, tau)
+    A = ((pair_lengths(source) - pair_lengths(target)).abs() < tau).to(torch.float32)
     A.fill_diagonal_(0)
     return second_order(A)
 
@@ -135,9 +151,7 @@ def compatibility_hypotheses(
         raise ValueError(f"source, target: expected two (C, 3) tensors with C >= 3, got "
                          f"{tuple(source.shape)} and {tuple(target.shape)}")
     src, tgt = source.to(torch.float32), target.to(torch.float32)
-    ds = torch.cdist(src, src)
-    dt = torch.cdist(tgt, tgt)
-    S = second_order_of_lengths(ds, dt, tau)  # second-order compatibility
+    S = second_order_of_points(src, tgt, tau)  # second-order compatibility
     n_seeds = min(int(seeds), c)
     seed_idx = torch.topk(S.sum(1), n_seeds).indices
     kk = min(max(int(k), 3), c)
