@@ -107,6 +107,25 @@ pipeline under ``OMP_NUM_THREADS=1`` in the same minutes 0.63-0.74 s, of which i
   full-cloud ICP searches ~0.08 s (Open3D's pipeline runs ICP on the downsampled clouds).
   Under load with 2 threads, small PyTorch ops (sort, baddbmm, sums) cost 10-50x their
   1-thread CPU time (barrier waits when a thread is descheduled): 1.75 s of CPU at load 7.5.
+* tranche 2, session 4 (quiet, 2 threads, bun045 -> bun000 at 2.54 mm; stage wall / CPU ms
+  from ``result.timings`` and ``time.process_time``): before, 0.42-0.48 s wall / 0.63-0.70 s
+  CPU (Open3D's pipeline 0.29-0.35 s / 0.55-0.67 s in the same minutes), of which wall
+  feature kNN 58, the three self-queries 52, scoring 36 + ``baddbmm`` moves 32, SPFH 35,
+  Horn's batched ``eigh`` + moments 24, the coarse batched ICP's unhinted-then-hinted searches
+  (no shortcut lists on the downsampled target) ~30; about 0.21 s of the wall was serial
+  (PyTorch on one thread). After: feature kNN four dimensions per pass over a tile with the
+  row tests and backward minima vectorised (75 -> 46 ms of CPU, bit-equal); keyed
+  (``bits(d²) << 32 | index``) k-NN lists and a polynomial arctangent for SPFH's alpha bin
+  with the exact ``atan2`` near bin edges (-25 % and -20 %, bit-equal); moves and scoring in
+  one numba pass (``_score``: ``_score`` CPU per call 105 -> 56 ms; counts-only scoring stops
+  at the first point within the bound); Horn by cyclic Jacobi in numba (35-46 -> 9-10 ms);
+  the FPFH 5v neighbourhoods kept as the downsampled target's shortcut lists (a bounded
+  self-query's short rows take the tree: the coarse ICP stage 94 -> 69 ms of CPU); an
+  unhinted nearest query starts from its predecessor's answer (ICP's first, Morton-ordered
+  search 16.4 -> 11.7 ms); the compatibility graph's lengths computed pair by pair in its
+  bit-set kernel (no ``cdist``: 23.9 -> 15.4 ms). register: 0.25-0.33 s wall / 0.39-0.51 s
+  CPU against Open3D's 0.27-0.35 s / 0.51-0.67 s in the same runs (same poses as before,
+  bit for bit on the bunny pair, up to 3e-15 where Horn's rounding changed).
 * first call in a fresh process: numba compiles the register path's kernels once (~50 s of
   CPU at load 12 with an empty cache; ``cache=True`` stores them under ``__pycache__``), then
   loading the cache costs ~0.7 s of CPU on the first call of each later process.

@@ -13,8 +13,8 @@ RESULTS = HERE / "results"
 OUT = HERE.parent / "BENCHMARKS.md"
 
 ORDER = [
-    "session_ab", "refactor_ab", "memory", "precision", "knn", "kdtree", "icp", "soft",
-    "surface", "ransac", "hard_pairs", "hard_pairs_open3d", "cpu"]
+    "session4_ab", "cpu", "session_ab", "refactor_ab", "memory", "precision", "knn", "kdtree",
+    "icp", "soft", "surface", "ransac", "hard_pairs", "hard_pairs_open3d"]
 
 
 def _fmt(v):
