@@ -127,8 +127,21 @@ def test_keyed_lists_not_for_float64_or_non_finite():
     assert not _knn_cpu.CpuTree(p)._keyable
 
 
+def _branchy_boxd2(q0, q1, q2, bmin, bmax, v):
+    """The box distance adding only the positive gaps (the form _boxd2 must equal)."""
+    d = q0 - q0
+    for a, q in enumerate((q0, q1, q2)):
+        g = bmin[v, a] - q
+        if g > 0:
+            d += g * g
+        elif q - bmax[v, a] > 0:
+            d += (q - bmax[v, a]) * (q - bmax[v, a])
+    return d
+
+
 def test_flat_box_distance_equals_branchy(seed):
-    """_boxd2_flat equals _boxd2 bit for bit (inside, outside, on a face, empty boxes)."""
+    """_boxd2 (no branches) equals the branchy form bit for bit (inside, outside, on a
+    face, degenerate and empty boxes), compiled and as Python."""
     g = np.random.default_rng(seed)
     for dt in (np.float32, np.float64):
         lo = g.normal(size=(300, 3)).astype(dt)
@@ -138,9 +151,10 @@ def test_flat_box_distance_equals_branchy(seed):
         q = g.normal(scale=2, size=(300, 3)).astype(dt)
         q[20:40] = lo[20:40]  # on a corner
         for v in range(300):
+            want = _branchy_boxd2(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
             a = _knn_cpu._boxd2.py_func(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
-            b = _knn_cpu._boxd2_flat.py_func(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
-            assert a == b and type(a) is type(b)
+            b = _knn_cpu._boxd2(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
+            assert a == want and type(a) is type(want) and b == want
 
 
 def _candidates_case(p, seed, dtype, scale):

@@ -23,8 +23,7 @@ float32 order as the float does, so the integer order of the keys is the contrac
 small local buffer written to the output row once at the end. The plain lists
 (``_scan_k``, one (distance, index) pair of comparisons per step) answer float64 points and
 are the reference of the keyed ones (same answers bit for bit; tests compare them).
-Box distances in these walks are computed without branches (``_boxd2_flat``: the same value,
-bit for bit, as :func:`_boxd2`).
+Box distances are computed without branches (:func:`_boxd2`).
 
 Layout: a balanced implicit tree (node ``v`` has children ``2v+1`` and ``2v+2``) built by
 median splits along the widest side of each node's box (quickselect), ``depth`` levels,
@@ -165,30 +164,18 @@ def _build(pts, depth):
 
 @njit(cache=True, inline="always")
 def _boxd2(q0, q1, q2, bmin, bmax, v):
+    """Squared distance from the query to node v's box, without branches.
+
+    Per axis the gap is ``max(bmin - q, q - bmax, 0)`` (at most one of the two is
+    positive), and the squares are added in axis order to a zero of the points' dtype: a
+    zero gap adds +0, which changes no sum, so the value equals, bit for bit, the branchy
+    form that adds only the positive gaps.
+    """
     z = q0 - q0  # zero of the points' dtype
-    d = z
-    g = bmin[v, 0] - q0
-    if g > z:
-        d += g * g
-    else:
-        g = q0 - bmax[v, 0]
-        if g > z:
-            d += g * g
-    g = bmin[v, 1] - q1
-    if g > z:
-        d += g * g
-    else:
-        g = q1 - bmax[v, 1]
-        if g > z:
-            d += g * g
-    g = bmin[v, 2] - q2
-    if g > z:
-        d += g * g
-    else:
-        g = q2 - bmax[v, 2]
-        if g > z:
-            d += g * g
-    return d
+    g0 = max(bmin[v, 0] - q0, q0 - bmax[v, 0], z)
+    g1 = max(bmin[v, 1] - q1, q1 - bmax[v, 1], z)
+    g2 = max(bmin[v, 2] - q2, q2 - bmax[v, 2], z)
+    return z + g0 * g0 + g1 * g1 + g2 * g2
 
 
 @njit(cache=True, inline="always")
@@ -202,42 +189,6 @@ def _push_children(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top):
     c2 = c1 + 1
     da = _boxd2(q0, q1, q2, bmin, bmax, c1)
     db = _boxd2(q0, q1, q2, bmin, bmax, c2)
-    if da > db:
-        c1, c2 = c2, c1
-        da, db = db, da
-    if db <= bound:
-        stack[top] = c2
-        sd[top] = db
-        top += 1
-    if da <= bound:
-        stack[top] = c1
-        sd[top] = da
-        top += 1
-    return top
-
-
-@njit(cache=True, inline="always")
-def _boxd2_flat(q0, q1, q2, bmin, bmax, v):
-    """:func:`_boxd2` without branches: the same value bit for bit.
-
-    Per axis the gap is ``max(bmin - q, q - bmax, 0)`` (at most one of the two is
-    positive); adding the square of a zero gap adds +0, which changes no sum, so the
-    additions are those of :func:`_boxd2` in the same order.
-    """
-    z = q0 - q0  # zero of the points' dtype
-    g0 = max(bmin[v, 0] - q0, q0 - bmax[v, 0], z)
-    g1 = max(bmin[v, 1] - q1, q1 - bmax[v, 1], z)
-    g2 = max(bmin[v, 2] - q2, q2 - bmax[v, 2], z)
-    return z + g0 * g0 + g1 * g1 + g2 * g2
-
-
-@njit(cache=True, inline="always")
-def _push_children_flat(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top):
-    """:func:`_push_children` with :func:`_boxd2_flat` (the same pushes)."""
-    c1 = 2 * v + 1
-    c2 = c1 + 1
-    da = _boxd2_flat(q0, q1, q2, bmin, bmax, c1)
-    db = _boxd2_flat(q0, q1, q2, bmin, bmax, c2)
     if da > db:
         c1, c2 = c2, c1
         da, db = db, da
@@ -480,7 +431,7 @@ def _subtree_key(root, droot, q0, q1, q2, perm, spts, lo, hi, bmin, bmax, first_
             cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[v], hi[v], k, kb, cnt, bound,
                                    f, u)
             continue
-        top = _push_children_flat(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top)
+        top = _push_children(q0, q1, q2, bmin, bmax, v, bound, stack, sd, top)
     return cnt, bound
 
 
@@ -510,7 +461,7 @@ def _knn_keyed(perm, spts, lo, hi, bmin, bmax, depth, q, k, max_d2, out_d, out_i
         u = f.view(np.uint32)
         for qi in range(blk * QUERY_BLOCK, min(nq, (blk + 1) * QUERY_BLOCK)):
             q0, q1, q2 = q[qi, 0], q[qi, 1], q[qi, 2]
-            cnt, _ = _subtree_key(0, _boxd2_flat(q0, q1, q2, bmin, bmax, 0), q0, q1, q2, perm,
+            cnt, _ = _subtree_key(0, _boxd2(q0, q1, q2, bmin, bmax, 0), q0, q1, q2, perm,
                                   spts, lo, hi, bmin, bmax, first_leaf, stack, sd, k, kb, 0,
                                   max_d2, f, u)
             _emit_keys(kb, cnt, k, out_d, out_i, qi, f, u)
@@ -535,7 +486,7 @@ def _knn_self_keyed(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out
             v = leaf
             while v > 0:
                 sib = v + 1 if v & 1 else v - 1
-                ds = _boxd2_flat(q0, q1, q2, bmin, bmax, sib)
+                ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
                 if ds <= bound:
                     cnt, bound = _subtree_key(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin,
                                               bmax, first_leaf, stack, sd, k, kb, cnt, bound,

@@ -136,6 +136,24 @@ def _order_cells(pts, origin, c, dims, start, items, dc, cpts):
             cpts[e, 2] = pts[i, 2]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _cell_of(origin, c, dims, q0, q1, q2):
+    """Return the grid cell of one query and its distance from the cell's centre: ``(cell, h)``.
+
+    ``(-1, 0.0)`` for a query outside the grid (or not finite).
+    """
+    x = math.floor((np.float64(q0) - origin[0]) / c)
+    y = math.floor((np.float64(q1) - origin[1]) / c)
+    z = math.floor((np.float64(q2) - origin[2]) / c)
+    if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
+        h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
+        h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
+        h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
+        return ((int(x) * dims[1] + int(y)) * dims[2] + int(z),
+                math.sqrt(h0 * h0 + h1 * h1 + h2 * h2))
+    return -1, 0.0
+
+
 @njit(cache=True, nogil=True, inline="always")  # a call per query costs ~2x
 def _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2, reach, pad):
     """Nearest candidate within the bound of one query: ``(d2, index)`` or ``(inf, -1)``.
@@ -149,15 +167,8 @@ def _nearest_one(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2, re
     """
     best = q0 - q0 + np.inf
     bi = -1
-    x = math.floor((np.float64(q0) - origin[0]) / c)
-    y = math.floor((np.float64(q1) - origin[1]) / c)
-    z = math.floor((np.float64(q2) - origin[2]) / c)
-    if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
-        cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
-        h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
-        h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
-        h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
-        h = math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
+    cell, h = _cell_of(origin, c, dims, q0, q1, q2)
+    if cell >= 0:
         lim = reach + h
         for e in range(start[cell], start[cell + 1]):
             if dc[e] > lim:
@@ -179,15 +190,9 @@ def _any_within(cpts, dc, origin, c, dims, start, items, q0, q1, q2, max_d2, rea
 
     The scan of :func:`_nearest_one` up to its first hit: True exactly when that finds one.
     """
-    x = math.floor((np.float64(q0) - origin[0]) / c)
-    y = math.floor((np.float64(q1) - origin[1]) / c)
-    z = math.floor((np.float64(q2) - origin[2]) / c)
-    if 0 <= x < dims[0] and 0 <= y < dims[1] and 0 <= z < dims[2]:
-        cell = (int(x) * dims[1] + int(y)) * dims[2] + int(z)
-        h0 = np.float64(q0) - (origin[0] + (x + 0.5) * c)
-        h1 = np.float64(q1) - (origin[1] + (y + 0.5) * c)
-        h2 = np.float64(q2) - (origin[2] + (z + 0.5) * c)
-        lim = reach + math.sqrt(h0 * h0 + h1 * h1 + h2 * h2)
+    cell, h = _cell_of(origin, c, dims, q0, q1, q2)
+    if cell >= 0:
+        lim = reach + h
         for e in range(start[cell], start[cell + 1]):
             if dc[e] > lim:
                 break
