@@ -119,19 +119,21 @@ def test_register_cpu_keeps_torch_threads(bunny):
 
 
 def test_full_normals_equal_bounded_search_and_keep_candidates(bunny):
-    """The final ICP's target normals from the complete k-NN cut to the radius equal
-    estimate_normals' bounded search (bit for bit), and the index keeps its shortcut."""
+    """The final ICP's target normals (estimate_normals' bounded self-query, k = 16) equal
+    those of the complete k-NN cut to the radius (bit for bit), and the index keeps the
+    bounded self-query as its shortcut lists."""
     from pointalign.features.normals import estimate_normals
-    from pointalign.registration import pipeline
     from pointalign.search import build_index
 
     t = bunny.target[::3].contiguous()
     for r in (0.0005, 0.002, 0.006):  # few, some and 16 neighbours within the radius
         idx = build_index(t)
-        got = pipeline._full_normals(t, idx, 16, r)
-        want = estimate_normals(t, k=16, radius=r, index=build_index(t), orient="viewpoint",
-                                viewpoint=t.mean(0))
+        got = estimate_normals(t, k=16, radius=r, index=idx, orient="viewpoint",
+                               viewpoint=t.mean(0))
+        nb = build_index(t).knn(t, 16)
+        table = torch.where(nb.dists <= r * r, nb.idx, -1)
+        want = estimate_normals(t, neighbors=table, orient="viewpoint", viewpoint=t.mean(0))
         assert torch.equal(got, want)
     tree = idx._cpu_tree()
-    if tree is not None:  # the "cpu" backend: the complete self-query was kept
+    if tree is not None:  # the "cpu" backend: the bounded self-query was kept
         assert tree._candidates()[0].shape == (t.shape[0], 8)

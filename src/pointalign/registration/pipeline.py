@@ -423,7 +423,11 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
     # voxel), and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
     # (searched a chunk at a time inside estimate_normals: the full (M, 16) neighbour table
     # of a 50M-point target alone held 26 GiB on the GPU)
-    t_full_nrm = _full_normals(t_full, t_full_idx, min(16, t_full.shape[0]), 2 * v)
+    # (on the CPU the index keeps this self-query as the final ICP's shortcut lists,
+    # ``CpuTree.set_candidates``)
+    t_full_nrm = estimate_normals(t_full, k=min(16, t_full.shape[0]), radius=2 * v,
+                                  index=t_full_idx, orient="viewpoint",
+                                  viewpoint=t_full.mean(0))
     clock.lap("icp_prepare")
     local = icp(s_full, t_full, init=R[0], max_correspondence_distance=0.5 * v,
                 method="point_to_plane", criteria=criteria, index=t_full_idx,
@@ -446,18 +450,6 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
         info={**local.info, **info, "ransac_info": glob.info,
               "icp_converged": bool(local.converged)},
         transformation_tensor=T)
-
-
-def _full_normals(points: torch.Tensor, index: Any, k: int, radius: float) -> torch.Tensor:
-    """Estimate normals of ``points (M, 3)`` from up to ``k`` nearest within ``radius``.
-
-    Facing the centroid. On the CPU the search is the index's self-query, which the index
-    keeps as the shortcut of the final ICP's hinted searches (``CpuTree.set_candidates``).
-    """
-    from pointalign.features.normals import estimate_normals
-
-    return estimate_normals(points, k=k, radius=radius, index=index, orient="viewpoint",
-                            viewpoint=points.mean(0))
 
 
 #: correspondences the compatibility graph is built on (the most distinctive first)
