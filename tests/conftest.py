@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -50,6 +51,42 @@ DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One kernel backend under test: its name and the device its tensors live on."""
+
+    name: str  #: "torch" (the PyTorch references), "cpu" (numba) or "triton" (CUDA)
+    device: str  #: "cpu" or "cuda"
+
+
+_BACKENDS = [
+    pytest.param(Backend("torch", "cpu"), id="torch"),
+    pytest.param(Backend("cpu", "cpu"), id="cpu"),
+    pytest.param(Backend("triton", "cuda"), id="triton", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=_BACKENDS)
+def backend(request, monkeypatch) -> Backend:
+    """Each kernel backend in turn, selected through ``POINTALIGN_BACKEND`` for the test.
+
+    A kernel test takes this fixture, puts its tensors on ``backend.device`` and compares
+    the dispatcher's answer with the reference (or an oracle): one test covers every
+    backend. "cpu" skips where numba is missing; "triton" carries the ``gpu`` marker. The
+    Triton interpreter runs in child processes (``tests/_interpreted.py``), not here.
+    """
+    b: Backend = request.param
+    if b.name == "cpu":
+        from pointalign.kernels import _backend
+
+        if not _backend.cpu_available():
+            pytest.skip("numba is not installed")
+    if b.device == "cuda" and not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setenv("POINTALIGN_BACKEND", b.name)
+    return b
 
 
 @pytest.fixture(params=[torch.float32, torch.float64], ids=["f32", "f64"])

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not _backend.cpu_available(), reason="numba not 
 
 
 def _cpu():
-    from pointalign.kernels import _horn_cpu
+    from pointalign.kernels.horn import cpu as _horn_cpu
 
     return _horn_cpu
 

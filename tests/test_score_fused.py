@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from pointalign.kernels import _knn_cpu, _score_cpu
+from pointalign.kernels import _backend
 from pointalign.kernels import ransac as K
+from pointalign.kernels.ransac import score_cpu as _score_cpu
 from pointalign.search.ckdtree import CKDTreeIndex
 
-pytestmark = pytest.mark.skipif(not _knn_cpu.available(), reason="numba missing")
+pytestmark = pytest.mark.skipif(not _backend.cpu_available(), reason="numba missing")
 
 
 def _motions(s: int, g: torch.Generator, shift: float = 0.1) -> torch.Tensor:

@@ -14,8 +14,8 @@ from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
 from pointalign.features.normals import estimate_normals
 from pointalign.kernels import features as KF
-from pointalign.kernels import fpfh as KP
 from pointalign.kernels import knn as KNN
+from pointalign.kernels.features import fpfh as KP
 from pointalign.search import build_index
 from tests._interpreted import interpreted_fixture
 

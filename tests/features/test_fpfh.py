@@ -8,7 +8,7 @@ from scipy.spatial import cKDTree
 from pointalign import PointCloud, datasets, transforms
 from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh
-from pointalign.kernels import fpfh as K
+from pointalign.kernels.features import fpfh as K
 
 
 def _pair_oracle(p1, n1, p2, n2):

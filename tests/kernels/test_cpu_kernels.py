@@ -17,10 +17,10 @@ from pointalign.kernels import _backend
 from pointalign.kernels import normal_eq as ne
 from pointalign.kernels.knn import knn_reference
 
-_knn_cpu = pytest.importorskip("pointalign.kernels._knn_cpu")
+_knn_cpu = pytest.importorskip("pointalign.kernels.knn.cpu")
 if not _knn_cpu.available():
     pytest.skip("numba is not installed", allow_module_level=True)
-from pointalign.kernels import _normal_eq_cpu  # noqa: E402
+from pointalign.kernels.normal_eq import cpu as _normal_eq_cpu  # noqa: E402
 
 ULP = {np.float32: 4e-7, np.float64: 1e-15}
 
@@ -418,7 +418,8 @@ def test_threads_api(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_pca_normals_cpu_equals_reference(seed, dtype, bunny_pair_or_skip):
-    from pointalign.kernels import _features_cpu, features
+    from pointalign.kernels import features
+    from pointalign.kernels.features import cpu as _features_cpu
 
     g = torch.Generator().manual_seed(seed)
     pts = torch.cat([bunny_pair_or_skip[1][::10].to(dtype),

@@ -106,7 +106,7 @@ def _interp_inputs(case, seed, dtype=torch.float32):
 def run_interpreted_kdtree(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): every Triton case, results saved by key."""
     from pointalign.kernels import _backend
-    from pointalign.kernels import _kdtree_triton as KT
+    from pointalign.kernels.kdtree import triton as KT
 
     assert _backend.backend(torch.empty(0)) == "interpret"
     out = {}
@@ -276,7 +276,7 @@ def test_torch_backend_skips_triton(rng, monkeypatch):
     monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
     import sys
 
-    mod = sys.modules.get("pointalign.kernels._kdtree_triton")
+    mod = sys.modules.get("pointalign.kernels.kdtree.triton")
     if mod is not None:
         monkeypatch.setattr(mod, "knn", lambda *a, **kw: pytest.fail("Triton path taken"))
     assert_knn_matches(_orig(tree, K.knn(tree, q, 2)), q, pts, 2)
@@ -337,7 +337,7 @@ def test_host_build_matches_device(m, depth, dtype, rng):
 def test_triton_cuda_matches_reference(approximate, k, rng):
     pts, q = _cloud(50021, rng).cuda(), (_cloud(4099, rng, scale=1.3) - 0.15).cuda()
     tree = K.build(pts, K.depth_for(pts.shape[0], 16))
-    from pointalign.kernels import _kdtree_triton
+    from pointalign.kernels.kdtree import triton as _kdtree_triton
 
     got = _kdtree_triton.knn(tree, q, k, approximate=approximate)
     ref = K.knn_reference(tree, q, k, approximate=approximate)
@@ -356,7 +356,7 @@ def test_triton_cuda_matches_reference(approximate, k, rng):
 def test_triton_cuda_hint_keeps_the_answer(max_d, rng):
     pts, q = _cloud(50021, rng).cuda(), (_cloud(4099, rng, scale=1.3) - 0.15).cuda()
     tree = K.build(pts, K.depth_for(pts.shape[0], 16))
-    from pointalign.kernels import _kdtree_triton
+    from pointalign.kernels.kdtree import triton as _kdtree_triton
 
     host = K.TreeArrays(*[x.cpu() if isinstance(x, torch.Tensor) else x for x in tree])
     hint = _hints(host, q.cpu(), 0).cuda()

@@ -127,7 +127,8 @@ def _interp_ties():
 
 def run_interpreted_cases(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): run the kernel on every case, save results."""
-    from pointalign.kernels import _backend, _knn_triton
+    from pointalign.kernels import _backend
+    from pointalign.kernels.knn import triton as _knn_triton
 
     assert _backend.backend(torch.empty(0)) == "interpret"
     out = {}

@@ -273,7 +273,8 @@ def test_icp_update_torch_path_outputs(seed, monkeypatch):
 
 def run_interpreted_solve(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): the Triton solve kernel on given sums."""
-    from pointalign.kernels import _backend, _normal_eq_triton
+    from pointalign.kernels import _backend
+    from pointalign.kernels.normal_eq import triton as _normal_eq_triton
 
     assert _backend.backend(torch.empty(0)) == "interpret"
     out = {}

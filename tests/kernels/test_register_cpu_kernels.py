@@ -19,14 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from pointalign.kernels import fpfh as KP
 from pointalign.kernels import ransac as KR
+from pointalign.kernels.features import fpfh as KP
 from pointalign.kernels.knn import knn_reference
 
-_knn_cpu = pytest.importorskip("pointalign.kernels._knn_cpu")
+_knn_cpu = pytest.importorskip("pointalign.kernels.knn.cpu")
 if not _knn_cpu.available():
     pytest.skip("numba is not installed", allow_module_level=True)
-from pointalign.kernels import _fpfh_cpu, _ransac_cpu, _score_cpu  # noqa: E402
+from pointalign.kernels.features import fpfh_cpu as _fpfh_cpu  # noqa: E402
+from pointalign.kernels.ransac import cpu as _ransac_cpu  # noqa: E402
+from pointalign.kernels.ransac import score_cpu as _score_cpu  # noqa: E402
 
 
 def _surface(seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +331,7 @@ def test_numba_pool_start_keeps_torch_threads():
     import sys
 
     code = ("import numpy as np, torch, pointalign as pa\n"
-            "from pointalign.kernels._knn_cpu import CpuTree\n"
+            "from pointalign.kernels.knn.cpu import CpuTree\n"
             "torch.set_num_threads(2); pa.set_num_threads(1)\n"
             "CpuTree(np.random.rand(100, 3)).nearest(np.zeros((4, 3)))\n"
             "print(torch.get_num_threads())\n")

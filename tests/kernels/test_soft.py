@@ -280,7 +280,8 @@ def _check_step(got, Q, P, T, ql, pl):
 
 def run_interpreted_cases(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): every entry point through Triton."""
-    from pointalign.kernels import _backend, _soft_triton
+    from pointalign.kernels import _backend
+    from pointalign.kernels.soft import triton as _soft_triton
 
     assert _backend.backend(torch.empty(0)) == "interpret"
     out = {}

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from pointalign.kernels import _soft_cpu, soft
-from pointalign.kernels._knn_cpu import CpuTree, available
+from pointalign.kernels import soft
+from pointalign.kernels._numba import available
+from pointalign.kernels.knn.cpu import CpuTree
+from pointalign.kernels.soft import cpu as _soft_cpu
 
 pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed")
 

@@ -20,14 +20,15 @@ import pytest
 import torch
 
 from pointalign import datasets, transforms
+from pointalign.kernels import _backend
 from pointalign.kernels import surface as ks
 from pointalign.registration import surface as rs
 from pointalign.search.kdtree import KDTreeIndex
 
-_knn_cpu = pytest.importorskip("pointalign.kernels._knn_cpu")
-if not _knn_cpu.available():
+_knn_cpu = pytest.importorskip("pointalign.kernels.knn.cpu")
+if not _backend.cpu_available():
     pytest.skip("numba is not installed", allow_module_level=True)
-from pointalign.kernels import _surface_cpu  # noqa: E402
+from pointalign.kernels.surface import cpu as _surface_cpu  # noqa: E402
 
 
 def _surface(g: torch.Generator, n: int) -> torch.Tensor:

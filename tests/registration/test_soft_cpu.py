@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pointalign import _progress, datasets, metrics
-from pointalign.kernels._knn_cpu import available
+from pointalign.kernels._numba import available
 from pointalign.registration import soft
 from pointalign.registration.soft import emicp, softassign
 
@@ -206,7 +206,7 @@ def test_softassign_fused_updates_equal_the_passes(monkeypatch):
     """The "cells" updates fused into one call per update (``softassign_update``) give the
     pose of the passes run one by one, bit for bit (float32 bunny subsample, hot to cold),
     and the record counts the same passes."""
-    from pointalign.kernels import _soft_cpu
+    from pointalign.kernels.soft import cpu as _soft_cpu
 
     x, y, _ = _bunny(300, 300)
     x, y = x.float(), y.float()

@@ -203,7 +203,7 @@ def test_newton_terms_truncation_and_objective_only(rng):
 def run_interpreted_surface(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): the Triton Newton-terms kernel."""
     from pointalign.kernels import _backend
-    from pointalign.kernels import _surface_triton as kt
+    from pointalign.kernels.surface import triton as kt
 
     assert _backend.backend(torch.empty(0)) == "interpret"
     out = {}
@@ -574,7 +574,7 @@ def test_cuda_matches_cpu(kind, seed):
     assert metrics.rotation_error(rc.transformation, r.transformation) < tol
     tree = KDTreeIndex(p.target.cuda(), leaf_size=8)
     co = approximant_coefficients(tree, kind)
-    from pointalign.kernels import _surface_triton
+    from pointalign.kernels.surface import triton as _surface_triton
 
     T = p.T_target_source
     o = torch.zeros(3, dtype=torch.float64)

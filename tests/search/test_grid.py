@@ -144,7 +144,7 @@ def run_interpreted_cases(out_path: str) -> None:
     from pointalign.kernels import _backend
 
     assert _backend.backend(torch.empty(0)) == "interpret"
-    from pointalign.kernels import _grid_triton
+    from pointalign.kernels.grid import triton as _grid_triton
 
     out = {}
     for seed in range(3):

@@ -15,7 +15,7 @@ are unchanged by that uniform scale).
 
 The neighbour table comes from :func:`neighbourhoods` (the self-query of :meth:`Index.radius`;
 squared distances, ``-1`` = none);
-the histograms from :mod:`pointalign.kernels.fpfh`. One code path on CPU and GPU.
+the histograms from :mod:`pointalign.kernels.features.fpfh`. One code path on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from pointalign import _validate
 from pointalign.cloud import PointCloud
-from pointalign.kernels import fpfh as _kernels
+from pointalign.kernels.features import fpfh as _kernels
 from pointalign.search.base import KnnResult
 
 #: feature dimension

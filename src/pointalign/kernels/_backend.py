@@ -41,9 +41,9 @@ def triton_available() -> bool:
 @functools.lru_cache(maxsize=1)
 def cpu_available() -> bool:
     """Return True when the CPU kernels' compiler (numba) imports."""
-    from pointalign.kernels import _knn_cpu
+    from pointalign.kernels import _numba
 
-    return _knn_cpu.available()
+    return _numba.available()
 
 
 def backend(x: torch.Tensor | None = None) -> str:

@@ -76,7 +76,7 @@ def second_order(A: torch.Tensor) -> torch.Tensor:
 
     if (backend(A) == "cpu" and A.device.type == "cpu" and A.dtype == torch.float32
             and 0 < A.shape[0] < 1 << 24):
-        from pointalign.kernels import _ransac_cpu
+        from pointalign.kernels.ransac import cpu as _ransac_cpu
 
         return _ransac_cpu.second_order_cpu(A)
     return second_order_reference(A)
@@ -112,7 +112,7 @@ def second_order_of_points(source: torch.Tensor, target: torch.Tensor,
     if (backend(source) == "cpu" and source.device.type == "cpu"
             and source.dtype == torch.float32 and target.dtype == torch.float32
             and 0 < c < 1 << 24):
-        from pointalign.kernels import _ransac_cpu
+        from pointalign.kernels.ransac import cpu as _ransac_cpu
 
         return _ransac_cpu.second_order_points_cpu(source, target, tau)
     A = ((pair_lengths(source) - pair_lengths(target)).abs() < tau).to(torch.float32)

@@ -90,7 +90,7 @@ def _fitness(x: ksoft.Centred, y: ksoft.Centred, T: torch.Tensor, inlier: torch.
     """Fitness and RMSE ``(B,)`` of hard nearest neighbours within ``inlier (B,)``."""
     rows = torch.arange(x.points.shape[1], device=T.device)[None, :] < x.lengths[:, None]
     if plan is not None:  # the CPU's k-d tree: exact nearest neighbours
-        from pointalign.kernels import _soft_cpu
+        from pointalign.kernels.soft import cpu as _soft_cpu
 
         d2 = _soft_cpu.nearest_d2(x.points, y.points, T, x.lengths, y.lengths,
                                   inlier.square(), plan)
@@ -306,7 +306,7 @@ class SoftassignProgram(_Annealing):
 
 
 def _soft_cpu() -> Any:
-    from pointalign.kernels import _soft_cpu
+    from pointalign.kernels.soft import cpu as _soft_cpu
 
     return _soft_cpu
 
@@ -489,7 +489,7 @@ def emicp(
         target_lengths: ``(B,)`` valid target points of a padded batch.
         approximation: the form of the E-step on the CPU ("cpu" backend, numba): "auto"
             (exact while the exact run is estimated at a few seconds, ``AUTO_BUDGET_S`` of
-            :mod:`pointalign.kernels._soft_cpu`; above, the approximation), "exact" or
+            :mod:`pointalign.kernels.soft.cpu`; above, the approximation), "exact" or
             "approximate": at each σ both clouds merged into cells of side 0.4σ (rounded
             down to a power of √2) and cell pairs farther than 4σ apart dropped; each kept
             term within a factor ``[e^(−(4sdh + sh²)²/8), e^(sh²)]`` of its points' exact

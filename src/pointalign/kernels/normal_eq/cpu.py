@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads
-from pointalign.kernels._knn_cpu import njit, prange
+from pointalign.kernels._numba import njit, prange
 
 #: row blocks per batch entry (fixed: the summation order does not depend on threads)
 BLOCKS = 64

@@ -66,13 +66,13 @@ def newton_terms(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
     """
     be = backend(points)
     if be in ("triton", "interpret"):
-        from pointalign.kernels import _surface_triton
+        from pointalign.kernels.surface import triton as _surface_triton
 
         return _surface_triton.newton_terms(points, T, center, tree, coeffs, depth,
                                             weights=weights, tau2=tau2,
                                             objective_only=objective_only)
     if be == "cpu" and points.shape[0] > 0:
-        from pointalign.kernels import _surface_cpu
+        from pointalign.kernels.surface import cpu as _surface_cpu
 
         return _surface_cpu.newton_terms_cpu(points, T, center, tree, coeffs, depth,
                                              weights=weights, tau2=tau2,
@@ -89,7 +89,7 @@ def node_frames(tree: _kd.TreeArrays, min_frame_points: int
     the reference, and runs where this returns None: every backend but ``"cpu"``).
     """
     if backend(tree.points) == "cpu":
-        from pointalign.kernels import _surface_cpu
+        from pointalign.kernels.surface import cpu as _surface_cpu
 
         return _surface_cpu.node_frames_cpu(tree, min_frame_points)
     return None
@@ -102,7 +102,7 @@ def node_moments(tree: _kd.TreeArrays) -> tuple[torch.Tensor, torch.Tensor] | No
     :meth:`pointalign.search.kdtree.KDTreeIndex.node_sums` (the reference).
     """
     if backend(tree.points) == "cpu":
-        from pointalign.kernels import _surface_cpu
+        from pointalign.kernels.surface import cpu as _surface_cpu
 
         return _surface_cpu.node_moments_cpu(tree)
     return None
@@ -116,7 +116,7 @@ def quadric_sums(tree: _kd.TreeArrays, mean: torch.Tensor, frame: torch.Tensor
     sums in ``pointalign.registration.surface._curvatures``).
     """
     if backend(tree.points) == "cpu":
-        from pointalign.kernels import _surface_cpu
+        from pointalign.kernels.surface import cpu as _surface_cpu
 
         return _surface_cpu.quadric_sums_cpu(tree, mean, frame)
     return None
@@ -138,7 +138,7 @@ def cell_mean_sums(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
     :func:`cell_mean_sums_reference`.
     """
     if backend(points) == "cpu" and points.shape[0] > 0:
-        from pointalign.kernels import _surface_cpu
+        from pointalign.kernels.surface import cpu as _surface_cpu
 
         return _surface_cpu.cell_mean_sums_cpu(points, T, tree, means, depth, tau2=tau2,
                                                center=center)

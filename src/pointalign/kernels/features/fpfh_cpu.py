@@ -1,8 +1,8 @@
 """CPU (numba) kernels of ``spfh`` and ``fpfh_combine``: one pass per point, no (N, K, ·) gathers.
 
-Same formulas as the PyTorch references (:func:`pointalign.kernels.fpfh.spfh_reference`,
-:func:`pointalign.kernels.fpfh.fpfh_combine_reference`; the module docstring of
-:mod:`pointalign.kernels.fpfh` is the contract), computed per point in the points' dtype:
+Same formulas as the PyTorch references (:func:`pointalign.kernels.features.fpfh.spfh_reference`,
+:func:`pointalign.kernels.features.fpfh.fpfh_combine_reference`; the module docstring of
+:mod:`pointalign.kernels.features.fpfh` is the contract), computed per point in the points' dtype:
 pair features (Open3D's choice of source point, the tie tolerance of 16 ulps), bins
 ``floor(11 (x − lo) / (hi − lo))`` clamped to [0, 10] with the bounds rounded to the dtype
 as the reference's tensor-scalar arithmetic does, integer bin counts scaled by
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads
-from pointalign.kernels._knn_cpu import njit, prange
+from pointalign.kernels._numba import njit, prange
 
 BINS = 11
 

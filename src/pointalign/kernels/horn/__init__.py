@@ -42,11 +42,11 @@ def weighted_horn(
     """
     be = backend(source)
     if be in ("triton", "interpret"):
-        from pointalign.kernels import _horn_triton
+        from pointalign.kernels.horn import triton as _horn_triton
 
         return _horn_triton.horn(source, targets, weights)
     if be == "cpu":
-        from pointalign.kernels import _horn_cpu
+        from pointalign.kernels.horn import cpu as _horn_cpu
 
         if _horn_cpu.accepts(source, targets, weights):
             return _horn_cpu.horn(source, targets, weights)
@@ -88,7 +88,7 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
 
     """
     if backend(W) == "cpu" and not any(a.requires_grad for a in (W, sx, sm, cross)):
-        from pointalign.kernels import _horn_cpu
+        from pointalign.kernels.horn import cpu as _horn_cpu
 
         return _horn_cpu.horn_from_sums(W, sx, sm, cross)
     return horn_from_sums_reference(W, sx, sm, cross)

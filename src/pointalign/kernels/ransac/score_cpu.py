@@ -9,7 +9,7 @@ bounding box grown by r keeps, per cell, the list of target points within ``r`` 
 rounding margin) of the cell's box, in increasing index. A query reads its one cell: an
 empty cell (a point off the surface) answers at once, a full one holds a few candidates.
 
-Contract: that of :meth:`pointalign.kernels._knn_cpu.CpuTree.nearest` without a hint: the
+Contract: that of :meth:`pointalign.kernels.knn.cpu.CpuTree.nearest` without a hint: the
 nearest point with squared distance ``<= max_d2`` (computed in the points' dtype as
 ``(q-p)_x² + (q-p)_y² + (q-p)_z²``; ties to the smaller index), else ``inf`` / ``-1``. It is
 exact: a point whose rounded squared distance passes the bound lies within ``r + pad`` of
@@ -31,7 +31,8 @@ import math
 import numpy as np
 
 from pointalign import _threads
-from pointalign.kernels._knn_cpu import CpuTree, njit, prange
+from pointalign.kernels._numba import njit, prange
+from pointalign.kernels.knn.cpu import CpuTree
 
 #: cell edge as a fraction of the bound (measured on the bunny at 1.5v: 1.0 builds in 2 ms
 #: and answers 135k queries in 5 ms, 0.5 in 8 ms and 7 ms; the tree 33 ms)
@@ -391,7 +392,7 @@ class BoundGrid:
 class ScoringTree(CpuTree):
     """The k-d tree, with a :class:`BoundGrid` for many unhinted bounded queries.
 
-    :class:`~pointalign.kernels._knn_cpu.CpuTree` whose unhinted bounded ``nearest`` calls
+    :class:`~pointalign.kernels.knn.cpu.CpuTree` whose unhinted bounded ``nearest`` calls
     with many queries go through a :class:`BoundGrid` (built once per bound, kept). The
     answers are the tree's (same contract); only the time differs.
     """

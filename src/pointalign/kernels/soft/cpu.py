@@ -71,7 +71,8 @@ import numpy as np
 import torch
 
 from pointalign import _threads
-from pointalign.kernels._knn_cpu import CpuTree, _boxd2, njit, prange
+from pointalign.kernels._numba import njit, prange
+from pointalign.kernels.knn.cpu import CpuTree, _boxd2
 
 #: EM-ICP truncation radius in σ (each dropped term below e^(−(k − √3 c)²/2))
 TRUNCATE_K = 4.0

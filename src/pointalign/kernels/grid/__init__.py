@@ -182,7 +182,7 @@ def grid_query(g: GridData, query: torch.Tensor, k: int,
                 torch.full((0, k), -1, dtype=torch.int64, device=query.device))
     be = backend(query)
     if be in ("triton", "interpret") and k <= 32:
-        from pointalign.kernels import _grid_triton
+        from pointalign.kernels.grid import triton as _grid_triton
 
         return _grid_triton.grid_query(g, query, k, max_distance_sq, sort_queries=sort_queries)
     return grid_query_reference(g, query, k, max_distance_sq)

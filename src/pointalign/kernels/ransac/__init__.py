@@ -106,7 +106,7 @@ class SharedFeatureKnn:
         else:
             return None
         if self.out is None:
-            from pointalign.kernels import _ransac_cpu
+            from pointalign.kernels.ransac import cpu as _ransac_cpu
 
             self.out = _ransac_cpu.feature_knn_both_cpu(self.a, self.b, self.k)
         d, i, bd, bi = self.out
@@ -138,7 +138,7 @@ def shared_feature_knn(a: torch.Tensor, b: torch.Tensor, k: int = 2) -> SharedFe
     ok = (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1] and a.shape[0] >= 1
           and _fused_applies(a, b))
     if ok:
-        from pointalign.kernels import _ransac_cpu
+        from pointalign.kernels.ransac import cpu as _ransac_cpu
 
         ok = 1 <= k <= min(b.shape[0], _ransac_cpu.MAX_K)
     return SharedFeatureKnn(a, b, k, ok)
@@ -160,7 +160,7 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor,
     if not 1 <= k <= ref.shape[0]:
         raise ValueError(f"feature_knn: k must be in [1, {ref.shape[0]}], got {k}")
     if _fused_applies(query, ref):
-        from pointalign.kernels import _ransac_cpu
+        from pointalign.kernels.ransac import cpu as _ransac_cpu
 
         entry = getattr(_shared, "entry", None)
         got = None if entry is None else entry.answer(query, ref, k)
@@ -190,7 +190,7 @@ def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     """
     if (backend(points) == "cpu" and T.device.type == "cpu" and not points.requires_grad
             and not T.requires_grad and points.dtype in (torch.float32, torch.float64)):
-        from pointalign.kernels import _score_cpu
+        from pointalign.kernels.ransac import score_cpu as _score_cpu
 
         Tp = T.detach().to(points.dtype)
         pts = points if points.dim() == 3 else points[None]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads
-from pointalign.kernels._knn_cpu import njit, prange
+from pointalign.kernels._numba import njit, prange
 
 
 @njit(cache=True, inline="always")

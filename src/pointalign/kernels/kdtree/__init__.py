@@ -218,7 +218,7 @@ def _build_torch(points: torch.Tensor, depth: int):
     for level in range(depth):
         b = bounds_d[level]
         if fused:
-            from pointalign.kernels import _kdtree_triton
+            from pointalign.kernels.kdtree import triton as _kdtree_triton
 
             axis, key, packed = _kdtree_triton.level_keys(pts, b, level)
             order = torch.sort(packed, stable=True).indices
@@ -309,7 +309,7 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
                          f"k = 1 search, got shape {tuple(hint.shape)} with k = {k}")
     be = backend(query)
     if be in ("triton", "interpret") and k <= TRITON_MAX_K:
-        from pointalign.kernels import _kdtree_triton
+        from pointalign.kernels.kdtree import triton as _kdtree_triton
 
         if reorder and be == "triton" and query.shape[0] >= REORDER_MIN_QUERIES:
             order = torch.argsort(descend(tree, query))

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from pointalign import _threads
-from pointalign.kernels._knn_cpu import njit, prange
-from pointalign.kernels._normal_eq_cpu import add_horn
+from pointalign.kernels._numba import njit, prange
+from pointalign.kernels.normal_eq.cpu import add_horn
 
 #: point blocks of the reduction (fixed: the summation order does not depend on threads)
 BLOCKS = 64

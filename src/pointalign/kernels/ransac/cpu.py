@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads
-from pointalign.kernels._knn_cpu import njit, prange
+from pointalign.kernels._numba import njit, prange
 
 #: queries per parallel work item (they share each reference tile while it is in cache)
 QUERY_BLOCK = 8

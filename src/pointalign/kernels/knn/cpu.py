@@ -46,31 +46,10 @@ import math
 import numpy as np
 
 from pointalign import _threads
-
-try:
-    import numba as _nb
-except Exception:  # pragma: no cover - numba missing: the "cpu" backend is unavailable
-    _nb = None  # type: ignore[assignment]
+from pointalign.kernels._numba import available, njit, prange
 
 #: queries per parallel work item (one stack and one candidate list each)
 QUERY_BLOCK = 256
-
-
-def available() -> bool:
-    """Return True when numba imports (the CPU kernels need it)."""
-    return _nb is not None
-
-
-if _nb is not None:
-    njit = _nb.njit
-    prange = _nb.prange
-else:  # pragma: no cover
-    def njit(*a, **k):
-        def deco(f):
-            return f
-        return deco if not (a and callable(a[0])) else a[0]
-
-    prange = range  # type: ignore[misc]
 
 
 @njit(cache=True, nogil=True)

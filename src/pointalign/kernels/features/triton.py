@@ -13,9 +13,9 @@ table column by column:
   formulas and degenerate-case rules as :func:`pointalign.features.normals.smallest_eigenvector`.
 * ``_spfh_kernel``: Darboux-frame pair features of every (point, neighbour) pair binned into
   a ``(BLOCK_N, 64)`` register histogram (33 bins used); formulas of
-  :func:`pointalign.kernels.fpfh.pair_features`.
+  :func:`pointalign.kernels.features.fpfh.pair_features`.
 * ``_fpfh_combine_kernel``: ``SPFH(p) + Σ SPFH(p_k) / ω_k`` with the 11-bin group
-  normalisations of :func:`pointalign.kernels.fpfh.fpfh_combine_reference`; one program
+  normalisations of :func:`pointalign.kernels.features.fpfh.fpfh_combine_reference`; one program
   per point (its neighbour row in slices, a fixed-order tree sum).
 
 Kernels are decorated on first use, separately for compiled and interpreted runs (as in
@@ -427,7 +427,7 @@ def pca_normals(points: torch.Tensor, nbr_idx: torch.Tensor, centers: torch.Tens
 
 def spfh(points: torch.Tensor, normals: torch.Tensor, nbr_idx: torch.Tensor,
          block_n: int = 32) -> torch.Tensor:
-    """SPFH histograms ``(N, 33)`` (contract of :func:`pointalign.kernels.fpfh.spfh`)."""
+    """SPFH histograms ``(N, 33)`` (contract of :func:`pointalign.kernels.features.fpfh.spfh`)."""
     n, k = nbr_idx.shape
     out = torch.empty(n, 33, dtype=points.dtype, device=points.device)
     tol = 16 * torch.finfo(points.dtype).eps
@@ -441,7 +441,7 @@ def spfh(points: torch.Tensor, normals: torch.Tensor, nbr_idx: torch.Tensor,
 
 def fpfh_combine(spfh_hist: torch.Tensor, nbr_idx: torch.Tensor,
                  nbr_dist_sq: torch.Tensor) -> torch.Tensor:
-    """FPFH ``(N, 33)`` (contract of :func:`pointalign.kernels.fpfh.fpfh_combine`).
+    """FPFH ``(N, 33)`` (contract of :func:`pointalign.kernels.features.fpfh.fpfh_combine`).
 
     One program per point; its neighbour row is read in slices of ``BLOCK_K``.
     """

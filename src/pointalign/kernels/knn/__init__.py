@@ -73,7 +73,7 @@ def host_tree(points: torch.Tensor) -> object:
     unhinted bounded nearest-within calls with many queries per point (RANSAC scoring) go
     through a per-bound cell grid (``_score_cpu.ScoringTree``; same answers).
     """
-    from pointalign.kernels._score_cpu import ScoringTree
+    from pointalign.kernels.ransac.score_cpu import ScoringTree
 
     return ScoringTree(points.detach().cpu().numpy(), leaf_size=HOST_LEAF_SIZE)
 
@@ -124,7 +124,7 @@ def knn_tiles(query: torch.Tensor, points: torch.Tensor, k: int,
                 torch.full((n, k), -1, dtype=torch.int64, device=query.device))
     be = backend(query)
     if be in ("triton", "interpret") and k <= MAX_TRITON_K:
-        from pointalign.kernels import _knn_triton
+        from pointalign.kernels.knn import triton as _knn_triton
 
         return _knn_triton.knn(query, points, k, max_distance_sq, points_t=points_t)
     # out of device memory: retry with tiles a quarter the size, down to 2^16 pairs

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pointalign import _math, _threads
-from pointalign.kernels._knn_cpu import njit, prange
+from pointalign.kernels._numba import njit, prange
 
 #: the cross-covariance noise gate and the εI tie-breaker of the family (the spec's constants)
 _NOISE = _math.HORN_NOISE

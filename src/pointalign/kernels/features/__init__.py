@@ -57,7 +57,7 @@ def radius_neighbours(points: torch.Tensor, radius: float,
     be = backend(points)
     cap = max(_pow2(k), 64)
     if be in ("triton", "interpret") and n and n * cap <= _MAX_TABLE_ENTRIES:
-        from pointalign.kernels import _features_triton
+        from pointalign.kernels.features import triton as _features_triton
 
         d, i, count = _features_triton.radius_table(points, r2, cap)
         widest = int(count.max())  # the one host check
@@ -73,7 +73,7 @@ def radius_neighbours(points: torch.Tensor, radius: float,
             return (torch.cat([d, d.new_full((n, k - cap), math.inf)], 1),
                     torch.cat([i, i.new_full((n, k - cap), -1)], 1))
     if be == "cpu" and n:
-        from pointalign.kernels._knn_cpu import CpuTree
+        from pointalign.kernels.knn.cpu import CpuTree
 
         dn, inn = CpuTree(points.detach().contiguous().numpy()).knn(
             points.detach().contiguous().numpy(), min(k, n), r2)
@@ -124,11 +124,11 @@ def pca_normals(points: torch.Tensor, nbr_idx: torch.Tensor,
                          f"(Q, 3), got {tuple(points.shape)}, {tuple(nbr_idx.shape)} and "
                          f"{tuple(c.shape)}")
     if backend(points) == "cpu":
-        from pointalign.kernels import _features_cpu
+        from pointalign.kernels.features import cpu as _features_cpu
 
         return _features_cpu.pca_normals_cpu(points, nbr_idx, viewpoint, c)
     if backend(points) in ("triton", "interpret"):
-        from pointalign.kernels import _features_triton
+        from pointalign.kernels.features import triton as _features_triton
 
         vp = None if viewpoint is None else viewpoint.to(points.dtype)
         return _features_triton.pca_normals(points, nbr_idx.to(torch.int64),

@@ -150,11 +150,11 @@ def spfh(points: torch.Tensor, normals: torch.Tensor, nbr_idx: torch.Tensor) -> 
     """
     _check(points, normals, nbr_idx)
     if backend(points) in ("triton", "interpret") and nbr_idx.shape[1] > 0:
-        from pointalign.kernels import _features_triton
+        from pointalign.kernels.features import triton as _features_triton
 
         return _features_triton.spfh(points, normals.to(points.dtype), nbr_idx.to(torch.int64))
     if backend(points) == "cpu" and points.dtype in (torch.float32, torch.float64):
-        from pointalign.kernels import _fpfh_cpu
+        from pointalign.kernels.features import fpfh_cpu as _fpfh_cpu
 
         return _fpfh_cpu.spfh_cpu(points, normals, nbr_idx)
     return spfh_reference(points, normals, nbr_idx)
@@ -175,12 +175,12 @@ def fpfh_combine(spfh_hist: torch.Tensor, nbr_idx: torch.Tensor,
             f"fpfh_combine: shapes spfh {tuple(spfh_hist.shape)}, idx {tuple(nbr_idx.shape)}, "
             f"dists {tuple(nbr_dist_sq.shape)} do not fit (N, 33), (N, K), (N, K)")
     if backend(spfh_hist) in ("triton", "interpret") and nbr_idx.shape[1] > 0:
-        from pointalign.kernels import _features_triton
+        from pointalign.kernels.features import triton as _features_triton
 
         return _features_triton.fpfh_combine(spfh_hist, nbr_idx.to(torch.int64),
                                              nbr_dist_sq.to(spfh_hist.dtype))
     if backend(spfh_hist) == "cpu" and spfh_hist.dtype in (torch.float32, torch.float64):
-        from pointalign.kernels import _fpfh_cpu
+        from pointalign.kernels.features import fpfh_cpu as _fpfh_cpu
 
         return _fpfh_cpu.fpfh_combine_cpu(spfh_hist, nbr_idx, nbr_dist_sq)
     return fpfh_combine_reference(spfh_hist, nbr_idx, nbr_dist_sq)

@@ -125,7 +125,7 @@ def normal_equations(
     _check(source, target, idx, target_normals, lengths, center, kernel, float(scale))
     be = backend(source)
     if be == "cpu":
-        from pointalign.kernels import _normal_eq_cpu
+        from pointalign.kernels.normal_eq import cpu as _normal_eq_cpu
 
         return _normal_eq_cpu.normal_equations_cpu(source, target, idx, target_normals,
                                                     lengths, center, kernel, float(scale))
@@ -133,7 +133,7 @@ def normal_equations(
         return normal_equations_reference(source, target, idx, target_normals=target_normals,
                                           lengths=lengths, center=center, kernel=kernel,
                                           scale=scale)
-    from pointalign.kernels import _normal_eq_triton
+    from pointalign.kernels.normal_eq import triton as _normal_eq_triton
 
     return _normal_eq_triton.normal_equations_triton(
         source, target, idx, target_normals, lengths, center, kernel, float(scale))
@@ -349,7 +349,7 @@ def icp_update(
     be = backend(source)
     if be in ("torch", "cpu"):
         if be == "cpu":
-            from pointalign.kernels import _normal_eq_cpu
+            from pointalign.kernels.normal_eq import cpu as _normal_eq_cpu
 
             s = _normal_eq_cpu.normal_equations_cpu(source, target, idx, normals, lengths,
                                                     center, kernel, float(scale))
@@ -364,7 +364,7 @@ def icp_update(
         for o, v in zip(out, (s, D, Tn, Tn, fl), strict=False):
             o.copy_(v)
         return out
-    from pointalign.kernels import _normal_eq_triton
+    from pointalign.kernels.normal_eq import triton as _normal_eq_triton
 
     return _normal_eq_triton.icp_update_triton(
         source.contiguous(), target.contiguous(), idx.contiguous(),

@@ -210,13 +210,13 @@ def soft_rows(
     ql, pl = _check(query, points, transform, scale, query_lengths, point_lengths,
                     point_log_weights)
     if _use_cpu(query, approximation):
-        from pointalign.kernels import _soft_cpu
+        from pointalign.kernels.soft import cpu as _soft_cpu
 
         return SoftRows(*_soft_cpu.soft_rows(query, points, transform, scale, ql, pl,
                                              point_log_weights, squares, offset,
                                              approximation))
     if _use_triton(query):
-        from pointalign.kernels import _soft_triton
+        from pointalign.kernels.soft import triton as _soft_triton
 
         lse, lse2, mean = _soft_triton.rows(query, points, transform, scale, ql, pl,
                                             point_log_weights, None, mode="raw",
@@ -272,12 +272,12 @@ def emicp_rows(
         scale = 0.5 / sigma2.to(source.dtype)
     ql, pl = _check(source, target, transform, scale, source_lengths, target_lengths, None)
     if _use_cpu(source, approximation):
-        from pointalign.kernels import _soft_cpu
+        from pointalign.kernels.soft import cpu as _soft_cpu
 
         return _soft_cpu.emicp_rows(source, target, transform, scale, log_outlier, ql, pl,
                                     approximation)
     if _use_triton(source):
-        from pointalign.kernels import _soft_triton
+        from pointalign.kernels.soft import triton as _soft_triton
 
         w, _, mean = _soft_triton.rows(source, target, transform, scale, ql, pl, None,
                                     log_outlier, mode="emicp", squares=True)
@@ -323,7 +323,8 @@ def emicp_step(
 
     """
     if _use_triton(source):
-        from pointalign.kernels import _horn_triton, _soft_triton
+        from pointalign.kernels.horn import triton as _horn_triton
+        from pointalign.kernels.soft import triton as _soft_triton
 
         lam, mom, _ = _soft_triton.rows(source, target, transform, scale, source_lengths,
                                         target_lengths, None, log_outlier, mode="emicp",
@@ -331,7 +332,7 @@ def emicp_step(
         T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
         return T, valid, lam
     if _use_cpu(source, approximation):
-        from pointalign.kernels import _soft_cpu
+        from pointalign.kernels.soft import cpu as _soft_cpu
 
         _check(source, target, transform, scale, source_lengths, target_lengths, None)
         lam, *moments = _soft_cpu.emicp_moments(source, target, transform, scale, log_outlier,
@@ -355,7 +356,7 @@ def cpu_plan(n: int, m: int, passes: int, **kw: Any):
     ``plan.estimate_s`` is the predicted time of the chosen form, ``plan.exact_estimate_s``
     the exact one's. Without numba (backend "torch") the plan is ignored: the reference.
     """
-    from pointalign.kernels import _soft_cpu
+    from pointalign.kernels.soft import cpu as _soft_cpu
 
     return _soft_cpu.plan(n, m, passes, **kw)
 
@@ -367,7 +368,7 @@ def point_layout(points: torch.Tensor) -> torch.Tensor:
     every pass); elsewhere ``points`` itself. Values are unchanged.
     """
     if backend(points) == "triton":
-        from pointalign.kernels import _soft_triton
+        from pointalign.kernels.soft import triton as _soft_triton
 
         return _soft_triton.soa(points)
     return points
@@ -446,7 +447,7 @@ def sinkhorn_scaling(
     ql, pl = _check(query, points, transform, beta, query_lengths, point_lengths,
                     point_log_weights)
     if _use_triton(query):
-        from pointalign.kernels import _soft_triton
+        from pointalign.kernels.soft import triton as _soft_triton
 
         return _soft_triton.rows(query, points, transform, beta.to(query.dtype), ql, pl,
                                  point_log_weights, log_slack, mode="sinkhorn",
