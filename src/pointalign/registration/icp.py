@@ -35,6 +35,7 @@ from pointalign.kernels import _loop, features, normal_eq
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
+from pointalign.registration.anderson import AndersonStep
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import policy
@@ -144,20 +145,22 @@ class _Rules:
             self._stop(cnt == 0, StopReason.NO_CORRESPONDENCES)
         else:
             D, T_next, flags = self.pending
-            self.rank_deficient |= self.active & (flags[:, 0] == 0)
-            self._stop(flags[:, 1] == 0, StopReason.DEGENERATE)
-            act = self.active.copy()
+            # an accelerated pose whose energy rose is discarded (registration/anderson.py)
+            ok = rec.get("accepted", np.ones(len(cnt), dtype=bool)).astype(bool)
+            self.rank_deficient |= self.active & ok & (flags[:, 0] == 0)
+            self._stop(ok & (flags[:, 1] == 0), StopReason.DEGENERATE)
+            act = self.active & ok
             self.T = np.where(act[:, None, None], T_next, self.T)
             self.iterations += act
             prev_fit, prev_rmse = self.fitness, self.rmse
             self.fitness, self.rmse = np.where(act, fit, prev_fit), np.where(act, rmse, prev_rmse)
             self.sums[act], self.count = s[act], np.where(act, cnt, self.count)
             c = self.crit
-            self._stop(cnt == 0, StopReason.NO_CORRESPONDENCES)
-            self._stop((_angle(D[:, :3, :3]) < c.rotation_tolerance)
+            self._stop(ok & (cnt == 0), StopReason.NO_CORRESPONDENCES)
+            self._stop(ok & (_angle(D[:, :3, :3]) < c.rotation_tolerance)
                        & (np.linalg.norm(D[:, :3, 3], axis=-1) < self.translation_tolerance),
                        StopReason.SMALL_UPDATE)
-            self._stop((np.abs(self.fitness - prev_fit) < c.relative_fitness)
+            self._stop(ok & (np.abs(self.fitness - prev_fit) < c.relative_fitness)
                        & (np.abs(self.rmse - prev_rmse) / np.maximum(prev_rmse, 1e-300)
                           < c.relative_rmse), StopReason.RELATIVE_CHANGE)
         self.history.append({"iteration": self.step, "fitness": self.fitness.copy(),
@@ -323,6 +326,7 @@ def icp(
     target_normals: Any = None,
     source_lengths: Any = None,
     target_lengths: Any = None,
+    acceleration: bool = False,
 ) -> RegistrationResult:
     """Register ``source`` to ``target`` by ICP; returns ``T_target_source``.
 
@@ -365,6 +369,9 @@ def icp(
             the PointCloud's, else estimated with :func:`estimate_normals` (k = 20).
         source_lengths: ``(B,)`` valid source points per padded batch entry.
         target_lengths: ``(B,)`` valid target points per padded batch entry.
+        acceleration: Anderson acceleration of the iteration with an energy safeguard
+            (:mod:`pointalign.registration.anderson`): fewer iterations from far away; a
+            rejected accelerated step costs one iteration and is not counted.
 
     Returns:
         :class:`RegistrationResult` with ``fitness`` (fraction of source points with a
@@ -402,7 +409,11 @@ def icp(
     state = {"T": T0, "Tf": T0.to(torch.float32)}
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)
-    step = IcpStep(idxs, max_dist, plane, rk.kind, float(rk.k))
+    step: Any = IcpStep(idxs, max_dist, plane, rk.kind, float(rk.k))
+    if acceleration:
+        step = AndersonStep(step, max_dist * max_dist)
+        inputs, state = step.prepare(inputs, state, torch.from_numpy(pair.source_counts),
+                                     torch.from_numpy(np.asarray(pair.extent, np.float64)))
     rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy(),
                    crit.translation_for(pair.extent))
     t_it = time.perf_counter()

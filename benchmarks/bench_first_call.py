@@ -1,0 +1,176 @@
+"""What a user meets first: the cold first call, the first call at each new size (issue 23).
+
+Three measurements, each in fresh child processes so that nothing is warm by accident:
+
+* ``cold``: empty Triton and numba caches (fresh ``TRITON_CACHE_DIR`` and
+  ``NUMBA_CACHE_DIR``): ``import pointalign``, the first ``register()`` on the bundled
+  bunny pair, then the second call (warm);
+* ``cached``: a second process reusing those caches (what every later session pays);
+* ``sizes``: one process registers every ordered pair of the Stanford bunny scans (90 calls,
+  each scan a different size) one after another, twice; per call it records the wall time
+  and the number of Triton kernels compiled during the call (``knobs.runtime``'s compile
+  hook) so that a recompilation for a new size shows as a count, not a guess. The second
+  loop is the warm reference: a call of the first loop above twice the second loop's
+  median is "slow", and the sum of the excess is reported.
+
+Run::
+
+    python benchmarks/bench_first_call.py              # CUDA when present, else the CPU
+    python benchmarks/bench_first_call.py --device cpu --pairs 12
+
+Writes ``results/first_call-<device>.json`` (rendered into BENCHMARKS.md by render.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _child_cold(device: str) -> dict:
+    """Import, first and second register() on the bundled pair, in this process."""
+    t0 = time.perf_counter()
+    import torch
+
+    t_torch = time.perf_counter() - t0
+    import pointalign as pa
+
+    t_import = time.perf_counter() - t0
+    pair = pa.datasets.load_bunny_pair()
+    src, tgt = pair.source.to(device), pair.target.to(device)
+    out = {"import_torch_s": t_torch, "import_s": t_import}
+    for name in ("first", "second", "third"):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        r = pa.register(src, tgt, seed=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        out[f"{name}_s"] = time.perf_counter() - t
+        out[f"{name}_stages"] = {k: round(v, 4) for k, v in r.timings.items()}
+    rot, tr = pa.metrics.relative_error(r.transformation, pair.T_target_source)
+    out["error_deg"], out["error_m"] = float(rot), float(tr)
+    return out
+
+
+def _scans() -> dict:
+    import pointalign as pa
+
+    d = pa.datasets.shared_data_dir()
+    if d is None:
+        raise SystemExit("the Stanford bunny scans (../shared/data or .data) are needed")
+    folder = d / "stanford_bunny" / "data"
+    return {p.stem: pa.read(p).points for p in sorted(folder.glob("*.ply"))}
+
+
+def _child_sizes(device: str, pairs: int) -> dict:
+    """Every ordered pair of bunny scans, twice, with Triton compiles counted per call."""
+    import torch
+
+    import pointalign as pa
+
+    compiled = [0]
+    try:
+        from triton import knobs
+
+        def hook(*args, **kwargs):
+            compiled[0] += 1
+            return None
+
+        knobs.runtime.jit_post_compile_hook = hook
+    except Exception:  # no Triton (CPU machine): compiles are numba's, not counted here
+        pass
+    scans = {k: v.to(device) for k, v in _scans().items()}
+    names = sorted(scans)
+    order = [(a, b) for a in names for b in names if a != b][:pairs]
+    loops = []
+    for _ in range(2):
+        rows = []
+        for a, b in order:
+            c0 = compiled[0]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            pa.register(scans[a], scans[b], seed=0)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            rows.append({"pair": f"{a}->{b}", "n": [int(scans[a].shape[0]), int(scans[b].shape[0])],
+                         "s": time.perf_counter() - t, "compiled": compiled[0] - c0})
+        loops.append(rows)
+    return {"loops": loops}
+
+
+def _run_child(what: str, device: str, env: dict, pairs: int) -> dict:
+    code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import bench_first_call as b; "
+            f"print('@@' + json.dumps(b._child_{what}({device!r}"
+            + (f", {pairs}" if what == "sizes" else "") + ")))")
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("@@")]
+    if p.returncode or not line:
+        raise SystemExit(f"child {what} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    out = json.loads(line[-1][2:])
+    out["process_wall_s"] = wall
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--pairs", type=int, default=90, help="ordered scan pairs in the size loop")
+    ap.add_argument("--skip-sizes", action="store_true")
+    a = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    import torch
+    from common import Recorder
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rec = Recorder("first_call", device, title="First call and new sizes (issue 23)")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton", NUMBA_CACHE_DIR=f"{tmp}/numba")
+        for label in ("cold", "cached"):
+            r = _run_child("cold", device, env, a.pairs)
+            print(f"{label}: import {r['import_s']:.2f} s, first register {r['first_s']:.2f} s, "
+                  f"second {1e3 * r['second_s']:.1f} ms, third {1e3 * r['third_s']:.1f} ms "
+                  f"({r['error_deg']:.3f} deg)", flush=True)
+            rec.add("cold", caches=label, import_s=round(r["import_s"], 3),
+                    first_s=round(r["first_s"], 3), second_ms=round(1e3 * r["second_s"], 1),
+                    third_ms=round(1e3 * r["third_s"], 1),
+                    first_stages=json.dumps(r["first_stages"]))
+        if not a.skip_sizes:
+            env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton2", NUMBA_CACHE_DIR=f"{tmp}/numba")
+            r = _run_child("sizes", device, env, a.pairs)
+            first, again = r["loops"]
+            med = statistics.median(x["s"] for x in again)
+            slow = [x for x in first[1:] if x["s"] > 2 * med]
+            excess = sum(x["s"] - med for x in slow)
+            print(f"sizes: {len(first)} pairs, warm median {1e3 * med:.1f} ms, first call "
+                  f"{first[0]['s']:.2f} s, later calls over 2x median: {len(slow)} "
+                  f"(max {max([x['s'] for x in slow], default=0):.2f} s, excess {excess:.2f} s), "
+                  f"Triton compiles after the first call: {sum(x['compiled'] for x in first[1:])}"
+                  f", in the second loop: {sum(x['compiled'] for x in again)}", flush=True)
+            rec.add("sizes", pairs=len(first), warm_median_ms=round(1e3 * med, 1),
+                    first_call_s=round(first[0]["s"], 3), slow_calls=len(slow),
+                    slowest_s=round(max([x["s"] for x in slow], default=0.0), 3),
+                    excess_s=round(excess, 3),
+                    compiles_first_call=first[0]["compiled"],
+                    compiles_later=sum(x["compiled"] for x in first[1:]),
+                    compiles_second_loop=sum(x["compiled"] for x in again))
+            for x in slow:
+                rec.add("slow_calls", pair=x["pair"], n=str(x["n"]), s=round(x["s"], 3),
+                        compiled=x["compiled"])
+    print("wrote", rec.save())
+
+
+if __name__ == "__main__":
+    main()
