@@ -39,23 +39,34 @@ def node_frames(tree: KDTreeIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return _ks.node_frames(tree.arrays, MIN_FRAME_POINTS)
 
 
-def _curvatures(tree: KDTreeIndex, mean: torch.Tensor, frame: torch.Tensor):
+def _curvatures(tree: KDTreeIndex, mean: torch.Tensor, frame: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Principal curvatures ``(K, 2)`` and directions ``(K, 3, 2)`` by a quadric fit per node.
 
-    Least squares ``w ≈ αu² + βuv + γv² + ζ`` in the node's PCA frame (4×4 normal equations
-    from :func:`pointalign.kernels.surface.quadric_sums`, solved by
-    :func:`pointalign._math.solve_spd4`); curvatures and directions from the closed-form 2×2
-    eigen-solve (:func:`pointalign._math.symmetric_eigh2`) of the Hessian
-    ``[[2α, β], [β, 2γ]]``.
+    Least squares ``w ≈ αu² + βuv + γv² + ζ`` in the node's PCA frame: the 4×4 normal
+    equations from :func:`pointalign.kernels.surface.quadric_sums`, solved by
+    :func:`_fit_curvatures`.
     """
-    dev = tree.device
     normal_eq, rhs = _ks.quadric_sums(tree.arrays, mean, frame)
+    return _fit_curvatures(normal_eq, rhs, tree.node_sizes(), frame)
+
+
+def _fit_curvatures(normal_eq: torch.Tensor, rhs: torch.Tensor, sizes: torch.Tensor,
+                    frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Curvatures ``(K, 2)`` and directions ``(K, 3, 2)`` from the quadric fits' sums.
+
+    ``normal_eq (K, 4, 4)``, ``rhs (K, 4)``: the sums of :func:`_curvatures`; ``sizes (K,)``
+    the nodes' point counts (fewer than 6: no fit, curvature 0); ``frame (K, 3, 3)``. The
+    system is solved by :func:`pointalign._math.solve_spd4` after Jacobi scaling; the
+    curvatures and directions are the closed-form 2×2 eigenpairs
+    (:func:`pointalign._math.symmetric_eigh2`) of the Hessian ``[[2α, β], [β, 2γ]]``.
+    """
     # Jacobi scaling (u⁴ ~ 1e-12 beside 1 in small cells), then a tiny ridge
     dscale = normal_eq.diagonal(dim1=1, dim2=2).clamp_min(1e-300).rsqrt()  # (K, 4)
     scaled = normal_eq * dscale[:, :, None] * dscale[:, None, :] + \
-        1e-12 * torch.eye(4, dtype=torch.float64, device=dev)
+        1e-12 * torch.eye(4, dtype=torch.float64, device=normal_eq.device)
     coef = _math.solve_spd4(scaled, rhs * dscale) * dscale
-    ok = (tree.node_sizes() >= 6) & torch.isfinite(coef).all(-1)
+    ok = (sizes >= 6) & torch.isfinite(coef).all(-1)
     zero = torch.zeros_like(coef[:, 0])
     al, be, ga = (torch.where(ok, coef[:, i], zero) for i in range(3))
     kappa, dirs2 = _math.symmetric_eigh2(2 * al, be, 2 * ga)
@@ -119,7 +130,6 @@ def approximant_coefficients(tree: KDTreeIndex, approximant: Approximant = "plan
     return co
 
 
-
 def approximate_sq_distance(tree: KDTreeIndex, query: Any, approximant: Approximant = "plane",
                             depth: int | None = None) -> torch.Tensor:
     """``d̂²(q)`` ``(N,)`` of ``query (N, 3)`` from the approximant of its cell at ``depth``."""
@@ -127,4 +137,3 @@ def approximate_sq_distance(tree: KDTreeIndex, query: Any, approximant: Approxim
     co = approximant_coefficients(tree, approximant)
     node = tree.descend(q, _resolve_depth(tree, depth))
     return _ks.evaluate(q.double(), co[node].double()).clamp_min(0)
-

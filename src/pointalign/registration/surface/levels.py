@@ -23,7 +23,6 @@ def _resolve_depth(tree: KDTreeIndex, depth: int | None) -> int:
     return min(_validate.integer(depth, "tree_depth", minimum=0), tree.depth)
 
 
-
 def _level_radii(tree: KDTreeIndex, levels: list[int]) -> list[float]:
     """Median RMS radius of the cells of each level in ``levels`` (cached per node)."""
     key = "surface:radius"
@@ -123,4 +122,3 @@ class LevelSchedule:
             return False
         self.index, self.prev_disp = new, math.nan
         return True
-

@@ -348,4 +348,3 @@ def surface_newton(
             "device_steps": sum(r.launched for r in runs),
             "max_correspondence_distance": max_correspondence_distance}
     return _finish(prob, rules.T, fit, rmse, rules.it, reason, rules.history, timings, info)
-

@@ -99,4 +99,3 @@ def _finish(prob: _Problem, T: np.ndarray, fit: float, rmse: float, it: int,
     return _edge.build_result(prob.pair, T[None], fitness=np.array([fit]),
                               rmse=np.array([rmse]), iterations=np.array([it]),
                               reasons=[reason], history=history, timings=timings, info=info)
-
