@@ -1,4 +1,8 @@
-"""surface_newton / approximate_icp: approximants, Armijo, levels, recovery (the kernels: tests/kernels/test_surface.py)."""
+"""surface_newton / approximate_icp: approximants, Armijo, levels, recovery.
+
+The surface kernels (Newton terms, node statistics, the cell-mean step) are tested in
+tests/kernels/test_surface.py.
+"""
 
 from __future__ import annotations
 

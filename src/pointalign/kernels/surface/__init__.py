@@ -1,6 +1,7 @@
-"""Distance-map Newton terms: one fused pass over the query points, with its PyTorch reference.
+"""The surface family: distance-map Newton terms, per-node statistics, the cell-mean step.
 
-For every query point ``q`` (source point moved by the current ``R, t``: ``q = R x + t``) the
+The Newton terms (:func:`newton_terms`) are one fused pass over the query points. For every
+query point ``q`` (source point moved by the current ``R, t``: ``q = R x + t``) the
 pass finds the k-d tree node of level ``depth`` whose cell holds ``q`` (descent, no
 backtracking), fetches that node's quadratic approximant of the squared distance to the
 target, ``d̂²(q) = qᵀAq − 2bᵀq + c`` (``A`` symmetric 3×3), and accumulates the terms of its
@@ -40,7 +41,6 @@ from pointalign.kernels import kdtree as _kd
 from pointalign.kernels import normal_eq
 from pointalign.kernels._backend import backend
 from pointalign.kernels.surface.reference import (
-    CELL_SUMS,
     N_TERMS,
     TRIU,
     cell_mean_step_reference,
@@ -57,7 +57,7 @@ from pointalign.kernels.surface.reference import (
 )
 
 __all__ = [
-    "CELL_SUMS", "N_TERMS", "TRIU", "cell_mean_step", "cell_mean_step_reference",
+    "N_TERMS", "TRIU", "cell_mean_step", "cell_mean_step_reference",
     "cell_mean_sums", "cell_mean_sums_reference", "evaluate", "newton_terms",
     "newton_terms_reference", "node_frames", "node_frames_reference", "node_moments",
     "node_moments_reference", "node_radii", "node_radii_reference", "quadric_sums",

@@ -36,8 +36,6 @@ from pointalign.kernels import normal_eq
 N_TERMS = 29
 #: index pairs (i, j), i <= j, of the 21 stored entries of the symmetric 6×6 F
 TRIU = [(i, j) for i in range(6) for j in range(i, 6)]
-#: length of the approximate-ICP sums: the point-to-point layout of ``normal_eq`` (30)
-CELL_SUMS = normal_eq.WIDTH
 
 
 def unpack(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
