@@ -307,3 +307,29 @@ def test_spec_rotations_are_consistent():
 def test_robust_weight_rejects_unknown_kind():
     with pytest.raises(ValueError, match="kind"):
         _math.robust_weight(torch.zeros(3), "welsch", 1.0)
+
+
+# ---- the surface approximants' small solves (closed-form 2×2 eigen, 4×4 Cholesky) -------
+
+def test_symmetric_eigh2_and_solve_spd4(rng):
+    # entries ~N(0, 1): LAPACK's eigh and the closed form (hypot, atan2, cos, sin: each a
+    # few ulps) agree to a few ulps of |λ| <= ~5, far inside 1e-13
+    a, b, c = torch.randn(3, 1000, generator=rng, dtype=torch.float64)
+    b[:100] = 0
+    a[:50] = c[:50]  # repeated eigenvalue
+    lam, V = _math.symmetric_eigh2(a, b, c)
+    H = torch.stack([torch.stack([a, b], -1), torch.stack([b, c], -1)], -2)
+    ref, _ = torch.linalg.eigh(H)
+    assert torch.allclose(lam, ref, atol=1e-13)
+    assert (H @ V - V * lam[:, None, :]).abs().max() < 1e-13
+    assert (V.transpose(1, 2) @ V - torch.eye(2, dtype=torch.float64)).abs().max() < 1e-13
+    # SPD systems with eigenvalues in [1e-3, ~50] (cond <= ~5e4): LU and Cholesky agree to
+    # ~cond × ε relatively, far inside 1e-8
+    M = torch.randn(500, 4, 4, generator=rng, dtype=torch.float64)
+    M = M @ M.transpose(1, 2) + 1e-3 * torch.eye(4, dtype=torch.float64)
+    r = torch.randn(500, 4, generator=rng, dtype=torch.float64)
+    assert torch.allclose(_math.solve_spd4(M, r), torch.linalg.solve(M, r), rtol=1e-8, atol=1e-8)
+    # a pivot that is not positive gives NaN in its row, the others are solved
+    M[0] = -torch.eye(4, dtype=torch.float64)
+    x = _math.solve_spd4(M, r)
+    assert torch.isnan(x[0]).all() and torch.isfinite(x[1:]).all()

@@ -397,6 +397,54 @@ def eigh3(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (lam * s[..., None]).to(dt), V.to(dt)
 
 
+def symmetric_eigh2(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenpairs of the symmetric 2×2 ``[[a, b], [b, c]]`` (``a, b, c (…,)``) in closed form.
+
+    ``λ = m ∓ r`` with ``m = (a + c)/2``, ``r = hypot((a − c)/2, b)``; the eigenvector of the
+    larger is ``(cos θ, sin θ)``, ``θ = ½ atan2(2b, a − c)``, the smaller's ``(−sin θ, cos θ)``.
+    No LAPACK/cuSOLVER call, O(1) memory per matrix, in the inputs' dtype.
+
+    Returns:
+        ``(eigenvalues (…, 2) ascending, eigenvectors (…, 2, 2))``; column ``j`` is the
+        eigenvector of eigenvalue ``j``.
+
+    """
+    m = 0.5 * (a + c)
+    r = torch.hypot(0.5 * (a - c), b)
+    th = 0.5 * torch.atan2(2 * b, a - c)
+    co, si = torch.cos(th), torch.sin(th)
+    vecs = torch.stack([torch.stack([-si, co], -1), torch.stack([co, si], -1)], -1)
+    return torch.stack([m - r, m + r], -1), vecs
+
+
+def solve_spd4(M: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Solve ``M x = r`` for symmetric positive definite ``M (K, 4, 4)``, ``r (K, 4)``.
+
+    Cholesky ``M = L Lᵀ`` unrolled over ``(K,)`` columns, then the two triangular solves (no
+    batched LAPACK/cuSOLVER call, O(K) memory); in the inputs' dtype. Rows whose pivot is
+    not positive give NaN. Returns ``x (K, 4)``.
+    """
+    n = 4
+    L: dict[tuple[int, int], torch.Tensor] = {}
+    for j in range(n):
+        d = M[:, j, j] - sum((L[j, k] * L[j, k] for k in range(j)), torch.zeros_like(M[:, 0, 0]))
+        ljj = torch.where(d > 0, d, torch.full_like(d, float("nan"))).sqrt()
+        L[j, j] = ljj
+        for i in range(j + 1, n):
+            v = M[:, i, j] - sum((L[i, k] * L[j, k] for k in range(j)), torch.zeros_like(ljj))
+            L[i, j] = v / ljj
+    y: list[torch.Tensor] = []
+    for i in range(n):
+        y.append((r[:, i] - sum((L[i, k] * y[k] for k in range(i)), torch.zeros_like(r[:, 0])))
+                 / L[i, i])
+    x: dict[int, torch.Tensor] = {}
+    for i in reversed(range(n)):
+        x[i] = (y[i] - sum((L[k, i] * x[k] for k in range(i + 1, n)), torch.zeros_like(y[i])))\
+            / L[i, i]
+    return torch.stack([x[i] for i in range(n)], -1)
+
+
 def eigh6(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenpairs of symmetric ``A (…, 6, 6)`` in float64.
 

@@ -1,4 +1,8 @@
-"""surface_newton / approximate_icp: approximants, the fused Newton terms, Armijo, recovery."""
+"""surface_newton / approximate_icp: approximants, Armijo, levels, recovery.
+
+The surface kernels (Newton terms, node statistics, the cell-mean step) are tested in
+tests/kernels/test_surface.py.
+"""
 
 from __future__ import annotations
 
@@ -16,17 +20,14 @@ from pointalign.registration.surface import (
     APPROXIMANTS,
     LevelSchedule,
     NewtonStep,
-    _solve_spd4,
     approximant_coefficients,
     approximate_icp,
     approximate_sq_distance,
     default_criteria,
     node_frames,
     surface_newton,
-    symmetric_eigh2,
 )
 from pointalign.search.kdtree import KDTreeIndex
-from tests._interpreted import interpreted_fixture
 
 CRIT = ConvergenceCriteria(max_iterations=80, relative_rmse=1e-5, rotation_tolerance=1e-5,
                            translation_tolerance=1e-6)
@@ -67,22 +68,6 @@ def test_symmetric_eigh3_matches_torch_eigh(rng):
     d = gap > 1e-3
     dots = (V[d] * Vr[d]).sum(1).abs()
     assert d.sum() > 300 and torch.allclose(dots, torch.ones_like(dots), atol=1e-9)
-
-
-def test_symmetric_eigh2_and_spd4_solve(rng):
-    a, b, c = torch.randn(3, 1000, generator=rng, dtype=torch.float64)
-    b[:100] = 0
-    a[:50] = c[:50]  # repeated eigenvalue
-    lam, V = symmetric_eigh2(a, b, c)
-    H = torch.stack([torch.stack([a, b], -1), torch.stack([b, c], -1)], -2)
-    ref, _ = torch.linalg.eigh(H)
-    assert torch.allclose(lam, ref, atol=1e-13)
-    assert (H @ V - V * lam[:, None, :]).abs().max() < 1e-13
-    assert (V.transpose(1, 2) @ V - torch.eye(2, dtype=torch.float64)).abs().max() < 1e-13
-    M = torch.randn(500, 4, 4, generator=rng, dtype=torch.float64)
-    M = M @ M.transpose(1, 2) + 1e-3 * torch.eye(4, dtype=torch.float64)
-    r = torch.randn(500, 4, generator=rng, dtype=torch.float64)
-    assert torch.allclose(_solve_spd4(M, r), torch.linalg.solve(M, r), rtol=1e-8, atol=1e-8)
 
 
 def test_node_frames_match_eigh(rng):
@@ -147,97 +132,6 @@ def test_custom_approximant_callable(rng):
         approximant_coefficients(tree, lambda s, n, f: (n, n, n))
     with pytest.raises(ValueError, match="approximant"):
         approximant_coefficients(tree, "quadric")
-
-
-# ---- fused Newton terms ----------------------------------------------------------------
-
-def _terms_problem(g):
-    tgt = datasets.random_subsample(datasets.load_bunny("bun000"), 900, int(g.initial_seed()))
-    src = datasets.random_subsample(datasets.load_bunny("bun045"), 211, 7)
-    tree = KDTreeIndex(tgt, leaf_size=4)
-    T = transforms.random_transform(4.0, 0.01, generator=g)
-    center = torch.tensor([0.01, 0.1, -0.02], dtype=torch.float64)
-    return src, tree, T, center
-
-
-@pytest.mark.parametrize("kind", ["point", "plane", "second_order"])
-def test_newton_terms_match_float64_model(kind, rng):
-    src, tree, T, o = _terms_problem(rng)
-    co = approximant_coefficients(tree, kind)
-    depth = tree.depth - 1
-    w = torch.rand(src.shape[0], generator=rng)
-    F, g, h, n_in = ks.unpack(ks.newton_terms_reference(src, T, o, tree.arrays, co, depth,
-                                                        weights=w))
-    # independent NumPy float64: with the cells fixed, d̂² is quadratic in q and q(ξ) is
-    # linear in ξ, so the model ξᵀFξ − 2gᵀξ + h is exact for q(ξ) = q + ω×(q−o) + τ
-    Tf = T.float()
-    q32 = src @ Tf[:3, :3].T + Tf[:3, 3]
-    node = tree.descend(q32, depth)
-    c = co[node].double().numpy()
-    A = np.stack([c[:, [0, 1, 2]], c[:, [1, 3, 4]], c[:, [2, 4, 5]]], 1)
-    q = q32.double().numpy()
-    wn = w.double().numpy()
-    assert n_in == src.shape[0]
-    for _ in range(4):
-        xi = np.random.default_rng(0).normal(size=6) * 1e-2
-        qx = q + np.cross(xi[:3], q - o.numpy()) + xi[3:]
-        d2 = np.einsum("ni,nij,nj->n", qx, A, qx) - 2 * (c[:, 6:9] * qx).sum(1) + c[:, 9]
-        exact = float((wn * d2).sum())
-        model = float(xi @ F.numpy() @ xi - 2 * g.numpy() @ xi + h)
-        assert math.isclose(model, exact, rel_tol=1e-5, abs_tol=1e-12)
-
-
-def test_newton_terms_truncation_and_objective_only(rng):
-    src, tree, T, o = _terms_problem(rng)
-    co = approximant_coefficients(tree, "plane")
-    full = ks.newton_terms_reference(src, T, o, tree.arrays, co, 5)
-    tr = ks.newton_terms_reference(src, T, o, tree.arrays, co, 5, tau2=1e-6)
-    ob = ks.newton_terms_reference(src, T, o, tree.arrays, co, 5, tau2=1e-6,
-                                   objective_only=True)
-    assert float(tr[28]) < float(full[28])
-    assert float(tr[27]) <= float(full[27])
-    assert torch.equal(ob[27:], tr[27:]) and (ob[:27] == 0).all()
-    assert torch.allclose(ks.newton_terms(src, T, o, tree.arrays, co, 5), full)
-
-
-def run_interpreted_surface(out_path: str) -> None:
-    """Child-process body (TRITON_INTERPRET=1): the Triton Newton-terms kernel."""
-    from pointalign.kernels import _backend
-    from pointalign.kernels.surface import triton as kt
-
-    assert _backend.backend(torch.empty(0)) == "interpret"
-    out = {}
-    for seed in range(2):
-        g = torch.Generator().manual_seed(seed)
-        src, tree, T, o = _terms_problem(g)
-        w = torch.rand(src.shape[0], generator=g)
-        for kind in ("plane", "second_order"):
-            co = approximant_coefficients(tree, kind)
-            for tau2 in (math.inf, 1e-5):
-                for obj in (False, True):
-                    out[(seed, kind, tau2, obj)] = kt.newton_terms(
-                        src, T, o, tree.arrays, co, tree.depth, weights=w, tau2=tau2,
-                        objective_only=obj)
-    torch.save(out, out_path)
-
-
-interpreted = interpreted_fixture("tests.registration.test_surface", "run_interpreted_surface")
-
-
-@pytest.mark.parametrize("kind", ["plane", "second_order"])
-def test_triton_interpreter_matches_reference(kind, interpreted):
-    for seed in range(2):
-        g = torch.Generator().manual_seed(seed)
-        src, tree, T, o = _terms_problem(g)
-        w = torch.rand(src.shape[0], generator=g)
-        co = approximant_coefficients(tree, kind)
-        for tau2 in (math.inf, 1e-5):
-            for obj in (False, True):
-                ref = ks.newton_terms_reference(src, T, o, tree.arrays, co, tree.depth,
-                                                weights=w, tau2=tau2, objective_only=obj)
-                got = interpreted[(seed, kind, tau2, obj)]
-                scale = ref.abs().max()
-                assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5 * float(scale))
 
 
 # ---- Newton / Armijo / recovery -------------------------------------------------------------
@@ -474,7 +368,7 @@ def test_cell_mean_rules_say_when_no_decrease_is_a_stall():
     # distance by >= LevelSchedule.LEVEL_RELATIVE_CHANGE (KITTI: 0.3 % a step, 0.95 m off)
     from types import SimpleNamespace
 
-    from pointalign.registration.surface import _CellMeanRules
+    from pointalign.registration.surface.cell_icp import _CellMeanRules
 
     prob = SimpleNamespace(source=torch.zeros(100, 3), cov=0.01 * np.eye(3),
                            centroid=np.zeros(3))

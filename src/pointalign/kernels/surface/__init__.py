@@ -1,6 +1,7 @@
-"""Distance-map Newton terms: one fused pass over the query points, with its PyTorch reference.
+"""The surface family: distance-map Newton terms, per-node statistics, the cell-mean step.
 
-For every query point ``q`` (source point moved by the current ``R, t``: ``q = R x + t``) the
+The Newton terms (:func:`newton_terms`) are one fused pass over the query points. For every
+query point ``q`` (source point moved by the current ``R, t``: ``q = R x + t``) the
 pass finds the k-d tree node of level ``depth`` whose cell holds ``q`` (descent, no
 backtracking), fetches that node's quadratic approximant of the squared distance to the
 target, ``d̂²(q) = qᵀAq − 2bᵀq + c`` (``A`` symmetric 3×3), and accumulates the terms of its
@@ -17,6 +18,17 @@ Output of :func:`newton_terms`: a ``(29,)`` float64 vector ``[F (21, upper trian
 row-major), g (6), objective Σ weight·min(h, tau2), inliers Σ w > 0]``.
 
 Coefficient table layout, ``coeffs (n_nodes, 10)``: ``a00 a01 a02 a11 a12 a22 b0 b1 b2 c``.
+
+Every entry point answers on every backend: the numba kernels of :mod:`.cpu` on ``"cpu"``,
+the Triton kernel of :mod:`.triton` for :func:`newton_terms` on ``"triton"``/``"interpret"``,
+and the PyTorch references of :mod:`.reference` (the spec, with the shared constants)
+elsewhere. The other entry points:
+
+* :func:`node_frames`, :func:`node_moments`, :func:`node_radii`: per-node mean, PCA frame,
+  covariance and RMS radius of the tree's points (the approximants' inputs);
+  :func:`quadric_sums`: the normal equations of the second-order approximant's quadric fits.
+* :func:`cell_mean_sums` and :func:`cell_mean_step`: one approximate-ICP step, the tree
+  cell's mean as each point's partner, Horn's sums and (the step) the float64 solve.
 """
 
 from __future__ import annotations
@@ -28,18 +40,29 @@ import torch
 from pointalign.kernels import kdtree as _kd
 from pointalign.kernels import normal_eq
 from pointalign.kernels._backend import backend
+from pointalign.kernels.surface.reference import (
+    N_TERMS,
+    TRIU,
+    cell_mean_step_reference,
+    cell_mean_sums_reference,
+    cell_partners,
+    evaluate,
+    newton_terms_reference,
+    node_frames_reference,
+    node_moments_reference,
+    node_radii_reference,
+    quadric_sums_reference,
+    sym3,
+    unpack,
+)
 
-N_TERMS = 29
-#: index pairs (i, j), i <= j, of the 21 stored entries of the symmetric 6×6 F
-TRIU = [(i, j) for i in range(6) for j in range(i, 6)]
-
-
-def unpack(terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """``(F (6, 6), g (6,), objective, inliers)`` from a ``(29,)`` float64 vector."""
-    F = terms.new_zeros(6, 6)
-    for k, (i, j) in enumerate(TRIU):
-        F[i, j] = F[j, i] = terms[k]
-    return F, terms[21:27].clone(), float(terms[27]), float(terms[28])
+__all__ = [
+    "N_TERMS", "TRIU", "cell_mean_step", "cell_mean_step_reference",
+    "cell_mean_sums", "cell_mean_sums_reference", "evaluate", "newton_terms",
+    "newton_terms_reference", "node_frames", "node_frames_reference", "node_moments",
+    "node_moments_reference", "node_radii", "node_radii_reference", "quadric_sums",
+    "quadric_sums_reference", "sym3", "unpack",
+]
 
 
 def newton_terms(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
@@ -82,44 +105,63 @@ def newton_terms(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
 
 
 def node_frames(tree: _kd.TreeArrays, min_frame_points: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Mean, PCA frame and RMS radius of every node from the backend's kernel, or None.
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean ``(K, 3)``, PCA frame ``(K, 3, 3)`` and RMS radius ``(K,)`` float64 of every node.
 
-    The contract of :func:`pointalign.registration.surface.node_frames` (its PyTorch code is
-    the reference, and runs where this returns None: every backend but ``"cpu"``).
+    ``frame[:, :, 0..2]`` = ``(e1, e2, n)``, the eigenvectors of the node's covariance by
+    decreasing eigenvalue (``n``: the normal); ``radius = sqrt(Σ max(λ, 0))``. Nodes of fewer
+    than ``min_frame_points`` points take their parent's frame. The ``"cpu"`` backend's
+    numba kernel (centred two-pass sums per node); elsewhere
+    :func:`~.reference.node_frames_reference` (prefix sums; the two agree to the rounding of
+    those).
     """
     if backend(tree.points) == "cpu":
         from pointalign.kernels.surface import cpu as _surface_cpu
 
         return _surface_cpu.node_frames_cpu(tree, min_frame_points)
-    return None
+    return node_frames_reference(tree, min_frame_points)
 
 
-def node_moments(tree: _kd.TreeArrays) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Mean ``(K, 3)`` and covariance ``(K, 3, 3)`` float64 of every node, or None.
+def node_moments(tree: _kd.TreeArrays) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``(K, 3)`` and covariance ``(K, 3, 3)`` float64 of every node's points.
 
-    From the backend's kernel (``"cpu"`` only); None elsewhere, where the caller sums with
-    :meth:`pointalign.search.kdtree.KDTreeIndex.node_sums` (the reference).
+    The ``"cpu"`` backend's numba kernel; elsewhere :func:`~.reference.node_moments_reference`.
     """
     if backend(tree.points) == "cpu":
         from pointalign.kernels.surface import cpu as _surface_cpu
 
         return _surface_cpu.node_moments_cpu(tree)
-    return None
+    return node_moments_reference(tree)
+
+
+def node_radii(tree: _kd.TreeArrays) -> torch.Tensor:
+    """RMS distance ``(K,)`` float64 of every node's points to their mean.
+
+    On ``"cpu"``: the square root of the trace of :func:`node_moments`'s covariance (numba,
+    centred sums); elsewhere :func:`~.reference.node_radii_reference` (prefix sums).
+    """
+    if backend(tree.points) == "cpu":
+        from pointalign.kernels.surface import cpu as _surface_cpu
+
+        cov = _surface_cpu.node_moments_cpu(tree)[1]
+        return cov.diagonal(dim1=1, dim2=2).sum(-1).clamp_min(0).sqrt()
+    return node_radii_reference(tree)
 
 
 def quadric_sums(tree: _kd.TreeArrays, mean: torch.Tensor, frame: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Return the quadric fits' sums ``(K, 4, 4)``, ``(K, 4)`` from the backend's kernel, or None.
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the normal equations ``(K, 4, 4)`` and right sides ``(K, 4)`` of quadric fits.
 
-    None on every backend but ``"cpu"``, where the caller's reference runs (the per-level
-    sums in ``pointalign.registration.surface._curvatures``).
+    The least-squares fit ``w ≈ αu² + βuv + γv² + ζ`` of each node's points in its frame
+    (``mean (K, 3)``, ``frame (K, 3, 3)`` float64 from :func:`node_frames`): ``Σ φφᵀ`` and
+    ``Σ φ w`` with ``φ = (u², uv, v², 1)``, float64. The ``"cpu"`` backend's numba kernel;
+    elsewhere :func:`~.reference.quadric_sums_reference`.
     """
     if backend(tree.points) == "cpu":
         from pointalign.kernels.surface import cpu as _surface_cpu
 
         return _surface_cpu.quadric_sums_cpu(tree, mean, frame)
-    return None
+    return quadric_sums_reference(tree, mean, frame)
 
 
 def cell_mean_sums(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
@@ -135,7 +177,7 @@ def cell_mean_sums(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
     on ``center (3,)``, default 0): ``[0]`` count, ``[1:4]`` Σ x̃, ``[4:7]`` Σ ỹ, ``[7:16]``
     Σ x̃ỹᵀ, ``[16:22]``/``[22:28]`` the upper triangles of Σ x̃x̃ᵀ and Σ ỹỹᵀ, ``[28]`` count,
     ``[29]`` Σ ||q − mean||². The ``"cpu"`` backend's numba kernel; every other backend runs
-    :func:`cell_mean_sums_reference`.
+    :func:`~.reference.cell_mean_sums_reference`.
     """
     if backend(points) == "cpu" and points.shape[0] > 0:
         from pointalign.kernels.surface import cpu as _surface_cpu
@@ -145,93 +187,41 @@ def cell_mean_sums(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
     return cell_mean_sums_reference(points, T, tree, means, depth, tau2=tau2, center=center)
 
 
-def cell_mean_sums_reference(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
-                             means: torch.Tensor, depth: int, *, tau2: float = math.inf,
-                             center: torch.Tensor | None = None) -> torch.Tensor:
-    """PyTorch reference of :func:`cell_mean_sums` (same arguments and result).
+def cell_mean_step(source: torch.Tensor, means: torch.Tensor, T: torch.Tensor,
+                   Tf: torch.Tensor, tree: _kd.TreeArrays, depth: int, *, tau2: float,
+                   lengths: torch.Tensor, center: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, ...]:
+    """One approximate-ICP step: cell means as partners, Horn's sums and the float64 solve.
 
-    The moves and the float64 reduction of
-    :class:`pointalign.registration.surface.CellMeanStep` on the "torch" backend.
+    Move ``source (1, N, 3)`` float by ``Tf (1, 4, 4)`` (``T`` in the source's dtype), pair
+    each point with the mean ``means (1, K, 3)`` of the level-``depth`` cell it falls in
+    (dropped beyond ``tau2``), reduce the point-to-point sums (centred on ``center (1, 3)``;
+    ``lengths (1,)`` = N) and solve Horn's closed form about the centre
+    (:func:`pointalign.kernels.normal_eq.solve_update_reference`'s contract, degeneracy
+    threshold ``eps``), composed with ``T (1, 4, 4)`` float64.
+
+    The ``"cpu"`` backend fuses move, descent, pairing and sums in one numba pass
+    (:func:`cell_mean_sums`); ``"triton"`` moves and descends with PyTorch and reduces and
+    solves on the device (:func:`pointalign.kernels.normal_eq.icp_update`; no host round
+    trip, CUDA-graph safe); ``"torch"`` runs :func:`~.reference.cell_mean_step_reference`.
+
+    Returns:
+        ``(sums (1, 30) float64, D (1, 4, 4) float64, T_new = D T (1, 4, 4) float64, T_new
+        as float32, flags (1, 2) int32 (valid, usable))``, on the source's device.
+
     """
-    Tp = T.to(device=points.device, dtype=points.dtype)
-    q = points @ Tp[:3, :3].T + Tp[:3, 3]
-    node = _kd.descend(tree, q, depth)
-    y = means.to(q.dtype)
-    if math.isfinite(tau2):
-        d2 = ((q.double() - y[node].double()) ** 2).sum(-1)
-        node = torch.where(d2 <= tau2, node, torch.full_like(node, -1))
-    c = torch.zeros(3, dtype=q.dtype, device=q.device) if center is None else \
-        center.to(device=q.device, dtype=q.dtype).reshape(3)
-    n = torch.tensor([q.shape[0]], dtype=torch.int64, device=q.device)
-    return normal_eq.normal_equations_reference(q[None], y[None], node[None], lengths=n,
-                                                center=c[None])[0]
+    be = backend(source)
+    if be == "cpu" and source.shape[1] > 0:
+        from pointalign.kernels.surface import cpu as _surface_cpu
 
-
-def sym3(co: torch.Tensor) -> torch.Tensor:
-    """``(…, 3, 3)`` symmetric A from the first six coefficients ``(…, ≥6)``."""
-    a00, a01, a02, a11, a12, a22 = co[..., 0], co[..., 1], co[..., 2], co[..., 3], co[..., 4], \
-        co[..., 5]
-    return torch.stack([torch.stack([a00, a01, a02], -1), torch.stack([a01, a11, a12], -1),
-                        torch.stack([a02, a12, a22], -1)], -2)
-
-
-def evaluate(q: torch.Tensor, co: torch.Tensor) -> torch.Tensor:
-    """``d̂²(q) = qᵀAq − 2bᵀq + c`` for ``q (N, 3)`` and per-point coefficients ``co (N, 10)``."""
-    A = sym3(co)
-    Aq = (A @ q.unsqueeze(-1)).squeeze(-1)
-    return (q * Aq).sum(-1) - 2 * (co[:, 6:9] * q).sum(-1) + co[:, 9]
-
-
-def newton_terms_reference(points: torch.Tensor, T: torch.Tensor, center: torch.Tensor,
-                           tree: _kd.TreeArrays, coeffs: torch.Tensor, depth: int, *,
-                           weights: torch.Tensor | None = None, tau2: float = math.inf,
-                           objective_only: bool = False) -> torch.Tensor:
-    """PyTorch reference of :func:`newton_terms` (float64 per-point terms, same contract)."""
-    Tp = T.to(device=points.device, dtype=points.dtype)
-    q = points @ Tp[:3, :3].T + Tp[:3, 3]
-    node = _kd.descend(tree, q, depth)
-    co = coeffs[node].double()
-    q = q.double()
-    A = sym3(co)
-    Aq = (A @ q.unsqueeze(-1)).squeeze(-1)
-    h = (q * Aq).sum(-1) - 2 * (co[:, 6:9] * q).sum(-1) + co[:, 9]
-    h = h.clamp_min(0)
-    del A
-    wt = torch.ones_like(h) if weights is None else weights.double()
-    inl = h <= tau2
-    w = torch.where(inl, wt, torch.zeros_like(wt))
-    out = torch.zeros(N_TERMS, dtype=torch.float64, device=points.device)
-    out[27] = (wt * torch.clamp(h, max=tau2)).sum()
-    out[28] = (w > 0).sum()
-    if objective_only:
-        return out
-    px, py, pz = (q - center.double().to(q.device)).unbind(-1)
-    a00, a01, a02, a11, a12, a22 = co[:, :6].unbind(-1)
-    gx, gy, gz = (Aq - co[:, 6:9]).unbind(-1)
-    # u_i = A m_i with m_i = e_i × p, the rotation columns of Q = [−[p]ₓ | I]
-    u0 = torch.stack([a02 * py - a01 * pz, a12 * py - a11 * pz, a22 * py - a12 * pz], -1)
-    u1 = torch.stack([a00 * pz - a02 * px, a01 * pz - a12 * px, a02 * pz - a22 * px], -1)
-    u2 = torch.stack([a01 * px - a00 * py, a11 * px - a01 * py, a12 * px - a02 * py], -1)
-    zero = torch.zeros_like(px)
-    m = [torch.stack([zero, -pz, py], -1), torch.stack([pz, zero, -px], -1),
-         torch.stack([-py, px, zero], -1)]
-    u = [u0, u1, u2]
-    A = sym3(co)
-    cols = []
-    for i, j in TRIU:
-        if j < 3:
-            cols.append((m[i] * u[j]).sum(-1))
-        elif i < 3:
-            cols.append(u[i][:, j - 3])
-        else:
-            cols.append(A[:, i - 3, j - 3])
-    g = [-(py * gz - pz * gy), -(pz * gx - px * gz), -(px * gy - py * gx), -gx, -gy, -gz]
-    out[:27] = w @ torch.stack(cols + g, -1)
-    return out
-
-
-def _skew(v: torch.Tensor) -> torch.Tensor:
-    z = torch.zeros_like(v[..., 0])
-    return torch.stack([torch.stack([z, -v[..., 2], v[..., 1]], -1),
-                        torch.stack([v[..., 2], z, -v[..., 0]], -1),
-                        torch.stack([-v[..., 1], v[..., 0], z], -1)], -2)
+        sums = _surface_cpu.cell_mean_sums_cpu(source[0], Tf[0], tree, means[0], depth,
+                                               tau2=tau2, center=center[0])[None]
+        D, T_new, flags = normal_eq.solve_update_reference(sums, center, T, plane=False,
+                                                           eps=eps)
+        return sums, D, T_new, T_new.float(), flags
+    if be in ("triton", "interpret"):
+        x, node = cell_partners(source[0], Tf[0], tree, means[0], depth, tau2)
+        return normal_eq.icp_update(x[None], means, node[None], transform=T, plane=False,
+                                    lengths=lengths, center=center, eps=eps)
+    return cell_mean_step_reference(source, means, T, Tf, tree, depth, tau2=tau2,
+                                    lengths=lengths, center=center, eps=eps)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pointalign.kernels.surface import N_TERMS
+from pointalign.kernels.surface.reference import N_TERMS
 
 BIG = 3.0e38
 
