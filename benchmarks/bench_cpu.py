@@ -36,7 +36,7 @@ Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
   21.7 s when each pass recomputed its kernel values, 179 CPU-s for the truncated form on 2
   threads at load 5-8), and lands within 1e-5° / 1e-8 m of the truncated form's pose
   (0.647° / 0.59 mm from the ground truth for both). Each pose update of the cells phase
-  now runs as one call (``_soft_cpu.softassign_update``: no per-pass keys, checks and
+  now runs as one call (``kernels/soft/cpu``'s ``softassign_update``: no per-pass keys, checks and
   conversions, ~2 ms each before; the kernel matrix filtered from candidate pairs reused
   across a cell level's updates instead of two tree walks per update; pose bit-identical):
   6.1-6.5 s of CPU on one thread at load 3.4-3.6 where the same script measured 8.0-9.1 s
@@ -54,7 +54,7 @@ Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
   and the bunny pair (bun045 -> bun000), from the identity, default schedule; ``--slow``
   adds one run each on the PyTorch reference backend (the "before": the torch move,
   descent and reduction of ``CellMeanStep``). The "cpu" backend runs one fused numba pass
-  a step (``kernels/_surface_cpu.py``, ``cell_mean_sums``).
+  a step (``kernels/surface/cpu.py``, ``cell_mean_sums``).
 
 Every row records wall time, this process's CPU time (all its threads, peers' OpenMP
 threads included: a load-robust measure) and ``os.getloadavg()`` before the row: the
@@ -83,13 +83,13 @@ PyTorch's OpenMP threads spinning: numba's pool start reset ``torch.set_num_thre
 pipeline under ``OMP_NUM_THREADS=1`` in the same minutes 0.63-0.74 s, of which its FPFH
 0.39-0.45 s and RANSAC 0.19-0.22 s):
 
-* feature-space kNN (``_ransac_cpu``, fused, no N×M matrix): 0.24 s for its 3 calls (RANSAC's
+* feature-space kNN (``kernels/ransac/cpu.py``, fused, no N×M matrix): 0.24 s for its 3 calls (RANSAC's
   correspondences k = 1, and ``rank_correspondences``' k = 2 forward and k = 1 backward);
-* inlier scoring (``_score_cpu`` cell grid behind the host tree): 0.15 s for ~620k queries
+* inlier scoring (``kernels/ransac/score_cpu.py`` cell grid behind the host tree): 0.15 s for ~620k queries
   (RANSAC score 2 × 145k, refine 3 × 18k, the robust stage's 65 candidates × 4.5k = 292k;
   the k-d tree took 0.41 s for the same queries) + hinted ICP queries 0.09 s;
 * radius kNN (5v / 100 per downsampled cloud, stray-point counts): 0.12 s;
-* SPFH + combine (``_fpfh_cpu``): 0.08 s (the references: ~1.6 s);
+* SPFH + combine (``kernels/features/fpfh_cpu.py``): 0.08 s (the references: ~1.6 s);
 * compatibility hypotheses 0.08 s, tree builds 0.04 s (plus 0.03 s of SciPy cKDTrees that the
   "cpu" backend never queries: ``search/ckdtree.py`` builds one per index), downsample and
   normals ~0.03 s each, the final point-to-plane ICP on the full clouds ~0.15 s;
@@ -153,7 +153,7 @@ the descent ``kdtree.descend`` ~65-100 ms, 13 levels of gathers, the rest ~25 ``
 and ``sum`` over (N, 3) float64 temporaries), the node frames (``node_frames``: prefix sums
 and the closed-form ``eigh3`` on 32k nodes) ~0.3-0.9 s, the tree build ~0.25 s, the host
 loop (``_move``, ``so3_exp``, the 6x6 eigh) ~0.05 s. With the "cpu" backend (numba,
-``kernels/_surface_cpu.py``; 1 thread, CPU time, load 6-10): 0.9 s a call: Newton passes
+``kernels/surface/cpu.py``; 1 thread, CPU time, load 6-10): 0.9 s a call: Newton passes
 52 x 3.5 ms = 0.18 s (the descent of groups of 16 points at once overlaps their dependent
 node reads: 9.8 -> 3.5 ms a pass), tree build (NumPy lexsort, ``kernels/kdtree.py``)
 0.25 s, input validation and the local frame (``_edge.prepare_pair``) 0.12 s, node frames

@@ -16,8 +16,9 @@ Contents:
   :func:`top_eigenvector4`, :func:`horn_pose` (weighted moments → R, t).
 * The one degeneracy rule, :func:`spans_plane`, with :data:`DEGENERACY_EPS`; the one
   determinacy rule of a whole registration, :func:`stability` with :data:`STABILITY_EPS`.
-* Small symmetric eigen-solvers: 3×3 in closed form (:func:`eigvalsh3`, :func:`eigh3`,
-  :func:`smallest_eigenvector3`), 4×4 and 6×6 by ``torch.linalg.eigh``.
+* Small symmetric eigen-solvers: 2×2 and 3×3 in closed form (:func:`symmetric_eigh2`,
+  :func:`eigvalsh3`, :func:`eigh3`, :func:`smallest_eigenvector3`), 4×4 and 6×6 by
+  ``torch.linalg.eigh``; the 4×4 SPD Cholesky solve :func:`solve_spd4`.
 * :func:`least_norm_solve` (the point-to-plane 6×6 solve, least-norm on a rank-deficient
   system) and :func:`robust_weight` (the M-estimator weights w(r)).
 """
