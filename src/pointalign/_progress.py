@@ -21,6 +21,9 @@ Warning categories
     * :class:`IgnoredParameterWarning`: a parameter the method does not use was given
       (:func:`warn_ignored`).
     * :class:`DoubtfulResultWarning`: the result's verdict is uncertain.
+    * :class:`FileContentWarning`: a file was read under an assumption (the column count of
+      a raw ``.bin`` scan) or part of it was left out (a mesh's faces, rows whose
+      coordinates are NaN), with the numbers.
 
 Progress
     Long loops (batches, annealing schedules, RANSAC chunks, many files, benchmarks) wrap
@@ -79,6 +82,14 @@ class IgnoredParameterWarning(PointalignWarning):
 
 class DoubtfulResultWarning(PointalignWarning):
     """The result's verdict (e.g. ``converged``) is uncertain."""
+
+
+class FileContentWarning(PointalignWarning):
+    """A file was read under an assumption, or part of it was left out.
+
+    For example: a mesh PLY read as its vertices (its faces are not points), rows with
+    non-finite coordinates dropped, a raw ``.bin`` scan whose column count was inferred.
+    """
 
 
 def get_logger(name: str | None = None) -> logging.Logger:
