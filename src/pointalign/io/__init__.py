@@ -2,13 +2,15 @@
 
 :func:`read` and :func:`write` dispatch on the file suffix (case-insensitive) through
 ``FORMATS``; :func:`read_bin` reads raw float32 ``.bin`` scans (KITTI Velodyne style),
-whose column count cannot be told from the file.
+whose column count it infers from the data (x y z or x y z intensity) and announces, and
+:func:`read` hands ``.bin`` files to it.
 
 Formats (suffix: what is read and written; library):
 
 * ``.ply``: vertex ``x y z``, ``nx ny nz``, ``red green blue``, ``feature_<j>``, other
   scalar vertex properties as ``extras``; ascii and binary little/big endian; elements other
-  than ``vertex`` (faces, the Stanford scans' ``range_grid``) are skipped; plyfile.
+  than ``vertex`` (faces, the Stanford scans' ``range_grid``) are skipped, a mesh's face
+  count named in a warning; plyfile.
 * ``.pcd``: ``x y z``, ``normal_x normal_y normal_z``, ``rgb``/``rgba`` (packed in F 4 or
   U 4) or ``r g b``, ``fpfh``/``feature`` (COUNT D) as features, other fields as ``extras``;
   ascii, binary and binary_compressed; pypcd4.
@@ -52,7 +54,8 @@ such clouds.
 **Common rules.** ``read(..., dtype=None)`` keeps the file's precision: float64 when the
 file stores float64 coordinates or decimal text (and for LAS, whose scaled integers need
 it), float32 otherwise; pass ``dtype`` to force one. Points whose coordinates are not
-finite (organised scans mark missing returns with NaN) are dropped with their attributes.
+finite (organised scans mark missing returns with NaN) are dropped with their attributes,
+and a :class:`~pointalign._progress.FileContentWarning` says how many.
 Integer colours are scaled to [0, 1] by the type's maximum (255 for uint8). Every reading
 error is a ``ValueError`` naming the file (and the row, line or byte offset where it is
 known); a missing file is a ``FileNotFoundError``. A file with 0 points is an error.
@@ -215,14 +218,17 @@ def read(path: PathLike, *, dtype: torch.dtype | None = None) -> PointCloud:
 
     Args:
         path: file to read (``.ply .pcd .xyz .txt .csv .pts .xyzn .xyzrgb .npy .npz .las
-            .laz``; case-insensitive).
+            .laz``, and raw float32 ``.bin`` scans by :func:`read_bin`'s rules;
+            case-insensitive).
         dtype: float dtype of the result; default keeps the file's precision (float64 for
             double-precision, text and LAS files, float32 otherwise).
 
     Returns:
         A :class:`PointCloud` on the CPU: ``points (N, 3)``, and ``normals (N, 3)``,
         ``colors (N, 3)`` in [0, 1], ``features (N, D)`` and ``extras`` where the file has
-        them. Points with non-finite coordinates are dropped.
+        them. Points with non-finite coordinates are dropped, and a
+        :class:`~pointalign._progress.FileContentWarning` gives their count; a mesh PLY is
+        read as its vertices, with a warning naming its face count.
 
     Raises:
         FileNotFoundError: no such file.
