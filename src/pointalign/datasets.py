@@ -22,6 +22,28 @@ import torch
 from pointalign import _validate, transforms
 
 
+class _Pose(np.ndarray):
+    """A ``(4, 4)`` float64 NumPy array that also answers ``.numpy()``.
+
+    :attr:`Pair.T_target_source` was a tensor before it became a NumPy array like
+    ``RegistrationResult.transformation``; ``.numpy()`` (a plain view) keeps code written
+    for the tensor working. Everything else is NumPy's.
+    """
+
+    def numpy(self) -> np.ndarray:
+        """The same values as a plain ``np.ndarray`` (a view, as ``Tensor.numpy()``)."""
+        return self.view(np.ndarray)
+
+    def __repr__(self) -> str:
+        return repr(self.view(np.ndarray))
+
+
+def _pose(T: Any) -> np.ndarray:
+    """``T (4, 4)`` (tensor or array) as a fresh float64 NumPy array (:class:`_Pose`)."""
+    a = T.detach().cpu().numpy() if isinstance(T, torch.Tensor) else np.asarray(T)
+    return np.array(a, dtype=np.float64).view(_Pose)
+
+
 @dataclass(frozen=True)
 class Pair:
     """A registration problem with ground truth.
@@ -29,15 +51,20 @@ class Pair:
     Attributes:
         source: ``(N, 3)`` float tensor.
         target: ``(M, 3)`` float tensor.
-        T_target_source: ``(4, 4)`` float64 tensor, the true transform.
+        T_target_source: ``(4, 4)`` float64 NumPy array, the true transform (the kind of
+            ``RegistrationResult.transformation``, so ``result.transformation`` and the
+            truth compare directly; ``torch.as_tensor`` makes it a tensor).
         name: a short label.
 
     """
 
     source: torch.Tensor
     target: torch.Tensor
-    T_target_source: torch.Tensor
+    T_target_source: np.ndarray
     name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "T_target_source", _pose(self.T_target_source))
 
 
 def _data_file(name: str) -> Any:
