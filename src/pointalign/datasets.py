@@ -124,6 +124,36 @@ def load_bunny_pair() -> Pair:
                 "bun045->bun000")
 
 
+def perturbed_pose(T: Any, rotation_deg: float, translation: float, *, center: Any = None,
+                   seed: int = 0) -> np.ndarray:
+    """A pose near ``T``: turned by exactly ``rotation_deg`` and moved by ``translation``.
+
+    Returns ``D @ T`` where ``D`` turns by ``rotation_deg`` degrees about a random axis
+    through ``center`` (the centroid of the given cloud; None: the origin) and then shifts
+    by exactly ``translation`` along a random direction: the start of a local method that
+    refines a known pose (``pointalign demo --start near``).
+
+    Args:
+        T: ``(4, 4)`` ``T_target_source`` (array or tensor).
+        rotation_deg: the turn in degrees.
+        translation: the shift length (units of the data).
+        center: ``(M, 3)`` target-frame points whose centroid the turn is about, or None.
+        seed: seeds the axis and direction (a CPU ``torch.Generator``).
+
+    Returns:
+        ``(4, 4)`` float64 NumPy array.
+
+    """
+    T64 = _validate.as_transform(T, "T", device="cpu")
+    g = torch.Generator().manual_seed(_validate.seed(seed))
+    D = transforms.random_transform(float(rotation_deg), float(translation), generator=g)
+    if center is not None:
+        c = _validate.as_points(center, "center", device="cpu", dtype=torch.float64).mean(0)
+        R = D[:3, :3]
+        D = transforms.make(R, c - R @ c + D[:3, 3])
+    return (D @ T64.to(torch.float64)).numpy()
+
+
 def shared_data_dir() -> Path | None:
     """Return the project's shared real-data folder, if present.
 
