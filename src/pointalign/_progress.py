@@ -229,7 +229,7 @@ _LOCK = threading.RLock()  # a delayed bar is shown from a timer thread
 
 
 def live_console() -> Any:
-    """The console of the progress display on screen, or None when no bar is drawn.
+    """Return the console of the progress display on screen, or None when no bar is drawn.
 
     Text printed through it appears above the bars (rich redraws them below), so an
     application's messages never land inside a progress line.

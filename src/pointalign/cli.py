@@ -305,7 +305,7 @@ def _short_warnings() -> None:
 
 
 def _level(ctx: typer.Context) -> int:
-    """The verbosity the app callback set: -1 quiet, 0 normal, 1 info, 2 debug."""
+    """Return the verbosity the app callback set: -1 quiet, 0 normal, 1 info, 2 debug."""
     obj = ctx.find_root().obj
     return int(obj.get("level", 0)) if isinstance(obj, dict) else 0
 
@@ -421,7 +421,7 @@ def _ignored(method: str, given: dict[str, Any]) -> list[str]:
 
 
 def _iteration_cap(method: str, given: int | None, result: Any, source: Any) -> str:
-    """The iteration cap a method ran with, and where it came from (never a guess)."""
+    """Describe the iteration cap a method ran with, and where it came from (never a guess)."""
     if given is not None:
         return str(given)
     if method == "global":
@@ -509,14 +509,14 @@ def _params_table(used: dict[str, Any]) -> Table:
 
 
 def _matrix_text(T: Any) -> str:
-    """The 4x4 matrix as 4 lines of numbers (``--init`` and ``numpy.loadtxt`` read it back)."""
+    """Write the 4x4 matrix as 4 lines of numbers (``--init`` and ``np.loadtxt`` read them)."""
     return "\n".join(" ".join(f"{float(x):.17g}" for x in row) for row in np.asarray(T))
 
 
 def _print_result(result: Any, used: dict[str, Any], level: int) -> None:
     """Print the parameters, the summary and the matrix (``-q``: the matrix alone)."""
     if level < 0:
-        console.print(_matrix_text(result.transformation), markup=False)
+        console.print(_matrix_text(result.transformation), markup=False, soft_wrap=True)
         return
     console.print(_params_table(used))
     console.print(escape(result.summary()))
@@ -861,7 +861,7 @@ def batch(
             table.add_row(escape(path.name), "-", "-", "-", f"[red]failed: {escape(str(exc))}"
                           "[/red]", "-")
             if level < 0:
-                _error(f"{path}: {exc}")
+                _error(f"failed: {path}: {exc}")
             docs.append({"source": str(path), "error": str(exc)})
             continue
         used["wall_seconds"] = time.perf_counter() - t0
@@ -988,7 +988,7 @@ def demo(
             line += (f"; {m} is a local method and the identity is {rot0:.0f} deg from the "
                      "answer: try --start near, or --method global")
     if level < 0:
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)
     else:
         table = Table(title=f"demo: method {m}")
         for col in ("rotation error", "translation error",

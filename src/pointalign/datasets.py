@@ -31,7 +31,7 @@ class _Pose(np.ndarray):
     """
 
     def numpy(self) -> np.ndarray:
-        """The same values as a plain ``np.ndarray`` (a view, as ``Tensor.numpy()``)."""
+        """Return the values as a plain ``np.ndarray`` (a view, as ``Tensor.numpy()``)."""
         return self.view(np.ndarray)
 
     def __repr__(self) -> str:
@@ -120,13 +120,13 @@ def load_bunny(name: str = "bun000") -> torch.Tensor:
 
 def load_bunny_pair() -> Pair:
     """bun045 (source) → bun000 (target) with the ground truth (about 34.3°, 53 mm)."""
-    return Pair(load_bunny("bun045"), load_bunny("bun000"), bunny_relative_pose(),
+    return Pair(load_bunny("bun045"), load_bunny("bun000"), _pose(bunny_relative_pose()),
                 "bun045->bun000")
 
 
 def perturbed_pose(T: Any, rotation_deg: float, translation: float, *, center: Any = None,
                    seed: int = 0) -> np.ndarray:
-    """A pose near ``T``: turned by exactly ``rotation_deg`` and moved by ``translation``.
+    """Return a pose near ``T``: turned by ``rotation_deg`` and moved by ``translation``.
 
     Returns ``D @ T`` where ``D`` turns by ``rotation_deg`` degrees about a random axis
     through ``center`` (the centroid of the given cloud; None: the origin) and then shifts
@@ -232,7 +232,7 @@ def make_pair(
         src = src.clone()
         src[idx] = center + (torch.rand(n_out, 3, generator=g, dtype=torch.float64) * 2 - 1) * half
     src = transforms.apply(transforms.invert(T), src)
-    return Pair(src.to(dtype), pts.to(dtype), T, f"synthetic {rotation_deg}deg")
+    return Pair(src.to(dtype), pts.to(dtype), _pose(T), f"synthetic {rotation_deg}deg")
 
 
 def random_subsample(points: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
@@ -340,4 +340,4 @@ def make_hard_pair(
     src = transforms.apply(transforms.invert(T), src)
     name = (f"overlap {overlap:g}, {rotation_deg:g} deg, {100 * outlier_fraction:g}% outliers, "
             f"seed {seed}")
-    return Pair(src.to(dtype), tgt.to(dtype), T, name)
+    return Pair(src.to(dtype), tgt.to(dtype), _pose(T), name)

@@ -335,10 +335,11 @@ def _bin_columns(p: Path, flat: np.ndarray, size: int, columns: int | None) -> i
         raise ValueError(f"cannot read {p} as raw float32: its {size} bytes are not a multiple "
                          "of 16 (x y z intensity) or 12 (x y z); truncated, or another "
                          "layout: pass columns= to read_bin")
+    clear = next((c for c in fits if clearly(c)), None)
     if len(fits) == 1:  # 12N bytes with N % 4 != 0 cannot hold 4 columns, and vice versa
         chosen, how = fits[0], f"its size is a multiple of {4 * fits[0]} bytes only"
-    elif (chosen := next((c for c in fits if clearly(c)), None)) is not None:
-        how = f"its values repeat every {chosen} floats"
+    elif clear is not None:
+        chosen, how = clear, f"its values repeat every {clear} floats"
     else:
         doubt = _intensity_doubt(flat, 4)
         chosen = 3 if doubt else 4

@@ -93,7 +93,7 @@ def _read_ply_vertex(f: Any, path: Path) -> tuple[Any, dict[str, int]]:
 
 
 def _others(elements: Any) -> dict[str, int]:
-    """Counts of the elements other than ``vertex`` (faces, edges, range grids)."""
+    """Count the elements other than ``vertex`` (faces, edges, range grids)."""
     return {e.name: int(e.count) for e in elements if e.name != "vertex"}
 
 
