@@ -209,3 +209,52 @@ def test_html_draws_in_headless_browser(tmp_path, pair):
         assert vis == [True, True, False]
     finally:
         drv.quit()
+
+
+SITE = __import__("pathlib").Path(__file__).resolve().parents[1] / "site"
+
+
+@pytest.mark.slow
+def test_built_docs_index_loads_and_its_links_resolve():
+    """Open the built docs (``make docs``) in headless Chromium; every internal link resolves."""
+    from urllib.parse import unquote, urlsplit
+
+    if not (SITE / "index.html").is_file():
+        pytest.skip("no built site/ (make docs)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    exe, driver_exe = _browser(), shutil.which("chromedriver")
+    if exe is None or driver_exe is None:
+        pytest.skip("no chromium/chromedriver (apt-get install chromium chromium-driver)")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = exe
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        opts.add_argument(a)
+    drv = webdriver.Chrome(service=Service(driver_exe), options=opts)
+    try:
+        drv.set_page_load_timeout(60)
+        checked = 0
+        for page in ("index.html", "getting-started/index.html", "examples/index.html"):
+            path = SITE / page
+            if not path.is_file():
+                continue
+            drv.get(path.as_uri())
+            assert drv.title, page
+            links = drv.execute_script(
+                "return Array.from(document.querySelectorAll('a[href]')).map(a => a.href);")
+            for href in links:
+                u = urlsplit(href)
+                if u.scheme != "file":
+                    continue  # external links are not ours to check
+                target = __import__("pathlib").Path(unquote(u.path))
+                if target.is_dir():
+                    target = target / "index.html"
+                assert target.is_file(), f"{page}: broken link {href}"
+                if u.fragment and target.suffix == ".html":
+                    assert f'id="{u.fragment}"' in target.read_text(), \
+                        f"{page}: no anchor #{u.fragment} in {target}"
+                checked += 1
+        assert checked > 10
+    finally:
+        drv.quit()

@@ -947,6 +947,9 @@ def demo(
     where = Start(start)
     if where is Start.auto:
         where = Start.near if m in LOCAL_METHODS else Start.identity
+    if where is Start.near and "init" not in USES[m]:
+        _warning(f"--start near is ignored by method {m} (it takes no initial pose)")
+        where = Start.identity
     if where is Start.near:
         init = datasets.perturbed_pose(T_true, *DEMO_NEAR, center=pair.target, seed=0)
         begin = (f"start: the true pose turned by {DEMO_NEAR[0]:g} deg and moved by "
