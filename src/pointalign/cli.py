@@ -1020,6 +1020,7 @@ def demo(
 
 @command()
 def view(
+    ctx: typer.Context,
     source: SourceArg,
     target: TargetArg,
     transform: Annotated[Optional[Path], typer.Option(  # noqa: UP045
@@ -1062,7 +1063,7 @@ def view(
 
     viz.write_html(src, tgt, T, output, result=result, max_points=max_points,
                    title=f"{source.name} -> {target.name}")
-    console.print(f"viewer written to {escape(str(output))}")
+    _say(_level(ctx), f"viewer written to {escape(str(output))}")
 
 
 # ``bench`` (and its suite runner) live in their own module, registered on this app
