@@ -3,12 +3,17 @@
 #   make demo  -> the library and its command line only (pip install -e ".[cli]")
 #   make test  -> plus the test tools (".[dev]": pytest, hypothesis, ruff, Triton for the
 #                 kernels' interpreter tests, matplotlib/plotly/selenium for the viewer)
-#   make docs  -> the API reference (mkdocs build --strict into site/)
+#   make docs  -> the documentation: guides, tutorials, API reference (mkdocs build --strict
+#                 into site/)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The CPU build of PyTorch; override (e.g. TORCH="torch") where another build is wanted.
+# PyTorch as pip resolves this pin on the machine: on Linux from PyPI that is the CUDA
+# build (several GB). TORCH_INDEX takes it from another index instead, e.g. the CPU build:
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# TORCH pins another version or build (e.g. TORCH="torch").
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 BASE   := $(VENV)/.base
 DEMO   := $(VENV)/.demo
@@ -18,10 +23,10 @@ DOCS   := $(VENV)/.docs
 .PHONY: demo test test-gpu bench docs lint clean
 
 $(BASE): Makefile
-	@echo "== creating $(VENV) and installing PyTorch ($(TORCH)); this can take minutes"
+	@echo "== creating $(VENV) and installing PyTorch ($(TORCH)$(if $(TORCH_INDEX), from $(TORCH_INDEX))); this can take minutes"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install --progress-bar on "$(TORCH)"
+	$(PIP) install --progress-bar on $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	touch $(BASE)
 
 $(DEMO): $(BASE) pyproject.toml

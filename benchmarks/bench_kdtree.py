@@ -34,7 +34,7 @@ def upsample(points: torch.Tensor, n: int, jitter: float, seed: int) -> torch.Te
 def bunny_problem(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(target (n, 3), queries (n, 3)) from the bundled bunny scans, float32 CPU."""
     pair = datasets.load_bunny_pair()
-    src = transforms.apply(pair.T_target_source.float(), pair.source)
+    src = transforms.apply(torch.as_tensor(pair.T_target_source).float(), pair.source)
     return upsample(pair.target, n, 3e-4, seed), upsample(src, n, 3e-4, seed + 1)
 
 

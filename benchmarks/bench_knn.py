@@ -77,7 +77,7 @@ def problem(name: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
         g = torch.Generator().manual_seed(seed)
         return torch.rand(n, 3, generator=g), torch.rand(n, 3, generator=g)
     pair = datasets.load_bunny_pair()
-    src = transforms.apply(pair.T_target_source.to(pair.source.dtype), pair.source)
+    src = transforms.apply(torch.as_tensor(pair.T_target_source).to(pair.source.dtype), pair.source)
     return upsample(pair.target, n, 3e-4, seed), upsample(src, n, 3e-4, seed + 1)
 
 

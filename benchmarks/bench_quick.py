@@ -123,7 +123,7 @@ def feature_rows(rec: Recorder, dev: str, pts: torch.Tensor, o3d) -> None:
 
 
 def icp_rows(rec: Recorder, dev: str, pair, o3d) -> None:
-    T_true = pair.T_target_source.double()
+    T_true = torch.as_tensor(pair.T_target_source)
     turn = transforms.axis_angle_to_matrix(torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64),
                                            float(np.radians(3.0)))
     nudge = transforms.make(turn, torch.tensor([0.005, 0.0, 0.0], dtype=torch.float64))

@@ -47,7 +47,7 @@ def main() -> None:
     saved = result.save(out / "result.json")
     again = pa.RegistrationResult.load(saved)
     assert np.array_equal(again.transformation, result.transformation)
-    ev = pa.evaluate_registration(source, target, result.transformation, args.max_distance)
+    ev = pa.evaluate_registration(source, target, args.max_distance, result.transformation)
     print(f"evaluate_registration: fitness {ev.fitness:.4f}, inlier rmse "
           f"{ev.inlier_rmse:.3g}, {len(ev.correspondence_set)} correspondences")
     print(f"wrote {out / 'aligned.ply'} and {saved}")

@@ -28,7 +28,8 @@ def main() -> None:
 
     pair = datasets.load_bunny_pair()
     g = torch.Generator().manual_seed(args.seed)
-    init = transforms.random_transform(5.0, 0.005, generator=g) @ pair.T_target_source
+    init = transforms.random_transform(5.0, 0.005, generator=g) @ torch.as_tensor(
+        pair.T_target_source)
     rot0, trans0 = metrics.relative_error(init, pair.T_target_source)
     print(f"{pair.name}: {pair.source.shape[0]} -> {pair.target.shape[0]} points, "
           f"device {args.device}")

@@ -33,7 +33,7 @@ def main() -> None:
     pair = pa.datasets.load_bunny_pair()
     src = pa.datasets.random_subsample(pair.source, args.points, seed=0)
     tgt = pa.datasets.random_subsample(pair.target, args.points, seed=1)
-    init = pa.transforms.random_transform(5.0, 0.005) @ pair.T_target_source
+    init = pa.transforms.random_transform(5.0, 0.005) @ torch.as_tensor(pair.T_target_source)
     result = pa.icp(src, tgt, init=init, max_correspondence_distance=0.005,
                     device=args.device)
     print(result.summary())

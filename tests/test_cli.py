@@ -6,7 +6,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pointalign import cli, datasets, io, metrics, transforms
+from pointalign import _defaults, cli, cli_bench, datasets, io, metrics, transforms
 
 runner = CliRunner()
 
@@ -14,7 +14,27 @@ runner = CliRunner()
 def test_info_lists_backends_and_methods():
     res = runner.invoke(cli.app, ["info"])
     assert res.exit_code == 0, res.output
-    assert "kernel backend (cpu)" in res.output and "method icp" in res.output
+    assert "kernels knn" in res.output and "method icp" in res.output
+
+
+def test_info_names_the_backend_running_per_family_and_keeps_install_hints(monkeypatch):
+    import importlib.util
+
+    from pointalign.kernels import _backend
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "open3d" else real(name, *a))
+    res = runner.invoke(cli.app, ["info"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "pip install 'pointalign[open3d]'" in res.output  # rich markup kept the [open3d]
+    assert "PyTorch reference kernels" not in res.output
+    rows = dict(cli._family_backends())
+    if _backend.backend(torch.empty(0)) == "cpu":  # numba present: its families say so
+        assert rows["kernels knn"].startswith("cpu: numba CPU kernels")
+        assert "numba CPU kernels" in res.output
+    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
+    assert dict(cli._family_backends())["kernels knn"] == "cpu: PyTorch reference"
 
 
 def _pair_files(tmp_path, n=3000):
@@ -81,6 +101,7 @@ def test_version_and_plain_help():
     res = runner.invoke(cli.app, ["register", "--help"])
     assert res.exit_code == 0
     assert "<bool>" not in res.output and "{source}" not in res.output
+    assert "{SOURCE}" not in res.output and "SOURCE TARGET" in res.output
     assert "global|icp|icp-plane" in res.output and "auto|cpu|cuda" in res.output
     for opt in ("--max-iterations", "--seed", "--config", "--verbose", "--quiet", "--plot",
                 "--html", "--allow-failure", "--bin-columns"):
@@ -230,7 +251,7 @@ def test_bench_runs_suites_and_summarises(tmp_path, monkeypatch):
         "print(json.dumps({'case': 'small', 'total_ms': 12.5}))\n"
         "print(json.dumps({'case': 'large', 'total_ms': 99.0}))\n")
     (root / "bench_broken.py").write_text("raise SystemExit(4)\n")
-    monkeypatch.setattr(cli, "_find_benchmarks", lambda: root)
+    monkeypatch.setattr(cli_bench, "_find_benchmarks", lambda: root)
     out = tmp_path / "res"
     out.mkdir()
     res = runner.invoke(cli.app, ["bench", "--quick", "--suite", "fake", "--device", "cpu",
@@ -243,7 +264,7 @@ def test_bench_runs_suites_and_summarises(tmp_path, monkeypatch):
     assert res.exit_code == 1 and "exit 4" in res.output
     res = runner.invoke(cli.app, ["bench", "--suite", "nosuch"])
     assert res.exit_code == 2 and "fake" in res.output
-    monkeypatch.setattr(cli, "_find_benchmarks", lambda: None)
+    monkeypatch.setattr(cli_bench, "_find_benchmarks", lambda: None)
     res = runner.invoke(cli.app, ["bench", "--quick"])
     assert res.exit_code == 2 and "checkout" in res.output
 
@@ -281,3 +302,125 @@ def test_progress_silent_off_terminal_and_forced_on(monkeypatch, capsys):
     assert logging.getLogger("pointalign").level == logging.ERROR and not _progress.enabled()
     _progress.configure_logging(0)
     _progress.set_quiet(False)
+
+
+# ----------------------------------------------------------------------------------------
+# the CLI's shape: shared option aliases, program options on the callback, bench apart
+# ----------------------------------------------------------------------------------------
+
+def test_program_options_live_once_on_the_app_and_bench_in_its_module():
+    import typer
+
+    group = typer.main.get_command(cli.app)
+    assert {"verbose", "quiet", "config"} <= {p.name for p in group.params}
+    for name, cmd in group.commands.items():
+        assert not {"verbose", "quiet", "config"} & {p.name for p in cmd.params}, name
+    assert cli_bench.bench.__module__ == "pointalign.cli_bench" and "bench" in group.commands
+    assert not hasattr(cli, "_run_suite")  # the suite runner moved too
+    # the aliases: one declaration per shared name, used by every command that has it
+    src = __import__("inspect").getsource(cli)
+    for opt in ("min=1, metavar=\"N\"", "\"--allow-failure\"", "compute device (auto",
+                "\"--verbose\", \"-v\"", "random seed", "float32 columns per point"):
+        assert src.count(opt) == 1, opt
+
+
+def test_help_shows_plain_metavars():
+    res = runner.invoke(cli.app, ["batch", "--help"])
+    assert res.exit_code == 0
+    assert "<list[Path]>" not in res.output and "{SOURCE" not in res.output
+    assert "SOURCE..." in res.output and "-q/--quiet" in res.output
+
+
+def test_program_options_before_or_after_the_command(tmp_path, monkeypatch):
+    _, src, tgt = _small_pair(tmp_path, 50)
+
+    def boom(*a, **k):
+        raise AssertionError("work started before the option check")
+
+    monkeypatch.setattr(io, "read", boom)
+    for args in (["-v", "-q", "register", str(src), str(tgt)],
+                 ["register", str(src), str(tgt), "-vv", "--quiet"]):
+        res = runner.invoke(cli.app, args)
+        assert res.exit_code == 2 and "exclude" in res.output, args
+
+
+def test_icp_default_distance_comes_from_the_library(tmp_path, monkeypatch):
+    pair, src, tgt = _small_pair(tmp_path, 300)
+    monkeypatch.setattr(_defaults, "icp_distance", lambda cloud: 0.0123)
+    res = runner.invoke(cli.app, ["register", str(src), str(tgt), "--method", "icp",
+                                  "--device", "cpu", "--max-iterations", "2",
+                                  "--allow-failure"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "0.0123 (5% of the source's bounding-box diagonal)" in res.output
+    real = _defaults.bounding_box_diagonal(pair.source) * _defaults.ICP_DISTANCE_FRACTION
+    monkeypatch.undo()
+    assert _defaults.icp_distance(pair.source) == pytest.approx(real)
+    assert _defaults.final_icp_distance(0.004) == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="source: all points coincide"):
+        _defaults.icp_distance(np.zeros((5, 3)))
+
+
+def test_parameters_table_states_the_cap_it_ran_with(tmp_path):
+    _, src, tgt = _small_pair(tmp_path, 300)
+    res = runner.invoke(cli.app, ["register", str(src), str(tgt), "--method", "icp",
+                                  "--device", "cpu", "--max-distance", "0.02"],
+                        terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "method default" not in res.output
+    assert re.search(r"max iterations\s*│ 50 \(icp's default\)", res.output), res.output
+
+
+def test_quiet_prints_the_matrix_alone_and_verbose_shows_info(tmp_path):
+    pair, src, tgt = _small_pair(tmp_path, 300)
+    base = ["register", str(src), str(tgt), "--method", "icp", "--device", "cpu",
+            "--max-distance", "0.02"]
+    res = runner.invoke(cli.app, [*base, "-q"])
+    assert res.exit_code == 0, res.output
+    T = np.array([[float(v) for v in line.split()] for line in res.stdout.splitlines()])
+    assert T.shape == (4, 4)  # nothing but the matrix: --init and np.loadtxt read it back
+    rot, trans = metrics.relative_error(T, pair.T_target_source)
+    assert rot < 0.5 and trans < 1e-3
+    res = runner.invoke(cli.app, [*base, "-v"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    words = " ".join(res.output.split())  # rich's log handler wraps at its own width
+    assert "INFO" in words and "300 points" in words and "stages:" in words
+
+
+def test_not_trusted_names_the_verdict_not_the_local_stop(tmp_path, monkeypatch):
+    _, src, tgt = _small_pair(tmp_path, 50)
+    fake = cli_result = __import__("pointalign").RegistrationResult(
+        transformation=np.eye(4), fitness=0.1, rmse=0.01, iterations=3, converged=False,
+        stop_reason="small_update", info={"verdict": "small overlap"})
+    monkeypatch.setattr(cli, "_run", lambda *a, **k: (cli_result, {"method": "global"}))
+    res = runner.invoke(cli.app, ["register", str(src), str(tgt), "--device", "cpu"])
+    assert res.exit_code == 3
+    assert "did not converge (small overlap)" in res.output and fake.stop_reason not in \
+        res.output.split("did not converge")[1]
+
+
+def test_demo_local_methods_align_from_a_stated_start():
+    res = runner.invoke(cli.app, ["demo", "--method", "icp", "--device", "cpu"],
+                        terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "the true pose turned by 5 deg and moved by 5 mm" in res.output
+    assert "NOT aligned" not in res.output and "aligned: errors" in res.output
+    res = runner.invoke(cli.app, ["demo", "--method", "approx-icp", "--device", "cpu", "-q"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("aligned:") and "coarse method" in res.stdout
+    # from the identity, a local method says why it cannot get there
+    res = runner.invoke(cli.app, ["demo", "--method", "icp", "--start", "identity",
+                                  "--max-iterations", "3", "--device", "cpu", "-q"])
+    assert res.exit_code == 1
+    assert "NOT aligned" in res.stdout and "local method" in res.stdout and \
+        "--start near" in res.stdout
+
+
+def test_bin_columns_are_inferred_by_default(tmp_path):
+    pair, _, tgt = _small_pair(tmp_path)
+    b3 = tmp_path / "s3.bin"  # 800 x 3 float32: its size also divides by 16
+    pair.source.numpy().astype("<f4").tofile(b3)
+    res = runner.invoke(cli.app, ["register", str(b3), str(tgt), "--method", "icp",
+                                  "--device", "cpu", "--max-distance", "0.02"],
+                        terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "read as 3 float32 columns" in res.output and "800 points" in res.output

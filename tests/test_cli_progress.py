@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from typer.testing import CliRunner
 
-from pointalign import cli, datasets, io, metrics
+from pointalign import cli, cli_bench, datasets, io, metrics
 
 runner = CliRunner()
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -53,7 +53,7 @@ def test_batch_aligns_every_file_and_writes_one_json(tmp_path):
 
 
 def test_bench_quick_runs_the_quick_suite_and_prints_its_table(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_find_benchmarks", lambda: BENCHMARKS)
+    monkeypatch.setattr(cli_bench, "_find_benchmarks", lambda: BENCHMARKS)
     # tiny sizes, no peer library: the whole run is a few seconds of CPU
     monkeypatch.setenv("POINTALIGN_BENCH_SCALE", "0.01")
     monkeypatch.setenv("POINTALIGN_BENCH_STEPS", "knn")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from pypcd4.pypcd4 import Encoding
 
 from pointalign import PointCloud
 from pointalign import io as pio
+from pointalign._progress import FileContentWarning
 
 try:
     import laspy
@@ -263,7 +265,8 @@ def test_pcd_single_column_fields_and_separate_rgb(tmp_path, seed):
 
 def test_non_finite_points_are_dropped(tmp_path):
     (tmp_path / "a.xyz").write_text("1 2 3\nnan nan nan\n4 5 6\n")
-    c = pio.read(tmp_path / "a.xyz")
+    with pytest.warns(FileContentWarning, match=r"a\.xyz: dropped 1 of 3 points .*NaN"):
+        c = pio.read(tmp_path / "a.xyz")
     np.testing.assert_array_equal(c.points.numpy(), [[1, 2, 3], [4, 5, 6]])
     (tmp_path / "b.xyz").write_text("nan 0 0\ninf 1 1\n")
     with pytest.raises(ValueError, match="b.xyz.*finite"):
@@ -372,6 +375,8 @@ def test_real_lidar_pcd_and_kitti_bin(shared_data):
     if kitti.is_file():
         k = pio.read_bin(kitti, columns=3)
         assert len(k) == 124668
+        with pytest.warns(FileContentWarning, match="read as 3 float32 columns"):
+            assert len(pio.read(kitti)) == 124668  # its size also divides by 16
         np.testing.assert_allclose(k.points[0].numpy(), [52.898, 0.023, 1.998], atol=1e-3)
         with pytest.raises(ValueError, match="000000_xyz.bin.*multiple of 20"):
             pio.read_bin(kitti, columns=5)
@@ -385,8 +390,70 @@ def test_read_bin_columns(tmp_path):
     np.testing.assert_array_equal(c.extras["intensity"].numpy(), a[:, 3])
     with pytest.raises(ValueError, match="columns"):
         pio.read_bin(tmp_path / "s.bin", columns=2)
-    with pytest.raises(ValueError, match="unknown file suffix.*read_bin"):
-        pio.read(tmp_path / "s.bin")
+    # pa.read() reads .bin by the same rules (160 bytes: only 4 columns fit), silently
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same = pio.read(tmp_path / "s.bin")
+    np.testing.assert_array_equal(same.points.numpy(), a[:, :3])
+    # .bin is read, not written
+    with pytest.raises(ValueError, match=r"unknown file suffix '\.bin'.*read, not written"):
+        pio.write(tmp_path / "w.bin", c)
+
+
+def _ring_scan(n_rings=16, per_ring=240, seed=0):
+    """An ordered LiDAR-like sweep: rings of points around a sensor, x y z (metres)."""
+    g = np.random.default_rng(seed)
+    az = np.tile(np.linspace(-np.pi, np.pi, per_ring, endpoint=False), n_rings)
+    elev = np.repeat(np.radians(np.linspace(-15, 5, n_rings)), per_ring)
+    r = 10 + 30 * g.random(az.size)
+    return np.stack([r * np.cos(elev) * np.cos(az), r * np.cos(elev) * np.sin(az),
+                     r * np.sin(elev)], 1).astype("<f4")
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_bin_layout_is_inferred_not_guessed(tmp_path, shuffle):
+    """An x y z scan whose size divides by 16 is read as x y z, and the assumption said."""
+    xyz = _ring_scan()  # 3840 points: 46080 bytes, a multiple of 16 and of 12
+    if shuffle:  # an unordered cloud: only the 4th column's sign tells
+        xyz = xyz[np.random.default_rng(1).permutation(len(xyz))]
+    xyz.tofile(tmp_path / "xyz.bin")
+    for read in (pio.read_bin, pio.read):
+        with pytest.warns(FileContentWarning, match=r"xyz\.bin: read as 3 float32 columns"):
+            c = read(tmp_path / "xyz.bin")
+        np.testing.assert_array_equal(c.points.numpy(), xyz)
+        assert not c.extras
+    # asked for 4 columns: read as asked, with a warning naming the better reading
+    with pytest.warns(FileContentWarning, match=r"as asked.*garbage.*columns=3"):
+        four = pio.read_bin(tmp_path / "xyz.bin", columns=4)
+    assert len(four) == len(xyz) * 3 // 4
+    # KITTI's layout (reflectance in [0, 1]) is read without a word
+    xyzi = np.concatenate([xyz, np.random.default_rng(2).random((len(xyz), 1))], 1)
+    xyzi.astype("<f4").tofile(tmp_path / "xyzi.bin")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        k = pio.read(tmp_path / "xyzi.bin")
+        assert pio.read_bin(tmp_path / "xyzi.bin", columns=4).extras.keys() == {"intensity"}
+    np.testing.assert_array_equal(k.points.numpy(), xyz)
+    np.testing.assert_allclose(k.extras["intensity"].numpy(), xyzi[:, 3], rtol=1e-7)
+    with pytest.raises(ValueError, match=r"odd\.bin.*not a multiple of 16.*or 12"):
+        (tmp_path / "odd.bin").write_bytes(bytes(20))
+        pio.read(tmp_path / "odd.bin")
+
+
+def test_mesh_ply_says_it_read_the_vertices(tmp_path):
+    v = np.array([(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)],
+                 dtype=[("x", "f4"), ("y", "f4"), ("z", "f4")])
+    f = np.array([([0, 1, 2],), ([0, 1, 3],), ([0, 2, 3],)], dtype=[("vertex_indices", "O")])
+    plyfile.PlyData([plyfile.PlyElement.describe(v, "vertex"),
+                     plyfile.PlyElement.describe(f, "face")]).write(str(tmp_path / "m.ply"))
+    with pytest.warns(FileContentWarning, match=r"m\.ply: read the 4 vertices as points; "
+                      r"its 3 faces are not used"):
+        c = pio.read(tmp_path / "m.ply")
+    assert len(c) == 4
+    with warnings.catch_warnings():  # a plain point-cloud PLY: nothing to say
+        warnings.simplefilter("error")
+        pio.write(tmp_path / "p.ply", c)
+        pio.read(tmp_path / "p.ply")
 
 
 # ----------------------------------------------------------------------------------------

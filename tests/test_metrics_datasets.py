@@ -86,3 +86,61 @@ def test_make_pair_overlap_noise_outliers(seed):
         datasets.make_pair(cloud, overlap=0)
     with pytest.raises(ValueError, match="outlier_fraction"):
         datasets.make_pair(cloud, outlier_fraction=1.0)
+
+
+def test_evaluate_registration_takes_open3d_order_and_names():
+    """Open3D's (source, target, max_correspondence_distance, transformation), identity default."""
+    g = np.random.default_rng(0)
+    src = g.normal(size=(200, 3))
+    T = np.eye(4)
+    T[:3, 3] = [0.01, 0.0, 0.0]
+    tgt = src + T[:3, 3]
+    o3d_order = metrics.evaluate_registration(src, tgt, 0.05, T)
+    old_order = metrics.evaluate_registration(src, tgt, T, 0.05)
+    keywords = metrics.evaluate_registration(src, tgt, transformation=T,
+                                             max_correspondence_distance=0.05)
+    for ev in (old_order, keywords):
+        assert ev.fitness == o3d_order.fitness and ev.inlier_rmse == o3d_order.inlier_rmse
+        np.testing.assert_array_equal(ev.correspondence_set, o3d_order.correspondence_set)
+    assert o3d_order.fitness == 1.0 and o3d_order.inlier_rmse < 1e-12
+    assert o3d_order.rmse == o3d_order.inlier_rmse  # the name RegistrationResult uses
+    ident = metrics.evaluate_registration(src, tgt, 0.05)  # Open3D's default: the identity
+    assert ident.inlier_rmse == pytest.approx(0.01, rel=1e-9)
+    np.testing.assert_array_equal(ident.transformation, np.eye(4))
+    assert metrics.correspondence_stats(src, tgt, T, 0.05) == (1.0, o3d_order.inlier_rmse)
+
+
+def test_relative_error_batches_must_match():
+    three, two = np.stack([np.eye(4)] * 3), np.stack([np.eye(4)] * 2)
+    with pytest.raises(ValueError, match="batches of 3 and 2"):
+        metrics.relative_error(three, two)
+    with pytest.raises(ValueError, match="batches of 3 and 2"):
+        metrics.zabatani_error(torch.from_numpy(three), torch.from_numpy(two))
+    rot, trans = metrics.relative_error(three, np.eye(4))  # one truth for the whole batch
+    assert rot.shape == (3,) and trans.shape == (3,)
+
+
+def test_registration_recall_clear_errors():
+    with pytest.raises(TypeError, match="rotation_errors: expected a sequence of numbers"):
+        metrics.registration_recall("12", "34")
+    with pytest.raises(ValueError, match="rotation_errors: expected a 1-D.*single pair"):
+        metrics.registration_recall(np.array(3.0), np.array(0.1))
+    with pytest.raises(ValueError, match="equal, non-zero lengths"):
+        metrics.registration_recall([1.0, 2.0], [0.1])
+    assert metrics.registration_recall(torch.tensor([1.0, 30.0]), [0.1, 0.1]) == 0.5
+    assert metrics.registration_recall([float("nan")], [0.0]) == 0.0  # a failed pair
+
+
+def test_pair_ground_truth_is_numpy_like_results():
+    pair = datasets.load_bunny_pair()
+    T = pair.T_target_source
+    assert isinstance(T, np.ndarray) and T.dtype == np.float64 and T.shape == (4, 4)
+    G = T.copy()  # as with result.transformation
+    G[:3, 3] += 1.0
+    assert not np.array_equal(G, T)
+    np.testing.assert_array_equal(T.numpy(), T)  # code written for the tensor still runs
+    assert type(T.numpy()) is np.ndarray
+    synthetic = datasets.make_pair(pair.target[:100], rotation_deg=5.0, seed=0)
+    assert isinstance(synthetic.T_target_source, np.ndarray)
+    hard = datasets.make_hard_pair(pair.target[:200], seed=0)
+    assert hard.T_target_source.dtype == np.float64

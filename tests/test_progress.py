@@ -142,3 +142,37 @@ def test_register_warns_when_its_verdict_is_doubtful(no_bar, monkeypatch, caplog
         warnings.simplefilter("always")
         pipeline.register(bad, bad, device="cpu")
     assert not rec2
+
+
+def test_placeholder_spinner_hides_while_a_counted_bar_shows(monkeypatch):
+    """The CLI's spinner around a call gives way to the call's own bar with a count."""
+    monkeypatch.setenv("POINTALIGN_PROGRESS", "1")
+    _progress.set_quiet(False)
+    assert _progress.live_console() is None
+    with _progress.task("registering (icp)", placeholder=True) as spin:
+        prog = _progress.live_console() and _progress._SHARED["progress"]
+        assert prog is not None and spin.shown
+        visible = {t.description: t.visible for t in prog.tasks}
+        assert visible == {"registering (icp)": True}
+        with _progress.task("ICP", total=50) as bar:
+            bar.advance(3)
+            visible = {t.description: t.visible for t in prog.tasks}
+            assert visible == {"registering (icp)": False, "ICP": True}
+            counted = next(t for t in prog.tasks if t.description == "ICP")
+            assert counted.completed == 3 and counted.total == 50
+        assert {t.description: t.visible for t in prog.tasks} == {"registering (icp)": True}
+    assert _progress.live_console() is None and _progress._SHARED["counted"] == 0
+
+
+def test_cli_warnings_print_above_the_bars(monkeypatch):
+    """A warning issued while a bar is on screen goes through the display's console."""
+    from pointalign import cli
+
+    monkeypatch.setenv("POINTALIGN_PROGRESS", "1")
+    _progress.set_quiet(False)
+    printed = []
+    with _progress.task("softassign", total=10):
+        live = _progress.live_console()
+        monkeypatch.setattr(live, "print", lambda *a, **k: printed.extend(a))
+        cli._warning("softassign on 40000 x 40000 points [cells form] will take 3 minutes")
+    assert printed and "[cells form]" in printed[0].replace("\\[", "[")

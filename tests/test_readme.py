@@ -27,3 +27,16 @@ def test_readme_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "fitness" in proc.stdout
     assert (tmp_path / "aligned.ply").is_file() and (tmp_path / "result.json").is_file()
+
+
+def test_readme_tells_what_make_demo_installs():
+    """The pin resolves to whatever build pip picks; the CPU index is an option, not a claim."""
+    text = README.read_text()
+    make = (README.parent / "Makefile").read_text()
+    assert "the CPU build by default" not in text
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text and "CUDA build" in text
+    assert "TORCH_INDEX ?=" in make and "--index-url $(TORCH_INDEX)" in make
+    assert "tranche" not in text.lower()  # no section named after internal work
+    assert "## Coming from Open3D or small_gicp" in text
+    assert "## Changes to the public API" in text and "T_target_source` is a `(4, 4)` float64" \
+        in text

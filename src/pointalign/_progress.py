@@ -21,6 +21,9 @@ Warning categories
     * :class:`IgnoredParameterWarning`: a parameter the method does not use was given
       (:func:`warn_ignored`).
     * :class:`DoubtfulResultWarning`: the result's verdict is uncertain.
+    * :class:`FileContentWarning`: a file was read under an assumption (the column count of
+      a raw ``.bin`` scan) or part of it was left out (a mesh's faces, rows whose
+      coordinates are NaN), with the numbers.
 
 Progress
     Long loops (batches, annealing schedules, RANSAC chunks, many files, benchmarks) wrap
@@ -35,6 +38,13 @@ Progress
 
         for path in _progress.track(files, "reading"):
             ...
+
+    Algorithms with an iteration loop of possibly long steps (ICP on millions of points) wrap
+    the loop's host records in ``track(records, "ICP", total=cap, delay=LIBRARY_DELAY)`` so
+    that a long call shows a bar with a count; an application that opens its own spinner
+    around such a call passes ``placeholder=True`` (the spinner hides while the counted bar
+    shows). Messages printed while bars are on screen go through :func:`live_console` (above
+    the bars, never inside a progress line); the CLI prints the library's warnings so.
 
     A rich progress bar is drawn on standard error only when it is a terminal, rich is
     installed, and progress is not switched off by :func:`set_quiet` / :func:`quiet`, the
@@ -79,6 +89,14 @@ class IgnoredParameterWarning(PointalignWarning):
 
 class DoubtfulResultWarning(PointalignWarning):
     """The result's verdict (e.g. ``converged``) is uncertain."""
+
+
+class FileContentWarning(PointalignWarning):
+    """A file was read under an assumption, or part of it was left out.
+
+    For example: a mesh PLY read as its vertices (its faces are not points), rows with
+    non-finite coordinates dropped, a raw ``.bin`` scan whose column count was inferred.
+    """
 
 
 def get_logger(name: str | None = None) -> logging.Logger:
@@ -199,8 +217,9 @@ class _NoBar:
 
 # The one rich Progress on screen, shared by every open bar (rich allows one live display):
 # started by the first bar that shows, stopped when the last one closes, whatever the order
-# in which nested (or lazily shown) bars open and close.
-_SHARED: dict[str, Any] = {"progress": None, "bars": 0}
+# in which nested (or lazily shown) bars open and close. "placeholders": the task ids of
+# placeholder bars, hidden while "counted" (other) bars are on screen.
+_SHARED: dict[str, Any] = {"progress": None, "bars": 0, "placeholders": set(), "counted": 0}
 
 #: seconds a library call runs before its bar appears (``task(..., delay=LIBRARY_DELAY)``)
 LIBRARY_DELAY = 1.0
@@ -209,7 +228,26 @@ LIBRARY_DELAY = 1.0
 _LOCK = threading.RLock()  # a delayed bar is shown from a timer thread
 
 
-def _open_bar(description: str, total: float | None, completed: float) -> tuple[Any, Any]:
+def live_console() -> Any:
+    """Return the console of the progress display on screen, or None when no bar is drawn.
+
+    Text printed through it appears above the bars (rich redraws them below), so an
+    application's messages never land inside a progress line.
+    """
+    with _LOCK:
+        prog = _SHARED["progress"]
+        return None if prog is None else prog.console
+
+
+def _show_placeholders(prog: Any) -> None:
+    """Show placeholder bars only while no other bar is on screen."""
+    visible = _SHARED["counted"] == 0
+    for tid in _SHARED["placeholders"]:
+        prog.update(tid, visible=visible)
+
+
+def _open_bar(description: str, total: float | None, completed: float,
+              placeholder: bool = False) -> tuple[Any, Any]:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -239,16 +277,28 @@ def _open_bar(description: str, total: float | None, completed: float) -> tuple[
             _SHARED["progress"] = prog
         _SHARED["bars"] += 1
         prog = _SHARED["progress"]
-        return prog, prog.add_task(description, total=total, completed=completed)
+        tid = prog.add_task(description, total=total, completed=completed)
+        if placeholder:
+            _SHARED["placeholders"].add(tid)
+        else:
+            _SHARED["counted"] += 1
+        _show_placeholders(prog)
+        return prog, tid
 
 
 def _close_bar(prog: Any, task_id: Any) -> None:
     with _LOCK:
         prog.remove_task(task_id)
+        if task_id in _SHARED["placeholders"]:
+            _SHARED["placeholders"].discard(task_id)
+        else:
+            _SHARED["counted"] -= 1
         _SHARED["bars"] -= 1
         if _SHARED["bars"] <= 0:
-            _SHARED["progress"], _SHARED["bars"] = None, 0
+            _SHARED.update(progress=None, bars=0, placeholders=set(), counted=0)
             prog.stop()
+        else:
+            _show_placeholders(prog)
 
 
 class _Bar:
@@ -259,8 +309,10 @@ class _Bar:
     appears even when nothing advances it). A call that ends sooner draws nothing.
     """
 
-    def __init__(self, description: str, total: float | None, delay: float) -> None:
+    def __init__(self, description: str, total: float | None, delay: float,
+                 placeholder: bool = False) -> None:
         self._desc, self._total, self._done = description, total, 0.0
+        self._placeholder = placeholder
         self._p: Any = None
         self._id: Any = None
         self._closed = False
@@ -275,7 +327,8 @@ class _Bar:
     def _show(self) -> None:
         with _LOCK:
             if self._p is None and not self._closed:
-                self._p, self._id = _open_bar(self._desc, self._total, self._done)
+                self._p, self._id = _open_bar(self._desc, self._total, self._done,
+                                              self._placeholder)
 
     def advance(self, n: float = 1) -> None:
         """Count ``n`` more steps done."""
@@ -311,7 +364,7 @@ class _Bar:
 
 @contextlib.contextmanager
 def task(description: str, total: float | None = None, *, quiet: bool | None = None,
-         delay: float = 0.0) -> Iterator[_Bar | _NoBar]:
+         delay: float = 0.0, placeholder: bool = False) -> Iterator[_Bar | _NoBar]:
     """Show a progress bar for a block of work; yields an object with ``advance(n)``.
 
     Args:
@@ -320,12 +373,16 @@ def task(description: str, total: float | None = None, *, quiet: bool | None = N
         quiet: True: draw nothing; None: follow :func:`set_quiet` / the terminal test.
         delay: seconds of work before the bar appears; library calls pass
             :data:`LIBRARY_DELAY`, so that only long calls show a bar.
+        placeholder: a spinner for work whose own bars (with counts) may appear inside it
+            (the CLI's "registering (icp)" around ``icp()``): hidden while any other bar
+            is on screen, shown again when they close, so the screen shows the counted
+            bar rather than a bare spinner.
 
     """
     if not enabled(quiet):
         yield _NoBar()
         return
-    bar = _Bar(description, total, delay)
+    bar = _Bar(description, total, delay, placeholder)
     try:
         yield bar
     finally:

@@ -22,6 +22,28 @@ import torch
 from pointalign import _validate, transforms
 
 
+class _Pose(np.ndarray):
+    """A ``(4, 4)`` float64 NumPy array that also answers ``.numpy()``.
+
+    :attr:`Pair.T_target_source` was a tensor before it became a NumPy array like
+    ``RegistrationResult.transformation``; ``.numpy()`` (a plain view) keeps code written
+    for the tensor working. Everything else is NumPy's.
+    """
+
+    def numpy(self) -> np.ndarray:
+        """Return the values as a plain ``np.ndarray`` (a view, as ``Tensor.numpy()``)."""
+        return self.view(np.ndarray)
+
+    def __repr__(self) -> str:
+        return repr(self.view(np.ndarray))
+
+
+def _pose(T: Any) -> np.ndarray:
+    """``T (4, 4)`` (tensor or array) as a fresh float64 NumPy array (:class:`_Pose`)."""
+    a = T.detach().cpu().numpy() if isinstance(T, torch.Tensor) else np.asarray(T)
+    return np.array(a, dtype=np.float64).view(_Pose)
+
+
 @dataclass(frozen=True)
 class Pair:
     """A registration problem with ground truth.
@@ -29,15 +51,20 @@ class Pair:
     Attributes:
         source: ``(N, 3)`` float tensor.
         target: ``(M, 3)`` float tensor.
-        T_target_source: ``(4, 4)`` float64 tensor, the true transform.
+        T_target_source: ``(4, 4)`` float64 NumPy array, the true transform (the kind of
+            ``RegistrationResult.transformation``, so ``result.transformation`` and the
+            truth compare directly; ``torch.as_tensor`` makes it a tensor).
         name: a short label.
 
     """
 
     source: torch.Tensor
     target: torch.Tensor
-    T_target_source: torch.Tensor
+    T_target_source: np.ndarray
     name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "T_target_source", _pose(self.T_target_source))
 
 
 def _data_file(name: str) -> Any:
@@ -93,8 +120,38 @@ def load_bunny(name: str = "bun000") -> torch.Tensor:
 
 def load_bunny_pair() -> Pair:
     """bun045 (source) → bun000 (target) with the ground truth (about 34.3°, 53 mm)."""
-    return Pair(load_bunny("bun045"), load_bunny("bun000"), bunny_relative_pose(),
+    return Pair(load_bunny("bun045"), load_bunny("bun000"), _pose(bunny_relative_pose()),
                 "bun045->bun000")
+
+
+def perturbed_pose(T: Any, rotation_deg: float, translation: float, *, center: Any = None,
+                   seed: int = 0) -> np.ndarray:
+    """Return a pose near ``T``: turned by ``rotation_deg`` and moved by ``translation``.
+
+    Returns ``D @ T`` where ``D`` turns by ``rotation_deg`` degrees about a random axis
+    through ``center`` (the centroid of the given cloud; None: the origin) and then shifts
+    by exactly ``translation`` along a random direction: the start of a local method that
+    refines a known pose (``pointalign demo --start near``).
+
+    Args:
+        T: ``(4, 4)`` ``T_target_source`` (array or tensor).
+        rotation_deg: the turn in degrees.
+        translation: the shift length (units of the data).
+        center: ``(M, 3)`` target-frame points whose centroid the turn is about, or None.
+        seed: seeds the axis and direction (a CPU ``torch.Generator``).
+
+    Returns:
+        ``(4, 4)`` float64 NumPy array.
+
+    """
+    T64 = _validate.as_transform(T, "T", device="cpu")
+    g = torch.Generator().manual_seed(_validate.seed(seed))
+    D = transforms.random_transform(float(rotation_deg), float(translation), generator=g)
+    if center is not None:
+        c = _validate.as_points(center, "center", device="cpu", dtype=torch.float64).mean(0)
+        R = D[:3, :3]
+        D = transforms.make(R, c - R @ c + D[:3, 3])
+    return (D @ T64.to(torch.float64)).numpy()
 
 
 def shared_data_dir() -> Path | None:
@@ -175,7 +232,7 @@ def make_pair(
         src = src.clone()
         src[idx] = center + (torch.rand(n_out, 3, generator=g, dtype=torch.float64) * 2 - 1) * half
     src = transforms.apply(transforms.invert(T), src)
-    return Pair(src.to(dtype), pts.to(dtype), T, f"synthetic {rotation_deg}deg")
+    return Pair(src.to(dtype), pts.to(dtype), _pose(T), f"synthetic {rotation_deg}deg")
 
 
 def random_subsample(points: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
@@ -283,4 +340,4 @@ def make_hard_pair(
     src = transforms.apply(transforms.invert(T), src)
     name = (f"overlap {overlap:g}, {rotation_deg:g} deg, {100 * outlier_fraction:g}% outliers, "
             f"seed {seed}")
-    return Pair(src.to(dtype), tgt.to(dtype), T, name)
+    return Pair(src.to(dtype), tgt.to(dtype), _pose(T), name)

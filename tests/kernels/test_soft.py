@@ -172,7 +172,7 @@ def test_sinkhorn_scalings_match_dense_matrix(dtype, rng):
 def test_bunny_rows_match_dense(bunny_pair):
     x = datasets.random_subsample(bunny_pair.source, 400, 1)
     y = datasets.random_subsample(bunny_pair.target, 350, 2)
-    T = bunny_pair.T_target_source
+    T = torch.as_tensor(bunny_pair.T_target_source)
     lam, xp = soft.emicp_rows(x[None], y[None], T[None].float(), torch.tensor([1e-4]),
                               torch.tensor([-100.0]))
     _, lam_d, xp_d = dense_emicp(x, y, T, 1e-4, -100.0)

@@ -30,7 +30,7 @@ def test_random_pose_any_rotation(bunny, seed):
     P = transforms.make(transforms.random_rotation(generator=g, dtype=torch.float64).reshape(3, 3),
                         torch.randn(3, generator=g, dtype=torch.float64))
     src = transforms.apply(P, bunny.source.double()).float()
-    T_true = bunny.T_target_source @ transforms.invert(P)
+    T_true = torch.as_tensor(bunny.T_target_source) @ transforms.invert(P)
     r = register(src, bunny.target, voxel_size=0.006, hypotheses=2048, icp_voxel_size=0.003,
                  seed=seed)
     E = transforms.invert(T_true) @ torch.as_tensor(r.transformation)
@@ -90,7 +90,7 @@ def test_verdict_counts_equal_separate_scores(bunny, seed):
     t_idx = build_index(t_down)
     g = torch.Generator().manual_seed(seed)
     for scale in (0.0, 0.5, 1.0, 3.0):  # the true pose, then farther from it
-        T = bunny.T_target_source.clone().to(torch.float64)
+        T = torch.tensor(bunny.T_target_source, dtype=torch.float64)
         T[:3, 3] += scale * v * torch.randn(3, generator=g, dtype=torch.float64)
         bounds = (1.5 * v, 0.5 * v, v)
         got = pipeline._counts_within(T, s_down, t_idx, bounds)

@@ -17,7 +17,8 @@ def bunny_features():
     """bun045 -> bun000 downsampled at 5 mm (~1.3k points each) with FPFH at 5 voxels."""
     pair = datasets.load_bunny_pair()
     s, t = voxel_downsample(pair.source, V), voxel_downsample(pair.target, V)
-    return s, t, fpfh(s, radius=5 * V), fpfh(t, radius=5 * V), pair.T_target_source
+    return (s, t, fpfh(s, radius=5 * V), fpfh(t, radius=5 * V),
+            torch.as_tensor(pair.T_target_source))
 
 
 def _random_pose(seed):

@@ -470,7 +470,7 @@ def test_cuda_matches_cpu(kind, seed):
     co = approximant_coefficients(tree, kind)
     from pointalign.kernels.surface import triton as _surface_triton
 
-    T = p.T_target_source
+    T = torch.as_tensor(p.T_target_source)
     o = torch.zeros(3, dtype=torch.float64)
     src = p.source.cuda()
     for depth in (3, tree.depth):

@@ -2,13 +2,15 @@
 
 :func:`read` and :func:`write` dispatch on the file suffix (case-insensitive) through
 ``FORMATS``; :func:`read_bin` reads raw float32 ``.bin`` scans (KITTI Velodyne style),
-whose column count cannot be told from the file.
+whose column count it infers from the data (x y z or x y z intensity) and announces, and
+:func:`read` hands ``.bin`` files to it.
 
 Formats (suffix: what is read and written; library):
 
 * ``.ply``: vertex ``x y z``, ``nx ny nz``, ``red green blue``, ``feature_<j>``, other
   scalar vertex properties as ``extras``; ascii and binary little/big endian; elements other
-  than ``vertex`` (faces, the Stanford scans' ``range_grid``) are skipped; plyfile.
+  than ``vertex`` (faces, the Stanford scans' ``range_grid``) are skipped, a mesh's face
+  count named in a warning; plyfile.
 * ``.pcd``: ``x y z``, ``normal_x normal_y normal_z``, ``rgb``/``rgba`` (packed in F 4 or
   U 4) or ``r g b``, ``fpfh``/``feature`` (COUNT D) as features, other fields as ``extras``;
   ascii, binary and binary_compressed; pypcd4.
@@ -52,7 +54,8 @@ such clouds.
 **Common rules.** ``read(..., dtype=None)`` keeps the file's precision: float64 when the
 file stores float64 coordinates or decimal text (and for LAS, whose scaled integers need
 it), float32 otherwise; pass ``dtype`` to force one. Points whose coordinates are not
-finite (organised scans mark missing returns with NaN) are dropped with their attributes.
+finite (organised scans mark missing returns with NaN) are dropped with their attributes,
+and a :class:`~pointalign._progress.FileContentWarning` says how many.
 Integer colours are scaled to [0, 1] by the type's maximum (255 for uint8). Every reading
 error is a ``ValueError`` naming the file (and the row, line or byte offset where it is
 known); a missing file is a ``FileNotFoundError``. A file with 0 points is an error.
@@ -83,6 +86,7 @@ before any work is done.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import stat
@@ -165,10 +169,11 @@ def _parse_errors() -> tuple[type[BaseException], ...]:
 def _format_for(path: Path) -> Format:
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
-        hint = (" (for raw float32 .bin scans use pointalign.io.read_bin(path, columns=...))"
+        hint = (" (raw float32 .bin scans are read, not written: write .ply, .pcd or .npy)"
                 if path.suffix.lower() == ".bin" else "")
         raise ValueError(f"{path}: unknown file suffix {path.suffix!r}; supported: "
-                         f"{', '.join(FORMATS)}{hint}")
+                         f"{', '.join(FORMATS)}{' and .bin (reading)' if not hint else ''}"
+                         f"{hint}")
     return fmt
 
 
@@ -213,14 +218,17 @@ def read(path: PathLike, *, dtype: torch.dtype | None = None) -> PointCloud:
 
     Args:
         path: file to read (``.ply .pcd .xyz .txt .csv .pts .xyzn .xyzrgb .npy .npz .las
-            .laz``; case-insensitive).
+            .laz``, and raw float32 ``.bin`` scans by :func:`read_bin`'s rules;
+            case-insensitive).
         dtype: float dtype of the result; default keeps the file's precision (float64 for
             double-precision, text and LAS files, float32 otherwise).
 
     Returns:
         A :class:`PointCloud` on the CPU: ``points (N, 3)``, and ``normals (N, 3)``,
         ``colors (N, 3)`` in [0, 1], ``features (N, D)`` and ``extras`` where the file has
-        them. Points with non-finite coordinates are dropped.
+        them. Points with non-finite coordinates are dropped, and a
+        :class:`~pointalign._progress.FileContentWarning` gives their count; a mesh PLY is
+        read as its vertices, with a warning naming its face count.
 
     Raises:
         FileNotFoundError: no such file.
@@ -235,56 +243,190 @@ def read(path: PathLike, *, dtype: torch.dtype | None = None) -> PointCloud:
 
     """
     p = _path_arg(path)
+    if p.suffix.lower() == ".bin":
+        _dtype_arg(dtype)
+        return read_bin(p, dtype=dtype)
     fmt = _format_for(p)
     dt = _dtype_arg(dtype)
     _check_file(p)
     try:
         fields = fmt.reader(p)
-        return _build(fields, dt)
+        cloud = _build(fields, dt)
     except ImportError:
         raise
     except _parse_errors() as exc:
         detail = str(exc) if isinstance(exc, _FormatError) else f"{type(exc).__name__}: {exc}"
         raise ValueError(f"cannot read {p} as {fmt.name}: {detail}") from exc
+    _announce(p, fields)
+    return cloud
 
 
-def read_bin(path: PathLike, *, columns: int, dtype: torch.dtype | None = None) -> PointCloud:
+#: the column counts :func:`read_bin` considers when none is given: KITTI's
+#: ``x y z reflectance`` first, then ``x y z``
+BIN_COLUMNS = (4, 3)
+
+#: rows sampled to test a raw float32 file's layout
+_BIN_SAMPLE = 200_000
+
+
+def _lag_spread(flat: np.ndarray, lag: int) -> float:
+    """Median of ``|f[i + lag] − f[i]|`` over a fixed sample of the float stream ``flat``.
+
+    At the true row length this pairs one coordinate of a point with the same coordinate of
+    the next (close on an ordered scan, of one distribution on any cloud); at a wrong one it
+    pairs x with y or a coordinate with an intensity, which differ more.
+    """
+    m = flat.size - lag
+    if m <= 0:
+        return math.inf
+    idx = np.arange(m) if m <= _BIN_SAMPLE else \
+        np.random.default_rng(0).choice(m, _BIN_SAMPLE, replace=False)
+    d = np.abs(flat[idx + lag].astype(np.float64) - flat[idx].astype(np.float64))
+    d = d[np.isfinite(d)]
+    return float(np.median(d)) if d.size else math.inf
+
+
+def _intensity_doubt(flat: np.ndarray, columns: int) -> str | None:
+    """Why the 4th of ``columns`` values per row is not a plausible intensity (None: it is)."""
+    if columns < 4:
+        return None
+    col = flat.reshape(-1, columns)[:, 3]
+    finite = np.isfinite(col)
+    negative = float(np.count_nonzero(finite & (col < 0))) / col.size
+    if negative > 0.01:
+        return f"{100 * negative:.0f}% of the 4th column (the intensity) is negative"
+    if not finite.all():
+        return f"{np.count_nonzero(~finite)} values of the 4th column are NaN or Inf"
+    return None
+
+
+def _bin_columns(p: Path, flat: np.ndarray, size: int, columns: int | None) -> int:
+    """Choose (``columns=None``) or check the row length of a raw float32 file.
+
+    Candidates are :data:`BIN_COLUMNS` whose row size divides the file. With two, the one
+    whose stream repeats with its period (:func:`_lag_spread` at least 2x smaller) wins;
+    when neither stands out, 4 unless its 4th column is not a plausible intensity. An
+    inferred layout other than KITTI's 4 columns, or an unclear choice, is announced with
+    a :class:`~pointalign._progress.FileContentWarning`; a given ``columns`` that the data
+    contradicts gets one too (the file is still read as asked).
+    """
+    from pointalign import _progress
+
+    fits = [c for c in BIN_COLUMNS if size % (4 * c) == 0]
+    spread = {c: _lag_spread(flat, c) for c in fits}
+
+    def clearly(c: int) -> bool:
+        return all(spread[c] * 2 < spread[o] for o in fits if o != c)
+
+    names = {3: "x y z", 4: "x y z intensity"}
+    if columns is not None:
+        others = [c for c in fits if c != columns and spread[c] * 2 < _lag_spread(flat, columns)]
+        why = [w for w in (_intensity_doubt(flat, columns),) if w]
+        if others:
+            why.append(f"the values repeat every {others[0]} floats, not every {columns}")
+        if why:
+            better = others or [c for c in fits if c != columns and not _intensity_doubt(flat, c)]
+            alt = f"; columns={better[0]} ({names[better[0]]}) fits the data" if better else ""
+            _progress.warn(f"{p}: read as {columns} float32 columns as asked, but "
+                           f"{' and '.join(why)}: the points may be garbage{alt}",
+                           _progress.FileContentWarning, stacklevel=3)
+        return columns
+    if not fits:
+        raise ValueError(f"cannot read {p} as raw float32: its {size} bytes are not a multiple "
+                         "of 16 (x y z intensity) or 12 (x y z); truncated, or another "
+                         "layout: pass columns= to read_bin")
+    clear = next((c for c in fits if clearly(c)), None)
+    if len(fits) == 1:  # 12N bytes with N % 4 != 0 cannot hold 4 columns, and vice versa
+        chosen, how = fits[0], f"its size is a multiple of {4 * fits[0]} bytes only"
+    elif clear is not None:
+        chosen, how = clear, f"its values repeat every {clear} floats"
+    else:
+        doubt = _intensity_doubt(flat, 4)
+        chosen = 3 if doubt else 4
+        how = "the layout is not clear from the data" + (f" ({doubt} when read as 4 "
+                                                         "columns)" if doubt else "")
+    if chosen != BIN_COLUMNS[0] or how.startswith("the layout"):
+        _progress.warn(f"{p}: read as {chosen} float32 columns ({names[chosen]}): {how}; "
+                       "pass columns= (CLI: --bin-columns) if that is wrong",
+                       _progress.FileContentWarning, stacklevel=3)
+    _progress.get_logger("io").info("%s: read as %d float32 columns (%s)", p, chosen,
+                                    names[chosen])
+    return chosen
+
+
+def read_bin(path: PathLike, *, columns: int | None = None,
+             dtype: torch.dtype | None = None) -> PointCloud:
     """Read a raw little-endian float32 ``.bin`` scan (KITTI Velodyne style).
 
-    The file is ``N x columns`` float32 values, row after row, with no header, so
-    ``columns`` must be given: KITTI's own scans are ``x y z reflectance`` (4; the 4th
-    column becomes ``extras["intensity"]``), some re-exports keep only ``x y z`` (3).
-    Columns beyond 4 go to ``extras["columns"]``. A file size that is not a multiple of
-    ``4 * columns`` bytes is rejected, but a wrong ``columns`` whose row size happens to
-    divide the file size cannot be detected.
+    The file is ``N x columns`` float32 values, row after row, with no header. KITTI's own
+    scans are ``x y z reflectance`` (4; the 4th column becomes ``extras["intensity"]``),
+    some re-exports keep only ``x y z`` (3). Columns beyond 4 go to ``extras["columns"]``.
+
+    With ``columns=None`` (the default) the layout is read from the data: of 4 and 3 the
+    row length whose size divides the file's and at which the float stream repeats
+    (the same coordinate of consecutive points: a 3-column scan read as 4 columns would
+    mix x, y and z in every column); when neither stands out, 4 unless the 4th column is
+    not a plausible intensity (negative values). A layout other than 4 columns, or an
+    unclear choice, is announced with a :class:`~pointalign._progress.FileContentWarning`
+    naming the assumption. A given ``columns`` is used as asked; it is warned about when
+    the data contradicts it. A file size that is not a multiple of the row size is
+    rejected.
 
     Args:
         path: the ``.bin`` file.
-        columns: float32 values per point, at least 3.
+        columns: float32 values per point, at least 3; None: inferred (4 or 3).
         dtype: float dtype of the result (default float32).
 
+    Raises:
+        ValueError: a bad ``columns``, a size no row length divides, or (``columns=None``)
+            values that are no plausible x y z [intensity] layout; the message names the
+            file.
+
     """
-    if not isinstance(columns, (int, np.integer)) or isinstance(columns, bool) or columns < 3:
-        raise ValueError(f"columns: expected an integer >= 3, got {columns!r}")
+    if columns is not None and (not isinstance(columns, (int, np.integer))
+                                or isinstance(columns, bool) or columns < 3):
+        raise ValueError(f"columns: expected None or an integer >= 3, got {columns!r}")
     p = _path_arg(path)
     dt = _dtype_arg(dtype)
     _check_file(p)
     size = p.stat().st_size
-    row = 4 * int(columns)
-    if size % row:
+    if columns is not None and size % (4 * int(columns)):
+        row = 4 * int(columns)
         raise ValueError(f"cannot read {p} as raw float32: its {size} bytes are not a "
                          f"multiple of {row} ({columns} float32 columns); truncated, or "
                          "wrong `columns`?")
-    table = np.fromfile(p, dtype="<f4").reshape(-1, int(columns))
+    flat = np.fromfile(p, dtype="<f4")
+    ncol = _bin_columns(p, flat, size, None if columns is None else int(columns))
+    table = flat.reshape(-1, ncol)
     extras = {}
-    if columns >= 4:
+    if ncol >= 4:
         extras["intensity"] = table[:, 3].copy()
-    if columns > 4:
+    if ncol > 4:
         extras["columns"] = table[:, 4:].copy()
+    fields = _Fields(table[:, :3], extras=extras)
     try:
-        return _build(_Fields(table[:, :3], extras=extras), dt)
+        cloud = _build(fields, dt)
     except _FormatError as exc:
         raise ValueError(f"cannot read {p} as raw float32: {exc}") from exc
+    _announce(p, fields)
+    return cloud
+
+
+def _announce(p: Path, fields: _Fields) -> None:
+    """Warn about what reading ``p`` left out: a mesh's faces, rows with NaN coordinates."""
+    from pointalign import _progress
+
+    faces = (fields.skipped or {}).get("face", 0)
+    if faces:
+        _progress.warn(f"{p}: read the {len(fields.points) - fields.dropped:,} vertices as "
+                       f"points; its {faces:,} faces are not used (a mesh: its vertices "
+                       "may be unevenly spread over the surface)",
+                       _progress.FileContentWarning, stacklevel=3)
+    if fields.dropped:
+        n = len(fields.points)
+        _progress.warn(f"{p}: dropped {fields.dropped:,} of {n:,} points whose coordinates "
+                       "are NaN or Inf (missing returns of an organised scan, or damage)",
+                       _progress.FileContentWarning, stacklevel=3)
 
 
 def _write_target(path: Any) -> tuple[Path, Path, Format]:

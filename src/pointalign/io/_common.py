@@ -79,6 +79,10 @@ class _Fields:
     features: np.ndarray | None = None
     extras: dict[str, np.ndarray] | None = None
     float64: bool = False  # the file stores float64 coordinates
+    #: elements the reader did not turn into points, by name (a PLY's ``face`` count)
+    skipped: dict[str, int] | None = None
+    #: rows dropped by :func:`_build` because their coordinates are not finite
+    dropped: int = 0
 
 
 def _build(f: _Fields, dtype: torch.dtype | None) -> PointCloud:
@@ -96,6 +100,7 @@ def _build(f: _Fields, dtype: torch.dtype | None) -> PointCloud:
     if not keep.any():
         raise _FormatError(f"none of the {pts.shape[0]} points has finite coordinates")
     sel = slice(None) if keep.all() else keep
+    f.dropped = int(pts.shape[0] - np.count_nonzero(keep))
 
     def cast(a: np.ndarray | None, name: str) -> torch.Tensor | None:
         if a is None:
