@@ -1,6 +1,13 @@
 """pointalign: rigid point-cloud registration on the GPU and the CPU."""
 
 from pointalign import _threads, datasets, metrics, transforms  # noqa: F401 (_threads first)
+from pointalign._progress import (
+    DoubtfulResultWarning,
+    FileContentWarning,
+    IgnoredParameterWarning,
+    PointalignWarning,
+    SlowOperationWarning,
+)
 from pointalign._threads import get_num_threads, set_num_threads
 from pointalign.cloud import PointCloud
 from pointalign.features.downsample import voxel_downsample
@@ -26,6 +33,11 @@ __all__ = [
     "KDTreeIndex",
     "VoxelGridIndex",
     "ConvergenceCriteria",
+    "DoubtfulResultWarning",
+    "FileContentWarning",
+    "IgnoredParameterWarning",
+    "PointalignWarning",
+    "SlowOperationWarning",
     "PointCloud",
     "RegistrationEvaluation",
     "RegistrationResult",

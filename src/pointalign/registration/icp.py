@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _math, _validate, estimate, transforms
+from pointalign import _math, _progress, _validate, estimate, transforms
 from pointalign.kernels import _loop, features, normal_eq
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge
@@ -418,7 +418,8 @@ def icp(
                    crit.translation_for(pair.extent))
     t_it = time.perf_counter()
     run = _loop.iterate(step, inputs, state, max_steps=int(crit.max_iterations) + 1)
-    for record in run:
+    for record in _progress.track(run, "ICP", total=int(crit.max_iterations),
+                                  delay=_progress.LIBRARY_DELAY):
         if rules(record):
             break
     timings = dict(clock.timings, iterate=time.perf_counter() - t_it, **run.timings)
