@@ -434,7 +434,7 @@ def second_order_points_cpu(source: torch.Tensor, target: torch.Tensor,
     """Return ``A ⊙ (A A)`` for ``A_ij = ||s_i − s_j| − |t_i − t_j|| < tau``, i ≠ j: ``(C, C)``.
 
     ``source, target``: ``(C, 3)`` float32 correspondence ends. The lengths are those of
-    :func:`pointalign.registration.robust.pair_lengths` (:func:`_length`); ``tau`` is
+    :func:`pointalign.kernels.ransac.pair_lengths` (:func:`_length`); ``tau`` is
     rounded to float32 first, as PyTorch does when comparing a float32 tensor with a Python
     float: the answer equals
     :func:`second_order_cpu` of the reference's A bit for bit, with no ``C × C`` matrix
