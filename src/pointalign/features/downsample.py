@@ -184,6 +184,11 @@ def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int =
     corrects ``v ← v · sqrt(count / target_points)`` (surfaces: count ∝ v⁻²) a few times;
     returns the first edge whose count is within 10 % or the best seen. A cloud with fewer
     than ``2 · target_points`` points is reduced to about half its size instead.
+
+    :func:`pointalign.register`'s default edge, with ``target_points`` = 5,000: the size the
+    parallel RANSAC paper works at (5 mm voxels on ~10⁵-point object scans); it gives
+    ~3.5 mm on the Stanford bunny, ~5 cm on 3DMatch fragments and ~1 m on a KITTI scan, the
+    sizes those datasets are usually registered at.
     """
     pts = _validate.as_points(points, "points")
     target_points = int(target_points)

@@ -58,13 +58,14 @@ def radius_outlier_mask(points: Any, radius: float, min_neighbors: int = 2, *,
         radius: search radius (> 0), same units as the points.
         min_neighbors: other points needed within ``radius`` (>= 1).
         index: optional prebuilt :class:`~pointalign.search.base.Index` over ``points``.
-        device: compute device (default: the points').
+        device: compute device (default: the device of the points and the index, which
+            must be one).
 
     Returns:
         ``(N,)`` bool tensor on the device, True = keep.
 
     """
-    dev = _validate.as_device(device, points if isinstance(points, torch.Tensor) else None)
+    dev = _validate.resolve_device(device, points=points, index=index)
     pts = _validate.as_points(points, "points", device=dev)
     r = _validate.positive(radius, "radius")
     min_neighbors = _validate.integer(min_neighbors, "min_neighbors", minimum=1)
@@ -86,13 +87,14 @@ def statistical_outlier_mask(points: Any, neighbors: int = 16, std_ratio: float 
         neighbors: k (>= 1).
         std_ratio: threshold in standard deviations (> 0).
         index: optional prebuilt :class:`~pointalign.search.base.Index` over ``points``.
-        device: compute device (default: the points').
+        device: compute device (default: the device of the points and the index, which
+            must be one).
 
     Returns:
         ``(N,)`` bool tensor on the device, True = keep.
 
     """
-    dev = _validate.as_device(device, points if isinstance(points, torch.Tensor) else None)
+    dev = _validate.resolve_device(device, points=points, index=index)
     pts = _validate.as_points(points, "points", min_points=2, device=dev)
     neighbors = _validate.integer(neighbors, "neighbors", minimum=1)
     ratio = _validate.positive(std_ratio, "std_ratio")

@@ -1,34 +1,23 @@
 """register(): global then local registration in one call; composes, adds nothing numerical.
 
 The recipe of Open3D's global-registration tutorial (Rusu et al. 2009 features; Marchel
-2017 parallel RANSAC; Chen & Medioni 1992 point-to-plane ICP), as named stages (every
-length a multiple of the voxel edge v, all in one :class:`Scales`):
+2017 parallel RANSAC; Chen & Medioni 1992 point-to-plane ICP) as named stages, every
+length a multiple of the voxel edge v (:class:`Scales`; default v:
+:func:`~pointalign.features.downsample.auto_voxel_size`):
 
-1. :func:`_prepare_cloud`, once per cloud: ``voxel_downsample`` (edge v); normals by PCA
-   within 2v (30 neighbours at most), oriented towards the cloud's centroid (a convention
-   that moves with the cloud, so features do not depend on the pose); FPFH within 5v (100
-   neighbours at most); one neighbour search per cloud (5v, 100) serves both, the normals
-   taking its first 30 neighbours within 2v. Stray points are dropped first where a sample
-   shows some (:func:`dense_mask`);
-2. :func:`_global`: the feature matches found once
-   (:func:`pointalign.kernels.ransac.feature_matches`) and passed to parallel RANSAC
-   (inlier bound 1.5v) and to the compatibility graph's proposer
-   (:mod:`pointalign.registration.robust`);
+1. :func:`_prepare_cloud`, once per cloud (after dropping stray points where a sample
+   shows some, :func:`~pointalign.features.outliers.dense_mask`): downsample at v; one
+   neighbour search (5v, 100 nearest) serves the normals (PCA within 2v, 30 nearest,
+   facing the cloud's centroid, a convention that moves with the cloud) and FPFH (5v);
+2. :func:`_global`: the feature matches, found once, go to parallel RANSAC (inliers within
+   1.5v) and to the compatibility graph's proposer (:mod:`pointalign.registration.robust`);
 3. :func:`_refine_hypotheses`: the best few proposals by inliers, refined by one batched
-   point-to-plane ICP on the clouds of step 1 (their index and normals; bound 1.5v) and
-   ranked by their overlap within v;
+   point-to-plane ICP on the downsampled clouds (1.5v), ranked by their overlap within v;
 4. :func:`_final_icp`: point-to-plane ICP of the full clouds (or their ``icp_voxel_size``
-   copies; target normals within 2v from 16 neighbours) with 0.5v from the best; each ICP
-   stops on Open3D's relative-change rule or an update below 0.1 % of v and 0.01°;
+   copies) with 0.5v from the best; each ICP stops on Open3D's relative-change rule or an
+   update below 0.1 % of v and 0.01°;
 5. :func:`_verdict`: whether the result can be trusted (overlap, margin over a different
    hypothesis, concentration of the residuals, determinacy).
-
-Default v: the edge at which the larger of the two clouds keeps about
-``target_points`` = 5,000 points (found by a few secant steps on the occupied-voxel count,
-which scales like v⁻² on surfaces). 5,000 is the size the parallel RANSAC paper works at
-(5 mm voxels on ~10⁵-point object scans); it gives ~3.5 mm on the Stanford bunny, ~5 cm on
-3DMatch fragments and ~1 m on a KITTI scan, the sizes those datasets are usually
-registered at.
 """
 
 from __future__ import annotations
@@ -57,57 +46,41 @@ from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.icp import icp
-from pointalign.registration.ransac import count_inliers, ransac
+from pointalign.registration.ransac import count_inliers, count_inliers_within, ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
 from pointalign.search import build_index, policy
 
 METHODS = ("icp", "none")
-#: the front end's helpers live with the features (imported here, where they always were)
-__all__ = ["METHODS", "RANSAC_OPTIONS", "Prepared", "Scales", "auto_voxel_size",
-           "dense_mask", "register", "robust_voxel_size", "stray_fraction"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Scales:
-    """Every length :func:`register` uses, each a multiple of the voxel edge v.
+    """Every length :func:`register` uses, a multiple of the voxel edge v (metres).
 
     ``Scales(v)`` holds the defaults; an override given to :func:`register` replaces its
-    quantity at every use (the table's last column):
+    quantity at every use:
 
-    =========================  ========  ====================================================
-    field                      default   used by
-    =========================  ========  ====================================================
-    ``voxel``                  v         the downsampling edge of the global stage; a stray
-                                         point has fewer than ``SPARSE_NEIGHBOURS`` others
-                                         within it (:func:`dense_mask`)
-    ``normal_radius``          2 v       normals of the downsampled clouds (30 neighbours at
-                                         most) and of the final ICP's target (16)
-    ``feature_radius``         5 v       FPFH (100 neighbours at most; this one search
-                                         serves the normals too)
-    ``correspondence``         1.5 v     ``max_correspondence_distance``: RANSAC's inlier
-                                         bound, the compatibility graph's length tolerance,
-                                         the proposals' inlier counts, the coarse ICP's
-                                         bound and the verdict's outer bound
-    ``overlap``                v         the trimmed overlap that ranks the refined
-                                         hypotheses, and the verdict's ``overlap``
-    ``fine``                   0.5 v     ``icp_max_correspondence_distance``: the final
-                                         ICP's bound and the verdict's inner bound
-                                         (``concentration``: within ``fine`` of those within
-                                         ``correspondence``)
-    ``translation_tolerance``  0.001 v   both ICP stages stop on an update below this (and
-                                         below ``ROTATION_TOLERANCE_DEG``)
-    ``distinct``               3 v       the verdict: a hypothesis that maps the source's
-                                         centroid farther than this from the result's (or
-                                         turns more than ``DISTINCT_ANGLE_DEG``) is a
-                                         different one
-    =========================  ========  ====================================================
-
-    Args:
-        voxel: v, the voxel edge of the global stage (metres, > 0).
-        max_correspondence_distance: overrides ``correspondence`` (None: 1.5 v).
-        icp_max_correspondence_distance: overrides ``fine`` (None: 0.5 v).
-
+    =========================  =======  ======================================================
+    field                      default  used by
+    =========================  =======  ======================================================
+    ``voxel``                  v        the global stage's downsampling; stray points (fewer
+                                        than ``SPARSE_NEIGHBOURS`` others within v)
+    ``normal_radius``          2 v      the normals of the downsampled clouds and of the
+                                        final ICP's target
+    ``feature_radius``         5 v      FPFH (its one search serves the normals too)
+    ``correspondence``         1.5 v    ``max_correspondence_distance``: RANSAC's inliers, the
+                                        compatibility graph's tolerance, the proposals'
+                                        inlier counts, the coarse ICP, the verdict's outer
+                                        bound
+    ``overlap``                v        the overlap that ranks the refined hypotheses and
+                                        the verdict's ``overlap``
+    ``fine``                   0.5 v    ``icp_max_correspondence_distance``: the final ICP,
+                                        the verdict's inner bound (``concentration``)
+    ``translation_tolerance``  0.001 v  both ICP stages' smallest update
+    ``distinct``               3 v      the verdict: a hypothesis moving the source's
+                                        centroid farther from the result's is another one
+    =========================  =======  ======================================================
     """
 
     voxel: float
@@ -124,46 +97,38 @@ class Scales:
     def __post_init__(self, max_correspondence_distance: float | None,
                       icp_max_correspondence_distance: float | None) -> None:
         v = _validate.positive(self.voxel, "voxel_size")
+        mcd, fine = max_correspondence_distance, icp_max_correspondence_distance
         for name, value in (
-                ("voxel", v),
-                ("normal_radius", 2 * v),
-                ("feature_radius", 5 * v),
-                ("correspondence", 1.5 * v if max_correspondence_distance is None else
-                 _validate.positive(max_correspondence_distance,
-                                    "max_correspondence_distance")),
+                ("voxel", v), ("normal_radius", 2 * v), ("feature_radius", 5 * v),
+                ("correspondence", 1.5 * v if mcd is None else
+                 _validate.positive(mcd, "max_correspondence_distance")),
                 ("overlap", v),
-                ("fine", 0.5 * v if icp_max_correspondence_distance is None else
-                 _validate.positive(icp_max_correspondence_distance,
-                                    "icp_max_correspondence_distance")),
-                ("translation_tolerance", 1e-3 * v),
-                ("distinct", 3 * v)):
+                ("fine", 0.5 * v if fine is None else
+                 _validate.positive(fine, "icp_max_correspondence_distance")),
+                ("translation_tolerance", 1e-3 * v), ("distinct", 3 * v)):
             object.__setattr__(self, name, value)
 
 
-#: neighbours of the downsampled clouds' one search (FPFH's cap, as Open3D's tutorial)
+#: neighbours of each downsampled cloud's one search (FPFH's cap, as Open3D's tutorial) ...
 FEATURE_NEIGHBOURS = 100
-#: of those, the nearest ones within ``Scales.normal_radius`` that give the normals
+#: ... of which the nearest within ``Scales.normal_radius`` give the normals
 NORMAL_NEIGHBOURS = 30
 #: nearest neighbours of the final ICP's target normals: the full clouds are dense (16
 #: nearest points are well within 2v wherever the surface is sampled finer than the voxel),
 #: and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
 FULL_NORMAL_NEIGHBOURS = 16
-#: both ICP stages' rotation tolerance (degrees)
+#: both ICP stages' smallest rotation update (degrees)
 ROTATION_TOLERANCE_DEG = 0.01
-#: the verdict: a hypothesis turned more than this (degrees) from the result is different
+#: the verdict: a hypothesis turned more than this (degrees) from the result is another one
 DISTINCT_ANGLE_DEG = 5.0
 
 
 class Prepared(NamedTuple):
     """One cloud ready for the global stage (:func:`_prepare_cloud`), on the compute device.
 
-    Attributes:
-        down: ``(n, 3)`` float32, the voxel-downsampled points (edge ``Scales.voxel``).
-        index: an :class:`~pointalign.search.base.Index` over ``down``.
-        normals: ``(n, 3)`` float32 unit normals (within ``Scales.normal_radius``, facing
-            the cloud's centroid).
-        features: ``(n, 33)`` float32 FPFH (within ``Scales.feature_radius``).
-
+    ``down``: ``(n, 3)`` float32 downsampled points (edge ``Scales.voxel``); ``index``: an
+    :class:`~pointalign.search.base.Index` over them; ``normals``: ``(n, 3)`` float32 unit
+    normals; ``features``: ``(n, 33)`` float32 FPFH.
     """
 
     down: torch.Tensor
@@ -172,8 +137,7 @@ class Prepared(NamedTuple):
     features: torch.Tensor
 
 
-@dataclasses.dataclass(frozen=True)
-class _Options:
+class _Options(NamedTuple):
     """:func:`register`'s validated keyword arguments, as the stages read them."""
 
     voxel_size: float | None
@@ -190,12 +154,15 @@ class _Options:
     ransac_options: dict[str, Any]
 
 
-#: ransac()'s keywords that register() sets itself (the others pass through **ransac_options)
+#: ransac()'s keywords that register() sets itself; RANSAC_OPTIONS: those it passes on
 _RANSAC_SET_HERE = frozenset({"source", "target", "source_features", "target_features",
                               "hypotheses", "target_index", "seed", "device", "matches",
                               "max_correspondence_distance"})
-#: the keywords register() passes on to ransac()
 RANSAC_OPTIONS = tuple(sorted(set(inspect.signature(ransac).parameters) - _RANSAC_SET_HERE))
+
+
+def _positive_or_none(value: Any, name: str) -> float | None:
+    return None if value is None else _validate.positive(value, name)
 
 
 @_validate.out_of_memory_is_clear
@@ -222,67 +189,49 @@ def register(
     Args:
         source: ``(N, 3)`` float array/tensor or PointCloud (metres).
         target: ``(M, 3)`` float array/tensor or PointCloud.
-        voxel_size: downsampling edge v for the global stage (default: see
-            :func:`auto_voxel_size`); every other length is a multiple of it, listed in
-            :class:`Scales` (normals 2v, FPFH 5v, correspondences 1.5v, final ICP 0.5v).
+        voxel_size: downsampling edge v for the global stage (default:
+            :func:`~pointalign.features.downsample.auto_voxel_size`); every other length is
+            a multiple of it (:class:`Scales`: normals 2v, FPFH 5v, correspondences 1.5v,
+            final ICP 0.5v).
         device: compute device (default: the inputs' device, which must be one, else CUDA
-            if present; see :func:`pointalign.registration._edge.resolve_device`).
+            if present: :func:`pointalign.registration._edge.resolve_device`).
         method: ``"icp"`` (point-to-plane refinement) or ``"none"`` (global stage only).
         target_points: size the automatic voxel edge aims at.
         hypotheses: RANSAC hypotheses per batch.
         icp_voxel_size: downsample the clouds for the final ICP at this edge (default: the
             full clouds).
-        max_iterations: ICP iteration cap, per ICP stage (the coarse and the final one).
+        max_iterations: ICP iteration cap of each ICP stage (coarse and final).
         seed: RANSAC's seed (see :func:`~pointalign.registration.ransac.ransac`): an integer
             in [0, 2**64 - 1]; the same seed and inputs give identical results on one
             device (CPU, or a GPU), not across devices (their generators differ).
-        remove_outliers: drop stray points before downsampling and choose the voxel edge
-            without them (:func:`dense_mask`, :func:`robust_voxel_size`); False restores
-            :func:`auto_voxel_size` on all points.
-        robust: add the compatibility-graph hypotheses of
-            :mod:`pointalign.registration.robust` to RANSAC's, refine the best
-            ``REFINE_TOP`` by the coarse ICP stage and keep the one with the largest
-            overlap; False refines RANSAC's best only.
+        remove_outliers: drop stray points before downsampling and choose v without them
+            (:mod:`pointalign.features.outliers`); False: all points count.
+        robust: add the compatibility-graph hypotheses (:mod:`~pointalign.registration.robust`)
+            to RANSAC's and refine the best ``REFINE_TOP``; False: RANSAC's best only.
         max_correspondence_distance: the global stage's correspondence distance (default
-            1.5v, ``Scales.correspondence``). It is RANSAC's inlier bound, the compatibility
+            1.5v, ``Scales.correspondence``): RANSAC's inlier bound, the compatibility
             graph's length tolerance, the bound the proposals' inliers are counted at, the
-            coarse ICP's correspondence distance and the verdict's outer bound: one value
-            for all five.
+            coarse ICP's distance and the verdict's outer bound, one value for all five.
         icp_max_correspondence_distance: the final ICP's correspondence distance (default
-            0.5v, ``Scales.fine``), also the verdict's inner bound (its
-            ``concentration``).
-        **ransac_options: passed to :func:`pointalign.registration.ransac.ransac`: any of
-            :data:`RANSAC_OPTIONS` (``triangle_similarity``, ``mutual``, ``ratio_test``,
-            ``confidence``, ...); others are a TypeError naming ``register``.
+            0.5v, ``Scales.fine``), also the verdict's inner bound.
+        **ransac_options: passed to :func:`~pointalign.registration.ransac.ransac`: any of
+            :data:`RANSAC_OPTIONS`; another keyword is a TypeError naming ``register``.
 
     Returns:
-        :class:`RegistrationResult` in the caller's coordinates, with ``timings`` per stage
-        (``voxel_size``, ``downsample``, ``index``, ``normals``, ``fpfh``, ``ransac``,
-        ``robust``, ``hypotheses``, ``icp_prepare``, ``icp``, ``verdict``, ``total``, and
-        RANSAC's own as ``ransac.<stage>``) and ``info`` holding ``voxel_size``, the
-        downsampled sizes (``source_down``, ``target_down``) and the global stage's result
-        (``info["global"]``; its extras as ``info["ransac_info"]``).
-
-        After ICP, the **verdict** decides: ``converged`` is True only when the result
-        looks trustworthy (enough overlap, a clear margin over the best different
-        hypothesis, residuals concentrated near zero, a determined pose), and
-        ``stop_reason`` says why (``"trusted"``, or the first of ``"small_overlap"``,
-        ``"weak_margin"``, ``"residuals_not_concentrated"``, ``"ambiguous"``); every reason
-        in words is ``info["verdict"]`` (``"trusted"`` or e.g. ``"small overlap, weak
-        margin"``), with ``info["overlap"]``, ``info["margin"]``,
-        ``info["concentration"]``. The final ICP's own stop test is
-        ``info["icp_converged"]`` and ``info["icp_stop_reason"]``. ``fitness`` and
-        ``rmse`` are the final ICP's (at ``icp_max_correspondence_distance``);
-        ``iterations`` counts the final ICP's iterations, as ``history`` records them
-        (``history[-1]["iteration"]``); the coarse stage's iterations of the kept
-        hypothesis are ``info["coarse_iterations"]``. As for every algorithm, a result on
-        input coarser than its extent allows is not converged (``"coarse_input"``, see
-        :func:`pointalign.registration._edge.build_result`).
-
-        With ``method="none"``, or when RANSAC finds no hypothesis, the global stage's
-        result is returned (``iterations``: RANSAC's hypotheses drawn, no ``history``); a
-        failed one has ``converged=False``, its ``stop_reason`` (``"no_hypothesis"``, …)
-        and ``info["verdict"]`` saying the same in words.
+        :class:`RegistrationResult`; ``timings`` per stage (RANSAC's as ``ransac.<stage>``);
+        ``info``: ``voxel_size``, ``source_down``, ``target_down``, ``global`` (RANSAC's).
+        After ICP the **verdict** decides: ``converged`` only when the result looks
+        trustworthy (overlap, a clear margin over the best different hypothesis, residuals
+        concentrated near zero, a determined pose); ``stop_reason`` says why: ``"trusted"``
+        or the first failed test (``"small_overlap"``, ``"weak_margin"``,
+        ``"residuals_not_concentrated"``, ``"ambiguous"``); ``info["verdict"]`` every
+        reason in words, with ``info["overlap"]``, ``["margin"]``, ``["concentration"]``;
+        the final ICP's own stop: ``info["icp_converged"]``, ``["icp_stop_reason"]``.
+        ``fitness``, ``rmse``, ``iterations`` and ``history`` are the final ICP's
+        (``iterations == history[-1]["iteration"]``; the coarse stage's, of the kept
+        hypothesis: ``info["coarse_iterations"]``). With ``method="none"``, or when RANSAC
+        finds no hypothesis, the result is RANSAC's (``iterations``: hypotheses drawn); a
+        failed one says why in ``stop_reason`` and ``info["verdict"]``.
 
     """
     for name, flag in (("remove_outliers", remove_outliers), ("robust", robust)):
@@ -296,19 +245,15 @@ def register(
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     opts = _Options(
-        voxel_size=None if voxel_size is None else _validate.positive(voxel_size, "voxel_size"),
-        method=method, seed=_validate.seed(seed),
-        target_points=_validate.integer(target_points, "target_points", minimum=3),
-        hypotheses=_validate.integer(hypotheses, "hypotheses", minimum=1),
-        icp_voxel_size=None if icp_voxel_size is None else
-        _validate.positive(icp_voxel_size, "icp_voxel_size"),
-        max_iterations=_validate.integer(max_iterations, "max_iterations", minimum=1),
-        remove_outliers=bool(remove_outliers), robust=bool(robust),
-        max_correspondence_distance=None if max_correspondence_distance is None else
-        _validate.positive(max_correspondence_distance, "max_correspondence_distance"),
-        icp_max_correspondence_distance=None if icp_max_correspondence_distance is None else
-        _validate.positive(icp_max_correspondence_distance, "icp_max_correspondence_distance"),
-        ransac_options=dict(ransac_options))
+        _positive_or_none(voxel_size, "voxel_size"), method,
+        _validate.integer(target_points, "target_points", minimum=3),
+        _validate.integer(hypotheses, "hypotheses", minimum=1),
+        _positive_or_none(icp_voxel_size, "icp_voxel_size"),
+        _validate.integer(max_iterations, "max_iterations", minimum=1), _validate.seed(seed),
+        bool(remove_outliers), bool(robust),
+        _positive_or_none(max_correspondence_distance, "max_correspondence_distance"),
+        _positive_or_none(icp_max_correspondence_distance, "icp_max_correspondence_distance"),
+        dict(ransac_options))
     dev = _validate.resolve_device(device, source=source, target=target)
     # the local frame: both clouds shifted by the target's centroid in float64 before
     # anything becomes float32 (georeferenced coordinates keep their precision)
@@ -320,9 +265,8 @@ def register(
     _warn_register(src, tgt, dev, method, opts.target_points, opts.icp_voxel_size,
                    opts.max_iterations,
                    icp_max_correspondence_distance=opts.icp_max_correspondence_distance)
-    # the arrays below are derived from validated ones: no NaN/Inf scans (host syncs) on
-    # them; PyTorch's small operations between the kernels on one thread where the host
-    # runs them (see _threads.host_stages)
+    # arrays derived from validated ones: no NaN/Inf scans (host syncs) on them; PyTorch's
+    # small operations between the kernels on one thread where the host runs them
     with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY), \
             _threads.host_stages(dev):
         result = _register(src, tgt, pair, opts)
@@ -355,16 +299,13 @@ def _warn_register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device, meth
                    max_iterations: int, *,
                    icp_max_correspondence_distance: float | None = None) -> None:
     """Warnings before the work: parameters ``method="none"`` ignores; a CPU call of minutes."""
-    if method == "none":
-        for name, value in (("icp_voxel_size", icp_voxel_size),
-                            ("icp_max_correspondence_distance",
-                             icp_max_correspondence_distance)):
-            if value is not None:
-                _progress.warn_ignored(name, 'register(method="none")', "no ICP stage",
-                                       stacklevel=4)
-        if max_iterations != 30:
-            _progress.warn_ignored("max_iterations", 'register(method="none")',
-                                   "no ICP stage", stacklevel=4)
+    for name, given in (("icp_voxel_size", icp_voxel_size is not None),
+                        ("max_iterations", max_iterations != 30),
+                        ("icp_max_correspondence_distance",
+                         icp_max_correspondence_distance is not None)):
+        if method == "none" and given:
+            _progress.warn_ignored(name, 'register(method="none")', "no ICP stage",
+                                   stacklevel=4)
     threads = _threads.host_threads(dev)
     if threads is not None:  # the host does the work: announce a call of minutes
         n, m = src.shape[0], tgt.shape[0]
@@ -384,10 +325,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     v, strays = _voxel_size(src, tgt, opts, full_index)
     scales = Scales(v, opts.max_correspondence_distance, opts.icp_max_correspondence_distance)
     clock.lap("voxel_size")
-    if strays:
-        src_c, tgt_c = _without_strays(src, tgt, v)
-    else:
-        src_c, tgt_c = src, tgt
+    src_c, tgt_c = _without_strays(src, tgt, v) if strays else (src, tgt)
     source = _prepare_cloud(src_c, scales, clock, "source")
     target = _prepare_cloud(tgt_c, scales, clock, "target")
     glob, candidates, n_rank = _global(source, target, scales, opts, clock)
@@ -403,22 +341,19 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
                                                      criteria, opts.robust, clock)
     local = _final_icp(src, tgt, R[0], scales, opts.icp_voxel_size, criteria, full_index,
                        clock)
-    T = local.transformation_tensor
-    assert T is not None  # every RegistrationResult of icp() carries it
-    verdict = _verdict(T, R, fit_v, source, target, scales,
-                       float(local.info.get("stability", 1.0)))
+    verdict, reason = _verdict(local, R, fit_v, source, target, scales)
     clock.lap("verdict")
     info.update(verdict, ranked_correspondences=n_rank, hypotheses_refined=int(R.shape[0]),
                 coarse_iterations=coarse_iterations)
-    return _final_result(pair, local, glob, info, clock)
+    return _final_result(pair, local, glob, info, reason, clock)
 
 
 def _full_target_index(tgt: torch.Tensor, opts: _Options) -> Any:
-    """One index over the full target for the stray count and the final ICP, where one serves both.
+    """Build one index over the full target for the stray count and the final ICP, or None.
 
     Only where an index's kind does not depend on the bound
     (:func:`pointalign.search.policy.one_index_serves_every_bound`), the final ICP runs on
-    the full target and strays are looked for: one build instead of two. Else None.
+    the full target and strays are looked for: one build instead of two.
     """
     if (opts.method == "icp" and opts.icp_voxel_size is None and opts.remove_outliers
             and policy.one_index_serves_every_bound(tgt)):
@@ -432,7 +367,7 @@ def _voxel_size(src: torch.Tensor, tgt: torch.Tensor, opts: _Options,
 
     Stray points are looked for only where a sample shows some (a clean scan or a lidar
     sweep pays nothing for the outlier stages); then the automatic edge is chosen without
-    them (:func:`robust_voxel_size`).
+    them (:func:`~pointalign.features.outliers.robust_voxel_size`).
     """
     big = src if src.shape[0] >= tgt.shape[0] else tgt
     v = auto_voxel_size(big, opts.target_points) if opts.voxel_size is None else opts.voxel_size
@@ -445,10 +380,7 @@ def _voxel_size(src: torch.Tensor, tgt: torch.Tensor, opts: _Options,
 
 def _without_strays(src: torch.Tensor, tgt: torch.Tensor,
                     v: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both clouds without their stray points at scale v (:func:`dense_mask`), or as given.
-
-    The clouds stay as given when either would keep fewer than 3 points.
-    """
+    """Both clouds without their stray points at scale v, or as given if either keeps < 3."""
     s_keep, t_keep = dense_mask(src, v), dense_mask(tgt, v)
     if int(s_keep.sum()) >= 3 and int(t_keep.sum()) >= 3:
         return src[s_keep], tgt[t_keep]
@@ -461,8 +393,8 @@ def _prepare_cloud(cloud: torch.Tensor, scales: Scales, clock: _loop.Clock,
 
     One neighbour search (``Scales.feature_radius``, :data:`FEATURE_NEIGHBOURS`) serves
     FPFH and, cut to ``Scales.normal_radius`` and :data:`NORMAL_NEIGHBOURS`, the normals
-    (facing the cloud's centroid). ``name`` (``"source"``, ``"target"``) is for the error
-    when the voxel leaves fewer than 3 points.
+    (facing the cloud's centroid). ``name``: the cloud's, for the error when the voxel
+    leaves fewer than 3 points.
     """
     down = voxel_downsample(cloud, scales.voxel)
     if down.shape[0] < 3:
@@ -486,13 +418,11 @@ def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,
             clock: _loop.Clock) -> tuple[RegistrationResult, torch.Tensor | None, int]:
     """Run the global stage: parallel RANSAC, then (``robust``) the graph's proposals.
 
-    The feature matches are found once (:func:`pointalign.kernels.ransac.feature_matches`)
-    and passed to both: k = 2 forward (one for RANSAC; two for Lowe's ratio in the
-    ranking or RANSAC's ``ratio_test``) and the backward ones where mutual pairs are asked
-    for. Returns RANSAC's result (in the local frame), the candidate motions
-    ``(H, 4, 4)`` float64 (RANSAC's best first) or None when there is nothing to refine
-    (``method="none"``, or RANSAC found no hypothesis), and the number of ranked
-    correspondences the graph was built on.
+    The feature matches are found once (:func:`pointalign.kernels.ransac.feature_matches`:
+    2 forward where a ratio is taken, the backward ones where mutual pairs are asked for)
+    and passed to both. Returns RANSAC's result (local frame), the candidate motions
+    ``(H, 4, 4)`` float64 (RANSAC's first; None when there is nothing to refine:
+    ``method="none"`` or no hypothesis) and how many correspondences the graph ranked.
     """
     ropts = opts.ransac_options
     ratio = opts.robust or ropts.get("ratio_test") is not None
@@ -528,11 +458,9 @@ def _refine_hypotheses(candidates: torch.Tensor, source: Prepared, target: Prepa
     """Refine the best proposals by the coarse ICP stage and rank them by overlap.
 
     The best :data:`REFINE_TOP` (``robust``; else 1) of ``candidates (H, 4, 4)`` by inliers
-    within ``Scales.correspondence`` go through one batched point-to-plane ICP on the
-    downsampled clouds (the same source, the shared target, its index and normals); the
-    refined motions are ranked by their trimmed overlap (source points with a target point
-    within ``Scales.overlap``). Returns the refined motions ``(k, 4, 4)`` float64 and their
-    overlap counts ``(k,)``, best first, and the coarse ICP's iterations of the best.
+    within ``Scales.correspondence``: one batched point-to-plane ICP on the downsampled
+    clouds. Returns the refined motions ``(k, 4, 4)`` float64 and their overlap counts
+    ``(k,)`` (within ``Scales.overlap``), best first, and the coarse iterations of the best.
     """
     counts = count_inliers(candidates, source.down, target.index, scales.correspondence)
     top = torch.argsort(counts, descending=True, stable=True)[:REFINE_TOP if robust else 1]
@@ -553,19 +481,17 @@ def _refine_hypotheses(candidates: torch.Tensor, source: Prepared, target: Prepa
 def _final_icp(src: torch.Tensor, tgt: torch.Tensor, init: torch.Tensor, scales: Scales,
                icp_voxel_size: float | None, criteria: ConvergenceCriteria,
                full_index: Any, clock: _loop.Clock) -> RegistrationResult:
-    """Point-to-plane ICP of the full clouds (or their ``icp_voxel_size`` copies) from ``init``.
+    """Point-to-plane ICP of the full clouds (or ``icp_voxel_size`` copies) from ``init (4, 4)``.
 
-    Correspondences within ``Scales.fine``; the target's normals within
-    ``Scales.normal_radius`` from its :data:`FULL_NORMAL_NEIGHBOURS` nearest points
-    (searched a chunk at a time inside ``estimate_normals``: the full (M, 16) neighbour
-    table of a 50M-point target alone held 26 GiB on the GPU; on the CPU the index keeps
-    this self-query as the ICP's shortcut lists, ``CpuTree.set_candidates``).
-    ``full_index``: an index over ``tgt`` to reuse (:func:`_full_target_index`), or None.
+    Within ``Scales.fine``; the target's normals within ``Scales.normal_radius`` from
+    :data:`FULL_NORMAL_NEIGHBOURS` nearest points (searched a chunk at a time: the whole
+    (M, 16) table of a 50M-point target held 26 GiB on the GPU; on the CPU the index keeps
+    this self-query as the ICP's shortcut lists). ``full_index``: an index over ``tgt``.
     """
     s_full, t_full = src, tgt
     if icp_voxel_size is not None:
-        s_full, t_full = voxel_downsample(src, icp_voxel_size), voxel_downsample(tgt,
-                                                                                 icp_voxel_size)
+        s_full = voxel_downsample(src, icp_voxel_size)
+        t_full = voxel_downsample(tgt, icp_voxel_size)
     if full_index is None or t_full is not tgt:
         full_index = build_index(t_full)
     t_normals = estimate_normals(t_full, k=min(FULL_NORMAL_NEIGHBOURS, t_full.shape[0]),
@@ -600,22 +526,20 @@ def _global_result(pair: _edge.Pair, glob: RegistrationResult, info: dict[str, A
 
 
 def _final_result(pair: _edge.Pair, local: RegistrationResult, glob: RegistrationResult,
-                  info: dict[str, Any], clock: _loop.Clock) -> RegistrationResult:
+                  info: dict[str, Any], reason: StopReason,
+                  clock: _loop.Clock) -> RegistrationResult:
     """Build the result after ICP: the final ICP's pose and numbers, the verdict's decision."""
-    reason = info["reason"]
-    info = {**local.info, **{k: x for k, x in info.items() if k != "reason"},
-            "ransac_info": glob.info, "icp_converged": bool(local.converged),
-            "icp_stop_reason": str(local.stop_reason)}
+    info = {**local.info, **info, "ransac_info": glob.info,
+            "icp_converged": bool(local.converged), "icp_stop_reason": str(local.stop_reason)}
     result = _edge.build_result(
         pair, np.asarray(local.transformation, dtype=np.float64)[None],
         fitness=np.array([local.fitness]), rmse=np.array([local.rmse]),
         iterations=np.array([local.iterations]), reasons=[reason], history=local.history,
         timings=_timings(clock, glob), info=info, converged=np.array([info["trusted"]]))
-    if result.stop_reason != str(reason):  # a rule of build_result overrode the verdict
-        result = dataclasses.replace(result, info={
-            **result.info, "trusted": False,
-            "verdict": str(result.stop_reason).replace("_", " ")})
-    return result
+    if result.stop_reason == reason:
+        return result
+    return dataclasses.replace(result, info={  # a rule of build_result overrode the verdict
+        **result.info, "trusted": False, "verdict": str(result.stop_reason).replace("_", " ")})
 
 
 #: correspondences the compatibility graph is built on (the most distinctive first)
@@ -628,58 +552,41 @@ MAX_MARGIN = 0.95
 MIN_CONCENTRATION = 0.45
 
 
-def _counts_within(T: torch.Tensor, points: torch.Tensor, index: Any,
-                   bounds: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
-    """Points of ``points (P, 3)`` moved by ``T (4, 4)`` with an indexed point within each bound.
+def _verdict(local: RegistrationResult, R: torch.Tensor, fit_v: torch.Tensor,
+             source: Prepared, target: Prepared,
+             scales: Scales) -> tuple[dict[str, Any], StopReason]:
+    """Whether the final ICP's pose T is trustworthy, and why not.
 
-    One search at the largest bound: a nearest point within a smaller bound is the nearest
-    within the largest, so its squared distance (compared in the search's dtype, as the
-    search compares it) tells every count. Equals ``_score(T[None], points, index, b)[0]``
-    for each ``b``; returns one ``(1,)`` int64 count per bound.
-    """
-    q = _kr.transform_points(T[None], points).reshape(-1, 3)
-    with _validate.trusted():
-        res = index.nearest_within(q, max(bounds))
-    d2 = torch.where(res.idx[:, 0] >= 0, res.dists[:, 0], math.inf)
-    return tuple((d2 <= b * b).sum()[None] for b in bounds)
-
-
-def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, source: Prepared,
-             target: Prepared, scales: Scales, stability: float = 1.0) -> dict[str, Any]:
-    """Whether the final ``T (4, 4)`` is trustworthy, and why not.
-
-    * ``overlap``: fraction of the downsampled source within ``Scales.overlap`` (v) of the
+    * ``overlap``: fraction of the downsampled source within ``Scales.overlap`` of the
       target under T;
     * ``margin``: the best *different* refined hypothesis' overlap (``fit_v (k,)`` of
-      ``R (k, 4, 4)``) over the winner's (a hypothesis is different when it maps the
-      source's centroid more than ``Scales.distinct`` (3v) away or turns more than
-      :data:`DISTINCT_ANGLE_DEG` away from T); near 1 = ambiguous;
-    * ``concentration``: of the source points within ``Scales.correspondence`` (1.5v), the
-      fraction within ``Scales.fine`` (0.5v) (a right pose puts most matches near zero, a
-      wrong one spreads them over the bound);
-    * ``stability`` (of the final ICP, :func:`pointalign._math.stability`): at or below
-      ``STABILITY_EPS`` the data do not determine the pose ("pose not determined").
+      ``R (k, 4, 4)``) over the winner's (different: it maps the source's centroid more
+      than ``Scales.distinct`` away or turns more than :data:`DISTINCT_ANGLE_DEG` away
+      from T); near 1 = ambiguous;
+    * ``concentration``: of the source points within ``Scales.correspondence``, the
+      fraction within ``Scales.fine`` (a right pose puts most matches near zero);
+    * the final ICP's ``stability`` (:func:`pointalign._math.stability`): at or below
+      ``STABILITY_EPS`` the data do not determine the pose.
 
-    Returns ``overlap``, ``margin``, ``concentration``, ``trusted`` (bool), ``verdict``
-    (``"trusted"`` or every failed test in words, comma separated) and ``reason``, the
-    :class:`~pointalign.registration._edge.StopReason` of the first failed test
+    Returns ``{overlap, margin, concentration, trusted, verdict}`` (``verdict``: "trusted"
+    or every failed test in words) and the :class:`StopReason` of the first failed test
     (``TRUSTED`` when none failed).
     """
-    c_out, c_in, c_overlap = _counts_within(T, source.down, target.index,
-                                            (scales.correspondence, scales.fine,
-                                             scales.overlap))
+    T = local.transformation_tensor
+    assert T is not None  # icp() always returns it
+    c_out, c_in, c_overlap = count_inliers_within(
+        T, source.down, target.index, (scales.correspondence, scales.fine, scales.overlap))
     ctr = source.down.mean(0).to(torch.float64)
     moved = R[:, :3, :3] @ ctr + R[:, :3, 3]
     here = T[:3, :3] @ ctr + T[:3, 3]
     dR = R[:, :3, :3].transpose(1, 2) @ T[:3, :3]
     ang = torch.rad2deg(transforms.rotation_angle(dR))
     other = ((moved - here).norm(dim=1) > scales.distinct) | (ang > DISTINCT_ANGLE_DEG)
-    n = source.down.shape[0]
     best = float(c_overlap[0])
     second = float(fit_v[other].max()) if bool(other.any()) else 0.0
-    overlap = best / n
-    margin = second / max(best, 1.0)
+    overlap, margin = best / source.down.shape[0], second / max(best, 1.0)
     concentration = float(c_in[0]) / max(float(c_out[0]), 1.0)
+    stability = float(local.info.get("stability", 1.0))
     failed = [(words, reason) for words, reason, bad in (
         ("small overlap", StopReason.SMALL_OVERLAP, overlap < MIN_OVERLAP),
         ("weak margin", StopReason.WEAK_MARGIN, margin > MAX_MARGIN),
@@ -687,7 +594,7 @@ def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, source: Prep
          concentration < MIN_CONCENTRATION),
         ("pose not determined", StopReason.AMBIGUOUS, not stability > _math.STABILITY_EPS),
     ) if bad]
-    return {"overlap": overlap, "margin": margin, "concentration": concentration,
-            "trusted": not failed,
-            "verdict": ", ".join(w for w, _ in failed) if failed else "trusted",
-            "reason": failed[0][1] if failed else StopReason.TRUSTED}
+    return ({"overlap": overlap, "margin": margin, "concentration": concentration,
+             "trusted": not failed,
+             "verdict": ", ".join(w for w, _ in failed) if failed else "trusted"},
+            failed[0][1] if failed else StopReason.TRUSTED)

@@ -140,6 +140,22 @@ def count_inliers(T: torch.Tensor, points: torch.Tensor, index: Any,
     return _k.score_transforms(T, points, index, max_distance, with_sums=False)[0]
 
 
+def count_inliers_within(T: torch.Tensor, points: torch.Tensor, index: Any,
+                         bounds: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
+    """Inlier counts of one motion ``T (4, 4)`` on ``points (P, 3)`` at several bounds.
+
+    One search at the largest bound: a nearest point within a smaller bound is the nearest
+    within the largest, so its squared distance (compared in the search's dtype, as the
+    search compares it) tells every count. Equals :func:`count_inliers` ``(T[None],
+    points, index, b)`` for each ``b``; returns one ``(1,)`` int64 count per bound.
+    """
+    q = _k.transform_points(T[None], points).reshape(-1, 3)
+    with _validate.trusted():
+        res = index.nearest_within(q, max(bounds))
+    d2 = torch.where(res.idx[:, 0] >= 0, res.dists[:, 0], math.inf)
+    return tuple((d2 <= b * b).sum()[None] for b in bounds)
+
+
 def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
     """Horn's motion of every triangle pair ``src, tgt (H, 3, 3)`` → ``Estimate`` (H,).
 
