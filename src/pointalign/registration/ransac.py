@@ -77,9 +77,10 @@ def feature_correspondences(
         ``(C, 2)`` int64 tensor on the device, rows in increasing source index.
 
     """
+    dev = _validate.resolve_device(device, source_features=source_features,
+                                   target_features=target_features)
     sf = _validate._to_tensor("source_features", source_features)
     tf_ = _validate._to_tensor("target_features", target_features)
-    dev = _validate.resolve_device(device, source_features=sf, target_features=tf_)
     sf = _features(sf, "source_features", None, sf.shape[0] if sf.dim() == 2 else -1, dev)
     tf = _features(tf_, "target_features", None, tf_.shape[0] if tf_.dim() == 2 else -1, dev)
     if sf.shape[1] != tf.shape[1]:
