@@ -127,7 +127,7 @@ def test_public_functions_name_inputs_on_different_devices():
         "statistical_outlier_mask": (lambda: statistical_outlier_mask(pts, index=elsewhere),
                                      "points on cpu, index on meta"),
     }
-    for name, (call, both) in calls.items():
+    for call, both in calls.values():
         with pytest.raises(ValueError, match=f"^inputs are on different devices: .*{both}"):
             call()
 

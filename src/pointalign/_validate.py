@@ -33,7 +33,11 @@ def default_device() -> torch.device:
 
 
 def as_device(device: str | torch.device | None, like: torch.Tensor | None = None) -> torch.device:
-    """Resolve the ``device=`` argument: explicit value, else ``like``'s device, else default."""
+    """Check an explicit ``device=`` value (else ``like``'s device, else the default).
+
+    The parsing and checks of a device name; a public function resolves its compute device
+    with :func:`resolve_device` (the one rule: every input's device is looked at).
+    """
     if device is None:
         return like.device if like is not None else default_device()
     try:

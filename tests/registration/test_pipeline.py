@@ -112,7 +112,6 @@ def test_verdict_counts_equal_separate_scores(bunny, seed):
 def test_register_cpu_keeps_torch_threads(bunny):
     """register() runs PyTorch on one thread inside (CPU) and restores the caller's count."""
     from pointalign import _threads
-
     from pointalign.search import policy
 
     before = torch.get_num_threads()

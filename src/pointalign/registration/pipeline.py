@@ -281,7 +281,7 @@ def _warn_doubtful(result: RegistrationResult) -> None:
     verdict = result.info.get("verdict")
     why = verdict if verdict and verdict != "trusted" else result.stop_reason
     keys = [k for k in ("verdict", "overlap", "margin", "concentration") if k in result.info]
-    see = f"; see result.info[{', '.join(map(repr, keys))}]" if keys else ""
+    see = "; see " + ", ".join(f"result.info[{k!r}]" for k in keys) if keys else ""
     _progress.warn(f"register: the result is doubtful ({why}); result.converged is False"
                    f"{see} before trusting the transformation",
                    _progress.DoubtfulResultWarning, stacklevel=4)

@@ -371,7 +371,7 @@ def _second_order(A, S):
 
 @njit(cache=True, inline="always")
 def _length(p, i, j):
-    """``|p_i − p_j|`` of float32 ``p``, as ``robust.pair_lengths`` computes it.
+    """``|p_i − p_j|`` of float32 ``p``, as ``reference.pair_lengths`` computes it.
 
     ``(dx² + dy²) + dz²`` rounded step by step in float32, its square root taken in
     float64 and rounded to float32 (the correctly rounded root).
