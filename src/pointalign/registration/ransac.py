@@ -331,7 +331,8 @@ def ransac(
     """
     dev = _validate.resolve_device(device, source=source, target=target,
                                    source_features=source_features,
-                                   target_features=target_features)
+                                   target_features=target_features,
+                                   matches=getattr(matches, "idx", None))
     # the local frame (shift by the target's centroid in float64, then float32), unless the
     # caller's index was built in the caller's coordinates
     pair = _edge.prepare_pair(source, target, init=None, device=dev, min_points=3,
