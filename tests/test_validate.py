@@ -80,6 +80,58 @@ def test_same_device_and_scalars():
         _validate.as_device("nonsense-device")
 
 
+def test_resolve_device_is_the_one_rule():
+    """Explicit, else the inputs' common device, else the default; a mismatch names both."""
+    from pointalign.registration import _edge
+
+    assert _edge.resolve_device is _validate.resolve_device
+    cpu, a = torch.device("cpu"), torch.zeros(4, 3)
+    meta = torch.zeros(4, 3, device="meta")
+    assert _validate.resolve_device(None, source=np.zeros((4, 3)), target=a) == cpu
+    assert _validate.resolve_device(None, points=np.zeros((4, 3))) == _validate.default_device()
+    assert _validate.resolve_device("cpu", source=a, target=None) == cpu
+    assert _validate.resolve_device(None, cloud=PointCloud(a)) == cpu
+    with pytest.raises(ValueError, match="different devices: source on cpu, target on meta"):
+        _validate.resolve_device(None, source=a, target=meta)
+    with pytest.raises(ValueError, match="different devices: source on cpu, target on meta"):
+        _validate.resolve_device("cpu", source=PointCloud(a), target=meta)  # even if given
+    with pytest.raises(ValueError, match=r"clouds\[0\] on cpu, clouds\[1\] on meta"):
+        _validate.resolve_device(None, clouds=[a, meta])
+    with pytest.raises(ValueError, match="device"):
+        _validate.resolve_device("nonsense-device", source=a)
+
+
+def test_public_functions_name_inputs_on_different_devices():
+    """Every public function resolves its device by the one rule (no hand-picked input)."""
+    import types
+
+    import pointalign as pa
+    from pointalign.features.outliers import radius_outlier_mask, statistical_outlier_mask
+    from pointalign.registration.ransac import feature_correspondences
+
+    pts = torch.rand(50, 3, generator=torch.Generator().manual_seed(0))
+    meta = torch.empty(50, 3, device="meta")
+    f, f_meta = torch.rand(50, 8), torch.empty(50, 8, device="meta")
+    elsewhere = types.SimpleNamespace(points=meta)
+    calls = {
+        "register": (lambda: pa.register(pts, meta), "source on cpu, target on meta"),
+        "ransac": (lambda: pa.ransac(pts, pts, source_features=f, target_features=f_meta,
+                                     max_correspondence_distance=0.1),
+                   "source_features on cpu, target_features on meta"),
+        "feature_correspondences": (lambda: feature_correspondences(f_meta, f),
+                                    "source_features on meta, target_features on cpu"),
+        "fpfh": (lambda: pa.fpfh(pts, radius=0.2, normals=meta),
+                 "cloud_or_points on cpu, normals on meta"),
+        "radius_outlier_mask": (lambda: radius_outlier_mask(pts, 0.1, index=elsewhere),
+                                "points on cpu, index on meta"),
+        "statistical_outlier_mask": (lambda: statistical_outlier_mask(pts, index=elsewhere),
+                                     "points on cpu, index on meta"),
+    }
+    for call, both in calls.values():
+        with pytest.raises(ValueError, match=f"^inputs are on different devices: .*{both}"):
+            call()
+
+
 @pytest.mark.gpu
 def test_mismatched_devices_rejected():
     with pytest.raises(ValueError, match="different devices"):

@@ -27,6 +27,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -141,6 +142,33 @@ def torch_single() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def host_threads(device: Any) -> int | None:
+    """PyTorch's CPU threads when ``device`` is the host ("cpu"), else None.
+
+    For estimates of CPU work (``register``'s announcement of a long call): None means the
+    device runs the work itself (a GPU) and no CPU estimate applies.
+    """
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return None
+    return max(torch.get_num_threads(), 1)
+
+
+def host_stages(device: Any) -> contextlib.AbstractContextManager[None]:
+    """Return the context for a stretch of small PyTorch operations on ``device``.
+
+    On the host ("cpu"): :func:`torch_single` (the numba kernels keep their threads); on a
+    GPU, nothing (``contextlib.nullcontext``). ``register()`` runs its stages inside it, so
+    the algorithm never asks which device it is on.
+    """
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return torch_single()
+    return contextlib.nullcontext()
 
 
 def scipy_workers() -> int:

@@ -33,7 +33,11 @@ def default_device() -> torch.device:
 
 
 def as_device(device: str | torch.device | None, like: torch.Tensor | None = None) -> torch.device:
-    """Resolve the ``device=`` argument: explicit value, else ``like``'s device, else default."""
+    """Check an explicit ``device=`` value (else ``like``'s device, else the default).
+
+    The parsing and checks of a device name; a public function resolves its compute device
+    with :func:`resolve_device` (the one rule: every input's device is looked at).
+    """
     if device is None:
         return like.device if like is not None else default_device()
     try:
@@ -54,6 +58,51 @@ def as_device(device: str | torch.device | None, like: torch.Tensor | None = Non
         # devices of the tensors made on it ("cuda" != "cuda:0" for torch.device)
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def resolve_device(device: Any, **inputs: Any) -> torch.device:
+    """Resolve ``device=``: explicit value, else the inputs' common device, else default.
+
+    Every public function resolves its compute device here (re-exported as
+    :func:`pointalign.registration._edge.resolve_device`).
+
+    Args:
+        device: the caller's ``device=`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
+            ``torch.device``) or None.
+        **inputs: the call's array arguments by name: arrays, tensors, PointClouds (or lists
+            of them). Those that live on a device (tensors, clouds of tensors) must agree.
+
+    Returns:
+        ``device`` (checked by :func:`as_device`) when given; else the device of the inputs
+        that have one; else :func:`default_device`.
+
+    Raises:
+        ValueError: inputs on different devices (the message names each with its device),
+            or a bad ``device``.
+
+    """
+    devs: dict[str, torch.device] = {}
+
+    def note(name: str, x: Any) -> None:
+        pts = x if isinstance(x, torch.Tensor) else getattr(x, "points", None)
+        if isinstance(pts, torch.Tensor):
+            devs[name] = pts.device
+
+    for name, x in inputs.items():
+        if isinstance(x, (list, tuple)):
+            for i, c in enumerate(x):
+                note(f"{name}[{i}]", c)
+        else:
+            note(name, x)
+    if len(set(devs.values())) > 1:
+        desc = ", ".join(f"{k} on {v}" for k, v in devs.items())
+        raise ValueError(f"inputs are on different devices: {desc}; move them to one device "
+                         "(or pass NumPy arrays and device=)")
+    if device is not None:
+        return as_device(device)
+    if devs:
+        return next(iter(devs.values()))
+    return default_device()
 
 
 def _is_open3d(x: Any) -> bool:

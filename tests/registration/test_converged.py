@@ -131,3 +131,30 @@ def test_ransac_rejects_an_index_over_another_cloud():
     with pytest.raises(ValueError, match="target_index"):
         ransac(s, t, target_index=build_index(torch.from_numpy(other[:30])), **kw)
     ransac(s, t, target_index=build_index(torch.from_numpy(t)), **kw)  # the right one
+
+
+def test_build_result_rules_apply_to_a_callers_decision():
+    """The one result builder: a caller's converged (register's verdict, RANSAC's) meets the
+    same rules as a stop reason's: coarse input and an undetermined pose are not converged."""
+    from pointalign.registration import _edge
+
+    rng = np.random.default_rng(0)
+    kw = dict(fitness=np.array([1.0]), rmse=np.array([0.0]), iterations=np.array([1]),
+              history=[], timings={}, info={})
+    fine = rng.normal(size=(50, 3))  # float64 near the origin: nothing to say
+    pair = _edge.prepare_pair(fine, fine, init=None, device=torch.device("cpu"))
+    r = _edge.build_result(pair, pair.init, reasons=["trusted"], converged=np.array([True]),
+                           **kw)
+    assert r.converged is True and r.stop_reason == "trusted"
+    r = _edge.build_result(pair, pair.init, reasons=[_edge.StopReason.MAX_HYPOTHESES],
+                           converged=np.array([True]), stability=np.array([0.0]), **kw)
+    assert r.converged is False and r.stop_reason == "ambiguous"
+    r = _edge.build_result(pair, pair.init, reasons=["weak_margin"], converged=np.array([False]),
+                           stability=np.array([0.0]), **kw)
+    assert r.converged is False and r.stop_reason == "weak_margin"  # the caller's reason kept
+    coarse = (fine + 1e6).astype(np.float32)  # float32 far away: rounded by ~0.1 of its extent
+    pair = _edge.prepare_pair(coarse, coarse, init=None, device=torch.device("cpu"))
+    r = _edge.build_result(pair, pair.init, reasons=["trusted"], converged=np.array([True]),
+                           **kw)
+    assert r.converged is False and r.stop_reason == "coarse_input"
+    assert "input_resolution" in r.info

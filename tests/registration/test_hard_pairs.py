@@ -1,5 +1,7 @@
 """Hard pairs (issue 13): outliers, partial overlap, large turns, and the verdict."""
 
+import types
+
 import pytest
 import torch
 
@@ -79,6 +81,12 @@ def test_outlier_masks_against_brute_force(rng):
         radius_outlier_mask(pts, -1.0)
     with pytest.raises(ValueError, match="std_ratio"):
         statistical_outlier_mask(pts, 8, 0.0)
+    # one device rule: the points and an index over points elsewhere are named together
+    elsewhere = types.SimpleNamespace(points=torch.empty(400, 3, device="meta"))
+    with pytest.raises(ValueError, match="different devices: points on cpu, index on meta"):
+        radius_outlier_mask(pts, 0.15, 3, index=elsewhere)
+    with pytest.raises(ValueError, match="different devices: points on cpu, index on meta"):
+        statistical_outlier_mask(pts, 8, 2.0, index=elsewhere)
 
 
 def test_compatibility_hypotheses_find_the_motion_among_wrong_matches():
@@ -124,6 +132,13 @@ def test_verdict_false_on_unrelated_clouds(bunny6k):
     r = register(box, bunny6k, target_points=1500, hypotheses=2048)
     assert not r.converged
     assert r.info.get("verdict", "") != "trusted"
+    # the verdict decided, so stop_reason is its first reason (not the ICP's own stop)
+    first = r.info["verdict"].split(", ")[0]
+    words = {"small overlap": "small_overlap", "weak margin": "weak_margin",
+             "residuals not concentrated": "residuals_not_concentrated",
+             "pose not determined": "ambiguous"}
+    assert r.stop_reason == words[first]
+    assert r.info["icp_stop_reason"] != r.stop_reason and not r.info["trusted"]
 
 
 @pytest.mark.gpu

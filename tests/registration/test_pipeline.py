@@ -1,12 +1,14 @@
+import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 
-from pointalign import datasets, metrics, transforms
+from pointalign import _progress, datasets, metrics, transforms
 from pointalign.features.downsample import count_voxels
-from pointalign.registration.pipeline import auto_voxel_size, register
+from pointalign.registration.pipeline import Scales, auto_voxel_size, register
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +25,13 @@ def test_demo_pair_from_identity(bunny):
     assert {"downsample", "normals", "fpfh", "ransac", "icp", "total"} <= set(r.timings)
     assert r.info["global"].converged
     assert 3000 < r.info["source_down"] < 7000
+    # the verdict decides, and says so; the final ICP's own stop is kept beside it
+    assert r.stop_reason == "trusted" and r.info["verdict"] == "trusted"
+    assert r.info["icp_converged"] and r.info["icp_stop_reason"] in ("small_update",
+                                                                    "relative_change")
+    # iterations count one thing: the final ICP's, as its history records them
+    assert r.iterations == r.history[-1]["iteration"] == len(r.history) - 1 <= 30
+    assert 1 <= r.info["coarse_iterations"] <= 30
 
 
 def test_random_pose_any_rotation(bunny, seed):
@@ -81,8 +90,7 @@ def test_demo_pair_cuda(bunny):
 def test_verdict_counts_equal_separate_scores(bunny, seed):
     """The verdict's three counts from one search equal three bounded scores (_score)."""
     from pointalign.features.downsample import voxel_downsample
-    from pointalign.registration import pipeline
-    from pointalign.registration.ransac import _score
+    from pointalign.registration.ransac import _score, count_inliers, count_inliers_within
     from pointalign.search import build_index
 
     v = 0.004
@@ -93,15 +101,18 @@ def test_verdict_counts_equal_separate_scores(bunny, seed):
         T = torch.tensor(bunny.T_target_source, dtype=torch.float64)
         T[:3, 3] += scale * v * torch.randn(3, generator=g, dtype=torch.float64)
         bounds = (1.5 * v, 0.5 * v, v)
-        got = pipeline._counts_within(T, s_down, t_idx, bounds)
+        got = count_inliers_within(T, s_down, t_idx, bounds)
         want = [_score(T[None], s_down, t_idx, b)[0] for b in bounds]
         assert [int(x) for x in got] == [int(x) for x in want]
+        assert [int(x) for x in got] == [int(count_inliers(T[None], s_down, t_idx, b)[0])
+                                         for b in bounds]
     assert int(got[0]) > int(got[1])  # not all-or-nothing
 
 
 def test_register_cpu_keeps_torch_threads(bunny):
     """register() runs PyTorch on one thread inside (CPU) and restores the caller's count."""
     from pointalign import _threads
+    from pointalign.search import policy
 
     before = torch.get_num_threads()
     try:
@@ -109,6 +120,13 @@ def test_register_cpu_keeps_torch_threads(bunny):
         with _threads.torch_single():
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
+        # what register() asks instead of naming a device type
+        with _threads.host_stages(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        with _threads.host_stages(torch.device("meta")):
+            assert torch.get_num_threads() == 2
+        assert _threads.host_threads("cpu") == 2 and _threads.host_threads("meta") is None
+        assert policy.one_index_serves_every_bound(bunny.target)  # host memory: cKDTree
         with pytest.raises(RuntimeError, match="inside"), _threads.torch_single():
             raise RuntimeError("inside")
         assert torch.get_num_threads() == 2
@@ -137,3 +155,97 @@ def test_full_normals_equal_bounded_search_and_keep_candidates(bunny):
     tree = idx._cpu_tree()
     if tree is not None:  # the "cpu" backend: the bounded self-query was kept
         assert tree._candidates()[0].shape == (t.shape[0], 8)
+
+
+def test_scales_hold_every_multiple_and_overrides_replace_them():
+    v = 0.004
+    s = Scales(v)
+    assert (s.voxel, s.normal_radius, s.feature_radius, s.correspondence, s.overlap, s.fine,
+            s.translation_tolerance, s.distinct) == (v, 2 * v, 5 * v, 1.5 * v, v, 0.5 * v,
+                                                     1e-3 * v, 3 * v)
+    for f in dataclasses.fields(Scales):  # the docstring lists every one
+        assert f"``{f.name}``" in Scales.__doc__
+    o = Scales(v, max_correspondence_distance=0.01, icp_max_correspondence_distance=0.001)
+    assert (o.correspondence, o.fine) == (0.01, 0.001)
+    assert o == Scales(v, 0.01, 0.001) and o != s
+    assert (o.normal_radius, o.feature_radius, o.overlap) == (2 * v, 5 * v, v)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.voxel = 1.0
+    with pytest.raises(ValueError, match="max_correspondence_distance"):
+        Scales(v, max_correspondence_distance=-1.0)
+    with pytest.raises(ValueError, match="voxel_size"):
+        Scales(0.0)
+
+
+def test_register_names_itself_for_an_unknown_keyword(bunny):
+    with pytest.raises(TypeError, match=r"^register\(\) got an unexpected keyword "
+                                        r"argument 'foo'.*triangle_similarity"):
+        register(bunny.source, bunny.target, foo=1)
+
+
+def test_overrides_reach_every_use_and_matches_are_found_once(bunny, monkeypatch):
+    """max_correspondence_distance reaches its five uses, icp_max_correspondence_distance
+    its two; the feature matches are searched once and handed to RANSAC and the ranking."""
+    from pointalign.kernels import ransac as kr
+    from pointalign.registration import pipeline
+
+    seen: dict = {}
+
+    def spy(owner, name, what):
+        real = getattr(owner, name)
+
+        def wrapped(*a, **k):
+            out = real(*a, **k)
+            seen.setdefault(name, []).append(what(a, k, out))
+            return out
+        monkeypatch.setattr(owner, name, wrapped)
+
+    spy(kr, "feature_matches", lambda a, k, out: (a[2], k["backward"], out))
+    spy(pipeline, "ransac", lambda a, k, out: (k["max_correspondence_distance"], k["matches"]))
+    spy(pipeline, "rank_correspondences", lambda a, k, out: k["matches"])
+    spy(pipeline, "compatibility_hypotheses", lambda a, k, out: a[2])
+    spy(pipeline, "count_inliers", lambda a, k, out: a[3])
+    spy(pipeline, "icp", lambda a, k, out: k["max_correspondence_distance"])
+    spy(pipeline, "count_inliers_within", lambda a, k, out: a[3])
+    v, d, fine = 0.008, 0.011, 0.003
+    r = register(bunny.source, bunny.target, voxel_size=v, hypotheses=256, icp_voxel_size=0.004,
+                 max_correspondence_distance=d, icp_max_correspondence_distance=fine)
+    assert r.info["voxel_size"] == v
+    (k, backward, matches), = seen["feature_matches"]
+    assert k == 2 and backward
+    assert seen["ransac"] == [(d, matches)] and seen["rank_correspondences"] == [matches]
+    assert seen["compatibility_hypotheses"] == [d]
+    assert seen["count_inliers"] == [d, v]  # the proposals at d, the refined overlap at v
+    assert seen["icp"] == [d, fine]  # the coarse stage, the final one
+    assert seen["count_inliers_within"] == [(d, fine, v)]  # the verdict's bounds
+
+
+def test_iterations_count_the_final_icp_as_its_history_records_them(bunny):
+    r = register(bunny.source, bunny.target, voxel_size=0.008, hypotheses=256,
+                 icp_voxel_size=0.004, max_iterations=20)
+    assert r.iterations == r.history[-1]["iteration"] == len(r.history) - 1
+    assert 1 <= r.iterations <= 20 and 1 <= r.info["coarse_iterations"] <= 20
+
+
+def test_failed_global_stage_says_why_and_points_to_keys_that_exist(bunny):
+    with pytest.warns(_progress.DoubtfulResultWarning) as rec:
+        r = register(bunny.source, bunny.target, voxel_size=0.008, hypotheses=128,
+                     max_hypotheses=128, triangle_similarity=1e-12)
+    assert not r.converged and r.stop_reason == "no_hypothesis"
+    assert r.info["verdict"] == "no hypothesis"
+    msg = str(rec[0].message)
+    assert "no hypothesis" in msg
+    keys = re.findall(r"'(\w+)'", msg.partition("result.info")[2])
+    assert keys and all(key in r.info for key in keys)
+    assert np.array_equal(r.transformation, np.eye(4)) and r.history == []
+
+
+def test_inputs_on_different_devices_are_named(bunny):
+    with pytest.raises(ValueError, match="different devices: source on cpu, target on meta"):
+        register(bunny.source, torch.empty(100, 3, device="meta"))
+
+
+@pytest.mark.gpu
+def test_inputs_on_cpu_and_cuda_are_named(bunny):
+    with pytest.raises(ValueError, match="different devices: source on cpu, target on cuda"):
+        register(bunny.source, bunny.target.cuda())

@@ -124,6 +124,12 @@ def test_too_few_correspondences_is_a_failed_result():
     (dict(confidence=1.0), ValueError, "confidence"),
     (dict(source_features=torch.full((10, 33), math.nan)), ValueError, "source_features"),
     (dict(source_features="x"), TypeError, "source_features"),
+    # one device rule: inputs on different devices are named together
+    (dict(target=torch.rand(10, 3, device="meta")), ValueError,
+     "different devices: source on cpu, target on meta"),
+    (dict(target_features=torch.rand(10, 33, device="meta")), ValueError,
+     "different devices: .*target_features on meta"),
+    (dict(matches="x"), TypeError, "matches"),
 ])
 def test_bad_input(kw, err, match):
     base = dict(source=torch.rand(10, 3), target=torch.rand(10, 3),
@@ -152,6 +158,35 @@ def test_feature_correspondences_against_numpy(seed):
     np.testing.assert_array_equal(ratio[:, 0], np.arange(57)[keep])
     with pytest.raises(ValueError, match="target_features"):
         feature_correspondences(a, b[:, :5])
+
+
+def test_matches_given_equal_matches_searched(bunny_features):
+    """ransac(matches=...) reads the matches a caller found once (as register does)."""
+    from pointalign.kernels.ransac import feature_matches
+
+    s, t, fs, ft, _ = bunny_features
+    m = feature_matches(fs, ft, 2)
+    for kw in ({}, {"mutual": True}, {"ratio_test": 0.9}):
+        base = dict(source_features=fs, target_features=ft, max_correspondence_distance=1.5 * V,
+                    hypotheses=1024, max_hypotheses=1024, seed=3, **kw)
+        a, b = ransac(s, t, **base), ransac(s, t, matches=m, **base)
+        assert np.array_equal(a.transformation, b.transformation)
+        assert a.info == b.info and a.fitness == b.fitness and a.stop_reason == b.stop_reason
+        assert torch.equal(b.transformation_tensor, torch.from_numpy(b.transformation))
+    # forward only: enough unless mutual pairs are asked for (then searched backward here)
+    one = feature_matches(fs, ft, 1, backward=False)
+    kw = dict(source_features=fs, target_features=ft, max_correspondence_distance=1.5 * V,
+              hypotheses=1024, max_hypotheses=1024, seed=3, mutual=True)
+    assert np.array_equal(ransac(s, t, matches=one, **kw).transformation,
+                          ransac(s, t, **kw).transformation)
+    with pytest.raises(ValueError, match="matches"):
+        ransac(s, t, matches=feature_matches(fs[:10], ft, 2), **kw)
+
+
+def test_feature_correspondences_on_different_devices_are_named():
+    a = torch.rand(5, 4)
+    with pytest.raises(ValueError, match="source_features on cpu, target_features on meta"):
+        feature_correspondences(a, torch.rand(5, 4, device="meta"))
 
 
 def test_required_hypotheses():

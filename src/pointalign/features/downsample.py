@@ -11,6 +11,9 @@ are the runs of equal keys), and segment sums taken as differences of a float64 
 sum. No atomics, so the result is bit-identical from run to run on a device (RANSAC's
 determinism for a fixed seed depends on it). Same code on CPU and GPU; two host
 synchronisations per call (the grid's extent and the number of voxels).
+
+:func:`auto_voxel_size` chooses the edge that keeps about a given number of points
+(:func:`pointalign.register`'s default).
 """
 
 from __future__ import annotations
@@ -172,3 +175,41 @@ def voxel_downsample(cloud: Any, voxel_size: float) -> Any:
                                torch.zeros(counts.numel(), 3, dtype=torch.float64,
                                            device=points.device)).to(points.dtype)
     return PointCloud(centers, normals=normals, colors=colors)
+
+
+def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int = 6) -> float:
+    """Voxel edge at which ``points (N, 3)`` keeps about ``target_points`` voxels.
+
+    Starts from ``diag / sqrt(target_points)`` (diag: the bounding-box diagonal) and
+    corrects ``v ← v · sqrt(count / target_points)`` (surfaces: count ∝ v⁻²) a few times;
+    returns the first edge whose count is within 10 % or the best seen. A cloud with fewer
+    than ``2 · target_points`` points is reduced to about half its size instead.
+
+    :func:`pointalign.register`'s default edge, with ``target_points`` = 5,000: the size the
+    parallel RANSAC paper works at (5 mm voxels on ~10⁵-point object scans); it gives
+    ~3.5 mm on the Stanford bunny, ~5 cm on 3DMatch fragments and ~1 m on a KITTI scan, the
+    sizes those datasets are usually registered at.
+    """
+    pts = _validate.as_points(points, "points")
+    target_points = int(target_points)
+    if target_points < 3:
+        raise ValueError(f"target_points: expected an integer >= 3, got {target_points}")
+    extent = bounds(pts)  # one synchronisation for the loop
+    diag = math.dist(extent[1], extent[2])
+    if diag == 0.0:
+        raise ValueError("points: all points coincide; cannot choose a voxel size")
+    # a cloud not much larger than the target is still halved: every voxel must keep a
+    # few neighbours within the 2v normal radius
+    want = max(3, min(target_points, pts.shape[0] // 2))
+    v = diag / math.sqrt(want)
+    best_v, best_err = v, math.inf
+    for _ in range(iterations):
+        c = count_voxels(pts, v, extent)
+        err = abs(math.log(c / want))
+        if err < best_err:
+            best_v, best_err = v, err
+        if err < 0.1:
+            break
+        v *= math.sqrt(c / want)
+        v = max(v, diag * 1e-6)
+    return best_v

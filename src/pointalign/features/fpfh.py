@@ -95,17 +95,16 @@ def fpfh(
             points (reused, e.g. from normal estimation); default builds one.
         neighbors: the precomputed neighbourhoods ``(dists_sq (N, K), idx (N, K))`` of
             :func:`neighbourhoods` for this radius and cap (replaces the search).
-        device: compute device (default: the input's).
+        device: compute device (default: the inputs' device, which must be one: the
+            points', the normals' and the index's).
 
     Returns:
         ``(N, 33)`` float tensor on ``device``: [α bins | φ bins | θ bins], each 11-bin
         histogram summing to 100 (zeros for a point with no neighbour in ``radius``).
 
     """
-    dev = _validate.as_device(device, cloud_or_points.points
-                              if isinstance(cloud_or_points, PointCloud)
-                              else cloud_or_points if isinstance(cloud_or_points, torch.Tensor)
-                              else None)
+    dev = _validate.resolve_device(device, cloud_or_points=cloud_or_points, normals=normals,
+                                   index=index)
     points = _validate.as_points(cloud_or_points, "cloud_or_points", device=dev)
     if points.dtype != torch.float32 and points.dtype != torch.float64:
         points = points.float()

@@ -13,6 +13,10 @@
 Both take their neighbours from a :class:`~pointalign.search.base.Index` (built on the
 points' device when none is given), so they run on the GPU through the same code as on the
 CPU. They return a boolean mask; ``points[mask]`` is the cleaned cloud.
+
+:func:`pointalign.register`'s stray points, at the scale of its voxel edge v:
+:func:`stray_fraction` (a sample tells whether there are any), :func:`dense_mask` (which
+points to keep) and :func:`robust_voxel_size` (the automatic edge chosen without them).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from pointalign import _validate
+from pointalign.features.downsample import auto_voxel_size
 
 
 def _index(points: torch.Tensor, index: Any) -> Any:
@@ -53,13 +58,14 @@ def radius_outlier_mask(points: Any, radius: float, min_neighbors: int = 2, *,
         radius: search radius (> 0), same units as the points.
         min_neighbors: other points needed within ``radius`` (>= 1).
         index: optional prebuilt :class:`~pointalign.search.base.Index` over ``points``.
-        device: compute device (default: the points').
+        device: compute device (default: the device of the points and the index, which
+            must be one).
 
     Returns:
         ``(N,)`` bool tensor on the device, True = keep.
 
     """
-    dev = _validate.as_device(device, points if isinstance(points, torch.Tensor) else None)
+    dev = _validate.resolve_device(device, points=points, index=index)
     pts = _validate.as_points(points, "points", device=dev)
     r = _validate.positive(radius, "radius")
     min_neighbors = _validate.integer(min_neighbors, "min_neighbors", minimum=1)
@@ -81,13 +87,14 @@ def statistical_outlier_mask(points: Any, neighbors: int = 16, std_ratio: float 
         neighbors: k (>= 1).
         std_ratio: threshold in standard deviations (> 0).
         index: optional prebuilt :class:`~pointalign.search.base.Index` over ``points``.
-        device: compute device (default: the points').
+        device: compute device (default: the device of the points and the index, which
+            must be one).
 
     Returns:
         ``(N,)`` bool tensor on the device, True = keep.
 
     """
-    dev = _validate.as_device(device, points if isinstance(points, torch.Tensor) else None)
+    dev = _validate.resolve_device(device, points=points, index=index)
     pts = _validate.as_points(points, "points", min_points=2, device=dev)
     neighbors = _validate.integer(neighbors, "neighbors", minimum=1)
     ratio = _validate.positive(std_ratio, "std_ratio")
@@ -96,3 +103,76 @@ def statistical_outlier_mask(points: Any, neighbors: int = 16, std_ratio: float 
     d = nb.dists[:, 1:].clamp_min(0).sqrt().to(torch.float64)  # column 0: the point itself
     m = d.mean(1)
     return m <= m.mean() + ratio * m.std(unbiased=False)
+
+
+#: raw neighbours within one voxel edge: a point with fewer is a stray point ...
+SPARSE_NEIGHBOURS = 4
+#: ... provided the cloud's median point has at least this many (else it is too sparse
+#: against the voxel to tell strays from surface: nothing is removed)
+DENSE_MEDIAN = 8
+#: outlier removal runs when a sample finds at least this fraction of stray points in either
+#: cloud (5 % uniform outliers give about 4.5 %; the bunny scans about 0.1 %)
+MIN_STRAY_FRACTION = 0.02
+
+
+def dense_mask(points: torch.Tensor, v: float, index: Any = None) -> torch.Tensor:
+    """Tell the points of ``points (N, 3)`` that lie in the dense part of the cloud at scale v.
+
+    A point is kept when at least :data:`SPARSE_NEIGHBOURS` other points lie within ``v``
+    of it. Outliers scattered through the bounding box have none at the voxel scale
+    (measured on the hard-pair benchmark at 20 % outliers: 90 % of them have at most 3,
+    while 99 % of surface points have at least 7), while a sampled surface, or a lidar ring
+    whose spacing is well under the voxel, has many. When the median point has fewer than
+    :data:`DENSE_MEDIAN` (an input already about as sparse as the voxel grid), the rule
+    cannot tell the two apart and every point is kept. Returns an ``(N,)`` bool tensor.
+    """
+    if points.shape[0] <= SPARSE_NEIGHBOURS + 1:
+        return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
+    idx = _index(points, index)
+    count = neighbour_counts(idx, points, v, min(2 * DENSE_MEDIAN + 1, points.shape[0])) - 1
+    if float(count.float().median()) < DENSE_MEDIAN:
+        return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
+    return count >= SPARSE_NEIGHBOURS
+
+
+def stray_fraction(points: torch.Tensor, v: float, sample: int = 4096,
+                   index: Any = None) -> float:
+    """Estimate the fraction of stray points in ``points (N, 3)`` at scale ``v``.
+
+    Stray: fewer than :data:`SPARSE_NEIGHBOURS` others within ``v`` (the points
+    :func:`dense_mask` would drop), from an evenly strided sample of at most ``sample``
+    queries: one small search instead of one per point. ``index``: an index over
+    ``points`` to search (default: one built for the bound ``v``).
+    """
+    n = points.shape[0]
+    if n <= SPARSE_NEIGHBOURS + 1:
+        return 0.0
+    q = points[:: max(1, n // sample)]
+    # a grid with cells of v: one sort to build, and a few thousand queries over 27 cells
+    if index is None:
+        from pointalign.search import build_index
+
+        index = build_index(points, max_distance=v)
+    count = neighbour_counts(index, q, v, SPARSE_NEIGHBOURS + 1) - 1
+    return float((count < SPARSE_NEIGHBOURS).float().mean())
+
+
+def robust_voxel_size(points: Any, target_points: int = 5000, *,
+                      iterations: int = 2) -> float:
+    """Voxel edge at which ``points (N, 3)`` without its stray points keeps ``target_points``.
+
+    :func:`auto_voxel_size` counts every occupied voxel, so stray points (outliers spread
+    through the bounding box, one voxel each) inflate the edge: 20 % uniform outliers on a
+    bunny scan take it from 2.6 to 5.1 mm, and then make up more than half of the voxels.
+    Here the edge is recomputed on the points :func:`dense_mask` keeps at the current edge
+    (``iterations`` times; a clean cloud keeps its :func:`auto_voxel_size` edge).
+    """
+    pts = _validate.as_points(points, "points")
+    v = auto_voxel_size(pts, target_points)
+    for _ in range(iterations):
+        keep = dense_mask(pts, v)
+        n = int(keep.sum())
+        if n == pts.shape[0] or n < 3:
+            break
+        v = auto_voxel_size(pts[keep], target_points)
+    return v

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,7 @@ from pointalign.registration.result import RegistrationResult
 
 
 class StopReason(str, enum.Enum):
-    """Why an algorithm stopped; compares equal to its string value.
+    """Why an algorithm stopped (or why its result is trusted); equal to its string value.
 
     Converged (``result.converged`` is True):
 
@@ -54,7 +56,25 @@ class StopReason(str, enum.Enum):
       a float32 coordinate's spacing is ~8 mm), so the pose is only as good as that
       rounding (``info["input_resolution"]``); pass float64 coordinates;
     * ``NO_HYPOTHESIS`` / ``BELOW_THRESHOLD``: a global method found no (good enough)
-      hypothesis.
+      hypothesis; ``TOO_FEW_CORRESPONDENCES``: fewer than three feature correspondences to
+      draw hypotheses from.
+
+    A sampling method (RANSAC) has no convergence of its own, only a confidence:
+
+    * ``CONFIDENCE``: enough hypotheses were drawn to find an all-inlier sample with the
+      asked probability (converged);
+    * ``INLIER_RATIO``: the best hypothesis reached the asked inlier ratio (converged);
+    * ``MAX_HYPOTHESES``: the hypothesis budget ran out first; RANSAC still returns its best
+      hypothesis as its answer (``converged`` True unless a threshold was asked and missed,
+      which is ``BELOW_THRESHOLD``), so its caller passes ``converged`` to
+      :func:`build_result` rather than reading it from this reason.
+
+    Where a verdict on the result decides (``register``), the reason is the verdict's:
+
+    * ``TRUSTED``: every test passed (converged);
+    * ``SMALL_OVERLAP``, ``WEAK_MARGIN``, ``NOT_CONCENTRATED``
+      (``"residuals_not_concentrated"``): the first test that failed (not converged; a
+      pose the data do not determine is ``AMBIGUOUS``, as above).
     """
 
     SMALL_UPDATE = "small_update"
@@ -69,6 +89,14 @@ class StopReason(str, enum.Enum):
     COARSE_INPUT = "coarse_input"
     NO_HYPOTHESIS = "no_hypothesis"
     BELOW_THRESHOLD = "below_threshold"
+    TOO_FEW_CORRESPONDENCES = "too_few_correspondences"
+    CONFIDENCE = "confidence"
+    INLIER_RATIO = "inlier_ratio"
+    MAX_HYPOTHESES = "max_hypotheses"
+    TRUSTED = "trusted"
+    SMALL_OVERLAP = "small_overlap"
+    WEAK_MARGIN = "weak_margin"
+    NOT_CONCENTRATED = "residuals_not_concentrated"
 
     def __str__(self) -> str:
         return self.value
@@ -81,37 +109,14 @@ class StopReason(str, enum.Enum):
 
 _CONVERGED = frozenset({StopReason.SMALL_UPDATE, StopReason.RELATIVE_CHANGE,
                         StopReason.SCHEDULE, StopReason.POSE_AND_WEIGHTS,
-                        StopReason.NO_DECREASE})
+                        StopReason.NO_DECREASE, StopReason.CONFIDENCE,
+                        StopReason.INLIER_RATIO, StopReason.TRUSTED})
 
 
-def resolve_device(device: Any, **inputs: Any) -> torch.device:
-    """Return the compute device: ``device`` if given, else the inputs' one, else default.
-
-    ``inputs`` are named arrays, tensors, PointClouds (or lists of them); those that live on
-    a device must agree, or a ValueError names them.
-    """
-    devs: dict[str, torch.device] = {}
-
-    def note(name: str, x: Any) -> None:
-        pts = getattr(x, "points", x)
-        if isinstance(pts, torch.Tensor):
-            devs[name] = pts.device
-
-    for name, x in inputs.items():
-        if isinstance(x, (list, tuple)):
-            for i, c in enumerate(x):
-                note(f"{name}[{i}]", c)
-        else:
-            note(name, x)
-    if len(set(devs.values())) > 1:
-        desc = ", ".join(f"{k} on {v}" for k, v in devs.items())
-        raise ValueError(f"inputs are on different devices: {desc}; move them to one device "
-                         "(or pass NumPy arrays and device=)")
-    if device is not None:
-        return _validate.as_device(device)
-    if devs:
-        return next(iter(devs.values()))
-    return _validate.default_device()
+#: the one rule for ``device=`` (defined in :mod:`pointalign._validate`, where the features
+#: and search modules reach it too): explicit, else the inputs' common device, else CUDA
+#: when present; inputs on different devices are a ValueError naming each
+resolve_device = _validate.resolve_device
 
 
 @dataclass(frozen=True)
@@ -279,11 +284,14 @@ def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None
 
 
 def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: np.ndarray,
-                 iterations: np.ndarray, reasons: list[StopReason],
+                 iterations: np.ndarray, reasons: Sequence[StopReason | str],
                  history: list[dict[str, Any]], timings: dict[str, float],
                  info: dict[str, Any], converged: np.ndarray | None = None,
                  stability: np.ndarray | None = None) -> RegistrationResult:
     """Build the :class:`RegistrationResult` of B problems, squeezed for unbatched input.
+
+    The one result builder: every public registration function (icp, the soft and surface
+    methods, ransac, register) returns what this builds, so the rules below hold for all.
 
     Args:
         pair: the prepared inputs.
@@ -291,44 +299,64 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
         fitness: ``(B,)`` host array.
         rmse: ``(B,)`` host array.
         iterations: ``(B,)`` host array.
-        reasons: B stop reasons.
+        reasons: B stop reasons: :class:`StopReason` members, or the caller's own words
+            where something else decides (``register``'s verdict), then with ``converged``.
         history: one dict per iteration of ``(B,)`` arrays (or scalars).
         timings: seconds per stage.
         info: extras; ``(B, …)`` arrays are split per problem when squeezing.
-        converged: ``(B,)`` bools; defaults to ``reason.converged`` of each reason.
+        converged: ``(B,)`` bools, the caller's decision; defaults to ``reason.converged``
+            of each reason.
         stability: ``(B,)`` :func:`pointalign._math.stability` of each final pose (None:
-            not measured). **The determinacy rule**: a converged reason at a stability
-            ≤ :data:`pointalign._math.STABILITY_EPS` becomes ``AMBIGUOUS`` (not
-            converged); ``info["stability"]`` records the values. Likewise a converged
-            reason on input coarser than :data:`MAX_RESOLUTION` of the extent becomes
-            ``COARSE_INPUT``.
+            not measured).
+
+    **The rules**, applied to every problem still converged (by its reason or by
+    ``converged``): at a stability ≤ :data:`pointalign._math.STABILITY_EPS` the data do not
+    determine the pose: reason ``AMBIGUOUS``, not converged (``info["stability"]`` records
+    the values); on input coarser than :data:`MAX_RESOLUTION` of the extent the pose is only
+    as good as that rounding: reason ``COARSE_INPUT``, not converged
+    (``info["input_resolution"]``).
 
     """
+    reasons = list(reasons)
+    conv = (np.array([bool(getattr(r, "converged", False)) for r in reasons])
+            if converged is None else np.array(converged, dtype=bool).reshape(len(reasons)))
     if pair.resolution is not None and pair.extent is not None:
         # (a target of no extent is left to the degeneracy and stability rules)
         coarse = (pair.extent > 0) & (pair.resolution > MAX_RESOLUTION * pair.extent)
         if coarse.any():
-            reasons = [StopReason.COARSE_INPUT if r.converged and c else r
-                       for r, c in zip(reasons, coarse, strict=True)]
+            for b in np.nonzero(coarse & conv)[0]:
+                reasons[b], conv[b] = StopReason.COARSE_INPUT, False
             info = {**info, "input_resolution": pair.resolution}
     if stability is not None:
         stab = np.asarray(stability, dtype=np.float64)
-        reasons = [StopReason.AMBIGUOUS if r.converged and not st > _math.STABILITY_EPS
-                   else r for r, st in zip(reasons, stab, strict=True)]
+        for b in np.nonzero(conv & ~(stab > _math.STABILITY_EPS))[0]:
+            reasons[b], conv[b] = StopReason.AMBIGUOUS, False
         info = {**info, "stability": stab}
     T = pair.frame.to_world(T_local)
     if pair.init_world is not None:  # left at init: exactly init (no float64 round trip)
         kept = (T_local == pair.init).all(axis=(1, 2))
         T = np.where(kept[:, None, None], pair.init_world, T)
-    conv = np.array([r.converged for r in reasons]) if converged is None else converged
-    if pair.batched:
-        return RegistrationResult(
-            transformation=T, fitness=fitness, rmse=rmse, iterations=iterations,
-            converged=conv, stop_reason=[str(r) for r in reasons], history=history,
-            timings=timings, info=info,
-            transformation_tensor=torch.from_numpy(T).to(pair.device))
-    one = RegistrationResult(
+    result = RegistrationResult(
         transformation=T, fitness=fitness, rmse=rmse, iterations=iterations, converged=conv,
         stop_reason=[str(r) for r in reasons], history=history, timings=timings, info=info,
-        transformation_tensor=torch.from_numpy(T).to(pair.device))[0]
-    return one
+        transformation_tensor=torch.from_numpy(T).to(pair.device))
+    return result if pair.batched else result[0]
+
+
+def in_world(result: RegistrationResult, frame: Frame) -> RegistrationResult:
+    """Return an unbatched ``result`` solved in the local ``frame`` in the caller's coordinates.
+
+    The transformation (and its tensor, and a nested ``info["global"]`` result) are composed
+    back in float64: ``T_world = Tr(c) T_local Tr(−c)`` (:meth:`Frame.to_world`). For a
+    result an algorithm returned to a composite one (``register``'s global stage) that
+    builds its own result with :func:`build_result` on its own :class:`Pair`.
+    """
+    T = frame.to_world(np.asarray(result.transformation, dtype=np.float64)[None])[0]
+    tt = result.transformation_tensor
+    info = dict(result.info)
+    if isinstance(info.get("global"), RegistrationResult):
+        info["global"] = in_world(info["global"], frame)
+    return dataclasses.replace(
+        result, transformation=T, info=info,
+        transformation_tensor=None if tt is None else
+        torch.from_numpy(T).to(device=tt.device, dtype=torch.float64))

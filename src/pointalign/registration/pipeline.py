@@ -1,157 +1,168 @@
 """register(): global then local registration in one call; composes, adds nothing numerical.
 
 The recipe of Open3D's global-registration tutorial (Rusu et al. 2009 features; Marchel
-2017 parallel RANSAC; Chen & Medioni 1992 point-to-plane ICP):
+2017 parallel RANSAC; Chen & Medioni 1992 point-to-plane ICP) as named stages, every
+length a multiple of the voxel edge v (:class:`Scales`; default v:
+:func:`~pointalign.features.downsample.auto_voxel_size`):
 
-1. ``voxel_downsample`` both clouds (edge v);
-2. normals by PCA within 2v (30 neighbours at most), oriented towards each cloud's centroid
-   (a convention that moves with the cloud, so features do not depend on the pose);
-3. FPFH within 5v (100 neighbours at most); one neighbour search per cloud (5v, 100) serves
-   both steps, the normals taking its first 30 neighbours within 2v;
-4. parallel RANSAC on feature nearest neighbours, inlier bound 1.5v;
-5. point-to-plane ICP from the RANSAC pose: a coarse stage on the clouds of steps 1-2
-   (their index and normals) with a correspondence bound of 1.5v, then the full clouds
-   (or their ``icp_voxel_size`` copies; target normals within 2v from 16 neighbours)
-   with 0.5v; each stops on Open3D's relative-change rule or an update below 0.1 % of v
-   and 0.01°.
-
-Default v: the edge at which the larger of the two clouds keeps about
-``target_points`` = 5,000 points (found by a few secant steps on the occupied-voxel count,
-which scales like v⁻² on surfaces). 5,000 is the size the parallel RANSAC paper works at
-(5 mm voxels on ~10⁵-point object scans); it gives ~3.5 mm on the Stanford bunny, ~5 cm on
-3DMatch fragments and ~1 m on a KITTI scan, the sizes those datasets are usually
-registered at.
+1. :func:`_prepare_cloud`, once per cloud (after dropping stray points where a sample
+   shows some, :func:`~pointalign.features.outliers.dense_mask`): downsample at v; one
+   neighbour search (5v, 100 nearest) serves the normals (PCA within 2v, 30 nearest,
+   facing the cloud's centroid, a convention that moves with the cloud) and FPFH (5v);
+2. :func:`_global`: the feature matches, found once, go to parallel RANSAC (inliers within
+   1.5v) and to the compatibility graph's proposer (:mod:`pointalign.registration.robust`);
+3. :func:`_refine_hypotheses`: the best few proposals by inliers, refined by one batched
+   point-to-plane ICP on the downsampled clouds (1.5v), ranked by their overlap within v;
+4. :func:`_final_icp`: point-to-plane ICP of the full clouds (or their ``icp_voxel_size``
+   copies) with 0.5v from the best; each ICP stops on Open3D's relative-change rule or an
+   update below 0.1 % of v and 0.01°;
+5. :func:`_verdict`: whether the result can be trusted (overlap, margin over a different
+   hypothesis, concentration of the residuals, determinacy).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import inspect
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from pointalign import _progress, _threads, _validate
-from pointalign.cloud import PointCloud
-from pointalign.features.downsample import bounds, count_voxels, voxel_downsample
+from pointalign import _math, _progress, _threads, _validate, transforms
+from pointalign.features.downsample import auto_voxel_size, voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
-from pointalign.features.outliers import neighbour_counts
+from pointalign.features.normals import estimate_normals
+from pointalign.features.outliers import (
+    MIN_STRAY_FRACTION,
+    dense_mask,
+    robust_voxel_size,
+    stray_fraction,
+)
 from pointalign.kernels import _loop
+from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge
-from pointalign.registration.ransac import ransac
+from pointalign.registration._edge import StopReason
+from pointalign.registration.criteria import ConvergenceCriteria
+from pointalign.registration.icp import icp
+from pointalign.registration.ransac import count_inliers, count_inliers_within, ransac
 from pointalign.registration.result import RegistrationResult
+from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
+from pointalign.search import build_index, policy
 
 METHODS = ("icp", "none")
 
 
-def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int = 6) -> float:
-    """Voxel edge at which ``points (N, 3)`` keeps about ``target_points`` voxels.
+@dataclasses.dataclass(frozen=True)
+class Scales:
+    """Every length :func:`register` uses, a multiple of the voxel edge v (metres).
 
-    Starts from ``diag / sqrt(target_points)`` (diag: the bounding-box diagonal) and
-    corrects ``v ← v · sqrt(count / target_points)`` (surfaces: count ∝ v⁻²) a few times;
-    returns the first edge whose count is within 10 % or the best seen. A cloud with fewer
-    than ``2 · target_points`` points is reduced to about half its size instead.
+    ``Scales(v)`` holds the defaults; an override given to :func:`register` replaces its
+    quantity at every use:
+
+    =========================  =======  ======================================================
+    field                      default  used by
+    =========================  =======  ======================================================
+    ``voxel``                  v        the global stage's downsampling; stray points (fewer
+                                        than ``SPARSE_NEIGHBOURS`` others within v)
+    ``normal_radius``          2 v      the normals of the downsampled clouds and of the
+                                        final ICP's target
+    ``feature_radius``         5 v      FPFH (its one search serves the normals too)
+    ``correspondence``         1.5 v    ``max_correspondence_distance``: RANSAC's inliers, the
+                                        compatibility graph's tolerance, the proposals'
+                                        inlier counts, the coarse ICP, the verdict's outer
+                                        bound
+    ``overlap``                v        the overlap that ranks the refined hypotheses and
+                                        the verdict's ``overlap``
+    ``fine``                   0.5 v    ``icp_max_correspondence_distance``: the final ICP,
+                                        the verdict's inner bound (``concentration``)
+    ``translation_tolerance``  0.001 v  both ICP stages' smallest update
+    ``distinct``               3 v      the verdict: a hypothesis moving the source's
+                                        centroid farther from the result's is another one
+    =========================  =======  ======================================================
     """
-    pts = _validate.as_points(points, "points")
-    target_points = int(target_points)
-    if target_points < 3:
-        raise ValueError(f"target_points: expected an integer >= 3, got {target_points}")
-    extent = bounds(pts)  # one synchronisation for the loop
-    diag = math.dist(extent[1], extent[2])
-    if diag == 0.0:
-        raise ValueError("points: all points coincide; cannot choose a voxel size")
-    # a cloud not much larger than the target is still halved: every voxel must keep a
-    # few neighbours within the 2v normal radius
-    want = max(3, min(target_points, pts.shape[0] // 2))
-    v = diag / math.sqrt(want)
-    best_v, best_err = v, math.inf
-    for _ in range(iterations):
-        c = count_voxels(pts, v, extent)
-        err = abs(math.log(c / want))
-        if err < best_err:
-            best_v, best_err = v, err
-        if err < 0.1:
-            break
-        v *= math.sqrt(c / want)
-        v = max(v, diag * 1e-6)
-    return best_v
+
+    voxel: float
+    max_correspondence_distance: dataclasses.InitVar[float | None] = None
+    icp_max_correspondence_distance: dataclasses.InitVar[float | None] = None
+    normal_radius: float = dataclasses.field(init=False)
+    feature_radius: float = dataclasses.field(init=False)
+    correspondence: float = dataclasses.field(init=False)
+    overlap: float = dataclasses.field(init=False)
+    fine: float = dataclasses.field(init=False)
+    translation_tolerance: float = dataclasses.field(init=False)
+    distinct: float = dataclasses.field(init=False)
+
+    def __post_init__(self, max_correspondence_distance: float | None,
+                      icp_max_correspondence_distance: float | None) -> None:
+        v = _validate.positive(self.voxel, "voxel_size")
+        mcd, fine = max_correspondence_distance, icp_max_correspondence_distance
+        for name, value in (
+                ("voxel", v), ("normal_radius", 2 * v), ("feature_radius", 5 * v),
+                ("correspondence", 1.5 * v if mcd is None else
+                 _validate.positive(mcd, "max_correspondence_distance")),
+                ("overlap", v),
+                ("fine", 0.5 * v if fine is None else
+                 _validate.positive(fine, "icp_max_correspondence_distance")),
+                ("translation_tolerance", 1e-3 * v), ("distinct", 3 * v)):
+            object.__setattr__(self, name, value)
 
 
-#: raw neighbours within one voxel edge: a point with fewer is a stray point ...
-SPARSE_NEIGHBOURS = 4
-#: ... provided the cloud's median point has at least this many (else it is too sparse
-#: against the voxel to tell strays from surface: nothing is removed)
-DENSE_MEDIAN = 8
-#: outlier removal runs when a sample finds at least this fraction of stray points in either
-#: cloud (5 % uniform outliers give about 4.5 %; the bunny scans about 0.1 %)
-MIN_STRAY_FRACTION = 0.02
+#: neighbours of each downsampled cloud's one search (FPFH's cap, as Open3D's tutorial) ...
+FEATURE_NEIGHBOURS = 100
+#: ... of which the nearest within ``Scales.normal_radius`` give the normals
+NORMAL_NEIGHBOURS = 30
+#: nearest neighbours of the final ICP's target normals: the full clouds are dense (16
+#: nearest points are well within 2v wherever the surface is sampled finer than the voxel),
+#: and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
+FULL_NORMAL_NEIGHBOURS = 16
+#: both ICP stages' smallest rotation update (degrees)
+ROTATION_TOLERANCE_DEG = 0.01
+#: the verdict: a hypothesis turned more than this (degrees) from the result is another one
+DISTINCT_ANGLE_DEG = 5.0
 
 
-def dense_mask(points: torch.Tensor, v: float, index: Any = None) -> torch.Tensor:
-    """Tell the points of ``points (N, 3)`` that lie in the dense part of the cloud at scale v.
+class Prepared(NamedTuple):
+    """One cloud ready for the global stage (:func:`_prepare_cloud`), on the compute device.
 
-    A point is kept when at least :data:`SPARSE_NEIGHBOURS` other points lie within ``v``
-    of it. Outliers scattered through the bounding box have none at the voxel scale
-    (measured on the hard-pair benchmark at 20 % outliers: 90 % of them have at most 3,
-    while 99 % of surface points have at least 7), while a sampled surface, or a lidar ring
-    whose spacing is well under the voxel, has many. When the median point has fewer than
-    :data:`DENSE_MEDIAN` (an input already about as sparse as the voxel grid), the rule
-    cannot tell the two apart and every point is kept. Returns an ``(N,)`` bool tensor.
+    ``down``: ``(n, 3)`` float32 downsampled points (edge ``Scales.voxel``); ``index``: an
+    :class:`~pointalign.search.base.Index` over them; ``normals``: ``(n, 3)`` float32 unit
+    normals; ``features``: ``(n, 33)`` float32 FPFH.
     """
-    from pointalign.search import build_index
 
-    if points.shape[0] <= SPARSE_NEIGHBOURS + 1:
-        return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
-    idx = build_index(points) if index is None else index
-    count = neighbour_counts(idx, points, v, min(2 * DENSE_MEDIAN + 1, points.shape[0])) - 1
-    if float(count.float().median()) < DENSE_MEDIAN:
-        return torch.ones(points.shape[0], dtype=torch.bool, device=points.device)
-    return count >= SPARSE_NEIGHBOURS
+    down: torch.Tensor
+    index: Any
+    normals: torch.Tensor
+    features: torch.Tensor
 
 
-def stray_fraction(points: torch.Tensor, v: float, sample: int = 4096,
-                   index: Any = None) -> float:
-    """Estimate the fraction of stray points in ``points (N, 3)`` at scale ``v``.
+class _Options(NamedTuple):
+    """:func:`register`'s validated keyword arguments, as the stages read them."""
 
-    Stray: fewer than :data:`SPARSE_NEIGHBOURS` others within ``v`` (the points
-    :func:`dense_mask` would drop), from an evenly strided sample of at most ``sample``
-    queries: one small search instead of one per point. ``index``: an index over
-    ``points`` to search (default: one built for the bound ``v``).
-    """
-    from pointalign.search import build_index
-
-    n = points.shape[0]
-    if n <= SPARSE_NEIGHBOURS + 1:
-        return 0.0
-    q = points[:: max(1, n // sample)]
-    # a grid with cells of v: one sort to build, and a few thousand queries over 27 cells
-    if index is None:
-        index = build_index(points, max_distance=v)
-    count = neighbour_counts(index, q, v, SPARSE_NEIGHBOURS + 1) - 1
-    return float((count < SPARSE_NEIGHBOURS).float().mean())
+    voxel_size: float | None
+    method: str
+    target_points: int
+    hypotheses: int
+    icp_voxel_size: float | None
+    max_iterations: int
+    seed: int
+    remove_outliers: bool
+    robust: bool
+    max_correspondence_distance: float | None
+    icp_max_correspondence_distance: float | None
+    ransac_options: dict[str, Any]
 
 
-def robust_voxel_size(points: Any, target_points: int = 5000, *,
-                      iterations: int = 2) -> float:
-    """Voxel edge at which ``points (N, 3)`` without its stray points keeps ``target_points``.
+#: ransac()'s keywords that register() sets itself; RANSAC_OPTIONS: those it passes on
+_RANSAC_SET_HERE = frozenset({"source", "target", "source_features", "target_features",
+                              "hypotheses", "target_index", "seed", "device", "matches",
+                              "max_correspondence_distance"})
+RANSAC_OPTIONS = tuple(sorted(set(inspect.signature(ransac).parameters) - _RANSAC_SET_HERE))
 
-    :func:`auto_voxel_size` counts every occupied voxel, so stray points (outliers spread
-    through the bounding box, one voxel each) inflate the edge: 20 % uniform outliers on a
-    bunny scan take it from 2.6 to 5.1 mm, and then make up more than half of the voxels.
-    Here the edge is recomputed on the points :func:`dense_mask` keeps at the current edge
-    (``iterations`` times; a clean cloud keeps its :func:`auto_voxel_size` edge).
-    """
-    pts = _validate.as_points(points, "points")
-    v = auto_voxel_size(pts, target_points)
-    for _ in range(iterations):
-        keep = dense_mask(pts, v)
-        n = int(keep.sum())
-        if n == pts.shape[0] or n < 3:
-            break
-        v = auto_voxel_size(pts[keep], target_points)
-    return v
+
+def _positive_or_none(value: Any, name: str) -> float | None:
+    return None if value is None else _validate.positive(value, name)
 
 
 @_validate.out_of_memory_is_clear
@@ -169,6 +180,8 @@ def register(
     seed: int = 0,
     remove_outliers: bool = True,
     robust: bool = True,
+    max_correspondence_distance: float | None = None,
+    icp_max_correspondence_distance: float | None = None,
     **ransac_options: Any,
 ) -> RegistrationResult:
     """Register ``source`` onto ``target`` with no initial guess: FPFH + RANSAC, then ICP.
@@ -176,78 +189,102 @@ def register(
     Args:
         source: ``(N, 3)`` float array/tensor or PointCloud (metres).
         target: ``(M, 3)`` float array/tensor or PointCloud.
-        voxel_size: downsampling edge v for the global stage (default: see
-            :func:`auto_voxel_size`); normals use 2v, FPFH 5v, RANSAC 1.5v.
-        device: compute device (default: the source's for tensors, else CUDA if present).
+        voxel_size: downsampling edge v for the global stage (default:
+            :func:`~pointalign.features.downsample.auto_voxel_size`); every other length is
+            a multiple of it (:class:`Scales`: normals 2v, FPFH 5v, correspondences 1.5v,
+            final ICP 0.5v).
+        device: compute device (default: the inputs' device, which must be one, else CUDA
+            if present: :func:`pointalign.registration._edge.resolve_device`).
         method: ``"icp"`` (point-to-plane refinement) or ``"none"`` (global stage only).
         target_points: size the automatic voxel edge aims at.
         hypotheses: RANSAC hypotheses per batch.
-        icp_voxel_size: downsample the clouds for ICP at this edge (default: full clouds).
-        max_iterations: ICP iteration cap per stage.
+        icp_voxel_size: downsample the clouds for the final ICP at this edge (default: the
+            full clouds).
+        max_iterations: ICP iteration cap of each ICP stage (coarse and final).
         seed: RANSAC's seed (see :func:`~pointalign.registration.ransac.ransac`): an integer
             in [0, 2**64 - 1]; the same seed and inputs give identical results on one
             device (CPU, or a GPU), not across devices (their generators differ).
-        remove_outliers: drop stray points before downsampling and choose the voxel edge
-            without them (:func:`dense_mask`, :func:`robust_voxel_size`); False restores
-            :func:`auto_voxel_size` on all points.
-        robust: add the compatibility-graph hypotheses of
-            :mod:`pointalign.registration.robust` to RANSAC's, refine the best
-            ``REFINE_TOP`` by the coarse ICP stage and keep the one with the largest
-            overlap; False refines RANSAC's best only.
-        **ransac_options: passed to :func:`pointalign.registration.ransac.ransac`.
+        remove_outliers: drop stray points before downsampling and choose v without them
+            (:mod:`pointalign.features.outliers`); False: all points count.
+        robust: add the compatibility-graph hypotheses (:mod:`~pointalign.registration.robust`)
+            to RANSAC's and refine the best ``REFINE_TOP``; False: RANSAC's best only.
+        max_correspondence_distance: the global stage's correspondence distance (default
+            1.5v, ``Scales.correspondence``): RANSAC's inlier bound, the compatibility
+            graph's length tolerance, the bound the proposals' inliers are counted at, the
+            coarse ICP's distance and the verdict's outer bound, one value for all five.
+        icp_max_correspondence_distance: the final ICP's correspondence distance (default
+            0.5v, ``Scales.fine``), also the verdict's inner bound.
+        **ransac_options: passed to :func:`~pointalign.registration.ransac.ransac`: any of
+            :data:`RANSAC_OPTIONS`; another keyword is a TypeError naming ``register``.
 
     Returns:
-        :class:`RegistrationResult` of the last stage (ICP, or RANSAC with ``method="none"``)
-        with ``timings`` per stage (``downsample``, ``normals``, ``fpfh``, ``ransac``,
-        ``icp``, ``total``) and ``info`` holding ``voxel_size``, the downsampled sizes and
-        the RANSAC result (``info["global"]``). If RANSAC finds no hypothesis, its failed
-        result is returned (``converged=False``) without ICP. After ICP, ``converged``
-        is the verdict: True only when the result looks trustworthy (enough overlap, a
-        clear margin over the best different hypothesis, residuals concentrated near
-        zero); ``info["verdict"]`` says why not, with ``info["overlap"]``,
-        ``info["margin"]``, ``info["concentration"]``; ``info["icp_converged"]`` keeps
-        the ICP's own stop test.
+        :class:`RegistrationResult`; ``timings`` per stage (RANSAC's as ``ransac.<stage>``);
+        ``info``: ``voxel_size``, ``source_down``, ``target_down``, ``global`` (RANSAC's).
+        After ICP the **verdict** decides: ``converged`` only when the result looks
+        trustworthy (overlap, a clear margin over the best different hypothesis, residuals
+        concentrated near zero, a determined pose); ``stop_reason`` says why: ``"trusted"``
+        or the first failed test (``"small_overlap"``, ``"weak_margin"``,
+        ``"residuals_not_concentrated"``, ``"ambiguous"``); ``info["verdict"]`` every
+        reason in words, with ``info["overlap"]``, ``["margin"]``, ``["concentration"]``;
+        the final ICP's own stop: ``info["icp_converged"]``, ``["icp_stop_reason"]``.
+        ``fitness``, ``rmse``, ``iterations`` and ``history`` are the final ICP's
+        (``iterations == history[-1]["iteration"]``; the coarse stage's, of the kept
+        hypothesis: ``info["coarse_iterations"]``). With ``method="none"``, or when RANSAC
+        finds no hypothesis, the result is RANSAC's (``iterations``: hypotheses drawn); a
+        failed one says why in ``stop_reason`` and ``info["verdict"]``.
 
     """
     for name, flag in (("remove_outliers", remove_outliers), ("robust", robust)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name}: expected True or False, got {flag!r}")
+    unknown = sorted(set(ransac_options) - set(RANSAC_OPTIONS))
+    if unknown:
+        raise TypeError(f"register() got an unexpected keyword argument {unknown[0]!r} "
+                        f"(besides its own, register passes these on to ransac(): "
+                        f"{', '.join(RANSAC_OPTIONS)})")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    seed = _validate.seed(seed)
-    target_points = _validate.integer(target_points, "target_points", minimum=3)
-    hypotheses = _validate.integer(hypotheses, "hypotheses", minimum=1)
-    max_iterations = _validate.integer(max_iterations, "max_iterations", minimum=1)
-    if voxel_size is not None:
-        voxel_size = _validate.positive(voxel_size, "voxel_size")
-    if icp_voxel_size is not None:
-        icp_voxel_size = _validate.positive(icp_voxel_size, "icp_voxel_size")
-    like = source.points if isinstance(source, PointCloud) else \
-        source if isinstance(source, torch.Tensor) else None
-    dev = _validate.as_device(device, like)
-    src = _validate.as_points(source, "source", min_points=3, device=dev)
-    tgt = _validate.as_points(target, "target", min_points=3, device=dev)
-    _warn_register(src, tgt, dev, method, target_points, icp_voxel_size, max_iterations)
+    opts = _Options(
+        _positive_or_none(voxel_size, "voxel_size"), method,
+        _validate.integer(target_points, "target_points", minimum=3),
+        _validate.integer(hypotheses, "hypotheses", minimum=1),
+        _positive_or_none(icp_voxel_size, "icp_voxel_size"),
+        _validate.integer(max_iterations, "max_iterations", minimum=1), _validate.seed(seed),
+        bool(remove_outliers), bool(robust),
+        _positive_or_none(max_correspondence_distance, "max_correspondence_distance"),
+        _positive_or_none(icp_max_correspondence_distance, "icp_max_correspondence_distance"),
+        dict(ransac_options))
+    dev = _validate.resolve_device(device, source=source, target=target)
     # the local frame: both clouds shifted by the target's centroid in float64 before
     # anything becomes float32 (georeferenced coordinates keep their precision)
-    frame, src_l, tgt_l = local_frame(src, tgt)
-    # the arrays below are derived from validated ones: no NaN/Inf scans (host syncs) on them
-    # on the CPU the stages are small PyTorch operations between numba kernels (which keep
-    # their threads): PyTorch on one thread (see _threads.torch_single)
-    single = _threads.torch_single() if dev.type == "cpu" else contextlib.nullcontext()
-    with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY), single:
-        res = _register(src_l, tgt_l, dev, voxel_size, method, target_points, hypotheses,
-                        icp_voxel_size, max_iterations, seed, remove_outliers,
-                        robust, ransac_options)
-    result = to_world(res, frame)
+    pair = _edge.prepare_pair(source, target, init=None, device=dev, min_points=3)
+    if pair.batched:
+        raise ValueError("source, target: expected one (N, 3) cloud each, got a batch; "
+                         "register pairs one at a time")
+    src, tgt = pair.source[0], pair.target[0]
+    _warn_register(src, tgt, dev, method, opts.target_points, opts.icp_voxel_size,
+                   opts.max_iterations,
+                   icp_max_correspondence_distance=opts.icp_max_correspondence_distance)
+    # arrays derived from validated ones: no NaN/Inf scans (host syncs) on them; PyTorch's
+    # small operations between the kernels on one thread where the host runs them
+    with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY), \
+            _threads.host_stages(dev):
+        result = _register(src, tgt, pair, opts)
     _progress.log_timings("register", result.timings)
     if not result.converged:
-        why = result.info.get("verdict") if method == "icp" else None
-        _progress.warn(f"register: the result is doubtful ({why or result.stop_reason}); "
-                       "result.converged is False, see result.info (verdict, overlap, margin, "
-                       "concentration) before trusting the transformation",
-                       _progress.DoubtfulResultWarning, stacklevel=3)
+        _warn_doubtful(result)
     return result
+
+
+def _warn_doubtful(result: RegistrationResult) -> None:
+    """Warn that ``result`` is not to be trusted, naming why and only keys that exist."""
+    verdict = result.info.get("verdict")
+    why = verdict if verdict and verdict != "trusted" else result.stop_reason
+    keys = [k for k in ("verdict", "overlap", "margin", "concentration") if k in result.info]
+    see = "; see " + ", ".join(f"result.info[{k!r}]" for k in keys) if keys else ""
+    _progress.warn(f"register: the result is doubtful ({why}); result.converged is False"
+                   f"{see} before trusting the transformation",
+                   _progress.DoubtfulResultWarning, stacklevel=4)
 
 
 #: rough CPU cost of register() on 2 threads (measured on the bunny, a LiDAR and a KITTI
@@ -259,197 +296,250 @@ _CPU_SECONDS_PER_POINT = 1e-5
 
 def _warn_register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device, method: str,
                    target_points: int, icp_voxel_size: float | None,
-                   max_iterations: int) -> None:
+                   max_iterations: int, *,
+                   icp_max_correspondence_distance: float | None = None) -> None:
     """Warnings before the work: parameters ``method="none"`` ignores; a CPU call of minutes."""
-    if method == "none":
-        if icp_voxel_size is not None:
-            _progress.warn_ignored("icp_voxel_size", 'register(method="none")',
-                                   "no ICP stage", stacklevel=4)
-        if max_iterations != 30:
-            _progress.warn_ignored("max_iterations", 'register(method="none")',
-                                   "no ICP stage", stacklevel=4)
-    if dev.type == "cpu":
+    for name, given in (("icp_voxel_size", icp_voxel_size is not None),
+                        ("max_iterations", max_iterations != 30),
+                        ("icp_max_correspondence_distance",
+                         icp_max_correspondence_distance is not None)):
+        if method == "none" and given:
+            _progress.warn_ignored(name, 'register(method="none")', "no ICP stage",
+                                   stacklevel=4)
+    threads = _threads.host_threads(dev)
+    if threads is not None:  # the host does the work: announce a call of minutes
         n, m = src.shape[0], tgt.shape[0]
         est = (_CPU_SECONDS_PER_5000 * max(target_points, 1) / 5000
-               + _CPU_SECONDS_PER_POINT * (n + m)) * 2 / max(torch.get_num_threads(), 1)
+               + _CPU_SECONDS_PER_POINT * (n + m)) * 2 / threads
         _progress.warn_slow(f"register() on {n:,} + {m:,} points on the CPU", est,
                             "pass icp_voxel_size (ICP on downsampled clouds) or downsample "
                             "the clouds first (pointalign.voxel_downsample), or use a GPU",
                             stacklevel=4)
 
 
-def local_frame(source: torch.Tensor, target: torch.Tensor
-                ) -> tuple[_edge.Frame, torch.Tensor, torch.Tensor]:
-    """Shift ``source (N, 3)`` and ``target (M, 3)`` by the target's centroid, in float64.
-
-    Returns the :class:`~pointalign.registration._edge.Frame` and both clouds in it as
-    float32. Float64 input far from the origin keeps its precision; float32 input is
-    already rounded to its own resolution (about 6 cm at 10⁶ m), which no frame restores.
-    """
-    c = target.to(torch.float64).mean(0)
-    src_l = (source.to(torch.float64) - c).to(torch.float32)
-    tgt_l = (target.to(torch.float64) - c).to(torch.float32)
-    return _edge.Frame(c.cpu().numpy()[None].astype(np.float64)), src_l, tgt_l
-
-
-def to_world(result: RegistrationResult, frame: _edge.Frame) -> RegistrationResult:
-    """Return ``result`` (solved in the local ``frame``) in the caller's coordinates.
-
-    The transformation (and its tensor, and a nested ``info["global"]`` result) are
-    composed back in float64: ``T_world = Tr(c) T_local Tr(−c)``.
-    """
-    T = frame.to_world(np.asarray(result.transformation, dtype=np.float64)[None])[0]
-    tt = result.transformation_tensor
-    info = dict(result.info)
-    if isinstance(info.get("global"), RegistrationResult):
-        info["global"] = to_world(info["global"], frame)
-    return dataclasses.replace(
-        result, transformation=T, info=info,
-        transformation_tensor=None if tt is None else
-        torch.from_numpy(T).to(device=tt.device, dtype=torch.float64))
-
-
-def _register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device,
-              voxel_size: float | None, method: str, target_points: int, hypotheses: int,
-              icp_voxel_size: float | None, max_iterations: int, seed: int,
-              remove_outliers: bool, robust: bool,
-              ransac_options: dict[str, Any]) -> RegistrationResult:
-    """:func:`register` on validated ``src, tgt (N, 3), (M, 3)`` float32 tensors on ``dev``."""
-    from pointalign.search import build_index
-
-    clock = _loop.Clock(dev)
-    big = src if src.shape[0] >= tgt.shape[0] else tgt
-    v = auto_voxel_size(big, target_points) if voxel_size is None \
-        else _validate.positive(voxel_size, "voxel_size")
-    # on the CPU (where an index's kind does not depend on the bound) the full target's
-    # index serves the stray count below and the final ICP: one build instead of two
-    t_full_idx = build_index(tgt) if (dev.type == "cpu" and method == "icp"
-                                      and icp_voxel_size is None and remove_outliers) else None
-    # stray points are looked for only where a sample shows some (a clean scan or a lidar
-    # sweep pays nothing for the outlier stages)
-    remove_outliers = remove_outliers and max(
-        stray_fraction(src, v), stray_fraction(tgt, v, index=t_full_idx)) >= MIN_STRAY_FRACTION
-    if remove_outliers and voxel_size is None:
-        v = robust_voxel_size(big, target_points)
+def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
+              opts: _Options) -> RegistrationResult:
+    """:func:`register` on the validated local clouds ``src (N, 3)``, ``tgt (M, 3)`` of ``pair``."""
+    clock = _loop.Clock(pair.device)
+    full_index = _full_target_index(tgt, opts)
+    v, strays = _voxel_size(src, tgt, opts, full_index)
+    scales = Scales(v, opts.max_correspondence_distance, opts.icp_max_correspondence_distance)
     clock.lap("voxel_size")
+    src_c, tgt_c = _without_strays(src, tgt, v) if strays else (src, tgt)
+    source = _prepare_cloud(src_c, scales, clock, "source")
+    target = _prepare_cloud(tgt_c, scales, clock, "target")
+    glob, candidates, n_rank = _global(source, target, scales, opts, clock)
+    info: dict[str, Any] = {"voxel_size": v, "source_down": int(source.down.shape[0]),
+                            "target_down": int(target.down.shape[0]),
+                            "global": _edge.in_world(glob, pair.frame)}
+    if candidates is None:  # method="none", or RANSAC found nothing: the global result
+        return _global_result(pair, glob, info, clock)
+    criteria = ConvergenceCriteria(max_iterations=opts.max_iterations,
+                                   translation_tolerance=scales.translation_tolerance,
+                                   rotation_tolerance=math.radians(ROTATION_TOLERANCE_DEG))
+    R, fit_v, coarse_iterations = _refine_hypotheses(candidates, source, target, scales,
+                                                     criteria, opts.robust, clock)
+    local = _final_icp(src, tgt, R[0], scales, opts.icp_voxel_size, criteria, full_index,
+                       clock)
+    verdict, reason = _verdict(local, R, fit_v, source, target, scales)
+    clock.lap("verdict")
+    info.update(verdict, ranked_correspondences=n_rank, hypotheses_refined=int(R.shape[0]),
+                coarse_iterations=coarse_iterations)
+    return _final_result(pair, local, glob, info, reason, clock)
 
-    from pointalign.features.normals import estimate_normals
 
-    s_clean, t_clean = src, tgt
-    if remove_outliers:
-        s_keep, t_keep = dense_mask(src, v), dense_mask(tgt, v)
-        if int(s_keep.sum()) >= 3 and int(t_keep.sum()) >= 3:
-            s_clean, t_clean = src[s_keep], tgt[t_keep]
-    s_down, t_down = voxel_downsample(s_clean, v), voxel_downsample(t_clean, v)
-    if s_down.shape[0] < 3 or t_down.shape[0] < 3:
-        raise ValueError(f"voxel_size: {v:g} leaves {s_down.shape[0]} source and "
-                         f"{t_down.shape[0]} target points; at least 3 each are needed")
+def _full_target_index(tgt: torch.Tensor, opts: _Options) -> Any:
+    """Build one index over the full target for the stray count and the final ICP, or None.
+
+    Only where an index's kind does not depend on the bound
+    (:func:`pointalign.search.policy.one_index_serves_every_bound`), the final ICP runs on
+    the full target and strays are looked for: one build instead of two.
+    """
+    if (opts.method == "icp" and opts.icp_voxel_size is None and opts.remove_outliers
+            and policy.one_index_serves_every_bound(tgt)):
+        return build_index(tgt)
+    return None
+
+
+def _voxel_size(src: torch.Tensor, tgt: torch.Tensor, opts: _Options,
+                full_index: Any) -> tuple[float, bool]:
+    """Choose the voxel edge v, and tell whether stray points are to be removed.
+
+    Stray points are looked for only where a sample shows some (a clean scan or a lidar
+    sweep pays nothing for the outlier stages); then the automatic edge is chosen without
+    them (:func:`~pointalign.features.outliers.robust_voxel_size`).
+    """
+    big = src if src.shape[0] >= tgt.shape[0] else tgt
+    v = auto_voxel_size(big, opts.target_points) if opts.voxel_size is None else opts.voxel_size
+    strays = opts.remove_outliers and max(
+        stray_fraction(src, v), stray_fraction(tgt, v, index=full_index)) >= MIN_STRAY_FRACTION
+    if strays and opts.voxel_size is None:
+        v = robust_voxel_size(big, opts.target_points)
+    return v, strays
+
+
+def _without_strays(src: torch.Tensor, tgt: torch.Tensor,
+                    v: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both clouds without their stray points at scale v, or as given if either keeps < 3."""
+    s_keep, t_keep = dense_mask(src, v), dense_mask(tgt, v)
+    if int(s_keep.sum()) >= 3 and int(t_keep.sum()) >= 3:
+        return src[s_keep], tgt[t_keep]
+    return src, tgt
+
+
+def _prepare_cloud(cloud: torch.Tensor, scales: Scales, clock: _loop.Clock,
+                   name: str) -> Prepared:
+    """Downsample ``cloud (N, 3)``, index it, and describe it: normals and FPFH.
+
+    One neighbour search (``Scales.feature_radius``, :data:`FEATURE_NEIGHBOURS`) serves
+    FPFH and, cut to ``Scales.normal_radius`` and :data:`NORMAL_NEIGHBOURS`, the normals
+    (facing the cloud's centroid). ``name``: the cloud's, for the error when the voxel
+    leaves fewer than 3 points.
+    """
+    down = voxel_downsample(cloud, scales.voxel)
+    if down.shape[0] < 3:
+        raise ValueError(f"voxel_size: {scales.voxel:g} leaves {down.shape[0]} {name} "
+                         "point(s); at least 3 are needed (a smaller voxel_size)")
     clock.lap("downsample")
-    s_idx, t_idx = build_index(s_down), build_index(t_down)
+    index = build_index(down)
     clock.lap("index")
-    # one search per cloud (5v, 100 nearest) serves FPFH and, cut to 2v / 30, the normals
-    s_nb = neighbourhoods(s_down, 5 * v, min(100, s_down.shape[0]), s_idx)
-    t_nb = neighbourhoods(t_down, 5 * v, min(100, t_down.shape[0]), t_idx)
-    s_nrm = estimate_normals(s_down, neighbors=restrict(s_nb, 2 * v, 30),
-                             orient="viewpoint", viewpoint=s_down.mean(0))
-    t_nrm = estimate_normals(t_down, neighbors=restrict(t_nb, 2 * v, 30),
-                             orient="viewpoint", viewpoint=t_down.mean(0))
+    nb = neighbourhoods(down, scales.feature_radius, min(FEATURE_NEIGHBOURS, down.shape[0]),
+                        index)
+    normals = estimate_normals(down, neighbors=restrict(nb, scales.normal_radius,
+                                                        NORMAL_NEIGHBOURS),
+                               orient="viewpoint", viewpoint=down.mean(0))
     clock.lap("normals")
-    s_f = fpfh(s_down, radius=5 * v, normals=s_nrm, neighbors=s_nb)
-    t_f = fpfh(t_down, radius=5 * v, normals=t_nrm, neighbors=t_nb)
+    features = fpfh(down, radius=scales.feature_radius, normals=normals, neighbors=nb)
     clock.lap("fpfh")
-    ransac_options.setdefault("max_correspondence_distance", 1.5 * v)
-    # RANSAC's feature matches and the ranking's (k = 2 forward, 1 backward): one pass
-    from pointalign.kernels.ransac import shared_feature_knn
+    return Prepared(down, index, normals, features)
 
-    shared = shared_feature_knn(s_f, t_f, 2)
-    with shared:
-        glob = ransac(s_down, t_down, source_features=s_f, target_features=t_f,
-                      hypotheses=hypotheses, target_index=t_idx, seed=seed, **ransac_options)
+
+def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,
+            clock: _loop.Clock) -> tuple[RegistrationResult, torch.Tensor | None, int]:
+    """Run the global stage: parallel RANSAC, then (``robust``) the graph's proposals.
+
+    The feature matches are found once (:func:`pointalign.kernels.ransac.feature_matches`:
+    2 forward where a ratio is taken, the backward ones where mutual pairs are asked for)
+    and passed to both. Returns RANSAC's result (local frame), the candidate motions
+    ``(H, 4, 4)`` float64 (RANSAC's first; None when there is nothing to refine:
+    ``method="none"`` or no hypothesis) and how many correspondences the graph ranked.
+    """
+    ropts = opts.ransac_options
+    ratio = opts.robust or ropts.get("ratio_test") is not None
+    matches = _kr.feature_matches(source.features, target.features, 2 if ratio else 1,
+                                  backward=opts.robust or bool(ropts.get("mutual", False)))
+    glob = ransac(source.down, target.down, source_features=source.features,
+                  target_features=target.features,
+                  max_correspondence_distance=scales.correspondence,
+                  hypotheses=opts.hypotheses, target_index=target.index, seed=opts.seed,
+                  matches=matches, **ropts)
     clock.lap("ransac")
-    info: dict[str, Any] = {"voxel_size": v, "source_down": int(s_down.shape[0]),
-                            "target_down": int(t_down.shape[0]), "global": glob}
-    if method == "none" or glob.stop_reason in ("no_hypothesis", "too_few_correspondences"):
-        timings = clock.total()
-        timings.update({f"ransac.{k}": x for k, x in glob.timings.items() if k != "total"})
-        return RegistrationResult(
-            transformation=glob.transformation, fitness=glob.fitness, rmse=glob.rmse,
-            iterations=glob.iterations, converged=glob.converged,
-            stop_reason=glob.stop_reason, timings=timings, info={**glob.info, **info},
-            transformation_tensor=glob.transformation_tensor)
-
-    from pointalign.registration.criteria import ConvergenceCriteria
-    from pointalign.registration.icp import icp
-    from pointalign.registration.ransac import _count
-    from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
-
-    # second proposer: length-consistent cliques of the most distinctive correspondences
-    cands = glob.transformation_tensor[None]
+    if opts.method == "none" or glob.stop_reason in (StopReason.NO_HYPOTHESIS,
+                                                     StopReason.TOO_FEW_CORRESPONDENCES):
+        return glob, None, 0
+    assert glob.transformation_tensor is not None  # every RegistrationResult of ransac()
+    candidates = glob.transformation_tensor[None]
     n_rank = 0
-    if robust and t_f.shape[0] >= 2:
-        with shared:
-            corr = rank_correspondences(s_f, t_f, CORRESPONDENCES)
+    if opts.robust:  # second proposer: length-consistent cliques of distinctive matches
+        corr = rank_correspondences(source.features, target.features, CORRESPONDENCES,
+                                    matches=matches)
         n_rank = int(corr.shape[0])
         if n_rank >= 3:
-            H, _ = compatibility_hypotheses(s_down[corr[:, 0]], t_down[corr[:, 1]], 1.5 * v)
-            cands = torch.cat([cands, H])
+            H, _ = compatibility_hypotheses(source.down[corr[:, 0]], target.down[corr[:, 1]],
+                                            scales.correspondence)
+            candidates = torch.cat([candidates, H])
     clock.lap("robust")
-    # the best few proposals by inliers on the clouds, each refined by the coarse ICP stage
-    criteria = ConvergenceCriteria(max_iterations=max_iterations, translation_tolerance=1e-3 * v,
-                                   rotation_tolerance=math.radians(0.01))
-    counts = _count(cands, s_down, t_idx, 1.5 * v)
-    top = torch.argsort(counts, descending=True, stable=True)[:REFINE_TOP if robust else 1]
-    # one batched ICP over the k hypotheses (the same source, the shared target and index)
-    k = int(top.shape[0])
-    loc = icp(s_down[None].expand(k, -1, -1), t_down, init=cands[top],
-              max_correspondence_distance=1.5 * v, method="point_to_plane", criteria=criteria,
-              index=t_idx, target_normals=t_nrm, device=dev)
-    iters0 = int(np.max(loc.iterations))
-    R = loc.transformation_tensor
-    # robust score: source points with a target point within one voxel (a trimmed overlap)
-    fit_v = _count(R, s_down, t_idx, v)
-    order = torch.argsort(fit_v, descending=True, stable=True)
-    R, fit_v = R[order], fit_v[order]
-    clock.lap("hypotheses")
+    return glob, candidates, n_rank
 
+
+def _refine_hypotheses(candidates: torch.Tensor, source: Prepared, target: Prepared,
+                       scales: Scales, criteria: ConvergenceCriteria, robust: bool,
+                       clock: _loop.Clock) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Refine the best proposals by the coarse ICP stage and rank them by overlap.
+
+    The best :data:`REFINE_TOP` (``robust``; else 1) of ``candidates (H, 4, 4)`` by inliers
+    within ``Scales.correspondence``: one batched point-to-plane ICP on the downsampled
+    clouds. Returns the refined motions ``(k, 4, 4)`` float64 and their overlap counts
+    ``(k,)`` (within ``Scales.overlap``), best first, and the coarse iterations of the best.
+    """
+    counts = count_inliers(candidates, source.down, target.index, scales.correspondence)
+    top = torch.argsort(counts, descending=True, stable=True)[:REFINE_TOP if robust else 1]
+    k = int(top.shape[0])
+    loc = icp(source.down[None].expand(k, -1, -1), target.down, init=candidates[top],
+              max_correspondence_distance=scales.correspondence, method="point_to_plane",
+              criteria=criteria, index=target.index, target_normals=target.normals,
+              device=target.down.device)
+    R = loc.transformation_tensor
+    assert R is not None  # every RegistrationResult of icp() carries it
+    fit_v = count_inliers(R, source.down, target.index, scales.overlap)
+    order = torch.argsort(fit_v, descending=True, stable=True)
+    iterations = int(np.asarray(loc.iterations)[int(order[0])])
+    clock.lap("hypotheses")
+    return R[order], fit_v[order], iterations
+
+
+def _final_icp(src: torch.Tensor, tgt: torch.Tensor, init: torch.Tensor, scales: Scales,
+               icp_voxel_size: float | None, criteria: ConvergenceCriteria,
+               full_index: Any, clock: _loop.Clock) -> RegistrationResult:
+    """Point-to-plane ICP of the full clouds (or ``icp_voxel_size`` copies) from ``init (4, 4)``.
+
+    Within ``Scales.fine``; the target's normals within ``Scales.normal_radius`` from
+    :data:`FULL_NORMAL_NEIGHBOURS` nearest points (searched a chunk at a time: the whole
+    (M, 16) table of a 50M-point target held 26 GiB on the GPU; on the CPU the index keeps
+    this self-query as the ICP's shortcut lists). ``full_index``: an index over ``tgt``.
+    """
     s_full, t_full = src, tgt
     if icp_voxel_size is not None:
-        vi = _validate.positive(icp_voxel_size, "icp_voxel_size")
-        s_full, t_full = voxel_downsample(src, vi), voxel_downsample(tgt, vi)
-    if t_full_idx is None or t_full is not tgt:
-        t_full_idx = build_index(t_full)
-    # normals within 2v as in step 2, from at most 16 neighbours: the full clouds are dense
-    # (16 nearest points are well within 2v wherever the surface is sampled finer than the
-    # voxel), and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
-    # (searched a chunk at a time inside estimate_normals: the full (M, 16) neighbour table
-    # of a 50M-point target alone held 26 GiB on the GPU)
-    # (on the CPU the index keeps this self-query as the final ICP's shortcut lists,
-    # ``CpuTree.set_candidates``)
-    t_full_nrm = estimate_normals(t_full, k=min(16, t_full.shape[0]), radius=2 * v,
-                                  index=t_full_idx, orient="viewpoint",
-                                  viewpoint=t_full.mean(0))
+        s_full = voxel_downsample(src, icp_voxel_size)
+        t_full = voxel_downsample(tgt, icp_voxel_size)
+    if full_index is None or t_full is not tgt:
+        full_index = build_index(t_full)
+    t_normals = estimate_normals(t_full, k=min(FULL_NORMAL_NEIGHBOURS, t_full.shape[0]),
+                                 radius=scales.normal_radius, index=full_index,
+                                 orient="viewpoint", viewpoint=t_full.mean(0))
     clock.lap("icp_prepare")
-    local = icp(s_full, t_full, init=R[0], max_correspondence_distance=0.5 * v,
-                method="point_to_plane", criteria=criteria, index=t_full_idx,
-                target_normals=t_full_nrm, device=dev)
-    T = local.transformation_tensor if local.transformation_tensor is not None else \
-        torch.as_tensor(local.transformation, dtype=torch.float64, device=dev)
+    local = icp(s_full, t_full, init=init, max_correspondence_distance=scales.fine,
+                method="point_to_plane", criteria=criteria, index=full_index,
+                target_normals=t_normals, device=t_full.device)
     clock.lap("icp")
-    verdict = _verdict(T, R, fit_v, s_down, t_idx, v, local.converged,
-                       float(local.info.get("stability", 1.0)))
-    clock.lap("verdict")
+    return local
+
+
+def _timings(clock: _loop.Clock, glob: RegistrationResult) -> dict[str, float]:
+    """Return the stage timings, RANSAC's own as ``ransac.<stage>``."""
     timings = clock.total()
     timings.update({f"ransac.{k}": x for k, x in glob.timings.items() if k != "total"})
-    info.update(verdict)
-    info["ranked_correspondences"] = n_rank
-    info["hypotheses_refined"] = int(R.shape[0])
-    return RegistrationResult(
-        transformation=local.transformation, fitness=local.fitness, rmse=local.rmse,
-        iterations=iters0 + int(local.iterations), converged=verdict["trusted"],
-        stop_reason=local.stop_reason, history=local.history, timings=timings,
-        info={**local.info, **info, "ransac_info": glob.info,
-              "icp_converged": bool(local.converged)},
-        transformation_tensor=T)
+    return timings
+
+
+def _global_result(pair: _edge.Pair, glob: RegistrationResult, info: dict[str, Any],
+                   clock: _loop.Clock) -> RegistrationResult:
+    """Build the result of ``method="none"``, or of a RANSAC that found nothing: RANSAC's."""
+    if not glob.converged:  # the global stage's failure is the verdict
+        info = {**info, "verdict": str(glob.stop_reason).replace("_", " ")}
+    return _edge.build_result(
+        pair, np.asarray(glob.transformation, dtype=np.float64)[None],
+        fitness=np.array([glob.fitness]), rmse=np.array([glob.rmse]),
+        iterations=np.array([glob.iterations]), reasons=[StopReason(glob.stop_reason)],
+        history=[], timings=_timings(clock, glob), info={**glob.info, **info},
+        converged=np.array([glob.converged]))
+
+
+def _final_result(pair: _edge.Pair, local: RegistrationResult, glob: RegistrationResult,
+                  info: dict[str, Any], reason: StopReason,
+                  clock: _loop.Clock) -> RegistrationResult:
+    """Build the result after ICP: the final ICP's pose and numbers, the verdict's decision."""
+    info = {**local.info, **info, "ransac_info": glob.info,
+            "icp_converged": bool(local.converged), "icp_stop_reason": str(local.stop_reason)}
+    result = _edge.build_result(
+        pair, np.asarray(local.transformation, dtype=np.float64)[None],
+        fitness=np.array([local.fitness]), rmse=np.array([local.rmse]),
+        iterations=np.array([local.iterations]), reasons=[reason], history=local.history,
+        timings=_timings(clock, glob), info=info, converged=np.array([info["trusted"]]))
+    if result.stop_reason == reason:
+        return result
+    return dataclasses.replace(result, info={  # a rule of build_result overrode the verdict
+        **result.info, "trusted": False, "verdict": str(result.stop_reason).replace("_", " ")})
 
 
 #: correspondences the compatibility graph is built on (the most distinctive first)
@@ -462,61 +552,49 @@ MAX_MARGIN = 0.95
 MIN_CONCENTRATION = 0.45
 
 
-def _counts_within(T: torch.Tensor, points: torch.Tensor, index: Any,
-                   bounds: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
-    """Points of ``points (P, 3)`` moved by ``T (4, 4)`` with an indexed point within each bound.
+def _verdict(local: RegistrationResult, R: torch.Tensor, fit_v: torch.Tensor,
+             source: Prepared, target: Prepared,
+             scales: Scales) -> tuple[dict[str, Any], StopReason]:
+    """Whether the final ICP's pose T is trustworthy, and why not.
 
-    One search at the largest bound: a nearest point within a smaller bound is the nearest
-    within the largest, so its squared distance (compared in the search's dtype, as the
-    search compares it) tells every count. Equals ``_score(T[None], points, index, b)[0]``
-    for each ``b``; returns one ``(1,)`` int64 count per bound.
+    * ``overlap``: fraction of the downsampled source within ``Scales.overlap`` of the
+      target under T;
+    * ``margin``: the best *different* refined hypothesis' overlap (``fit_v (k,)`` of
+      ``R (k, 4, 4)``) over the winner's (different: it maps the source's centroid more
+      than ``Scales.distinct`` away or turns more than :data:`DISTINCT_ANGLE_DEG` away
+      from T); near 1 = ambiguous;
+    * ``concentration``: of the source points within ``Scales.correspondence``, the
+      fraction within ``Scales.fine`` (a right pose puts most matches near zero);
+    * the final ICP's ``stability`` (:func:`pointalign._math.stability`): at or below
+      ``STABILITY_EPS`` the data do not determine the pose.
+
+    Returns ``{overlap, margin, concentration, trusted, verdict}`` (``verdict``: "trusted"
+    or every failed test in words) and the :class:`StopReason` of the first failed test
+    (``TRUSTED`` when none failed).
     """
-    from pointalign.kernels.ransac import transform_points
-
-    q = transform_points(T[None], points).reshape(-1, 3)
-    with _validate.trusted():
-        res = index.nearest_within(q, max(bounds))
-    d2 = torch.where(res.idx[:, 0] >= 0, res.dists[:, 0], math.inf)
-    return tuple((d2 <= b * b).sum()[None] for b in bounds)
-
-
-def _verdict(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, s_down: torch.Tensor,
-             t_idx: Any, v: float, icp_converged: bool,
-             stability: float = 1.0) -> dict[str, Any]:
-    """Whether the final ``T (4, 4)`` is trustworthy, and why not.
-
-    * ``overlap``: fraction of the downsampled source within v of the target under T;
-    * ``margin``: the best *different* refined hypothesis' overlap over the winner's (a
-      hypothesis is different when it maps the source's centroid more than 3v away or
-      turns more than 5 degrees away from T); near 1 = ambiguous;
-    * ``concentration``: of the source points within 1.5v, the fraction within 0.5v (a
-      right pose puts most matches near zero, a wrong one spreads them over the bound);
-    * ``stability`` (of the final ICP, :func:`pointalign._math.stability`): at or below
-      ``STABILITY_EPS`` the data do not determine the pose ("pose not determined").
-    """
-    from pointalign import _math, transforms
-
-    c15, c05, cv = _counts_within(T, s_down, t_idx, (1.5 * v, 0.5 * v, v))
-    ctr = s_down.mean(0).to(torch.float64)
+    T = local.transformation_tensor
+    assert T is not None  # icp() always returns it
+    c_out, c_in, c_overlap = count_inliers_within(
+        T, source.down, target.index, (scales.correspondence, scales.fine, scales.overlap))
+    ctr = source.down.mean(0).to(torch.float64)
     moved = R[:, :3, :3] @ ctr + R[:, :3, 3]
     here = T[:3, :3] @ ctr + T[:3, 3]
     dR = R[:, :3, :3].transpose(1, 2) @ T[:3, :3]
     ang = torch.rad2deg(transforms.rotation_angle(dR))
-    other = ((moved - here).norm(dim=1) > 3 * v) | (ang > 5.0)
-    n = s_down.shape[0]
-    best = float(cv[0])
+    other = ((moved - here).norm(dim=1) > scales.distinct) | (ang > DISTINCT_ANGLE_DEG)
+    best = float(c_overlap[0])
     second = float(fit_v[other].max()) if bool(other.any()) else 0.0
-    overlap = best / n
-    margin = second / max(best, 1.0)
-    concentration = float(c05[0]) / max(float(c15[0]), 1.0)
-    why = []
-    if overlap < MIN_OVERLAP:
-        why.append("small overlap")
-    if margin > MAX_MARGIN:
-        why.append("weak margin")
-    if concentration < MIN_CONCENTRATION:
-        why.append("residuals not concentrated")
-    if not stability > _math.STABILITY_EPS:
-        why.append("pose not determined")
-    return {"overlap": overlap, "margin": margin, "concentration": concentration,
-            "trusted": not why, "verdict": "trusted" if not why else ", ".join(why)}
+    overlap, margin = best / source.down.shape[0], second / max(best, 1.0)
+    concentration = float(c_in[0]) / max(float(c_out[0]), 1.0)
+    stability = float(local.info.get("stability", 1.0))
+    failed = [(words, reason) for words, reason, bad in (
+        ("small overlap", StopReason.SMALL_OVERLAP, overlap < MIN_OVERLAP),
+        ("weak margin", StopReason.WEAK_MARGIN, margin > MAX_MARGIN),
+        ("residuals not concentrated", StopReason.NOT_CONCENTRATED,
+         concentration < MIN_CONCENTRATION),
+        ("pose not determined", StopReason.AMBIGUOUS, not stability > _math.STABILITY_EPS),
+    ) if bad]
+    return ({"overlap": overlap, "margin": margin, "concentration": concentration,
+             "trusted": not failed,
+             "verdict": ", ".join(w for w, _ in failed) if failed else "trusted"},
+            failed[0][1] if failed else StopReason.TRUSTED)

@@ -31,7 +31,11 @@ from pointalign.cloud import PointCloud
 from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _k
 from pointalign.kernels.horn import weighted_horn
+from pointalign.kernels.ransac import FeatureMatches
+from pointalign.registration import _edge
+from pointalign.registration._edge import StopReason
 from pointalign.registration.result import RegistrationResult
+from pointalign.search import build_index
 
 
 def _features(x: Any, name: str, cloud: Any, n: int, device: torch.device) -> torch.Tensor:
@@ -67,16 +71,17 @@ def feature_correspondences(
         target_features: ``(M, D)`` float array/tensor.
         mutual: keep only mutual nearest neighbours.
         ratio: optional Lowe ratio in (0, 1].
-        device: compute device (default: the source features').
+        device: compute device (default: the features' device, which must be one).
 
     Returns:
         ``(C, 2)`` int64 tensor on the device, rows in increasing source index.
 
     """
+    dev = _validate.resolve_device(device, source_features=source_features,
+                                   target_features=target_features)
     sf = _validate._to_tensor("source_features", source_features)
-    dev = _validate.as_device(device, sf)
-    sf = _features(sf, "source_features", None, sf.shape[0] if sf.dim() == 2 else -1, dev)
     tf_ = _validate._to_tensor("target_features", target_features)
+    sf = _features(sf, "source_features", None, sf.shape[0] if sf.dim() == 2 else -1, dev)
     tf = _features(tf_, "target_features", None, tf_.shape[0] if tf_.dim() == 2 else -1, dev)
     if sf.shape[1] != tf.shape[1]:
         raise ValueError(f"target_features: dimension {tf.shape[1]} differs from "
@@ -84,16 +89,26 @@ def feature_correspondences(
     return _correspond(sf, tf, mutual, ratio)
 
 
-def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool,
-                ratio: float | None) -> torch.Tensor:
+def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool, ratio: float | None,
+                matches: FeatureMatches | None = None) -> torch.Tensor:
+    """Feature correspondences ``(C, 2)`` of ``sf (N, D)`` and ``tf (M, D)``.
+
+    From ``matches`` where they hold what is needed (k forward, the backward ones for
+    ``mutual``), else searched.
+    """
     k = 2 if ratio is not None and tf.shape[0] >= 2 else 1
-    d, j = _k.feature_knn(sf, tf, k)
+    if matches is not None and matches.k >= k:
+        d, j = matches.forward(k)
+    else:
+        d, j = _k.feature_knn(sf, tf, k)
     i = torch.arange(sf.shape[0], device=sf.device)
     keep = torch.ones_like(i, dtype=torch.bool)
     if ratio is not None and k == 2:
         keep &= d[:, 0].sqrt() < float(ratio) * d[:, 1].sqrt()
     if mutual:
-        _, back = _k.feature_knn(tf, sf, 1)
+        back = matches.back_idx if matches is not None else None
+        if back is None:
+            _, back = _k.feature_knn(tf, sf, 1)
         keep &= back[j[:, 0], 0] == i
     return torch.stack([i[keep], j[keep, 0]], 1)
 
@@ -113,14 +128,33 @@ def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: floa
     return counts, sq, matches
 
 
-def _count(T: torch.Tensor, points: torch.Tensor, index: Any,
-           max_distance: float) -> torch.Tensor:
-    """Inlier counts ``(S,) int64`` of ``T (S, 4, 4)`` on ``points (P, 3)``: ``_score``'s first.
+def count_inliers(T: torch.Tensor, points: torch.Tensor, index: Any,
+                  max_distance: float) -> torch.Tensor:
+    """Inlier counts ``(S,) int64`` of motions ``T (S, 4, 4)`` on ``points (P, 3)``.
 
-    Without sums the fused CPU kernel stops each point's search at its first target point
+    A point is an inlier of a motion when ``index`` (over the target) has a point within
+    ``max_distance`` of the moved point: RANSAC's T(d,d) count, and the score
+    :func:`pointalign.register` ranks its hypotheses by. ``_score``'s first output, without
+    the sums, so the fused CPU kernel stops each point's search at its first target point
     within the bound (the same counts, less work).
     """
     return _k.score_transforms(T, points, index, max_distance, with_sums=False)[0]
+
+
+def count_inliers_within(T: torch.Tensor, points: torch.Tensor, index: Any,
+                         bounds: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
+    """Inlier counts of one motion ``T (4, 4)`` on ``points (P, 3)`` at several bounds.
+
+    One search at the largest bound: a nearest point within a smaller bound is the nearest
+    within the largest, so its squared distance (compared in the search's dtype, as the
+    search compares it) tells every count. Equals :func:`count_inliers` ``(T[None],
+    points, index, b)`` for each ``b``; returns one ``(1,)`` int64 count per bound.
+    """
+    q = _k.transform_points(T[None], points).reshape(-1, 3)
+    with _validate.trusted():
+        res = index.nearest_within(q, max(bounds))
+    d2 = torch.where(res.idx[:, 0] >= 0, res.dists[:, 0], math.inf)
+    return tuple((d2 <= b * b).sum()[None] for b in bounds)
 
 
 def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
@@ -223,6 +257,7 @@ def ransac(
     target_index: Any = None,
     seed: int = 0,
     device: str | torch.device | None = None,
+    matches: FeatureMatches | None = None,
 ) -> RegistrationResult:
     """Global registration by parallel RANSAC over feature correspondences.
 
@@ -270,7 +305,15 @@ def ransac(
             The CPU and CUDA generators produce different streams, so one seed draws
             different (equally valid) hypotheses on the CPU and on a GPU, and different
             seeds give slightly different results.
-        device: compute device (default: the source's).
+        device: compute device (default: the inputs' device, which must be one; see
+            :func:`pointalign.registration._edge.resolve_device`).
+        matches: the feature matches of ``source_features`` against ``target_features``
+            when the caller has them already
+            (:func:`pointalign.kernels.ransac.feature_matches`: ``(N, k)`` forward, and the
+            ``(M, 1)`` backward ones for ``mutual``), e.g. shared with
+            :func:`pointalign.registration.robust.rank_correspondences` as
+            :func:`pointalign.register` does; default: searched here. Only their shapes are
+            checked: they must be the matches of these very features.
 
     Returns:
         :class:`RegistrationResult`: ``transformation`` T_target_source, ``fitness`` (inlier
@@ -286,20 +329,19 @@ def ransac(
             shape, bad parameters.
 
     """
-    like = source.points if isinstance(source, PointCloud) else \
-        source if isinstance(source, torch.Tensor) else None
-    dev = _validate.as_device(device, like)
-    src = _validate.as_points(source, "source", min_points=3, device=dev)
-    tgt = _validate.as_points(target, "target", min_points=3, device=dev)
+    dev = _validate.resolve_device(device, source=source, target=target,
+                                   source_features=source_features,
+                                   target_features=target_features,
+                                   matches=getattr(matches, "idx", None))
     # the local frame (shift by the target's centroid in float64, then float32), unless the
     # caller's index was built in the caller's coordinates
-    center = torch.zeros(3, dtype=torch.float64, device=dev)
-    if target_index is None:
-        center = tgt.to(torch.float64).mean(0)
-        src = (src.to(torch.float64) - center).to(torch.float32)
-        tgt = (tgt.to(torch.float64) - center).to(torch.float32)
-    else:
-        src, tgt = src.to(torch.float32), tgt.to(torch.float32)
+    pair = _edge.prepare_pair(source, target, init=None, device=dev, min_points=3,
+                              local=target_index is None)
+    if pair.batched:
+        raise ValueError(f"source, target: expected one (N, 3) cloud each, got a batch of "
+                         f"{pair.size}; call ransac once per pair")
+    src, tgt = pair.source[0], pair.target[0]
+    if target_index is not None:
         _check_index(target_index, tgt)
     sf = _features(source_features, "source_features", source, src.shape[0], dev)
     tf = _features(target_features, "target_features", target, tgt.shape[0], dev)
@@ -318,11 +360,6 @@ def ransac(
     for name, flag in (("mutual", mutual), ("local_refinement", local_refinement)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name}: expected True or False, got {flag!r}")
-    if target_index is not None and not (
-            isinstance(getattr(target_index, "points", None), torch.Tensor)
-            and hasattr(target_index, "nearest_within")):
-        raise TypeError("target_index: expected an Index over the target "
-                        f"(pointalign.search.build_index), got {type(target_index).__name__}")
     max_h = 4 * hypotheses if max_hypotheses is None else \
         _validate.integer(max_hypotheses, "max_hypotheses", minimum=1)
     if max_h < hypotheses:
@@ -336,13 +373,18 @@ def ransac(
         _progress.warn_ignored("refine_top/refine_iterations", "ransac", "local_refinement "
                                "is False", stacklevel=3)
 
+    if matches is not None:
+        if not isinstance(matches, FeatureMatches):
+            raise TypeError(f"matches: expected a FeatureMatches "
+                            f"(pointalign.kernels.ransac.feature_matches), got "
+                            f"{type(matches).__name__}")
+        matches.check(sf.shape[0], tf.shape[0])
+
     clock = _loop.Clock(dev)
     if target_index is None:
-        from pointalign.search import build_index
-
         target_index = build_index(tgt)
     clock.lap("index")
-    corr = _correspond(sf, tf, mutual, ratio_test)
+    corr = _correspond(sf, tf, mutual, ratio_test, matches)
     n_corr = int(corr.shape[0])
     clock.lap("correspondences")
 
@@ -351,7 +393,7 @@ def ransac(
                             "correspondence_inlier_ratio": 0.0,
                             "required_hypotheses": math.inf, "batches": 0}
     if n_corr < 3:
-        return _failed(info, clock, dev, "too_few_correspondences")
+        return _failed(pair, info, clock, StopReason.TOO_FEW_CORRESPONDENCES)
 
     g = torch.Generator(device=dev)
     g.manual_seed(int(seed))
@@ -362,7 +404,7 @@ def ransac(
     pool_T = torch.empty(0, 4, 4, dtype=torch.float64, device=dev)
     pool_c = torch.empty(0, dtype=torch.int64, device=dev)
     pool_sq = torch.empty(0, dtype=torch.float64, device=dev)
-    stop = "max_hypotheses"
+    stop = StopReason.MAX_HYPOTHESES
     # a progress bar on a terminal once the batches run over a second (nothing otherwise)
     for h in _progress.batches(max_h, hypotheses, "RANSAC hypotheses"):
         info["hypotheses"] += h
@@ -378,7 +420,7 @@ def ransac(
             est = _triangle_motions(cs[tri], ct[tri])
             clock.lap("estimate")
             # degenerate motions stay in the batch with a T(d,d) count of −1 (no compaction)
-            c_sub = _count(est.transformation, subset, target_index, dist)
+            c_sub = count_inliers(est.transformation, subset, target_index, dist)
             c_sub = torch.where(est.valid, c_sub, -1)
             passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
             # failures sort last; a stable sort keeps equal counts in hypothesis order
@@ -405,17 +447,17 @@ def ransac(
         best_count, n_explained = torch.stack([pool_c[0], explained]).tolist()
         fit = best_count / src.shape[0]
         if inlier_ratio_threshold is not None and fit >= inlier_ratio_threshold:
-            stop = "inlier_ratio"
+            stop = StopReason.INLIER_RATIO
             break
         w = n_explained / n_corr
         info["correspondence_inlier_ratio"] = w
         info["required_hypotheses"] = required_hypotheses(w, conf)
         clock.lap("score")
         if info["hypotheses"] >= info["required_hypotheses"]:
-            stop = "confidence"
+            stop = StopReason.CONFIDENCE
             break
     if pool_T.shape[0] == 0:
-        return _failed(info, clock, dev, "no_hypothesis")
+        return _failed(pair, info, clock, StopReason.NO_HYPOTHESIS)
 
     before = pool_c[0]
     if local_refinement and refine_iterations > 0:
@@ -437,20 +479,12 @@ def ransac(
     info["correspondence_inlier_ratio"] = n_explained / n_corr
     converged = inlier_ratio_threshold is None or fitness >= inlier_ratio_threshold
     if not converged:
-        stop = "below_threshold"
-    T_best = _to_world(pool_T[0], center)
-    return RegistrationResult(
-        transformation=T_best.detach().cpu().numpy().astype(np.float64),
-        fitness=fitness, rmse=rmse, iterations=info["hypotheses"], converged=converged,
-        stop_reason=stop, timings=timings, info=info, transformation_tensor=T_best,
-    )
-
-
-def _to_world(T: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``T (4, 4)`` between frames shifted by −c → between the caller's: Tr(c) T Tr(−c)."""
-    out = T.to(torch.float64).clone()
-    out[:3, 3] = T[:3, 3].to(torch.float64) + c - T[:3, :3].to(torch.float64) @ c
-    return out
+        stop = StopReason.BELOW_THRESHOLD
+    return _edge.build_result(
+        pair, pool_T[0].detach().to(torch.float64).cpu().numpy()[None],
+        fitness=np.array([fitness]), rmse=np.array([rmse]),
+        iterations=np.array([info["hypotheses"]]), reasons=[stop], history=[],
+        timings=timings, info=info, converged=np.array([converged]))
 
 
 #: target rows compared with a caller's index (evenly spaced; one transfer)
@@ -466,8 +500,8 @@ def _check_index(index: Any, target: torch.Tensor) -> None:
     """
     p = getattr(index, "points", None)
     if not isinstance(p, torch.Tensor) or not hasattr(index, "nearest_within"):
-        raise TypeError("target_index: expected an object implementing the Index protocol "
-                        "(pointalign.search.build_index)")
+        raise TypeError("target_index: expected an Index over the target "
+                        f"(pointalign.search.build_index), got {type(index).__name__}")
     if tuple(p.shape) != tuple(target.shape) or p.device != target.device:
         raise ValueError(f"target_index: built over {tuple(p.shape)} points on {p.device}, "
                          f"but target has {tuple(target.shape)} on {target.device}")
@@ -492,11 +526,10 @@ def _explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor,
     return (res <= max_distance).sum()
 
 
-def _failed(info: dict[str, Any], clock: _loop.Clock, dev: torch.device,
-            reason: str) -> RegistrationResult:
-    eye = torch.eye(4, dtype=torch.float64, device=dev)
-    return RegistrationResult(
-        transformation=np.eye(4), fitness=0.0, rmse=math.inf, iterations=info["hypotheses"],
-        converged=False, stop_reason=reason, timings=clock.total(), info=info,
-        transformation_tensor=eye,
-    )
+def _failed(pair: _edge.Pair, info: dict[str, Any], clock: _loop.Clock,
+            reason: StopReason) -> RegistrationResult:
+    """Build the result of a RANSAC that found nothing: the identity, ``converged=False``."""
+    return _edge.build_result(
+        pair, np.eye(4)[None], fitness=np.array([0.0]), rmse=np.array([math.inf]),
+        iterations=np.array([info["hypotheses"]]), reasons=[reason], history=[],
+        timings=clock.total(), info=info, converged=np.array([False]))

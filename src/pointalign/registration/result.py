@@ -28,9 +28,14 @@ class RegistrationResult:
             rmse* below for the distance each method uses.
         rmse: root mean square of those inlier distances, in the units of the data
             (Open3D's ``inlier_rmse``; ``inf`` when there is no inlier); ``(B,)`` for a batch.
-        iterations: iterations run (``(B,)`` for a batch).
-        converged: whether a convergence criterion (not the iteration cap) stopped it.
-        stop_reason: which criterion stopped it ("relative_rmse", "max_iterations", …).
+        iterations: iterations run (``(B,)`` for a batch), the ones ``history`` records:
+            for ``register`` its final ICP's; for ``ransac`` the hypotheses drawn.
+        converged: whether a convergence criterion (not the iteration cap) stopped it and
+            the result is determined; for ``register``, its verdict (the result can be
+            trusted).
+        stop_reason: why, one vocabulary for every algorithm
+            (:class:`~pointalign.registration._edge.StopReason` values: "small_update",
+            "max_iterations", …; ``register``'s verdict: "trusted", "small_overlap", …).
         history: per-iteration records (dicts of floats), oldest first.
         timings: seconds per stage, e.g. ``{"index": …, "iterate": …, "total": …}``.
         info: algorithm-specific extras (e.g. the final 6x6 information matrix ``H``,

@@ -1,18 +1,21 @@
 """RANSAC kernels: feature-space nearest neighbours, the triangle test, batched transforms.
 
-Contracts (the PyTorch references here are the spec; no Triton kernel: each operation is a
-single fused PyTorch op or a GEMM that already runs near the GPU's limits, so a
-hand-written kernel would not clearly pay):
+Contracts (the PyTorch references in :mod:`~pointalign.kernels.ransac.reference` are the
+spec; no Triton kernel: each operation is a single fused PyTorch op or a GEMM that already
+runs near the GPU's limits, so a hand-written kernel would not clearly pay):
 
 * ``feature_knn(query (N, D), ref (M, D), k) -> (dists_sq (N, k), idx (N, k) int64)``:
   exact k nearest rows of ``ref`` in Euclidean feature space, ascending, ``k <= M``.
   Reference: distances from ``torch.cdist`` over row chunks (the N×M matrix exists one
-  chunk at a time), clamped at 0. The "cpu" backend (``_ransac_cpu``, k <= 16) fuses the
+  chunk at a time), clamped at 0. The "cpu" backend (``cpu.py``, k <= 16) fuses the
   distances and the selection and sums ``(q_d − r_d)²`` directly; the two agree up to
   ``cdist``'s rounding (a neighbour can differ only between near-equidistant rows).
-  Inside :func:`shared_feature_knn` ``(a, b)``, the calls ``feature_knn(a, b, k <= K)`` and
-  ``feature_knn(b, a, 1)`` on that backend are answered from one fused pass over the
-  ``N × M`` distances (identical answers: the same sums, the same tie rule).
+* ``feature_matches(source (N, D), target (M, D), k, backward) -> FeatureMatches``: the
+  forward ``feature_knn(source, target, k)`` and (``backward``) the backward
+  ``feature_knn(target, source, 1)``, the matches RANSAC and the correspondence ranking
+  read; on the "cpu" backend both from one fused pass over the ``N × M`` distances
+  (``cpu.feature_knn_both_cpu``: the same sums, the same tie rule, so the answers of the
+  two separate calls), else from the two calls.
 * ``triangle_similar(src (H, 3, 3), tgt (H, 3, 3), similarity) -> (H,) bool``: for the
   three edges e of the source triangle and the matching target edges,
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
@@ -28,43 +31,42 @@ hand-written kernel would not clearly pay):
   (−1: none).
   Reference (:func:`score_transforms_reference`): :func:`transform_points_reference`, then the
   index's ``nearest_within``, then sums in PyTorch. The "cpu" index with a scoring grid
-  (``_score_cpu.BoundGrid``) runs one fused numba kernel instead: no ``(S, P, 3)`` tensor
+  (``score_cpu.BoundGrid``) runs one fused numba kernel instead: no ``(S, P, 3)`` tensor
   and, without matches, no ``(S·P,)`` results. It moves the points with the same float32
   products and sums as ``baddbmm`` on the CPU (``((p₀r₀ + p₁r₁) + p₂r₂) + t``, no fused
   multiply-add), so counts and matches are identical; the float64 sums differ from the
   reference's only in summation order (blocks of points in a fixed order, see
-  ``_score_cpu._score``).
+  ``score_cpu._score``).
+* ``second_order(A (C, C)) -> (C, C)``: the second-order compatibility ``A ⊙ (A A)`` of a
+  0/1 float32 matrix (the SC² measure of :mod:`pointalign.registration.robust`). The "cpu"
+  backend counts by bit sets (``cpu.second_order_cpu``): the counts are exact integers, so
+  it equals the reference bit for bit.
+* ``pair_lengths(points (C, 3)) -> (C, C)``: every pairwise length, rounded as its
+  docstring states (one formula on every device; it is the spec, no dispatch).
+* ``second_order_of_points(source (C, 3), target (C, 3), tau) -> (C, C)``:
+  ``second_order`` of the length-consistency graph ``A_ij = [|ds_ij − dt_ij| < tau]``,
+  i ≠ j (:func:`~pointalign.kernels.ransac.reference.compatibility_reference`). The "cpu"
+  backend computes the lengths and A's bit sets pair by pair in one kernel
+  (``cpu.second_order_points_cpu``, equal bit for bit: neither the lengths nor A are
+  stored).
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from pointalign.kernels._backend import backend
-
-#: feature-distance entries per chunk of ``feature_knn``
-_CHUNK_ENTRIES = 1 << 24
-#: queries per call of the index when :func:`score_transforms_reference` scores many motions
-SCORE_QUERIES = 1 << 21
-
-
-def feature_knn_reference(query: torch.Tensor, ref: torch.Tensor,
-                          k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked ``cdist`` + ``topk`` (PyTorch reference of :func:`feature_knn`)."""
-    n, m = query.shape[0], ref.shape[0]
-    d_out = torch.empty(n, k, dtype=query.dtype, device=query.device)
-    i_out = torch.empty(n, k, dtype=torch.int64, device=query.device)
-    step = max(1, _CHUNK_ENTRIES // max(m, 1))
-    for s in range(0, n, step):
-        e = min(n, s + step)
-        d = torch.cdist(query[s:e], ref).square_()
-        vals, idx = torch.topk(d, k, dim=1, largest=False, sorted=True)
-        d_out[s:e] = vals.clamp_min_(0)
-        i_out[s:e] = idx
-    return d_out, i_out
+from pointalign.kernels.ransac.reference import (
+    compatibility_reference,
+    feature_knn_reference,
+    pair_lengths,
+    score_transforms_reference,
+    second_order_of_points_reference,
+    second_order_reference,
+    transform_points_reference,
+)
 
 
 def _fused_applies(query: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -73,75 +75,12 @@ def _fused_applies(query: torch.Tensor, ref: torch.Tensor) -> bool:
             and query.dtype in (torch.float32, torch.float64) and ref.dtype == query.dtype)
 
 
-class SharedFeatureKnn:
-    """Answers ``feature_knn(a, b, k' <= k)`` and ``feature_knn(b, a, 1)`` from one pass.
-
-    Made by :func:`shared_feature_knn`; a context manager that may be entered more than once
-    (the pass runs at most once, on the first matching call inside any of the blocks).
-    """
-
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, k: int, enabled: bool):
-        self.a, self.b, self.k, self.enabled = a, b, k, enabled
-        self.versions = (a._version, b._version)
-        self.out: tuple[torch.Tensor, ...] | None = None
-        self._prev: list[Any] = []
-
-    def __enter__(self) -> SharedFeatureKnn:
-        self._prev.append(getattr(_shared, "entry", None))
-        _shared.entry = self if self.enabled else None
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _shared.entry = self._prev.pop()
-
-    def answer(self, query: torch.Tensor, ref: torch.Tensor,
-               k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Return the shared answer of ``feature_knn(query, ref, k)``, or None."""
-        if (self.a._version, self.b._version) != self.versions:
-            return None  # modified in place since: search again
-        if query is self.a and ref is self.b and k <= self.k:
-            fwd = True
-        elif query is self.b and ref is self.a and k == 1:
-            fwd = False
-        else:
-            return None
-        if self.out is None:
-            from pointalign.kernels.ransac import cpu as _ransac_cpu
-
-            self.out = _ransac_cpu.feature_knn_both_cpu(self.a, self.b, self.k)
-        d, i, bd, bi = self.out
-        if not fwd:
-            return bd.clone(), bi.clone()
-        return d[:, :k].contiguous(), i[:, :k].contiguous()
-
-
-_shared = threading.local()
-
-
-def shared_feature_knn(a: torch.Tensor, b: torch.Tensor, k: int = 2) -> SharedFeatureKnn:
-    """Share the work of ``feature_knn(a, b, k' <= k)`` and ``feature_knn(b, a, 1)``.
-
-    Inside ``with`` blocks of the returned object (this thread only), on the "cpu" backend,
-    the first such call runs the fused kernel once (``_ransac_cpu.feature_knn_both_cpu``)
-    and every matching call is served from it: the same tensors (``is``), not modified in
-    place since. Other calls, and every call on other backends, search as usual. The
-    answers are those of separate calls (same sums in the same order, same tie rule): only
-    the work is shared.
-
-    Args:
-        a: ``(N, D)`` float tensor (e.g. the source features), N >= 1.
-        b: ``(M, D)`` float tensor, same dtype and device.
-        k: largest forward k served (``1 <= k``; larger than ``M`` or the kernel's limit:
-            no sharing).
-
-    """
-    ok = (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1] and a.shape[0] >= 1
-          and _fused_applies(a, b))
-    if ok:
-        from pointalign.kernels.ransac import cpu as _ransac_cpu
-
-        ok = 1 <= k <= min(b.shape[0], _ransac_cpu.MAX_K)
-    return SharedFeatureKnn(a, b, k, ok)
+def _check_features(query: torch.Tensor, ref: torch.Tensor, k: int, what: str) -> None:
+    if query.dim() != 2 or ref.dim() != 2 or query.shape[1] != ref.shape[1]:
+        raise ValueError(f"{what}: expected (N, D) and (M, D), got {tuple(query.shape)} "
+                         f"and {tuple(ref.shape)}")
+    if not 1 <= k <= ref.shape[0]:
+        raise ValueError(f"{what}: k must be in [1, {ref.shape[0]}], got {k}")
 
 
 def feature_knn(query: torch.Tensor, ref: torch.Tensor,
@@ -153,22 +92,96 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor,
         ref: ``(M, D)`` float tensor, same dtype and device.
         k: neighbours per query, 1 <= k <= M.
 
+    Returns:
+        ``(dists_sq (N, k), idx (N, k) int64)``, ascending.
+
     """
-    if query.dim() != 2 or ref.dim() != 2 or query.shape[1] != ref.shape[1]:
-        raise ValueError(f"feature_knn: expected (N, D) and (M, D), got {tuple(query.shape)} "
-                         f"and {tuple(ref.shape)}")
-    if not 1 <= k <= ref.shape[0]:
-        raise ValueError(f"feature_knn: k must be in [1, {ref.shape[0]}], got {k}")
+    _check_features(query, ref, k, "feature_knn")
     if _fused_applies(query, ref):
         from pointalign.kernels.ransac import cpu as _ransac_cpu
 
-        entry = getattr(_shared, "entry", None)
-        got = None if entry is None else entry.answer(query, ref, k)
-        if got is not None:
-            return got
         if k <= _ransac_cpu.MAX_K:
             return _ransac_cpu.feature_knn_cpu(query, ref, k)
     return feature_knn_reference(query, ref, k)
+
+
+class FeatureMatches(NamedTuple):
+    """Feature-space matches of a source against a target, found once and read by several.
+
+    Made by :func:`feature_matches`; :func:`pointalign.registration.ransac.ransac` and
+    :func:`pointalign.registration.robust.rank_correspondences` take it as ``matches=``.
+
+    Attributes:
+        dists: ``(N, k)`` squared feature distances of each source row's k nearest target
+            rows, ascending.
+        idx: ``(N, k)`` int64 target rows of those neighbours.
+        back_dists: ``(M, 1)`` squared distance of each target row's nearest source row,
+            or None (not searched).
+        back_idx: ``(M, 1)`` int64 source row of that neighbour, or None.
+
+    """
+
+    dists: torch.Tensor
+    idx: torch.Tensor
+    back_dists: torch.Tensor | None = None
+    back_idx: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        """Forward neighbours per source row."""
+        return int(self.idx.shape[1])
+
+    def forward(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``feature_knn(source, target, k)`` for ``k <= self.k``: ``(N, k)`` dists and idx."""
+        if k == self.k:
+            return self.dists, self.idx
+        return self.dists[:, :k].contiguous(), self.idx[:, :k].contiguous()
+
+    def check(self, n: int, m: int, name: str = "matches") -> None:
+        """Raise a ValueError unless these are matches of ``n`` source and ``m`` target rows."""
+        if not (isinstance(self.dists, torch.Tensor) and isinstance(self.idx, torch.Tensor)
+                and self.idx.dim() == 2 and self.idx.shape[0] == n and self.idx.shape[1] >= 1
+                and self.dists.shape == self.idx.shape):
+            raise ValueError(f"{name}: expected forward matches of shape ({n}, k) (one row per "
+                             f"source feature), got {_shape(self.idx)} and {_shape(self.dists)}")
+        if (self.back_idx is None) != (self.back_dists is None) or (
+                self.back_idx is not None and self.back_dists is not None
+                and (tuple(self.back_idx.shape) != (m, 1)
+                     or tuple(self.back_dists.shape) != (m, 1))):
+            raise ValueError(f"{name}: expected backward matches of shape ({m}, 1) (one row "
+                             f"per target feature) or None, got {_shape(self.back_idx)} and "
+                             f"{_shape(self.back_dists)}")
+
+
+def _shape(x: Any) -> Any:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def feature_matches(source: torch.Tensor, target: torch.Tensor, k: int = 2, *,
+                    backward: bool = True) -> FeatureMatches:
+    """Forward k nearest and backward nearest features in one call (see the module contract).
+
+    Args:
+        source: ``(N, D)`` float tensor (e.g. the source's FPFH), N >= 1.
+        target: ``(M, D)`` float tensor, same dtype and device.
+        k: forward neighbours per source row, 1 <= k <= M.
+        backward: also find each target row's nearest source row.
+
+    Returns:
+        :class:`FeatureMatches`: what ``feature_knn(source, target, k)`` and (with
+        ``backward``) ``feature_knn(target, source, 1)`` return.
+
+    """
+    _check_features(source, target, k, "feature_matches")
+    if backward and source.shape[0] >= 1 and _fused_applies(source, target):
+        from pointalign.kernels.ransac import cpu as _ransac_cpu
+
+        if k <= _ransac_cpu.MAX_K:
+            return FeatureMatches(*_ransac_cpu.feature_knn_both_cpu(source, target, k))
+    d, i = feature_knn(source, target, k)
+    if not backward:
+        return FeatureMatches(d, i)
+    return FeatureMatches(d, i, *feature_knn(target, source, 1))
 
 
 def triangle_similar(src: torch.Tensor, tgt: torch.Tensor, similarity: float) -> torch.Tensor:
@@ -185,7 +198,7 @@ def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 
     ``T (S, 4, 4)`` and ``points (P, 3)`` (every transform moves the same points) or
     ``(S, P, 3)`` (transform s moves ``points[s]``) → ``(S, P, 3)``. On the "cpu" backend
-    one parallel numba pass (``_score_cpu.move_points``: the reference's products and sums
+    one parallel numba pass (``score_cpu.move_points``: the reference's products and sums
     in the same order, see the module contract), else :func:`transform_points_reference`.
     """
     if (backend(points) == "cpu" and T.device.type == "cpu" and not points.requires_grad
@@ -198,44 +211,6 @@ def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
             Tp[:, :3, :3].contiguous().numpy(), Tp[:, :3, 3].contiguous().numpy(),
             pts.detach().contiguous().numpy()))
     return transform_points_reference(T, points)
-
-
-def transform_points_reference(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """PyTorch reference of :func:`transform_points`: one batched GEMM, ``x Rᵀ + t``."""
-    Tp = T.to(points.dtype)
-    src = points if points.dim() == 3 else points.expand(T.shape[0], -1, -1)
-    return torch.baddbmm(Tp[:, None, :3, 3], src, Tp[:, :3, :3].transpose(1, 2))
-
-
-def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any,
-                               max_distance: float, with_matches: bool = False,
-                               with_sums: bool = True
-                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Move by :func:`transform_points_reference`, ask ``index.nearest_within`` (the reference)."""
-    from pointalign import _validate
-
-    s, p = T.shape[0], points.shape[0]
-    step = max(1, SCORE_QUERIES // max(p, 1))
-    parts = []
-    for a in range(0, s, step):
-        b = min(s, a + step)
-        q = transform_points_reference(T[a:b], points).reshape(-1, 3)
-        # finite points moved by finite motions: the index's trusted path (no checks; no
-        # hint, so a k-d tree groups these scattered queries by leaf first)
-        with _validate.trusted():
-            res = index.nearest_within(q, max_distance)
-        dist, idx = res.dists[:, 0], res.idx[:, 0]
-        idx = idx.view(b - a, p)
-        hit = idx >= 0
-        d2 = torch.where(hit, dist.view(b - a, p), 0.0)
-        parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64),
-                      idx if with_matches else None))
-    if len(parts) == 1:  # the usual case: no concatenation
-        c, sq, m = parts[0]
-        return c, sq if with_sums else None, m
-    counts, sqs, matches = zip(*parts, strict=True)
-    return (torch.cat(counts), torch.cat(sqs) if with_sums else None,
-            torch.cat(matches) if with_matches else None)
 
 
 def _scoring_grid(T: torch.Tensor, points: torch.Tensor, index: Any,
@@ -294,3 +269,45 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_dist
                           with_sums)
     return (torch.from_numpy(c), torch.from_numpy(sq) if sq is not None else None,
             torch.from_numpy(m) if m is not None else None)
+
+
+def second_order(A: torch.Tensor) -> torch.Tensor:
+    """Second-order compatibility ``A ⊙ (A A)`` of ``A (C, C)`` (0/1 float32): ``(C, C)``.
+
+    On the "cpu" backend by bit sets (``cpu.second_order_cpu``: equal to the reference bit
+    for bit, the counts being exact integers), else :func:`second_order_reference`.
+    """
+    if (backend(A) == "cpu" and A.device.type == "cpu" and A.dtype == torch.float32
+            and 0 < A.shape[0] < 1 << 24):
+        from pointalign.kernels.ransac import cpu as _ransac_cpu
+
+        return _ransac_cpu.second_order_cpu(A)
+    return second_order_reference(A)
+
+
+def second_order_of_points(source: torch.Tensor, target: torch.Tensor,
+                           tau: float) -> torch.Tensor:
+    """Second-order compatibility of correspondences ``source, target (C, 3)``: ``(C, C)``.
+
+    The length-consistency graph: ``A_ij = 1`` when ``|ds_ij − dt_ij| < tau`` and i ≠ j,
+    with ``ds, dt`` the :func:`pair_lengths` of the source and target ends; the answer is
+    :func:`second_order` ``(A)``. On the "cpu" backend with float32 ends one kernel computes
+    the lengths and A's bit sets pair by pair (``cpu.second_order_points_cpu``, equal bit
+    for bit: neither the lengths nor A are stored), else A is formed
+    (:func:`~pointalign.kernels.ransac.reference.compatibility_reference`) and passed on.
+    """
+    c = source.shape[0]
+    if (backend(source) == "cpu" and source.device.type == "cpu"
+            and source.dtype == torch.float32 and target.dtype == torch.float32
+            and 0 < c < 1 << 24):
+        from pointalign.kernels.ransac import cpu as _ransac_cpu
+
+        return _ransac_cpu.second_order_points_cpu(source, target, tau)
+    return second_order(compatibility_reference(source, target, tau))
+
+
+__all__ = ["FeatureMatches", "feature_knn", "feature_knn_reference", "feature_matches",
+           "pair_lengths", "score_transforms", "score_transforms_reference", "second_order",
+           "second_order_of_points", "second_order_of_points_reference",
+           "second_order_reference", "transform_points", "transform_points_reference",
+           "triangle_similar"]

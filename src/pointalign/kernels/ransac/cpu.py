@@ -371,7 +371,7 @@ def _second_order(A, S):
 
 @njit(cache=True, inline="always")
 def _length(p, i, j):
-    """``|p_i − p_j|`` of float32 ``p``, as ``robust.pair_lengths`` computes it.
+    """``|p_i − p_j|`` of float32 ``p``, as ``reference.pair_lengths`` computes it.
 
     ``(dx² + dy²) + dz²`` rounded step by step in float32, its square root taken in
     float64 and rounded to float32 (the correctly rounded root).
@@ -434,7 +434,7 @@ def second_order_points_cpu(source: torch.Tensor, target: torch.Tensor,
     """Return ``A ⊙ (A A)`` for ``A_ij = ||s_i − s_j| − |t_i − t_j|| < tau``, i ≠ j: ``(C, C)``.
 
     ``source, target``: ``(C, 3)`` float32 correspondence ends. The lengths are those of
-    :func:`pointalign.registration.robust.pair_lengths` (:func:`_length`); ``tau`` is
+    :func:`pointalign.kernels.ransac.pair_lengths` (:func:`_length`); ``tau`` is
     rounded to float32 first, as PyTorch does when comparing a float32 tensor with a Python
     float: the answer equals
     :func:`second_order_cpu` of the reference's A bit for bit, with no ``C × C`` matrix

@@ -1,0 +1,121 @@
+"""The ransac family's spec: the PyTorch references and the constants both backends share.
+
+Each function here is the plain statement of an entry point of
+:mod:`pointalign.kernels.ransac` (the contracts are in that module's docstring); the
+dispatcher runs these on the "torch" backend and on devices without a fused kernel, and the
+tests compare the CPU kernels (``cpu.py``, ``score_cpu.py``) against them. Nothing here
+imports the dispatcher or a backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pointalign import _validate
+
+#: feature-distance entries per chunk of :func:`feature_knn_reference`
+CHUNK_ENTRIES = 1 << 24
+#: queries per call of the index when :func:`score_transforms_reference` scores many motions
+SCORE_QUERIES = 1 << 21
+
+
+def feature_knn_reference(query: torch.Tensor, ref: torch.Tensor,
+                          k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked ``cdist`` + ``topk``: the k nearest rows of ``ref (M, D)`` per ``query (N, D)``.
+
+    Returns ``(dists_sq (N, k), idx (N, k) int64)``, ascending, the squared distances
+    clamped at 0; the ``N × M`` matrix exists one chunk of :data:`CHUNK_ENTRIES` at a time.
+    """
+    n, m = query.shape[0], ref.shape[0]
+    d_out = torch.empty(n, k, dtype=query.dtype, device=query.device)
+    i_out = torch.empty(n, k, dtype=torch.int64, device=query.device)
+    step = max(1, CHUNK_ENTRIES // max(m, 1))
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        d = torch.cdist(query[s:e], ref).square_()
+        vals, idx = torch.topk(d, k, dim=1, largest=False, sorted=True)
+        d_out[s:e] = vals.clamp_min_(0)
+        i_out[s:e] = idx
+    return d_out, i_out
+
+
+def transform_points_reference(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """``R_s p + t_s`` for ``T (S, 4, 4)`` and ``points (P, 3)`` or ``(S, P, 3)``: one GEMM.
+
+    ``x Rᵀ + t`` by ``baddbmm`` in the points' dtype: ``(S, P, 3)``.
+    """
+    Tp = T.to(points.dtype)
+    src = points if points.dim() == 3 else points.expand(T.shape[0], -1, -1)
+    return torch.baddbmm(Tp[:, None, :3, 3], src, Tp[:, :3, :3].transpose(1, 2))
+
+
+def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any,
+                               max_distance: float, with_matches: bool = False,
+                               with_sums: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Move by :func:`transform_points_reference`, ask ``index.nearest_within``, sum in PyTorch.
+
+    ``T (S, 4, 4)``, ``points (P, 3)`` → ``counts (S,) int64``, ``sums (S,) float64`` (or
+    None without ``with_sums``), ``matches (S, P) int64`` (or None without
+    ``with_matches``); at most :data:`SCORE_QUERIES` queries per call of the index.
+    """
+    s, p = T.shape[0], points.shape[0]
+    step = max(1, SCORE_QUERIES // max(p, 1))
+    parts = []
+    for a in range(0, s, step):
+        b = min(s, a + step)
+        q = transform_points_reference(T[a:b], points).reshape(-1, 3)
+        # finite points moved by finite motions: the index's trusted path (no checks; no
+        # hint, so a k-d tree groups these scattered queries by leaf first)
+        with _validate.trusted():
+            res = index.nearest_within(q, max_distance)
+        dist, idx = res.dists[:, 0], res.idx[:, 0]
+        idx = idx.view(b - a, p)
+        hit = idx >= 0
+        d2 = torch.where(hit, dist.view(b - a, p), 0.0)
+        parts.append((hit.sum(1), d2.sum(1, dtype=torch.float64),
+                      idx if with_matches else None))
+    if len(parts) == 1:  # the usual case: no concatenation
+        c, sq, m = parts[0]
+        return c, sq if with_sums else None, m
+    counts, sqs, matches = zip(*parts, strict=True)
+    return (torch.cat(counts), torch.cat(sqs) if with_sums else None,
+            torch.cat(matches) if with_matches else None)
+
+
+def second_order_reference(A: torch.Tensor) -> torch.Tensor:
+    """Return ``A ⊙ (A A)`` of the 0/1 matrix ``A (C, C)`` float32 (the reference)."""
+    return A * (A @ A)
+
+
+def pair_lengths(points: torch.Tensor) -> torch.Tensor:
+    """``|p_i − p_j|`` for every pair of ``points (C, 3)``: ``(C, C)`` in the points' dtype.
+
+    Computed as ``sqrt((dx² + dy²) + dz²)``, the sum rounded step by step (elementwise
+    operations: no fused multiply-add, no ``|p|² + |q|² − 2 p·q`` cancellation) and the
+    root taken in float64, then rounded (PyTorch's float32 root on the CPU is not always
+    the correctly rounded one; this is): for float32 points, the same values on every
+    device and in the CPU kernel of ``second_order_of_points`` (``cpu._length``).
+    """
+    d = points[:, None, :] - points[None, :, :]
+    s = (d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1]) + d[..., 2] * d[..., 2]
+    return s.to(torch.float64).sqrt().to(points.dtype)
+
+
+def compatibility_reference(source: torch.Tensor, target: torch.Tensor,
+                            tau: float) -> torch.Tensor:
+    """Return the length-consistency graph ``A (C, C)`` float32 of correspondences ``(C, 3)``.
+
+    ``A_ij = 1`` when ``|ds_ij − dt_ij| < tau`` and i ≠ j, with ``ds, dt`` the
+    :func:`pair_lengths` of the source and target ends (the comparison in their dtype).
+    """
+    A = ((pair_lengths(source) - pair_lengths(target)).abs() < tau).to(torch.float32)
+    return A.fill_diagonal_(0)
+
+
+def second_order_of_points_reference(source: torch.Tensor, target: torch.Tensor,
+                                     tau: float) -> torch.Tensor:
+    """:func:`second_order_reference` of :func:`compatibility_reference`: ``(C, C)``."""
+    return second_order_reference(compatibility_reference(source, target, tau))
