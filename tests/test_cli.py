@@ -7,6 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from pointalign import _defaults, cli, cli_bench, datasets, io, metrics, transforms
+from pointalign.registration.pipeline import Scales
 
 runner = CliRunner()
 
@@ -355,7 +356,7 @@ def test_icp_default_distance_comes_from_the_library(tmp_path, monkeypatch):
     real = _defaults.bounding_box_diagonal(pair.source) * _defaults.ICP_DISTANCE_FRACTION
     monkeypatch.undo()
     assert _defaults.icp_distance(pair.source) == pytest.approx(real)
-    assert _defaults.final_icp_distance(0.004) == pytest.approx(0.002)
+    assert Scales(0.004).fine == pytest.approx(0.002)
     with pytest.raises(ValueError, match="source: all points coincide"):
         _defaults.icp_distance(np.zeros((5, 3)))
 

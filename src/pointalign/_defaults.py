@@ -1,12 +1,9 @@
 """Default distances that scale with the data, written once for the library and the CLI.
 
-Two rules the command line prints next to the values it used, and that the library's own
-defaults follow:
-
-* :func:`icp_distance`: a local method's maximum correspondence distance when none is
-  given, :data:`ICP_DISTANCE_FRACTION` (5 %) of the source's bounding-box diagonal.
-* :func:`final_icp_distance`: the final point-to-plane ICP of :func:`pointalign.register`
-  pairs points within :data:`FINAL_ICP_VOXELS` (0.5) voxel edges.
+:func:`icp_distance`: a local method's maximum correspondence distance when none is given,
+:data:`ICP_DISTANCE_FRACTION` (5 %) of the source's bounding-box diagonal. (The lengths of
+:func:`pointalign.register`, multiples of its voxel edge, are
+:class:`pointalign.registration.pipeline.Scales`.)
 """
 
 from __future__ import annotations
@@ -20,11 +17,6 @@ from pointalign import _validate
 #: a local method's default maximum correspondence distance, as a fraction of the source's
 #: bounding-box diagonal
 ICP_DISTANCE_FRACTION = 0.05
-
-#: the final ICP's maximum correspondence distance in :func:`pointalign.register`, in voxel
-#: edges of the global stage
-FINAL_ICP_VOXELS = 0.5
-
 
 def bounding_box_diagonal(points: Any, name: str = "points") -> float:
     """Length of the axis-aligned bounding box's diagonal of ``points (N, 3)``, in their units.
@@ -53,16 +45,3 @@ def icp_distance(source: Any) -> float:
         raise ValueError("source: all points coincide, so no distance scales with it; "
                          "give max_correspondence_distance")
     return ICP_DISTANCE_FRACTION * d
-
-
-def final_icp_distance(voxel_size: float) -> float:
-    """Maximum correspondence distance of :func:`pointalign.register`'s final ICP.
-
-    Args:
-        voxel_size: the global stage's voxel edge (> 0).
-
-    Returns:
-        ``FINAL_ICP_VOXELS × voxel_size``.
-
-    """
-    return FINAL_ICP_VOXELS * _validate.positive(voxel_size, "voxel_size")

@@ -450,6 +450,7 @@ def _run(method: str, source: Any, target: Any, *, init: np.ndarray | None, devi
     """Run one method; returns the result and the parameters actually used."""
     from pointalign import _defaults
     from pointalign.registration.criteria import ConvergenceCriteria
+    from pointalign.registration.pipeline import Scales
 
     fn = _resolve(method)
     used: dict[str, Any] = {"method": method, "device": device}
@@ -464,9 +465,8 @@ def _run(method: str, source: Any, target: Any, *, init: np.ndarray | None, devi
         v = float(result.info.get("voxel_size", voxel_size or float("nan")))
         seed_default = inspect.signature(fn).parameters["seed"].default
         used.update(voxel_size=v, voxel_size_source="given" if voxel_size else "automatic",
-                    max_distance=_defaults.final_icp_distance(v) if v > 0 else v,
-                    max_distance_source=f"{_defaults.FINAL_ICP_VOXELS:g} x voxel size "
-                                        "(final ICP)",
+                    max_distance=Scales(v).fine if v > 0 else v,
+                    max_distance_source=f"{Scales(1.0).fine:g} x voxel size (final ICP)",
                     seed=seed if seed is not None else seed_default)
         used["max_iterations"] = _iteration_cap(method, max_iterations, result, source)
         return result, used
