@@ -147,3 +147,8 @@ def test_result_evaluate_is_the_common_measure():
     assert ev.fitness == 1.0 and ev.inlier_rmse < 1e-9
     with pytest.raises(TypeError, match="batched"):
         _result(True).evaluate(src, tgt, 1.0)
+
+
+def test_inlier_rmse_is_open3ds_name_for_rmse():
+    r = RegistrationResult(transformation=np.eye(4), fitness=0.5, rmse=0.25)
+    assert r.inlier_rmse == 0.25

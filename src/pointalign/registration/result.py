@@ -77,6 +77,11 @@ class RegistrationResult:
     transformation_tensor: torch.Tensor | None = None
 
     @property
+    def inlier_rmse(self) -> Any:
+        """:attr:`rmse` under Open3D's name (the RMS distance of the inlier correspondences)."""
+        return self.rmse
+
+    @property
     def batched(self) -> bool:
         """True when this result holds B transformations."""
         return self.transformation.ndim == 3
