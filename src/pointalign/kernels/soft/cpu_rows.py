@@ -4,7 +4,9 @@
 cores: each (moved) query walks the tree of the points, keeps the pairs within a squared
 radius (inf: every pair, the exact form) and sums in float64, with a running maximum per
 row (:func:`_rows_log`) or, where every kept term is representable, linear weights and one
-exponential per pair (:func:`_rows_linear`); both are :func:`_row` with its mode fixed.
+exponential per pair (:func:`_rows_linear`): both run the one body :func:`_row` with its
+mode a constant (``_row_log``, ``_row_linear``: outside the parallel loop, whose invariants
+become arguments, so that the compiler drops the other mode's code).
 :func:`nearest_d2` is the fitness pass (the exact nearest point through the same trees).
 """
 
@@ -54,7 +56,7 @@ def _row(i, q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lin
          lse2, mean):
     """Query ``i``'s row reductions over the stored points within ``r2`` (see :func:`_rows_log`).
 
-    ``linear`` (a constant in each caller, so the unused branches compile away): ``g`` holds
+    ``linear`` (a constant in each caller, so the other mode compiles away): ``g`` holds
     linear weights ``w_j`` and each term is ``w_j e^(−s d²)`` (no running maximum; the
     caller adds the shift back); else ``g`` holds log weights and the sums run in the log
     domain with a running maximum.
@@ -117,6 +119,22 @@ def _row(i, q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lin
     lse2[i] = m2 + math.log(l2) if l2 > 0 else -np.inf
 
 
+@njit(cache=True)
+def _row_log(i, q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
+             mean):
+    """:func:`_row` in the log domain (its constant ``linear`` folds away here)."""
+    _row(i, q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, False, lse, lse2,
+         mean)
+
+
+@njit(cache=True)
+def _row_linear(i, q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
+                mean):
+    """:func:`_row` with linear weights (its constant ``linear`` folds away here)."""
+    _row(i, q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, True, lse, lse2,
+         mean)
+
+
 @njit(cache=True, parallel=True)
 def _rows_log(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
               mean):
@@ -128,8 +146,8 @@ def _rows_log(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, l
     maxima keep every sum finite.
     """
     for i in prange(q.shape[0]):
-        _row(i, q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, False, lse,
-             lse2, mean)
+        _row_log(i, q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
+                 mean)
 
 
 @njit(cache=True, parallel=True)
@@ -143,8 +161,8 @@ def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w
     the caller adds the shift back.
     """
     for i in prange(q.shape[0]):
-        _row(i, q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, True, lse,
-             lse2, mean)
+        _row_linear(i, q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse,
+                    lse2, mean)
 
 
 #: largest ``s·r2 + (max g − min g)`` for which :func:`_rows_linear` is used (e^-600 > 0)
