@@ -253,10 +253,11 @@ class CpuPasses(Passes):
                           lengths_or_all(target_lengths, target), self.plan)
 
     def emicp_step(self, source, target, transform, scale, log_outlier, frozen,
-                   source_lengths, target_lengths):
+                   source_lengths=None, target_lengths=None):
         """Sum the E-step into Horn's moments on the host (no (B, N, 3) x'), then solve Horn."""
         lam, *moments = emicp_moments(source, target, transform, scale, log_outlier,
-                                      source_lengths, target_lengths, self.plan)
+                                      lengths_or_all(source_lengths, source),
+                                      lengths_or_all(target_lengths, target), self.plan)
         T_new, valid = horn_from_sums(*moments)
         return keep_frozen(T_new, valid, frozen, transform), valid, lam
 

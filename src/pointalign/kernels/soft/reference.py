@@ -257,7 +257,7 @@ class Passes:
         return emicp_weights(r.lse, r.lse2, log_outlier.to(r.lse.dtype)), r.mean
 
     def emicp_step(self, source, target, transform, scale, log_outlier, frozen,
-                   source_lengths, target_lengths):
+                   source_lengths=None, target_lengths=None):
         """One EM-ICP iteration (:func:`pointalign.kernels.soft.emicp_step`)."""
         lam, xp = self.emicp_rows(source, target, transform, scale, log_outlier,
                                   source_lengths, target_lengths)

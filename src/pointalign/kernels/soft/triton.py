@@ -455,12 +455,13 @@ class TritonPasses(Passes):
         return w, mean
 
     def emicp_step(self, source, target, transform, scale, log_outlier, frozen,
-                   source_lengths, target_lengths):
+                   source_lengths=None, target_lengths=None):
         """Write each row block's Horn moments in the row kernels; solve Horn in one more."""
         from pointalign.kernels.horn import triton as _horn_triton
 
-        lam, mom, _ = rows(source, target, transform, scale, source_lengths, target_lengths,
-                           None, log_outlier, mode="emicp", squares=True, moments=True)
+        sl, tl = lengths_or_all(source_lengths, source), lengths_or_all(target_lengths, target)
+        lam, mom, _ = rows(source, target, transform, scale, sl, tl, None, log_outlier,
+                           mode="emicp", squares=True, moments=True)
         T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
         return T, valid, lam
 
