@@ -497,8 +497,8 @@ def softassign(
         target_lengths: ``(B,)`` valid target points of a padded batch.
         approximation: as :func:`emicp`'s; "approximate": Sinkhorn on cells of 0.5σ
             (σ = 1/√(2β)) while they merge points, then per point with far pairs dropped
-            (every normaliser within 1e-4; bounds in :mod:`pointalign.kernels.soft.cpu`);
-            the record adds the predicted phases and the passes run in each form.
+            (the bounds: :mod:`pointalign.kernels.soft.cpu`); the record adds the predicted
+            phases and the passes run in each form.
 
     Raises:
         ValueError: naming the argument, e.g. for 1/√β₀ or √α outside ``[1e-6 ρ, 1e6 ρ]``.

@@ -68,7 +68,7 @@ import torch
 from pointalign import _threads
 from pointalign.kernels.horn import horn_from_sums
 from pointalign.kernels.soft import cpu_cells
-from pointalign.kernels.soft.cpu_plan import (  # noqa: F401 (the forms' constants, named above)
+from pointalign.kernels.soft.cpu_plan import (  # noqa: F401 (re-exported: the forms' constants)
     AUTO_BUDGET_S,
     CELL_RATIO,
     CELLS_TOLERANCE,

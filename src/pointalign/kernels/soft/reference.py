@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from pointalign.kernels.horn import weighted_horn
+from pointalign.kernels.horn import horn_reference
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
 TILE_PAIRS = 1 << 20
@@ -261,7 +261,7 @@ class Passes:
         """One EM-ICP iteration (:func:`pointalign.kernels.soft.emicp_step`)."""
         lam, xp = self.emicp_rows(source, target, transform, scale, log_outlier,
                                   source_lengths, target_lengths)
-        T_new, valid = weighted_horn(source, xp, lam)
+        T_new, valid = horn_reference(source, xp, lam)
         return keep_frozen(T_new, valid, frozen, transform), valid, lam
 
     def sinkhorn_scaling(self, query, points, transform, beta, point_log_weights, log_slack,
@@ -300,10 +300,9 @@ class Passes:
                    point_lengths=None) -> torch.Tensor:
         """Squared distance ``(B, N)`` float64 of each moved query to its nearest point.
 
-        Here the soft minimum of one pass at ``s = FITNESS_SCALE / max_d2`` (within
-        ``log(M) max_d2 / FITNESS_SCALE`` below the nearest, clamped at 0): what
-        :func:`pointalign.kernels.soft.nearest_d2` promises beyond ``max_d2 (B,)`` is only
-        "more than max_d2".
+        Here the soft minimum ``−lse/s`` of one pass at ``s = FITNESS_SCALE / max_d2``
+        (``max_d2 (B,)``): at most ``log(M) max_d2 / FITNESS_SCALE`` below the nearest
+        squared distance, never above it, clamped at 0 (:func:`.nearest_d2`'s contract).
         """
         big = FITNESS_SCALE / max_d2.clamp_min(1e-30)
         r = self.soft_rows(query, points, transform, big.to(torch.float32), query_lengths,
