@@ -409,7 +409,7 @@ def _emicp_setup(source, target, *, init, sigma, sigma_min, factor, outlier_dist
     ratio = torch.as_tensor(s1 / s0, dtype=torch.float64).reshape(-1)
     if bool((ratio >= 1).any()):
         raise ValueError(f"sigma_min: must be smaller than sigma, got {s1} and sigma {s0}")
-    n_sched = max(math.ceil(math.log(r ** 2) / math.log(factor) - 1e-9) for r in ratio.tolist())
+    n_sched = max(math.ceil(math.log(q ** 2) / math.log(factor) - 1e-9) for q in ratio.tolist())
     settle = _settling(criteria, n_sched)
 
     def schedule() -> dict[str, Any]:  # the first problem's σ per iteration
