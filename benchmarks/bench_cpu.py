@@ -36,7 +36,7 @@ Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
   21.7 s when each pass recomputed its kernel values, 179 CPU-s for the truncated form on 2
   threads at load 5-8), and lands within 1e-5° / 1e-8 m of the truncated form's pose
   (0.647° / 0.59 mm from the ground truth for both). Each pose update of the cells phase
-  now runs as one call (``kernels/soft/cpu``'s ``softassign_update``: no per-pass keys, checks and
+  now runs as one call (``kernels.soft.cpu_cells.softassign_update``: no per-pass keys, checks and
   conversions, ~2 ms each before; the kernel matrix filtered from candidate pairs reused
   across a cell level's updates instead of two tree walks per update; pose bit-identical):
   6.1-6.5 s of CPU on one thread at load 3.4-3.6 where the same script measured 8.0-9.1 s

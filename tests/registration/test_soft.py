@@ -1,23 +1,34 @@
-"""EM-ICP and Softassign: dense float64 reference runs, recovery, batches, bad input.
+"""EM-ICP and Softassign: dense float64 reference runs, recovery, batches, bad input, forms.
 
 The dense references rebuild the full N×M matrix (N ≤ 500) in float64 each iteration and
 solve Horn by an independent NumPy SVD; the library's fused O(N + M) path must give the
-same pose after a fixed number of iterations.
+same pose after a fixed number of iterations, on every backend (the ``backend`` fixture).
+
+The CPU's approximated forms (``approximation="approximate"``) must land near the exact form
+on a bunny subsample; ``info["approximation"]`` says which ran; parameters out of range raise
+a ValueError naming them; a run that matched nothing is not "converged"; clouds far from the
+origin (float64) give the unshifted run's pose.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from pointalign import datasets, metrics, transforms
+from pointalign import _progress, datasets, metrics, transforms
+from pointalign.kernels._numba import available
+from pointalign.registration import soft
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.soft import CHECK_EVERY, emicp, softassign
 from tests._interpreted import interpreted_fixture
 from tests.kernels.test_soft import dense_emicp, dense_sinkhorn
+
+needs_numba = pytest.mark.skipif(not available(), reason="numba is not installed")
 
 
 def svd_horn(x, m, w):
@@ -69,54 +80,86 @@ def _check_pose(T, Td, rot_deg, trans):
     assert r < rot_deg and t < trans, (r, t)
 
 
-def test_emicp_matches_dense_reference_after_fixed_iterations():
-    x, y, _ = _bunny_small()
-    res = emicp(x, y, criteria=ConvergenceCriteria(max_iterations=6), device="cpu", **EM_ARGS)
+def _sizes(backend, cpu, gpu):
+    """The clouds' sizes on this backend's device: the GPU takes the larger case."""
+    return gpu if backend.device == "cuda" else cpu
+
+
+def test_emicp_matches_dense_reference_after_fixed_iterations(backend):
+    x, y, _ = _bunny_small(*_sizes(backend, (200, 180), (500, 480)))
+    res = emicp(x.to(backend.device), y.to(backend.device),
+                criteria=ConvergenceCriteria(max_iterations=6), device=backend.device, **EM_ARGS)
     Td = dense_emicp_run(x, y, 0.08, 0.8, 0.05, 6)
     assert res.iterations == 6 and res.stop_reason == "max_iterations" and not res.converged
     _check_pose(res.transformation, Td, 1e-3, 1e-5)
 
 
-def test_softassign_matches_dense_reference_after_fixed_iterations():
-    x, y, _ = _bunny_small(150, 140)
-    res = softassign(x, y, device="cpu", **SA_ARGS)
+def test_softassign_matches_dense_reference_after_fixed_iterations(backend):
+    x, y, _ = _bunny_small(*_sizes(backend, (150, 140), (500, 480)))
+    res = softassign(x.to(backend.device), y.to(backend.device), device=backend.device,
+                     **SA_ARGS)
     Td = dense_softassign_run(x, y, 150.0, 1.5, 2, 2, 0.002, 0.5, 2)
     assert res.iterations == 4 and res.stop_reason == "schedule"
     _check_pose(res.transformation, Td, 1e-3, 1e-5)
 
 
-def test_emicp_bunny_pair_from_identity():
+def test_emicp_bunny_pair_from_identity(backend):
     """bun045 → bun000 (34.3°, 53 mm) from the identity with the seed's schedule."""
     x, y, T_true = _bunny_small(300, 300)
-    res = emicp(x, y, device="cpu")
+    res = emicp(x.to(backend.device), y.to(backend.device), device=backend.device)
     assert res.stop_reason == "schedule" and res.converged and res.iterations == 66
     r, t = metrics.relative_error(res.transformation, T_true.numpy())
     assert r < 8.0 and t < 0.01, (r, t)  # 300 points ≈ 1 cm apart; from 34.3° / 53 mm
     assert 0 < res.fitness <= 1 and res.rmse < 0.01
+    x, y, _ = _bunny_small(500, 480)
+    full = emicp(x.to(backend.device), y.to(backend.device), device=backend.device)
+    r, t = metrics.relative_error(full.transformation, T_true.numpy())
+    assert r < 6.0 and t < 0.008, (r, t)
 
 
-def test_emicp_recovers_known_transform_with_noise_and_outliers(seed):
-    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 150, seed)
+@pytest.mark.gpu
+def test_gpu_pose_matches_cpu():
+    """The same run on the GPU (Triton, float32 sums) and the CPU (numba or the reference)."""
+    x, y, _ = _bunny_small(500, 480)
+    crit = ConvergenceCriteria(max_iterations=6)
+    g = emicp(x.cuda(), y.cuda(), criteria=crit, **EM_ARGS)
+    c = emicp(x, y, criteria=crit, device="cpu", **EM_ARGS)
+    _check_pose(g.transformation, torch.from_numpy(c.transformation), 1e-3, 1e-5)
+
+
+def _outlier_pair(n, seed, device):
+    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), n, seed)
     pr = datasets.make_pair(cloud, rotation_deg=60.0, translation=0.03, noise=0.001,
                             outlier_fraction=0.1, seed=seed)
-    res = emicp(pr.source, pr.target, device="cpu")
-    r, t = metrics.relative_error(res.transformation, pr.T_target_source.numpy())
+    return pr.source.to(device), pr.target.to(device), pr.T_target_source
+
+
+def test_emicp_recovers_known_transform_with_noise_and_outliers(backend, seed):
+    x, y, T = _outlier_pair(150, seed, backend.device)
+    res = emicp(x, y, device=backend.device)
+    r, t = metrics.relative_error(res.transformation, T.numpy())
     assert r < 4.0 and t < 0.006, (r, t)
     # swapping source and target gives (about) the inverse
-    inv = emicp(pr.target, pr.source, device="cpu")
-    r2, t2 = metrics.relative_error(inv.transformation,
-                                    transforms.invert(pr.T_target_source).numpy())
+    inv = emicp(y, x, device=backend.device)
+    r2, t2 = metrics.relative_error(inv.transformation, transforms.invert(T).numpy())
     assert r2 < 5.0 and t2 < 0.01, (r2, t2)
 
 
-def test_softassign_recovers_known_transform_with_noise_and_outliers(seed):
-    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 150, seed)
-    pr = datasets.make_pair(cloud, rotation_deg=60.0, translation=0.03, noise=0.001,
-                            outlier_fraction=0.1, seed=seed)
-    res = softassign(pr.source, pr.target, device="cpu", temperatures=20, beta_factor=1.45,
+def test_softassign_recovers_known_transform_with_noise_and_outliers(backend, seed):
+    x, y, T = _outlier_pair(150, seed, backend.device)
+    res = softassign(x, y, device=backend.device, temperatures=20, beta_factor=1.45,
                      iterations_per_temperature=3, sinkhorn_iterations=2)
-    r, t = metrics.relative_error(res.transformation, pr.T_target_source.numpy())
+    r, t = metrics.relative_error(res.transformation, T.numpy())
     assert r < 3.0 and t < 0.005, (r, t)
+
+
+@pytest.mark.gpu
+def test_default_schedules_recover_60_degrees_at_2000_points(seed):
+    """The seed's full schedules (66 EM-ICP steps, 500 Softassign updates) on 2000 points."""
+    x, y, T = _outlier_pair(2000, seed, "cuda")
+    for res in (emicp(x, y), softassign(x, y)):
+        r, t = metrics.relative_error(res.transformation, T.numpy())
+        assert r < 3.0 and t < 0.005, (res.info["algorithm"], r, t)
 
 
 def test_init_is_used(seed):
@@ -251,7 +294,7 @@ def test_inputs_not_modified():
 
 
 # ------------------------------------------------------------------------------------------
-# Triton path: interpreter (child process) and CUDA
+# Triton path: interpreter (child process); GPU-only sizes
 # ------------------------------------------------------------------------------------------
 
 
@@ -280,34 +323,7 @@ def test_triton_interpreted_matches_dense(interpreted):
 
 
 @pytest.mark.gpu
-def test_cuda_matches_cpu_and_dense():
-    x, y, T_true = _bunny_small(500, 480)
-    crit = ConvergenceCriteria(max_iterations=6)
-    g = emicp(x.cuda(), y.cuda(), criteria=crit, **EM_ARGS)
-    c = emicp(x, y, criteria=crit, device="cpu", **EM_ARGS)
-    _check_pose(g.transformation, torch.from_numpy(c.transformation), 1e-3, 1e-5)
-    _check_pose(g.transformation, dense_emicp_run(x, y, 0.08, 0.8, 0.05, 6), 1e-3, 1e-5)
-    gs = softassign(x.cuda(), y.cuda(), **SA_ARGS)
-    _check_pose(gs.transformation, dense_softassign_run(x, y, 150.0, 1.5, 2, 2, 0.002, 0.5, 2),
-                1e-3, 1e-5)
-    full = emicp(x.cuda(), y.cuda())
-    r, t = metrics.relative_error(full.transformation, T_true.numpy())
-    assert r < 6.0 and t < 0.008
-
-
-@pytest.mark.gpu
-def test_cuda_recovers_60_degrees_with_outliers(seed):
-    cloud = datasets.random_subsample(datasets.load_bunny("bun000"), 2000, seed)
-    pr = datasets.make_pair(cloud, rotation_deg=60.0, translation=0.03, noise=0.001,
-                            outlier_fraction=0.1, seed=seed)
-    for res in (emicp(pr.source.cuda(), pr.target.cuda()),
-                softassign(pr.source.cuda(), pr.target.cuda())):
-        r, t = metrics.relative_error(res.transformation, pr.T_target_source.numpy())
-        assert r < 3.0 and t < 0.005, (res.info["algorithm"], r, t)
-
-
-@pytest.mark.gpu
-def test_cuda_200k_points_linear_memory():
+def test_200k_points_linear_memory():
     """200k points a side: peak memory stays O(N + M) (an N×M float32 matrix is 160 GB)."""
     bun = datasets.load_bunny("bun000").cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -346,9 +362,10 @@ def _captured_program(monkeypatch, algo, *args, **kwargs):
     monkeypatch.setattr(soft._loop, "run_program", spy)
     algo(*args, **kwargs)
     monkeypatch.undo()
-    # the CPU's plan and progress bar are per call (None off the CPU, where graphs run)
+    # the run's passes and progress bar are per call (a CUDA graph keys the GPU's passes by
+    # value; the CPU's own their trees and run eagerly)
     prog, inputs = seen[-1]
-    return dataclasses.replace(prog, approximation=None, progress=None), inputs
+    return dataclasses.replace(prog, passes=None, progress=None), inputs
 
 
 @pytest.mark.parametrize("algo,change", [(emicp, dict(factor=0.7)),
@@ -395,3 +412,224 @@ def test_relative_weights_is_the_weight_rule():
     assert res.stop_reason == "max_iterations" and res.iterations == 48
     with pytest.raises(ValueError, match="relative_weights"):
         ConvergenceCriteria(relative_weights=-1.0)
+
+
+# ------------------------------------------------------------------------------------------
+# the CPU's forms of the passes: the record, the estimate, the approximations' poses
+# ------------------------------------------------------------------------------------------
+
+EM_SHORT = dict(sigma=0.03, sigma_min=0.004, factor=0.8)          # 18 iterations
+SA_SHORT = dict(temperatures=12, beta_factor=1.4, iterations_per_temperature=2,
+                sinkhorn_iterations=2)
+#: a short Softassign schedule that starts hot (β₀ = 1/ρ², cells of ~4 points) and ends cold
+#: (β = 1/ρ² · 2.2^9 ≈ 1200/ρ²: one point per cell), as the default schedule does
+SA_HOT_COLD = dict(temperatures=10, beta_factor=2.2, iterations_per_temperature=3,
+                   sinkhorn_iterations=2)
+
+
+def _bunny(n_src, n_tgt, seed=0):
+    p = datasets.load_bunny_pair()
+    return (datasets.random_subsample(p.source, n_src, seed).double(),
+            datasets.random_subsample(p.target, n_tgt, seed + 1).double(), p.T_target_source)
+
+
+def _translation(v) -> torch.Tensor:
+    T = torch.eye(4, dtype=torch.float64)
+    T[:3, 3] = torch.as_tensor(v, dtype=torch.float64)
+    return T
+
+
+def _pose_gap(Ta, Tb):
+    r, t = metrics.relative_error(np.asarray(Ta), np.asarray(Tb))
+    return r, t
+
+
+@needs_numba
+def test_emicp_approximate_lands_near_exact():
+    """Cells + truncation on 1200 x 1200 bunny points: within 0.5° / 1 mm of the exact form
+    (both from the identity; the pose is ~34° away), and as near the truth (+0.5°)."""
+    x, y, Td = _bunny(1200, 1200)
+    ex = emicp(x, y, device="cpu", approximation="exact", **EM_SHORT)
+    ap = emicp(x, y, device="cpu", approximation="approximate", **EM_SHORT)
+    assert ex.info["approximation"]["mode"] == "exact"
+    assert ap.info["approximation"]["mode"] == "cells"
+    assert ap.info["approximation"]["k"] == 4.0 and "cell_rule" in ap.info["approximation"]
+    r, t = _pose_gap(ap.transformation, ex.transformation)
+    assert r < 0.5 and t < 1e-3, (r, t)
+    r_ap, _ = _pose_gap(ap.transformation, Td.numpy())
+    r_ex, _ = _pose_gap(ex.transformation, Td.numpy())
+    assert r_ap < r_ex + 0.5, (r_ap, r_ex)
+
+
+@needs_numba
+def test_softassign_approximate_lands_near_exact():
+    """Cells while they merge points, then per point: within 0.05° / 0.05 mm of the exact
+    form on 400 x 400 bunny points (from the identity; the pose is ~34° away), and the record
+    says which form ran in which phase."""
+    x, y, Td = _bunny(400, 400)
+    ex = softassign(x, y, device="cpu", approximation="exact", **SA_HOT_COLD)
+    ap = softassign(x, y, device="cpu", approximation="approximate", **SA_HOT_COLD)
+    assert ex.info["approximation"]["mode"] == "exact"
+    info = ap.info["approximation"]
+    assert info["mode"] == "cells" and info["normaliser_relative_bound"] <= 1e-4
+    forms = [p["form"] for p in info["phases"]]
+    assert forms[0] == "cells" and forms[-1] == "per_point", info["phases"]
+    assert info["passes"]["cells"] > 0 and info["passes"]["per_point"] > 0
+    assert sum(info["passes"].values()) == ap.iterations * 2 * 2
+    r, t = _pose_gap(ap.transformation, ex.transformation)
+    assert r < 0.05 and t < 5e-5, (r, t)
+    r_ex, _ = _pose_gap(ex.transformation, Td.numpy())
+    assert r_ex < 3.0, r_ex  # the exact run itself registers the pair
+
+
+@needs_numba
+def test_auto_form_estimate_and_slow_warning(monkeypatch):
+    x, y, _ = _bunny(200, 200)
+    res = emicp(x, y, device="cpu", **EM_SHORT)
+    assert res.info["approximation"]["mode"] == "exact"  # small: the exact form is seconds
+    est = soft.estimate_seconds("emicp", x, y, device="cpu", **EM_SHORT)
+    assert est["approximation"]["mode"] == "exact" and 0 < est["seconds"] < 3
+    est = soft.estimate_seconds("softassign", x, y, device="cpu", approximation="approximate")
+    assert est["approximation"]["mode"] == "cells" and est["seconds"] > 0
+    with pytest.raises(ValueError, match="algorithm"):
+        soft.estimate_seconds("icp", x, y)
+    with pytest.raises(TypeError, match="sigmaa"):
+        soft.estimate_seconds("emicp", x, y, sigmaa=0.1)
+    with pytest.raises(ValueError, match="approximation"):
+        emicp(x, y, device="cpu", approximation="fast")
+    monkeypatch.setattr(soft, "SLOW_S", -1.0)
+    with pytest.warns(_progress.SlowOperationWarning, match="estimated"):
+        emicp(x, y, device="cpu", criteria=soft.ConvergenceCriteria(max_iterations=1))
+
+
+@pytest.mark.parametrize("algo,kwargs,match", [
+    (emicp, dict(sigma=1e-30), "sigma"),
+    (emicp, dict(sigma=1e30), "sigma"),
+    (emicp, dict(sigma_min=1e-30), "sigma_min"),
+    (emicp, dict(sigma=1e30, sigma_min=1e29), "sigma"),
+    (emicp, dict(sigma=1e-29, sigma_min=1e-30), "sigma"),
+    (softassign, dict(beta0=1e-30), "beta0"),
+    (softassign, dict(beta0=1e30), "beta0"),
+    (softassign, dict(alpha=1e30), "alpha"),
+    (softassign, dict(beta_factor=float("inf")), "beta_factor"),
+])
+def test_extreme_parameters_name_the_argument(algo, kwargs, match):
+    x, y, _ = _bunny(50, 50)
+    with pytest.raises(ValueError, match=match):
+        algo(x, y, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("algo,kwargs", [(emicp, EM_SHORT), (softassign, SA_SHORT)])
+def test_nothing_matched_is_not_converged(algo, kwargs):
+    """The source placed 100 m away: no pair within reach, the pose stays: not converged."""
+    x, y, _ = _bunny(100, 100)
+    init = _translation([100.0, 0.0, 0.0])
+    res = algo(x, y, init=init, device="cpu", **kwargs)
+    assert not res.converged and res.stop_reason == "no_correspondences"
+    assert res.fitness == 0
+
+
+@pytest.mark.parametrize("algo,kwargs,offset",
+                         [(emicp, EM_SHORT, o) for o in (1e3, 1e4, 1e5, 1e6)]
+                         + [(softassign, SA_SHORT, o) for o in (1e3, 1e6)])
+def test_far_from_origin_matches_unshifted(algo, kwargs, offset):
+    """Float64 clouds shifted by 1e3..1e6 m: the pose of the unshifted run, moved along."""
+    x, y, _ = _bunny(150, 150)
+    o = torch.tensor([offset, -0.7 * offset, 0.3 * offset], dtype=torch.float64)
+    base = algo(x, y, device="cpu", **kwargs)
+    far = algo(x + o, y + o, device="cpu", **kwargs)
+    # the same motion of the points where they are (the pose about the origin, 1e6 m away,
+    # carries its rotation's last bits times the offset)
+    xs = (x + o).numpy()
+    moved_far = xs @ np.asarray(far.transformation)[:3, :3].T + \
+        np.asarray(far.transformation)[:3, 3]
+    moved_base = x.numpy() @ np.asarray(base.transformation)[:3, :3].T + \
+        np.asarray(base.transformation)[:3, 3] + o.numpy()
+    extent = float(np.ptp(x.numpy(), axis=0).max())
+    gap = np.abs(moved_far - moved_base).max()
+    assert gap < 1e-6 * extent, gap
+    assert np.abs(np.asarray(far.transformation)[:3, :3]
+                  - np.asarray(base.transformation)[:3, :3]).max() < 1e-6
+    assert far.converged == base.converged and far.iterations == base.iterations
+
+
+@pytest.mark.parametrize("algo,kwargs", [(emicp, EM_SHORT), (softassign, SA_SHORT)])
+def test_progress_advances_once_per_iteration(monkeypatch, algo, kwargs):
+    """A run whose passes are on the host opens one progress task over the schedule and
+    advances it per iteration."""
+    seen = []
+
+    class Bar:
+        n = 0
+
+        def advance(self, n=1):
+            self.n += n
+
+    @contextlib.contextmanager
+    def task(description, total=None, *, quiet=None):
+        bar = Bar()
+        seen.append((description, total, bar))
+        yield bar
+
+    monkeypatch.setattr(soft._progress, "task", task)
+    x, y, _ = _bunny(100, 100)
+    res = algo(x, y, device="cpu", **kwargs)
+    (desc, total, bar), = seen
+    assert total == res.info["scheduled_iterations"] and bar.n == res.iterations
+
+
+@needs_numba
+def test_softassign_approximate_on_random_data_lands_near_exact():
+    """A random anisotropic Gaussian cloud (250 points, 23° about z, 1 cm noise): the cells
+    form gives the exact form's pose within 0.05° / 0.05 mm, and the truth within 0.5°."""
+    g = torch.Generator().manual_seed(23)
+    y = torch.randn(250, 3, generator=g, dtype=torch.float64) * \
+        torch.tensor([1.0, 0.6, 0.3], dtype=torch.float64)
+    c, s = math.cos(0.4), math.sin(0.4)
+    T = torch.eye(4, dtype=torch.float64)
+    T[:3, :3] = torch.tensor([[c, -s, 0], [s, c, 0], [0, 0, 1.0]], dtype=torch.float64)
+    T[:3, 3] = torch.tensor([0.1, -0.05, 0.02], dtype=torch.float64)
+    x = (y - T[:3, 3]) @ T[:3, :3] + 0.01 * torch.randn(250, 3, generator=g,
+                                                         dtype=torch.float64)
+    ex = softassign(x, y, device="cpu", approximation="exact", **SA_HOT_COLD)
+    ap = softassign(x, y, device="cpu", approximation="approximate", **SA_HOT_COLD)
+    assert ap.info["approximation"]["passes"].get("cells", 0) > 0
+    r, t = _pose_gap(ap.transformation, ex.transformation)
+    assert r < 0.05 and t < 5e-5, (r, t)
+    r, _ = _pose_gap(ap.transformation, T.numpy())
+    assert r < 0.5, r
+
+
+@needs_numba
+def test_softassign_fused_updates_equal_the_passes(monkeypatch):
+    """The "cells" updates fused into one call per update (``cpu_cells.softassign_update``)
+    give the pose of the passes run one by one (float32 bunny subsample, hot to cold), and
+    the record counts the same passes.
+
+    The same sums in the same order, in float32 points: what may differ is the rounding of
+    the PyTorch normalisations between the passes (ATen's vector kernels, AVX-512 or AVX2,
+    tests/kernels/test_soft.py::_order_bound), a few float32 ulps of the soft
+    correspondences per update; Horn's closed form carries them to the pose without gain
+    near the solution, so the poses may differ by a few float32 ulps per update: of the
+    rotation's entries, and of the extent for the translation.
+    """
+    from pointalign.kernels.soft import cpu_cells
+
+    x, y, _ = _bunny(300, 300)
+    x, y = x.float(), y.float()
+    fused = softassign(x, y, device="cpu", approximation="approximate", **SA_HOT_COLD)
+    calls = []
+
+    def per_pass(*args, **kw):
+        calls.append(1)
+        return None
+    monkeypatch.setattr(cpu_cells, "softassign_update", per_pass)
+    ref = softassign(x, y, device="cpu", approximation="approximate", **SA_HOT_COLD)
+    assert len(calls) == ref.iterations
+    assert ref.info["approximation"]["passes"]["cells"] > 0
+    assert fused.info["approximation"]["passes"] == ref.info["approximation"]["passes"]
+    ulps = 8 * ref.iterations * float(torch.finfo(torch.float32).eps)
+    extent = float((y.amax(0) - y.amin(0)).norm())
+    Tf, Tr = torch.from_numpy(fused.transformation), torch.from_numpy(ref.transformation)
+    torch.testing.assert_close(Tf[:3, :3], Tr[:3, :3], rtol=0, atol=ulps)
+    torch.testing.assert_close(Tf[:3, 3], Tr[:3, 3], rtol=0, atol=ulps * extent)

@@ -5,30 +5,19 @@ tolerates a poor initial pose, and both reduce each step to a weighted Horn prob
 soft correspondences (Tamaki et al., "Softassign and EM-ICP on GPU", eqs. 18-20, 26,
 28-29): with row weights w_i and soft correspondences m_i, ``Σ_i w_i ||R x_i + t − m_i||²``
 has the centroids and cross-covariance of ``Σ_ij m_ij ||R x_i + t − y_j||²``. The N×M
-matrix is never stored: each step is fused passes of :mod:`pointalign.kernels.soft`, and
-Softassign keeps Sinkhorn's scalings only (M = diag(r) K diag(c), K recomputed on the fly).
+matrix is never stored (Softassign keeps Sinkhorn's scalings only, M = diag(r) K diag(c)).
 
 Each algorithm is one fixed-length device program (:class:`EmicpProgram`,
-:class:`SoftassignProgram`): centre both clouds, anneal, take the pose back to the input
-frames, measure fitness. Every ``CHECK_EVERY`` iterations a problem whose pose and weights
-settled is frozen (:class:`_Settling`). How the program runs (eagerly, stopping once all
-settled, or as one CUDA graph replay) is :func:`pointalign.kernels._loop.run_program`'s.
-
-On the CPU ("cpu" backend, numba) the passes run on the host, iteration by iteration, in a
-form chosen up front by :func:`choose_form` (``kernels.soft.cpu_plan``): exact while that
-is estimated at a few seconds, else a stated, bounded approximation (EM-ICP: cells of 0.4σ
-and truncation at 4σ; Softassign: cells of 0.5σ while they merge points, then per point
-with a 1e-4 relative bound on every Sinkhorn normaliser), recorded in
-``result.info["approximation"]``; :func:`estimate_seconds` gives
-the cost up front, long runs warn and show a progress bar. The GPU runs the exact kernels.
-
-Results are ``T_target_source``; batches are padded ``(B, N, 3)`` with lengths, as in ICP.
+:class:`SoftassignProgram`) over one run's passes (:func:`pointalign.kernels.soft.prepare`,
+in the form ``approximation`` chooses up front): centre both clouds, anneal, take the pose
+back to the input frames, measure fitness; a problem that settled is frozen
+(:class:`_Settling`). Results are ``T_target_source``; batches are padded, as in ICP.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -40,17 +29,14 @@ from pointalign import _progress, _validate, estimate, transforms
 from pointalign.kernels import _loop
 from pointalign.kernels import horn as khorn
 from pointalign.kernels import soft as ksoft
-from pointalign.kernels._backend import backend
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.result import RegistrationResult
 
-# Defaults are multiples of the target's RMS radius ρ (root-mean-square distance of its
-# points from their centroid), so they hold in any unit. The seed code (Tamaki et al.) was
-# written for the Stanford bunny, ρ = 0.0562 m: its EM-ICP σ₀² = 0.01 m², σ_min² = 1e-5 m²
-# and d₀² = 0.01 m² are σ₀ = 1.78 ρ, σ_min = 0.0563 ρ, d₀ = 1.78 ρ; its Softassign σ = 0.1 m
-# (β₀ = 1/σ²) is 1.78 ρ. Tuning on held-out bunny pairs: benchmarks/tune_soft.py.
+# Defaults are multiples of the target's RMS radius ρ, so they hold in any unit. The seed
+# code (Tamaki et al., for the bunny, ρ = 0.0562 m) has EM-ICP σ₀ = 1.78 ρ, σ_min = 0.0563 ρ,
+# d₀ = 1.78 ρ and Softassign σ = 1/√β₀ = 1.78 ρ. Tuning: benchmarks/tune_soft.py.
 #: EM-ICP σ_min / ρ, tuned (seed: 0.0563): 17 % lower median rotation error, same success
 EMICP_SIGMA_MIN = 0.03
 #: EM-ICP σ₀ / ρ: the seed's σ₀/σ_min = √(0.01/1e-5) = √1000 (66 iterations at factor 0.9)
@@ -70,10 +56,7 @@ SLOW_S = 30.0
 
 
 def _recentre(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Return ``Tr(−b) T Tr(a)``, ``T (B, 4, 4)`` between clouds shifted by −a, −b ``(B, 3)``.
-
-    ``_recentre(·, −a, −b)`` undoes it.
-    """
+    """Return ``Tr(−b) T Tr(a)`` for clouds shifted by −a, −b ``(B, 3)`` (−a, −b undo it)."""
     out = T.clone()
     out[:, :3, 3] += (T[:, :3, :3] @ a[..., None])[..., 0] - b
     return out
@@ -86,25 +69,14 @@ def _rho(y: ksoft.Centred) -> torch.Tensor:
 
 
 def _fitness(x: ksoft.Centred, y: ksoft.Centred, T: torch.Tensor, inlier: torch.Tensor,
-             plan: Any = None):
+             passes: ksoft.Passes):
     """Fitness and RMSE ``(B,)`` of hard nearest neighbours within ``inlier (B,)``."""
     rows = torch.arange(x.points.shape[1], device=T.device)[None, :] < x.lengths[:, None]
-    if plan is not None:  # the CPU's k-d tree: exact nearest neighbours
-        from pointalign.kernels.soft import cpu as _soft_cpu
-
-        d2 = _soft_cpu.nearest_d2(x.points, y.points, T, x.lengths, y.lengths,
-                                  inlier.square(), plan)
-    else:
-        # the fused pass at a huge scale s: −lse/s → min_j d_ij² (soft-min; error ≤ log(M)/s)
-        big = 1e4 / inlier.square().clamp_min(1e-30)
-        r = ksoft.soft_rows(x.points, y.points, T, big.to(torch.float32),
-                            query_lengths=x.lengths, point_lengths=y.lengths)
-        d2 = (-r.lse.double() / big[:, None]).clamp_min(0)
+    d2 = passes.nearest_d2(x.points, y.points, T, inlier.square(), x.lengths, y.lengths)
     inl = rows & (d2 <= inlier.square()[:, None])
     n_in = inl.sum(1)
-    rmse = torch.where(n_in > 0, (torch.where(inl, d2, 0).sum(1) / n_in.clamp_min(1)).sqrt(),
-                       math.inf)
-    return n_in.double() / x.lengths.double(), rmse
+    rmse = (torch.where(inl, d2, 0).sum(1) / n_in.clamp_min(1)).sqrt()
+    return n_in.double() / x.lengths.double(), torch.where(n_in > 0, rmse, math.inf)
 
 
 class _Settling:
@@ -126,6 +98,8 @@ class _Settling:
         """Take iteration ``it``'s (1-based) pose and weights; True: all done, stop early."""
         p, T_old, w_old = self.prog, self.T, torch.zeros_like(w) if self.w is None else self.w
         self.T, self.w = T, w
+        if p.progress is not None:
+            p.progress.advance()
         if it % p.check_every or it >= p.n_iter:
             return False
         dR = (T[:, :3, :3] - T_old[:, :3, :3]).square().sum((-1, -2)).sqrt() / math.sqrt(2)
@@ -138,18 +112,19 @@ class _Settling:
                                  weight_change=dw))
         return checkpoint(self.done)
 
-    def finish(self, it: int) -> None:
-        """Count ``it`` iterations for the problems still running."""
+    def finish(self, it: int) -> torch.Tensor:
+        """Count ``it`` iterations for the problems still running; ``(B,)`` iterations."""
         self.iters = torch.where(self.done, self.iters, it)
+        return self.iters
 
 
 @dataclass(frozen=True)
 class _Annealing:
     """What both annealing programs share: the iteration count and the settling test.
 
-    Inputs: ``source (B, N, 3)``, ``target (B, M, 3)``, ``source_lengths``, ``target_lengths``,
-    ``init (B, 4, 4)`` float64 and the caller's per-problem parameters. Outputs: ``T``,
-    ``history.<key> (checks, B)`` and ``(B,)`` fitness, rmse, iterations, done, flat, info.
+    Inputs: ``source (B, N, 3)``, ``target (B, M, 3)``, lengths, ``init (B, 4, 4)`` float64,
+    the caller's per-problem parameters. Outputs: ``T``, ``history.<key> (checks, B)``,
+    ``(B,)`` fitness, rmse, iterations, done, flat, info.
     """
 
     SOURCE_LAYOUT: ClassVar[bool]  # set by each subclass
@@ -158,14 +133,10 @@ class _Annealing:
     rotation_tolerance: float
     translation_tolerance: float
     relative_weights: float
-    #: the CPU form of the passes (``kernels.soft.cpu_plan``); None: the backend's exact one
-    approximation: Any = dataclasses.field(default=None, kw_only=True)
+    #: the run's passes (``kernels.soft.prepare``): the form, the trees and cells it owns
+    passes: Any = dataclasses.field(default=None, kw_only=True)
     #: a progress bar (``_progress.task``) advanced per iteration on the host; None: none
     progress: Any = dataclasses.field(default=None, kw_only=True)
-
-    def _advance(self) -> None:
-        if self.progress is not None:
-            self.progress.advance()
 
     def _start(self, inputs: _loop.Tensors):
         """Centre both clouds; ρ; the settling state (done: source or target on a line)."""
@@ -179,7 +150,7 @@ class _Annealing:
                 track: _Settling, inlier: torch.Tensor, **info: torch.Tensor) -> _loop.Tensors:
         """Collect the outputs: the pose in the input frames (``init`` if degenerate) etc."""
         T = _recentre(track.T, -x.center, -y.center)
-        fitness, rmse = _fitness(x, y, track.T, inlier, self.approximation)
+        fitness, rmse = _fitness(x, y, track.T, inlier, self.passes)
         out = {"T": torch.where(track.flat[:, None, None], inputs["init"], T),
                "fitness": fitness, "rmse": rmse, "iterations": track.iters,
                "done": track.done, "flat": track.flat, "inlier_distance": inlier, **info}
@@ -204,9 +175,8 @@ class EmicpProgram(_Annealing):
     def __call__(self, inputs: _loop.Tensors, checkpoint: Any) -> _loop.Tensors:
         """Run the schedule: ``(inputs, checkpoint) -> outputs`` (see :class:`_Annealing`)."""
         x, y, rho, track = self._start(inputs)
-        sig0, sig_min, d0 = (inputs[n] if r is None else r * rho for n, r in (
-            ("sigma", self.sigma), ("sigma_min", self.sigma_min),
-            ("outlier_distance", self.outlier)))
+        sig0, sig_min, d0 = (inputs[n] if r is None else r * rho for n, r in (("sigma", self.sigma),
+                             ("sigma_min", self.sigma_min), ("outlier_distance", self.outlier)))
         k = torch.arange(self.n_iter, dtype=torch.float64, device=rho.device)
         sig2 = sig0.square()[None, :] * self.factor ** k[:, None]        # (n_iter, B)
         scale = (0.5 / sig2).to(torch.float32)                            # 1/(2σ²)
@@ -214,15 +184,11 @@ class EmicpProgram(_Annealing):
         it = 0
         for it in range(1, self.n_iter + 1):
             # E-step (λ_i, x'_i) and M-step (weighted Horn) in one fused call
-            T, _, lam = ksoft.emicp_step(x.points, y.points, track.T, scale[it - 1],
-                                         log_out[it - 1], track.done,
-                                         source_lengths=x.lengths, target_lengths=y.lengths,
-                                         approximation=self.approximation)
-            self._advance()
+            T, _, lam = self.passes.emicp_step(x.points, y.points, track.T, scale[it - 1],
+                                               log_out[it - 1], track.done, x.lengths, y.lengths)
             if track.step(it, T, lam, checkpoint, sigma=sig2[it - 1].sqrt()):
                 break
-        track.finish(it)
-        last = track.iters.clamp(1, self.n_iter) - 1
+        last = track.finish(it).clamp(1, self.n_iter) - 1
         return self._finish(inputs, x, y, track, 3 * sig_min, sigma0=sig0, sigma_min=sig_min,
                             sigma_final=sig2.gather(0, last[None])[0].sqrt(),
                             outlier_distance=d0, rms_radius=rho)
@@ -258,62 +224,32 @@ class SoftassignProgram(_Annealing):
         for it in range(1, self.n_iter + 1):
             j = (it - 1) // self.per_temperature
             T, Ti, beta, ba = track.T, transforms.invert(track.T), betas_f[j], offsets[j]
-            ap = self.approximation
-            # CPU "cells" form: the update's passes in one call over its kernel matrix (the
-            # same sums and ops as the passes below); None: run them one by one
-            fused = None if ap is None else _soft_cpu().softassign_update(
-                x.points, y.points, T, beta, ba, log_w, x.lengths, y.lengths,
-                self.sinkhorn_rounds, ap)
-            if fused is None:
-                lse, mean = self._passes(x, y, T, Ti, beta, ba, log_w)
-            else:
-                lse, mean = fused
+            # Sinkhorn's rounds (eqs. 5-6, in logs); the last column pass gives x'_j too
+            lse, mean = self.passes.softassign_update(x.points, y.points, T, Ti, beta, ba, log_w,
+                                                      x.lengths, y.lengths, self.sinkhorn_rounds)
             # column sums of M: c_j Σ_i K_ij r_i, log c_j = −log(slack + Σ_i K_ij r_i)
             log_c = -torch.logaddexp(lse, log_w[:, None].expand_as(lse))
             w = torch.nan_to_num(torch.exp(lse + log_c), nan=0.0, posinf=0.0)
             # Σ_ij m_ij ||R x_i + t − y_j||² has the moments of Σ_j w_j ||R x'_j + t − y_j||²
             T_new, valid = khorn.weighted_horn(mean, y.points, w)
             T_new = torch.where((valid & ~track.done)[:, None, None], T_new, T)
-            self._advance()
             if track.step(it, T_new, w, checkpoint, beta=betas[j]):
                 break
-        track.finish(it)
-        j_end = ((track.iters.clamp(1, self.n_iter) - 1) // self.per_temperature) \
+        j_end = ((track.finish(it).clamp(1, self.n_iter) - 1) // self.per_temperature) \
             .clamp_max(self.temperatures - 1)
         beta_end = betas.gather(0, j_end[None])[0]
         inlier = torch.maximum(alpha.sqrt(), 3.0 / beta_end.sqrt())
         return self._finish(inputs, x, y, track, inlier, beta0=beta0, beta_final=beta_end,
                             alpha=alpha, rms_radius=rho)
 
-    def _passes(self, x: ksoft.Centred, y: ksoft.Centred, T: torch.Tensor, Ti: torch.Tensor,
-                beta: torch.Tensor, ba: torch.Tensor, log_w: torch.Tensor):
-        """One update's Sinkhorn passes: ``(lse (B, M), mean (B, M, 3))`` of the last."""
-        g_col = ba[:, None].expand(-1, y.points.shape[1])                # log c + βα, c = 1
-        ap = self.approximation
-        for s in range(self.sinkhorn_rounds):                            # eqs. 5-6, in logs
-            g_row = ksoft.sinkhorn_scaling(x.points, y.points, T, beta, g_col, log_w, ba,
-                                           query_lengths=x.lengths, point_lengths=y.lengths,
-                                           approximation=ap)
-            if s + 1 < self.sinkhorn_rounds:
-                g_col = ksoft.sinkhorn_scaling(y.points, x.points, Ti, beta, g_row, log_w,
-                                               ba, query_lengths=y.lengths,
-                                               point_lengths=x.lengths, approximation=ap)
-        # last column normalisation and x'_j = Σ_i m_ij x_i / Σ_i m_ij in one pass
-        r = ksoft.soft_rows(y.points, x.points, Ti, beta, query_lengths=y.lengths,
-                            point_lengths=x.lengths, point_log_weights=g_row,
-                            approximation=ap, offset=ba)
-        return r.lse, r.mean
-
-
-def _soft_cpu() -> Any:
-    from pointalign.kernels.soft import cpu as _soft_cpu
-
-    return _soft_cpu
-
 
 def _prepare(source, target, init, device, source_lengths, target_lengths, criteria,
-             **params: Any) -> tuple[_edge.Pair, dict[str, torch.Tensor]]:
-    """Check the inputs; the pair and the given ``params`` (B numbers > 0, finite but d₀)."""
+             lengths: dict[str, float], **params: Any):
+    """Check the inputs: the pair, the ``params`` given (B numbers > 0, finite but d₀) and ρ.
+
+    ρ: the targets' RMS radii ``(B,)`` on the host when a given parameter sets a length
+    (``value ** lengths[name]``, in metres, within ``[1/RANGE, RANGE] ρ``), else None.
+    """
     _validate.instance(criteria, ConvergenceCriteria, "criteria")
     dev = _edge.resolve_device(device, source=source, target=target)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, min_points=3,
@@ -336,7 +272,17 @@ def _prepare(source, target, init, device, source_lengths, target_lengths, crite
             raise ValueError(f"{name}: must be > 0{', finite' * (name != 'outlier_distance')}"
                              f", got {value}")
         given[name] = v.expand(pair.size).clone()
-    return pair, given
+    if not any(n in given for n in lengths):
+        return pair, given, None
+    rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu()
+    for name in (n for n in lengths if n in given):
+        rel = given[name] ** lengths[name] / rho
+        bad = ~((rel >= 1 / RANGE) & (rel <= RANGE))
+        if bool(bad.any()):
+            raise ValueError(f"{name}: {given[name][bad][0].item():.3g} is out of range for "
+                             f"clouds of RMS radius {rho[bad][0].item():.3g} (the length it sets "
+                             f"must lie within [{1 / RANGE:g}, {RANGE:g}] times the radius)")
+    return pair, given, rho
 
 
 def _settling(criteria: ConvergenceCriteria | None, n_sched: int) -> dict[str, Any]:
@@ -348,84 +294,22 @@ def _settling(criteria: ConvergenceCriteria | None, n_sched: int) -> dict[str, A
                 relative_weights=float(crit.weight_change))
 
 
-def choose_form(algorithm: str, pair: _edge.Pair, n_iter: int, approximation: str,
-                sigmas: list[float] | None = None, outlier_weight: float = 1.0,
-                sinkhorn_rounds: int = 3, betas: list[float] | None = None,
-                alpha: float = 0.0, per_temperature: int = 1) -> Any:
-    """Choose the form of the passes for ``pair`` up front (``kernels.soft.cpu_plan``).
-
-    On the "cpu" backend (numba) a plan: exact while its estimate is a few seconds
-    (``AUTO_BUDGET_S``), else the bounded approximation (``approximation="auto"``), or as
-    forced ("exact", "approximate"). Elsewhere (CUDA, the Triton interpreter, the PyTorch
-    reference) None: the exact passes. Softassign: ``betas`` (β of each temperature run),
-    ``alpha`` and ``per_temperature`` (updates per β) of the first problem let the plan
-    predict its "cells" phases and cost; without them it truncates per point throughout.
-    """
-    if approximation not in ("auto", "exact", "approximate"):
-        raise ValueError("approximation: expected 'auto', 'exact' or 'approximate', got "
-                         f"{approximation!r}")
-    if pair.device.type != "cpu" or backend(pair.source) != "cpu":
-        return None
-    n, m = pair.source.shape[1], pair.target.shape[1]
-    if algorithm == "emicp":
-        return ksoft.cpu_plan(n, m, n_iter * pair.size, approximation=approximation,
-                              method="emicp", source=pair.source[0].double().numpy(),
-                              target=pair.target[0].double().numpy(), sigmas=sigmas)
-    extra: dict[str, Any] = {}
-    if betas:
-        ns, nt = int(pair.source_lengths[0]), int(pair.target_lengths[0])
-        extra = dict(source=pair.source[0, :ns].double().numpy(),
-                     target=pair.target[0, :nt].double().numpy(), betas=betas, alpha=alpha,
-                     passes_per_beta=per_temperature * 2 * sinkhorn_rounds,
-                     passes_per_update=2 * sinkhorn_rounds)
-    return ksoft.cpu_plan(n, m, n_iter * 2 * sinkhorn_rounds * pair.size,
-                          approximation=approximation, method="softassign",
-                          outlier_weight=outlier_weight, **extra)
-
-
-@contextlib.contextmanager
-def _host_threads(plan: Any):
-    """One PyTorch thread while the numba passes run (``plan`` not None), then as before.
-
-    Between the passes PyTorch only handles (B, N) vectors and the 4x4 poses; on 2 threads
-    each of those small ops paid an OpenMP fork/join (weighted Horn on 2k points: 13.5 ms of
-    CPU on 2 threads against 1.4 ms on one, loaded machine). The numba passes keep their own
-    thread count (``_threads.numba_threads``).
-    """
-    if plan is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _form_info(plan: Any, pair: _edge.Pair) -> dict[str, Any]:
-    return {"mode": "exact", "device": str(pair.device)} if plan is None else plan.info()
-
-
-def _run(algorithm: str, prog: _Annealing, pair: _edge.Pair, given: dict[str, torch.Tensor],
-         n_sched: int, t_start: float) -> RegistrationResult:
+def _run(algorithm: str, t_start: float, prog: _Annealing, pair: _edge.Pair,
+         given: dict[str, torch.Tensor], n_sched: int) -> RegistrationResult:
     """Run ``prog`` on ``pair`` and build the result (stop reasons, history, info)."""
-    inputs = {"source": pair.source, "target": pair.target, "source_lengths": pair.source_lengths,
-              "target_lengths": pair.target_lengths, "init": torch.from_numpy(pair.init),
-              **given}
-    inputs = {n: v.to(pair.device) for n, v in inputs.items()}
-    plan = prog.approximation
-    if plan is not None and plan.estimate_s > SLOW_S:
+    inputs = {n: v.to(pair.device) for n, v in dict(
+        source=pair.source, target=pair.target, source_lengths=pair.source_lengths,
+        target_lengths=pair.target_lengths, init=torch.from_numpy(pair.init), **given).items()}
+    passes = prog.passes
+    if passes.estimate_s is not None and passes.estimate_s > SLOW_S:
         _progress.warn(f"{algorithm} on {pair.source.shape[1]} x {pair.target.shape[1]} points "
-                       f"on the CPU is estimated to take {plan.estimate_s:.0f} s "
-                       f"({plan.mode} form); subsample the clouds, use a GPU or a "
-                       "nearest-neighbour method (icp) for speed",
+                       f"is estimated to take {passes.estimate_s:.0f} s ({passes.form} form); "
+                       "subsample the clouds, use a GPU or a nearest-neighbour method (icp)",
                        _progress.SlowOperationWarning, stacklevel=3)
     label = "EM-ICP" if algorithm == "emicp" else "Softassign"
-    with _progress.task(label, total=prog.n_iter,
-                        quiet=None if pair.device.type == "cpu" else True) as bar, \
-            _host_threads(plan):
-        run = dataclasses.replace(prog, progress=bar) if pair.device.type == "cpu" else prog
+    with _progress.task(label, total=prog.n_iter, quiet=None if passes.host else True) as bar, \
+            passes.running():
+        run = dataclasses.replace(prog, progress=bar) if passes.host else prog
         host, _ = _loop.run_program(run, inputs, device_outputs=False,
                                     pairs=pair.size * pair.source.shape[1] * pair.target.shape[1])
     t_run = time.perf_counter()
@@ -440,7 +324,7 @@ def _run(algorithm: str, prog: _Annealing, pair: _edge.Pair, given: dict[str, to
                for c in range(len(next(iter(hist.values()), ())))]
     T, fitness, rmse, iters = (host.pop(k) for k in ("T", "fitness", "rmse", "iterations"))
     info = dict(host, algorithm=algorithm, scheduled_iterations=n_sched,
-                approximation=_form_info(plan, pair))
+                approximation=passes.info())
     timings = {"iterate": t_run - t_start, "total": time.perf_counter() - t_start}
     return _edge.build_result(pair, T, fitness=fitness, rmse=rmse, iterations=iters,
                               reasons=reasons, history=history, timings=timings, info=info)
@@ -474,104 +358,76 @@ def emicp(
         target: ``(M, 3)`` fixed points, or ``(B, M, 3)``.
         init: initial ``T_target_source`` ``(4, 4)`` (or ``(B, 4, 4)``); identity if None.
         sigma: initial σ (metres; a number or B); default ``EMICP_SIGMA`` ρ = 0.949 ρ, ρ the
-            target's RMS radius (the seed code's σ² = 0.01 m² on the bunny is 1.78 ρ).
+            target's RMS radius.
         sigma_min: σ at which annealing stops, < sigma; default ``EMICP_SIGMA_MIN`` ρ = 0.03 ρ.
         factor: multiplies **σ²** each iteration (the seed's ``sigma_factor``), in (0, 1):
             ⌈log(σ_min²/σ²) / log(factor)⌉ iterations (66 with the defaults, as the seed's).
         outlier_distance: d₀ (metres), the distance at which a point is as likely an outlier
             as a match; default ``EMICP_OUTLIER`` ρ = 1.78 ρ; ``inf``: no outlier term.
-        criteria: ``max_iterations`` caps the schedule (default: its length); at a check
-            (every ``CHECK_EVERY`` iterations) a problem stops when its update is below
-            ``rotation_tolerance`` and ``translation_tolerance`` (at the source centroid)
-            and its weights λ changed by less than ``relative_weights`` (relative L1).
+        criteria: ``max_iterations`` caps the schedule (default: its length); every
+            ``CHECK_EVERY`` iterations a problem stops when its update is below both
+            tolerances (at the source centroid) and its λ changed by < ``relative_weights``.
         device: compute device (default: the inputs' device, else CUDA if present).
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
-        approximation: the form of the E-step on the CPU ("cpu" backend, numba): "auto"
-            (exact while the exact run is estimated at a few seconds, ``AUTO_BUDGET_S`` of
-            :mod:`pointalign.kernels.soft.cpu`; above, the approximation), "exact" or
-            "approximate": at each σ both clouds merged into cells of side 0.4σ (rounded
-            down to a power of √2) and cell pairs farther than 4σ apart dropped; each kept
-            term within a factor ``[e^(−(4sdh + sh²)²/8), e^(sh²)]`` of its points' exact
-            terms (s = 1/(2σ²), h the cell half-diagonal, d the distance; within [0.93, 1.06]
-            at d = σ), each dropped one below e^(−(4 − 0.69)²/2) = 4.2e-3. Ignored off the
-            CPU (the GPU runs the exact E-step). ``result.info["approximation"]`` records
-            the form, its parameters and bounds; :func:`estimate_seconds` predicts the time
-            up front, and a run estimated above ``SLOW_S`` seconds warns
-            (:class:`~pointalign._progress.SlowOperationWarning`).
+        approximation: the E-step's form where the backend has a cheaper one (the CPU's
+            numba passes; the GPU's is exact): "auto" (exact while estimated at a few
+            seconds, else approximate), "exact" or "approximate" (cells of 0.4σ, cell pairs
+            beyond 4σ dropped; bounds in :mod:`pointalign.kernels.soft.cpu`), recorded in
+            ``result.info["approximation"]``; a run estimated above ``SLOW_S`` seconds
+            warns (:class:`~pointalign._progress.SlowOperationWarning`).
 
     Raises:
-        ValueError: naming the argument, for σ, σ_min outside ``[1e-6 ρ, 1e6 ρ]`` (ρ: the
-            target's RMS radius), σ_min ≥ σ, factor outside (0, 1) etc.
+        ValueError: naming the argument: σ, σ_min outside ``[1e-6 ρ, 1e6 ρ]``, σ_min ≥ σ etc.
 
     Returns:
         :class:`RegistrationResult`; ``stop_reason`` is ``"schedule"`` (σ reached
         sigma_min), ``"pose_and_weights"`` (settled early), ``"max_iterations"``,
         ``"degenerate"`` (source or target on a line: ``init`` is returned) or
         ``"no_correspondences"`` (no source point within ``3 σ_min`` of the target at the
-        end: not converged). ``fitness`` and ``rmse`` use hard nearest neighbours within
-        ``3 σ_min``. A progress bar over the iterations is shown on a terminal (CPU only;
-        see :mod:`pointalign._progress`).
+        end: not converged). ``fitness`` and ``rmse``: hard nearest neighbours within
+        ``3 σ_min``. Passes run on the host show a progress bar (``_progress``).
 
     """
-    t_start = time.perf_counter()
-    prog, pair, given, n_sched = _emicp_setup(source, target, init, sigma, sigma_min, factor,
-                                              outlier_distance, criteria, device,
-                                              source_lengths, target_lengths, approximation)
-    return _run("emicp", prog, pair, given, n_sched, t_start)
+    return _run("emicp", time.perf_counter(), *_emicp_setup(
+        source, target, init=init, sigma=sigma, sigma_min=sigma_min, factor=factor,
+        outlier_distance=outlier_distance, criteria=criteria, device=device,
+        source_lengths=source_lengths, target_lengths=target_lengths,
+        approximation=approximation))
 
 
-def _check_range(given: dict[str, torch.Tensor], rho: torch.Tensor,
-                 rules: dict[str, Any]) -> None:
-    """ValueError naming the argument when ``rules[name](value) / ρ`` leaves [1/RANGE, RANGE].
-
-    ``rho (B,)`` the targets' RMS radii; ``rules`` maps a parameter to its length in metres.
-    """
-    for name, length in rules.items():
-        if name not in given:
-            continue
-        rel = length(given[name]) / rho
-        bad = ~((rel >= 1 / RANGE) & (rel <= RANGE))
-        if bool(bad.any()):
-            raise ValueError(
-                f"{name}: {given[name][bad][0].item():.3g} is out of range for clouds of RMS "
-                f"radius {rho[bad][0].item():.3g} (the length it sets must lie within "
-                f"[{1 / RANGE:g}, {RANGE:g}] times the radius)")
-
-
-def _emicp_setup(source, target, init, sigma, sigma_min, factor, outlier_distance, criteria,
+def _emicp_setup(source, target, *, init, sigma, sigma_min, factor, outlier_distance, criteria,
                  device, source_lengths, target_lengths, approximation):
-    """Check EM-ICP's arguments; its program (form of the passes chosen), pair, inputs."""
+    """Check EM-ICP's arguments: its program (with the run's passes), pair, inputs, length."""
     factor = _validate.in_range(factor, "factor", 0.0, 1.0)
-    pair, given = _prepare(source, target, init, device, source_lengths, target_lengths,
-                           criteria, sigma=sigma, sigma_min=sigma_min,
-                           outlier_distance=outlier_distance)
-    # the schedule's length needs σ_min/σ₀ on the host: ρ is read only when a σ is given or
-    # the passes run on the host anyway
-    need_rho = sigma is not None or sigma_min is not None or pair.device.type == "cpu"
-    rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu() if need_rho else \
-        torch.ones(pair.size, dtype=torch.float64)
-    _check_range(given, rho, {"sigma": lambda v: v, "sigma_min": lambda v: v})
-    s0, s1 = (given.get(n, r * rho) for n, r in (("sigma", EMICP_SIGMA),
-                                                  ("sigma_min", EMICP_SIGMA_MIN)))
+    pair, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
+                                criteria, {"sigma": 1, "sigma_min": 1}, sigma=sigma,
+                                sigma_min=sigma_min, outlier_distance=outlier_distance)
+    # the schedule's length needs σ_min/σ₀ on the host: ρ only when a σ is given (no sync)
+    r = torch.ones(pair.size, dtype=torch.float64) if rho is None else rho
+    s0, s1 = given.get("sigma", EMICP_SIGMA * r), given.get("sigma_min", EMICP_SIGMA_MIN * r)
     ratio = torch.as_tensor(s1 / s0, dtype=torch.float64).reshape(-1)
     if bool((ratio >= 1).any()):
         raise ValueError(f"sigma_min: must be smaller than sigma, got {s1} and sigma {s0}")
-    n_sched = max(math.ceil(math.log(r ** 2) / math.log(factor) - 1e-9) for r in ratio.tolist())
+    n_sched = max(math.ceil(math.log(q ** 2) / math.log(factor) - 1e-9) for q in ratio.tolist())
     settle = _settling(criteria, n_sched)
-    s00 = float(torch.as_tensor(s0).reshape(-1)[0])
-    plan = choose_form("emicp", pair, settle["n_iter"], approximation,
-                       sigmas=[s00 * factor ** (k / 2) for k in range(settle["n_iter"])])
-    prog = EmicpProgram(**settle, factor=factor,
+
+    def schedule() -> dict[str, Any]:  # the first problem's σ per iteration
+        s00 = float(given["sigma"][0]) if "sigma" in given else EMICP_SIGMA * float(
+            (rho if rho is not None else _rho(ksoft.centre(pair.target, pair.target_lengths)))[0])
+        return {"sigmas": [s00 * factor ** (k / 2) for k in range(settle["n_iter"])]}
+    passes = ksoft.prepare("emicp", pair.source, pair.target, pair.source_lengths,
+                           pair.target_lengths, iterations=settle["n_iter"],
+                           approximation=approximation, schedule=schedule)
+    return EmicpProgram(**settle, factor=factor, passes=passes,
                         sigma=None if sigma is not None else EMICP_SIGMA,
                         sigma_min=None if sigma_min is not None else EMICP_SIGMA_MIN,
-                        outlier=None if outlier_distance is not None else EMICP_OUTLIER,
-                        approximation=plan)
-    return prog, pair, given, n_sched
+                        outlier=None if outlier_distance is not None else EMICP_OUTLIER), \
+        pair, given, n_sched
 
 
 def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) -> dict[str, Any]:
-    """Predict, up front, how long :func:`emicp` or :func:`softassign` will take on the CPU.
+    """Predict, up front, how long :func:`emicp` or :func:`softassign` will take.
 
     Args:
         algorithm: "emicp" or "softassign".
@@ -580,30 +436,20 @@ def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) ->
         **params: the algorithm's keyword arguments (``approximation`` included).
 
     Returns:
-        ``{"seconds": predicted seconds of the chosen form (None off the CPU backend),
-        "exact_seconds": the exact form's, "approximation": what ``result.info
-        ["approximation"]`` will say}``. An estimate from a pairs-per-second model
-        (``kernels._soft_cpu``), not a promise; the algorithms warn
-        (``SlowOperationWarning``) above ``SLOW_S`` seconds.
+        ``{"seconds": predicted seconds of the chosen form (None where the passes give no
+        estimate: off the CPU), "exact_seconds": the exact form's, "approximation": what
+        ``result.info["approximation"]`` will say}``: a pairs-per-second model, not a promise.
 
     """
-    if algorithm == "emicp":
-        names = ("init", "sigma", "sigma_min", "factor", "outlier_distance", "criteria",
-                 "device", "source_lengths", "target_lengths", "approximation")
-        defaults = dict(factor=0.9, approximation="auto")
-        unknown = sorted(set(params) - set(names))
-        if unknown:
-            raise TypeError(f"estimate_seconds: emicp takes no argument {unknown[0]!r}")
-        args = [params.get(n, defaults.get(n)) for n in names]
-        prog, pair, _, _ = _emicp_setup(source, target, *args)
-    elif algorithm == "softassign":
-        prog, pair, _, _ = _softassign_setup(source, target, **params)
-    else:
+    public = {"emicp": emicp, "softassign": softassign}.get(algorithm)
+    if public is None:
         raise ValueError(f"algorithm: expected 'emicp' or 'softassign', got {algorithm!r}")
-    plan = prog.approximation
-    return {"seconds": None if plan is None else plan.estimate_s,
-            "exact_seconds": None if plan is None else plan.exact_estimate_s,
-            "approximation": _form_info(plan, pair)}
+    args = inspect.signature(public).bind(source, target, **params)  # TypeError: unknown names
+    args.apply_defaults()
+    passes = (_emicp_setup if algorithm == "emicp" else _softassign_setup)(
+        **args.arguments)[0].passes
+    return {"seconds": passes.estimate_s, "exact_seconds": passes.exact_estimate_s,
+            "approximation": passes.info()}
 
 
 @_validate.out_of_memory_is_clear
@@ -649,75 +495,55 @@ def softassign(
         device: compute device, as :func:`emicp`.
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
-        approximation: the form of the passes on the CPU ("cpu" backend): "auto" (exact
-            while estimated at a few seconds, else the approximation), "exact" or
-            "approximate" ("cells"): while the clouds merge into cells of side 0.5σ
-            (σ = 1/√(2β), rounded down to a power of √2), Sinkhorn runs on the cells (a cell
-            pair's term within ``[e^(−(4√3 βda + 12βa²)²/8), e^(1.5βa²)]`` of its block's
-            exact sum, d the centroid distance, a the side; pairs beyond the 1e-2
-            normaliser radius + 2√3a dropped); once every cell holds one point (the cold
-            temperatures), per point: pairs with ``β d² > k²/2 + βα`` dropped, k chosen so
-            that every Sinkhorn normaliser (slack included) is low by a relative
-            ``max(N, M) e^(−k²/2)/w² ≤ 1e-4`` (w = ``outlier_weight``). Ignored off the
-            CPU. ``result.info["approximation"]`` records the form, the predicted phases
-            and the passes run in each form; see :func:`estimate_seconds`.
+        approximation: as :func:`emicp`'s; "approximate": Sinkhorn on cells of 0.5σ
+            (σ = 1/√(2β)) while they merge points, then per point with far pairs dropped
+            (the bounds: :mod:`pointalign.kernels.soft.cpu`); the record adds the predicted
+            phases and the passes run in each form.
 
     Raises:
-        ValueError: naming the argument, e.g. for 1/√β₀ or √α outside ``[1e-6 ρ, 1e6 ρ]``
-            (ρ: the target's RMS radius).
+        ValueError: naming the argument, e.g. for 1/√β₀ or √α outside ``[1e-6 ρ, 1e6 ρ]``.
 
     Returns:
-        :class:`RegistrationResult` (``iterations`` counts pose updates); ``stop_reason`` is
-        ``"schedule"``, ``"pose_and_weights"``, ``"max_iterations"``, ``"degenerate"``
-        (source or target on a line: ``init`` is returned) or ``"no_correspondences"``
-        (as :func:`emicp`).
+        :class:`RegistrationResult` (``iterations`` counts pose updates); ``stop_reason`` as
+        :func:`emicp`'s: ``"schedule"``, ``"pose_and_weights"``, ``"max_iterations"``,
+        ``"degenerate"`` or ``"no_correspondences"``.
 
     """
-    t_start = time.perf_counter()
-    prog, pair, given, n_sched = _softassign_setup(
-        source, target, init=init, beta0=beta0, beta_factor=beta_factor,
-        temperatures=temperatures, alpha=alpha,
-        iterations_per_temperature=iterations_per_temperature,
+    return _run("softassign", time.perf_counter(), *_softassign_setup(
+        source, target, init=init, beta0=beta0, beta_factor=beta_factor, alpha=alpha,
+        temperatures=temperatures, iterations_per_temperature=iterations_per_temperature,
         sinkhorn_iterations=sinkhorn_iterations, outlier_weight=outlier_weight,
         criteria=criteria, device=device, source_lengths=source_lengths,
-        target_lengths=target_lengths, approximation=approximation)
-    return _run("softassign", prog, pair, given, n_sched, t_start)
+        target_lengths=target_lengths, approximation=approximation))
 
 
-def _softassign_setup(source, target, *, init=None, beta0=None, beta_factor=1.075,
-                      temperatures=100, alpha=None, iterations_per_temperature=5,
-                      sinkhorn_iterations=3, outlier_weight=1.0, criteria=None, device=None,
-                      source_lengths=None, target_lengths=None, approximation="auto"):
-    """Check Softassign's arguments; its program (form of the passes chosen), pair, inputs."""
+def _softassign_setup(source, target, *, init, beta0, beta_factor, temperatures, alpha,
+                      iterations_per_temperature, sinkhorn_iterations, outlier_weight, criteria,
+                      device, source_lengths, target_lengths, approximation):
+    """Check Softassign's arguments: its program (with the run's passes), pair, inputs, length."""
     beta_factor = _validate.in_range(beta_factor, "beta_factor", 1.0, math.inf)
-    temperatures, sinkhorn_iterations, iterations_per_temperature = (
-        _validate.integer(v, name, minimum=1) for name, v in (
-            ("temperatures", temperatures), ("sinkhorn_iterations", sinkhorn_iterations),
-            ("iterations_per_temperature", iterations_per_temperature)))
+    n_temp, rounds, per_t = (_validate.integer(v, name, minimum=1) for name, v in (
+        ("temperatures", temperatures), ("sinkhorn_iterations", sinkhorn_iterations),
+        ("iterations_per_temperature", iterations_per_temperature)))
     w_out = _validate.positive(outlier_weight, "outlier_weight")
-    pair, given = _prepare(source, target, init, device, source_lengths, target_lengths,
-                           criteria, beta0=beta0, alpha=alpha)
-    if beta0 is not None or alpha is not None:
-        rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu()
-        _check_range(given, rho, {"beta0": lambda v: 1 / v.sqrt(), "alpha": lambda v: v.sqrt()})
-    n_sched = int(temperatures) * int(iterations_per_temperature)
+    pair, given, _ = _prepare(source, target, init, device, source_lengths, target_lengths,
+                              criteria, {"beta0": -0.5, "alpha": 0.5}, beta0=beta0, alpha=alpha)
+    n_sched = n_temp * per_t
     settle = _settling(criteria, n_sched)
-    betas: list[float] = []
-    a0 = 0.0
-    if pair.device.type == "cpu":  # the schedule of the first problem, for the CPU plan
+
+    def schedule() -> dict[str, Any]:  # the first problem's β per temperature run, and α
         rho = float(_rho(ksoft.centre(pair.target[:1], pair.target_lengths[:1]))[0])
         b0 = float(given["beta0"][0]) if "beta0" in given else 1.0 / (SOFT_SIGMA * rho) ** 2
         a0 = float(given["alpha"][0]) if "alpha" in given else (SOFT_ALPHA * rho) ** 2
-        n_temp = -(-settle["n_iter"] // int(iterations_per_temperature))
-        betas = [b0 * beta_factor ** k for k in range(min(n_temp, int(temperatures)))]
-    plan = choose_form("softassign", pair, settle["n_iter"], approximation,
-                       outlier_weight=w_out, sinkhorn_rounds=int(sinkhorn_iterations),
-                       betas=betas, alpha=a0,
-                       per_temperature=int(iterations_per_temperature))
-    prog = SoftassignProgram(
-        **settle, temperatures=int(temperatures),
-        per_temperature=int(iterations_per_temperature), sinkhorn_rounds=int(sinkhorn_iterations),
-        beta_factor=beta_factor, outlier_weight=w_out,
-        sigma=None if beta0 is not None else SOFT_SIGMA,
-        alpha=None if alpha is not None else SOFT_ALPHA, approximation=plan)
-    return prog, pair, given, n_sched
+        runs = min(-(-settle["n_iter"] // per_t), n_temp)
+        return {"betas": [b0 * beta_factor ** k for k in range(runs)], "alpha": a0}
+    passes = ksoft.prepare("softassign", pair.source, pair.target, pair.source_lengths,
+                           pair.target_lengths, iterations=settle["n_iter"],
+                           approximation=approximation, schedule=schedule, outlier_weight=w_out,
+                           sinkhorn_rounds=rounds, per_temperature=per_t)
+    return SoftassignProgram(**settle, temperatures=n_temp, per_temperature=per_t,
+                             sinkhorn_rounds=rounds, beta_factor=beta_factor,
+                             outlier_weight=w_out, passes=passes,
+                             sigma=None if beta0 is not None else SOFT_SIGMA,
+                             alpha=None if alpha is not None else SOFT_ALPHA), \
+        pair, given, n_sched

@@ -1,4 +1,4 @@
-"""Fused soft-correspondence reductions (EM-ICP / Softassign E-step) and their reference.
+"""Fused soft-correspondence reductions (EM-ICP / Softassign E-step): contract and dispatch.
 
 One pass over tiles of (query × points) computes, for every query row i, the distance to
 every point, the logit ``z_ij = −s ||R q_i + t − p_j||² + g_j``, its exponential and every
@@ -25,154 +25,116 @@ cross-covariance Σ_ij m_ij q_i p_jᵀ = Σ_i w_i q_i m_iᵀ: the matrix is neve
 
 Entry points (all batched: ``query (B, N, 3)``, ``points (B, M, 3)``, padded, with lengths):
 
+* :func:`prepare`: one run's passes (:class:`Passes`), in the form the backend offers; the
+  algorithm calls their methods (the same operations as below) and never asks which.
 * :func:`soft_rows`: the raw reductions (lse, lse2, mean).
 * :func:`emicp_rows`: EM-ICP weights λ_i = Σ_j √α_ij and x'_i (Granger & Pennec).
-* :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
 * :func:`emicp_step`: one whole EM-ICP iteration (E-step and Horn), fused on Triton.
+* :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
+* :func:`softassign_update`: one Softassign update's Sinkhorn passes (its reference: the
+  passes one by one); fused into one call over a kernel matrix by the CPU's "cells" form.
+* :func:`nearest_d2`: the fitness pass (squared distance to the nearest point).
 * :func:`centre`: a cloud centred once, with its moments, in the layout the passes read.
 
-Dispatch via :func:`pointalign.kernels._backend.backend`: Triton kernels from
-``_soft_triton.py`` on CUDA (and through the interpreter under ``TRITON_INTERPRET=1``),
-the chunked PyTorch reference below otherwise. Reference: T. Tamaki et al., "Softassign and
-EM-ICP on GPU", 2010; S. Granger and X. Pennec, ECCV 2002; S. Gold et al., Pattern
-Recognition 1998.
+Backends (:func:`pointalign.kernels._backend.backend`): Triton kernels (``triton.py``) on
+CUDA and through the interpreter under ``TRITON_INTERPRET=1``; numba on the "cpu" backend
+(``cpu.py``: exact, or with :func:`prepare`'s ``approximation`` a stated, bounded
+approximation whose bounds that module states); the PyTorch reference (``reference.py``,
+the spec) otherwise. Reference: T. Tamaki et al., "Softassign and EM-ICP on GPU", 2010;
+S. Granger and X. Pennec, ECCV 2002; S. Gold et al., Pattern Recognition 1998.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from pointalign.kernels._backend import backend
-from pointalign.kernels.horn import horn_from_sums, weighted_horn
+from pointalign.kernels.horn import weighted_horn
+from pointalign.kernels.soft.reference import (
+    FITNESS_SCALE,
+    TILE_PAIRS,
+    Passes,
+    SoftRows,
+    check,
+    emicp_weights,
+    row_mask,
+    soft_rows_reference,
+)
 
-#: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
-TILE_PAIRS = 1 << 20
+__all__ = ["FITNESS_SCALE", "FORMS", "TILE_PAIRS", "Centred", "Passes", "SoftRows", "centre",
+           "emicp_rows", "emicp_step", "emicp_weights", "nearest_d2", "point_layout",
+           "prepare", "sinkhorn_scaling", "soft_rows", "soft_rows_reference",
+           "softassign_update", "weighted_horn"]
+
+#: what :func:`prepare`'s ``approximation`` accepts
+FORMS = ("auto", "exact", "approximate")
 
 
-class SoftRows(NamedTuple):
-    """Row reductions of ``exp(z_ij)``: lse, lse2 and mean.
+def _exact(x: torch.Tensor, m: int) -> Passes:
+    """Return the exact passes of the backend that runs tensors like ``x`` (``m`` points)."""
+    be = backend(x)
+    if be in ("triton", "interpret"):
+        from pointalign.kernels.soft import triton as _soft_triton
 
-    ``lse (B, N)``, ``lse2 (B, N)`` or None, ``mean (B, N, 3)``; padding rows hold -inf / 0.
+        return _soft_triton.TritonPasses(str(x.device))
+    if be == "cpu":
+        from pointalign.kernels.soft import cpu as _soft_cpu
+
+        return _soft_cpu.exact_passes(str(x.device), x.shape[1], m)
+    return Passes(str(x.device))
+
+
+def prepare(method: str, source: torch.Tensor, target: torch.Tensor,
+            source_lengths: torch.Tensor, target_lengths: torch.Tensor, *, iterations: int,
+            approximation: str = "auto", schedule: Callable[[], dict] | None = None,
+            outlier_weight: float = 1.0, sinkhorn_rounds: int = 1,
+            per_temperature: int = 1) -> Passes:
+    """Return one run's passes, in the form chosen up front for ``source`` and ``target``.
+
+    On Triton and with the PyTorch reference, the exact passes (a plain object, keyed by
+    value in a CUDA graph). On the "cpu" backend (numba, passes run on the host) a form is
+    chosen from a cost estimate: exact while estimated at a few seconds, else a stated,
+    bounded approximation (:mod:`pointalign.kernels.soft.cpu` states the forms and their
+    bounds); the object owns its trees and cells for the run, reports the estimate
+    (``estimate_s``) and records what ran (``info()``, for ``result.info
+    ["approximation"]``).
+
+    Args:
+        method: "emicp" or "softassign".
+        source: ``(B, N, 3)`` float tensor, padded (the algorithm's centred source).
+        target: ``(B, M, 3)`` float tensor, padded.
+        source_lengths: ``(B,)`` valid source points.
+        target_lengths: ``(B,)`` valid target points.
+        iterations: iterations of the run (EM-ICP steps or Softassign pose updates).
+        approximation: "auto", "exact" or "approximate" (where the backend has no other
+            form than the exact one, every choice is exact).
+        schedule: called (at most once, only by a backend that plans ahead) for the first
+            problem's schedule: EM-ICP ``{"sigmas": [σ per iteration]}``, Softassign
+            ``{"betas": [β per temperature run], "alpha": α}``. None: no plan ahead.
+        outlier_weight: Softassign's slack entry w.
+        sinkhorn_rounds: Softassign's Sinkhorn rounds per update.
+        per_temperature: Softassign's pose updates per β.
+
+    Raises:
+        ValueError: naming ``approximation`` or ``method`` when not one of the above.
+
     """
+    if approximation not in FORMS:
+        raise ValueError("approximation: expected 'auto', 'exact' or 'approximate', got "
+                         f"{approximation!r}")
+    if method not in ("emicp", "softassign"):
+        raise ValueError(f"method: expected 'emicp' or 'softassign', got {method!r}")
+    if backend(source) != "cpu":
+        return _exact(source, target.shape[1])
+    from pointalign.kernels.soft import cpu as _soft_cpu
 
-    lse: torch.Tensor
-    lse2: torch.Tensor | None
-    mean: torch.Tensor
-
-
-def _check(query, points, transform, scale, query_lengths, point_lengths, point_log_weights):
-    if query.dim() != 3 or query.shape[-1] != 3:
-        raise ValueError(f"query: expected shape (B, N, 3), got {tuple(query.shape)}")
-    if points.dim() != 3 or points.shape[-1] != 3 or points.shape[0] != query.shape[0]:
-        raise ValueError(f"points: expected shape ({query.shape[0]}, M, 3), got "
-                         f"{tuple(points.shape)}")
-    B = query.shape[0]
-    if transform.shape != (B, 4, 4):
-        raise ValueError(f"transform: expected shape ({B}, 4, 4), got {tuple(transform.shape)}")
-    if scale.shape != (B,):
-        raise ValueError(f"scale: expected shape ({B},), got {tuple(scale.shape)}")
-    if point_log_weights is not None and point_log_weights.shape != points.shape[:2]:
-        raise ValueError(f"point_log_weights: expected shape {tuple(points.shape[:2])}, got "
-                         f"{tuple(point_log_weights.shape)}")
-    for name, t in (("points", points), ("transform", transform), ("scale", scale)):
-        if t.device != query.device:
-            raise ValueError(f"{name}: on {t.device}, query on {query.device}")
-    B, N, M = query.shape[0], query.shape[1], points.shape[1]
-    ql = torch.full((B,), N, dtype=torch.int64, device=query.device) if query_lengths is None \
-        else query_lengths.to(device=query.device, dtype=torch.int64)
-    pl = torch.full((B,), M, dtype=torch.int64, device=query.device) if point_lengths is None \
-        else point_lengths.to(device=query.device, dtype=torch.int64)
-    return ql, pl
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return backend(x) in ("triton", "interpret")
-
-
-def _use_cpu(x: torch.Tensor, approximation: Any) -> bool:
-    """Tell whether a :func:`cpu_plan` is given and ``x`` runs on the numba "cpu" backend."""
-    return approximation is not None and backend(x) == "cpu"
-
-
-# --------------------------------------------------------------------------------------
-# reference (the CPU path and the spec)
-# --------------------------------------------------------------------------------------
-
-
-def soft_rows_reference(
-    query: torch.Tensor,
-    points: torch.Tensor,
-    transform: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    query_lengths: torch.Tensor | None = None,
-    point_lengths: torch.Tensor | None = None,
-    point_log_weights: torch.Tensor | None = None,
-    squares: bool = False,
-    tile_pairs: int = TILE_PAIRS,
-) -> SoftRows:
-    """Chunked PyTorch reference of :func:`soft_rows` (never more than a tile of N×M).
-
-    Computes in the query's dtype; online log-sum-exp over point chunks.
-    """
-    ql, pl = _check(query, points, transform, scale, query_lengths, point_lengths,
-                    point_log_weights)
-    B, N = query.shape[0], query.shape[1]
-    dt, dev = query.dtype, query.device
-    lse = torch.full((B, N), -math.inf, dtype=dt, device=dev)
-    lse2 = torch.full((B, N), -math.inf, dtype=dt, device=dev) if squares else None
-    mean = torch.zeros((B, N, 3), dtype=dt, device=dev)
-    T = transform.to(dt)
-    ql_h, pl_h = ql.tolist(), pl.tolist()
-    for b in range(B):
-        nq, npt = ql_h[b], pl_h[b]
-        if nq == 0 or npt == 0:
-            continue
-        q = query[b, :nq] @ T[b, :3, :3].T + T[b, :3, 3]
-        p = points[b, :npt]
-        g = None if point_log_weights is None else point_log_weights[b, :npt].to(dt)
-        s = scale[b].to(dt)
-        bm = max(1, min(npt, tile_pairs))
-        bn = max(1, min(nq, tile_pairs // bm))
-        for i0 in range(0, nq, bn):
-            qi = q[i0:i0 + bn]
-            run_m = torch.full((qi.shape[0],), -math.inf, dtype=dt, device=dev)
-            l1 = torch.zeros_like(run_m)
-            l2 = torch.zeros_like(run_m)
-            u = torch.zeros((qi.shape[0], 3), dtype=dt, device=dev)
-            for j0 in range(0, npt, bm):
-                pj = p[j0:j0 + bm]
-                # squared distance from coordinate differences, one coordinate at a time
-                z = (qi[:, 0:1] - pj[None, :, 0]).square_()
-                z += (qi[:, 1:2] - pj[None, :, 1]).square_()
-                z += (qi[:, 2:3] - pj[None, :, 2]).square_()
-                z.mul_(-s)
-                if g is not None:
-                    z += g[None, j0:j0 + bm]
-                m_new = torch.maximum(run_m, z.amax(1))
-                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                alpha = torch.exp(run_m - m_safe)
-                e = z.sub_(m_safe[:, None]).exp_()
-                l1 = l1 * alpha + e.sum(1)
-                if squares:
-                    l2 = l2 * alpha * alpha + (e * e).sum(1)
-                u = u * alpha[:, None] + e @ pj
-                run_m = m_new
-            lse[b, i0:i0 + qi.shape[0]] = run_m + torch.log(l1)
-            if lse2 is not None:
-                lse2[b, i0:i0 + qi.shape[0]] = 2 * run_m + torch.log(l2)
-            mean[b, i0:i0 + qi.shape[0]] = torch.where(
-                l1[:, None] > 0, u / l1.clamp_min(torch.finfo(dt).tiny)[:, None],
-                torch.zeros_like(u))
-    return SoftRows(lse, lse2, mean)
-
-
-# --------------------------------------------------------------------------------------
-# entry points
-# --------------------------------------------------------------------------------------
+    return _soft_cpu.prepare(method, source, target, source_lengths, target_lengths,
+                             iterations=iterations, approximation=approximation,
+                             schedule=schedule, outlier_weight=outlier_weight,
+                             sinkhorn_rounds=sinkhorn_rounds, per_temperature=per_temperature)
 
 
 def soft_rows(
@@ -185,8 +147,6 @@ def soft_rows(
     point_lengths: torch.Tensor | None = None,
     point_log_weights: torch.Tensor | None = None,
     squares: bool = False,
-    approximation: Any = None,
-    offset: torch.Tensor | None = None,
 ) -> SoftRows:
     """Row reductions of ``exp(z_ij)``, ``z_ij = −s ||R q_i + t − p_j||² + g_j``.
 
@@ -199,36 +159,16 @@ def soft_rows(
         point_lengths: ``(B,)`` valid points per batch entry (default all).
         point_log_weights: optional ``(B, M)`` column log-offsets g_j (log Sinkhorn scalings).
         squares: also return ``lse2 = log Σ_j exp(2 z_ij)``.
-        approximation: a :func:`cpu_plan` (used on the "cpu" backend only); None: reference.
-        offset: ``(B,)`` the logits' known shift (Softassign's βα), for the plan's
-            truncation rule (pairs with ``s d² > k²/2 + offset`` dropped); None: 0.
 
     Returns:
         :class:`SoftRows`; ``lse`` in the query's dtype.
 
     """
-    ql, pl = _check(query, points, transform, scale, query_lengths, point_lengths,
-                    point_log_weights)
-    if _use_cpu(query, approximation):
-        from pointalign.kernels.soft import cpu as _soft_cpu
-
-        return SoftRows(*_soft_cpu.soft_rows(query, points, transform, scale, ql, pl,
-                                             point_log_weights, squares, offset,
-                                             approximation))
-    if _use_triton(query):
-        from pointalign.kernels.soft import triton as _soft_triton
-
-        lse, lse2, mean = _soft_triton.rows(query, points, transform, scale, ql, pl,
-                                            point_log_weights, None, mode="raw",
-                                            squares=squares)
-        return SoftRows(lse, lse2, mean)
-    return soft_rows_reference(query, points, transform, scale, query_lengths=ql,
-                               point_lengths=pl, point_log_weights=point_log_weights,
-                               squares=squares)
-
-
-def _row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
+    ql, pl = check(query, points, transform, scale, query_lengths, point_lengths,
+                   point_log_weights)
+    return _exact(query, points.shape[1]).soft_rows(
+        query, points, transform, scale, ql, pl, point_log_weights=point_log_weights,
+        squares=squares)
 
 
 def emicp_rows(
@@ -241,7 +181,6 @@ def emicp_rows(
     source_lengths: torch.Tensor | None = None,
     target_lengths: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
-    approximation: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EM-ICP E-step (Granger & Pennec; Tamaki et al. eqs. 8-11), fused.
 
@@ -259,8 +198,6 @@ def emicp_rows(
         target_lengths: ``(B,)`` valid target points (default all).
         scale: optional ``(B,)`` precomputed 1/(2σ²) in the source's dtype, used instead
             of ``sigma2`` (which may then be None): saves a launch per iteration.
-        approximation: a :func:`cpu_plan` (used on the "cpu" backend only: the numba
-            passes in the plan's form); None: the reference.
 
     Returns:
         ``(lam (B, N), x_prime (B, N, 3))``; padding rows have λ = 0.
@@ -270,22 +207,9 @@ def emicp_rows(
         if sigma2 is None:
             raise ValueError("sigma2: needed when scale is not given")
         scale = 0.5 / sigma2.to(source.dtype)
-    ql, pl = _check(source, target, transform, scale, source_lengths, target_lengths, None)
-    if _use_cpu(source, approximation):
-        from pointalign.kernels.soft import cpu as _soft_cpu
-
-        return _soft_cpu.emicp_rows(source, target, transform, scale, log_outlier, ql, pl,
-                                    approximation)
-    if _use_triton(source):
-        from pointalign.kernels.soft import triton as _soft_triton
-
-        w, _, mean = _soft_triton.rows(source, target, transform, scale, ql, pl, None,
-                                    log_outlier, mode="emicp", squares=True)
-        return w, mean
-    r = soft_rows_reference(source, target, transform, scale, query_lengths=ql,
-                            point_lengths=pl, squares=True)
-    assert r.lse2 is not None  # squares=True
-    return emicp_weights(r.lse, r.lse2, log_outlier.to(r.lse.dtype)), r.mean
+    ql, pl = check(source, target, transform, scale, source_lengths, target_lengths, None)
+    return _exact(source, target.shape[1]).emicp_rows(source, target, transform, scale,
+                                                      log_outlier, ql, pl)
 
 
 def emicp_step(
@@ -298,13 +222,13 @@ def emicp_step(
     *,
     source_lengths: torch.Tensor,
     target_lengths: torch.Tensor,
-    approximation: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One EM-ICP iteration: :func:`emicp_rows` then :func:`weighted_horn` on (x_i, x'_i, λ_i).
 
     On Triton the row kernels also write each row block's Horn moments, and one tiny
     kernel solves Horn from them (no second pass over the points, no casts, no masking
-    launches): three launches per iteration.
+    launches): three launches per iteration. On the "cpu" backend the numba pass sums the
+    moments on the host.
 
     Args:
         source: ``(B, N, 3)`` x_i.
@@ -315,50 +239,112 @@ def emicp_step(
         frozen: ``(B,)`` bool: these entries keep ``transform``.
         source_lengths: ``(B,)`` valid source points.
         target_lengths: ``(B,)`` valid target points.
-        approximation: a :func:`cpu_plan` or None (see :func:`emicp_rows`).
 
     Returns:
         ``(T (B, 4, 4) float64, valid (B,) bool, lam (B, N))``: entries that are frozen or
         have zero total weight (``valid`` False) keep ``transform``.
 
     """
-    if _use_triton(source):
-        from pointalign.kernels.horn import triton as _horn_triton
-        from pointalign.kernels.soft import triton as _soft_triton
-
-        lam, mom, _ = _soft_triton.rows(source, target, transform, scale, source_lengths,
-                                        target_lengths, None, log_outlier, mode="emicp",
-                                        squares=True, moments=True)
-        T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
-        return T, valid, lam
-    if _use_cpu(source, approximation):
-        from pointalign.kernels.soft import cpu as _soft_cpu
-
-        _check(source, target, transform, scale, source_lengths, target_lengths, None)
-        lam, *moments = _soft_cpu.emicp_moments(source, target, transform, scale, log_outlier,
-                                                source_lengths, target_lengths, approximation)
-        T_new, valid = horn_from_sums(*moments)
-    else:
-        lam, xp = emicp_rows(source, target, transform, None, log_outlier, scale=scale,
-                             source_lengths=source_lengths, target_lengths=target_lengths,
-                             approximation=approximation)
-        T_new, valid = weighted_horn(source, xp, lam)
-    keep = valid & ~frozen
-    return torch.where(keep[:, None, None], T_new, transform.to(torch.float64)), valid, lam
+    ql, pl = check(source, target, transform, scale, source_lengths, target_lengths, None)
+    return _exact(source, target.shape[1]).emicp_step(source, target, transform, scale,
+                                                      log_outlier, frozen, ql, pl)
 
 
-def cpu_plan(n: int, m: int, passes: int, **kw: Any):
-    """Choose the CPU form of a soft method's passes up front (:func:`._soft_cpu.plan`).
+def sinkhorn_scaling(
+    query: torch.Tensor,
+    points: torch.Tensor,
+    transform: torch.Tensor,
+    beta: torch.Tensor,
+    point_log_weights: torch.Tensor,
+    log_slack: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    query_lengths: torch.Tensor | None = None,
+    point_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Sinkhorn half-step for M = diag(r) K diag(c) with a slack entry, in logs.
 
-    Returns a Plan to pass as ``approximation=`` to :func:`emicp_step`, :func:`emicp_rows`,
-    :func:`soft_rows` and :func:`sinkhorn_scaling` (it holds the run's trees and cells:
-    one plan per run); ``plan.info()`` goes into ``result.info["approximation"]``.
-    ``plan.estimate_s`` is the predicted time of the chosen form, ``plan.exact_estimate_s``
-    the exact one's. Without numba (backend "torch") the plan is ignored: the reference.
+    ``out_i = offset − log(exp(log_slack) + Σ_j exp(−β d_ij² + g_j))``: with
+    ``g_j = log c_j + βα`` this is the new ``log r_i`` of a row normalisation (Tamaki
+    eq. 5, with the outlier column's entry ``exp(log_slack)``); with the clouds swapped and
+    the inverse transform it is a column normalisation (eq. 6). ``offset`` (B,) is added so
+    the result can feed the next pass directly (pass βα).
+
+    Returns:
+        ``(B, N)`` in the query's dtype; padding rows are ``-inf``.
+
     """
-    from pointalign.kernels.soft import cpu as _soft_cpu
+    ql, pl = check(query, points, transform, beta, query_lengths, point_lengths,
+                   point_log_weights)
+    return _exact(query, points.shape[1]).sinkhorn_scaling(
+        query, points, transform, beta, point_log_weights, log_slack, offset, ql, pl)
 
-    return _soft_cpu.plan(n, m, passes, **kw)
+
+def softassign_update(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    transform: torch.Tensor,
+    inverse: torch.Tensor,
+    beta: torch.Tensor,
+    offset: torch.Tensor,
+    log_slack: torch.Tensor,
+    *,
+    source_lengths: torch.Tensor | None = None,
+    target_lengths: torch.Tensor | None = None,
+    rounds: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Softassign pose update's Sinkhorn passes (Gold et al.; Tamaki et al. Alg. 2).
+
+    ``rounds`` row and ``rounds − 1`` column normalisations (:func:`sinkhorn_scaling`),
+    then the last column normalisation with the soft correspondences (:func:`soft_rows` of
+    the target against the source, with T⁻¹ and the row log scalings); argument shapes as
+    :meth:`Passes.softassign_update`, which states them.
+
+    Returns:
+        ``(lse (B, M), mean (B, M, 3))`` of the last pass, in the source's dtype.
+
+    """
+    sl, tl = check(source, target, transform, beta, source_lengths, target_lengths, None)
+    if inverse.shape != transform.shape:
+        raise ValueError(f"inverse: expected shape {tuple(transform.shape)}, got "
+                         f"{tuple(inverse.shape)}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds: expected an integer >= 1, got {rounds!r}")
+    return _exact(source, target.shape[1]).softassign_update(
+        source, target, transform, inverse, beta, offset, log_slack, sl, tl, rounds)
+
+
+def nearest_d2(
+    query: torch.Tensor,
+    points: torch.Tensor,
+    transform: torch.Tensor,
+    max_d2: torch.Tensor,
+    *,
+    query_lengths: torch.Tensor | None = None,
+    point_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Squared distance of each moved query to its nearest point (the fitness pass).
+
+    Args:
+        query: ``(B, N, 3)`` float tensor, moved by ``transform``.
+        points: ``(B, M, 3)`` float tensor.
+        transform: ``(B, 4, 4)`` applied to the query.
+        max_d2: ``(B,)`` the squared distance that matters: answers beyond it only need to
+            be beyond it.
+        query_lengths: ``(B,)`` valid queries (default all).
+        point_lengths: ``(B,)`` valid points (default all).
+
+    Returns:
+        ``(B, N)`` float64. On the "cpu" backend exact (a k-d tree; ``inf`` beyond
+        ``max_d2`` and on padding rows); elsewhere the soft minimum of one pass, at most
+        ``log(M) max_d2 / FITNESS_SCALE`` below the nearest squared distance.
+
+    """
+    if max_d2.shape != (query.shape[0],):
+        raise ValueError(f"max_d2: expected shape ({query.shape[0]},), got {tuple(max_d2.shape)}")
+    ql, pl = check(query, points, transform, max_d2.to(query.device), query_lengths,
+                   point_lengths, None)
+    return _exact(query, points.shape[1]).nearest_d2(query, points, transform, max_d2, ql, pl)
 
 
 def point_layout(points: torch.Tensor) -> torch.Tensor:
@@ -377,10 +363,10 @@ def point_layout(points: torch.Tensor) -> torch.Tensor:
 class Centred(NamedTuple):
     """A padded batch of clouds centred on their centroids, ready for repeated passes.
 
-    ``points (B, N, 3)`` float32 ``x_i − c`` (padding rows 0) in the layout the backend's row
-    kernels read fastest (:func:`point_layout`), usable as query or points; ``lengths (B,)``;
-    ``center (B, 3)`` float64 centroids c; ``scatter (B, 3, 3)`` float64
-    ``Σ_i (x_i − c)(x_i − c)ᵀ`` over the valid rows.
+    ``points (B, N, 3)`` ``x_i − c`` in the input's dtype (padding rows 0) in the layout
+    the backend's row kernels read fastest (:func:`point_layout`), usable as query or
+    points; ``lengths (B,)``; ``center (B, 3)`` float64 centroids c; ``scatter (B, 3, 3)``
+    float64 ``Σ_i (x_i − c)(x_i − c)ᵀ`` over the valid rows.
     """
 
     points: torch.Tensor
@@ -393,73 +379,13 @@ def centre(points: torch.Tensor, lengths: torch.Tensor, *, layout: bool = True) 
     """Centre ``points (B, N, 3)`` (``lengths (B,)`` valid rows) once for many passes.
 
     The moments are taken in float64; the layout is chosen here, once, so that the passes
-    over the cloud (:func:`soft_rows`, :func:`emicp_step`, :func:`sinkhorn_scaling`) read it
-    without a conversion (``layout=False`` keeps rows of xyz: a cloud that is only ever
-    the query side of EM-ICP's row pass reads faster so). No host reads (safe inside a
-    CUDA graph).
+    over the cloud read it without a conversion (``layout=False`` keeps rows of xyz: a
+    cloud that is only ever the query side of EM-ICP's row pass reads faster so). No host
+    reads (safe inside a CUDA graph).
     """
-    rows = _row_mask(lengths, points.shape[1])[..., None]
+    rows = row_mask(lengths, points.shape[1])[..., None]
     p = points.to(torch.float64)
     c = torch.where(rows, p, 0.0).sum(1) / lengths.to(torch.float64).clamp_min(1)[:, None]
     d = torch.where(rows, p - c[:, None], 0.0)
     d32 = d.to(points.dtype)
     return Centred(point_layout(d32) if layout else d32, lengths, c, d.transpose(1, 2) @ d)
-
-
-def emicp_weights(lse: torch.Tensor, lse2: torch.Tensor, log_outlier: torch.Tensor):
-    """EM-ICP row weights from :func:`soft_rows` output at scale 1/(2σ²).
-
-    λ_i = exp(lse_i − ½ log(exp(log_outlier) + exp(lse2_i))); −inf rows give 0.
-    """
-    log_c = torch.logaddexp(lse2, log_outlier[:, None].expand_as(lse2))
-    log_c = torch.where(torch.isinf(log_c), torch.zeros_like(log_c), log_c)
-    return torch.exp(lse - 0.5 * log_c)
-
-
-def sinkhorn_scaling(
-    query: torch.Tensor,
-    points: torch.Tensor,
-    transform: torch.Tensor,
-    beta: torch.Tensor,
-    point_log_weights: torch.Tensor,
-    log_slack: torch.Tensor,
-    offset: torch.Tensor,
-    *,
-    query_lengths: torch.Tensor | None = None,
-    point_lengths: torch.Tensor | None = None,
-    approximation: Any = None,
-) -> torch.Tensor:
-    """One Sinkhorn half-step for M = diag(r) K diag(c) with a slack entry, in logs.
-
-    ``out_i = offset − log(exp(log_slack) + Σ_j exp(−β d_ij² + g_j))``: with
-    ``g_j = log c_j + βα`` this is the new ``log r_i`` of a row normalisation (Tamaki
-    eq. 5, with the outlier column's entry ``exp(log_slack)``); with the clouds swapped and
-    the inverse transform it is a column normalisation (eq. 6). ``offset`` (B,) is added so
-    the result can feed the next pass directly (pass βα).
-
-    ``approximation``: a :func:`cpu_plan` (the "cpu" backend only; its truncation drops
-    the pairs with ``β d² > k²/2 + offset``); None: the reference.
-
-    Returns:
-        ``(B, N)`` in the query's dtype; padding rows are ``-inf``.
-
-    """
-    ql, pl = _check(query, points, transform, beta, query_lengths, point_lengths,
-                    point_log_weights)
-    if _use_triton(query):
-        from pointalign.kernels.soft import triton as _soft_triton
-
-        return _soft_triton.rows(query, points, transform, beta.to(query.dtype), ql, pl,
-                                 point_log_weights, log_slack, mode="sinkhorn",
-                                 offset=offset)[0]
-    if _use_cpu(query, approximation):
-        r = soft_rows(query, points, transform, beta.to(query.dtype), query_lengths=ql,
-                      point_lengths=pl, point_log_weights=point_log_weights,
-                      approximation=approximation, offset=offset)
-    else:
-        r = soft_rows_reference(query, points, transform, beta.to(query.dtype),
-                                query_lengths=ql, point_lengths=pl,
-                                point_log_weights=point_log_weights)
-    out = offset.to(r.lse.dtype)[:, None] - torch.logaddexp(
-        r.lse, log_slack.to(r.lse.dtype)[:, None].expand_as(r.lse))
-    return torch.where(_row_mask(ql, query.shape[1]), out, torch.full_like(out, -math.inf))

@@ -1,4 +1,4 @@
-"""Triton kernels of ``kernels/soft.py``: fused distance → exp → row reductions.
+"""Triton kernels of the soft family: fused distance → exp → row reductions.
 
 Row kernel: program (i-block, split, batch) keeps BLOCK_N query rows, moves them by the
 pose (float32 or float64, read from device memory: no host sync, no recompilation per
@@ -19,17 +19,20 @@ Epilogues (constexpr MODE): 0 raw (lse, lse2, mean), 1 EM-ICP (λ_i, x'_i),
 
 In EM-ICP mode the row kernels also write each row block's Horn moments
 (:func:`_horn_moments`); the Horn solve itself is the ``kernels.horn`` family
-(``_horn_triton.py``).
+(``horn/triton.py``). :class:`TritonPasses` runs a soft method's passes with them.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from pointalign.kernels.soft.reference import Passes, SoftRows, lengths_or_all
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -424,3 +427,47 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     conv = (lambda t: t.to(out_dtype)) if out_dtype != f32 else (lambda t: t)
     return (conv(out0), mom if MOM else (conv(out1) if (MODE == 0 and SQ) else None),
             conv(mean) if MODE != 2 else None)
+
+
+@dataclass(frozen=True)
+class TritonPasses(Passes):
+    """The exact passes as the row kernel above (:func:`rows`), one launch or two each.
+
+    Arguments and results as :class:`~pointalign.kernels.soft.reference.Passes`; the
+    Softassign update and the fitness pass are its loops over these passes.
+    """
+
+    def soft_rows(self, query, points, transform, scale, query_lengths=None,
+                  point_lengths=None, *, point_log_weights=None, squares=False,
+                  offset=None) -> SoftRows:
+        """Row reductions, mode "raw" (``offset``: the exact form ignores it)."""
+        ql, pl = lengths_or_all(query_lengths, query), lengths_or_all(point_lengths, points)
+        lse, lse2, mean = rows(query, points, transform, scale, ql, pl, point_log_weights, None,
+                               mode="raw", squares=squares)
+        return SoftRows(lse, lse2, mean)
+
+    def emicp_rows(self, source, target, transform, scale, log_outlier, source_lengths=None,
+                   target_lengths=None):
+        """EM-ICP's ``(λ, x')``, mode "emicp"."""
+        sl, tl = lengths_or_all(source_lengths, source), lengths_or_all(target_lengths, target)
+        w, _, mean = rows(source, target, transform, scale, sl, tl, None, log_outlier,
+                          mode="emicp", squares=True)
+        return w, mean
+
+    def emicp_step(self, source, target, transform, scale, log_outlier, frozen,
+                   source_lengths=None, target_lengths=None):
+        """Write each row block's Horn moments in the row kernels; solve Horn in one more."""
+        from pointalign.kernels.horn import triton as _horn_triton
+
+        sl, tl = lengths_or_all(source_lengths, source), lengths_or_all(target_lengths, target)
+        lam, mom, _ = rows(source, target, transform, scale, sl, tl, None, log_outlier,
+                           mode="emicp", squares=True, moments=True)
+        T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
+        return T, valid, lam
+
+    def sinkhorn_scaling(self, query, points, transform, beta, point_log_weights, log_slack,
+                         offset, query_lengths=None, point_lengths=None) -> torch.Tensor:
+        """One Sinkhorn half-step, mode "sinkhorn" (the normalisation in the epilogue)."""
+        ql, pl = lengths_or_all(query_lengths, query), lengths_or_all(point_lengths, points)
+        return rows(query, points, transform, beta.to(query.dtype), ql, pl, point_log_weights,
+                    log_slack, mode="sinkhorn", offset=offset)[0]
