@@ -217,15 +217,9 @@ def test_sinkhorn_scalings_match_dense_matrix(backend, dtype, rng):
 def test_bunny_rows_match_dense(backend, bunny_pair):
     x = datasets.random_subsample(bunny_pair.source, 400, 1)
     y = datasets.random_subsample(bunny_pair.target, 350, 2)
-<<<<<<< HEAD
     T = torch.as_tensor(bunny_pair.T_target_source)
-    lam, xp = soft.emicp_rows(x[None], y[None], T[None].float(), torch.tensor([1e-4]),
-                              torch.tensor([-100.0]))
-=======
-    T = bunny_pair.T_target_source
     lam, xp = soft.emicp_rows(*_on(backend, x[None], y[None], T[None].float(),
                                    torch.tensor([1e-4]), torch.tensor([-100.0])))
->>>>>>> soft
     _, lam_d, xp_d = dense_emicp(x, y, T, 1e-4, -100.0)
     torch.testing.assert_close(lam[0].cpu().double(), lam_d, atol=1e-5, rtol=1e-4)
     ok = lam_d > 1e-3
