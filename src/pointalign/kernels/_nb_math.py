@@ -415,7 +415,7 @@ def scaled3(a00, a01, a02, a11, a12, a22):
 
 @njit(cache=True, nogil=True, inline="always")
 def _smallest_of_scaled(a00, a01, a02, a11, a12, a22, l0, l1, l2):
-    """The smallest eigenvector of a scaled A with eigenvalues l0 ≤ l1 ≤ l2.
+    """Return the smallest eigenvector of a scaled A with eigenvalues l0 ≤ l1 ≤ l2.
 
     The spec's rule: the null vector of A − l0·I where l0 is simple (its cross product not
     negligible: n2 > (1e-8 spread)², and gap > 1e-9 spread); else a unit vector orthogonal
