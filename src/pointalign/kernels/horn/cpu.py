@@ -34,7 +34,12 @@ import numpy as np
 import torch
 
 from pointalign import _threads
-from pointalign.kernels._nb_math import HORN_TIE, add_horn_moments, horn_pose
+from pointalign.kernels._nb_math import (
+    HORN_TIE,
+    add_horn_moments,
+    horn_pose,
+    top_eigenvector4,  # noqa: F401 (re-exported for tests/test_horn_cpu.py)
+)
 from pointalign.kernels._numba import njit, prange
 
 #: batch entries per parallel work item (they share one set of scratch arrays)

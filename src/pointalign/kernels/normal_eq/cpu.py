@@ -6,7 +6,9 @@ per batch entry accumulates the 30 sums in float64 registers from the float32/fl
 block order. The block split does not depend on the thread count, so the result is the same
 bit for bit with any ``set_num_threads``; it differs from the reference
 (:func:`~pointalign.kernels.normal_eq.normal_equations_reference`, which sums whole columns)
-only by the order of the float64 additions (relative ~1e-13 on 40k rows).
+only by the order of the float64 additions (relative ~1e-13 on 40k rows). The per-row
+formulas are the numba twins in :mod:`pointalign.kernels._nb_math`: ``robust_weight`` and
+Horn's sums ``add_horn``.
 """
 
 from __future__ import annotations
