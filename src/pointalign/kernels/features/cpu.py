@@ -4,6 +4,7 @@ Same formulas as the reference (:func:`pointalign.kernels.features.pca_normals_r
 ``features.normals._neighbour_covariances`` and ``smallest_eigenvector``), per point, with
 no ``(N, K, 3)`` gather: the neighbourhood mean and covariance are accumulated in the
 points' dtype in neighbour order (as the reference's sums), the eigen-solve in float64
+by :func:`pointalign.kernels._nb_math.smallest_eigenvector3`, the numba twin of the spec's
 (Smith's closed form, null vector as the largest cross product of two rows of A − λI,
 the orthogonal fallback for a repeated smallest eigenvalue). Differences to the reference
 come from the order of the covariance additions only (float32: ~1e-6 relative on the
@@ -13,36 +14,12 @@ repeated, where any unit vector of the plane is an answer).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from pointalign import _threads
+from pointalign.kernels._nb_math import smallest_eigenvector3
 from pointalign.kernels._numba import njit, prange
-
-
-@njit(cache=True, inline="always")
-def _null(a00, a01, a02, a11, a12, a22, lam):
-    m00, m11, m22 = a00 - lam, a11 - lam, a22 - lam
-    # rows r0 = (m00, a01, a02), r1 = (a01, m11, a12), r2 = (a02, a12, m22)
-    c = np.empty((3, 3))
-    c[0, 0] = a01 * a12 - a02 * m11
-    c[0, 1] = a02 * a01 - m00 * a12
-    c[0, 2] = m00 * m11 - a01 * a01
-    c[1, 0] = a01 * m22 - a02 * a12
-    c[1, 1] = a02 * a02 - m00 * m22
-    c[1, 2] = m00 * a12 - a01 * a02
-    c[2, 0] = m11 * m22 - a12 * a12
-    c[2, 1] = a12 * a02 - a01 * m22
-    c[2, 2] = a01 * a12 - m11 * a02
-    best, nb = 0, -1.0
-    for r in range(3):
-        n2 = c[r, 0] * c[r, 0] + c[r, 1] * c[r, 1] + c[r, 2] * c[r, 2]
-        if n2 > nb:
-            nb, best = n2, r
-    s = math.sqrt(max(nb, 1e-300))
-    return c[best, 0] / s, c[best, 1] / s, c[best, 2] / s, nb
 
 
 @njit(cache=True, parallel=True)
@@ -74,42 +51,7 @@ def _normals(pts, idx, centers, vp, use_vp, out):
                 s22 += d2 * d2
         a00, a01, a02 = np.float64(s00 / c), np.float64(s01 / c), np.float64(s02 / c)
         a11, a12, a22 = np.float64(s11 / c), np.float64(s12 / c), np.float64(s22 / c)
-        sc = max(abs(a00), abs(a01), abs(a02), abs(a11), abs(a12), abs(a22))
-        if not sc > 0:
-            sc = 1.0
-        a00, a01, a02, a11, a12, a22 = a00 / sc, a01 / sc, a02 / sc, a11 / sc, a12 / sc, a22 / sc
-        q = (a00 + a11 + a22) / 3
-        b00, b11, b22 = a00 - q, a11 - q, a22 - q
-        p2 = b00 * b00 + b11 * b11 + b22 * b22 + 2 * (a01 * a01 + a02 * a02 + a12 * a12)
-        pp = math.sqrt(p2 / 6)
-        ps = pp if pp > 0 else 1.0
-        c00, c11, c22 = b00 / ps, b11 / ps, b22 / ps
-        c01, c02, c12 = a01 / ps, a02 / ps, a12 / ps
-        det = (c00 * (c11 * c22 - c12 * c12) - c01 * (c01 * c22 - c12 * c02)
-               + c02 * (c01 * c12 - c11 * c02))
-        phi = math.acos(min(1.0, max(-1.0, det / 2))) / 3
-        l_max = q + 2 * pp * math.cos(phi)
-        l_min = q + 2 * pp * math.cos(phi + 2 * math.pi / 3)
-        l_mid = 3 * q - l_max - l_min
-        v0, v1, v2, nv = _null(a00, a01, a02, a11, a12, a22, l_min)
-        gap = l_mid - l_min
-        spread = l_max - l_min
-        simple = nv > (1e-8 * max(spread, 1e-300)) ** 2 and gap > 1e-9 * max(spread, 1e-300)
-        if not simple:
-            u0, u1, u2, nu = _null(a00, a01, a02, a11, a12, a22, l_max)
-            if nu > 0 and spread > 0:
-                # cross(u, e_k) with k the axis of u's smallest magnitude (first on ties)
-                au0, au1, au2 = abs(u0), abs(u1), abs(u2)
-                if au0 <= au1 and au0 <= au2:
-                    v0, v1, v2 = 0.0, u2, -u1
-                elif au1 <= au2:
-                    v0, v1, v2 = -u2, 0.0, u0
-                else:
-                    v0, v1, v2 = u1, -u0, 0.0
-                nn = math.sqrt(max(v0 * v0 + v1 * v1 + v2 * v2, 1e-300))
-                v0, v1, v2 = v0 / nn, v1 / nn, v2 / nn
-            else:
-                v0, v1, v2 = 0.0, 0.0, 1.0
+        (v0, v1, v2), _ = smallest_eigenvector3(a00, a01, a02, a11, a12, a22)
         o0, o1, o2 = out.dtype.type(v0), out.dtype.type(v1), out.dtype.type(v2)
         if use_vp:
             f = ((vp[0] - centers[i, 0]) * o0 + (vp[1] - centers[i, 1]) * o1

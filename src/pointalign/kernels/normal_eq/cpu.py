@@ -6,7 +6,9 @@ per batch entry accumulates the 30 sums in float64 registers from the float32/fl
 block order. The block split does not depend on the thread count, so the result is the same
 bit for bit with any ``set_num_threads``; it differs from the reference
 (:func:`~pointalign.kernels.normal_eq.normal_equations_reference`, which sums whole columns)
-only by the order of the float64 additions (relative ~1e-13 on 40k rows).
+only by the order of the float64 additions (relative ~1e-13 on 40k rows). The per-row
+formulas are the numba twins in :mod:`pointalign.kernels._nb_math`: ``robust_weight`` and
+Horn's sums ``add_horn``.
 """
 
 from __future__ import annotations
@@ -15,65 +17,11 @@ import numpy as np
 import torch
 
 from pointalign import _threads
+from pointalign.kernels._nb_math import ROBUST_CODE, add_horn, robust_weight
 from pointalign.kernels._numba import njit, prange
 
 #: row blocks per batch entry (fixed: the summation order does not depend on threads)
 BLOCKS = 64
-_KERNEL_CODE = {"none": 0, "huber": 1, "tukey": 2, "cauchy": 3}
-
-
-@njit(cache=True, inline="always")
-def _weight(r, kind, scale):
-    a = abs(r)
-    if kind == 0:
-        return 1.0
-    if kind == 1:
-        return 1.0 if a <= scale else scale / max(a, 1e-30)
-    if kind == 2:
-        if a < scale:
-            u = 1.0 - (a / scale) ** 2
-            return u * u
-        return 0.0
-    return 1.0 / (1.0 + (a / scale) ** 2)
-
-
-@njit(cache=True, inline="always")
-def add_horn(acc, w, x0, x1, x2, y0, y1, y2):
-    """Add one weighted pair (x, y) to Horn's sums ``acc[0:28]``.
-
-    The layout of :mod:`.normal_eq`: W, Σwx, Σwy, Σw x yᵀ, the upper triangles of Σw x xᵀ
-    and Σw y yᵀ. ``w = 1.0`` adds the unweighted pair exactly (products by 1.0 are exact).
-    """
-    acc[0] += w
-    wx0, wx1, wx2 = w * x0, w * x1, w * x2
-    wy0, wy1, wy2 = w * y0, w * y1, w * y2
-    acc[1] += wx0
-    acc[2] += wx1
-    acc[3] += wx2
-    acc[4] += wy0
-    acc[5] += wy1
-    acc[6] += wy2
-    acc[7] += wx0 * y0
-    acc[8] += wx0 * y1
-    acc[9] += wx0 * y2
-    acc[10] += wx1 * y0
-    acc[11] += wx1 * y1
-    acc[12] += wx1 * y2
-    acc[13] += wx2 * y0
-    acc[14] += wx2 * y1
-    acc[15] += wx2 * y2
-    acc[16] += wx0 * x0
-    acc[17] += wx0 * x1
-    acc[18] += wx0 * x2
-    acc[19] += wx1 * x1
-    acc[20] += wx1 * x2
-    acc[21] += wx2 * x2
-    acc[22] += wy0 * y0
-    acc[23] += wy0 * y1
-    acc[24] += wy0 * y2
-    acc[25] += wy1 * y1
-    acc[26] += wy1 * y2
-    acc[27] += wy2 * y2
 
 
 @njit(cache=True, parallel=True)
@@ -104,13 +52,13 @@ def _sums(src, tgt, idx, nrm, plane, lengths, center, kind, scale):
             acc[28] += 1.0
             acc[29] += dd
             if not plane:
-                add_horn(acc, _weight(np.sqrt(dd), kind, scale), x0, x1, x2, y0, y1, y2)
+                add_horn(acc, robust_weight(np.sqrt(dd), kind, scale), x0, x1, x2, y0, y1, y2)
             else:
                 n0 = np.float64(nrm[b, j, 0])
                 n1 = np.float64(nrm[b, j, 1])
                 n2 = np.float64(nrm[b, j, 2])
                 r = n0 * d0 + n1 * d1 + n2 * d2
-                w = _weight(r, kind, scale)
+                w = robust_weight(r, kind, scale)
                 # J = [x × n, n]
                 J0 = x1 * n2 - x2 * n1
                 J1 = x2 * n0 - x0 * n2
@@ -152,5 +100,5 @@ def normal_equations_cpu(source, target, idx, target_normals, lengths, center, k
         tgt = tgt.astype(src.dtype)
     out = _sums(src, tgt, _np(idx.to(torch.int64)), nrm, plane,
                 _np(lengths.to(torch.int64)), _np(center.to(torch.float64)),
-                _KERNEL_CODE[kernel], float(scale))
+                ROBUST_CODE[kernel], float(scale))
     return torch.from_numpy(out)

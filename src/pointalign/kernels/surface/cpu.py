@@ -8,7 +8,7 @@
   depend on the thread count, so the result is the same bit for bit with any
   ``set_num_threads``.
 * :func:`node_frames_cpu`: mean, covariance (centred two-pass sums) and the closed-form
-  eigenpairs of every tree node, the contract of
+  eigenpairs (:func:`pointalign.kernels._nb_math.eigh3`) of every tree node, the contract of
   :func:`pointalign.registration.surface.node_frames` (small nodes take their parent's
   frame); :func:`quadric_sums_cpu`: the sums of the second-order approximant's quadric
   fits. Both serial (once a call, ~10-30 ms on 70k points).
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from pointalign import _threads
+from pointalign.kernels._nb_math import add_horn, eigh3
 from pointalign.kernels._numba import njit, prange
-from pointalign.kernels.normal_eq.cpu import add_horn
 
 #: point blocks of the reduction (fixed: the summation order does not depend on threads)
 BLOCKS = 64
@@ -268,135 +268,6 @@ def _moments(pts, depth):
 
 
 @njit(cache=True)
-def _eigvals(a00, a01, a02, a11, a12, a22):
-    """Ascending eigenvalues of a symmetric 3×3 (the closed form of ``_math.eigvalsh3``)."""
-    q = (a00 + a11 + a22) / 3
-    b00, b11, b22 = a00 - q, a11 - q, a22 - q
-    p2 = b00 * b00 + b11 * b11 + b22 * b22 + 2 * (a01 * a01 + a02 * a02 + a12 * a12)
-    p = math.sqrt(p2 / 6)
-    ps = p if p > 0 else 1.0
-    c00, c11, c22 = b00 / ps, b11 / ps, b22 / ps
-    c01, c02, c12 = a01 / ps, a02 / ps, a12 / ps
-    det = (c00 * (c11 * c22 - c12 * c12) - c01 * (c01 * c22 - c12 * c02)
-           + c02 * (c01 * c12 - c11 * c02))
-    phi = math.acos(min(max(det / 2, -1.0), 1.0)) / 3
-    l_max = q + 2 * p * math.cos(phi)
-    l_min = q + 2 * p * math.cos(phi + 2 * math.pi / 3)
-    l_mid = 3 * q - l_max - l_min
-    return l_min, l_mid, l_max
-
-
-@njit(cache=True)
-def _null_vector(a00, a01, a02, a11, a12, a22, lam, out):
-    """Write the unit null vector of ``A − λI`` into ``out (3,)``; return its squared raw norm.
-
-    The largest cross product of two rows, as ``pointalign._math._null_vector``.
-    """
-    r00, r01, r02 = a00 - lam, a01, a02
-    r10, r11, r12 = a01, a11 - lam, a12
-    r20, r21, r22 = a02, a12, a22 - lam
-    # r0 × r1, r0 × r2, r1 × r2
-    x0 = r01 * r12 - r02 * r11
-    y0 = r02 * r10 - r00 * r12
-    z0 = r00 * r11 - r01 * r10
-    x1 = r01 * r22 - r02 * r21
-    y1 = r02 * r20 - r00 * r22
-    z1 = r00 * r21 - r01 * r20
-    x2 = r11 * r22 - r12 * r21
-    y2 = r12 * r20 - r10 * r22
-    z2 = r10 * r21 - r11 * r20
-    n0 = x0 * x0 + y0 * y0 + z0 * z0
-    n1 = x1 * x1 + y1 * y1 + z1 * z1
-    n2 = x2 * x2 + y2 * y2 + z2 * z2
-    if n0 >= n1 and n0 >= n2:
-        x, y, z, nb = x0, y0, z0, n0
-    elif n1 >= n2:
-        x, y, z, nb = x1, y1, z1, n1
-    else:
-        x, y, z, nb = x2, y2, z2, n2
-    s = math.sqrt(max(nb, 1e-300))
-    out[0] = x / s
-    out[1] = y / s
-    out[2] = z / s
-    return nb
-
-
-@njit(cache=True)
-def _any_orthogonal(u, out):
-    """Write a unit vector orthogonal to unit ``u`` into ``out`` (``_math._any_orthogonal``)."""
-    a0, a1, a2 = abs(u[0]), abs(u[1]), abs(u[2])
-    k = 0
-    if a1 < a0:
-        k = 1
-    if a2 < (a0 if k == 0 else a1):
-        k = 2
-    e0 = 1.0 if k == 0 else 0.0
-    e1 = 1.0 if k == 1 else 0.0
-    e2 = 1.0 if k == 2 else 0.0
-    x = u[1] * e2 - u[2] * e1
-    y = u[2] * e0 - u[0] * e2
-    z = u[0] * e1 - u[1] * e0
-    s = max(math.sqrt(x * x + y * y + z * z), 1e-300)
-    out[0] = x / s
-    out[1] = y / s
-    out[2] = z / s
-
-
-@njit(cache=True)
-def _eigh3(c, evals, V, work):
-    """Write the eigenpairs of the symmetric 3×3 ``c (6,)`` into ``evals (3,)`` and ``V``.
-
-    Eigenvalues ascending, eigenvectors as the columns of ``V (3, 3)``, by the formulas of
-    ``pointalign._math.eigh3`` (scaled by the largest entry; the smallest eigenvector, the
-    largest one made orthogonal to it, their cross product); ``work (3, 3)`` is scratch.
-    """
-    s = 0.0
-    for k in range(6):
-        s = max(s, abs(c[k]))
-    if not s > 0:
-        s = 1.0
-    a00, a01, a02, a11, a12, a22 = c[0] / s, c[1] / s, c[2] / s, c[3] / s, c[4] / s, c[5] / s
-    l0, l1, l2 = _eigvals(a00, a01, a02, a11, a12, a22)
-    v0 = work[0]
-    u = work[1]
-    v2 = work[2]
-    # smallest eigenvector (``smallest_eigenvector3``; its own rescaling is by 1 here)
-    nv = _null_vector(a00, a01, a02, a11, a12, a22, l0, v0)
-    gap = l1 - l0
-    spread = l2 - l0
-    simple = nv > (1e-8 * max(spread, 1e-300)) ** 2 and gap > 1e-9 * max(spread, 1e-300)
-    if not simple:
-        nu = _null_vector(a00, a01, a02, a11, a12, a22, l2, u)
-        if nu > 0 and spread > 0:
-            _any_orthogonal(u, v0)
-        else:
-            v0[0] = 0.0
-            v0[1] = 0.0
-            v0[2] = 1.0
-    # largest eigenvector, orthogonal to v0
-    n2 = _null_vector(a00, a01, a02, a11, a12, a22, l2, v2)
-    spread = max(l2 - l0, 1e-300)
-    dot = v2[0] * v0[0] + v2[1] * v0[1] + v2[2] * v0[2]
-    for k in range(3):
-        v2[k] -= dot * v0[k]
-    nrm = math.sqrt(v2[0] * v2[0] + v2[1] * v2[1] + v2[2] * v2[2])
-    if n2 > (1e-8 * spread) ** 2 and l2 - l1 > 1e-9 * spread and nrm > 0.5:
-        for k in range(3):
-            v2[k] /= max(nrm, 1e-300)
-    else:
-        _any_orthogonal(v0, v2)
-    for k in range(3):
-        V[k, 0] = v0[k]
-        V[k, 2] = v2[k]
-    V[0, 1] = v2[1] * v0[2] - v2[2] * v0[1]
-    V[1, 1] = v2[2] * v0[0] - v2[0] * v0[2]
-    V[2, 1] = v2[0] * v0[1] - v2[1] * v0[0]
-    evals[0] = l0 * s
-    evals[1] = l1 * s
-    evals[2] = l2 * s
-
-
-@njit(cache=True)
 def _frames(cov, sizes, min_points, depth):
     """Return frames ``(K, 3, 3)`` (columns e1, e2, n) and RMS radii ``(K,)`` of ``cov (K, 6)``.
 
@@ -405,15 +276,13 @@ def _frames(cov, sizes, min_points, depth):
     K = cov.shape[0]
     frame = np.empty((K, 3, 3), np.float64)
     radius = np.empty(K, np.float64)
-    ev = np.empty(3)
-    V = np.empty((3, 3))
-    work = np.empty((3, 3))
     for v in range(K):
-        _eigh3(cov[v], ev, V, work)
+        ev, v0, v1, v2 = eigh3(cov[v, 0], cov[v, 1], cov[v, 2], cov[v, 3], cov[v, 4],
+                               cov[v, 5])
         for r in range(3):
-            frame[v, r, 0] = V[r, 2]
-            frame[v, r, 1] = V[r, 1]
-            frame[v, r, 2] = V[r, 0]
+            frame[v, r, 0] = v2[r]
+            frame[v, r, 1] = v1[r]
+            frame[v, r, 2] = v0[r]
         radius[v] = math.sqrt(max(ev[0], 0.0) + max(ev[1], 0.0) + max(ev[2], 0.0))
     # level by level, top-down: a parent's frame is final before its children read it
     for level in range(1, depth + 1):
