@@ -9,7 +9,7 @@
   ``set_num_threads``.
 * :func:`node_frames_cpu`: mean, covariance (centred two-pass sums) and the closed-form
   eigenpairs (:func:`pointalign.kernels._nb_math.eigh3`) of every tree node, the contract of
-  :func:`pointalign.registration.surface.node_frames` (small nodes take their parent's
+  :func:`pointalign.kernels.surface.node_frames` (small nodes take their parent's
   frame); :func:`quadric_sums_cpu`: the sums of the second-order approximant's quadric
   fits. Both serial (once a call, ~10-30 ms on 70k points).
 
@@ -31,6 +31,7 @@ import torch
 from pointalign import _threads
 from pointalign.kernels._nb_math import add_horn, eigh3
 from pointalign.kernels._numba import njit, prange
+from pointalign.kernels.surface.reference import N_TERMS
 
 #: point blocks of the reduction (fixed: the summation order does not depend on threads)
 BLOCKS = 64
@@ -39,7 +40,6 @@ BLOCKS = 64
 PARALLEL_MIN_POINTS = 32768
 #: points descended together (their node reads overlap)
 GROUP = 16
-N_TERMS = 29
 
 
 @njit(cache=True, inline="always")
@@ -310,7 +310,7 @@ def node_frames_cpu(tree, min_frame_points: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(mean (K, 3), frame (K, 3, 3), radius (K,))`` float64 of every node.
 
-    The contract of :func:`pointalign.registration.surface.node_frames`, for a tree in host
+    The contract of :func:`pointalign.kernels.surface.node_frames`, for a tree in host
     memory.
     """
     mean, c = _moments(_f64(tree.points), int(tree.depth))
