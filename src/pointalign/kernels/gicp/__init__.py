@@ -21,9 +21,9 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
   solve (the same least-norm rule and un-centring), on the device:
   ``(sums, D, T_new, T_new as float32, flags)`` as :func:`pointalign.kernels.normal_eq.icp_update`.
 * ``voxelize(points (B, M, 3), lengths, covariances (B, M, 3, 3), voxel_size) -> VoxelMap``
-  and ``voxel_lookup(points (B, N, 3), vmap, neighborhood) -> (B, N, neighborhood)``
-  int64: the Gaussian voxel map of VGICP and the voxels around each point (integer
-  answers, equal on every backend).
+  and ``voxel_lookup(points (B, N, 3), vmap, neighborhood) -> (B, N)`` int64: the
+  Gaussian voxel map of VGICP and, for each point, the occupied voxel around it whose mean
+  is nearest (integer answers, equal on every backend).
 """
 
 from __future__ import annotations
@@ -234,12 +234,13 @@ def voxelize(points: torch.Tensor, lengths: torch.Tensor, covariances: torch.Ten
 
 
 def voxel_lookup(points: torch.Tensor, vmap: VoxelMap, neighborhood: int = 1) -> torch.Tensor:
-    """The occupied voxels around each of ``points (B, N, 3)``: ``(B, N, neighborhood)`` int64.
+    """The nearest occupied voxel around each of ``points (B, N, 3)``: ``(B, N)`` int64.
 
-    Slot s: the voxel at ``floor(p / voxel_size) + OFFSETS[s]`` (its index in
-    ``vmap.keys[b]``) or ``-1``; ``neighborhood`` 1 (the point's own voxel), 7 (and its
-    six face neighbours) or 27. numba on the CPU; the PyTorch reference elsewhere
-    (a batched ``searchsorted``: no synchronisation, graph capture safe).
+    Candidates: the voxels at ``floor(p / voxel_size) + OFFSETS[s]``, ``s < neighborhood``
+    (1: the point's own voxel, 7: and its six face neighbours, 27); the answer is the
+    occupied one whose mean is nearest (its index in ``vmap.keys[b]``), ``-1`` when none
+    is occupied. numba on the CPU; the PyTorch reference elsewhere (a batched
+    ``searchsorted``: no synchronisation, graph capture safe).
     """
     if neighborhood not in NEIGHBORHOODS:
         raise ValueError(f"neighborhood: expected one of {NEIGHBORHOODS}, got {neighborhood!r}")
@@ -249,5 +250,6 @@ def voxel_lookup(points: torch.Tensor, vmap: VoxelMap, neighborhood: int = 1) ->
     if backend(points) == "cpu":
         from pointalign.kernels.gicp import cpu as _gicp_cpu
 
-        return _gicp_cpu.voxel_lookup_cpu(points, vmap.keys, vmap.inv_size, neighborhood)
+        return _gicp_cpu.voxel_lookup_cpu(points, vmap.keys, vmap.means, vmap.inv_size,
+                                          neighborhood)
     return voxel_lookup_reference(points, vmap, neighborhood)

@@ -10,8 +10,8 @@
   order, so the result does not depend on the thread count. It differs from the reference
   (which sums whole columns, and forms ``Jᵀ M J`` by matrix products) by the rounding of
   float64 sums in another order and grouping (relative ~1e-13).
-* :func:`voxel_lookup_cpu`: the voxel look-up by binary search in each target's sorted
-  keys; integer answers equal to the reference's.
+* :func:`voxel_lookup_cpu`: the nearest voxel by binary search in each target's sorted
+  keys; integer answers equal to the reference's (the same float64 distances).
 
 The 3×3 eigen-solve, the adjugate inverse and the per-pair terms are written once here as
 ``inline`` helpers (the same operations as the reference and ``triton.py``).
@@ -338,42 +338,53 @@ def gicp_sums_cpu(source, source_cov, target, target_cov, idx, rotation, lengths
 
 
 @njit(cache=True, parallel=True)
-def _lookup(pts, keys, sizes, inv, offsets, out):
-    B, N, S = out.shape
+def _lookup(pts, keys, means, sizes, inv, offsets, out):
+    B, N = out.shape
+    S = offsets.shape[0]
     top = (1 << KEY_BITS) - 2
     for job in prange(B * N):
         b = job // N
         i = job % N
         v = sizes[b]
-        c0 = np.int64(math.floor(np.float64(pts[b, i, 0]) * inv)) + KEY_OFFSET
-        c1 = np.int64(math.floor(np.float64(pts[b, i, 1]) * inv)) + KEY_OFFSET
-        c2 = np.int64(math.floor(np.float64(pts[b, i, 2]) * inv)) + KEY_OFFSET
+        p0 = np.float64(pts[b, i, 0])
+        p1 = np.float64(pts[b, i, 1])
+        p2 = np.float64(pts[b, i, 2])
+        c0 = np.int64(math.floor(p0 * inv)) + KEY_OFFSET
+        c1 = np.int64(math.floor(p1 * inv)) + KEY_OFFSET
+        c2 = np.int64(math.floor(p2 * inv)) + KEY_OFFSET
+        best, best_d2 = -1, np.inf
         for s in range(S):
             e0, e1, e2 = c0 + offsets[s, 0], c1 + offsets[s, 1], c2 + offsets[s, 2]
-            out[b, i, s] = -1
             if e0 < 0 or e1 < 0 or e2 < 0 or e0 > top or e1 > top or e2 > top:
                 continue
             key = (e0 << (2 * KEY_BITS)) | (e1 << KEY_BITS) | e2
             lo, hi = 0, v
-            while lo < hi:  # first position with keys >= key
+            while lo < hi:  # the first position with keys >= key
                 mid = (lo + hi) // 2
                 if keys[b, mid] < key:
                     lo = mid + 1
                 else:
                     hi = mid
             if lo < v and keys[b, lo] == key:
-                out[b, i, s] = lo
+                d0 = p0 - np.float64(means[b, lo, 0])
+                d1 = p1 - np.float64(means[b, lo, 1])
+                d2 = p2 - np.float64(means[b, lo, 2])
+                dd = (d0 * d0 + d1 * d1) + d2 * d2
+                if dd < best_d2:
+                    best, best_d2 = lo, dd
+        out[b, i] = best
 
 
-def voxel_lookup_cpu(points: torch.Tensor, keys: torch.Tensor, inv_size: float,
-                     neighborhood: int) -> torch.Tensor:
-    """Return ``(B, N, neighborhood)`` int64 voxel indices (see :func:`.gicp.voxel_lookup`)."""
+def voxel_lookup_cpu(points: torch.Tensor, keys: torch.Tensor, means: torch.Tensor,
+                     inv_size: float, neighborhood: int) -> torch.Tensor:
+    """Return ``(B, N)`` int64 nearest voxels (see :func:`.gicp.voxel_lookup`)."""
     _threads.numba_threads()
     B, N = points.shape[:2]
     k = _np(keys)
     # each row's occupied keys: those below the padding (the padding key sorts last)
     sizes = (k < np.iinfo(np.int64).max).sum(1).astype(np.int64)
-    out = np.empty((B, N, neighborhood), np.int64)
+    out = np.empty((B, N), np.int64)
     if B * N:
-        _lookup(_np(points), k, sizes, float(inv_size), _OFFSETS[:neighborhood], out)
+        _lookup(_np(points), k, _np(means), sizes, float(inv_size),
+                _OFFSETS[:neighborhood], out)
     return torch.from_numpy(out)

@@ -301,17 +301,27 @@ def voxelize_reference(points: torch.Tensor, lengths: torch.Tensor, covariances:
 
 def voxel_lookup_reference(points: torch.Tensor, vmap: VoxelMap, neighborhood: int
                            ) -> torch.Tensor:
-    """Voxels of ``vmap`` around each of ``points (B, N, 3)``: ``(B, N, neighborhood)`` int64.
+    """The nearest voxel around each of ``points (B, N, 3)``: ``(B, N)`` int64 (``-1``: none).
 
-    Slot s holds the index (into ``vmap.keys[b]``) of the voxel at cell
-    ``floor(p / voxel_size) + OFFSETS[s]``, or ``-1`` when that voxel is empty (or off the
-    key range). Integer answers: every backend gives exactly these.
+    Among the occupied voxels at cells ``floor(p / voxel_size) + OFFSETS[s]``,
+    ``s < neighborhood``, the one whose mean is nearest to p (small_gicp's voxel search;
+    ties: the first in ``OFFSETS`` order), as its index into ``vmap.keys[b]``. Squared
+    distances in float64 as ``(dx² + dy²) + dz²`` of float64 differences, so every
+    backend gives exactly these integers.
     """
     B, N = points.shape[:2]
+    f64 = torch.float64
     off = torch.tensor(OFFSETS[:neighborhood], dtype=torch.int64, device=points.device)
     cells = cells_of(points, vmap.inv_size)[:, :, None, :] + off            # (B, N, S, 3)
     key, ok = keys_of(cells)
     flat = key.reshape(B, -1).contiguous()
     pos = torch.searchsorted(vmap.keys, flat).clamp_max(vmap.keys.shape[1] - 1)
     hit = (torch.gather(vmap.keys, 1, pos) == flat) & ok.reshape(B, -1)
-    return torch.where(hit, pos, torch.full_like(pos, -1)).reshape(B, N, neighborhood)
+    mu = torch.gather(vmap.means, 1, pos[..., None].expand(B, pos.shape[1], 3))
+    d = points.to(f64)[:, :, None, :] - mu.to(f64).reshape(B, N, neighborhood, 3)
+    d2 = (d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1]) + d[..., 2] * d[..., 2]
+    d2 = torch.where(hit.reshape(B, N, neighborhood), d2, torch.full_like(d2, torch.inf))
+    best = d2.argmin(-1, keepdim=True)  # the first of equal minima
+    found = torch.gather(d2, -1, best)[..., 0] < torch.inf
+    v = torch.gather(pos.reshape(B, N, neighborhood), -1, best)[..., 0]
+    return torch.where(found, v, torch.full_like(v, -1))
