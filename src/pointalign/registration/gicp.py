@@ -31,7 +31,8 @@ point-to-plane distance, so ``k`` is in metres). The stopping rules, the informa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -183,33 +184,67 @@ def _check_k(k: Any) -> int:
     return _validate.integer(k, "k", minimum=3)
 
 
-def _iterate(step: Any, inputs: _loop.Tensors, state: _loop.Tensors, pair: _edge.Pair,
-             crit: ConvergenceCriteria) -> tuple[_Rules, Any, float]:
-    """Run ``step`` on the executor under ICP's stopping rules; returns (rules, run, seconds)."""
-    rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy(),
-                   crit.translation_for(pair.extent))
-    t_it = time.perf_counter()
-    run = _loop.iterate(step, inputs, state, max_steps=int(crit.max_iterations) + 1)
-    for record in run:
-        if rules(record):
-            break
-    return rules, run, time.perf_counter() - t_it
+@dataclass
+class _Levels:
+    """The runs of one or more levels (VGICP's coarse-to-fine voxel sizes), added up."""
+
+    pair: _edge.Pair
+    crit: ConvergenceCriteria
+    T: np.ndarray                       # (B, 4, 4) the estimate so far (local frames)
+    rules: _Rules | None = None         # the last level's rules
+    iterations: np.ndarray | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    launched: int = 0
+    graph: str = "off"
+
+    def run(self, step: Any, inputs: _loop.Tensors, state: _loop.Tensors,
+            **extra: Any) -> None:
+        """Iterate ``step`` from the current estimate under ICP's stopping rules."""
+        pair = self.pair
+        rules = _Rules(self.crit, pair.source_counts.astype(np.float64), self.T.copy(),
+                       self.crit.translation_for(pair.extent))
+        t_it = time.perf_counter()
+        run = _loop.iterate(step, inputs, state, max_steps=int(self.crit.max_iterations) + 1)
+        for record in run:
+            if rules(record):
+                break
+        first = len(self.history)
+        self.history += [{**h, "iteration": first + h["iteration"], **extra}
+                         for h in rules.history]
+        self.timings["iterate"] = self.timings.get("iterate", 0.0) + time.perf_counter() - t_it
+        for key, v in run.timings.items():
+            self.timings[key] = self.timings.get(key, 0.0) + v
+        self.iterations = rules.iterations if self.iterations is None \
+            else self.iterations + rules.iterations
+        self.rules, self.T, self.launched, self.graph = rules, rules.T, \
+            self.launched + run.launched, run.graph
+
+    def result(self, clock: _loop.Clock, t_start: float,
+               info: dict[str, Any]) -> RegistrationResult:
+        """ICP's result: timings, ``H``, the stability verdict (from the final 6×6)."""
+        rules, pair = self.rules, self.pair
+        assert rules is not None and self.iterations is not None
+        timings = dict(clock.timings, **self.timings)
+        timings["total"] = time.perf_counter() - t_start
+        info = {"H": information_matrix(rules.sums, True, pair.frame.center),
+                "per_iteration_s": timings["iterate"] / max(1, len(self.history)), **info,
+                "rank_deficient": rules.rank_deficient, "device_steps": self.launched,
+                "cuda_graph": self.graph}
+        stab = stability(pair, (), rules.T, rules.sums, True, 0.0)
+        return _edge.build_result(pair, rules.T, fitness=rules.fitness, rmse=rules.rmse,
+                                  iterations=self.iterations, reasons=rules.reasons,
+                                  history=self.history, timings=timings, info=info,
+                                  stability=stab)
 
 
-def _result(pair: _edge.Pair, rules: _Rules, run: Any, seconds: float, clock: _loop.Clock,
-            t_start: float, info: dict[str, Any]) -> RegistrationResult:
-    """ICP's result: timings, ``H``, the stability verdict (from the final 6×6), result."""
-    timings = dict(clock.timings, iterate=seconds, **run.timings)
-    timings["total"] = time.perf_counter() - t_start
-    info = {"H": information_matrix(rules.sums, True, pair.frame.center),
-            "per_iteration_s": seconds / max(1, len(rules.history)), **info,
-            "rank_deficient": rules.rank_deficient, "device_steps": run.launched,
-            "cuda_graph": run.graph}
-    stab = stability(pair, (), rules.T, rules.sums, True, 0.0)
-    return _edge.build_result(pair, rules.T, fitness=rules.fitness, rmse=rules.rmse,
-                              iterations=rules.iterations, reasons=rules.reasons,
-                              history=rules.history, timings=timings, info=info,
-                              stability=stab)
+def _voxel_sizes(voxel_size: Any) -> tuple[float, ...]:
+    """``voxel_size`` as a non-empty tuple of positive floats (one number: one level)."""
+    if isinstance(voxel_size, (list, tuple)):
+        if not voxel_size:
+            raise ValueError("voxel_size: expected a number or a non-empty sequence, got []")
+        return tuple(_validate.positive(v, f"voxel_size[{i}]") for i, v in enumerate(voxel_size))
+    return (_validate.positive(voxel_size, "voxel_size"),)
 
 
 @_validate.out_of_memory_is_clear
@@ -303,10 +338,10 @@ def gicp(
     state = {"T": T0, "Tf": T0.to(torch.float32)}
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)
-    step = GicpStep(idxs, max_dist, True, rk.kind, float(rk.k))
-    rules, run, seconds = _iterate(step, inputs, state, pair, crit)
+    levels = _Levels(pair, crit, pair.init)
+    levels.run(GicpStep(idxs, max_dist, True, rk.kind, float(rk.k)), inputs, state)
     info = {"method": "gicp", "index": type(getattr(idxs[0], "index", idxs[0])).__name__}
-    return _result(pair, rules, run, seconds, clock, t_start, info)
+    return levels.result(clock, t_start, info)
 
 
 @_validate.out_of_memory_is_clear
@@ -314,7 +349,7 @@ def vgicp(
     source: Any,
     target: Any,
     *,
-    voxel_size: float,
+    voxel_size: float | Sequence[float],
     init: Any = None,
     neighborhood: int = 1,
     criteria: ConvergenceCriteria | None = None,
@@ -340,8 +375,11 @@ def vgicp(
     Args:
         source: ``(N, 3)`` or ``(B, N, 3)`` points (NumPy, tensor or PointCloud), metres.
         target: ``(M, 3)`` or ``(B, M, 3)`` points.
-        voxel_size: voxel edge (> 0, metres); a few times the point spacing (small_gicp's
-            examples: 1 m on driving scans).
+        voxel_size: voxel edge (> 0, metres), a few times the point spacing (small_gicp's
+            examples: 1 m on driving scans); or a sequence of edges, coarse to fine, run
+            one after the other (each level starts from the last one's estimate): a
+            coarse level widens the basin of convergence (voxels much smaller than the
+            initial misalignment see little of it), the fine one sets the accuracy.
         init: initial ``T_target_source`` ``(4, 4)`` or ``(B, 4, 4)`` (default identity).
         neighborhood: the cells searched for each source point's voxel: 1 (its own), 7 (and
             the six face neighbours) or 27 (small_gicp's DIRECT1 / DIRECT7 / DIRECT27); the
@@ -357,12 +395,14 @@ def vgicp(
         target_lengths: ``(B,)`` valid target points per padded batch entry.
 
     Returns:
-        :class:`RegistrationResult` as :func:`gicp`; ``info["voxels"]`` holds the occupied
-        voxels per target and ``timings["voxelize"]`` the map's build.
+        :class:`RegistrationResult` as :func:`gicp`, from the last level (``iterations``
+        and ``history`` over all levels, each record with its ``voxel_size``);
+        ``info["voxels"]`` holds the occupied voxels per problem and level,
+        ``timings["voxelize"]`` the maps' builds.
 
     """
     t_start = time.perf_counter()
-    vs = _validate.positive(voxel_size, "voxel_size")
+    sizes = _voxel_sizes(voxel_size)
     _validate.choice(neighborhood, "neighborhood", _kg.NEIGHBORHOODS)
     rk = _validate.instance(robust_kernel, RobustKernel, "robust_kernel")
     crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
@@ -377,19 +417,22 @@ def vgicp(
     s_cov, t_cov = clock.stage("covariances", _covariances, pair, source, target,
                                source_covariances, target_covariances, k)
     n_t = 1 if pair.shared_target else B
-    vmap = clock.stage("voxelize", _kg.voxelize, pair.target[:n_t], pair.target_lengths[:n_t],
-                       t_cov[:n_t], vs, counts=pair.target_counts[:n_t])
-    if pair.shared_target:
-        vmap = _kg.VoxelMap(*(t.expand(B, *t.shape[1:]) for t in vmap[:4]), vmap.voxel_size)
     inputs = {"source": pair.source, "source_cov": s_cov, "lengths": pair.source_lengths,
-              "center": torch.zeros(B, 3, device=dev), "keys": vmap.keys.contiguous(),
-              "means": vmap.means.contiguous(), "voxel_cov": vmap.covariances.contiguous(),
-              "counts": vmap.counts.contiguous()}
-    T0 = torch.from_numpy(pair.init).to(dev)
-    state = {"T": T0, "Tf": T0.to(torch.float32)}
-    step = VgicpStep(vs, int(neighborhood), rk.kind, float(rk.k))
-    rules, run, seconds = _iterate(step, inputs, state, pair, crit)
-    voxels = (vmap.counts > 0).sum(1).cpu().numpy()
-    info = {"method": "vgicp", "index": "VoxelMap", "voxels": voxels,
-            "neighborhood": int(neighborhood)}
-    return _result(pair, rules, run, seconds, clock, t_start, info)
+              "center": torch.zeros(B, 3, device=dev)}
+    levels = _Levels(pair, crit, pair.init)
+    voxels = []
+    for vs in sizes:
+        vmap = clock.stage("voxelize", _kg.voxelize, pair.target[:n_t],
+                           pair.target_lengths[:n_t], t_cov[:n_t], vs,
+                           counts=pair.target_counts[:n_t])
+        voxels.append((vmap.counts > 0).sum(1).cpu().numpy().repeat(B // n_t))
+        vmap = _kg.VoxelMap(*(t.expand(B, *t.shape[1:]).contiguous() for t in vmap[:4]),
+                            vmap.voxel_size)
+        T0 = torch.from_numpy(levels.T).to(dev)
+        levels.run(VgicpStep(vs, int(neighborhood), rk.kind, float(rk.k)),
+                   inputs | {"keys": vmap.keys, "means": vmap.means,
+                             "voxel_cov": vmap.covariances, "counts": vmap.counts},
+                   {"T": T0, "Tf": T0.to(torch.float32)}, voxel_size=vs)
+    info = {"method": "vgicp", "index": "VoxelMap", "voxels": np.stack(voxels, 1),
+            "voxel_size": sizes, "neighborhood": int(neighborhood)}
+    return levels.result(clock, t_start, info)
