@@ -165,12 +165,12 @@ def _covariances(pts, idx, eps, degeneracy, out):
         if cnt >= MIN_NEIGHBOURS and _spans_plane(s00, s01, s02, s11, s12, s22, degeneracy):
             n0, n1, n2 = smallest_eigenvector3(s00, s01, s02, s11, s12, s22)
             f = 1.0 - eps
-            out[i, 0, 0] = 1.0 - f * n0 * n0
-            out[i, 1, 1] = 1.0 - f * n1 * n1
-            out[i, 2, 2] = 1.0 - f * n2 * n2
-            out[i, 0, 1] = out[i, 1, 0] = -f * n0 * n1
-            out[i, 0, 2] = out[i, 2, 0] = -f * n0 * n2
-            out[i, 1, 2] = out[i, 2, 1] = -f * n1 * n2
+            out[i, 0, 0] = 1.0 - f * (n0 * n0)
+            out[i, 1, 1] = 1.0 - f * (n1 * n1)
+            out[i, 2, 2] = 1.0 - f * (n2 * n2)
+            out[i, 0, 1] = out[i, 1, 0] = -(f * (n0 * n1))
+            out[i, 0, 2] = out[i, 2, 0] = -(f * (n0 * n2))
+            out[i, 1, 2] = out[i, 2, 1] = -(f * (n1 * n2))
 
 
 def covariances_cpu(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> torch.Tensor:

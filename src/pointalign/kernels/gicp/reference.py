@@ -94,7 +94,7 @@ def plane_covariance(cov: torch.Tensor, ok: torch.Tensor, eps: float = PLANE_EPS
     ok = ok & _math.spans_plane(c)
     n, _ = _math.smallest_eigenvector3(c)
     eye = torch.eye(3, dtype=torch.float64, device=c.device)
-    C = eye - (1 - eps) * n[..., :, None] * n[..., None, :]
+    C = eye - (1 - eps) * (n[..., :, None] * n[..., None, :])  # (symmetric bit for bit)
     return torch.where(ok[..., None, None], C, eye.expand_as(C))
 
 

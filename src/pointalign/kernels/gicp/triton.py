@@ -156,15 +156,21 @@ def _covariance_kernel(pts_ptr, idx_ptr, prm_ptr, out_ptr, N, K,
     f = tl.where(ok, 1.0 - eps, 0.0)
     ty = out_ptr.dtype.element_ty
     o = out_ptr + rows * 9
-    tl.store(o + 0, (1.0 - f * nx * nx).to(ty), mask=rmask)
-    tl.store(o + 1, (-f * nx * ny).to(ty), mask=rmask)
-    tl.store(o + 2, (-f * nx * nz).to(ty), mask=rmask)
-    tl.store(o + 3, (-f * nx * ny).to(ty), mask=rmask)
-    tl.store(o + 4, (1.0 - f * ny * ny).to(ty), mask=rmask)
-    tl.store(o + 5, (-f * ny * nz).to(ty), mask=rmask)
-    tl.store(o + 6, (-f * nx * nz).to(ty), mask=rmask)
-    tl.store(o + 7, (-f * ny * nz).to(ty), mask=rmask)
-    tl.store(o + 8, (1.0 - f * nz * nz).to(ty), mask=rmask)
+    xx = 1.0 - f * (nx * nx)
+    yy = 1.0 - f * (ny * ny)
+    zz = 1.0 - f * (nz * nz)
+    xy = -(f * (nx * ny))
+    xz = -(f * (nx * nz))
+    yz = -(f * (ny * nz))
+    tl.store(o + 0, xx.to(ty), mask=rmask)
+    tl.store(o + 1, xy.to(ty), mask=rmask)
+    tl.store(o + 2, xz.to(ty), mask=rmask)
+    tl.store(o + 3, xy.to(ty), mask=rmask)
+    tl.store(o + 4, yy.to(ty), mask=rmask)
+    tl.store(o + 5, yz.to(ty), mask=rmask)
+    tl.store(o + 6, xz.to(ty), mask=rmask)
+    tl.store(o + 7, yz.to(ty), mask=rmask)
+    tl.store(o + 8, zz.to(ty), mask=rmask)
 
 
 def covariances(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> torch.Tensor:
