@@ -299,6 +299,21 @@ def voxelize_reference(points: torch.Tensor, lengths: torch.Tensor, covariances:
     return VoxelMap(keys, means, covs, cnt, float(voxel_size))
 
 
+_OFFSETS_ON: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _offsets_on(device: torch.device, n: int) -> torch.Tensor:
+    """``OFFSETS[:n]`` as an ``(n, 3)`` int64 tensor on ``device``, made once per device.
+
+    (Kept: a host-to-device copy may not run inside a CUDA-graph capture, and the
+    executor's first, eager step makes it before any capture.)
+    """
+    key = (str(device), n)
+    if key not in _OFFSETS_ON:
+        _OFFSETS_ON[key] = torch.tensor(OFFSETS[:n], dtype=torch.int64, device=device)
+    return _OFFSETS_ON[key]
+
+
 def voxel_lookup_reference(points: torch.Tensor, vmap: VoxelMap, neighborhood: int
                            ) -> torch.Tensor:
     """The nearest voxel around each of ``points (B, N, 3)``: ``(B, N)`` int64 (``-1``: none).
@@ -311,7 +326,7 @@ def voxel_lookup_reference(points: torch.Tensor, vmap: VoxelMap, neighborhood: i
     """
     B, N = points.shape[:2]
     f64 = torch.float64
-    off = torch.tensor(OFFSETS[:neighborhood], dtype=torch.int64, device=points.device)
+    off = _offsets_on(points.device, neighborhood)
     cells = cells_of(points, vmap.inv_size)[:, :, None, :] + off            # (B, N, S, 3)
     key, ok = keys_of(cells)
     flat = key.reshape(B, -1).contiguous()
