@@ -31,8 +31,8 @@ point-to-plane distance, so ``k`` is in metres). The stopping rules, the informa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -117,13 +117,14 @@ def _given_covariances(arg: Any, cloud: Any, name: str, pts: torch.Tensor,
         clouds = cloud if isinstance(cloud, (list, tuple)) else [cloud]
         covs = [getattr(c, "covariances", None) if hasattr(c, "points") else None
                 for c in clouds]
-        if not covs or any(c is None for c in covs):
+        kept = [c for c in covs if isinstance(c, torch.Tensor)]
+        if not kept or len(kept) != len(covs):
             return None
-        if len(covs) == 1:
-            arg = covs[0]
+        if len(kept) == 1:
+            arg = kept[0]
         else:  # a list of PointClouds: pad each to N rows
             arg = torch.eye(3, dtype=torch.float32, device=pts.device).repeat(B, N, 1, 1)
-            for b, c in enumerate(covs):
+            for b, c in enumerate(kept):
                 arg[b, : c.shape[0]] = c.to(pts.device, torch.float32)
     t = _validate._to_tensor(name, arg)
     if t.dim() == 3:
@@ -202,6 +203,7 @@ class _Levels:
             **extra: Any) -> None:
         """Iterate ``step`` from the current estimate under ICP's stopping rules."""
         pair = self.pair
+        assert pair.extent is not None  # set by prepare_pair
         rules = _Rules(self.crit, pair.source_counts.astype(np.float64), self.T.copy(),
                        self.crit.translation_for(pair.extent))
         t_it = time.perf_counter()
@@ -426,12 +428,13 @@ def vgicp(
                            pair.target_lengths[:n_t], t_cov[:n_t], vs,
                            counts=pair.target_counts[:n_t])
         voxels.append((vmap.counts > 0).sum(1).cpu().numpy().repeat(B // n_t))
-        vmap = _kg.VoxelMap(*(t.expand(B, *t.shape[1:]).contiguous() for t in vmap[:4]),
-                            vmap.voxel_size)
+        keys, means, covs, counts = (t.expand(B, *t.shape[1:]).contiguous()
+                                     for t in (vmap.keys, vmap.means, vmap.covariances,
+                                               vmap.counts))
         T0 = torch.from_numpy(levels.T).to(dev)
         levels.run(VgicpStep(vs, int(neighborhood), rk.kind, float(rk.k)),
-                   inputs | {"keys": vmap.keys, "means": vmap.means,
-                             "voxel_cov": vmap.covariances, "counts": vmap.counts},
+                   inputs | {"keys": keys, "means": means, "voxel_cov": covs,
+                             "counts": counts},
                    {"T": T0, "Tf": T0.to(torch.float32)}, voxel_size=vs)
     info = {"method": "vgicp", "index": "VoxelMap", "voxels": np.stack(voxels, 1),
             "voxel_size": sizes, "neighborhood": int(neighborhood)}

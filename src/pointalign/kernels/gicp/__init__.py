@@ -138,7 +138,8 @@ def gicp_sums(
         rotation: ``(B, 3, 3)`` the estimate's rotation (turns the source covariances).
         lengths: ``(B,)`` int64 valid source rows (default N).
         center: ``(B, 3)`` centre of the linearisation (default 0).
-        kernel: robust kernel ("none", "huber", "tukey", "cauchy"); ``scale``: its k > 0.
+        kernel: robust kernel ("none", "huber", "tukey", "cauchy").
+        scale: the robust kernel's k (> 0, metres; it reads ``sqrt(ROBUST_SCALE2 · rᵀMr)``).
 
     Returns:
         ``(B, 30)`` float64 sums on the input's device.
@@ -234,7 +235,7 @@ def voxelize(points: torch.Tensor, lengths: torch.Tensor, covariances: torch.Ten
 
 
 def voxel_lookup(points: torch.Tensor, vmap: VoxelMap, neighborhood: int = 1) -> torch.Tensor:
-    """The nearest occupied voxel around each of ``points (B, N, 3)``: ``(B, N)`` int64.
+    """Find the nearest occupied voxel around each of ``points (B, N, 3)``: ``(B, N)`` int64.
 
     Candidates: the voxels at ``floor(p / voxel_size) + OFFSETS[s]``, ``s < neighborhood``
     (1: the point's own voxel, 7: and its six face neighbours, 27); the answer is the

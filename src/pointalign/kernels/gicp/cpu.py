@@ -59,7 +59,7 @@ def _weight(r, kind, scale):
 
 @njit(cache=True, inline="always")
 def _null(a00, a01, a02, a11, a12, a22, lam):
-    """Unit largest cross product of two rows of ``A − λI``, and its squared raw norm."""
+    """Return the unit largest cross product of two rows of ``A − λI`` and its squared norm."""
     m00, m11, m22 = a00 - lam, a11 - lam, a22 - lam
     # rows r0 = (m00, a01, a02), r1 = (a01, m11, a12), r2 = (a02, a12, m22)
     x0, y0, z0 = a01 * a12 - a02 * m11, a02 * a01 - m00 * a12, m00 * m11 - a01 * a01

@@ -54,7 +54,7 @@ KEY_PAD = torch.iinfo(torch.int64).max
 
 
 def _offsets() -> list[tuple[int, int, int]]:
-    """The 27 cell offsets: the cell itself, its 6 face neighbours, then the other 20."""
+    """List the 27 cell offsets: the cell itself, its 6 face neighbours, then the other 20."""
     rest = [(i, j, k) for i in (-1, 0, 1) for j in (-1, 0, 1) for k in (-1, 0, 1)]
     first = [(0, 0, 0), (-1, 0, 0), (1, 0, 0), (0, -1, 0), (0, 1, 0), (0, 0, -1), (0, 0, 1)]
     return first + [o for o in rest if o not in first]
@@ -148,7 +148,7 @@ def gicp_sums_reference(
     kernel: str = "none",
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """The GICP normal equations of one iteration, float64 (the spec of ``gicp.gicp_sums``).
+    """Compute the GICP normal equations of one iteration in float64 (``gicp_sums``'s spec).
 
     For every valid pair (row i < lengths[b], slot s, j = idx[b, i, s] >= 0):
     ``r = x − y`` (x̃ = x − c, ỹ = y − c), ``C = Cᵗ_j + R Cˢ_i Rᵀ``, ``M = C⁻¹``
@@ -170,7 +170,8 @@ def gicp_sums_reference(
         rotation: ``(B, 3, 3)`` the rotation R of the estimate that moved the source.
         lengths: ``(B,)`` int64 valid source rows.
         center: ``(B, 3)`` centre c of the linearisation.
-        kernel: robust kernel name; ``scale``: its k (metres, see :data:`ROBUST_SCALE2`).
+        kernel: robust kernel name.
+        scale: its k (metres, see :data:`ROBUST_SCALE2`).
 
     Returns:
         ``(B, 30)`` float64 on the input's device.
@@ -316,7 +317,7 @@ def _offsets_on(device: torch.device, n: int) -> torch.Tensor:
 
 def voxel_lookup_reference(points: torch.Tensor, vmap: VoxelMap, neighborhood: int
                            ) -> torch.Tensor:
-    """The nearest voxel around each of ``points (B, N, 3)``: ``(B, N)`` int64 (``-1``: none).
+    """Find the nearest voxel around each of ``points (B, N, 3)``: ``(B, N)`` int64 (-1: none).
 
     Among the occupied voxels at cells ``floor(p / voxel_size) + OFFSETS[s]``,
     ``s < neighborhood``, the one whose mean is nearest to p (small_gicp's voxel search;

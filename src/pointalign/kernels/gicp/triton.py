@@ -188,7 +188,7 @@ def covariances(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> torc
 
 @triton.jit
 def _pair_terms(w, x0, x1, x2, m00, m01, m02, m11, m12, m22, u0, u1, u2, e):
-    """The 28 weighted terms of one pair (``cpu.add_pair``: the same formulas)."""
+    """Return the 28 weighted terms of one pair (``cpu.add_pair``: the same formulas)."""
     p00 = -x2 * m01 + x1 * m02
     p01 = -x2 * m11 + x1 * m12
     p02 = -x2 * m12 + x1 * m22
@@ -305,7 +305,7 @@ def _sums_kernel(x_ptr, sc_ptr, y_ptr, tc_ptr, idx_ptr, rot_ptr, len_ptr, c_ptr,
 
 def partials(source, source_cov, target, target_cov, idx, rotation, lengths, center, kernel,
              scale) -> torch.Tensor:
-    """The ``(B, P, 30)`` float32 block partials of :func:`gicp_sums`."""
+    """Return the ``(B, P, 30)`` float32 block partials of :func:`gicp_sums`."""
     B, N = source.shape[:2]
     M = target.shape[1]
     S = idx.shape[2]
