@@ -22,6 +22,11 @@ class PointCloud:
         features: optional ``(N, D)`` float tensor (e.g. 33-bin FPFH).
         extras: optional dict name -> ``(N,)`` or ``(N, K)`` tensor of other per-point
             fields read from a file (intensity, confidence, …); carried, not interpreted.
+        covariances: optional ``(N, 3, 3)`` float tensor of per-point covariances (e.g.
+            the plane-regularised ones of
+            :func:`pointalign.features.covariances.estimate_covariances`), kept with the
+            cloud so that :func:`~pointalign.registration.gicp.gicp` reuses them across
+            calls; rotated with the points by :meth:`transform`.
 
     Construct with NumPy arrays or tensors; everything is coerced to one device and one
     float dtype (that of ``points``) and validated. The object is immutable; use
@@ -34,6 +39,7 @@ class PointCloud:
     colors: torch.Tensor | None = None
     features: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    covariances: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         pts = _validate.as_points(self.points, "points")
@@ -59,12 +65,21 @@ class PointCloud:
                 raise ValueError(f"extras[{k!r}]: expected {n} rows, got {t.shape[0]}")
             extras[k] = t.to(dev)
         object.__setattr__(self, "extras", extras)
+        if self.covariances is not None:
+            c = _validate._to_tensor("covariances", self.covariances)
+            if tuple(c.shape) != (n, 3, 3):
+                raise ValueError(f"covariances: expected shape ({n}, 3, 3), got "
+                                 f"{tuple(c.shape)}")
+            c = _validate._float("covariances", c, dt).to(dev)
+            _validate._check_finite("covariances", c.reshape(n, 9))
+            object.__setattr__(self, "covariances", c)
 
     def __len__(self) -> int:
         return int(self.points.shape[0])
 
     def __repr__(self) -> str:
-        attrs = [a for a in ("normals", "colors", "features") if getattr(self, a) is not None]
+        attrs = [a for a in ("normals", "colors", "features", "covariances")
+                 if getattr(self, a) is not None]
         attrs += list(self.extras)
         return (
             f"PointCloud({len(self)} points, {self.dtype}, {self.device}"
@@ -108,6 +123,7 @@ class PointCloud:
             self.points.to(device=device, dtype=dtype), mv(self.normals), mv(self.colors),
             mv(self.features),
             {k: v.to(device) for k, v in self.extras.items()},
+            covariances=mv(self.covariances),
         )
 
     def select(self, index: torch.Tensor | np.ndarray) -> PointCloud:
@@ -136,24 +152,27 @@ class PointCloud:
 
         return PointCloud(
             self.points[idx], sel(self.normals), sel(self.colors), sel(self.features),
-            {k: v[idx] for k, v in self.extras.items()},
+            {k: v[idx] for k, v in self.extras.items()}, covariances=sel(self.covariances),
         )
 
     def transform(self, transformation: Any) -> PointCloud:
-        """Apply a rigid ``(4, 4)`` transform to points and normals; returns a new cloud."""
+        """Apply a rigid ``(4, 4)`` transform to points, normals (R n) and covariances (R C Rᵀ)."""
         from pointalign import transforms
 
         T = _validate.as_transform(transformation, "transformation", device=self.device)
         pts = transforms.apply(T, self.points)
-        nrm = None
+        nrm = cov = None
+        R = T[:3, :3]
         if self.normals is not None:
-            nrm = (self.normals.to(T.dtype) @ T[:3, :3].T).to(self.dtype)
-        return self.replace(points=pts, normals=nrm)
+            nrm = (self.normals.to(T.dtype) @ R.T).to(self.dtype)
+        if self.covariances is not None:
+            cov = (R @ self.covariances.to(T.dtype) @ R.T).to(self.dtype)
+        return self.replace(points=pts, normals=nrm, covariances=cov)
 
     def numpy(self) -> dict[str, np.ndarray]:
         """All present fields as NumPy arrays, keyed by name."""
         out = {"points": self.points.detach().cpu().numpy()}
-        for name in ("normals", "colors", "features"):
+        for name in ("normals", "colors", "features", "covariances"):
             v = getattr(self, name)
             if v is not None:
                 out[name] = v.detach().cpu().numpy()

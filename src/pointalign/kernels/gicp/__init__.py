@@ -1,0 +1,256 @@
+"""GICP kernels: plane-regularised covariances, the Mahalanobis normal equations, voxel maps.
+
+Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels are in
+``cpu.py``, the Triton kernels in ``triton.py``; :func:`pointalign.kernels.backend` picks):
+
+* ``covariances(points (N, 3), nbr_idx (Q, K) int64, eps) -> (Q, 3, 3)``: the
+  plane-regularised covariance ``I − (1 − ε) n nᵀ`` of each neighbourhood (n its smallest
+  eigenvector; ``-1`` = no neighbour), in one pass over the neighbour table (mean and
+  covariance in float64); **fallback I** for fewer than 3 neighbours or a neighbourhood
+  that does not span a plane (:func:`pointalign._math.spans_plane`). Never NaN for finite
+  points. Dtype of the points.
+* ``gicp_sums(source, source_cov, target, target_cov, idx, rotation, lengths, center,
+  kernel, scale) -> (B, 30)`` float64: the Gauss-Newton normal equations of the
+  plane-to-plane cost over the pairs ``(i, idx[b, i, s])``, laid out as ``normal_eq``'s
+  point-to-plane sums (``[0:21]`` JᵀWMJ, ``[21:27]`` JᵀWMr, ``[27]`` Σ w rᵀMr) plus
+  ``[28]`` matched source rows and ``[29]`` their mean squared distances summed
+  (:func:`.reference.gicp_sums_reference`). The Triton kernel accumulates blocks in
+  float32 and adds the block partials in float64; the numba kernel and the reference
+  compute in float64.
+* ``gicp_update(...)``: ``gicp_sums`` followed by ``normal_eq``'s 6×6 point-to-plane
+  solve (the same least-norm rule and un-centring), on the device:
+  ``(sums, D, T_new, T_new as float32, flags)`` as :func:`pointalign.kernels.normal_eq.icp_update`.
+* ``voxelize(points (B, M, 3), lengths, covariances (B, M, 3, 3), voxel_size) -> VoxelMap``
+  and ``voxel_lookup(points (B, N, 3), vmap, neighborhood) -> (B, N)`` int64: the
+  Gaussian voxel map of VGICP and, for each point, the occupied voxel around it whose mean
+  is nearest (integer answers, equal on every backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pointalign.kernels import normal_eq
+from pointalign.kernels._backend import backend
+from pointalign.kernels.gicp.reference import (
+    KERNELS,
+    NEIGHBORHOODS,
+    PLANE_EPS,
+    ROBUST_SCALE2,
+    WIDTH,
+    VoxelMap,
+    covariances_reference,
+    gicp_sums_reference,
+    voxel_lookup_reference,
+    voxelize_reference,
+)
+
+__all__ = ["KERNELS", "NEIGHBORHOODS", "PLANE_EPS", "ROBUST_SCALE2", "WIDTH", "VoxelMap",
+           "covariances", "gicp_sums", "gicp_update", "voxel_lookup", "voxelize"]
+
+
+def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
+                eps: float = PLANE_EPS) -> torch.Tensor:
+    """Plane-regularised covariance of each neighbourhood (entry point; see the contract).
+
+    Args:
+        points: ``(N, 3)`` float tensor; ``nbr_idx`` indexes it.
+        nbr_idx: ``(Q, K)`` int64 neighbour indices (``-1`` = none), one row per output.
+        eps: the regularisation ε (eigenvalues ``(ε, 1, 1)``), in (0, 1].
+
+    Returns:
+        ``(Q, 3, 3)`` symmetric positive definite matrices in the points' dtype.
+
+    """
+    if points.dim() != 2 or points.shape[1] != 3 or nbr_idx.dim() != 2 \
+            or nbr_idx.dtype != torch.int64 or nbr_idx.device != points.device:
+        raise ValueError(f"covariances: expected points (N, 3) and an int64 nbr_idx (Q, K) on "
+                         f"the points' device, got {tuple(points.shape)} and "
+                         f"{tuple(nbr_idx.shape)} {nbr_idx.dtype} on {nbr_idx.device}")
+    if not 0 < eps <= 1:
+        raise ValueError(f"eps: must be in (0, 1], got {eps}")
+    be = backend(points)
+    if be == "cpu":
+        from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+        return _gicp_cpu.covariances_cpu(points, nbr_idx, eps)
+    if be in ("triton", "interpret"):
+        from pointalign.kernels.gicp import triton as _gicp_triton
+
+        return _gicp_triton.covariances(points, nbr_idx, eps)
+    return covariances_reference(points, nbr_idx, eps)
+
+
+def _check(source, source_cov, target, target_cov, idx, rotation, lengths, center, kernel,
+           scale) -> None:
+    if source.dim() != 3 or source.shape[-1] != 3:
+        raise ValueError(f"source: expected shape (B, N, 3), got {tuple(source.shape)}")
+    B, N = source.shape[:2]
+    if target.dim() != 3 or target.shape[0] != B or target.shape[-1] != 3:
+        raise ValueError(f"target: expected shape ({B}, M, 3), got {tuple(target.shape)}")
+    if tuple(source_cov.shape) != (B, N, 3, 3):
+        raise ValueError(f"source_cov: expected shape ({B}, {N}, 3, 3), got "
+                         f"{tuple(source_cov.shape)}")
+    if tuple(target_cov.shape) != (*target.shape, 3):
+        raise ValueError(f"target_cov: expected shape {(*target.shape, 3)}, got "
+                         f"{tuple(target_cov.shape)}")
+    if idx.dim() != 3 or idx.shape[:2] != (B, N) or idx.dtype != torch.int64:
+        raise ValueError(f"idx: expected ({B}, {N}, S) int64, got {tuple(idx.shape)} "
+                         f"{idx.dtype}")
+    if tuple(rotation.shape) != (B, 3, 3):
+        raise ValueError(f"rotation: expected shape ({B}, 3, 3), got {tuple(rotation.shape)}")
+    if tuple(lengths.shape) != (B,):
+        raise ValueError(f"lengths: expected shape ({B},), got {tuple(lengths.shape)}")
+    if tuple(center.shape) != (B, 3):
+        raise ValueError(f"center: expected shape ({B}, 3), got {tuple(center.shape)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if not scale > 0:
+        raise ValueError(f"scale: must be > 0, got {scale}")
+    devs = {t.device for t in (source, source_cov, target, target_cov, idx, rotation, lengths,
+                               center)}
+    if len(devs) != 1:
+        raise ValueError(f"gicp_sums: inputs on different devices {sorted(map(str, devs))}")
+
+
+def gicp_sums(
+    source: torch.Tensor,
+    source_cov: torch.Tensor,
+    target: torch.Tensor,
+    target_cov: torch.Tensor,
+    idx: torch.Tensor,
+    rotation: torch.Tensor,
+    *,
+    lengths: torch.Tensor | None = None,
+    center: torch.Tensor | None = None,
+    kernel: str = "none",
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Compute the GICP sums of one iteration in one fused pass (see the module contract).
+
+    Args:
+        source: ``(B, N, 3)`` float tensor, source points x already moved by the estimate.
+        source_cov: ``(B, N, 3, 3)`` source covariances in the source's own frame.
+        target: ``(B, M, 3)`` float tensor, target points (or voxel means) y.
+        target_cov: ``(B, M, 3, 3)`` their covariances.
+        idx: ``(B, N, S)`` int64 partners of each source row (``-1`` = none); ``(B, N)``
+            is read as S = 1.
+        rotation: ``(B, 3, 3)`` the estimate's rotation (turns the source covariances).
+        lengths: ``(B,)`` int64 valid source rows (default N).
+        center: ``(B, 3)`` centre of the linearisation (default 0).
+        kernel: robust kernel ("none", "huber", "tukey", "cauchy").
+        scale: the robust kernel's k (> 0, metres; it reads ``sqrt(ROBUST_SCALE2 · rᵀMr)``).
+
+    Returns:
+        ``(B, 30)`` float64 sums on the input's device.
+
+    """
+    B, N = source.shape[:2]
+    if idx.dim() == 2:
+        idx = idx[:, :, None]
+    if lengths is None:
+        lengths = torch.full((B,), N, dtype=torch.int64, device=source.device)
+    if center is None:
+        center = torch.zeros(B, 3, dtype=source.dtype, device=source.device)
+    _check(source, source_cov, target, target_cov, idx, rotation, lengths, center, kernel,
+           float(scale))
+    be = backend(source)
+    if be == "cpu":
+        from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+        return _gicp_cpu.gicp_sums_cpu(source, source_cov, target, target_cov, idx, rotation,
+                                       lengths, center, kernel, float(scale))
+    if be in ("triton", "interpret"):
+        from pointalign.kernels.gicp import triton as _gicp_triton
+
+        return _gicp_triton.gicp_sums(source, source_cov, target, target_cov, idx, rotation,
+                                      lengths, center, kernel, float(scale))
+    return gicp_sums_reference(source, source_cov, target, target_cov, idx, rotation,
+                               lengths=lengths, center=center, kernel=kernel, scale=scale)
+
+
+def gicp_update(
+    source: torch.Tensor,
+    source_cov: torch.Tensor,
+    target: torch.Tensor,
+    target_cov: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    transform: torch.Tensor,
+    lengths: torch.Tensor,
+    center: torch.Tensor,
+    kernel: str = "none",
+    scale: float = 1.0,
+    eps: float = 1e-10,
+) -> tuple[torch.Tensor, ...]:
+    """One GICP step after the correspondences: the sums, the update and the new estimate.
+
+    :func:`gicp_sums` (rotation: that of ``transform``, the float64 ``(B, 4, 4)`` estimate
+    that moved the source) followed by the point-to-plane 6×6 solve of
+    :func:`pointalign.kernels.normal_eq.solve_update_reference` (``eps``: its rank rule).
+    On the Triton path the solve runs on the device (no host round trip).
+
+    Returns:
+        ``(sums (B, 30) float64, D (B, 4, 4) float64, T_new (B, 4, 4) float64, T_new as
+        float32, flags (B, 2) int32 (valid, usable))``.
+
+    """
+    if idx.dim() == 2:
+        idx = idx[:, :, None]
+    rotation = transform[:, :3, :3].to(torch.float32)
+    be = backend(source)
+    if be in ("triton", "interpret"):
+        from pointalign.kernels.gicp import triton as _gicp_triton
+
+        _check(source, source_cov, target, target_cov, idx, rotation, lengths, center,
+               kernel, float(scale))
+        return _gicp_triton.gicp_update(source, source_cov, target, target_cov, idx,
+                                        rotation, lengths, center, kernel, float(scale),
+                                        transform.to(torch.float64).contiguous(), eps)
+    s = gicp_sums(source, source_cov, target, target_cov, idx, rotation, lengths=lengths,
+                  center=center, kernel=kernel, scale=scale)
+    if be == "cpu":  # NumPy: a handful of 6×6 systems, where ~25 PyTorch ops cost ~1 ms
+        D, Tn, fl = normal_eq.solve_update_plane_host(s, center, transform, eps=eps)
+    else:
+        D, Tn, fl = normal_eq.solve_update_reference(s, center, transform, plane=True, eps=eps)
+    dev = source.device
+    return (s, D.to(dev), Tn.to(dev), Tn.to(dev, torch.float32), fl.to(dev))
+
+
+def voxelize(points: torch.Tensor, lengths: torch.Tensor, covariances: torch.Tensor,
+             voxel_size: float, counts: list[int] | None = None) -> VoxelMap:
+    """Gaussian voxel map of ``points (B, M, 3)`` with ``covariances (B, M, 3, 3)``.
+
+    Rows ``>= lengths[b]`` are padding. One implementation (PyTorch operations on the
+    points' device: a sort of the voxel keys and segment sums), run once per call; see
+    :func:`.reference.voxelize_reference`.
+    """
+    if points.dim() != 3 or points.shape[-1] != 3 \
+            or tuple(covariances.shape) != (*points.shape, 3):
+        raise ValueError(f"voxelize: expected points (B, M, 3) and covariances (B, M, 3, 3), "
+                         f"got {tuple(points.shape)} and {tuple(covariances.shape)}")
+    if not voxel_size > 0:
+        raise ValueError(f"voxel_size: must be > 0, got {voxel_size}")
+    return voxelize_reference(points, lengths, covariances, float(voxel_size), counts)
+
+
+def voxel_lookup(points: torch.Tensor, vmap: VoxelMap, neighborhood: int = 1) -> torch.Tensor:
+    """Find the nearest occupied voxel around each of ``points (B, N, 3)``: ``(B, N)`` int64.
+
+    Candidates: the voxels at ``floor(p / voxel_size) + OFFSETS[s]``, ``s < neighborhood``
+    (1: the point's own voxel, 7: and its six face neighbours, 27); the answer is the
+    occupied one whose mean is nearest (its index in ``vmap.keys[b]``), ``-1`` when none
+    is occupied. numba on the CPU; the PyTorch reference elsewhere (a batched
+    ``searchsorted``: no synchronisation, graph capture safe).
+    """
+    if neighborhood not in NEIGHBORHOODS:
+        raise ValueError(f"neighborhood: expected one of {NEIGHBORHOODS}, got {neighborhood!r}")
+    if points.dim() != 3 or points.shape[-1] != 3 or points.shape[0] != vmap.keys.shape[0]:
+        raise ValueError(f"points: expected shape ({vmap.keys.shape[0]}, N, 3), got "
+                         f"{tuple(points.shape)}")
+    if backend(points) == "cpu":
+        from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+        return _gicp_cpu.voxel_lookup_cpu(points, vmap.keys, vmap.means, vmap.inv_size,
+                                          neighborhood)
+    return voxel_lookup_reference(points, vmap, neighborhood)

@@ -1,0 +1,390 @@
+"""CPU (numba) kernels of the GICP family: the contracts of :mod:`pointalign.kernels.gicp`.
+
+* :func:`covariances_cpu`: one pass per point over its neighbour row: mean and covariance
+  in float64 (two passes over the row, as the reference), the degeneracy rule, the smallest
+  eigenvector in closed form (Smith 1961; the null vector as the largest cross product of
+  two rows of ``A − λI``; the orthogonal fallback for a repeated smallest eigenvalue: the
+  steps of :func:`pointalign._math.smallest_eigenvector3`) and ``I − (1 − ε) n nᵀ``.
+* :func:`gicp_sums_cpu`: the 30 sums in float64 registers, one row at a time, no
+  ``(B, N, ·)`` intermediates; ``BLOCKS`` fixed row blocks per batch entry summed in block
+  order, so the result does not depend on the thread count. It differs from the reference
+  (which sums whole columns, and forms ``Jᵀ M J`` by matrix products) by the rounding of
+  float64 sums in another order and grouping (relative ~1e-13).
+* :func:`voxel_lookup_cpu`: the nearest voxel by binary search in each target's sorted
+  keys; integer answers equal to the reference's (the same float64 distances).
+
+The 3×3 eigen-solve, the adjugate inverse and the per-pair terms are written once here as
+``inline`` helpers (the same operations as the reference and ``triton.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pointalign import _math, _threads
+from pointalign.kernels._numba import njit, prange
+from pointalign.kernels.gicp.reference import (
+    KEY_BITS,
+    KEY_OFFSET,
+    MIN_NEIGHBOURS,
+    OFFSETS,
+    ROBUST_SCALE2,
+    WIDTH,
+)
+
+#: row blocks per batch entry (fixed: the summation order does not depend on threads)
+BLOCKS = 64
+_KERNEL_CODE = {k: i for i, k in enumerate(_math.ROBUST_KINDS)}
+_OFFSETS = np.asarray(OFFSETS, dtype=np.int64)
+
+
+@njit(cache=True, inline="always")
+def _weight(r, kind, scale):
+    """:func:`pointalign._math.robust_weight` (kind: index in ``ROBUST_KINDS``)."""
+    a = abs(r)
+    if kind == 0:
+        return 1.0
+    if kind == 1:
+        return 1.0 if a <= scale else scale / max(a, 1e-30)
+    if kind == 2:
+        if a < scale:
+            u = 1.0 - (a / scale) ** 2
+            return u * u
+        return 0.0
+    return 1.0 / (1.0 + (a / scale) ** 2)
+
+
+@njit(cache=True, inline="always")
+def _null(a00, a01, a02, a11, a12, a22, lam):
+    """Return the unit largest cross product of two rows of ``A − λI`` and its squared norm."""
+    m00, m11, m22 = a00 - lam, a11 - lam, a22 - lam
+    # rows r0 = (m00, a01, a02), r1 = (a01, m11, a12), r2 = (a02, a12, m22)
+    x0, y0, z0 = a01 * a12 - a02 * m11, a02 * a01 - m00 * a12, m00 * m11 - a01 * a01
+    x1, y1, z1 = a01 * m22 - a02 * a12, a02 * a02 - m00 * m22, m00 * a12 - a01 * a02
+    x2, y2, z2 = m11 * m22 - a12 * a12, a12 * a02 - a01 * m22, a01 * a12 - m11 * a02
+    n0 = x0 * x0 + y0 * y0 + z0 * z0
+    n1 = x1 * x1 + y1 * y1 + z1 * z1
+    n2 = x2 * x2 + y2 * y2 + z2 * z2
+    vx, vy, vz, nb = x0, y0, z0, n0
+    if n1 > nb:
+        vx, vy, vz, nb = x1, y1, z1, n1
+    if n2 > nb:
+        vx, vy, vz, nb = x2, y2, z2, n2
+    s = math.sqrt(max(nb, 1e-300))
+    return vx / s, vy / s, vz / s, nb
+
+
+@njit(cache=True, inline="always")
+def smallest_eigenvector3(a00, a01, a02, a11, a12, a22):
+    """:func:`pointalign._math.smallest_eigenvector3` of one symmetric 3×3 (float64).
+
+    Scaled by the largest entry; eigenvalues by Smith's formula; a (nearly) repeated
+    smallest eigenvalue gives a unit vector orthogonal to the largest eigenvector
+    (``u × e_k``, k the first axis of u's smallest magnitude), (0, 0, 1) for 0 or a
+    multiple of I.
+    """
+    sc = max(abs(a00), abs(a01), abs(a02), abs(a11), abs(a12), abs(a22))
+    if not sc > 0:
+        sc = 1.0
+    a00, a01, a02, a11, a12, a22 = a00 / sc, a01 / sc, a02 / sc, a11 / sc, a12 / sc, a22 / sc
+    q = (a00 + a11 + a22) / 3
+    b00, b11, b22 = a00 - q, a11 - q, a22 - q
+    p2 = b00 * b00 + b11 * b11 + b22 * b22 + 2 * (a01 * a01 + a02 * a02 + a12 * a12)
+    pp = math.sqrt(p2 / 6)
+    ps = pp if pp > 0 else 1.0
+    c00, c11, c22 = b00 / ps, b11 / ps, b22 / ps
+    c01, c02, c12 = a01 / ps, a02 / ps, a12 / ps
+    det = (c00 * (c11 * c22 - c12 * c12) - c01 * (c01 * c22 - c12 * c02)
+           + c02 * (c01 * c12 - c11 * c02))
+    phi = math.acos(min(1.0, max(-1.0, det / 2))) / 3
+    l_max = q + 2 * pp * math.cos(phi)
+    l_min = q + 2 * pp * math.cos(phi + 2 * math.pi / 3)
+    l_mid = 3 * q - l_max - l_min
+    v0, v1, v2, nv = _null(a00, a01, a02, a11, a12, a22, l_min)
+    gap = l_mid - l_min
+    spread = l_max - l_min
+    if nv > (1e-8 * max(spread, 1e-300)) ** 2 and gap > 1e-9 * max(spread, 1e-300):
+        return v0, v1, v2
+    u0, u1, u2, nu = _null(a00, a01, a02, a11, a12, a22, l_max)
+    if not (nu > 0 and spread > 0):
+        return 0.0, 0.0, 1.0
+    au0, au1, au2 = abs(u0), abs(u1), abs(u2)
+    if au0 <= au1 and au0 <= au2:
+        v0, v1, v2 = 0.0, u2, -u1
+    elif au1 <= au2:
+        v0, v1, v2 = -u2, 0.0, u0
+    else:
+        v0, v1, v2 = u1, -u0, 0.0
+    nn = math.sqrt(max(v0 * v0 + v1 * v1 + v2 * v2, 1e-300))
+    return v0 / nn, v1 / nn, v2 / nn
+
+
+@njit(cache=True, inline="always")
+def _spans_plane(c00, c01, c02, c11, c12, c22, eps):
+    """:func:`pointalign._math.spans_plane` of one symmetric 3×3 (its upper triangle)."""
+    tr = c00 + c11 + c22
+    fro2 = c00 * c00 + c11 * c11 + c22 * c22 + 2.0 * (c01 * c01 + c02 * c02 + c12 * c12)
+    return 0.5 * (tr * tr - fro2) > eps * fro2
+
+
+@njit(cache=True, parallel=True)
+def _covariances(pts, idx, eps, degeneracy, out):
+    q, k = idx.shape
+    for i in prange(q):
+        cnt = 0.0
+        m0, m1, m2 = 0.0, 0.0, 0.0
+        for j in range(k):
+            p = idx[i, j]
+            if p >= 0:
+                cnt += 1.0
+                m0 += np.float64(pts[p, 0])
+                m1 += np.float64(pts[p, 1])
+                m2 += np.float64(pts[p, 2])
+        c = max(cnt, 1.0)
+        m0, m1, m2 = m0 / c, m1 / c, m2 / c
+        s00, s01, s02, s11, s12, s22 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        for j in range(k):
+            p = idx[i, j]
+            if p >= 0:
+                d0 = np.float64(pts[p, 0]) - m0
+                d1 = np.float64(pts[p, 1]) - m1
+                d2 = np.float64(pts[p, 2]) - m2
+                s00 += d0 * d0
+                s01 += d0 * d1
+                s02 += d0 * d2
+                s11 += d1 * d1
+                s12 += d1 * d2
+                s22 += d2 * d2
+        s00, s01, s02, s11, s12, s22 = s00 / c, s01 / c, s02 / c, s11 / c, s12 / c, s22 / c
+        for a in range(3):
+            for b in range(3):
+                out[i, a, b] = 1.0 if a == b else 0.0
+        if cnt >= MIN_NEIGHBOURS and _spans_plane(s00, s01, s02, s11, s12, s22, degeneracy):
+            n0, n1, n2 = smallest_eigenvector3(s00, s01, s02, s11, s12, s22)
+            f = 1.0 - eps
+            out[i, 0, 0] = 1.0 - f * (n0 * n0)
+            out[i, 1, 1] = 1.0 - f * (n1 * n1)
+            out[i, 2, 2] = 1.0 - f * (n2 * n2)
+            out[i, 0, 1] = out[i, 1, 0] = -(f * (n0 * n1))
+            out[i, 0, 2] = out[i, 2, 0] = -(f * (n0 * n2))
+            out[i, 1, 2] = out[i, 2, 1] = -(f * (n1 * n2))
+
+
+def covariances_cpu(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> torch.Tensor:
+    """Return ``(Q, 3, 3)`` plane-regularised covariances in the points' dtype."""
+    _threads.numba_threads()
+    p = points.detach().contiguous().numpy()
+    out = np.empty((nbr_idx.shape[0], 3, 3), np.float64)
+    if out.shape[0]:
+        _covariances(p, nbr_idx.detach().to(torch.int64).contiguous().numpy(), float(eps),
+                     _math.DEGENERACY_EPS, out)
+    return torch.from_numpy(out).to(points.dtype)
+
+
+@njit(cache=True, inline="always")
+def _rotate_sym(R, a00, a01, a02, a11, a12, a22):
+    """Upper triangle of ``R A Rᵀ`` for symmetric A (R a 3×3 array)."""
+    # Q = A Rᵀ: Q[a, j] = Σ_b A[a, b] R[j, b]
+    q00 = a00 * R[0, 0] + a01 * R[0, 1] + a02 * R[0, 2]
+    q01 = a00 * R[1, 0] + a01 * R[1, 1] + a02 * R[1, 2]
+    q02 = a00 * R[2, 0] + a01 * R[2, 1] + a02 * R[2, 2]
+    q10 = a01 * R[0, 0] + a11 * R[0, 1] + a12 * R[0, 2]
+    q11 = a01 * R[1, 0] + a11 * R[1, 1] + a12 * R[1, 2]
+    q12 = a01 * R[2, 0] + a11 * R[2, 1] + a12 * R[2, 2]
+    q20 = a02 * R[0, 0] + a12 * R[0, 1] + a22 * R[0, 2]
+    q21 = a02 * R[1, 0] + a12 * R[1, 1] + a22 * R[1, 2]
+    q22 = a02 * R[2, 0] + a12 * R[2, 1] + a22 * R[2, 2]
+    s00 = R[0, 0] * q00 + R[0, 1] * q10 + R[0, 2] * q20
+    s01 = R[0, 0] * q01 + R[0, 1] * q11 + R[0, 2] * q21
+    s02 = R[0, 0] * q02 + R[0, 1] * q12 + R[0, 2] * q22
+    s11 = R[1, 0] * q01 + R[1, 1] * q11 + R[1, 2] * q21
+    s12 = R[1, 0] * q02 + R[1, 1] * q12 + R[1, 2] * q22
+    s22 = R[2, 0] * q02 + R[2, 1] * q12 + R[2, 2] * q22
+    return s00, s01, s02, s11, s12, s22
+
+
+@njit(cache=True, inline="always")
+def add_pair(acc, w, x0, x1, x2, m00, m01, m02, m11, m12, m22, u0, u1, u2, e):
+    """Add one pair's weighted terms to ``acc[0:28]`` (the layout of ``gicp_sums``).
+
+    ``x̃`` the centred source point, M the inverse combined covariance (upper triangle),
+    ``u = M r``, ``e = rᵀ u``. With ``P_l = M (e_l × x̃)``: ``(Jᵀ M J)_ωω[:, l] = x̃ × P_l``,
+    ``(Jᵀ M J)_ωv[l, :] = P_lᵀ``, ``(Jᵀ M J)_vv = M``, ``Jᵀ M r = (x̃ × u, u)``.
+    """
+    p00 = -x2 * m01 + x1 * m02
+    p01 = -x2 * m11 + x1 * m12
+    p02 = -x2 * m12 + x1 * m22
+    p10 = x2 * m00 - x0 * m02
+    p11 = x2 * m01 - x0 * m12
+    p12 = x2 * m02 - x0 * m22
+    p20 = -x1 * m00 + x0 * m01
+    p21 = -x1 * m01 + x0 * m11
+    p22 = -x1 * m02 + x0 * m12
+    acc[0] += w * (x1 * p02 - x2 * p01)
+    acc[1] += w * (x1 * p12 - x2 * p11)
+    acc[2] += w * (x1 * p22 - x2 * p21)
+    acc[3] += w * p00
+    acc[4] += w * p01
+    acc[5] += w * p02
+    acc[6] += w * (x2 * p10 - x0 * p12)
+    acc[7] += w * (x2 * p20 - x0 * p22)
+    acc[8] += w * p10
+    acc[9] += w * p11
+    acc[10] += w * p12
+    acc[11] += w * (x0 * p21 - x1 * p20)
+    acc[12] += w * p20
+    acc[13] += w * p21
+    acc[14] += w * p22
+    acc[15] += w * m00
+    acc[16] += w * m01
+    acc[17] += w * m02
+    acc[18] += w * m11
+    acc[19] += w * m12
+    acc[20] += w * m22
+    acc[21] += w * (x1 * u2 - x2 * u1)
+    acc[22] += w * (x2 * u0 - x0 * u2)
+    acc[23] += w * (x0 * u1 - x1 * u0)
+    acc[24] += w * u0
+    acc[25] += w * u1
+    acc[26] += w * u2
+    acc[27] += w * e
+
+
+@njit(cache=True, parallel=True)
+def _sums(src, scov, tgt, tcov, idx, rot, lengths, center, kind, scale, rscale2):
+    B, N, S = idx.shape
+    part = np.zeros((B, BLOCKS, WIDTH), np.float64)
+    step = (N + BLOCKS - 1) // BLOCKS
+    for job in prange(B * BLOCKS):
+        b = job // BLOCKS
+        blk = job % BLOCKS
+        acc = np.zeros(WIDTH, np.float64)
+        R = rot[b]
+        c0, c1, c2 = center[b, 0], center[b, 1], center[b, 2]
+        stop = min(lengths[b], (blk + 1) * step)
+        for i in range(blk * step, stop):
+            x0 = np.float64(src[b, i, 0]) - c0
+            x1 = np.float64(src[b, i, 1]) - c1
+            x2 = np.float64(src[b, i, 2]) - c2
+            s00, s01, s02, s11, s12, s22 = _rotate_sym(
+                R, np.float64(scov[b, i, 0, 0]), np.float64(scov[b, i, 0, 1]),
+                np.float64(scov[b, i, 0, 2]), np.float64(scov[b, i, 1, 1]),
+                np.float64(scov[b, i, 1, 2]), np.float64(scov[b, i, 2, 2]))
+            n_ok = 0.0
+            d2sum = 0.0
+            for s in range(S):
+                j = idx[b, i, s]
+                if j < 0:
+                    continue
+                c00 = np.float64(tcov[b, j, 0, 0]) + s00
+                c01 = np.float64(tcov[b, j, 0, 1]) + s01
+                c02 = np.float64(tcov[b, j, 0, 2]) + s02
+                c11 = np.float64(tcov[b, j, 1, 1]) + s11
+                c12 = np.float64(tcov[b, j, 1, 2]) + s12
+                c22 = np.float64(tcov[b, j, 2, 2]) + s22
+                a00 = c11 * c22 - c12 * c12
+                a01 = c02 * c12 - c01 * c22
+                a02 = c01 * c12 - c02 * c11
+                a11 = c00 * c22 - c02 * c02
+                a12 = c01 * c02 - c00 * c12
+                a22 = c00 * c11 - c01 * c01
+                det = c00 * a00 + c01 * a01 + c02 * a02
+                if not det > 0:
+                    continue
+                m00, m01, m02 = a00 / det, a01 / det, a02 / det
+                m11, m12, m22 = a11 / det, a12 / det, a22 / det
+                r0 = x0 - (np.float64(tgt[b, j, 0]) - c0)
+                r1 = x1 - (np.float64(tgt[b, j, 1]) - c1)
+                r2 = x2 - (np.float64(tgt[b, j, 2]) - c2)
+                u0 = m00 * r0 + m01 * r1 + m02 * r2
+                u1 = m01 * r0 + m11 * r1 + m12 * r2
+                u2 = m02 * r0 + m12 * r1 + m22 * r2
+                e = max(r0 * u0 + r1 * u1 + r2 * u2, 0.0)
+                w = _weight(math.sqrt(rscale2 * e), kind, scale)
+                add_pair(acc, w, x0, x1, x2, m00, m01, m02, m11, m12, m22, u0, u1, u2, e)
+                n_ok += 1.0
+                d2sum += r0 * r0 + r1 * r1 + r2 * r2
+            if n_ok > 0:
+                acc[28] += 1.0
+                acc[29] += d2sum / n_ok
+        for q in range(WIDTH):
+            part[b, blk, q] = acc[q]
+    out = np.zeros((B, WIDTH), np.float64)
+    for b in range(B):
+        for blk in range(BLOCKS):
+            for q in range(WIDTH):
+                out[b, q] += part[b, blk, q]
+    return out
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+def gicp_sums_cpu(source, source_cov, target, target_cov, idx, rotation, lengths, center,
+                  kernel, scale) -> torch.Tensor:
+    """Return the ``(B, 30)`` float64 sums (arguments as :func:`.gicp.gicp_sums`)."""
+    _threads.numba_threads()
+    src = _np(source)
+    tgt = _np(target) if target.dtype == source.dtype else _np(target.to(source.dtype))
+    out = _sums(src, _np(source_cov), tgt, _np(target_cov.to(source_cov.dtype)),
+                _np(idx.to(torch.int64)), _np(rotation.to(torch.float64)),
+                _np(lengths.to(torch.int64)), _np(center.to(torch.float64)),
+                _KERNEL_CODE[kernel], float(scale), ROBUST_SCALE2)
+    return torch.from_numpy(out)
+
+
+@njit(cache=True, parallel=True)
+def _lookup(pts, keys, means, sizes, inv, offsets, out):
+    B, N = out.shape
+    S = offsets.shape[0]
+    top = (1 << KEY_BITS) - 2
+    for job in prange(B * N):
+        b = job // N
+        i = job % N
+        v = sizes[b]
+        p0 = np.float64(pts[b, i, 0])
+        p1 = np.float64(pts[b, i, 1])
+        p2 = np.float64(pts[b, i, 2])
+        c0 = np.int64(math.floor(p0 * inv)) + KEY_OFFSET
+        c1 = np.int64(math.floor(p1 * inv)) + KEY_OFFSET
+        c2 = np.int64(math.floor(p2 * inv)) + KEY_OFFSET
+        best, best_d2 = -1, np.inf
+        for s in range(S):
+            e0, e1, e2 = c0 + offsets[s, 0], c1 + offsets[s, 1], c2 + offsets[s, 2]
+            if e0 < 0 or e1 < 0 or e2 < 0 or e0 > top or e1 > top or e2 > top:
+                continue
+            key = (e0 << (2 * KEY_BITS)) | (e1 << KEY_BITS) | e2
+            lo, hi = 0, v
+            while lo < hi:  # the first position with keys >= key
+                mid = (lo + hi) // 2
+                if keys[b, mid] < key:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo < v and keys[b, lo] == key:
+                d0 = p0 - np.float64(means[b, lo, 0])
+                d1 = p1 - np.float64(means[b, lo, 1])
+                d2 = p2 - np.float64(means[b, lo, 2])
+                dd = (d0 * d0 + d1 * d1) + d2 * d2
+                if dd < best_d2:
+                    best, best_d2 = lo, dd
+        out[b, i] = best
+
+
+def voxel_lookup_cpu(points: torch.Tensor, keys: torch.Tensor, means: torch.Tensor,
+                     inv_size: float, neighborhood: int) -> torch.Tensor:
+    """Return ``(B, N)`` int64 nearest voxels (see :func:`.gicp.voxel_lookup`)."""
+    _threads.numba_threads()
+    B, N = points.shape[:2]
+    k = _np(keys)
+    # each row's occupied keys: those below the padding (the padding key sorts last)
+    sizes = (k < np.iinfo(np.int64).max).sum(1).astype(np.int64)
+    out = np.empty((B, N), np.int64)
+    if B * N:
+        _lookup(_np(points), k, _np(means), sizes, float(inv_size),
+                _OFFSETS[:neighborhood], out)
+    return torch.from_numpy(out)
