@@ -10,12 +10,14 @@ from pointalign._progress import (
 )
 from pointalign._threads import get_num_threads, set_num_threads
 from pointalign.cloud import PointCloud
+from pointalign.features.covariances import estimate_covariances
 from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh
 from pointalign.features.normals import estimate_normals
 from pointalign.io import read, read_bin, write
 from pointalign.metrics import RegistrationEvaluation, evaluate_registration
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
+from pointalign.registration.gicp import gicp, vgicp
 from pointalign.registration.icp import icp
 from pointalign.registration.pipeline import register
 from pointalign.registration.ransac import ransac
@@ -47,10 +49,12 @@ __all__ = [
     "build_index",
     "datasets",
     "emicp",
+    "estimate_covariances",
     "estimate_normals",
     "evaluate_registration",
     "fpfh",
     "get_num_threads",
+    "gicp",
     "icp",
     "metrics",
     "ransac",
@@ -61,6 +65,7 @@ __all__ = [
     "softassign",
     "surface_newton",
     "transforms",
+    "vgicp",
     "voxel_downsample",
     "write",
 ]
