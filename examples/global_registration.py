@@ -1,7 +1,7 @@
 """Global registration from an arbitrary pose: FPFH + parallel RANSAC, then ICP.
 
 Shows: ``pa.register`` needs no initial guess; its stages (downsample, normals, FPFH,
-RANSAC, ICP) and their timings; the RANSAC-only result (``method="none"``) next to the
+RANSAC, ICP) and their timings; the RANSAC-only result (``refine="none"``) next to the
 refined one; the error against the ground truth.
 
     python examples/global_registration.py --device cpu
@@ -27,12 +27,12 @@ def main() -> None:
     pair = pa.datasets.make_pair(bunny, rotation_deg=120.0, translation=0.05,
                                  noise=0.0002, overlap=0.8, seed=3)
     print(f"{len(pair.source)} -> {len(pair.target)} points, true motion 120 deg / 5 cm")
-    for method in ("none", "icp"):
-        res = pa.register(pair.source, pair.target, method=method, device=args.device)
+    for refine in ("none", "point_to_plane"):
+        res = pa.register(pair.source, pair.target, refine=refine, device=args.device)
         rot, trans = pa.metrics.relative_error(res.transformation, pair.T_target_source)
         stages = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in res.timings.items()
                            if "." not in k)
-        label = "RANSAC only " if method == "none" else "RANSAC + ICP"
+        label = "RANSAC only " if refine == "none" else "RANSAC + ICP"
         print(f"{label}: error {rot:.3f} deg, {trans * 1e3:.2f} mm; fitness "
               f"{float(res.fitness):.3f}; {stages}")
 

@@ -16,8 +16,9 @@ length a multiple of the voxel edge v (:class:`Scales`; default v:
 4. :func:`_final_icp`: point-to-plane ICP of the full clouds (or their ``icp_voxel_size``
    copies) with 0.5v from the best; each ICP stops on Open3D's relative-change rule or an
    update below 0.1 % of v and 0.01°;
-5. :func:`_verdict`: whether the result can be trusted (overlap, margin over a different
-   hypothesis, concentration of the residuals, determinacy).
+5. :func:`~pointalign.registration.verdict.verdict`: whether the result can be trusted
+   (overlap, margin over a different hypothesis, concentration of the residuals,
+   determinacy).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from pointalign import _math, _progress, _threads, _validate, transforms
+from pointalign import _progress, _threads, _validate
 from pointalign.features.downsample import auto_voxel_size, voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
 from pointalign.features.normals import estimate_normals
@@ -45,13 +46,17 @@ from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
+from pointalign.registration.gicp import gicp
 from pointalign.registration.icp import icp
-from pointalign.registration.ransac import count_inliers, count_inliers_within, ransac
+from pointalign.registration.ransac import count_inliers, ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
+from pointalign.registration.verdict import verdict
 from pointalign.search import build_index, policy
 
-METHODS = ("icp", "none")
+#: register()'s refinements of the global result: point-to-plane ICP, generalized ICP
+#: (:func:`~pointalign.registration.gicp.gicp`), or none (the global stage alone)
+REFINEMENTS = ("point_to_plane", "gicp", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +124,6 @@ NORMAL_NEIGHBOURS = 30
 FULL_NORMAL_NEIGHBOURS = 16
 #: both ICP stages' smallest rotation update (degrees)
 ROTATION_TOLERANCE_DEG = 0.01
-#: the verdict: a hypothesis turned more than this (degrees) from the result is another one
-DISTINCT_ANGLE_DEG = 5.0
-
 
 class Prepared(NamedTuple):
     """One cloud ready for the global stage (:func:`_prepare_cloud`), on the compute device.
@@ -141,7 +143,7 @@ class _Options(NamedTuple):
     """:func:`register`'s validated keyword arguments, as the stages read them."""
 
     voxel_size: float | None
-    method: str
+    refine: str
     target_points: int
     hypotheses: int
     icp_voxel_size: float | None
@@ -172,7 +174,8 @@ def register(
     *,
     voxel_size: float | None = None,
     device: str | torch.device | None = None,
-    method: str = "icp",
+    refine: str = "point_to_plane",
+    method: str | None = None,
     target_points: int = 5000,
     hypotheses: int = 16384,
     icp_voxel_size: float | None = None,
@@ -195,7 +198,11 @@ def register(
             final ICP 0.5v).
         device: compute device (default: the inputs' device, which must be one, else CUDA
             if present: :func:`pointalign.registration._edge.resolve_device`).
-        method: ``"icp"`` (point-to-plane refinement) or ``"none"`` (global stage only).
+        refine: the local refinement of the global result: ``"point_to_plane"`` ICP (the
+            default), ``"gicp"`` (generalized ICP,
+            :func:`~pointalign.registration.gicp.gicp`, covariances from k = 20 neighbours)
+            or ``"none"`` (the global stage alone).
+        method: deprecated name of ``refine`` (``"icp"`` meant ``"point_to_plane"``).
         target_points: size the automatic voxel edge aims at.
         hypotheses: RANSAC hypotheses per batch.
         icp_voxel_size: downsample the clouds for the final ICP at this edge (default: the
@@ -229,7 +236,7 @@ def register(
         the final ICP's own stop: ``info["icp_converged"]``, ``["icp_stop_reason"]``.
         ``fitness``, ``rmse``, ``iterations`` and ``history`` are the final ICP's
         (``iterations == history[-1]["iteration"]``; the coarse stage's, of the kept
-        hypothesis: ``info["coarse_iterations"]``). With ``method="none"``, or when RANSAC
+        hypothesis: ``info["coarse_iterations"]``). With ``refine="none"``, or when RANSAC
         finds no hypothesis, the result is RANSAC's (``iterations``: hypotheses drawn); a
         failed one says why in ``stop_reason`` and ``info["verdict"]``.
 
@@ -242,10 +249,14 @@ def register(
         raise TypeError(f"register() got an unexpected keyword argument {unknown[0]!r} "
                         f"(besides its own, register passes these on to ransac(): "
                         f"{', '.join(RANSAC_OPTIONS)})")
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if method is not None:  # the old name: register(method="icp" | "none")
+        _progress.warn('register(method=...) is now register(refine=...) ("icp" became '
+                       '"point_to_plane")', DeprecationWarning, stacklevel=2)
+        refine = {"icp": "point_to_plane"}.get(method, method)
+    if refine not in REFINEMENTS:
+        raise ValueError(f"refine: expected one of {REFINEMENTS}, got {refine!r}")
     opts = _Options(
-        _positive_or_none(voxel_size, "voxel_size"), method,
+        _positive_or_none(voxel_size, "voxel_size"), refine,
         _validate.integer(target_points, "target_points", minimum=3),
         _validate.integer(hypotheses, "hypotheses", minimum=1),
         _positive_or_none(icp_voxel_size, "icp_voxel_size"),
@@ -262,7 +273,7 @@ def register(
         raise ValueError("source, target: expected one (N, 3) cloud each, got a batch; "
                          "register pairs one at a time")
     src, tgt = pair.source[0], pair.target[0]
-    _warn_register(src, tgt, dev, method, opts.target_points, opts.icp_voxel_size,
+    _warn_register(src, tgt, dev, refine, opts.target_points, opts.icp_voxel_size,
                    opts.max_iterations,
                    icp_max_correspondence_distance=opts.icp_max_correspondence_distance)
     # arrays derived from validated ones: no NaN/Inf scans (host syncs) on them; PyTorch's
@@ -294,17 +305,17 @@ _CPU_SECONDS_PER_5000 = 5.0
 _CPU_SECONDS_PER_POINT = 1e-5
 
 
-def _warn_register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device, method: str,
+def _warn_register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device, refine: str,
                    target_points: int, icp_voxel_size: float | None,
                    max_iterations: int, *,
                    icp_max_correspondence_distance: float | None = None) -> None:
-    """Warnings before the work: parameters ``method="none"`` ignores; a CPU call of minutes."""
+    """Warnings before the work: parameters ``refine="none"`` ignores; a CPU call of minutes."""
     for name, given in (("icp_voxel_size", icp_voxel_size is not None),
                         ("max_iterations", max_iterations != 30),
                         ("icp_max_correspondence_distance",
                          icp_max_correspondence_distance is not None)):
-        if method == "none" and given:
-            _progress.warn_ignored(name, 'register(method="none")', "no ICP stage",
+        if refine == "none" and given:
+            _progress.warn_ignored(name, 'register(refine="none")', "no ICP stage",
                                    stacklevel=4)
     threads = _threads.host_threads(dev)
     if threads is not None:  # the host does the work: announce a call of minutes
@@ -332,7 +343,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     info: dict[str, Any] = {"voxel_size": v, "source_down": int(source.down.shape[0]),
                             "target_down": int(target.down.shape[0]),
                             "global": _edge.in_world(glob, pair.frame)}
-    if candidates is None:  # method="none", or RANSAC found nothing: the global result
+    if candidates is None:  # refine="none", or RANSAC found nothing: the global result
         return _global_result(pair, glob, info, clock)
     criteria = ConvergenceCriteria(max_iterations=opts.max_iterations,
                                    translation_tolerance=scales.translation_tolerance,
@@ -340,10 +351,10 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     R, fit_v, coarse_iterations = _refine_hypotheses(candidates, source, target, scales,
                                                      criteria, opts.robust, clock)
     local = _final_icp(src, tgt, R[0], scales, opts.icp_voxel_size, criteria, full_index,
-                       clock)
-    verdict, reason = _verdict(local, R, fit_v, source, target, scales)
+                       clock, opts.refine)
+    judged, reason = verdict(local, R, fit_v, source, target, scales)
     clock.lap("verdict")
-    info.update(verdict, ranked_correspondences=n_rank, hypotheses_refined=int(R.shape[0]),
+    info.update(judged, ranked_correspondences=n_rank, hypotheses_refined=int(R.shape[0]),
                 coarse_iterations=coarse_iterations)
     return _final_result(pair, local, glob, info, reason, clock)
 
@@ -355,7 +366,7 @@ def _full_target_index(tgt: torch.Tensor, opts: _Options) -> Any:
     (:func:`pointalign.search.policy.one_index_serves_every_bound`), the final ICP runs on
     the full target and strays are looked for: one build instead of two.
     """
-    if (opts.method == "icp" and opts.icp_voxel_size is None and opts.remove_outliers
+    if (opts.refine != "none" and opts.icp_voxel_size is None and opts.remove_outliers
             and policy.one_index_serves_every_bound(tgt)):
         return build_index(tgt)
     return None
@@ -422,7 +433,7 @@ def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,
     2 forward where a ratio is taken, the backward ones where mutual pairs are asked for)
     and passed to both. Returns RANSAC's result (local frame), the candidate motions
     ``(H, 4, 4)`` float64 (RANSAC's first; None when there is nothing to refine:
-    ``method="none"`` or no hypothesis) and how many correspondences the graph ranked.
+    ``refine="none"`` or no hypothesis) and how many correspondences the graph ranked.
     """
     ropts = opts.ransac_options
     ratio = opts.robust or ropts.get("ratio_test") is not None
@@ -434,7 +445,7 @@ def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,
                   hypotheses=opts.hypotheses, target_index=target.index, seed=opts.seed,
                   matches=matches, **ropts)
     clock.lap("ransac")
-    if opts.method == "none" or glob.stop_reason in (StopReason.NO_HYPOTHESIS,
+    if opts.refine == "none" or glob.stop_reason in (StopReason.NO_HYPOTHESIS,
                                                      StopReason.TOO_FEW_CORRESPONDENCES):
         return glob, None, 0
     assert glob.transformation_tensor is not None  # every RegistrationResult of ransac()
@@ -480,8 +491,13 @@ def _refine_hypotheses(candidates: torch.Tensor, source: Prepared, target: Prepa
 
 def _final_icp(src: torch.Tensor, tgt: torch.Tensor, init: torch.Tensor, scales: Scales,
                icp_voxel_size: float | None, criteria: ConvergenceCriteria,
-               full_index: Any, clock: _loop.Clock) -> RegistrationResult:
-    """Point-to-plane ICP of the full clouds (or ``icp_voxel_size`` copies) from ``init (4, 4)``.
+               full_index: Any, clock: _loop.Clock, refine: str = "point_to_plane"
+               ) -> RegistrationResult:
+    """Refine ``init (4, 4)`` on the full clouds (or ``icp_voxel_size`` copies).
+
+    ``refine="point_to_plane"``: point-to-plane ICP; ``"gicp"``: generalized ICP (its
+    covariances from the k = 20 nearest points of each cloud, through ``full_index`` on the
+    target).
 
     Within ``Scales.fine``; the target's normals within ``Scales.normal_radius`` from
     :data:`FULL_NORMAL_NEIGHBOURS` nearest points (searched a chunk at a time: the whole
@@ -494,6 +510,12 @@ def _final_icp(src: torch.Tensor, tgt: torch.Tensor, init: torch.Tensor, scales:
         t_full = voxel_downsample(tgt, icp_voxel_size)
     if full_index is None or t_full is not tgt:
         full_index = build_index(t_full)
+    if refine == "gicp":
+        clock.lap("icp_prepare")
+        local = gicp(s_full, t_full, init=init, max_correspondence_distance=scales.fine,
+                     criteria=criteria, index=full_index, device=t_full.device)
+        clock.lap("icp")
+        return local
     t_normals = estimate_normals(t_full, k=min(FULL_NORMAL_NEIGHBOURS, t_full.shape[0]),
                                  radius=scales.normal_radius, index=full_index,
                                  orient="viewpoint", viewpoint=t_full.mean(0))
@@ -514,7 +536,7 @@ def _timings(clock: _loop.Clock, glob: RegistrationResult) -> dict[str, float]:
 
 def _global_result(pair: _edge.Pair, glob: RegistrationResult, info: dict[str, Any],
                    clock: _loop.Clock) -> RegistrationResult:
-    """Build the result of ``method="none"``, or of a RANSAC that found nothing: RANSAC's."""
+    """Build the result of ``refine="none"``, or of a RANSAC that found nothing: RANSAC's."""
     if not glob.converged:  # the global stage's failure is the verdict
         info = {**info, "verdict": str(glob.stop_reason).replace("_", " ")}
     return _edge.build_result(
@@ -546,55 +568,3 @@ def _final_result(pair: _edge.Pair, local: RegistrationResult, glob: Registratio
 CORRESPONDENCES = 1000
 #: global hypotheses refined by the coarse ICP stage
 REFINE_TOP = 4
-#: verdict thresholds, calibrated on benchmarks/bench_hard_pairs.py (see its docstring)
-MIN_OVERLAP = 0.2
-MAX_MARGIN = 0.95
-MIN_CONCENTRATION = 0.45
-
-
-def _verdict(local: RegistrationResult, R: torch.Tensor, fit_v: torch.Tensor,
-             source: Prepared, target: Prepared,
-             scales: Scales) -> tuple[dict[str, Any], StopReason]:
-    """Whether the final ICP's pose T is trustworthy, and why not.
-
-    * ``overlap``: fraction of the downsampled source within ``Scales.overlap`` of the
-      target under T;
-    * ``margin``: the best *different* refined hypothesis' overlap (``fit_v (k,)`` of
-      ``R (k, 4, 4)``) over the winner's (different: it maps the source's centroid more
-      than ``Scales.distinct`` away or turns more than :data:`DISTINCT_ANGLE_DEG` away
-      from T); near 1 = ambiguous;
-    * ``concentration``: of the source points within ``Scales.correspondence``, the
-      fraction within ``Scales.fine`` (a right pose puts most matches near zero);
-    * the final ICP's ``stability`` (:func:`pointalign._math.stability`): at or below
-      ``STABILITY_EPS`` the data do not determine the pose.
-
-    Returns ``{overlap, margin, concentration, trusted, verdict}`` (``verdict``: "trusted"
-    or every failed test in words) and the :class:`StopReason` of the first failed test
-    (``TRUSTED`` when none failed).
-    """
-    T = local.transformation_tensor
-    assert T is not None  # icp() always returns it
-    c_out, c_in, c_overlap = count_inliers_within(
-        T, source.down, target.index, (scales.correspondence, scales.fine, scales.overlap))
-    ctr = source.down.mean(0).to(torch.float64)
-    moved = R[:, :3, :3] @ ctr + R[:, :3, 3]
-    here = T[:3, :3] @ ctr + T[:3, 3]
-    dR = R[:, :3, :3].transpose(1, 2) @ T[:3, :3]
-    ang = torch.rad2deg(transforms.rotation_angle(dR))
-    other = ((moved - here).norm(dim=1) > scales.distinct) | (ang > DISTINCT_ANGLE_DEG)
-    best = float(c_overlap[0])
-    second = float(fit_v[other].max()) if bool(other.any()) else 0.0
-    overlap, margin = best / source.down.shape[0], second / max(best, 1.0)
-    concentration = float(c_in[0]) / max(float(c_out[0]), 1.0)
-    stability = float(local.info.get("stability", 1.0))
-    failed = [(words, reason) for words, reason, bad in (
-        ("small overlap", StopReason.SMALL_OVERLAP, overlap < MIN_OVERLAP),
-        ("weak margin", StopReason.WEAK_MARGIN, margin > MAX_MARGIN),
-        ("residuals not concentrated", StopReason.NOT_CONCENTRATED,
-         concentration < MIN_CONCENTRATION),
-        ("pose not determined", StopReason.AMBIGUOUS, not stability > _math.STABILITY_EPS),
-    ) if bad]
-    return ({"overlap": overlap, "margin": margin, "concentration": concentration,
-             "trusted": not failed,
-             "verdict": ", ".join(w for w, _ in failed) if failed else "trusted"},
-            failed[0][1] if failed else StopReason.TRUSTED)
