@@ -150,9 +150,9 @@ def test_bad_input():
 def test_batched_verdicts_equal_register_verdict(seed):
     """verdicts() of a batch equals pipeline._verdict pair by pair (the same searches and
     counts: integers; the margin test compares float64 distances and angles computed alike)."""
+    from pointalign import transforms
     from pointalign.registration.pipeline import _verdict
     from pointalign.search import build_index
-    from pointalign import transforms
 
     g = torch.Generator().manual_seed(seed)
     bunny = datasets.load_bunny("bun000")

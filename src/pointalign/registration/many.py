@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from pointalign import _progress, _threads, _validate
-from pointalign.cloud import PointCloud
 
 PathLike = (str, os.PathLike)
 
@@ -306,7 +305,7 @@ def register_many(
 # ---------------------------------------------------------------------------- Dask
 
 def _worker_kind() -> str:
-    """The device kind a worker registers on by default ("cuda" or "cpu")."""
+    """Return the device kind a worker registers on by default ("cuda" or "cpu")."""
     return _validate.default_device().type
 
 
@@ -458,7 +457,7 @@ def _fail(w: _Work, exc: Exception, opts: _Options) -> None:
 # ---------------------------------------------------------------------------- stages
 
 def _voxel(w: _Work, opts: _Options) -> tuple[float, bool]:
-    """The voxel edge and whether stray points are removed (register()'s rule)."""
+    """Return the voxel edge and whether stray points are removed (register()'s rule)."""
     from pointalign.registration.pipeline import (
         MIN_STRAY_FRACTION,
         auto_voxel_size,
@@ -549,7 +548,7 @@ def _global_stage(w: _Work, opts: _Options) -> None:
 
 
 def _global_row(w: _Work) -> None:
-    """The row of a pair whose last stage is the global one (method "none" or no hypothesis)."""
+    """Fill the row of a pair whose last stage is the global one (method "none", none found)."""
     g = w.glob
     assert w.center is not None
     T = _unscaled(np.asarray(g.transformation), w.v, w.center)
@@ -598,9 +597,10 @@ def _local_stages(works: list[_Work], opts: _Options, device: torch.device) -> N
         for w in coarse:
             k = w.cands.shape[0]  # type: ignore[union-attr]
             Rw = R[lo:lo + k]
+            assert w.s_down is not None
             fit = _count(Rw, w.s_down, w.t_index, 1.0)
-            order = torch.argsort(fit, descending=True, stable=True)
-            w.refined, w.fit_v = Rw[order], fit[order]
+            rank = torch.argsort(fit, descending=True, stable=True)
+            w.refined, w.fit_v = Rw[rank], fit[rank]
             w.init, w.iterations = w.refined[0], int(it[lo:lo + k].max())
             lo += k
     final = [w for w in works if w.init is not None]
@@ -611,7 +611,8 @@ def _local_stages(works: list[_Work], opts: _Options, device: torch.device) -> N
         assert w.src is not None and w.tgt is not None
         s, t = w.src, w.tgt
         if opts.icp_voxel_size is not None:
-            s, t = voxel_downsample(s, opts.icp_voxel_size), voxel_downsample(t, opts.icp_voxel_size)
+            s = voxel_downsample(s, opts.icp_voxel_size)
+            t = voxel_downsample(t, opts.icp_voxel_size)
         s, t = s / w.v, t / w.v
         ix = build_index(t)
         nrms.append(estimate_normals(t, k=min(16, t.shape[0]), radius=2.0, index=ix,
@@ -633,7 +634,7 @@ def _local_stages(works: list[_Work], opts: _Options, device: torch.device) -> N
         ver = verdicts(res.transformation_tensor, [w.refined for w in ws],  # type: ignore[misc]
                        [w.fit_v for w in ws], [w.s_down for w in ws],  # type: ignore[misc]
                        [w.t_index for w in ws], 1.0, np.asarray(res.info["stability"]))
-        for j, w in enumerate(ws):
+        for j, (b, w) in enumerate(zip(group, ws, strict=True)):
             assert w.center is not None
             T = _unscaled(res.transformation[j], w.v, w.center)
             H = _information_world(res.info["H"][j], w.v)
@@ -648,11 +649,11 @@ def _local_stages(works: list[_Work], opts: _Options, device: torch.device) -> N
                          info={"H": H, "H_center": w.center.copy(),
                                "icp_converged": bool(res.converged[j]),
                                "correspondences": int(round(float(res.fitness[j])
-                                                            * fulls_s[final.index(w)].shape[0]))})
+                                                            * fulls_s[b].shape[0]))})
 
 
 def _information_world(H: np.ndarray, v: float) -> np.ndarray:
-    """The final ICP's ``H`` (twist about the scaled local origin) in metres.
+    """Convert the final ICP's ``H`` (twist about the scaled local origin) to metres.
 
     The scaled frame's twist (ω, v/s) against residuals in voxels: ``H_m = D H D / s²``
     with ``D = diag(1, 1, 1, 1/s, 1/s, 1/s)`` (s = v); about the target's centroid

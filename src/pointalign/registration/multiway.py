@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pointalign import _validate
+from pointalign import _threads, _validate
 from pointalign.cloud import PointCloud
 from pointalign.registration.many import ManyResult, PairSpec, register_many
 
@@ -123,7 +123,7 @@ def _adjoint(T: np.ndarray) -> np.ndarray:
 
 def edge_information(H: np.ndarray, center: np.ndarray, Z: np.ndarray, count: float,
                      voxel: float) -> np.ndarray:
-    """The pose-graph information ``Ω (6, 6)`` of an edge, for ``e = Log(Z⁻¹ X_i⁻¹ X_j)``.
+    """Return the pose-graph information ``Ω (6, 6)`` of an edge, ``e = Log(Z⁻¹ X_i⁻¹ X_j)``.
 
     ``H``: the final ICP's information (twist about the target's ``center (3,)``, left
     perturbation, metres) over ``count`` correspondences; ``Z (4, 4)`` the edge's
@@ -143,7 +143,7 @@ def edge_information(H: np.ndarray, center: np.ndarray, Z: np.ndarray, count: fl
 # ---------------------------------------------------------------------------- edges
 
 def _signature(points: torch.Tensor, bins: int = 16) -> np.ndarray:
-    """A rotation-invariant shape signature: PCA spreads and a radial histogram."""
+    """Return a rotation-invariant shape signature: PCA spreads and a radial histogram."""
     p = points.to(torch.float64)
     c = p - p.mean(0)
     ev = torch.linalg.eigvalsh(c.T @ c / max(p.shape[0], 1)).clamp_min(0).sqrt()
@@ -154,7 +154,7 @@ def _signature(points: torch.Tensor, bins: int = 16) -> np.ndarray:
 
 def candidate_edges(clouds: Sequence[torch.Tensor], edges: Any, neighbours: int,
                     loop_closures: int) -> list[tuple[int, int]]:
-    """The candidate pairs ``(i, j)``, i < j (see the module docstring)."""
+    """Return the candidate pairs ``(i, j)``, i < j (see the module docstring)."""
     n = len(clouds)
     if isinstance(edges, str):
         if edges not in EDGES:
@@ -201,7 +201,7 @@ def _whitened(g: _Graph, X: np.ndarray) -> np.ndarray:
 
 
 def _spanning_poses(n: int, ij: np.ndarray, Z: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """Initial poses from a maximum spanning tree of the edges (Prim from scan 0)."""
+    """Return initial poses from a maximum spanning tree of the edges (Prim from scan 0)."""
     X = np.full((n, 4, 4), np.nan)
     X[0] = np.eye(4)
     done = {0}
@@ -224,7 +224,7 @@ def _spanning_poses(n: int, ij: np.ndarray, Z: np.ndarray, weight: np.ndarray) -
     return X
 
 
-def _solve_scipy(g: _Graph, X0: np.ndarray, w: np.ndarray) -> np.ndarray:
+def _solve_scipy(g: _Graph, X0: np.ndarray, w: np.ndarray, max_nfev: int = 100) -> np.ndarray:
     """Weighted least squares over right perturbations ``X_k = X0_k Exp(ξ_k)``, scan 0 fixed.
 
     SciPy's ``least_squares`` (trust-region reflective) on the whitened edge errors with a
@@ -266,7 +266,7 @@ def _solve_scipy(g: _Graph, X0: np.ndarray, w: np.ndarray) -> np.ndarray:
 
     x = np.zeros(6 * (n - 1))
     r = least_squares(fun, x, jac=jac, method="trf", x_scale="jac", xtol=1e-10, ftol=1e-12,
-                      gtol=1e-10, max_nfev=100)
+                      gtol=1e-10, max_nfev=max_nfev)
     return poses(r.x)
 
 
@@ -279,6 +279,11 @@ def _tls_weights(r2: np.ndarray, mu: float, c2: float) -> np.ndarray:
 
 def _gnc_scipy(g: _Graph, X0: np.ndarray, c2: float) -> tuple[np.ndarray, np.ndarray]:
     """Graduated non-convexity with a TLS cost; SciPy's least_squares inside each round."""
+    with _threads.torch_single():  # tiny batches: a thread pool only adds its wake-ups
+        return _gnc_scipy_rounds(g, X0, c2)
+
+
+def _gnc_scipy_rounds(g: _Graph, X0: np.ndarray, c2: float) -> tuple[np.ndarray, np.ndarray]:
     w = np.ones(g.ij.shape[0])
     X = _solve_scipy(g, X0, w)
     r2 = (_whitened(g, X) ** 2).sum(1)
@@ -287,18 +292,20 @@ def _gnc_scipy(g: _Graph, X0: np.ndarray, c2: float) -> tuple[np.ndarray, np.nda
     mu = c2 / max(2 * r2.max() - c2, 1e-300)
     for _ in range(GNC_ROUNDS):
         w_new = _tls_weights(r2, mu, c2)
-        X = _solve_scipy(g, X, w_new)
+        # an approximate inner solve while mu grows (GNC needs none better), a full one
+        # once the weights are binary
+        X = _solve_scipy(g, X, w_new, max_nfev=5)
         r2 = (_whitened(g, X) ** 2).sum(1)
         binary = np.all((w_new < 1e-6) | (w_new > 1 - 1e-6))
         w = w_new
         if binary and np.array_equal(w > 0.5, _tls_weights(r2, mu, c2) > 0.5):
             break
         mu *= GNC_FACTOR
-    return X, w
+    return _solve_scipy(g, X, w), w
 
 
 def _gnc_gtsam(g: _Graph, X0: np.ndarray, c2: float) -> tuple[np.ndarray, np.ndarray]:
-    """gtsam's GncLMOptimizer (TLS) over BetweenFactorPose3, scan 0 fixed by a prior."""
+    """Gtsam's GncLMOptimizer (TLS) over BetweenFactorPose3, scan 0 fixed by a prior."""
     try:
         import gtsam
     except ImportError:
@@ -321,6 +328,8 @@ def _gnc_gtsam(g: _Graph, X0: np.ndarray, c2: float) -> tuple[np.ndarray, np.nda
     opt.setInlierCostThresholds(0.5 * c2)
     res = opt.optimize()
     X = np.stack([res.atPose3(k).matrix() for k in range(g.n)])
+    X = _inv(X[0]) @ X   # the prior holds scan 0 to within its sigma: make it exact
+    X[0] = np.eye(4)
     return X, np.asarray(opt.getWeights())[1:]
 
 
