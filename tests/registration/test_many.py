@@ -182,3 +182,65 @@ def test_method_none_rows():
     for i, p in enumerate(pairs):
         rot, _ = metrics.relative_error(res[i]["transformation"], p.T_target_source)
         assert rot < 5.0 and math.isfinite(res[i]["rmse"])
+
+
+# ---- the command line (pointalign.cli_many; the integrator registers it in cli.py) -------
+
+def _app():
+    typer = pytest.importorskip("typer")
+    from typer.testing import CliRunner
+
+    from pointalign import cli_many
+
+    app = typer.Typer()
+    cli_many.register_commands(app)
+    return app, CliRunner()
+
+
+def test_cli_register_many(tmp_path):
+    import csv
+
+    app, runner = _app()
+    pairs = _pairs(4, k=2)
+    with (tmp_path / "pairs.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["source", "target", "name"] + [f"T{r}{c}" for r in range(4)
+                                                   for c in range(4)])
+        for k, p in enumerate(pairs):
+            io.write(tmp_path / f"s{k}.ply", PointCloud(p.source))
+            io.write(tmp_path / f"t{k}.ply", PointCloud(p.target))
+            w.writerow([f"s{k}.ply", f"t{k}.ply", f"pair{k}"]
+                       + p.T_target_source.reshape(-1).tolist())
+    out = tmp_path / "out.csv"
+    r = runner.invoke(app, ["register-many", str(tmp_path / "pairs.csv"), "-o", str(out),
+                            "--device", "cpu", "--quiet"])
+    assert r.exit_code == 0, r.output
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [row["name"] for row in rows] == ["pair0", "pair1"]
+    for row, p in zip(rows, pairs, strict=True):
+        T = np.array([float(row[f"T{i}{j}"]) for i in range(4) for j in range(4)]).reshape(4, 4)
+        rot, trans = metrics.relative_error(T, p.T_target_source)
+        assert rot < 0.5 and trans < 2e-3
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    r = runner.invoke(app, ["register-many", str(bad), "-o", str(out)])
+    assert r.exit_code == 1 and "source" in r.output
+
+
+def test_cli_multiway(tmp_path):
+    import json
+
+    app, runner = _app()
+    p = _pairs(5, k=1, n=600)[0]
+    paths = [tmp_path / "a.ply", tmp_path / "b.ply"]
+    io.write(paths[0], PointCloud(p.target))
+    io.write(paths[1], PointCloud(p.source))
+    r = runner.invoke(app, ["multiway", *map(str, paths), "--output", str(tmp_path / "m.ply"),
+                            "--json", str(tmp_path / "poses.json"), "--device", "cpu",
+                            "--hypotheses", "1024", "--quiet"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "poses.json").read_text())
+    rot, trans = metrics.relative_error(np.array(doc["poses"][1]), p.T_target_source)
+    assert rot < 0.5 and trans < 2e-3
+    assert io.read(tmp_path / "m.ply").points.shape[0] == 1200
