@@ -244,3 +244,16 @@ def test_cli_multiway(tmp_path):
     rot, trans = metrics.relative_error(np.array(doc["poses"][1]), p.T_target_source)
     assert rot < 0.5 and trans < 2e-3
     assert io.read(tmp_path / "m.ply").points.shape[0] == 1200
+
+
+@pytest.mark.gpu
+def test_cuda_register_many_matches_cpu(batch):
+    """On CUDA (Triton kernels, another RANSAC generator): the same poses within the
+    registrations' own accuracy (0.1°, 0.1 v) and every pair trusted."""
+    pairs, cpu = batch
+    res = register_many(pairs, device="cuda", **OPTS)
+    for i, p in enumerate(pairs):
+        rot, trans = metrics.relative_error(res[i]["transformation"], cpu[i]["transformation"])
+        assert rot < 0.1 and trans < 0.1 * cpu[i]["voxel_size"]
+        rot, trans = metrics.relative_error(res[i]["transformation"], p.T_target_source)
+        assert rot < 0.5 and trans < 2e-3 and res[i]["trusted"], res[i]["verdict"]
