@@ -290,10 +290,11 @@ def register_many(
         dev = _validate.as_device(device)
         size = chunk_size or (CHUNK_CUDA if dev.type == "cuda" else CHUNK_CPU)
         rows = []
+        items = list(enumerate(specs))
         with _progress.task("register_many", len(specs), quiet=quiet,
                             delay=_progress.LIBRARY_DELAY) as bar:
-            for lo in range(0, len(specs), size):
-                part = list(enumerate(specs))[lo:lo + size]
+            for lo in range(0, len(items), size):
+                part = items[lo:lo + size]
                 rows += run_chunk(part, opts, dev)
                 bar.advance(len(part))
     timings = {"total": time.perf_counter() - t0}
