@@ -474,3 +474,86 @@ def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
     monkeypatch.setattr(_loop, "USE_GRAPHS", False)
     long_eager = icp(s2, t, init=init, **dict(kw, index=ix3, criteria=crit))
     np.testing.assert_allclose(long.transformation, long_eager.transformation, atol=1e-6)
+
+
+# ---- point-to-point's stability check, batched -------------------------------------------
+
+def _point_information_per_problem(pair, b, index, T, max_distance):
+    """The per-problem form the batched ``_point_information`` replaced (the reference)."""
+    from pointalign import _validate
+    from pointalign.kernels import features
+
+    n, m = int(pair.source_counts[b]), int(pair.target_counts[b])
+    rows = torch.randint(n, (min(n, icp_module.STABILITY_SAMPLE),),
+                         generator=torch.Generator().manual_seed(0))
+    x = pair.source[b, rows.to(pair.source.device)]
+    Tf = torch.from_numpy(T).to(device=x.device, dtype=torch.float32)
+    with _validate.trusted():
+        q = x @ Tf[:3, :3].T + Tf[:3, 3]
+        j = index.nearest_within(q, max_distance).idx[:, 0]
+        tgt = pair.target[b, :m]
+        y = tgt[j.clamp_min(0)]
+        nb = index.knn(y, min(icp_module.STABILITY_K, m)).idx
+    normal = features.pca_normals(tgt, nb, centers=y).to(torch.float64)
+    c = torch.from_numpy(pair.centroid[b]).to(x.device)
+    J = torch.cat([torch.linalg.cross(y.to(torch.float64) - c, normal), normal], -1)
+    J = J * (j >= 0)[:, None]
+    return (J.T @ J).cpu(), q
+
+
+def _stability_inputs(bunny, seed, shared, device):
+    from pointalign.registration import _edge
+
+    g = torch.Generator().manual_seed(seed)
+    if shared:
+        src = torch.stack([datasets.make_pair(bunny, 5.0, 0.003, noise=5e-4,
+                                              seed=seed * 10 + s).source for s in range(3)])
+        pair = _edge.prepare_pair(src.to(device), bunny.to(device), init=None,
+                                  device=torch.device(device))
+    else:
+        pairs = _ragged_batch(bunny, seed)
+        # sources of 3,000 points: a sample of STABILITY_SAMPLE rows with a smaller one beside it
+        pairs[0] = datasets.make_pair(datasets.random_subsample(
+            datasets.load_bunny("bun000"), 3000, seed=seed), 6.0, 0.004, noise=5e-4, seed=seed)
+        srcs = [p.source.to(device) for p in pairs]
+        tgts = [p.target.to(device) for p in pairs]
+        pair = _edge.prepare_pair(srcs, tgts, init=None, device=torch.device(device))
+    idxs = icp_module._indexes(pair, None, 0.02)
+    T = np.stack([transforms.random_transform(2.0, 0.002, generator=g).numpy()
+                  for _ in range(pair.size)])
+    return pair, idxs, T
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_targets", "shared_target"])
+def test_batched_stability_matches_per_problem(bunny, seed, shared, backend):
+    """The batched point-to-point stability equals the per-problem form it replaced.
+
+    Same sample rows, same searches (integer answers) and, where this CPU moves the sample
+    bit for bit alike in the batched and the per-problem product (checked first), the
+    information matrices differ only by the float64 summation order of B·S products:
+    |ΔH| <= S·eps64·Σ|J Jᵀ| (S = 2,048 terms), and the stability ratio λ_min/λ_max moves
+    by at most 2·|ΔH|/λ_min relative; 1e-9 is loose for both. Elsewhere the moved points
+    may round differently by one float32 ulp, which moves the float32 PCA normals by
+    ~1e-6 relative: 1e-4.
+    """
+    pair, idxs, T = _stability_inputs(bunny, seed, shared, backend.device)
+    H = icp_module._point_information(pair, idxs, T, 0.02)
+    assert H.shape == (pair.size, 6, 6) and H.dtype == torch.float64
+    stab = icp_module._math.stability(H, torch.from_numpy(pair.extent)).numpy()
+    got = icp_module.stability(pair, idxs, T, np.zeros((pair.size, 30)), False, 0.02)
+    np.testing.assert_array_equal(got, stab)
+    for b in range(pair.size):
+        ref, q = _point_information_per_problem(pair, b, idxs[b], T[b], 0.02)
+        Tf = torch.from_numpy(T).to(device=pair.source.device, dtype=torch.float32)
+        rows = icp_module._stability_sample(pair.source_counts, pair.source.device)[0][b]
+        rows = rows[: q.shape[0]]
+        # the batched product of this problem's sample, as _point_information forms it
+        moved = (pair.source[None, b, rows] @ Tf[b:b + 1, :3, :3].transpose(1, 2)
+                 + Tf[b:b + 1, None, :3, 3])[0]
+        tol = 1e-9 if torch.equal(moved, q) else 1e-4
+        scale = float(ref.abs().max())
+        assert float((H[b] - ref).abs().max()) <= tol * scale
+        ref_stab = float(icp_module._math.stability(ref[None],
+                                                    torch.tensor(pair.extent[b:b + 1]))[0])
+        assert abs(stab[b] - ref_stab) <= tol * max(ref_stab, 1e-3) + 1e-15
+        assert ref_stab > 0.01  # a real surface: the comparison is not between zeros

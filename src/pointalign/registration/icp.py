@@ -206,36 +206,86 @@ def _about(H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return A.transpose(1, 2) @ H @ A
 
 
-def _point_information(pair: _edge.Pair, b: int, index: Any, T: np.ndarray,
-                       max_distance: float) -> torch.Tensor:
-    """Point-to-plane information ``(6, 6)`` of problem b's final correspondences, sampled.
+def _stability_sample(counts: np.ndarray, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each problem's sample of source rows: ``rows (B, S)`` int64 and ``valid (B, S)`` bool.
 
-    At most :data:`STABILITY_SAMPLE` source points (a seeded random sample) moved by
-    ``T (4, 4)``, their nearest target points within the bound, and those points'
-    normals by PCA of their :data:`STABILITY_K` nearest target points: ``Σ J Jᵀ`` with
-    ``J = [(y − c) × n, n]`` about the target centroid c. One search of the sample: a few
-    host synchronisations, once per call.
+    Problem b draws ``min(n_b, STABILITY_SAMPLE)`` rows of its ``n_b`` source points with
+    replacement from a generator seeded 0 (a random sample, not a stride: a stride can alias
+    with the scan pattern of an ordered cloud, such as lidar rings, and pick a biased,
+    near-degenerate subset; with replacement: O(sample) work, where a permutation of n
+    costs ms at 1M). The draw depends only on n_b, so it is made once per distinct size;
+    a smaller problem's tail is padding (row 0, ``valid`` False).
+    """
+    B = counts.shape[0]
+    S = int(min(int(counts.max()), STABILITY_SAMPLE))
+    rows = torch.zeros(B, S, dtype=torch.int64)
+    valid = torch.zeros(B, S, dtype=torch.bool)
+    for n in np.unique(counts):
+        s = int(min(int(n), STABILITY_SAMPLE))
+        r = torch.randint(int(n), (s,), generator=torch.Generator().manual_seed(0))
+        sel = torch.from_numpy(counts == n)
+        rows[sel, :s] = r
+        valid[sel, :s] = True
+    both = torch.cat([rows, valid.to(torch.int64)], 1).to(device)  # one transfer
+    return both[:, :S], both[:, S:].to(torch.bool)
+
+
+def _by_index(indexes: tuple) -> list[tuple[Any, list[int]]]:
+    """Group problem numbers by their (shared or own) index object, in first-seen order."""
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for b, ix in enumerate(indexes):
+        groups.setdefault(id(ix), (ix, []))[1].append(b)
+    return list(groups.values())
+
+
+def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
+                       max_distance: float) -> torch.Tensor:
+    """Point-to-plane information ``(B, 6, 6)`` of every problem's final correspondences, sampled.
+
+    For each problem b, at most :data:`STABILITY_SAMPLE` source points
+    (:func:`_stability_sample`) moved by ``T[b] (4, 4)``, their nearest target points y
+    within the bound, and those points' normals n by PCA of their :data:`STABILITY_K`
+    nearest target points: ``Σ J Jᵀ`` with ``J = [(y − c) × n, n]`` about the target
+    centroid c. The whole batch at once: one query per distinct index (one in all for a
+    shared target), one PCA kernel over all samples, one batched product, one transfer to
+    the host; no host synchronisation per problem.
     """
     assert pair.centroid is not None  # set by prepare_pair
-    n, m = int(pair.source_counts[b]), int(pair.target_counts[b])
-    # a random sample with a fixed seed: a stride can alias with the scan pattern of an
-    # ordered cloud (lidar rings) and pick a biased, near-degenerate subset
-    # (drawn with replacement: O(sample) work, where a permutation of n costs ms at 1M)
-    rows = torch.randint(n, (min(n, STABILITY_SAMPLE),),
-                         generator=torch.Generator().manual_seed(0))
-    x = pair.source[b, rows.to(pair.source.device)]
-    Tf = torch.from_numpy(T).to(device=x.device, dtype=torch.float32)
+    dev, B = pair.source.device, pair.size
+    rows, valid = _stability_sample(pair.source_counts, dev)
+    S = rows.shape[1]
+    x = torch.gather(pair.source, 1, rows[..., None].expand(-1, -1, 3))      # (B, S, 3)
+    Tf = torch.from_numpy(T).to(device=dev, dtype=torch.float32)
+    x = x @ Tf[:, :3, :3].transpose(1, 2) + Tf[:, None, :3, 3]
+    M = pair.target.shape[1]
+    # the target rows the searches answer in, as rows of one packed table (B·M, 3), or of
+    # the one shared target
+    table = pair.target[0] if pair.shared_target else pair.target.reshape(-1, 3)
+    base = torch.zeros(B, 1, dtype=torch.int64, device=dev) if pair.shared_target else \
+        (torch.arange(B, device=dev) * M)[:, None]
+    j = torch.empty(B, S, dtype=torch.int64, device=dev)
+    groups = _by_index(indexes)
     with _validate.trusted():
-        j = index.nearest_within(x @ Tf[:3, :3].T + Tf[:3, 3], max_distance).idx[:, 0]
-        tgt = pair.target[b, :m]
-        y = tgt[j.clamp_min(0)]
-        nb = index.knn(y, min(STABILITY_K, m)).idx
-    # one fused kernel per device (a chain of small float64 ops cost ~2 ms on a GPU)
-    normal = features.pca_normals(tgt, nb, centers=y).to(torch.float64)
-    c = torch.from_numpy(pair.centroid[b]).to(x.device)
-    J = torch.cat([torch.linalg.cross(y.to(torch.float64) - c, normal), normal], -1)
-    J = J * (j >= 0)[:, None]
-    return (J.T @ J).cpu()
+        for ix, bs in groups:
+            q = (x if len(bs) == B else x[bs]).reshape(-1, 3)
+            j[bs] = ix.nearest_within(q, max_distance).idx[:, 0].view(len(bs), S)
+        y = table[(j.clamp_min(0) + base).reshape(-1)].view(B, S, 3)
+        # k = STABILITY_K, or a smaller target's size (its missing columns are -1: none)
+        k = int(min(STABILITY_K, int(pair.target_counts.max())))
+        nb = torch.full((B, S, k), -1, dtype=torch.int64, device=dev)
+        for ix, bs in groups:
+            kb = int(min(STABILITY_K, int(pair.target_counts[bs[0]])))
+            r = ix.knn(y[bs].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
+            nb[bs, :, :kb] = torch.where(r >= 0, r + base[bs, :, None], r)
+    # one fused kernel per device for every sample (a chain of small float64 ops per problem
+    # cost ~2 ms on a GPU)
+    normal = features.pca_normals(table, nb.view(B * S, k), centers=y.view(B * S, 3))
+    normal = normal.to(torch.float64).view(B, S, 3)
+    c = torch.from_numpy(pair.centroid).to(dev)
+    J = torch.cat([torch.linalg.cross(y.to(torch.float64) - c[:, None], normal), normal], -1)
+    J = J * ((j >= 0) & valid)[..., None]
+    return (J.transpose(1, 2) @ J).cpu()
 
 
 def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray, plane: bool,
@@ -244,16 +294,15 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray,
 
     Point-to-plane: from the final sums (the 6×6 the last step solved, no extra work).
     Point-to-point: Horn's moments cannot see a slide along the surface, so the
-    point-to-plane information of a sample of the final correspondences is measured
-    (:func:`_point_information`).
+    point-to-plane information of a sample of the final correspondences is measured, for
+    the whole batch at once (:func:`_point_information`).
     """
     assert pair.centroid is not None and pair.extent is not None  # set by prepare_pair
     c = torch.from_numpy(pair.centroid)
     if plane:
         H = _about(normal_eq.unpack_hessian(torch.from_numpy(sums))[0], c)
     else:
-        H = torch.stack([_point_information(pair, b, indexes[b], T[b], max_distance)
-                         for b in range(pair.size)])
+        H = _point_information(pair, indexes, T, max_distance)
     return _math.stability(H, torch.from_numpy(pair.extent)).numpy()
 
 

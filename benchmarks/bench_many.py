@@ -1,0 +1,234 @@
+"""Many pairs and many scans (issue 25): pairs/s batched, on Dask, and multiway on the bunny.
+
+Tables (``benchmarks/results/many-<device>.json``):
+
+* ``throughput``: N synthetic bunny-size pairs (bun000 subsampled to ``--points`` points per
+  pair, each pair its own sample, a 10° turn and 1 cm shift, σ = 0.3 mm noise):
+  - ``icp batched``: one point-to-point :func:`icp` call on the padded batch (distinct
+    targets), from the identity; ``ok``: pairs within 0.5° of the truth;
+  - ``register_many``: the whole pipeline (global per pair, coarse/final ICP and verdicts
+    batched) on one device; ``ok``: within 0.5° and 2 mm;
+  - ``register one by one``: :func:`register` per pair (a sample of the pairs), the
+    baseline;
+  - ``dask cpu xW``: ``register_many(client=...)`` on a local cluster of W worker processes
+    (one thread each), chunks of ``--chunk`` pairs; ``per_task_ms``: (wall − the chunks'
+    own compute / W) / tasks, the scheduling and transfer overhead per task;
+  - ``dask gpu xG``: one worker per GPU (``CUDA_VISIBLE_DEVICES`` per worker), G = 1, 2.
+* ``multiway``: the ten Stanford bunny scans (shared data) through :func:`multiway`: each
+  scan's pose error against bun.conf, the kept edges, the time per stage, and the merged
+  model's spread: for each scan moved by its pose, the median distance of its points to
+  the nearest point of the other scans (within 2 mm), the median over scans, in mm.
+
+``--quick``: 12 pairs of 500 points, Dask with 1 and 2 workers, multiway on 3,000-point
+samples of the scans (a CPU smoke run).
+
+    python benchmarks/bench_many.py --device cpu --quick
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import Recorder, parse_args  # noqa: E402
+
+from pointalign import datasets, metrics, transforms  # noqa: E402
+from pointalign.registration.icp import icp  # noqa: E402
+from pointalign.registration.many import register_many  # noqa: E402
+
+BUNNY = ["bun000", "bun045", "bun090", "bun180", "bun270", "bun315", "chin", "ear_back",
+         "top2", "top3"]
+
+
+def make_pairs(n_pairs: int, points: int, seed: int = 0) -> list[datasets.Pair]:
+    bunny = datasets.load_bunny("bun000")
+    return [datasets.make_pair(datasets.random_subsample(bunny, points, seed=seed + k), 10.0,
+                               0.01, noise=3e-4, seed=seed + k) for k in range(n_pairs)]
+
+
+def _ok(T: np.ndarray, pairs: list[datasets.Pair], trans_tol: float = 2e-3) -> int:
+    good = 0
+    for k, p in enumerate(pairs):
+        rot, trans = metrics.relative_error(T[k], p.T_target_source)
+        good += bool(rot < 0.5 and trans < trans_tol)
+    return good
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench_icp(rec: Recorder, pairs, dev: str) -> None:
+    src = torch.nn.utils.rnn.pad_sequence([p.source for p in pairs], batch_first=True)
+    tgt = torch.nn.utils.rnn.pad_sequence([p.target for p in pairs], batch_first=True)
+    sl = torch.tensor([p.source.shape[0] for p in pairs])
+    tl = torch.tensor([p.target.shape[0] for p in pairs])
+    src, tgt, sl, tl = (x.to(dev) for x in (src, tgt, sl, tl))
+
+    def run():
+        return icp(src, tgt, source_lengths=sl, target_lengths=tl,
+                   max_correspondence_distance=0.02, device=dev)
+
+    run()  # warm-up: compiles, caches
+    _sync()
+    t = time.perf_counter()
+    res = run()
+    _sync()
+    wall = time.perf_counter() - t
+    rec.add("throughput", stage="icp batched", workers=1, pairs=len(pairs), wall_s=wall,
+            pairs_per_s=len(pairs) / wall, ok=_ok(res.transformation, pairs, 1.0),
+            per_task_ms=None, note="point-to-point, distinct targets, from the identity")
+
+
+def bench_register_many(rec: Recorder, pairs, dev: str, chunk: int) -> None:
+    register_many(pairs[: min(4, len(pairs))], device=dev, chunk_size=chunk)  # warm-up
+    _sync()
+    t = time.perf_counter()
+    res = register_many(pairs, device=dev, chunk_size=chunk)
+    _sync()
+    wall = time.perf_counter() - t
+    rec.add("throughput", stage="register_many", workers=1, pairs=len(pairs), wall_s=wall,
+            pairs_per_s=len(pairs) / wall, ok=_ok(res.transformations, pairs),
+            per_task_ms=None,
+            note=f"chunks of {chunk}; global {res.timings['global']:.2f} s, batched local "
+                 f"{res.timings['local']:.2f} s")
+    from pointalign.registration.pipeline import register
+
+    sample = pairs[: min(len(pairs), 8)]
+    t = time.perf_counter()
+    Ts = np.stack([register(p.source, p.target, device=dev).transformation for p in sample])
+    wall = time.perf_counter() - t
+    rec.add("throughput", stage="register one by one", workers=1, pairs=len(sample),
+            wall_s=wall, pairs_per_s=len(sample) / wall, ok=_ok(Ts, sample), per_task_ms=None,
+            note="register() per pair (baseline)")
+
+
+def _gpu_cluster(n: int):
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    workers = {f"gpu{i}": {"cls": Nanny, "options": {
+        "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(i)}}} for i in range(n)}
+    return SpecCluster(scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+                       workers=workers)
+
+
+def bench_dask(rec: Recorder, pairs, workers: list[int], chunk: int, gpu: bool) -> None:
+    import distributed
+
+    for w in workers:
+        if gpu:
+            cluster = _gpu_cluster(w)
+        else:
+            cluster = distributed.LocalCluster(
+                n_workers=w, threads_per_worker=1, processes=True, dashboard_address=None,
+                env={"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+        with cluster, distributed.Client(cluster) as client:
+            client.wait_for_workers(w)
+            # warm-up: every worker imports, compiles (numba from its cache) and runs a chunk
+            register_many(pairs[: w * chunk], client=client, chunk_size=chunk, progress=False)
+            t = time.perf_counter()
+            res = register_many(pairs, client=client, chunk_size=chunk, progress=False)
+            wall = time.perf_counter() - t
+        tasks = -(-len(pairs) // chunk)
+        compute = sum(r["total_s"] for r in res.rows)
+        rec.add("throughput", stage=f"dask {'gpu' if gpu else 'cpu'} x{w}", workers=w,
+                pairs=len(pairs), wall_s=wall, pairs_per_s=len(pairs) / wall,
+                ok=_ok(res.transformations, pairs),
+                per_task_ms=max(0.0, wall - compute / w) / tasks * 1e3,
+                note=f"{tasks} tasks of {chunk} pairs")
+
+
+def bench_multiway(rec: Recorder, dev: str, points: int | None) -> None:
+    from pointalign import io
+    from pointalign.registration.multiway import multiway
+    from pointalign.search import build_index
+
+    root = datasets.shared_data_dir()
+    if root is None or not (root / "stanford_bunny" / "data").is_dir():
+        print("# multiway: shared bunny scans not found; skipped")
+        return
+    d = root / "stanford_bunny" / "data"
+    truth = datasets.read_bun_conf((d / "bun.conf").read_text())
+    scans = [io.read(d / f"{k}.ply").points.float() for k in BUNNY]
+    if points:
+        scans = [datasets.random_subsample(s, points, seed=0) for s in scans]
+    kw = dict(target_points=1500, hypotheses=2048) if points else {}
+    t = time.perf_counter()
+    res = multiway(scans, device=dev, **kw)
+    wall = time.perf_counter() - t
+    P0 = truth["bun000.ply"].numpy()
+    errs = []
+    for k, name in enumerate(BUNNY):
+        rot, trans = metrics.relative_error(res.poses[k],
+                                            np.linalg.inv(P0) @ truth[name + ".ply"].numpy())
+        errs.append((float(rot), float(trans)))
+        rec.add("multiway", scan=name, points=int(scans[k].shape[0]), rotation_deg=float(rot),
+                translation_mm=float(trans) * 1e3)
+    # the merged model's spread: each scan's median distance to the other scans' points
+    moved = [transforms.apply(torch.from_numpy(res.poses[k]), s.double()).float()
+             for k, s in enumerate(scans)]
+    spread = []
+    for k in range(len(moved)):
+        others = torch.cat([m for j, m in enumerate(moved) if j != k])
+        r = build_index(others).nearest_within(moved[k], 0.002)
+        d2 = r.dists[:, 0][r.idx[:, 0] >= 0]
+        spread.append(float(d2.sqrt().median()) * 1e3 if d2.numel() else float("nan"))
+    rec.add("multiway", scan="all", points=int(sum(s.shape[0] for s in scans)),
+            rotation_deg=max(e[0] for e in errs), translation_mm=max(e[1] for e in errs) * 1e3,
+            wall_s=wall, solver=res.solver, edges=len(res.edges),
+            kept=sum(e["kept"] for e in res.edges), spread_mm=float(np.nanmedian(spread)),
+            timings={k: round(v, 3) for k, v in res.timings.items()})
+
+
+def main() -> None:
+    p = parse_args(__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=int, default=None, help="pairs (default 1000, quick 12)")
+    p.add_argument("--points", type=int, default=None, help="points per cloud (2000; 500)")
+    p.add_argument("--chunk", type=int, default=None, help="pairs per chunk/task")
+    p.add_argument("--workers", type=int, nargs="*", default=None, help="Dask CPU workers")
+    p.add_argument("--gpus", type=int, nargs="*", default=None, help="Dask GPU workers")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="icp register_many dask multiway")
+    args = p.parse_args()
+    dev = args.device
+    quick = args.quick
+    n = args.pairs or (12 if quick else 1000)
+    pts = args.points or (500 if quick else 2000)
+    cuda = torch.device(dev).type == "cuda"
+    chunk = args.chunk or (256 if cuda else (2 if quick else 8))
+    workers = args.workers if args.workers is not None else ([1, 2] if quick else [1, 2, 4])
+    gpus = args.gpus if args.gpus is not None else \
+        ([1, 2] if cuda and torch.cuda.device_count() >= 2 else [])
+    only = set(args.only or ["icp", "register_many", "dask", "multiway"])
+    rec = Recorder("many", dev, title="Many pairs and many scans (issue 25)",
+                   notes=__doc__.split("\n\n")[1])
+    pairs = make_pairs(n, pts)
+    if "icp" in only:
+        bench_icp(rec, pairs, dev)
+    if "register_many" in only:
+        bench_register_many(rec, pairs, dev, chunk)
+    if "dask" in only:
+        try:
+            import distributed  # noqa: F401
+        except ImportError:
+            print("# dask: distributed is not installed; skipped")
+        else:
+            if workers:
+                bench_dask(rec, pairs if not cuda else pairs[: max(64, n // 10)], workers,
+                           2 if quick else 8, gpu=False)
+            if gpus:
+                bench_dask(rec, pairs, gpus, chunk, gpu=True)
+    if "multiway" in only:
+        bench_multiway(rec, dev, 3000 if quick else None)
+    rec.save()
+
+
+if __name__ == "__main__":
+    main()

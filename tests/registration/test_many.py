@@ -1,0 +1,259 @@
+"""register_many on one device: the same poses and verdicts as register() pair by pair,
+pairs with an init, inputs as paths/dicts/PairSpec, the table's forms, chunking, the
+batched verdict against register's, bad input.
+
+Tolerances: register_many registers each pair in its target's frame scaled by 1/v (one
+bound for a whole batch) where register() works unscaled, so the float32 coordinates
+round differently; poses agree to well under the ICP's own settling (updates below
+0.01° and 0.001 v): 0.05° and 0.05 v.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign import datasets, io, metrics
+from pointalign.cloud import PointCloud
+from pointalign.registration import many as many_module
+from pointalign.registration.many import ManyResult, PairSpec, register_many
+from pointalign.registration.pipeline import register
+
+#: small clouds and few hypotheses: CI time
+OPTS = dict(hypotheses=1024)
+
+
+def _pairs(seed: int, k: int = 3, n: int = 500):
+    bunny = datasets.load_bunny("bun000")
+    return [datasets.make_pair(datasets.random_subsample(bunny, n, seed=seed * 10 + s),
+                               12.0, 0.01, noise=3e-4, seed=seed * 10 + s) for s in range(k)]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    pairs = _pairs(0)
+    return pairs, register_many(pairs, device="cpu", **OPTS)
+
+
+def test_matches_register_pair_by_pair(batch):
+    pairs, res = batch
+    assert isinstance(res, ManyResult) and len(res) == len(pairs)
+    for i, p in enumerate(pairs):
+        row = res[i]
+        one = register(p.source, p.target, device="cpu", **OPTS)
+        assert row["index"] == i
+        v = one.info["voxel_size"]
+        assert row["voxel_size"] == pytest.approx(v, rel=1e-12)
+        rot, trans = metrics.relative_error(row["transformation"], one.transformation)
+        assert rot < 0.05 and trans < 0.05 * v
+        assert row["trusted"] == one.converged and row["verdict"] == one.info["verdict"]
+        assert row["fitness"] == pytest.approx(one.fitness, abs=0.02)
+        rot, trans = metrics.relative_error(row["transformation"], p.T_target_source)
+        assert rot < 0.5 and trans < 2e-3
+        assert row["info"]["H"].shape == (6, 6)
+        assert np.allclose(row["info"]["H"], row["info"]["H"].T)
+
+
+def test_table_forms(batch, tmp_path):
+    _, res = batch
+    rows = res.to_rows()
+    assert list(rows[0]) == list(many_module.COLUMNS)
+    T = np.array([[r[f"T{i}{j}"] for i in range(4) for j in range(4)] for r in rows])
+    np.testing.assert_array_equal(T.reshape(-1, 4, 4), res.transformations)
+    path = res.to_csv(tmp_path / "t.csv")
+    import csv
+
+    with path.open() as f:
+        back = list(csv.DictReader(f))
+    assert len(back) == len(res) and float(back[1]["T03"]) == rows[1]["T03"]
+    pytest.importorskip("pyarrow")
+    pq = res.to_parquet(tmp_path / "t.parquet")
+    import pyarrow.parquet as pqm
+
+    tab = pqm.read_table(pq)
+    assert tab.num_rows == len(res) and tab.column("T23").to_pylist() == [r["T23"] for r in rows]
+
+
+def test_chunks_are_independent(batch):
+    """Chunk by chunk: a pair's row is the same whether its chunk holds 1 or 3 pairs, within
+    the batched ICP's padding (another reduction length: rounding only)."""
+    pairs, res = batch
+    one = register_many(pairs[:2], device="cpu", chunk_size=1, **OPTS)
+    for i in range(2):
+        rot, trans = metrics.relative_error(one[i]["transformation"], res[i]["transformation"])
+        assert rot < 0.01 and trans < 1e-5
+        assert one[i]["verdict"] == res[i]["verdict"]
+    again = register_many(pairs[:2], device="cpu", chunk_size=1, **OPTS)
+    np.testing.assert_array_equal(again.transformations, one.transformations)
+
+
+def test_init_skips_global_stage():
+    pairs = _pairs(1, k=2)
+    g = torch.Generator().manual_seed(5)
+    from pointalign import transforms
+
+    inits = [transforms.random_transform(3.0, 0.003, generator=g) @ p.T_target_source
+             for p in pairs]
+    res = register_many([(p.source, p.target, T) for p, T in zip(pairs, inits, strict=True)],
+                        device="cpu")
+    for i, p in enumerate(pairs):
+        rot, trans = metrics.relative_error(res[i]["transformation"], p.T_target_source)
+        assert rot < 0.5 and trans < 2e-3
+        assert res[i]["trusted"], res[i]["verdict"]
+        assert res[i]["margin"] == 0.0  # one hypothesis: no different one to compete
+
+
+def test_paths_dicts_and_errors(tmp_path):
+    p = _pairs(2, k=1)[0]
+    src, tgt = tmp_path / "s.ply", tmp_path / "t.ply"
+    io.write(src, PointCloud(p.source))
+    io.write(tgt, PointCloud(p.target))
+    specs = [(str(src), str(tgt)),
+             {"source": PointCloud(p.source), "target": p.target.numpy(), "name": "mixed"},
+             PairSpec(src, tmp_path / "missing.ply")]
+    with pytest.raises((ValueError, OSError), match="pairs\\[2\\]|missing"):
+        register_many(specs, device="cpu", **OPTS)
+    res = register_many(specs, device="cpu", on_error="record", **OPTS)
+    assert res[0]["name"] == "s.ply->t.ply" and res[1]["name"] == "mixed"
+    np.testing.assert_allclose(res[0]["transformation"], res[1]["transformation"], atol=1e-5)
+    assert res[2]["error"] and res[2]["verdict"] == "error"
+    assert np.isnan(res[2]["transformation"]).all() and not res[2]["trusted"]
+    assert res[0]["error"] == "" and res[0]["trusted"]
+
+
+def test_bad_input():
+    p = _pairs(0, k=1)[0]
+    with pytest.raises(TypeError, match="pairs"):
+        register_many("a.csv")
+    with pytest.raises(TypeError, match="pairs\\[0\\]"):
+        register_many([p.source])
+    with pytest.raises(ValueError, match="pairs\\[0\\]"):
+        register_many([{"source": p.source}])
+    with pytest.raises(ValueError, match="method"):
+        register_many([(p.source, p.target)], method="bogus")
+    with pytest.raises(ValueError, match="chunk_size"):
+        register_many([(p.source, p.target)], chunk_size=0)
+    with pytest.raises(ValueError, match="on_error"):
+        register_many([(p.source, p.target)], on_error="ignore")
+    with pytest.raises(ValueError, match="init"):
+        register_many([(p.source, p.target, np.eye(3))])
+    with pytest.raises(ValueError, match="device"):
+        register_many([(p.source, p.target)], client=object(), device="cpu")
+    with pytest.raises(ValueError, match="pairs\\[0\\].*source"):
+        register_many([(p.source[:2], p.target)], device="cpu")
+    assert len(register_many([], device="cpu")) == 0
+
+
+def test_batched_verdicts_equal_register_verdict(seed):
+    """verdicts() of a batch equals pipeline._verdict pair by pair (the same searches and
+    counts: integers; the margin test compares float64 distances and angles computed alike)."""
+    from pointalign import transforms
+    from pointalign.registration.pipeline import _verdict
+    from pointalign.search import build_index
+
+    g = torch.Generator().manual_seed(seed)
+    bunny = datasets.load_bunny("bun000")
+    Ts, Rs, Fs, Ss, Is, stab = [], [], [], [], [], np.array([0.1, 0.005, 0.2])
+    for b, n in enumerate((300, 420, 377)):
+        s = datasets.random_subsample(bunny, n, seed=seed + b) / 0.004
+        t = datasets.random_subsample(bunny, n + 50, seed=seed + 7 + b) / 0.004
+        Ss.append(s)
+        Is.append(build_index(t))
+        k = 2 + b
+        R = torch.stack([transforms.random_transform(4.0 * j, 2.0 * j, generator=g)
+                         for j in range(k)])
+        Rs.append(R)
+        Fs.append(torch.sort(torch.randint(0, n, (k,), generator=g), descending=True).values)
+        Ts.append(R[0] if b != 1 else transforms.random_transform(1.0, 0.5, generator=g))
+    got = many_module.verdicts(torch.stack(Ts), Rs, Fs, Ss, Is, 1.0, stab)
+    for b in range(3):
+        ref = _verdict(Ts[b], Rs[b], Fs[b], Ss[b], Is[b], 1.0, True, float(stab[b]))
+        for key in ("overlap", "margin", "concentration", "trusted", "verdict"):
+            assert got[b][key] == ref[key], (b, key)
+    assert "pose not determined" in got[1]["verdict"]
+
+
+def test_method_none_rows():
+    pairs = _pairs(3, k=2)
+    res = register_many(pairs, device="cpu", method="none", **OPTS)
+    for i, p in enumerate(pairs):
+        rot, _ = metrics.relative_error(res[i]["transformation"], p.T_target_source)
+        assert rot < 5.0 and math.isfinite(res[i]["rmse"])
+
+
+# ---- the command line (pointalign.cli_many; the integrator registers it in cli.py) -------
+
+def _app():
+    typer = pytest.importorskip("typer")
+    from typer.testing import CliRunner
+
+    from pointalign import cli_many
+
+    app = typer.Typer()
+    cli_many.register_commands(app)
+    return app, CliRunner()
+
+
+def test_cli_register_many(tmp_path):
+    import csv
+
+    app, runner = _app()
+    pairs = _pairs(4, k=2)
+    with (tmp_path / "pairs.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["source", "target", "name"] + [f"T{r}{c}" for r in range(4)
+                                                   for c in range(4)])
+        for k, p in enumerate(pairs):
+            io.write(tmp_path / f"s{k}.ply", PointCloud(p.source))
+            io.write(tmp_path / f"t{k}.ply", PointCloud(p.target))
+            w.writerow([f"s{k}.ply", f"t{k}.ply", f"pair{k}"]
+                       + p.T_target_source.reshape(-1).tolist())
+    out = tmp_path / "out.csv"
+    r = runner.invoke(app, ["register-many", str(tmp_path / "pairs.csv"), "-o", str(out),
+                            "--device", "cpu", "--quiet"])
+    assert r.exit_code == 0, r.output
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [row["name"] for row in rows] == ["pair0", "pair1"]
+    for row, p in zip(rows, pairs, strict=True):
+        T = np.array([float(row[f"T{i}{j}"]) for i in range(4) for j in range(4)]).reshape(4, 4)
+        rot, trans = metrics.relative_error(T, p.T_target_source)
+        assert rot < 0.5 and trans < 2e-3
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    r = runner.invoke(app, ["register-many", str(bad), "-o", str(out)])
+    assert r.exit_code == 1 and "source" in r.output
+
+
+def test_cli_multiway(tmp_path):
+    import json
+
+    app, runner = _app()
+    p = _pairs(5, k=1, n=600)[0]
+    paths = [tmp_path / "a.ply", tmp_path / "b.ply"]
+    io.write(paths[0], PointCloud(p.target))
+    io.write(paths[1], PointCloud(p.source))
+    r = runner.invoke(app, ["multiway", *map(str, paths), "--output", str(tmp_path / "m.ply"),
+                            "--json", str(tmp_path / "poses.json"), "--device", "cpu",
+                            "--hypotheses", "1024", "--quiet"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "poses.json").read_text())
+    rot, trans = metrics.relative_error(np.array(doc["poses"][1]), p.T_target_source)
+    assert rot < 0.5 and trans < 2e-3
+    assert io.read(tmp_path / "m.ply").points.shape[0] == 1200
+
+
+@pytest.mark.gpu
+def test_cuda_register_many_matches_cpu(batch):
+    """On CUDA (Triton kernels, another RANSAC generator): the same poses within the
+    registrations' own accuracy (0.1°, 0.1 v) and every pair trusted."""
+    pairs, cpu = batch
+    res = register_many(pairs, device="cuda", **OPTS)
+    for i, p in enumerate(pairs):
+        rot, trans = metrics.relative_error(res[i]["transformation"], cpu[i]["transformation"])
+        assert rot < 0.1 and trans < 0.1 * cpu[i]["voxel_size"]
+        rot, trans = metrics.relative_error(res[i]["transformation"], p.T_target_source)
+        assert rot < 0.5 and trans < 2e-3 and res[i]["trusted"], res[i]["verdict"]
