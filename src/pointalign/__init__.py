@@ -19,6 +19,8 @@ from pointalign.metrics import RegistrationEvaluation, evaluate_registration
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.gicp import gicp, vgicp
 from pointalign.registration.icp import icp
+from pointalign.registration.many import ManyResult, PairSpec, register_many
+from pointalign.registration.multiway import MultiwayResult, merge, multiway
 from pointalign.registration.pipeline import register
 from pointalign.registration.ransac import ransac
 from pointalign.registration.result import RegistrationResult
@@ -33,6 +35,9 @@ __all__ = [
     "BruteForceIndex",
     "CKDTreeIndex",
     "KDTreeIndex",
+    "ManyResult",
+    "MultiwayResult",
+    "PairSpec",
     "VoxelGridIndex",
     "ConvergenceCriteria",
     "DoubtfulResultWarning",
@@ -56,12 +61,15 @@ __all__ = [
     "get_num_threads",
     "gicp",
     "icp",
+    "merge",
     "metrics",
+    "multiway",
     "ransac",
     "set_num_threads",
     "read",
     "read_bin",
     "register",
+    "register_many",
     "softassign",
     "surface_newton",
     "transforms",
