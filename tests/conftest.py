@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -55,14 +56,16 @@ def device(request) -> str:
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch) -> Backend:
+def backend(request) -> Iterator[Backend]:
     """Each kernel backend in turn, selected through ``POINTALIGN_BACKEND`` for the test.
 
     A kernel test takes this fixture, puts its tensors on ``backend.device`` and compares
     the dispatcher's answer with the reference (or an oracle): one test covers every
     backend. "cpu" skips where numba is missing; "triton" carries the ``gpu`` marker (and
-    skips without a GPU). :func:`backends` narrows the list for one test. The Triton
-    interpreter runs in child processes (``tests/_interpreted.py``), not here.
+    skips without a GPU). :func:`tests._backends.backends` narrows the list for one test.
+    The Triton interpreter runs in child processes (``tests/_interpreted.py``), not here.
+    The variable is set through a MonkeyPatch of its own, so that a test's
+    ``monkeypatch.undo()`` leaves the backend alone.
     """
     b: Backend = request.param if isinstance(request.param, Backend) \
         else BY_NAME[request.param]
@@ -73,8 +76,12 @@ def backend(request, monkeypatch) -> Backend:
             pytest.skip("numba is not installed")
     if b.device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
-    monkeypatch.setenv("POINTALIGN_BACKEND", b.name)
-    return b
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POINTALIGN_BACKEND", b.name)
+    try:
+        yield b
+    finally:
+        mp.undo()
 
 
 @pytest.fixture(params=[torch.float32, torch.float64], ids=["f32", "f64"])
