@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from pointalign import datasets
 from tests import _interpreted
+from tests._backends import BACKENDS, BY_NAME, Backend
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -45,39 +46,29 @@ def rng(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
+    """Each device in turn: "cpu", then "cuda" (marked ``gpu``: skipped without a GPU)."""
     return request.param
 
 
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    """One kernel backend under test: its name and the device its tensors live on."""
-
-    name: str  #: "torch" (the PyTorch references), "cpu" (numba) or "triton" (CUDA)
-    device: str  #: "cpu" or "cuda"
-
-
-_BACKENDS = [
-    pytest.param(Backend("torch", "cpu"), id="torch"),
-    pytest.param(Backend("cpu", "cpu"), id="cpu"),
-    pytest.param(Backend("triton", "cuda"), id="triton", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=_BACKENDS)
-def backend(request, monkeypatch) -> Backend:
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> Iterator[Backend]:
     """Each kernel backend in turn, selected through ``POINTALIGN_BACKEND`` for the test.
 
     A kernel test takes this fixture, puts its tensors on ``backend.device`` and compares
     the dispatcher's answer with the reference (or an oracle): one test covers every
-    backend. "cpu" skips where numba is missing; "triton" carries the ``gpu`` marker. The
-    Triton interpreter runs in child processes (``tests/_interpreted.py``), not here.
+    backend. "cpu" skips where numba is missing; "triton" carries the ``gpu`` marker (and
+    skips without a GPU). :func:`tests._backends.backends` narrows the list for one test.
+    The Triton interpreter runs in child processes (``tests/_interpreted.py``), not here.
+    The variable is set through a MonkeyPatch of its own, so that a test's
+    ``monkeypatch.undo()`` leaves the backend alone.
     """
-    b: Backend = request.param
+    b: Backend = request.param if isinstance(request.param, Backend) \
+        else BY_NAME[request.param]
     if b.name == "cpu":
         from pointalign.kernels import _backend
 
@@ -85,8 +76,12 @@ def backend(request, monkeypatch) -> Backend:
             pytest.skip("numba is not installed")
     if b.device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
-    monkeypatch.setenv("POINTALIGN_BACKEND", b.name)
-    return b
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POINTALIGN_BACKEND", b.name)
+    try:
+        yield b
+    finally:
+        mp.undo()
 
 
 @pytest.fixture(params=[torch.float32, torch.float64], ids=["f32", "f64"])
@@ -97,6 +92,15 @@ def dtype(request) -> torch.dtype:
 @pytest.fixture(scope="session")
 def bunny_pair() -> datasets.Pair:
     return datasets.load_bunny_pair()
+
+
+@pytest.fixture(scope="session")
+def bunny_scans() -> tuple[torch.Tensor, torch.Tensor]:
+    """The two bundled bunny scans ``(bun045, bun000)``, each ``(N, 3)`` float32."""
+    try:
+        return datasets.load_bunny("bun045"), datasets.load_bunny("bun000")
+    except Exception as e:  # pragma: no cover - package data missing
+        pytest.skip(f"bunny not available: {e}")
 
 
 @pytest.fixture(scope="session")

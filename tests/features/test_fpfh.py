@@ -7,8 +7,10 @@ from scipy.spatial import cKDTree
 
 from pointalign import PointCloud, datasets, transforms
 from pointalign.features.downsample import voxel_downsample
-from pointalign.features.fpfh import fpfh
+from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
+from pointalign.features.normals import estimate_normals
 from pointalign.kernels.features import fpfh as K
+from pointalign.search import build_index
 
 
 def _pair_oracle(p1, n1, p2, n2):
@@ -227,11 +229,9 @@ def test_bad_points():
         fpfh("nope", radius=0.1)
 
 
-@pytest.mark.gpu
-def test_cuda_matches_cpu(bunny_small):
+def test_device_matches_cpu(bunny_small, device):
+    """fpfh on each device (cuda: the Triton kernels) against the CPU run."""
     pts, v = bunny_small
-    from pointalign.features.normals import estimate_normals
-
     # float64: the two devices' searches and angle bins agree up to rare exact ties, so
     # (almost) every histogram must match
     p64 = pts.double()
@@ -240,22 +240,64 @@ def test_cuda_matches_cpu(bunny_small):
     # different points on the two devices
     big = p64.shape[0]
     a = fpfh(p64, radius=5 * v, normals=nrm, max_neighbors=big)
-    b = fpfh(p64.cuda(), radius=5 * v, normals=nrm.cuda(), max_neighbors=big)
-    assert b.is_cuda
+    b = fpfh(p64.to(device), radius=5 * v, normals=nrm.to(device), max_neighbors=big)
+    assert b.device.type == device
     diff = (a - b.cpu()).abs()
     assert float((diff < 1e-6).all(1).float().mean()) > 0.97
     # float32: a point at the radius or an angle at a bin edge can flip between devices, and
     # each flip spreads to the neighbours' FPFH, so only the average is compared
     p32, n32 = pts.float(), nrm.float()
-    diff = (fpfh(p32, radius=5 * v, normals=n32) - fpfh(p32.cuda(), radius=5 * v,
-                                                         normals=n32.cuda()).cpu()).abs()
+    diff = (fpfh(p32, radius=5 * v, normals=n32) - fpfh(p32.to(device), radius=5 * v,
+                                                         normals=n32.to(device)).cpu()).abs()
     assert float(diff.mean()) < 0.05
     # the search path differs (brute force Triton kernel on CUDA vs cKDTree on CPU); the
     # same neighbour table must give the same histograms
-    from pointalign.search import build_index
-
     nb = build_index(pts).radius(pts, 5 * v, 100)
     h_cpu = K.fpfh_combine(K.spfh(pts, nrm, nb.idx), nb.idx, nb.dists)
-    h_gpu = K.fpfh_combine(K.spfh(pts.cuda(), nrm.cuda(), nb.idx.cuda()), nb.idx.cuda(),
-                           nb.dists.cuda())
+    dpts, dnrm, didx = pts.to(device), nrm.to(device), nb.idx.to(device)
+    h_gpu = K.fpfh_combine(K.spfh(dpts, dnrm, didx), didx, nb.dists.to(device))
     torch.testing.assert_close(h_gpu.cpu(), h_cpu, atol=1e-3, rtol=1e-4)
+
+
+# ---- shared neighbourhoods and neighbour tables (from the former test_feature_kernels.py) ----
+
+V = 0.012  # voxel of the bunny these tests downsample
+
+
+def test_shared_neighbourhoods_give_the_separate_results():
+    pts = voxel_downsample(datasets.load_bunny("bun000").double(), V)
+    idx = build_index(pts)
+    nb = neighbourhoods(pts, 5 * V, 100, idx)
+    sep = idx.radius(pts, 2 * V, 30)
+    shared = restrict(nb, 2 * V, 30)
+    assert torch.equal(shared, sep.idx)
+    a = estimate_normals(pts, neighbors=shared, orient="viewpoint", viewpoint=pts.mean(0))
+    b = estimate_normals(pts, radius=2 * V, max_neighbors=30, index=idx, orient="viewpoint",
+                         viewpoint=pts.mean(0))
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    torch.testing.assert_close(fpfh(pts, radius=5 * V, normals=a, neighbors=nb),
+                               fpfh(pts, radius=5 * V, normals=b, index=idx), atol=1e-9, rtol=0)
+
+
+def test_bad_neighbors():
+    pts = voxel_downsample(datasets.load_bunny("bun000"), V)
+    with pytest.raises(ValueError, match="neighbors"):
+        estimate_normals(pts, neighbors=torch.zeros(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="neighbors"):
+        fpfh(pts, radius=0.05, neighbors=(torch.zeros(3, 4), torch.zeros(3, 4)))
+
+
+def test_neighbour_tables_out_of_range_or_wrong_dtype():
+    """A bad table is a clear ValueError, never an IndexError from inside the kernels."""
+    from pointalign.search.base import KnnResult
+
+    pts = voxel_downsample(datasets.load_bunny("bun000"), V)
+    n = pts.shape[0]
+    for bad, match in ((torch.full((n, 4), n, dtype=torch.int64), "in \\[0"),
+                       (torch.full((n, 4), -2, dtype=torch.int64), "in \\[0"),
+                       (torch.zeros(n, 4), "int64")):
+        with pytest.raises(ValueError, match=match):
+            estimate_normals(pts, neighbors=bad)
+    with pytest.raises(ValueError, match="neighbors.idx"):
+        fpfh(pts, radius=0.05,
+             neighbors=KnnResult(torch.zeros(n, 4), torch.full((n, 4), n, dtype=torch.int64)))

@@ -1,7 +1,9 @@
 """kernels.kdtree: build, descent, the kNN reference and the Triton traversal kernel.
 
-The Triton kernel runs here through Triton's interpreter on CPU tensors (tiny sizes); on a
-CUDA device (``-m gpu``) it runs compiled and is compared with the reference on CUDA tensors.
+The Triton kernel runs here through Triton's interpreter on CPU tensors (tiny sizes); the
+dispatcher runs on every backend (the "triton" one on a CUDA device, ``-m gpu``, compiled)
+and is compared with the reference. Search answers are compared as sets of equal distances
+(``assert_knn_matches``); builds exactly (the same sorts), split values to rounding.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from pointalign.kernels import kdtree as K
+from tests._backends import backends
 from tests._interpreted import interpreted_fixture
 from tests._oracles import assert_knn_matches
 
@@ -270,10 +273,10 @@ def test_triton_interpreter_float64_empty_and_dispatch(interpreted, seed):
     assert_knn_matches(_orig(tree, res), q, pts, 2)
 
 
-def test_torch_backend_skips_triton(rng, monkeypatch):
+@backends("torch")
+def test_torch_backend_skips_triton(backend, rng, monkeypatch):
     pts, q = _cloud(40, rng), _cloud(6, rng)
     tree = K.build(pts, 2)
-    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
     import sys
 
     mod = sys.modules.get("pointalign.kernels.kdtree.triton")
@@ -331,56 +334,62 @@ def test_host_build_matches_device(m, depth, dtype, rng):
     assert np.allclose(a.split_value.numpy(), b.split_value.numpy())
 
 
-@pytest.mark.gpu
+# ---- the dispatcher on every backend (compiled Triton on CUDA) -----------------------------
+
+def _sizes(backend, gpu: tuple[int, int], cpu: tuple[int, int]) -> tuple[int, int]:
+    return gpu if backend.device == "cuda" else cpu
+
+
 @pytest.mark.parametrize("approximate", [False, True])
 @pytest.mark.parametrize("k", [1, 8, 33])
-def test_triton_cuda_matches_reference(approximate, k, rng):
-    pts, q = _cloud(50021, rng).cuda(), (_cloud(4099, rng, scale=1.3) - 0.15).cuda()
+def test_knn_matches_reference(backend, approximate, k, rng):
+    m, n = _sizes(backend, (50021, 4099), (5021, 409))
+    pts = _cloud(m, rng).to(backend.device)
+    q = (_cloud(n, rng, scale=1.3) - 0.15).to(backend.device)
     tree = K.build(pts, K.depth_for(pts.shape[0], 16))
-    from pointalign.kernels.kdtree import triton as _kdtree_triton
-
-    got = _kdtree_triton.knn(tree, q, k, approximate=approximate)
+    got = K.knn(tree, q, k, approximate=approximate)
     ref = K.knn_reference(tree, q, k, approximate=approximate)
-    assert got[0].is_cuda
+    assert got[0].device.type == backend.device
     assert torch.equal(torch.isinf(got[0]), torch.isinf(ref[0]))
     fin = torch.isfinite(ref[0])
     assert torch.allclose(got[0][fin], ref[0][fin], atol=1e-6)
     if not approximate:
         assert_knn_matches(_orig(tree, got), q.cpu(), pts.cpu(), k)
-        got = _kdtree_triton.knn(tree, q, k, max_dist2=0.02**2)
+        got = K.knn(tree, q, k, max_dist2=0.02**2)
         assert_knn_matches(_orig(tree, got), q.cpu(), pts.cpu(), k, max_distance=0.02)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("max_d", [math.inf, 0.02])
-def test_triton_cuda_hint_keeps_the_answer(max_d, rng):
-    pts, q = _cloud(50021, rng).cuda(), (_cloud(4099, rng, scale=1.3) - 0.15).cuda()
+def test_hint_keeps_the_answer(backend, max_d, rng):
+    m, n = _sizes(backend, (50021, 4099), (5021, 409))
+    pts = _cloud(m, rng).to(backend.device)
+    q = (_cloud(n, rng, scale=1.3) - 0.15).to(backend.device)
     tree = K.build(pts, K.depth_for(pts.shape[0], 16))
-    from pointalign.kernels.kdtree import triton as _kdtree_triton
-
     host = K.TreeArrays(*[x.cpu() if isinstance(x, torch.Tensor) else x for x in tree])
-    hint = _hints(host, q.cpu(), 0).cuda()
-    got = _kdtree_triton.knn(tree, q, 1, max_dist2=max_d**2, hint=hint)
+    hint = _hints(host, q.cpu(), 0).to(backend.device)
+    got = K.knn(tree, q, 1, max_dist2=max_d**2, hint=hint)
     assert_knn_matches(_orig(tree, got), q.cpu(), pts.cpu(), 1,
                        **({} if math.isinf(max_d) else {"max_distance": max_d}))
 
 
-@pytest.mark.gpu
-def test_cuda_build_matches_host(rng):
-    pts = _cloud(100003, rng)
-    a = K.build(pts.cuda(), 12, "device")
-    b = K.build(pts, 12, "host")
+def test_device_build_matches_host(backend, rng):
+    """The build on the points' device (fused Triton levels on CUDA) equals the host's."""
+    m, depth = (100003, 12) if backend.device == "cuda" else (10007, 9)
+    pts = _cloud(m, rng)
+    a = K.build(pts.to(backend.device), depth, "device")
+    b = K.build(pts, depth, "host")
     assert torch.equal(a.perm.cpu(), b.perm)
     assert torch.equal(a.lo.cpu(), b.lo)
     assert math.isclose(float((a.split_value.cpu() - b.split_value).abs().max()), 0.0,
                         abs_tol=1e-7)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("approximate", [False, True])
-def test_cuda_dispatch_with_query_reordering(approximate, rng):
-    n = K.REORDER_MIN_QUERIES * 3 + 7
-    pts, q = _cloud(30011, rng).cuda(), (_cloud(n, rng, scale=1.2) - 0.1).cuda()
+def test_dispatch_with_query_reordering(backend, approximate, rng):
+    """Large query sets visit the queries grouped by leaf on Triton: same answers."""
+    n, m = _sizes(backend, (K.REORDER_MIN_QUERIES * 3 + 7, 30011), (2003, 3001))
+    pts, q = _cloud(m, rng).to(backend.device), (_cloud(n, rng, scale=1.2) - 0.1).to(
+        backend.device)
     tree = K.build(pts, K.depth_for(pts.shape[0], 16))
     got = K.knn(tree, q, 4, approximate=approximate)
     ref = K.knn_reference(tree, q, 4, approximate=approximate)

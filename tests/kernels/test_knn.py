@@ -1,22 +1,44 @@
-"""kernels.knn: the chunked PyTorch reference and the fused Triton kernel vs a SciPy oracle."""
+"""kernels.knn: knn_tiles, radius_tiles and the radius self-query on every backend, the
+reference alone against a SciPy oracle, the Triton kernels through the interpreter, and the
+"cpu" backend's k-d tree (``knn/cpu.py``) against the brute-force reference.
+
+Exactness: search answers are integers and compared exactly where both sides compute the
+same squared distances in the same order (the tree against itself with other hints, leaf
+sizes, candidate lists or thread counts); the tree against the brute force (whose
+``addcmul`` may fuse multiply-adds) through ``same_neighbours``: equal indices except
+between points within a few ulps of each other.
+"""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+import pointalign as pa
+from pointalign.kernels import _backend
 from pointalign.kernels import knn as knn_mod
+from pointalign.kernels.knn import cpu as _knn_cpu
+from pointalign.kernels.knn import knn_reference
+from tests._backends import backends
 from tests._interpreted import interpreted_fixture
 from tests._oracles import assert_knn_matches, assert_same_or_tied
+from tests.kernels._cases import np_cloud as _cloud_np
+from tests.kernels._cases import same_neighbours as _same_neighbours
 
 SIZES = [(1, 1), (1, 2), (2, 3), (3, 1), (7, 13), (31, 17), (97, 211), (257, 64)]
+
+#: the "cpu" backend's own machinery (the numba tree): one backend
+cpu_only = backends("cpu")
 
 
 def _cloud(n: int, g: torch.Generator, dtype=torch.float32) -> torch.Tensor:
     return torch.rand(n, 3, generator=g, dtype=torch.float64).to(dtype)
 
+
+# ---- the reference (the spec) against the SciPy oracle -----------------------------------
 
 @pytest.mark.parametrize("n,m", SIZES)
 @pytest.mark.parametrize("k", [1, 4, 16])
@@ -46,24 +68,37 @@ def test_reference_tie_break_smallest_index():
     assert sorted(i[0].tolist()) == [0, 1, 2, 3]
 
 
-def test_points_layout_and_radius_tiles(rng, dtype):
-    q, p = _cloud(41, rng, dtype), _cloud(157, rng, dtype)
+def test_bunny_reference(bunny_pair):
+    q = bunny_pair.source[::61]
+    p = bunny_pair.target[::3]
+    res = knn_mod.knn_reference(q, p, 8)
+    assert_knn_matches(res, q, p, 8)
+
+
+# ---- the dispatcher on every backend --------------------------------------------------------
+
+def test_points_layout_and_radius_tiles(backend, rng, dtype):
+    q, p = (_cloud(41, rng, dtype).to(backend.device),
+            _cloud(157, rng, dtype).to(backend.device))
     layout = knn_mod.points_layout(p)
-    assert layout is None  # the PyTorch path reads the points as they are
+    if backend.name == "triton":  # the (3, M) copy the fused kernel reads
+        assert layout is not None and layout.shape == (3, 157)
+    else:
+        assert layout is None  # the PyTorch path reads the points as they are
     d, i = knn_mod.knn_tiles(q, p, 3, 0.2**2, points_t=layout)
     assert_knn_matches((d, i), q, p, 3, max_distance=0.2)
-    # radius_tiles: knn_tiles with the squared radius; the self-query through the feature
-    # kernels' radius search (same contract)
+    # radius_tiles: knn_tiles with the squared radius; the self-query through the radius
+    # search of the same family (same contract)
     rd, ri = knn_mod.radius_tiles(q, p, 0.2, 3)
     assert torch.equal(rd, d) and torch.equal(ri, i)
     sd, si = knn_mod.radius_tiles(p, p, 0.15, 40)
     assert_knn_matches((sd, si), p, p, 40, max_distance=0.15)
-    assert (si[:, 0] == torch.arange(157)).all()  # itself first, at distance 0
+    assert (si[:, 0].cpu() == torch.arange(157)).all()  # itself first, at distance 0
 
 
-def test_no_neighbour_and_padding(rng):
-    p = _cloud(5, rng) + 10.0
-    q = _cloud(4, rng)
+def test_no_neighbour_and_padding(backend, rng):
+    p = (_cloud(5, rng) + 10.0).to(backend.device)
+    q = _cloud(4, rng).to(backend.device)
     d, i = knn_mod.knn_tiles(q, p, 7, 1.0)
     assert torch.isinf(d).all() and (i == -1).all()
     d, i = knn_mod.knn_tiles(q, p, 7)
@@ -71,13 +106,14 @@ def test_no_neighbour_and_padding(rng):
     assert (i[:, :5] >= 0).all()
 
 
-def test_empty_query(rng):
-    d, i = knn_mod.knn_tiles(torch.empty(0, 3), _cloud(4, rng), 2)
+def test_empty_query(backend, rng):
+    d, i = knn_mod.knn_tiles(torch.empty(0, 3, device=backend.device),
+                             _cloud(4, rng).to(backend.device), 2)
     assert d.shape == (0, 2) and i.shape == (0, 2)
 
 
-def test_bad_input(rng):
-    q, p = _cloud(4, rng), _cloud(5, rng)
+def test_bad_input(backend, rng):
+    q, p = _cloud(4, rng).to(backend.device), _cloud(5, rng).to(backend.device)
     with pytest.raises(ValueError, match="query"):
         knn_mod.knn_tiles(q[:, :2], p, 1)
     with pytest.raises(ValueError, match="points"):
@@ -90,11 +126,63 @@ def test_bad_input(rng):
         knn_mod.knn_tiles(q, p, 1, 0.0)
 
 
-def test_bunny_reference(bunny_pair):
-    q = bunny_pair.source[::61]
-    p = bunny_pair.target[::3]
-    res = knn_mod.knn_reference(q, p, 8)
-    assert_knn_matches(res, q, p, 8)
+def test_k_above_32_uses_reference(backend, rng):
+    q, p = _cloud(9, rng).to(backend.device), _cloud(50, rng).to(backend.device)
+    res = knn_mod.knn_tiles(q, p, 33)
+    assert_knn_matches(res, q, p, 33)
+    assert math.isinf(float(knn_mod.knn_tiles(q, p, 60)[0][0, -1]))
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 16, 32])
+@pytest.mark.parametrize("max_distance", [None, 0.05])
+def test_knn_tiles_matches_reference(backend, k, max_distance, rng):
+    """The dispatcher (the fused kernel on Triton) against the reference and the oracle."""
+    n, m = (5003, 20011) if backend.device == "cuda" else (503, 2011)
+    q = _cloud(n, rng).to(backend.device)
+    p = _cloud(m, rng).to(backend.device)
+    md2 = None if max_distance is None else max_distance**2
+    d, i = knn_mod.knn_tiles(q, p, k, md2)
+    assert d.device.type == i.device.type == backend.device
+    rd, ri = knn_mod.knn_reference(q, p, k, md2)
+    assert_same_or_tied(d, i, rd, ri)
+    sel = torch.arange(0, n, 7, device=backend.device)
+    assert_knn_matches((d[sel], i[sel]), q[sel], p, k, max_distance)
+
+
+def test_knn_tiles_float64_and_bunny(backend, bunny_pair):
+    step = 1 if backend.device == "cuda" else 23  # the brute force on the CPU: a subsample
+    q = bunny_pair.source[::step].to(backend.device)
+    p = bunny_pair.target[::max(1, step // 4)].to(backend.device)
+    res = knn_mod.knn_tiles(q, p, 4)
+    assert_knn_matches(res, q, p, 4)
+    res = knn_mod.knn_tiles(q.double(), p.double(), 1, 0.002**2)
+    assert_knn_matches(res, q, p, 1, max_distance=0.002)
+
+
+# ---- the radius self-query (radius_neighbours) ---------------------------------------------
+
+def test_radius_neighbours_matches_reference(backend, seed):
+    """Every backend's radius self-query against the brute force (ties: any equal point)."""
+    pts = torch.from_numpy(_cloud_np(seed, 1500, np.float32))
+    got = knn_mod.radius_neighbours(pts.to(backend.device), 0.4, 10)
+    ref = knn_reference(pts, pts, 10, 0.4**2)
+    _same_neighbours(pts.numpy(), pts.numpy(), ref[1].numpy(), got[1].cpu().numpy(),
+                     ref[0].numpy(), got[0].cpu().numpy(), np.float32)
+
+
+@backends("torch")
+def test_radius_neighbours_reference_path_is_knn_tiles(backend, seed):
+    pts = torch.rand(300, 3, generator=torch.Generator().manual_seed(seed))
+    d, i = knn_mod.radius_neighbours(pts, 0.2, 40)
+    rd, ri = knn_mod.knn_tiles(pts, pts, 40, 0.04)
+    assert torch.equal(d, rd) and torch.equal(i, ri)
+
+
+def test_radius_neighbours_bad_input(backend):
+    with pytest.raises(ValueError, match="points"):
+        knn_mod.radius_neighbours(torch.zeros(4, 2, device=backend.device), 0.1, 3)
+    with pytest.raises(ValueError, match="k"):
+        knn_mod.radius_neighbours(torch.zeros(4, 3, device=backend.device), 0.1, 0)
 
 
 # --- Triton kernel through the interpreter (CPU, tiny sizes, in a child process) -----------
@@ -143,6 +231,8 @@ def run_interpreted_cases(out_path: str) -> None:
         layout = knn_mod.points_layout(p)  # (3, M): the kept copy the kernel reads
         assert layout is not None and layout.shape == (3, p.shape[0])
         out[("layout", seed)] = knn_mod.knn_tiles(q, p, 1, 0.15**2, points_t=layout)
+        p = _interp_inputs(INTERP_CASES[3], seed)[1]
+        out[("radius", seed)] = knn_mod.radius_neighbours(p, 0.3, 40)  # the radius table
     q, p = _interp_ties()
     out["ties1"] = _knn_triton.knn(q, p, 1, block_m=4)
     out["ties3"] = _knn_triton.knn(q, p, 3, block_m=4)
@@ -176,34 +266,299 @@ def test_triton_interpreted_ties_keep_smallest_index(interpreted):
     assert interpreted["ties3"][1].tolist() == [[0, 3, 6], [1, 4, 7]]
 
 
-# --- CUDA: the compiled kernel vs the reference at larger sizes ------------------------------
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k", [1, 2, 8, 16, 32])
-@pytest.mark.parametrize("max_distance", [None, 0.05])
-def test_triton_cuda_matches_reference(k, max_distance, rng):
-    q = _cloud(5003, rng).cuda()
-    p = _cloud(20011, rng).cuda()
-    md2 = None if max_distance is None else max_distance**2
-    d, i = knn_mod.knn_tiles(q, p, k, md2)
-    assert d.is_cuda and i.is_cuda
-    rd, ri = knn_mod.knn_reference(q, p, k, md2)
-    assert_same_or_tied(d, i, rd, ri)
-    sel = torch.arange(0, 5003, 7, device="cuda")
-    assert_knn_matches((d[sel], i[sel]), q[sel], p, k, max_distance)
+def test_triton_interpreted_radius_neighbours(seed, interpreted):
+    """The radius table (any k: 40 > 32) through the dispatcher, against the oracle."""
+    p = _interp_inputs(INTERP_CASES[3], seed)[1]
+    d, i = interpreted[("radius", seed)]
+    assert_knn_matches((d, i), p, p, 40, max_distance=0.3)
+    assert (i[:, 0] == torch.arange(p.shape[0])).all()  # itself first, at distance 0
 
 
-@pytest.mark.gpu
-def test_triton_cuda_float64_and_bunny(bunny_pair):
-    q, p = bunny_pair.source.cuda(), bunny_pair.target.cuda()
-    res = knn_mod.knn_tiles(q, p, 4)
-    assert_knn_matches(res, q, p, 4)
-    res = knn_mod.knn_tiles(q.double(), p.double(), 1, 0.002**2)
-    assert_knn_matches(res, q, p, 1, max_distance=0.002)
+# ---- the "cpu" backend's k-d tree (knn/cpu.py) -------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 5, 9, 700])
+@cpu_only
+def test_nearest_equals_brute(backend, seed, dtype, n):
+    p = _cloud_np(seed, n, dtype, dup=n > 10)
+    q = _cloud_np(seed + 100, 333, dtype, dup=False)
+    q[:20] = p[np.arange(20) % n]  # exact hits
+    tree = _knn_cpu.CpuTree(p, leaf_size=4)
+    for md in (None, 0.7):
+        rd, ri = knn_reference(torch.from_numpy(q), torch.from_numpy(p), 1,
+                               None if md is None else md * md)
+        d, i = tree.nearest(q, None if md is None else md * md)
+        _same_neighbours(q, p, ri[:, 0].numpy(), i, rd[:, 0].numpy(), d, dtype)
+        # any hint (right, wrong, out of range of the bound, none) gives the same answer
+        g = np.random.default_rng(seed)
+        for hint in (i, g.integers(-1, n, size=q.shape[0])):
+            d2, i2 = tree.nearest(q, None if md is None else md * md, hint)
+            assert np.array_equal(i2, i) and np.array_equal(d2, d)
 
 
-def test_k_above_32_uses_reference(monkeypatch, rng):
-    q, p = _cloud(9, rng), _cloud(50, rng)
-    res = knn_mod.knn_tiles(q, p, 33)
-    assert_knn_matches(res, q, p, 33)
-    assert math.isinf(float(knn_mod.knn_tiles(q, p, 60)[0][0, -1]))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [1, 4, 20])
+@cpu_only
+def test_knn_equals_brute(backend, seed, dtype, k):
+    p = _cloud_np(seed, 900, dtype)
+    q = np.concatenate([p[:200], _cloud_np(seed + 1, 100, dtype, dup=False)])
+    tree = _knn_cpu.CpuTree(p)
+    for md in (None, 0.3):
+        rd, ri = knn_reference(torch.from_numpy(q), torch.from_numpy(p), k,
+                               None if md is None else md * md)
+        d, i = tree.knn(q, k, None if md is None else md * md)
+        _same_neighbours(q, p, ri.numpy(), i, rd.numpy(), d, dtype)
+        assert np.all((d[:, 1:] >= d[:, :-1]) | ~np.isfinite(d[:, 1:]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("leaf_size", [1, 32])
+@cpu_only
+def test_knn_self_equals_knn(backend, seed, dtype, leaf_size):
+    p = _cloud_np(seed, 400, dtype)  # duplicates and a flat sheet: ties by index
+    tree = _knn_cpu.CpuTree(p, leaf_size=leaf_size)
+    for k, md in ((1, None), (20, None), (20, 0.15), (400, None)):
+        d, i = tree.knn_self(k, md)
+        d0, i0 = tree.knn(p, k, md)
+        assert np.array_equal(i, i0) and np.array_equal(d, d0)
+    rd, ri = knn_reference(torch.from_numpy(p), torch.from_numpy(p), 20)
+    d, i = tree.knn_self(20)
+    _same_neighbours(p, p, ri.numpy(), i, rd.numpy(), d, dtype)
+
+
+@pytest.mark.parametrize("leaf_size", [1, 5, 32])
+@cpu_only
+def test_keyed_lists_equal_plain(backend, monkeypatch, seed, leaf_size):
+    """float32: the keyed k-NN lists give the plain lists' answers bit for bit."""
+    p = _cloud_np(seed, 500, np.float32)  # duplicates and a flat sheet: ties by index
+    q = np.concatenate([p[::3], _cloud_np(seed + 1, 120, np.float32, dup=False)])
+    q[-1, 0] = np.nan  # a non-finite query: that call takes the plain lists
+    tree = _knn_cpu.CpuTree(p, leaf_size=leaf_size)
+    assert tree._keyable
+    cases = ((1, None), (7, None), (16, 0.2), (100, 0.5), (500, None))
+    got = [(tree.knn_self(k, md), tree.knn(q, k, md), tree.knn(q[:-1], k, md))
+           for k, md in cases]
+    monkeypatch.setattr(_knn_cpu, "KEYED", False)
+    for (k, md), g in zip(cases, got, strict=True):
+        want = (tree.knn_self(k, md), tree.knn(q, k, md), tree.knn(q[:-1], k, md))
+        for (d, i), (d0, i0) in zip(g, want, strict=True):
+            assert np.array_equal(i, i0) and np.array_equal(d, d0, equal_nan=True)
+
+
+@cpu_only
+def test_keyed_lists_not_for_float64_or_non_finite(backend):
+    assert not _knn_cpu.CpuTree(np.zeros((3, 3), np.float64))._keyable
+    p = np.zeros((3, 3), np.float32)
+    p[1, 2] = np.inf
+    assert not _knn_cpu.CpuTree(p)._keyable
+
+
+def _branchy_boxd2(q0, q1, q2, bmin, bmax, v):
+    """The box distance adding only the positive gaps (the form _boxd2 must equal)."""
+    d = q0 - q0
+    for a, q in enumerate((q0, q1, q2)):
+        g = bmin[v, a] - q
+        if g > 0:
+            d += g * g
+        elif q - bmax[v, a] > 0:
+            d += (q - bmax[v, a]) * (q - bmax[v, a])
+    return d
+
+
+@cpu_only
+def test_flat_box_distance_equals_branchy(backend, seed):
+    """_boxd2 (no branches) equals the branchy form bit for bit (inside, outside, on a
+    face, degenerate and empty boxes), compiled and as Python."""
+    g = np.random.default_rng(seed)
+    for dt in (np.float32, np.float64):
+        lo = g.normal(size=(300, 3)).astype(dt)
+        hi = (lo + np.abs(g.normal(size=(300, 3)))).astype(dt)
+        hi[:20] = lo[:20]  # degenerate boxes
+        lo[-5:], hi[-5:] = np.inf, -np.inf  # empty nodes
+        q = g.normal(scale=2, size=(300, 3)).astype(dt)
+        q[20:40] = lo[20:40]  # on a corner
+        for v in range(300):
+            want = _branchy_boxd2(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
+            a = _knn_cpu._boxd2.py_func(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
+            b = _knn_cpu._boxd2(q[v, 0], q[v, 1], q[v, 2], lo, hi, v)
+            assert a == want and type(a) is type(want) and b == want
+
+
+def _candidates_case(p, seed, dtype, scale):
+    """Queries near ``p`` (jittered points, some far ones) and hints of every kind."""
+    g = np.random.default_rng(seed)
+    n = p.shape[0]
+    src = g.integers(0, n, size=1500)
+    q = (p[src] + g.normal(scale=scale, size=(1500, 3))).astype(dtype)
+    q[:100] = p[src[:100]]  # exact hits (duplicates: ties by index)
+    q[-50:] += 10 * scale  # beyond the bound
+    hints = (src, g.integers(-1, n, size=1500), np.full(1500, -1))
+    return q, hints
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@cpu_only
+def test_nearest_with_candidates_equals_tree(backend, seed, dtype):
+    p = _cloud_np(seed, 1500, dtype)  # duplicates and a flat sheet
+    p[-100:] = p[-1]  # a point repeated more often than the candidate lists are long
+    plain = _knn_cpu.CpuTree(p, leaf_size=8)
+    fast = _knn_cpu.CpuTree(p, leaf_size=8)
+    assert fast.set_candidates(*fast.knn(p, 12), k=8)
+    q, hints = _candidates_case(p, seed, dtype, 0.01)
+    for md in (None, 0.02):
+        b = None if md is None else md * md
+        rd, ri = knn_reference(torch.from_numpy(q), torch.from_numpy(p), 1, b)
+        for h in hints:
+            d0, i0 = plain.nearest(q, b, h)
+            d1, i1 = fast.nearest(q, b, h)
+            assert np.array_equal(i0, i1) and np.array_equal(d0, d1)
+            _same_neighbours(q, p, ri[:, 0].numpy(), i1, rd[:, 0].numpy(), d1, dtype)
+    # the shortcut is taken (the test is not vacuous): most jittered queries qualify
+    c, r2 = fast._candidates()
+    e = q.astype(np.float64) - p[hints[0]]
+    assert ((e * e).sum(1) < r2[hints[0]]).mean() > 0.3
+
+
+@cpu_only
+def test_nearest_with_candidates_bunny(backend, bunny_scans):
+    s, t = bunny_scans
+    t = t[::4].contiguous().numpy()
+    plain, fast = _knn_cpu.CpuTree(t), _knn_cpu.CpuTree(t)
+    assert fast.set_candidates(*fast.knn(t, 20))
+    q = s[::4].contiguous().numpy()
+    d, i = plain.nearest(q, 0.05 ** 2)
+    for _ in range(2):  # the answers as hints, twice (ICP converged), then a shifted cloud
+        d1, i1 = fast.nearest(q, 0.05 ** 2, i)
+        assert np.array_equal(i1, i) and np.array_equal(d1, d)
+    q2 = q + np.float32(0.002)
+    d2, i2 = plain.nearest(q2, 0.05 ** 2)
+    d3, i3 = fast.nearest(q2, 0.05 ** 2, i)
+    assert np.array_equal(i2, i3) and np.array_equal(d2, d3)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@cpu_only
+def test_nearest_unhinted_queries_equal_one_at_a_time(backend, seed, dtype):
+    """An unhinted query starts from the previous query's answer: the answers do not change."""
+    p = _cloud_np(seed, 1200, dtype)
+    tree = _knn_cpu.CpuTree(p, leaf_size=8)
+    assert tree.set_candidates(*tree.knn(p, 12), k=8)  # the shortcut may fire too
+    q, _ = _candidates_case(p, seed, dtype, 0.01)
+    q = q[np.argsort(q[:, 0], kind="stable")]  # a spatial order: neighbours come in turn
+    hint = np.full(q.shape[0], -1)
+    hint[::7] = 0  # some hinted queries in between
+    for md in (None, 0.02):
+        b = None if md is None else md * md
+        d, i = tree.nearest(q, b, hint)
+        one = [tree.nearest(q[j:j + 1], b, hint[j:j + 1]) for j in range(0, q.shape[0], 5)]
+        assert np.array_equal(i[::5], np.concatenate([o[1] for o in one]))
+        assert np.array_equal(d[::5], np.concatenate([o[0] for o in one]))
+
+
+@cpu_only
+def test_set_candidates_rejects_tables_that_do_not_fit(backend):
+    p = _cloud_np(0, 50, np.float32, dup=False)
+    tree = _knn_cpu.CpuTree(p)
+    d, i = tree.knn(p, 6)
+    assert not tree.set_candidates(d[:10], i[:10], 4)  # other rows
+    assert not tree.set_candidates(d, i, 6)  # no (k+1)-th column
+    i2 = i.copy()
+    i2[3, 4] = -1  # a missing (k+1)-th neighbour in a table said to be complete
+    assert not tree.set_candidates(d, i2, 4)
+    assert tree._candidates()[0].shape[0] == 0
+    assert tree.set_candidates(d, i, 4) and tree._candidates()[0].shape == (50, 4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@cpu_only
+def test_nearest_with_bounded_candidates_equals_tree(backend, seed, dtype):
+    """A radius-bounded self-query serves as the shortcut; its short rows take the tree."""
+    p = _cloud_np(seed, 1500, dtype)
+    plain = _knn_cpu.CpuTree(p, leaf_size=8)
+    fast = _knn_cpu.CpuTree(p, leaf_size=8)
+    radius = 0.25
+    d, i = fast.knn_self(12, radius * radius)
+    short = i[:, 8] < 0
+    assert short.any() and not short.all()  # both kinds of rows occur
+    assert not fast.set_candidates(d, i, 8)  # not said to be bounded: refused
+    assert fast.set_candidates(d, i, 8, bounded=True)
+    c, r2 = fast._candidates()
+    assert (r2[short] == 0).all() and (r2[~short] > 0).all()
+    q, hints = _candidates_case(p, seed, dtype, 0.01)
+    for md in (None, 0.02):
+        b = None if md is None else md * md
+        for h in hints:
+            d0, i0 = plain.nearest(q, b, h)
+            d1, i1 = fast.nearest(q, b, h)
+            assert np.array_equal(i0, i1) and np.array_equal(d0, d1)
+    e = q.astype(np.float64) - p[hints[0]]
+    assert ((e * e).sum(1) < r2[hints[0]]).mean() > 0.1  # the shortcut is taken
+
+
+@cpu_only
+def test_ckdtree_index_keeps_the_self_query(backend):
+    p = torch.from_numpy(_cloud_np(3, 500, np.float32, dup=False))
+    ix = pa.CKDTreeIndex(p)
+    ix.knn(p[:100], 12)  # not the points themselves: nothing kept
+    ix.knn(p.clone(), 5)  # too few neighbours for the candidate lists
+    tree = ix._cpu_tree()
+    assert tree._candidates()[0].shape[0] == 0
+    got = ix.knn(p.clone(), 12)  # the self-query (bottom-up) answers as the plain search
+    assert tree._candidates()[0].shape == (500, 8)
+    d, i = tree.knn(p.numpy(), 12)
+    assert np.array_equal(got.idx.numpy(), i) and np.array_equal(got.dists.numpy(), d)
+
+
+@cpu_only
+def test_icp_point_to_plane_candidates_change_nothing(backend, monkeypatch, bunny_scans):
+    from pointalign.search import ckdtree
+
+    s, t = (c[::4].contiguous() for c in bunny_scans)
+    crit = pa.ConvergenceCriteria(max_iterations=12, relative_fitness=0, relative_rmse=0,
+                                  translation_tolerance=0, rotation_tolerance=0)
+    out = []
+    for cand in (ckdtree.CANDIDATES, 10**9):  # the lists kept, then never kept
+        monkeypatch.setattr(ckdtree, "CANDIDATES", cand)
+        out.append(pa.icp(s, t, max_correspondence_distance=0.05, method="point_to_plane",
+                          criteria=crit, device="cpu"))
+    assert np.array_equal(np.asarray(out[0].transformation), np.asarray(out[1].transformation))
+    assert out[0].fitness == out[1].fitness and out[0].rmse == out[1].rmse
+
+
+@cpu_only
+def test_tree_bad_input(backend):
+    with pytest.raises(ValueError, match="points"):
+        _knn_cpu.CpuTree(np.zeros((0, 3), np.float32))
+    with pytest.raises(ValueError, match="points"):
+        _knn_cpu.CpuTree(np.zeros((4, 2), np.float32))
+    with pytest.raises(ValueError, match="leaf_size"):
+        _knn_cpu.CpuTree(np.zeros((4, 3), np.float32), leaf_size=0)
+
+
+@backends("torch", "cpu")
+def test_ckdtree_index_matches_reference(backend, seed):
+    """CKDTreeIndex answers as the brute force on the "cpu" backend (the numba tree, which
+    reads hints) and on "torch" (SciPy's tree, which ignores them)."""
+    p = torch.from_numpy(_cloud_np(seed, 2000, np.float32))
+    q = torch.from_numpy(_cloud_np(seed + 7, 500, np.float32, dup=False))
+    ix = pa.CKDTreeIndex(p)
+    assert _backend.backend(p) == backend.name
+    got = [ix.knn(q, 7), ix.radius(q, 0.2, 9), ix.nearest_within(q, 0.3)]
+    hinted = ix.nearest_within(q, 0.3, hint=torch.full((500,), 3, dtype=torch.int64))
+    d_u, i_u = hinted.dists[:, 0], hinted.idx[:, 0]
+    ref = [knn_reference(q, p, 7), knn_reference(q, p, 9, 0.2**2),
+           knn_reference(q, p, 1, 0.3**2)]
+    for a, (rd, ri) in zip(got, ref, strict=True):
+        _same_neighbours(q.numpy(), p.numpy(), ri.numpy(), a.idx.numpy(), rd.numpy(),
+                         a.dists.numpy(), np.float32)
+    assert torch.equal(i_u, got[2].idx[:, 0]) and torch.equal(d_u, got[2].dists[:, 0])
+
+
+@cpu_only
+def test_bunny_nearest_equals_brute(backend, bunny_scans):
+    s, t = bunny_scans
+    q = s[::8].numpy()
+    tree = _knn_cpu.CpuTree(t.numpy())
+    rd, ri = knn_reference(torch.from_numpy(q), t, 1, 0.05 ** 2)
+    d, i = tree.nearest(q, 0.05 ** 2)
+    _same_neighbours(q, t.numpy(), ri[:, 0].numpy(), i, rd[:, 0].numpy(), d, np.float32)

@@ -1,4 +1,8 @@
-"""The device-loop executor: eager and graph runs give the same records; keys cannot drift."""
+"""The device-loop executor: eager and graph runs give the same records; keys cannot drift.
+
+Eager runs on every backend's device (graphs off); CUDA graphs on the "triton" backend only
+(``-m gpu``).
+"""
 
 from dataclasses import dataclass
 from typing import ClassVar
@@ -8,6 +12,7 @@ import pytest
 import torch
 
 from pointalign.kernels import _loop
+from tests._backends import backends
 
 
 @dataclass(frozen=True)
@@ -59,24 +64,28 @@ def _inputs(device, seed=0):
             {"x": torch.randn(5, generator=g).to(device)})
 
 
-def test_eager_records_every_step_in_order():
-    inputs, state = _inputs("cpu")
+def test_eager_records_every_step_in_order(backend, monkeypatch):
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
+    inputs, state = _inputs(backend.device)
     run = _loop.iterate(Affine(0.5, 1.0), inputs, state, max_steps=6)
     recs = _collect(run)
     want = _expected(state["x"], inputs["w"], 0.5, 1.0, 6)
     assert len(recs) == 6 and run.launched == 6 and run.graph == "off"
     for r, w in zip(recs, want, strict=True):
-        np.testing.assert_allclose(r["x"], w.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(r["x"], w.cpu().numpy(), rtol=1e-6)
         assert r["total"].shape == () and r["big"].dtype == bool
         assert bool(r["big"]) == bool((w.abs() > 1).any())
 
 
-def test_eager_stops_when_the_consumer_stops_and_leaves_inputs_alone():
-    inputs, state = _inputs("cpu")
+def test_eager_stops_when_the_consumer_stops_and_leaves_inputs_alone(backend, monkeypatch):
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
+    inputs, state = _inputs(backend.device)
     x0 = state["x"].clone()
     run = _loop.iterate(Affine(0.5, 1.0), inputs, state, max_steps=50)
     assert len(_collect(run, stop_after=3)) == 3
-    assert run.launched == 3  # on the CPU nothing is launched ahead
+    # on the CPU nothing is launched ahead; on a GPU one step is in flight while the host
+    # reads the last record
+    assert run.launched == (4 if backend.device == "cuda" else 3)
     assert torch.equal(state["x"], x0)
 
 
@@ -125,10 +134,12 @@ class Countdown:
         return {"x": x, "steps": steps}
 
 
-def test_program_stops_early_when_eager():
-    host, dev = _loop.run_program(Countdown(100, 1e-3), {"x": torch.tensor([1.0, -2.0])})
+def test_program_stops_early_when_eager(backend, monkeypatch):
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
+    x = torch.tensor([1.0, -2.0], device=backend.device)
+    host, dev = _loop.run_program(Countdown(100, 1e-3), {"x": x})
     assert int(host["steps"]) == 11 and np.all(np.abs(host["x"]) < 1e-3)
-    assert torch.equal(dev["steps"], torch.tensor(11))
+    assert torch.equal(dev["steps"].cpu(), torch.tensor(11))
 
 
 def test_to_host_round_trip_keeps_dtypes():
@@ -146,11 +157,11 @@ def _graph_run(step, inputs, state, n, stop_after=None):
     return run, _collect(run, stop_after)
 
 
-@pytest.mark.gpu
-def test_cuda_graph_policy_and_equality(monkeypatch):
+@backends("triton")
+def test_graph_policy_and_equality(backend, monkeypatch):
     monkeypatch.setattr(_loop, "USE_GRAPHS", True)
     _loop.clear_caches()
-    inputs, state = _inputs("cuda")
+    inputs, state = _inputs(backend.device)
     step = Affine(0.9, 0.1)
     want = [w.cpu().numpy() for w in _expected(state["x"], inputs["w"], 0.9, 0.1, 20)]
     first, recs = _graph_run(step, inputs, state, 20)
@@ -164,7 +175,7 @@ def test_cuda_graph_policy_and_equality(monkeypatch):
         for r, w in zip(rs, want, strict=True):
             np.testing.assert_allclose(r["x"], w, rtol=1e-5, atol=1e-6)
     # a stop inside a chunk discards the rest of it; new inputs are copied into the graph
-    inputs2, state2 = _inputs("cuda", seed=1)
+    inputs2, state2 = _inputs(backend.device, seed=1)
     fourth, recs4 = _graph_run(step, inputs2, state2, 20, stop_after=5)
     assert fourth.graph == "reused" and fourth.launched == _loop.CHUNK and len(recs4) == 5
     want2 = _expected(state2["x"], inputs2["w"], 0.9, 0.1, 5)
@@ -177,8 +188,8 @@ def test_cuda_graph_policy_and_equality(monkeypatch):
         np.testing.assert_allclose(a["x"], b["x"], rtol=1e-6)
 
 
-@pytest.mark.gpu
-def test_cuda_capture_failure_falls_back_to_eager(monkeypatch):
+@backends("triton")
+def test_capture_failure_falls_back_to_eager(backend):
     @dataclass(frozen=True)
     class Sneaky(Affine):
         graph_safe: ClassVar[bool] = True  # claims so, but reads the device
@@ -188,7 +199,7 @@ def test_cuda_capture_failure_falls_back_to_eager(monkeypatch):
             return super().__call__(inputs, state)
 
     _loop.clear_caches()
-    inputs, state = _inputs("cuda")
+    inputs, state = _inputs(backend.device)
     run, recs = _graph_run(Sneaky(0.9, 0.1), inputs, state, 6)
     assert len(recs) == 6 and run.graph not in ("captured", "reused", "off")
     want = _expected(state["x"], inputs["w"], 0.9, 0.1, 6)
@@ -198,10 +209,10 @@ def test_cuda_capture_failure_falls_back_to_eager(monkeypatch):
     assert run2.graph == "off"
 
 
-@pytest.mark.gpu
-def test_cuda_program_is_one_graph_and_matches_eager():
+@backends("triton")
+def test_program_is_one_graph_and_matches_eager(backend):
     _loop.clear_caches()
-    x = torch.tensor([1.0, -2.0, 0.25], device="cuda")
+    x = torch.tensor([1.0, -2.0, 0.25], device=backend.device)
     eager, _ = _loop.run_program(Countdown(40, 1e-3), {"x": x.cpu()})
     for _ in range(3):  # warm-up + capture, then replays
         host, _ = _loop.run_program(Countdown(40, 1e-3), {"x": x})

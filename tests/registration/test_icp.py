@@ -21,6 +21,7 @@ from pointalign.cloud import PointCloud
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.icp import icp
 from pointalign.search import build_index
+from tests._backends import backends
 from tests._interpreted import interpreted_fixture
 
 METHODS = ["point_to_point", "point_to_plane"]
@@ -316,22 +317,22 @@ def test_interpreted_triton_icp_matches_torch(interpreted, pseed, method):
     assert abs(fit - ref.fitness) < 1e-2
 
 
-# ---- CUDA --------------------------------------------------------------------------------
+# ---- every device (CUDA: the Triton kernels) ----------------------------------------------
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("index_method", ["auto", "brute", "grid", "kdtree"])
-def test_cuda_recovers_and_matches_cpu(seed, method, index_method):
-    full = datasets.load_bunny("bun000")
-    p = datasets.make_pair(full, 10.0, 0.02, noise=5e-4, outlier_fraction=0.05, overlap=0.85,
+def test_recovers_on_device_and_matches_cpu(bunny, seed, method, index_method, device):
+    # the whole scan on a GPU; the 1,500-point subsample on the CPU (same tolerances)
+    cloud = datasets.load_bunny("bun000") if device == "cuda" else bunny
+    p = datasets.make_pair(cloud, 10.0, 0.02, noise=5e-4, outlier_fraction=0.05, overlap=0.85,
                            seed=seed)
     try:
-        ix = build_index(p.target.cuda(), index_method, max_distance=0.02)
+        ix = build_index(p.target.to(device), index_method, max_distance=0.02)
     except (ValueError, ImportError) as exc:
         pytest.skip(f"index {index_method} unavailable: {exc}")
-    res = icp(p.source.cuda(), p.target.cuda(), max_correspondence_distance=0.02,
+    res = icp(p.source.to(device), p.target.to(device), max_correspondence_distance=0.02,
               method=method, criteria=CRIT, index=ix, init=np.eye(4))  # host init is fine
-    assert res.transformation_tensor.is_cuda
+    assert res.transformation_tensor.device.type == device
     rot, trans = _err(res, p.T_target_source)
     assert rot < 0.5 and trans < 2e-3, (rot, trans)
     cpu = icp(p.source, p.target, max_correspondence_distance=0.02, method=method,
@@ -340,8 +341,7 @@ def test_cuda_recovers_and_matches_cpu(seed, method, index_method):
     assert rot < 0.05 and trans < 2e-4
 
 
-@pytest.mark.gpu
-def test_cuda_batched_equals_separate(seed):
+def test_batched_equals_separate_on_device(seed, device):
     bunny = datasets.random_subsample(datasets.load_bunny("bun000"), 8000, seed=seed)
     pairs = _ragged_batch(bunny, seed)
     B = len(pairs)
@@ -353,10 +353,10 @@ def test_cuda_batched_equals_separate(seed):
         tgt[b, : p.target.shape[0]] = p.target
     sl = torch.tensor([p.source.shape[0] for p in pairs])
     tl = torch.tensor([p.target.shape[0] for p in pairs])
-    res = icp(src.cuda(), tgt.cuda(), source_lengths=sl, target_lengths=tl,
+    res = icp(src.to(device), tgt.to(device), source_lengths=sl, target_lengths=tl,
               max_correspondence_distance=0.02, method="point_to_plane", criteria=CRIT)
     for b, p in enumerate(pairs):
-        one = icp(p.source.cuda(), p.target.cuda(), max_correspondence_distance=0.02,
+        one = icp(p.source.to(device), p.target.to(device), max_correspondence_distance=0.02,
                   method="point_to_plane", criteria=CRIT)
         np.testing.assert_allclose(res.transformation[b], one.transformation, atol=1e-5)
         assert res.iterations[b] == one.iterations
@@ -428,10 +428,10 @@ def test_chunked_loop_matches_max_iterations(bunny, seed):
     np.testing.assert_allclose(res.transformation, one.transformation, atol=1e-12)
 
 
-@pytest.mark.gpu
+@backends("triton")
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("index_method", ["grid", "kdtree"])
-def test_cuda_graph_matches_eager(seed, method, index_method, monkeypatch):
+def test_graph_matches_eager(backend, seed, method, index_method, monkeypatch):
     from pointalign.kernels import _loop
 
     pair = datasets.load_bunny_pair()

@@ -101,18 +101,17 @@ def test_bad_input(rng):
         ix.radius(p, 0.1, 0)
 
 
-@pytest.mark.gpu
-def test_query_on_other_device(rng):
-    ix = BruteForceIndex(_cloud(5, rng).cuda())
+def test_query_on_other_device(rng, device):
+    ix = BruteForceIndex(_cloud(5, rng).to(device))
     with pytest.raises(ValueError, match="query"):
-        ix.knn(_cloud(3, rng), 1)
+        ix.knn(_cloud(3, rng).to("cpu" if device == "cuda" else "meta"), 1)
 
 
-@pytest.mark.gpu
-def test_cuda_large_vs_oracle(rng):
-    q, p = _cloud(20_000, rng).cuda(), _cloud(50_000, rng).cuda()
+def test_large_vs_oracle(rng, device):
+    n, m = (20_000, 50_000) if device == "cuda" else (2_000, 5_000)
+    q, p = _cloud(n, rng).to(device), _cloud(m, rng).to(device)
     ix = BruteForceIndex(p)
-    sel = torch.arange(0, 20_000, 13, device="cuda")
+    sel = torch.arange(0, n, 13, device=device)
     res = ix.knn(q, 16)
     assert_knn_matches((res.dists[sel], res.idx[sel]), q[sel], p, 16)
     res = ix.nearest_within(q, 0.01)

@@ -7,6 +7,7 @@ import torch
 
 from pointalign.search import BruteForceIndex, build_index
 from pointalign.search.base import Index
+from tests._backends import backends
 from tests._oracles import assert_knn_matches
 
 
@@ -84,22 +85,22 @@ def test_bad_input(rng):
             ix.nearest_within(p, 0)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("method", ["auto", "brute", "grid", "ckdtree"])
-def test_cuda_methods(method, rng):
-    q, p = _cloud(3001, rng).cuda(), _cloud(30011, rng).cuda()
+def test_methods_on_device(method, rng, device):
+    n, m = (3001, 30011) if device == "cuda" else (601, 6011)
+    q, p = _cloud(n, rng).to(device), _cloud(m, rng).to(device)
     ix = build_index(p, method, max_distance=0.05) if method == "grid" else build_index(p, method)
-    assert ix.points.is_cuda
+    assert ix.points.device.type == device
     res = ix.nearest_within(q, 0.05)
-    assert res.idx.is_cuda
+    assert res.idx.device.type == device
     assert_knn_matches(res, q, p, 1, max_distance=0.05)
     assert_knn_matches(ix.knn(q[:500], 8), q[:500], p, 8)
-    with pytest.raises(ValueError, match="query"):
-        ix.knn(q.cpu(), 1)
+    with pytest.raises(ValueError, match="query"):  # a query on another device
+        ix.knn(q.to("cpu" if device == "cuda" else "meta"), 1)
 
 
-@pytest.mark.gpu
-def test_cuda_auto_rule(rng):
+@backends("triton")
+def test_auto_rule_on_cuda(backend, rng):
     small, big = _cloud(5000, rng).cuda(), _cloud(50_000, rng).cuda()
     assert type(build_index(small, max_distance=0.05)).__name__ == "VoxelGridIndex"
     # a "maximum distance" as large as the cloud: the grid would scan everything

@@ -1,15 +1,13 @@
-"""VoxelGridIndex and kernels.grid vs the SciPy cKDTree oracle; Triton grid kernel checks."""
+"""VoxelGridIndex vs the SciPy cKDTree oracle (the grid kernels: tests/kernels/test_grid.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pointalign.kernels import grid as grid_mod
 from pointalign.search.base import Index
 from pointalign.search.grid import VoxelGridIndex, auto_cell_size
-from tests._interpreted import interpreted_fixture
-from tests._oracles import assert_knn_matches, assert_same_or_tied
+from tests._oracles import assert_knn_matches
 
 
 def _cloud(n, g, dtype=torch.float32):
@@ -92,14 +90,6 @@ def test_bunny(bunny_pair):
     assert 5e-4 < c < 1e-2  # bunny scans are about 0.15 m across, 40k points
 
 
-def test_reference_budget_chunks(rng):
-    q, p = _cloud(77, rng), _cloud(500, rng)
-    g = grid_mod.grid_build(p, 0.2)
-    a = grid_mod.grid_query_reference(g, q, 3)
-    b = grid_mod.grid_query_reference(g, q, 3, budget=50)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
 def test_bad_input(rng):
     p = _cloud(20, rng)
     with pytest.raises(ValueError, match="cell_size"):
@@ -121,117 +111,11 @@ def test_bad_input(rng):
         ix.radius(p, 0, 2)
 
 
-# --- Triton grid kernel through the interpreter (child process, tiny sizes) ------------------
-
-# (name, n, m, cell, k, max_distance, dtype)
-INTERP_CASES = [
-    ("m1", 5, 1, 0.1, 1, None, torch.float32),
-    ("k1", 16, 150, 0.15, 1, None, torch.float32),
-    ("k1max", 16, 150, 0.15, 1, 0.1, torch.float32),
-    ("k4", 12, 150, 0.2, 4, None, torch.float32),
-    ("k4max_f64", 12, 100, 0.2, 4, 0.15, torch.float64),
-]
-
-
-def _interp_inputs(case, seed):
-    name, n, m, cell, k, md, dt = case
-    g = torch.Generator().manual_seed(1000 * seed + sum(map(ord, name)))
-    return _cloud(n, g, dt) * 1.4 - 0.2, _cloud(m, g, dt)
-
-
-def run_interpreted_cases(out_path: str) -> None:
-    """Child-process body (TRITON_INTERPRET=1): grid kernel and index on every case."""
-    from pointalign.kernels import _backend
-
-    assert _backend.backend(torch.empty(0)) == "interpret"
-    from pointalign.kernels.grid import triton as _grid_triton
-
-    out = {}
-    for seed in range(3):
-        for case in INTERP_CASES:
-            name, n, m, cell, k, md, dt = case
-            q, p = _interp_inputs(case, seed)
-            g = grid_mod.grid_build(p, cell)
-            md2 = None if md is None else md * md
-            out[(name, seed)] = _grid_triton.grid_query(g, q, k, md2)
-        q, p = _interp_inputs(INTERP_CASES[3], seed)
-        out[("index", seed)] = tuple(VoxelGridIndex(p, 0.3).knn(q[:6], 3))
-    dup = torch.tensor([[0.0, 0, 0], [0.5, 0, 0]]).repeat(3, 1)  # p[j] = dup[j % 2]
-    g = grid_mod.grid_build(dup, 0.6)
-    out["ties"] = _grid_triton.grid_query(g, torch.tensor([[0.1, 0, 0], [0.45, 0, 0]]), 2)
-    # k = 1 with duplicates spread over more than one unrolled step of a lane
-    many = torch.tensor([[0.0, 0, 0], [0.5, 0, 0]]).repeat(11, 1)
-    out["ties1"] = _grid_triton.grid_query(grid_mod.grid_build(many, 0.6),
-                                           torch.tensor([[0.1, 0, 0], [0.45, 0, 0]]), 1)
-    torch.save(out, out_path)
-
-
-interpreted = interpreted_fixture("tests.search.test_grid", "run_interpreted_cases")
-
-
-@pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])
-def test_triton_interpreted_matches_reference(case, seed, interpreted):
-    name, n, m, cell, k, md, dt = case
-    q, p = _interp_inputs(case, seed)
-    d, i = interpreted[(name, seed)]
-    assert d.dtype == dt and i.dtype == torch.int64
-    g = grid_mod.grid_build(p, cell)
-    md2 = None if md is None else md * md
-    rd, ri = grid_mod.grid_query_reference(g, q, k, md2)
-    assert_same_or_tied(d, i, rd, ri)  # both keep the smallest index on exact ties
-    if md is not None and md <= cell:
-        assert_knn_matches((d, i), q, p, k, max_distance=md)
-
-
-def test_triton_interpreted_index(seed, interpreted):
-    q, p = _interp_inputs(INTERP_CASES[3], seed)
-    assert_knn_matches(interpreted[("index", seed)], q[:6], p, 3)
-
-
-def test_triton_interpreted_ties(interpreted):
-    d, i = interpreted["ties"]
-    assert i.tolist() == [[0, 2], [1, 3]]
-    d, i = interpreted["ties1"]
-    assert i.tolist() == [[0], [1]]
-
-
-# --- CUDA: compiled kernel vs reference -----------------------------------------------------
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k", [1, 4, 16])
-@pytest.mark.parametrize("max_distance", [None, 0.02])
-def test_triton_cuda_matches_reference(k, max_distance, rng):
-    p = _cloud(100_003, rng).cuda()
-    q = (_cloud(20_011, rng) * 1.2 - 0.1).cuda()
-    g = grid_mod.grid_build(p, 0.03)
-    md2 = None if max_distance is None else max_distance**2
-    d, i = grid_mod.grid_query(g, q, k, md2)
-    rd, ri = grid_mod.grid_query_reference(g, q, k, md2)
-    assert_same_or_tied(d, i, rd, ri)
-    ix = VoxelGridIndex(p, 0.03)
-    sel = torch.arange(0, q.shape[0], 11, device="cuda")
-    res = ix.knn(q, k) if max_distance is None else ix.radius(q, max_distance, k)
-    assert_knn_matches((res.dists[sel], res.idx[sel]), q[sel], p, k, max_distance)
-
-
-@pytest.mark.gpu
-def test_cuda_bunny_nearest_within(bunny_pair):
-    p, q = bunny_pair.target.cuda(), bunny_pair.source.cuda()
+def test_bunny_nearest_within_on_device(bunny_pair, device):
+    q = bunny_pair.source if device == "cuda" else bunny_pair.source[::7]
+    p, q = bunny_pair.target.to(device), q.to(device)
     ix = VoxelGridIndex(p, 0.005)
     res = ix.nearest_within(q, 0.005)
-    assert res.idx.is_cuda
+    assert res.idx.device.type == device
     assert_knn_matches(res, q, p, 1, max_distance=0.005)
     assert_knn_matches(ix.knn(q, 8), q, p, 8)
-
-
-def test_build_in_chunks_equals_one_pass(rng, monkeypatch):
-    """The float64 cell computation taken a chunk at a time (large clouds) changes nothing."""
-    p = torch.rand(500, 3, generator=rng) * torch.tensor([3.0, 1.0, 0.2])
-    one = grid_mod.grid_build(p, 0.15)
-    monkeypatch.setattr(grid_mod, "_BUILD_CHUNK", 7)
-    many = grid_mod.grid_build(p, 0.15)
-    for a, b in zip(one, many, strict=True):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b)
-        else:
-            assert a == b

@@ -3,11 +3,11 @@ estimated target normals searched on the correspondence index (same answers as b
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from pointalign.kernels import _backend
 from pointalign.search.ckdtree import CKDTreeIndex
+from tests._backends import backends
 
 
 def _sheet(n: int, seed: int) -> torch.Tensor:
@@ -16,9 +16,8 @@ def _sheet(n: int, seed: int) -> torch.Tensor:
     return torch.cat([xy, (0.1 * torch.sin(5 * xy[:, :1]) * torch.cos(3 * xy[:, 1:]))], 1)
 
 
-@pytest.mark.parametrize("forced", ["", "torch"])
-def test_ckdtree_scipy_tree_built_on_first_use(monkeypatch, forced):
-    monkeypatch.setenv("POINTALIGN_BACKEND", forced)
+@backends("cpu", "torch")
+def test_ckdtree_scipy_tree_built_on_first_use(backend):
     p, q = _sheet(500, 0), _sheet(50, 1)
     ix = CKDTreeIndex(p)
     assert ix._scipy is None  # nothing built yet

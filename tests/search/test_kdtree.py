@@ -277,19 +277,19 @@ def test_bad_inputs(rng):
         t.descend(pts, t.depth + 1)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("approximate", [False, True])
-def test_gpu_matches_cpu_and_oracle(approximate, rng):
-    pts, q = _cloud(20011, rng), _cloud(3001, rng, scale=1.2) - 0.1
-    tc = KDTreeIndex(pts.cuda(), leaf_size=16)
+def test_device_matches_cpu_and_oracle(approximate, rng, device):
+    m, n = (20011, 3001) if device == "cuda" else (4011, 601)
+    pts, q = _cloud(m, rng), _cloud(n, rng, scale=1.2) - 0.1
+    tc = KDTreeIndex(pts.to(device), leaf_size=16)
     t = KDTreeIndex(pts, leaf_size=16)
     assert torch.equal(tc.perm.cpu(), t.perm)
-    rc = tc.knn(q.cuda(), 8, approximate=approximate)
+    rc = tc.knn(q.to(device), 8, approximate=approximate)
     r = t.knn(q, 8, approximate=approximate)
     assert torch.equal(torch.isinf(rc.dists.cpu()), torch.isinf(r.dists))
     fin = torch.isfinite(r.dists)
     assert torch.allclose(rc.dists.cpu()[fin], r.dists[fin], atol=1e-6)
     if not approximate:
         assert_knn_matches(rc, q, pts, 8)
-        assert_knn_matches(tc.nearest_within(q.cuda(), 0.01), q, pts, 1, max_distance=0.01)
-        assert_knn_matches(tc.radius(q.cuda(), 0.03, 32), q, pts, 32, max_distance=0.03)
+        assert_knn_matches(tc.nearest_within(q.to(device), 0.01), q, pts, 1, max_distance=0.01)
+        assert_knn_matches(tc.radius(q.to(device), 0.03, 32), q, pts, 32, max_distance=0.03)

@@ -29,6 +29,7 @@ from pointalign.search.policy import (
     tier_cells,
     wants_tiers,
 )
+from tests._backends import backends
 from tests._oracles import assert_knn_matches
 
 HOST = SearchPlan(host_tree=True, fused=False)
@@ -75,8 +76,8 @@ def test_tier_cells_table():
     assert tier_cells(1.0, 0.01) == [0.02, 0.08]
 
 
-def test_wants_tiers_table(rng, monkeypatch):
-    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")  # SciPy's tree (the "cpu" one reads hints)
+@backends("torch")  # SciPy's tree (the "cpu" one reads hints)
+def test_wants_tiers_table(backend, rng):
     p = _plane(800, rng)
     auto = auto_cell_size(p)
     coarse = VoxelGridIndex(p, 3 * GRID_MAX_RATIO * auto)
@@ -137,8 +138,8 @@ def test_correspondence_index_on_the_cpu_is_the_index(rng):
         correspondence_index(ix, -1.0)
 
 
-def test_correspondence_index_with_a_device_plan(rng, monkeypatch):
-    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")  # SciPy's tree (the "cpu" one reads hints)
+@backends("torch")  # SciPy's tree (the "cpu" one reads hints)
+def test_correspondence_index_with_a_device_plan(backend, rng, monkeypatch):
     monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE)
     p = _plane(600, rng)
     auto = auto_cell_size(p)
@@ -204,8 +205,8 @@ def test_morton_order_of_the_cube_corners(rng):
 
 # --- GPU: the rule on the bunny, tiers exact ------------------------------------------------
 
-@pytest.mark.gpu
-def test_cuda_choose_index_rule():
+@backends("triton")
+def test_choose_index_rule_on_cuda(backend):
     """Replaces test_icp's test_cuda_default_index_rule (which accepted either index)."""
     from pointalign import datasets
 
@@ -219,9 +220,9 @@ def test_cuda_choose_index_rule():
     assert isinstance(choose_index(t[:5000]), BruteForceIndex)
 
 
-@pytest.mark.gpu
+@backends("triton")
 @pytest.mark.parametrize("method", ["grid", "kdtree"])
-def test_cuda_correspondence_index_is_exact(seed, method):
+def test_correspondence_index_on_cuda_is_exact(backend, seed, method):
     from pointalign import _validate, datasets
 
     t = datasets.load_bunny("bun000").cuda()

@@ -18,6 +18,7 @@ from pointalign import _validate
 from pointalign.search import build_index
 from pointalign.search.base import Index, KnnResult
 from pointalign.search.policy import TieredIndex
+from tests._backends import backends
 from tests._interpreted import interpreted_fixture
 from tests._oracles import assert_knn_matches
 
@@ -212,8 +213,8 @@ def _gpu_cases(seed):
     return t, q, cases, g
 
 
-@pytest.mark.gpu
-def test_cuda_trusted_path_never_synchronises(seed):
+@backends("triton")
+def test_trusted_path_never_synchronises_on_cuda(backend, seed):
     t, q, cases, g = _gpu_cases(seed)
     assert isinstance(cases["tiers"], TieredIndex)
     for name, ix in cases.items():
@@ -230,8 +231,8 @@ def test_cuda_trusted_path_never_synchronises(seed):
         assert_knn_matches(res, q, t, 1, max_distance=md)
 
 
-@pytest.mark.gpu
-def test_cuda_trusted_path_replays_from_a_graph(seed):
+@backends("triton")
+def test_trusted_path_replays_from_a_graph_on_cuda(backend, seed):
     t, q, cases, g = _gpu_cases(seed)
     for name, ix in cases.items():
         md = 0.005 if name == "fine grid" else 0.05

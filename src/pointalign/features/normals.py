@@ -18,6 +18,12 @@ import torch
 from pointalign import _math, _validate
 from pointalign.kernels import features as _kernels
 
+# the PCA normals' spec (covariance, smallest eigenvector) is the kernel family's reference;
+# its covariance stays importable under the old name
+from pointalign.kernels.features.reference import (
+    neighbour_covariances as _neighbour_covariances,  # noqa: F401
+)
+
 #: neighbourhoods per chunk (bounds memory to about chunk × max_neighbors × 3 floats)
 _CHUNK = 1 << 18
 
@@ -28,17 +34,6 @@ ORIENTS = ("viewpoint", "majority", None)
 symmetric_eigenvalues = _math.eigvalsh3
 smallest_eigenvector = _math.smallest_eigenvector3
 symmetric_eigh3 = _math.eigh3
-
-
-def _neighbour_covariances(pts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Covariance ``(n, 3, 3)`` of each row's neighbours ``idx (n, k)`` (-1 = none)."""
-    valid = idx >= 0
-    nb = pts[idx.clamp_min(0)]  # (n, k, 3)
-    w = valid.to(pts.dtype)[..., None]
-    cnt = w.sum(1).clamp_min(1)
-    mean = (nb * w).sum(1) / cnt
-    d = (nb - mean[:, None, :]) * w
-    return d.transpose(1, 2) @ d / cnt[..., None]
 
 
 def check_neighbour_table(idx: Any, n: int, device: torch.device,

@@ -4,19 +4,15 @@ Every reduction runs in a fixed order (deterministic results, no atomics); excep
 combine step, one program owns ``BLOCK_N`` points (one lane each) and walks their neighbour
 table column by column:
 
-* ``_radius_table_kernel``: brute-force fixed-radius search of every point against all
-  points (tiles of ``BLOCK_M``), writing the points within the radius of each row in index
-  order into a ``(N, C)`` table (exclusive prefix sums inside a tile give the slots);
-  ``count`` tells how many there were (more than C: the caller retries wider).
 * ``_pca_normals_kernel``: covariance of each neighbourhood (two passes, float64), its
   smallest eigenvector in closed form, optionally flipped towards a viewpoint; the same
-  formulas and degenerate-case rules as :func:`pointalign.features.normals.smallest_eigenvector`.
+  formulas and degenerate-case rules as :func:`pointalign._math.smallest_eigenvector3`.
 * ``_spfh_kernel``: Darboux-frame pair features of every (point, neighbour) pair binned into
   a ``(BLOCK_N, 64)`` register histogram (33 bins used); formulas of
-  :func:`pointalign.kernels.features.fpfh.pair_features`.
+  :func:`pointalign.kernels.features.reference.pair_features`.
 * ``_fpfh_combine_kernel``: ``SPFH(p) + Σ SPFH(p_k) / ω_k`` with the 11-bin group
-  normalisations of :func:`pointalign.kernels.features.fpfh.fpfh_combine_reference`; one program
-  per point (its neighbour row in slices, a fixed-order tree sum).
+  normalisations of :func:`pointalign.kernels.features.reference.fpfh_combine_reference`;
+  one program per point (its neighbour row in slices, a fixed-order tree sum).
 
 Kernels are decorated on first use, separately for compiled and interpreted runs (as in
 ``_knn_triton``). Offsets are int64.
@@ -36,40 +32,6 @@ _CACHE: dict[bool, dict[str, Any]] = {}
 
 #: histogram lanes per row (33 bins, padded to a power of two)
 _HIST_LANES = 64
-
-
-def _radius_table_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, count_ptr, N, M, r2, C,
-                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < N
-    qx = tl.load(q_ptr + rows * 3 + 0, mask=rmask, other=0.0)
-    qy = tl.load(q_ptr + rows * 3 + 1, mask=rmask, other=0.0)
-    qz = tl.load(q_ptr + rows * 3 + 2, mask=rmask, other=0.0)
-    inf = float("inf")
-    lanes = tl.arange(0, BLOCK_M).to(tl.int64)
-    base = tl.zeros((BLOCK_N,), dtype=tl.int64)
-    start = pid * 0  # int64 scalar; a while loop (the interpreter cannot index range() by M)
-    while start < M:
-        cols = start + lanes
-        cmask = cols < M
-        px = tl.load(p_ptr + cols, mask=cmask, other=inf)
-        py = tl.load(p_ptr + M + cols, mask=cmask, other=inf)
-        pz = tl.load(p_ptr + 2 * M + cols, mask=cmask, other=inf)
-        dx = qx[:, None] - px[None, :]
-        dy = qy[:, None] - py[None, :]
-        dz = qz[:, None] - pz[None, :]
-        d = dx * dx + dy * dy + dz * dz
-        hit = (d <= r2) & cmask[None, :] & rmask[:, None]
-        h = hit.to(tl.int64)
-        slot = base[:, None] + tl.cumsum(h, axis=1) - h
-        wmask = hit & (slot < C)
-        off = rows[:, None] * C + slot
-        tl.store(out_d_ptr + off, d, mask=wmask)
-        tl.store(out_i_ptr + off, cols[None, :] + slot * 0, mask=wmask)
-        base += tl.sum(h, axis=1)
-        start += BLOCK_M
-    tl.store(count_ptr + rows, base, mask=rmask)
 
 
 @triton.jit
@@ -379,34 +341,13 @@ def _kernels() -> dict[str, Any]:
     interp = bool(knobs.runtime.interpret)
     if interp not in _CACHE:
         _CACHE[interp] = {name: triton.jit(f) for name, f in (
-            ("radius", _radius_table_kernel), ("normals", _pca_normals_kernel),
+            ("normals", _pca_normals_kernel),
             ("spfh", _spfh_kernel), ("combine", _fpfh_combine_kernel))}
     return _CACHE[interp]
 
 
 def _grid(n: int, block: int) -> tuple[int]:
     return (max(1, -(-n // block)),)
-
-
-def radius_table(points: torch.Tensor, r2: float, capacity: int,
-                 block_n: int = 16, block_m: int = 128
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Points within ``sqrt(r2)`` of every point, in index order.
-
-    ``points (N, 3)`` → ``(dists_sq (N, C), idx (N, C) int64, count (N,) int64)`` with
-    ``C = capacity``; slots past a row's count hold ``inf`` / ``-1``; a row with
-    ``count > C`` kept its first C points (by index).
-    """
-    n = points.shape[0]
-    q = points.contiguous()
-    p = points.t().contiguous()
-    out_d = torch.full((n, capacity), math.inf, dtype=q.dtype, device=q.device)
-    out_i = torch.full((n, capacity), -1, dtype=torch.int64, device=q.device)
-    count = torch.empty(n, dtype=torch.int64, device=q.device)
-    _kernels()["radius"][_grid(n, block_n)](q, p, out_d, out_i, count, n, n, float(r2),
-                                             capacity, BLOCK_N=block_n, BLOCK_M=block_m,
-                                             num_warps=4)
-    return out_d, out_i, count
 
 
 def pca_normals(points: torch.Tensor, nbr_idx: torch.Tensor, centers: torch.Tensor,

@@ -22,6 +22,9 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from pointalign.kernels.grid.reference import query_keys
+from pointalign.kernels.knn.reference import _sort_rows
+
 _CACHE: dict[bool, object] = {}
 #: candidates per lane per loop step of the 1-NN search (override: POINTALIGN_GRID_UNROLL);
 #: ICP on the bunny (H100): 0.74 ms per iteration with 1, 0.50 with 4, 0.55 with 8 or 16
@@ -146,9 +149,6 @@ def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = N
     ``g``: a :class:`~pointalign.kernels.grid.GridData`; ``query (N, 3)`` with its dtype and
     device; ``1 <= k <= 32``. Returns ``(dists_sq (N, k), idx (N, k) int64)``.
     """
-    from pointalign.kernels.grid import query_keys
-    from pointalign.kernels.knn import _sort_rows
-
     if not 1 <= k <= 32:
         raise ValueError(f"k: the Triton grid kernel handles 1..32, got {k}")
     n, m = query.shape[0], g.sorted_points.shape[1]

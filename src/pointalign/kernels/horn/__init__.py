@@ -12,18 +12,20 @@ never returns NaN: an entry with zero total weight (or a non-finite result) gets
 identity and ``valid`` False. The soft form of Tamaki et al. (eqs. 18-20, 26) reduces to
 this with w_i the row sums and m_i the soft correspondences.
 
-The reference (:func:`horn_reference`, :func:`horn_from_sums_reference`) is the spec; on
-Triton one program per batch entry reduces the moments and solves (``_horn_triton``); on the
-"cpu" backend one numba loop over the batch does the same (``_horn_cpu``, cyclic Jacobi for
-the top eigenvector, exact to rounding like the reference's ``eigh``).
+The reference (:func:`horn_reference`, :func:`horn_from_sums_reference`, in
+``horn/reference.py`` and re-exported here) is the spec; on Triton one program per batch
+entry reduces the moments and solves (``horn/triton.py``); on the "cpu" backend one numba
+loop over the batch does the same (``horn/cpu.py``, cyclic Jacobi for the top eigenvector,
+exact to rounding like the reference's ``eigh``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pointalign import _math
 from pointalign.kernels._backend import backend
+from pointalign.kernels.horn.reference import horn_from_sums_reference, horn_reference
+from pointalign.kernels.horn.reference import horn_moments as horn_moments
 
 
 def weighted_horn(
@@ -53,23 +55,6 @@ def weighted_horn(
     return horn_reference(source, targets, weights)
 
 
-def horn_moments(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted moments ``(W (B,), sx (B, 3), sm (B, 3), cross (B, 3, 3))`` in float64.
-
-    They are Σw, Σw x, Σw m, Σw x mᵀ of ``source (B, N, 3)``, ``targets (B, N, 3)``,
-    ``weights (B, N)``.
-    """
-    x = source.to(torch.float64)
-    m = targets.to(torch.float64)
-    w = weights.to(torch.float64)
-    W = w.sum(-1)
-    sx = (w[..., None] * x).sum(-2)
-    sm = (w[..., None] * m).sum(-2)
-    cross = (w[..., None] * x).transpose(-1, -2) @ m
-    return W, sx, sm, cross
-
-
 def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pose from the weighted moments of :func:`horn_moments` (float64).
@@ -92,20 +77,3 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
 
         return _horn_cpu.horn_from_sums(W, sx, sm, cross)
     return horn_from_sums_reference(W, sx, sm, cross)
-
-
-def horn_from_sums_reference(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor,
-                             cross: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of :func:`horn_from_sums` (same arguments and result)."""
-    R, t, ok = _math.horn_pose(W, sx, sm, cross, tie=_math.HORN_TIE)
-    T = torch.zeros(ok.shape + (4, 4), dtype=torch.float64, device=ok.device)
-    T[..., :3, :3] = R
-    T[..., :3, 3] = t
-    T[..., 3, 3] = 1
-    return T, ok
-
-
-def horn_reference(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of :func:`weighted_horn` (same arguments and result)."""
-    return horn_from_sums_reference(*horn_moments(source, targets, weights))

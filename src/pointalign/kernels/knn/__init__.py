@@ -1,17 +1,21 @@
-"""Exact brute-force k-nearest-neighbour search over tiles: ``knn_tiles`` and its reference.
+"""The knn family's dispatcher: exact brute-force kNN, radius queries, the radius self-query.
 
-Contract (shared by the PyTorch reference below and the Triton kernel in ``_knn_triton.py``):
+Entry points: :func:`knn_tiles`, :func:`radius_tiles` and :func:`radius_neighbours`.
 
-* ``query (N, 3)`` and ``points (M, 3)``: float tensors of one dtype on one device.
-* ``d_ij = ||q_i - p_j||^2`` computed from coordinate differences (no ``|q|^2 + |p|^2 - 2 q.p``
-  expansion, which loses precision far from the origin).
-* Returns ``dists_sq (N, k)`` in the input dtype, ascending along the last axis, and
-  ``idx (N, k)`` int64 indices into ``points``. Slots without a neighbour (``k > M``, or no
-  point with ``d_ij <= max_distance_sq``) hold ``inf`` / ``-1``; they are always at the end.
-* Ties (equal distances): for ``k == 1`` both paths return the smallest index. For ``k > 1``
-  the Triton kernel keeps the smallest indices; the reference returns each row sorted by
-  ``(distance, index)`` but may keep a larger index at the k-th boundary. Compare distances,
-  not indices, when points repeat.
+The contract (shapes, padding, ties) and the PyTorch reference :func:`knn_reference` live in
+``knn/reference.py``; the fused Triton kernels in ``knn/triton.py``; the "cpu" backend's k-d
+tree in ``knn/cpu.py``.
+
+* ``knn_tiles(query (N, 3), points (M, 3), k, max_distance_sq) -> (dists_sq (N, k),
+  idx (N, k) int64)``: see :mod:`pointalign.kernels.knn.reference`.
+* ``radius_neighbours(points (N, 3), radius, k) -> (dists_sq (N, k), idx (N, k) int64)``:
+  the self-query of :meth:`~pointalign.search.base.Index.radius` by brute force: for every
+  point, up to ``k`` nearest points (itself included) within ``radius``, ascending by
+  (distance, index), padded with ``inf`` / ``-1``. Reference: :func:`knn_tiles` with the
+  squared radius. The Triton path (any ``k``, where the Triton kNN kernel stops at 32)
+  collects every point within the radius into a table in index order (one kernel, one host
+  check of the largest count), then a stable sort by distance keeps the ``k`` nearest,
+  smallest indices first among equal distances; the "cpu" backend asks its k-d tree.
 
 The N x M distance matrix is never materialised beyond one tile. The brute force is the
 "GPU naive" search of the CUDA ICP project (Sharma, CIS 565 Project 4), fused with a running
@@ -25,9 +29,9 @@ import math
 import torch
 
 from pointalign.kernels._backend import backend
-
-#: Largest k the Triton kernel keeps in registers; larger k runs the reference.
-MAX_TRITON_K = 32
+from pointalign.kernels.knn.reference import MAX_TRITON_K, knn_reference
+from pointalign.kernels.knn.reference import TILE_PAIRS as _TILE_PAIRS
+from pointalign.kernels.knn.reference import check as _check
 
 #: leaf size of the "cpu" backend's host tree (:func:`host_tree`): leaves of 16-32 points.
 #: ICP on the bunny pair (40k, 1 thread, hinted nearest-within over 31 iterations):
@@ -35,30 +39,12 @@ MAX_TRITON_K = 32
 #: and for the normals' k = 20 self-query; 64 is slower again (``benchmarks/bench_cpu.py``)
 HOST_LEAF_SIZE = 32
 
-#: Pairs per tile of the reference (memory is about 3 x this many elements).
-_TILE_PAIRS = 1 << 22
 #: the smallest tile the out-of-memory fallback of :func:`knn_tiles` tries
 _MIN_TILE_PAIRS = 1 << 16
 
-
-def _check(query: torch.Tensor, points: torch.Tensor, k: int,
-           max_distance_sq: float | None) -> None:
-    if not isinstance(query, torch.Tensor) or not isinstance(points, torch.Tensor):
-        raise TypeError("query, points: expected torch tensors")
-    if query.dim() != 2 or query.shape[1] != 3:
-        raise ValueError(f"query: expected shape (N, 3), got {tuple(query.shape)}")
-    if points.dim() != 2 or points.shape[1] != 3:
-        raise ValueError(f"points: expected shape (M, 3), got {tuple(points.shape)}")
-    if not query.is_floating_point() or query.dtype != points.dtype:
-        raise TypeError(
-            f"query, points: expected one floating dtype, got {query.dtype} and {points.dtype}")
-    if query.device != points.device:
-        raise ValueError(
-            f"query, points: on different devices ({query.device} and {points.device})")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k: expected an integer >= 1, got {k!r}")
-    if max_distance_sq is not None and not (float(max_distance_sq) > 0):
-        raise ValueError(f"max_distance_sq: must be > 0, got {max_distance_sq}")
+#: largest neighbour table (rows × slots) the Triton radius search allocates; beyond it the
+#: tiled kNN path is used
+_MAX_TABLE_ENTRIES = 1 << 26
 
 
 def uses_host_tree(points: torch.Tensor) -> bool:
@@ -146,80 +132,67 @@ def radius_tiles(query: torch.Tensor, points: torch.Tensor, radius: float, k: in
 
     :func:`knn_tiles` with ``max_distance_sq = radius**2``, same results and padding. The
     self-query (``query`` is ``points``: the same memory, shape and strides; FPFH asks it)
-    goes to :func:`pointalign.kernels.features.radius_neighbours`, whose Triton path has no
-    cap on ``k`` (FPFH keeps 100 neighbours; :func:`knn_tiles` fuses only ``k <= 32``).
+    goes to :func:`radius_neighbours`, whose Triton path has no cap on ``k`` (FPFH keeps 100
+    neighbours; :func:`knn_tiles` fuses only ``k <= 32``).
     """
     if query is points or (
             query.data_ptr() == points.data_ptr() and query.shape == points.shape
             and query.stride() == points.stride() and query.dtype == points.dtype
             and query.device == points.device):
-        from pointalign.kernels.features import radius_neighbours
-
         return radius_neighbours(points, radius, k)
     return knn_tiles(query, points, k, float(radius) ** 2, points_t=points_t)
 
 
-def _sort_rows(d: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort each row by (distance, index) with ``-1`` indices (missing) last."""
-    key_i = torch.where(i < 0, torch.iinfo(torch.int64).max, i)
-    o = torch.argsort(key_i, dim=1, stable=True)
-    d, i = d.gather(1, o), i.gather(1, o)
-    o = torch.argsort(d, dim=1, stable=True)
-    return d.gather(1, o), i.gather(1, o)
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _sq_dists(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``(n, m)`` squared distances, coordinate by coordinate (two temporaries of the tile)."""
-    d = (q[:, 0:1] - p[:, 0]).square_()
-    t = torch.empty_like(d)
-    for c in (1, 2):
-        torch.sub(q[:, c:c + 1], p[:, c], out=t)
-        d.addcmul_(t, t)
-    return d
+def radius_neighbours(points: torch.Tensor, radius: float,
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``k`` nearest points within ``radius`` of every point (the radius self-query).
 
+    Args:
+        points: ``(N, 3)`` float tensor (queries and data: a self-query).
+        radius: search radius (> 0, not squared).
+        k: neighbours kept per point (>= 1).
 
-def knn_reference(query: torch.Tensor, points: torch.Tensor, k: int,
-                  max_distance_sq: float | None = None, *,
-                  tile_pairs: int = _TILE_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch reference of :func:`knn_tiles` (the CPU path and the spec).
+    Returns:
+        ``(dists_sq (N, k), idx (N, k) int64)``, see the module docstring.
 
-    Tiles queries and points so at most ``tile_pairs`` distances exist at once; keeps a
-    running top-k per query row, merged tile by tile with ``torch.topk`` (``torch.min`` for
-    ``k == 1``, which keeps the first index on ties). Same arguments and results as
-    :func:`knn_tiles`.
     """
-    _check(query, points, k, max_distance_sq)
-    n, m = query.shape[0], points.shape[0]
-    dev, dt = query.device, query.dtype
-    out_d = torch.full((n, k), math.inf, dtype=dt, device=dev)
-    out_i = torch.full((n, k), -1, dtype=torch.int64, device=dev)
-    if n == 0 or m == 0:
-        return out_d, out_i
-    kk = min(k, m)
-    bm = max(1, min(m, tile_pairs))
-    bn = max(1, min(n, tile_pairs // bm))
-    for qs in range(0, n, bn):
-        q = query[qs:qs + bn]
-        best_d = torch.full((q.shape[0], kk), math.inf, dtype=dt, device=dev)
-        best_i = torch.full((q.shape[0], kk), -1, dtype=torch.int64, device=dev)
-        for ps in range(0, m, bm):
-            p = points[ps:ps + bm]
-            d = _sq_dists(q, p)  # (bn, bm)
-            if max_distance_sq is not None:
-                d = torch.where(d <= max_distance_sq, d, torch.full_like(d, math.inf))
-            if kk == 1:
-                md, mi = d.min(dim=1, keepdim=True)
-                better = md < best_d
-                best_d = torch.where(better, md, best_d)
-                best_i = torch.where(better, mi + ps, best_i)
-                continue
-            kt = min(kk, d.shape[1])
-            td, ti = torch.topk(d, kt, dim=1, largest=False, sorted=True)
-            cd = torch.cat([best_d, td], dim=1)
-            ci = torch.cat([best_i, ti + ps], dim=1)
-            cd, ci = _sort_rows(cd, ci)  # earlier (smaller-index) candidates win equal distances
-            best_d, best_i = cd[:, :kk], ci[:, :kk]
-        best_i = torch.where(torch.isinf(best_d), torch.full_like(best_i, -1), best_i)
-        out_d[qs:qs + bn, :kk] = best_d
-        out_i[qs:qs + bn, :kk] = best_i
-    return out_d, out_i
+    if not isinstance(points, torch.Tensor) or points.dim() != 2 or points.shape[1] != 3:
+        shape = tuple(points.shape) if isinstance(points, torch.Tensor) else type(points)
+        raise ValueError(f"radius_neighbours: points must be (N, 3), got {shape}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"radius_neighbours: k must be an integer >= 1, got {k!r}")
+    r2 = float(radius) ** 2
+    n = points.shape[0]
+    be = backend(points)
+    cap = max(_pow2(k), 64)
+    if be in ("triton", "interpret") and n and n * cap <= _MAX_TABLE_ENTRIES:
+        from pointalign.kernels.knn import triton as _knn_triton
+
+        d, i, count = _knn_triton.radius_table(points, r2, cap)
+        widest = int(count.max())  # the one host check
+        if widest > cap:
+            cap = _pow2(widest)
+            if n * cap <= _MAX_TABLE_ENTRIES:
+                d, i, _ = _knn_triton.radius_table(points, r2, cap)
+        if widest <= cap and n * cap <= _MAX_TABLE_ENTRIES:
+            d, order = torch.sort(d, dim=1, stable=True)  # index order breaks ties
+            i = i.gather(1, order)
+            if k <= cap:
+                return d[:, :k].contiguous(), i[:, :k].contiguous()
+            return (torch.cat([d, d.new_full((n, k - cap), math.inf)], 1),
+                    torch.cat([i, i.new_full((n, k - cap), -1)], 1))
+    if be == "cpu" and n:
+        from pointalign.kernels.knn.cpu import CpuTree
+
+        dn, inn = CpuTree(points.detach().contiguous().numpy()).knn(
+            points.detach().contiguous().numpy(), min(k, n), r2)
+        d, i = torch.from_numpy(dn), torch.from_numpy(inn)
+        if k > n:
+            d = torch.cat([d, d.new_full((n, k - n), math.inf)], 1)
+            i = torch.cat([i, i.new_full((n, k - n), -1)], 1)
+        return d, i
+    return knn_tiles(points, points, k, r2)

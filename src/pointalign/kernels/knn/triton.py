@@ -1,4 +1,7 @@
-"""Triton kernels for :func:`pointalign.kernels.knn.knn_tiles` (fused brute-force kNN).
+"""Triton kernels of the knn family: fused brute-force kNN and the radius table.
+
+They serve :func:`~pointalign.kernels.knn.knn_tiles` and
+:func:`~pointalign.kernels.knn.radius_neighbours`.
 
 Each program owns ``BLOCK_N`` queries and streams the points in tiles of ``BLOCK_M``:
 distances are computed from coordinate differences in the input dtype (fp32 for float32)
@@ -11,6 +14,10 @@ and reduced on the fly, so no distance ever reaches global memory.
   and swapped for the worst kept entry while that helps (for random data only the first few
   tiles do real work). Points are scanned in index order and comparisons are strict, so
   among equal distances the smallest indices are kept. Rows are sorted afterwards.
+* ``_radius_table_kernel``: brute-force fixed-radius search of every point against all
+  points (tiles of ``BLOCK_M``), writing the points within the radius of each row in index
+  order into a ``(N, C)`` table (exclusive prefix sums inside a tile give the slots);
+  ``count`` tells how many there were (more than C: the caller retries wider).
 
 Kernels are decorated on first use, separately for compiled and interpreted runs
 (``TRITON_INTERPRET=1`` is read when ``triton.jit`` runs), so tests can switch modes.
@@ -27,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+
+from pointalign.kernels.knn.reference import MAX_TRITON_K, _sort_rows
 
 _CACHE: dict[bool, dict[str, Any]] = {}
 
@@ -124,10 +133,45 @@ def _topk_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
     tl.store(out_i_ptr + out, best_i, mask=omask)
 
 
+def _radius_table_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, count_ptr, N, M, r2, C,
+                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rmask = rows < N
+    qx = tl.load(q_ptr + rows * 3 + 0, mask=rmask, other=0.0)
+    qy = tl.load(q_ptr + rows * 3 + 1, mask=rmask, other=0.0)
+    qz = tl.load(q_ptr + rows * 3 + 2, mask=rmask, other=0.0)
+    inf = float("inf")
+    lanes = tl.arange(0, BLOCK_M).to(tl.int64)
+    base = tl.zeros((BLOCK_N,), dtype=tl.int64)
+    start = pid * 0  # int64 scalar; a while loop (the interpreter cannot index range() by M)
+    while start < M:
+        cols = start + lanes
+        cmask = cols < M
+        px = tl.load(p_ptr + cols, mask=cmask, other=inf)
+        py = tl.load(p_ptr + M + cols, mask=cmask, other=inf)
+        pz = tl.load(p_ptr + 2 * M + cols, mask=cmask, other=inf)
+        dx = qx[:, None] - px[None, :]
+        dy = qy[:, None] - py[None, :]
+        dz = qz[:, None] - pz[None, :]
+        d = dx * dx + dy * dy + dz * dz
+        hit = (d <= r2) & cmask[None, :] & rmask[:, None]
+        h = hit.to(tl.int64)
+        slot = base[:, None] + tl.cumsum(h, axis=1) - h
+        wmask = hit & (slot < C)
+        off = rows[:, None] * C + slot
+        tl.store(out_d_ptr + off, d, mask=wmask)
+        tl.store(out_i_ptr + off, cols[None, :] + slot * 0, mask=wmask)
+        base += tl.sum(h, axis=1)
+        start += BLOCK_M
+    tl.store(count_ptr + rows, base, mask=rmask)
+
+
 def _kernels() -> dict[str, Any]:
     interp = bool(knobs.runtime.interpret)
     if interp not in _CACHE:
-        _CACHE[interp] = {"nn1": triton.jit(_nn1_kernel), "topk": triton.jit(_topk_kernel)}
+        _CACHE[interp] = {"nn1": triton.jit(_nn1_kernel), "topk": triton.jit(_topk_kernel),
+                          "radius": triton.jit(_radius_table_kernel)}
     return _CACHE[interp]
 
 
@@ -142,8 +186,6 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int,
     ``points_t``: ``points.t().contiguous()`` when the caller keeps it (the kernel reads the
     points as a structure of arrays; otherwise this call makes that copy).
     """
-    from pointalign.kernels.knn import MAX_TRITON_K, _sort_rows
-
     if not 1 <= k <= MAX_TRITON_K:
         raise ValueError(f"k: the Triton kernel handles 1..{MAX_TRITON_K}, got {k}")
     ks = _kernels()
@@ -180,3 +222,24 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int,
 def triton_cdiv(a: int, b: int) -> int:
     """Ceiling division (kept here so no triton.cdiv at launch)."""
     return max(1, -(-a // b))
+
+
+def radius_table(points: torch.Tensor, r2: float, capacity: int,
+                 block_n: int = 16, block_m: int = 128
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Points within ``sqrt(r2)`` of every point, in index order.
+
+    ``points (N, 3)`` → ``(dists_sq (N, C), idx (N, C) int64, count (N,) int64)`` with
+    ``C = capacity``; slots past a row's count hold ``inf`` / ``-1``; a row with
+    ``count > C`` kept its first C points (by index).
+    """
+    n = points.shape[0]
+    q = points.contiguous()
+    p = points.t().contiguous()
+    out_d = torch.full((n, capacity), math.inf, dtype=q.dtype, device=q.device)
+    out_i = torch.full((n, capacity), -1, dtype=torch.int64, device=q.device)
+    count = torch.empty(n, dtype=torch.int64, device=q.device)
+    _kernels()["radius"][(triton_cdiv(n, block_n),)](q, p, out_d, out_i, count, n, n,
+                                                      float(r2), capacity, BLOCK_N=block_n,
+                                                      BLOCK_M=block_m, num_warps=4)
+    return out_d, out_i, count

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from pointalign.kernels import _tl_math as tm
-from pointalign.kernels.normal_eq import KERNELS, WIDTH
+from pointalign.kernels.normal_eq.reference import KERNELS, WIDTH
 
 BLOCK = 256
 

@@ -1,4 +1,6 @@
-"""kernels._horn_cpu (numba weighted Horn) vs the PyTorch reference ``horn.horn_reference``.
+"""kernels.horn: every backend's weighted Horn against the PyTorch reference
+``horn.horn_reference``; the "cpu" backend's numba kernel (``horn/cpu.py``) on every hard case;
+the Triton kernel through the interpreter.
 
 Fresh random batches (three seeds): weights with zeros, padding rows, B = 1 and large B,
 one and two points, coplanar and collinear points, 180° turns, huge translations, zero and
@@ -17,8 +19,11 @@ import torch
 
 from pointalign import _math
 from pointalign.kernels import _backend, horn
+from tests._backends import backends
+from tests._interpreted import interpreted_fixture
 
-pytestmark = pytest.mark.skipif(not _backend.cpu_available(), reason="numba not installed")
+#: the numba kernel's own cases: the "cpu" backend only (skipped without numba)
+cpu_only = backends("cpu")
 
 
 def _cpu():
@@ -62,9 +67,10 @@ def _cost(T, source, targets, weights):
     return (w * (r * r).sum(-1)).sum(-1)
 
 
-def _check(source, targets, weights, *, tol=1e-9, healthy=1e-3):
+def _check(source, targets, weights, *, tol=1e-9, healthy=1e-3, result=None):
+    """Check a pose batch (``result``, default the numba kernel's) against the reference."""
     before = [a.clone() for a in (source, targets, weights)]
-    T, valid = _cpu().horn(source, targets, weights)
+    T, valid = _cpu().horn(source, targets, weights) if result is None else result
     Tr, vr = horn.horn_reference(source, targets, weights)
     for a, b in zip(before, (source, targets, weights), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # inputs unchanged
@@ -94,13 +100,15 @@ def _check(source, targets, weights, *, tol=1e-9, healthy=1e-3):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("B,N", [(1, 3), (1, 40), (2000, 3), (65, 30)])
-def test_random_batches_match_reference(B, N, dtype, rng):
+@cpu_only
+def test_random_batches_match_reference(backend, B, N, dtype, rng):
     x, m, w = _problem(B, N, rng, dtype)
     _, valid, ok = _check(x, m, w)
     assert ok.float().mean() > 0.5  # the test compares most entries to 1e-9
 
 
-def test_padding_rows_and_zero_total_weight(rng):
+@cpu_only
+def test_padding_rows_and_zero_total_weight(backend, rng):
     x, m, w = _problem(50, 20, rng, torch.float32)
     x[:, 15:] = 1e6 * torch.randn(50, 5, 3, generator=rng)  # padding: far away, weight 0
     m[:, 15:] = -3e5
@@ -114,7 +122,8 @@ def test_padding_rows_and_zero_total_weight(rng):
     assert torch.allclose(T[6:], Tc, atol=1e-12)
 
 
-def test_one_point_and_two_points(rng):
+@cpu_only
+def test_one_point_and_two_points(backend, rng):
     for n in (1, 2):
         x, m, w = _problem(200, n, rng, torch.float64, noise=0.0)
         w = w + 0.5  # no zero weights
@@ -132,7 +141,8 @@ def test_one_point_and_two_points(rng):
 
 
 @pytest.mark.parametrize("shape", ["coplanar", "collinear", "coincident"])
-def test_degenerate_configurations(shape, rng):
+@cpu_only
+def test_degenerate_configurations(backend, shape, rng):
     B, N = 300, 12
     x, m, w = _problem(B, N, rng, torch.float64)
     if shape == "coplanar":
@@ -149,7 +159,8 @@ def test_degenerate_configurations(shape, rng):
         assert ok.float().mean() > 0.9
 
 
-def test_half_turns_and_huge_translations(rng):
+@cpu_only
+def test_half_turns_and_huge_translations(backend, rng):
     B, N = 120, 25
     x = torch.randn(B, N, 3, generator=rng, dtype=torch.float64)
     axes = torch.randn(B, 3, generator=rng, dtype=torch.float64)
@@ -166,7 +177,8 @@ def test_half_turns_and_huge_translations(rng):
     _check((x + 1e4).float(), (m * 1e-2).float(), w.float())
 
 
-def test_expanded_and_mixed_dtype_inputs(rng):
+@cpu_only
+def test_expanded_and_mixed_dtype_inputs(backend, rng):
     C, B = 200, 16
     src = torch.randn(C, 3, generator=rng)
     R = _rotations(1, rng, torch.float32)[0]
@@ -182,7 +194,8 @@ def test_expanded_and_mixed_dtype_inputs(rng):
     _check(big[:, ::2, :3], big[:, 1::2, 1:], w.t().contiguous().t())
 
 
-def test_empty_shapes():
+@cpu_only
+def test_empty_shapes(backend):
     for B, N in ((0, 5), (3, 0)):
         x = torch.zeros(B, N, 3)
         T, valid = _cpu().horn(x, x, torch.zeros(B, N))
@@ -190,7 +203,8 @@ def test_empty_shapes():
         assert torch.equal(T, torch.eye(4, dtype=torch.float64).expand(B, 4, 4))
 
 
-def test_horn_from_sums_matches_reference(rng):
+@cpu_only
+def test_horn_from_sums_matches_reference(backend, rng):
     x, m, w = _problem(60, 9, rng, torch.float64)
     w[:4] = 0
     W, sx, sm, cross = horn.horn_moments(x, m, w)
@@ -206,27 +220,80 @@ def test_horn_from_sums_matches_reference(rng):
     assert torch.allclose(T.reshape(60, 4, 4), Tp, atol=1e-12, rtol=0)
 
 
-def test_dispatch(monkeypatch, rng):
+@backends("torch", "cpu")
+def test_dispatch(backend, monkeypatch, rng):
+    """The numba kernel runs on the "cpu" backend (not for autograd or other dtypes), never
+    on "torch"."""
     x, m, w = _problem(7, 5, rng)
     mod = _cpu()
     calls = []
     real = mod.horn
     monkeypatch.setattr(mod, "horn", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("POINTALIGN_BACKEND", "cpu")
     T, _ = horn.weighted_horn(x, m, w)
-    assert calls == [1]
+    on_cpu = [1] if backend.name == "cpu" else []
+    assert calls == on_cpu
     assert torch.allclose(T, horn.horn_reference(x, m, w)[0], atol=1e-9)
     # autograd or other dtypes: the reference
     xg = x.double().requires_grad_()
     horn.weighted_horn(xg, m, w)
     horn.weighted_horn(x.half(), m, w)
-    assert calls == [1]
-    monkeypatch.setenv("POINTALIGN_BACKEND", "torch")
-    horn.weighted_horn(x, m, w)
-    assert calls == [1]
+    assert calls == on_cpu
 
 
-def test_jacobi_top_eigenvector_matches_eigh(rng):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B,N", [(1, 3), (65, 30), (2000, 3)])
+def test_weighted_horn_matches_reference(backend, B, N, dtype, rng):
+    """The dispatcher on every backend against the reference (fresh random batches).
+
+    Poses within 1e-9 of the reference where the top eigenvalue of N(S) is separated (the
+    moments are float64 on every backend; the numba kernel's cyclic Jacobi and the Triton
+    kernel's 40 squarings of the shifted matrix both converge to rounding there), ``valid``
+    equal, every pose at least as good a fit as the reference's.
+    """
+    x, m, w = _problem(B, N, rng, dtype)
+    dev = backend.device
+    T, valid = horn.weighted_horn(x.to(dev), m.to(dev), w.to(dev))
+    assert T.device.type == valid.device.type == dev
+    _, _, ok = _check(x, m, w, result=(T.cpu(), valid.cpu()))
+    assert ok.float().mean() > 0.5
+
+
+# ---- the Triton kernel through the interpreter (child process) -----------------------------
+
+#: (B, N, dtype, seed) of the interpreted runs: tiny, the interpreter is slow
+INTERP = [(7, 5, torch.float32, 0), (20, 30, torch.float64, 1), (3, 1, torch.float64, 2)]
+
+
+def run_interpreted_horn(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): the Triton Horn kernel through the dispatcher."""
+    assert _backend.backend(torch.empty(0)) == "interpret"
+    out = {}
+    for B, N, dt, seed in INTERP:
+        x, m, w = _problem(B, N, torch.Generator().manual_seed(seed), dt)
+        if N == 1:
+            w = w + 0.5
+        w[0] = 0  # zero total weight: identity, not valid
+        out[(B, N, seed)] = horn.weighted_horn(x, m, w)
+    torch.save(out, out_path)
+
+
+interpreted = interpreted_fixture("tests.kernels.test_horn", "run_interpreted_horn")
+
+
+@pytest.mark.parametrize("case", INTERP, ids=[f"{c[0]}x{c[1]}" for c in INTERP])
+def test_triton_interpreted_matches_reference(interpreted, case):
+    B, N, dt, seed = case
+    x, m, w = _problem(B, N, torch.Generator().manual_seed(seed), dt)
+    if N == 1:
+        w = w + 0.5
+    w[0] = 0
+    T, valid = interpreted[(B, N, seed)]
+    _check(x, m, w, result=(T, valid), tol=1e-9 if N > 1 else 1e-6)
+    assert not bool(valid[0])
+
+
+@cpu_only
+def test_jacobi_top_eigenvector_matches_eigh(backend, rng):
     """The solver alone on random symmetric 4×4 (the eigenvalue order, signs, scales)."""
     import numpy as np
 

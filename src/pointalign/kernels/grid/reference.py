@@ -1,0 +1,131 @@
+"""The spec of the grid family: the built grid's layout, the cell keys and the reference query.
+
+:func:`pointalign.kernels.grid.grid_build` sorts points into cells of edge ``c`` over their
+bounding box; :func:`grid_query_reference` is the plain PyTorch statement of
+:func:`pointalign.kernels.grid.grid_query` (the k nearest among the 27 cells around each
+query, ties by original index). The Triton kernel (``grid/triton.py``) imports this module,
+never its dispatcher.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from pointalign.kernels.knn.reference import _sort_rows
+
+#: Cells are this much larger than asked, so rounding never hides a point within ``c``.
+CELL_MARGIN = 1e-5
+
+
+class GridData(NamedTuple):
+    """A built grid (tensors on the points' device).
+
+    Attributes:
+        params: ``(4,)`` float64: origin x, y, z and ``1 / cell``.
+        cell: the cell edge (float; already includes the safety margin).
+        dims: ``(nx, ny, nz)`` cells per axis.
+        cell_start: ``(nx * ny * nz + 1,)`` int32, sorted-order start of each cell.
+        sorted_points: ``(3, M)`` coordinates in key order, structure of arrays.
+        sorted_idx: ``(M,)`` int32 original index of each sorted point.
+        dims_dev: ``(3,)`` int64 ``dims`` on the points' device (read by the kernel, so a
+            query needs no host-to-device copy: no synchronisation, graph capture safe).
+
+    """
+
+    params: torch.Tensor
+    cell: float
+    dims: tuple[int, int, int]
+    cell_start: torch.Tensor
+    sorted_points: torch.Tensor
+    sorted_idx: torch.Tensor
+    dims_dev: torch.Tensor
+
+    @property
+    def radius(self) -> float:
+        """The certified radius: every point within it of a query is in the query's 27 cells.
+
+        The cell edge without the safety margin (the ``cell_size`` the grid was built for, or
+        larger when ``max_cells`` forced larger cells).
+        """
+        return self.cell / (1 + CELL_MARGIN)
+
+
+def _query_cells(g: GridData, query: torch.Tensor) -> torch.Tensor:
+    """``(N, 3)`` int64 cell coordinates of queries, clamped to ``[-2, dim + 1]``."""
+    c = ((query.to(torch.float64) - g.params[:3]) * g.params[3]).floor()
+    hi = torch.tensor(g.dims, dtype=torch.float64, device=query.device) + 1
+    return torch.maximum(torch.minimum(c, hi), torch.full_like(c, -2.0)).to(torch.int64)
+
+
+def query_keys(g: GridData, query: torch.Tensor) -> torch.Tensor:
+    """Linear cell key of each query (any order-preserving value for queries off the grid)."""
+    c = _query_cells(g, query) + 2
+    nx, ny, nz = (d + 4 for d in g.dims)
+    return (c[:, 0] * ny + c[:, 1]) * nz + c[:, 2]
+
+
+def _ranges(g: GridData, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start and length ``(N, 9)`` of the 9 sorted-order ranges covering the 27 cells."""
+    nx, ny, nz = g.dims
+    c = _query_cells(g, query)
+    cx, cy, cz = c[:, 0:1], c[:, 1:2], c[:, 2:3]
+    d = torch.arange(-1, 2, device=query.device)
+    x = (cx + d.repeat_interleave(3)[None, :])  # (N, 9)
+    y = (cy + d.repeat(3)[None, :])
+    zlo = (cz - 1).clamp(min=0)
+    zhi = (cz + 1).clamp(max=nz - 1)
+    ok = (x >= 0) & (x < nx) & (y >= 0) & (y < ny) & (zlo <= zhi)
+    base = (x.clamp(0, nx - 1) * ny + y.clamp(0, ny - 1)) * nz
+    cs = g.cell_start.to(torch.int64)
+    s = cs[(base + zlo.clamp(max=nz - 1)).clamp(0, nx * ny * nz - 1)]
+    e = cs[(base + zhi.clamp(min=0) + 1).clamp(0, nx * ny * nz)]
+    s = torch.where(ok, s, torch.zeros_like(s))
+    n = torch.where(ok, e - s, torch.zeros_like(s))
+    return s, n
+
+
+def grid_query_reference(g: GridData, query: torch.Tensor, k: int,
+                         max_distance_sq: float | None = None, *,
+                         budget: int = 1 << 21) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch reference of :func:`grid_query` (the CPU path and the spec).
+
+    Gathers each query's candidates (the 9 ranges, padded to the longest row of a chunk,
+    at most ``budget`` candidates per chunk), computes their squared distances and keeps
+    the k smallest by (distance, original index).
+    """
+    n, dev, dt = query.shape[0], query.device, query.dtype
+    out_d = torch.full((n, k), math.inf, dtype=dt, device=dev)
+    out_i = torch.full((n, k), -1, dtype=torch.int64, device=dev)
+    if n == 0:
+        return out_d, out_i
+    s_all, n_all = _ranges(g, query)
+    tot = n_all.sum(1)
+    pts = g.sorted_points
+    sidx = g.sorted_idx.to(torch.int64)
+    i = 0
+    while i < n:
+        # grow the chunk while the padded candidate matrix fits the budget
+        step = max(1, min(n - i, budget // max(1, int(tot[i:i + 4096].max()))))
+        sl = slice(i, i + step)
+        s, ln, t = s_all[sl], n_all[sl], tot[sl]
+        width = max(1, int(t.max()))
+        pos = torch.arange(width, device=dev).expand(t.shape[0], width)
+        cum = torch.cumsum(ln, 1)
+        col = torch.searchsorted(cum, pos.contiguous(), right=True).clamp(max=8)
+        off = pos - (cum.gather(1, col) - ln.gather(1, col))
+        valid = pos < t[:, None]
+        sp = torch.where(valid, s.gather(1, col) + off, torch.zeros_like(off))
+        q = query[sl]
+        d = ((pts[:, sp] - q.t()[:, :, None]) ** 2).sum(0)
+        ok = valid if max_distance_sq is None else valid & (d <= max_distance_sq)
+        d = torch.where(ok, d, torch.full_like(d, math.inf))
+        oi = torch.where(ok, sidx[sp], torch.full_like(sp, -1))
+        d, oi = _sort_rows(d, oi)
+        kk = min(k, width)
+        out_d[sl, :kk] = d[:, :kk]
+        out_i[sl, :kk] = oi[:, :kk]
+        i += step
+    return out_d, out_i

@@ -1,0 +1,148 @@
+"""kernels.grid: the voxel grid's build and 27-cell query on every backend against the
+reference ``grid_query_reference`` and the SciPy oracle; the Triton kernel through the
+interpreter. (The index over it, VoxelGridIndex: ``tests/search/test_grid.py``.)
+
+Search answers: equal indices except at exact ties of distance (``assert_same_or_tied``:
+both keep the smallest index on exact ties; distances to float32 rounding); builds equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pointalign.kernels import grid as grid_mod
+from pointalign.search.grid import VoxelGridIndex
+from tests._interpreted import interpreted_fixture
+from tests._oracles import assert_knn_matches, assert_same_or_tied
+
+
+def _cloud(n, g, dtype=torch.float32):
+    return torch.rand(n, 3, generator=g, dtype=torch.float64).to(dtype)
+
+
+def test_reference_budget_chunks(rng):
+    q, p = _cloud(77, rng), _cloud(500, rng)
+    g = grid_mod.grid_build(p, 0.2)
+    a = grid_mod.grid_query_reference(g, q, 3)
+    b = grid_mod.grid_query_reference(g, q, 3, budget=50)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_build_in_chunks_equals_one_pass(rng, monkeypatch):
+    """The float64 cell computation taken a chunk at a time (large clouds) changes nothing."""
+    p = torch.rand(500, 3, generator=rng) * torch.tensor([3.0, 1.0, 0.2])
+    one = grid_mod.grid_build(p, 0.15)
+    monkeypatch.setattr(grid_mod, "_BUILD_CHUNK", 7)
+    many = grid_mod.grid_build(p, 0.15)
+    for a, b in zip(one, many, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+        else:
+            assert a == b
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("max_distance", [None, 0.02])
+def test_grid_query_matches_reference(backend, k, max_distance, rng):
+    """The dispatcher (the Triton kernel on CUDA) against the reference and the oracle."""
+    m, n = (100_003, 20_011) if backend.device == "cuda" else (20_003, 2_011)
+    p = _cloud(m, rng).to(backend.device)
+    q = (_cloud(n, rng) * 1.2 - 0.1).to(backend.device)
+    g = grid_mod.grid_build(p, 0.03)
+    md2 = None if max_distance is None else max_distance**2
+    d, i = grid_mod.grid_query(g, q, k, md2)
+    assert d.device.type == backend.device
+    rd, ri = grid_mod.grid_query_reference(g, q, k, md2)
+    assert_same_or_tied(d, i, rd, ri)
+    ix = VoxelGridIndex(p, 0.03)
+    sel = torch.arange(0, q.shape[0], 11, device=backend.device)
+    res = ix.knn(q, k) if max_distance is None else ix.radius(q, max_distance, k)
+    assert_knn_matches((res.dists[sel], res.idx[sel]), q[sel], p, k, max_distance)
+
+
+def test_grid_query_bad_input(backend, rng):
+    g = grid_mod.grid_build(_cloud(50, rng).to(backend.device), 0.1)
+    q = _cloud(4, rng).to(backend.device)
+    with pytest.raises(ValueError, match="query"):
+        grid_mod.grid_query(g, q[:, :2], 1)
+    with pytest.raises(ValueError, match="query"):
+        grid_mod.grid_query(g, q.double(), 1)
+    with pytest.raises(ValueError, match="k"):
+        grid_mod.grid_query(g, q, 0)
+    with pytest.raises(ValueError, match="cell_size"):
+        grid_mod.grid_build(q, 0.0)
+
+
+# --- Triton grid kernel through the interpreter (child process, tiny sizes) ------------------
+
+# (name, n, m, cell, k, max_distance, dtype)
+INTERP_CASES = [
+    ("m1", 5, 1, 0.1, 1, None, torch.float32),
+    ("k1", 16, 150, 0.15, 1, None, torch.float32),
+    ("k1max", 16, 150, 0.15, 1, 0.1, torch.float32),
+    ("k4", 12, 150, 0.2, 4, None, torch.float32),
+    ("k4max_f64", 12, 100, 0.2, 4, 0.15, torch.float64),
+]
+
+
+def _interp_inputs(case, seed):
+    name, n, m, cell, k, md, dt = case
+    g = torch.Generator().manual_seed(1000 * seed + sum(map(ord, name)))
+    return _cloud(n, g, dt) * 1.4 - 0.2, _cloud(m, g, dt)
+
+
+def run_interpreted_cases(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): grid kernel and index on every case."""
+    from pointalign.kernels import _backend
+
+    assert _backend.backend(torch.empty(0)) == "interpret"
+    from pointalign.kernels.grid import triton as _grid_triton
+
+    out = {}
+    for seed in range(3):
+        for case in INTERP_CASES:
+            name, n, m, cell, k, md, dt = case
+            q, p = _interp_inputs(case, seed)
+            g = grid_mod.grid_build(p, cell)
+            md2 = None if md is None else md * md
+            out[(name, seed)] = _grid_triton.grid_query(g, q, k, md2)
+        q, p = _interp_inputs(INTERP_CASES[3], seed)
+        out[("index", seed)] = tuple(VoxelGridIndex(p, 0.3).knn(q[:6], 3))
+    dup = torch.tensor([[0.0, 0, 0], [0.5, 0, 0]]).repeat(3, 1)  # p[j] = dup[j % 2]
+    g = grid_mod.grid_build(dup, 0.6)
+    out["ties"] = _grid_triton.grid_query(g, torch.tensor([[0.1, 0, 0], [0.45, 0, 0]]), 2)
+    # k = 1 with duplicates spread over more than one unrolled step of a lane
+    many = torch.tensor([[0.0, 0, 0], [0.5, 0, 0]]).repeat(11, 1)
+    out["ties1"] = _grid_triton.grid_query(grid_mod.grid_build(many, 0.6),
+                                           torch.tensor([[0.1, 0, 0], [0.45, 0, 0]]), 1)
+    torch.save(out, out_path)
+
+
+interpreted = interpreted_fixture("tests.kernels.test_grid", "run_interpreted_cases")
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])
+def test_triton_interpreted_matches_reference(case, seed, interpreted):
+    name, n, m, cell, k, md, dt = case
+    q, p = _interp_inputs(case, seed)
+    d, i = interpreted[(name, seed)]
+    assert d.dtype == dt and i.dtype == torch.int64
+    g = grid_mod.grid_build(p, cell)
+    md2 = None if md is None else md * md
+    rd, ri = grid_mod.grid_query_reference(g, q, k, md2)
+    assert_same_or_tied(d, i, rd, ri)  # both keep the smallest index on exact ties
+    if md is not None and md <= cell:
+        assert_knn_matches((d, i), q, p, k, max_distance=md)
+
+
+def test_triton_interpreted_index(seed, interpreted):
+    q, p = _interp_inputs(INTERP_CASES[3], seed)
+    assert_knn_matches(interpreted[("index", seed)], q[:6], p, 3)
+
+
+def test_triton_interpreted_ties(interpreted):
+    d, i = interpreted["ties"]
+    assert i.tolist() == [[0, 2], [1, 3]]
+    d, i = interpreted["ties1"]
+    assert i.tolist() == [[0], [1]]

@@ -1,0 +1,613 @@
+"""kernels.ransac: RANSAC's kernels against their references, by backend.
+
+* Scoring (``score_transforms``): on the "cpu" backend the fused transform-and-score kernel
+  (``score_cpu._score``) runs when the index has a scoring grid;
+  ``score_transforms_reference`` moves the points with ``transform_points_reference``
+  (``baddbmm``) and asks the index's ``nearest_within``. Counts and matches must be
+  identical, the float64 sums equal up to summation order (and exactly the documented
+  blocked order). Where the kernel's documented rounding of the moved points
+  (``((p₀r₀ + p₁r₁) + p₂r₂) + t``, no fused multiply-add) differs from this CPU's
+  ``baddbmm`` (an AVX-512 or FMA build may round otherwise), the reference is given the
+  documented rounding, and a comparison with ``baddbmm`` itself is made only where this
+  CPU rounds so.
+* Feature kNN (``cpu.feature_knn_cpu``): distances equal the float64 truth to float32
+  rounding (the reference's ``cdist`` has the larger error); a neighbour may differ from
+  the reference's only between rows within ``cdist``'s rounding of each other; against the
+  module contract written plainly (``Σ_d (q_d − r_d)²`` in order of d, NumPy, no FMA) bit
+  for bit.
+* The scoring grid (``score_cpu.BoundGrid``) returns exactly the k-d tree's answers (and
+  through it the brute force's), at every bound, with exact hits, points at the bound and
+  far queries.
+* Second-order compatibility: integer counts, equal bit for bit; pair lengths rounded step
+  by step, equal to NumPy's in that order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pointalign.kernels import _backend
+from pointalign.kernels import ransac as K
+from pointalign.kernels.knn import cpu as _knn_cpu
+from pointalign.kernels.knn import knn_reference
+from pointalign.kernels.ransac import cpu as _ransac_cpu
+from pointalign.kernels.ransac import score_cpu as _score_cpu
+from pointalign.search.ckdtree import CKDTreeIndex
+from tests._backends import backends
+
+try:  # the ransac family's home for them (the pipeline branch moves them there)
+    from pointalign.kernels.ransac import (
+        pair_lengths,
+        second_order,
+        second_order_of_points,
+        second_order_reference,
+    )
+except ImportError:  # before that move: the algorithm layer
+    from pointalign.registration.robust import (  # type: ignore[no-redef]
+        pair_lengths,
+        second_order,
+        second_order_of_points,
+        second_order_reference,
+    )
+
+#: the numba kernels' own cases: the "cpu" backend only (skipped without numba)
+cpu_only = backends("cpu")
+
+
+# ---- scoring: the fused transform-and-score kernel (score_cpu.py) ------------------------
+
+def _motions(s: int, g: torch.Generator, shift: float = 0.1) -> torch.Tensor:
+    """``s`` random rigid motions ``(s, 4, 4)`` float64 (rotations from QR, random shifts)."""
+    q, r = torch.linalg.qr(torch.randn(s, 3, 3, dtype=torch.float64, generator=g))
+    q = q * torch.sign(torch.diagonal(r, dim1=1, dim2=2))[:, None, :]
+    q[torch.linalg.det(q) < 0, :, 0] *= -1
+    T = torch.eye(4, dtype=torch.float64).repeat(s, 1, 1)
+    T[:, :3, :3] = q
+    T[:, :3, 3] = (torch.rand(s, 3, dtype=torch.float64, generator=g) - 0.5) * 2 * shift
+    return T
+
+
+def _sequential(T: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``((p₀r₀ + p₁r₁) + p₂r₂) + t`` elementwise in the points' dtype: ``(S, P, 3)``."""
+    Tp = T.to(p.dtype)
+    R, t = Tp[:, None, :3, :3], Tp[:, None, :3, 3]
+    x, y, z = p[None, :, 0, None], p[None, :, 1, None], p[None, :, 2, None]
+    return ((x * R[..., 0] + y * R[..., 1]) + z * R[..., 2]) + t
+
+
+def _reference(T, p, index, r, with_matches, monkeypatch):
+    """The reference path; where this CPU's ``baddbmm`` rounds otherwise (e.g. with FMA),
+    with the moved points of the rounding the kernel documents (``_sequential``)."""
+    if not torch.equal(K.transform_points_reference(T, p), _sequential(T, p)):
+        monkeypatch.setattr(K, "transform_points_reference", _sequential)
+    out = K.score_transforms_reference(T, p, index, r, with_matches)
+    monkeypatch.undo()
+    return out
+
+
+def _check(T, p, index, r, monkeypatch, min_hits=1):
+    """Fused == reference (counts, matches exactly; sums to order) with and without matches."""
+    assert K._scoring_grid(T, p, index, r) is not None  # the fused kernel answers
+    for wm in (False, True):
+        c, sq, m = K.score_transforms(T, p, index, r, wm)
+        rc, rsq, rm = _reference(T, p, index, r, wm, monkeypatch)
+        assert c.dtype == torch.int64 and sq.dtype == torch.float64
+        assert torch.equal(c, rc)
+        assert torch.allclose(sq, rsq, rtol=1e-12, atol=0)
+        if wm:
+            assert m is not None and m.shape == (T.shape[0], p.shape[0])
+            assert m.dtype == torch.int64 and torch.equal(m, rm)
+        else:
+            assert m is None
+        assert int(c.sum()) >= min_hits
+    # counts only: each point's search stops at its first target point within the bound
+    only, none_sq, none_m = K.score_transforms(T, p, index, r, with_sums=False)
+    assert torch.equal(only, c) and none_sq is None and none_m is None
+    return c, sq
+
+
+@pytest.mark.parametrize("s,p", [(1, 700), (300, 33), (9, 600)])
+@cpu_only
+def test_fused_equals_reference_random(backend, s, p, monkeypatch):
+    dtype = torch.float32  # (float64 works the same way; its numba compile costs CI ~25 s)
+    g = torch.Generator().manual_seed(s * 1000 + p)
+    tgt = torch.rand(150, 3, generator=g, dtype=dtype) * 0.5
+    src = torch.rand(p, 3, generator=g, dtype=dtype) * 0.5
+    T = _motions(s, g)
+    T[0] = torch.eye(4, dtype=torch.float64)  # some hits for sure
+    index = CKDTreeIndex(tgt)
+    src0 = src.clone()
+    _check(T, src, index, 0.04, monkeypatch)
+    assert torch.equal(src, src0)  # inputs not modified
+
+
+@cpu_only
+def test_fused_equals_reference_on_the_bunny(backend, monkeypatch):
+    """Scoring as register() does it: a real scan pair, the true pose and 64 others."""
+    from pointalign import datasets
+    from pointalign.features.downsample import voxel_downsample
+
+    v = 0.006
+    tgt = voxel_downsample(datasets.load_bunny("bun000"), v)
+    src = voxel_downsample(datasets.load_bunny("bun045"), v)
+    g = torch.Generator().manual_seed(7)
+    T0 = torch.as_tensor(datasets.bunny_relative_pose("bun045", "bun000"), dtype=torch.float64)
+    T = _motions(65, g, shift=0.01)
+    T[:, :3, :3] = T0[:3, :3] @ torch.linalg.matrix_exp(  # small turns about the truth
+        torch.linalg.cross(torch.eye(3, dtype=torch.float64)[None].expand(65, 3, 3),
+                           torch.randn(65, 1, 3, dtype=torch.float64, generator=g) * 0.05,
+                           dim=-1))
+    T[:, :3, 3] += T0[:3, 3]
+    T[0] = T0
+    index = CKDTreeIndex(tgt)
+    for r in (0.5 * v, 1.5 * v):
+        c, _ = _check(T, src, index, r, monkeypatch)
+        assert int(c[0]) > 0.3 * src.shape[0]  # the true pose: most points hit
+    # RANSAC's T(d,d) shape: 32 points, many motions
+    sub = src[torch.randperm(src.shape[0], generator=g)[:32]]
+    _check(torch.cat([T, _motions(400, g, 0.05)]), sub, index, 1.5 * v, monkeypatch)
+
+
+@cpu_only
+def test_no_hits_and_points_outside_the_grid(backend, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    tgt = torch.rand(100, 3, generator=g)
+    src = torch.cat([torch.rand(50, 3, generator=g),
+                     torch.tensor([[1e6, -1e6, 3.0], [-50.0, 0.5, 0.5], [0.5, 0.5, 1e30]])])
+    T = _motions(40, g)
+    T[1, :3, 3] = torch.tensor([100.0, 0.0, 0.0], dtype=torch.float64)  # all far away
+    index = CKDTreeIndex(tgt)
+    _check(T, src, index, 0.05, monkeypatch)
+    c, sq, m = K.score_transforms(T, src, index, 0.05, True)
+    assert int(c[1]) == 0 and float(sq[1]) == 0.0 and bool((m[1] == -1).all())
+    assert bool((m[:, -3:] == -1).all())  # outside the grid under every motion
+
+
+@cpu_only
+def test_moves_points_as_transform_points_does(backend):
+    """Targets placed exactly where ``transform_points`` moves the source: distance 0.
+
+    A kernel that rounded the motion otherwise (another order, a fused multiply-add) would
+    miss the exact zeros.
+    """
+    g = torch.Generator().manual_seed(11)
+    src = torch.rand(400, 3, generator=g) * 0.3
+    T = _motions(8, g)
+    moved = K.transform_points_reference(T[:1], src)[0]
+    if not torch.equal(moved, _sequential(T[:1], src)[0]):
+        pytest.skip("this CPU's baddbmm rounds otherwise (the kernel's order: _sequential)")
+    index = CKDTreeIndex(moved)
+    c, sq, m = K.score_transforms(T, src, index, 0.01, True)
+    assert K._scoring_grid(T, src, index, 0.01) is not None
+    assert int(c[0]) == 400 and float(sq[0]) == 0.0
+    assert torch.equal(m[0], torch.arange(400))
+
+
+@cpu_only
+def test_sums_in_the_documented_order_and_thread_count_free(backend):
+    """Per transform: blocks of SCORE_BLOCK points summed in point order, then the blocks."""
+    import pointalign as pa
+
+    g = torch.Generator().manual_seed(5)
+    tgt = torch.rand(120, 3, generator=g)
+    src = torch.rand(3 * _score_cpu.SCORE_BLOCK + 17, 3, generator=g)
+    T = _motions(5, g, 0.02)
+    index = CKDTreeIndex(tgt)
+    c, sq, m = K.score_transforms(T, src, index, 0.08, True)
+    # the kernel's own squared distances of the matches (the index's, per point), at the
+    # points moved with the kernel's documented rounding (baddbmm may round otherwise on
+    # this CPU: then these sums would not be the kernel's)
+    q = _sequential(T, src).reshape(-1, 3)
+    d2 = index.nearest_within(q, 0.08).dists[:, 0].view(5, -1).to(torch.float64).numpy()
+    for s in range(5):
+        total = 0.0
+        for a in range(0, src.shape[0], _score_cpu.SCORE_BLOCK):
+            part = 0.0
+            for i in range(a, min(src.shape[0], a + _score_cpu.SCORE_BLOCK)):
+                if m[s, i] >= 0:
+                    part += float(d2[s, i])
+            total += part
+        assert float(sq[s]) == total
+    try:
+        pa.set_num_threads(1)
+        one = K.score_transforms(T, src, index, 0.08, False)
+        pa.set_num_threads(2)
+        two = K.score_transforms(T, src, index, 0.08, False)
+    finally:
+        pa.set_num_threads(None)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert torch.equal(one[1], sq)
+
+
+@backends("torch", "cpu")
+def test_routes_and_bad_input(backend):
+    g = torch.Generator().manual_seed(2)
+    tgt = torch.rand(500, 3, generator=g)
+    src = torch.rand(20, 3, generator=g)
+    index = CKDTreeIndex(tgt)
+    T = _motions(3, g)
+    # few queries per target point (or the torch backend): no grid, the reference path
+    assert K._scoring_grid(T, src, index, 0.05) is None
+    got = K.score_transforms(T, src, index, 0.05, True)
+    want = K.score_transforms_reference(T, src, index, 0.05, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    c, sq, m = K.score_transforms(T, src, index, 0.05, with_sums=False)
+    assert torch.equal(c, want[0]) and sq is None and m is None
+    # another index kind: the reference path
+    from pointalign.search.brute import BruteForceIndex
+
+    assert K._scoring_grid(T, src, BruteForceIndex(tgt), 0.05) is None
+    # no motions
+    c, sq, m = K.score_transforms(T[:0], src, index, 0.05, True)
+    assert c.shape == (0,) and sq.shape == (0,) and m.shape == (0, 20)
+    with pytest.raises(ValueError, match="T"):
+        K.score_transforms(T[:, :3], src, index, 0.05)
+    with pytest.raises(ValueError, match="points"):
+        K.score_transforms(T, src[:, :2], index, 0.05)
+    with pytest.raises(ValueError, match="max_distance"):
+        K.score_transforms(T.repeat(200, 1, 1), src, index, -1.0)
+
+
+@cpu_only
+def test_grid_lists_sorted_by_centre_distance_then_index(backend):
+    """Build: each cell's list in (distance from the centre, index) order, with coordinates.
+
+    Duplicated points (equal keys) and a dense cluster (lists longer than the insertion
+    sort's limit) take both sort branches.
+    """
+    import math
+
+    g = torch.Generator().manual_seed(9)
+    base = torch.rand(300, 3, generator=g).numpy()
+    pts = np.concatenate([base, base[:40], 0.5 + 1e-4 * torch.rand(200, 3, generator=g).numpy()])
+    pts = np.ascontiguousarray(pts, np.float32)
+    grid = _score_cpu.BoundGrid.build(pts, 0.1 ** 2)
+    assert grid is not None
+    assert np.array_equal(grid.cpts, pts[grid.items])
+    lens = np.diff(grid.start)
+    assert lens.max() > _score_cpu._INSERTION_MAX and (lens >= 3).sum() > 100
+    d1, d2 = grid.dims[1], grid.dims[2]
+    for cell in np.flatnonzero(lens):
+        a, b = grid.start[cell], grid.start[cell + 1]
+        x, y, z = cell // (d1 * d2), (cell // d2) % d1, cell % d2
+        centre = grid.origin + (np.array([x, y, z]) + 0.5) * grid.c
+        p = pts[grid.items[a:b]].astype(np.float64) - centre
+        key = np.array([math.sqrt(u * u + v * v + w * w) for u, v, w in p])
+        assert np.array_equal(grid.dc[a:b], key)
+        want = np.lexsort((grid.items[a:b], key))  # by key, then index
+        assert np.array_equal(want, np.arange(b - a))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@cpu_only
+def test_transform_points_cpu_equals_reference(backend, dtype):
+    """The numba move equals ``baddbmm`` (shared and per-transform points, S = 1 and more)."""
+    g = torch.Generator().manual_seed(3)
+    T = _motions(6, g)
+    for pts in (torch.rand(700, 3, generator=g, dtype=dtype) * 40 - 20,
+                torch.rand(6, 300, 3, generator=g, dtype=dtype)):
+        for S in (1, 6):
+            p = pts if pts.dim() == 2 else pts[:S]
+            got = K.transform_points(T[:S], p)
+            ref = K.transform_points_reference(T[:S], p)
+            assert got.shape == ref.shape == (S, p.shape[-2], 3) and got.dtype == dtype
+            seq = _sequential(T[:S], p) if p.dim() == 2 else torch.stack(
+                [_sequential(T[s:s + 1], p[s])[0] for s in range(S)])
+            assert torch.equal(got, seq)  # the documented rounding, always
+            if torch.equal(ref, seq):  # and baddbmm's, where this CPU rounds so
+                assert torch.equal(got, ref)
+            assert torch.allclose(got, ref, rtol=1e-6 if dtype == torch.float32 else 1e-14,
+                                  atol=1e-5 if dtype == torch.float32 else 1e-12)
+
+
+# ---- feature kNN (ransac/cpu.py) and the scoring grid (score_cpu.BoundGrid) ------------
+
+def _surface(seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bumpy sheet ``(n, 3)`` with its unit normals (duplicates and a flat part)."""
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    z = 0.1 * torch.sin(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1])
+    z[: n // 8] = 0.0  # flat: parallel normals, the tie rule of the pair features
+    p = torch.cat([xy, z[:, None]], 1)
+    dz = torch.stack([-0.6 * torch.cos(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1]),
+                      0.4 * torch.sin(6 * xy[:, 0]) * torch.sin(4 * xy[:, 1])], 1)
+    dz[: n // 8] = 0.0
+    nrm = torch.cat([-dz, torch.ones(n, 1, dtype=torch.float64)], 1)
+    nrm = nrm / nrm.norm(dim=1, keepdim=True)
+    p[n - n // 10:] = p[: n // 10]  # exact duplicates: zero-distance pairs
+    nrm[n - n // 10:] = nrm[: n // 10]
+    return p.to(dtype), nrm.to(dtype)
+
+
+def _table(p: torch.Tensor, r: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d, i = knn_reference(p, p, k, r * r)
+    return d, i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("k", [1, 2, 5])
+@backends("torch", "cpu")
+def test_feature_knn_equals_reference(backend, dtype, k):
+    g = torch.Generator().manual_seed(k)
+    q = (torch.rand(301, 33, generator=g, dtype=torch.float64) * 30).to(dtype)
+    r = (torch.rand(517, 33, generator=g, dtype=torch.float64) * 30).to(dtype)
+    r[100:110] = r[:10]  # duplicate rows: ties to the smaller index
+    q[:20] = r[200:220]  # exact hits
+    d, i = _ransac_cpu.feature_knn_cpu(q, r, k)
+    rd, ri = K.feature_knn_reference(q, r, k)
+    assert d.dtype == dtype and i.shape == (301, k)
+    truth = ((q[:, None].double() - r[None].double()) ** 2).sum(-1)  # (301, 517)
+    # distances: the true squared distances of the returned rows, to float32 rounding
+    got = truth.gather(1, i)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(d.double(), got, rtol=tol, atol=tol)
+    # the returned rows are the k nearest (up to rounding) and ascending
+    kth = truth.sort(1).values[:, k - 1]
+    assert bool((got[:, -1] <= kth * (1 + 2 * tol) + tol).all())
+    assert bool((d[:, 1:] >= d[:, :-1]).all()) if k > 1 else True
+    assert torch.equal(i[:20, 0], torch.arange(200, 220))
+    # where the reference's neighbours are clearly separated, the same indices
+    gap = (truth.gather(1, ri) - truth.gather(1, i)).abs().amax(1)
+    sep = gap > 1e-3 * truth.amax()
+    assert not bool(((ri != i).any(1) & sep).any())
+    # entry point: the cpu kernel on the "cpu" backend, else the reference
+    _, i2 = K.feature_knn(q, r, k)
+    assert torch.equal(i2, i if _backend.backend(q) == "cpu" else ri)
+
+
+@cpu_only
+def test_feature_knn_duplicates_break_ties_by_index(backend):
+    r = torch.zeros(6, 4)
+    r[3] = 1.0
+    d, i = _ransac_cpu.feature_knn_cpu(torch.zeros(2, 4), r, 3)
+    assert torch.equal(i, torch.tensor([[0, 1, 2], [0, 1, 2]]))
+    assert torch.equal(d, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("n", [1, 9, 203])
+@cpu_only
+def test_feature_knn_both_equals_two_calls(backend, dtype, n):
+    """One pass (forward k + backward 1) equals the two separate kernel calls exactly."""
+    g = torch.Generator().manual_seed(n)
+    q = (torch.rand(n, 33, generator=g, dtype=torch.float64) * 30).to(dtype)
+    r = (torch.rand(157, 33, generator=g, dtype=torch.float64) * 30).to(dtype)
+    if n > 20:
+        q[10:20] = q[:10]  # duplicate queries: the backward ties go to the smaller index
+        r[50:60] = q[:10]  # exact hits both ways
+    d, i, bd, bi = _ransac_cpu.feature_knn_both_cpu(q, r, 2)
+    d1, i1 = _ransac_cpu.feature_knn_cpu(q, r, 2)
+    bd1, bi1 = _ransac_cpu.feature_knn_cpu(r, q, 1)
+    assert torch.equal(d, d1) and torch.equal(i, i1)
+    assert torch.equal(bd, bd1) and torch.equal(bi, bi1)
+    if n > 20:
+        assert torch.equal(bi[50:60, 0], torch.arange(10))
+
+
+def _feature_knn_plain(q: torch.Tensor, r: torch.Tensor, k: int):
+    """The module contract written plainly: ``Σ_d (q_d − r_d)²`` in the dtype, in order of d.
+
+    NumPy rounds every subtraction, product and sum on its own (no FMA); a stable sort gives
+    ties to the smaller index, ``argmin`` the first minimum. Returns forward ``(d, i)`` of
+    shape ``(N, k)`` and backward ``(d, i)`` of shape ``(M, 1)``.
+    """
+    qn, rn = q.numpy(), r.numpy()
+    acc = np.zeros((qn.shape[0], rn.shape[0]), qn.dtype)
+    for d in range(qn.shape[1]):
+        x = qn[:, None, d] - rn[None, :, d]
+        acc += x * x
+    i = np.argsort(acc, axis=1, kind="stable")[:, :k]
+    bi = np.argmin(acc, axis=0)[:, None]
+    return (torch.from_numpy(np.take_along_axis(acc, i, 1)), torch.from_numpy(i),
+            torch.from_numpy(np.take_along_axis(acc, bi.T, 0).T), torch.from_numpy(bi))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("dim", [3, 4, 7, 8, 33])
+@pytest.mark.parametrize("grid", [False, True], ids=["float", "grid"])
+@cpu_only
+def test_feature_knn_bit_equal_to_plain_sum(backend, dtype, dim, grid):
+    """Both kernels equal the plain in-order sum bit for bit, ties included.
+
+    ``dim`` covers fewer dimensions than one register group, whole groups and remainders;
+    ``grid`` features (small integers) make many equal distances; 45 queries are not a
+    multiple of the query block and 300 reference rows are more than one tile.
+    """
+    g = torch.Generator().manual_seed(dim)
+    if grid:
+        q = torch.randint(0, 3, (45, dim), generator=g).to(dtype)
+        r = torch.randint(0, 3, (300, dim), generator=g).to(dtype)
+    else:
+        q = (torch.randn(45, dim, generator=g, dtype=torch.float64) * 7).to(dtype)
+        r = (torch.randn(300, dim, generator=g, dtype=torch.float64) * 7).to(dtype)
+        r[270:280] = r[5:15]
+        q[:5] = r[260:265]
+    d0, i0, bd0, bi0 = _feature_knn_plain(q, r, 3)
+    d, i = _ransac_cpu.feature_knn_cpu(q, r, 3)
+    assert torch.equal(i, i0) and torch.equal(d, d0)
+    d, i, bd, bi = _ransac_cpu.feature_knn_both_cpu(q, r, 3)
+    assert torch.equal(i, i0) and torch.equal(d, d0)
+    assert torch.equal(bi, bi0) and torch.equal(bd, bd0)
+    bd, bi = _ransac_cpu.feature_knn_cpu(r, q, 1)
+    assert torch.equal(bi, bi0) and torch.equal(bd, bd0)
+
+
+@backends("torch", "cpu")
+def test_shared_feature_knn_serves_matching_calls(backend, monkeypatch):
+    if not hasattr(K, "shared_feature_knn"):
+        pytest.skip("shared_feature_knn replaced by matches passed forward (feature_matches)")
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.rand(40, 8, generator=g), torch.rand(30, 8, generator=g)
+    want = [K.feature_knn(a, b, 1), K.feature_knn(a, b, 2), K.feature_knn(b, a, 1)]
+    calls = []
+    real = _ransac_cpu.feature_knn_both_cpu
+    monkeypatch.setattr(_ransac_cpu, "feature_knn_both_cpu",
+                        lambda *x: calls.append(1) or real(*x))
+    shared = K.shared_feature_knn(a, b, 2)
+    with shared:
+        got = [K.feature_knn(a, b, 1), K.feature_knn(a, b, 2)]
+    with shared:
+        got.append(K.feature_knn(b, a, 1))
+        other = K.feature_knn(a.clone(), b, 1)  # another tensor: searched on its own
+    for (d, i), (wd, wi) in zip(got, want, strict=True):
+        assert torch.equal(d, wd) and torch.equal(i, wi)
+    assert torch.equal(other[1], want[0][1])
+    assert len(calls) == (1 if _backend.backend(a) == "cpu" else 0)
+    a.copy_(torch.rand(40, 8, generator=g))  # modified in place: no stale answers
+    with shared:
+        d, i = K.feature_knn(a, b, 1)
+    truth = ((a[:, None].double() - b[None].double()) ** 2).sum(-1)
+    assert torch.equal(i[:, 0], truth.argmin(1))
+    assert len(calls) <= 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@cpu_only
+def test_bound_grid_equals_tree_and_brute(backend, dtype):
+    g = np.random.default_rng(7)
+    p, _ = _surface(5, 2000, torch.float64)
+    pts = (p.numpy() * 3 + 100.0).astype(dtype)  # far from the origin: rounding matters
+    q = np.concatenate([pts + g.normal(scale=s, size=pts.shape) for s in (0.0, 0.01, 0.05, 1)])
+    q = q.astype(dtype)
+    tree = _knn_cpu.CpuTree(pts)
+    for r in (0.02, 0.05, 0.3):
+        md = dtype(r * r)
+        grid = _score_cpu.BoundGrid.build(pts, md)
+        assert grid is not None
+        d, i = grid.nearest(q)
+        td, ti = tree.nearest(q, md)
+        assert np.array_equal(i, ti) and np.array_equal(d, td)
+        # points exactly at the bound: rounding decides, identically on both paths
+        edge = pts[:50] + np.array([r, 0, 0], dtype)
+        assert np.array_equal(grid.nearest(edge)[1], tree.nearest(edge, md)[1])
+    bd, bi = knn_reference(torch.from_numpy(q[:500]), torch.from_numpy(pts), 1, 0.03 ** 2)
+    d, i = _score_cpu.BoundGrid.build(pts, dtype(0.03 ** 2)).nearest(q[:500])
+    assert np.array_equal(i, bi[:, 0].numpy())
+
+
+@cpu_only
+def test_scoring_tree_routes_many_queries_to_the_grid(backend):
+    p, _ = _surface(2, 500, torch.float32)
+    pts = p.numpy()
+    t = _score_cpu.ScoringTree(pts)
+    q = np.repeat(pts, 5, 0) + np.float32(0.01)
+    base = _knn_cpu.CpuTree(pts)
+    d, i = t.nearest(q, 0.05 ** 2)
+    assert len(t._grids) == 1  # built for this bound and kept
+    bd, bi = base.nearest(q, 0.05 ** 2)
+    assert np.array_equal(i, bi) and np.array_equal(d, bd)
+    t.nearest(q[:10], 0.05 ** 2, hint=np.zeros(10, np.int64))  # hinted: the tree
+    t.nearest(q[:10], 0.02 ** 2)  # few queries, new bound: the tree, no grid built
+    assert len(t._grids) == 1
+
+
+@cpu_only
+def test_bound_grid_declines_a_huge_extent(backend):
+    pts = np.array([[0, 0, 0], [1e6, 1e6, 1e6]], np.float64)
+    assert _score_cpu.BoundGrid.build(pts, 1e-6) is None
+    t = _score_cpu.ScoringTree(pts)
+    d, i = t.nearest(np.zeros((20, 3)), 1e-6)
+    assert (i == 0).all() and not math.isnan(float(d[0]))
+
+
+@cpu_only
+def test_bound_grid_equals_tree_on_a_real_scan(backend):
+    """Scoring queries as register() makes them: the bunny moved by near and far motions."""
+    from pointalign import datasets
+    from pointalign.features.downsample import voxel_downsample
+
+    v = 0.006
+    pts = voxel_downsample(datasets.load_bunny("bun000"), v).numpy()  # ~1,000 points
+    src = voxel_downsample(datasets.load_bunny("bun045"), v)
+    g = torch.Generator().manual_seed(4)
+    ang = torch.rand(8, generator=g, dtype=torch.float64) * 0.6 - 0.3  # turns about z
+    T = torch.eye(4, dtype=torch.float64).repeat(8, 1, 1)
+    T[:, 0, 0], T[:, 0, 1] = torch.cos(ang), -torch.sin(ang)
+    T[:, 1, 0], T[:, 1, 1] = torch.sin(ang), torch.cos(ang)
+    T[:, :3, 3] = torch.rand(8, 3, generator=g, dtype=torch.float64) * 0.02 - 0.01
+    T[0] = torch.as_tensor(datasets.bunny_relative_pose("bun045", "bun000"))
+    q = K.transform_points(T, src).reshape(-1, 3).numpy()
+    tree = _knn_cpu.CpuTree(pts)
+    for r in (0.5 * v, v, 1.5 * v):
+        md = np.float32(r * r)
+        grid = _score_cpu.BoundGrid.build(pts, md)
+        assert grid is not None
+        d, i = grid.nearest(q)
+        td, ti = tree.nearest(q, md)
+        assert np.array_equal(i, ti) and np.array_equal(d, td)
+        assert (i >= 0).mean() > 0.05  # the aligned hypothesis hits: the early stop acts
+
+
+# ---- second-order compatibility and pair lengths ------------------------------------------
+
+def _compat(src: torch.Tensor, tgt: torch.Tensor, tau: float) -> torch.Tensor:
+    A = ((torch.cdist(src, src) - torch.cdist(tgt, tgt)).abs() < tau).to(torch.float32)
+    return A.fill_diagonal_(0)
+
+
+@cpu_only
+@pytest.mark.parametrize("c", [3, 64, 130, 700])
+def test_second_order_equals_reference(backend, c):
+    g = torch.Generator().manual_seed(c)
+    src = torch.rand(c, 3, generator=g)
+    tgt = src.clone()
+    tgt[c // 3:] = torch.rand(c - c // 3, 3, generator=g)  # two thirds wrong matches
+    A = _compat(src, tgt, 0.05)
+    S = _ransac_cpu.second_order_cpu(A)
+    assert torch.equal(S, second_order_reference(A))
+    assert bool((S > 0).any()) or c == 3
+
+
+def test_second_order_on_real_correspondences(backend, monkeypatch):
+    """Two bunny scans paired by index: the entry point takes the kernel on the "cpu"
+    backend (only there), equal to the reference bit for bit (integer counts)."""
+    from pointalign import datasets
+
+    p = datasets.load_bunny("bun000")[::40][:1000]
+    q = datasets.load_bunny("bun045")[::40][:1000]
+    A = _compat(q, p, 0.004)
+    calls = []
+    real = _ransac_cpu.second_order_cpu
+    monkeypatch.setattr(_ransac_cpu, "second_order_cpu", lambda a: calls.append(1) or real(a))
+    S = second_order(A.to(backend.device))
+    assert bool(calls) == (backend.name == "cpu")
+    assert torch.equal(S.cpu(), second_order_reference(A))
+
+
+@pytest.mark.parametrize("c", [3, 65, 700])
+def test_second_order_of_points_equals_reference(backend, c, monkeypatch):
+    """The fused kernel (lengths and A pair by pair, never stored) equals the reference.
+
+    Bit for bit, with tau at a value some |ds − dt| takes exactly (the strict comparison
+    decides those pairs) and at one that rounds to float32 (the comparison is PyTorch's).
+    The entry point on every backend: the kernel on "cpu" (only there), else the lengths
+    (elementwise PyTorch operations, one rounding each, the root in float64: the same
+    values on every device) and the integer counts of the reference.
+    """
+    g = torch.Generator().manual_seed(c)
+    src = torch.rand(c, 3, generator=g) * 0.1
+    tgt = src + torch.randn(c, 3, generator=g) * 0.004  # noisy correspondences
+    tgt[: c // 3] = torch.rand(c // 3, 3, generator=g) * 0.1  # and wrong ones
+    ds, dt = pair_lengths(src), pair_lengths(tgt)
+    # the lengths themselves: sqrt((dx² + dy²) + dz²) rounded step by step (NumPy float32)
+    d = src.numpy()[:, None] - src.numpy()[None]
+    assert np.array_equal(ds.numpy(), np.sqrt((d[..., 0] ** 2 + d[..., 1] ** 2) + d[..., 2] ** 2))
+    gap = (ds - dt).abs()
+    tie = float(gap[0, 1]) if c > 3 else 0.7
+    for tau in (tie, 0.7 * float(gap.mean()) + 1e-9):
+        A = ((ds - dt).abs() < tau).to(torch.float32).fill_diagonal_(0)
+        want = second_order_reference(A)
+        assert 0 < int(A.sum()) < c * (c - 1) or c == 3
+        if _backend.cpu_available():  # the numba kernel itself (any backend setting)
+            assert torch.equal(_ransac_cpu.second_order_points_cpu(src, tgt, tau), want)
+    calls = []
+    real = _ransac_cpu.second_order_points_cpu
+    monkeypatch.setattr(_ransac_cpu, "second_order_points_cpu",
+                        lambda *a: calls.append(1) or real(*a))
+    dev = backend.device
+    got = second_order_of_points(src.to(dev), tgt.to(dev), tau)
+    assert torch.equal(got.cpu(), want) and len(calls) == int(backend.name == "cpu")
