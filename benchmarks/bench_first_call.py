@@ -118,7 +118,8 @@ def _run_child(what: str, device: str, env: dict, pairs: int) -> dict:
     wall = time.perf_counter() - t
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("@@")]
     if p.returncode or not line:
-        raise SystemExit(f"child {what} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        raise SystemExit(f"child {what} failed ({p.returncode}):\n{p.stdout[-3000:]}\n"
+                         f"{p.stderr[-3000:]}")
     out = json.loads(line[-1][2:])
     out["process_wall_s"] = wall
     return out
@@ -148,7 +149,8 @@ def main() -> None:
                     third_ms=round(1e3 * r["third_s"], 1),
                     first_stages=json.dumps(r["first_stages"]))
         if not a.skip_sizes:
-            env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton2", NUMBA_CACHE_DIR=f"{tmp}/numba")
+            env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton2",
+                       NUMBA_CACHE_DIR=f"{tmp}/numba")
             r = _run_child("sizes", device, env, a.pairs)
             first, again = r["loops"]
             med = statistics.median(x["s"] for x in again)

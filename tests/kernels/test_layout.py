@@ -180,8 +180,7 @@ def _backend_uses(package: str) -> list[str]:
 @pytest.mark.parametrize("package", [
     "pointalign.search",
     "pointalign.features",
-    pytest.param("pointalign.registration", marks=pytest.mark.xfail(
-        strict=False, reason="soft/surface/pipeline helpers")),
+    "pointalign.registration",
 ])
 def test_algorithm_layer_never_asks_for_the_backend(package):
     """The device is decided in ``kernels/`` only (DESIGN: one seam)."""

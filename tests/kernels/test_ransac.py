@@ -436,35 +436,6 @@ def test_feature_knn_bit_equal_to_plain_sum(backend, dtype, dim, grid):
     assert torch.equal(bi, bi0) and torch.equal(bd, bd0)
 
 
-@backends("torch", "cpu")
-def test_shared_feature_knn_serves_matching_calls(backend, monkeypatch):
-    if not hasattr(K, "shared_feature_knn"):
-        pytest.skip("shared_feature_knn replaced by matches passed forward (feature_matches)")
-    g = torch.Generator().manual_seed(3)
-    a, b = torch.rand(40, 8, generator=g), torch.rand(30, 8, generator=g)
-    want = [K.feature_knn(a, b, 1), K.feature_knn(a, b, 2), K.feature_knn(b, a, 1)]
-    calls = []
-    real = _ransac_cpu.feature_knn_both_cpu
-    monkeypatch.setattr(_ransac_cpu, "feature_knn_both_cpu",
-                        lambda *x: calls.append(1) or real(*x))
-    shared = K.shared_feature_knn(a, b, 2)
-    with shared:
-        got = [K.feature_knn(a, b, 1), K.feature_knn(a, b, 2)]
-    with shared:
-        got.append(K.feature_knn(b, a, 1))
-        other = K.feature_knn(a.clone(), b, 1)  # another tensor: searched on its own
-    for (d, i), (wd, wi) in zip(got, want, strict=True):
-        assert torch.equal(d, wd) and torch.equal(i, wi)
-    assert torch.equal(other[1], want[0][1])
-    assert len(calls) == (1 if _backend.backend(a) == "cpu" else 0)
-    a.copy_(torch.rand(40, 8, generator=g))  # modified in place: no stale answers
-    with shared:
-        d, i = K.feature_knn(a, b, 1)
-    truth = ((a[:, None].double() - b[None].double()) ** 2).sum(-1)
-    assert torch.equal(i[:, 0], truth.argmin(1))
-    assert len(calls) <= 1
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @cpu_only
 def test_bound_grid_equals_tree_and_brute(backend, dtype):

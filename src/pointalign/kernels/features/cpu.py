@@ -1,7 +1,7 @@
 """CPU (numba) kernel of ``pca_normals``: covariance and closed-form eigenvector in one pass.
 
 Same formulas as the reference (:func:`pointalign.kernels.features.pca_normals_reference`:
-``features.normals._neighbour_covariances`` and ``smallest_eigenvector``), per point, with
+``kernels/features/reference.neighbour_covariances`` and ``smallest_eigenvector``), per point, with
 no ``(N, K, 3)`` gather: the neighbourhood mean and covariance are accumulated in the
 points' dtype in neighbour order (as the reference's sums), the eigen-solve in float64
 by :func:`pointalign.kernels._nb_math.smallest_eigenvector3`, the numba twin of the spec's

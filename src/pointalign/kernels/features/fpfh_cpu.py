@@ -35,8 +35,7 @@ import torch
 
 from pointalign import _threads
 from pointalign.kernels._numba import njit, prange
-
-BINS = 11
+from pointalign.kernels.features.reference import BINS
 
 
 @njit(cache=True, inline="always")

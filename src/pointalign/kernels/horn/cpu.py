@@ -21,7 +21,7 @@ fraction of its norm (measured: ≤ 4e-13 on 20,000 random triangles with gap > 
 ~rounding / gap where it is nearly tied. Two points leave a tie that only the εI tie-breaker
 splits, by ≤ ~1e-9 of ‖N‖ and by far less where the tied rotations differ little in angle:
 there the two paths may return different poses of the same cost (measured up to 9e-5 apart
-on noisy random pairs; ``tests/test_horn_cpu.py`` checks the cost), as ``eigh`` itself would
+on noisy random pairs; ``tests/kernels/test_horn.py`` checks the cost), as ``eigh`` itself would
 under a reordering of its input.
 """
 
@@ -38,7 +38,6 @@ from pointalign.kernels._nb_math import (
     HORN_TIE,
     add_horn_moments,
     horn_pose,
-    top_eigenvector4,  # noqa: F401 (re-exported for tests/test_horn_cpu.py)
 )
 from pointalign.kernels._numba import njit, prange
 
