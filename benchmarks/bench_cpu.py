@@ -84,7 +84,8 @@ pipeline under ``OMP_NUM_THREADS=1`` in the same minutes 0.63-0.74 s, of which i
 0.39-0.45 s and RANSAC 0.19-0.22 s):
 
 * feature-space kNN (``kernels/ransac/cpu.py``, fused, no N×M matrix): 0.24 s for its 3
-  calls (RANSAC's correspondences k = 1, and ``rank_correspondences``' k = 2 forward and k = 1 backward);
+  calls (RANSAC's correspondences k = 1, and ``rank_correspondences``' k = 2 forward and
+  k = 1 backward);
 * inlier scoring (``kernels/ransac/score_cpu.py`` cell grid behind the host tree): 0.15 s
   for ~620k queries
   (RANSAC score 2 × 145k, refine 3 × 18k, the robust stage's 65 candidates × 4.5k = 292k;
