@@ -79,11 +79,16 @@ def _child_sizes(device: str, pairs: int) -> dict:
     import pointalign as pa
 
     compiled = [0]
+    names: list[str] = []
+    reprs: list[str] = []
     try:
         from triton import knobs
 
         def hook(*args, **kwargs):
             compiled[0] += 1
+            fn = kwargs.get("fn")
+            names.append(getattr(fn, "name", None) or "?")
+            reprs.append(str(kwargs.get("repr", ""))[:400])
             return None
 
         knobs.runtime.jit_post_compile_hook = hook
@@ -96,7 +101,7 @@ def _child_sizes(device: str, pairs: int) -> dict:
     for _ in range(2):
         rows = []
         for a, b in order:
-            c0 = compiled[0]
+            c0, n0 = compiled[0], len(names)
             if device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -104,9 +109,13 @@ def _child_sizes(device: str, pairs: int) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             rows.append({"pair": f"{a}->{b}", "n": [int(scans[a].shape[0]), int(scans[b].shape[0])],
-                         "s": time.perf_counter() - t, "compiled": compiled[0] - c0})
+                         "s": time.perf_counter() - t, "compiled": compiled[0] - c0,
+                         "kernels": sorted(set(names[n0:]))})
         loops.append(rows)
-    return {"loops": loops}
+        if len(loops) == 1:  # what the calls after the first compiled, with its signature
+            first_n = sum(1 for _ in range(rows[0]["compiled"]))
+            later_reprs = reprs[first_n:]
+    return {"loops": loops, "later_reprs": later_reprs}
 
 
 def _run_child(what: str, device: str, env: dict, pairs: int) -> dict:
@@ -170,7 +179,11 @@ def main() -> None:
                     compiles_second_loop=sum(x["compiled"] for x in again))
             for x in slow:
                 rec.add("slow_calls", pair=x["pair"], n=str(x["n"]), s=round(x["s"], 3),
-                        compiled=x["compiled"])
+                        compiled=x["compiled"], kernels=" ".join(x["kernels"]))
+            later = sorted({k for x in first[1:] for k in x["kernels"]})
+            print("kernels compiled again at a new size:", " ".join(later), flush=True)
+            for rp in r["later_reprs"][:12]:
+                print("   ", rp, flush=True)
     print("wrote", rec.save())
 
 

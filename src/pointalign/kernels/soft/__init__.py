@@ -163,6 +163,11 @@ def soft_rows(
     Returns:
         :class:`SoftRows`; ``lse`` in the query's dtype.
 
+    Range: the Triton kernel computes in float32, where ``z − max z`` loses all precision
+    once ``s · min_j d_ij²`` reaches about 1e8 (half an ulp is then ≥ 1 in log2 units): such
+    a row, far from every point at that scale, reports no mass (``lse = −inf``, mean 0),
+    never NaN or +inf. The references (and "cpu" in float64) keep its finite ``lse``.
+
     """
     ql, pl = check(query, points, transform, scale, query_lengths, point_lengths,
                    point_log_weights)
