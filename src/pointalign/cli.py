@@ -963,7 +963,8 @@ def demo(
     start: Annotated[Start, typer.Option(
         help="where the method starts: identity, or near (the true pose turned by "
              f"{DEMO_NEAR[0]:g} deg and moved by {DEMO_NEAR[1] * 1e3:g} mm); auto: near for "
-             "the local methods (icp, icp-plane), identity for the others")] = Start.auto,
+             f"the local methods ({', '.join(LOCAL_METHODS)}), identity for the others")
+    ] = Start.auto,
     device: DeviceOpt = Device.auto,
     max_iterations: MaxIterationsOpt = None,
     seed: SeedOpt = None,

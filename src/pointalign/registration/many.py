@@ -46,17 +46,17 @@ import torch
 from pointalign import _progress, _threads, _validate
 from pointalign.kernels import _loop
 from pointalign.registration import _edge
+from pointalign.registration.options import Options as _Options
+from pointalign.registration.options import check
 from pointalign.registration.pipeline import (
     Prepared,
     Scales,
     _final_clouds,
     _final_icp,
     _global,
-    _Options,
     _prepare_pair,
     _refine_hypotheses,
     icp_criteria,
-    options,
 )
 from pointalign.registration.ransac import count_inliers
 from pointalign.registration.result import RegistrationResult
@@ -261,7 +261,7 @@ def register_many(
     """
     t0 = time.perf_counter()
     specs = _specs(pairs)
-    opts = options("register_many", register_options)
+    opts = check("register_many", register_options)
     if on_error not in ("raise", "record"):
         raise ValueError(f"on_error: expected 'raise' or 'record', got {on_error!r}")
     retries = _validate.integer(retries, "retries", minimum=0)

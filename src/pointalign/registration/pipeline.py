@@ -5,26 +5,30 @@ The recipe of Open3D's global-registration tutorial (Rusu et al. 2009 features; 
 length a multiple of the voxel edge v (:class:`Scales`; default v:
 :func:`~pointalign.features.downsample.auto_voxel_size`):
 
-1. :func:`_prepare_cloud`, once per cloud (after dropping stray points where a sample
-   shows some, :func:`~pointalign.features.outliers.dense_mask`): downsample at v; one
-   neighbour search (5v, 100 nearest) serves the normals (PCA within 2v, 30 nearest,
-   facing the cloud's centroid, a convention that moves with the cloud) and FPFH (5v);
+1. :func:`_prepare_pair`: v, then :func:`_prepare_cloud` once per cloud (after dropping
+   stray points where a sample shows some, :func:`~pointalign.features.outliers.dense_mask`):
+   downsample at v; one neighbour search (5v, 100 nearest) serves the normals (PCA within
+   2v, 30 nearest, facing the cloud's centroid, a convention that moves with the cloud) and
+   FPFH (5v);
 2. :func:`_global`: the feature matches, found once, go to parallel RANSAC (inliers within
    1.5v) and to the compatibility graph's proposer (:mod:`pointalign.registration.robust`);
 3. :func:`_refine_hypotheses`: the best few proposals by inliers, refined by one batched
    point-to-plane ICP on the downsampled clouds (1.5v), ranked by their overlap within v;
-4. :func:`_final_icp`: point-to-plane ICP of the full clouds (or their ``icp_voxel_size``
-   copies) with 0.5v from the best; each ICP stops on Open3D's relative-change rule or an
-   update below 0.1 % of v and 0.01°;
+4. :func:`_final_icp`: point-to-plane ICP (or GICP, ``refine="gicp"``) of the full clouds
+   (or their ``icp_voxel_size`` copies, :func:`_final_clouds`) with 0.5v from the best;
+   each ICP stops on Open3D's relative-change rule or an update below 0.1 % of v and 0.01°;
 5. :func:`~pointalign.registration.verdict.verdict`: whether the result can be trusted
    (overlap, margin over a different hypothesis, concentration of the residuals,
    determinacy).
+
+:func:`~pointalign.registration.many.register_many` runs the same stages: 1-2 per pair
+(in each pair's frame scaled by 1/v), 3-5 on batches of pairs (lists of problems).
+Options are checked by :func:`pointalign.registration.options.check` for both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -49,15 +53,17 @@ from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.gicp import gicp
 from pointalign.registration.icp import icp
+from pointalign.registration.options import (  # noqa: F401 (register's names, documented)
+    RANSAC_OPTIONS,
+    REFINEMENTS,
+    check,
+)
+from pointalign.registration.options import Options as _Options
 from pointalign.registration.ransac import count_inliers, ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
 from pointalign.registration.verdict import decided_result, global_result, verdict
 from pointalign.search import build_index, policy
-
-#: register()'s refinements of the global result: point-to-plane ICP, generalized ICP
-#: (:func:`~pointalign.registration.gicp.gicp`), or none (the global stage alone)
-REFINEMENTS = ("point_to_plane", "gicp", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,75 +146,6 @@ class Prepared(NamedTuple):
     features: torch.Tensor
 
 
-class _Options(NamedTuple):
-    """:func:`register`'s validated keyword arguments, as the stages read them."""
-
-    voxel_size: float | None
-    refine: str
-    target_points: int
-    hypotheses: int
-    icp_voxel_size: float | None
-    max_iterations: int
-    seed: int
-    remove_outliers: bool
-    robust: bool
-    max_correspondence_distance: float | None
-    icp_max_correspondence_distance: float | None
-    ransac_options: dict[str, Any]
-
-
-#: ransac()'s keywords that register() sets itself; RANSAC_OPTIONS: those it passes on
-_RANSAC_SET_HERE = frozenset({"source", "target", "source_features", "target_features",
-                              "hypotheses", "target_index", "seed", "device", "matches",
-                              "max_correspondence_distance"})
-RANSAC_OPTIONS = tuple(sorted(set(inspect.signature(ransac).parameters) - _RANSAC_SET_HERE))
-
-
-def _positive_or_none(value: Any, name: str) -> float | None:
-    return None if value is None else _validate.positive(value, name)
-
-
-def options(caller: str, given: dict[str, Any]) -> _Options:
-    """Check :func:`register`'s keyword arguments ``given`` (its defaults for those missing).
-
-    The one check of register's options, for :func:`register` and
-    :func:`~pointalign.registration.many.register_many` (``caller`` names the function in
-    the errors): a keyword neither register's nor one of :data:`RANSAC_OPTIONS` is a
-    TypeError; ``method=`` (deprecated) becomes ``refine``.
-    """
-    bound = inspect.signature(register).bind(None, None, **given)
-    bound.apply_defaults()
-    a = bound.arguments
-    ransac_options = dict(a["ransac_options"])
-    for name in ("remove_outliers", "robust"):
-        if not isinstance(a[name], (bool, np.bool_)):
-            raise TypeError(f"{name}: expected True or False, got {a[name]!r}")
-    unknown = sorted(set(ransac_options) - set(RANSAC_OPTIONS))
-    if unknown:
-        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r} "
-                        f"(besides its own, {caller} passes these on to ransac(): "
-                        f"{', '.join(RANSAC_OPTIONS)})")
-    refine, method = a["refine"], a["method"]
-    if method is not None:  # the old name: register(method="icp" | "none")
-        _progress.warn(f'{caller}(method=...) is now {caller}(refine=...) ("icp" became '
-                       '"point_to_plane")', DeprecationWarning, stacklevel=4)
-        refine = {"icp": "point_to_plane"}.get(method, method)
-    if refine not in REFINEMENTS:
-        raise ValueError(f"{'refine' if method is None else 'method'}: expected one of "
-                         f"{REFINEMENTS}, got {refine!r}")
-    return _Options(
-        _positive_or_none(a["voxel_size"], "voxel_size"), refine,
-        _validate.integer(a["target_points"], "target_points", minimum=3),
-        _validate.integer(a["hypotheses"], "hypotheses", minimum=1),
-        _positive_or_none(a["icp_voxel_size"], "icp_voxel_size"),
-        _validate.integer(a["max_iterations"], "max_iterations", minimum=1),
-        _validate.seed(a["seed"]), bool(a["remove_outliers"]), bool(a["robust"]),
-        _positive_or_none(a["max_correspondence_distance"], "max_correspondence_distance"),
-        _positive_or_none(a["icp_max_correspondence_distance"],
-                          "icp_max_correspondence_distance"),
-        ransac_options)
-
-
 @_validate.out_of_memory_is_clear
 def register(
     source: Any,
@@ -264,7 +201,8 @@ def register(
         icp_max_correspondence_distance: the final ICP's correspondence distance (default
             0.5v, ``Scales.fine``), also the verdict's inner bound.
         **ransac_options: passed to :func:`~pointalign.registration.ransac.ransac`: any of
-            :data:`RANSAC_OPTIONS`; another keyword is a TypeError naming ``register``.
+            :data:`~pointalign.registration.options.RANSAC_OPTIONS`; another keyword is a
+            TypeError naming ``register``.
 
     Returns:
         :class:`RegistrationResult`; ``timings`` per stage (RANSAC's as ``ransac.<stage>``);
@@ -283,7 +221,7 @@ def register(
         failed one says why in ``stop_reason`` and ``info["verdict"]``.
 
     """
-    opts = options("register", {
+    opts = check("register", {
         "voxel_size": voxel_size, "refine": refine, "method": method,
         "target_points": target_points, "hypotheses": hypotheses,
         "icp_voxel_size": icp_voxel_size, "max_iterations": max_iterations, "seed": seed,
