@@ -292,7 +292,6 @@ def register_many(
 
 
 # ---------------------------------------------------------------------------- Dask
-# ---------------------------------------------------------------------------- Dask
 
 def _worker_kind() -> str:
     """Return the device kind a worker registers on by default ("cuda" or "cpu")."""

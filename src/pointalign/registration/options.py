@@ -76,8 +76,8 @@ def check(caller: str, given: dict[str, Any]) -> Options:
                        '"point_to_plane")', DeprecationWarning, stacklevel=4)
         refine = {"icp": "point_to_plane"}.get(method, method)
     if refine not in REFINEMENTS:
-        raise ValueError(f"{'refine' if method is None else 'method'}: expected one of "
-                         f"{REFINEMENTS}, got {refine!r}")
+        raise ValueError(f"{'refine' if method is None else 'method (now refine)'}: "
+                         f"expected one of {REFINEMENTS}, got {refine!r}")
     return Options(
         _positive_or_none(a["voxel_size"], "voxel_size"), refine,
         _validate.integer(a["target_points"], "target_points", minimum=3),
