@@ -481,7 +481,7 @@ def _refine_hypotheses(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared
     else:  # lists of clouds: padded by icp()
         src, tgt = [problems[b][1].down for b in owner], [problems[b][2].down for b in owner]
         index = [problems[b][2].index for b in owner]
-        normals = _validate.as_batch([problems[b][2].normals for b in owner], "normals")[0]
+        normals = _batch([problems[b][2].normals for b in owner])
     loc = icp(src, tgt, init=torch.cat(top), max_correspondence_distance=scales.correspondence,
               method="point_to_plane", criteria=criteria, index=index, target_normals=normals,
               device=top[0].device)
@@ -542,23 +542,34 @@ def _final_icp(pairs: Sequence[FinalClouds], init: torch.Tensor, scales: Scales,
                ) -> RegistrationResult:
     """Refine B pairs from ``init (B, 4, 4)`` within ``Scales.fine``: one batched call.
 
-    ``refine="point_to_plane"``: point-to-plane ICP; ``"gicp"``: generalized ICP. The
-    clouds go as lists (padded by the call: ``register_many``'s size groups); the result is
-    batched (B).
+    ``refine="point_to_plane"``: point-to-plane ICP; ``"gicp"``: generalized ICP. One pair
+    goes as a view ``(1, N, 3)``; several as lists (padded by the call: ``register_many``'s
+    size groups). The result is batched (B).
     """
     clock.lap("icp_prepare")
-    src, tgt, index = [p.source for p in pairs], [p.target for p in pairs], \
-        [p.index for p in pairs]
+    index = [p.index for p in pairs]
+    src, tgt = (_batch([p.source for p in pairs], pad=False),
+                _batch([p.target for p in pairs], pad=False))
     if refine == "gicp":
         local = gicp(src, tgt, init=init, max_correspondence_distance=scales.fine,
                      criteria=criteria, index=index, device=init.device)
     else:
-        normals = _validate.as_batch([p.normals for p in pairs], "normals")[0]
         local = icp(src, tgt, init=init, max_correspondence_distance=scales.fine,
                     method="point_to_plane", criteria=criteria, index=index,
-                    target_normals=normals, device=init.device)
+                    target_normals=_batch([p.normals for p in pairs]), device=init.device)
     clock.lap("icp")
     return local
+
+
+def _batch(clouds: list[Any], pad: bool = True) -> Any:
+    """Return B clouds ``(n_b, 3)`` for a batched call.
+
+    A view ``(1, n, 3)`` of one (no copy); else the list (``pad=False``: the call pads it)
+    or ``(B, max n_b, 3)`` zero-padded.
+    """
+    if len(clouds) == 1:
+        return clouds[0][None]
+    return _validate.as_batch(clouds, "clouds")[0] if pad else clouds
 
 
 #: correspondences the compatibility graph is built on (the most distinctive first)
