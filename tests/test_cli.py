@@ -425,3 +425,96 @@ def test_bin_columns_are_inferred_by_default(tmp_path):
                         terminal_width=200)
     assert res.exit_code == 0, res.output
     assert "read as 3 float32 columns" in res.output and "800 points" in res.output
+
+
+# ----------------------------------------------------------------------------------------
+# GICP and VGICP as methods; the global method's --refine
+# ----------------------------------------------------------------------------------------
+
+def test_register_gicp_and_vgicp_call_the_library(tmp_path, monkeypatch):
+    """--method gicp calls pa.gicp with the local methods' distance (the library's default
+    unless given); vgicp calls pa.vgicp with --voxel-size or register's automatic edge of
+    the target; both recover the pair and say which values they used."""
+    import pointalign as pa
+    from pointalign.features.downsample import auto_voxel_size
+    from pointalign.registration import gicp as gicp_module
+
+    pair, src, tgt = _small_pair(tmp_path, 800)
+    calls = []
+    for name in ("gicp", "vgicp"):
+        real = getattr(gicp_module, name)
+        assert getattr(pa, name) is real  # the public function is the one the CLI runs
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append((_name, k))
+            return _real(*a, **k)
+        monkeypatch.setattr(gicp_module, name, spy)
+    for method, extra in (("gicp", []), ("vgicp", []), ("vgicp", ["--voxel-size", "0.01"])):
+        js = tmp_path / f"{method}{len(extra)}.json"
+        res = runner.invoke(cli.app, ["register", str(src), str(tgt), "--method", method,
+                                      "--device", "cpu", "--json", str(js), *extra],
+                            terminal_width=200)
+        assert res.exit_code == 0, res.output
+        doc = json.loads(js.read_text())
+        rot, trans = metrics.relative_error(np.array(doc["transformation"]),
+                                            pair.T_target_source)
+        assert rot < 0.5 and trans < 1e-3
+        name, kw = calls[-1]
+        assert name == method
+        if method == "gicp":
+            want = _defaults.icp_distance(pair.source)
+            assert kw["max_correspondence_distance"] == pytest.approx(want)
+            assert "5% of the source" in res.output
+        elif extra:
+            assert kw["voxel_size"] == 0.01 and doc["parameters"]["voxel_size"] == 0.01
+        else:
+            assert kw["voxel_size"] == pytest.approx(auto_voxel_size(pair.target))
+            assert "automatic voxel edge of the target" in res.output
+    res = runner.invoke(cli.app, ["register", str(src), str(tgt), "--method", "vgicp",
+                                  "--device", "cpu", "--max-distance", "0.02"])
+    assert "max-distance is ignored by method vgicp" in res.output
+
+
+def test_global_refine_reaches_register(tmp_path, monkeypatch):
+    """--refine is register()'s refine= (default: register's own); other methods ignore it."""
+    from pointalign.registration import pipeline
+
+    _, src, tgt = _small_pair(tmp_path, 300)
+    import functools
+
+    seen = []
+    real = pipeline.register
+
+    @functools.wraps(real)  # the CLI reads register's signature for its defaults
+    def spy(*a, **k):
+        seen.append(k.get("refine"))
+        return real(*a, **k)
+    monkeypatch.setattr(pipeline, "register", spy)
+    for extra, want in (([], None), (["--refine", "gicp"], "gicp"),
+                        (["--refine", "none"], "none")):
+        res = runner.invoke(cli.app, ["register", str(src), str(tgt), "--device", "cpu",
+                                      "--voxel-size", "0.01", "--allow-failure", *extra],
+                            terminal_width=200)
+        assert res.exit_code == 0, res.output
+        assert seen[-1] == want
+        shown = want or "point_to_plane"
+        assert re.search(rf"refine\s*│ {shown}", res.output), res.output
+    res = runner.invoke(cli.app, ["register", str(src), str(tgt), "--method", "icp",
+                                  "--device", "cpu", "--refine", "gicp",
+                                  "--max-distance", "0.02"])
+    assert res.exit_code == 0 and "--refine is ignored by method icp" in res.output
+    res = runner.invoke(cli.app, ["register", str(src), str(tgt), "--refine", "bogus"])
+    assert res.exit_code == 2 and "bogus" in res.output
+    assert [r.value for r in cli.Refine] == list(pipeline.REFINEMENTS)
+
+
+def test_demo_and_batch_list_the_gicp_methods(tmp_path):
+    for command in ("demo", "batch"):
+        res = runner.invoke(cli.app, [command, "--help"], terminal_width=200)
+        assert res.exit_code == 0 and "gicp|vgicp" in res.output and "--refine" in res.output
+    res = runner.invoke(cli.app, ["demo", "--method", "vgicp", "--device", "cpu", "-q"])
+    assert res.exit_code == 0 and res.stdout.startswith("aligned:"), res.output
+    pair, src, tgt = _small_pair(tmp_path, 800)
+    res = runner.invoke(cli.app, ["batch", str(src), "--target", str(tgt), "--method", "gicp",
+                                  "--device", "cpu"], terminal_width=200)
+    assert res.exit_code == 0, res.output

@@ -1,4 +1,4 @@
-"""Command line: ``pointalign info | register | batch | demo | view | bench``.
+"""Command line: ``pointalign info|register|batch|demo|view|bench|register-many|multiway``.
 
 Parses, checks every option and output path before any work, calls the public API, prints.
 No numerics live here: the default distances come from :mod:`pointalign._defaults` and the
@@ -12,7 +12,8 @@ Options shared by several commands are declared once, as ``Annotated`` aliases
 a command can also come from a TOML file given with ``--config``: keys are the option names
 (``max-distance`` or ``max_distance``), at the top level or in a table named after the
 command (``[register]``), which wins; options on the command line win over the file.
-``bench`` lives in :mod:`pointalign.cli_bench`, registered on the same app.
+``bench`` lives in :mod:`pointalign.cli_bench`, ``register-many`` and ``multiway`` in
+:mod:`pointalign.cli_many` (``register_commands(app)``), all registered on the same app.
 """
 
 from __future__ import annotations
@@ -128,9 +129,14 @@ def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Any]:
 #: module is missing gets a clear message instead of an ImportError.
 METHODS: dict[str, tuple[str, str, str]] = {
     "global": ("pointalign.registration.pipeline", "register",
-               "FPFH + parallel RANSAC, then point-to-plane ICP (works from any pose)"),
+               "FPFH + parallel RANSAC, then point-to-plane ICP or GICP (--refine; works "
+               "from any pose)"),
     "icp": ("pointalign.registration.icp", "icp", "point-to-point ICP (local)"),
     "icp-plane": ("pointalign.registration.icp", "icp", "point-to-plane ICP (local)"),
+    "gicp": ("pointalign.registration.gicp", "gicp",
+             "generalized ICP, plane-to-plane (local)"),
+    "vgicp": ("pointalign.registration.gicp", "vgicp",
+              "voxelized GICP: Gaussians per voxel, no neighbour search per step (local)"),
     "emicp": ("pointalign.registration.soft", "emicp", "EM-ICP, soft correspondences"),
     "softassign": ("pointalign.registration.soft", "softassign", "Softassign with Sinkhorn"),
     "newton": ("pointalign.registration.surface", "surface_newton",
@@ -151,6 +157,14 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
+class Refine(str, enum.Enum):
+    """The global method's final stage (``register(refine=...)``)."""
+
+    point_to_plane = "point_to_plane"
+    gicp = "gicp"
+    none = "none"
+
+
 class Start(str, enum.Enum):
     """Where ``demo`` starts a method."""
 
@@ -161,9 +175,11 @@ class Start(str, enum.Enum):
 
 #: which of the shared options each method uses (the others are reported as ignored)
 USES: dict[str, set[str]] = {
-    "global": {"voxel_size", "max_iterations", "seed"},
+    "global": {"voxel_size", "max_iterations", "seed", "refine"},
     "icp": {"init", "max_distance", "max_iterations"},
     "icp-plane": {"init", "max_distance", "max_iterations"},
+    "gicp": {"init", "max_distance", "max_iterations"},
+    "vgicp": {"init", "voxel_size", "max_iterations"},
     "emicp": {"init", "max_iterations"},
     "softassign": {"init", "max_iterations"},
     "newton": {"init", "max_distance", "max_iterations"},
@@ -416,6 +432,10 @@ def _read_cloud(path: Path, bin_columns: int | None) -> Any:
     return cloud
 
 
+def _refine(refine: Refine | None) -> str | None:
+    return None if refine is None else Refine(refine).value
+
+
 def _ignored(method: str, given: dict[str, Any]) -> list[str]:
     return [k for k, v in given.items() if v is not None and k not in USES[method]]
 
@@ -429,10 +449,10 @@ def _iteration_cap(method: str, given: int | None, result: Any, source: Any) -> 
 
         cap = inspect.signature(register).parameters["max_iterations"].default
         return f"{cap} per ICP stage (coarse and final; register's default)"
-    if method in ("icp", "icp-plane"):
+    if method in ("icp", "icp-plane", "gicp", "vgicp"):
         from pointalign.registration.criteria import ConvergenceCriteria
 
-        return f"{ConvergenceCriteria().max_iterations} (icp's default)"
+        return f"{ConvergenceCriteria().max_iterations} ({METHODS[method][1]}'s default)"
     if method in ("newton", "approx-icp"):
         from pointalign import _validate
         from pointalign.registration.surface import default_criteria
@@ -446,7 +466,7 @@ def _iteration_cap(method: str, given: int | None, result: Any, source: Any) -> 
 
 def _run(method: str, source: Any, target: Any, *, init: np.ndarray | None, device: str,
          max_distance: float | None, voxel_size: float | None, max_iterations: int | None,
-         seed: int | None) -> tuple[Any, dict[str, Any]]:
+         seed: int | None, refine: str | None = None) -> tuple[Any, dict[str, Any]]:
     """Run one method; returns the result and the parameters actually used."""
     from pointalign import _defaults
     from pointalign.registration.criteria import ConvergenceCriteria
@@ -461,19 +481,22 @@ def _run(method: str, source: Any, target: Any, *, init: np.ndarray | None, devi
             kw["max_iterations"] = max_iterations
         if seed is not None:
             kw["seed"] = seed
+        if refine is not None:
+            kw["refine"] = refine
         result = fn(source, target, **kw)
         v = float(result.info.get("voxel_size", voxel_size or float("nan")))
         seed_default = inspect.signature(fn).parameters["seed"].default
         used.update(voxel_size=v, voxel_size_source="given" if voxel_size else "automatic",
                     max_distance=Scales(v).fine if v > 0 else v,
-                    max_distance_source=f"{Scales(1.0).fine:g} x voxel size (final ICP)",
-                    seed=seed if seed is not None else seed_default)
+                    max_distance_source=f"{Scales(1.0).fine:g} x voxel size (final stage)",
+                    seed=seed if seed is not None else seed_default,
+                    refine=refine or inspect.signature(fn).parameters["refine"].default)
         used["max_iterations"] = _iteration_cap(method, max_iterations, result, source)
         return result, used
     common: dict[str, Any] = {"init": init, "device": device}
     if crit is not None:
         common["criteria"] = crit
-    if method in ("icp", "icp-plane"):
+    if method in ("icp", "icp-plane", "gicp"):
         dist = max_distance
         used["max_distance_source"] = "given"
         if dist is None:
@@ -481,9 +504,18 @@ def _run(method: str, source: Any, target: Any, *, init: np.ndarray | None, devi
             used["max_distance_source"] = (f"{100 * _defaults.ICP_DISTANCE_FRACTION:g}% of "
                                            "the source's bounding-box diagonal")
         used["max_distance"] = dist
-        used["estimation"] = "point_to_plane" if method == "icp-plane" else "point_to_point"
-        result = fn(source, target, max_correspondence_distance=dist,
-                    method=used["estimation"], **common)
+        if method != "gicp":
+            common["method"] = used["estimation"] = \
+                "point_to_plane" if method == "icp-plane" else "point_to_point"
+        result = fn(source, target, max_correspondence_distance=dist, **common)
+    elif method == "vgicp":
+        used["voxel_size"], used["voxel_size_source"] = voxel_size, "given"
+        if voxel_size is None:
+            from pointalign.features.downsample import auto_voxel_size
+
+            used["voxel_size"] = auto_voxel_size(target)
+            used["voxel_size_source"] = "register's automatic voxel edge of the target"
+        result = fn(source, target, voxel_size=used["voxel_size"], **common)
     elif method in ("newton", "approx-icp"):
         used["max_distance"] = max_distance
         used["max_distance_source"] = "given" if max_distance else "none (no truncation)"
@@ -623,11 +655,15 @@ SeedOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     min=0, metavar="N", help="random seed (global)")]
 VoxelSizeOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
     callback=_positive, metavar="FLOAT",
-    help="voxel edge for global registration (default: automatic, printed)")]
+    help="voxel edge of global registration and of vgicp's voxels (default: register's "
+         "automatic edge, of the target for vgicp; printed)")]
 MaxDistanceOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
     callback=_positive, metavar="FLOAT",
-    help="max correspondence distance of local methods (icp default: 5% of the source's "
-         "bounding-box diagonal, printed)")]
+    help="max correspondence distance of local methods (icp, gicp default: 5% of the "
+         "source's bounding-box diagonal, printed)")]
+RefineOpt = Annotated[Optional[Refine], typer.Option(  # noqa: UP045
+    help="the global method's final stage: point_to_plane ICP (register's default), gicp "
+         "(generalized ICP) or none (the global stage alone)")]
 BinColumnsOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     min=3, metavar="N", help="float32 columns per point of .bin scans (default: inferred "
                              "from the data, 4 = KITTI's x y z reflectance, or 3)")]
@@ -729,6 +765,7 @@ def register(
     max_distance: MaxDistanceOpt = None,
     max_iterations: MaxIterationsOpt = None,
     seed: SeedOpt = None,
+    refine: RefineOpt = None,
     bin_columns: BinColumnsOpt = None,
     output: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         metavar="FILE", help="write the aligned source cloud here (suffix picks the "
@@ -749,7 +786,8 @@ def register(
     dev = _resolve_device(device)
     T0 = _read_init(init)
     for name in _ignored(m, {"init": init, "voxel_size": voxel_size,
-                             "max_distance": max_distance, "seed": seed}) * (level >= 0):
+                             "max_distance": max_distance, "seed": seed,
+                             "refine": refine}) * (level >= 0):
         _warning(f"--{name.replace('_', '-')} is ignored by method {m}")
 
     from pointalign import _progress
@@ -771,7 +809,7 @@ def register(
                             placeholder=True):
             result, used = _run(m, src, tgt, init=T0, device=dev, max_distance=max_distance,
                                 voxel_size=voxel_size, max_iterations=max_iterations,
-                                seed=seed)
+                                seed=seed, refine=_refine(refine))
     except (ValueError, TypeError, MemoryError) as exc:
         _error(f"registration failed: {exc}")
         raise typer.Exit(EXIT_FAILED) from None
@@ -823,6 +861,7 @@ def batch(
     max_distance: MaxDistanceOpt = None,
     max_iterations: MaxIterationsOpt = None,
     seed: SeedOpt = None,
+    refine: RefineOpt = None,
     bin_columns: BinColumnsOpt = None,
     json_out: JsonOpt = None,
     allow_failure: AllowFailureOpt = False,
@@ -835,7 +874,7 @@ def batch(
     _check_reports(json_out, None, None)
     dev = _resolve_device(device)
     for name in _ignored(m, {"voxel_size": voxel_size, "max_distance": max_distance,
-                             "seed": seed}) * (level >= 0):
+                             "seed": seed, "refine": refine}) * (level >= 0):
         _warning(f"--{name.replace('_', '-')} is ignored by method {m}")
     from pointalign import _progress
 
@@ -855,7 +894,7 @@ def batch(
             t0 = time.perf_counter()
             result, used = _run(m, src, tgt, init=None, device=dev, max_distance=max_distance,
                                 voxel_size=voxel_size, max_iterations=max_iterations,
-                                seed=seed)
+                                seed=seed, refine=_refine(refine))
         except (OSError, ValueError, TypeError, ImportError, MemoryError) as exc:
             failed += 1
             table.add_row(escape(path.name), "-", "-", "-", f"[red]failed: {escape(str(exc))}"
@@ -914,7 +953,7 @@ DEMO_LOCAL_DISTANCE = 5e-3
 #: method's own distance
 DEMO_EVAL_DISTANCE = 2e-3
 #: methods that refine a pose they are given: the demo starts them near the answer
-LOCAL_METHODS = ("icp", "icp-plane")
+LOCAL_METHODS = ("icp", "icp-plane", "gicp", "vgicp")
 
 
 @command()
@@ -924,10 +963,12 @@ def demo(
     start: Annotated[Start, typer.Option(
         help="where the method starts: identity, or near (the true pose turned by "
              f"{DEMO_NEAR[0]:g} deg and moved by {DEMO_NEAR[1] * 1e3:g} mm); auto: near for "
-             "the local methods (icp, icp-plane), identity for the others")] = Start.auto,
+             f"the local methods ({', '.join(LOCAL_METHODS)}), identity for the others")
+    ] = Start.auto,
     device: DeviceOpt = Device.auto,
     max_iterations: MaxIterationsOpt = None,
     seed: SeedOpt = None,
+    refine: RefineOpt = None,
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
     html: HtmlOpt = None,
@@ -937,8 +978,8 @@ def demo(
     m = Method(method).value
     _check_reports(json_out, plot, html)
     dev = _resolve_device(device)
-    if seed is not None and m != "global" and level >= 0:
-        _warning(f"--seed is ignored by method {m}")
+    for name in _ignored(m, {"seed": seed, "refine": refine}) * (level >= 0):
+        _warning(f"--{name} is ignored by method {m}")
     from pointalign import datasets, metrics
 
     pair = datasets.load_bunny_pair()
@@ -968,7 +1009,7 @@ def demo(
                         placeholder=True):
         result, used = _run(m, pair.source, pair.target, init=init, device=dev,
                             max_distance=local_distance, voxel_size=None,
-                            max_iterations=max_iterations, seed=seed)
+                            max_iterations=max_iterations, seed=seed, refine=_refine(refine))
     wall = time.perf_counter() - t0
     if local_distance is not None:
         used["max_distance_source"] = "the demo's setting for local methods"
@@ -1066,8 +1107,12 @@ def view(
     _say(_level(ctx), f"viewer written to {escape(str(output))}")
 
 
-# ``bench`` (and its suite runner) live in their own module, registered on this app
+# ``bench`` (and its suite runner) live in their own module, registered on this app; so do
+# ``register-many`` and ``multiway``
 from pointalign import cli_bench as _cli_bench  # noqa: E402,F401
+from pointalign import cli_many as _cli_many  # noqa: E402
+
+_cli_many.register_commands(app)
 
 if __name__ == "__main__":  # pragma: no cover
     # run the app of the imported module (the one ``cli_bench`` registered ``bench`` on)

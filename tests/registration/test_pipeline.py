@@ -191,6 +191,7 @@ def test_overrides_reach_every_use_and_matches_are_found_once(bunny, monkeypatch
     its two; the feature matches are searched once and handed to RANSAC and the ranking."""
     from pointalign.kernels import ransac as kr
     from pointalign.registration import pipeline
+    from pointalign.registration import verdict as verdict_module
 
     seen: dict = {}
 
@@ -209,7 +210,7 @@ def test_overrides_reach_every_use_and_matches_are_found_once(bunny, monkeypatch
     spy(pipeline, "compatibility_hypotheses", lambda a, k, out: a[2])
     spy(pipeline, "count_inliers", lambda a, k, out: a[3])
     spy(pipeline, "icp", lambda a, k, out: k["max_correspondence_distance"])
-    spy(pipeline, "count_inliers_within", lambda a, k, out: a[3])
+    spy(verdict_module, "count_inliers_within", lambda a, k, out: a[3])
     v, d, fine = 0.008, 0.011, 0.003
     r = register(bunny.source, bunny.target, voxel_size=v, hypotheses=256, icp_voxel_size=0.004,
                  max_correspondence_distance=d, icp_max_correspondence_distance=fine)

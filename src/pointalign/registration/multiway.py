@@ -392,7 +392,9 @@ def multiway(
             scans as paths so that workers read them).
         chunk_size: pairs per chunk (see :func:`register_many`).
         progress: show progress bars (None: when interactive).
-        **register_options: passed to :func:`register_many` (``hypotheses``, ``seed``, …).
+        **register_options: passed to :func:`register_many` (``hypotheses``, ``seed``, …;
+            register's ``refine=`` cannot be: here ``refine`` counts the rounds above, so
+            the edges' final stage is register's default, point-to-plane ICP).
 
     Returns:
         :class:`MultiwayResult`.
@@ -413,7 +415,7 @@ def multiway(
     dev = None if client is not None else _validate.as_device(device)
     clouds = _load(scans, dev)
     if voxel_size is None:
-        from pointalign.registration.pipeline import auto_voxel_size
+        from pointalign.features.downsample import auto_voxel_size
 
         big = max(clouds, key=lambda c: c.shape[0])
         voxel_size = auto_voxel_size(big, register_options.get("target_points", 5000))

@@ -5,27 +5,32 @@ The recipe of Open3D's global-registration tutorial (Rusu et al. 2009 features; 
 length a multiple of the voxel edge v (:class:`Scales`; default v:
 :func:`~pointalign.features.downsample.auto_voxel_size`):
 
-1. :func:`_prepare_cloud`, once per cloud (after dropping stray points where a sample
-   shows some, :func:`~pointalign.features.outliers.dense_mask`): downsample at v; one
-   neighbour search (5v, 100 nearest) serves the normals (PCA within 2v, 30 nearest,
-   facing the cloud's centroid, a convention that moves with the cloud) and FPFH (5v);
+1. :func:`_prepare_pair`: v, then :func:`_prepare_cloud` once per cloud (after dropping
+   stray points where a sample shows some, :func:`~pointalign.features.outliers.dense_mask`):
+   downsample at v; one neighbour search (5v, 100 nearest) serves the normals (PCA within
+   2v, 30 nearest, facing the cloud's centroid, a convention that moves with the cloud) and
+   FPFH (5v);
 2. :func:`_global`: the feature matches, found once, go to parallel RANSAC (inliers within
    1.5v) and to the compatibility graph's proposer (:mod:`pointalign.registration.robust`);
 3. :func:`_refine_hypotheses`: the best few proposals by inliers, refined by one batched
    point-to-plane ICP on the downsampled clouds (1.5v), ranked by their overlap within v;
-4. :func:`_final_icp`: point-to-plane ICP of the full clouds (or their ``icp_voxel_size``
-   copies) with 0.5v from the best; each ICP stops on Open3D's relative-change rule or an
-   update below 0.1 % of v and 0.01°;
+4. :func:`_final_icp`: point-to-plane ICP (or GICP, ``refine="gicp"``) of the full clouds
+   (or their ``icp_voxel_size`` copies, :func:`_final_clouds`) with 0.5v from the best;
+   each ICP stops on Open3D's relative-change rule or an update below 0.1 % of v and 0.01°;
 5. :func:`~pointalign.registration.verdict.verdict`: whether the result can be trusted
    (overlap, margin over a different hypothesis, concentration of the residuals,
    determinacy).
+
+:func:`~pointalign.registration.many.register_many` runs the same stages: 1-2 per pair
+(in each pair's frame scaled by 1/v), 3-5 on batches of pairs (lists of problems).
+Options are checked by :func:`pointalign.registration.options.check` for both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -48,15 +53,17 @@ from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.gicp import gicp
 from pointalign.registration.icp import icp
+from pointalign.registration.options import (  # noqa: F401 (register's names, documented)
+    RANSAC_OPTIONS,
+    REFINEMENTS,
+    check,
+)
+from pointalign.registration.options import Options as _Options
 from pointalign.registration.ransac import count_inliers, ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
-from pointalign.registration.verdict import verdict
+from pointalign.registration.verdict import decided_result, global_result, verdict
 from pointalign.search import build_index, policy
-
-#: register()'s refinements of the global result: point-to-plane ICP, generalized ICP
-#: (:func:`~pointalign.registration.gicp.gicp`), or none (the global stage alone)
-REFINEMENTS = ("point_to_plane", "gicp", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,34 +146,6 @@ class Prepared(NamedTuple):
     features: torch.Tensor
 
 
-class _Options(NamedTuple):
-    """:func:`register`'s validated keyword arguments, as the stages read them."""
-
-    voxel_size: float | None
-    refine: str
-    target_points: int
-    hypotheses: int
-    icp_voxel_size: float | None
-    max_iterations: int
-    seed: int
-    remove_outliers: bool
-    robust: bool
-    max_correspondence_distance: float | None
-    icp_max_correspondence_distance: float | None
-    ransac_options: dict[str, Any]
-
-
-#: ransac()'s keywords that register() sets itself; RANSAC_OPTIONS: those it passes on
-_RANSAC_SET_HERE = frozenset({"source", "target", "source_features", "target_features",
-                              "hypotheses", "target_index", "seed", "device", "matches",
-                              "max_correspondence_distance"})
-RANSAC_OPTIONS = tuple(sorted(set(inspect.signature(ransac).parameters) - _RANSAC_SET_HERE))
-
-
-def _positive_or_none(value: Any, name: str) -> float | None:
-    return None if value is None else _validate.positive(value, name)
-
-
 @_validate.out_of_memory_is_clear
 def register(
     source: Any,
@@ -222,7 +201,8 @@ def register(
         icp_max_correspondence_distance: the final ICP's correspondence distance (default
             0.5v, ``Scales.fine``), also the verdict's inner bound.
         **ransac_options: passed to :func:`~pointalign.registration.ransac.ransac`: any of
-            :data:`RANSAC_OPTIONS`; another keyword is a TypeError naming ``register``.
+            :data:`~pointalign.registration.options.RANSAC_OPTIONS`; another keyword is a
+            TypeError naming ``register``.
 
     Returns:
         :class:`RegistrationResult`; ``timings`` per stage (RANSAC's as ``ransac.<stage>``);
@@ -241,30 +221,14 @@ def register(
         failed one says why in ``stop_reason`` and ``info["verdict"]``.
 
     """
-    for name, flag in (("remove_outliers", remove_outliers), ("robust", robust)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name}: expected True or False, got {flag!r}")
-    unknown = sorted(set(ransac_options) - set(RANSAC_OPTIONS))
-    if unknown:
-        raise TypeError(f"register() got an unexpected keyword argument {unknown[0]!r} "
-                        f"(besides its own, register passes these on to ransac(): "
-                        f"{', '.join(RANSAC_OPTIONS)})")
-    if method is not None:  # the old name: register(method="icp" | "none")
-        _progress.warn('register(method=...) is now register(refine=...) ("icp" became '
-                       '"point_to_plane")', DeprecationWarning, stacklevel=2)
-        refine = {"icp": "point_to_plane"}.get(method, method)
-    if refine not in REFINEMENTS:
-        raise ValueError(f"refine: expected one of {REFINEMENTS}, got {refine!r}")
-    opts = _Options(
-        _positive_or_none(voxel_size, "voxel_size"), refine,
-        _validate.integer(target_points, "target_points", minimum=3),
-        _validate.integer(hypotheses, "hypotheses", minimum=1),
-        _positive_or_none(icp_voxel_size, "icp_voxel_size"),
-        _validate.integer(max_iterations, "max_iterations", minimum=1), _validate.seed(seed),
-        bool(remove_outliers), bool(robust),
-        _positive_or_none(max_correspondence_distance, "max_correspondence_distance"),
-        _positive_or_none(icp_max_correspondence_distance, "icp_max_correspondence_distance"),
-        dict(ransac_options))
+    opts = check("register", {
+        "voxel_size": voxel_size, "refine": refine, "method": method,
+        "target_points": target_points, "hypotheses": hypotheses,
+        "icp_voxel_size": icp_voxel_size, "max_iterations": max_iterations, "seed": seed,
+        "remove_outliers": remove_outliers, "robust": robust,
+        "max_correspondence_distance": max_correspondence_distance,
+        "icp_max_correspondence_distance": icp_max_correspondence_distance,
+        **ransac_options})
     dev = _validate.resolve_device(device, source=source, target=target)
     # the local frame: both clouds shifted by the target's centroid in float64 before
     # anything becomes float32 (georeferenced coordinates keep their precision)
@@ -273,7 +237,7 @@ def register(
         raise ValueError("source, target: expected one (N, 3) cloud each, got a batch; "
                          "register pairs one at a time")
     src, tgt = pair.source[0], pair.target[0]
-    _warn_register(src, tgt, dev, refine, opts.target_points, opts.icp_voxel_size,
+    _warn_register(src, tgt, dev, opts.refine, opts.target_points, opts.icp_voxel_size,
                    opts.max_iterations,
                    icp_max_correspondence_distance=opts.icp_max_correspondence_distance)
     # arrays derived from validated ones: no NaN/Inf scans (host syncs) on them; PyTorch's
@@ -333,30 +297,23 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     """:func:`register` on the validated local clouds ``src (N, 3)``, ``tgt (M, 3)`` of ``pair``."""
     clock = _loop.Clock(pair.device)
     full_index = _full_target_index(tgt, opts)
-    v, strays = _voxel_size(src, tgt, opts, full_index)
-    scales = Scales(v, opts.max_correspondence_distance, opts.icp_max_correspondence_distance)
-    clock.lap("voxel_size")
-    src_c, tgt_c = _without_strays(src, tgt, v) if strays else (src, tgt)
-    source = _prepare_cloud(src_c, scales, clock, "source")
-    target = _prepare_cloud(tgt_c, scales, clock, "target")
+    v, scales, source, target = _prepare_pair(src, tgt, opts, full_index, clock)
     glob, candidates, n_rank = _global(source, target, scales, opts, clock)
     info: dict[str, Any] = {"voxel_size": v, "source_down": int(source.down.shape[0]),
                             "target_down": int(target.down.shape[0]),
                             "global": _edge.in_world(glob, pair.frame)}
     if candidates is None:  # refine="none", or RANSAC found nothing: the global result
-        return _global_result(pair, glob, info, clock)
-    criteria = ConvergenceCriteria(max_iterations=opts.max_iterations,
-                                   translation_tolerance=scales.translation_tolerance,
-                                   rotation_tolerance=math.radians(ROTATION_TOLERANCE_DEG))
-    R, fit_v, coarse_iterations = _refine_hypotheses(candidates, source, target, scales,
-                                                     criteria, opts.robust, clock)
-    local = _final_icp(src, tgt, R[0], scales, opts.icp_voxel_size, criteria, full_index,
-                       clock, opts.refine)
+        return global_result(pair, glob, info, clock.total())
+    criteria = icp_criteria(scales, opts.max_iterations)
+    (R, fit_v, coarse_iterations), = _refine_hypotheses([(candidates, source, target)],
+                                                        scales, criteria, opts.robust, clock)
+    full = _final_clouds(src, tgt, scales, opts.icp_voxel_size, full_index, opts.refine)
+    local = _final_icp([full], R[:1], scales, criteria, opts.refine, clock)[0]
     judged, reason = verdict(local, R, fit_v, source, target, scales)
     clock.lap("verdict")
     info.update(judged, ranked_correspondences=n_rank, hypotheses_refined=int(R.shape[0]),
                 coarse_iterations=coarse_iterations)
-    return _final_result(pair, local, glob, info, reason, clock)
+    return decided_result(pair, local, glob, info, reason, clock.total())
 
 
 def _full_target_index(tgt: torch.Tensor, opts: _Options) -> Any:
@@ -398,22 +355,47 @@ def _without_strays(src: torch.Tensor, tgt: torch.Tensor,
     return src, tgt
 
 
-def _prepare_cloud(cloud: torch.Tensor, scales: Scales, clock: _loop.Clock,
-                   name: str) -> Prepared:
+def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, full_index: Any,
+                  clock: _loop.Clock, in_voxels: bool = False, describe: bool = True
+                  ) -> tuple[float, Scales, Prepared, Prepared]:
+    """Choose v, drop stray points where there are some, prepare both clouds.
+
+    ``in_voxels``: the clouds divided by v and the lengths ``Scales(1, …/v)``
+    (``register_many``'s frame, where one bound serves a batch of pairs). ``describe``: as
+    :func:`_prepare_cloud`. Returns v (metres), the scales and the two prepared clouds.
+    """
+    v, strays = _voxel_size(src, tgt, opts, full_index)
+    mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
+    scales = Scales(v, mcd, fine) if not in_voxels else Scales(
+        1.0, None if mcd is None else mcd / v, None if fine is None else fine / v)
+    clock.lap("voxel_size")
+    src_c, tgt_c = _without_strays(src, tgt, v) if strays else (src, tgt)
+    if in_voxels:
+        src_c, tgt_c = src_c / v, tgt_c / v
+    return v, scales, _prepare_cloud(src_c, scales, clock, "source", describe, v), \
+        _prepare_cloud(tgt_c, scales, clock, "target", describe, v)
+
+
+def _prepare_cloud(cloud: torch.Tensor, scales: Scales, clock: _loop.Clock, name: str,
+                   describe: bool = True, v: float | None = None) -> Prepared:
     """Downsample ``cloud (N, 3)``, index it, and describe it: normals and FPFH.
 
     One neighbour search (``Scales.feature_radius``, :data:`FEATURE_NEIGHBOURS`) serves
     FPFH and, cut to ``Scales.normal_radius`` and :data:`NORMAL_NEIGHBOURS`, the normals
-    (facing the cloud's centroid). ``name``: the cloud's, for the error when the voxel
-    leaves fewer than 3 points.
+    (facing the cloud's centroid). ``name`` and ``v`` (the edge in metres, default
+    ``Scales.voxel``): for the error when the voxel leaves < 3 points. ``describe=False``
+    (a pair given a start needs no features): downsampled and indexed only, ``normals``
+    and ``features`` empty.
     """
     down = voxel_downsample(cloud, scales.voxel)
     if down.shape[0] < 3:
-        raise ValueError(f"voxel_size: {scales.voxel:g} leaves {down.shape[0]} {name} "
+        raise ValueError(f"voxel_size: {v or scales.voxel:g} leaves {down.shape[0]} {name} "
                          "point(s); at least 3 are needed (a smaller voxel_size)")
     clock.lap("downsample")
     index = build_index(down)
     clock.lap("index")
+    if not describe:
+        return Prepared(down, index, down.new_zeros(0, 3), down.new_zeros(0, 33))
     nb = neighbourhoods(down, scales.feature_radius, min(FEATURE_NEIGHBOURS, down.shape[0]),
                         index)
     normals = estimate_normals(down, neighbors=restrict(nb, scales.normal_radius,
@@ -463,46 +445,83 @@ def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,
     return glob, candidates, n_rank
 
 
-def _refine_hypotheses(candidates: torch.Tensor, source: Prepared, target: Prepared,
+def icp_criteria(scales: Scales, max_iterations: int) -> ConvergenceCriteria:
+    """Return both ICP stages' rule: the cap, or an update below the tolerances.
+
+    ``max_iterations``; ``Scales.translation_tolerance``, :data:`ROTATION_TOLERANCE_DEG`.
+    """
+    return ConvergenceCriteria(max_iterations=max_iterations,
+                               translation_tolerance=scales.translation_tolerance,
+                               rotation_tolerance=math.radians(ROTATION_TOLERANCE_DEG))
+
+
+def _refine_hypotheses(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared]],
                        scales: Scales, criteria: ConvergenceCriteria, robust: bool,
-                       clock: _loop.Clock) -> tuple[torch.Tensor, torch.Tensor, int]:
+                       clock: _loop.Clock) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """Refine the best proposals by the coarse ICP stage and rank them by overlap.
 
-    The best :data:`REFINE_TOP` (``robust``; else 1) of ``candidates (H, 4, 4)`` by inliers
-    within ``Scales.correspondence``: one batched point-to-plane ICP on the downsampled
-    clouds. Returns the refined motions ``(k, 4, 4)`` float64 and their overlap counts
-    ``(k,)`` (within ``Scales.overlap``), best first, and the coarse iterations of the best.
+    For each pair of ``problems`` ``(candidates (H, 4, 4), source, target)`` (one for
+    :func:`register`, a batch of pairs for ``register_many``, all at ``scales``): the best
+    :data:`REFINE_TOP` (``robust``; else 1) candidates by inliers within
+    ``Scales.correspondence``; all of them refined by one batched point-to-plane ICP on the
+    downsampled clouds. Returns per pair the refined motions ``(k, 4, 4)`` float64 and
+    their overlap counts ``(k,)`` (within ``Scales.overlap``), best first, and the coarse
+    iterations of the best.
     """
-    counts = count_inliers(candidates, source.down, target.index, scales.correspondence)
-    top = torch.argsort(counts, descending=True, stable=True)[:REFINE_TOP if robust else 1]
-    k = int(top.shape[0])
-    loc = icp(source.down[None].expand(k, -1, -1), target.down, init=candidates[top],
-              max_correspondence_distance=scales.correspondence, method="point_to_plane",
-              criteria=criteria, index=target.index, target_normals=target.normals,
-              device=target.down.device)
-    R = loc.transformation_tensor
-    assert R is not None  # every RegistrationResult of icp() carries it
-    fit_v = count_inliers(R, source.down, target.index, scales.overlap)
-    order = torch.argsort(fit_v, descending=True, stable=True)
-    iterations = int(np.asarray(loc.iterations)[int(order[0])])
+    top = [c[torch.argsort(count_inliers(c, s.down, t.index, scales.correspondence),
+                           descending=True, stable=True)[:REFINE_TOP if robust else 1]]
+           for c, s, t in problems]
+    owner = [b for b, c in enumerate(top) for _ in range(c.shape[0])]
+    src: Any
+    tgt: Any
+    if len(problems) == 1:  # one pair: its hypotheses share the target
+        _, s, t = problems[0]
+        src, tgt, index, normals = s.down[None].expand(len(owner), -1, -1), t.down, \
+            t.index, t.normals
+    else:  # lists of clouds: padded by icp()
+        src, tgt = [problems[b][1].down for b in owner], [problems[b][2].down for b in owner]
+        index = [problems[b][2].index for b in owner]
+        normals = _batch([problems[b][2].normals for b in owner])
+    loc = icp(src, tgt, init=torch.cat(top), max_correspondence_distance=scales.correspondence,
+              method="point_to_plane", criteria=criteria, index=index, target_normals=normals,
+              device=top[0].device)
+    R_all = loc.transformation_tensor
+    assert R_all is not None  # every RegistrationResult of icp() carries it
+    its = np.asarray(loc.iterations).reshape(-1)
+    out, lo = [], 0
+    for (_, s, t), c in zip(problems, top, strict=True):
+        R = R_all[lo:lo + c.shape[0]]
+        fit_v = count_inliers(R, s.down, t.index, scales.overlap)
+        order = torch.argsort(fit_v, descending=True, stable=True)
+        out.append((R[order], fit_v[order], int(its[lo + int(order[0])])))
+        lo += c.shape[0]
     clock.lap("hypotheses")
-    return R[order], fit_v[order], iterations
+    return out
 
 
-def _final_icp(src: torch.Tensor, tgt: torch.Tensor, init: torch.Tensor, scales: Scales,
-               icp_voxel_size: float | None, criteria: ConvergenceCriteria,
-               full_index: Any, clock: _loop.Clock, refine: str = "point_to_plane"
-               ) -> RegistrationResult:
-    """Refine ``init (4, 4)`` on the full clouds (or ``icp_voxel_size`` copies).
+class FinalClouds(NamedTuple):
+    """One pair's clouds for the final stage (:func:`_final_clouds`), on the compute device.
 
-    ``refine="point_to_plane"``: point-to-plane ICP; ``"gicp"``: generalized ICP (its
-    covariances from the k = 20 nearest points of each cloud, through ``full_index`` on the
-    target).
+    ``source (N, 3)``, ``target (M, 3)`` float32; ``index`` over the target; ``normals``:
+    the target's ``(M, 3)`` unit normals (point-to-plane), or None (``refine="gicp"``).
+    """
 
-    Within ``Scales.fine``; the target's normals within ``Scales.normal_radius`` from
-    :data:`FULL_NORMAL_NEIGHBOURS` nearest points (searched a chunk at a time: the whole
-    (M, 16) table of a 50M-point target held 26 GiB on the GPU; on the CPU the index keeps
-    this self-query as the ICP's shortcut lists). ``full_index``: an index over ``tgt``.
+    source: torch.Tensor
+    target: torch.Tensor
+    index: Any
+    normals: torch.Tensor | None
+
+
+def _final_clouds(src: torch.Tensor, tgt: torch.Tensor, scales: Scales,
+                  icp_voxel_size: float | None, full_index: Any,
+                  refine: str = "point_to_plane") -> FinalClouds:
+    """Return the full clouds (or ``icp_voxel_size`` copies), an index, target normals.
+
+    ``full_index``: an index over ``tgt`` or None. The target's normals within
+    ``Scales.normal_radius`` from :data:`FULL_NORMAL_NEIGHBOURS` nearest points (searched a
+    chunk at a time: the whole (M, 16) table of a 50M-point target held 26 GiB on the GPU;
+    on the CPU the index keeps this self-query as the ICP's shortcut lists); none for
+    ``refine="gicp"`` (its covariances come from the k = 20 nearest points of each cloud).
     """
     s_full, t_full = src, tgt
     if icp_voxel_size is not None:
@@ -511,57 +530,46 @@ def _final_icp(src: torch.Tensor, tgt: torch.Tensor, init: torch.Tensor, scales:
     if full_index is None or t_full is not tgt:
         full_index = build_index(t_full)
     if refine == "gicp":
-        clock.lap("icp_prepare")
-        local = gicp(s_full, t_full, init=init, max_correspondence_distance=scales.fine,
-                     criteria=criteria, index=full_index, device=t_full.device)
-        clock.lap("icp")
-        return local
+        return FinalClouds(s_full, t_full, full_index, None)
     t_normals = estimate_normals(t_full, k=min(FULL_NORMAL_NEIGHBOURS, t_full.shape[0]),
                                  radius=scales.normal_radius, index=full_index,
                                  orient="viewpoint", viewpoint=t_full.mean(0))
+    return FinalClouds(s_full, t_full, full_index, t_normals)
+
+
+def _final_icp(pairs: Sequence[FinalClouds], init: torch.Tensor, scales: Scales,
+               criteria: ConvergenceCriteria, refine: str, clock: _loop.Clock
+               ) -> RegistrationResult:
+    """Refine B pairs from ``init (B, 4, 4)`` within ``Scales.fine``: one batched call.
+
+    ``refine="point_to_plane"``: point-to-plane ICP; ``"gicp"``: generalized ICP. One pair
+    goes as a view ``(1, N, 3)``; several as lists (padded by the call: ``register_many``'s
+    size groups). The result is batched (B).
+    """
     clock.lap("icp_prepare")
-    local = icp(s_full, t_full, init=init, max_correspondence_distance=scales.fine,
-                method="point_to_plane", criteria=criteria, index=full_index,
-                target_normals=t_normals, device=t_full.device)
+    index = [p.index for p in pairs]
+    src, tgt = (_batch([p.source for p in pairs], pad=False),
+                _batch([p.target for p in pairs], pad=False))
+    if refine == "gicp":
+        local = gicp(src, tgt, init=init, max_correspondence_distance=scales.fine,
+                     criteria=criteria, index=index, device=init.device)
+    else:
+        local = icp(src, tgt, init=init, max_correspondence_distance=scales.fine,
+                    method="point_to_plane", criteria=criteria, index=index,
+                    target_normals=_batch([p.normals for p in pairs]), device=init.device)
     clock.lap("icp")
     return local
 
 
-def _timings(clock: _loop.Clock, glob: RegistrationResult) -> dict[str, float]:
-    """Return the stage timings, RANSAC's own as ``ransac.<stage>``."""
-    timings = clock.total()
-    timings.update({f"ransac.{k}": x for k, x in glob.timings.items() if k != "total"})
-    return timings
+def _batch(clouds: list[Any], pad: bool = True) -> Any:
+    """Return B clouds ``(n_b, 3)`` for a batched call.
 
-
-def _global_result(pair: _edge.Pair, glob: RegistrationResult, info: dict[str, Any],
-                   clock: _loop.Clock) -> RegistrationResult:
-    """Build the result of ``refine="none"``, or of a RANSAC that found nothing: RANSAC's."""
-    if not glob.converged:  # the global stage's failure is the verdict
-        info = {**info, "verdict": str(glob.stop_reason).replace("_", " ")}
-    return _edge.build_result(
-        pair, np.asarray(glob.transformation, dtype=np.float64)[None],
-        fitness=np.array([glob.fitness]), rmse=np.array([glob.rmse]),
-        iterations=np.array([glob.iterations]), reasons=[StopReason(glob.stop_reason)],
-        history=[], timings=_timings(clock, glob), info={**glob.info, **info},
-        converged=np.array([glob.converged]))
-
-
-def _final_result(pair: _edge.Pair, local: RegistrationResult, glob: RegistrationResult,
-                  info: dict[str, Any], reason: StopReason,
-                  clock: _loop.Clock) -> RegistrationResult:
-    """Build the result after ICP: the final ICP's pose and numbers, the verdict's decision."""
-    info = {**local.info, **info, "ransac_info": glob.info,
-            "icp_converged": bool(local.converged), "icp_stop_reason": str(local.stop_reason)}
-    result = _edge.build_result(
-        pair, np.asarray(local.transformation, dtype=np.float64)[None],
-        fitness=np.array([local.fitness]), rmse=np.array([local.rmse]),
-        iterations=np.array([local.iterations]), reasons=[reason], history=local.history,
-        timings=_timings(clock, glob), info=info, converged=np.array([info["trusted"]]))
-    if result.stop_reason == reason:
-        return result
-    return dataclasses.replace(result, info={  # a rule of build_result overrode the verdict
-        **result.info, "trusted": False, "verdict": str(result.stop_reason).replace("_", " ")})
+    A view ``(1, n, 3)`` of one (no copy); else the list (``pad=False``: the call pads it)
+    or ``(B, max n_b, 3)`` zero-padded.
+    """
+    if len(clouds) == 1:
+        return clouds[0][None]
+    return _validate.as_batch(clouds, "clouds")[0] if pad else clouds
 
 
 #: correspondences the compatibility graph is built on (the most distinctive first)
