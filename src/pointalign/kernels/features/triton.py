@@ -340,9 +340,10 @@ def _alpha_edges(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def _kernels() -> dict[str, Any]:
     interp = bool(knobs.runtime.interpret)
     if interp not in _CACHE:
-        _CACHE[interp] = {name: triton.jit(f) for name, f in (
-            ("normals", _pca_normals_kernel),
-            ("spfh", _spfh_kernel), ("combine", _fpfh_combine_kernel))}
+        # sizes are not specialised (divisible by 16 or not): one compilation for every size
+        _CACHE[interp] = {name: triton.jit(f, do_not_specialize=sizes) for name, f, sizes in (
+            ("normals", _pca_normals_kernel, ("N", "K")),
+            ("spfh", _spfh_kernel, ("N", "K")), ("combine", _fpfh_combine_kernel, ("K",)))}
     return _CACHE[interp]
 
 

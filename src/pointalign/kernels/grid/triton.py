@@ -137,7 +137,8 @@ def _grid_kernel(q_ptr, prm_ptr, dims_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_pt
 def _kernel():
     interp = bool(knobs.runtime.interpret)
     if interp not in _CACHE:
-        _CACHE[interp] = triton.jit(_grid_kernel)
+        # sizes are not specialised (divisible by 16 or not): one compilation for every size
+        _CACHE[interp] = triton.jit(_grid_kernel, do_not_specialize=("N", "M"))
     return _CACHE[interp]
 
 

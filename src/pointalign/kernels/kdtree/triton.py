@@ -27,7 +27,7 @@ BIG_HOST = 3.0e38  # stands for +inf inside the kernel
 BIG = tl.constexpr(BIG_HOST)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_query", "first_leaf"))  # one compilation for every size
 def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, end_ptr,
                 stack_ptr, hint_ptr, perm_ptr, inv_ptr, out_d_ptr, out_i_ptr, n_query,
                 first_leaf, max_d2,
@@ -205,7 +205,7 @@ def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, BLOCK: tl.constexpr):
     tl.store(axis_ptr + node, ax.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("m_points", "level"))
 def _level_keys_kernel(pts_ptr, axis_ptr, key_ptr, packed_ptr, m_points, level,
                        BLOCK: tl.constexpr):
     """Compute the node, split coordinate and sort key of every position.

@@ -170,8 +170,12 @@ def _radius_table_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, count_ptr, N, M, r2
 def _kernels() -> dict[str, Any]:
     interp = bool(knobs.runtime.interpret)
     if interp not in _CACHE:
-        _CACHE[interp] = {"nn1": triton.jit(_nn1_kernel), "topk": triton.jit(_topk_kernel),
-                          "radius": triton.jit(_radius_table_kernel)}
+        # sizes are not specialised (divisible by 16 or not): one compilation for every size
+        sizes = ("N", "M")
+        _CACHE[interp] = {"nn1": triton.jit(_nn1_kernel, do_not_specialize=sizes),
+                          "topk": triton.jit(_topk_kernel, do_not_specialize=sizes),
+                          "radius": triton.jit(_radius_table_kernel,
+                                               do_not_specialize=sizes + ("C",))}
     return _CACHE[interp]
 
 
