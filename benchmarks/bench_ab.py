@@ -128,7 +128,8 @@ def run(args) -> None:
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 
-def compare(paths: list[str], topic: str = "refactor_ab", base: str = ".base = 356792a") -> None:
+def compare(paths: list[str], topic: str = "refactor_ab", base: str = ".base = 356792a",
+            title: str = "", notes: str = "") -> None:
     runs = [r for r in (json.loads(Path(p).read_text()) for p in paths) if "rows" in r]
     colds = [json.loads(Path(p).read_text()) for p in paths]
     colds = [c for c in colds if "cold" in c]
@@ -156,7 +157,9 @@ def compare(paths: list[str], topic: str = "refactor_ab", base: str = ".base = 3
     dev = "cuda" if "cuda" in str(meta.get("device", "")).lower() or "NVIDIA" in str(meta) \
         else "cpu"
     dest = Path(__file__).parent / "results" / f"{topic}-{dev}.json"
-    dest.write_text(json.dumps({"meta": meta, "rows": table,
+    dest.write_text(json.dumps({"meta": meta, "topic": topic,
+                                "title": title or f"Before and after ({base})",
+                                "notes": notes, "rows": table,
                                 "cold": [{"row": n, **v} for n, v in cold_rows.items()]},
                                indent=1))
     print("wrote", dest)
@@ -171,13 +174,15 @@ def main() -> None:
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--compare", nargs="*")
     ap.add_argument("--topic", default="refactor_ab", help="--compare writes results/TOPIC-*.json")
+    ap.add_argument("--title", default="", help="--compare: the section's title")
+    ap.add_argument("--notes", default="", help="--compare: the section's notes")
     ap.add_argument("--base", default=".base = 356792a", help="--compare: what 'before' was")
     ap.add_argument("--cold", action="store_true",
                     help="each --only row in a fresh process with an empty Triton cache: "
                          "first_ms is what a user meets on a new machine")
     args = ap.parse_args()
     if args.compare:
-        compare(args.compare, args.topic, args.base)
+        compare(args.compare, args.topic, args.base, args.title, args.notes)
     elif args.cold:
         cold(args)
     else:

@@ -13,7 +13,7 @@ for rep in 1 2; do for lab in before after; do
   if [ $lab = before ]; then SRC=$BASE/src; else SRC=src; fi
   PYTHONPATH="$PWD/$SRC:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --label $lab --out "$OUT/${lab}_$rep.json"
 done; done
-PYTHONPATH="$PWD/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --compare "$OUT"/before_*.json "$OUT"/after_*.json --topic "$TOPIC" --base "$BASE_NAME"
+PYTHONPATH="$PWD/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --compare "$OUT"/before_*.json "$OUT"/after_*.json --topic "$TOPIC" --base "$BASE_NAME" --title "${TITLE:-}" --notes "${NOTES:-}"
 if [ -n "${EXTRA_BASE:-}" ]; then
   mkdir -p "$OUT/extra"
   PYTHONPATH="$PWD/$EXTRA_BASE/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --label before --out "$OUT/extra/before_1.json"
