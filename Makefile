@@ -1,6 +1,7 @@
 # The README's two commands: `make demo` and `make test`. Each creates (or reuses) the
 # virtual environment in .venv and installs what it needs first, with pip's progress shown.
-#   make demo  -> the library and its command line only (pip install -e ".[cli]")
+#   make demo  -> the library and its command line only (pip install -e ".[cli]"), then
+#                 `pointalign warmup` (the kernels compiled once, with a progress bar)
 #   make test  -> plus the test tools (".[dev]": pytest, hypothesis, ruff, Triton for the
 #                 kernels' interpreter tests, matplotlib/plotly/selenium for the viewer)
 #   make docs  -> the documentation: guides, tutorials, API reference (mkdocs build --strict
@@ -44,6 +45,7 @@ $(DOCS): $(DEMO) pyproject.toml
 	touch $(DOCS)
 
 demo: $(DEMO)
+	$(BIN)/pointalign warmup
 	$(BIN)/pointalign demo
 
 test: $(DEV)

@@ -754,6 +754,26 @@ def info() -> None:
 
 
 @command()
+def warmup(ctx: typer.Context, device: DeviceOpt = Device.auto) -> None:
+    """Compile the kernels a device needs now (once per machine; cached on disk)."""
+    from pointalign._warmup import warmup as _warmup
+
+    dev = _resolve_device(device)
+    level = _level(ctx)
+    _say(level, f"compiling pointalign's kernels for {dev} (once per machine: numba and "
+                "Triton keep them in their disk caches)")
+    seconds = _warmup(dev, quiet=level < 0)
+    table = Table(title=f"warm-up on {dev}")
+    table.add_column("method")
+    table.add_column("seconds", justify="right")
+    for name, s in seconds.items():
+        table.add_row(name, f"{s:.1f}")
+    if level >= 0:
+        console.print(table)
+    _say(level, f"done in {sum(seconds.values()):.0f} s; later processes start warm")
+
+
+@command()
 def register(
     ctx: typer.Context,
     source: SourceArg,

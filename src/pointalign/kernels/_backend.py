@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from pointalign.kernels import _numba
+
 BACKENDS = ("torch", "cpu", "triton", "interpret")
 
 
@@ -41,8 +43,6 @@ def triton_available() -> bool:
 @functools.lru_cache(maxsize=1)
 def cpu_available() -> bool:
     """Return True when the CPU kernels' compiler (numba) imports."""
-    from pointalign.kernels import _numba
-
     return _numba.available()
 
 
@@ -67,6 +67,8 @@ def backend(x: torch.Tensor | None = None) -> str:
     if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
         return "interpret"
     if (x is None or x.device.type == "cpu") and cpu_available():
+        if not _numba._announced:  # a fresh machine: say that numba compiles now, once
+            _numba.announce_compile()
         return "cpu"
     return "torch"
 

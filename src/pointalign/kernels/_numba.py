@@ -27,3 +27,44 @@ else:  # pragma: no cover
 def available() -> bool:
     """Return True when numba imports (the CPU kernels need it)."""
     return _nb is not None
+
+
+#: seconds numba takes to compile the kernels a first register() needs, on the 2-core
+#: development machine (120 signatures, 52 s of CPU; benchmarks/bench_first_call.py)
+FIRST_COMPILE_S = 50
+
+_announced = False
+
+
+def cached_kernels() -> int:
+    """Count the compiled kernels numba's cache holds for this package (index files)."""
+    import os
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    roots = [here]
+    if os.environ.get("NUMBA_CACHE_DIR"):  # numba mirrors the source path under it
+        roots.append(Path(os.environ["NUMBA_CACHE_DIR"]))
+    return sum(1 for root in roots for _ in root.rglob("*.nbi"))
+
+
+def announce_compile() -> None:
+    """Say once per process, before the first CPU kernel runs, that numba compiles now.
+
+    Only where numba's cache holds no kernel of this package (a fresh installation): the
+    first call then spends about :data:`FIRST_COMPILE_S` seconds compiling, paid once per
+    machine, and ``pointalign warmup`` does it ahead of time with a progress bar.
+    """
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    if _nb is None or cached_kernels() > 0:
+        return
+    from pointalign import _progress
+
+    _progress.warn(
+        f"first use of pointalign's CPU kernels on this machine: numba compiles them now "
+        f"(about {FIRST_COMPILE_S} s on 2 cores, once; later processes load them from its "
+        "cache). `pointalign warmup --device cpu` does this ahead of time.",
+        _progress.SlowOperationWarning, stacklevel=3)
