@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pointalign import datasets
+from pointalign import _progress, datasets
 from tests import _interpreted
 from tests._backends import BACKENDS, BY_NAME, Backend
 
@@ -121,12 +121,15 @@ def shared_data():
 @pytest.fixture(autouse=True)
 def _restore_logging():
     """Undo what a test's CLI run configured (``-v`` attaches a stderr handler to the
-    "pointalign" logger for the process): later tests see the library's own logging."""
+    "pointalign" logger for the process, ``-q`` silences warnings): later tests see the
+    library's own logging and warnings."""
     import logging
 
     log = logging.getLogger("pointalign")
     handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    quiet = _progress._QUIET.get()  # a CLI run with -q silences the process's warnings
     yield
     log.handlers[:] = handlers
     log.setLevel(level)
     log.propagate = propagate
+    _progress.set_quiet(quiet)
