@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pointalign.kernels import _loop
-from tests._backends import backends
+from tests._backends import backends, selected
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,8 @@ def test_capture_failure_falls_back_to_eager(backend):
 def test_program_is_one_graph_and_matches_eager(backend):
     _loop.clear_caches()
     x = torch.tensor([1.0, -2.0, 0.25], device=backend.device)
-    eager, _ = _loop.run_program(Countdown(40, 1e-3), {"x": x.cpu()})
+    with selected("torch"):  # the eager reference on the host, whatever the backend
+        eager, _ = _loop.run_program(Countdown(40, 1e-3), {"x": x.cpu()})
     for _ in range(3):  # warm-up + capture, then replays
         host, _ = _loop.run_program(Countdown(40, 1e-3), {"x": x})
     # the graph cannot stop early: it runs all 40 steps, with the same masked result
