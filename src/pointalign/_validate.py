@@ -244,6 +244,25 @@ def cloud_as_kind(cloud: Any, like: str) -> Any:
     return as_kind(cloud.points, like)
 
 
+def cloud_normals(cloud: Any) -> Any:
+    """Return the normals a cloud carries, or None: ``(N, 3)`` in the cloud's own kind.
+
+    A :class:`~pointalign.cloud.PointCloud`'s ``normals``; a legacy Open3D cloud's
+    ``normals`` when ``has_normals()`` (its ``Vector3dVector`` read as a NumPy array: empty
+    when it has none); a tensor-API Open3D cloud's ``point["normals"]``. Anything else
+    (arrays, tensors, lists of clouds): None.
+    """
+    if _is_open3d(cloud):
+        if hasattr(cloud, "point") and hasattr(cloud, "to_legacy"):  # tensor API
+            return cloud.point["normals"] if "normals" in set(cloud.point) else None
+        if hasattr(cloud, "has_normals") and hasattr(cloud, "normals"):  # legacy
+            return np.asarray(cloud.normals) if cloud.has_normals() else None
+        return None
+    if isinstance(getattr(cloud, "points", None), torch.Tensor):  # PointCloud (duck-typed)
+        return getattr(cloud, "normals", None)
+    return None
+
+
 def _float(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name}: expected a real floating-point array, got dtype {t.dtype}")

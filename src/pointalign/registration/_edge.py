@@ -397,23 +397,9 @@ def check_units(pair: Pair, **lengths: float | Sequence[float] | None) -> None:
                 break
 
 
-def cloud_normals(cloud: Any) -> Any:
-    """Return the normals a cloud carries, or None: ``(N, 3)`` in the cloud's own kind.
-
-    A :class:`~pointalign.cloud.PointCloud`'s ``normals``; a legacy Open3D cloud's
-    ``normals`` when ``has_normals()`` (its ``Vector3dVector`` read as a NumPy array: empty
-    when it has none); a tensor-API Open3D cloud's ``point["normals"]``. Anything else
-    (arrays, tensors, lists of clouds): None.
-    """
-    if _validate._is_open3d(cloud):
-        if hasattr(cloud, "point") and hasattr(cloud, "to_legacy"):  # tensor API
-            return cloud.point["normals"] if "normals" in set(cloud.point) else None
-        if hasattr(cloud, "has_normals") and hasattr(cloud, "normals"):  # legacy
-            return np.asarray(cloud.normals) if cloud.has_normals() else None
-        return None
-    if isinstance(getattr(cloud, "points", None), torch.Tensor):  # PointCloud (duck-typed)
-        return getattr(cloud, "normals", None)
-    return None
+#: the normals a cloud carries (a PointCloud's, an Open3D cloud's): defined in
+#: :mod:`pointalign._validate`, where the features reach it too
+cloud_normals = _validate.cloud_normals
 
 
 def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None:
