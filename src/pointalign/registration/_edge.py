@@ -424,6 +424,82 @@ def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None
     return t.expand(*shape).contiguous()
 
 
+# ---- estimates of long work (announced before it starts: _progress.announce) -------------
+
+#: CPU seconds per point at 2 threads, measured on the shared 2-core machine (load 0.8-5,
+#: bunny scans repeated with 0.3 mm noise, 2e5-3e6 points; the spread is the load's): the
+#: correspondence index per target point, the target normals (k = 20) per target point,
+#: and one ICP iteration per source point (search, fused sums, solve; both methods alike)
+ICP_INDEX_S = 1e-7
+ICP_NORMALS_S = 2.5e-6
+ICP_ITERATION_S = 2.8e-7
+
+#: register() on the CPU at 2 threads: seconds per 5,000 points of the downsampled clouds
+#: (features, RANSAC, hypotheses: the bunny at its default size) and per raw point (voxel
+#: edge, outlier test, downsampling, the final ICP on the full clouds: it starts near the
+#: answer and takes a few iterations); measured as for ICP_* (1e6-5e6 points)
+REGISTER_PER_5000_S = 2.0
+REGISTER_PER_POINT_S = 1.5e-6
+
+
+def estimate_icp_seconds(n: int, m: int, *, plane: bool, iterations: int,
+                         threads: int | None, normals: bool = True) -> float | None:
+    """Predict the seconds :func:`~pointalign.icp` takes on the CPU, at most ``iterations``.
+
+    ``(ICP_INDEX_S · m + ICP_NORMALS_S · m [plane, normals estimated] + iterations ·
+    ICP_ITERATION_S · n) · 2 / threads``: the constants were measured at 2 threads, and
+    the kernels scale about linearly with threads. An upper bound for a run that converges
+    early (it says "up to"); within 2× of the measured time for runs that use most of their
+    iterations (the ratios measured: docs/BENCHMARKS, this function's tests).
+
+    Args:
+        n: source points (all problems of a batch).
+        m: target points (each distinct target once).
+        plane: point-to-plane (target normals estimated unless ``normals`` is False).
+        iterations: the iteration cap.
+        threads: the host's threads (:func:`pointalign._threads.host_threads`); None: the
+            work runs on a GPU, no CPU estimate (returns None).
+        normals: whether point-to-plane estimates the target normals (False: given).
+
+    """
+    if threads is None:
+        return None
+    work = ICP_INDEX_S * m + iterations * ICP_ITERATION_S * n
+    if plane and normals:
+        work += ICP_NORMALS_S * m
+    return work * 2.0 / max(threads, 1)
+
+
+def estimate_register_seconds(n: int, m: int, *, target_points: int,
+                              threads: int | None) -> float | None:
+    """Predict the seconds :func:`~pointalign.register` takes on the CPU (None on a GPU).
+
+    ``(REGISTER_PER_5000_S · target_points / 5000 + REGISTER_PER_POINT_S · (n + m)) · 2 /
+    threads`` for ``n`` + ``m`` raw points (the pipeline's ``_warn_register`` announces
+    it with :func:`pointalign._progress.announce`).
+    """
+    if threads is None:
+        return None
+    return (REGISTER_PER_5000_S * max(target_points, 1) / 5000
+            + REGISTER_PER_POINT_S * (n + m)) * 2.0 / max(threads, 1)
+
+
+def announce_icp(pair: Pair, method: str, iterations: int, normals: bool) -> None:
+    """Announce an ICP call estimated above 5 s on the CPU (:func:`estimate_icp_seconds`)."""
+    from pointalign import _progress, _threads
+
+    threads = _threads.host_threads(pair.device)
+    n = int(pair.source_counts.sum())
+    m = int(pair.target_counts[0] if pair.shared_target else pair.target_counts.sum())
+    plane = method == "point_to_plane"
+    est = estimate_icp_seconds(n, m, plane=plane, iterations=iterations, threads=threads,
+                               normals=normals)
+    _progress.announce(f"ICP ({method}) on {n:,} + {m:,} points on the CPU ({threads} "
+                       f"threads), up to {iterations} iterations", est,
+                       "downsample the clouds first (pointalign.voxel_downsample) or use a "
+                       "GPU")
+
+
 def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
                        max_distance: float | None = None) -> np.ndarray:
     """:func:`pointalign._math.stability` of each final pose, measured on the data: ``(B,)``.

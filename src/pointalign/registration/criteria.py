@@ -165,11 +165,11 @@ def as_criteria(criteria: Any, max_iterations: Any = None, *,
         TypeError: ``criteria`` is not a ConvergenceCriteria, or both were given.
 
     """
-    if criteria is not None and max_iterations is not None:
-        raise TypeError("max_iterations: pass either max_iterations= or criteria="
-                        "ConvergenceCriteria(max_iterations=...), not both")
     if max_iterations is not None:
         n = _validate.integer(max_iterations, "max_iterations", minimum=1)
+        if criteria is not None:
+            raise TypeError("max_iterations: pass either max_iterations= or criteria="
+                            "ConvergenceCriteria(max_iterations=...), not both")
         return dataclasses.replace(default if default is not None else ConvergenceCriteria(),
                                    max_iterations=n)
     if criteria is None:

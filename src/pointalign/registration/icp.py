@@ -498,6 +498,8 @@ def icp(
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     _edge.check_units(pair, max_correspondence_distance=max_dist)
+    _edge.announce_icp(pair, method, int(crit.max_iterations),
+                       normals=target_normals is None and _edge.cloud_normals(target) is None)
     plane, B = method == "point_to_plane", pair.size
     if target_normals is not None and not plane:
         _edge.target_normals(target, target_normals, pair)  # checked even when not used
