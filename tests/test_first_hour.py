@@ -524,12 +524,17 @@ def test_icp_announces_a_long_call(monkeypatch, caplog, bunny_pair):
 
 def test_estimates_grow_with_the_work():
     e = _edge.estimate_icp_seconds
-    small = e(40_000, 40_000, plane=True, iterations=30, threads=2)
-    big = e(5_000_000, 5_000_000, plane=True, iterations=30, threads=2)
+    small = e(40_000, 40_000, plane=True, iterations=30, threads=2, share=1.0)
+    big = e(5_000_000, 5_000_000, plane=True, iterations=30, threads=2, share=1.0)
     assert 0 < small < 1.0 < big
-    assert e(5_000_000, 5_000_000, plane=True, iterations=30, threads=4) < big
-    assert e(5_000_000, 5_000_000, plane=False, iterations=30, threads=2) < big
+    assert e(5_000_000, 5_000_000, plane=True, iterations=30, threads=4, share=1.0) < big
+    assert e(5_000_000, 5_000_000, plane=False, iterations=30, threads=2, share=1.0) < big
+    assert e(5_000_000, 5_000_000, plane=True, iterations=30, threads=2,
+             share=0.5) == pytest.approx(2 * big)
+    assert e(5, 5, plane=True, iterations=1, threads=None) is None  # a GPU: no estimate
     r = _edge.estimate_register_seconds
-    assert r(40_000, 40_000, target_points=5000, threads=2) < r(5_000_000, 5_000_000,
-                                                                  target_points=5000,
-                                                                  threads=2)
+    # the first-hour report: 5M + 5M points took 26.5 s at 2 threads (announced: 2 minutes)
+    five = r(5_000_000, 5_000_000, target_points=5000, threads=2, share=1.0)
+    assert 26.5 / 2 < five < 26.5 * 2
+    assert r(40_000, 40_000, target_points=5000, threads=2, share=1.0) < five
+    assert 0 < _threads.host_share() <= 1.0

@@ -243,6 +243,23 @@ def host_threads(device: Any) -> int | None:
     return max(torch.get_num_threads(), 1)
 
 
+def host_share() -> float:
+    """Return the share of this machine's cores a CPU computation can expect now, in (0, 1].
+
+    ``min(1, cores / load)`` with ``load`` the 1-minute load average (``os.getloadavg``;
+    1 where the OS has none): on a machine shared with other work (a CI runner, a shared
+    server) the kernels run slower by about that factor, and estimates of long work
+    divide by it. Measured on the shared 2-core machine at load 4.3-4.8: CPU stages took
+    2.2-2.4× their unloaded time, where this predicts 2.2×.
+    """
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 1.0
+    cores = _cores()
+    return min(1.0, cores / max(load, cores, 1e-9))
+
+
 def host_stages(device: Any) -> contextlib.AbstractContextManager[None]:
     """Return the context for a stretch of small PyTorch operations on ``device``.
 

@@ -434,32 +434,41 @@ ICP_INDEX_S = 1e-7
 ICP_NORMALS_S = 2.5e-6
 ICP_ITERATION_S = 2.8e-7
 
+#: the iterations an ICP call is estimated at (its cap when lower): point-to-plane
+#: converges in 10-30 iterations on scans (11 on a 1M-point bunny from 3°, 30-49 on noisy
+#: repeated copies), point-to-point creeps and often uses 40-50
+ICP_TYPICAL_ITERATIONS = {"point_to_plane": 20, "point_to_point": 40}
+
 #: register() on the CPU at 2 threads: seconds per 5,000 points of the downsampled clouds
-#: (features, RANSAC, hypotheses: the bunny at its default size) and per raw point (voxel
-#: edge, outlier test, downsampling, the final ICP on the full clouds: it starts near the
-#: answer and takes a few iterations); measured as for ICP_* (1e6-5e6 points)
-REGISTER_PER_5000_S = 2.0
-REGISTER_PER_POINT_S = 1.5e-6
+#: (features, RANSAC, hypotheses: ~1 s on the bunny at its default size) and per raw point
+#: (voxel edge, outlier test, downsampling, index and normals of the full target, the
+#: final ICP, which starts near the answer: 1-3 iterations on a clean 1M-point bunny);
+#: measured as for ICP_* (1e6 and 5e6 points)
+REGISTER_PER_5000_S = 1.0
+REGISTER_PER_POINT_S = 2e-6
 
 
 def estimate_icp_seconds(n: int, m: int, *, plane: bool, iterations: int,
-                         threads: int | None, normals: bool = True) -> float | None:
-    """Predict the seconds :func:`~pointalign.icp` takes on the CPU, at most ``iterations``.
+                         threads: int | None, normals: bool = True,
+                         share: float | None = None) -> float | None:
+    """Predict the seconds :func:`~pointalign.icp` takes on the CPU for ``iterations``.
 
     ``(ICP_INDEX_S · m + ICP_NORMALS_S · m [plane, normals estimated] + iterations ·
-    ICP_ITERATION_S · n) · 2 / threads``: the constants were measured at 2 threads, and
-    the kernels scale about linearly with threads. An upper bound for a run that converges
-    early (it says "up to"); within 2× of the measured time for runs that use most of their
-    iterations (the ratios measured: docs/BENCHMARKS, this function's tests).
+    ICP_ITERATION_S · n) · 2 / threads / share``: the constants were measured at 2
+    threads, the kernels scale about linearly with threads, and a busy machine gives this
+    process only ``share`` of its cores (:func:`pointalign._threads.host_share`).
+    :func:`announce_icp` passes the typical count (:data:`ICP_TYPICAL_ITERATIONS`, or the
+    cap when lower).
 
     Args:
         n: source points (all problems of a batch).
         m: target points (each distinct target once).
         plane: point-to-plane (target normals estimated unless ``normals`` is False).
-        iterations: the iteration cap.
+        iterations: the iterations to count.
         threads: the host's threads (:func:`pointalign._threads.host_threads`); None: the
             work runs on a GPU, no CPU estimate (returns None).
         normals: whether point-to-plane estimates the target normals (False: given).
+        share: the share of the cores this process gets (None: measured now).
 
     """
     if threads is None:
@@ -467,35 +476,46 @@ def estimate_icp_seconds(n: int, m: int, *, plane: bool, iterations: int,
     work = ICP_INDEX_S * m + iterations * ICP_ITERATION_S * n
     if plane and normals:
         work += ICP_NORMALS_S * m
-    return work * 2.0 / max(threads, 1)
+    return work * 2.0 / max(threads, 1) / _share(share)
+
+
+def _share(share: float | None) -> float:
+    from pointalign import _threads
+
+    return _threads.host_share() if share is None else max(float(share), 1e-3)
 
 
 def estimate_register_seconds(n: int, m: int, *, target_points: int,
-                              threads: int | None) -> float | None:
+                              threads: int | None, share: float | None = None
+                              ) -> float | None:
     """Predict the seconds :func:`~pointalign.register` takes on the CPU (None on a GPU).
 
     ``(REGISTER_PER_5000_S · target_points / 5000 + REGISTER_PER_POINT_S · (n + m)) · 2 /
-    threads`` for ``n`` + ``m`` raw points (the pipeline's ``_warn_register`` announces
-    it with :func:`pointalign._progress.announce`).
+    threads / share`` for ``n`` + ``m`` raw points (as :func:`estimate_icp_seconds`); the
+    pipeline's ``_warn_register`` announces it with :func:`pointalign._progress.announce`.
     """
     if threads is None:
         return None
     return (REGISTER_PER_5000_S * max(target_points, 1) / 5000
-            + REGISTER_PER_POINT_S * (n + m)) * 2.0 / max(threads, 1)
+            + REGISTER_PER_POINT_S * (n + m)) * 2.0 / max(threads, 1) / _share(share)
 
 
-def announce_icp(pair: Pair, method: str, iterations: int, normals: bool) -> None:
-    """Announce an ICP call estimated above 5 s on the CPU (:func:`estimate_icp_seconds`)."""
+def announce_icp(pair: Pair, method: str, cap: int, normals: bool) -> None:
+    """Announce an ICP call estimated above 5 s on the CPU (:func:`estimate_icp_seconds`).
+
+    Counted at :data:`ICP_TYPICAL_ITERATIONS` of ``method`` (``cap`` when lower); the
+    counted bar (``track(..., total=cap)``) then shows the iterations as they run.
+    """
     from pointalign import _progress, _threads
 
     threads = _threads.host_threads(pair.device)
     n = int(pair.source_counts.sum())
     m = int(pair.target_counts[0] if pair.shared_target else pair.target_counts.sum())
-    plane = method == "point_to_plane"
-    est = estimate_icp_seconds(n, m, plane=plane, iterations=iterations, threads=threads,
-                               normals=normals)
+    est = estimate_icp_seconds(n, m, plane=method == "point_to_plane",
+                               iterations=min(cap, ICP_TYPICAL_ITERATIONS.get(method, cap)),
+                               threads=threads, normals=normals)
     _progress.announce(f"ICP ({method}) on {n:,} + {m:,} points on the CPU ({threads} "
-                       f"threads), up to {iterations} iterations", est,
+                       f"threads, at most {cap} iterations)", est,
                        "downsample the clouds first (pointalign.voxel_downsample) or use a "
                        "GPU")
 

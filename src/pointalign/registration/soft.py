@@ -354,11 +354,17 @@ def _run(algorithm: str, t_start: float, prog: _Annealing, pair: _edge.Pair,
         source=pair.source, target=pair.target, source_lengths=pair.source_lengths,
         target_lengths=pair.target_lengths, init=torch.from_numpy(pair.init), **given).items()}
     passes = prog.passes
-    if passes.estimate_s is not None and passes.estimate_s > SLOW_S:
-        _progress.warn(f"{algorithm} on {pair.source.shape[1]} x {pair.target.shape[1]} points "
-                       f"is estimated to take {passes.estimate_s:.0f} s ({passes.form} form); "
-                       "subsample the clouds, use a GPU or a nearest-neighbour method (icp)",
-                       _progress.SlowOperationWarning, stacklevel=3)
+    # the passes' estimate is for this process alone: a busy machine gives it a share of
+    # its cores (_threads.host_share), and the call takes about that much longer
+    est = None if passes.estimate_s is None else passes.estimate_s / _threads.host_share()
+    what = f"{algorithm} on {pair.source.shape[1]} x {pair.target.shape[1]} points"
+    if est is not None and est > SLOW_S:
+        _progress.warn(f"{what} is estimated to take {_progress.describe_seconds(est)} "
+                       f"({passes.form} form); subsample the clouds, use a GPU or a "
+                       "nearest-neighbour method (icp)", _progress.SlowOperationWarning,
+                       stacklevel=None)
+    elif est is not None:
+        _progress.announce(f"{what} on the CPU ({passes.form} form)", est)
     label = "EM-ICP" if algorithm == "emicp" else "Softassign"
     with _progress.task(label, total=prog.n_iter, quiet=None if passes.host else True) as bar, \
             passes.running():
