@@ -216,7 +216,15 @@ REFUSED: list[tuple] = [
      "max_correspondence_distance"),
     ("icp", lambda: _icp(method="plane"), ValueError, "method"),
     ("icp", lambda: _icp(criteria=5), TypeError, "criteria"),
-    ("icp", lambda: _icp(robust_kernel="huber"), TypeError, "robust_kernel"),
+    # (a kind as a string is accepted since issue 26, Open3D's habit: see ACCEPTED; a
+    # number, an unknown kind or a malformed pair are still refused)
+    ("icp", lambda: _icp(robust_kernel=3.0), TypeError, "robust_kernel"),
+    ("icp", lambda: _icp(robust_kernel=("huber",)), TypeError, "robust_kernel"),
+    ("icp", lambda: _icp(robust_kernel="gauss"), ValueError, "robust_kernel.kind"),
+    ("icp", lambda: _icp(robust_kernel=("huber", -1.0)), ValueError, "robust_kernel.k"),
+    ("icp", lambda: _icp(max_iterations=0, criteria=None), ValueError, "max_iterations"),
+    ("icp", lambda: _icp(max_iterations=2.5, criteria=None), TypeError, "max_iterations"),
+    ("icp", lambda: _icp(max_iterations=3, criteria=CC()), TypeError, "max_iterations"),
     ("icp", lambda: _icp(init=EYE3), ValueError, "init"),
     ("icp", lambda: _icp(init=SCALED), ValueError, "init"),
     ("icp", lambda: _icp(init=NAN_T), ValueError, "init"),
@@ -458,6 +466,11 @@ ACCEPTED: list[tuple] = [
     ("icp np ints and floats", lambda: pa.icp(
         P, Q, max_correspondence_distance=np.float64(0.5), criteria=_np_ints()["criteria"],
         robust_kernel=_np_ints()["robust"]).iterations <= 2),
+    ("icp robust_kernel='huber'", lambda: _icp(robust_kernel="huber") is not None),
+    ("icp robust_kernel=('huber', k)", lambda: _icp(robust_kernel=("huber", 0.3))
+     is not None),
+    ("icp max_iterations", lambda: _icp(max_iterations=np.int64(2), criteria=None)
+     .iterations <= 2),
     ("icp non-contiguous", lambda: _icp(torch.from_numpy(P.T.copy()).T, Q) is not None),
     ("icp requires_grad", lambda: _icp(PT.clone().requires_grad_(True), Q) is not None),
     ("icp int points", lambda: _icp(np.round(P * 10).astype(np.int32),

@@ -24,6 +24,16 @@ Warning categories
     * :class:`FileContentWarning`: a file was read under an assumption (the column count of
       a raw ``.bin`` scan) or part of it was left out (a mesh's faces, rows whose
       coordinates are NaN), with the numbers.
+    * :class:`UnitsWarning`: the two clouds, or a length given with them, differ in scale by
+      more than 20× (:func:`pointalign.registration._edge.check_units`): probably one of
+      them is in other units (millimetres against metres); both scales are named.
+
+Estimates
+    Work that can run longer than :data:`ANNOUNCE_SECONDS` on this device says so before it
+    starts (:func:`announce`: a line above the bars on a terminal, an ``INFO`` log line
+    always); above :data:`SLOW_SECONDS` it also warns (:func:`warn_slow`). The cost models
+    live with the work (``registration._edge.estimate_icp_seconds``,
+    ``estimate_register_seconds``; the soft methods' in their passes).
 
 Progress
     Long loops (batches, annealing schedules, RANSAC chunks, many files, benchmarks) wrap
@@ -99,24 +109,51 @@ class FileContentWarning(PointalignWarning):
     """
 
 
+class UnitsWarning(PointalignWarning):
+    """The clouds, or a length given with them, differ in scale by more than 20×.
+
+    Raised before any work by :func:`pointalign.registration._edge.check_units`, naming both
+    scales and the likely unit error (millimetres against metres, …).
+    """
+
+
 def get_logger(name: str | None = None) -> logging.Logger:
     """Return ``logging.getLogger("pointalign")`` or its child ``"pointalign.<name>"``."""
     return logger if not name else logger.getChild(name)
 
 
+def user_stacklevel() -> int:
+    """Return the ``stacklevel`` of the first frame outside pointalign, counted from the caller.
+
+    For a warning issued deep inside a public function (through decorators and helpers):
+    it points at the user's line that called pointalign, however deep the call.
+    """
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and (frame.f_globals.get("__name__", "") + ".").startswith(
+            "pointalign."):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
 def warn(message: str, category: type[Warning] = PointalignWarning,
-         stacklevel: int = 2) -> None:
+         stacklevel: int | None = 2) -> None:
     """Issue ``warnings.warn(message, category)`` pointing at the caller's caller.
 
     Args:
         message: one sentence saying what happens and what to do about it.
         category: a :class:`PointalignWarning` subclass.
         stacklevel: as in :func:`warnings.warn`, counted from the function calling this one
-            (2: the user's line that called the public function).
+            (2: the user's line that called the public function); None: the first frame
+            outside pointalign (:func:`user_stacklevel`).
 
     """
     logger.debug("warning (%s): %s", category.__name__, message)
     if _QUIET.get():  # quiet: progress and pointalign's warnings are both off
+        return
+    if stacklevel is None:
+        warnings.warn(message, category, stacklevel=user_stacklevel())
         return
     warnings.warn(message, category, stacklevel=stacklevel + 1)
 
@@ -150,6 +187,56 @@ def warn_slow(what: str, seconds: float, advice: str, stacklevel: int = 2) -> bo
     minutes = seconds / 60.0
     warn(f"{what} will take about {minutes:.0f} minute{'s' if minutes >= 1.5 else ''}; "
          f"{advice}", SlowOperationWarning, stacklevel=stacklevel + 1)
+    return True
+
+
+#: work expected to take longer than this (seconds) says so before it starts (:func:`announce`)
+ANNOUNCE_SECONDS = 5.0
+
+
+def describe_seconds(seconds: float) -> str:
+    """``"about 40 s"``, ``"about 3 minutes"``: a rough duration in words."""
+    if seconds < 90:
+        return f"about {max(1, round(seconds)):.0f} s"
+    return f"about {seconds / 60:.0f} minutes"
+
+
+def announce(what: str, seconds: float | None, advice: str = "",
+             stacklevel: int | None = None) -> bool:
+    """Say before it starts that ``what`` will take about ``seconds``, when that is long.
+
+    Above :data:`ANNOUNCE_SECONDS`: an ``INFO`` log line, and on a terminal where progress
+    is drawn (:func:`enabled`) a line on standard error (above any bar on screen); above
+    :data:`SLOW_SECONDS` also a :class:`SlowOperationWarning` (:func:`warn_slow`) with
+    ``advice``. Nothing for a short call, or where ``seconds`` is None (no estimate, e.g.
+    on a GPU).
+
+    Args:
+        what: the operation ("ICP on 5,000,000 points on the CPU (2 threads)").
+        seconds: the estimate (a cost model's: within 2× on the machines it was measured
+            on).
+        advice: what to do instead, for the warning.
+        stacklevel: as in :func:`warn` (None: the user's line).
+
+    Returns:
+        True when the call was announced.
+
+    """
+    if seconds is None or not seconds > ANNOUNCE_SECONDS:
+        return False
+    text = f"{what}: {describe_seconds(seconds)}"
+    logger.info("%s", text)
+    if seconds > SLOW_SECONDS:
+        warn(f"{what} will take {describe_seconds(seconds)}; {advice}" if advice else
+             f"{what} will take {describe_seconds(seconds)}", SlowOperationWarning,
+             stacklevel=None if stacklevel is None else stacklevel + 1)
+    elif enabled():
+        console = live_console()
+        if console is None:
+            from rich.console import Console
+
+            console = Console(stderr=True)
+        console.print(f"pointalign: {text}", markup=False, highlight=False)
     return True
 
 

@@ -183,6 +183,86 @@ def _to_tensor(name: str, x: Any) -> torch.Tensor:
     )
 
 
+#: the kinds of input :func:`kind` tells apart (the rule for outputs: :func:`as_kind`)
+KINDS = ("numpy", "torch", "pointcloud", "open3d", "open3d_tensor")
+
+
+def kind(x: Any) -> str:
+    """Tell what kind of array-like ``x`` is, for an output that follows its input's kind.
+
+    The rule for array outputs, in one place (:func:`as_kind` applies it):
+
+    * ``"numpy"``: a NumPy array (or a list of numbers) -> NumPy out;
+    * ``"torch"``: a tensor, or any other ``__dlpack__`` array -> a tensor on its device;
+    * ``"pointcloud"``: a :class:`~pointalign.cloud.PointCloud` -> a cloud where the output
+      is a cloud (voxel_downsample, preprocess), else a tensor: per-point arrays (normals,
+      features, covariances, masks) on the cloud's device, the storage a PointCloud holds;
+    * ``"open3d"``: a legacy ``open3d.geometry.PointCloud`` -> a legacy cloud where the
+      output is a cloud, else NumPy (what Open3D's users read with ``np.asarray``);
+    * ``"open3d_tensor"``: an ``open3d.t.geometry.PointCloud`` -> a tensor-API cloud where the
+      output is a cloud, else NumPy.
+    """
+    if isinstance(x, torch.Tensor):
+        return "torch"
+    if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)):
+        return "numpy"
+    if _is_open3d(x):
+        if hasattr(x, "point") and hasattr(x, "to_legacy"):
+            return "open3d_tensor"
+        if hasattr(x, "points") and hasattr(x, "has_normals"):
+            return "open3d"
+        return "torch"  # open3d.core.Tensor: read through DLPack
+    if isinstance(getattr(x, "points", None), torch.Tensor):
+        return "pointcloud"
+    return "torch"
+
+
+def as_kind(t: torch.Tensor, like: str) -> Any:
+    """Return the per-point array ``t`` as the kind :func:`kind` named for the input.
+
+    ``"numpy"``, ``"open3d"`` and ``"open3d_tensor"``: a NumPy array (on the host);
+    ``"torch"`` and ``"pointcloud"``: ``t`` itself.
+    """
+    if like in ("numpy", "open3d", "open3d_tensor"):
+        return t.detach().cpu().numpy()
+    return t
+
+
+def cloud_as_kind(cloud: Any, like: str) -> Any:
+    """Return a PointCloud output as the kind of the input it came from (see :func:`kind`).
+
+    ``"pointcloud"``: the PointCloud; ``"open3d"`` / ``"open3d_tensor"``: an Open3D cloud of
+    that API with the points, normals and colours (and, for the tensor API, the extras);
+    ``"numpy"``: the points as an ``(N, 3)`` NumPy array; ``"torch"``: the points tensor.
+    """
+    if like == "pointcloud":
+        return cloud
+    if like == "open3d":
+        return cloud.to_open3d()
+    if like == "open3d_tensor":
+        return cloud.to_open3d(tensor=True)
+    return as_kind(cloud.points, like)
+
+
+def cloud_normals(cloud: Any) -> Any:
+    """Return the normals a cloud carries, or None: ``(N, 3)`` in the cloud's own kind.
+
+    A :class:`~pointalign.cloud.PointCloud`'s ``normals``; a legacy Open3D cloud's
+    ``normals`` when ``has_normals()`` (its ``Vector3dVector`` read as a NumPy array: empty
+    when it has none); a tensor-API Open3D cloud's ``point["normals"]``. Anything else
+    (arrays, tensors, lists of clouds): None.
+    """
+    if _is_open3d(cloud):
+        if hasattr(cloud, "point") and hasattr(cloud, "to_legacy"):  # tensor API
+            return cloud.point["normals"] if "normals" in set(cloud.point) else None
+        if hasattr(cloud, "has_normals") and hasattr(cloud, "normals"):  # legacy
+            return np.asarray(cloud.normals) if cloud.has_normals() else None
+        return None
+    if isinstance(getattr(cloud, "points", None), torch.Tensor):  # PointCloud (duck-typed)
+        return getattr(cloud, "normals", None)
+    return None
+
+
 def _float(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name}: expected a real floating-point array, got dtype {t.dtype}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,11 +59,19 @@ class PointCloud:
             f = _validate._float("features", f, dt).to(dev)
             _validate._check_finite("features", f)
             object.__setattr__(self, "features", f)
+        if self.extras is None:
+            object.__setattr__(self, "extras", {})
+        if not isinstance(self.extras, Mapping):
+            raise TypeError(f"extras: expected a dict of name -> ({n},) or ({n}, K) array, "
+                            f"got {type(self.extras).__name__}")
         extras = {}
         for k, v in dict(self.extras).items():
+            if not isinstance(k, str):
+                raise TypeError(f"extras: keys must be field names (str), got {k!r}")
             t = _validate._to_tensor(f"extras[{k!r}]", v)
-            if t.shape[0] != n:
-                raise ValueError(f"extras[{k!r}]: expected {n} rows, got {t.shape[0]}")
+            if t.dim() == 0 or t.shape[0] != n:
+                raise ValueError(f"extras[{k!r}]: expected ({n},) or ({n}, K) values, one "
+                                 f"row per point, got shape {tuple(t.shape)}")
             extras[k] = t.to(dev)
         object.__setattr__(self, "extras", extras)
         if self.covariances is not None:
@@ -170,7 +179,16 @@ class PointCloud:
         return self.replace(points=pts, normals=nrm, covariances=cov)
 
     def numpy(self) -> dict[str, np.ndarray]:
-        """All present fields as NumPy arrays, keyed by name."""
+        """Return every present field as a host NumPy array, in a dict keyed by field name.
+
+        A dict, not a cloud: ``{"points": (N, 3), "normals": (N, 3), "colors": (N, 3),
+        "features": (N, D), "covariances": (N, 3, 3), <extra name>: (N,) or (N, K)}`` (only
+        the fields present), the form ``np.savez(path, **cloud.numpy())``, pandas and the
+        file writers take. A PointCloud is one torch-backed type on one device; a second,
+        NumPy-backed cloud type would double every operation for no gain. For one field
+        use ``cloud.points.cpu().numpy()``; to go back, ``PointCloud(**fields)`` with the
+        extras under ``extras=``.
+        """
         out = {"points": self.points.detach().cpu().numpy()}
         for name in ("normals", "colors", "features", "covariances"):
             v = getattr(self, name)
@@ -185,9 +203,10 @@ class PointCloud:
         """Build from an Open3D point cloud, legacy or tensor API.
 
         Args:
-            pcd: ``open3d.geometry.PointCloud`` (float64 points, normals and colours are
-                copied) or ``open3d.t.geometry.PointCloud`` (``positions``, ``normals``,
-                ``colors`` and every other per-point attribute, the latter into
+            pcd: ``open3d.geometry.PointCloud`` (float64 points, normals, colours and
+                covariances are copied) or ``open3d.t.geometry.PointCloud``
+                (``positions``, ``normals``, ``colors`` and every other per-point
+                attribute, the latter into
                 :attr:`extras`; read through DLPack, so zero-copy on the cloud's device where
                 PyTorch supports it).
 
@@ -213,16 +232,19 @@ class PointCloud:
         def arr(v: Any) -> torch.Tensor:
             return torch.from_numpy(np.array(v))
 
+        has_cov = getattr(pcd, "has_covariances", None)
+        cov = arr(pcd.covariances) if has_cov is not None and has_cov() else None
         return cls(arr(pcd.points), arr(pcd.normals) if pcd.has_normals() else None,
-                   arr(pcd.colors) if pcd.has_colors() else None)
+                   arr(pcd.colors) if pcd.has_colors() else None, covariances=cov)
 
     def to_open3d(self, tensor: bool = False) -> Any:
         """Convert to an Open3D point cloud (needs the ``open3d`` extra).
 
         Args:
             tensor: False: ``open3d.geometry.PointCloud`` (legacy API, float64 copies of
-                points, normals and colours). True: ``open3d.t.geometry.PointCloud`` with
-                ``positions``, ``normals``, ``colors`` and the :attr:`extras` as attributes,
+                points, normals, colours and covariances). True:
+                ``open3d.t.geometry.PointCloud`` with ``positions``, ``normals``, ``colors``
+                and the :attr:`extras` as attributes,
                 in this cloud's dtype; handed over through DLPack (shared memory on the CPU;
                 a CUDA cloud stays on the GPU when Open3D was built with CUDA, otherwise it
                 is copied to the CPU).
@@ -262,4 +284,6 @@ class PointCloud:
             pcd.normals = o3d.utility.Vector3dVector(arrs["normals"].astype(np.float64))
         if "colors" in arrs:
             pcd.colors = o3d.utility.Vector3dVector(arrs["colors"].astype(np.float64))
+        if "covariances" in arrs:
+            pcd.covariances = o3d.utility.Matrix3dVector(arrs["covariances"].astype(np.float64))
         return pcd

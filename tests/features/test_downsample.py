@@ -80,8 +80,11 @@ def test_deterministic_and_input_untouched(seed):
     assert torch.equal(pts, before)
 
 
-def test_numpy_input_returns_tensor():
+def test_numpy_input_returns_numpy():
+    """Outputs follow the input's kind (issue 26): NumPy in, NumPy out; tensors stay tensors."""
     out = voxel_downsample(np.zeros((4, 3)), 1.0)
+    assert isinstance(out, np.ndarray) and out.shape == (1, 3)
+    out = voxel_downsample(torch.zeros(4, 3), 1.0)
     assert isinstance(out, torch.Tensor) and out.shape == (1, 3)
 
 

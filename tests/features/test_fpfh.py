@@ -197,8 +197,8 @@ def test_open3d_demo_matching_quality(shared_data):
         pytest.skip("open3d_demo/feature not present")
     p0, n0, o0 = _read_demo(d, 0)
     p1, n1, o1 = _read_demo(d, 1)
-    f0 = fpfh(p0, radius=0.25, max_neighbors=100, normals=n0, device="cpu").numpy()
-    f1 = fpfh(p1, radius=0.25, max_neighbors=100, normals=n1, device="cpu").numpy()
+    f0 = fpfh(p0, radius=0.25, max_neighbors=100, normals=n0, device="cpu")  # NumPy in, out
+    f1 = fpfh(p1, radius=0.25, max_neighbors=100, normals=n1, device="cpu")
 
     def rate(a, b):
         _, j = cKDTree(a).query(b)

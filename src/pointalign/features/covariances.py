@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pointalign import _validate
+from pointalign import _threads, _validate
 from pointalign.features.normals import check_neighbour_table
 from pointalign.kernels import gicp as _kernels
 
@@ -31,6 +31,7 @@ _CHUNK = 1 << 18
 DEFAULT_K = 20
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def estimate_covariances(
     points: Any,
@@ -40,7 +41,7 @@ def estimate_covariances(
     index: Any = None,
     neighbors: torch.Tensor | None = None,
     device: str | torch.device | None = None,
-) -> torch.Tensor:
+) -> Any:
     """Estimate plane-regularised covariances ``I − (1 − ε) n nᵀ`` from k nearest neighbours.
 
     Args:
@@ -55,16 +56,22 @@ def estimate_covariances(
         device: compute device (default: the points' device for tensors, else cuda when
             available).
 
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
+
     Returns:
-        ``(N, 3, 3)`` symmetric positive definite covariances on ``device`` in the points'
-        dtype (the fallback I where a neighbourhood is too small or degenerate, see the
-        module docstring).
+        ``(N, 3, 3)`` symmetric positive definite covariances in the points' dtype (the
+        fallback I where a neighbourhood is too small or degenerate, see the module
+        docstring), in the input's kind (:func:`pointalign._validate.kind`): NumPy for a
+        NumPy array or an Open3D cloud, a tensor on ``device`` for a tensor or a
+        PointCloud (keep them with the cloud: ``cloud.replace(covariances=C)``, which
+        :func:`~pointalign.gicp` then reuses).
 
     Raises:
         ValueError: fewer than k points, k < 3, ε outside (0, 1], NaN/Inf points, an index
             or neighbour table that does not match the points.
 
     """
+    like = _validate.kind(points)
     if isinstance(points, torch.Tensor) and device is None:
         dev = points.device
     else:
@@ -74,7 +81,7 @@ def estimate_covariances(
     eps = _validate.in_range(eps, "eps", 0.0, 1.0, high_closed=True)
     if neighbors is not None:
         check_neighbour_table(neighbors, n, dev)
-        return _kernels.covariances(pts, neighbors, eps)
+        return _validate.as_kind(_kernels.covariances(pts, neighbors, eps), like)
     k = _validate.integer(k, "k", minimum=3)
     if n < k:
         raise ValueError(f"points: {n} points, fewer than k = {k} neighbours per covariance; "
@@ -92,4 +99,4 @@ def estimate_covariances(
         with _validate.trusted():
             nb = index.knn(q, k).idx
         out[s:s + _CHUNK] = _kernels.covariances(pts, nb, eps)
-    return out
+    return _validate.as_kind(out, like)

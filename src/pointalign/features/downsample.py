@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pointalign import _validate
+from pointalign import _threads, _validate
 from pointalign._ops import exclusive_cumsum_rows
 from pointalign.cloud import PointCloud
 from pointalign.kernels import upload
@@ -126,24 +126,33 @@ def _segment_mean(values: torch.Tensor, order: torch.Tensor, seg: torch.Tensor,
     return out
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def voxel_downsample(cloud: Any, voxel_size: float) -> Any:
     """Replace the points of every occupied voxel by their centroid.
 
     ``q_v = (1/|V|) Σ_{p ∈ V} p`` for every voxel V of edge ``voxel_size``; normals are
     averaged and renormalised (a voxel whose normals cancel keeps its first normal), colours
-    averaged. Other attributes (features, extras) are dropped: recompute them.
+    averaged (Open3D's ``voxel_down_sample``). Other attributes (features, covariances,
+    extras) are dropped: recompute them for the new points.
 
     Args:
-        cloud: ``(N, 3)`` float tensor / NumPy array, or a :class:`PointCloud`.
+        cloud: ``(N, 3)`` float tensor / NumPy array, a :class:`PointCloud`, or an Open3D
+            point cloud (legacy or tensor API; its normals and colours are averaged too).
         voxel_size: cube edge (> 0), same units as the points (metres by convention).
 
     Returns:
-        A :class:`PointCloud` for a PointCloud input, else an ``(V, 3)`` tensor on the
-        input's device with the input's float dtype. Voxels come in increasing key order
-        (x-major), so the output is deterministic.
+        The input's kind (:func:`pointalign._validate.kind`): an ``(V, 3)`` NumPy array for
+        NumPy input, an ``(V, 3)`` tensor on the input's device for a tensor, a
+        :class:`PointCloud` for a PointCloud, an Open3D cloud of the same API for an Open3D
+        cloud; in the input's float dtype. Voxels come in increasing key order (x-major),
+        so the output is deterministic.
+        ``num_threads``: CPU threads for this call (:func:`pointalign.threads`).
 
     """
+    like = _validate.kind(cloud)
+    if like in ("open3d", "open3d_tensor"):
+        cloud = PointCloud.from_open3d(cloud)
     is_cloud = isinstance(cloud, PointCloud)
     points = _validate.as_points(cloud, "cloud")
     voxel_size = _validate.positive(voxel_size, "voxel_size")
@@ -160,7 +169,7 @@ def voxel_downsample(cloud: Any, voxel_size: float) -> Any:
     shift = points[first].to(torch.float64)
     centers = _segment_mean(points, order, seg, ends, counts, shift).to(points.dtype)
     if not is_cloud:
-        return centers
+        return _validate.as_kind(centers, like)
     normals = colors = None
     if cloud.normals is not None:
         first_n = cloud.normals[first].to(torch.float64)
@@ -174,7 +183,7 @@ def voxel_downsample(cloud: Any, voxel_size: float) -> Any:
         colors = _segment_mean(cloud.colors, order, seg, ends, counts,
                                torch.zeros(counts.numel(), 3, dtype=torch.float64,
                                            device=points.device)).to(points.dtype)
-    return PointCloud(centers, normals=normals, colors=colors)
+    return _validate.cloud_as_kind(PointCloud(centers, normals=normals, colors=colors), like)
 
 
 def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int = 6) -> float:

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from pointalign import _validate
-from pointalign.cloud import PointCloud
+from pointalign import _threads, _validate
 from pointalign.kernels.features import fpfh as _kernels
 from pointalign.search.base import KnnResult
 
@@ -67,6 +66,7 @@ def restrict(neighbors: KnnResult, radius: float, max_neighbors: int) -> torch.T
     return torch.where(d <= radius * radius, i, torch.full_like(i, -1))
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def fpfh(
     cloud_or_points: Any,
@@ -77,12 +77,12 @@ def fpfh(
     index: Any = None,
     neighbors: KnnResult | None = None,
     device: str | torch.device | None = None,
-) -> torch.Tensor:
+) -> Any:
     """33-bin FPFH descriptors of every point (Rusu et al. 2009, Open3D's conventions).
 
     Args:
-        cloud_or_points: ``(N, 3)`` float tensor / NumPy array, or a :class:`PointCloud`
-            (its normals are used when ``normals`` is None).
+        cloud_or_points: ``(N, 3)`` float tensor / NumPy array, a :class:`PointCloud` or an
+            Open3D point cloud (a cloud's normals are used when ``normals`` is None).
         radius: neighbourhood radius (same units as the points); Open3D's tutorial uses
             5 × the voxel size of the downsampled cloud.
         max_neighbors: at most this many nearest points within ``radius`` (the point
@@ -98,9 +98,13 @@ def fpfh(
         device: compute device (default: the inputs' device, which must be one: the
             points', the normals' and the index's).
 
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
+
     Returns:
-        ``(N, 33)`` float tensor on ``device``: [α bins | φ bins | θ bins], each 11-bin
-        histogram summing to 100 (zeros for a point with no neighbour in ``radius``).
+        ``(N, 33)`` float [α bins | φ bins | θ bins], each 11-bin histogram summing to 100
+        (zeros for a point with no neighbour in ``radius``), in the input's kind
+        (:func:`pointalign._validate.kind`): NumPy for a NumPy array or an Open3D cloud, a
+        tensor on ``device`` for a tensor or a PointCloud.
 
     """
     dev = _validate.resolve_device(device, cloud_or_points=cloud_or_points, normals=normals,
@@ -110,8 +114,9 @@ def fpfh(
         points = points.float()
     radius = _validate.positive(radius, "radius")
     max_neighbors = _validate.integer(max_neighbors, "max_neighbors", minimum=2)
-    if normals is None and isinstance(cloud_or_points, PointCloud):
-        normals = cloud_or_points.normals
+    like = _validate.kind(cloud_or_points)
+    if normals is None:
+        normals = _validate.cloud_normals(cloud_or_points)
     if index is None and neighbors is None:
         from pointalign.search import build_index
 
@@ -139,4 +144,4 @@ def fpfh(
     normals = _validate.as_vectors(normals, "normals", points.shape[0], device=points.device,
                                    dtype=points.dtype)
     hist = _kernels.spfh(points, normals, nbr.idx)
-    return _kernels.fpfh_combine(hist, nbr.idx, nbr.dists)
+    return _validate.as_kind(_kernels.fpfh_combine(hist, nbr.idx, nbr.dists), like)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pointalign import _validate
+from pointalign import _threads, _validate
 from pointalign.features.downsample import auto_voxel_size
 
 
@@ -47,22 +47,30 @@ def neighbour_counts(index: Any, queries: torch.Tensor, radius: float, cap: int
     return (index.radius(queries, radius, cap).idx >= 0).sum(1)
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def radius_outlier_mask(points: Any, radius: float, min_neighbors: int = 2, *,
                         index: Any = None, device: str | torch.device | None = None
-                        ) -> torch.Tensor:
+                        ) -> Any:
     """Tell which points have at least ``min_neighbors`` other points within ``radius``.
 
+    Open3D's ``remove_radius_outlier(nb_points, radius)`` as a mask: ``cloud[mask]`` or
+    ``cloud.select(mask)`` keeps the points it keeps (``nb_points`` counts the point
+    itself: ``min_neighbors = nb_points - 1``).
+
     Args:
-        points: ``(N, 3)`` float tensor / array.
+        points: ``(N, 3)`` float tensor / array, PointCloud or Open3D cloud.
         radius: search radius (> 0), same units as the points.
         min_neighbors: other points needed within ``radius`` (>= 1).
         index: optional prebuilt :class:`~pointalign.search.base.Index` over ``points``.
         device: compute device (default: the device of the points and the index, which
             must be one).
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Returns:
-        ``(N,)`` bool tensor on the device, True = keep.
+        ``(N,)`` bool mask, True = keep, in the input's kind
+        (:func:`pointalign._validate.kind`): NumPy for NumPy input or an Open3D cloud, a
+        tensor on the device for a tensor or a PointCloud.
 
     """
     dev = _validate.resolve_device(device, points=points, index=index)
@@ -70,28 +78,34 @@ def radius_outlier_mask(points: Any, radius: float, min_neighbors: int = 2, *,
     r = _validate.positive(radius, "radius")
     min_neighbors = _validate.integer(min_neighbors, "min_neighbors", minimum=1)
     k = min(min_neighbors + 1, pts.shape[0])  # the point itself is its own first neighbour
-    return neighbour_counts(_index(pts, index), pts, r, k) >= min_neighbors + 1
+    keep = neighbour_counts(_index(pts, index), pts, r, k) >= min_neighbors + 1
+    return _validate.as_kind(keep, _validate.kind(points))
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def statistical_outlier_mask(points: Any, neighbors: int = 16, std_ratio: float = 2.0, *,
                              index: Any = None, device: str | torch.device | None = None
-                             ) -> torch.Tensor:
+                             ) -> Any:
     """Tell which points lie no farther than usual from their ``neighbors`` nearest points.
 
     ``m_i`` = mean distance of point i to its ``neighbors`` nearest other points; a point is
     kept when ``m_i <= mean(m) + std_ratio · std(m)``.
 
+    Open3D's ``remove_statistical_outlier(nb_neighbors, std_ratio)`` as a mask.
+
     Args:
-        points: ``(N, 3)`` float tensor / array, N >= 2.
+        points: ``(N, 3)`` float tensor / array, PointCloud or Open3D cloud, N >= 2.
         neighbors: k (>= 1).
         std_ratio: threshold in standard deviations (> 0).
         index: optional prebuilt :class:`~pointalign.search.base.Index` over ``points``.
         device: compute device (default: the device of the points and the index, which
             must be one).
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Returns:
-        ``(N,)`` bool tensor on the device, True = keep.
+        ``(N,)`` bool mask, True = keep, in the input's kind (as
+        :func:`radius_outlier_mask`).
 
     """
     dev = _validate.resolve_device(device, points=points, index=index)
@@ -102,7 +116,8 @@ def statistical_outlier_mask(points: Any, neighbors: int = 16, std_ratio: float 
     nb = _index(pts, index).knn(pts, k)
     d = nb.dists[:, 1:].clamp_min(0).sqrt().to(torch.float64)  # column 0: the point itself
     m = d.mean(1)
-    return m <= m.mean() + ratio * m.std(unbiased=False)
+    keep = m <= m.mean() + ratio * m.std(unbiased=False)
+    return _validate.as_kind(keep, _validate.kind(points))
 
 
 #: raw neighbours within one voxel edge: a point with fewer is a stray point ...

@@ -34,11 +34,13 @@ class StopReason(str, enum.Enum):
     * ``SMALL_UPDATE``: the last update rotated by less than ``rotation_tolerance`` and
       moved by less than ``translation_tolerance``;
     * ``RELATIVE_CHANGE``: fitness and RMSE stopped changing (Open3D's rule);
-    * ``SCHEDULE``: an annealing schedule reached its end (EM-ICP's σ_min, Softassign's β);
+    * ``SCHEDULE``: an annealing schedule reached its end (EM-ICP's σ_min, Softassign's β)
+      with the pose settled (its last check moved it by a small fraction of the final
+      scale; else ``STALLED``);
     * ``POSE_AND_WEIGHTS``: an annealing method's pose and soft weights settled early;
     * ``NO_DECREASE``: no step along the last update lowers the objective any more (a
       descent method's line search found none, or approximate ICP's step raised it and was
-      taken back): a numerical minimum.
+      taken back) and that update was small: a numerical minimum (a large one: ``STALLED``).
 
     Not converged:
 
@@ -51,6 +53,15 @@ class StopReason(str, enum.Enum):
       any residual (a plane moved in-plane, a sphere or cylinder turned, fewer than 6
       correspondences); :func:`pointalign._math.stability` ≤ ``STABILITY_EPS``
       (``info["stability"]``), decided once at the end by :func:`build_result`;
+    * ``STALLED``: no step lowers the objective any more, but the last direction (or the
+      last steps) still asked for a large motion: the model is poor at this pose (a cell
+      lookup, a distance map on the wrong piece of surface), a stall, not a minimum;
+      an annealing schedule that ended while the pose still moved by more than
+      ``SETTLED`` of its final scale per check (:mod:`pointalign.registration.soft`);
+    * ``LOW_FITNESS``: the iteration settled, but fewer than :data:`MIN_FITNESS` (1 %) of
+      the source points have a partner: a handful of chance matches (a distance given in
+      other units than the clouds, no overlap) decide nothing, whatever the stop rule said;
+      decided once at the end by :func:`build_result`;
     * ``COARSE_INPUT``: the iteration settled, but the coordinates came rounded by more than
       :data:`MAX_RESOLUTION` of the target's extent (float32 far from the origin: at 10⁵ m
       a float32 coordinate's spacing is ~8 mm), so the pose is only as good as that
@@ -86,6 +97,8 @@ class StopReason(str, enum.Enum):
     NO_CORRESPONDENCES = "no_correspondences"
     DEGENERATE = "degenerate"
     AMBIGUOUS = "ambiguous"
+    LOW_FITNESS = "low_fitness"
+    STALLED = "stalled"
     COARSE_INPUT = "coarse_input"
     NO_HYPOTHESIS = "no_hypothesis"
     BELOW_THRESHOLD = "below_threshold"
@@ -165,6 +178,8 @@ class Pair:
         resolution: ``(B,)`` float64 NumPy, about the spacing of the coordinates as given
             (their dtype's epsilon times their magnitude): what float32 input far from the
             origin has already lost.
+        source_extent: ``(B,)`` float64 NumPy, each source's RMS distance from its own
+            centroid (the scale :func:`check_units` compares with ``extent``).
 
     """
 
@@ -183,6 +198,7 @@ class Pair:
     extent: np.ndarray | None = None
     centroid: np.ndarray | None = None
     resolution: np.ndarray | None = None
+    source_extent: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -197,6 +213,11 @@ def _centroids(pts: torch.Tensor, lengths: torch.Tensor, counts: np.ndarray) -> 
     rows = torch.arange(pts.shape[1], device=pts.device)[None, :, None] < lengths[:, None, None]
     return (pts * rows).sum(1) / lengths[:, None].clamp_min(1).to(pts.dtype)
 
+
+#: the smallest fitness (fraction of source points with a partner) a converged result may
+#: have: below it the pose rests on a few chance matches (1 %: 400 of the bunny's 40k
+#: points; partial overlaps of real scans at their usual distances keep 10 % or more)
+MIN_FITNESS = 0.01
 
 #: the coarsest input spacing, as a fraction of the target's RMS radius, at which a settled
 #: iteration still counts as converged (the bunny in float32 at 10⁴ m: 0.02, poses within
@@ -248,27 +269,147 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
     c_true = c
     if not local:
         c = torch.zeros_like(c)
-    src_l = (src.to(torch.float64) - (c if not shared else c.expand(B, 3))[:, None]) \
-        .to(torch.float32).contiguous()
+    # the source's extent the same way, for the units check (check_units): the float64
+    # source is made here anyway, and its two reductions cost ~1 % of one ICP iteration
+    s64 = src.to(torch.float64)
+    s_d2 = ((s64 - _centroids(s64, slens, s_counts)[:, None]) ** 2).sum(-1, keepdim=True)
+    s_rms = _centroids(s_d2.expand(-1, -1, 3), slens, s_counts)[:, :1].sqrt()
+    src_l = (s64 - (c if not shared else c.expand(B, 3))[:, None]).to(torch.float32) \
+        .contiguous()
     tgt_l = (t64 - c[:, None]).to(torch.float32).contiguous()
-    host = torch.cat([c, rms, c_true - c], 1).cpu().numpy().astype(np.float64)
+    t_host = torch.cat([c, rms, c_true - c], 1)
     if shared:
         tgt_l, tlens, t_counts = tgt_l.expand(B, -1, -1), tlens.expand(B), \
             np.repeat(t_counts, B)
-        host = np.repeat(host, B, axis=0)
+        t_host = t_host.expand(B, -1)
+    host = torch.cat([t_host, s_rms], 1).cpu().numpy().astype(np.float64)  # one transfer
     frame = Frame(host[:, :3].copy())
     # the coordinates' spacing as given: epsilon x magnitude (the centroid's plus 3 RMS radii)
     eps = max(torch.finfo(src.dtype).eps, torch.finfo(tgt.dtype).eps)
     world = np.abs(host[:, :3] + host[:, 4:7]).max(1) + 3 * host[:, 3]
     return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
                 np.asarray(t_counts, dtype=np.int64), frame.to_local(T0), frame, batched,
-                shared, device, T0, host[:, 3].copy(), host[:, 4:7].copy(), eps * world)
+                shared, device, T0, host[:, 3].copy(), host[:, 4:7].copy(), eps * world,
+                host[:, 7].copy())
+
+
+#: scales (the two clouds' extents, a length given against them) that differ by more than
+#: this factor warn (:class:`~pointalign._progress.UnitsWarning`) ...
+UNITS_WARN = 20.0
+#: ... and by more than this one, no registration can work: ValueError
+UNITS_FAIL = 1000.0
+
+#: the unit mix-ups a ratio of scales points to, nearest first (within a factor of 1.6)
+_UNIT_RATIOS = ((1000.0, "millimetres", "metres"), (100.0, "centimetres", "metres"),
+                (10.0, "millimetres", "centimetres"), (25.4, "millimetres", "inches"),
+                (39.37, "inches", "metres"), (304.8, "millimetres", "feet"),
+                (1e6, "micrometres", "metres"))
+
+
+def spacing(extent: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Typical point spacing of ``count`` points on a surface of RMS radius ``extent``: ``(B,)``.
+
+    ``extent · sqrt(4π / count)``: a sphere of that radius sampled evenly. A cloud that
+    fills a volume is sparser than this, a line denser; both scans and objects are surfaces.
+    """
+    return np.asarray(extent, np.float64) * np.sqrt(4 * np.pi / np.maximum(count, 1))
+
+
+def _unit_guess(ratio: float, big: str, small: str) -> str:
+    """``"; source in millimetres and target in metres?"`` for a ratio near 1000, else ``""``."""
+    best = min(_UNIT_RATIOS, key=lambda u: abs(np.log(ratio / u[0])))
+    if abs(np.log(ratio / best[0])) > np.log(1.6):
+        return ""
+    return f"; {big} in {best[1]} and {small} in {best[2]}?"
+
+
+def check_units(pair: Pair, **lengths: float | Sequence[float] | None) -> None:
+    """Compare the clouds' scales, and each given length with them, before any work.
+
+    Every registration entry point calls this right after :func:`prepare_pair` (``register``
+    too, on its own pair), with the lengths it was given (``max_correspondence_distance=``,
+    ``voxel_size=``, one length or a sequence of them; None: not given). It reads the
+    extents :func:`prepare_pair` measured (``pair.source_extent``, ``pair.extent``: RMS
+    radii) and the counts, so it costs a few host operations on B numbers.
+
+    * The two clouds' extents differ by more than :data:`UNITS_WARN` (20×):
+      :class:`~pointalign._progress.UnitsWarning` naming both and the likely mix-up
+      (a ratio near 1000: millimetres against metres).
+    * A length above 20× the larger extent, or below 1/20 of the typical point spacing
+      (:func:`spacing`: from the extent and the count): UnitsWarning naming the length,
+      the scale and the ratio. Beyond :data:`UNITS_FAIL` (1000×) on either side no
+      registration can work (a bound 1000× the clouds bounds nothing, and one 1000× below
+      the spacing leaves no point a partner): ``ValueError`` naming the argument.
+
+    A cloud of no extent (one point repeated) is left to the degeneracy rules.
+
+    Raises:
+        ValueError: a length more than 1000× off the clouds' scale.
+
+    """
+    if pair.extent is None or pair.source_extent is None:
+        return
+    from pointalign import _progress
+
+    ext_t, ext_s = np.asarray(pair.extent), np.asarray(pair.source_extent)
+    h = np.minimum(spacing(ext_t, pair.target_counts), spacing(ext_s, pair.source_counts))
+    where = (lambda b: f" (problem {b})") if pair.size > 1 else (lambda b: "")
+    both = (ext_t > 0) & (ext_s > 0)
+    ratio = np.where(both, np.maximum(ext_s, ext_t) / np.where(both, np.minimum(ext_s, ext_t),
+                                                               1.0), 1.0)
+    b = int(np.argmax(ratio))
+    if both.any() and ratio[b] > UNITS_WARN:
+        big, small = ("source", "target") if ext_s[b] > ext_t[b] else ("target", "source")
+        _progress.warn(f"source and target differ in size by {ratio[b]:.0f}×{where(b)}: "
+                       f"source extent (RMS radius) {ext_s[b]:.4g}, target extent "
+                       f"{ext_t[b]:.4g}{_unit_guess(float(ratio[b]), big, small) or '.'} Both "
+                       "must be in the same units (metres by convention)",
+                       _progress.UnitsWarning, stacklevel=None)
+    big = np.maximum(ext_t, ext_s)
+    for name, value in ((n, float(v)) for n, vs in lengths.items()
+                        for v in (vs if isinstance(vs, (tuple, list)) else (vs,))
+                        if v is not None):
+        for b in range(pair.size):
+            if not (big[b] > 0 and h[b] > 0):
+                continue
+            over, under = value / big[b], h[b] / value
+            if over > UNITS_WARN:
+                msg = (f"{name}: {value:.4g} is {over:.0f}× the clouds' extent (RMS radius "
+                       f"{big[b]:.4g}){where(b)}")
+                guess = "; is it in millimetres, the clouds in metres?" if over >= 100 else "."
+                if over > UNITS_FAIL:
+                    raise ValueError(f"{msg}: no registration can work at that scale{guess} "
+                                     f"Give it in the clouds' units (from about their point "
+                                     f"spacing, ~{h[b]:.3g}, to a tenth of their extent)")
+                _progress.warn(f"{msg}: it bounds nothing{guess}", _progress.UnitsWarning,
+                               stacklevel=None)
+                break
+            if under > UNITS_WARN:
+                msg = (f"{name}: {value:.4g} is {under:.0f}× below the clouds' typical point "
+                       f"spacing (~{h[b]:.3g}, from their extent {big[b]:.4g} and point "
+                       f"counts){where(b)}")
+                guess = "; is it in metres, the clouds in millimetres?" if under >= 100 else "."
+                if under > UNITS_FAIL:
+                    raise ValueError(f"{msg}: no point can find a partner that close{guess} "
+                                     "Give it in the clouds' units")
+                _progress.warn(f"{msg}: few points will find a partner{guess}",
+                               _progress.UnitsWarning, stacklevel=None)
+                break
+
+
+#: the normals a cloud carries (a PointCloud's, an Open3D cloud's): defined in
+#: :mod:`pointalign._validate`, where the features reach it too
+cloud_normals = _validate.cloud_normals
 
 
 def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None:
-    """Return unit normals ``(B, M, 3)`` float32 from ``normals`` or a PointCloud, else None."""
+    """Return unit normals ``(B, M, 3)`` float32 from ``normals`` or the target cloud, else None.
+
+    ``normals``: the caller's ``(M, 3)`` / ``(B, M, 3)`` array; None: the normals the target
+    carries (:func:`cloud_normals`: a PointCloud's or an Open3D cloud's), else None.
+    """
     if normals is None:
-        normals = getattr(target, "normals", None) if hasattr(target, "points") else None
+        normals = cloud_normals(target)
     if normals is None:
         return None
     t = _validate._to_tensor("target_normals", normals)
@@ -281,6 +422,134 @@ def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None
     t = _validate._float("target_normals", t, torch.float32).to(pair.device)
     _validate._check_finite("target_normals", t)
     return t.expand(*shape).contiguous()
+
+
+# ---- estimates of long work (announced before it starts: _progress.announce) -------------
+
+#: CPU seconds per point at 2 threads, measured on the shared 2-core machine (load 0.8-5,
+#: bunny scans repeated with 0.3 mm noise, 2e5-3e6 points; the spread is the load's): the
+#: correspondence index per target point, the target normals (k = 20) per target point,
+#: and one ICP iteration per source point (search, fused sums, solve; both methods alike)
+ICP_INDEX_S = 1e-7
+ICP_NORMALS_S = 2.5e-6
+ICP_ITERATION_S = 2.8e-7
+
+#: the iterations an ICP call is estimated at (its cap when lower): point-to-plane
+#: converges in 10-30 iterations on scans (11 on a 1M-point bunny from 3°, 30-49 on noisy
+#: repeated copies), point-to-point creeps and often uses 40-50
+ICP_TYPICAL_ITERATIONS = {"point_to_plane": 20, "point_to_point": 40}
+
+#: register() on the CPU at 2 threads: seconds per 5,000 points of the downsampled clouds
+#: (features, RANSAC, hypotheses: ~1 s on the bunny at its default size) and per raw point
+#: (voxel edge, outlier test, downsampling, index and normals of the full target, the
+#: final ICP, which starts near the answer: 1-3 iterations on a clean 1M-point bunny);
+#: measured as for ICP_* (1e6 and 5e6 points)
+REGISTER_PER_5000_S = 1.0
+REGISTER_PER_POINT_S = 2e-6
+
+
+def estimate_icp_seconds(n: int, m: int, *, plane: bool, iterations: int,
+                         threads: int | None, normals: bool = True,
+                         share: float | None = None) -> float | None:
+    """Predict the seconds :func:`~pointalign.icp` takes on the CPU for ``iterations``.
+
+    ``(ICP_INDEX_S · m + ICP_NORMALS_S · m [plane, normals estimated] + iterations ·
+    ICP_ITERATION_S · n) · 2 / threads / share``: the constants were measured at 2
+    threads, the kernels scale about linearly with threads, and a busy machine gives this
+    process only ``share`` of its cores (:func:`pointalign._threads.host_share`).
+    :func:`announce_icp` passes the typical count (:data:`ICP_TYPICAL_ITERATIONS`, or the
+    cap when lower).
+
+    Args:
+        n: source points (all problems of a batch).
+        m: target points (each distinct target once).
+        plane: point-to-plane (target normals estimated unless ``normals`` is False).
+        iterations: the iterations to count.
+        threads: the host's threads (:func:`pointalign._threads.host_threads`); None: the
+            work runs on a GPU, no CPU estimate (returns None).
+        normals: whether point-to-plane estimates the target normals (False: given).
+        share: the share of the cores this process gets (None: measured now).
+
+    """
+    if threads is None:
+        return None
+    work = ICP_INDEX_S * m + iterations * ICP_ITERATION_S * n
+    if plane and normals:
+        work += ICP_NORMALS_S * m
+    return work * 2.0 / max(threads, 1) / _share(share)
+
+
+def _share(share: float | None) -> float:
+    from pointalign import _threads
+
+    return _threads.host_share() if share is None else max(float(share), 1e-3)
+
+
+def estimate_register_seconds(n: int, m: int, *, target_points: int,
+                              threads: int | None, share: float | None = None
+                              ) -> float | None:
+    """Predict the seconds :func:`~pointalign.register` takes on the CPU (None on a GPU).
+
+    ``(REGISTER_PER_5000_S · target_points / 5000 + REGISTER_PER_POINT_S · (n + m)) · 2 /
+    threads / share`` for ``n`` + ``m`` raw points (as :func:`estimate_icp_seconds`); the
+    pipeline's ``_warn_register`` announces it with :func:`pointalign._progress.announce`.
+    """
+    if threads is None:
+        return None
+    return (REGISTER_PER_5000_S * max(target_points, 1) / 5000
+            + REGISTER_PER_POINT_S * (n + m)) * 2.0 / max(threads, 1) / _share(share)
+
+
+def announce_icp(pair: Pair, method: str, cap: int, normals: bool) -> None:
+    """Announce an ICP call estimated above 5 s on the CPU (:func:`estimate_icp_seconds`).
+
+    Counted at :data:`ICP_TYPICAL_ITERATIONS` of ``method`` (``cap`` when lower); the
+    counted bar (``track(..., total=cap)``) then shows the iterations as they run.
+    """
+    from pointalign import _progress, _threads
+
+    threads = _threads.host_threads(pair.device)
+    n = int(pair.source_counts.sum())
+    m = int(pair.target_counts[0] if pair.shared_target else pair.target_counts.sum())
+    est = estimate_icp_seconds(n, m, plane=method == "point_to_plane",
+                               iterations=min(cap, ICP_TYPICAL_ITERATIONS.get(method, cap)),
+                               threads=threads, normals=normals)
+    _progress.announce(f"ICP ({method}) on {n:,} + {m:,} points on the CPU ({threads} "
+                       f"threads, at most {cap} iterations)", est,
+                       "downsample the clouds first (pointalign.voxel_downsample) or use a "
+                       "GPU")
+
+
+def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
+                       max_distance: float | None = None) -> np.ndarray:
+    """:func:`pointalign._math.stability` of each final pose, measured on the data: ``(B,)``.
+
+    For the methods whose own iteration holds no 6×6 information (EM-ICP, Softassign, the
+    surface methods): the point-to-plane information of a sample of each problem's final
+    nearest-neighbour correspondences (ICP's point-to-point test,
+    :func:`pointalign.registration.icp.stability`), so that a pose the data do not
+    determine (a sphere turned about its centre, three points, a plane slid in-plane) is
+    "ambiguous" whichever method found it. A few thousand queries and one small PCA pass.
+
+    Args:
+        pair: the prepared problem(s).
+        T_local: ``(B, 4, 4)`` float64 final poses in the local frames.
+        index: an Index over the target the method already holds (e.g. the surface methods'
+            k-d tree, in ``pair.target``'s coordinates); default: one chosen here.
+        max_distance: correspondences farther apart are not counted (None or inf: every
+            nearest neighbour counts).
+
+    """
+    from pointalign.registration import icp as _icp  # (icp imports this module)
+
+    assert pair.extent is not None
+    scale = float(np.max(pair.extent)) + float(np.max(pair.source_extent
+                                                       if pair.source_extent is not None
+                                                       else pair.extent))
+    d = max_distance if max_distance is not None and np.isfinite(max_distance) \
+        and max_distance > 0 else 1e6 * max(scale, 1e-30)
+    idxs = _icp._indexes(pair, index, d)
+    return _icp.stability(pair, idxs, np.asarray(T_local, dtype=np.float64), None, False, d)
 
 
 def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: np.ndarray,
@@ -310,7 +579,9 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
             not measured).
 
     **The rules**, applied to every problem still converged (by its reason or by
-    ``converged``): at a stability ≤ :data:`pointalign._math.STABILITY_EPS` the data do not
+    ``converged``): a fitness below :data:`MIN_FITNESS` is too few partners to decide
+    anything: reason ``LOW_FITNESS``, not converged; at a stability ≤
+    :data:`pointalign._math.STABILITY_EPS` the data do not
     determine the pose: reason ``AMBIGUOUS``, not converged (``info["stability"]`` records
     the values); on input coarser than :data:`MAX_RESOLUTION` of the extent the pose is only
     as good as that rounding: reason ``COARSE_INPUT``, not converged
@@ -320,6 +591,9 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
     reasons = list(reasons)
     conv = (np.array([bool(getattr(r, "converged", False)) for r in reasons])
             if converged is None else np.array(converged, dtype=bool).reshape(len(reasons)))
+    fit = np.asarray(fitness, dtype=np.float64).reshape(len(reasons))
+    for b in np.nonzero(conv & ~(fit >= MIN_FITNESS))[0]:
+        reasons[b], conv[b] = StopReason.LOW_FITNESS, False
     if pair.resolution is not None and pair.extent is not None:
         # (a target of no extent is left to the degeneracy and stability rules)
         coarse = (pair.extent > 0) & (pair.resolution > MAX_RESOLUTION * pair.extent)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,3 +146,53 @@ class RobustKernel:
         Uses :func:`pointalign._math.robust_weight`, the formula the ICP kernels use.
         """
         return _math.robust_weight(residual, self.kind, self.k)
+
+
+def as_criteria(criteria: Any, max_iterations: Any = None, *,
+                default: ConvergenceCriteria | None = None) -> ConvergenceCriteria:
+    """Return the criteria of a call that takes ``criteria=`` and ``max_iterations=``.
+
+    ``max_iterations=n`` is Open3D's and small_gicp's habit and a shortcut for
+    ``criteria=ConvergenceCriteria(max_iterations=n)`` (the other fields: ``default``'s, or
+    the defaults); giving both is an error (the cap would be ambiguous).
+
+    Args:
+        criteria: a :class:`ConvergenceCriteria` or None.
+        max_iterations: an integer >= 1 or None.
+        default: the criteria the method uses when neither is given (None: the defaults).
+
+    Raises:
+        TypeError: ``criteria`` is not a ConvergenceCriteria, or both were given.
+
+    """
+    if max_iterations is not None:
+        n = _validate.integer(max_iterations, "max_iterations", minimum=1)
+        if criteria is not None:
+            raise TypeError("max_iterations: pass either max_iterations= or criteria="
+                            "ConvergenceCriteria(max_iterations=...), not both")
+        return dataclasses.replace(default if default is not None else ConvergenceCriteria(),
+                                   max_iterations=n)
+    if criteria is None:
+        return default if default is not None else ConvergenceCriteria()
+    return _validate.instance(criteria, ConvergenceCriteria, "criteria")
+
+
+def as_robust_kernel(value: Any) -> RobustKernel:
+    """Return a :class:`RobustKernel` from any of the forms ``robust_kernel=`` accepts.
+
+    ``None`` (no kernel), a RobustKernel, a kind (``"huber"``: the same as
+    ``RobustKernel("huber")``, scale k = 1 in the points' units, Open3D's default too) or a
+    pair ``("huber", k)`` (k in the points' units: about the noise level). Anything else is
+    a TypeError naming ``robust_kernel``; an unknown kind or a bad scale a ValueError.
+    """
+    if value is None:
+        return RobustKernel()
+    if isinstance(value, RobustKernel):
+        return value
+    if isinstance(value, str):
+        return RobustKernel(value)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], str):
+        return RobustKernel(value[0], value[1])
+    kinds = ", ".join(map(repr, _math.ROBUST_KINDS))
+    raise TypeError(f"robust_kernel: expected a RobustKernel, a kind ({kinds}) or a pair "
+                    f"(kind, k), got {type(value).__name__} {value!r}")

@@ -38,12 +38,17 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _validate, estimate
+from pointalign import _threads, _validate, estimate
 from pointalign.kernels import _loop
 from pointalign.kernels import gicp as _kg
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge
-from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
+from pointalign.registration.criteria import (
+    ConvergenceCriteria,
+    RobustKernel,
+    as_criteria,
+    as_robust_kernel,
+)
 from pointalign.registration.icp import IcpStep, _indexes, _Rules, information_matrix, stability
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import policy
@@ -249,6 +254,7 @@ def _voxel_sizes(voxel_size: Any) -> tuple[float, ...]:
     return (_validate.positive(voxel_size, "voxel_size"),)
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def gicp(
     source: Any,
@@ -257,7 +263,8 @@ def gicp(
     init: Any = None,
     max_correspondence_distance: float,
     criteria: ConvergenceCriteria | None = None,
-    robust_kernel: RobustKernel | None = None,
+    max_iterations: int | None = None,
+    robust_kernel: RobustKernel | str | tuple[str, float] | None = None,
     device: str | torch.device | None = None,
     index: Any = None,
     k: int = COVARIANCE_K,
@@ -292,8 +299,11 @@ def gicp(
         init: initial ``T_target_source`` ``(4, 4)`` or ``(B, 4, 4)`` (default identity).
         max_correspondence_distance: largest source-target distance of a pair (> 0).
         criteria: :class:`ConvergenceCriteria` (default ``ConvergenceCriteria()``).
+        max_iterations: shortcut for ``criteria=ConvergenceCriteria(max_iterations=n)``;
+            not both.
         robust_kernel: :class:`RobustKernel` on ``ρ = sqrt(2ε rᵀ M r)`` (≈ the
-            point-to-plane distance, metres); default none.
+            point-to-plane distance, metres), a kind (``"huber"``) or a pair
+            ``("huber", k)``; default none.
         device: compute device; default: the tensors' device, else cuda when available.
         index: an Index over the target (or a list of B of them) from
             :func:`pointalign.search.build_index`, reused across calls; default: chosen by
@@ -305,6 +315,8 @@ def gicp(
         target_covariances: ``(M, 3, 3)`` / ``(B, M, 3, 3)`` target covariances.
         source_lengths: ``(B,)`` valid source points per padded batch entry.
         target_lengths: ``(B,)`` valid target points per padded batch entry.
+        num_threads: CPU threads for this call (:func:`pointalign.threads`); None: the
+            process setting.
 
     Returns:
         :class:`RegistrationResult`: ``fitness`` (fraction of source points with a partner),
@@ -316,14 +328,15 @@ def gicp(
     """
     t_start = time.perf_counter()
     max_dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
-    rk = _validate.instance(robust_kernel, RobustKernel, "robust_kernel")
-    crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
+    rk = as_robust_kernel(robust_kernel)
+    crit = as_criteria(criteria, max_iterations)
     k = _check_k(k)
     dev = _edge.resolve_device(device, source=source, target=target,
                                source_covariances=source_covariances,
                                target_covariances=target_covariances)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
+    _edge.check_units(pair, max_correspondence_distance=max_dist)
     B = pair.size
     clock = _loop.Clock(dev)
     idxs = clock.stage("index", _indexes, pair, index, max_dist)
@@ -346,6 +359,7 @@ def gicp(
     return levels.result(clock, t_start, info)
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def vgicp(
     source: Any,
@@ -355,7 +369,8 @@ def vgicp(
     init: Any = None,
     neighborhood: int = 1,
     criteria: ConvergenceCriteria | None = None,
-    robust_kernel: RobustKernel | None = None,
+    max_iterations: int | None = None,
+    robust_kernel: RobustKernel | str | tuple[str, float] | None = None,
     device: str | torch.device | None = None,
     k: int = COVARIANCE_K,
     source_covariances: Any = None,
@@ -387,7 +402,9 @@ def vgicp(
             the six face neighbours) or 27 (small_gicp's DIRECT1 / DIRECT7 / DIRECT27); the
             occupied one with the nearest mean is its partner.
         criteria: :class:`ConvergenceCriteria` (default ``ConvergenceCriteria()``).
-        robust_kernel: :class:`RobustKernel`, as in :func:`gicp`.
+        max_iterations: shortcut for ``criteria=ConvergenceCriteria(max_iterations=n)``;
+            not both.
+        robust_kernel: :class:`RobustKernel`, a kind or a pair, as in :func:`gicp`.
         device: compute device; default: the tensors' device, else cuda when available.
         k: neighbours per estimated covariance (>= 3).
         source_covariances: ``(N, 3, 3)`` / ``(B, N, 3, 3)`` source covariances.
@@ -395,6 +412,7 @@ def vgicp(
             (aggregated per voxel here).
         source_lengths: ``(B,)`` valid source points per padded batch entry.
         target_lengths: ``(B,)`` valid target points per padded batch entry.
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Returns:
         :class:`RegistrationResult` as :func:`gicp`, from the last level (``iterations``
@@ -406,14 +424,15 @@ def vgicp(
     t_start = time.perf_counter()
     sizes = _voxel_sizes(voxel_size)
     _validate.choice(neighborhood, "neighborhood", _kg.NEIGHBORHOODS)
-    rk = _validate.instance(robust_kernel, RobustKernel, "robust_kernel")
-    crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
+    rk = as_robust_kernel(robust_kernel)
+    crit = as_criteria(criteria, max_iterations)
     k = _check_k(k)
     dev = _edge.resolve_device(device, source=source, target=target,
                                source_covariances=source_covariances,
                                target_covariances=target_covariances)
     pair = _edge.prepare_pair(source, target, init=init, device=dev,
                               source_lengths=source_lengths, target_lengths=target_lengths)
+    _edge.check_units(pair, voxel_size=sizes)
     B = pair.size
     clock = _loop.Clock(dev)
     s_cov, t_cov = clock.stage("covariances", _covariances, pair, source, target,

@@ -30,13 +30,18 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _math, _progress, _validate, estimate, transforms
+from pointalign import _math, _progress, _threads, _validate, estimate, transforms
 from pointalign.kernels import _loop, features, normal_eq
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
 from pointalign.registration.anderson import AndersonStep
-from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
+from pointalign.registration.criteria import (
+    ConvergenceCriteria,
+    RobustKernel,
+    as_criteria,
+    as_robust_kernel,
+)
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import policy
 
@@ -51,6 +56,9 @@ NORMALS_K = 20
 #: two, and k = 20 (padded to 32) searched the sample in 1.2 ms on an H100 against 0.5 ms)
 STABILITY_SAMPLE = 2048
 STABILITY_K = 16
+#: the neighbours a sample whose STABILITY_K nearest do not span a plane looks at instead
+#: (duplicated points: a cloud with every point repeated 8 times still shows its surface)
+DUPLICATE_K = 64
 
 
 @dataclass(frozen=True)
@@ -278,14 +286,50 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
             kb = int(min(STABILITY_K, int(pair.target_counts[bs[0]])))
             r = ix.knn(y[bs].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
             nb[bs, :, :kb] = torch.where(r >= 0, r + base[bs, :, None], r)
+        # a neighbourhood that does not span a plane (every point repeated: the k nearest are
+        # copies of two or three points) defines no normal: such samples look again with
+        # DUPLICATE_K neighbours, and those still without a plane constrain nothing (an
+        # arbitrary normal would count as a constraint the data do not give)
+        flat = ~_spans(table, nb)
+        if bool(flat.any()):  # one synchronisation, at the end of the iteration
+            kd = int(min(DUPLICATE_K, int(pair.target_counts.max())))
+            wide = torch.full((B, S, kd), -1, dtype=torch.int64, device=dev)
+            for ix, bs in groups:
+                kb = int(min(DUPLICATE_K, int(pair.target_counts[bs[0]])))
+                r = ix.knn(y[bs].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
+                wide[bs, :, :kb] = torch.where(r >= 0, r + base[bs, :, None], r)
+            wide = torch.where(flat[..., None], wide, torch.cat(
+                [nb, nb.new_full((B, S, kd - k), -1)], -1) if kd > k else nb[..., :kd])
+            nb, k = wide, kd
+            flat = ~_spans(table, nb)
     # one fused kernel per device for every sample (a chain of small float64 ops per problem
     # cost ~2 ms on a GPU)
     normal = features.pca_normals(table, nb.view(B * S, k), centers=y.view(B * S, 3))
     normal = normal.to(torch.float64).view(B, S, 3)
     c = torch.from_numpy(pair.centroid).to(dev)
     J = torch.cat([torch.linalg.cross(y.to(torch.float64) - c[:, None], normal), normal], -1)
-    J = J * ((j >= 0) & valid)[..., None]
+    J = J * ((j >= 0) & valid & ~flat)[..., None]
     return (J.transpose(1, 2) @ J).cpu()
+
+
+def _spans(table: torch.Tensor, nb: torch.Tensor) -> torch.Tensor:
+    """Whether each neighbourhood ``nb (B, S, k)`` of rows of ``table`` spans a plane: ``(B, S)``.
+
+    The library's degeneracy rule (:func:`pointalign._math.spans_plane`) on the float64
+    covariance of the neighbours (``-1``: none), in chunks of rows (a batch of many problems
+    keeps its temporaries to ~50 MB).
+    """
+    flat = nb.reshape(-1, nb.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.bool, device=nb.device)
+    step = max(1, (1 << 21) // max(1, nb.shape[-1]))
+    for s in range(0, flat.shape[0], step):
+        ix = flat[s:s + step]
+        ok = ix >= 0
+        p = table[ix.clamp_min(0)].to(torch.float64) * ok[..., None]
+        cnt = ok.sum(-1, keepdim=True).clamp_min(1)
+        d = (p - (p.sum(-2) / cnt)[..., None, :]) * ok[..., None]
+        out[s:s + step] = _math.spans_plane(d.transpose(-1, -2) @ d)
+    return out.view(nb.shape[:-1])
 
 
 def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray, plane: bool,
@@ -360,6 +404,7 @@ def _normals(target: Any, target_normals: Any, pair: _edge.Pair,
     return normals[:1].expand_as(pair.target) if pair.shared_target else normals
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def icp(
     source: Any,
@@ -368,8 +413,9 @@ def icp(
     init: Any = None,
     max_correspondence_distance: float,
     method: str = "point_to_point",
-    robust_kernel: RobustKernel | None = None,
+    robust_kernel: RobustKernel | str | tuple[str, float] | None = None,
     criteria: ConvergenceCriteria | None = None,
+    max_iterations: int | None = None,
     device: str | torch.device | None = None,
     index: Any = None,
     target_normals: Any = None,
@@ -408,8 +454,11 @@ def icp(
         max_correspondence_distance: largest source-target distance of a correspondence
             (> 0, same units as the points).
         method: ``"point_to_point"`` or ``"point_to_plane"``.
-        robust_kernel: :class:`RobustKernel` (default none).
+        robust_kernel: :class:`RobustKernel`, a kind (``"huber"``, as
+            ``RobustKernel("huber")``) or a pair ``("huber", k)``; default none.
         criteria: :class:`ConvergenceCriteria` (default ``ConvergenceCriteria()``).
+        max_iterations: shortcut for ``criteria=ConvergenceCriteria(max_iterations=n)``
+            (Open3D's and small_gicp's habit); not both.
         device: compute device; default: the tensors' device, else cuda when available.
         index: an Index over the target (or a list of B of them) from
             :func:`pointalign.search.build_index`, reused across calls; default: chosen by
@@ -421,6 +470,13 @@ def icp(
         acceleration: Anderson acceleration of the iteration with an energy safeguard
             (:mod:`pointalign.registration.anderson`): fewer iterations from far away; a
             rejected accelerated step costs one iteration and is not counted.
+        num_threads: CPU threads for this call (:func:`pointalign.threads`); None: the
+            process setting.
+
+    Before any work the clouds' extents and the distance are compared
+    (:func:`pointalign.registration._edge.check_units`): a 20× mismatch warns
+    (:class:`~pointalign.UnitsWarning`), a 1000× one raises ValueError. A call estimated
+    above 5 s on the CPU says so first, and shows a counted bar on a terminal.
 
     Returns:
         :class:`RegistrationResult` with ``fitness`` (fraction of source points with a
@@ -435,12 +491,15 @@ def icp(
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     max_dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
-    rk = _validate.instance(robust_kernel, RobustKernel, "robust_kernel")
-    crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
+    rk = as_robust_kernel(robust_kernel)
+    crit = as_criteria(criteria, max_iterations)
     dev = _edge.resolve_device(device, source=source, target=target,
                                target_normals=target_normals)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
+    _edge.check_units(pair, max_correspondence_distance=max_dist)
+    _edge.announce_icp(pair, method, int(crit.max_iterations),
+                       normals=target_normals is None and _edge.cloud_normals(target) is None)
     plane, B = method == "point_to_plane", pair.size
     if target_normals is not None and not plane:
         _edge.target_normals(target, target_normals, pair)  # checked even when not used

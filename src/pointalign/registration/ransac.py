@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pointalign import _progress, _validate, estimate
+from pointalign import _progress, _threads, _validate, estimate
 from pointalign.cloud import PointCloud
 from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _k
@@ -234,6 +234,7 @@ def required_hypotheses(inlier_ratio: float, confidence: float, sample_size: int
     return math.log(1.0 - confidence) / math.log1p(-ws)
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def ransac(
     source: Any,
@@ -314,6 +315,7 @@ def ransac(
             :func:`pointalign.registration.robust.rank_correspondences` as
             :func:`pointalign.register` does; default: searched here. Only their shapes are
             checked: they must be the matches of these very features.
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Returns:
         :class:`RegistrationResult`: ``transformation`` T_target_source, ``fitness`` (inlier
@@ -349,6 +351,7 @@ def ransac(
         raise ValueError(f"target_features: dimension {tf.shape[1]} differs from "
                          f"source_features' {sf.shape[1]}")
     dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
+    _edge.check_units(pair, max_correspondence_distance=dist)
     sim = _validate.in_range(triangle_similarity, "triangle_similarity", 0.0, 1.0)
     conf = _validate.in_range(confidence, "confidence", 0.0, 1.0)
     hypotheses, tdd_points, max_validations, refine_top = (

@@ -23,15 +23,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
-from pointalign import _progress, _validate, estimate, transforms
+from pointalign import _progress, _threads, _validate, estimate, transforms
 from pointalign.kernels import _loop
 from pointalign.kernels import horn as khorn
 from pointalign.kernels import soft as ksoft
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
-from pointalign.registration.criteria import ConvergenceCriteria
+from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
 from pointalign.registration.result import RegistrationResult
 
 # Defaults are multiples of the target's RMS radius ρ, so they hold in any unit. The seed
@@ -53,6 +54,12 @@ CHECK_EVERY = 8
 RANGE = 1e6
 #: a run estimated to take longer than this (seconds) warns (SlowOperationWarning)
 SLOW_S = 30.0
+#: a schedule that ends is converged ("schedule") only when its last check moved the source
+#: by at most this fraction of the final scale (EM-ICP's σ_min, Softassign's 1/√β_end or
+#: √α/3), else "stalled". Measured on the bunny (defaults, from 10-45° off): runs that end
+#: aligned moved 0.001-0.04 of it, 0.07 on the full bun045 -> bun000 pair (0.84° off);
+#: EM-ICP left sliding on a wrong pose from 90° moved 0.2 or more
+SETTLED = 0.1
 
 
 def _recentre(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -243,17 +250,24 @@ class SoftassignProgram(_Annealing):
                             alpha=alpha, rms_radius=rho)
 
 
-def _prepare(source, target, init, device, source_lengths, target_lengths, criteria,
+def _criteria(criteria: Any, max_iterations: Any) -> ConvergenceCriteria | None:
+    """Return the call's criteria (``max_iterations=`` as the shortcut); None: the schedule."""
+    if criteria is None and max_iterations is None:
+        return None  # the whole schedule
+    return as_criteria(criteria, max_iterations)
+
+
+def _prepare(source, target, init, device, source_lengths, target_lengths,
              lengths: dict[str, float], **params: Any):
     """Check the inputs: the pair, the ``params`` given (B numbers > 0, finite but d₀) and ρ.
 
     ρ: the targets' RMS radii ``(B,)`` on the host when a given parameter sets a length
     (``value ** lengths[name]``, in metres, within ``[1/RANGE, RANGE] ρ``), else None.
     """
-    _validate.instance(criteria, ConvergenceCriteria, "criteria")
     dev = _edge.resolve_device(device, source=source, target=target)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, min_points=3,
                               source_lengths=source_lengths, target_lengths=target_lengths)
+    _edge.check_units(pair)
     if pair.shared_target:
         raise ValueError("source, target: both must be single clouds (N, 3) or both batches "
                          f"(B, N, 3); got {pair.size} sources and one target")
@@ -285,6 +299,29 @@ def _prepare(source, target, init, device, source_lengths, target_lengths, crite
     return pair, given, rho
 
 
+def _check_final_beta(beta_factor: float, temperatures: int, beta0: torch.Tensor | None,
+                      rho: torch.Tensor | None) -> None:
+    """Raise ValueError when Softassign's last β would leave the range its lengths allow.
+
+    The schedule reaches ``β₀ · beta_factor^(temperatures − 1)``; its length 1/√β must stay
+    above ``ρ / RANGE`` (ρ: the target's RMS radius), as β₀'s does. Checked in logs, so
+    ``beta_factor=1e6`` is a clear error rather than a float overflow.
+    """
+    log_growth = (temperatures - 1) * math.log(beta_factor)
+    # log(β₀ ρ²): the default β₀ = 1/(SOFT_SIGMA ρ)²
+    log_b0 = (torch.log(beta0 * rho.square()) if beta0 is not None and rho is not None
+              else torch.tensor([-2 * math.log(SOFT_SIGMA)], dtype=torch.float64))
+    worst = float(log_b0.max()) + log_growth
+    if worst > 2 * math.log(RANGE):
+        most = math.exp((2 * math.log(RANGE) - float(log_b0.max()))
+                        / max(temperatures - 1, 1))
+        raise ValueError(f"beta_factor: {beta_factor:g} over {temperatures} temperatures "
+                         f"raises β by a factor of e^{log_growth:.0f}, past the range "
+                         f"Softassign works in (1/√β down to {1 / RANGE:g} of the clouds' "
+                         f"radius); use at most {most:.4g} (Gold et al.: 1.075) or fewer "
+                         "temperatures")
+
+
 def _settling(criteria: ConvergenceCriteria | None, n_sched: int) -> dict[str, Any]:
     """Return a program's settling fields from ``criteria`` (None: the whole schedule)."""
     crit = ConvergenceCriteria(max_iterations=n_sched) if criteria is None else criteria
@@ -294,6 +331,22 @@ def _settling(criteria: ConvergenceCriteria | None, n_sched: int) -> dict[str, A
                 relative_weights=float(crit.weight_change))
 
 
+def _last_motion(hist: dict[str, np.ndarray], scale: np.ndarray,
+                 radius: np.ndarray | None) -> np.ndarray:
+    """How far the last check moved each source, over the schedule's final scale: ``(B,)``.
+
+    ``hypot(Δt, ΔR · r)`` (the centroid's motion and the rotation's at the source's RMS
+    radius r, over the last :data:`CHECK_EVERY` iterations) divided by ``scale`` (EM-ICP's
+    σ_min, Softassign's final 1/√β or √α / 3); 0 where no check ran.
+    """
+    if "translation_update" not in hist or not len(hist["translation_update"]):
+        return np.zeros(len(scale))
+    dt = np.asarray(hist["translation_update"][-1], dtype=np.float64)
+    dR = np.asarray(hist["rotation_update"][-1], dtype=np.float64)
+    r = np.zeros_like(dt) if radius is None else np.asarray(radius, dtype=np.float64)
+    return np.hypot(dt, dR * r) / np.maximum(np.asarray(scale, dtype=np.float64), 1e-300)
+
+
 def _run(algorithm: str, t_start: float, prog: _Annealing, pair: _edge.Pair,
          given: dict[str, torch.Tensor], n_sched: int) -> RegistrationResult:
     """Run ``prog`` on ``pair`` and build the result (stop reasons, history, info)."""
@@ -301,11 +354,17 @@ def _run(algorithm: str, t_start: float, prog: _Annealing, pair: _edge.Pair,
         source=pair.source, target=pair.target, source_lengths=pair.source_lengths,
         target_lengths=pair.target_lengths, init=torch.from_numpy(pair.init), **given).items()}
     passes = prog.passes
-    if passes.estimate_s is not None and passes.estimate_s > SLOW_S:
-        _progress.warn(f"{algorithm} on {pair.source.shape[1]} x {pair.target.shape[1]} points "
-                       f"is estimated to take {passes.estimate_s:.0f} s ({passes.form} form); "
-                       "subsample the clouds, use a GPU or a nearest-neighbour method (icp)",
-                       _progress.SlowOperationWarning, stacklevel=3)
+    # the passes' estimate is for this process alone: a busy machine gives it a share of
+    # its cores (_threads.host_share), and the call takes about that much longer
+    est = None if passes.estimate_s is None else passes.estimate_s / _threads.host_share()
+    what = f"{algorithm} on {pair.source.shape[1]} x {pair.target.shape[1]} points"
+    if est is not None and est > SLOW_S:
+        _progress.warn(f"{what} is estimated to take {_progress.describe_seconds(est)} "
+                       f"({passes.form} form); subsample the clouds, use a GPU or a "
+                       "nearest-neighbour method (icp)", _progress.SlowOperationWarning,
+                       stacklevel=None)
+    elif est is not None:
+        _progress.announce(f"{what} on the CPU ({passes.form} form)", est)
     label = "EM-ICP" if algorithm == "emicp" else "Softassign"
     with _progress.task(label, total=prog.n_iter, quiet=None if passes.host else True) as bar, \
             passes.running():
@@ -320,16 +379,25 @@ def _run(algorithm: str, t_start: float, prog: _Annealing, pair: _edge.Pair,
                for f, d, i, fit in zip(host.pop("flat"), host.pop("done"), host["iterations"],
                                        host["fitness"], strict=True)]
     hist = {k.split(".", 1)[1]: host.pop(k) for k in list(host) if k.startswith("history.")}
+    # an annealing schedule's end is convergence only when the pose had settled there
+    motion = _last_motion(hist, host["inlier_distance"] / 3.0, pair.source_extent)
+    reasons = [StopReason.STALLED if r is StopReason.SCHEDULE and m > SETTLED else r
+               for r, m in zip(reasons, motion, strict=True)]
+    host["last_motion"] = motion
     history = [{"iteration": prog.check_every * (c + 1), **{k: v[c] for k, v in hist.items()}}
                for c in range(len(next(iter(hist.values()), ())))]
     T, fitness, rmse, iters = (host.pop(k) for k in ("T", "fitness", "rmse", "iterations"))
     info = dict(host, algorithm=algorithm, scheduled_iterations=n_sched,
                 approximation=passes.info())
+    # whether the data determine the pose found (a sphere turned, three points: ambiguous)
+    stab = _edge.measured_stability(pair, T, max_distance=float(np.max(host["inlier_distance"])))
     timings = {"iterate": t_run - t_start, "total": time.perf_counter() - t_start}
     return _edge.build_result(pair, T, fitness=fitness, rmse=rmse, iterations=iters,
-                              reasons=reasons, history=history, timings=timings, info=info)
+                              reasons=reasons, history=history, timings=timings, info=info,
+                              stability=stab)
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def emicp(
     source: Any,
@@ -341,6 +409,7 @@ def emicp(
     factor: float = 0.9,
     outlier_distance: float | None = None,
     criteria: ConvergenceCriteria | None = None,
+    max_iterations: int | None = None,
     device: str | torch.device | None = None,
     source_lengths: Any = None,
     target_lengths: Any = None,
@@ -367,6 +436,8 @@ def emicp(
         criteria: ``max_iterations`` caps the schedule (default: its length); every
             ``CHECK_EVERY`` iterations a problem stops when its update is below both
             tolerances (at the source centroid) and its λ changed by < ``relative_weights``.
+        max_iterations: shortcut for ``criteria=ConvergenceCriteria(max_iterations=n)``;
+            not both.
         device: compute device (default: the inputs' device, else CUDA if present).
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
@@ -376,32 +447,38 @@ def emicp(
             beyond 4σ dropped; bounds in :mod:`pointalign.kernels.soft.cpu`), recorded in
             ``result.info["approximation"]``; a run estimated above ``SLOW_S`` seconds
             warns (:class:`~pointalign._progress.SlowOperationWarning`).
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Raises:
         ValueError: naming the argument: σ, σ_min outside ``[1e-6 ρ, 1e6 ρ]``, σ_min ≥ σ etc.
 
     Returns:
         :class:`RegistrationResult`; ``stop_reason`` is ``"schedule"`` (σ reached
-        sigma_min), ``"pose_and_weights"`` (settled early), ``"max_iterations"``,
-        ``"degenerate"`` (source or target on a line: ``init`` is returned) or
-        ``"no_correspondences"`` (no source point within ``3 σ_min`` of the target at the
-        end: not converged). ``fitness`` and ``rmse``: hard nearest neighbours within
-        ``3 σ_min``. Passes run on the host show a progress bar (``_progress``).
+        sigma_min with the pose settled), ``"stalled"`` (σ reached sigma_min while the last
+        check still moved the source by more than ``SETTLED`` σ_min: not converged,
+        ``info["last_motion"]``), ``"pose_and_weights"`` (settled early),
+        ``"max_iterations"``, ``"degenerate"`` (source or target on a line: ``init`` is
+        returned) or ``"no_correspondences"`` (no source point within ``3 σ_min`` of the
+        target at the end: not converged); a pose the data do not determine (a sphere
+        turned, three points) is ``"ambiguous"`` (``info["stability"]``). ``fitness`` and
+        ``rmse``: hard nearest neighbours within ``3 σ_min``. Passes run on the host show a
+        progress bar (``_progress``).
 
     """
     return _run("emicp", time.perf_counter(), *_emicp_setup(
         source, target, init=init, sigma=sigma, sigma_min=sigma_min, factor=factor,
-        outlier_distance=outlier_distance, criteria=criteria, device=device,
-        source_lengths=source_lengths, target_lengths=target_lengths,
+        outlier_distance=outlier_distance, criteria=criteria, max_iterations=max_iterations,
+        device=device, source_lengths=source_lengths, target_lengths=target_lengths,
         approximation=approximation))
 
 
 def _emicp_setup(source, target, *, init, sigma, sigma_min, factor, outlier_distance, criteria,
-                 device, source_lengths, target_lengths, approximation):
+                 max_iterations, device, source_lengths, target_lengths, approximation):
     """Check EM-ICP's arguments: its program (with the run's passes), pair, inputs, length."""
     factor = _validate.in_range(factor, "factor", 0.0, 1.0)
+    criteria = _criteria(criteria, max_iterations)
     pair, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
-                                criteria, {"sigma": 1, "sigma_min": 1}, sigma=sigma,
+                                {"sigma": 1, "sigma_min": 1}, sigma=sigma,
                                 sigma_min=sigma_min, outlier_distance=outlier_distance)
     # the schedule's length needs σ_min/σ₀ on the host: ρ only when a σ is given (no sync)
     r = torch.ones(pair.size, dtype=torch.float64) if rho is None else rho
@@ -446,12 +523,14 @@ def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) ->
         raise ValueError(f"algorithm: expected 'emicp' or 'softassign', got {algorithm!r}")
     args = inspect.signature(public).bind(source, target, **params)  # TypeError: unknown names
     args.apply_defaults()
+    args.arguments.pop("num_threads", None)  # (per_call's: how the call runs, not what)
     passes = (_emicp_setup if algorithm == "emicp" else _softassign_setup)(
         **args.arguments)[0].passes
     return {"seconds": passes.estimate_s, "exact_seconds": passes.exact_estimate_s,
             "approximation": passes.info()}
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def softassign(
     source: Any,
@@ -466,6 +545,7 @@ def softassign(
     sinkhorn_iterations: int = 3,
     outlier_weight: float = 1.0,
     criteria: ConvergenceCriteria | None = None,
+    max_iterations: int | None = None,
     device: str | torch.device | None = None,
     source_lengths: Any = None,
     target_lengths: Any = None,
@@ -492,6 +572,7 @@ def softassign(
         sinkhorn_iterations: Sinkhorn rounds per update (the seed's 3).
         outlier_weight: value of the slack entries (> 0).
         criteria: as :func:`emicp` (in pose updates; the weights: M's column sums).
+        max_iterations: as :func:`emicp`'s.
         device: compute device, as :func:`emicp`.
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
@@ -499,35 +580,40 @@ def softassign(
             (σ = 1/√(2β)) while they merge points, then per point with far pairs dropped
             (the bounds: :mod:`pointalign.kernels.soft.cpu`); the record adds the predicted
             phases and the passes run in each form.
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Raises:
         ValueError: naming the argument, e.g. for 1/√β₀ or √α outside ``[1e-6 ρ, 1e6 ρ]``.
 
     Returns:
         :class:`RegistrationResult` (``iterations`` counts pose updates); ``stop_reason`` as
-        :func:`emicp`'s: ``"schedule"``, ``"pose_and_weights"``, ``"max_iterations"``,
-        ``"degenerate"`` or ``"no_correspondences"``.
+        :func:`emicp`'s: ``"schedule"``, ``"stalled"``, ``"pose_and_weights"``,
+        ``"max_iterations"``, ``"degenerate"``, ``"no_correspondences"`` or
+        ``"ambiguous"``.
 
     """
     return _run("softassign", time.perf_counter(), *_softassign_setup(
         source, target, init=init, beta0=beta0, beta_factor=beta_factor, alpha=alpha,
         temperatures=temperatures, iterations_per_temperature=iterations_per_temperature,
         sinkhorn_iterations=sinkhorn_iterations, outlier_weight=outlier_weight,
-        criteria=criteria, device=device, source_lengths=source_lengths,
-        target_lengths=target_lengths, approximation=approximation))
+        criteria=criteria, max_iterations=max_iterations, device=device,
+        source_lengths=source_lengths, target_lengths=target_lengths,
+        approximation=approximation))
 
 
 def _softassign_setup(source, target, *, init, beta0, beta_factor, temperatures, alpha,
                       iterations_per_temperature, sinkhorn_iterations, outlier_weight, criteria,
-                      device, source_lengths, target_lengths, approximation):
+                      max_iterations, device, source_lengths, target_lengths, approximation):
     """Check Softassign's arguments: its program (with the run's passes), pair, inputs, length."""
     beta_factor = _validate.in_range(beta_factor, "beta_factor", 1.0, math.inf)
     n_temp, rounds, per_t = (_validate.integer(v, name, minimum=1) for name, v in (
         ("temperatures", temperatures), ("sinkhorn_iterations", sinkhorn_iterations),
         ("iterations_per_temperature", iterations_per_temperature)))
     w_out = _validate.positive(outlier_weight, "outlier_weight")
-    pair, given, _ = _prepare(source, target, init, device, source_lengths, target_lengths,
-                              criteria, {"beta0": -0.5, "alpha": 0.5}, beta0=beta0, alpha=alpha)
+    criteria = _criteria(criteria, max_iterations)
+    pair, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
+                                {"beta0": -0.5, "alpha": 0.5}, beta0=beta0, alpha=alpha)
+    _check_final_beta(beta_factor, n_temp, given.get("beta0"), rho)
     n_sched = n_temp * per_t
     settle = _settling(criteria, n_sched)
 

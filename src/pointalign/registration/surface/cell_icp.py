@@ -10,11 +10,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _validate, estimate
+from pointalign import _threads, _validate, estimate
 from pointalign.kernels import _loop, normal_eq
 from pointalign.kernels import surface as _ks
 from pointalign.registration._edge import StopReason
-from pointalign.registration.criteria import ConvergenceCriteria
+from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
 from pointalign.registration.icp import _angle
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.surface.levels import LevelSchedule
@@ -110,7 +110,7 @@ class _CellMeanRules:
             self.history.pop()
             if sch.finest:
                 self.stalled = not self.last_rel < LevelSchedule.LEVEL_RELATIVE_CHANGE
-                return self._stop(StopReason.NO_DECREASE)
+                return self._stop(StopReason.STALLED if self.stalled else StopReason.NO_DECREASE)
             sch.descend()
             self.prev_rmse = math.inf
             return True
@@ -147,6 +147,7 @@ class _CellMeanRules:
         return False
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def approximate_icp(
     source: Any,
@@ -155,6 +156,7 @@ def approximate_icp(
     tree_depth: int | None = None,
     init: Any = None,
     criteria: ConvergenceCriteria | None = None,
+    max_iterations: int | None = None,
     device: str | torch.device | None = None,
     index: KDTreeIndex | None = None,
     max_correspondence_distance: float | None = None,
@@ -169,18 +171,22 @@ def approximate_icp(
     schedule (:class:`LevelSchedule`: first cells of at least 0.3 of the target's RMS
     radius, margin 8, one level deeper when the RMS distance to the cell means changes by
     less than 1e-3). On the finest level it stops on a small update,
-    ``|Δrmse| / rmse < relative_rmse``, or a step that would raise the RMS distance
-    ("no_decrease": the step is not taken; converged). Arguments and precision as
-    :func:`surface_newton` (default criteria: :func:`default_criteria`).
+    ``|Δrmse| / rmse < relative_rmse``, or a step that would raise the RMS distance (the
+    step is not taken): "no_decrease" (converged) when the steps before it had settled,
+    "stalled" (not converged) when they still changed the RMS distance by 1e-3 or more.
+    Arguments and precision as :func:`surface_newton` (default criteria:
+    :func:`default_criteria`); ``max_iterations=n`` is a shortcut for
+    ``criteria=dataclasses.replace(default_criteria(source), max_iterations=n)``.
+
+    ``num_threads``: CPU threads for this call (:func:`pointalign.threads`).
 
     ``info`` holds ``tree_depth`` (the last level), ``device_steps``, ``cuda_graph``,
     ``max_correspondence_distance``, ``last_relative_change`` (the relative change of the
     RMS distance to the cell means made by the last step kept; inf when it was the first on
-    its level) and ``stalled``: the iteration ended on "no_decrease" while that change was
-    still at least 1e-3 (:attr:`LevelSchedule.LEVEL_RELATIVE_CHANGE`), i.e. a step moved
-    points into other cells and raised the distance while the pose was still moving. The
-    stop is then the lookup's, not a settled pose: ``stop_reason`` keeps the library's
-    meaning of "no_decrease" (converged), and ``stalled`` says how much to trust it.
+    its level) and ``stalled``: the iteration ended on a step that raised the distance
+    while that change was still at least 1e-3 (:attr:`LevelSchedule.LEVEL_RELATIVE_CHANGE`),
+    i.e. a step moved points into other cells while the pose was still moving. The stop is
+    then the lookup's, not a settled pose: ``stop_reason`` "stalled", ``converged`` False.
 
     Accuracy: the partner is the mean of the cell a point falls in, not the surface under
     it, so the fixed points of the iteration lie where the cell assignment is consistent,
@@ -193,15 +199,16 @@ def approximate_icp(
     :func:`pointalign.icp` with a truncation.
     """
     t_start = time.perf_counter()
-    crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
+    as_criteria(criteria, max_iterations)  # checked before any work
     if tree_depth is not None:
         _validate.integer(tree_depth, "tree_depth", minimum=0)
     tau2 = math.inf if max_correspondence_distance is None else _validate.positive(
         max_correspondence_distance, "max_correspondence_distance") ** 2
-    prob, clock = _prepare(source, target, init, device, index)
+    prob, clock = _prepare(source, target, init, device, index,
+                           None if not math.isfinite(tau2) else math.sqrt(tau2))
     dev = prob.pair.device
-    if criteria is None:
-        crit = default_criteria(prob.source)
+    crit = criteria if criteria is not None else \
+        as_criteria(None, max_iterations, default=default_criteria(prob.source))
     tree = prob.tree
 
     def cell_means() -> torch.Tensor:

@@ -10,11 +10,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _validate
+from pointalign import _threads, _validate
 from pointalign.kernels import _loop
 from pointalign.kernels import surface as _ks
 from pointalign.registration._edge import StopReason
-from pointalign.registration.criteria import ConvergenceCriteria
+from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.surface.approximants import Approximant, approximant_coefficients
 from pointalign.registration.surface.levels import LevelSchedule
@@ -27,6 +27,13 @@ from pointalign.registration.surface.problem import (
     default_criteria,
 )
 from pointalign.search.kdtree import KDTreeIndex
+
+#: a line search that finds no step on the finest level is a numerical minimum
+#: ("no_decrease", converged) when the refused Newton direction would move the source by at
+#: most this fraction of its RMS radius (RMS over its points); a larger one is a stall on a
+#: poor model ("stalled", not converged). Measured (docs, "Surface methods"): converged runs
+#: refuse 1e-6-1e-4, runs stuck on a wrong pose 1e-2-1
+STALL = 1e-3
 
 
 def newton_direction(F: np.ndarray, g: np.ndarray, radius: float
@@ -154,6 +161,9 @@ class _NewtonRules:
     passes: int = 0
     reason: StopReason | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: the RMS motion of the source (over its radius) the refused direction asked for, when
+    #: the line search found no step on the finest level (nan: it did not happen)
+    refused: float = math.nan
 
     def _stop(self, reason: StopReason) -> bool:
         self.reason = reason
@@ -169,13 +179,19 @@ class _NewtonRules:
                               StopReason.DEGENERATE)
         self.it += 1
         sch = self.schedule
-        if not accepted:
-            if sch.finest:
-                return self._stop(StopReason.NO_DECREASE)
-            sch.descend()
-            return True
         xi = rec["xi"]
         center = self.T[:3, :3] @ self.prob.centroid + self.T[:3, 3]
+        if not accepted:
+            if sch.finest:
+                # the direction no step along lowers the objective: a numerical minimum when
+                # it asks for next to no motion, a stall (a poor model: the wrong piece of
+                # surface) when it still asks for a large one
+                self.refused = _rms_displacement(_move(xi, center), self.T, self.prob) \
+                    / max(self.prob.radius, 1e-300)
+                return self._stop(StopReason.STALLED if self.refused > STALL
+                                  else StopReason.NO_DECREASE)
+            sch.descend()
+            return True
         # the full Newton step ξ (not the damped one) measures the motion still expected: a
         # step cut short by the line search is small because the model is poor, not because
         # the iteration converged
@@ -206,6 +222,7 @@ class _NewtonRules:
         return inl / n, math.sqrt(max(inl_obj, 0.0) / inl) if inl > 0 else math.inf
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def surface_newton(
     source: Any,
@@ -215,6 +232,7 @@ def surface_newton(
     tree_depth: int | None = None,
     init: Any = None,
     criteria: ConvergenceCriteria | None = None,
+    max_iterations: int | None = None,
     device: str | torch.device | None = None,
     index: KDTreeIndex | None = None,
     max_correspondence_distance: float | None = None,
@@ -251,8 +269,13 @@ def surface_newton(
             than ``rotation_tolerance`` and moves the centroid by less than
             ``translation_tolerance`` ("small_update", i.e. ``||T(ξ) − I||`` small), or the
             RMS approximate distance changes by less than ``relative_rmse`` relatively
-            ("relative_change"), or no step decreases it ("no_decrease"). Default:
+            ("relative_change"), or no step decreases it: "no_decrease" when the refused
+            Newton step would move the source by at most :data:`STALL` of its radius (a
+            numerical minimum), else "stalled" (not converged: the distance map is poor at
+            that pose; ``info["refused_step"]``). Default:
             :func:`default_criteria` (float32-aware, scaled to the source).
+        max_iterations: shortcut for ``criteria`` = :func:`default_criteria` with this cap;
+            not both.
         device: compute device; default: the inputs' device, else cuda when available.
         index: a :class:`~pointalign.search.kdtree.KDTreeIndex` over the target, reused across
             calls with its cached approximants (build it once: ``KDTreeIndex(target)``).
@@ -264,6 +287,7 @@ def surface_newton(
             exact objective keeps falling and the condition holds (ICP-like linear
             convergence: the Newton step on the cell means undershoots by a steady factor;
             3e5-point bunny at 10°/10 mm: 17 steps instead of 38-50).
+        num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Returns:
         :class:`RegistrationResult`; ``iterations`` counts Newton steps (one 6×6 solve
@@ -271,10 +295,12 @@ def surface_newton(
         without one), ``rmse`` the RMS approximate distance over them. ``converged`` is
         False when the final system leaves a motion undetermined (a plane, a line,
         identical points: ``stop_reason`` "degenerate", ``info["rank_deficient"]``; the
-        pose is then the least-norm solution on the determined motions). ``info`` holds the
-        final ``F`` (6×6), ``objective``, ``tree_depth``, the number of objective passes
-        (``passes``, Armijo trials included), ``rank_deficient``, ``approximant`` and
-        ``max_correspondence_distance`` (None: the objective was not truncated).
+        pose is then the least-norm solution on the determined motions), when the line
+        search stalled ("stalled"), and when the data do not determine the pose at the
+        end (a sphere turned, a plane slid: "ambiguous", ``info["stability"]``). ``info``
+        holds the final ``F`` (6×6), ``objective``, ``tree_depth``, the number of objective
+        passes (``passes``, Armijo trials included), ``rank_deficient``, ``approximant``,
+        ``refused_step`` and ``max_correspondence_distance`` (None: not truncated).
 
     Accuracy (docs, "Surface methods"): ``converged`` means the Newton iteration reached
     the minimum of *this* objective; without ``max_correspondence_distance`` that is the
@@ -290,7 +316,7 @@ def surface_newton(
 
     """
     t_start = time.perf_counter()
-    crit = _validate.instance(criteria, ConvergenceCriteria, "criteria")
+    as_criteria(criteria, max_iterations)  # checked before any work
     if tree_depth is not None:
         _validate.integer(tree_depth, "tree_depth", minimum=0)
     if not isinstance(armijo, (tuple, list)) or len(armijo) != 2:
@@ -299,9 +325,10 @@ def surface_newton(
     sigma = _validate.in_range(armijo[1], "armijo sigma", 0.0, 1.0)
     tau2 = math.inf if max_correspondence_distance is None else _validate.positive(
         max_correspondence_distance, "max_correspondence_distance") ** 2
-    prob, clock = _prepare(source, target, init, device, index)
-    if criteria is None:
-        crit = default_criteria(prob.source)
+    prob, clock = _prepare(source, target, init, device, index,
+                           None if not math.isfinite(tau2) else math.sqrt(tau2))
+    crit = criteria if criteria is not None else \
+        as_criteria(None, max_iterations, default=default_criteria(prob.source))
     co = clock.stage("approximants", approximant_coefficients, prob.tree, approximant)
     stretch = isinstance(approximant, str) and approximant == "point"
     schedule = LevelSchedule.for_tree(prob.tree, tree_depth, cell_means=stretch)
@@ -344,6 +371,7 @@ def surface_newton(
     timings["total"] = time.perf_counter() - t_start
     info = {"F": F, "objective": float(rules.terms[27]), "tree_depth": schedule.level,
             "passes": rules.passes, "rank_deficient": not determined,
+            "refused_step": rules.refused,
             "approximant": approximant if isinstance(approximant, str) else "custom",
             "device_steps": sum(r.launched for r in runs),
             "max_correspondence_distance": max_correspondence_distance}

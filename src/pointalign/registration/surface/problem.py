@@ -30,13 +30,16 @@ class _Problem:
     radius: float                 # the source's RMS radius
 
 
-def _prepare(source: Any, target: Any, init: Any, device: Any, index: Any
+def _prepare(source: Any, target: Any, init: Any, device: Any, index: Any,
+             max_correspondence_distance: float | None = None
              ) -> tuple[_Problem, _loop.Clock]:
     """Validate, resolve the device, move to the local frame and build the target's tree.
 
     Without ``index`` the problem is shifted by the target's centroid in float64 before it
     becomes float32 (georeferenced coordinates keep their precision) and the tree is built
-    there; an ``index`` was built in the caller's coordinates, which are then kept.
+    there; an ``index`` was built in the caller's coordinates, which are then kept. The
+    clouds' scales and the truncation distance are compared first
+    (:func:`pointalign.registration._edge.check_units`).
     """
     if index is not None and not isinstance(index, KDTreeIndex):
         raise TypeError(f"index: expected a KDTreeIndex over the target, "
@@ -49,6 +52,7 @@ def _prepare(source: Any, target: Any, init: Any, device: Any, index: Any
                               local=index is None)
     if pair.batched:
         raise ValueError("source: expected one (N, 3) cloud, got a batch")
+    _edge.check_units(pair, max_correspondence_distance=max_correspondence_distance)
     clock = _loop.Clock(dev)
     tree = index if index is not None else clock.stage(
         "tree", KDTreeIndex, pair.target[0], leaf_size=8)
@@ -96,6 +100,16 @@ def default_criteria(points: torch.Tensor) -> ConvergenceCriteria:
 def _finish(prob: _Problem, T: np.ndarray, fit: float, rmse: float, it: int,
             reason: StopReason, history: list, timings: dict, info: dict
             ) -> RegistrationResult:
+    """Build the result; a pose the data do not determine is "ambiguous" (build_result).
+
+    The stability is measured on the final nearest-neighbour correspondences through the
+    target's tree (:func:`pointalign.registration._edge.measured_stability`): the distance
+    map of a sphere or a plane is as small at a turned or slid pose as at the true one, so
+    "no_decrease" there is no answer.
+    """
+    stab = _edge.measured_stability(prob.pair, T[None], index=prob.tree,
+                                    max_distance=info.get("max_correspondence_distance"))
     return _edge.build_result(prob.pair, T[None], fitness=np.array([fit]),
                               rmse=np.array([rmse]), iterations=np.array([it]),
-                              reasons=[reason], history=history, timings=timings, info=info)
+                              reasons=[reason], history=history, timings=timings, info=info,
+                              stability=stab)
