@@ -332,8 +332,8 @@ def _spans(table: torch.Tensor, nb: torch.Tensor) -> torch.Tensor:
     return out.view(nb.shape[:-1])
 
 
-def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray, plane: bool,
-              max_distance: float) -> np.ndarray:
+def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray | None,
+              plane: bool, max_distance: float) -> np.ndarray:
     """:func:`pointalign._math.stability` of each problem's final pose, ``(B,)`` float64.
 
     Point-to-plane: from the final sums (the 6×6 the last step solved, no extra work).
@@ -344,6 +344,7 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray,
     assert pair.centroid is not None and pair.extent is not None  # set by prepare_pair
     c = torch.from_numpy(pair.centroid)
     if plane:
+        assert sums is not None  # point-to-plane reads the final sums
         H = _about(normal_eq.unpack_hessian(torch.from_numpy(sums))[0], c)
     else:
         H = _point_information(pair, indexes, T, max_distance)
@@ -522,6 +523,7 @@ def icp(
         step = AndersonStep(step, max_dist * max_dist)
         inputs, state = step.prepare(inputs, state, torch.from_numpy(pair.source_counts),
                                      torch.from_numpy(np.asarray(pair.extent, np.float64)))
+    assert pair.extent is not None  # set by prepare_pair
     rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy(),
                    crit.translation_for(pair.extent))
     t_it = time.perf_counter()
