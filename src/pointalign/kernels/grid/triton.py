@@ -137,8 +137,9 @@ def _grid_kernel(q_ptr, prm_ptr, dims_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_pt
 def _kernel():
     interp = bool(knobs.runtime.interpret)
     if interp not in _CACHE:
-        # sizes are not specialised (divisible by 16 or not): one compilation for every size
-        _CACHE[interp] = triton.jit(_grid_kernel, do_not_specialize=("N", "M"))
+        # sizes stay specialised (divisible by 16 or not): without it a query took 1.33x
+        # as long on an H200; the two variants are compiled once per machine
+        _CACHE[interp] = triton.jit(_grid_kernel)
     return _CACHE[interp]
 
 

@@ -18,7 +18,7 @@ from pointalign.kernels.normal_eq.reference import KERNELS, WIDTH
 BLOCK = 256
 
 
-@triton.jit(do_not_specialize=("N", "M", "P"))  # one compilation for every size
+@triton.jit  # sizes specialised: the per-iteration reduction is hot (cf. grid/triton.py)
 def _normal_eq_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr,
                       N, M, P, scale,
                       PLANE: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
