@@ -575,7 +575,9 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
     d = max_distance if max_distance is not None and np.isfinite(max_distance) \
         and max_distance > 0 else 1e6 * max(scale, 1e-30)
     idxs = _icp._indexes(pair, index, d)
-    return _icp.stability(pair, idxs, np.asarray(T_local, dtype=np.float64), None, False, d)
+    # (point-to-point: the sums of a final step are not read, the sample is measured)
+    return _icp.stability(pair, idxs, np.asarray(T_local, dtype=np.float64),
+                          np.zeros((pair.size, 30)), False, d)
 
 
 def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: np.ndarray,

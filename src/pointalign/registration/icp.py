@@ -522,6 +522,7 @@ def icp(
         step = AndersonStep(step, max_dist * max_dist)
         inputs, state = step.prepare(inputs, state, torch.from_numpy(pair.source_counts),
                                      torch.from_numpy(np.asarray(pair.extent, np.float64)))
+    assert pair.extent is not None  # set by prepare_pair
     rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy(),
                    crit.translation_for(pair.extent))
     t_it = time.perf_counter()
