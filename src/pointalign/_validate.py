@@ -194,7 +194,7 @@ def kind(x: Any) -> str:
 
     * ``"numpy"``: a NumPy array (or a list of numbers) -> NumPy out;
     * ``"torch"``: a tensor, or any other ``__dlpack__`` array -> a tensor on its device;
-    * ``"pointcloud"``: a :class:`~pointalign.cloud.PointCloud` -> a cloud where the output
+    * ``"pointcloud"``: a ``PointCloud`` -> a cloud where the output
       is a cloud (voxel_downsample, preprocess), else a tensor: per-point arrays (normals,
       features, covariances, masks) on the cloud's device, the storage a PointCloud holds;
     * ``"open3d"``: a legacy ``open3d.geometry.PointCloud`` -> a legacy cloud where the
@@ -247,7 +247,7 @@ def cloud_as_kind(cloud: Any, like: str) -> Any:
 def cloud_normals(cloud: Any) -> Any:
     """Return the normals a cloud carries, or None: ``(N, 3)`` in the cloud's own kind.
 
-    A :class:`~pointalign.cloud.PointCloud`'s ``normals``; a legacy Open3D cloud's
+    A ``PointCloud``'s ``normals``; a legacy Open3D cloud's
     ``normals`` when ``has_normals()`` (its ``Vector3dVector`` read as a NumPy array: empty
     when it has none); a tensor-API Open3D cloud's ``point["normals"]``. Anything else
     (arrays, tensors, lists of clouds): None.

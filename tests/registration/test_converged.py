@@ -158,3 +158,20 @@ def test_build_result_rules_apply_to_a_callers_decision():
                            **kw)
     assert r.converged is False and r.stop_reason == "coarse_input"
     assert "input_resolution" in r.info
+
+
+def test_repeated_points_do_not_hide_an_undetermined_pose():
+    """A sphere with every point repeated 8 times (issue 26): the 16 nearest neighbours of
+    a sample are copies of two points, whose normal is arbitrary and looked like a
+    constraint (stability 0.04-0.3); such samples look at more neighbours."""
+    s = np.repeat(_sphere(), 8, 0)
+    t = s @ _rot([0, 0, 1], 20).T
+    r = icp(s, t, max_correspondence_distance=0.5, method="point_to_point", device="cpu",
+            criteria=ConvergenceCriteria(max_iterations=30))
+    assert not r.converged  # ("max_iterations" at 30: it slides; "ambiguous" where it stops)
+    assert r.info["stability"] <= _math.STABILITY_EPS
+    # the repeated bunny stays determined
+    b = datasets.random_subsample(datasets.load_bunny("bun000"), 500, 0).double().numpy()
+    b8 = np.repeat(b, 8, 0)
+    r = icp(b8, b8 @ _rot([1, 2, 3], 5).T, max_correspondence_distance=0.02, device="cpu")
+    assert r.info["stability"] > 5 * _math.STABILITY_EPS

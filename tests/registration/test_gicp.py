@@ -195,7 +195,7 @@ def test_bad_input(bunny):
             _run(method, s, t, source_covariances=torch.eye(3, device="meta")
                  .repeat(s.shape[0], 1, 1))
         with pytest.raises(TypeError, match="robust_kernel"):
-            _run(method, s, t, device="cpu", robust_kernel="huber")
+            _run(method, s, t, device="cpu", robust_kernel=3.0)  # ("huber": accepted)
         with pytest.raises(TypeError, match="criteria"):
             _run(method, s, t, device="cpu", criteria={"max_iterations": 3})
     with pytest.raises(ValueError, match="max_correspondence_distance"):

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +41,8 @@ class StopReason(str, enum.Enum):
       scale; else ``STALLED``);
     * ``POSE_AND_WEIGHTS``: an annealing method's pose and soft weights settled early;
     * ``NO_DECREASE``: no step along the last update lowers the objective any more (a
-      descent method's line search found none, or approximate ICP's step raised it and was
-      taken back) and that update was small: a numerical minimum (a large one: ``STALLED``).
+      descent method's line search found none while the refused step was small, or
+      approximate ICP's step raised it and was taken back): a numerical minimum.
 
     Not converged:
 
@@ -53,11 +55,12 @@ class StopReason(str, enum.Enum):
       any residual (a plane moved in-plane, a sphere or cylinder turned, fewer than 6
       correspondences); :func:`pointalign._math.stability` ≤ ``STABILITY_EPS``
       (``info["stability"]``), decided once at the end by :func:`build_result`;
-    * ``STALLED``: no step lowers the objective any more, but the last direction (or the
-      last steps) still asked for a large motion: the model is poor at this pose (a cell
-      lookup, a distance map on the wrong piece of surface), a stall, not a minimum;
-      an annealing schedule that ended while the pose still moved by more than
-      ``SETTLED`` of its final scale per check (:mod:`pointalign.registration.soft`);
+    * ``STALLED``: the iteration stopped without settling: ``surface_newton``'s line search
+      found no step while the refused Newton step still asked for a large motion (the
+      distance map is poor at this pose: ``STALL`` in
+      :mod:`pointalign.registration.surface.newton`), or an annealing schedule ended while
+      its last check still moved the pose by more than ``SETTLED`` of the final scale
+      (:mod:`pointalign.registration.soft`);
     * ``LOW_FITNESS``: the iteration settled, but fewer than :data:`MIN_FITNESS` (1 %) of
       the source points have a partner: a handful of chance matches (a distance given in
       other units than the clouds, no overlap) decide nothing, whatever the stop rule said;
@@ -323,6 +326,27 @@ def _unit_guess(ratio: float, big: str, small: str) -> str:
     return f"; {big} in {best[1]} and {small} in {best[2]}?"
 
 
+#: set inside :func:`inner`: a composite call (``register``, ``register_many``) checked the
+#: units and announced its own estimate; the registrations it runs inside say nothing
+_INNER: contextvars.ContextVar[bool] = contextvars.ContextVar("pointalign_inner",
+                                                              default=False)
+
+
+@contextlib.contextmanager
+def inner() -> Iterator[None]:
+    """Within this block :func:`check_units` and :func:`announce_icp` do nothing.
+
+    For composite calls that run registrations on clouds they derived (``register``: the
+    downsampled clouds, the coarse and final ICP): the composite checks the units and
+    announces its estimate once, on the clouds the user gave.
+    """
+    token = _INNER.set(True)
+    try:
+        yield
+    finally:
+        _INNER.reset(token)
+
+
 def check_units(pair: Pair, **lengths: float | Sequence[float] | None) -> None:
     """Compare the clouds' scales, and each given length with them, before any work.
 
@@ -347,7 +371,7 @@ def check_units(pair: Pair, **lengths: float | Sequence[float] | None) -> None:
         ValueError: a length more than 1000× off the clouds' scale.
 
     """
-    if pair.extent is None or pair.source_extent is None:
+    if pair.extent is None or pair.source_extent is None or _INNER.get():
         return
     from pointalign import _progress
 
@@ -366,35 +390,35 @@ def check_units(pair: Pair, **lengths: float | Sequence[float] | None) -> None:
                        "must be in the same units (metres by convention)",
                        _progress.UnitsWarning, stacklevel=None)
     big = np.maximum(ext_t, ext_s)
+    ok = (big > 0) & (h > 0)
     for name, value in ((n, float(v)) for n, vs in lengths.items()
                         for v in (vs if isinstance(vs, (tuple, list)) else (vs,))
                         if v is not None):
-        for b in range(pair.size):
-            if not (big[b] > 0 and h[b] > 0):
-                continue
-            over, under = value / big[b], h[b] / value
-            if over > UNITS_WARN:
-                msg = (f"{name}: {value:.4g} is {over:.0f}× the clouds' extent (RMS radius "
-                       f"{big[b]:.4g}){where(b)}")
-                guess = "; is it in millimetres, the clouds in metres?" if over >= 100 else "."
-                if over > UNITS_FAIL:
-                    raise ValueError(f"{msg}: no registration can work at that scale{guess} "
-                                     f"Give it in the clouds' units (from about their point "
-                                     f"spacing, ~{h[b]:.3g}, to a tenth of their extent)")
-                _progress.warn(f"{msg}: it bounds nothing{guess}", _progress.UnitsWarning,
-                               stacklevel=None)
-                break
-            if under > UNITS_WARN:
-                msg = (f"{name}: {value:.4g} is {under:.0f}× below the clouds' typical point "
-                       f"spacing (~{h[b]:.3g}, from their extent {big[b]:.4g} and point "
-                       f"counts){where(b)}")
-                guess = "; is it in metres, the clouds in millimetres?" if under >= 100 else "."
-                if under > UNITS_FAIL:
-                    raise ValueError(f"{msg}: no point can find a partner that close{guess} "
-                                     "Give it in the clouds' units")
-                _progress.warn(f"{msg}: few points will find a partner{guess}",
-                               _progress.UnitsWarning, stacklevel=None)
-                break
+        with np.errstate(divide="ignore", invalid="ignore"):
+            over = np.where(ok, value / np.where(ok, big, 1.0), 0.0)
+            under = np.where(ok, h / value, 0.0)
+        if (over > UNITS_WARN).any():
+            b = int(np.argmax(over))
+            msg = (f"{name}: {value:.4g} is {over[b]:.0f}× the clouds' extent (RMS radius "
+                   f"{big[b]:.4g}){where(b)}")
+            guess = "; is it in millimetres, the clouds in metres?" if over[b] >= 100 else "."
+            if over[b] > UNITS_FAIL:
+                raise ValueError(f"{msg}: no registration can work at that scale{guess} "
+                                 f"Give it in the clouds' units (from about their point "
+                                 f"spacing, ~{h[b]:.3g}, to a tenth of their extent)")
+            _progress.warn(f"{msg}: it bounds nothing{guess}", _progress.UnitsWarning,
+                           stacklevel=None)
+        elif (under > UNITS_WARN).any():
+            b = int(np.argmax(under))
+            msg = (f"{name}: {value:.4g} is {under[b]:.0f}× below the clouds' typical point "
+                   f"spacing (~{h[b]:.3g}, from their extent {big[b]:.4g} and point "
+                   f"counts){where(b)}")
+            guess = "; is it in metres, the clouds in millimetres?" if under[b] >= 100 else "."
+            if under[b] > UNITS_FAIL:
+                raise ValueError(f"{msg}: no point can find a partner that close{guess} "
+                                 "Give it in the clouds' units")
+            _progress.warn(f"{msg}: few points will find a partner{guess}",
+                           _progress.UnitsWarning, stacklevel=None)
 
 
 #: the normals a cloud carries (a PointCloud's, an Open3D cloud's): defined in
@@ -508,6 +532,8 @@ def announce_icp(pair: Pair, method: str, cap: int, normals: bool) -> None:
     """
     from pointalign import _progress, _threads
 
+    if _INNER.get():
+        return
     threads = _threads.host_threads(pair.device)
     n = int(pair.source_counts.sum())
     m = int(pair.target_counts[0] if pair.shared_target else pair.target_counts.sum())
@@ -549,7 +575,9 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
     d = max_distance if max_distance is not None and np.isfinite(max_distance) \
         and max_distance > 0 else 1e6 * max(scale, 1e-30)
     idxs = _icp._indexes(pair, index, d)
-    return _icp.stability(pair, idxs, np.asarray(T_local, dtype=np.float64), None, False, d)
+    # (point-to-point: the sums of a final step are not read, the sample is measured)
+    return _icp.stability(pair, idxs, np.asarray(T_local, dtype=np.float64),
+                          np.zeros((pair.size, 30)), False, d)
 
 
 def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: np.ndarray,
