@@ -25,6 +25,12 @@ import numpy as np
 import torch
 
 from pointalign import _math, _threads
+from pointalign.kernels._nb_math import (
+    ROBUST_CODE,
+    robust_weight,
+    smallest_eigenvector3,
+    spans_plane,
+)
 from pointalign.kernels._numba import njit, prange
 from pointalign.kernels.gicp.reference import (
     KEY_BITS,
@@ -37,97 +43,7 @@ from pointalign.kernels.gicp.reference import (
 
 #: row blocks per batch entry (fixed: the summation order does not depend on threads)
 BLOCKS = 64
-_KERNEL_CODE = {k: i for i, k in enumerate(_math.ROBUST_KINDS)}
 _OFFSETS = np.asarray(OFFSETS, dtype=np.int64)
-
-
-@njit(cache=True, inline="always")
-def _weight(r, kind, scale):
-    """:func:`pointalign._math.robust_weight` (kind: index in ``ROBUST_KINDS``)."""
-    a = abs(r)
-    if kind == 0:
-        return 1.0
-    if kind == 1:
-        return 1.0 if a <= scale else scale / max(a, 1e-30)
-    if kind == 2:
-        if a < scale:
-            u = 1.0 - (a / scale) ** 2
-            return u * u
-        return 0.0
-    return 1.0 / (1.0 + (a / scale) ** 2)
-
-
-@njit(cache=True, inline="always")
-def _null(a00, a01, a02, a11, a12, a22, lam):
-    """Return the unit largest cross product of two rows of ``A − λI`` and its squared norm."""
-    m00, m11, m22 = a00 - lam, a11 - lam, a22 - lam
-    # rows r0 = (m00, a01, a02), r1 = (a01, m11, a12), r2 = (a02, a12, m22)
-    x0, y0, z0 = a01 * a12 - a02 * m11, a02 * a01 - m00 * a12, m00 * m11 - a01 * a01
-    x1, y1, z1 = a01 * m22 - a02 * a12, a02 * a02 - m00 * m22, m00 * a12 - a01 * a02
-    x2, y2, z2 = m11 * m22 - a12 * a12, a12 * a02 - a01 * m22, a01 * a12 - m11 * a02
-    n0 = x0 * x0 + y0 * y0 + z0 * z0
-    n1 = x1 * x1 + y1 * y1 + z1 * z1
-    n2 = x2 * x2 + y2 * y2 + z2 * z2
-    vx, vy, vz, nb = x0, y0, z0, n0
-    if n1 > nb:
-        vx, vy, vz, nb = x1, y1, z1, n1
-    if n2 > nb:
-        vx, vy, vz, nb = x2, y2, z2, n2
-    s = math.sqrt(max(nb, 1e-300))
-    return vx / s, vy / s, vz / s, nb
-
-
-@njit(cache=True, inline="always")
-def smallest_eigenvector3(a00, a01, a02, a11, a12, a22):
-    """:func:`pointalign._math.smallest_eigenvector3` of one symmetric 3×3 (float64).
-
-    Scaled by the largest entry; eigenvalues by Smith's formula; a (nearly) repeated
-    smallest eigenvalue gives a unit vector orthogonal to the largest eigenvector
-    (``u × e_k``, k the first axis of u's smallest magnitude), (0, 0, 1) for 0 or a
-    multiple of I.
-    """
-    sc = max(abs(a00), abs(a01), abs(a02), abs(a11), abs(a12), abs(a22))
-    if not sc > 0:
-        sc = 1.0
-    a00, a01, a02, a11, a12, a22 = a00 / sc, a01 / sc, a02 / sc, a11 / sc, a12 / sc, a22 / sc
-    q = (a00 + a11 + a22) / 3
-    b00, b11, b22 = a00 - q, a11 - q, a22 - q
-    p2 = b00 * b00 + b11 * b11 + b22 * b22 + 2 * (a01 * a01 + a02 * a02 + a12 * a12)
-    pp = math.sqrt(p2 / 6)
-    ps = pp if pp > 0 else 1.0
-    c00, c11, c22 = b00 / ps, b11 / ps, b22 / ps
-    c01, c02, c12 = a01 / ps, a02 / ps, a12 / ps
-    det = (c00 * (c11 * c22 - c12 * c12) - c01 * (c01 * c22 - c12 * c02)
-           + c02 * (c01 * c12 - c11 * c02))
-    phi = math.acos(min(1.0, max(-1.0, det / 2))) / 3
-    l_max = q + 2 * pp * math.cos(phi)
-    l_min = q + 2 * pp * math.cos(phi + 2 * math.pi / 3)
-    l_mid = 3 * q - l_max - l_min
-    v0, v1, v2, nv = _null(a00, a01, a02, a11, a12, a22, l_min)
-    gap = l_mid - l_min
-    spread = l_max - l_min
-    if nv > (1e-8 * max(spread, 1e-300)) ** 2 and gap > 1e-9 * max(spread, 1e-300):
-        return v0, v1, v2
-    u0, u1, u2, nu = _null(a00, a01, a02, a11, a12, a22, l_max)
-    if not (nu > 0 and spread > 0):
-        return 0.0, 0.0, 1.0
-    au0, au1, au2 = abs(u0), abs(u1), abs(u2)
-    if au0 <= au1 and au0 <= au2:
-        v0, v1, v2 = 0.0, u2, -u1
-    elif au1 <= au2:
-        v0, v1, v2 = -u2, 0.0, u0
-    else:
-        v0, v1, v2 = u1, -u0, 0.0
-    nn = math.sqrt(max(v0 * v0 + v1 * v1 + v2 * v2, 1e-300))
-    return v0 / nn, v1 / nn, v2 / nn
-
-
-@njit(cache=True, inline="always")
-def _spans_plane(c00, c01, c02, c11, c12, c22, eps):
-    """:func:`pointalign._math.spans_plane` of one symmetric 3×3 (its upper triangle)."""
-    tr = c00 + c11 + c22
-    fro2 = c00 * c00 + c11 * c11 + c22 * c22 + 2.0 * (c01 * c01 + c02 * c02 + c12 * c12)
-    return 0.5 * (tr * tr - fro2) > eps * fro2
 
 
 @njit(cache=True, parallel=True)
@@ -162,8 +78,8 @@ def _covariances(pts, idx, eps, degeneracy, out):
         for a in range(3):
             for b in range(3):
                 out[i, a, b] = 1.0 if a == b else 0.0
-        if cnt >= MIN_NEIGHBOURS and _spans_plane(s00, s01, s02, s11, s12, s22, degeneracy):
-            n0, n1, n2 = smallest_eigenvector3(s00, s01, s02, s11, s12, s22)
+        if cnt >= MIN_NEIGHBOURS and spans_plane(s00, s01, s02, s11, s12, s22, degeneracy):
+            (n0, n1, n2), _ = smallest_eigenvector3(s00, s01, s02, s11, s12, s22)
             f = 1.0 - eps
             out[i, 0, 0] = 1.0 - f * (n0 * n0)
             out[i, 1, 1] = 1.0 - f * (n1 * n1)
@@ -303,7 +219,7 @@ def _sums(src, scov, tgt, tcov, idx, rot, lengths, center, kind, scale, rscale2)
                 u1 = m01 * r0 + m11 * r1 + m12 * r2
                 u2 = m02 * r0 + m12 * r1 + m22 * r2
                 e = max(r0 * u0 + r1 * u1 + r2 * u2, 0.0)
-                w = _weight(math.sqrt(rscale2 * e), kind, scale)
+                w = robust_weight(math.sqrt(rscale2 * e), kind, scale)
                 add_pair(acc, w, x0, x1, x2, m00, m01, m02, m11, m12, m22, u0, u1, u2, e)
                 n_ok += 1.0
                 d2sum += r0 * r0 + r1 * r1 + r2 * r2
@@ -333,7 +249,7 @@ def gicp_sums_cpu(source, source_cov, target, target_cov, idx, rotation, lengths
     out = _sums(src, _np(source_cov), tgt, _np(target_cov.to(source_cov.dtype)),
                 _np(idx.to(torch.int64)), _np(rotation.to(torch.float64)),
                 _np(lengths.to(torch.int64)), _np(center.to(torch.float64)),
-                _KERNEL_CODE[kernel], float(scale), ROBUST_SCALE2)
+                ROBUST_CODE[kernel], float(scale), ROBUST_SCALE2)
     return torch.from_numpy(out)
 
 
