@@ -24,7 +24,7 @@ from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh
 from pointalign.features.outliers import radius_outlier_mask, statistical_outlier_mask
 from pointalign.preprocess import preprocess
-from pointalign.registration import _edge
+from pointalign.registration import _edge, checks
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.gicp import gicp, vgicp
 from pointalign.registration.icp import icp
@@ -183,11 +183,11 @@ def test_units_warning_points_at_the_callers_line(bunny_pair):
 
 
 def test_spacing_and_unit_guesses():
-    np.testing.assert_allclose(_edge.spacing(np.array([1.0]), np.array([4])),
+    np.testing.assert_allclose(checks.spacing(np.array([1.0]), np.array([4])),
                                [math.sqrt(math.pi)])
-    assert "millimetres" in _edge._unit_guess(1000.0, "source", "target")
-    assert "centimetres" in _edge._unit_guess(95.0, "source", "target")
-    assert _edge._unit_guess(3.0, "source", "target") == ""
+    assert "millimetres" in checks._unit_guess(1000.0, "source", "target")
+    assert "centimetres" in checks._unit_guess(95.0, "source", "target")
+    assert checks._unit_guess(3.0, "source", "target") == ""
 
 
 # ---- 3: low fitness, the deep bad-input classes -----------------------------------------
@@ -516,7 +516,7 @@ def test_announce_says_long_work_before_it_starts(caplog, monkeypatch):
 
 def test_icp_announces_a_long_call(monkeypatch, caplog, bunny_pair):
     s, t, _, _ = bunny_pair
-    monkeypatch.setattr(_edge, "estimate_icp_seconds", lambda *a, **kw: 30.0)
+    monkeypatch.setattr(checks, "estimate_icp_seconds", lambda *a, **kw: 30.0)
     with caplog.at_level(logging.INFO, logger="pointalign"):
         icp(s, t, max_correspondence_distance=0.02, max_iterations=1, device="cpu")
     assert "ICP (point_to_point) on 3,000 + 3,000 points" in caplog.text
@@ -524,7 +524,7 @@ def test_icp_announces_a_long_call(monkeypatch, caplog, bunny_pair):
 
 
 def test_estimates_grow_with_the_work():
-    e = _edge.estimate_icp_seconds
+    e = checks.estimate_icp_seconds
     small = e(40_000, 40_000, plane=True, iterations=30, threads=2, share=1.0)
     big = e(5_000_000, 5_000_000, plane=True, iterations=30, threads=2, share=1.0)
     assert 0 < small < 1.0 < big
@@ -533,7 +533,7 @@ def test_estimates_grow_with_the_work():
     assert e(5_000_000, 5_000_000, plane=True, iterations=30, threads=2,
              share=0.5) == pytest.approx(2 * big)
     assert e(5, 5, plane=True, iterations=1, threads=None) is None  # a GPU: no estimate
-    r = _edge.estimate_register_seconds
+    r = checks.estimate_register_seconds
     # the first-hour report: 5M + 5M points took 26.5 s at 2 threads (announced: 2 minutes)
     five = r(5_000_000, 5_000_000, target_points=5000, threads=2, share=1.0)
     assert 26.5 / 2 < five < 26.5 * 2
@@ -542,11 +542,11 @@ def test_estimates_grow_with_the_work():
 
 
 def test_composites_check_once(bunny_pair):
-    """Inside ``_edge.inner()`` (register's derived clouds) the checks stay silent."""
+    """Inside ``checks.inner()`` (register's derived clouds) the checks stay silent."""
     s, t, _, _ = bunny_pair
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnitsWarning)
-        with _edge.inner():
+        with checks.inner():
             icp(s * 1000, t, max_correspondence_distance=0.01, max_iterations=1)
         with pytest.raises(UnitsWarning):
             icp(s * 1000, t, max_correspondence_distance=0.01, max_iterations=1)

@@ -7,15 +7,18 @@ from pointalign._progress import (
     IgnoredParameterWarning,
     PointalignWarning,
     SlowOperationWarning,
+    UnitsWarning,
 )
-from pointalign._threads import get_num_threads, set_num_threads
+from pointalign._threads import get_num_threads, set_num_threads, threads
 from pointalign.cloud import PointCloud
 from pointalign.features.covariances import estimate_covariances
 from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh
 from pointalign.features.normals import estimate_normals
+from pointalign.features.outliers import radius_outlier_mask, statistical_outlier_mask
 from pointalign.io import read, read_bin, write
 from pointalign.metrics import RegistrationEvaluation, evaluate_registration
+from pointalign.preprocess import preprocess
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.gicp import gicp, vgicp
 from pointalign.registration.icp import icp
@@ -45,6 +48,7 @@ __all__ = [
     "IgnoredParameterWarning",
     "PointalignWarning",
     "SlowOperationWarning",
+    "UnitsWarning",
     "PointCloud",
     "RegistrationEvaluation",
     "RegistrationResult",
@@ -64,6 +68,8 @@ __all__ = [
     "merge",
     "metrics",
     "multiway",
+    "preprocess",
+    "radius_outlier_mask",
     "ransac",
     "set_num_threads",
     "read",
@@ -71,7 +77,9 @@ __all__ = [
     "register",
     "register_many",
     "softassign",
+    "statistical_outlier_mask",
     "surface_newton",
+    "threads",
     "transforms",
     "vgicp",
     "voxel_downsample",

@@ -25,14 +25,14 @@ Warning categories
       a raw ``.bin`` scan) or part of it was left out (a mesh's faces, rows whose
       coordinates are NaN), with the numbers.
     * :class:`UnitsWarning`: the two clouds, or a length given with them, differ in scale by
-      more than 20× (:func:`pointalign.registration._edge.check_units`): probably one of
+      more than 20× (:func:`pointalign.registration.checks.check_units`): probably one of
       them is in other units (millimetres against metres); both scales are named.
 
 Estimates
     Work that can run longer than :data:`ANNOUNCE_SECONDS` on this device says so before it
     starts (:func:`announce`: a line above the bars on a terminal, an ``INFO`` log line
     always); above :data:`SLOW_SECONDS` it also warns (:func:`warn_slow`). The cost models
-    live with the work (``registration._edge.estimate_icp_seconds``,
+    live with the work (``registration.checks.estimate_icp_seconds``,
     ``estimate_register_seconds``; the soft methods' in their passes).
 
 Progress
@@ -112,7 +112,7 @@ class FileContentWarning(PointalignWarning):
 class UnitsWarning(PointalignWarning):
     """The clouds, or a length given with them, differ in scale by more than 20×.
 
-    Raised before any work by :func:`pointalign.registration._edge.check_units`, naming both
+    Raised before any work by :func:`pointalign.registration.checks.check_units`, naming both
     scales and the likely unit error (millimetres against metres, …).
     """
 

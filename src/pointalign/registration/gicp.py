@@ -42,7 +42,7 @@ from pointalign import _threads, _validate, estimate
 from pointalign.kernels import _loop
 from pointalign.kernels import gicp as _kg
 from pointalign.kernels import ransac as _kr
-from pointalign.registration import _edge
+from pointalign.registration import _edge, checks
 from pointalign.registration.criteria import (
     ConvergenceCriteria,
     RobustKernel,
@@ -336,7 +336,7 @@ def gicp(
                                target_covariances=target_covariances)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
-    _edge.check_units(pair, max_correspondence_distance=max_dist)
+    checks.check_units(pair, max_correspondence_distance=max_dist)
     B = pair.size
     clock = _loop.Clock(dev)
     idxs = clock.stage("index", _indexes, pair, index, max_dist)
@@ -432,7 +432,7 @@ def vgicp(
                                target_covariances=target_covariances)
     pair = _edge.prepare_pair(source, target, init=init, device=dev,
                               source_lengths=source_lengths, target_lengths=target_lengths)
-    _edge.check_units(pair, voxel_size=sizes)
+    checks.check_units(pair, voxel_size=sizes)
     B = pair.size
     clock = _loop.Clock(dev)
     s_cov, t_cov = clock.stage("covariances", _covariances, pair, source, target,

@@ -33,7 +33,7 @@ import torch
 from pointalign import _math, _progress, _threads, _validate, estimate, transforms
 from pointalign.kernels import _loop, features, normal_eq
 from pointalign.kernels import ransac as _kr
-from pointalign.registration import _edge
+from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.anderson import AndersonStep
 from pointalign.registration.criteria import (
@@ -475,7 +475,7 @@ def icp(
             process setting.
 
     Before any work the clouds' extents and the distance are compared
-    (:func:`pointalign.registration._edge.check_units`): a 20× mismatch warns
+    (:func:`pointalign.registration.checks.check_units`): a 20× mismatch warns
     (:class:`~pointalign.UnitsWarning`), a 1000× one raises ValueError. A call estimated
     above 5 s on the CPU says so first, and shows a counted bar on a terminal.
 
@@ -498,8 +498,8 @@ def icp(
                                target_normals=target_normals)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
-    _edge.check_units(pair, max_correspondence_distance=max_dist)
-    _edge.announce_icp(pair, method, int(crit.max_iterations),
+    checks.check_units(pair, max_correspondence_distance=max_dist)
+    checks.announce_icp(pair, method, int(crit.max_iterations),
                        normals=target_normals is None and _edge.cloud_normals(target) is None)
     plane, B = method == "point_to_plane", pair.size
     if target_normals is not None and not plane:

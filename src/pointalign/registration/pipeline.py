@@ -48,7 +48,7 @@ from pointalign.features.outliers import (
 )
 from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _kr
-from pointalign.registration import _edge
+from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.gicp import gicp
@@ -236,14 +236,18 @@ def register(
     if pair.batched:
         raise ValueError("source, target: expected one (N, 3) cloud each, got a batch; "
                          "register pairs one at a time")
+    checks.check_units(pair, voxel_size=opts.voxel_size, icp_voxel_size=opts.icp_voxel_size,
+                      max_correspondence_distance=opts.max_correspondence_distance,
+                      icp_max_correspondence_distance=opts.icp_max_correspondence_distance)
     src, tgt = pair.source[0], pair.target[0]
     _warn_register(src, tgt, dev, opts.refine, opts.target_points, opts.icp_voxel_size,
                    opts.max_iterations,
                    icp_max_correspondence_distance=opts.icp_max_correspondence_distance)
     # arrays derived from validated ones: no NaN/Inf scans (host syncs) on them; PyTorch's
     # small operations between the kernels on one thread where the host runs them
+    # the inner registrations run on clouds derived here: checked and announced once, above
     with _validate.trusted(), _progress.task("register", delay=_progress.LIBRARY_DELAY), \
-            _threads.host_stages(dev):
+            _threads.host_stages(dev), checks.inner():
         result = _register(src, tgt, pair, opts)
     _progress.log_timings("register", result.timings)
     if not result.converged:

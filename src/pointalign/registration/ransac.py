@@ -32,7 +32,7 @@ from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _k
 from pointalign.kernels.horn import weighted_horn
 from pointalign.kernels.ransac import FeatureMatches
-from pointalign.registration import _edge
+from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import build_index
@@ -351,7 +351,7 @@ def ransac(
         raise ValueError(f"target_features: dimension {tf.shape[1]} differs from "
                          f"source_features' {sf.shape[1]}")
     dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
-    _edge.check_units(pair, max_correspondence_distance=dist)
+    checks.check_units(pair, max_correspondence_distance=dist)
     sim = _validate.in_range(triangle_similarity, "triangle_similarity", 0.0, 1.0)
     conf = _validate.in_range(confidence, "confidence", 0.0, 1.0)
     hypotheses, tdd_points, max_validations, refine_top = (

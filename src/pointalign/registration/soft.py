@@ -30,7 +30,7 @@ from pointalign import _progress, _threads, _validate, estimate, transforms
 from pointalign.kernels import _loop
 from pointalign.kernels import horn as khorn
 from pointalign.kernels import soft as ksoft
-from pointalign.registration import _edge
+from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
 from pointalign.registration.result import RegistrationResult
@@ -267,7 +267,7 @@ def _prepare(source, target, init, device, source_lengths, target_lengths,
     dev = _edge.resolve_device(device, source=source, target=target)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, min_points=3,
                               source_lengths=source_lengths, target_lengths=target_lengths)
-    _edge.check_units(pair)
+    checks.check_units(pair)
     if pair.shared_target:
         raise ValueError("source, target: both must be single clouds (N, 3) or both batches "
                          f"(B, N, 3); got {pair.size} sources and one target")

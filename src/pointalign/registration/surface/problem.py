@@ -11,7 +11,7 @@ import torch
 
 from pointalign import transforms
 from pointalign.kernels import _loop
-from pointalign.registration import _edge
+from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.result import RegistrationResult
@@ -39,7 +39,7 @@ def _prepare(source: Any, target: Any, init: Any, device: Any, index: Any,
     becomes float32 (georeferenced coordinates keep their precision) and the tree is built
     there; an ``index`` was built in the caller's coordinates, which are then kept. The
     clouds' scales and the truncation distance are compared first
-    (:func:`pointalign.registration._edge.check_units`).
+    (:func:`pointalign.registration.checks.check_units`).
     """
     if index is not None and not isinstance(index, KDTreeIndex):
         raise TypeError(f"index: expected a KDTreeIndex over the target, "
@@ -52,7 +52,7 @@ def _prepare(source: Any, target: Any, init: Any, device: Any, index: Any,
                               local=index is None)
     if pair.batched:
         raise ValueError("source: expected one (N, 3) cloud, got a batch")
-    _edge.check_units(pair, max_correspondence_distance=max_correspondence_distance)
+    checks.check_units(pair, max_correspondence_distance=max_correspondence_distance)
     clock = _loop.Clock(dev)
     tree = index if index is not None else clock.stage(
         "tree", KDTreeIndex, pair.target[0], leaf_size=8)
