@@ -65,27 +65,31 @@ def _null_vector(a00, a01, a02, a11, a12, a22, lam):
     return vx * inv, vy * inv, vz * inv, nb
 
 
-def _pca_normals_kernel(pts_ptr, idx_ptr, ctr_ptr, vp_ptr, out_ptr, N, K,
-                        HAS_VP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NEWTON_STEPS: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < N
+@triton.jit
+def neighbour_scatter(pts_ptr, idx_ptr, rows, rmask, K, pid, BLOCK_N: tl.constexpr):
+    """Count, mean and scatter matrix of each row's neighbours, float64, in two passes.
+
+    ``idx (N, K)`` int64 rows of neighbour indices (-1: none) into ``pts (M, 3)``; returns
+    ``(cnt, mx, my, mz, a00, a01, a02, a11, a12, a22)``, each ``(BLOCK_N,)``: the scatter
+    ``Σ (p − m)(p − m)ᵀ`` about the mean (the covariance times cnt). The spec:
+    :func:`pointalign.kernels.features.reference.neighbour_covariances`. Shared by the
+    normals and GICP's covariances.
+    """
     zero = tl.zeros((BLOCK_N,), dtype=tl.float64)
     cnt = zero
     sx = zero
     sy = zero
     sz = zero
-    c = pid * 0
+    c = pid * 0  # a loop counter of the program id's type
     while c < K:
         j = tl.load(idx_ptr + rows * K + c, mask=rmask, other=-1)
         ok = j >= 0
         jj = tl.where(ok, j, 0)
         w = ok.to(tl.float64)
         cnt += w
-        sx += w * tl.load(pts_ptr + jj * 3 + 0, mask=rmask, other=0.0).to(tl.float64)
-        sy += w * tl.load(pts_ptr + jj * 3 + 1, mask=rmask, other=0.0).to(tl.float64)
-        sz += w * tl.load(pts_ptr + jj * 3 + 2, mask=rmask, other=0.0).to(tl.float64)
+        sx += w * tl.load(pts_ptr + jj * 3 + 0, mask=ok, other=0.0).to(tl.float64)
+        sy += w * tl.load(pts_ptr + jj * 3 + 1, mask=ok, other=0.0).to(tl.float64)
+        sz += w * tl.load(pts_ptr + jj * 3 + 2, mask=ok, other=0.0).to(tl.float64)
         c += 1
     cn = tl.maximum(cnt, 1.0)
     mx = sx / cn
@@ -97,15 +101,15 @@ def _pca_normals_kernel(pts_ptr, idx_ptr, ctr_ptr, vp_ptr, out_ptr, N, K,
     a11 = zero
     a12 = zero
     a22 = zero
-    c = pid * 0
+    c = pid * 0  # a loop counter of the program id's type
     while c < K:
         j = tl.load(idx_ptr + rows * K + c, mask=rmask, other=-1)
         ok = j >= 0
         jj = tl.where(ok, j, 0)
         w = ok.to(tl.float64)
-        dx = w * (tl.load(pts_ptr + jj * 3 + 0, mask=rmask, other=0.0).to(tl.float64) - mx)
-        dy = w * (tl.load(pts_ptr + jj * 3 + 1, mask=rmask, other=0.0).to(tl.float64) - my)
-        dz = w * (tl.load(pts_ptr + jj * 3 + 2, mask=rmask, other=0.0).to(tl.float64) - mz)
+        dx = w * (tl.load(pts_ptr + jj * 3 + 0, mask=ok, other=0.0).to(tl.float64) - mx)
+        dy = w * (tl.load(pts_ptr + jj * 3 + 1, mask=ok, other=0.0).to(tl.float64) - my)
+        dz = w * (tl.load(pts_ptr + jj * 3 + 2, mask=ok, other=0.0).to(tl.float64) - mz)
         a00 += dx * dx
         a01 += dx * dy
         a02 += dx * dz
@@ -113,6 +117,18 @@ def _pca_normals_kernel(pts_ptr, idx_ptr, ctr_ptr, vp_ptr, out_ptr, N, K,
         a12 += dy * dz
         a22 += dz * dz
         c += 1
+    return cnt, mx, my, mz, a00, a01, a02, a11, a12, a22
+
+
+def _pca_normals_kernel(pts_ptr, idx_ptr, ctr_ptr, vp_ptr, out_ptr, N, K,
+                        HAS_VP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        NEWTON_STEPS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rmask = rows < N
+    cnt, mx, my, mz, a00, a01, a02, a11, a12, a22 = neighbour_scatter(
+        pts_ptr, idx_ptr, rows, rmask, K, pid, BLOCK_N)
+    zero = tl.zeros((BLOCK_N,), dtype=tl.float64)
     # scale by the largest entry (the covariance's 1/k cancels here)
     s = tl.maximum(tl.maximum(tl.maximum(tl.abs(a00), tl.abs(a01)),
                               tl.maximum(tl.abs(a02), tl.abs(a11))),

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from pointalign import _math
 from pointalign.kernels import _tl_math as tm
-from pointalign.kernels.features.triton import _cross, _null_vector
+from pointalign.kernels.features.triton import _cross, _null_vector, neighbour_scatter
 from pointalign.kernels.gicp.reference import KERNELS, MIN_NEIGHBOURS, ROBUST_SCALE2, WIDTH
 from pointalign.kernels.normal_eq.triton import _SQUARINGS, _SWEEPS6, _solve_kernel
 
@@ -103,48 +103,9 @@ def _covariance_kernel(pts_ptr, idx_ptr, prm_ptr, out_ptr, N, K,
     # ε and the degeneracy ε in float64 from memory (float arguments would be float32)
     eps = tl.load(prm_ptr + 0)
     degeneracy = tl.load(prm_ptr + 1)
-    zero = tl.zeros((BLOCK_N,), dtype=tl.float64)
-    cnt = zero
-    sx = zero
-    sy = zero
-    sz = zero
-    c = pid * 0
-    while c < K:
-        j = tl.load(idx_ptr + rows * K + c, mask=rmask, other=-1)
-        ok = j >= 0
-        jj = tl.where(ok, j, 0)
-        w = ok.to(tl.float64)
-        cnt += w
-        sx += w * tl.load(pts_ptr + jj * 3 + 0, mask=ok, other=0.0).to(tl.float64)
-        sy += w * tl.load(pts_ptr + jj * 3 + 1, mask=ok, other=0.0).to(tl.float64)
-        sz += w * tl.load(pts_ptr + jj * 3 + 2, mask=ok, other=0.0).to(tl.float64)
-        c += 1
+    cnt, mx, my, mz, a00, a01, a02, a11, a12, a22 = neighbour_scatter(
+        pts_ptr, idx_ptr, rows, rmask, K, pid, BLOCK_N)
     cn = tl.maximum(cnt, 1.0)
-    mx = sx / cn
-    my = sy / cn
-    mz = sz / cn
-    a00 = zero
-    a01 = zero
-    a02 = zero
-    a11 = zero
-    a12 = zero
-    a22 = zero
-    c = pid * 0
-    while c < K:
-        j = tl.load(idx_ptr + rows * K + c, mask=rmask, other=-1)
-        ok = j >= 0
-        jj = tl.where(ok, j, 0)
-        w = ok.to(tl.float64)
-        dx = w * (tl.load(pts_ptr + jj * 3 + 0, mask=ok, other=0.0).to(tl.float64) - mx)
-        dy = w * (tl.load(pts_ptr + jj * 3 + 1, mask=ok, other=0.0).to(tl.float64) - my)
-        dz = w * (tl.load(pts_ptr + jj * 3 + 2, mask=ok, other=0.0).to(tl.float64) - mz)
-        a00 += dx * dx
-        a01 += dx * dy
-        a02 += dx * dz
-        a11 += dy * dy
-        a12 += dy * dz
-        a22 += dz * dz
-        c += 1
     a00 = a00 / cn
     a01 = a01 / cn
     a02 = a02 / cn
