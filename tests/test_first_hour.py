@@ -550,3 +550,15 @@ def test_composites_check_once(bunny_pair):
             icp(s * 1000, t, max_correspondence_distance=0.01, max_iterations=1)
         with pytest.raises(UnitsWarning):
             icp(s * 1000, t, max_correspondence_distance=0.01, max_iterations=1)
+
+
+@pytest.mark.parametrize("points, voxel, match", [
+    (np.zeros((0, 3)), 0.01, "points"),
+    (np.full((10, 3), np.nan), 0.01, "points"),
+    (np.zeros((10, 2)), 0.01, "points"),
+    (np.random.default_rng(0).random((50, 3)), 0.0, "voxel_size"),
+    (np.random.default_rng(0).random((50, 3)), float("nan"), "voxel_size"),
+])
+def test_preprocess_bad_input_names_the_argument(points, voxel, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        pa.preprocess(points, voxel)
