@@ -24,6 +24,7 @@ import torch
 
 from pointalign import _math, _validate
 from pointalign.registration.result import RegistrationResult
+from pointalign.search import policy
 
 
 class StopReason(str, enum.Enum):
@@ -338,7 +339,8 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
         pair: the prepared problem(s).
         T_local: ``(B, 4, 4)`` float64 final poses in the local frames.
         index: an Index over the target the method already holds (e.g. the surface methods'
-            k-d tree, in ``pair.target``'s coordinates); default: one chosen here.
+            k-d tree, in ``pair.target``'s coordinates), or one per problem; the search
+            policy decides whether it is queried (:func:`pointalign.search.policy.probe_index`).
         max_distance: correspondences farther apart are not counted (None or inf: every
             nearest neighbour counts).
 
@@ -351,7 +353,12 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
                                                        else pair.extent))
     d = max_distance if max_distance is not None and np.isfinite(max_distance) \
         and max_distance > 0 else 1e6 * max(scale, 1e-30)
-    idxs = _icp._indexes(pair, index, d)
+    n = 1 if pair.shared_target else pair.size
+    own = list(index) if isinstance(index, (list, tuple)) else [index] * n
+    with _validate.trusted():  # the prepared targets were checked
+        built = [policy.probe_index(pair.target[b, : pair.target_counts[b]], index=own[b])
+                 for b in range(n)]
+    idxs = tuple(built * pair.size if n == 1 else built)
     # (point-to-point: the sums of a final step are not read, the sample is measured)
     return _icp.stability(pair, idxs, np.asarray(T_local, dtype=np.float64),
                           np.zeros((pair.size, 30)), False, d)

@@ -102,14 +102,14 @@ def _finish(prob: _Problem, T: np.ndarray, fit: float, rmse: float, it: int,
             ) -> RegistrationResult:
     """Build the result; a pose the data do not determine is "ambiguous" (build_result).
 
-    The stability is measured on the final nearest-neighbour correspondences through the
-    index :mod:`pointalign.search.policy` chooses for the target (not the method's own
-    k-d tree: on the CPU its queries took 0.5 s on a 70k-point LiDAR target, SciPy's tree a
-    few ms; :func:`pointalign.registration._edge.measured_stability`): the distance
+    The stability is measured on the final nearest-neighbour correspondences, through the
+    method's own k-d tree where the search policy says it serves
+    (:func:`pointalign.search.policy.probe_index`: on a device; in host memory SciPy's
+    tree; :func:`pointalign.registration._edge.measured_stability`): the distance
     map of a sphere or a plane is as small at a turned or slid pose as at the true one, so
     "no_decrease" there is no answer.
     """
-    stab = _edge.measured_stability(prob.pair, T[None],
+    stab = _edge.measured_stability(prob.pair, T[None], index=prob.tree,
                                     max_distance=info.get("max_correspondence_distance"))
     return _edge.build_result(prob.pair, T[None], fitness=np.array([fit]),
                               rmse=np.array([rmse]), iterations=np.array([it]),
