@@ -356,8 +356,8 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
     n = 1 if pair.shared_target else pair.size
     own = list(index) if isinstance(index, (list, tuple)) else [index] * n
     with _validate.trusted():  # the prepared targets were checked
-        built = [policy.probe_index(pair.target[b, : pair.target_counts[b]], index=own[b])
-                 for b in range(n)]
+        built = [policy.probe_index(pair.target[b, : pair.target_counts[b]],
+                                    _icp.STABILITY_SAMPLE, index=own[b]) for b in range(n)]
     idxs = tuple(built * pair.size if n == 1 else built)
     # (point-to-point: the sums of a final step are not read, the sample is measured)
     return _icp.stability(pair, idxs, np.asarray(T_local, dtype=np.float64),

@@ -36,6 +36,10 @@ knob                       value  rule (and where it was measured)
                                   H100, bunny 40k: grid 1 cm 0.60 -> 0.84 ms per iteration
                                   with tiers (so none there); k-d tree 5 cm 2.9 -> 2.2
                                   without hints (the hinted tree does better still)
+``PROBE_BRUTE_MAX_PAIRS``  2^28   :func:`probe_index` (a few thousand queries, once) searches
+                                  by brute force while queries x points stay below this
+                                  (2,048 queries: targets up to 131k points); above, the
+                                  k-d tree (H200: its build over 40k points 10 ms)
 ``SPATIAL_ORDER_MIN``      8192   :func:`query_order` sorts queries along a Morton curve
                                   from this many on; below, the search is too small for the
                                   order to matter and the ~40 launches of the sort would not
@@ -64,6 +68,7 @@ AUTO_BRUTE_MAX_POINTS = 20_000
 TIER_BASE = 2.0
 TIERS = 2
 SPATIAL_ORDER_MIN = 8192
+PROBE_BRUTE_MAX_PAIRS = 1 << 28
 
 #: a query answered by a tier is moved this far away for the next stages, which every index
 #: rejects at once (shapes stay static: no compaction, no synchronisation)
@@ -166,16 +171,17 @@ def _choose(pts: torch.Tensor, distance: float | None, **kw: Any) -> Index:
     return VoxelGridIndex(pts, distance, **kw)
 
 
-def probe_index(points: torch.Tensor, *, index: Index | None = None) -> Index:
-    """Return the index for a few thousand queries over checked ``points (M, 3)``.
+def probe_index(points: torch.Tensor, queries: int, *, index: Index | None = None) -> Index:
+    """Return the index for ``queries`` (a few thousand) queries over checked ``points (M, 3)``.
 
     A final pose's stability sample (:func:`pointalign.registration._edge.measured_stability`)
     asks ~2,000 nearest neighbours and ~2,000 k-NN once, so no build should cost more than
     those queries. In host memory: SciPy's cKDTree (a build of ms; a method's own tree there
     is a PyTorch traversal, 0.5 s for the sample on a 70k-point LiDAR target). On a device:
     the method's own ``index`` when it holds one over these points, else brute force up to
-    ``AUTO_BRUTE_MAX_POINTS`` points (no build; a voxel grid's build and its cell-size
-    measurement cost 7 ms of launches and synchronisations on an H200 at 5k points), else
+    ``PROBE_BRUTE_MAX_PAIRS`` query-point pairs (no build: a voxel grid's build and its
+    cell-size measurement cost 7 ms of launches and synchronisations on an H200 at 5k points,
+    a k-d tree's 10 ms at 40k, where 2,048 brute-force queries take well under 1 ms), else
     the k-d tree.
     """
     plan = search_plan(points)
@@ -185,7 +191,7 @@ def probe_index(points: torch.Tensor, *, index: Index | None = None) -> Index:
         return index if isinstance(index, CKDTreeIndex) else CKDTreeIndex(points)
     if index is not None:
         return index
-    if points.shape[0] <= AUTO_BRUTE_MAX_POINTS:
+    if points.shape[0] * queries <= PROBE_BRUTE_MAX_PAIRS:
         return BruteForceIndex(points)
     return _choose(points, None)
 
