@@ -127,6 +127,26 @@ def test_choose_index_with_a_device_plan(rng, monkeypatch):
     assert_knn_matches(choose_index(big).nearest_within(q, 0.05), q, big, 1, max_distance=0.05)
 
 
+def test_probe_index_rule(rng, monkeypatch):
+    """A few queries once: cKDTree on the host, else the method's own index, brute force while
+    queries x points are few, the k-d tree above; every choice answers exactly."""
+    small, big = _plane(400, rng), _plane(900, rng)
+    host = policy.probe_index(small, 100)
+    assert type(host).__name__ == "CKDTreeIndex"
+    assert policy.probe_index(small, 100, index=host) is host
+    own = BruteForceIndex(small)  # the host's tree is preferred to a method's own index
+    assert type(policy.probe_index(small, 100, index=own)).__name__ == "CKDTreeIndex"
+    monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE)
+    monkeypatch.setattr(policy, "PROBE_BRUTE_MAX_PAIRS", 100 * 500)
+    monkeypatch.setattr(policy, "AUTO_BRUTE_MAX_POINTS", 500)  # above: choose_index's rule
+    assert policy.probe_index(big, 100, index=own) is own
+    assert isinstance(policy.probe_index(small, 100), BruteForceIndex)
+    ix = policy.probe_index(big, 100)
+    assert type(ix).__name__ == "KDTreeIndex"
+    q = big[:50] + 0.001
+    assert_knn_matches(ix.knn(q, 4), q, big, 4)
+
+
 # --- correspondence_index --------------------------------------------------------------------
 
 def test_correspondence_index_on_the_cpu_is_the_index(rng):
