@@ -21,6 +21,8 @@ from pointalign.cloud import PointCloud
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.icp import icp
 from pointalign.search import build_index
+from pointalign.search.packed import PackedIndex
+from pointalign.search.policy import choose_index
 from tests._backends import backends
 from tests._interpreted import interpreted_fixture
 
@@ -543,7 +545,10 @@ def test_batched_stability_matches_per_problem(bunny, seed, shared, backend):
     got = icp_module.stability(pair, idxs, T, np.zeros((pair.size, 30)), False, 0.02)
     np.testing.assert_array_equal(got, stab)
     for b in range(pair.size):
-        ref, q = _point_information_per_problem(pair, b, idxs[b], T[b], 0.02)
+        own = idxs[b]
+        if isinstance(own, PackedIndex):  # a device batch shares one index: build b's own
+            own = choose_index(pair.target[b, : pair.target_counts[b]], max_distance=0.02)
+        ref, q = _point_information_per_problem(pair, b, own, T[b], 0.02)
         Tf = torch.from_numpy(T).to(device=pair.source.device, dtype=torch.float32)
         rows = icp_module._stability_sample(pair.source_counts, pair.source.device)[0][b]
         rows = rows[: q.shape[0]]

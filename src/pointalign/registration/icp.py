@@ -354,6 +354,11 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray 
 def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
     """Return the correspondence search of each problem: built here, or the caller's index."""
     B = pair.size
+    if index is None and not pair.shared_target and B > 1:
+        packed = policy.choose_batch_index(pair.target, pair.target_counts,
+                                           max_distance=max_distance)
+        if packed is not None:  # the whole batch in one index (search/packed.py)
+            return (packed,) * B
     if index is None:
         n = 1 if pair.shared_target else B
         built = [policy.choose_index(pair.target[b, : pair.target_counts[b]],
