@@ -27,11 +27,13 @@ BIG_HOST = 3.0e38  # stands for +inf inside the kernel
 BIG = tl.constexpr(BIG_HOST)
 
 
-@triton.jit(do_not_specialize=("n_query", "first_leaf"))  # one compilation for every size
+# one compilation for every size and tree depth: the sizes, the first leaf and the stack's
+# stride are run-time values, the leaf loop's bound a power of two (LMAX)
+@triton.jit(do_not_specialize=("n_query", "first_leaf", "stack"))
 def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, end_ptr,
                 stack_ptr, hint_ptr, perm_ptr, inv_ptr, out_d_ptr, out_i_ptr, n_query,
-                first_leaf, max_d2,
-                K: tl.constexpr, KP: tl.constexpr, LMAX: tl.constexpr, STACK: tl.constexpr,
+                first_leaf, max_d2, stack,
+                K: tl.constexpr, KP: tl.constexpr, LMAX: tl.constexpr,
                 APPROX: tl.constexpr, HAS_HINT: tl.constexpr, MAP: tl.constexpr,
                 BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -57,7 +59,7 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
         use = (hm & (hd <= max_d2))[:, None] & (cols[None, :] == 0)
         best_d = tl.where(use, hd[:, None], best_d)
         best_i = tl.where(use, h[:, None], best_i)
-    sbase = offs * STACK
+    sbase = offs * stack
     tl.store(stack_ptr + sbase, tl.zeros((BLOCK,), dtype=tl.int32), mask=qmask)
     sp = qmask.to(tl.int32)
     while tl.max(sp, axis=0) > 0:
@@ -157,8 +159,8 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
             q[s:e], tree.points, tree.lo, tree.hi, tree.split_axis, tree.split_value,
             tree.start, tree.end, stack, out_i[s:e] if hint_c is None else hint_c[s:e],
             tree.perm if ids is None else ids[0], tree.perm if ids is None else ids[1],
-            out_d[s:e], out_i[s:e], e - s, tree.first_leaf, md2,
-            K=k, KP=kp, LMAX=tree.max_leaf_size, STACK=tree.depth + 2,
+            out_d[s:e], out_i[s:e], e - s, tree.first_leaf, md2, tree.depth + 2,
+            K=k, KP=kp, LMAX=triton.next_power_of_2(max(1, tree.max_leaf_size)),
             APPROX=bool(approximate), HAS_HINT=hint is not None, MAP=ids is not None,
             BLOCK=block, num_warps=max(1, block // 32),
         )
