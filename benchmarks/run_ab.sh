@@ -13,7 +13,10 @@ for rep in 1 2; do for lab in before after; do
   if [ $lab = before ]; then SRC=$BASE/src; else SRC=src; fi
   PYTHONPATH="$PWD/$SRC:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --label $lab --out "$OUT/${lab}_$rep.json"
 done; done
-PYTHONPATH="$PWD/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --compare "$OUT"/before_*.json "$OUT"/after_*.json --topic "$TOPIC" --base "$BASE_NAME" --title "${TITLE:-}" --notes "${NOTES:-}"
+if [ -n "${WITHOUT_CHECK:-}" ]; then  # one more 'after' run with the measured stability off
+  PYTHONPATH="$PWD/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --label after-without-check --without-check --out "$OUT/nocheck_1.json"
+fi
+PYTHONPATH="$PWD/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --compare "$OUT"/before_*.json "$OUT"/after_*.json $(ls "$OUT"/nocheck_*.json 2>/dev/null) --topic "$TOPIC" --base "$BASE_NAME" --title "${TITLE:-}" --notes "${NOTES:-}"
 if [ -n "${EXTRA_BASE:-}" ]; then
   mkdir -p "$OUT/extra"
   PYTHONPATH="$PWD/$EXTRA_BASE/src:${PYTHONPATH:-}" python3 benchmarks/bench_ab.py --label before --out "$OUT/extra/before_1.json"
