@@ -111,38 +111,151 @@ def bench_register_many(rec: Recorder, pairs, dev: str, chunk: int) -> None:
 
 
 def _gpu_cluster(n: int):
+    """One worker process per GPU: worker i sees only GPU i (``CUDA_VISIBLE_DEVICES=i``).
+
+    ``LocalCluster`` gives every worker the same environment; a ``SpecCluster`` of nannies
+    sets each worker's own before its process starts (before CUDA initialises).
+    """
     from distributed import Nanny, Scheduler, SpecCluster
 
+    env = {"OMP_NUM_THREADS": "1"}
     workers = {f"gpu{i}": {"cls": Nanny, "options": {
-        "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(i)}}} for i in range(n)}
+        "nthreads": 1, "env": dict(env, CUDA_VISIBLE_DEVICES=str(i)),
+        "dashboard_address": None}} for i in range(n)}
     return SpecCluster(scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
                        workers=workers)
 
 
-def bench_dask(rec: Recorder, pairs, workers: list[int], chunk: int, gpu: bool) -> None:
+def _cpu_cluster(n: int):
+    """``n`` CPU worker processes, one thread each (numba and PyTorch on one thread too)."""
     import distributed
 
+    return distributed.LocalCluster(
+        n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
+        worker_dashboard_address=None,
+        env={"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+             "POINTALIGN_NUM_THREADS": "1"})
+
+
+def _noop(x):
+    return x
+
+
+def _touch(chunk):
+    """A task that receives a chunk of pairs and does nothing with them (transfer cost)."""
+    return len(chunk)
+
+
+def _icp_chunk(chunk):
+    """Batched point-to-point ICP of a chunk of pairs on the worker's default device."""
+    from pointalign import _validate
+
+    dev = _validate.default_device()
+    src = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(p.source) for p in chunk],
+                                          batch_first=True).to(dev)
+    tgt = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(p.target) for p in chunk],
+                                          batch_first=True).to(dev)
+    sl = torch.tensor([p.source.shape[0] for p in chunk], device=dev)
+    tl = torch.tensor([p.target.shape[0] for p in chunk], device=dev)
+    res = icp(src, tgt, source_lengths=sl, target_lengths=tl,
+              max_correspondence_distance=0.02, device=dev)
+    return np.asarray(res.transformation).reshape(len(chunk), 4, 4)
+
+
+def _warm(pairs):
+    """Warm one worker (imports, numba cache or Triton compiles); say what device it has."""
+    from pointalign import _validate
+
+    register_many(pairs, chunk_size=len(pairs), progress=False)
+    _icp_chunk(pairs)
+    dev = _validate.default_device()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return {"pid": os.getpid(), "device": str(dev), "name": name,
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _chunks(pairs, chunk: int):
+    return [pairs[lo:lo + chunk] for lo in range(0, len(pairs), chunk)]
+
+
+def _nbytes(chunk) -> int:
+    return int(sum(p.source.numel() * p.source.element_size()
+                   + p.target.numel() * p.target.element_size() for p in chunk))
+
+
+def bench_single(rec: Recorder, pairs, dev: str, chunk: int, label: str) -> None:
+    """The same pairs and chunks in this process (the Dask rows' baseline)."""
+    register_many(pairs[:2], device=dev, chunk_size=chunk, progress=False)  # warm-up
+    _icp_chunk(pairs[:2])
+    _sync()
+    t = time.perf_counter()
+    Ts = np.concatenate([_icp_chunk(c) for c in _chunks(pairs, chunk)])
+    _sync()
+    wall = time.perf_counter() - t
+    rec.add("dask", stage="icp batched", run=f"single process {label}", workers=1,
+            pairs=len(pairs), chunk=chunk, wall_s=wall, pairs_per_s=len(pairs) / wall,
+            ok=_ok(Ts, pairs, 1.0))
+    t = time.perf_counter()
+    res = register_many(pairs, device=dev, chunk_size=chunk, progress=False)
+    _sync()
+    wall = time.perf_counter() - t
+    rec.add("dask", stage="register_many", run=f"single process {label}", workers=1,
+            pairs=len(pairs), chunk=chunk, wall_s=wall, pairs_per_s=len(pairs) / wall,
+            ok=_ok(res.transformations, pairs),
+            compute_s=float(sum(r["total_s"] for r in res.rows)))
+
+
+def bench_dask(rec: Recorder, pairs, workers: list[int], chunk: int, gpu: bool,
+               empty_tasks: int = 200) -> None:
+    """register_many and batched ICP on a local cluster of W workers, W in ``workers``.
+
+    Per cluster: the round trip of one empty task (median of 20), the scheduler's cost per
+    task (``empty_tasks`` no-op tasks submitted at once: wall / tasks), the cost of
+    shipping a chunk of pairs to a worker (a task that only receives one chunk: wall /
+    tasks), then batched ICP and register_many on the pairs in chunks of ``chunk``.
+    """
+    import distributed
+
+    kind = "gpu" if gpu else "cpu"
     for w in workers:
-        if gpu:
-            cluster = _gpu_cluster(w)
-        else:
-            cluster = distributed.LocalCluster(
-                n_workers=w, threads_per_worker=1, processes=True, dashboard_address=None,
-                env={"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+        cluster = _gpu_cluster(w) if gpu else _cpu_cluster(w)
         with cluster, distributed.Client(cluster) as client:
             client.wait_for_workers(w)
-            # warm-up: every worker imports, compiles (numba from its cache) and runs a chunk
-            register_many(pairs[: w * chunk], client=client, chunk_size=chunk, progress=False)
+            addrs = sorted(client.scheduler_info()["workers"])
+            # warm-up on every worker (each its own task, pinned to it)
+            info = client.gather([client.submit(_warm, pairs[:2], workers=[a], pure=False,
+                                                allow_other_workers=False) for a in addrs])
+            rt = []
+            for _ in range(20):
+                t = time.perf_counter()
+                client.submit(_noop, 0, pure=False).result()
+                rt.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            client.gather(client.map(_noop, range(empty_tasks), pure=False))
+            empty_ms = (time.perf_counter() - t) / empty_tasks * 1e3
+            parts = _chunks(pairs, chunk)
+            t = time.perf_counter()
+            client.gather([client.submit(_touch, c, pure=False) for c in parts])
+            ship_ms = (time.perf_counter() - t) / len(parts) * 1e3
+            common = dict(run=f"dask {kind} x{w}", workers=w, pairs=len(pairs), chunk=chunk,
+                          tasks=len(parts), roundtrip_ms=float(np.median(rt)) * 1e3,
+                          empty_task_ms=empty_ms, ship_chunk_ms=ship_ms,
+                          chunk_mb=_nbytes(parts[0]) / 1e6)
+            t = time.perf_counter()
+            Ts = np.concatenate(client.gather([client.submit(_icp_chunk, c, pure=False)
+                                               for c in parts]))
+            wall = time.perf_counter() - t
+            rec.add("dask", stage="icp batched", wall_s=wall, pairs_per_s=len(pairs) / wall,
+                    ok=_ok(Ts, pairs, 1.0), **common)
             t = time.perf_counter()
             res = register_many(pairs, client=client, chunk_size=chunk, progress=False)
             wall = time.perf_counter() - t
-        tasks = -(-len(pairs) // chunk)
         compute = sum(r["total_s"] for r in res.rows)
-        rec.add("throughput", stage=f"dask {'gpu' if gpu else 'cpu'} x{w}", workers=w,
-                pairs=len(pairs), wall_s=wall, pairs_per_s=len(pairs) / wall,
-                ok=_ok(res.transformations, pairs),
-                per_task_ms=max(0.0, wall - compute / w) / tasks * 1e3,
-                note=f"{tasks} tasks of {chunk} pairs")
+        rec.add("dask", stage="register_many", wall_s=wall, pairs_per_s=len(pairs) / wall,
+                ok=_ok(res.transformations, pairs), compute_s=compute,
+                per_task_ms=max(0.0, wall - compute / w) / len(parts) * 1e3,
+                devices=[f"{i['name']} (CUDA_VISIBLE_DEVICES={i['CUDA_VISIBLE_DEVICES']})"
+                         for i in info], **common)
 
 
 def bench_multiway(rec: Recorder, dev: str, points: int | None) -> None:
@@ -192,10 +305,15 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=None, help="pairs (default 1000, quick 12)")
     p.add_argument("--points", type=int, default=None, help="points per cloud (2000; 500)")
     p.add_argument("--chunk", type=int, default=None, help="pairs per chunk/task")
-    p.add_argument("--workers", type=int, nargs="*", default=None, help="Dask CPU workers")
-    p.add_argument("--gpus", type=int, nargs="*", default=None, help="Dask GPU workers")
+    p.add_argument("--workers", type=int, nargs="*", default=None,
+                   help="Dask CPU worker counts (default 1 2 4; quick 1 2)")
+    p.add_argument("--gpus", type=int, nargs="*", default=None,
+                   help="Dask GPU worker counts, one worker per GPU (default 1 2)")
     p.add_argument("--only", nargs="*", default=None,
-                   help="icp register_many dask multiway")
+                   help="icp register_many dask dask_gpu multiway (default: icp "
+                        "register_many dask multiway; dask_gpu only when asked)")
+    p.add_argument("--out", default="many",
+                   help="results topic: benchmarks/results/<out>-<device>.json")
     args = p.parse_args()
     dev = args.device
     quick = args.quick
@@ -204,27 +322,31 @@ def main() -> None:
     cuda = torch.device(dev).type == "cuda"
     chunk = args.chunk or (256 if cuda else (2 if quick else 8))
     workers = args.workers if args.workers is not None else ([1, 2] if quick else [1, 2, 4])
-    gpus = args.gpus if args.gpus is not None else \
-        ([1, 2] if cuda and torch.cuda.device_count() >= 2 else [])
+    gpus = args.gpus if args.gpus is not None else [1, 2]
     only = set(args.only or ["icp", "register_many", "dask", "multiway"])
-    rec = Recorder("many", dev, title="Many pairs and many scans (issue 25)",
+    rec = Recorder(args.out, dev, title="Many pairs and many scans (issue 25)",
                    notes=__doc__.split("\n\n")[1])
     pairs = make_pairs(n, pts)
     if "icp" in only:
         bench_icp(rec, pairs, dev)
     if "register_many" in only:
         bench_register_many(rec, pairs, dev, chunk)
-    if "dask" in only:
+    if only & {"dask", "dask_gpu"}:
         try:
             import distributed  # noqa: F401
         except ImportError:
-            print("# dask: distributed is not installed; skipped")
-        else:
-            if workers:
-                bench_dask(rec, pairs if not cuda else pairs[: max(64, n // 10)], workers,
-                           2 if quick else 8, gpu=False)
-            if gpus:
-                bench_dask(rec, pairs, gpus, chunk, gpu=True)
+            sys.exit("bench_many: --only dask needs distributed (pip install distributed)")
+    if "dask" in only and workers:
+        cpu_pairs = pairs if not cuda else pairs[: max(64, n // 10)]
+        cpu_chunk = args.chunk or (2 if quick else 8)
+        bench_single(rec, cpu_pairs, "cpu", cpu_chunk, "cpu")
+        bench_dask(rec, cpu_pairs, workers, cpu_chunk, gpu=False)
+    if "dask_gpu" in only:
+        if not cuda or torch.cuda.device_count() < max(gpus):
+            sys.exit(f"bench_many: dask_gpu needs {max(gpus)} GPUs, found "
+                     f"{torch.cuda.device_count()}")
+        bench_single(rec, pairs, dev, chunk, "gpu")
+        bench_dask(rec, pairs, gpus, chunk, gpu=True)
     if "multiway" in only:
         bench_multiway(rec, dev, 3000 if quick else None)
     rec.save()
