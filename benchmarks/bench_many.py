@@ -27,6 +27,7 @@ samples of the scans (a CPU smoke run).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -123,7 +124,7 @@ def _gpu_cluster(n: int):
         "nthreads": 1, "env": dict(env, CUDA_VISIBLE_DEVICES=str(i)),
         "dashboard_address": None}} for i in range(n)}
     return SpecCluster(scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
-                       workers=workers)
+                       workers=workers, silence_logs=logging.ERROR)
 
 
 def _cpu_cluster(n: int):
@@ -185,8 +186,9 @@ def _nbytes(chunk) -> int:
 
 def bench_single(rec: Recorder, pairs, dev: str, chunk: int, label: str) -> None:
     """The same pairs and chunks in this process (the Dask rows' baseline)."""
-    register_many(pairs[:2], device=dev, chunk_size=chunk, progress=False)  # warm-up
-    _icp_chunk(pairs[:2])
+    # warm-up on one whole chunk: compiles, caches, CUDA graphs of the chunk's shapes
+    register_many(pairs[:chunk], device=dev, chunk_size=chunk, progress=False)
+    _icp_chunk(pairs[:chunk])
     _sync()
     t = time.perf_counter()
     Ts = np.concatenate([_icp_chunk(c) for c in _chunks(pairs, chunk)])
@@ -223,7 +225,7 @@ def bench_dask(rec: Recorder, pairs, workers: list[int], chunk: int, gpu: bool,
             client.wait_for_workers(w)
             addrs = sorted(client.scheduler_info()["workers"])
             # warm-up on every worker (each its own task, pinned to it)
-            info = client.gather([client.submit(_warm, pairs[:2], workers=[a], pure=False,
+            info = client.gather([client.submit(_warm, pairs[:chunk], workers=[a], pure=False,
                                                 allow_other_workers=False) for a in addrs])
             rt = []
             for _ in range(20):
