@@ -10,19 +10,31 @@ Tables (``benchmarks/results/many-<device>.json``):
     batched) on one device; ``ok``: within 0.5° and 2 mm;
   - ``register one by one``: :func:`register` per pair (a sample of the pairs), the
     baseline;
-  - ``dask cpu xW``: ``register_many(client=...)`` on a local cluster of W worker processes
-    (one thread each), chunks of ``--chunk`` pairs; ``per_task_ms``: (wall − the chunks'
-    own compute / W) / tasks, the scheduling and transfer overhead per task;
-  - ``dask gpu xG``: one worker per GPU (``CUDA_VISIBLE_DEVICES`` per worker), G = 1, 2.
+* ``dask``: the same pairs (on a GPU machine, for CPU workers, the first max(64, N/10))
+  in chunks of ``--chunk`` pairs:
+  - ``single process cpu|gpu``: batched ICP chunk by chunk, and ``register_many``, in
+    this process (the baseline);
+  - ``dask cpu xW``: a ``LocalCluster`` of W worker processes, one thread each (numba,
+    PyTorch too); ``dask gpu xG`` (``--only dask_gpu``): one worker process per GPU, worker
+    i started with ``CUDA_VISIBLE_DEVICES=i`` (``devices`` says what each worker saw);
+  - per cluster: ``roundtrip_ms`` (one empty task submitted and awaited, median of 20),
+    ``empty_task_ms`` (200 no-op tasks at once: wall / tasks, the scheduler's cost per
+    task), ``ship_chunk_ms`` (a task that only receives one chunk of pairs: wall / tasks;
+    ``chunk_mb`` its size), batched ICP (``icp batched``) and ``register_many`` on the
+    cluster, ``per_task_ms``: (wall − the chunks' own compute / W) / tasks.
 * ``multiway``: the ten Stanford bunny scans (shared data) through :func:`multiway`: each
   scan's pose error against bun.conf, the kept edges, the time per stage, and the merged
   model's spread: for each scan moved by its pose, the median distance of its points to
   the nearest point of the other scans (within 2 mm), the median over scans, in mm.
 
 ``--quick``: 12 pairs of 500 points, Dask with 1 and 2 workers, multiway on 3,000-point
-samples of the scans (a CPU smoke run).
+samples of the scans (a CPU smoke run). The multiway comparison with Open3D is
+``bench_multiway.py``.
 
     python benchmarks/bench_many.py --device cpu --quick
+    python benchmarks/bench_many.py --device cpu --only dask --pairs 96 --out many_dask
+    python benchmarks/bench_many.py --device cuda --only dask_gpu --pairs 1000 --gpus 1 2 \
+        --out many_gpus                                    # a machine with two GPUs
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def run_ours(rec: Recorder, scans, truth, dev: str, points: int | None,
     with _threads.threads(threads):
         res = multiway(x, device=dev, **kw)
     wall = time.perf_counter() - t
-    record(rec, "pointalign", res.poses, truth, scans, wall, device=dev,
+    record(rec, "pointalign" + (f" ({threads} thread{'s' * (threads > 1)})" if threads else ""),
+           res.poses, truth, scans, wall, device=dev,
            cpu_threads=threads or _threads.get_num_threads(),
            voxel_mm=res.voxel_size * 1e3, solver=res.solver, edges=len(res.edges),
            kept=sum(e["kept"] for e in res.edges),
@@ -203,8 +204,9 @@ def main() -> None:
     p = parse_args(__doc__.splitlines()[0])
     p.add_argument("--points", type=int, default=None,
                    help="random sample per scan for ours (default: every point; quick 4000)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for ours (default: pointalign's setting, all cores)")
+    p.add_argument("--threads", type=int, nargs="*", default=None,
+                   help="CPU thread counts for ours, one run each (0: pointalign's setting, "
+                        "all cores; default 0)")
     p.add_argument("--only", nargs="*", default=None,
                    help="ours open3d open3d_ransac (default: all)")
     args = p.parse_args()
@@ -220,8 +222,9 @@ def main() -> None:
     rec.add("multiway", method="bun.conf (truth)", scan="all", rotation_deg=0.0,
             translation_mm=0.0, spread_mm=sp, within_2mm=within)
     if "ours" in only:
-        run_ours(rec, scans, truth, args.device, args.points or (4000 if args.quick else None),
-                 args.threads)
+        for n in args.threads or [0]:
+            run_ours(rec, scans, truth, args.device,
+                     args.points or (4000 if args.quick else None), n or None)
     if "open3d" in only:
         run_open3d(rec, scans, truth, False, threads)
     if "open3d_ransac" in only:
