@@ -196,37 +196,60 @@ def _nbytes(chunk) -> int:
                    + p.target.numel() * p.target.element_size() for p in chunk))
 
 
-def bench_single(rec: Recorder, pairs, dev: str, chunk: int, label: str) -> None:
-    """The same pairs and chunks in this process (the Dask rows' baseline)."""
+def _median_runs(fn, repeat: int):
+    """Run ``fn`` ``repeat`` times; return (median wall s, all walls, the last result)."""
+    walls, out = [], None
+    for _ in range(repeat):
+        _sync()
+        t = time.perf_counter()
+        out = fn()
+        _sync()
+        walls.append(time.perf_counter() - t)
+    return float(np.median(walls)), [round(w, 3) for w in walls], out
+
+
+def bench_single(rec: Recorder, pairs, dev: str, chunk: int, label: str,
+                 repeat: int) -> None:
+    """The same pairs and chunks in this process (the Dask rows' baseline).
+
+    Batched ICP twice on the CPU: with pointalign's thread setting (all cores, what a
+    user's process gets) and on one thread (what each CPU worker runs).
+    """
+    from pointalign import _threads
+
     # warm-up on one whole chunk: compiles, caches, CUDA graphs of the chunk's shapes
     register_many(pairs[:chunk], device=dev, chunk_size=chunk, progress=False)
     _icp_chunk(pairs[:chunk])
-    _sync()
-    t = time.perf_counter()
-    Ts = np.concatenate([_icp_chunk(c) for c in _chunks(pairs, chunk)])
-    _sync()
-    wall = time.perf_counter() - t
-    rec.add("dask", stage="icp batched", run=f"single process {label}", workers=1,
-            pairs=len(pairs), chunk=chunk, wall_s=wall, pairs_per_s=len(pairs) / wall,
-            ok=_ok(Ts, pairs, 1.0))
-    t = time.perf_counter()
-    res = register_many(pairs, device=dev, chunk_size=chunk, progress=False)
-    _sync()
-    wall = time.perf_counter() - t
+    runs = [None] if label == "gpu" else [None, 1]
+    for n in runs:
+        def run(n=n):
+            with _threads.threads(n):
+                return np.concatenate([_icp_chunk(c) for c in _chunks(pairs, chunk)])
+
+        wall, walls, Ts = _median_runs(run, repeat)
+        rec.add("dask", stage="icp batched", run=f"single process {label}", workers=1,
+                threads=n or _threads.get_num_threads(), pairs=len(pairs), chunk=chunk,
+                wall_s=wall, walls=walls, pairs_per_s=len(pairs) / wall,
+                ok=_ok(Ts, pairs, 1.0))
+    wall, walls, res = _median_runs(
+        lambda: register_many(pairs, device=dev, chunk_size=chunk, progress=False), repeat)
     rec.add("dask", stage="register_many", run=f"single process {label}", workers=1,
-            pairs=len(pairs), chunk=chunk, wall_s=wall, pairs_per_s=len(pairs) / wall,
-            ok=_ok(res.transformations, pairs),
-            compute_s=float(sum(r["total_s"] for r in res.rows)))
+            pairs=len(pairs), chunk=chunk, wall_s=wall, walls=walls,
+            pairs_per_s=len(pairs) / wall, ok=_ok(res.transformations, pairs),
+            compute_s=float(sum(r["total_s"] for r in res.rows)),
+            note="CPU: pairs of <= SERIAL_POINTS points on one thread" if label == "cpu"
+            else "")
 
 
 def bench_dask(rec: Recorder, pairs, workers: list[int], chunk: int, gpu: bool,
-               empty_tasks: int = 200) -> None:
+               empty_tasks: int = 200, repeat: int = 1) -> None:
     """register_many and batched ICP on a local cluster of W workers, W in ``workers``.
 
     Per cluster: the round trip of one empty task (median of 20), the scheduler's cost per
     task (``empty_tasks`` no-op tasks submitted at once: wall / tasks), the cost of
     shipping a chunk of pairs to a worker (a task that only receives one chunk: wall /
-    tasks), then batched ICP and register_many on the pairs in chunks of ``chunk``.
+    tasks, median of ``repeat``), then batched ICP and register_many on the pairs in
+    chunks of ``chunk`` (median of ``repeat`` runs).
     """
     import distributed
 
@@ -244,29 +267,31 @@ def bench_dask(rec: Recorder, pairs, workers: list[int], chunk: int, gpu: bool,
                 t = time.perf_counter()
                 client.submit(_noop, 0, pure=False).result()
                 rt.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            client.gather(client.map(_noop, range(empty_tasks), pure=False))
-            empty_ms = (time.perf_counter() - t) / empty_tasks * 1e3
+            empty = []
+            for _ in range(max(repeat, 3)):
+                t = time.perf_counter()
+                client.gather(client.map(_noop, range(empty_tasks), pure=False))
+                empty.append((time.perf_counter() - t) / empty_tasks * 1e3)
             parts = _chunks(pairs, chunk)
-            t = time.perf_counter()
-            client.gather([client.submit(_touch, c, pure=False) for c in parts])
-            ship_ms = (time.perf_counter() - t) / len(parts) * 1e3
+            ship, _, _ = _median_runs(
+                lambda parts=parts: client.gather([client.submit(_touch, c, pure=False)
+                                                   for c in parts]),
+                max(repeat, 3))
             common = dict(run=f"dask {kind} x{w}", workers=w, pairs=len(pairs), chunk=chunk,
                           tasks=len(parts), roundtrip_ms=float(np.median(rt)) * 1e3,
-                          empty_task_ms=empty_ms, ship_chunk_ms=ship_ms,
+                          empty_task_ms=float(np.median(empty)),
+                          ship_chunk_ms=ship / len(parts) * 1e3,
                           chunk_mb=_nbytes(parts[0]) / 1e6)
-            t = time.perf_counter()
-            Ts = np.concatenate(client.gather([client.submit(_icp_chunk, c, pure=False)
-                                               for c in parts]))
-            wall = time.perf_counter() - t
-            rec.add("dask", stage="icp batched", wall_s=wall, pairs_per_s=len(pairs) / wall,
-                    ok=_ok(Ts, pairs, 1.0), **common)
-            t = time.perf_counter()
-            res = register_many(pairs, client=client, chunk_size=chunk, progress=False)
-            wall = time.perf_counter() - t
+            wall, walls, Ts = _median_runs(lambda parts=parts: np.concatenate(client.gather(
+                [client.submit(_icp_chunk, c, pure=False) for c in parts])), repeat)
+            rec.add("dask", stage="icp batched", wall_s=wall, walls=walls,
+                    pairs_per_s=len(pairs) / wall, ok=_ok(Ts, pairs, 1.0), **common)
+            wall, walls, res = _median_runs(lambda: register_many(
+                pairs, client=client, chunk_size=chunk, progress=False), repeat)
         compute = sum(r["total_s"] for r in res.rows)
-        rec.add("dask", stage="register_many", wall_s=wall, pairs_per_s=len(pairs) / wall,
-                ok=_ok(res.transformations, pairs), compute_s=compute,
+        rec.add("dask", stage="register_many", wall_s=wall, walls=walls,
+                pairs_per_s=len(pairs) / wall, ok=_ok(res.transformations, pairs),
+                compute_s=compute,
                 per_task_ms=max(0.0, wall - compute / w) / len(parts) * 1e3,
                 devices=[f"{i['name']} (CUDA_VISIBLE_DEVICES={i['CUDA_VISIBLE_DEVICES']})"
                          for i in info], **common)
@@ -326,6 +351,8 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None,
                    help="icp register_many dask dask_gpu multiway (default: icp "
                         "register_many dask multiway; dask_gpu only when asked)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed runs per Dask-table row, the median reported (default 3)")
     p.add_argument("--out", default="many",
                    help="results topic: benchmarks/results/<out>-<device>.json")
     args = p.parse_args()
@@ -353,14 +380,14 @@ def main() -> None:
     if "dask" in only and workers:
         cpu_pairs = pairs if not cuda else pairs[: max(64, n // 10)]
         cpu_chunk = args.chunk or (2 if quick else 8)
-        bench_single(rec, cpu_pairs, "cpu", cpu_chunk, "cpu")
-        bench_dask(rec, cpu_pairs, workers, cpu_chunk, gpu=False)
+        bench_single(rec, cpu_pairs, "cpu", cpu_chunk, "cpu", args.repeat)
+        bench_dask(rec, cpu_pairs, workers, cpu_chunk, gpu=False, repeat=args.repeat)
     if "dask_gpu" in only:
         if not cuda or torch.cuda.device_count() < max(gpus):
             sys.exit(f"bench_many: dask_gpu needs {max(gpus)} GPUs, found "
                      f"{torch.cuda.device_count()}")
-        bench_single(rec, pairs, dev, chunk, "gpu")
-        bench_dask(rec, pairs, gpus, chunk, gpu=True)
+        bench_single(rec, pairs, dev, chunk, "gpu", args.repeat)
+        bench_dask(rec, pairs, gpus, chunk, gpu=True, repeat=args.repeat)
     if "multiway" in only:
         bench_multiway(rec, dev, 3000 if quick else None)
     rec.save()
