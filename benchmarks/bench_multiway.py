@@ -17,8 +17,10 @@ scan plus a row ``scan="all"`` per method (worst errors, merged-model spread, wa
   edge-length 0.9 and distance checkers, 100,000 iterations, confidence 0.999): the
   scans turn by up to 180 degrees, which ICP from the identity cannot recover.
 
-Errors: each scan's pose against bun.conf (bun000 is bun.conf's identity, so the frames
-agree): the angle of inv(T_true) T_est in degrees and its translation in mm. Spread of the
+``edges_right``: how many of the 45 pairwise measurements lie within 1 deg and 3 mm of
+the truth (before the pose graph). Errors: each scan's pose against bun.conf (bun000 is
+bun.conf's identity, so the frames agree): the angle of inv(T_true) T_est in degrees and
+its translation in mm. Spread of the
 merged model: each scan moved by its pose, the median distance of its points to the nearest
 point of the other scans (SciPy cKDTree, pairs within 2 mm), the median over scans, in mm,
 and ``within_2mm``: the share of points with a neighbour within 2 mm. The same measure
@@ -84,6 +86,15 @@ def spread(scans: list[np.ndarray], poses: np.ndarray, bound: float = 0.002
     return float(np.nanmedian(med)), float(np.mean(within))
 
 
+def edges_right(edges: list[tuple[int, int, np.ndarray]], truth: np.ndarray) -> int:
+    """How many pairwise measurements ``(i, j, T_i_j)`` lie within 1 deg and 3 mm of the truth."""
+    good = 0
+    for i, j, T in edges:
+        rot, trans = metrics.relative_error(T, np.linalg.inv(truth[i]) @ truth[j])
+        good += bool(rot < 1.0 and trans < 3e-3)
+    return good
+
+
 def record(rec: Recorder, method: str, poses: np.ndarray, truth: np.ndarray,
            scans: list[np.ndarray], wall: float, **extra) -> None:
     errs = []
@@ -121,6 +132,8 @@ def run_ours(rec: Recorder, scans, truth, dev: str, points: int | None,
            cpu_threads=threads or _threads.get_num_threads(),
            voxel_mm=res.voxel_size * 1e3, solver=res.solver, edges=len(res.edges),
            kept=sum(e["kept"] for e in res.edges),
+           edges_right=edges_right([(e["i"], e["j"], e["transformation"]) for e in res.edges],
+                                   truth),
            points=int(sum(s.shape[0] for s in x)),
            timings={k: round(v, 3) for k, v in res.timings.items()})
 
@@ -151,8 +164,12 @@ def _o3d_ransac(src, tgt, v: float) -> np.ndarray:
 
 
 def open3d_multiway(scans: list[np.ndarray], v: float, ransac: bool, seed: int = 0
-                    ) -> np.ndarray:
-    """Open3D's multiway tutorial pipeline; returns ``T_0_k (S, 4, 4)`` (node poses)."""
+                    ) -> tuple[np.ndarray, list[tuple[int, int, np.ndarray]]]:
+    """Open3D's multiway tutorial pipeline.
+
+    Returns the node poses ``T_0_k (S, 4, 4)`` and the pairwise measurements
+    ``(i, j, T_i_j)`` (Open3D's edge s -> t maps scan s into scan t: ``T_t_s``).
+    """
     import open3d as o3d
 
     reg = o3d.pipelines.registration
@@ -162,6 +179,7 @@ def open3d_multiway(scans: list[np.ndarray], v: float, ransac: bool, seed: int =
     graph = reg.PoseGraph()
     odometry = np.eye(4)
     graph.nodes.append(reg.PoseGraphNode(odometry))
+    measured = []
     for s in range(len(pcds)):
         for t in range(s + 1, len(pcds)):
             init = _o3d_ransac(pcds[s], pcds[t], v) if ransac else np.eye(4)
@@ -171,6 +189,7 @@ def open3d_multiway(scans: list[np.ndarray], v: float, ransac: bool, seed: int =
                                      reg.TransformationEstimationPointToPlane())
             T = np.asarray(f.transformation)
             info = reg.get_information_matrix_from_point_clouds(pcds[s], pcds[t], fine, T)
+            measured.append((t, s, T))
             if t == s + 1:  # odometry
                 odometry = T @ odometry
                 graph.nodes.append(reg.PoseGraphNode(np.linalg.inv(odometry)))
@@ -182,7 +201,7 @@ def open3d_multiway(scans: list[np.ndarray], v: float, ransac: bool, seed: int =
     with o3d.utility.VerbosityContextManager(o3d.utility.VerbosityLevel.Error):
         reg.global_optimization(graph, reg.GlobalOptimizationLevenbergMarquardt(),
                                 reg.GlobalOptimizationConvergenceCriteria(), option)
-    return np.stack([np.asarray(n.pose) for n in graph.nodes])
+    return np.stack([np.asarray(n.pose) for n in graph.nodes]), measured
 
 
 def run_open3d(rec: Recorder, scans, truth, ransac: bool, threads: int) -> None:
@@ -192,11 +211,12 @@ def run_open3d(rec: Recorder, scans, truth, ransac: bool, threads: int) -> None:
         print("# open3d is not installed; its rows skipped")
         return
     t = time.perf_counter()
-    poses = open3d_multiway(scans, TUTORIAL_VOXEL, ransac)
+    poses, measured = open3d_multiway(scans, TUTORIAL_VOXEL, ransac)
     wall = time.perf_counter() - t
     record(rec, "open3d tutorial" + (" + ransac" if ransac else ""), poses, truth, scans,
            wall, device="cpu", voxel_mm=TUTORIAL_VOXEL * 1e3, solver="open3d LM",
-           edges=45, kept=None, points=int(sum(s.shape[0] for s in scans)),
+           edges=45, kept=None, edges_right=edges_right(measured, truth),
+           points=int(sum(s.shape[0] for s in scans)),
            open3d=o3d.__version__, cpu_threads=threads)
 
 
