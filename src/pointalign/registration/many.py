@@ -26,6 +26,11 @@ With ``client=`` (a ``distributed.Client``) each chunk is one Dask task; clouds 
 paths are read on the worker. Dask reruns the tasks of a worker that dies (up to its
 ``distributed.scheduler.allowed-failures``) and ``retries=`` reruns a task that raised;
 results are gathered by pair index, each pair exactly once.
+
+On the CPU a pair of at most :data:`SERIAL_POINTS` points runs on one thread: the pairs,
+not the kernels, are the parallel work. To use several cores, pass the client of a local
+cluster with one single-threaded worker process per core
+(``distributed.LocalCluster(n_workers=cores, threads_per_worker=1)``).
 """
 
 from __future__ import annotations
