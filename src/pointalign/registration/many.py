@@ -79,8 +79,8 @@ CHUNK_CPU = 8
 #: thread (the pairs of a run parallelise across Dask workers instead): a parallel region
 #: over a few thousand points costs more in wake-ups and barriers than it saves, and on a
 #: loaded machine each barrier waits for a descheduled thread. Measured on the shared
-#: 2-core machine (load 11-12): 8 pairs of 500 points, 39 s with 2 threads against 4.1 s
-#: with one; a k-d tree build of 500 points 130 ms against 1 ms
+#: 2-core machine (load 11-13): 16 pairs of 2,000 points 60.4-60.7 s with 2 threads against
+#: 8.8-10.1 s with one; a k-d tree build of 500 points 130 ms against 1 ms
 SERIAL_POINTS = 20_000
 
 #: the columns of :meth:`ManyResult.to_rows` (``T00`` … ``T33``: the transformation, row-major)
