@@ -10,23 +10,36 @@ Tables (``benchmarks/results/many-<device>.json``):
     batched) on one device; ``ok``: within 0.5° and 2 mm;
   - ``register one by one``: :func:`register` per pair (a sample of the pairs), the
     baseline;
-  - ``dask cpu xW``: ``register_many(client=...)`` on a local cluster of W worker processes
-    (one thread each), chunks of ``--chunk`` pairs; ``per_task_ms``: (wall − the chunks'
-    own compute / W) / tasks, the scheduling and transfer overhead per task;
-  - ``dask gpu xG``: one worker per GPU (``CUDA_VISIBLE_DEVICES`` per worker), G = 1, 2.
+* ``dask``: the same pairs (on a GPU machine, for CPU workers, the first max(64, N/10))
+  in chunks of ``--chunk`` pairs:
+  - ``single process cpu|gpu``: batched ICP chunk by chunk, and ``register_many``, in
+    this process (the baseline);
+  - ``dask cpu xW``: a ``LocalCluster`` of W worker processes, one thread each (numba,
+    PyTorch too); ``dask gpu xG`` (``--only dask_gpu``): one worker process per GPU, worker
+    i started with ``CUDA_VISIBLE_DEVICES=i`` (``devices`` says what each worker saw);
+  - per cluster: ``roundtrip_ms`` (one empty task submitted and awaited, median of 20),
+    ``empty_task_ms`` (200 no-op tasks at once: wall / tasks, the scheduler's cost per
+    task), ``ship_chunk_ms`` (a task that only receives one chunk of pairs: wall / tasks;
+    ``chunk_mb`` its size), batched ICP (``icp batched``) and ``register_many`` on the
+    cluster, ``per_task_ms``: (wall − the chunks' own compute / W) / tasks.
 * ``multiway``: the ten Stanford bunny scans (shared data) through :func:`multiway`: each
   scan's pose error against bun.conf, the kept edges, the time per stage, and the merged
   model's spread: for each scan moved by its pose, the median distance of its points to
   the nearest point of the other scans (within 2 mm), the median over scans, in mm.
 
 ``--quick``: 12 pairs of 500 points, Dask with 1 and 2 workers, multiway on 3,000-point
-samples of the scans (a CPU smoke run).
+samples of the scans (a CPU smoke run). The multiway comparison with Open3D is
+``bench_multiway.py``.
 
     python benchmarks/bench_many.py --device cpu --quick
+    python benchmarks/bench_many.py --device cpu --only dask --pairs 96 --out many_dask
+    python benchmarks/bench_many.py --device cuda --only dask_gpu --pairs 1000 --gpus 1 2 \
+        --out many_gpus                                    # a machine with two GPUs
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -111,38 +124,177 @@ def bench_register_many(rec: Recorder, pairs, dev: str, chunk: int) -> None:
 
 
 def _gpu_cluster(n: int):
+    """One worker process per GPU: worker i sees only GPU i (``CUDA_VISIBLE_DEVICES=i``).
+
+    ``LocalCluster`` gives every worker the same environment; a ``SpecCluster`` of nannies
+    sets each worker's own before its process starts (before CUDA initialises).
+    """
     from distributed import Nanny, Scheduler, SpecCluster
 
+    env = {"OMP_NUM_THREADS": "1"}
     workers = {f"gpu{i}": {"cls": Nanny, "options": {
-        "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(i)}}} for i in range(n)}
+        "nthreads": 1, "env": dict(env, CUDA_VISIBLE_DEVICES=str(i)),
+        "dashboard_address": None}} for i in range(n)}
     return SpecCluster(scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
-                       workers=workers)
+                       workers=workers, silence_logs=logging.ERROR)
 
 
-def bench_dask(rec: Recorder, pairs, workers: list[int], chunk: int, gpu: bool) -> None:
+def _cpu_cluster(n: int):
+    """``n`` CPU worker processes, one thread each (numba and PyTorch on one thread too)."""
     import distributed
 
+    return distributed.LocalCluster(
+        n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
+        worker_dashboard_address=None,
+        env={"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+             "POINTALIGN_NUM_THREADS": "1"})
+
+
+def _noop(x):
+    return x
+
+
+def _touch(chunk):
+    """A task that receives a chunk of pairs and does nothing with them (transfer cost)."""
+    return len(chunk)
+
+
+def _icp_chunk(chunk):
+    """Batched point-to-point ICP of a chunk of pairs on the worker's default device."""
+    from pointalign import _validate
+
+    dev = _validate.default_device()
+    src = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(p.source) for p in chunk],
+                                          batch_first=True).to(dev)
+    tgt = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(p.target) for p in chunk],
+                                          batch_first=True).to(dev)
+    sl = torch.tensor([p.source.shape[0] for p in chunk], device=dev)
+    tl = torch.tensor([p.target.shape[0] for p in chunk], device=dev)
+    res = icp(src, tgt, source_lengths=sl, target_lengths=tl,
+              max_correspondence_distance=0.02, device=dev)
+    return np.asarray(res.transformation).reshape(len(chunk), 4, 4)
+
+
+def _warm(pairs):
+    """Warm one worker (imports, numba cache or Triton compiles); say what device it has."""
+    from pointalign import _validate
+
+    register_many(pairs, chunk_size=len(pairs), progress=False)
+    _icp_chunk(pairs)
+    dev = _validate.default_device()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return {"pid": os.getpid(), "device": str(dev), "name": name,
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _chunks(pairs, chunk: int):
+    return [pairs[lo:lo + chunk] for lo in range(0, len(pairs), chunk)]
+
+
+def _nbytes(chunk) -> int:
+    return int(sum(p.source.numel() * p.source.element_size()
+                   + p.target.numel() * p.target.element_size() for p in chunk))
+
+
+def _median_runs(fn, repeat: int):
+    """Run ``fn`` ``repeat`` times; return (median wall s, all walls, the last result)."""
+    walls, out = [], None
+    for _ in range(repeat):
+        _sync()
+        t = time.perf_counter()
+        out = fn()
+        _sync()
+        walls.append(time.perf_counter() - t)
+    return float(np.median(walls)), [round(w, 3) for w in walls], out
+
+
+def bench_single(rec: Recorder, pairs, dev: str, chunk: int, label: str,
+                 repeat: int) -> None:
+    """The same pairs and chunks in this process (the Dask rows' baseline).
+
+    Batched ICP twice on the CPU: with pointalign's thread setting (all cores, what a
+    user's process gets) and on one thread (what each CPU worker runs).
+    """
+    from pointalign import _threads
+
+    # warm-up on one whole chunk: compiles, caches, CUDA graphs of the chunk's shapes
+    register_many(pairs[:chunk], device=dev, chunk_size=chunk, progress=False)
+    _icp_chunk(pairs[:chunk])
+    runs = [None] if label == "gpu" else [None, 1]
+    for n in runs:
+        def run(n=n):
+            with _threads.threads(n):
+                return np.concatenate([_icp_chunk(c) for c in _chunks(pairs, chunk)])
+
+        wall, walls, Ts = _median_runs(run, repeat)
+        rec.add("dask", stage="icp batched", run=f"single process {label}", workers=1,
+                threads=n or _threads.get_num_threads(), pairs=len(pairs), chunk=chunk,
+                wall_s=wall, walls=walls, pairs_per_s=len(pairs) / wall,
+                ok=_ok(Ts, pairs, 1.0))
+    wall, walls, res = _median_runs(
+        lambda: register_many(pairs, device=dev, chunk_size=chunk, progress=False), repeat)
+    rec.add("dask", stage="register_many", run=f"single process {label}", workers=1,
+            pairs=len(pairs), chunk=chunk, wall_s=wall, walls=walls,
+            pairs_per_s=len(pairs) / wall, ok=_ok(res.transformations, pairs),
+            compute_s=float(sum(r["total_s"] for r in res.rows)),
+            note="CPU: pairs of <= SERIAL_POINTS points on one thread" if label == "cpu"
+            else "")
+
+
+def bench_dask(rec: Recorder, pairs, workers: list[int], chunk: int, gpu: bool,
+               empty_tasks: int = 200, repeat: int = 1) -> None:
+    """register_many and batched ICP on a local cluster of W workers, W in ``workers``.
+
+    Per cluster: the round trip of one empty task (median of 20), the scheduler's cost per
+    task (``empty_tasks`` no-op tasks submitted at once: wall / tasks), the cost of
+    shipping a chunk of pairs to a worker (a task that only receives one chunk: wall /
+    tasks, median of ``repeat``), then batched ICP and register_many on the pairs in
+    chunks of ``chunk`` (median of ``repeat`` runs).
+    """
+    import distributed
+
+    kind = "gpu" if gpu else "cpu"
     for w in workers:
-        if gpu:
-            cluster = _gpu_cluster(w)
-        else:
-            cluster = distributed.LocalCluster(
-                n_workers=w, threads_per_worker=1, processes=True, dashboard_address=None,
-                env={"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+        cluster = _gpu_cluster(w) if gpu else _cpu_cluster(w)
         with cluster, distributed.Client(cluster) as client:
             client.wait_for_workers(w)
-            # warm-up: every worker imports, compiles (numba from its cache) and runs a chunk
-            register_many(pairs[: w * chunk], client=client, chunk_size=chunk, progress=False)
-            t = time.perf_counter()
-            res = register_many(pairs, client=client, chunk_size=chunk, progress=False)
-            wall = time.perf_counter() - t
-        tasks = -(-len(pairs) // chunk)
+            addrs = sorted(client.scheduler_info()["workers"])
+            # warm-up on every worker (each its own task, pinned to it)
+            info = client.gather([client.submit(_warm, pairs[:chunk], workers=[a], pure=False,
+                                                allow_other_workers=False) for a in addrs])
+            rt = []
+            for _ in range(20):
+                t = time.perf_counter()
+                client.submit(_noop, 0, pure=False).result()
+                rt.append(time.perf_counter() - t)
+            empty = []
+            for _ in range(max(repeat, 3)):
+                t = time.perf_counter()
+                client.gather(client.map(_noop, range(empty_tasks), pure=False))
+                empty.append((time.perf_counter() - t) / empty_tasks * 1e3)
+            parts = _chunks(pairs, chunk)
+            ship, _, _ = _median_runs(
+                lambda parts=parts: client.gather([client.submit(_touch, c, pure=False)
+                                                   for c in parts]),
+                max(repeat, 3))
+            common = dict(run=f"dask {kind} x{w}", workers=w, pairs=len(pairs), chunk=chunk,
+                          tasks=len(parts), roundtrip_ms=float(np.median(rt)) * 1e3,
+                          empty_task_ms=float(np.median(empty)),
+                          ship_chunk_ms=ship / len(parts) * 1e3,
+                          chunk_mb=_nbytes(parts[0]) / 1e6)
+            wall, walls, Ts = _median_runs(lambda parts=parts: np.concatenate(client.gather(
+                [client.submit(_icp_chunk, c, pure=False) for c in parts])), repeat)
+            rec.add("dask", stage="icp batched", wall_s=wall, walls=walls,
+                    pairs_per_s=len(pairs) / wall, ok=_ok(Ts, pairs, 1.0), **common)
+            wall, walls, res = _median_runs(lambda: register_many(
+                pairs, client=client, chunk_size=chunk, progress=False), repeat)
         compute = sum(r["total_s"] for r in res.rows)
-        rec.add("throughput", stage=f"dask {'gpu' if gpu else 'cpu'} x{w}", workers=w,
-                pairs=len(pairs), wall_s=wall, pairs_per_s=len(pairs) / wall,
-                ok=_ok(res.transformations, pairs),
-                per_task_ms=max(0.0, wall - compute / w) / tasks * 1e3,
-                note=f"{tasks} tasks of {chunk} pairs")
+        rec.add("dask", stage="register_many", wall_s=wall, walls=walls,
+                pairs_per_s=len(pairs) / wall, ok=_ok(res.transformations, pairs),
+                compute_s=compute,
+                per_task_ms=max(0.0, wall - compute / w) / len(parts) * 1e3,
+                devices=[f"{i['name']} (CUDA_VISIBLE_DEVICES={i['CUDA_VISIBLE_DEVICES']})"
+                         for i in info], **common)
 
 
 def bench_multiway(rec: Recorder, dev: str, points: int | None) -> None:
@@ -192,10 +344,17 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=None, help="pairs (default 1000, quick 12)")
     p.add_argument("--points", type=int, default=None, help="points per cloud (2000; 500)")
     p.add_argument("--chunk", type=int, default=None, help="pairs per chunk/task")
-    p.add_argument("--workers", type=int, nargs="*", default=None, help="Dask CPU workers")
-    p.add_argument("--gpus", type=int, nargs="*", default=None, help="Dask GPU workers")
+    p.add_argument("--workers", type=int, nargs="*", default=None,
+                   help="Dask CPU worker counts (default 1 2 4; quick 1 2)")
+    p.add_argument("--gpus", type=int, nargs="*", default=None,
+                   help="Dask GPU worker counts, one worker per GPU (default 1 2)")
     p.add_argument("--only", nargs="*", default=None,
-                   help="icp register_many dask multiway")
+                   help="icp register_many dask dask_gpu multiway (default: icp "
+                        "register_many dask multiway; dask_gpu only when asked)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed runs per Dask-table row, the median reported (default 3)")
+    p.add_argument("--out", default="many",
+                   help="results topic: benchmarks/results/<out>-<device>.json")
     args = p.parse_args()
     dev = args.device
     quick = args.quick
@@ -204,27 +363,31 @@ def main() -> None:
     cuda = torch.device(dev).type == "cuda"
     chunk = args.chunk or (256 if cuda else (2 if quick else 8))
     workers = args.workers if args.workers is not None else ([1, 2] if quick else [1, 2, 4])
-    gpus = args.gpus if args.gpus is not None else \
-        ([1, 2] if cuda and torch.cuda.device_count() >= 2 else [])
+    gpus = args.gpus if args.gpus is not None else [1, 2]
     only = set(args.only or ["icp", "register_many", "dask", "multiway"])
-    rec = Recorder("many", dev, title="Many pairs and many scans (issue 25)",
+    rec = Recorder(args.out, dev, title="Many pairs and many scans (issue 25)",
                    notes=__doc__.split("\n\n")[1])
     pairs = make_pairs(n, pts)
     if "icp" in only:
         bench_icp(rec, pairs, dev)
     if "register_many" in only:
         bench_register_many(rec, pairs, dev, chunk)
-    if "dask" in only:
+    if only & {"dask", "dask_gpu"}:
         try:
             import distributed  # noqa: F401
         except ImportError:
-            print("# dask: distributed is not installed; skipped")
-        else:
-            if workers:
-                bench_dask(rec, pairs if not cuda else pairs[: max(64, n // 10)], workers,
-                           2 if quick else 8, gpu=False)
-            if gpus:
-                bench_dask(rec, pairs, gpus, chunk, gpu=True)
+            sys.exit("bench_many: --only dask needs distributed (pip install distributed)")
+    if "dask" in only and workers:
+        cpu_pairs = pairs if not cuda else pairs[: max(64, n // 10)]
+        cpu_chunk = args.chunk or (2 if quick else 8)
+        bench_single(rec, cpu_pairs, "cpu", cpu_chunk, "cpu", args.repeat)
+        bench_dask(rec, cpu_pairs, workers, cpu_chunk, gpu=False, repeat=args.repeat)
+    if "dask_gpu" in only:
+        if not cuda or torch.cuda.device_count() < max(gpus):
+            sys.exit(f"bench_many: dask_gpu needs {max(gpus)} GPUs, found "
+                     f"{torch.cuda.device_count()}")
+        bench_single(rec, pairs, dev, chunk, "gpu", args.repeat)
+        bench_dask(rec, pairs, gpus, chunk, gpu=True, repeat=args.repeat)
     if "multiway" in only:
         bench_multiway(rec, dev, 3000 if quick else None)
     rec.save()

@@ -110,6 +110,32 @@ def test_chunks_are_independent(batch):
     np.testing.assert_array_equal(again.transformations, one.transformations)
 
 
+def test_small_pairs_run_on_one_cpu_thread(batch, monkeypatch):
+    """On the CPU a pair of at most SERIAL_POINTS points runs its stages on one thread (the
+    pairs parallelise across workers); larger pairs keep the caller's count. The rows agree
+    either way within the registrations' settling (another thread count may group a
+    reduction differently: rounding only)."""
+    from pointalign import _threads
+
+    pairs, res = batch
+    seen: list[int] = []
+    stage = many_module._global_stage
+
+    def spy(*a, **k):
+        seen.append(_threads.get_num_threads())
+        return stage(*a, **k)
+
+    monkeypatch.setattr(many_module, "_global_stage", spy)
+    with _threads.threads(2):
+        register_many(pairs[:1], device="cpu", **OPTS)
+        assert seen == [1]
+        monkeypatch.setattr(many_module, "SERIAL_POINTS", 10)
+        big = register_many(pairs[:1], device="cpu", **OPTS)
+        assert seen == [1, 2]
+    rot, trans = metrics.relative_error(big[0]["transformation"], res[0]["transformation"])
+    assert rot < 0.01 and trans < 1e-5 and big[0]["verdict"] == res[0]["verdict"]
+
+
 def test_init_skips_global_stage():
     pairs = _pairs(1, k=2)
     g = torch.Generator().manual_seed(5)
