@@ -352,7 +352,12 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray 
 
 
 def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
-    """Return the correspondence search of each problem: built here, or the caller's index."""
+    """Return the correspondence search of each problem: built here, or the caller's index.
+
+    Built here: one index for a shared target; for different targets on a device one
+    packed index for the whole batch (:func:`pointalign.search.policy.choose_batch_index`),
+    else one per problem.
+    """
     B = pair.size
     if index is None and not pair.shared_target and B > 1:
         packed = policy.choose_batch_index(pair.target, pair.target_counts,
