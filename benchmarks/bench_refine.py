@@ -26,13 +26,16 @@ right), wall time of ``register`` (median) and of its final stage (``timings["ic
     python benchmarks/bench_refine.py --device cpu --quick    # smoke run
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (pointalign before PyTorch, below)
 
 import os
 import statistics
 import sys
 import time
 
+# pointalign before PyTorch: it sets OMP_WAIT_POLICY=PASSIVE only while the OpenMP runtime
+# is not loaded yet (pointalign._threads; see bench_gicp for what spinning costs here)
+import pointalign
 import numpy as np
 import torch
 
@@ -41,7 +44,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hard_pairs import _ok, errors, grid, load_scans, make, parse_cases  # noqa: E402
 from common import Recorder, parse_args, sync  # noqa: E402
 
-import pointalign  # noqa: E402
 from pointalign import datasets, io  # noqa: E402
 from pointalign.registration.pipeline import register  # noqa: E402
 
