@@ -49,7 +49,9 @@ def estimate_covariances(
         k: neighbours per point, the point included (>= 3).
         eps: the regularisation ε in (0, 1]: eigenvalues ``(ε, 1, 1)`` (default 1e-3).
         index: an :class:`~pointalign.search.base.Index` built over these points (reused;
-            default: ``build_index(points)``).
+            default: the kernel layer's fused search and covariance where the backend has
+            one, :func:`pointalign.kernels.gicp.knn_covariances`, else
+            ``build_index(points)``; the same neighbours either way).
         neighbors: a precomputed ``(N, K)`` int64 neighbour table (``-1`` = none), e.g. the
             one the normals were estimated from; replaces the search (``k`` and ``index``
             are then not used).
@@ -87,6 +89,9 @@ def estimate_covariances(
         raise ValueError(f"points: {n} points, fewer than k = {k} neighbours per covariance; "
                          "pass a smaller k")
     if index is None:
+        fused = _kernels.knn_covariances(pts, k, eps)  # search and reduction in one pass
+        if fused is not None:
+            return _validate.as_kind(fused, like)
         from pointalign.search import build_index
 
         index = build_index(pts)

@@ -154,7 +154,7 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
     from pointalign.search.ckdtree import CKDTreeIndex
 
     B, N = pts.shape[:2]
-    out = torch.eye(3, dtype=torch.float32, device=pts.device).repeat(B, N, 1, 1)
+    out = None
     for b in range(1 if shared else B):
         m = int(counts[b])
         if m < k:
@@ -165,8 +165,14 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
         ok = isinstance(ix, CKDTreeIndex) and ix.points.shape[0] == m \
             and torch.equal(ix.points, pts[b, :m])
         with _validate.trusted():
-            out[b, :m] = estimate_covariances(pts[b, :m], k, index=ix if ok else None,
-                                              device=pts.device)
+            c = estimate_covariances(pts[b, :m], k, index=ix if ok else None,
+                                     device=pts.device).to(torch.float32)
+        if B == 1 and m == N:  # one full cloud: no padding to fill
+            return c[None]
+        if out is None:
+            out = torch.eye(3, dtype=torch.float32, device=pts.device).repeat(B, N, 1, 1)
+        out[b, :m] = c
+    assert out is not None
     return out[:1].expand_as(out).contiguous() if shared else out
 
 

@@ -9,6 +9,11 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
   covariance in float64); **fallback I** for fewer than 3 neighbours or a neighbourhood
   that does not span a plane (:func:`pointalign._math.spans_plane`). Never NaN for finite
   points. Dtype of the points.
+* ``knn_covariances(points (N, 3), k, eps) -> (N, 3, 3) | None``: ``covariances`` of each
+  point's k nearest points (itself included; ties by index, the exact k-NN of every
+  index), the search and the reduction fused in one pass where the backend has such a
+  kernel (numba, float32 finite points: the same result as the search then
+  ``covariances``, bit for bit); None elsewhere (the caller searches an index).
 * ``gicp_sums(source, source_cov, target, target_cov, idx, rotation, lengths, center,
   kernel, scale) -> (B, 30)`` float64: the Gauss-Newton normal equations of the
   plane-to-plane cost over the pairs ``(i, idx[b, i, s])``, laid out as ``normal_eq``'s
@@ -46,7 +51,8 @@ from pointalign.kernels.gicp.reference import (
 )
 
 __all__ = ["KERNELS", "NEIGHBORHOODS", "PLANE_EPS", "ROBUST_SCALE2", "WIDTH", "VoxelMap",
-           "covariances", "gicp_sums", "gicp_update", "voxel_lookup", "voxelize"]
+           "covariances", "gicp_sums", "gicp_update", "knn_covariances", "voxel_lookup",
+           "voxelize"]
 
 
 def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
@@ -79,6 +85,34 @@ def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
 
         return _gicp_triton.covariances(points, nbr_idx, eps)
     return covariances_reference(points, nbr_idx, eps)
+
+
+def knn_covariances(points: torch.Tensor, k: int,
+                    eps: float = PLANE_EPS) -> torch.Tensor | None:
+    """Plane-regularised covariances of each point's k-NN, search fused (see the contract).
+
+    Args:
+        points: ``(N, 3)`` float tensor, ``N >= k``.
+        k: neighbours per point, the point itself included (``1 <= k <= N``).
+        eps: the regularisation ε, in (0, 1].
+
+    Returns:
+        ``(N, 3, 3)`` in the points' dtype where the backend fuses the search (the "cpu"
+        backend, float32 finite points), else None: search an index, then
+        :func:`covariances`.
+
+    """
+    if points.dim() != 2 or points.shape[1] != 3:
+        raise ValueError(f"points: expected shape (N, 3), got {tuple(points.shape)}")
+    if not 1 <= int(k) <= points.shape[0]:
+        raise ValueError(f"k: expected 1 <= k <= {points.shape[0]}, got {k}")
+    if not 0 < eps <= 1:
+        raise ValueError(f"eps: must be in (0, 1], got {eps}")
+    if backend(points) != "cpu":
+        return None
+    from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+    return _gicp_cpu.knn_covariances_cpu(points, int(k), float(eps))
 
 
 def _check(source, source_cov, target, target_cov, idx, rotation, lengths, center, kernel,

@@ -32,6 +32,7 @@ from pointalign.kernels._nb_math import (
     spans_plane,
 )
 from pointalign.kernels._numba import njit, prange
+from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _boxd2, _scan_key, _subtree_key
 from pointalign.kernels.gicp.reference import (
     KEY_BITS,
     KEY_OFFSET,
@@ -46,47 +47,94 @@ BLOCKS = 64
 _OFFSETS = np.asarray(OFFSETS, dtype=np.int64)
 
 
+@njit(cache=True, inline="always")
+def _cov_row(pts, row, eps, degeneracy, out, i):
+    """Write ``out[i]``: the plane covariance of the neighbours ``row (K,)`` (``-1`` = none)."""
+    k = row.shape[0]
+    cnt = 0.0
+    m0, m1, m2 = 0.0, 0.0, 0.0
+    for j in range(k):
+        p = row[j]
+        if p >= 0:
+            cnt += 1.0
+            m0 += np.float64(pts[p, 0])
+            m1 += np.float64(pts[p, 1])
+            m2 += np.float64(pts[p, 2])
+    c = max(cnt, 1.0)
+    m0, m1, m2 = m0 / c, m1 / c, m2 / c
+    s00, s01, s02, s11, s12, s22 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    for j in range(k):
+        p = row[j]
+        if p >= 0:
+            d0 = np.float64(pts[p, 0]) - m0
+            d1 = np.float64(pts[p, 1]) - m1
+            d2 = np.float64(pts[p, 2]) - m2
+            s00 += d0 * d0
+            s01 += d0 * d1
+            s02 += d0 * d2
+            s11 += d1 * d1
+            s12 += d1 * d2
+            s22 += d2 * d2
+    s00, s01, s02, s11, s12, s22 = s00 / c, s01 / c, s02 / c, s11 / c, s12 / c, s22 / c
+    for a in range(3):
+        for b in range(3):
+            out[i, a, b] = 1.0 if a == b else 0.0
+    if cnt >= MIN_NEIGHBOURS and spans_plane(s00, s01, s02, s11, s12, s22, degeneracy):
+        (n0, n1, n2), _ = smallest_eigenvector3(s00, s01, s02, s11, s12, s22)
+        f = 1.0 - eps
+        out[i, 0, 0] = 1.0 - f * (n0 * n0)
+        out[i, 1, 1] = 1.0 - f * (n1 * n1)
+        out[i, 2, 2] = 1.0 - f * (n2 * n2)
+        out[i, 0, 1] = out[i, 1, 0] = -(f * (n0 * n1))
+        out[i, 0, 2] = out[i, 2, 0] = -(f * (n0 * n2))
+        out[i, 1, 2] = out[i, 2, 1] = -(f * (n1 * n2))
+
+
 @njit(cache=True, parallel=True)
 def _covariances(pts, idx, eps, degeneracy, out):
-    q, k = idx.shape
-    for i in prange(q):
-        cnt = 0.0
-        m0, m1, m2 = 0.0, 0.0, 0.0
-        for j in range(k):
-            p = idx[i, j]
-            if p >= 0:
-                cnt += 1.0
-                m0 += np.float64(pts[p, 0])
-                m1 += np.float64(pts[p, 1])
-                m2 += np.float64(pts[p, 2])
-        c = max(cnt, 1.0)
-        m0, m1, m2 = m0 / c, m1 / c, m2 / c
-        s00, s01, s02, s11, s12, s22 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-        for j in range(k):
-            p = idx[i, j]
-            if p >= 0:
-                d0 = np.float64(pts[p, 0]) - m0
-                d1 = np.float64(pts[p, 1]) - m1
-                d2 = np.float64(pts[p, 2]) - m2
-                s00 += d0 * d0
-                s01 += d0 * d1
-                s02 += d0 * d2
-                s11 += d1 * d1
-                s12 += d1 * d2
-                s22 += d2 * d2
-        s00, s01, s02, s11, s12, s22 = s00 / c, s01 / c, s02 / c, s11 / c, s12 / c, s22 / c
-        for a in range(3):
-            for b in range(3):
-                out[i, a, b] = 1.0 if a == b else 0.0
-        if cnt >= MIN_NEIGHBOURS and spans_plane(s00, s01, s02, s11, s12, s22, degeneracy):
-            (n0, n1, n2), _ = smallest_eigenvector3(s00, s01, s02, s11, s12, s22)
-            f = 1.0 - eps
-            out[i, 0, 0] = 1.0 - f * (n0 * n0)
-            out[i, 1, 1] = 1.0 - f * (n1 * n1)
-            out[i, 2, 2] = 1.0 - f * (n2 * n2)
-            out[i, 0, 1] = out[i, 1, 0] = -(f * (n0 * n1))
-            out[i, 0, 2] = out[i, 2, 0] = -(f * (n0 * n2))
-            out[i, 1, 2] = out[i, 2, 1] = -(f * (n1 * n2))
+    for i in prange(idx.shape[0]):
+        _cov_row(pts, idx[i], eps, degeneracy, out, i)
+
+
+@njit(cache=True, parallel=True)
+def _knn_covariances(pts, perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, eps, degeneracy,
+                     out):
+    """Fused k-NN and :func:`_cov_row` of every point of a keyed host tree (float32).
+
+    The search is :func:`pointalign.kernels.knn.cpu._knn_self_keyed`'s (bottom-up from each
+    point's leaf, with its helpers and its ordered keys), and each point's k nearest
+    (ordered by distance, then index) go straight into :func:`_cov_row` in that order: no
+    neighbour table, one parallel pass, the same result as ``knn_self`` then
+    :func:`_covariances`, bit for bit.
+    """
+    first_leaf = (1 << depth) - 1
+    nleaves = 1 << depth
+    for t in prange(nleaves):
+        stack = np.empty(2 * depth + 4, np.int64)
+        sd = np.empty(2 * depth + 4, spts.dtype)
+        kb = np.empty(k, np.uint64)
+        f = np.empty(2, np.float32)
+        u = f.view(np.uint32)
+        row = np.empty(k, np.int64)
+        leaf = first_leaf + t
+        for j0 in range(lo[leaf], hi[leaf]):
+            q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
+            cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, 0,
+                                   max_d2, f, u)
+            v = leaf
+            while v > 0:
+                sib = v + 1 if v & 1 else v - 1
+                ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
+                if ds <= bound:
+                    cnt, bound = _subtree_key(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin,
+                                              bmax, first_leaf, stack, sd, k, kb, cnt, bound,
+                                              f, u)
+                v = (v - 1) >> 1
+            for s in range(cnt):
+                row[s] = np.int64(kb[s] & _LOW32)
+            for s in range(cnt, k):
+                row[s] = -1
+            _cov_row(pts, row, eps, degeneracy, out, perm[j0])
 
 
 def covariances_cpu(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,6 +145,28 @@ def covariances_cpu(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> 
     if out.shape[0]:
         _covariances(p, nbr_idx.detach().to(torch.int64).contiguous().numpy(), float(eps),
                      _math.DEGENERACY_EPS, out)
+    return torch.from_numpy(out).to(points.dtype)
+
+
+def knn_covariances_cpu(points: torch.Tensor, k: int, eps: float) -> torch.Tensor | None:
+    """``(N, 3, 3)`` covariances of each point's k nearest (itself included), fused; or None.
+
+    A host k-d tree is built over the points (the knn family's, leaf size
+    ``HOST_LEAF_SIZE``) and searched and reduced in one pass (:func:`_knn_covariances`).
+    None where the keyed search does not apply (not float32, not finite): the caller then
+    searches an index and calls :func:`covariances_cpu`.
+    """
+    from pointalign.kernels.knn import HOST_LEAF_SIZE
+
+    p = points.detach().contiguous().numpy()
+    if p.dtype != np.float32 or not np.isfinite(p).all():
+        return None
+    tree = CpuTree(p, leaf_size=HOST_LEAF_SIZE)
+    _threads.numba_threads()
+    out = np.empty((p.shape[0], 3, 3), np.float64)
+    _knn_covariances(p, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
+                     tree.depth, int(k), np.float32(np.inf), float(eps), _math.DEGENERACY_EPS,
+                     out)
     return torch.from_numpy(out).to(points.dtype)
 
 
