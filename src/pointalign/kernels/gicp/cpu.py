@@ -32,7 +32,6 @@ from pointalign.kernels._nb_math import (
     spans_plane,
 )
 from pointalign.kernels._numba import njit, prange
-from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _boxd2, _scan_key, _subtree_key
 from pointalign.kernels.gicp.reference import (
     KEY_BITS,
     KEY_OFFSET,
@@ -41,6 +40,7 @@ from pointalign.kernels.gicp.reference import (
     ROBUST_SCALE2,
     WIDTH,
 )
+from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _boxd2, _scan_key, _subtree_key
 
 #: row blocks per batch entry (fixed: the summation order does not depend on threads)
 BLOCKS = 64
