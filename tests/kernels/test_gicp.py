@@ -431,6 +431,42 @@ def test_voxel_lookup_exact(backend, seed, neighborhood):
         assert ((got >= 0) | (own < 0)).all()
 
 
+@pytest.mark.parametrize("neighborhood", ref.NEIGHBORHOODS)
+@pytest.mark.parametrize("kind", ["none", "huber"])
+def test_vgicp_update_equals_move_lookup_update(backend, seed, neighborhood, kind):
+    """One VGICP step (fused on the numba path) gives the bits of its three parts.
+
+    ``transform_points`` → ``voxel_lookup`` → ``gicp_update``: the fused kernel moves each
+    point with the same float32 products and sums, finds the same voxel and adds the same
+    float64 terms in the same row blocks, so the sums and the solve are equal.
+    """
+    from pointalign.kernels import ransac as kr
+
+    src, tgt, tc, L = _voxel_case(seed)
+    g = torch.Generator().manual_seed(seed)
+    B, N = src.shape[:2]
+    sc = tc[:, torch.randint(0, tc.shape[1], (N,), generator=g)]
+    dev = backend.device
+    T = torch.stack([transforms.random_transform(8.0, 0.01, generator=g) for _ in range(B)])
+    Tf = T.to(torch.float32)
+    lengths = torch.tensor([N, N - 31])
+    center = 0.01 * torch.randn(B, 3, generator=g)
+    vm = kg.voxelize(tgt.to(dev), L.to(dev), tc.to(dev), 0.03)
+    args = dict(lengths=lengths.to(dev), center=center.to(dev), kernel=kind, scale=0.02)
+    got = kg.vgicp_update(src.to(dev), sc.to(dev), vm, neighborhood, transform=T.to(dev),
+                          transform_f32=Tf.to(dev), **args)
+    x = kr.transform_points(Tf.to(dev), src.to(dev))
+    idx = kg.voxel_lookup(x, vm, neighborhood)
+    want = kg.gicp_update(x, sc.to(dev), vm.means, vm.covariances, idx, transform=T.to(dev),
+                          **args)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    assert float(got[0][0, 28]) > 0  # pairs were found
+    with pytest.raises(ValueError, match="neighborhood"):
+        kg.vgicp_update(src.to(dev), sc.to(dev), vm, 5, transform=T.to(dev),
+                        transform_f32=Tf.to(dev), **args)
+
+
 def test_voxel_bad_input():
     src, tgt, tc, L = _voxel_case(0)
     vm = kg.voxelize(tgt, L, tc, 0.03)

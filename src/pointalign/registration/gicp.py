@@ -102,12 +102,10 @@ class VgicpStep:
         T, Tf = state["T"], state["Tf"]
         vmap = _kg.VoxelMap(inputs["keys"], inputs["means"], inputs["voxel_cov"],
                             inputs["counts"], self.voxel_size)
-        x = _kr.transform_points(Tf, inputs["source"])
-        idx = _kg.voxel_lookup(x, vmap, self.neighborhood)
-        sums, D, T_new, Tf_new, flags = _kg.gicp_update(
-            x, inputs["source_cov"], vmap.means, vmap.covariances, idx, transform=T,
-            lengths=inputs["lengths"], center=inputs["center"], kernel=self.kernel,
-            scale=self.scale, eps=estimate.DEGENERACY_EPS)
+        sums, D, T_new, Tf_new, flags = _kg.vgicp_update(
+            inputs["source"], inputs["source_cov"], vmap, self.neighborhood, transform=T,
+            transform_f32=Tf, lengths=inputs["lengths"], center=inputs["center"],
+            kernel=self.kernel, scale=self.scale, eps=estimate.DEGENERACY_EPS)
         return {"T": T_new, "Tf": Tf_new}, {"sums": sums, "update": D, "T": T_new,
                                             "flags": flags}
 

@@ -25,6 +25,10 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
 * ``gicp_update(...)``: ``gicp_sums`` followed by ``normal_eq``'s 6×6 point-to-plane
   solve (the same least-norm rule and un-centring), on the device:
   ``(sums, D, T_new, T_new as float32, flags)`` as :func:`pointalign.kernels.normal_eq.icp_update`.
+* ``vgicp_update(source, source_cov, vmap, neighborhood, ...)``: one VGICP step from the
+  unmoved source: ``transform_points`` by the float32 estimate, ``voxel_lookup``, then
+  ``gicp_update`` against the voxel Gaussians. The numba path fuses the move, the look-up
+  and the sums in one pass (the same bits as the three calls); elsewhere the three calls.
 * ``voxelize(points (B, M, 3), lengths, covariances (B, M, 3, 3), voxel_size) -> VoxelMap``
   and ``voxel_lookup(points (B, N, 3), vmap, neighborhood) -> (B, N)`` int64: the
   Gaussian voxel map of VGICP and, for each point, the occupied voxel around it whose mean
@@ -51,8 +55,8 @@ from pointalign.kernels.gicp.reference import (
 )
 
 __all__ = ["KERNELS", "NEIGHBORHOODS", "PLANE_EPS", "ROBUST_SCALE2", "WIDTH", "VoxelMap",
-           "covariances", "gicp_sums", "gicp_update", "knn_covariances", "voxel_lookup",
-           "voxelize"]
+           "covariances", "gicp_sums", "gicp_update", "knn_covariances", "vgicp_update",
+           "voxel_lookup", "voxelize"]
 
 
 def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
@@ -249,6 +253,63 @@ def gicp_update(
         D, Tn, fl = normal_eq.solve_update_reference(s, center, transform, plane=True, eps=eps)
     dev = source.device
     return (s, D.to(dev), Tn.to(dev), Tn.to(dev, torch.float32), fl.to(dev))
+
+
+def vgicp_update(
+    source: torch.Tensor,
+    source_cov: torch.Tensor,
+    vmap: VoxelMap,
+    neighborhood: int,
+    *,
+    transform: torch.Tensor,
+    transform_f32: torch.Tensor,
+    lengths: torch.Tensor,
+    center: torch.Tensor,
+    kernel: str = "none",
+    scale: float = 1.0,
+    eps: float = 1e-10,
+) -> tuple[torch.Tensor, ...]:
+    """One VGICP step: move, nearest voxel, sums, solve (see the module contract).
+
+    Args:
+        source: ``(B, N, 3)`` float tensor, the source points in their own frame.
+        source_cov: ``(B, N, 3, 3)`` their covariances.
+        vmap: the target's :class:`VoxelMap` (``B`` rows).
+        neighborhood: cells searched per point (:data:`NEIGHBORHOODS`).
+        transform: ``(B, 4, 4)`` float64 estimate (its rotation turns the covariances).
+        transform_f32: the same in float32 (moves the points, as ``transform_points``).
+        lengths: ``(B,)`` int64 valid source rows.
+        center: ``(B, 3)`` centre of the linearisation.
+        kernel: robust kernel (as :func:`gicp_sums`).
+        scale: the robust kernel's k (> 0).
+        eps: the solve's rank rule (as :func:`gicp_update`).
+
+    Returns:
+        :func:`gicp_update`'s ``(sums, D, T_new, T_new as float32, flags)``.
+
+    """
+    if neighborhood not in NEIGHBORHOODS:
+        raise ValueError(f"neighborhood: expected one of {NEIGHBORHOODS}, got {neighborhood!r}")
+    if backend(source) != "cpu" or transform_f32.device.type != "cpu":
+        from pointalign.kernels import ransac as _kr
+
+        x = _kr.transform_points(transform_f32, source)
+        idx = voxel_lookup(x, vmap, neighborhood)
+        return gicp_update(x, source_cov, vmap.means, vmap.covariances, idx,
+                           transform=transform, lengths=lengths, center=center,
+                           kernel=kernel, scale=scale, eps=eps)
+    from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+    B, N = source.shape[:2]
+    rotation = transform[:, :3, :3].to(torch.float32)
+    _check(source, source_cov, vmap.means, vmap.covariances,
+           torch.empty(B, N, 1, dtype=torch.int64), rotation, lengths, center, kernel,
+           float(scale))
+    s = _gicp_cpu.vgicp_sums_cpu(source, source_cov, transform_f32, vmap.keys, vmap.means,
+                                 vmap.covariances, vmap.inv_size, neighborhood, rotation,
+                                 lengths, center, kernel, float(scale))
+    D, Tn, fl = normal_eq.solve_update_plane_host(s, center, transform, eps=eps)
+    return (s, D, Tn, Tn.to(torch.float32), fl)
 
 
 def voxelize(points: torch.Tensor, lengths: torch.Tensor, covariances: torch.Tensor,
