@@ -10,11 +10,18 @@
   order, so the result does not depend on the thread count. It differs from the reference
   (which sums whole columns, and forms ``Jᵀ M J`` by matrix products) by the rounding of
   float64 sums in another order and grouping (relative ~1e-13).
+* :func:`knn_covariances_cpu`: the k-NN self-query of the knn family's host tree
+  (its keyed search helpers) and :func:`covariances_cpu`'s row reduction in one parallel
+  pass: no ``(N, k)`` table, the same bits as the search then the reduction.
 * :func:`voxel_lookup_cpu`: the nearest voxel by binary search in each target's sorted
   keys; integer answers equal to the reference's (the same float64 distances).
+* :func:`vgicp_sums_cpu`: one VGICP iteration's move (``transform_points``' rounding),
+  voxel look-up and sums in one parallel pass: the bits of the three kernels in a row.
 
-The 3×3 eigen-solve, the adjugate inverse and the per-pair terms are written once here as
-``inline`` helpers (the same operations as the reference and ``triton.py``).
+The per-row covariance, the per-pair terms (adjugate inverse, robust weight, the 28 sums),
+the turned source covariance and the voxel look-up are written once here as ``inline``
+helpers (the same operations as the reference and ``triton.py``); each kernel is a loop
+over them, so the fused kernels add no second copy of a formula.
 """
 
 from __future__ import annotations
