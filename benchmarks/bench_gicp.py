@@ -353,8 +353,8 @@ def main() -> None:
     topic = "gicp" + (f"_{a.label}" if a.label else "")
     notes = NOTES + (f" Every method with {THREADS} threads." if THREADS else "") + (
         " iter_ms: ours the iterations' stage; peers: total less covariances.")
-    rec = Recorder(topic, a.device, title="GICP and VGICP vs small_gicp and Open3D",
-                   notes=notes, columns=COLUMNS)
+    rec = Recorder(topic, a.device, title="GICP and VGICP vs small_gicp and Open3D"
+                   + (f" ({a.label})" if a.label else ""), notes=notes, columns=COLUMNS)
     big = not a.quick and (dev == "cuda" or a.cpu_1m)
     for case in cases(a.quick, big):
         if a.cases and not any(c in case[0] for c in a.cases.split(",")):
