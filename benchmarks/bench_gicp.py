@@ -32,6 +32,14 @@ iterations), and ours again with small_gicp's rule (an update below 0.1° and 1 
     python benchmarks/bench_gicp.py --device cuda          # the GPU run (peers on the host)
     python benchmarks/bench_gicp.py --device cpu --quick   # smoke run, about a minute
     python benchmarks/bench_gicp.py --device cpu           # CPU sizes, with the peers
+    python benchmarks/bench_gicp.py --device cpu --threads 2 --repeat 5   # same threads
+
+``--threads N`` runs every method with N threads: ours through ``pointalign.threads``,
+small_gicp through its ``num_threads``, Open3D through ``OMP_NUM_THREADS`` (set before any
+OpenMP runtime loads, so it also caps PyTorch's pool); without it, all cores. Each row
+records the 1-minute load average when it was taken (``load``): on a shared machine other
+processes' work shows there, and CPU times under a load above the core count are noisy.
+``--label`` names the results file (``gicp_<label>-<device>.json``), e.g. a before/after.
 """
 
 from __future__ import annotations
@@ -45,8 +53,27 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
-import torch
+
+def _early_threads(argv: list[str]) -> None:
+    """Set ``OMP_NUM_THREADS`` from ``--threads`` before PyTorch and Open3D load OpenMP."""
+    for i, a in enumerate(argv):
+        v = a.split("=", 1)[1] if a.startswith("--threads=") else \
+            argv[i + 1] if a == "--threads" and i + 1 < len(argv) else None
+        if v is not None and v.isdigit():
+            os.environ["OMP_NUM_THREADS"] = v
+
+
+if __name__ == "__main__":
+    _early_threads(sys.argv)
+
+# pointalign before PyTorch: its import sets OMP_WAIT_POLICY=PASSIVE for the OpenMP runtime
+# (pointalign._threads) only when PyTorch has not loaded it yet. With PyTorch first, the
+# runtime's spinning waits made every numba parallel region cost ~16 ms at load 10 on the
+# shared 2-core machine (9 µs with PASSIVE): ours took 1.0 s on the KITTI pair, not 0.29 s.
+# The peers run in this process under the same setting.
+import pointalign  # noqa: E402, I001
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,8 +94,10 @@ SMALL_GICP_RULE = ConvergenceCriteria(max_iterations=MAX_ITER, relative_fitness=
                                       relative_rmse=0, translation_tolerance=1e-3,
                                       rotation_tolerance=math.radians(0.1))
 COLUMNS = ["case", "method", "impl", "rule", "n_source", "n_target", "total_ms", "iqr_ms",
-           "cov_ms", "iterations", "converged", "rot_err_deg", "trans_err_mm",
-           "alt_rot_err_deg", "alt_trans_err_mm", "fitness"]
+           "cov_ms", "iter_ms", "iterations", "converged", "rot_err_deg", "trans_err_mm",
+           "alt_rot_err_deg", "alt_trans_err_mm", "fitness", "load"]
+#: threads of every method (None: all cores); set by ``--threads``
+THREADS: int | None = None
 NOTES = (
     "Time of one registration from raw points (median after a warm-up), covariances "
     "included (cov_ms: their share). Ours on the benchmark device; small_gicp (all cores) "
@@ -173,20 +202,30 @@ def ours(rec: Recorder, case: tuple, dev: str, repeat: int) -> None:
     s, t = src.to(dev), tgt.to(dev)
     for method in ("gicp", "vgicp"):
         for rule_name, rule in (("open3d", OPEN3D_RULE), ("small_gicp", SMALL_GICP_RULE)):
-            def call(method=method, rule=rule):
+            stages: list[dict[str, float]] = []
+
+            def call(method=method, rule=rule, stages=stages):
                 if method == "gicp":
-                    return gicp(s, t, init=init, max_correspondence_distance=dist, k=K,
-                                criteria=rule, device=dev)
-                return vgicp(s, t, init=init, voxel_size=voxel, k=K, criteria=rule,
-                             device=dev)
+                    res = gicp(s, t, init=init, max_correspondence_distance=dist, k=K,
+                               criteria=rule, device=dev, num_threads=THREADS)
+                else:
+                    res = vgicp(s, t, init=init, voxel_size=voxel, k=K, criteria=rule,
+                                device=dev, num_threads=THREADS)
+                stages.append(res.timings)
+                return res
 
             res, times = _timed(call, repeat, dev)
-            rec.add(case=name, method=method.upper(), impl=f"pointalign ({dev})",
+            timed = stages[1:]  # the warm-up's left out
+            rec.add(case=name, method=method.upper(),
+                    impl=f"pointalign ({dev}{'' if THREADS is None else f', {THREADS} threads'})",
                     rule=rule_name, n_source=src.shape[0], n_target=tgt.shape[0],
                     total_ms=1e3 * statistics.median(times), iqr_ms=1e3 * _iqr(times),
-                    cov_ms=1e3 * res.timings.get("covariances", float("nan")),
+                    cov_ms=1e3 * statistics.median(x.get("covariances", math.nan)
+                                                   for x in timed),
+                    iter_ms=1e3 * statistics.median(x.get("iterate", math.nan) for x in timed),
                     iterations=int(res.iterations), converged=bool(res.converged),
-                    fitness=float(res.fitness), **_errors(res.transformation, truth, alt))
+                    fitness=float(res.fitness), load=os.getloadavg()[0],
+                    **_errors(res.transformation, truth, alt))
 
 
 # ---- small_gicp ---------------------------------------------------------------------------
@@ -199,7 +238,7 @@ def small_gicp_rows(rec: Recorder, case: tuple, repeat: int) -> None:
     except Exception:
         rec.add(**base, method="GICP/VGICP", impl="small_gicp", skipped="not importable")
         return
-    threads = os.cpu_count() or 1
+    threads = THREADS or os.cpu_count() or 1
     s_np, t_np = src.double().numpy(), tgt.double().numpy()
 
     def covs():
@@ -228,8 +267,10 @@ def small_gicp_rows(rec: Recorder, case: tuple, repeat: int) -> None:
         res, times = _timed(fn, repeat)
         rec.add(**base, method=method, impl=f"small_gicp ({threads} threads)",
                 total_ms=1e3 * statistics.median(times), iqr_ms=1e3 * _iqr(times),
-                cov_ms=1e3 * statistics.median(cov_times), iterations=int(res.iterations),
-                converged=bool(res.converged),
+                cov_ms=1e3 * statistics.median(cov_times),
+                iter_ms=1e3 * (statistics.median(times) - statistics.median(cov_times)),
+                iterations=int(res.iterations), converged=bool(res.converged),
+                load=os.getloadavg()[0],
                 fitness=float(res.num_inliers) / max(1, src.shape[0]),
                 **_errors(np.asarray(res.T_target_source), truth, alt))
 
@@ -265,8 +306,12 @@ def open3d_rows(rec: Recorder, case: tuple, repeat: int) -> None:
 
     _, cov_times = _timed(clouds, repeat)
     res, times = _timed(run, repeat)
-    rec.add(**base, impl=f"open3d {o3d.__version__}", total_ms=1e3 * statistics.median(times),
+    omp = os.environ.get("OMP_NUM_THREADS")
+    rec.add(**base, impl=f"open3d {o3d.__version__}" + (f" ({omp} threads)" if omp else ""),
+            total_ms=1e3 * statistics.median(times),
             iqr_ms=1e3 * _iqr(times), cov_ms=1e3 * statistics.median(cov_times),
+            iter_ms=1e3 * (statistics.median(times) - statistics.median(cov_times)),
+            load=os.getloadavg()[0],
             iterations=_open3d_iterations(o3d, run), fitness=float(res.fitness),
             **_errors(np.asarray(res.transformation), truth, alt))
 
@@ -289,17 +334,31 @@ def _open3d_iterations(o3d, run) -> int:
 
 
 def main() -> None:
+    global THREADS
     p = parse_args(__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=None, help="timed runs per row")
+    p.add_argument("--repeat", type=int, default=None, help="timed runs per row (default 5)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of every method (default: all cores)")
+    p.add_argument("--label", default="", help="results file gicp_<label>-<device>.json")
+    p.add_argument("--cases", default="",
+                   help="only the cases whose name holds one of these comma-separated texts")
     p.add_argument("--cpu-1m", action="store_true", help="the 1M pair on the CPU too")
     p.add_argument("--no-peers", action="store_true", help="ours only")
     a = p.parse_args()
     dev = torch.device(a.device).type
-    repeat = a.repeat or (1 if a.quick else 5 if dev == "cuda" else 3)
-    rec = Recorder("gicp", a.device, title="GICP and VGICP vs small_gicp and Open3D",
-                   notes=NOTES, columns=COLUMNS)
+    repeat = a.repeat or (1 if a.quick else 5)
+    THREADS = a.threads
+    if THREADS is not None:
+        pointalign.set_num_threads(THREADS)
+    topic = "gicp" + (f"_{a.label}" if a.label else "")
+    notes = NOTES + (f" Every method with {THREADS} threads." if THREADS else "") + (
+        " iter_ms: ours the iterations' stage; peers: total less covariances.")
+    rec = Recorder(topic, a.device, title="GICP and VGICP vs small_gicp and Open3D"
+                   + (f" ({a.label})" if a.label else ""), notes=notes, columns=COLUMNS)
     big = not a.quick and (dev == "cuda" or a.cpu_1m)
     for case in cases(a.quick, big):
+        if a.cases and not any(c in case[0] for c in a.cases.split(",")):
+            continue
         ours(rec, case, a.device, repeat)
         if not a.no_peers:
             small_gicp_rows(rec, case, repeat)

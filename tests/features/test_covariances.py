@@ -81,6 +81,21 @@ def test_shared_neighbour_table_with_normals(bunny):
                                EPS * n.double(), atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["brute", "kdtree", "ckdtree", "grid"])
+def test_every_index_gives_the_default_covariances(backend, bunny, method):
+    """Any index (the default path: the fused search on the CPU, brute force or a tree on a
+    device) finds the exact k-NN: the covariances agree up to the rounding of the float64
+    sums taken in another order where ties in float32 distance order differently, carried
+    through the eigenvector (~sqrt(u) over the gap, as the oracle test)."""
+    pts = bunny.to(backend.device)
+    default = estimate_covariances(pts, k=20).cpu()
+    got = estimate_covariances(pts, k=20, index=build_index(pts, method)).cpu()
+    _, gaps = _oracle(bunny.double().numpy(), 20)
+    tol = 8 * math.sqrt(U64) / gaps + 4 * U32
+    err = np.abs(got.double().numpy() - default.double().numpy()).max((1, 2))
+    assert (err <= tol).all(), (err / tol).max()
+
+
 def test_fallback_for_degenerate_neighbourhoods():
     line = torch.stack([torch.linspace(0, 1, 30, dtype=torch.float64)] * 3, 1)
     C = estimate_covariances(line, k=5)

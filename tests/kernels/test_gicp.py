@@ -181,6 +181,45 @@ def test_covariances_eps_and_bad_input():
         kg.covariances(pts[:, :2], idx)
 
 
+@pytest.mark.parametrize("n, k", [(400, 20), (20, 20), (3, 3), (1000, 7)])
+def test_knn_covariances_fused_equals_search_then_covariances(backend, seed, n, k):
+    """The fused search + reduction gives the bits of the search's table then ``covariances``.
+
+    Both visit the same tree with the same ordered keys and sum the same neighbours in the
+    same order (plain float64 operations): equality, also with duplicated points (ties go
+    to the smaller index on both sides). Backends without a fused kernel answer None.
+    """
+    from pointalign.kernels import knn
+
+    g = torch.Generator().manual_seed(seed)
+    pts = datasets.random_subsample(datasets.load_bunny("bun000"), n, seed=seed)
+    pts[n // 2:n // 2 + n // 5] = pts[: n // 5]                 # duplicates: ties
+    pts = pts + 1e-4 * torch.randn(n, 3, generator=g) * (torch.arange(n) % 3 == 0)[:, None]
+    got = kg.knn_covariances(pts.to(backend.device), k)
+    if backend.name != "cpu":
+        assert got is None
+        return
+    assert got is not None and got.dtype == torch.float32 and got.shape == (n, 3, 3)
+    _, idx = knn.host_tree(pts).knn_self(k)
+    assert torch.equal(got, kg.covariances(pts, torch.from_numpy(idx)))
+    # and the neighbourhoods are the exact k-NN (cKDTree oracle, compared as sets of rows)
+    d_tree, _ = cKDTree(pts.double().numpy()).query(pts.double().numpy(), k)
+    d_ours = np.sort(((pts[:, None].double() - pts[torch.from_numpy(idx)].double()) ** 2)
+                     .sum(-1).sqrt().numpy(), 1)
+    np.testing.assert_allclose(d_ours, d_tree, rtol=0, atol=4 * U32 * float(pts.abs().max()))
+
+
+def test_knn_covariances_float64_and_bad_input():
+    pts = datasets.random_subsample(datasets.load_bunny("bun000"), 50, seed=0)
+    assert kg.knn_covariances(pts.double(), 5) is None  # no fused kernel: the caller searches
+    with pytest.raises(ValueError, match="k"):
+        kg.knn_covariances(pts, 51)
+    with pytest.raises(ValueError, match="eps"):
+        kg.knn_covariances(pts, 5, eps=1.5)
+    with pytest.raises(ValueError, match="points"):
+        kg.knn_covariances(pts[:, :2], 5)
+
+
 # ---- the Mahalanobis normal equations ------------------------------------------------------
 
 def _case(seed: int, B=2, N=157, M=101, S=1, offset=0.0, dtype=torch.float32):
@@ -390,6 +429,42 @@ def test_voxel_lookup_exact(backend, seed, neighborhood):
     if neighborhood > 1:  # a wider search finds at least the voxels the own cell finds
         own = kg.voxel_lookup(src.to(dev), vm, 1).cpu()
         assert ((got >= 0) | (own < 0)).all()
+
+
+@pytest.mark.parametrize("neighborhood", ref.NEIGHBORHOODS)
+@pytest.mark.parametrize("kind", ["none", "huber"])
+def test_vgicp_update_equals_move_lookup_update(backend, seed, neighborhood, kind):
+    """One VGICP step (fused on the numba path) gives the bits of its three parts.
+
+    ``transform_points`` → ``voxel_lookup`` → ``gicp_update``: the fused kernel moves each
+    point with the same float32 products and sums, finds the same voxel and adds the same
+    float64 terms in the same row blocks, so the sums and the solve are equal.
+    """
+    from pointalign.kernels import ransac as kr
+
+    src, tgt, tc, L = _voxel_case(seed)
+    g = torch.Generator().manual_seed(seed)
+    B, N = src.shape[:2]
+    sc = tc[:, torch.randint(0, tc.shape[1], (N,), generator=g)]
+    dev = backend.device
+    T = torch.stack([transforms.random_transform(8.0, 0.01, generator=g) for _ in range(B)])
+    Tf = T.to(torch.float32)
+    lengths = torch.tensor([N, N - 31])
+    center = 0.01 * torch.randn(B, 3, generator=g)
+    vm = kg.voxelize(tgt.to(dev), L.to(dev), tc.to(dev), 0.03)
+    args = dict(lengths=lengths.to(dev), center=center.to(dev), kernel=kind, scale=0.02)
+    got = kg.vgicp_update(src.to(dev), sc.to(dev), vm, neighborhood, transform=T.to(dev),
+                          transform_f32=Tf.to(dev), **args)
+    x = kr.transform_points(Tf.to(dev), src.to(dev))
+    idx = kg.voxel_lookup(x, vm, neighborhood)
+    want = kg.gicp_update(x, sc.to(dev), vm.means, vm.covariances, idx, transform=T.to(dev),
+                          **args)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    assert float(got[0][0, 28]) > 0  # pairs were found
+    with pytest.raises(ValueError, match="neighborhood"):
+        kg.vgicp_update(src.to(dev), sc.to(dev), vm, 5, transform=T.to(dev),
+                        transform_f32=Tf.to(dev), **args)
 
 
 def test_voxel_bad_input():

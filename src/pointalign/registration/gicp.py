@@ -102,12 +102,10 @@ class VgicpStep:
         T, Tf = state["T"], state["Tf"]
         vmap = _kg.VoxelMap(inputs["keys"], inputs["means"], inputs["voxel_cov"],
                             inputs["counts"], self.voxel_size)
-        x = _kr.transform_points(Tf, inputs["source"])
-        idx = _kg.voxel_lookup(x, vmap, self.neighborhood)
-        sums, D, T_new, Tf_new, flags = _kg.gicp_update(
-            x, inputs["source_cov"], vmap.means, vmap.covariances, idx, transform=T,
-            lengths=inputs["lengths"], center=inputs["center"], kernel=self.kernel,
-            scale=self.scale, eps=estimate.DEGENERACY_EPS)
+        sums, D, T_new, Tf_new, flags = _kg.vgicp_update(
+            inputs["source"], inputs["source_cov"], vmap, self.neighborhood, transform=T,
+            transform_f32=Tf, lengths=inputs["lengths"], center=inputs["center"],
+            kernel=self.kernel, scale=self.scale, eps=estimate.DEGENERACY_EPS)
         return {"T": T_new, "Tf": Tf_new}, {"sums": sums, "update": D, "T": T_new,
                                             "flags": flags}
 
@@ -147,14 +145,18 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
                indexes: tuple = ()) -> torch.Tensor:
     """``(B, N, 3, 3)`` covariances of each cloud's first ``counts[b]`` points (k-NN).
 
-    A correspondence index in ``indexes`` that is a host tree over the same points is
-    reused for the neighbour search (the same exact k-NN as a tree built for it).
+    A correspondence index in ``indexes`` over the same points is reused for the neighbour
+    search (every index answers the exact k-NN, so the neighbours are those of an index
+    built for them): a host tree (it keeps the self-query as its shortcut lists) or a
+    device k-d tree (no second build: ~7 ms at 25k points, ~70 ms at 1M on an H100,
+    ``benchmarks/results/knn-cuda.json``), not a voxel grid (its cells are sized for the
+    correspondence bound, not for k neighbours).
     """
     from pointalign.features.covariances import estimate_covariances
-    from pointalign.search.ckdtree import CKDTreeIndex
+    from pointalign.search.grid import VoxelGridIndex
 
     B, N = pts.shape[:2]
-    out = torch.eye(3, dtype=torch.float32, device=pts.device).repeat(B, N, 1, 1)
+    out = None
     for b in range(1 if shared else B):
         m = int(counts[b])
         if m < k:
@@ -162,11 +164,19 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
                              f"k = {k} neighbours per covariance; pass a smaller k or "
                              f"{name}_covariances")
         ix = getattr(indexes[b], "index", indexes[b]) if b < len(indexes) else None
-        ok = isinstance(ix, CKDTreeIndex) and ix.points.shape[0] == m \
-            and torch.equal(ix.points, pts[b, :m])
+        p = getattr(ix, "points", None)
+        ok = ix is not None and not isinstance(ix, VoxelGridIndex) \
+            and isinstance(p, torch.Tensor) and p.shape == (m, 3) \
+            and p.device == pts.device and torch.equal(p, pts[b, :m])
         with _validate.trusted():
-            out[b, :m] = estimate_covariances(pts[b, :m], k, index=ix if ok else None,
-                                              device=pts.device)
+            c = estimate_covariances(pts[b, :m], k, index=ix if ok else None,
+                                     device=pts.device).to(torch.float32)
+        if B == 1 and m == N:  # one full cloud: no padding to fill
+            return c[None]
+        if out is None:
+            out = torch.eye(3, dtype=torch.float32, device=pts.device).repeat(B, N, 1, 1)
+        out[b, :m] = c
+    assert out is not None
     return out[:1].expand_as(out).contiguous() if shared else out
 
 

@@ -9,6 +9,11 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
   covariance in float64); **fallback I** for fewer than 3 neighbours or a neighbourhood
   that does not span a plane (:func:`pointalign._math.spans_plane`). Never NaN for finite
   points. Dtype of the points.
+* ``knn_covariances(points (N, 3), k, eps) -> (N, 3, 3) | None``: ``covariances`` of each
+  point's k nearest points (itself included; ties by index, the exact k-NN of every
+  index), the search and the reduction fused in one pass where the backend has such a
+  kernel (numba, float32 finite points: the same result as the search then
+  ``covariances``, bit for bit); None elsewhere (the caller searches an index).
 * ``gicp_sums(source, source_cov, target, target_cov, idx, rotation, lengths, center,
   kernel, scale) -> (B, 30)`` float64: the Gauss-Newton normal equations of the
   plane-to-plane cost over the pairs ``(i, idx[b, i, s])``, laid out as ``normal_eq``'s
@@ -20,6 +25,10 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
 * ``gicp_update(...)``: ``gicp_sums`` followed by ``normal_eq``'s 6×6 point-to-plane
   solve (the same least-norm rule and un-centring), on the device:
   ``(sums, D, T_new, T_new as float32, flags)`` as :func:`pointalign.kernels.normal_eq.icp_update`.
+* ``vgicp_update(source, source_cov, vmap, neighborhood, ...)``: one VGICP step from the
+  unmoved source: ``transform_points`` by the float32 estimate, ``voxel_lookup``, then
+  ``gicp_update`` against the voxel Gaussians. The numba path fuses the move, the look-up
+  and the sums in one pass (the same bits as the three calls); elsewhere the three calls.
 * ``voxelize(points (B, M, 3), lengths, covariances (B, M, 3, 3), voxel_size) -> VoxelMap``
   and ``voxel_lookup(points (B, N, 3), vmap, neighborhood) -> (B, N)`` int64: the
   Gaussian voxel map of VGICP and, for each point, the occupied voxel around it whose mean
@@ -46,7 +55,8 @@ from pointalign.kernels.gicp.reference import (
 )
 
 __all__ = ["KERNELS", "NEIGHBORHOODS", "PLANE_EPS", "ROBUST_SCALE2", "WIDTH", "VoxelMap",
-           "covariances", "gicp_sums", "gicp_update", "voxel_lookup", "voxelize"]
+           "covariances", "gicp_sums", "gicp_update", "knn_covariances", "vgicp_update",
+           "voxel_lookup", "voxelize"]
 
 
 def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
@@ -79,6 +89,34 @@ def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
 
         return _gicp_triton.covariances(points, nbr_idx, eps)
     return covariances_reference(points, nbr_idx, eps)
+
+
+def knn_covariances(points: torch.Tensor, k: int,
+                    eps: float = PLANE_EPS) -> torch.Tensor | None:
+    """Plane-regularised covariances of each point's k-NN, search fused (see the contract).
+
+    Args:
+        points: ``(N, 3)`` float tensor, ``N >= k``.
+        k: neighbours per point, the point itself included (``1 <= k <= N``).
+        eps: the regularisation ε, in (0, 1].
+
+    Returns:
+        ``(N, 3, 3)`` in the points' dtype where the backend fuses the search (the "cpu"
+        backend, float32 finite points), else None: search an index, then
+        :func:`covariances`.
+
+    """
+    if points.dim() != 2 or points.shape[1] != 3:
+        raise ValueError(f"points: expected shape (N, 3), got {tuple(points.shape)}")
+    if not 1 <= int(k) <= points.shape[0]:
+        raise ValueError(f"k: expected 1 <= k <= {points.shape[0]}, got {k}")
+    if not 0 < eps <= 1:
+        raise ValueError(f"eps: must be in (0, 1], got {eps}")
+    if backend(points) != "cpu":
+        return None
+    from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+    return _gicp_cpu.knn_covariances_cpu(points, int(k), float(eps))
 
 
 def _check(source, source_cov, target, target_cov, idx, rotation, lengths, center, kernel,
@@ -215,6 +253,63 @@ def gicp_update(
         D, Tn, fl = normal_eq.solve_update_reference(s, center, transform, plane=True, eps=eps)
     dev = source.device
     return (s, D.to(dev), Tn.to(dev), Tn.to(dev, torch.float32), fl.to(dev))
+
+
+def vgicp_update(
+    source: torch.Tensor,
+    source_cov: torch.Tensor,
+    vmap: VoxelMap,
+    neighborhood: int,
+    *,
+    transform: torch.Tensor,
+    transform_f32: torch.Tensor,
+    lengths: torch.Tensor,
+    center: torch.Tensor,
+    kernel: str = "none",
+    scale: float = 1.0,
+    eps: float = 1e-10,
+) -> tuple[torch.Tensor, ...]:
+    """One VGICP step: move, nearest voxel, sums, solve (see the module contract).
+
+    Args:
+        source: ``(B, N, 3)`` float tensor, the source points in their own frame.
+        source_cov: ``(B, N, 3, 3)`` their covariances.
+        vmap: the target's :class:`VoxelMap` (``B`` rows).
+        neighborhood: cells searched per point (:data:`NEIGHBORHOODS`).
+        transform: ``(B, 4, 4)`` float64 estimate (its rotation turns the covariances).
+        transform_f32: the same in float32 (moves the points, as ``transform_points``).
+        lengths: ``(B,)`` int64 valid source rows.
+        center: ``(B, 3)`` centre of the linearisation.
+        kernel: robust kernel (as :func:`gicp_sums`).
+        scale: the robust kernel's k (> 0).
+        eps: the solve's rank rule (as :func:`gicp_update`).
+
+    Returns:
+        :func:`gicp_update`'s ``(sums, D, T_new, T_new as float32, flags)``.
+
+    """
+    if neighborhood not in NEIGHBORHOODS:
+        raise ValueError(f"neighborhood: expected one of {NEIGHBORHOODS}, got {neighborhood!r}")
+    if backend(source) != "cpu" or transform_f32.device.type != "cpu":
+        from pointalign.kernels import ransac as _kr
+
+        x = _kr.transform_points(transform_f32, source)
+        idx = voxel_lookup(x, vmap, neighborhood)
+        return gicp_update(x, source_cov, vmap.means, vmap.covariances, idx,
+                           transform=transform, lengths=lengths, center=center,
+                           kernel=kernel, scale=scale, eps=eps)
+    from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+    B, N = source.shape[:2]
+    rotation = transform[:, :3, :3].to(torch.float32)
+    _check(source, source_cov, vmap.means, vmap.covariances,
+           torch.empty(B, N, 1, dtype=torch.int64), rotation, lengths, center, kernel,
+           float(scale))
+    s = _gicp_cpu.vgicp_sums_cpu(source, source_cov, transform_f32, vmap.keys, vmap.means,
+                                 vmap.covariances, vmap.inv_size, neighborhood, rotation,
+                                 lengths, center, kernel, float(scale))
+    D, Tn, fl = normal_eq.solve_update_plane_host(s, center, transform, eps=eps)
+    return (s, D, Tn, Tn.to(torch.float32), fl)
 
 
 def voxelize(points: torch.Tensor, lengths: torch.Tensor, covariances: torch.Tensor,

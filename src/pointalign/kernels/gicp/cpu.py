@@ -10,11 +10,18 @@
   order, so the result does not depend on the thread count. It differs from the reference
   (which sums whole columns, and forms ``Jᵀ M J`` by matrix products) by the rounding of
   float64 sums in another order and grouping (relative ~1e-13).
+* :func:`knn_covariances_cpu`: the k-NN self-query of the knn family's host tree
+  (its keyed search helpers) and :func:`covariances_cpu`'s row reduction in one parallel
+  pass: no ``(N, k)`` table, the same bits as the search then the reduction.
 * :func:`voxel_lookup_cpu`: the nearest voxel by binary search in each target's sorted
   keys; integer answers equal to the reference's (the same float64 distances).
+* :func:`vgicp_sums_cpu`: one VGICP iteration's move (``transform_points``' rounding),
+  voxel look-up and sums in one parallel pass: the bits of the three kernels in a row.
 
-The 3×3 eigen-solve, the adjugate inverse and the per-pair terms are written once here as
-``inline`` helpers (the same operations as the reference and ``triton.py``).
+The per-row covariance, the per-pair terms (adjugate inverse, robust weight, the 28 sums),
+the turned source covariance and the voxel look-up are written once here as ``inline``
+helpers (the same operations as the reference and ``triton.py``); each kernel is a loop
+over them, so the fused kernels add no second copy of a formula.
 """
 
 from __future__ import annotations
@@ -40,53 +47,102 @@ from pointalign.kernels.gicp.reference import (
     ROBUST_SCALE2,
     WIDTH,
 )
+from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _boxd2, _scan_key, _subtree_key
+from pointalign.kernels.ransac.score_cpu import _moved
 
 #: row blocks per batch entry (fixed: the summation order does not depend on threads)
 BLOCKS = 64
 _OFFSETS = np.asarray(OFFSETS, dtype=np.int64)
 
 
+@njit(cache=True, inline="always")
+def _cov_row(pts, row, eps, degeneracy, out, i):
+    """Write ``out[i]``: the plane covariance of the neighbours ``row (K,)`` (``-1`` = none)."""
+    k = row.shape[0]
+    cnt = 0.0
+    m0, m1, m2 = 0.0, 0.0, 0.0
+    for j in range(k):
+        p = row[j]
+        if p >= 0:
+            cnt += 1.0
+            m0 += np.float64(pts[p, 0])
+            m1 += np.float64(pts[p, 1])
+            m2 += np.float64(pts[p, 2])
+    c = max(cnt, 1.0)
+    m0, m1, m2 = m0 / c, m1 / c, m2 / c
+    s00, s01, s02, s11, s12, s22 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    for j in range(k):
+        p = row[j]
+        if p >= 0:
+            d0 = np.float64(pts[p, 0]) - m0
+            d1 = np.float64(pts[p, 1]) - m1
+            d2 = np.float64(pts[p, 2]) - m2
+            s00 += d0 * d0
+            s01 += d0 * d1
+            s02 += d0 * d2
+            s11 += d1 * d1
+            s12 += d1 * d2
+            s22 += d2 * d2
+    s00, s01, s02, s11, s12, s22 = s00 / c, s01 / c, s02 / c, s11 / c, s12 / c, s22 / c
+    for a in range(3):
+        for b in range(3):
+            out[i, a, b] = 1.0 if a == b else 0.0
+    if cnt >= MIN_NEIGHBOURS and spans_plane(s00, s01, s02, s11, s12, s22, degeneracy):
+        (n0, n1, n2), _ = smallest_eigenvector3(s00, s01, s02, s11, s12, s22)
+        f = 1.0 - eps
+        out[i, 0, 0] = 1.0 - f * (n0 * n0)
+        out[i, 1, 1] = 1.0 - f * (n1 * n1)
+        out[i, 2, 2] = 1.0 - f * (n2 * n2)
+        out[i, 0, 1] = out[i, 1, 0] = -(f * (n0 * n1))
+        out[i, 0, 2] = out[i, 2, 0] = -(f * (n0 * n2))
+        out[i, 1, 2] = out[i, 2, 1] = -(f * (n1 * n2))
+
+
 @njit(cache=True, parallel=True)
 def _covariances(pts, idx, eps, degeneracy, out):
-    q, k = idx.shape
-    for i in prange(q):
-        cnt = 0.0
-        m0, m1, m2 = 0.0, 0.0, 0.0
-        for j in range(k):
-            p = idx[i, j]
-            if p >= 0:
-                cnt += 1.0
-                m0 += np.float64(pts[p, 0])
-                m1 += np.float64(pts[p, 1])
-                m2 += np.float64(pts[p, 2])
-        c = max(cnt, 1.0)
-        m0, m1, m2 = m0 / c, m1 / c, m2 / c
-        s00, s01, s02, s11, s12, s22 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-        for j in range(k):
-            p = idx[i, j]
-            if p >= 0:
-                d0 = np.float64(pts[p, 0]) - m0
-                d1 = np.float64(pts[p, 1]) - m1
-                d2 = np.float64(pts[p, 2]) - m2
-                s00 += d0 * d0
-                s01 += d0 * d1
-                s02 += d0 * d2
-                s11 += d1 * d1
-                s12 += d1 * d2
-                s22 += d2 * d2
-        s00, s01, s02, s11, s12, s22 = s00 / c, s01 / c, s02 / c, s11 / c, s12 / c, s22 / c
-        for a in range(3):
-            for b in range(3):
-                out[i, a, b] = 1.0 if a == b else 0.0
-        if cnt >= MIN_NEIGHBOURS and spans_plane(s00, s01, s02, s11, s12, s22, degeneracy):
-            (n0, n1, n2), _ = smallest_eigenvector3(s00, s01, s02, s11, s12, s22)
-            f = 1.0 - eps
-            out[i, 0, 0] = 1.0 - f * (n0 * n0)
-            out[i, 1, 1] = 1.0 - f * (n1 * n1)
-            out[i, 2, 2] = 1.0 - f * (n2 * n2)
-            out[i, 0, 1] = out[i, 1, 0] = -(f * (n0 * n1))
-            out[i, 0, 2] = out[i, 2, 0] = -(f * (n0 * n2))
-            out[i, 1, 2] = out[i, 2, 1] = -(f * (n1 * n2))
+    for i in prange(idx.shape[0]):
+        _cov_row(pts, idx[i], eps, degeneracy, out, i)
+
+
+@njit(cache=True, parallel=True)
+def _knn_covariances(pts, perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, eps, degeneracy,
+                     out):
+    """Fused k-NN and :func:`_cov_row` of every point of a keyed host tree (float32).
+
+    The search is :func:`pointalign.kernels.knn.cpu._knn_self_keyed`'s (bottom-up from each
+    point's leaf, with its helpers and its ordered keys), and each point's k nearest
+    (ordered by distance, then index) go straight into :func:`_cov_row` in that order: no
+    neighbour table, one parallel pass, the same result as ``knn_self`` then
+    :func:`_covariances`, bit for bit.
+    """
+    first_leaf = (1 << depth) - 1
+    nleaves = 1 << depth
+    for t in prange(nleaves):
+        stack = np.empty(2 * depth + 4, np.int64)
+        sd = np.empty(2 * depth + 4, spts.dtype)
+        kb = np.empty(k, np.uint64)
+        f = np.empty(2, np.float32)
+        u = f.view(np.uint32)
+        row = np.empty(k, np.int64)
+        leaf = first_leaf + t
+        for j0 in range(lo[leaf], hi[leaf]):
+            q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
+            cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, 0,
+                                   max_d2, f, u)
+            v = leaf
+            while v > 0:
+                sib = v + 1 if v & 1 else v - 1
+                ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
+                if ds <= bound:
+                    cnt, bound = _subtree_key(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin,
+                                              bmax, first_leaf, stack, sd, k, kb, cnt, bound,
+                                              f, u)
+                v = (v - 1) >> 1
+            for s in range(cnt):
+                row[s] = np.int64(kb[s] & _LOW32)
+            for s in range(cnt, k):
+                row[s] = -1
+            _cov_row(pts, row, eps, degeneracy, out, perm[j0])
 
 
 def covariances_cpu(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,6 +153,28 @@ def covariances_cpu(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> 
     if out.shape[0]:
         _covariances(p, nbr_idx.detach().to(torch.int64).contiguous().numpy(), float(eps),
                      _math.DEGENERACY_EPS, out)
+    return torch.from_numpy(out).to(points.dtype)
+
+
+def knn_covariances_cpu(points: torch.Tensor, k: int, eps: float) -> torch.Tensor | None:
+    """``(N, 3, 3)`` covariances of each point's k nearest (itself included), fused; or None.
+
+    A host k-d tree is built over the points (the knn family's, leaf size
+    ``HOST_LEAF_SIZE``) and searched and reduced in one pass (:func:`_knn_covariances`).
+    None where the keyed search does not apply (not float32, not finite): the caller then
+    searches an index and calls :func:`covariances_cpu`.
+    """
+    from pointalign.kernels.knn import HOST_LEAF_SIZE
+
+    p = points.detach().contiguous().numpy()
+    if p.dtype != np.float32 or not np.isfinite(p).all():
+        return None
+    tree = CpuTree(p, leaf_size=HOST_LEAF_SIZE)
+    _threads.numba_threads()
+    out = np.empty((p.shape[0], 3, 3), np.float64)
+    _knn_covariances(p, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
+                     tree.depth, int(k), np.float32(np.inf), float(eps), _math.DEGENERACY_EPS,
+                     out)
     return torch.from_numpy(out).to(points.dtype)
 
 
@@ -169,6 +247,63 @@ def add_pair(acc, w, x0, x1, x2, m00, m01, m02, m11, m12, m22, u0, u1, u2, e):
     acc[27] += w * e
 
 
+@njit(cache=True, inline="always")
+def _pair(acc, x0, x1, x2, s00, s01, s02, s11, s12, s22, tgt, tcov, b, j, c0, c1, c2, kind,
+          scale, rscale2):
+    """Add the pair (source row, target ``j``) to ``acc``; return its squared distance, or -1.
+
+    ``x̃`` the centred moved source point, ``s··`` its turned covariance (upper triangle);
+    -1 (nothing added) where the combined covariance is not positive definite.
+    """
+    c00 = np.float64(tcov[b, j, 0, 0]) + s00
+    c01 = np.float64(tcov[b, j, 0, 1]) + s01
+    c02 = np.float64(tcov[b, j, 0, 2]) + s02
+    c11 = np.float64(tcov[b, j, 1, 1]) + s11
+    c12 = np.float64(tcov[b, j, 1, 2]) + s12
+    c22 = np.float64(tcov[b, j, 2, 2]) + s22
+    a00 = c11 * c22 - c12 * c12
+    a01 = c02 * c12 - c01 * c22
+    a02 = c01 * c12 - c02 * c11
+    a11 = c00 * c22 - c02 * c02
+    a12 = c01 * c02 - c00 * c12
+    a22 = c00 * c11 - c01 * c01
+    det = c00 * a00 + c01 * a01 + c02 * a02
+    if not det > 0:
+        return -1.0
+    m00, m01, m02 = a00 / det, a01 / det, a02 / det
+    m11, m12, m22 = a11 / det, a12 / det, a22 / det
+    r0 = x0 - (np.float64(tgt[b, j, 0]) - c0)
+    r1 = x1 - (np.float64(tgt[b, j, 1]) - c1)
+    r2 = x2 - (np.float64(tgt[b, j, 2]) - c2)
+    u0 = m00 * r0 + m01 * r1 + m02 * r2
+    u1 = m01 * r0 + m11 * r1 + m12 * r2
+    u2 = m02 * r0 + m12 * r1 + m22 * r2
+    e = max(r0 * u0 + r1 * u1 + r2 * u2, 0.0)
+    w = robust_weight(math.sqrt(rscale2 * e), kind, scale)
+    add_pair(acc, w, x0, x1, x2, m00, m01, m02, m11, m12, m22, u0, u1, u2, e)
+    return r0 * r0 + r1 * r1 + r2 * r2
+
+
+@njit(cache=True, inline="always")
+def _turned(R, scov, b, i):
+    """Upper triangle of ``R Cˢ_i Rᵀ`` in float64."""
+    return _rotate_sym(R, np.float64(scov[b, i, 0, 0]), np.float64(scov[b, i, 0, 1]),
+                       np.float64(scov[b, i, 0, 2]), np.float64(scov[b, i, 1, 1]),
+                       np.float64(scov[b, i, 1, 2]), np.float64(scov[b, i, 2, 2]))
+
+
+@njit(cache=True)
+def _total(part):
+    """``(B, WIDTH)`` sums of the ``(B, BLOCKS, WIDTH)`` partials, in block order."""
+    B = part.shape[0]
+    out = np.zeros((B, WIDTH), np.float64)
+    for b in range(B):
+        for blk in range(BLOCKS):
+            for q in range(WIDTH):
+                out[b, q] += part[b, blk, q]
+    return out
+
+
 @njit(cache=True, parallel=True)
 def _sums(src, scov, tgt, tcov, idx, rot, lengths, center, kind, scale, rscale2):
     B, N, S = idx.shape
@@ -185,55 +320,67 @@ def _sums(src, scov, tgt, tcov, idx, rot, lengths, center, kind, scale, rscale2)
             x0 = np.float64(src[b, i, 0]) - c0
             x1 = np.float64(src[b, i, 1]) - c1
             x2 = np.float64(src[b, i, 2]) - c2
-            s00, s01, s02, s11, s12, s22 = _rotate_sym(
-                R, np.float64(scov[b, i, 0, 0]), np.float64(scov[b, i, 0, 1]),
-                np.float64(scov[b, i, 0, 2]), np.float64(scov[b, i, 1, 1]),
-                np.float64(scov[b, i, 1, 2]), np.float64(scov[b, i, 2, 2]))
+            s00, s01, s02, s11, s12, s22 = _turned(R, scov, b, i)
             n_ok = 0.0
             d2sum = 0.0
             for s in range(S):
                 j = idx[b, i, s]
                 if j < 0:
                     continue
-                c00 = np.float64(tcov[b, j, 0, 0]) + s00
-                c01 = np.float64(tcov[b, j, 0, 1]) + s01
-                c02 = np.float64(tcov[b, j, 0, 2]) + s02
-                c11 = np.float64(tcov[b, j, 1, 1]) + s11
-                c12 = np.float64(tcov[b, j, 1, 2]) + s12
-                c22 = np.float64(tcov[b, j, 2, 2]) + s22
-                a00 = c11 * c22 - c12 * c12
-                a01 = c02 * c12 - c01 * c22
-                a02 = c01 * c12 - c02 * c11
-                a11 = c00 * c22 - c02 * c02
-                a12 = c01 * c02 - c00 * c12
-                a22 = c00 * c11 - c01 * c01
-                det = c00 * a00 + c01 * a01 + c02 * a02
-                if not det > 0:
-                    continue
-                m00, m01, m02 = a00 / det, a01 / det, a02 / det
-                m11, m12, m22 = a11 / det, a12 / det, a22 / det
-                r0 = x0 - (np.float64(tgt[b, j, 0]) - c0)
-                r1 = x1 - (np.float64(tgt[b, j, 1]) - c1)
-                r2 = x2 - (np.float64(tgt[b, j, 2]) - c2)
-                u0 = m00 * r0 + m01 * r1 + m02 * r2
-                u1 = m01 * r0 + m11 * r1 + m12 * r2
-                u2 = m02 * r0 + m12 * r1 + m22 * r2
-                e = max(r0 * u0 + r1 * u1 + r2 * u2, 0.0)
-                w = robust_weight(math.sqrt(rscale2 * e), kind, scale)
-                add_pair(acc, w, x0, x1, x2, m00, m01, m02, m11, m12, m22, u0, u1, u2, e)
-                n_ok += 1.0
-                d2sum += r0 * r0 + r1 * r1 + r2 * r2
+                d2 = _pair(acc, x0, x1, x2, s00, s01, s02, s11, s12, s22, tgt, tcov, b, j,
+                           c0, c1, c2, kind, scale, rscale2)
+                if d2 >= 0:
+                    n_ok += 1.0
+                    d2sum += d2
             if n_ok > 0:
                 acc[28] += 1.0
                 acc[29] += d2sum / n_ok
         for q in range(WIDTH):
             part[b, blk, q] = acc[q]
-    out = np.zeros((B, WIDTH), np.float64)
-    for b in range(B):
-        for blk in range(BLOCKS):
-            for q in range(WIDTH):
-                out[b, q] += part[b, blk, q]
-    return out
+    return _total(part)
+
+
+@njit(cache=True, parallel=True)
+def _vgicp_sums(Rf, tf, src, scov, keys, means, vcov, sizes, inv, offsets, rot, lengths,
+                center, kind, scale, rscale2):
+    """:func:`_sums` of VGICP with the move and the voxel look-up fused (one pass).
+
+    Row i of entry b: moved by ``Rf[b], tf[b]`` in the points' dtype
+    (:func:`pointalign.kernels.ransac.score_cpu._moved`, the rounding of
+    ``transform_points``), paired with :func:`_nearest_voxel` (that of
+    :func:`voxel_lookup_cpu`), summed as :func:`_sums` with S = 1 in the same blocks: the
+    bits of ``transform_points`` → ``voxel_lookup`` → ``gicp_sums``, without the two
+    intermediate ``(B, N)`` arrays and two parallel regions per iteration.
+    """
+    B, N = src.shape[:2]
+    top = (1 << KEY_BITS) - 2
+    part = np.zeros((B, BLOCKS, WIDTH), np.float64)
+    step = (N + BLOCKS - 1) // BLOCKS
+    for job in prange(B * BLOCKS):
+        b = job // BLOCKS
+        blk = job % BLOCKS
+        acc = np.zeros(WIDTH, np.float64)
+        R = rot[b]
+        c0, c1, c2 = center[b, 0], center[b, 1], center[b, 2]
+        stop = min(lengths[b], (blk + 1) * step)
+        for i in range(blk * step, stop):
+            p0, p1, p2 = _moved(Rf, tf, b, src[b, i, 0], src[b, i, 1], src[b, i, 2])
+            j = _nearest_voxel(np.float64(p0), np.float64(p1), np.float64(p2), keys, means,
+                               b, sizes[b], inv, offsets, top)
+            if j < 0:
+                continue
+            x0 = np.float64(p0) - c0
+            x1 = np.float64(p1) - c1
+            x2 = np.float64(p2) - c2
+            s00, s01, s02, s11, s12, s22 = _turned(R, scov, b, i)
+            d2 = _pair(acc, x0, x1, x2, s00, s01, s02, s11, s12, s22, means, vcov, b, j,
+                       c0, c1, c2, kind, scale, rscale2)
+            if d2 >= 0:
+                acc[28] += 1.0
+                acc[29] += d2 / 1.0
+        for q in range(WIDTH):
+            part[b, blk, q] = acc[q]
+    return _total(part)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -253,42 +400,54 @@ def gicp_sums_cpu(source, source_cov, target, target_cov, idx, rotation, lengths
     return torch.from_numpy(out)
 
 
+@njit(cache=True, inline="always")
+def _nearest_voxel(p0, p1, p2, keys, means, b, v, inv, offsets, top):
+    """Find the occupied voxel around ``p`` (float64) whose mean is nearest, or -1.
+
+    Candidates: the cells ``floor(p · inv) + offsets[s]``; the answer is an index into
+    ``keys[b, :v]`` (sorted), found by binary search.
+    """
+    c0 = np.int64(math.floor(p0 * inv)) + KEY_OFFSET
+    c1 = np.int64(math.floor(p1 * inv)) + KEY_OFFSET
+    c2 = np.int64(math.floor(p2 * inv)) + KEY_OFFSET
+    best, best_d2 = -1, np.inf
+    for s in range(offsets.shape[0]):
+        e0, e1, e2 = c0 + offsets[s, 0], c1 + offsets[s, 1], c2 + offsets[s, 2]
+        if e0 < 0 or e1 < 0 or e2 < 0 or e0 > top or e1 > top or e2 > top:
+            continue
+        key = (e0 << (2 * KEY_BITS)) | (e1 << KEY_BITS) | e2
+        lo, hi = 0, v
+        while lo < hi:  # the first position with keys >= key
+            mid = (lo + hi) // 2
+            if keys[b, mid] < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < v and keys[b, lo] == key:
+            d0 = p0 - np.float64(means[b, lo, 0])
+            d1 = p1 - np.float64(means[b, lo, 1])
+            d2 = p2 - np.float64(means[b, lo, 2])
+            dd = (d0 * d0 + d1 * d1) + d2 * d2
+            if dd < best_d2:
+                best, best_d2 = lo, dd
+    return best
+
+
 @njit(cache=True, parallel=True)
 def _lookup(pts, keys, means, sizes, inv, offsets, out):
     B, N = out.shape
-    S = offsets.shape[0]
     top = (1 << KEY_BITS) - 2
     for job in prange(B * N):
         b = job // N
         i = job % N
-        v = sizes[b]
-        p0 = np.float64(pts[b, i, 0])
-        p1 = np.float64(pts[b, i, 1])
-        p2 = np.float64(pts[b, i, 2])
-        c0 = np.int64(math.floor(p0 * inv)) + KEY_OFFSET
-        c1 = np.int64(math.floor(p1 * inv)) + KEY_OFFSET
-        c2 = np.int64(math.floor(p2 * inv)) + KEY_OFFSET
-        best, best_d2 = -1, np.inf
-        for s in range(S):
-            e0, e1, e2 = c0 + offsets[s, 0], c1 + offsets[s, 1], c2 + offsets[s, 2]
-            if e0 < 0 or e1 < 0 or e2 < 0 or e0 > top or e1 > top or e2 > top:
-                continue
-            key = (e0 << (2 * KEY_BITS)) | (e1 << KEY_BITS) | e2
-            lo, hi = 0, v
-            while lo < hi:  # the first position with keys >= key
-                mid = (lo + hi) // 2
-                if keys[b, mid] < key:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            if lo < v and keys[b, lo] == key:
-                d0 = p0 - np.float64(means[b, lo, 0])
-                d1 = p1 - np.float64(means[b, lo, 1])
-                d2 = p2 - np.float64(means[b, lo, 2])
-                dd = (d0 * d0 + d1 * d1) + d2 * d2
-                if dd < best_d2:
-                    best, best_d2 = lo, dd
-        out[b, i] = best
+        out[b, i] = _nearest_voxel(np.float64(pts[b, i, 0]), np.float64(pts[b, i, 1]),
+                                   np.float64(pts[b, i, 2]), keys, means, b, sizes[b], inv,
+                                   offsets, top)
+
+
+def _occupied(k: np.ndarray) -> np.ndarray:
+    """Each row's occupied keys: those below the padding (the padding key sorts last)."""
+    return (k < np.iinfo(np.int64).max).sum(1).astype(np.int64)
 
 
 def voxel_lookup_cpu(points: torch.Tensor, keys: torch.Tensor, means: torch.Tensor,
@@ -297,10 +456,30 @@ def voxel_lookup_cpu(points: torch.Tensor, keys: torch.Tensor, means: torch.Tens
     _threads.numba_threads()
     B, N = points.shape[:2]
     k = _np(keys)
-    # each row's occupied keys: those below the padding (the padding key sorts last)
-    sizes = (k < np.iinfo(np.int64).max).sum(1).astype(np.int64)
+    sizes = _occupied(k)
     out = np.empty((B, N), np.int64)
     if B * N:
         _lookup(_np(points), k, _np(means), sizes, float(inv_size),
                 _OFFSETS[:neighborhood], out)
     return torch.from_numpy(out)
+
+
+def vgicp_sums_cpu(source, source_cov, Tf, keys, means, voxel_cov, inv_size, neighborhood,
+                   rotation, lengths, center, kernel, scale) -> torch.Tensor:
+    """``(B, 30)`` float64 sums of one VGICP iteration from the unmoved source (fused).
+
+    ``Tf (B, 4, 4)``: the estimate in the points' dtype (moves the source); the rest as
+    :func:`gicp_sums_cpu` and :func:`voxel_lookup_cpu`. Equal to ``gicp_sums_cpu`` of
+    ``transform_points(Tf, source)`` and its ``voxel_lookup_cpu`` partners.
+    """
+    _threads.numba_threads()
+    src = _np(source)
+    Tp = Tf.detach().to(source.dtype)
+    k = _np(keys)
+    m = _np(means) if means.dtype == source.dtype else _np(means.to(source.dtype))
+    return torch.from_numpy(_vgicp_sums(
+        _np(Tp[:, :3, :3]), _np(Tp[:, :3, 3]), src, _np(source_cov), k, m,
+        _np(voxel_cov.to(source_cov.dtype)), _occupied(k), float(inv_size),
+        _OFFSETS[:neighborhood], _np(rotation.to(torch.float64)),
+        _np(lengths.to(torch.int64)), _np(center.to(torch.float64)), ROBUST_CODE[kernel],
+        float(scale), ROBUST_SCALE2))
