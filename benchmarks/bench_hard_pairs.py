@@ -45,8 +45,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+# idle OpenMP threads sleep (what importing pointalign before PyTorch sets; see _threads)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
