@@ -62,6 +62,72 @@ def _child_cold(device: str) -> dict:
     return out
 
 
+class _CompileLog:
+    """numba's ``numba:compile`` events: per dispatcher, signatures compiled and seconds.
+
+    A kernel that calls another (not inlined) dispatcher compiles it inside its own event;
+    ``self_s`` is a dispatcher's time less its callees' (what compiling it alone costs),
+    ``total_s`` includes them (both in CPU seconds of the compiling thread, which a shared
+    machine's load inflates less than wall time). Loads from numba's disk cache fire no event.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict] = {}
+        self._stack: list[list] = []
+
+    @staticmethod
+    def _name(ev) -> str:
+        f = ev.data["dispatcher"].py_func
+        return f"{f.__module__.replace('pointalign.kernels.', '')}.{f.__qualname__}"
+
+    def on_start(self, ev) -> None:
+        self._stack.append([time.thread_time(), 0.0])
+
+    def on_end(self, ev) -> None:
+        t0, inner = self._stack.pop()
+        dt = time.thread_time() - t0
+        if self._stack:
+            self._stack[-1][1] += dt
+        row = self.rows.setdefault(self._name(ev), {"signatures": 0, "self_s": 0.0,
+                                                    "total_s": 0.0, "args": []})
+        row["signatures"] += 1
+        row["self_s"] += dt - inner
+        row["total_s"] += dt
+        row["args"].append(", ".join(str(a) for a in ev.data["args"])[:160])
+
+    def install(self) -> None:
+        from numba.core import event
+
+        listener = type("L", (event.Listener,), {"on_start": lambda s, ev: self.on_start(ev),
+                                                 "on_end": lambda s, ev: self.on_end(ev)})()
+        event.register("numba:compile", listener)
+
+
+def _child_compile(device: str) -> dict:
+    """First register() on the bunny pair with every numba compile logged (CPU, empty cache).
+
+    Returns the import and call times, the stage timings and per dispatcher the signatures
+    compiled and the seconds spent (see :class:`_CompileLog`).
+    """
+    log = _CompileLog()
+    log.install()
+    t0 = time.perf_counter()
+    import pointalign as pa
+
+    t_import = time.perf_counter() - t0
+    pair = pa.datasets.load_bunny_pair()
+    src, tgt = pair.source.to(device), pair.target.to(device)
+    t = time.perf_counter()
+    r = pa.register(src, tgt, seed=0)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    pa.register(src, tgt, seed=0)
+    second = time.perf_counter() - t
+    return {"import_s": t_import, "first_s": first, "second_s": second,
+            "first_stages": {k: round(v, 3) for k, v in r.timings.items()},
+            "compiles": log.rows}
+
+
 def _scans() -> dict:
     import pointalign as pa
 
