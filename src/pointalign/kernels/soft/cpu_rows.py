@@ -146,7 +146,7 @@ def _rows_log(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, l
     maxima keep every sum finite.
     """
     for i in prange(q.shape[0]):
-        _row_log(i, q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
+        _row_log(np.int64(i), q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
                  mean)
 
 
@@ -161,7 +161,7 @@ def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w
     the caller adds the shift back.
     """
     for i in prange(q.shape[0]):
-        _row_linear(i, q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse,
+        _row_linear(np.int64(i), q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse,
                     lse2, mean)
 
 
