@@ -6,6 +6,9 @@ Three measurements, each in fresh child processes so that nothing is warm by acc
   ``NUMBA_CACHE_DIR``): ``import pointalign``, the first ``register()`` on the bundled
   bunny pair, then the second call (warm);
 * ``cached``: a second process reusing those caches (what every later session pays);
+* ``compile`` (``--compile-table``, CPU): a fresh process with an empty numba cache logs
+  every kernel numba compiles during the first ``register()`` (``numba:compile`` events):
+  signatures and CPU seconds per kernel;
 * ``sizes``: one process registers every ordered pair of the Stanford bunny scans (90 calls,
   each scan a different size) one after another, twice; per call it records the wall time
   and the number of Triton kernels compiled during the call (``knobs.runtime``'s compile
@@ -205,6 +208,9 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--pairs", type=int, default=90, help="ordered scan pairs in the size loop")
     ap.add_argument("--skip-sizes", action="store_true")
+    ap.add_argument("--compile-table", action="store_true",
+                    help="CPU: also a fresh process with an empty numba cache that logs what "
+                         "the first register() compiles, per kernel (signatures, CPU seconds)")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
     import torch
@@ -223,6 +229,18 @@ def main() -> None:
                     first_s=round(r["first_s"], 3), second_ms=round(1e3 * r["second_s"], 1),
                     third_ms=round(1e3 * r["third_s"], 1),
                     first_stages=json.dumps(r["first_stages"]))
+        if a.compile_table and device == "cpu":
+            env = dict(os.environ, NUMBA_CACHE_DIR=f"{tmp}/numba_table")
+            r = _run_child("compile", device, env, a.pairs)
+            rows = sorted(r["compiles"].items(), key=lambda kv: -kv[1]["self_s"])
+            print(f"compile table: first register {r['first_s']:.1f} s, "
+                  f"{sum(v['signatures'] for _, v in rows)} signatures, "
+                  f"{sum(v['self_s'] for _, v in rows):.1f} s of compiler CPU", flush=True)
+            for name, v in rows:
+                if v["self_s"] >= 0.05:
+                    print(f"  {v['self_s']:6.2f} s  {v['signatures']:3d}  {name}", flush=True)
+                rec.add("compile", kernel=name, signatures=v["signatures"],
+                        self_cpu_s=round(v["self_s"], 3), total_cpu_s=round(v["total_s"], 3))
         if not a.skip_sizes:
             env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton2",
                        NUMBA_CACHE_DIR=f"{tmp}/numba")

@@ -65,7 +65,7 @@ def _run_step(name: str, device: str) -> float:
 
 
 def default_workers(device: torch.device) -> int:
-    """Processes a warm-up uses: one per core on a CPU whose numba cache is empty, else 1.
+    """Return the processes a warm-up uses: one per core on a cold CPU cache, else 1.
 
     With kernels already cached a step takes a fraction of a second and a worker's start
     (importing torch) would cost more than it saves; Triton compiles in the one process.

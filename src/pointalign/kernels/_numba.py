@@ -7,6 +7,8 @@ False: the dispatchers then take the PyTorch references).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 try:
     import numba as _nb
 except Exception:  # pragma: no cover - numba missing: the "cpu" backend is unavailable
@@ -36,8 +38,8 @@ FIRST_COMPILE_S = 50
 _announced = False
 
 
-def cache_dirs() -> list:
-    """The folders where numba keeps (or would keep) this package's compiled kernels.
+def cache_dirs() -> list[Path]:
+    """Return the folders where numba keeps (or would keep) this package's kernels.
 
     numba picks, per source folder, the first of: ``NUMBA_CACHE_DIR`` (a subfolder named
     after the source folder and a hash of its path), ``__pycache__`` beside the source when
@@ -47,7 +49,6 @@ def cache_dirs() -> list:
     finds the kernels there. One folder per kernel folder of this package, in numba's order.
     """
     import os
-    from pathlib import Path
 
     here = Path(__file__).resolve().parent
     folders = [here] + sorted(p for p in here.iterdir()
@@ -58,8 +59,8 @@ def cache_dirs() -> list:
     from numba.core.caching import _CacheLocator
     from numba.misc.appdirs import AppDirs
 
-    user = os.environ.get("NUMBA_CACHE_DIR") or config.CACHE_DIR
-    out = []
+    user = os.environ.get("NUMBA_CACHE_DIR") or getattr(config, "CACHE_DIR", "")
+    out: list[Path] = []
     for folder in folders:
         sub = _CacheLocator.get_suitable_cache_subpath(str(folder / "cpu.py"))
         if user:
