@@ -31,9 +31,11 @@ def available() -> bool:
     return _nb is not None
 
 
-#: seconds numba takes to compile the kernels a first register() needs, on the 2-core
-#: development machine (120 signatures, 52 s of CPU; benchmarks/bench_first_call.py)
-FIRST_COMPILE_S = 50
+#: seconds numba takes to compile the kernels a first register() needs in one process, on
+#: the 2-core development machine (~124 signatures; 56 -> 52 s of compiler CPU under load
+#: 10 in issue 23's paired runs, less when the machine is idle;
+#: ``benchmarks/bench_first_call.py --compile-table`` lists them per kernel)
+FIRST_COMPILE_S = 45
 
 _announced = False
 

@@ -22,9 +22,10 @@ order of d: numba compiles without fastmath, so no FMA contraction changes the r
 Compile time (issue 23: this kernel was the largest part of a fresh machine's first
 ``register()``): only the two vectorised loops (:func:`_partial_distances`,
 :func:`_last_group`) are inlined at numba's level, where they must be to vectorise as
-measured; the rest are ordinary calls that LLVM inlines as it sees fit, and the parallel
-loop's body is a function of its own. 12.6 → 7.5 s of compiler CPU, the same speed
-(one thread, 38 ms per bunny call, on the shared machine).
+measured, each from one call site; the rest are ordinary calls that LLVM inlines as it
+sees fit, and the parallel loop's body is a function of its own. 12.6 → 6.8 s of compiler
+CPU (measured alone), the same speed (one thread, ~40 ms per bunny-sized call, on the
+shared machine).
 
 Contract (that of :func:`pointalign.kernels.ransac.feature_knn`, with its rounding stated):
 squared distances ``Σ_d (q_d − r_d)²`` summed in the features' dtype in order of d (no
@@ -218,23 +219,24 @@ def _block_tile(q, rt, a, nq, t0, t1, k, acc, bd, bi, cdt, cit, pd, pi, both):
     """
     w = t1 - t0
     dim = q.shape[1]
+    last = dim - DIM_GROUP if dim >= DIM_GROUP else dim  # dimensions summed before the tests
+    _partial_distances(q, rt, a, nq, t0, t1, last, acc)
     if dim >= DIM_GROUP:
-        last = dim - DIM_GROUP
-        _partial_distances(q, rt, a, nq, t0, t1, last, acc)
         for s in range(nq):
             worst = bd[s, k - 1]
+            # rows alternate between the two column-minimum buffers (one call site: the
+            # loop is compiled once)
             if s % 2 == 0:
-                hit = _last_group(q, rt, a, s, last, t0, t1, acc, worst, cdt, cit, pd, pi, both)
+                cin, iin, cout, iout = cdt, cit, pd, pi
             else:
-                hit = _last_group(q, rt, a, s, last, t0, t1, acc, worst, pd, pi, cdt, cit, both)
-            if hit:
+                cin, iin, cout, iout = pd, pi, cdt, cit
+            if _last_group(q, rt, a, s, last, t0, t1, acc, worst, cin, iin, cout, iout, both):
                 _scan_row(acc, s, w, t0, worst, bd, bi, k)
         if both and nq % 2:
             for j in range(w):
                 cdt[j] = pd[j]
                 cit[j] = pi[j]
     else:
-        _partial_distances(q, rt, a, nq, t0, t1, dim, acc)
         for s in range(nq):
             worst = bd[s, k - 1]
             if _row_test(acc, s, w, worst, cdt, cit, np.int32(a + s), both):
