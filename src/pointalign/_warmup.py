@@ -57,14 +57,19 @@ def _steps(device: torch.device) -> list[tuple[str, Callable[[], Any]]]:
 
 
 #: the parallel CPU warm-up's first job beside ``register``: the kernels of register()'s late
-#: stages (RANSAC's feature matches, 7.5 s of compiler CPU, and its compatibility graph)
-#: compiled on small random inputs of the same types, so that they are in the cache by the
-#: time the worker running register() reaches them
+#: stages (RANSAC's feature matches, its compatibility graph, the scoring grid: ~15 s of
+#: compiler CPU) compiled on small random inputs of the same types, so that they are in the
+#: cache by the time the worker running register() reaches them
 AHEAD = "register's RANSAC kernels (ahead)"
 
 
 def _ransac_ahead() -> None:
-    """Compile register()'s RANSAC kernels on random float32 inputs (their types there)."""
+    """Compile register()'s RANSAC kernels on random float32 inputs (their types there).
+
+    The signatures were checked against a cold register()'s compile log
+    (``benchmarks/bench_first_call.py --compile-table``): the same types, so the worker
+    running register() loads these from the cache instead of compiling them again.
+    """
     from pointalign.kernels import ransac
 
     g = torch.Generator().manual_seed(0)
@@ -72,6 +77,12 @@ def _ransac_ahead() -> None:
     ransac.feature_matches(fs, ft, 2, backward=True)
     ps, pt = torch.rand(40, 3, generator=g), torch.rand(40, 3, generator=g)
     ransac.second_order_of_points(ps, pt, 0.01)
+    from pointalign.search import build_index
+
+    pts = torch.rand(500, 3, generator=g)
+    T = torch.eye(4).repeat(8, 1, 1)
+    T[:, :3, 3] = 0.01 * torch.rand(8, 3, generator=g)
+    ransac.score_transforms(T, pts, build_index(pts), 0.05, with_matches=True)
 
 
 def _run_step(name: str, device: str) -> float:
