@@ -10,9 +10,10 @@ numba compiles on one thread per process, so on a CPU whose cache is still empty
 are shared out over one worker process per core (each compiles the kernels of its steps and
 writes them to the common disk cache; a kernel two steps share may be compiled twice, side
 by side), and one of them first compiles register()'s RANSAC kernels (:data:`AHEAD`) so
-that the worker running register() finds them cached. Measured on the shared 2-core
-development machine under load ~6 (issue 23): a cold warm-up 244 s -> 143 s of wall time;
-on an idle machine the gain is the second core's.
+that the worker running register() finds them cached. The gain is the second core's: on
+the shared 2-core development machine (issue 23) a cold ``make demo`` took 47 s with the
+machine nearly idle (load ~2-4), while under load ~6 the workers only share the busy cores
+(137-141 s serial, 143-149 s in workers).
 """
 
 from __future__ import annotations
