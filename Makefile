@@ -45,6 +45,7 @@ $(DOCS): $(DEMO) pyproject.toml
 	touch $(DOCS)
 
 demo: $(DEMO)
+	@echo "== compiling pointalign's kernels once for this machine (kept in numba's and Triton's disk caches; on a CPU one process per core, about a minute on 2 cores)"
 	$(BIN)/pointalign warmup
 	$(BIN)/pointalign demo
 

@@ -6,6 +6,9 @@ Three measurements, each in fresh child processes so that nothing is warm by acc
   ``NUMBA_CACHE_DIR``): ``import pointalign``, the first ``register()`` on the bundled
   bunny pair, then the second call (warm);
 * ``cached``: a second process reusing those caches (what every later session pays);
+* ``compile`` (``--compile-table``, CPU): a fresh process with an empty numba cache logs
+  every kernel numba compiles during the first ``register()`` (``numba:compile`` events):
+  signatures and CPU seconds per kernel;
 * ``sizes``: one process registers every ordered pair of the Stanford bunny scans (90 calls,
   each scan a different size) one after another, twice; per call it records the wall time
   and the number of Triton kernels compiled during the call (``knobs.runtime``'s compile
@@ -60,6 +63,72 @@ def _child_cold(device: str) -> dict:
     rot, tr = pa.metrics.relative_error(r.transformation, pair.T_target_source)
     out["error_deg"], out["error_m"] = float(rot), float(tr)
     return out
+
+
+class _CompileLog:
+    """numba's ``numba:compile`` events: per dispatcher, signatures compiled and seconds.
+
+    A kernel that calls another (not inlined) dispatcher compiles it inside its own event;
+    ``self_s`` is a dispatcher's time less its callees' (what compiling it alone costs),
+    ``total_s`` includes them (both in CPU seconds of the compiling thread, which a shared
+    machine's load inflates less than wall time). Loads from numba's disk cache fire no event.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict] = {}
+        self._stack: list[list] = []
+
+    @staticmethod
+    def _name(ev) -> str:
+        f = ev.data["dispatcher"].py_func
+        return f"{f.__module__.replace('pointalign.kernels.', '')}.{f.__qualname__}"
+
+    def on_start(self, ev) -> None:
+        self._stack.append([time.thread_time(), 0.0])
+
+    def on_end(self, ev) -> None:
+        t0, inner = self._stack.pop()
+        dt = time.thread_time() - t0
+        if self._stack:
+            self._stack[-1][1] += dt
+        row = self.rows.setdefault(self._name(ev), {"signatures": 0, "self_s": 0.0,
+                                                    "total_s": 0.0, "args": []})
+        row["signatures"] += 1
+        row["self_s"] += dt - inner
+        row["total_s"] += dt
+        row["args"].append(", ".join(str(a) for a in ev.data["args"])[:160])
+
+    def install(self) -> None:
+        from numba.core import event
+
+        listener = type("L", (event.Listener,), {"on_start": lambda s, ev: self.on_start(ev),
+                                                 "on_end": lambda s, ev: self.on_end(ev)})()
+        event.register("numba:compile", listener)
+
+
+def _child_compile(device: str) -> dict:
+    """First register() on the bunny pair with every numba compile logged (CPU, empty cache).
+
+    Returns the import and call times, the stage timings and per dispatcher the signatures
+    compiled and the seconds spent (see :class:`_CompileLog`).
+    """
+    log = _CompileLog()
+    log.install()
+    t0 = time.perf_counter()
+    import pointalign as pa
+
+    t_import = time.perf_counter() - t0
+    pair = pa.datasets.load_bunny_pair()
+    src, tgt = pair.source.to(device), pair.target.to(device)
+    t = time.perf_counter()
+    r = pa.register(src, tgt, seed=0)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    pa.register(src, tgt, seed=0)
+    second = time.perf_counter() - t
+    return {"import_s": t_import, "first_s": first, "second_s": second,
+            "first_stages": {k: round(v, 3) for k, v in r.timings.items()},
+            "compiles": log.rows}
 
 
 def _scans() -> dict:
@@ -139,6 +208,9 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--pairs", type=int, default=90, help="ordered scan pairs in the size loop")
     ap.add_argument("--skip-sizes", action="store_true")
+    ap.add_argument("--compile-table", action="store_true",
+                    help="CPU: also a fresh process with an empty numba cache that logs what "
+                         "the first register() compiles, per kernel (signatures, CPU seconds)")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
     import torch
@@ -157,6 +229,18 @@ def main() -> None:
                     first_s=round(r["first_s"], 3), second_ms=round(1e3 * r["second_s"], 1),
                     third_ms=round(1e3 * r["third_s"], 1),
                     first_stages=json.dumps(r["first_stages"]))
+        if a.compile_table and device == "cpu":
+            env = dict(os.environ, NUMBA_CACHE_DIR=f"{tmp}/numba_table")
+            r = _run_child("compile", device, env, a.pairs)
+            rows = sorted(r["compiles"].items(), key=lambda kv: -kv[1]["self_s"])
+            print(f"compile table: first register {r['first_s']:.1f} s, "
+                  f"{sum(v['signatures'] for _, v in rows)} signatures, "
+                  f"{sum(v['self_s'] for _, v in rows):.1f} s of compiler CPU", flush=True)
+            for name, v in rows:
+                if v["self_s"] >= 0.05:
+                    print(f"  {v['self_s']:6.2f} s  {v['signatures']:3d}  {name}", flush=True)
+                rec.add("compile", kernel=name, signatures=v["signatures"],
+                        self_cpu_s=round(v["self_s"], 3), total_cpu_s=round(v["total_s"], 3))
         if not a.skip_sizes:
             env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton2",
                        NUMBA_CACHE_DIR=f"{tmp}/numba")

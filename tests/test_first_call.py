@@ -37,15 +37,20 @@ def test_a_machine_with_cached_kernels_hears_nothing(fresh, monkeypatch):
         assert _backend.backend() == "cpu"
 
 
+@pytest.mark.skipif(not _numba.available(), reason="numba is not installed")
 def test_cached_kernels_counts_index_files(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     before = _numba.cached_kernels()
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "k.f-1.py311.nbi").write_bytes(b"")
+    folder = _numba.cache_dirs()[1]  # where numba puts a kernel family's index files
+    assert folder.parent == tmp_path
+    folder.mkdir()
+    (folder / "k.f-1.py311.nbi").write_bytes(b"")
+    (tmp_path / "other.nbi").write_bytes(b"")  # another package's: not counted
     assert _numba.cached_kernels() == before + 1
 
 
 def test_warmup_runs_every_step_and_reports_seconds(monkeypatch):
+    monkeypatch.setattr(_warmup, "default_workers", lambda dev: 1)  # the fake steps: here
     calls = []
     monkeypatch.setattr(_warmup, "_steps", lambda dev: [
         ("one", lambda: calls.append(("one", dev.type))),
@@ -64,3 +69,8 @@ def test_warmup_steps_cover_the_public_methods():
     names = [n for n, _ in _warmup._steps(torch.device("cpu"))]
     for method in ("register", "gicp", "emicp", "softassign", "surface_newton"):
         assert any(n.startswith(method) for n in names), method
+
+
+def test_warmup_workers_must_be_positive():
+    with pytest.raises(ValueError, match="workers"):
+        _warmup.warmup("cpu", quiet=True, workers=0)

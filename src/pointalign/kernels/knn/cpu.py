@@ -131,7 +131,8 @@ def _build(pts, depth):
                         if bmax[v, d] - bmin[v, d] > w:
                             w = bmax[v, d] - bmin[v, d]
                             ax = d
-                    _select(perm, pts, a, b, m, ax)
+                    # int64, not the literal 0 typing may see first: one signature
+                    _select(perm, pts, a, b, m, np.int64(ax))
                 lo[2 * v + 1], hi[2 * v + 1] = a, m
                 lo[2 * v + 2], hi[2 * v + 2] = m, b
     spts = np.empty((n, 3), pts.dtype)

@@ -146,8 +146,10 @@ def _rows_log(q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, l
     maxima keep every sum finite.
     """
     for i in prange(q.shape[0]):
-        _row_log(i, q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse, lse2,
-                 mean)
+        # the index as int64: typed as range's int64, then as the gufunc's uint64, it would
+        # compile _row_log twice
+        _row_log(np.int64(i), q, g, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w,
+                 lse, lse2, mean)
 
 
 @njit(cache=True, parallel=True)
@@ -161,8 +163,8 @@ def _rows_linear(q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w
     the caller adds the shift back.
     """
     for i in prange(q.shape[0]):
-        _row_linear(i, q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2, sq_w, lse,
-                    lse2, mean)
+        _row_linear(np.int64(i), q, w, perm, spts, lo, hi, bmin, bmax, depth, s, r2, want2,
+                    sq_w, lse, lse2, mean)
 
 
 #: largest ``s·r2 + (max g − min g)`` for which :func:`_rows_linear` is used (e^-600 > 0)
