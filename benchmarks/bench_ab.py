@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_icp import upsample as _upsample  # noqa: E402
 from bench_soft import subsample_pair  # noqa: E402
-from common import metadata, sync, timeit  # noqa: E402
+from common import RESULTS, metadata, sync, timeit  # noqa: E402
 
 import pointalign as pa  # noqa: E402
 from pointalign import datasets, transforms  # noqa: E402
@@ -168,7 +168,7 @@ def compare(paths: list[str], topic: str = "refactor_ab", base: str = ".base = 3
     meta["command"] = f"benchmarks/bench_ab.py (before: {base}; after: this commit)"
     dev = "cuda" if "cuda" in str(meta.get("device", "")).lower() or "NVIDIA" in str(meta) \
         else "cpu"
-    dest = Path(__file__).parent / "results" / f"{topic}-{dev}.json"
+    dest = RESULTS / f"{topic}-{dev}.json"
     dest.write_text(json.dumps({"meta": meta, "topic": topic,
                                 "title": title or f"Before and after ({base})",
                                 "notes": notes, "rows": table,
