@@ -369,7 +369,7 @@ def test_per_call_threads_are_set_and_restored(monkeypatch, bunny_pair):
     for fn in (pa.icp, pa.gicp, pa.vgicp, pa.emicp, pa.softassign, pa.surface_newton,
                pa.approximate_icp, pa.ransac, pa.voxel_downsample, pa.fpfh,
                pa.estimate_covariances, radius_outlier_mask, statistical_outlier_mask,
-               preprocess):
+               preprocess, pa.register, pa.estimate_normals):
         p = inspect.signature(fn).parameters["num_threads"]
         assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
 
@@ -405,7 +405,8 @@ def test_array_outputs_follow_the_input_kind(bunny_pair):
     s = bunny_pair[0][:600].astype(np.float32)
     t = torch.from_numpy(s)
     for fn in (lambda x: fpfh(x, radius=0.02), lambda x: estimate_covariances(x, k=10),
-               lambda x: radius_outlier_mask(x, 0.01), lambda x: statistical_outlier_mask(x)):
+               lambda x: radius_outlier_mask(x, 0.01), lambda x: statistical_outlier_mask(x),
+               lambda x: pa.estimate_normals(x, k=10)):
         a, b, c = fn(s), fn(t), fn(PointCloud(t))
         assert isinstance(a, np.ndarray) and isinstance(b, torch.Tensor)
         assert isinstance(c, torch.Tensor)  # a PointCloud holds tensors
@@ -413,6 +414,7 @@ def test_array_outputs_follow_the_input_kind(bunny_pair):
         np.testing.assert_array_equal(a, c.numpy())
     if pytest.importorskip("open3d"):
         assert isinstance(fpfh(_o3d_cloud(s), radius=0.02), np.ndarray)
+        assert isinstance(pa.estimate_normals(_o3d_cloud(s), k=10), np.ndarray)
 
 
 def test_kind_rule():
