@@ -525,6 +525,43 @@ def test_icp_announces_a_long_call(monkeypatch, caplog, bunny_pair):
     assert "about 30 s" in caplog.text
 
 
+def test_register_announces_its_one_estimate(monkeypatch, caplog, bunny_pair):
+    """register() says checks.estimate_register_seconds before the work; the ICP stages it
+    runs inside say nothing of their own."""
+    s, t, _, _ = bunny_pair
+    seen = []
+
+    def fake(n, m, **kw):
+        seen.append((n, m, kw["target_points"]))
+        return 30.0
+
+    monkeypatch.setattr(checks, "estimate_register_seconds", fake)
+    with caplog.at_level(logging.INFO, logger="pointalign"):
+        pa.register(s, t, device="cpu", hypotheses=256, max_iterations=2)
+    assert seen == [(3000, 3000, 5000)]
+    assert "register() on 3,000 + 3,000 points on the CPU" in caplog.text
+    assert "about 30 s" in caplog.text and "ICP (" not in caplog.text
+
+
+def test_register_runs_with_the_threads_given(monkeypatch, bunny_pair):
+    s, t, _, _ = bunny_pair
+    from pointalign.registration import options, pipeline
+
+    seen = []
+    real = pipeline._register
+
+    def spy(*a, **kw):
+        seen.append(_threads.get_num_threads())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "_register", spy)
+    pa.register(s, t, device="cpu", hypotheses=256, max_iterations=2, num_threads=1)
+    assert seen == [1]
+    with pytest.raises(ValueError, match="^num_threads"):
+        pa.register(s, t, device="cpu", num_threads=0)
+    assert "num_threads" not in options.RANSAC_OPTIONS  # register's own, not passed on
+
+
 def test_estimates_grow_with_the_work():
     e = checks.estimate_icp_seconds
     small = e(40_000, 40_000, plane=True, iterations=30, threads=2, share=1.0)

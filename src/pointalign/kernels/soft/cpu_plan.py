@@ -46,8 +46,11 @@ PASS_OVERHEAD_S = 2e-3
 #: seconds per pass of a fused "cells" update (:func:`softassign_update`) besides the pairs
 #: and points, on one thread (its share of the update's Python, PyTorch normalisations and
 #: Horn step; measured 2k x 2k seed schedule, 1 thread, load 3.5: ~2.1 s over 2,790 passes,
-#: ~2.5 s with the per-point phase's glue; rounded up)
-CELL_PASS_OVERHEAD_S = 7e-4
+#: ~2.5 s with the per-point phase's glue). The whole call's wall time (the program's steps
+#: between the updates included: 18 % of a 5k x 5k run) against the estimate over 2k-10k
+#: points of the bunny pair (``benchmarks/bench_estimates.py``, shared 2-core machine at
+#: load 8-12) needs about twice that: 7e-4 gave ratios 0.35 (2k) to 0.85 (10k)
+CELL_PASS_OVERHEAD_S = 1.5e-3
 #: seconds per point per pass (moving, gathering)
 POINT_COST_S = 5e-8
 #: seconds per cell pair per thread to build an update's kernel matrix (from the candidate
