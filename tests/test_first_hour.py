@@ -601,3 +601,19 @@ def test_composites_check_once(bunny_pair):
 def test_preprocess_bad_input_names_the_argument(points, voxel, match):
     with pytest.raises((ValueError, TypeError), match=match):
         pa.preprocess(points, voxel)
+
+
+def test_warning_classes_and_outlier_masks_are_public_and_documented():
+    """Issue 26: the warning classes importable from the package, the outlier masks exported
+    and in the API pages (they were in a private module, undocumented)."""
+    from pathlib import Path
+
+    for name in ("PointalignWarning", "SlowOperationWarning", "IgnoredParameterWarning",
+                 "DoubtfulResultWarning", "FileContentWarning", "UnitsWarning"):
+        assert name in pa.__all__ and getattr(pa, name) is getattr(_progress, name)
+    for fn in (radius_outlier_mask, statistical_outlier_mask, preprocess):
+        assert fn.__name__ in pa.__all__ and getattr(pa, fn.__name__) is fn
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    api = "".join(p.read_text() for p in (docs / "api").glob("*.md"))
+    assert "::: pointalign.features.outliers" in api and "preprocess" in api
+    assert "radius_outlier_mask" in (docs / "from-open3d.md").read_text()
