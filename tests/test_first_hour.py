@@ -577,6 +577,11 @@ def test_estimates_grow_with_the_work():
     five = r(5_000_000, 5_000_000, target_points=5000, threads=2, share=1.0)
     assert 26.5 / 2 < five < 26.5 * 2
     assert r(40_000, 40_000, target_points=5000, threads=2, share=1.0) < five
+    # the final ICP counted as an ICP call: fewer iterations or none (refine="none") cost less
+    assert r(5_000_000, 5_000_000, target_points=5000, threads=2, share=1.0,
+             iterations=3) < five
+    assert r(5_000_000, 5_000_000, target_points=5000, threads=2, share=1.0,
+             refine=False) < five / 5
     assert 0 < _threads.host_share() <= 1.0
 
 

@@ -286,7 +286,9 @@ def _warn_register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device, refi
                                    stacklevel=None)
     threads = _threads.host_threads(dev)
     n, m = src.shape[0], tgt.shape[0]
-    est = checks.estimate_register_seconds(n, m, target_points=target_points, threads=threads)
+    est = checks.estimate_register_seconds(
+        n, m, target_points=target_points, threads=threads, refine=refine != "none",
+        iterations=min(max_iterations, checks.ICP_TYPICAL_ITERATIONS["point_to_plane"]))
     _progress.announce(f"register() on {n:,} + {m:,} points on the CPU ({threads} threads)",
                        est, "pass icp_voxel_size (ICP on downsampled clouds) or downsample "
                        "the clouds first (pointalign.voxel_downsample), or use a GPU")
