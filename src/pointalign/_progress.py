@@ -160,7 +160,10 @@ def warn(message: str, category: type[Warning] = PointalignWarning,
 
 def warn_ignored(parameter: str, method: str, reason: str = "",
                  stacklevel: int | None = 2) -> None:
-    """Warn that ``parameter`` was given but ``method`` does not use it (``stacklevel``: :func:`warn`'s)."""
+    """Warn that ``parameter`` was given but ``method`` does not use it.
+
+    ``stacklevel``: as in :func:`warn` (None: the user's line).
+    """
     tail = f" ({reason})" if reason else ""
     warn(f"{parameter} is ignored by {method}{tail}", IgnoredParameterWarning,
          stacklevel=None if stacklevel is None else stacklevel + 1)
