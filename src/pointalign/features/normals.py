@@ -106,7 +106,7 @@ def estimate_normals(
     scenes; ``None`` leaves the signs as computed.
 
     Args:
-        points: ``(N, 3)`` array, tensor or PointCloud.
+        points: ``(N, 3)`` float array/tensor, a PointCloud or an Open3D point cloud.
         k: neighbours per point (>= 3), or None.
         radius: neighbourhood radius (> 0, same units as the points), or None.
         max_neighbors: cap on the radius search (and the default k).
