@@ -19,9 +19,10 @@ took ``ROW_BUDGET_S``):
 * ``register``: the repeated pair at n points from the truth's inverse (a global problem).
   Estimate: ``checks.estimate_register_seconds`` (what ``register`` announces).
 
-``estimate_s`` divides the model by the machine's free share measured just before the call
-(``share``, from the 1-minute load ``load``), as the announcements do; ``ratio`` =
-``estimate_s`` / the median wall time. The machine is shared: the load moves during a call,
+Each call's estimate divides the model by the machine's free share measured just before it
+(from the 1-minute load), as its announcement does; ``ratio`` is the median over the calls
+of estimate / wall time (``ratio_all``: each call's); ``share`` and ``estimate_s`` are the
+medians of the row's calls. The machine is shared: the load moves during a call,
 so the ratios scatter; compare them with the 2× bound, not with each other.
 
     python benchmarks/bench_estimates.py            # the sizes below, 3 repeats
@@ -31,6 +32,7 @@ so the ratios scatter; compare them with the 2× bound, not with each other.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -79,33 +81,40 @@ def _repeated(points: np.ndarray, n: int, seed: int) -> np.ndarray:
 ROW_BUDGET_S = 150.0
 
 
-def _time(call: Callable[[], Any], repeat: int) -> tuple[list[float], list[float], Any]:
+def _time(call: Callable[[], Any], repeat: int
+          ) -> tuple[list[float], list[float], list[float], Any]:
+    """Walls, CPU times and shares (measured before each call, as its announcement is)."""
     walls: list[float] = []
     cpus: list[float] = []
+    shares: list[float] = []
     result = None
     while len(walls) < repeat and (not walls or sum(walls) < ROW_BUDGET_S):
+        shares.append(_threads.host_share())
         t0, c0 = time.perf_counter(), time.process_time()
         result = call()
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
-    return walls, cpus, result
+    return walls, cpus, shares, result
 
 
 def _row(rec: common.Recorder, method: str, n: int, m: int, model: float | None,
          call: Callable[[], Any], repeat: int, **extra: Any) -> None:
     load = os.getloadavg()[0]
-    share = _threads.host_share()
-    walls, cpus, result = _time(call, repeat)
+    walls, cpus, shares, result = _time(call, repeat)
     wall = statistics.median(walls)
-    est = None if model is None else model / share
+    # each call's estimate is the model over the share measured just before it
+    ratios = [] if model is None else [model / sh / w for sh, w in zip(shares, walls,
+                                                                        strict=True)]
+    share = statistics.median(shares)
     its = getattr(result, "iterations", None)
     rec.add(method=method, n=n, m=m, threads=_threads.get_num_threads(),
             load=round(load, 2), load_after=round(os.getloadavg()[0], 2),
             share=round(share, 3), model_s=None if model is None else round(model, 3),
-            estimate_s=None if est is None else round(est, 3), wall_s=round(wall, 3),
-            repeats=len(walls), wall_all_s=[round(w, 3) for w in walls],
-            cpu_s=round(statistics.median(cpus), 3),
-            ratio=None if est is None else round(est / wall, 3),
+            estimate_s=None if model is None else round(model / share, 3),
+            wall_s=round(wall, 3), repeats=len(walls),
+            wall_all_s=[round(w, 3) for w in walls],
+            ratio_all=[round(r, 3) for r in ratios], cpu_s=round(statistics.median(cpus), 3),
+            ratio=round(statistics.median(ratios), 3) if ratios else None,
             iterations=None if its is None else int(np.max(its)), **extra)
 
 
@@ -176,6 +185,10 @@ def main() -> None:
     p = common.parse_args(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--only", default="", help="comma-separated methods (rows' 'method')")
+    p.add_argument("--max-points", type=int, default=0,
+                   help="skip sizes above this (0: none)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the saved rows of the (method, n) pairs not run now")
     args = p.parse_args()
     if torch.device(args.device).type != "cpu":  # the estimates are of CPU work (a GPU: None)
         print(f"bench_estimates: the estimates are of CPU work; nothing to do on {args.device}")
@@ -184,6 +197,8 @@ def main() -> None:
     if args.only:
         keep = set(args.only.split(","))
         sizes = {k: v for k, v in sizes.items() if k in keep or k.split("_")[0] in keep}
+    if args.max_points:
+        sizes = {k: tuple(n for n in v if n <= args.max_points) for k, v in sizes.items()}
     warnings.simplefilter("ignore")  # the announcements' warnings: the rows say it all
     torch.manual_seed(0)
     rec = common.Recorder(
@@ -197,6 +212,13 @@ def main() -> None:
     soft_rows(rec, sizes, 1 if args.quick else args.repeat)
     icp_rows(rec, sizes, 1 if args.quick else args.repeat)
     register_rows(rec, sizes, 1 if args.quick else args.repeat)
+    saved = common.RESULTS / "estimates-cpu.json"
+    if args.merge and saved.is_file():
+        done = {(r["method"], r["n"]) for r in rec.rows}
+        old = [r for r in json.loads(saved.read_text())["rows"]
+               if (r["method"], r["n"]) not in done]
+        order = list(SIZES)
+        rec.rows = sorted(old + rec.rows, key=lambda r: (order.index(r["method"]), r["n"]))
     rec.save()
 
 
