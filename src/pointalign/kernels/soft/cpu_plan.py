@@ -49,8 +49,10 @@ PASS_OVERHEAD_S = 2e-3
 #: ~2.5 s with the per-point phase's glue). The whole call's wall time (the program's steps
 #: between the updates included: 18 % of a 5k x 5k run) against the estimate over 2k-10k
 #: points of the bunny pair (``benchmarks/bench_estimates.py``, shared 2-core machine at
-#: load 8-12) needs about twice that: 7e-4 gave ratios 0.35 (2k) to 0.85 (10k)
-CELL_PASS_OVERHEAD_S = 1.5e-3
+#: load 2-12) needs more: 7e-4 gave ratios 0.35 (2k) to 0.85 (10k) at load 8-12, 1.5e-3
+#: 0.55-0.67 at 2k (10.9 s at load 2 against 7.2 s predicted), 0.78 at 5k, 1.1-1.7 at
+#: 10k-40k; the fixed cost matters most on small clouds
+CELL_PASS_OVERHEAD_S = 2.5e-3
 #: seconds per point per pass (moving, gathering)
 POINT_COST_S = 5e-8
 #: seconds per cell pair per thread to build an update's kernel matrix (from the candidate
