@@ -369,7 +369,7 @@ def test_per_call_threads_are_set_and_restored(monkeypatch, bunny_pair):
     for fn in (pa.icp, pa.gicp, pa.vgicp, pa.emicp, pa.softassign, pa.surface_newton,
                pa.approximate_icp, pa.ransac, pa.voxel_downsample, pa.fpfh,
                pa.estimate_covariances, radius_outlier_mask, statistical_outlier_mask,
-               preprocess):
+               preprocess, pa.register, pa.estimate_normals):
         p = inspect.signature(fn).parameters["num_threads"]
         assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
 
@@ -405,7 +405,8 @@ def test_array_outputs_follow_the_input_kind(bunny_pair):
     s = bunny_pair[0][:600].astype(np.float32)
     t = torch.from_numpy(s)
     for fn in (lambda x: fpfh(x, radius=0.02), lambda x: estimate_covariances(x, k=10),
-               lambda x: radius_outlier_mask(x, 0.01), lambda x: statistical_outlier_mask(x)):
+               lambda x: radius_outlier_mask(x, 0.01), lambda x: statistical_outlier_mask(x),
+               lambda x: pa.estimate_normals(x, k=10)):
         a, b, c = fn(s), fn(t), fn(PointCloud(t))
         assert isinstance(a, np.ndarray) and isinstance(b, torch.Tensor)
         assert isinstance(c, torch.Tensor)  # a PointCloud holds tensors
@@ -413,6 +414,7 @@ def test_array_outputs_follow_the_input_kind(bunny_pair):
         np.testing.assert_array_equal(a, c.numpy())
     if pytest.importorskip("open3d"):
         assert isinstance(fpfh(_o3d_cloud(s), radius=0.02), np.ndarray)
+        assert isinstance(pa.estimate_normals(_o3d_cloud(s), k=10), np.ndarray)
 
 
 def test_kind_rule():
@@ -523,6 +525,47 @@ def test_icp_announces_a_long_call(monkeypatch, caplog, bunny_pair):
     assert "about 30 s" in caplog.text
 
 
+def test_register_announces_its_one_estimate(monkeypatch, caplog, bunny_pair):
+    """register() says checks.estimate_register_seconds before the work; the ICP stages it
+    runs inside say nothing of their own."""
+    s, t, _, _ = bunny_pair
+    seen = []
+
+    def fake(n, m, **kw):
+        seen.append((n, m, kw["target_points"]))
+        return 30.0
+
+    monkeypatch.setattr(checks, "estimate_register_seconds", fake)
+    with caplog.at_level(logging.INFO, logger="pointalign"):
+        pa.register(s, t, device="cpu", hypotheses=256, max_iterations=2)
+    assert seen == [(3000, 3000, 5000)]
+    assert "register() on 3,000 + 3,000 points on the CPU" in caplog.text
+    assert "about 30 s" in caplog.text and "ICP (" not in caplog.text
+
+
+def test_register_runs_with_the_threads_given(monkeypatch, bunny_pair):
+    s, t, _, _ = bunny_pair
+    from pointalign.registration import options, pipeline
+
+    seen = []
+    real = pipeline._register
+
+    def spy(*a, **kw):
+        seen.append(_threads.get_num_threads())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "_register", spy)
+    pa.register(s, t, device="cpu", hypotheses=256, max_iterations=2, num_threads=1)
+    assert seen == [1]
+    with pytest.raises(ValueError, match="^num_threads"):
+        pa.register(s, t, device="cpu", num_threads=0)
+    assert "num_threads" not in options.RANSAC_OPTIONS  # register's own, not passed on
+    # a caller without it of its own (register_many) is told, not silently ignored
+    with pytest.raises(TypeError, match=r"^register_many\(\) got an unexpected keyword "
+                                        r"argument 'num_threads'"):
+        options.check("register_many", {"num_threads": 1})
+
+
 def test_estimates_grow_with_the_work():
     e = checks.estimate_icp_seconds
     small = e(40_000, 40_000, plane=True, iterations=30, threads=2, share=1.0)
@@ -538,6 +581,11 @@ def test_estimates_grow_with_the_work():
     five = r(5_000_000, 5_000_000, target_points=5000, threads=2, share=1.0)
     assert 26.5 / 2 < five < 26.5 * 2
     assert r(40_000, 40_000, target_points=5000, threads=2, share=1.0) < five
+    # the final ICP counted as an ICP call: fewer iterations or none (refine="none") cost less
+    assert r(5_000_000, 5_000_000, target_points=5000, threads=2, share=1.0,
+             iterations=3) < five
+    assert r(5_000_000, 5_000_000, target_points=5000, threads=2, share=1.0,
+             refine=False) < five / 5
     assert 0 < _threads.host_share() <= 1.0
 
 
@@ -562,3 +610,19 @@ def test_composites_check_once(bunny_pair):
 def test_preprocess_bad_input_names_the_argument(points, voxel, match):
     with pytest.raises((ValueError, TypeError), match=match):
         pa.preprocess(points, voxel)
+
+
+def test_warning_classes_and_outlier_masks_are_public_and_documented():
+    """Issue 26: the warning classes importable from the package, the outlier masks exported
+    and in the API pages (they were in a private module, undocumented)."""
+    from pathlib import Path
+
+    for name in ("PointalignWarning", "SlowOperationWarning", "IgnoredParameterWarning",
+                 "DoubtfulResultWarning", "FileContentWarning", "UnitsWarning"):
+        assert name in pa.__all__ and getattr(pa, name) is getattr(_progress, name)
+    for fn in (radius_outlier_mask, statistical_outlier_mask, preprocess):
+        assert fn.__name__ in pa.__all__ and getattr(pa, fn.__name__) is fn
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    api = "".join(p.read_text() for p in (docs / "api").glob("*.md"))
+    assert "::: pointalign.features.outliers" in api and "preprocess" in api
+    assert "radius_outlier_mask" in (docs / "from-open3d.md").read_text()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pointalign import _progress
-from pointalign.registration import pipeline
+from pointalign.registration import checks, pipeline
 from pointalign.registration.ransac import ransac
 from pointalign.registration.result import RegistrationResult
 
@@ -109,7 +109,7 @@ def test_slow_register_on_the_cpu_warns(no_bar, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a small CPU call: no warning at all
         pipeline._warn_register(pts, pts, torch.device("cpu"), "icp", 5000, None, 30)
-    monkeypatch.setattr(pipeline, "_CPU_SECONDS_PER_POINT", 1.0)  # as if 1 s per point
+    monkeypatch.setattr(checks, "REGISTER_PER_POINT_S", 1.0)  # as if 1 s per point
     with pytest.warns(_progress.SlowOperationWarning, match=r"1,000 \+ 1,000 points.*minutes"):
         pipeline._warn_register(pts, pts, torch.device("cpu"), "icp", 5000, None, 30)
     with warnings.catch_warnings():

@@ -40,3 +40,18 @@ def test_readme_tells_what_make_demo_installs():
     assert "## Coming from Open3D or small_gicp" in text
     assert "## Changes to the public API" in text and "T_target_source` is a `(4, 4)` float64" \
         in text
+
+
+def test_readme_says_which_open3d_and_small_gicp_habits_hold_and_which_not():
+    """Issue 26: the habits followed and those not, each difference with its reason; every
+    function the section names is public."""
+    import pointalign as pa
+
+    text = README.read_text()
+    section = text.split("## Coming from Open3D or small_gicp", 1)[1].split("\n## ", 1)[0]
+    for habit in ("evaluate_registration", "max_iterations=", "num_threads=",
+                  "preprocess", "Differences, each for a reason"):
+        assert habit in section, habit
+    assert "GICP/VGICP" not in section or "not here" not in section.split("GICP/VGICP")[1][:40]
+    for name in re.findall(r"`pa\.(\w+)", section):
+        assert hasattr(pa, name), name

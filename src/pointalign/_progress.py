@@ -158,11 +158,15 @@ def warn(message: str, category: type[Warning] = PointalignWarning,
     warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
-def warn_ignored(parameter: str, method: str, reason: str = "", stacklevel: int = 2) -> None:
-    """Warn that ``parameter`` was given but ``method`` does not use it."""
+def warn_ignored(parameter: str, method: str, reason: str = "",
+                 stacklevel: int | None = 2) -> None:
+    """Warn that ``parameter`` was given but ``method`` does not use it.
+
+    ``stacklevel``: as in :func:`warn` (None: the user's line).
+    """
     tail = f" ({reason})" if reason else ""
     warn(f"{parameter} is ignored by {method}{tail}", IgnoredParameterWarning,
-         stacklevel=stacklevel + 1)
+         stacklevel=None if stacklevel is None else stacklevel + 1)
 
 
 #: a call expected to take longer than this (seconds) gets a :class:`SlowOperationWarning`

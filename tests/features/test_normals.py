@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,7 +108,8 @@ def test_index_reuse_and_pointcloud_input(rng):
     ix = build_index(pts, "brute")
     a = estimate_normals(PointCloud(pts), k=8, index=ix, device="cpu")
     b = estimate_normals(pts.numpy(), k=8, device="cpu")
-    assert torch.allclose(a, b, atol=1e-5)
+    assert isinstance(a, torch.Tensor) and isinstance(b, np.ndarray)  # the input's kind
+    assert torch.allclose(a, torch.from_numpy(b), atol=1e-5)
 
 
 def test_tiny_clouds():
@@ -144,3 +146,30 @@ def test_device_matches_cpu(rng, device):
     assert n_dev.device.type == device
     n_cpu = estimate_normals(pts, k=12, device="cpu")
     assert ((n_dev.cpu() * n_cpu).sum(-1) > 0.999).all()
+
+
+@pytest.mark.parametrize("kw", [{"k": 10}, {"k": 16}, {"k": 20}, {},
+                                {"radius": 0.5, "max_neighbors": 12}])
+def test_repeated_points_have_the_normals_of_the_cloud(rng, kw):
+    """Every point repeated 8 times: its 16 nearest are copies of 2 points (a line, no
+    normal); the copies count once, so each copy gets the distinct cloud's normal."""
+    pts, _ = _sphere(400, rng)
+    c = pts.mean(0)
+    want = estimate_normals(pts, viewpoint=c, device="cpu", **kw)
+    got = estimate_normals(pts.repeat_interleave(8, 0), viewpoint=c, device="cpu", **kw)
+    assert torch.isfinite(got).all()
+    # the same neighbourhoods summed in another order (float32): the same normal to ~1e-6
+    cos = (got.double() * want.repeat_interleave(8, 0).double()).sum(-1)
+    assert (cos > 1 - 1e-5).all(), float(cos.min())
+    # a few copies among distinct points: those rows too, the others as before
+    some = torch.cat([pts, pts[:7]])
+    mixed = estimate_normals(some, viewpoint=c, device="cpu", **kw)
+    assert ((mixed[:400].double() * want.double()).sum(-1) > 1 - 1e-5).all()
+    assert ((mixed[400:].double() * want[:7].double()).sum(-1) > 1 - 1e-5).all()
+
+
+def test_a_cloud_of_copies_of_one_point_is_finite():
+    one = torch.tensor([[1.0, 2.0, 3.0]]).expand(50, 3)
+    n = estimate_normals(one, k=10, device="cpu")
+    assert torch.isfinite(n).all()
+    assert torch.allclose(n.norm(dim=-1), torch.ones(50), atol=1e-6)

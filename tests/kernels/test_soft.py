@@ -906,3 +906,23 @@ def test_softassign_update_equals_its_passes(dtype, batch):
     # the passes object falls back to the passes one by one there, counting them per point
     lse, _ = cells.softassign_update(x, y, T, torch.linalg.inv(T), cold, ba, log_w, xl, yl, 2)
     assert lse.shape == (batch, 600) and plan.cache.passes["per_point"] == 4 * batch
+
+
+def test_softassign_estimate_counts_the_pairs_of_the_aligned_pose():
+    """The late temperatures run near the aligned pose: a pair that starts crossed (a sheet
+    against itself turned 90° about an in-plane axis: at the start only a line of it meets
+    the other) is estimated as the same pair aligned, not as the few pairs of its start."""
+    from pointalign.kernels.soft import cpu_plan
+
+    g = torch.Generator().manual_seed(23)
+    x = (_sheet(g, 2000) * 0.05).numpy()
+    turned = x[:, [0, 2, 1]] * np.array([1.0, -1.0, 1.0])  # 90° about the x axis
+    betas = [1 / 0.05 ** 2 * 1.12 ** k for k in range(100)]
+
+    def estimate(y):
+        return cpu_plan.plan(2000, 2000, 3000, approximation="approximate",
+                             method="softassign", source=x, target=y, betas=betas,
+                             alpha=2.5e-5, passes_per_beta=30).estimate_s
+
+    aligned, crossed = estimate(x), estimate(turned)
+    assert crossed == pytest.approx(aligned, rel=0.05)

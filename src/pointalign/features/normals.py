@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pointalign import _math, _validate
+from pointalign import _math, _threads, _validate
 from pointalign.kernels import features as _kernels
 
 # the PCA normals' spec (covariance, smallest eigenvector) is the kernel family's reference;
@@ -53,6 +53,23 @@ def check_neighbour_table(idx: Any, n: int, device: torch.device,
         raise ValueError(f"{name}: indices must be in [0, {n}) or -1 (no neighbour)")
 
 
+def _has_duplicates(pts: torch.Tensor, idx: torch.Tensor, centers: torch.Tensor) -> bool:
+    """Whether any row of ``centers (Q, 3)`` has an exact copy among ``pts``.
+
+    From its search result ``idx (Q, K)`` (nearest first, the point itself among them):
+    a duplicated point has two neighbours at distance 0, the first two of its row, whose
+    coordinates then equal its own exactly (compared, not the distances: no rounding).
+    One ``(Q, 3)`` comparison and one host synchronisation per chunk.
+    """
+    if idx.shape[1] < 2:
+        return False
+    a, b = idx[:, 0], idx[:, 1]
+    same = (b >= 0) & (a >= 0) & (a != b) \
+        & (pts[a.clamp_min(0)] == centers).all(-1) & (pts[b.clamp_min(0)] == centers).all(-1)
+    return bool(same.any())
+
+
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def estimate_normals(
     points: Any,
@@ -65,7 +82,7 @@ def estimate_normals(
     index: Any = None,
     neighbors: torch.Tensor | None = None,
     device: str | torch.device | None = None,
-) -> torch.Tensor:
+) -> Any:
     """Estimate unit normals of a point cloud by PCA of each neighbourhood (Hoppe et al. 1992).
 
     Neighbourhoods: ``k`` nearest points (``k`` given, no ``radius``); up to
@@ -74,6 +91,14 @@ def estimate_normals(
     Each neighbourhood includes the point itself. A point with fewer than 3 neighbours has
     an arbitrary unit normal.
 
+    Repeated points count once: where the search finds exact copies (a cloud with every
+    point repeated 8 times has 16 nearest that are copies of 2 points, a line, whose normal
+    is arbitrary), the neighbourhoods are searched again among the distinct points (the
+    same ``k``, ``radius``, ``max_neighbors``; each copy gets its point's normal), so that
+    a repeated cloud has the normals of the cloud. Found by comparing each point with its
+    two nearest (no extra search where there are no copies). A ``neighbors`` table is used
+    as given.
+
     Orientation (the PCA sign is arbitrary): ``"viewpoint"`` flips each normal to face
     ``viewpoint`` (default the origin, where a scanner sits): ``nᵀ(v − p) >= 0``;
     ``"majority"`` flips every normal to agree with the dominant normal direction (principal
@@ -81,7 +106,7 @@ def estimate_normals(
     scenes; ``None`` leaves the signs as computed.
 
     Args:
-        points: ``(N, 3)`` array, tensor or PointCloud.
+        points: ``(N, 3)`` float array/tensor, a PointCloud or an Open3D point cloud.
         k: neighbours per point (>= 3), or None.
         radius: neighbourhood radius (> 0, same units as the points), or None.
         max_neighbors: cap on the radius search (and the default k).
@@ -96,9 +121,14 @@ def estimate_normals(
             available).
 
     Returns:
-        ``(N, 3)`` float tensor of unit normals on ``device``, in the points' dtype.
+        ``(N, 3)`` unit normals in the points' dtype, in the input's kind
+        (:func:`pointalign._validate.kind`, as :func:`~pointalign.fpfh`): a NumPy array for
+        a NumPy array or an Open3D cloud, a tensor on ``device`` for a tensor or a
+        :class:`PointCloud`. ``num_threads``: CPU threads for this call
+        (:func:`pointalign.threads`).
 
     """
+    like = _validate.kind(points)
     if isinstance(points, torch.Tensor) and device is None:
         dev = points.device
     else:
@@ -132,6 +162,7 @@ def estimate_normals(
             raise ValueError(f"index: built over {index.points.shape[0]} points on "
                              f"{index.points.device}, but points has {n} on {dev}")
         out = torch.empty_like(pts)
+        copies = False
         for s in range(0, n, _CHUNK):
             q = pts[s:s + _CHUNK]
             if radius is not None:
@@ -140,6 +171,14 @@ def estimate_normals(
             else:
                 res = index.knn(q, min(k if k is not None else max_neighbors, n))
             out[s:s + _CHUNK] = _kernels.pca_normals(pts, res.idx, centre_vp, centers=q)
+            copies = copies or _has_duplicates(pts, res.idx, q)
+        if copies:  # search again among the distinct points; each copy takes its point's
+            distinct, inverse = torch.unique(pts, dim=0, return_inverse=True)
+            if distinct.shape[0] < n:
+                out = estimate_normals(distinct, k=None if k is None else min(
+                    k, max(3, distinct.shape[0])), radius=radius, max_neighbors=max_neighbors,
+                    viewpoint=vp, orient="viewpoint" if orient == "viewpoint" else None,
+                    device=dev)[inverse]
     if orient == "majority":
         S = out.to(torch.float64).transpose(0, 1) @ out.to(torch.float64)
         _, V = torch.linalg.eigh(S)
@@ -147,4 +186,4 @@ def estimate_normals(
         d = d * torch.sign(d[d.abs().argmax()])
         flip = (out.to(torch.float64) @ d) < 0
         out = torch.where(flip[:, None], -out, out)
-    return out
+    return _validate.as_kind(out, like)

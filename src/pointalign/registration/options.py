@@ -40,7 +40,7 @@ class Options(NamedTuple):
 #: ransac()'s keywords that register() sets itself; RANSAC_OPTIONS: those it passes on
 _RANSAC_SET_HERE = frozenset({"source", "target", "source_features", "target_features",
                               "hypotheses", "target_index", "seed", "device", "matches",
-                              "max_correspondence_distance"})
+                              "max_correspondence_distance", "num_threads"})
 RANSAC_OPTIONS = tuple(sorted(set(inspect.signature(ransac).parameters) - _RANSAC_SET_HERE))
 
 
@@ -58,6 +58,9 @@ def check(caller: str, given: dict[str, Any]) -> Options:
     """
     from pointalign.registration.pipeline import register  # its signature: the defaults
 
+    if "num_threads" in given:  # register's own (per call), never RANSAC's alone
+        raise TypeError(f"{caller}() got an unexpected keyword argument 'num_threads' (run "
+                        f"the call inside pointalign.threads(n) to set its threads)")
     bound = inspect.signature(register).bind(None, None, **given)
     bound.apply_defaults()
     a = bound.arguments
@@ -73,7 +76,7 @@ def check(caller: str, given: dict[str, Any]) -> Options:
     refine, method = a["refine"], a["method"]
     if method is not None:  # the old name: register(method="icp" | "none")
         _progress.warn(f'{caller}(method=...) is now {caller}(refine=...) ("icp" became '
-                       '"point_to_plane")', DeprecationWarning, stacklevel=4)
+                       '"point_to_plane")', DeprecationWarning, stacklevel=None)
         refine = {"icp": "point_to_plane"}.get(method, method)
     if refine not in REFINEMENTS:
         raise ValueError(f"{'refine' if method is None else 'method (now refine)'}: "

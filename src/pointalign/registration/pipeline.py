@@ -146,6 +146,7 @@ class Prepared(NamedTuple):
     features: torch.Tensor
 
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def register(
     source: Any,
@@ -263,37 +264,34 @@ def _warn_doubtful(result: RegistrationResult) -> None:
     see = "; see " + ", ".join(f"result.info[{k!r}]" for k in keys) if keys else ""
     _progress.warn(f"register: the result is doubtful ({why}); result.converged is False"
                    f"{see} before trusting the transformation",
-                   _progress.DoubtfulResultWarning, stacklevel=4)
-
-
-#: rough CPU cost of register() on 2 threads (measured on the bunny, a LiDAR and a KITTI
-#: pair at default settings): seconds per 5,000 downsampled points (features, RANSAC,
-#: hypotheses) and per raw point (voxel edge, downsampling, full-cloud ICP)
-_CPU_SECONDS_PER_5000 = 5.0
-_CPU_SECONDS_PER_POINT = 1e-5
+                   _progress.DoubtfulResultWarning, stacklevel=None)
 
 
 def _warn_register(src: torch.Tensor, tgt: torch.Tensor, dev: torch.device, refine: str,
                    target_points: int, icp_voxel_size: float | None,
                    max_iterations: int, *,
                    icp_max_correspondence_distance: float | None = None) -> None:
-    """Warnings before the work: parameters ``refine="none"`` ignores; a CPU call of minutes."""
+    """Before the work: warn of parameters ``refine="none"`` ignores; announce a long CPU call.
+
+    The estimate is :func:`~pointalign.registration.checks.estimate_register_seconds` (the
+    one cost model of ``register``), said by :func:`pointalign._progress.announce`: above
+    5 s a line, above a minute a :class:`~pointalign.SlowOperationWarning`.
+    """
     for name, given in (("icp_voxel_size", icp_voxel_size is not None),
                         ("max_iterations", max_iterations != 30),
                         ("icp_max_correspondence_distance",
                          icp_max_correspondence_distance is not None)):
         if refine == "none" and given:
             _progress.warn_ignored(name, 'register(refine="none")', "no ICP stage",
-                                   stacklevel=4)
+                                   stacklevel=None)
     threads = _threads.host_threads(dev)
-    if threads is not None:  # the host does the work: announce a call of minutes
-        n, m = src.shape[0], tgt.shape[0]
-        est = (_CPU_SECONDS_PER_5000 * max(target_points, 1) / 5000
-               + _CPU_SECONDS_PER_POINT * (n + m)) * 2 / threads
-        _progress.warn_slow(f"register() on {n:,} + {m:,} points on the CPU", est,
-                            "pass icp_voxel_size (ICP on downsampled clouds) or downsample "
-                            "the clouds first (pointalign.voxel_downsample), or use a GPU",
-                            stacklevel=4)
+    n, m = src.shape[0], tgt.shape[0]
+    est = checks.estimate_register_seconds(
+        n, m, target_points=target_points, threads=threads, refine=refine != "none",
+        iterations=min(max_iterations, checks.ICP_TYPICAL_ITERATIONS["point_to_plane"]))
+    _progress.announce(f"register() on {n:,} + {m:,} points on the CPU ({threads} threads)",
+                       est, "pass icp_voxel_size (ICP on downsampled clouds) or downsample "
+                       "the clouds first (pointalign.voxel_downsample), or use a GPU")
 
 
 def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,

@@ -46,8 +46,13 @@ PASS_OVERHEAD_S = 2e-3
 #: seconds per pass of a fused "cells" update (:func:`softassign_update`) besides the pairs
 #: and points, on one thread (its share of the update's Python, PyTorch normalisations and
 #: Horn step; measured 2k x 2k seed schedule, 1 thread, load 3.5: ~2.1 s over 2,790 passes,
-#: ~2.5 s with the per-point phase's glue; rounded up)
-CELL_PASS_OVERHEAD_S = 7e-4
+#: ~2.5 s with the per-point phase's glue). The whole call's wall time (the program's steps
+#: between the updates included: 18 % of a 5k x 5k run) against the estimate over 2k-10k
+#: points of the bunny pair (``benchmarks/bench_estimates.py``, shared 2-core machine at
+#: load 2-12) needs more: 7e-4 gave ratios 0.35 (2k) to 0.85 (10k) at load 8-12, 1.5e-3
+#: 0.55-0.67 at 2k (10.9 s at load 2 against 7.2 s predicted), 0.78 at 5k, 1.1-1.7 at
+#: 10k-40k; the fixed cost matters most on small clouds
+CELL_PASS_OVERHEAD_S = 2.5e-3
 #: seconds per point per pass (moving, gathering)
 POINT_COST_S = 5e-8
 #: seconds per cell pair per thread to build an update's kernel matrix (from the candidate
@@ -220,13 +225,19 @@ def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[flo
                          passes_per_update: int, threads: int) -> tuple[float, tuple]:
     """Predicted seconds of the Softassign "cells" passes and their phases (:class:`Plan`).
 
-    The pairs each pass keeps are counted at the identity pose on the centred clouds: for
-    up to ``SAMPLE`` source cells (a fixed sample), the target cells within the pass's
-    radius, times the source cells. Cells: one kernel matrix per update
+    The pairs each pass keeps are counted at two poses of the centred clouds, the larger
+    count taken: the start (identity: for up to ``SAMPLE`` source cells, a fixed sample, the
+    target cells within the pass's radius, times the source cells) and the aligned pose,
+    where the source lies on the target's surface (for up to ``SAMPLE`` target cells, the
+    target cells within the radius, times the source cells). The late temperatures run
+    near the aligned pose: counted at the start alone, a pair whose clouds start 45° apart
+    (bun045 → bun000, 5k points) kept 1.0-3.5× more pairs over the last half of the
+    schedule than predicted, and the run took 3-4× its estimate; the aligned count is
+    within 5-15 % of the pairs kept there. Cells: one kernel matrix per update
     (``BUILD_S_PER_PAIR``) and a product with it per pass (``CSR_S_PER_PAIR``); per point:
     ``PRUNED_PAIRS_PER_S``; both over the threads, plus ``CELL_PASS_OVERHEAD_S`` (fused
     cells updates) or ``PASS_OVERHEAD_S`` (per point) per pass on one.
-    An estimate at the start pose, not a promise.
+    An estimate, not a promise.
     """
     src = source - source.mean(0)
     tgt = target - target.mean(0)
@@ -240,13 +251,17 @@ def _softassign_estimate(source: np.ndarray, target: np.ndarray, betas: list[flo
             cs, _, inv_s = _merge(src, a)
             ct, _, inv_t = _merge(tgt, a)
             pick = rng.choice(cs.shape[0], min(SAMPLE, cs.shape[0]), replace=False)
-            d2 = np.sort(np.square(cs[pick, None, :] - ct[None]).sum(-1).ravel())
+            start = np.sort(np.square(cs[pick, None, :] - ct[None]).sum(-1).ravel())
+            pick_t = rng.choice(ct.shape[0], min(SAMPLE, ct.shape[0]), replace=False)
+            aligned = np.sort(np.square(ct[pick_t, None, :] - ct[None]).sum(-1).ravel())
             merged = inv_s is not None or inv_t is not None
-            per_level[level] = (cs.shape[0], ct.shape[0], d2, pick.shape[0], merged, a)
-        ns, nt, d2, n_pick, merged, a = per_level[level]
+            per_level[level] = (cs.shape[0], ct.shape[0], (start, pick.shape[0]),
+                                (aligned, pick_t.shape[0]), merged, a)
+        ns, nt, at_start, at_aligned, merged, a = per_level[level]
         kk = kc if merged else k
         r = math.sqrt((kk * kk / 2 + beta * alpha) / beta) + (2 * math.sqrt(3) * a if merged else 0)
-        pairs = ns * float(np.searchsorted(d2, r * r, side="right")) / n_pick
+        pairs = ns * max(float(np.searchsorted(d2, r * r, side="right")) / n_pick
+                         for d2, n_pick in (at_start, at_aligned))
         if merged:  # one kernel matrix per update, every pass a product with it
             updates = passes_per_beta / passes_per_update
             par = updates * pairs * (BUILD_S_PER_PAIR + passes_per_update * CSR_S_PER_PAIR)
