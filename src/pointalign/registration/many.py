@@ -224,6 +224,7 @@ def _specs(pairs: Iterable[Any]) -> list[PairSpec]:
 
 # ---------------------------------------------------------------------------- entry point
 
+@_threads.per_call
 @_validate.out_of_memory_is_clear
 def register_many(
     pairs: Iterable[Any],
