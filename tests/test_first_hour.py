@@ -560,7 +560,7 @@ def test_register_runs_with_the_threads_given(monkeypatch, bunny_pair):
     with pytest.raises(ValueError, match="^num_threads"):
         pa.register(s, t, device="cpu", num_threads=0)
     assert "num_threads" not in options.RANSAC_OPTIONS  # register's own, not passed on
-    # a caller without it of its own (register_many) is told, not silently ignored
+    # a caller that does not take it is told, not silently ignored
     with pytest.raises(TypeError, match=r"^register_many\(\) got an unexpected keyword "
                                         r"argument 'num_threads'"):
         options.check("register_many", {"num_threads": 1})
