@@ -28,7 +28,9 @@ BIG = tl.constexpr(BIG_HOST)
 
 
 # one compilation for every size and tree depth: the sizes, the first leaf and the stack's
-# stride are run-time values, the leaf loop's bound a power of two (LMAX)
+# stride are run-time values. The leaf loop's bound LMAX stays exact (a tree of leaf size L
+# has leaves of L/2..L points: at most L/2 variants); rounded up to a power of two it cost
+# ICP on the 40k bunny (leaves of 10) 8 -> 15 ms of k-d tree queries on an H200
 @triton.jit(do_not_specialize=("n_query", "first_leaf", "stack"))
 def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, end_ptr,
                 stack_ptr, hint_ptr, perm_ptr, inv_ptr, out_d_ptr, out_i_ptr, n_query,
@@ -160,7 +162,7 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
             tree.start, tree.end, stack, out_i[s:e] if hint_c is None else hint_c[s:e],
             tree.perm if ids is None else ids[0], tree.perm if ids is None else ids[1],
             out_d[s:e], out_i[s:e], e - s, tree.first_leaf, md2, tree.depth + 2,
-            K=k, KP=kp, LMAX=triton.next_power_of_2(max(1, tree.max_leaf_size)),
+            K=k, KP=kp, LMAX=tree.max_leaf_size,
             APPROX=bool(approximate), HAS_HINT=hint is not None, MAP=ids is not None,
             BLOCK=block, num_warps=max(1, block // 32),
         )
