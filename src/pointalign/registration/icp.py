@@ -44,6 +44,7 @@ from pointalign.registration.criteria import (
 )
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import policy
+from pointalign.search.packed import PackedIndex
 
 METHODS = ("point_to_point", "point_to_plane")
 
@@ -296,8 +297,17 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
             wide = torch.full((B, S, kd), -1, dtype=torch.int64, device=dev)
             for ix, bs in groups:
                 kb = int(min(DUPLICATE_K, int(pair.target_counts[bs[0]])))
-                r = ix.knn(y[bs].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
-                wide[bs, :, :kb] = torch.where(r >= 0, r + base[bs, :, None], r)
+                if isinstance(ix, PackedIndex):  # its queries: every row, problem by problem
+                    r = ix.knn(y[bs].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
+                    wide[bs, :, :kb] = torch.where(r >= 0, r + base[bs, :, None], r)
+                    continue
+                # only the flat samples look again (a wide k-NN costs more than the first)
+                bt = torch.tensor(bs, device=dev)
+                bi, si = flat[bt].nonzero(as_tuple=True)
+                if bi.numel() == 0:
+                    continue
+                r = ix.knn(y[bt[bi], si], kb).idx
+                wide[bt[bi], si, :kb] = torch.where(r >= 0, r + base[bt[bi]], r)
             wide = torch.where(flat[..., None], wide, torch.cat(
                 [nb, nb.new_full((B, S, kd - k), -1)], -1) if kd > k else nb[..., :kd])
             nb, k = wide, kd
