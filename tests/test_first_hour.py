@@ -525,6 +525,36 @@ def test_icp_announces_a_long_call(monkeypatch, caplog, bunny_pair):
     assert "about 30 s" in caplog.text
 
 
+@pytest.mark.parametrize("method", ["gicp", "vgicp"])
+def test_gicp_announces_a_long_call(monkeypatch, caplog, bunny_pair, method):
+    """GICP/VGICP on the CPU say their estimate before a long call, counting only the
+    covariances they must estimate."""
+    s, t, _, _ = bunny_pair
+    seen = []
+    real = checks.estimate_gicp_seconds
+
+    def fake(n, m, **kw):
+        seen.append((n, m, kw["covariances"]))
+        return 30.0
+
+    monkeypatch.setattr(checks, "estimate_gicp_seconds", fake)
+    fn, kw = (pa.gicp, {"max_correspondence_distance": 0.02}) if method == "gicp" else \
+        (pa.vgicp, {"voxel_size": 0.01})
+    with caplog.at_level(logging.INFO, logger="pointalign"):
+        fn(s, t, max_iterations=1, device="cpu", **kw)
+    assert f"{method.upper()} on 3,000 + 3,000 points on the CPU" in caplog.text
+    assert "about 30 s" in caplog.text and seen == [(3000, 3000, 6000)]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pointalign"):
+        fn(s, t, max_iterations=1, device="cpu",
+           target_covariances=pa.estimate_covariances(t), **kw)
+    assert seen[-1] == (3000, 3000, 3000)  # given covariances cost nothing
+    assert real(3000, 3000, iterations=10, threads=None) is None  # on a GPU: no estimate
+    # a 1M + 1M pair on two idle threads is long (the measured KITTI constants: ~17 s)
+    assert real(10**6, 10**6, iterations=10, threads=2, share=1.0) > 5
+    assert real(3000, 3000, iterations=10, threads=2, share=1.0) < 5
+
+
 def test_register_announces_its_one_estimate(monkeypatch, caplog, bunny_pair):
     """register() says checks.estimate_register_seconds before the work; the ICP stages it
     runs inside say nothing of their own."""

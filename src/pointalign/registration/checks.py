@@ -232,6 +232,50 @@ def estimate_register_seconds(n: int, m: int, *, target_points: int,
     return own + (final or 0.0)
 
 
+#: GICP on the CPU at 2 threads, from ``benchmarks/results/gicp-cpu.json`` (KITTI pair,
+#: 25k + 25k points after 0.25 m voxels: covariances 108-140 ms, 5-9 iterations 22-99 ms):
+#: seconds per point for its k = 20 covariances (each cloud), per source point per iteration
+GICP_COVARIANCE_S = 2.8e-6
+GICP_ITERATION_S = 1.2e-6
+#: iterations a GICP/VGICP call typically takes to its stopping rule (the same runs: 4-9)
+GICP_TYPICAL_ITERATIONS = 10
+
+
+def estimate_gicp_seconds(n: int, m: int, *, iterations: int, threads: int | None,
+                          covariances: int | None = None,
+                          share: float | None = None) -> float | None:
+    """Predict the seconds :func:`~pointalign.gicp` / :func:`~pointalign.vgicp` take on the CPU.
+
+    ``(GICP_COVARIANCE_S · c + iterations · GICP_ITERATION_S · n) · 2 / threads / share``
+    with ``c`` the points whose covariances are estimated (default ``n + m``), as
+    :func:`estimate_icp_seconds` scales its constants. None where the work runs on a GPU.
+    """
+    if threads is None:
+        return None
+    c = n + m if covariances is None else covariances
+    work = GICP_COVARIANCE_S * c + iterations * GICP_ITERATION_S * n
+    return work * 2.0 / max(threads, 1) / _share(share)
+
+
+def announce_gicp(pair: Pair, method: str, cap: int, covariances: int) -> None:
+    """Announce a GICP/VGICP call estimated above 5 s on the CPU (:func:`estimate_gicp_seconds`).
+
+    ``covariances``: how many points get their covariances estimated in this call (given
+    ones cost nothing).
+    """
+    if _INNER.get():
+        return
+    threads = _threads.host_threads(pair.device)
+    n = int(pair.source_counts.sum())
+    m = int(pair.target_counts[0] if pair.shared_target else pair.target_counts.sum())
+    est = estimate_gicp_seconds(n, m, iterations=min(cap, GICP_TYPICAL_ITERATIONS),
+                                threads=threads, covariances=covariances)
+    _progress.announce(f"{method} on {n:,} + {m:,} points on the CPU ({threads} threads, at "
+                       f"most {cap} iterations)", est,
+                       "downsample the clouds first (pointalign.voxel_downsample) or use a "
+                       "GPU")
+
+
 def announce_icp(pair: Pair, method: str, cap: int, normals: bool) -> None:
     """Announce an ICP call estimated above 5 s on the CPU (:func:`estimate_icp_seconds`).
 

@@ -196,6 +196,20 @@ def _covariances(pair: _edge.Pair, source: Any, target: Any, source_covariances:
     return sc, tc
 
 
+def _announce(pair: _edge.Pair, method: str, cap: int, source: Any, target: Any,
+              source_covariances: Any, target_covariances: Any) -> None:
+    """Announce a long CPU call (:func:`pointalign.registration.checks.announce_gicp`)."""
+    def estimated(given: Any, cloud: Any, counts: np.ndarray) -> int:
+        if given is not None or getattr(cloud, "covariances", None) is not None:
+            return 0
+        return int(counts.sum())
+
+    m = pair.target_counts[:1] if pair.shared_target else pair.target_counts
+    checks.announce_gicp(pair, method, cap,
+                         estimated(source_covariances, source, pair.source_counts)
+                         + estimated(target_covariances, target, m))
+
+
 def _check_k(k: Any) -> int:
     return _validate.integer(k, "k", minimum=3)
 
@@ -347,6 +361,8 @@ def gicp(
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     checks.check_units(pair, max_correspondence_distance=max_dist)
+    _announce(pair, "GICP", int(crit.max_iterations), source, target, source_covariances,
+              target_covariances)
     B = pair.size
     clock = _loop.Clock(dev)
     idxs = clock.stage("index", _indexes, pair, index, max_dist)
@@ -443,6 +459,8 @@ def vgicp(
     pair = _edge.prepare_pair(source, target, init=init, device=dev,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     checks.check_units(pair, voxel_size=sizes)
+    _announce(pair, "VGICP", int(crit.max_iterations), source, target, source_covariances,
+              target_covariances)
     B = pair.size
     clock = _loop.Clock(dev)
     s_cov, t_cov = clock.stage("covariances", _covariances, pair, source, target,
