@@ -30,12 +30,6 @@ _CHUNK = 1 << 18
 #: the default neighbourhood size (small_gicp's and Open3D's GICP examples use 20)
 DEFAULT_K = 20
 
-#: up to this many points, a device self-query (one k-NN per point, once) goes through brute
-#: force rather than a k-d tree built for it: on an H100 (``benchmarks/results/knn-cuda.json``,
-#: k = 16) brute force takes ~38 ms at 100k points and grows as N², a k-d tree ~7-10 ms to
-#: build plus 2-5 ms to query, even at ~50k; the automatic choice (20k, for indexes queried
-#: every ICP iteration) built a tree for the 25k-point KITTI scans
-SELF_QUERY_BRUTE_MAX = 40_000
 
 
 @_threads.per_call
@@ -58,8 +52,7 @@ def estimate_covariances(
         index: an :class:`~pointalign.search.base.Index` built over these points (reused;
             default: the kernel layer's fused search and covariance where the backend has
             one, :func:`pointalign.kernels.gicp.knn_covariances`, else
-            ``build_index(points)``, brute force for a device cloud of at most
-            :data:`SELF_QUERY_BRUTE_MAX` points; the same neighbours either way).
+            ``build_index(points)``; the same neighbours either way).
         neighbors: a precomputed ``(N, K)`` int64 neighbour table (``-1`` = none), e.g. the
             one the normals were estimated from; replaces the search (``k`` and ``index``
             are then not used).
@@ -100,11 +93,12 @@ def estimate_covariances(
         fused = _kernels.knn_covariances(pts, k, eps)  # search and reduction in one pass
         if fused is not None:
             return _validate.as_kind(fused, like)
-        from pointalign.search import build_index, policy
+        from pointalign.search import build_index
 
-        plan = policy.search_plan(pts)  # brute force where it is one fused device kernel
-        one_pass = plan.fused and not plan.host_tree and n <= SELF_QUERY_BRUTE_MAX
-        index = build_index(pts, "brute" if one_pass else "auto")
+        # the automatic index (a k-d tree above 20k points on a device): brute force for
+        # the 25k-point KITTI clouds, tried, took 60 ms of k = 20 queries against ~15 ms
+        # (H200, benchmarks/bench_gicp.py)
+        index = build_index(pts)
     elif index.points.shape[0] != n or index.points.device != dev:
         raise ValueError(f"index: built over {index.points.shape[0]} points on "
                          f"{index.points.device}, but points has {n} on {dev}")
