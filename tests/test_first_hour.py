@@ -555,6 +555,23 @@ def test_gicp_announces_a_long_call(monkeypatch, caplog, bunny_pair, method):
     assert real(3000, 3000, iterations=10, threads=2, share=1.0) < 5
 
 
+@pytest.mark.parametrize("method", ["surface_newton", "approximate_icp"])
+def test_distance_map_methods_announce_a_long_call(monkeypatch, caplog, bunny_pair, method):
+    from pointalign.registration import surface
+
+    s, t, _, _ = bunny_pair
+    real = checks.estimate_surface_seconds
+    monkeypatch.setattr(checks, "estimate_surface_seconds", lambda n, m, **kw: 30.0)
+    with caplog.at_level(logging.INFO, logger="pointalign"):
+        getattr(surface, method)(s, t, device="cpu", max_iterations=1)
+    assert f"{method} on 3,000 + 3,000 points on the CPU" in caplog.text
+    assert "about 30 s" in caplog.text
+    assert real(3000, 3000, threads=None) is None  # on a GPU: no estimate
+    # the measured per-point cost: 5M + 5M points on two idle threads is long, 3k + 3k not
+    assert real(5 * 10**6, 5 * 10**6, threads=2, share=1.0) > 5
+    assert real(3000, 3000, threads=2, share=1.0) < 5
+
+
 def test_register_announces_its_one_estimate(monkeypatch, caplog, bunny_pair):
     """register() says checks.estimate_register_seconds before the work; the ICP stages it
     runs inside say nothing of their own."""

@@ -276,6 +276,36 @@ def announce_gicp(pair: Pair, method: str, cap: int, covariances: int) -> None:
                        "GPU")
 
 
+#: the distance-map methods (surface_newton, approximate_icp) on the CPU at 2 threads, per
+#: point of source + target, tree and approximants included: 1.7e-6 s on the LiDAR pair
+#: (70k + 69k points, 0.23-0.24 s) and 1.9e-6 s on the bunny pair (40k + 40k, 0.15 s)
+#: (``benchmarks/results/tranche3_cpu_ab-cpu.json``)
+SURFACE_PER_POINT_S = 1.8e-6
+
+
+def estimate_surface_seconds(n: int, m: int, *, threads: int | None,
+                             share: float | None = None) -> float | None:
+    """Predict the seconds a distance-map method takes on the CPU: ``(n + m)`` points.
+
+    ``SURFACE_PER_POINT_S · (n + m) · 2 / threads / share``; None where it runs on a GPU.
+    """
+    if threads is None:
+        return None
+    return SURFACE_PER_POINT_S * (n + m) * 2.0 / max(threads, 1) / _share(share)
+
+
+def announce_surface(pair: Pair, method: str) -> None:
+    """Announce a distance-map call estimated above 5 s on the CPU."""
+    if _INNER.get():
+        return
+    threads = _threads.host_threads(pair.device)
+    n, m = int(pair.source_counts.sum()), int(pair.target_counts.sum())
+    _progress.announce(f"{method} on {n:,} + {m:,} points on the CPU ({threads} threads)",
+                       estimate_surface_seconds(n, m, threads=threads),
+                       "downsample the clouds first (pointalign.voxel_downsample) or use a "
+                       "GPU")
+
+
 def announce_icp(pair: Pair, method: str, cap: int, normals: bool) -> None:
     """Announce an ICP call estimated above 5 s on the CPU (:func:`estimate_icp_seconds`).
 

@@ -209,7 +209,7 @@ def approximate_icp(
     tau2 = math.inf if max_correspondence_distance is None else _validate.positive(
         max_correspondence_distance, "max_correspondence_distance") ** 2
     prob, clock = _prepare(source, target, init, device, index,
-                           None if not math.isfinite(tau2) else math.sqrt(tau2))
+                           None if not math.isfinite(tau2) else math.sqrt(tau2), "approximate_icp")
     dev = prob.pair.device
     crit = criteria if criteria is not None else \
         as_criteria(None, max_iterations, default=default_criteria(prob.source))

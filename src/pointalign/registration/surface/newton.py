@@ -327,7 +327,7 @@ def surface_newton(
     tau2 = math.inf if max_correspondence_distance is None else _validate.positive(
         max_correspondence_distance, "max_correspondence_distance") ** 2
     prob, clock = _prepare(source, target, init, device, index,
-                           None if not math.isfinite(tau2) else math.sqrt(tau2))
+                           None if not math.isfinite(tau2) else math.sqrt(tau2), "surface_newton")
     crit = criteria if criteria is not None else \
         as_criteria(None, max_iterations, default=default_criteria(prob.source))
     co = clock.stage("approximants", approximant_coefficients, prob.tree, approximant)

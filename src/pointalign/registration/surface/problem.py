@@ -31,7 +31,7 @@ class _Problem:
 
 
 def _prepare(source: Any, target: Any, init: Any, device: Any, index: Any,
-             max_correspondence_distance: float | None = None
+             max_correspondence_distance: float | None = None, method: str = "surface_newton"
              ) -> tuple[_Problem, _loop.Clock]:
     """Validate, resolve the device, move to the local frame and build the target's tree.
 
@@ -53,6 +53,7 @@ def _prepare(source: Any, target: Any, init: Any, device: Any, index: Any,
     if pair.batched:
         raise ValueError("source: expected one (N, 3) cloud, got a batch")
     checks.check_units(pair, max_correspondence_distance=max_correspondence_distance)
+    checks.announce_surface(pair, method)
     clock = _loop.Clock(dev)
     tree = index if index is not None else clock.stage(
         "tree", KDTreeIndex, pair.target[0], leaf_size=8)
