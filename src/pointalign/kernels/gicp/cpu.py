@@ -47,7 +47,7 @@ from pointalign.kernels.gicp.reference import (
     ROBUST_SCALE2,
     WIDTH,
 )
-from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _boxd2, _scan_key, _subtree_key
+from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _self_key
 from pointalign.kernels.ransac.score_cpu import _moved
 
 #: row blocks per batch entry (fixed: the summation order does not depend on threads)
@@ -126,18 +126,8 @@ def _knn_covariances(pts, perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, eps,
         row = np.empty(k, np.int64)
         leaf = first_leaf + t
         for j0 in range(lo[leaf], hi[leaf]):
-            q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
-            cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, 0,
-                                   max_d2, f, u)
-            v = leaf
-            while v > 0:
-                sib = v + 1 if v & 1 else v - 1
-                ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
-                if ds <= bound:
-                    cnt, bound = _subtree_key(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin,
-                                              bmax, first_leaf, stack, sd, k, kb, cnt, bound,
-                                              f, u)
-                v = (v - 1) >> 1
+            cnt = _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, first_leaf, stack, sd,
+                            k, kb, max_d2, f, u)
             for s in range(cnt):
                 row[s] = np.int64(kb[s] & _LOW32)
             for s in range(cnt, k):

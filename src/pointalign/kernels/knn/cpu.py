@@ -427,6 +427,28 @@ def _emit_keys(kb, cnt, k, out_d, out_i, row, f, u):
         out_i[row, s] = -1
 
 
+@njit(cache=True, inline="always")
+def _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, first_leaf, stack, sd, k, kb, max_d2,
+              f, u):
+    """Put the k nearest of the tree's own point ``j0`` (held by ``leaf``) into the keys ``kb``.
+
+    Its leaf first, then, on the way up, each sibling subtree the current bound does not rule
+    out (the self-query's order). Returns how many keys were kept. Inlined into its callers
+    (:func:`_knn_self_keyed`, the fused GICP covariances), so both compile as one loop.
+    """
+    q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
+    cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, 0, max_d2, f, u)
+    v = leaf
+    while v > 0:
+        sib = v + 1 if v & 1 else v - 1
+        ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
+        if ds <= bound:
+            cnt, bound = _subtree_key(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin, bmax,
+                                      first_leaf, stack, sd, k, kb, cnt, bound, f, u)
+        v = (v - 1) >> 1
+    return cnt
+
+
 @njit(cache=True, parallel=True)
 def _knn_keyed(perm, spts, lo, hi, bmin, bmax, depth, q, k, max_d2, out_d, out_i):
     """:func:`_knn` with keyed lists (float32, finite, < 2**32 points): the same answers."""
@@ -460,18 +482,8 @@ def _knn_self_keyed(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out
         u = f.view(np.uint32)
         leaf = first_leaf + t
         for j0 in range(lo[leaf], hi[leaf]):
-            q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
-            cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, 0,
-                                   max_d2, f, u)
-            v = leaf
-            while v > 0:
-                sib = v + 1 if v & 1 else v - 1
-                ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
-                if ds <= bound:
-                    cnt, bound = _subtree_key(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin,
-                                              bmax, first_leaf, stack, sd, k, kb, cnt, bound,
-                                              f, u)
-                v = (v - 1) >> 1
+            cnt = _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, first_leaf, stack, sd,
+                            k, kb, max_d2, f, u)
             _emit_keys(kb, cnt, k, out_d, out_i, perm[j0], f, u)
 
 
