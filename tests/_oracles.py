@@ -196,3 +196,27 @@ def icp_solve_np(sums: np.ndarray, plane: bool, c: np.ndarray):
     D[:, :3, :3] = R
     D[:, :3, 3] = t + c - (R @ c[:, :, None])[:, :, 0]
     return D, valid, usable
+
+
+def bumpy_sheet(seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bumpy sheet ``(n, 3)`` with its unit normals (duplicates and a flat part)."""
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    z = 0.1 * torch.sin(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1])
+    z[: n // 8] = 0.0  # flat: parallel normals, the tie rule of the pair features
+    p = torch.cat([xy, z[:, None]], 1)
+    dz = torch.stack([-0.6 * torch.cos(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1]),
+                      0.4 * torch.sin(6 * xy[:, 0]) * torch.sin(4 * xy[:, 1])], 1)
+    dz[: n // 8] = 0.0
+    nrm = torch.cat([-dz, torch.ones(n, 1, dtype=torch.float64)], 1)
+    nrm = nrm / nrm.norm(dim=1, keepdim=True)
+    p[n - n // 10:] = p[: n // 10]  # exact duplicates: zero-distance pairs
+    nrm[n - n // 10:] = nrm[: n // 10]
+    return p.to(dtype), nrm.to(dtype)
+
+
+def self_table(p: torch.Tensor, r: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every point's k nearest points within r (the PyTorch reference): ``dists, idx (n, k)``."""
+    from pointalign.kernels.knn import knn_reference
+
+    return knn_reference(p, p, k, r * r)

@@ -25,10 +25,10 @@ from pointalign.kernels import features as KF
 from pointalign.kernels import knn as KNN
 from pointalign.kernels.features import fpfh as KP
 from pointalign.kernels.features import fpfh_cpu as _fpfh_cpu
-from pointalign.kernels.knn import knn_reference
 from pointalign.search import build_index
 from tests._backends import backends
 from tests._interpreted import interpreted_fixture
+from tests._oracles import bumpy_sheet, self_table
 
 #: the numba kernels' own cases: the "cpu" backend only (skipped without numba)
 cpu_only = backends("cpu")
@@ -101,33 +101,11 @@ def test_feature_chain_matches_reference(backend, dtype):
 
 # ---- the "cpu" backend's numba FPFH (features/fpfh_cpu.py) --------------------------------
 
-def _surface(seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bumpy sheet ``(n, 3)`` with its unit normals (duplicates and a flat part)."""
-    g = torch.Generator().manual_seed(seed)
-    xy = torch.rand(n, 2, generator=g, dtype=torch.float64)
-    z = 0.1 * torch.sin(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1])
-    z[: n // 8] = 0.0  # flat: parallel normals, the tie rule of the pair features
-    p = torch.cat([xy, z[:, None]], 1)
-    dz = torch.stack([-0.6 * torch.cos(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1]),
-                      0.4 * torch.sin(6 * xy[:, 0]) * torch.sin(4 * xy[:, 1])], 1)
-    dz[: n // 8] = 0.0
-    nrm = torch.cat([-dz, torch.ones(n, 1, dtype=torch.float64)], 1)
-    nrm = nrm / nrm.norm(dim=1, keepdim=True)
-    p[n - n // 10:] = p[: n // 10]  # exact duplicates: zero-distance pairs
-    nrm[n - n // 10:] = nrm[: n // 10]
-    return p.to(dtype), nrm.to(dtype)
-
-
-def _table(p: torch.Tensor, r: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    d, i = knn_reference(p, p, k, r * r)
-    return d, i
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @cpu_only
 def test_spfh_and_combine_equal_reference(backend, dtype):
-    p, n = _surface(3, 900, dtype)
-    d, i = _table(p, 0.08, 40)
+    p, n = bumpy_sheet(3, 900, dtype)
+    d, i = self_table(p, 0.08, 40)
     i[::7, 5] = -1  # holes in the table
     h = _fpfh_cpu.spfh_cpu(p, n, i)
     ref = KP.spfh_reference(p, n, i)
@@ -183,8 +161,8 @@ def test_alpha_bin_equals_atan2_bin(backend, dtype, seed):
 @cpu_only
 def test_spfh_fast_alpha_equals_exact_atan2(backend, dtype):
     """The SPFH kernel's α shortcut changes no bin: equal to the all-atan2 run bit for bit."""
-    p, n = _surface(5, 1500, dtype)
-    d, i = _table(p, 0.1, 60)
+    p, n = bumpy_sheet(5, 1500, dtype)
+    d, i = self_table(p, 0.1, 60)
     i[::5, 3] = -1
     pn, nn, inn = p.numpy(), n.numpy(), i.numpy()
     tol = pn.dtype.type(16 * np.finfo(pn.dtype).eps)

@@ -38,6 +38,7 @@ from pointalign.kernels.ransac import cpu as _ransac_cpu
 from pointalign.kernels.ransac import score_cpu as _score_cpu
 from pointalign.search.ckdtree import CKDTreeIndex
 from tests._backends import backends
+from tests._oracles import bumpy_sheet
 
 try:  # the ransac family's home for them (the pipeline branch moves them there)
     from pointalign.kernels.ransac import (
@@ -306,28 +307,6 @@ def test_transform_points_cpu_equals_reference(backend, dtype):
 
 # ---- feature kNN (ransac/cpu.py) and the scoring grid (score_cpu.BoundGrid) ------------
 
-def _surface(seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bumpy sheet ``(n, 3)`` with its unit normals (duplicates and a flat part)."""
-    g = torch.Generator().manual_seed(seed)
-    xy = torch.rand(n, 2, generator=g, dtype=torch.float64)
-    z = 0.1 * torch.sin(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1])
-    z[: n // 8] = 0.0  # flat: parallel normals, the tie rule of the pair features
-    p = torch.cat([xy, z[:, None]], 1)
-    dz = torch.stack([-0.6 * torch.cos(6 * xy[:, 0]) * torch.cos(4 * xy[:, 1]),
-                      0.4 * torch.sin(6 * xy[:, 0]) * torch.sin(4 * xy[:, 1])], 1)
-    dz[: n // 8] = 0.0
-    nrm = torch.cat([-dz, torch.ones(n, 1, dtype=torch.float64)], 1)
-    nrm = nrm / nrm.norm(dim=1, keepdim=True)
-    p[n - n // 10:] = p[: n // 10]  # exact duplicates: zero-distance pairs
-    nrm[n - n // 10:] = nrm[: n // 10]
-    return p.to(dtype), nrm.to(dtype)
-
-
-def _table(p: torch.Tensor, r: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    d, i = knn_reference(p, p, k, r * r)
-    return d, i
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("k", [1, 2, 5])
 @backends("torch", "cpu")
@@ -440,7 +419,7 @@ def test_feature_knn_bit_equal_to_plain_sum(backend, dtype, dim, grid):
 @cpu_only
 def test_bound_grid_equals_tree_and_brute(backend, dtype):
     g = np.random.default_rng(7)
-    p, _ = _surface(5, 2000, torch.float64)
+    p, _ = bumpy_sheet(5, 2000, torch.float64)
     pts = (p.numpy() * 3 + 100.0).astype(dtype)  # far from the origin: rounding matters
     q = np.concatenate([pts + g.normal(scale=s, size=pts.shape) for s in (0.0, 0.01, 0.05, 1)])
     q = q.astype(dtype)
@@ -462,7 +441,7 @@ def test_bound_grid_equals_tree_and_brute(backend, dtype):
 
 @cpu_only
 def test_scoring_tree_routes_many_queries_to_the_grid(backend):
-    p, _ = _surface(2, 500, torch.float32)
+    p, _ = bumpy_sheet(2, 500, torch.float32)
     pts = p.numpy()
     t = _score_cpu.ScoringTree(pts)
     q = np.repeat(pts, 5, 0) + np.float32(0.01)
