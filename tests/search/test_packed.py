@@ -1,8 +1,9 @@
 """search/packed.py: one index over many problems answers as each problem's own index.
 
 Checked on the CPU with brute force inside (the packing is plain PyTorch) against one
-brute-force index per problem: integer answers equal, distances within the rounding of the
-lattice shift (float32, a few ulps of the lattice's extent); the device rule of
+brute-force index per problem: the same neighbours, except where a near-tie within the
+rounding of the lattice shift (float32 at the lattice's extent) falls the other way, and
+distances within that rounding; the device rule of
 ``choose_batch_index`` runs here with a device plan substituted, and ICP on a batch of
 different targets through it equals ICP problem by problem.
 """
@@ -41,6 +42,22 @@ def _bound(pix, r):
     return 2 * (2 * 3**0.5 * u * r + 3 * u * u)
 
 
+def _same_or_tied(got, ref, query, points, tol):
+    """Equal indices, or (where the lattice's rounding broke a near-tie the other way) indices
+    whose true float64 squared distances from the query differ by at most ``tol``."""
+    if torch.equal(got, ref):
+        return True
+    q, p = query.double(), points.double()
+
+    def true_d(idx):
+        d = ((q[:, None, :] - p[idx.clamp_min(0)]) ** 2).sum(-1)
+        return torch.where(idx >= 0, d, torch.full_like(d, float("inf")))
+
+    dg, dr = true_d(got), true_d(ref)
+    both = torch.isfinite(dg) & torch.isfinite(dr)
+    return bool(((got == ref) | (both & ((dg - dr).abs() <= tol))).all())
+
+
 def test_nearest_within_and_knn_equal_each_problems_own_index(rng):
     pts, n = _batch(rng)
     B = len(n)
@@ -56,15 +73,19 @@ def test_nearest_within_and_knn_equal_each_problems_own_index(rng):
         own = BruteForceIndex(pts[b, : n[b]])
         ref = own.nearest_within(q[b], 0.3)
         got = slice(b * S, (b + 1) * S)
-        assert torch.equal(near.idx[got], ref.idx)
-        fin = torch.isfinite(ref.dists)
-        assert torch.equal(torch.isfinite(near.dists[got]), fin)
+        tol = _bound(pix, 0.3)
+        assert _same_or_tied(near.idx[got], ref.idx, q[b], pts[b], tol)
+        fin = torch.isfinite(ref.dists) & torch.isfinite(near.dists[got])
+        # found by one and not the other only at the bound itself (a rounding apart)
+        edge = torch.isfinite(ref.dists) ^ torch.isfinite(near.dists[got])
+        assert bool((ref.dists[edge].clamp(max=1.0) >= 0.09 - tol).all())
         diff = (near.dists[got][fin] - ref.dists[fin]).abs()
         if diff.numel():
-            assert float(diff.max()) <= _bound(pix, 0.3)
+            assert float(diff.max()) <= tol
         k = min(9, int(n[b]))
         ref = own.knn(y[b], k)
-        assert torch.equal(knn.idx[got, :k], ref.idx)
+        r_k = float(ref.dists[torch.isfinite(ref.dists)].max().sqrt())
+        assert _same_or_tied(knn.idx[got, :k], ref.idx, y[b], pts[b], _bound(pix, r_k))
         assert bool((knn.idx[got, k:] == -1).all()) and bool(torch.isinf(knn.dists[got, k:]).all())
     assert bool((near.idx[2 * S:3 * S] == -1).all())
 
@@ -76,7 +97,8 @@ def test_radius_keeps_own_points_only(rng):
     got = pix.radius(q, 0.5, 30)
     for b in range(len(n)):
         ref = BruteForceIndex(pts[b, : n[b]]).radius(pts[b, :10], 0.5, 30)
-        assert torch.equal(got.idx[b * 10:(b + 1) * 10], ref.idx)
+        assert _same_or_tied(got.idx[b * 10:(b + 1) * 10], ref.idx, pts[b, :10], pts[b],
+                             _bound(pix, 0.5))
 
 
 def test_bad_queries_and_lengths(rng):
