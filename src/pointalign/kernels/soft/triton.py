@@ -170,14 +170,17 @@ def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, 
         e = _exp2(z - m_safe[None, :], FTZ)
     else:
         # z = −s2·d: the row maximum is −s2 · min d, and exp2(z − m) is one FMA + exp2. The
-        # FMA rounds once where m was rounded once more: at the row's nearest point z − m
-        # is ±½ ulp(m), which is hundreds when every point is far (s·d ≈ 1e10); clamped
-        # at 0, e ≤ 1 holds and the sums stay finite
+        # FMA rounds once where m was rounded once more, so at the row's nearest point z − m
+        # could be +½ ulp(m), hundreds when every point is far (s·d ≈ 1e10). The shift is
+        # therefore raised by 2⁻²² |m| (≥ 2 ulp; z ≤ 0, so m ≤ 0 and the product moves it
+        # towards 0) once per row and tile: every z − m ≤ 0 and e ≤ 1 without a clamp in
+        # the pair loop (any shift gives the same log-sum-exp; this one only costs float32
+        # ~5e-7 |m| of range, nothing where |m| is moderate)
         if MASKED:
             d = tl.where(cmask[:, None], d, float("inf"))
-        m_new = tl.maximum(m2, -s2 * tl.min(d, 0))
+        m_new = tl.maximum(m2, (-s2 * tl.min(d, 0)) * 0.9999997615814209)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = _exp2(tl.minimum(d * (-s2) - m_safe[None, :], 0.0), FTZ)
+        e = _exp2(d * (-s2) - m_safe[None, :], FTZ)
     alpha = tl.exp2(m2 - m_safe)
     l1 = l1 * alpha + tl.sum(e, 0)
     if SQUARES:
