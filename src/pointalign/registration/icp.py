@@ -23,6 +23,7 @@ The stopping rules (:class:`_Rules`) read each step's record on the host; how th
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -33,6 +34,7 @@ import torch
 from pointalign import _math, _progress, _threads, _validate, estimate, transforms
 from pointalign.kernels import _loop, features, normal_eq
 from pointalign.kernels import ransac as _kr
+from pointalign.kernels import stability as probe
 from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.anderson import AndersonStep
@@ -44,6 +46,7 @@ from pointalign.registration.criteria import (
 )
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import policy
+from pointalign.search.brute import BruteForceIndex
 from pointalign.search.packed import PackedIndex
 
 METHODS = ("point_to_point", "point_to_plane")
@@ -217,6 +220,16 @@ def _about(H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 def _stability_sample(counts: np.ndarray, device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each problem's sample of source rows (:func:`_draw_sample`), kept per sizes and device.
+
+    The same sizes draw the same rows, so a repeated call (a loop over scans of one size)
+    reuses the device tensors: no draw, no transfer. Read-only.
+    """
+    return _draw_sample(np.asarray(counts, dtype=np.int64).tobytes(), str(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _draw_sample(counts_key: bytes, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Each problem's sample of source rows: ``rows (B, S)`` int64 and ``valid (B, S)`` bool.
 
     Problem b draws ``min(n_b, STABILITY_SAMPLE)`` rows of its ``n_b`` source points with
@@ -226,6 +239,7 @@ def _stability_sample(counts: np.ndarray, device: torch.device
     costs ms at 1M). The draw depends only on n_b, so it is made once per distinct size;
     a smaller problem's tail is padding (row 0, ``valid`` False).
     """
+    counts = np.frombuffer(counts_key, dtype=np.int64)
     B = counts.shape[0]
     S = int(min(int(counts.max()), STABILITY_SAMPLE))
     rows = torch.zeros(B, S, dtype=torch.int64)
@@ -263,6 +277,17 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
     assert pair.centroid is not None  # set by prepare_pair
     dev, B = pair.source.device, pair.size
     rows, valid = _stability_sample(pair.source_counts, dev)
+    if all(isinstance(ix, BruteForceIndex) for ix in indexes):
+        # brute force over each problem's own target: the whole measurement in one pass
+        # (kernels/stability), one transfer; samples without a plane look again below
+        k = int(min(STABILITY_K, int(pair.target_counts.max())))
+        nt = 1 if pair.shared_target else B  # a shared target is an expanded view: once
+        sums = probe.probe_information(
+            pair.source, rows, valid, torch.from_numpy(T).to(dev, torch.float32),
+            pair.target[:nt], pair.target_lengths[:nt], torch.from_numpy(pair.centroid).to(dev),
+            max_distance * max_distance, k).cpu()
+        if not bool((sums[:, 22] > 0).any()):
+            return probe.information_matrix(sums)
     S = rows.shape[1]
     x = torch.gather(pair.source, 1, rows[..., None].expand(-1, -1, 3))      # (B, S, 3)
     Tf = torch.from_numpy(T).to(device=dev, dtype=torch.float32)

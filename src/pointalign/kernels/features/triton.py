@@ -120,15 +120,16 @@ def neighbour_scatter(pts_ptr, idx_ptr, rows, rmask, K, pid, BLOCK_N: tl.constex
     return cnt, mx, my, mz, a00, a01, a02, a11, a12, a22
 
 
-def _pca_normals_kernel(pts_ptr, idx_ptr, ctr_ptr, vp_ptr, out_ptr, N, K,
-                        HAS_VP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NEWTON_STEPS: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < N
-    cnt, mx, my, mz, a00, a01, a02, a11, a12, a22 = neighbour_scatter(
-        pts_ptr, idx_ptr, rows, rmask, K, pid, BLOCK_N)
-    zero = tl.zeros((BLOCK_N,), dtype=tl.float64)
+@triton.jit
+def smallest_eigenvector(a00, a01, a02, a11, a12, a22, NEWTON_STEPS: tl.constexpr):
+    """Return the unit eigenvector of the smallest eigenvalue of symmetric 3×3 matrices.
+
+    The six entries are ``(BLOCK_N,)`` float64 (any positive scale: a scatter matrix or a
+    covariance); the formulas and degenerate-case rules of
+    :func:`pointalign._math.smallest_eigenvector3`. Shared by the normals kernel and the
+    stability probe.
+    """
+    zero = a00 * 0
     # scale by the largest entry (the covariance's 1/k cancels here)
     s = tl.maximum(tl.maximum(tl.maximum(tl.abs(a00), tl.abs(a01)),
                               tl.maximum(tl.abs(a02), tl.abs(a11))),
@@ -191,6 +192,18 @@ def _pca_normals_kernel(pts_ptr, idx_ptr, ctr_ptr, vp_ptr, out_ptr, N, K,
     nx = tl.where(simple, vx, ox)
     ny = tl.where(simple, vy, oy)
     nz = tl.where(simple, vz, oz)
+    return nx, ny, nz
+
+
+def _pca_normals_kernel(pts_ptr, idx_ptr, ctr_ptr, vp_ptr, out_ptr, N, K,
+                        HAS_VP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        NEWTON_STEPS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rmask = rows < N
+    cnt, mx, my, mz, a00, a01, a02, a11, a12, a22 = neighbour_scatter(
+        pts_ptr, idx_ptr, rows, rmask, K, pid, BLOCK_N)
+    nx, ny, nz = smallest_eigenvector(a00, a01, a02, a11, a12, a22, NEWTON_STEPS)
     if HAS_VP:
         px = tl.load(ctr_ptr + rows * 3 + 0, mask=rmask, other=0.0).to(tl.float64)
         py = tl.load(ctr_ptr + rows * 3 + 1, mask=rmask, other=0.0).to(tl.float64)

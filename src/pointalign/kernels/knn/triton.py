@@ -40,26 +40,28 @@ from pointalign.kernels.knn.reference import MAX_TRITON_K, _sort_rows
 _CACHE: dict[bool, dict[str, Any]] = {}
 
 
-def _nn1_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
-                HAS_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rmask = rows < N
-    qx = tl.load(q_ptr + rows * 3 + 0, mask=rmask, other=0.0)
-    qy = tl.load(q_ptr + rows * 3 + 1, mask=rmask, other=0.0)
-    qz = tl.load(q_ptr + rows * 3 + 2, mask=rmask, other=0.0)
+@triton.jit
+def nn1_scan(qx, qy, qz, p_ptr, M, stride, max_d2, HAS_MAX: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Find the nearest of ``M`` SoA points ``p (3, stride)`` to each query: ``(d², index)``.
+
+    A per-lane running minimum ``(BLOCK_N, BLOCK_M)`` updated element-wise, reduced once at
+    the end to (min, smallest index); ``-1`` where no point lies within ``max_d2``
+    (``HAS_MAX``) or none exists. Shared by the 1-NN kernel and the stability probe.
+    """
     inf = float("inf")
-    zero2 = tl.full((BLOCK_N, BLOCK_M), 0, dtype=q_ptr.dtype.element_ty)
+    zero2 = tl.full((BLOCK_N, BLOCK_M), 0, dtype=qx.dtype)
     best_d = zero2 + inf
     best_i = tl.full((BLOCK_N, BLOCK_M), -1, dtype=tl.int32)  # M < 2**31 (launcher checks)
     lanes = tl.arange(0, BLOCK_M).to(tl.int64)
-    start = pid * 0  # int64 scalar; a while loop (the interpreter cannot index range() by M)
+    # int64 scalar; a while loop (the interpreter cannot index range() by M)
+    start = tl.program_id(0).to(tl.int64) * 0
     while start < M:
         cols = start + lanes
         cmask = cols < M
         px = tl.load(p_ptr + cols, mask=cmask, other=inf)
-        py = tl.load(p_ptr + M + cols, mask=cmask, other=inf)
-        pz = tl.load(p_ptr + 2 * M + cols, mask=cmask, other=inf)
+        py = tl.load(p_ptr + stride + cols, mask=cmask, other=inf)
+        pz = tl.load(p_ptr + 2 * stride + cols, mask=cmask, other=inf)
         dx = qx[:, None] - px[None, :]
         dy = qy[:, None] - py[None, :]
         dz = qz[:, None] - pz[None, :]
@@ -74,23 +76,37 @@ def _nn1_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
     big = 2147483647
     cand = tl.where((best_d == m[:, None]) & (best_i >= 0), best_i, big)
     mi = tl.min(cand, axis=1)
-    mi = tl.where(mi == big, -1, mi).to(tl.int64)
-    tl.store(out_d_ptr + rows, m, mask=rmask)
-    tl.store(out_i_ptr + rows, mi, mask=rmask)
+    return m, tl.where(mi == big, -1, mi).to(tl.int64)
 
 
-def _topk_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
-                 HAS_MAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _nn1_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
+                HAS_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     rmask = rows < N
     qx = tl.load(q_ptr + rows * 3 + 0, mask=rmask, other=0.0)
     qy = tl.load(q_ptr + rows * 3 + 1, mask=rmask, other=0.0)
     qz = tl.load(q_ptr + rows * 3 + 2, mask=rmask, other=0.0)
+    m, mi = nn1_scan(qx, qy, qz, p_ptr, M, M, max_d2, HAS_MAX, BLOCK_N, BLOCK_M)
+    tl.store(out_d_ptr + rows, m, mask=rmask)
+    tl.store(out_i_ptr + rows, mi, mask=rmask)
+
+
+@triton.jit
+def topk_scan(qx, qy, qz, rmask, p_ptr, M, stride, max_d2, HAS_MAX: tl.constexpr,
+              K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Find the ``K`` nearest of ``M`` SoA points ``p (3, stride)`` to each query: ``(d², i)``.
+
+    Each ``(BLOCK_N, KP)``, unsorted; slots past ``K`` hold ``-inf``, empty slots ``inf``
+    and ``-1``. A tile is touched only if one of its distances beats a row's current k-th
+    best; then its minimum is repeatedly extracted and swapped for the worst kept entry
+    while that helps. Points are scanned in index order and comparisons are strict, so
+    among equal distances the smallest indices are kept. Shared by the top-k kernel and the
+    stability probe.
+    """
     inf = float("inf")
     slots = tl.arange(0, KP).to(tl.int64)
-    zk = tl.full((BLOCK_N, KP), 0, dtype=q_ptr.dtype.element_ty)
+    zk = tl.full((BLOCK_N, KP), 0, dtype=qx.dtype)
     zk_i = tl.full((BLOCK_N, KP), 0, dtype=tl.int64)
     # real slots start empty (inf) with distinct negative ids; padding slots hold -inf and
     # are never the worst, so never replaced
@@ -98,13 +114,14 @@ def _topk_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
     best_i = zk_i - 1 - slots[None, :]
     lanes = tl.arange(0, BLOCK_M).to(tl.int64)
     big = 9223372036854775807
-    start = pid * 0  # int64 scalar; a while loop (the interpreter cannot index range() by M)
+    # int64 scalar; a while loop (the interpreter cannot index range() by M)
+    start = tl.program_id(0).to(tl.int64) * 0
     while start < M:
         cols = start + lanes
         cmask = cols < M
         px = tl.load(p_ptr + cols, mask=cmask, other=inf)
-        py = tl.load(p_ptr + M + cols, mask=cmask, other=inf)
-        pz = tl.load(p_ptr + 2 * M + cols, mask=cmask, other=inf)
+        py = tl.load(p_ptr + stride + cols, mask=cmask, other=inf)
+        pz = tl.load(p_ptr + 2 * stride + cols, mask=cmask, other=inf)
         dx = qx[:, None] - px[None, :]
         dy = qy[:, None] - py[None, :]
         dz = qz[:, None] - pz[None, :]
@@ -126,7 +143,21 @@ def _topk_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
             worst = tl.max(best_d, axis=1)
             todo = (tl.min(d, axis=1) < worst) & rmask
         start += BLOCK_M
-    best_i = tl.where(best_d == inf, -1, best_i)
+    return best_d, tl.where(best_d == inf, -1, best_i)
+
+
+def _topk_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
+                 HAS_MAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rmask = rows < N
+    qx = tl.load(q_ptr + rows * 3 + 0, mask=rmask, other=0.0)
+    qy = tl.load(q_ptr + rows * 3 + 1, mask=rmask, other=0.0)
+    qz = tl.load(q_ptr + rows * 3 + 2, mask=rmask, other=0.0)
+    best_d, best_i = topk_scan(qx, qy, qz, rmask, p_ptr, M, M, max_d2, HAS_MAX, K, KP,
+                               BLOCK_N, BLOCK_M)
+    slots = tl.arange(0, KP).to(tl.int64)
     out = rows[:, None] * K + slots[None, :]
     omask = rmask[:, None] & (slots[None, :] < K)
     tl.store(out_d_ptr + out, best_d, mask=omask)

@@ -1,0 +1,42 @@
+"""PyTorch spec of the stability probe (:func:`pointalign.kernels.stability.probe_information`)."""
+
+from __future__ import annotations
+
+import torch
+
+from pointalign import _math
+from pointalign.kernels.features.reference import neighbour_covariances, pca_normals_reference
+from pointalign.kernels.knn.reference import knn_reference
+from pointalign.kernels.normal_eq.reference import TRIU6
+
+
+def probe_information_reference(source: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
+                                transform: torch.Tensor, target: torch.Tensor,
+                                target_counts: torch.Tensor, center: torch.Tensor,
+                                max_distance_sq: float, k: int) -> torch.Tensor:
+    """Problem by problem: the searches by brute force, the rest in float64. ``(B, 23)``."""
+    B = rows.shape[0]
+    out = torch.zeros(B, 23, dtype=torch.float64, device=source.device)
+    iu = torch.tensor([i for i, _ in TRIU6]), torch.tensor([j for _, j in TRIU6])
+    for b in range(B):
+        tb = b if target.shape[0] == B else 0
+        y_all = target[tb, : int(target_counts[tb])]
+        r = rows[b][valid[b]]
+        if r.numel() == 0 or y_all.shape[0] == 0:
+            continue
+        Tb = transform[b].to(source.dtype)
+        x = source[b, r] @ Tb[:3, :3].T + Tb[:3, 3]
+        j = knn_reference(x, y_all, 1, float(max_distance_sq))[1][:, 0]
+        y = y_all[j[j >= 0]]
+        if y.shape[0] == 0:
+            continue
+        nb = knn_reference(y, y_all, k)[1]
+        flat = ~_math.spans_plane(neighbour_covariances(y_all.double(), nb))
+        n = pca_normals_reference(y_all, nb, centers=y).double()
+        yc = y.double() - center[b].to(torch.float64)
+        J = torch.cat([torch.linalg.cross(yc, n), n], 1) * (~flat)[:, None]
+        H = J.T @ J
+        out[b, :21] = H[iu]
+        out[b, 21] = float((~flat).sum())
+        out[b, 22] = float(flat.sum())
+    return out
