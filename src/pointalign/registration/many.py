@@ -522,7 +522,7 @@ def _global_stage(w: _Work, pair: _edge.Pair, opts: _Options, clock: _loop.Clock
 
 def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts: _Options,
                           device: torch.device, on_error: str) -> dict[str, float]:
-    """The global stage of ``works`` (no init) at once (:mod:`.many_global`).
+    """Run the global stage of ``works`` (no init) at once (:mod:`.many_global`).
 
     Per pair: v and the stray points (``pipeline._voxel_size``), the clouds scaled by 1/v;
     then every cloud downsampled by one sort, described by one search and one launch per
@@ -575,10 +575,11 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
         w.row["voxel_size"] = v
     clock.lap("index")
     for scales, group in _by_scales(kept).items():
-        got = _mg.global_many([w.r.source.down for w in group], [w.r.target.down for w in group],
-                              [w.r.source.features for w in group],
-                              [w.r.target.features for w in group], scales, opts, clock)
-        for w, pg in zip(group, got, strict=True):
+        found = _mg.global_many([w.r.source.down for w in group],
+                                [w.r.target.down for w in group],
+                                [w.r.source.features for w in group],
+                                [w.r.target.features for w in group], scales, opts, clock)
+        for w, pg in zip(group, found, strict=True):
             w.glob, w.cands = pg.glob, pg.candidates
     return clock.total()
 

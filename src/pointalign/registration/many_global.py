@@ -102,7 +102,7 @@ def _packed(points: torch.Tensor, lengths: list[int], distance: float) -> Packed
 
 def describe_many(downs: Sequence[torch.Tensor], scales: Scales
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Normals and FPFH of C downsampled clouds at once, as ``pipeline._prepare_cloud``.
+    """Describe C downsampled clouds at once (normals, FPFH), as ``_prepare_cloud`` does.
 
     Args:
         downs: C ``(n_c, 3)`` float32 clouds (n_c >= 3) on one device.
@@ -183,8 +183,10 @@ def global_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
     """RANSAC and (``robust``) the graph's proposals of B pairs, batched.
 
     Args:
-        sources, targets: B ``(n_b, 3)`` / ``(m_b, 3)`` float32 downsampled clouds.
-        source_features, target_features: their ``(n_b, 33)`` / ``(m_b, 33)`` FPFH.
+        sources: B ``(n_b, 3)`` float32 downsampled source clouds.
+        targets: B ``(m_b, 3)`` float32 downsampled target clouds.
+        source_features: their ``(n_b, 33)`` FPFH.
+        target_features: ``(m_b, 33)``.
         scales: the lengths (``correspondence``: RANSAC's bound), one for the group.
         opts: the checked options (RANSAC's among :data:`BATCHED_RANSAC_OPTIONS`).
         clock: the stage clock.
@@ -402,7 +404,7 @@ def _refine(T: torch.Tensor, c: torch.Tensor, sq: torch.Tensor, key: torch.Tenso
 
 def _proposals(S: torch.Tensor, Tg: torch.Tensor, n_src: torch.Tensor,
                fm: _kr.FeatureMatches, tau: float) -> list[torch.Tensor | None]:
-    """The compatibility graph's hypotheses of every pair (``robust``'s two steps, batched).
+    """Propose the compatibility graph's hypotheses of every pair (``robust``, batched).
 
     ``rank_correspondences`` (mutual matches first, then by Lowe's ratio; at most
     :data:`~pointalign.registration.pipeline.CORRESPONDENCES`) and
@@ -475,5 +477,5 @@ def _graph_hypotheses(src: torch.Tensor, tgt: torch.Tensor, cnt: torch.Tensor,
 
 
 def index_of(down: torch.Tensor) -> Any:
-    """The per-cloud index the local stages read (``pipeline._prepare_cloud``'s)."""
+    """Return the index over ``down (n, 3)`` the local stages read (as ``_prepare_cloud``)."""
     return build_index(down)

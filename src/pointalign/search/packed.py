@@ -20,7 +20,8 @@ own index gives:
 Queries arrive as ``(B·n, 3)`` in problem order (n rows per problem; what a
 ``(B, n, 3)`` tensor reshapes to), or in any order with ``problem=`` naming each row's
 problem (``register_many``'s batched RANSAC: a different number of motions per problem),
-and indices come back local to each problem's ``(M_b, 3)`` points. Distances are measured on the shifted coordinates: a lattice of
+and indices come back local to each problem's ``(M_b, 3)`` points. Distances are
+measured on the shifted coordinates: a lattice of
 extent E rounds them to float32's ulp at E (0.5 µm at 6 m, a thousand bunny pairs), so a
 near-tie may be broken the other way than by the problem's own index.
 """
