@@ -5,10 +5,14 @@ through the stages of :func:`~pointalign.registration.pipeline.register` (the sa
 functions, so the same options and the same rules):
 
 1. **read** each cloud (paths are read here, on the worker that runs the chunk);
-2. **global stage, per pair** (no batched kernel exists for it yet): the voxel edge v and
-   stray points, each cloud prepared once (``pipeline._prepare_pair``: downsampling,
-   normals, FPFH) and ``pipeline._global`` (parallel RANSAC and the compatibility-graph
-   proposals); a pair given an ``init`` is only downsampled and indexed;
+2. **global stage**: per pair the voxel edge v and stray points; then, on a GPU, batched
+   for the chunk's pairs without an ``init`` (:mod:`~pointalign.registration.many_global`:
+   one downsampling sort, one packed neighbour search, the normal and FPFH kernels once,
+   RANSAC's rounds and the compatibility-graph proposals for all pairs at once; the rule
+   is :func:`~pointalign.registration.many_global.applies`), else per pair
+   (``pipeline._prepare_pair``: downsampling, normals, FPFH; ``pipeline._global``:
+   parallel RANSAC and the graph's proposals); a pair given an ``init`` is only
+   downsampled and indexed;
 3. **coarse ICP, batched**: ``pipeline._refine_hypotheses`` of every pair's best
    hypotheses in one point-to-plane :func:`~pointalign.registration.icp.icp` call;
 4. **final stage, batched**: ``pipeline._final_icp`` (point-to-plane ICP or GICP, as
