@@ -6,8 +6,10 @@ Tables (``benchmarks/results/many-<device>.json``):
   pair, each pair its own sample, a 10° turn and 1 cm shift, σ = 0.3 mm noise):
   - ``icp batched``: one point-to-point :func:`icp` call on the padded batch (distinct
     targets), from the identity; ``ok``: pairs within 0.5° of the truth;
-  - ``register_many``: the whole pipeline (global per pair, coarse/final ICP and verdicts
-    batched) on one device; ``ok``: within 0.5° and 2 mm;
+  - ``register_many (per_pair|batched global)``: the whole pipeline on one device, its
+    global stage per pair or batched (``--global-path``; ``many_global``), coarse/final ICP
+    and verdicts batched; ``ok``: within 0.5° and 2 mm; ``timings``: the stages' seconds
+    (the batched global stage's split as ``global.<stage>``);
   - ``register one by one``: :func:`register` per pair (a sample of the pairs), the
     baseline;
 * ``dask``: the same pairs (on a GPU machine, for CPU workers, the first max(64, N/10))
@@ -32,6 +34,7 @@ samples of the scans (a CPU smoke run). The multiway comparison with Open3D is
 ``bench_multiway.py``.
 
     python benchmarks/bench_many.py --device cpu --quick
+    python benchmarks/bench_many.py --device cuda --only register_many --pairs 1000
     python benchmarks/bench_many.py --device cpu --only dask --pairs 96 --out many_dask
     python benchmarks/bench_many.py --device cuda --only dask_gpu --pairs 1000 --gpus 1 2 \
         --out many_gpus                                    # a machine with two GPUs
@@ -100,18 +103,33 @@ def bench_icp(rec: Recorder, pairs, dev: str) -> None:
             per_task_ms=None, note="point-to-point, distinct targets, from the identity")
 
 
-def bench_register_many(rec: Recorder, pairs, dev: str, chunk: int) -> None:
-    register_many(pairs[: min(4, len(pairs))], device=dev, chunk_size=chunk)  # warm-up
-    _sync()
-    t = time.perf_counter()
-    res = register_many(pairs, device=dev, chunk_size=chunk)
-    _sync()
-    wall = time.perf_counter() - t
-    rec.add("throughput", stage="register_many", workers=1, pairs=len(pairs), wall_s=wall,
-            pairs_per_s=len(pairs) / wall, ok=_ok(res.transformations, pairs),
-            per_task_ms=None,
-            note=f"chunks of {chunk}; global {res.timings['global']:.2f} s, batched local "
-                 f"{res.timings['local']:.2f} s")
+def bench_register_many(rec: Recorder, pairs, dev: str, chunk: int,
+                        paths: tuple[str, ...] = ("per_pair", "batched")) -> None:
+    """register_many with each global-stage path (``many_global.BATCHED``): pairs/s and the
+    global stage's split (``timings``: seconds summed over pairs; ``global.<stage>`` of the
+    batched path: voxel_size, downsample, describe, index, correspondences, triangle, tdd,
+    score, refine, ransac, robust)."""
+    from pointalign.registration import many_global
+
+    old = many_global.BATCHED
+    try:
+        for path in paths:
+            many_global.BATCHED = {"per_pair": False, "batched": True, "auto": None}[path]
+            register_many(pairs[: min(4, len(pairs))], device=dev, chunk_size=chunk)  # warm
+            _sync()
+            t = time.perf_counter()
+            res = register_many(pairs, device=dev, chunk_size=chunk)
+            _sync()
+            wall = time.perf_counter() - t
+            split = {k: round(v, 3) for k, v in res.timings.items()}
+            rec.add("throughput", stage=f"register_many ({path} global)", workers=1,
+                    pairs=len(pairs), wall_s=wall, pairs_per_s=len(pairs) / wall,
+                    ok=_ok(res.transformations, pairs), per_task_ms=None, timings=split,
+                    trusted=int(sum(bool(r["trusted"]) for r in res.rows)),
+                    note=f"chunks of {chunk}; global {res.timings['global']:.2f} s, batched "
+                         f"local {res.timings['local']:.2f} s")
+    finally:
+        many_global.BATCHED = old
     from pointalign.registration.pipeline import register
 
     sample = pairs[: min(len(pairs), 8)]
@@ -353,6 +371,10 @@ def main() -> None:
                         "register_many dask multiway; dask_gpu only when asked)")
     p.add_argument("--repeat", type=int, default=3,
                    help="timed runs per Dask-table row, the median reported (default 3)")
+    p.add_argument("--global-path", nargs="*", default=["per_pair", "batched"],
+                   choices=["per_pair", "batched", "auto"],
+                   help="register_many's global stage: per pair, batched (many_global), or "
+                        "the library's rule; each one measured (default: both)")
     p.add_argument("--out", default="many",
                    help="results topic: benchmarks/results/<out>-<device>.json")
     args = p.parse_args()
@@ -371,7 +393,7 @@ def main() -> None:
     if "icp" in only:
         bench_icp(rec, pairs, dev)
     if "register_many" in only:
-        bench_register_many(rec, pairs, dev, chunk)
+        bench_register_many(rec, pairs, dev, chunk, tuple(args.global_path))
     if only & {"dask", "dask_gpu"}:
         try:
             import distributed  # noqa: F401

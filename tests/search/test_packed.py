@@ -144,3 +144,23 @@ def test_batched_icp_through_one_packed_index_equals_one_by_one(monkeypatch):
                   device="cpu")
         np.testing.assert_allclose(res.transformation[b], one.transformation, atol=1e-5)
         assert res.iterations[b] == one.iterations
+
+
+def test_rows_naming_their_problem_answer_as_problem_order():
+    """``problem=`` (any order, any count per problem) gives what the problem-order query
+    gives for the same rows."""
+    g = torch.Generator().manual_seed(3)
+    pts, sizes = _batch(g)
+    idx = PackedIndex(pts, sizes, max_distance=0.3, build=BruteForceIndex)
+    B = pts.shape[0]
+    q = torch.rand(B, 20, 3, generator=g) + 5.0 * torch.arange(B)[:, None, None]
+    ordered = idx.nearest_within(q.reshape(-1, 3), 0.3)
+    prob = torch.arange(B)[:, None].expand(B, 20).reshape(-1)
+    perm = torch.randperm(B * 20, generator=g)
+    named = idx.nearest_within(q.reshape(-1, 3)[perm], 0.3, problem=prob[perm])
+    assert torch.equal(named.idx, ordered.idx[perm])
+    assert torch.equal(named.dists, ordered.dists[perm])
+    knn = idx.knn(q.reshape(-1, 3)[perm], 4, problem=prob[perm])
+    assert torch.equal(knn.idx, idx.knn(q.reshape(-1, 3), 4).idx[perm])
+    with pytest.raises(ValueError, match="problem"):
+        idx.nearest_within(q.reshape(-1, 3), 0.3, problem=prob[:5])

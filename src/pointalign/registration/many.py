@@ -5,10 +5,14 @@ through the stages of :func:`~pointalign.registration.pipeline.register` (the sa
 functions, so the same options and the same rules):
 
 1. **read** each cloud (paths are read here, on the worker that runs the chunk);
-2. **global stage, per pair** (no batched kernel exists for it yet): the voxel edge v and
-   stray points, each cloud prepared once (``pipeline._prepare_pair``: downsampling,
-   normals, FPFH) and ``pipeline._global`` (parallel RANSAC and the compatibility-graph
-   proposals); a pair given an ``init`` is only downsampled and indexed;
+2. **global stage**: per pair the voxel edge v and stray points; then, on a GPU, batched
+   for the chunk's pairs without an ``init`` (:mod:`~pointalign.registration.many_global`:
+   one downsampling sort, one packed neighbour search, the normal and FPFH kernels once,
+   RANSAC's rounds and the compatibility-graph proposals for all pairs at once; the rule
+   is :func:`~pointalign.registration.many_global.applies`), else per pair
+   (``pipeline._prepare_pair``: downsampling, normals, FPFH; ``pipeline._global``:
+   parallel RANSAC and the graph's proposals); a pair given an ``init`` is only
+   downsampled and indexed;
 3. **coarse ICP, batched**: ``pipeline._refine_hypotheses`` of every pair's best
    hypotheses in one point-to-plane :func:`~pointalign.registration.icp.icp` call;
 4. **final stage, batched**: ``pipeline._final_icp`` (point-to-plane ICP or GICP, as
@@ -51,6 +55,7 @@ import torch
 from pointalign import _progress, _threads, _validate
 from pointalign.kernels import _loop
 from pointalign.registration import _edge
+from pointalign.registration import many_global as _mg
 from pointalign.registration.options import Options as _Options
 from pointalign.registration.options import check
 from pointalign.registration.pipeline import (
@@ -61,6 +66,8 @@ from pointalign.registration.pipeline import (
     _global,
     _prepare_pair,
     _refine_hypotheses,
+    _voxel_size,
+    _without_strays,
     icp_criteria,
 )
 from pointalign.registration.ransac import count_inliers
@@ -302,6 +309,9 @@ def register_many(
     timings = {"total": time.perf_counter() - t0}
     for k in ("read_s", "global_s", "local_s"):
         timings[k.removesuffix("_s")] = float(sum(r[k] for r in rows))
+    for r in rows:  # the batched global stage's split (many_global), summed over pairs
+        for k, v in r.get("global_stages", {}).items():
+            timings[f"global.{k}"] = timings.get(f"global.{k}", 0.0) + v
     return ManyResult(rows, timings)
 
 
@@ -419,6 +429,7 @@ def run_chunk(part: Sequence[tuple[int, PairSpec]], opts: _Options, device: torc
     works = [_Work(i, spec, _empty_row(i, spec.name)) for i, spec in part]
     clock = _loop.Clock(device)
     with single:
+        pairs: dict[int, _edge.Pair] = {}
         for w in works:
             t = time.perf_counter()
             try:
@@ -428,13 +439,31 @@ def run_chunk(part: Sequence[tuple[int, PairSpec]], opts: _Options, device: torc
                     raise ValueError("source, target: expected one (N, 3) cloud each, got a "
                                      "batch")
                 w.row["read_s"] = time.perf_counter() - t
-                t = time.perf_counter()
+                pairs[id(w)] = pair
+            except (ValueError, TypeError, OSError) as exc:
+                _fail(w, exc, on_error)
+        fresh = [w for w in works if id(w) in pairs and w.spec.init is None]
+        batched = fresh if _mg.applies(opts, device, len(fresh)) else []
+        for w in works:
+            if id(w) not in pairs or w in batched:
+                continue
+            t = time.perf_counter()
+            try:
+                pair = pairs[id(w)]
                 size = max(pair.source.shape[1], pair.target.shape[1])
                 with _validate.trusted(), _serial(device, size):
                     _global_stage(w, pair, opts, clock)
                 w.row["global_s"] = time.perf_counter() - t
             except (ValueError, TypeError, OSError) as exc:
                 _fail(w, exc, on_error)
+        if batched:
+            t = time.perf_counter()
+            with _validate.trusted():
+                stages = _global_stage_batched(batched, pairs, opts, device, on_error)
+            share = (time.perf_counter() - t) / len(batched)
+            for w in batched:
+                w.row["global_s"] = share
+                w.row["global_stages"] = {k: v / len(batched) for k, v in stages.items()}
         live = [w for w in works if not w.row["error"]]
         t = time.perf_counter()
         size = max((max(w.r.src.shape[0], w.r.tgt.shape[0]) for w in live if w.ready),
@@ -493,6 +522,70 @@ def _global_stage(w: _Work, pair: _edge.Pair, opts: _Options, clock: _loop.Clock
         T0[:3, 3] /= v
         w.refined = T0[None]
         w.fit_v = count_inliers(w.refined, source.down, target.index, scales.overlap)
+
+
+def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts: _Options,
+                          device: torch.device, on_error: str) -> dict[str, float]:
+    """Run the global stage of ``works`` (no init) at once (:mod:`.many_global`).
+
+    Per pair: v and the stray points (``pipeline._voxel_size``), the clouds scaled by 1/v;
+    then every cloud downsampled by one sort, described by one search and one launch per
+    kernel, and RANSAC with the graph's proposals for each group of pairs sharing a bound.
+    Fills each pair's ``ready``, ``glob`` and ``cands`` as :func:`_global_stage` does.
+    Returns the seconds per stage for the whole group.
+    """
+    clock = _loop.Clock(device)
+    mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
+    todo, clouds, meta = [], [], {}
+    for w in works:
+        try:
+            pair = pairs[id(w)]
+            src, tgt = pair.source[0], pair.target[0]
+            v, strays = _voxel_size(src, tgt, opts, None)
+            s_c, t_c = _without_strays(src, tgt, v) if strays else (src, tgt)
+            scales = Scales(1.0, None if mcd is None else mcd / v,
+                            None if fine is None else fine / v)
+            meta[id(w)] = (src, tgt, pair.frame.center[0], v, scales)
+            todo.append(w)
+            clouds += [s_c / v, t_c / v]
+        except (ValueError, TypeError) as exc:
+            _fail(w, exc, on_error)
+    clock.lap("voxel_size")
+    if not todo:
+        return clock.total()
+    unit = meta[id(todo[0])][4]
+    downs, sizes = _mg.prepare_many(clouds, unit, clock)
+    kept, kept_downs = [], []
+    for i, w in enumerate(todo):
+        small = [(name, sizes[2 * i + j]) for j, name in enumerate(("source", "target"))
+                 if sizes[2 * i + j] < 3]
+        if small:
+            name, got = small[0]
+            _fail(w, ValueError(f"voxel_size: {meta[id(w)][3]:g} leaves {got} {name} "
+                                "point(s); at least 3 are needed (a smaller voxel_size)"),
+                  on_error)
+            continue
+        kept.append(w)
+        kept_downs += [downs[2 * i], downs[2 * i + 1]]
+    if not kept:
+        return clock.total()
+    normals, features = _mg.describe_many(kept_downs, unit)
+    clock.lap("describe")
+    for i, w in enumerate(kept):
+        src, tgt, center, v, scales = meta[id(w)]
+        prep = [Prepared(kept_downs[2 * i + j], _mg.index_of(kept_downs[2 * i + j]),
+                         normals[2 * i + j], features[2 * i + j]) for j in (0, 1)]
+        w.ready = _Ready(src, tgt, center, v, scales, prep[0], prep[1])
+        w.row["voxel_size"] = v
+    clock.lap("index")
+    for scales, group in _by_scales(kept).items():
+        found = _mg.global_many([w.r.source.down for w in group],
+                                [w.r.target.down for w in group],
+                                [w.r.source.features for w in group],
+                                [w.r.target.features for w in group], scales, opts, clock)
+        for w, pg in zip(group, found, strict=True):
+            w.glob, w.cands = pg.glob, pg.candidates
+    return clock.total()
 
 
 def _global_row(w: _Work) -> None:

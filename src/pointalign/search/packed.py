@@ -18,8 +18,10 @@ own index gives:
   ``-1``, as for a small target.
 
 Queries arrive as ``(B·n, 3)`` in problem order (n rows per problem; what a
-``(B, n, 3)`` tensor reshapes to) and indices come back local to each problem's
-``(M_b, 3)`` points. Distances are measured on the shifted coordinates: a lattice of
+``(B, n, 3)`` tensor reshapes to), or in any order with ``problem=`` naming each row's
+problem (``register_many``'s batched RANSAC: a different number of motions per problem),
+and indices come back local to each problem's ``(M_b, 3)`` points. Distances are
+measured on the shifted coordinates: a lattice of
 extent E rounds them to float32's ulp at E (0.5 µm at 6 m, a thousand bunny pairs), so a
 near-tie may be broken the other way than by the problem's own index.
 """
@@ -84,9 +86,18 @@ class PackedIndex:
         return f"PackedIndex(problems={self.problems}, points={self.points.shape[0]}, " \
                f"inner={type(self.inner).__name__})"
 
-    def _shifted(self, query: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Shift ``query (B·n, 3)`` into the lattice; also return each row's problem ``(B·n,)``."""
+    def _shifted(self, query: Any, problem: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shift ``query (Q, 3)`` into the lattice; also return each row's problem ``(Q,)``.
+
+        ``problem``: ``(Q,)`` int64, each row's problem; None: ``Q = B·n`` in problem order.
+        """
         q = _checks.query_points(query, self.points)
+        if problem is not None:
+            if problem.shape != (q.shape[0],):
+                raise ValueError(f"problem: expected ({q.shape[0]},) problem indices, got "
+                                 f"{tuple(problem.shape)}")
+            return q + self.shift[problem], problem
         B = self.problems
         if q.shape[0] % B:
             raise ValueError(f"query: expected a multiple of {B} rows (n per problem, in "
@@ -102,18 +113,20 @@ class PackedIndex:
         return KnnResult(torch.where(own, r.dists, math.inf),
                          torch.where(own, self.local_row[j], -1))
 
-    def knn(self, query: Any, k: int) -> KnnResult:
+    def knn(self, query: Any, k: int, *, problem: torch.Tensor | None = None) -> KnnResult:
         """Find the k nearest own points of each query row: ``(B·n, k)``, local indices."""
-        q, prob = self._shifted(query)
+        q, prob = self._shifted(query, problem)
         return self._own(self.inner.knn(q, k), prob)
 
-    def radius(self, query: Any, r: float, max_neighbors: int) -> KnnResult:
+    def radius(self, query: Any, r: float, max_neighbors: int, *,
+               problem: torch.Tensor | None = None) -> KnnResult:
         """Find up to ``max_neighbors`` own points within ``r`` (``r`` at most ``max_distance``)."""
-        q, prob = self._shifted(query)
+        q, prob = self._shifted(query, problem)
         return self._own(self.inner.radius(q, r, max_neighbors), prob)
 
     def nearest_within(self, query: Any, max_distance: float, *,
-                       hint: torch.Tensor | None = None) -> KnnResult:
+                       hint: torch.Tensor | None = None,
+                       problem: torch.Tensor | None = None) -> KnnResult:
         """Find the nearest own point within ``max_distance`` (<= the build's): ``(B·n, 1)``."""
-        q, prob = self._shifted(query)
+        q, prob = self._shifted(query, problem)
         return self._own(self.inner.nearest_within(q, max_distance), prob)

@@ -16,6 +16,13 @@ runs near the GPU's limits, so a hand-written kernel would not clearly pay):
   read; on the "cpu" backend both from one fused pass over the ``N × M`` distances
   (``cpu.feature_knn_both_cpu``: the same sums, the same tie rule, so the answers of the
   two separate calls), else from the two calls.
+* ``feature_matches_many(source (B, N, D), target (B, M, D), n (B,), m (B,), k)
+  -> FeatureMatches`` of ``(B, N, k)`` forward and ``(B, M, 1)`` backward tables: problem
+  b's :func:`feature_matches` of its first ``n[b]`` source and ``m[b]`` target rows, B
+  problems in a few launches (``register_many``'s global stage); padding rows get index
+  -1 and distance inf. Reference: batched ``cdist`` + ``topk`` (padding masked) over
+  chunks of problems; the same distances and tie rule as :func:`feature_knn_reference`
+  up to ``cdist``'s rounding (its batched and unbatched forms may round differently).
 * ``triangle_similar(src (H, 3, 3), tgt (H, 3, 3), similarity) -> (H,) bool``: for the
   three edges e of the source triangle and the matching target edges,
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
@@ -306,7 +313,69 @@ def second_order_of_points(source: torch.Tensor, target: torch.Tensor,
     return second_order(compatibility_reference(source, target, tau))
 
 
+def feature_matches_many(source: torch.Tensor, target: torch.Tensor, n: torch.Tensor,
+                         m: torch.Tensor, k: int = 2, *, backward: bool = True
+                         ) -> FeatureMatches:
+    """Feature matches of B problems at once (see the module contract).
+
+    Args:
+        source: ``(B, N, D)`` float tensor, problem b's first ``n[b]`` rows valid.
+        target: ``(B, M, D)`` float tensor, problem b's first ``m[b]`` rows valid.
+        n: ``(B,)`` int64 tensor on the device.
+        m: ``(B,)`` int64 tensor, each >= k.
+        k: forward neighbours per source row.
+        backward: also find each target row's nearest source row.
+
+    Returns:
+        :class:`FeatureMatches` with ``(B, N, k)`` forward and ``(B, M, 1)`` backward tables.
+
+    """
+    if source.dim() != 3 or target.dim() != 3 or source.shape[0] != target.shape[0] \
+            or source.shape[2] != target.shape[2] or not 1 <= k <= target.shape[1]:
+        raise ValueError(f"feature_matches_many: expected (B, N, D), (B, M, D) and 1 <= k <= "
+                         f"M, got {tuple(source.shape)}, {tuple(target.shape)}, k={k}")
+    from pointalign.kernels.ransac.reference import feature_knn_many_reference
+
+    d, i = feature_knn_many_reference(source, target, n, m, k)
+    if not backward:
+        return FeatureMatches(d, i)
+    return FeatureMatches(d, i, *feature_knn_many_reference(target, source, m, n, 1))
+
+
+def second_order_of_points_many(source: torch.Tensor, target: torch.Tensor,
+                                counts: torch.Tensor, tau: float) -> torch.Tensor:
+    """Second-order compatibility of B problems' correspondences (see the module contract).
+
+    Args:
+        source: ``(B, C, 3)`` float tensor, problem b's first ``counts[b]`` rows valid.
+        target: ``(B, C, 3)`` float tensor.
+        counts: ``(B,)`` int64 tensor on the device.
+        tau: the length tolerance.
+
+    Returns:
+        ``(B, C, C)`` float32, zero in padding rows and columns.
+
+    """
+    b, c = source.shape[0], source.shape[1]
+    if (backend(source) == "cpu" and source.device.type == "cpu"
+            and source.dtype == torch.float32 and target.dtype == torch.float32
+            and 0 < c < 1 << 24):
+        from pointalign.kernels.ransac import cpu as _ransac_cpu
+
+        out = torch.zeros(b, c, c, dtype=torch.float32)
+        for j, n in enumerate(counts.tolist()):
+            if n:
+                out[j, :n, :n] = _ransac_cpu.second_order_points_cpu(
+                    source[j, :n].contiguous(), target[j, :n].contiguous(), tau)
+        return out
+    valid = torch.arange(c, device=source.device)[None] < counts[:, None]          # (B, C)
+    A = compatibility_reference(source, target, tau)
+    A = A * (valid[:, :, None] & valid[:, None, :]).to(A.dtype)
+    return second_order_reference(A)
+
+
 __all__ = ["FeatureMatches", "feature_knn", "feature_knn_reference", "feature_matches",
+           "feature_matches_many", "second_order_of_points_many",
            "pair_lengths", "score_transforms", "score_transforms_reference", "second_order",
            "second_order_of_points", "second_order_of_points_reference",
            "second_order_reference", "transform_points", "transform_points_reference",

@@ -9,6 +9,7 @@ imports the dispatcher or a backend.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -38,6 +39,33 @@ def feature_knn_reference(query: torch.Tensor, ref: torch.Tensor,
         vals, idx = torch.topk(d, k, dim=1, largest=False, sorted=True)
         d_out[s:e] = vals.clamp_min_(0)
         i_out[s:e] = idx
+    return d_out, i_out
+
+
+def feature_knn_many_reference(query: torch.Tensor, ref: torch.Tensor, n: torch.Tensor,
+                               m: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`feature_knn_reference` of B problems: ``query (B, N, D)``, ``ref (B, M, D)``.
+
+    Problem b's first ``n[b]`` query rows and ``m[b]`` reference rows are valid (``(B,)``
+    int64 tensors); returns ``(dists_sq (B, N, k), idx (B, N, k) int64)``, ascending, with
+    padding query rows at ``(inf, -1)``. Batched ``cdist`` over chunks of problems of about
+    :data:`CHUNK_ENTRIES` distances.
+    """
+    b, nq, nr = query.shape[0], query.shape[1], ref.shape[1]
+    dev = query.device
+    d_out = torch.empty(b, nq, k, dtype=query.dtype, device=dev)
+    i_out = torch.empty(b, nq, k, dtype=torch.int64, device=dev)
+    cols = torch.arange(nr, device=dev)
+    rows = torch.arange(nq, device=dev)
+    step = max(1, CHUNK_ENTRIES // max(nq * nr, 1))
+    for s in range(0, b, step):
+        e = min(b, s + step)
+        d = torch.cdist(query[s:e], ref[s:e]).square_()
+        d.masked_fill_(cols[None, None, :] >= m[s:e, None, None], math.inf)
+        vals, idx = torch.topk(d, k, dim=2, largest=False, sorted=True)
+        pad = rows[None, :, None] >= n[s:e, None, None]
+        d_out[s:e] = vals.clamp_min_(0).masked_fill_(pad, math.inf)
+        i_out[s:e] = idx.masked_fill_(pad, -1)
     return d_out, i_out
 
 
@@ -86,12 +114,14 @@ def score_transforms_reference(T: torch.Tensor, points: torch.Tensor, index: Any
 
 
 def second_order_reference(A: torch.Tensor) -> torch.Tensor:
-    """Return ``A ⊙ (A A)`` of the 0/1 matrix ``A (C, C)`` float32 (the reference)."""
+    """Return ``A ⊙ (A A)`` of the 0/1 matrix ``A (C, C)`` or ``(B, C, C)`` float32."""
     return A * (A @ A)
 
 
 def pair_lengths(points: torch.Tensor) -> torch.Tensor:
     """``|p_i − p_j|`` for every pair of ``points (C, 3)``: ``(C, C)`` in the points' dtype.
+
+    ``points (B, C, 3)``: the same for each of B problems, ``(B, C, C)`` (the same values).
 
     Computed as ``sqrt((dx² + dy²) + dz²)``, the sum rounded step by step (elementwise
     operations: no fused multiply-add, no ``|p|² + |q|² − 2 p·q`` cancellation) and the
@@ -99,7 +129,7 @@ def pair_lengths(points: torch.Tensor) -> torch.Tensor:
     the correctly rounded one; this is): for float32 points, the same values on every
     device and in the CPU kernel of ``second_order_of_points`` (``cpu._length``).
     """
-    d = points[:, None, :] - points[None, :, :]
+    d = points[..., :, None, :] - points[..., None, :, :]
     s = (d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1]) + d[..., 2] * d[..., 2]
     return s.to(torch.float64).sqrt().to(points.dtype)
 
@@ -110,9 +140,11 @@ def compatibility_reference(source: torch.Tensor, target: torch.Tensor,
 
     ``A_ij = 1`` when ``|ds_ij − dt_ij| < tau`` and i ≠ j, with ``ds, dt`` the
     :func:`pair_lengths` of the source and target ends (the comparison in their dtype).
+    ``(B, C, 3)`` ends: B graphs ``(B, C, C)``.
     """
     A = ((pair_lengths(source) - pair_lengths(target)).abs() < tau).to(torch.float32)
-    return A.fill_diagonal_(0)
+    c = A.shape[-1]
+    return A.masked_fill_(torch.eye(c, dtype=torch.bool, device=A.device), 0)
 
 
 def second_order_of_points_reference(source: torch.Tensor, target: torch.Tensor,
