@@ -108,7 +108,7 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
                       transform: torch.Tensor, target: torch.Tensor,
                       target_counts: torch.Tensor, center: torch.Tensor,
                       max_distance_sq: float, k: int, block_n: int = 16,
-                      block_m: int = 64) -> torch.Tensor:
+                      block_m: int = 64, num_warps: int = 4) -> torch.Tensor:
     """Launch the probe (contract of :func:`pointalign.kernels.stability.probe_information`)."""
     B, S = rows.shape
     N, M = source.shape[1], target.shape[1]
@@ -126,5 +126,5 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
         center.to(device=dev, dtype=torch.float64).contiguous(), nb, part,
         N, S, M, 1 if target.shape[0] == B and B > 1 else 0, float(max_distance_sq),
         float(_math.DEGENERACY_EPS), K=k, KP=1 << max(0, k - 1).bit_length(),
-        BLOCK_N=block_n, BLOCK_M=block_m, NEWTON_STEPS=64, num_warps=4)
+        BLOCK_N=block_n, BLOCK_M=block_m, NEWTON_STEPS=64, num_warps=num_warps)
     return part.sum(1)
