@@ -66,7 +66,6 @@ from pointalign.registration.pipeline import (
     _global,
     _prepare_pair,
     _refine_hypotheses,
-    _voxel_size,
     _without_strays,
     icp_criteria,
 )
@@ -537,20 +536,23 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
     clock = _loop.Clock(device)
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
     todo, clouds, meta = [], [], {}
-    for w in works:
+    local = [(pairs[id(w)].source[0], pairs[id(w)].target[0]) for w in works]
+    for w, (src, tgt), got in zip(works, local, _mg.voxel_sizes(local, opts), strict=True):
         try:
-            pair = pairs[id(w)]
-            src, tgt = pair.source[0], pair.target[0]
-            v, strays = _voxel_size(src, tgt, opts, None)
+            if isinstance(got, Exception):
+                raise got
+            v, strays = got
             s_c, t_c = _without_strays(src, tgt, v) if strays else (src, tgt)
             scales = Scales(1.0, None if mcd is None else mcd / v,
                             None if fine is None else fine / v)
-            meta[id(w)] = (src, tgt, pair.frame.center[0], v, scales)
+            meta[id(w)] = (src, tgt, pairs[id(w)].frame.center[0], v, scales)
             todo.append(w)
-            clouds += [s_c / v, t_c / v]
+            clouds += [s_c, t_c]
         except (ValueError, TypeError) as exc:
             _fail(w, exc, on_error)
     clock.lap("voxel_size")
+    clouds = _mg.scaled([meta[id(w)][3] for w in todo for _ in (0, 1)], clouds)
+    clock.lap("scale")
     if not todo:
         return clock.total()
     unit = meta[id(todo[0])][4]
