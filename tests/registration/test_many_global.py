@@ -120,8 +120,8 @@ def test_voxel_sizes_on_the_real_bunny_scans(shared_data):
     if len(scans) < 2:
         pytest.skip("the Stanford bunny scans are not there")
     small = [datasets.random_subsample(x, 2000, seed=i) for i, x in enumerate(scans)]
-    pairs = [datasets.Pair(a, b, np.eye(4)) for a, b in zip(scans[:-1], scans[1:])]
-    pairs += [datasets.Pair(a, b, np.eye(4)) for a, b in zip(small[:-1], small[1:])]
+    pairs = [datasets.Pair(a, b, np.eye(4)) for a, b in zip(scans[:-1], scans[1:], strict=True)]
+    pairs += [datasets.Pair(a, b, np.eye(4)) for a, b in zip(small[:-1], small[1:], strict=True)]
     _same_rule(_local(pairs, "cpu"), {})
 
 

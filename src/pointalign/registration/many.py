@@ -537,11 +537,11 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
     todo, clouds, meta = [], [], {}
     local = [(pairs[id(w)].source[0], pairs[id(w)].target[0]) for w in works]
-    for w, (src, tgt), got in zip(works, local, _mg.voxel_sizes(local, opts), strict=True):
+    for w, (src, tgt), rule in zip(works, local, _mg.voxel_sizes(local, opts), strict=True):
         try:
-            if isinstance(got, Exception):
-                raise got
-            v, strays = got
+            if isinstance(rule, Exception):
+                raise rule
+            v, strays = rule
             s_c, t_c = _without_strays(src, tgt, v) if strays else (src, tgt)
             scales = Scales(1.0, None if mcd is None else mcd / v,
                             None if fine is None else fine / v)
