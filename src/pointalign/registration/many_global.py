@@ -20,8 +20,14 @@ number of voxels for all pairs):
    per-pair selections as padded ``(B, ·)`` sorts); the compatibility-graph proposals of
    :mod:`~pointalign.registration.robust` batched over pairs.
 
-What stays per pair: the voxel edge v and the stray points (``pipeline._voxel_size``),
-each cloud's index for the local stages (brute force on a GPU: no build). The random
+Before them, :func:`voxel_sizes`: the voxel edge v and the stray decision of every pair
+(``pipeline._voxel_size``'s rule and results, bit for bit on the CPU backends) with one
+voxel count per round of the edge rule and one stray search for the whole group, and
+:func:`scaled`: every cloud divided by its v in one launch.
+
+What stays per pair: ``robust_voxel_size`` and the dense-point masks of a pair that shows
+stray points; each cloud's index for the local stages (brute force on a GPU: no build);
+the per-pair Python loops that wrap the results (views and one ``cat`` per pair). The random
 draws differ from the per-pair path's (one generator for the group), so the hypotheses
 differ; the results are equivalent, not identical (tests: the same verdicts).
 
