@@ -531,7 +531,8 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
     v and the stray decisions of all pairs at once (:func:`.many_global.voxel_sizes`: the
     per-pair rule's results), the strays dropped per pair that shows some, the clouds
     scaled by 1/v in one launch; then every cloud downsampled by one sort, described by one
-    search and one launch per kernel, and RANSAC with the graph's proposals for each group of pairs sharing a bound.
+    search and one launch per kernel, and RANSAC with the graph's proposals for each group
+    of pairs sharing a bound.
     Fills each pair's ``ready``, ``glob`` and ``cands`` as :func:`_global_stage` does.
     Returns the seconds per stage for the whole group.
     """
