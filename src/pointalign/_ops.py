@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 
@@ -18,3 +21,26 @@ def exclusive_cumsum_rows(values: torch.Tensor) -> torch.Tensor:
                       device=values.device)
     torch.cumsum(flat, 1, out=out[:, 1:])
     return out.T.reshape((values.shape[0] + 1,) + values.shape[1:])
+
+
+
+def divide_like_scalar(values: torch.Tensor, divisors: Sequence[float],
+                       rows: torch.Tensor) -> torch.Tensor:
+    """``values[i] / divisors[rows[i]]``, rounded as PyTorch divides a tensor by a Python float.
+
+    For batched code that must give what a per-item ``x / d`` gives, bit for bit: on CUDA
+    PyTorch computes ``x / d`` (``d`` a host scalar) as ``x * (1 / d)``, the reciprocal taken
+    on the host in the operation's precision (``div_true_kernel_cuda``); elsewhere as a true
+    division by ``d`` rounded to ``values``' dtype. ``values (P, ...)`` float32/float64;
+    ``rows (P,)`` int64 on its device: each row's divisor. One host-to-device copy.
+    """
+    dt = values.dtype
+    if values.device.type == "cuda" and dt in (torch.float32, torch.float64):
+        if dt == torch.float64:
+            rec = [1.0 / d for d in divisors]
+        else:  # the scalar rounded to float32, then its reciprocal in float32
+            rec = [float(np.float32(1.0) / np.float32(d)) for d in divisors]
+        f = torch.tensor(rec, dtype=dt).to(values.device, non_blocking=True)
+        return values * f[rows].reshape((-1,) + (1,) * (values.dim() - 1))
+    f = torch.tensor(list(divisors), dtype=dt).to(values.device)
+    return values / f[rows].reshape((-1,) + (1,) * (values.dim() - 1))

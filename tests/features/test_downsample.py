@@ -164,3 +164,54 @@ def test_many_clouds_at_once_equal_each_alone():
     got = voxel_downsample_many(clouds, 1.0)
     for c, d in zip(clouds, got, strict=True):
         assert torch.equal(d, voxel_downsample(c, 1.0))
+
+
+def _many_clouds(device: str) -> list[torch.Tensor]:
+    """Bunny-size clouds of different sizes and scales, a tiny one and a coincident one."""
+    bunny = datasets.load_bunny("bun000")
+    g = torch.Generator().manual_seed(3)
+    clouds = [datasets.random_subsample(bunny, n, seed=n) * s + o for n, s, o in
+              ((2000, 1.0, 0.0), (1500, 10.0, 5.0), (3000, 0.01, -1.0), (800, 250.0, 0.0))]
+    clouds += [torch.rand(40, 3, generator=g), torch.zeros(7, 3), torch.rand(2, 3, generator=g),
+               bunny]
+    return [c.to(device) for c in clouds]
+
+
+def test_auto_voxel_size_many_equals_each_alone(device):
+    """auto_voxel_size_many: every cloud's edge bit for bit (the same cells, counts and host
+    arithmetic); NaN where auto_voxel_size raises (all points coincide)."""
+    from pointalign.features.downsample import (
+        auto_voxel_size,
+        auto_voxel_size_many,
+        count_voxels_many,
+        group_clouds,
+    )
+
+    clouds = _many_clouds(device)
+    group = group_clouds(clouds)
+    for target in (5000, 300):
+        got = auto_voxel_size_many(group, target)
+        for c, v in zip(clouds, got, strict=True):
+            if bool((c == c[0]).all()):
+                assert math.isnan(v)
+                with pytest.raises(ValueError, match="coincide"):
+                    auto_voxel_size(c, target)
+            else:
+                assert v == auto_voxel_size(c, target)
+    sizes = [0.01 * (i + 1) for i in range(len(clouds))]
+    assert count_voxels_many(group, sizes) == [count_voxels(c, v)
+                                               for c, v in zip(clouds, sizes, strict=True)]
+
+
+def test_divide_like_scalar_rounds_as_a_scalar_division(device):
+    """_ops.divide_like_scalar gives ``x / v`` of each row's Python float v, bit for bit."""
+    from pointalign._ops import divide_like_scalar
+
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.float64):
+        x = (torch.randn(3000, 3, generator=g, dtype=torch.float64) * 10).to(dt).to(device)
+        vs = [0.0031, 1 / 3, 7.7e-5, 123.456, 0.1]
+        rows = torch.arange(3000, device=device) % len(vs)
+        got = divide_like_scalar(x, vs, rows)
+        for i, v in enumerate(vs):
+            assert torch.equal(got[i::len(vs)], x[i::len(vs)] / v)

@@ -63,6 +63,68 @@ def test_described_as_each_cloud_alone(backend):
         assert f.shape == one.features.shape and d.shape[0] in sizes
 
 
+def _local(pairs, device):
+    """Each pair's clouds as register_many holds them (float32, about the target's centroid)."""
+    out = []
+    for p in pairs:
+        s = torch.as_tensor(np.asarray(p.source), dtype=torch.float64)
+        t = torch.as_tensor(np.asarray(p.target), dtype=torch.float64)
+        c = t.mean(0)
+        out.append(((s - c).float().to(device), (t - c).float().to(device)))
+    return out
+
+
+def _same_rule(local, options):
+    opts = check("register_many", options)
+    got = mg.voxel_sizes(local, opts)
+    for (s, t), g in zip(local, got, strict=True):
+        try:
+            want = _voxel_size(s, t, opts, None)
+        except ValueError as exc:
+            assert isinstance(g, ValueError) and str(g) == str(exc)
+            continue
+        assert g == want  # v bit for bit, the same stray decision
+    return got
+
+
+def test_voxel_sizes_equal_the_per_pair_rule(backend):
+    """mg.voxel_sizes: every pair's v (bit for bit) and stray decision as
+    pipeline._voxel_size, on clean and contaminated bunny-size pairs of several sizes and
+    scales; with a given voxel_size, without outlier removal, with another target."""
+    bunny = datasets.load_bunny("bun000")
+    pairs = _pairs(2, 2000) + _pairs(1, 800, seed=5)
+    pairs += [datasets.make_hard_pair(datasets.random_subsample(bunny, n, seed=n),
+                                      outlier_fraction=f, seed=n)
+              for n, f in ((2000, 0.05), (3000, 0.2), (1500, 0.0))]
+    pairs.append(datasets.load_bunny_pair())  # full scans: dense at v, no strays
+    local = _local(pairs, backend.device)
+    local = [(s * k, t * k) for (s, t), k in zip(local, (1.0, 1000.0, 0.01, 1.0, 30.0, 1.0, 1.0),
+                                                    strict=True)]
+    flat = torch.zeros(9, 3, device=backend.device)
+    local.append((flat, flat + 0))  # every point coincides: auto_voxel_size's error
+    got = _same_rule(local, {})
+    assert any(g[1] for g in got if not isinstance(g, ValueError))  # strays were found
+    assert not all(g[1] for g in got if not isinstance(g, ValueError))
+    _same_rule(local[:-1], {"voxel_size": 0.004})
+    _same_rule(local, {"remove_outliers": False, "target_points": 300})
+
+
+def test_voxel_sizes_on_the_real_bunny_scans(shared_data):
+    """The same rule on the Stanford scans (full size, and bunny-size subsamples)."""
+    from pointalign import _validate, io
+
+    d = shared_data / "stanford_bunny" / "data"
+    names = ["bun000", "bun045", "bun090", "bun180", "bun270", "bun315"]
+    scans = [_validate.as_points(io.read(d / f"{n}.ply"), "scan", dtype=torch.float32)
+             for n in names if (d / f"{n}.ply").is_file()]
+    if len(scans) < 2:
+        pytest.skip("the Stanford bunny scans are not there")
+    small = [datasets.random_subsample(x, 2000, seed=i) for i, x in enumerate(scans)]
+    pairs = [datasets.Pair(a, b, np.eye(4)) for a, b in zip(scans[:-1], scans[1:], strict=True)]
+    pairs += [datasets.Pair(a, b, np.eye(4)) for a, b in zip(small[:-1], small[1:], strict=True)]
+    _same_rule(_local(pairs, "cpu"), {})
+
+
 @pytest.fixture(scope="module")
 def both():
     pairs = _pairs()

@@ -18,13 +18,15 @@ synchronisations per call (the grid's extent and the number of voxels).
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from pointalign import _threads, _validate
-from pointalign._ops import exclusive_cumsum_rows
+from pointalign._ops import divide_like_scalar, exclusive_cumsum_rows
 from pointalign.cloud import PointCloud
 from pointalign.kernels import upload
 
@@ -280,3 +282,130 @@ def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list
                             points[first].to(torch.float64)).to(dtype)
     per = torch.bincount(owner[first], minlength=c).tolist()
     return list(torch.split(centers, per))
+
+
+class CloudGroup(NamedTuple):
+    """C checked clouds side by side, for the ``*_many`` functions (:func:`group_clouds`).
+
+    Attributes:
+        points: ``(P, 3)`` the clouds concatenated (one dtype, one device).
+        owner: ``(P,)`` int64, each row's cloud.
+        sizes: the C clouds' sizes (host ints).
+        lo: ``(C, 3)`` float64 minimum corners on the device.
+        lo_h, hi_h: the C minimum and maximum corners on the host (float64, exact).
+
+    """
+
+    points: torch.Tensor
+    owner: torch.Tensor
+    sizes: list[int]
+    lo: torch.Tensor
+    lo_h: list[list[float]]
+    hi_h: list[list[float]]
+
+    def cloud(self, c: int) -> torch.Tensor:
+        """Cloud c's rows (a view)."""
+        s = sum(self.sizes[:c])
+        return self.points[s:s + self.sizes[c]]
+
+
+def group_clouds(clouds: Sequence[torch.Tensor]) -> CloudGroup:
+    """Concatenate C checked clouds and find their corners: one host synchronisation.
+
+    The corners are exact (a float32 extremum widens to float64 without rounding), so every
+    cloud's corners are those :func:`bounds` gives for it alone.
+    """
+    dev, dtype = clouds[0].device, clouds[0].dtype
+    sizes = [int(x.shape[0]) for x in clouds]
+    points = torch.cat(list(clouds))
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev),
+                                    upload(sizes, dtype=torch.int64, device=dev),
+                                    output_size=points.shape[0])
+    idx3 = owner[:, None].expand(-1, 3)
+    c = len(sizes)
+    lo = torch.full((c, 3), math.inf, dtype=dtype, device=dev).scatter_reduce(
+        0, idx3, points, "amin")
+    hi = torch.full((c, 3), -math.inf, dtype=dtype, device=dev).scatter_reduce(
+        0, idx3, points, "amax")
+    corners = torch.stack([lo, hi]).to(torch.float64)
+    lo_h, hi_h = corners.tolist()
+    return CloudGroup(points, owner, sizes, corners[0], lo_h, hi_h)
+
+
+def count_voxels_many(group: CloudGroup, voxel_sizes: Sequence[float]) -> list[int]:
+    """:func:`count_voxels` of every cloud of ``group``, cloud c at ``voxel_sizes[c]``.
+
+    Each cloud on its own grid (anchored at its own minimum corner), its cells computed
+    with the operations :func:`voxel_keys` uses (float64 ``floor((p - lo) / v)``, the
+    division as PyTorch rounds a division by a Python float on the device:
+    :func:`pointalign._ops.divide_like_scalar`), so the same cells and the same counts; the
+    key ``(cloud, cell)`` is packed over each cloud's own extent and all clouds are counted
+    by one sort. One host synchronisation (the counts).
+
+    Raises:
+        ValueError: a grid would need more than 2**20 voxels along an axis (as
+            :func:`voxel_keys`).
+
+    """
+    c = len(group.sizes)
+    dims = []
+    for lo_c, hi_c, v in zip(group.lo_h, group.hi_h, voxel_sizes, strict=True):
+        d = [math.floor((h - o) / v) + 1 for o, h in zip(lo_c, hi_c, strict=True)]
+        if max(d) > _MAX_CELLS_PER_AXIS:
+            raise ValueError(f"voxel_size: {v} is too small for this cloud's extent "
+                             f"({d} voxels per axis, at most {_MAX_CELLS_PER_AXIS})")
+        dims.append([x + 1 for x in d])  # one spare cell per axis: no key can collide
+    cells = [a * b * e for a, b, e in dims]
+    if sum(cells) >= 1 << 62:  # the packed key would overflow: one cloud at a time
+        return [count_voxels(group.cloud(i), v) for i, v in enumerate(voxel_sizes)]
+    dev = group.points.device
+    base = upload(list(itertools.accumulate(cells, initial=0))[:-1], dtype=torch.int64,
+                  device=dev)
+    ny_nz = upload([x for _, b, e in dims for x in (b, e)], dtype=torch.int64,
+                   device=dev).view(c, 2)
+    owner = group.owner
+    rel = group.points.to(torch.float64) - group.lo[owner]
+    cell = torch.floor(divide_like_scalar(rel, list(voxel_sizes), owner)).to(torch.int64)
+    ny, nz = ny_nz[owner, 0], ny_nz[owner, 1]
+    keys = base[owner] + (cell[:, 0] * ny + cell[:, 1]) * nz + cell[:, 2]
+    sorted_keys, order = torch.sort(keys)
+    new = torch.ones_like(sorted_keys, dtype=torch.bool)
+    new[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    counts = torch.zeros(c, dtype=torch.int64, device=dev)
+    return counts.index_add_(0, owner[order], new.to(torch.int64)).tolist()
+
+
+def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,
+                         iterations: int = 6) -> list[float]:
+    """:func:`auto_voxel_size` of every cloud of ``group``: the same edges, bit for bit.
+
+    The same rule and host arithmetic per cloud; each round counts the voxels of every
+    cloud still searching by one :func:`count_voxels_many` (one host synchronisation per
+    round, at most ``iterations``, instead of one per cloud and round). A cloud whose points
+    all coincide gets NaN (:func:`auto_voxel_size` raises there).
+    """
+    target_points = int(target_points)
+    if target_points < 3:
+        raise ValueError(f"target_points: expected an integer >= 3, got {target_points}")
+    c = len(group.sizes)
+    diag = [math.dist(lo, hi) for lo, hi in zip(group.lo_h, group.hi_h, strict=True)]
+    want = [max(3, min(target_points, n // 2)) for n in group.sizes]
+    v = [d / math.sqrt(w) if d > 0 else 1.0 for d, w in zip(diag, want, strict=True)]
+    best_v, best_err = list(v), [math.inf] * c
+    active = [d > 0 for d in diag]
+    for _ in range(iterations):
+        if not any(active):
+            break
+        counts = count_voxels_many(group, v)
+        for i in range(c):
+            if not active[i]:
+                continue
+            err = abs(math.log(counts[i] / want[i]))
+            if err < best_err[i]:
+                best_v[i], best_err[i] = v[i], err
+            if err < 0.1:
+                active[i] = False
+                continue
+            v[i] *= math.sqrt(counts[i] / want[i])
+            v[i] = max(v[i], diag[i] * 1e-6)
+    return [b if d > 0 else math.nan for b, d in zip(best_v, diag, strict=True)]

@@ -21,12 +21,17 @@ points to keep) and :func:`robust_voxel_size` (the automatic edge chosen without
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pointalign import _threads, _validate
-from pointalign.features.downsample import auto_voxel_size
+from pointalign.features.downsample import CloudGroup, auto_voxel_size
+from pointalign.kernels import upload
+from pointalign.kernels.grid.reference import CELL_MARGIN
 
 
 def _index(points: torch.Tensor, index: Any) -> Any:
@@ -191,3 +196,109 @@ def robust_voxel_size(points: Any, target_points: int = 5000, *,
             break
         v = auto_voxel_size(pts[keep], target_points)
     return v
+
+
+#: candidate (query, point) pairs per pass of :func:`stray_fractions_many` (bounds its
+#: temporaries to ~1 GB whatever the group's size)
+_STRAY_BUDGET = 1 << 23
+
+
+def _mean_as_torch(count: int, n: int, device: torch.device) -> float:
+    """``float(x.float().mean())`` of an ``(n,)`` 0/1 vector holding ``count`` ones.
+
+    The sum is exact; the mean is rounded as PyTorch rounds it on the device: on the CPU
+    ``sum / n`` in float32 (``mean_out``: ``sum_out(...).div_(n)``), on CUDA ``sum · (1/n)``
+    with ``1/n`` a float32 factor (``mean_kernel_impl``'s ``MeanOps``). Host arithmetic.
+    """
+    s, m = np.float32(count), np.float32(n)
+    return float(s * (np.float32(1.0) / m) if device.type == "cuda" else s / m)
+
+
+def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
+                         sample: int = 4096) -> list[float]:
+    """:func:`stray_fraction` of every cloud of ``group``, cloud c at ``voxel_sizes[c]``.
+
+    The same strided sample per cloud and the same test (fewer than
+    :data:`SPARSE_NEIGHBOURS` others within v, squared distances ``dx² + dy² + dz²``
+    computed in the points' dtype on each cloud's own coordinates and compared with ``v²``
+    rounded to that dtype: the search contract of every index), answered for all clouds at
+    once: each cloud is cut into its own cells of edge v (anchored at its own corner), one
+    sort orders every point by ``(cloud, cell)``, and each query compares itself with the
+    points of its cloud's 27 cells around it. The counts are the per-cloud index's (on the
+    CPU backends, which compute that expression as written, bit for bit; the Triton kernels
+    may contract it into fused multiply-adds, which can move a squared distance lying
+    within ~2 float32 ulps of v² across it); the fraction is rounded as
+    ``stray_fraction``'s mean (:func:`_mean_as_torch`). Host synchronisations: 2 (3 when
+    the candidates exceed one pass), for the whole group.
+    """
+    c = len(group.sizes)
+    dev, dt = group.points.device, group.points.dtype
+    cell_h = [float(v) * (1 + CELL_MARGIN) for v in voxel_sizes]
+    dims = [[int((h - o) // cell) + 1 for o, h in zip(lo, hi, strict=True)]
+            for lo, hi, cell in zip(group.lo_h, group.hi_h, cell_h, strict=True)]
+    ncell = [a * b * e for a, b, e in dims]
+    if sum(ncell) >= 1 << 62:  # the packed key would overflow: one cloud at a time
+        return [stray_fraction(group.cloud(i), v, sample) for i, v in enumerate(voxel_sizes)]
+    i64 = torch.int64
+    base = upload(list(itertools.accumulate(ncell, initial=0))[:-1], dtype=i64, device=dev)
+    dims_d = upload([x for d in dims for x in d], dtype=i64, device=dev).view(c, 3)
+    owner, pts = group.owner, group.points
+    rel = group.points.to(torch.float64) - group.lo[owner]
+    cell = torch.floor(rel / upload(cell_h, dtype=torch.float64, device=dev)[owner, None])
+    cell = torch.minimum(cell.to(i64).clamp_min(0), dims_d[owner] - 1)
+    nxyz = dims_d[owner]
+    keys = base[owner] + (cell[:, 0] * nxyz[:, 1] + cell[:, 1]) * nxyz[:, 2] + cell[:, 2]
+    sorted_keys, order = torch.sort(keys)
+    # the strided sample of each cloud: rows 0, s, 2s, ... with s = max(1, n // sample)
+    stride = [max(1, n // sample) for n in group.sizes]
+    m = [-(-n // s) for n, s in zip(group.sizes, stride, strict=True)]
+    q_owner = torch.repeat_interleave(torch.arange(c, device=dev),
+                                      upload(m, dtype=i64, device=dev), output_size=sum(m))
+    first = upload([*itertools.accumulate(group.sizes, initial=0)][:-1]
+                   + [*itertools.accumulate(m, initial=0)][:-1], dtype=i64,
+                   device=dev).view(2, c)
+    step = upload(stride, dtype=i64, device=dev)
+    q_rows = first[0, q_owner] + (torch.arange(sum(m), device=dev)
+                                  - first[1, q_owner]) * step[q_owner]
+    # the 9 key ranges (x, y columns; z from l - 1 to l + 1) of each query's 27 cells
+    qc, qd, qb = cell[q_rows], dims_d[q_owner], base[q_owner]
+    d = torch.arange(-1, 2, device=dev)
+    x = qc[:, 0:1] + d.repeat_interleave(3)[None]                                 # (Q, 9)
+    y = qc[:, 1:2] + d.repeat(3)[None]
+    ok = (x >= 0) & (x < qd[:, 0:1]) & (y >= 0) & (y < qd[:, 1:2])
+    col = qb[:, None] + (x * qd[:, 1:2] + y) * qd[:, 2:3]
+    z_lo = (qc[:, 2:3] - 1).clamp_min(0)
+    z_hi = torch.minimum(qc[:, 2:3] + 1, qd[:, 2:3] - 1)
+    start = torch.searchsorted(sorted_keys, col + z_lo)
+    length = torch.where(ok, torch.searchsorted(sorted_keys, col + z_hi, right=True) - start, 0)
+    r2 = torch.tensor([v * v for v in voxel_sizes], dtype=dt).to(dev)           # rounded to dt
+    within = torch.zeros(sum(m), dtype=i64, device=dev)
+    start, length = start.reshape(-1), length.reshape(-1)
+    cum = torch.cumsum(length, 0)
+    total = int(cum[-1]) if cum.numel() else 0
+    cuts = [(0, start.numel(), 0, total)]
+    if total > _STRAY_BUDGET:  # whole queries (9 ranges) per pass, about a budget each
+        at = torch.searchsorted(cum, torch.arange(_STRAY_BUDGET, total, _STRAY_BUDGET,
+                                                  device=dev))
+        ends = torch.unique(torch.cat([(at // 9 + 1) * 9, at.new_full((1,), start.numel())]))
+        ends_h = ends.tolist()
+        before = torch.cat([cum.new_zeros(1), cum])[ends].tolist()
+        cuts = [(a, b, ca, cb) for a, b, ca, cb in
+                zip([0, *ends_h[:-1]], ends_h, [0, *before[:-1]], before, strict=True)]
+    for a, b, ca, cb in cuts:
+        if cb == ca:
+            continue
+        rng = torch.repeat_interleave(torch.arange(a, b, device=dev), length[a:b],
+                                      output_size=cb - ca)
+        pos = start[rng] + torch.arange(ca, cb, device=dev) - (cum[rng] - length[rng])
+        p = pts[order[pos]]
+        qi = rng // 9
+        q = pts[q_rows[qi]]
+        e = q - p
+        d2 = e[:, 0] * e[:, 0] + e[:, 1] * e[:, 1] + e[:, 2] * e[:, 2]
+        within.index_add_(0, qi, (d2 <= r2[q_owner[qi]]).to(i64))
+    # fewer than SPARSE_NEIGHBOURS others (the count includes the query itself)
+    stray = torch.zeros(c, dtype=i64, device=dev).index_add_(
+        0, q_owner, (within < SPARSE_NEIGHBOURS + 1).to(i64)).tolist()
+    return [0.0 if n <= SPARSE_NEIGHBOURS + 1 else _mean_as_torch(s, k, dev)
+            for n, s, k in zip(group.sizes, stray, m, strict=True)]

@@ -5,14 +5,15 @@ through the stages of :func:`~pointalign.registration.pipeline.register` (the sa
 functions, so the same options and the same rules):
 
 1. **read** each cloud (paths are read here, on the worker that runs the chunk);
-2. **global stage**: per pair the voxel edge v and stray points; then, on a GPU, batched
-   for the chunk's pairs without an ``init`` (:mod:`~pointalign.registration.many_global`:
-   one downsampling sort, one packed neighbour search, the normal and FPFH kernels once,
-   RANSAC's rounds and the compatibility-graph proposals for all pairs at once; the rule
-   is :func:`~pointalign.registration.many_global.applies`), else per pair
-   (``pipeline._prepare_pair``: downsampling, normals, FPFH; ``pipeline._global``:
-   parallel RANSAC and the graph's proposals); a pair given an ``init`` is only
-   downsampled and indexed;
+2. **global stage**: on a GPU, batched for the chunk's pairs without an ``init``
+   (:mod:`~pointalign.registration.many_global`: the voxel edges v and stray decisions
+   of all pairs by a few host synchronisations, one downsampling sort, one packed
+   neighbour search, the normal and FPFH kernels once, RANSAC's rounds and the
+   compatibility-graph proposals for all pairs at once; the rule is
+   :func:`~pointalign.registration.many_global.applies`), else per pair
+   (``pipeline._prepare_pair``: v and stray points, downsampling, normals, FPFH;
+   ``pipeline._global``: parallel RANSAC and the graph's proposals); a pair given an
+   ``init`` is only downsampled and indexed;
 3. **coarse ICP, batched**: ``pipeline._refine_hypotheses`` of every pair's best
    hypotheses in one point-to-plane :func:`~pointalign.registration.icp.icp` call;
 4. **final stage, batched**: ``pipeline._final_icp`` (point-to-plane ICP or GICP, as
@@ -66,7 +67,6 @@ from pointalign.registration.pipeline import (
     _global,
     _prepare_pair,
     _refine_hypotheses,
-    _voxel_size,
     _without_strays,
     icp_criteria,
 )
@@ -528,29 +528,34 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
                           device: torch.device, on_error: str) -> dict[str, float]:
     """Run the global stage of ``works`` (no init) at once (:mod:`.many_global`).
 
-    Per pair: v and the stray points (``pipeline._voxel_size``), the clouds scaled by 1/v;
-    then every cloud downsampled by one sort, described by one search and one launch per
-    kernel, and RANSAC with the graph's proposals for each group of pairs sharing a bound.
+    v and the stray decisions of all pairs at once (:func:`.many_global.voxel_sizes`: the
+    per-pair rule's results), the strays dropped per pair that shows some, the clouds
+    scaled by 1/v in one launch; then every cloud downsampled by one sort, described by one
+    search and one launch per kernel, and RANSAC with the graph's proposals for each group
+    of pairs sharing a bound.
     Fills each pair's ``ready``, ``glob`` and ``cands`` as :func:`_global_stage` does.
     Returns the seconds per stage for the whole group.
     """
     clock = _loop.Clock(device)
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
     todo, clouds, meta = [], [], {}
-    for w in works:
+    local = [(pairs[id(w)].source[0], pairs[id(w)].target[0]) for w in works]
+    for w, (src, tgt), rule in zip(works, local, _mg.voxel_sizes(local, opts), strict=True):
         try:
-            pair = pairs[id(w)]
-            src, tgt = pair.source[0], pair.target[0]
-            v, strays = _voxel_size(src, tgt, opts, None)
+            if isinstance(rule, Exception):
+                raise rule
+            v, strays = rule
             s_c, t_c = _without_strays(src, tgt, v) if strays else (src, tgt)
             scales = Scales(1.0, None if mcd is None else mcd / v,
                             None if fine is None else fine / v)
-            meta[id(w)] = (src, tgt, pair.frame.center[0], v, scales)
+            meta[id(w)] = (src, tgt, pairs[id(w)].frame.center[0], v, scales)
             todo.append(w)
-            clouds += [s_c / v, t_c / v]
+            clouds += [s_c, t_c]
         except (ValueError, TypeError) as exc:
             _fail(w, exc, on_error)
     clock.lap("voxel_size")
+    clouds = _mg.scaled([meta[id(w)][3] for w in todo for _ in (0, 1)], clouds)
+    clock.lap("scale")
     if not todo:
         return clock.total()
     unit = meta[id(todo[0])][4]

@@ -20,8 +20,14 @@ number of voxels for all pairs):
    per-pair selections as padded ``(B, ·)`` sorts); the compatibility-graph proposals of
    :mod:`~pointalign.registration.robust` batched over pairs.
 
-What stays per pair: the voxel edge v and the stray points (``pipeline._voxel_size``),
-each cloud's index for the local stages (brute force on a GPU: no build). The random
+Before them, :func:`voxel_sizes`: the voxel edge v and the stray decision of every pair
+(``pipeline._voxel_size``'s rule and results, bit for bit on the CPU backends) with one
+voxel count per round of the edge rule and one stray search for the whole group, and
+:func:`scaled`: every cloud divided by its v in one launch.
+
+What stays per pair: ``robust_voxel_size`` and the dense-point masks of a pair that shows
+stray points; each cloud's index for the local stages (brute force on a GPU: no build);
+the per-pair Python loops that wrap the results (views and one ``cat`` per pair). The random
 draws differ from the per-pair path's (one generator for the group), so the hypotheses
 differ; the results are equivalent, not identical (tests: the same verdicts).
 
@@ -40,8 +46,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from pointalign.features.downsample import voxel_downsample_many
+from pointalign._ops import divide_like_scalar
+from pointalign.features.downsample import (
+    auto_voxel_size_many,
+    group_clouds,
+    voxel_downsample_many,
+)
 from pointalign.features.fpfh import restrict
+from pointalign.features.outliers import (
+    MIN_STRAY_FRACTION,
+    robust_voxel_size,
+    stray_fractions_many,
+)
 from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _kr
 from pointalign.kernels.features import pca_normals
@@ -98,6 +114,59 @@ def _packed(points: torch.Tensor, lengths: list[int], distance: float) -> Packed
         return idx
     return PackedIndex(points, lengths, max_distance=distance,
                        build=lambda p: policy.choose_index(p, max_distance=distance))
+
+
+#: ``auto_voxel_size``'s error, for a pair whose larger cloud's points all coincide
+_COINCIDE = "points: all points coincide; cannot choose a voxel size"
+
+
+def voxel_sizes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: _Options
+                ) -> list[tuple[float, bool] | ValueError]:
+    """``pipeline._voxel_size`` of every pair ``(source, target)`` at once: v, strays.
+
+    The same rule: v from the larger cloud (:func:`~pointalign.features.downsample.
+    auto_voxel_size_many`: the same edges, bit for bit, one host synchronisation per round
+    of the rule's loop for the whole group), the stray fractions of both clouds at v
+    (:func:`~pointalign.features.outliers.stray_fractions_many`: the same samples and
+    test, two or three synchronisations for the group), and where a pair shows strays
+    and v is automatic, ``robust_voxel_size`` of that pair alone (its dense-point masks:
+    per pair). A pair whose larger cloud's points all coincide gets the ValueError
+    ``auto_voxel_size`` raises.
+    """
+    if not pairs:
+        return []
+    bigs = [s if s.shape[0] >= t.shape[0] else t for s, t in pairs]
+    if opts.voxel_size is None:
+        vs = auto_voxel_size_many(group_clouds(bigs), opts.target_points)
+    else:
+        vs = [float(opts.voxel_size)] * len(pairs)
+    ok = [math.isfinite(v) for v in vs]
+    strays = [False] * len(pairs)
+    if opts.remove_outliers:
+        fr = stray_fractions_many(group_clouds([x for p in pairs for x in p]),
+                                  [v if good else 1.0 for v, good in zip(vs, ok, strict=True)
+                                   for _ in (0, 1)])
+        strays = [max(fr[2 * i], fr[2 * i + 1]) >= MIN_STRAY_FRACTION for i in range(len(pairs))]
+    out: list[tuple[float, bool] | ValueError] = []
+    for big, v, good, st in zip(bigs, vs, ok, strays, strict=True):
+        if not good:
+            out.append(ValueError(_COINCIDE))
+            continue
+        if st and opts.voxel_size is None:
+            v = robust_voxel_size(big, opts.target_points)
+        out.append((v, st))
+    return out
+
+
+def scaled(vs: Sequence[float], clouds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``[c / v for c, v in zip(clouds, vs)]`` in three launches, bit for bit (one division)."""
+    if not clouds:
+        return []
+    sizes = [int(c.shape[0]) for c in clouds]
+    dev = clouds[0].device
+    rows = torch.repeat_interleave(torch.arange(len(sizes), device=dev),
+                                   torch.tensor(sizes).to(dev), output_size=sum(sizes))
+    return list(torch.split(divide_like_scalar(torch.cat(list(clouds)), vs, rows), sizes))
 
 
 def describe_many(downs: Sequence[torch.Tensor], scales: Scales

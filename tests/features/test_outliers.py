@@ -1,0 +1,58 @@
+"""Stray points (features/outliers.py): the batched stray fractions against each cloud alone.
+
+``stray_fractions_many`` answers every cloud's sample by one sort over ``(cloud, cell)``; its
+counts use the search contract's squared distance on each cloud's own coordinates, so on the
+"torch" and "cpu" backends they equal the per-cloud index's bit for bit (and so do the
+fractions, rounded as ``Tensor.mean`` rounds them on the device). On "triton" the per-cloud
+grid kernel may fuse the distance's multiply-adds: a neighbour within ~2 float32 ulps of v
+may count differently there (not seen on these clouds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pointalign import datasets
+from pointalign.features import outliers
+from pointalign.features.downsample import auto_voxel_size_many, group_clouds
+
+
+def _clouds(device: str) -> list[torch.Tensor]:
+    bunny = datasets.load_bunny("bun000")
+    out = []
+    for k, (n, s, o, frac) in enumerate(((2000, 1.0, 0.0, 0.05), (1500, 10.0, 5.0, 0.0),
+                                         (3000, 0.01, -1.0, 0.2), (2500, 100.0, 0.0, 0.02))):
+        p = datasets.make_hard_pair(datasets.random_subsample(bunny, n, seed=k),
+                                    outlier_fraction=frac, seed=k)
+        out += [p.source * s + o, p.target * s + o]
+    g = torch.Generator().manual_seed(1)
+    out += [datasets.random_subsample(bunny, 2000, seed=9), torch.rand(5, 3, generator=g),
+            torch.rand(6, 3, generator=g), bunny]
+    return [c.to(torch.float32).to(device) for c in out]
+
+
+@pytest.mark.parametrize("budget", [None, 3000])
+def test_stray_fractions_many_equal_each_alone(backend, budget, monkeypatch):
+    """Every cloud's fraction equals stray_fraction's (its own index at v), at the automatic
+    edge and at a coarser one; in one pass and in several (a small candidate budget)."""
+    if budget is not None:
+        monkeypatch.setattr(outliers, "_STRAY_BUDGET", budget)
+    clouds = _clouds(backend.device)
+    group = group_clouds(clouds)
+    auto = auto_voxel_size_many(group, 5000)
+    for vs in (auto, [2.5 * v for v in auto]):
+        got = outliers.stray_fractions_many(group, vs)
+        want = [outliers.stray_fraction(c, v) for c, v in zip(clouds, vs, strict=True)]
+        assert got == want
+    assert any(f >= outliers.MIN_STRAY_FRACTION for f in got)
+
+
+def test_mean_rounded_as_torch(device):
+    """_mean_as_torch(s, n) is ``float(x.float().mean())`` of n 0/1 values holding s ones."""
+    dev = torch.device(device)
+    for n in (6, 7, 50, 999, 2000, 4096, 4097, 8191):
+        for s in sorted({0, 1, n // 50, n // 50 + 1, n // 7, n // 2, n - 1, n}):
+            x = torch.zeros(n, device=dev)
+            x[:s] = 1
+            assert outliers._mean_as_torch(s, n, dev) == float(x.float().mean()), (s, n)
