@@ -107,9 +107,14 @@ def _kernel() -> Any:
 def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
                       transform: torch.Tensor, target: torch.Tensor,
                       target_counts: torch.Tensor, center: torch.Tensor,
-                      max_distance_sq: float, k: int, block_n: int = 16,
-                      block_m: int = 64, num_warps: int = 4) -> torch.Tensor:
-    """Launch the probe (contract of :func:`pointalign.kernels.stability.probe_information`)."""
+                      max_distance_sq: float, k: int, block_n: int = 8,
+                      block_m: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """Launch the probe (contract of :func:`pointalign.kernels.stability.probe_information`).
+
+    Tiles of 8 rows × 128 points with 4 warps: the fastest of eight shapes on an H200 for
+    2,048 samples (5k points: 0.41 ms, 16×64 0.52; 40k: 0.97 ms, 16×64 1.61), since 2,048
+    rows make few programs and each needs many loads in flight.
+    """
     B, S = rows.shape
     N, M = source.shape[1], target.shape[1]
     dev = source.device
