@@ -28,7 +28,9 @@ class BruteForceIndex:
 
     ``knn`` with ``k > M`` raises ``ValueError``; ``radius`` pads with ``inf`` / ``-1``. The
     layout the fused kernel reads (:func:`pointalign.kernels.knn.points_layout`) is made once,
-    here, so that no query copies the points. ``nearest_within`` ignores ``hint``.
+    at the first query, so that no query copies the points (and an index only held, such
+    as a stability probe's that a fused kernel serves, costs nothing). ``nearest_within``
+    ignores ``hint``.
 
     """
 
@@ -36,7 +38,13 @@ class BruteForceIndex:
 
     def __init__(self, points: Any, *, device: str | torch.device | None = None):
         self.points = _checks.index_points(points, device=device)
-        self._layout = _knn.points_layout(self.points)
+        self._made: tuple[torch.Tensor | None] | None = None
+
+    @property
+    def _layout(self) -> torch.Tensor | None:
+        if self._made is None:
+            self._made = (_knn.points_layout(self.points),)
+        return self._made[0]
 
     def __repr__(self) -> str:
         return f"BruteForceIndex(M={self.points.shape[0]}, device={self.points.device})"
