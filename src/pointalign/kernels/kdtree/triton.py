@@ -27,15 +27,17 @@ BIG_HOST = 3.0e38  # stands for +inf inside the kernel
 BIG = tl.constexpr(BIG_HOST)
 
 
-# one compilation for every size and tree depth: the sizes, the first leaf and the stack's
-# stride are run-time values. The leaf loop's bound LMAX stays exact (a tree of leaf size L
-# has leaves of L/2..L points: at most L/2 variants); rounded up to a power of two it cost
-# ICP on the 40k bunny (leaves of 10) 8 -> 15 ms of k-d tree queries on an H200
+# one compilation for every size, tree depth and leaf size: the sizes, the first leaf and
+# the stack's stride are run-time values, and the leaf loop runs as many steps as the
+# block's largest leaf being visited holds (none when every lane is at an inner node).
+# (Before, the loop's bound was the tree's largest leaf, a compile-time constant: one
+# compilation per leaf size met, and rounded up to a power of two it cost ICP on the 40k
+# bunny 8 -> 15 ms of k-d tree queries on an H200.)
 @triton.jit(do_not_specialize=("n_query", "first_leaf", "stack"))
 def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, end_ptr,
                 stack_ptr, hint_ptr, perm_ptr, inv_ptr, out_d_ptr, out_i_ptr, n_query,
                 first_leaf, max_d2, stack,
-                K: tl.constexpr, KP: tl.constexpr, LMAX: tl.constexpr,
+                K: tl.constexpr, KP: tl.constexpr,
                 APPROX: tl.constexpr, HAS_HINT: tl.constexpr, MAP: tl.constexpr,
                 BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -84,7 +86,9 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
         leaf = visit & is_leaf
         s = tl.load(start_ptr + node, mask=leaf, other=0)
         e = tl.load(end_ptr + node, mask=leaf, other=0)
-        for j in range(LMAX):
+        n_leaf = tl.max(e - s, axis=0)  # 0 where no lane visits a leaf
+        j = n_leaf * 0
+        while j < n_leaf:
             p = s + j
             pm = leaf & (p < e)
             px = tl.load(pts_ptr + p * 3 + 0, mask=pm, other=0.0)
@@ -101,6 +105,7 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
             upd = take[:, None] & (cols[None, :] == pos[:, None])
             best_d = tl.where(upd, d[:, None], best_d)
             best_i = tl.where(upd, p[:, None], best_i)
+            j += 1
         inner = visit & (node < first_leaf)
         ax = tl.load(axis_ptr + node, mask=inner, other=0)
         sv = tl.load(split_ptr + node, mask=inner, other=0.0)
@@ -162,7 +167,7 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
             tree.start, tree.end, stack, out_i[s:e] if hint_c is None else hint_c[s:e],
             tree.perm if ids is None else ids[0], tree.perm if ids is None else ids[1],
             out_d[s:e], out_i[s:e], e - s, tree.first_leaf, md2, tree.depth + 2,
-            K=k, KP=kp, LMAX=tree.max_leaf_size,
+            K=k, KP=kp,
             APPROX=bool(approximate), HAS_HINT=hint is not None, MAP=ids is not None,
             BLOCK=block, num_warps=max(1, block // 32),
         )
