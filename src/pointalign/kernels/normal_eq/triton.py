@@ -132,6 +132,17 @@ def _normal_eq_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr,
     tl.store(o + 29, tl.sum(dd * vf, 0))
 
 
+def _strides(B: int, *sizes: int) -> tuple[int, ...]:
+    """The kernel's size arguments: N, M, P only scale the problem index b (batch strides).
+
+    Triton specialises an integer argument on its divisibility by 16, and those hints pay
+    in every iteration, so the sizes stay specialised; for one problem (b = 0, the strides
+    never read) they are rounded up to 16: every single problem, whatever its sizes, runs
+    one compiled variant (the divisible one) instead of compiling one per size class.
+    """
+    return sizes if B > 1 else tuple(-(-s // 16) * 16 for s in sizes)
+
+
 def normal_equations_triton(source: torch.Tensor, target: torch.Tensor, idx: torch.Tensor,
                             target_normals: torch.Tensor | None, lengths: torch.Tensor,
                             center: torch.Tensor, kernel: str, scale: float) -> torch.Tensor:
@@ -147,7 +158,7 @@ def normal_equations_triton(source: torch.Tensor, target: torch.Tensor, idx: tor
     P = max(1, triton.cdiv(N, BLOCK))
     partial = torch.empty(B, P, WIDTH, dtype=torch.float32, device=source.device)
     _normal_eq_kernel[(P, B)](
-        x, y, n, ix, ln, c, partial, N, M, P, float(scale),
+        x, y, n, ix, ln, c, partial, *_strides(B, N, M, P), float(scale),
         PLANE=target_normals is not None, KIND=KERNELS.index(kernel), BLOCK=BLOCK,
         num_warps=4)
     return partial.sum(1, dtype=torch.float64)
@@ -234,7 +245,7 @@ def partials_triton(source, target, idx, target_normals, lengths, center, kernel
     P = max(1, triton.cdiv(N, BLOCK))
     partial = torch.empty(B, P, WIDTH, dtype=torch.float32, device=source.device)
     _normal_eq_kernel[(P, B)](
-        source, target, n, idx, lengths, center, partial, N, M, P, float(scale),
+        source, target, n, idx, lengths, center, partial, *_strides(B, N, M, P), float(scale),
         PLANE=target_normals is not None, KIND=KERNELS.index(kernel), BLOCK=BLOCK,
         num_warps=4)
     return partial
