@@ -540,20 +540,27 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
     todo, clouds, meta = [], [], {}
     local = [(pairs[id(w)].source[0], pairs[id(w)].target[0]) for w in works]
+    dirty = []  # the pairs showing strays: their dense points, all at once below
     for w, (src, tgt), rule in zip(works, local, _mg.voxel_sizes(local, opts), strict=True):
         try:
             if isinstance(rule, Exception):
                 raise rule
             v, strays = rule
-            s_c, t_c = _without_strays(src, tgt, v) if strays else (src, tgt)
             scales = Scales(1.0, None if mcd is None else mcd / v,
                             None if fine is None else fine / v)
             meta[id(w)] = (src, tgt, pairs[id(w)].frame.center[0], v, scales)
+            if strays:
+                dirty.append(len(todo))
             todo.append(w)
-            clouds += [s_c, t_c]
+            clouds += [src, tgt]
         except (ValueError, TypeError) as exc:
             _fail(w, exc, on_error)
     clock.lap("voxel_size")
+    dense = _mg.without_strays_many([(clouds[2 * i], clouds[2 * i + 1]) for i in dirty],
+                                    [meta[id(todo[i])][3] for i in dirty])
+    for i, (s_c, t_c) in zip(dirty, dense, strict=True):
+        clouds[2 * i], clouds[2 * i + 1] = s_c, t_c
+    clock.lap("strays")
     clouds = _mg.scaled([meta[id(w)][3] for w in todo for _ in (0, 1)], clouds)
     clock.lap("scale")
     if not todo:

@@ -55,7 +55,8 @@ from pointalign.features.downsample import (
 from pointalign.features.fpfh import restrict
 from pointalign.features.outliers import (
     MIN_STRAY_FRACTION,
-    robust_voxel_size,
+    dense_masks_many,
+    robust_voxel_sizes_many,
     stray_fractions_many,
 )
 from pointalign.kernels import _loop
@@ -128,9 +129,10 @@ def voxel_sizes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: _Optio
     auto_voxel_size_many`: the same edges, bit for bit, one host synchronisation per round
     of the rule's loop for the whole group), the stray fractions of both clouds at v
     (:func:`~pointalign.features.outliers.stray_fractions_many`: the same samples and
-    test, two or three synchronisations for the group), and where a pair shows strays
-    and v is automatic, ``robust_voxel_size`` of that pair alone (its dense-point masks:
-    per pair). A pair whose larger cloud's points all coincide gets the ValueError
+    test, two or three synchronisations for the group), and where pairs show strays and
+    v is automatic, ``robust_voxel_size`` of those pairs' larger clouds at once
+    (:func:`~pointalign.features.outliers.robust_voxel_sizes_many`: the same edges, a few
+    synchronisations per round for the group). A pair whose larger cloud's points all coincide gets the ValueError
     ``auto_voxel_size`` raises.
     """
     if not pairs:
@@ -147,15 +149,32 @@ def voxel_sizes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: _Optio
                                   [v if good else 1.0 for v, good in zip(vs, ok, strict=True)
                                    for _ in (0, 1)])
         strays = [max(fr[2 * i], fr[2 * i + 1]) >= MIN_STRAY_FRACTION for i in range(len(pairs))]
-    out: list[tuple[float, bool] | ValueError] = []
-    for big, v, good, st in zip(bigs, vs, ok, strays, strict=True):
-        if not good:
-            out.append(ValueError(_COINCIDE))
-            continue
-        if st and opts.voxel_size is None:
-            v = robust_voxel_size(big, opts.target_points)
-        out.append((v, st))
-    return out
+    if opts.voxel_size is None:  # v without the strays, for every pair that shows some
+        redo = [i for i in range(len(pairs)) if ok[i] and strays[i]]
+        for i, rv in zip(redo, robust_voxel_sizes_many(
+                [bigs[i] for i in redo], opts.target_points, start=[vs[i] for i in redo]),
+                         strict=True):
+            vs[i], ok[i] = rv, math.isfinite(rv)
+    return [(v, st) if good else ValueError(_COINCIDE)
+            for v, good, st in zip(vs, ok, strays, strict=True)]
+
+
+def without_strays_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                        vs: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pipeline._without_strays`` of every pair ``(source, target)`` at its ``vs[i]``.
+
+    Every cloud's :func:`~pointalign.features.outliers.dense_mask` by one
+    :func:`~pointalign.features.outliers.dense_masks_many` (the same masks), the kept points
+    of all clouds by one selection; a pair where either cloud keeps fewer than 3 points
+    stays as given (as per pair). A few host synchronisations for the whole group.
+    """
+    if not pairs:
+        return []
+    group = group_clouds([x for p in pairs for x in p])
+    keep, kept = dense_masks_many(group, [v for v in vs for _ in (0, 1)])
+    dense = torch.split(group.points[keep], kept)
+    return [(dense[2 * i], dense[2 * i + 1]) if min(kept[2 * i], kept[2 * i + 1]) >= 3
+            else p for i, p in enumerate(pairs)]
 
 
 def scaled(vs: Sequence[float], clouds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
