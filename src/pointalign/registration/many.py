@@ -673,9 +673,9 @@ def _local_stages(works: list[_Work], opts: _Options, device: torch.device
                              clock)
             assert res.transformation_tensor is not None
             stab = np.asarray(res.info["stability"], dtype=np.float64).reshape(-1)
-            judged = verdicts(res.transformation_tensor, stab, [R for R, _ in hyp],
-                              [f for _, f in hyp], [w.r.source for w in group],
-                              [w.r.target for w in group], scales)
+            judged = (_mg.verdicts_many if batched else verdicts)(
+                res.transformation_tensor, stab, [R for R, _ in hyp], [f for _, f in hyp],
+                [w.r.source for w in group], [w.r.target for w in group], scales)
             clock.lap("verdict")
             for j, (w, (ver, reason)) in enumerate(zip(group, judged, strict=True)):
                 _final_row(w, res, j, ver, str(reason), clouds[id(w)].source.shape[0],
