@@ -543,9 +543,11 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
     """
     clock = _loop.Clock(device)
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
-    todo, clouds, meta = [], [], {}
+    todo: list[_Work] = []
+    clouds: list[torch.Tensor] = []
+    meta: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, float, Scales]] = {}
     local = [(pairs[id(w)].source[0], pairs[id(w)].target[0]) for w in works]
-    dirty = []  # the pairs showing strays: their dense points, all at once below
+    dirty: list[int] = []  # the pairs showing strays: their dense points, all at once below
     for w, (src, tgt), rule in zip(works, local, _mg.voxel_sizes(local, opts), strict=True):
         try:
             if isinstance(rule, Exception):
@@ -652,7 +654,7 @@ def _local_stages(works: list[_Work], opts: _Options, device: torch.device
     ivs = opts.icp_voxel_size
     clouds: dict[int, Any] = {}
     if batched and ivs is None and len(final) > 1:
-        for radius, same in _by_normal_radius(final).items():
+        for same in _by_normal_radius(final).values():
             got_c = _mg.final_clouds_many([w.r.src for w in same], [w.r.tgt for w in same],
                                           [w.r.v for w in same], same[0].r.scales,
                                           opts.refine)

@@ -67,9 +67,9 @@ from pointalign.kernels.features.fpfh import fpfh_combine, spfh
 from pointalign.kernels.horn import weighted_horn
 from pointalign.kernels.soft import weighted_horn as soft_weighted_horn
 from pointalign.registration._edge import MIN_FITNESS, StopReason
-from pointalign.registration.options import Options as _Options
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.icp import icp
+from pointalign.registration.options import Options as _Options
 from pointalign.registration.pipeline import (
     CORRESPONDENCES,
     FEATURE_NEIGHBOURS,
@@ -140,7 +140,8 @@ def voxel_sizes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: _Optio
     test, two or three synchronisations for the group), and where pairs show strays and
     v is automatic, ``robust_voxel_size`` of those pairs' larger clouds at once
     (:func:`~pointalign.features.outliers.robust_voxel_sizes_many`: the same edges, a few
-    synchronisations per round for the group). A pair whose larger cloud's points all coincide gets the ValueError
+    synchronisations per round for the group). A pair whose larger cloud's points all
+    coincide gets the ValueError
     ``auto_voxel_size`` raises.
     """
     if not pairs:
@@ -656,9 +657,12 @@ def refine_many(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared]], sca
 
 def _ranked(values: torch.Tensor, prob: torch.Tensor, sizes: list[int]
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each problem's rows of ``values (S,)`` (problem ``prob``, ``sizes`` rows each, in
-    order) by a stable descending sort: ``order (B, max size)`` (positions within the
-    problem, padding last) and each problem's first row ``(B,)``."""
+    """Sort each problem's rows of ``values (S,)``, descending, stably.
+
+    ``prob``: each row's problem, ``sizes`` rows each, in order. Returns ``order (B, max
+    size)`` (positions within the problem, padding last) and each problem's first row
+    ``(B,)``.
+    """
     dev = values.device
     B = len(sizes)
     first = upload(list(itertools.accumulate(sizes, initial=0))[:-1], dtype=torch.int64,
@@ -690,9 +694,10 @@ def final_clouds_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.T
 
 
 def normals_many(clouds: Sequence[torch.Tensor], radius: float, k: int) -> list[torch.Tensor]:
-    """``estimate_normals(c, k=min(k, n), radius=radius, orient="viewpoint",
-    viewpoint=c.mean(0))`` of C clouds at once.
+    """Estimate the normals of C clouds at once, as ``estimate_normals`` does per cloud.
 
+    Per cloud c: ``estimate_normals(c, k=min(k, n), radius=radius, orient="viewpoint",
+    viewpoint=c.mean(0))``.
     One radius search for all clouds (a :class:`~pointalign.search.packed.PackedIndex`:
     each cloud's own points; at most ``min(k, n_c)`` of them, nearest first), the PCA
     normal kernel once over the concatenation, each normal facing its cloud's centroid

@@ -94,10 +94,12 @@ def verdicts(T: torch.Tensor, stability: Any, hypotheses: Sequence[torch.Tensor]
 
 def judged(host: np.ndarray, stability: Any, sources: Sequence[Prepared]
            ) -> list[tuple[dict[str, Any], StopReason]]:
-    """The verdicts of B pairs from their measured numbers ``host (B, 4)`` (as
-    :func:`_measure` returns them: overlap count, the best different hypothesis' overlap,
-    the counts within the outer and the inner bound), the final ICP's ``stability`` and
-    the downsampled sources (their sizes). Host arithmetic only."""
+    """Judge B pairs from their measured numbers: host arithmetic only.
+
+    ``host (B, 4)``: as :func:`_measure` returns them (overlap count, the best different
+    hypothesis' overlap, the counts within the outer and the inner bound); the final ICP's
+    ``stability``; the downsampled sources (their sizes).
+    """
     stab = np.asarray(stability, dtype=np.float64).reshape(-1)
     out = []
     for (best, second, c_out, c_in), src, st in zip(host, sources, stab, strict=True):
