@@ -15,11 +15,23 @@ functions, so the same options and the same rules):
    ``pipeline._global``: parallel RANSAC and the graph's proposals); a pair given an
    ``init`` is only downsampled and indexed;
 3. **coarse ICP, batched**: ``pipeline._refine_hypotheses`` of every pair's best
-   hypotheses in one point-to-plane :func:`~pointalign.registration.icp.icp` call;
+   hypotheses in one point-to-plane :func:`~pointalign.registration.icp.icp` call (on a
+   GPU the candidates' inlier counts, the overlap counts and the rankings of all pairs at
+   once: :func:`~pointalign.registration.many_global.refine_many`);
 4. **final stage, batched**: ``pipeline._final_icp`` (point-to-plane ICP or GICP, as
-   ``refine`` says), pairs grouped by size and padded;
-5. **verdict, batched**: :func:`~pointalign.registration.verdict.verdicts`, one transfer
-   for the group.
+   ``refine`` says), pairs grouped by size and padded; on a GPU the full clouds scaled and
+   the targets' normals found for all pairs at once
+   (:func:`~pointalign.registration.many_global.final_clouds_many`), else per pair
+   (``pipeline._final_clouds``);
+5. **verdict, batched**: :func:`~pointalign.registration.verdict.verdicts` (on a GPU
+   :func:`~pointalign.registration.many_global.verdicts_many`: the counts of all pairs by
+   one search), one transfer for the group.
+
+``timings`` splits the stages: ``read.io`` / ``read.prepare`` (host clock only),
+``global.<part>`` (the batched global stage), ``local.<part>`` (``rows``, ``coarse_rank`` /
+``coarse_icp`` / ``coarse_overlap`` on a GPU or ``coarse`` per pair, ``final_clouds``,
+``final_prepare``, ``final_icp``, ``verdict``): seconds summed over pairs, the device
+synchronised once at each part's end (once per group, not per pair).
 
 A pair's voxel edge v differs from pair to pair, and one ICP call takes one bound: each pair
 is registered in its own frame, centred on its target's centroid (in float64) and **scaled

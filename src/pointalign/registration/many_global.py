@@ -22,12 +22,20 @@ number of voxels for all pairs):
 
 Before them, :func:`voxel_sizes`: the voxel edge v and the stray decision of every pair
 (``pipeline._voxel_size``'s rule and results, bit for bit on the CPU backends) with one
-voxel count per round of the edge rule and one stray search for the whole group, and
-:func:`scaled`: every cloud divided by its v in one launch.
+voxel count per round of the edge rule, one stray search for the whole group and, for the
+pairs that show strays, ``robust_voxel_size`` of all of them at once
+(:func:`~pointalign.features.outliers.robust_voxel_sizes_many`); :func:`without_strays_many`:
+their dense points (``pipeline._without_strays``: the same masks); :func:`scaled`: every
+cloud divided by its v in one launch.
 
-What stays per pair: ``robust_voxel_size`` and the dense-point masks of a pair that shows
-stray points; each cloud's index for the local stages (brute force on a GPU: no build);
-the per-pair Python loops that wrap the results (views and one ``cat`` per pair). The random
+For register_many's local stages on a GPU (:func:`batched_local`): :func:`refine_many`
+(the coarse stage's counts and rankings), :func:`final_clouds_many` (the final ICP's
+clouds and target normals), :func:`verdicts_many` (the verdict's numbers): each a few
+launches for the whole group, within the packed search's rounding of the per-pair counts.
+
+What stays per pair: each cloud's index for the local stages (brute force on a GPU: no
+build); a target holding duplicated points (its normals); the per-pair Python loops that
+wrap the results (views and one ``cat`` per pair). The random
 draws differ from the per-pair path's (one generator for the group), so the hypotheses
 differ; the results are equivalent, not identical (tests: the same verdicts).
 
