@@ -103,6 +103,7 @@ def test_voxel_sizes_equal_the_per_pair_rule(backend):
     flat = torch.zeros(9, 3, device=backend.device)
     local.append((flat, flat + 0))  # every point coincides: auto_voxel_size's error
     got = _same_rule(local, {})
+    _same_strays(local, got)
     assert any(g[1] for g in got if not isinstance(g, ValueError))  # strays were found
     assert not all(g[1] for g in got if not isinstance(g, ValueError))
     _same_rule(local[:-1], {"voxel_size": 0.004})
@@ -122,7 +123,22 @@ def test_voxel_sizes_on_the_real_bunny_scans(shared_data):
     small = [datasets.random_subsample(x, 2000, seed=i) for i, x in enumerate(scans)]
     pairs = [datasets.Pair(a, b, np.eye(4)) for a, b in zip(scans[:-1], scans[1:], strict=True)]
     pairs += [datasets.Pair(a, b, np.eye(4)) for a, b in zip(small[:-1], small[1:], strict=True)]
-    _same_rule(_local(pairs, "cpu"), {})
+    local = _local(pairs, "cpu")
+    got = _same_rule(local, {})
+    _same_strays(local, got)
+
+
+def _same_strays(local, rules):
+    """without_strays_many equals pipeline._without_strays for the pairs showing strays."""
+    from pointalign.registration.pipeline import _without_strays
+
+    dirty = [(p, r[0]) for p, r in zip(local, rules, strict=True)
+             if not isinstance(r, ValueError) and r[1]]
+    assert dirty  # bunny-size subsamples show strays at v
+    got = mg.without_strays_many([p for p, _ in dirty], [v for _, v in dirty])
+    for ((s, t), v), (gs, gt) in zip(dirty, got, strict=True):
+        ws, wt = _without_strays(s, t, v)
+        assert torch.equal(gs, ws) and torch.equal(gt, wt)
 
 
 @pytest.fixture(scope="module")
