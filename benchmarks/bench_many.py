@@ -9,7 +9,8 @@ Tables (``benchmarks/results/many-<device>.json``):
   - ``register_many (per_pair|batched global)``: the whole pipeline on one device, its
     global stage per pair or batched (``--global-path``; ``many_global``), coarse/final ICP
     and verdicts batched; ``ok``: within 0.5° and 2 mm; ``timings``: the stages' seconds
-    (the batched global stage's split as ``global.<stage>``);
+    (the batched global stage's split as ``global.<stage>``, the local stages' as
+    ``local.<part>``, reading as ``read.io`` / ``read.prepare``);
   - ``register one by one``: :func:`register` per pair (a sample of the pairs), the
     baseline;
 * ``dask``: the same pairs (on a GPU machine, for CPU workers, the first max(64, N/10))
@@ -107,8 +108,10 @@ def bench_register_many(rec: Recorder, pairs, dev: str, chunk: int,
                         paths: tuple[str, ...] = ("per_pair", "batched")) -> None:
     """register_many with each global-stage path (``many_global.BATCHED``): pairs/s and the
     global stage's split (``timings``: seconds summed over pairs; ``global.<stage>`` of the
-    batched path: voxel_size, downsample, describe, index, correspondences, triangle, tdd,
-    score, refine, ransac, robust)."""
+    batched path: voxel_size, strays, scale, downsample, describe, index, correspondences,
+    triangle, tdd, score, refine, ransac, robust; ``local.<part>``: rows, coarse_rank,
+    coarse_icp, coarse_overlap (per pair: coarse), final_clouds, final_prepare, final_icp,
+    verdict; ``read.io``, ``read.prepare``)."""
     from pointalign.registration import many_global
 
     old = many_global.BATCHED

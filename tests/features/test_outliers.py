@@ -56,3 +56,37 @@ def test_mean_rounded_as_torch(device):
             x = torch.zeros(n, device=dev)
             x[:s] = 1
             assert outliers._mean_as_torch(s, n, dev) == float(x.float().mean()), (s, n)
+
+
+@pytest.mark.parametrize("budget", [None, 3000])
+def test_dense_masks_many_equal_each_alone(backend, budget, monkeypatch):
+    """Every cloud's mask equals dense_mask's (its own index at v; the median rule), at the
+    automatic edge, a coarser and a finer one (where the median rule keeps every point);
+    the kept counts are the masks' sums."""
+    if budget is not None:
+        monkeypatch.setattr(outliers, "_STRAY_BUDGET", budget)
+    clouds = _clouds(backend.device)[:-1]  # not the full scan: the reference is slow
+    group = group_clouds(clouds)
+    auto = auto_voxel_size_many(group, 5000)
+    dropped = []
+    for vs in (auto, [2.5 * v for v in auto], [0.3 * v for v in auto]):
+        keep, kept = outliers.dense_masks_many(group, vs)
+        dropped.append(not bool(keep.all()))
+        for c, v, m, k in zip(clouds, vs, torch.split(keep, group.sizes), kept, strict=True):
+            want = outliers.dense_mask(c, v)
+            assert torch.equal(m, want)
+            assert k == int(want.sum())
+    assert dropped == [True, True, False]  # strays dropped; too fine: the median keeps all
+
+
+def test_robust_voxel_sizes_many_equal_each_alone(backend):
+    """robust_voxel_sizes_many: robust_voxel_size's edge of every cloud, bit for bit (clean
+    clouds keep their automatic edge, contaminated ones move), with and without start."""
+    clouds = _clouds(backend.device)[:-1]
+    for target in (5000, 300):
+        want = [outliers.robust_voxel_size(c, target) for c in clouds]
+        assert outliers.robust_voxel_sizes_many(clouds, target) == want
+        start = auto_voxel_size_many(group_clouds(clouds), target)
+        assert outliers.robust_voxel_sizes_many(clouds, target, start=start) == want
+        assert any(w != s for w, s in zip(want, start, strict=True))
+    assert outliers.robust_voxel_sizes_many([]) == []

@@ -103,6 +103,7 @@ def test_voxel_sizes_equal_the_per_pair_rule(backend):
     flat = torch.zeros(9, 3, device=backend.device)
     local.append((flat, flat + 0))  # every point coincides: auto_voxel_size's error
     got = _same_rule(local, {})
+    _same_strays(local, got)
     assert any(g[1] for g in got if not isinstance(g, ValueError))  # strays were found
     assert not all(g[1] for g in got if not isinstance(g, ValueError))
     _same_rule(local[:-1], {"voxel_size": 0.004})
@@ -122,7 +123,22 @@ def test_voxel_sizes_on_the_real_bunny_scans(shared_data):
     small = [datasets.random_subsample(x, 2000, seed=i) for i, x in enumerate(scans)]
     pairs = [datasets.Pair(a, b, np.eye(4)) for a, b in zip(scans[:-1], scans[1:], strict=True)]
     pairs += [datasets.Pair(a, b, np.eye(4)) for a, b in zip(small[:-1], small[1:], strict=True)]
-    _same_rule(_local(pairs, "cpu"), {})
+    local = _local(pairs, "cpu")
+    got = _same_rule(local, {})
+    _same_strays(local, got)
+
+
+def _same_strays(local, rules):
+    """without_strays_many equals pipeline._without_strays for the pairs showing strays."""
+    from pointalign.registration.pipeline import _without_strays
+
+    dirty = [(p, r[0]) for p, r in zip(local, rules, strict=True)
+             if not isinstance(r, ValueError) and r[1]]
+    assert dirty  # bunny-size subsamples show strays at v
+    got = mg.without_strays_many([p for p, _ in dirty], [v for _, v in dirty])
+    for ((s, t), v), (gs, gt) in zip(dirty, got, strict=True):
+        ws, wt = _without_strays(s, t, v)
+        assert torch.equal(gs, ws) and torch.equal(gt, wt)
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +198,137 @@ def test_init_and_bad_pairs_beside_batched_ones(monkeypatch):
     none = register_many([pairs[0], pairs[2]], device="cpu", refine="none", **OPTS)
     for r in none.rows:
         assert r["verdict"] == "global only" and np.isfinite(r["transformation"]).all()
+
+
+# ---------------------------------------------------------------------------- local stages
+
+def _scaled_pairs(pairs, device, clock):
+    """Each pair's clouds in register_many's frame (about the target's centroid, divided
+    by v), prepared as per pair, and candidates about the true pose (a few perturbed, a
+    few far off) in that frame."""
+    from pointalign import transforms
+    from pointalign.registration.pipeline import _without_strays
+
+    opts = check("register_many", {})
+    out = []
+    for k, (p, (s, t)) in enumerate(zip(pairs, _local(pairs, device), strict=True)):
+        v, strays = _voxel_size(s, t, opts, None)
+        if strays:
+            s, t = _without_strays(s, t, v)
+        unit = Scales(1.0)
+        src, tgt = (_prepare_cloud(x / v, unit, clock, "cloud") for x in (s, t))
+        c = np.asarray(p.target, dtype=np.float64).mean(0)
+        T = np.asarray(p.T_target_source, dtype=np.float64)
+        ts = (T[:3, 3] - c + T[:3, :3] @ c) / v
+        cands = []
+        rng = np.random.default_rng(k)
+        for j in range(7):
+            deg = [0.5, 2.0, 3.0, 40.0, 90.0, 170.0, 1.0][j]
+            turn = transforms.axis_angle_to_matrix(torch.tensor(rng.normal(size=3)),
+                                                   np.radians(deg)).numpy()
+            M = np.eye(4)
+            M[:3, :3] = turn @ T[:3, :3]
+            M[:3, 3] = ts + rng.normal(size=3) * [0.2, 0.5, 1.0, 5.0, 3.0, 1.0, 0.0][j]
+            cands.append(M)
+        out.append((torch.tensor(np.stack(cands), device=device), src, tgt))
+    return out
+
+
+def test_refine_many_as_each_pair_alone(backend):
+    """refine_many: the coarse stage's counts through one packed index equal count_inliers
+    with each pair's own index (the bound: a point within the lattice's rounding of a bound
+    may count differently; none on these pairs), so the same hypotheses go to the same
+    ICP call: the same refined motions, overlap counts and iterations as
+    _refine_hypotheses."""
+    from pointalign.registration.pipeline import REFINE_TOP, _refine_hypotheses, icp_criteria
+    from pointalign.registration.ransac import count_inliers
+
+    dev = torch.device(backend.device)
+    clock = _loop.Clock(dev)
+    pairs = _pairs(3, 2000) + [datasets.make_hard_pair(datasets.random_subsample(
+        datasets.load_bunny("bun000"), 2000, seed=4), outlier_fraction=0.05, seed=4)]
+    problems = _scaled_pairs(pairs, backend.device, clock)
+    unit = Scales(1.0)
+    S, n_src = mg._pad([s.down for _, s, _ in problems])
+    Tg, _ = mg._pad([t.down for _, _, t in problems])
+    index = mg._packed(Tg, [int(t.down.shape[0]) for _, _, t in problems], 1.5)
+    for b, (c, s, t) in enumerate(problems):
+        prob = torch.full((c.shape[0],), b, dtype=torch.int64, device=dev)
+        for d in (unit.correspondence, unit.overlap):
+            got, _, _ = mg._score(c, prob, S, n_src, index, d)
+            assert torch.equal(got, count_inliers(c, s.down, t.index, d))
+    crit = icp_criteria(unit, 30)
+    for robust in (True, False):
+        want = _refine_hypotheses(problems, unit, crit, robust, clock)
+        got = mg.refine_many(problems, unit, crit, robust, clock)
+        for (R, f, i), (R1, f1, i1) in zip(got, want, strict=True):
+            assert R.shape[0] == (REFINE_TOP if robust else 1)
+            assert torch.equal(R, R1) and torch.equal(f, f1) and i == i1
+
+
+def test_final_clouds_as_each_pair_alone(backend):
+    """final_clouds_many: the scaled clouds bit for bit, each target's own index, the
+    normals as estimate_normals' (the same neighbour rows wherever the packed search finds
+    them: dot > 1 - 1e-5 on at least 99.9 % of the rows; a row whose neighbour lies on the
+    radius within the lattice's rounding may move more); a target holding duplicated
+    points goes alone (bit for bit); GICP gets no normals."""
+    from pointalign.registration.pipeline import _final_clouds
+
+    pairs = _local(_pairs(3, 2000), backend.device)
+    s0, t0 = pairs[0]
+    pairs.append((s0, torch.cat([t0, t0[:50]])))  # duplicated points
+    opts = check("register_many", {})
+    vs = [_voxel_size(s, t, opts, None)[0] for s, t in pairs]
+    unit = Scales(1.0)
+    got = mg.final_clouds_many([s for s, _ in pairs], [t for _, t in pairs], vs, unit,
+                               "point_to_plane")
+    for (s, t), v, g in zip(pairs, vs, got, strict=True):
+        one = _final_clouds(s / v, t / v, unit, None, None)
+        assert torch.equal(g.source, one.source) and torch.equal(g.target, one.target)
+        assert g.index.points.shape == one.index.points.shape
+        dot = (g.normals * one.normals).sum(1)
+        assert float((dot > 1 - 1e-5).float().mean()) >= 0.999
+    assert torch.equal(got[-1].normals, _final_clouds(s0 / vs[-1], pairs[-1][1] / vs[-1],
+                                                      unit, None, None).normals)
+    gicp = mg.final_clouds_many([s0], [t0], vs[:1], unit, "gicp")
+    assert gicp[0].normals is None
+
+
+def test_local_stages_batched_register_as_per_pair(monkeypatch):
+    """register_many with the local stages batched (forced on the CPU) gives the per-pair
+    local stages' rows on the same global results, and the local split in its timings."""
+    from pointalign.registration import many
+
+    pairs = _pairs(3, 1000, seed=30)
+    monkeypatch.setattr(mg, "BATCHED", True)
+    a = register_many(pairs, device="cpu", **OPTS)
+    monkeypatch.setattr(mg, "batched_local", lambda device: False)
+    b = register_many(pairs, device="cpu", **OPTS)
+    for ra, rb in zip(a.rows, b.rows, strict=True):
+        assert ra["verdict"] == rb["verdict"]
+        np.testing.assert_allclose(ra["transformation"], rb["transformation"], atol=1e-6)
+    for key in ("local.coarse_rank", "local.coarse_icp", "local.final_clouds",
+                "local.final_icp", "local.verdict", "read.prepare"):
+        assert key in a.timings, key
+    assert "local.coarse" in b.timings
+    assert many._LOCAL_NAMES["icp"] == "final_icp"
+
+
+def test_verdicts_many_as_each_pair_alone(backend):
+    """verdicts_many: the numbers and verdicts of verdict.verdicts (the same counts through
+    the packed index; none near a bound on these pairs), for good and wrong poses."""
+    from pointalign.registration.pipeline import _refine_hypotheses, icp_criteria
+    from pointalign.registration.verdict import verdicts
+
+    dev = torch.device(backend.device)
+    clock = _loop.Clock(dev)
+    problems = _scaled_pairs(_pairs(3, 1500, seed=40), backend.device, clock)
+    unit = Scales(1.0)
+    refined = _refine_hypotheses(problems, unit, icp_criteria(unit, 30), True, clock)
+    hyps, fits = [R for R, _, _ in refined], [f for _, f, _ in refined]
+    for pick in (0, -1):  # the best, and the worst refined hypothesis as the final pose
+        T = torch.stack([R[pick] for R in hyps])
+        stab = np.array([1.0, 0.0, 0.5])
+        args = (T, stab, hyps, fits, [s for _, s, _ in problems], [t for _, _, t in problems],
+                unit)
+        assert mg.verdicts_many(*args) == verdicts(*args)

@@ -22,6 +22,7 @@ points to keep) and :func:`robust_voxel_size` (the automatic edge chosen without
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,12 @@ import numpy as np
 import torch
 
 from pointalign import _threads, _validate
-from pointalign.features.downsample import CloudGroup, auto_voxel_size
+from pointalign.features.downsample import (
+    CloudGroup,
+    auto_voxel_size,
+    auto_voxel_size_many,
+    group_clouds,
+)
 from pointalign.kernels import upload
 from pointalign.kernels.grid.reference import CELL_MARGIN
 
@@ -214,22 +220,17 @@ def _mean_as_torch(count: int, n: int, device: torch.device) -> float:
     return float(s * (np.float32(1.0) / m) if device.type == "cuda" else s / m)
 
 
-def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
-                         sample: int = 4096) -> list[float]:
-    """:func:`stray_fraction` of every cloud of ``group``, cloud c at ``voxel_sizes[c]``.
+def _within_many(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.Tensor,
+                 q_owner: torch.Tensor) -> torch.Tensor | None:
+    """Count the points within ``voxel_sizes[c]`` of each query row (the query included).
 
-    The same strided sample per cloud and the same test (fewer than
-    :data:`SPARSE_NEIGHBOURS` others within v, squared distances ``dx² + dy² + dz²``
-    computed in the points' dtype on each cloud's own coordinates and compared with ``v²``
-    rounded to that dtype: the search contract of every index), answered for all clouds at
-    once: each cloud is cut into its own cells of edge v (anchored at its own corner), one
-    sort orders every point by ``(cloud, cell)``, and each query compares itself with the
-    points of its cloud's 27 cells around it. The counts are the per-cloud index's (on the
-    CPU backends, which compute that expression as written, bit for bit; the Triton kernels
-    may contract it into fused multiply-adds, which can move a squared distance lying
-    within ~2 float32 ulps of v² across it); the fraction is rounded as
-    ``stray_fraction``'s mean (:func:`_mean_as_torch`). Host synchronisations: 2 (3 when
-    the candidates exceed one pass), for the whole group.
+    ``q_rows (Q,)``: rows of ``group.points`` asked about; ``q_owner (Q,)``: their clouds.
+    Each cloud is cut into its own cells of edge v (anchored at its own corner), one sort
+    orders every point by ``(cloud, cell)``, and each query compares itself with the points
+    of its cloud's 27 cells around it: ``dx² + dy² + dz² <= v²`` in the points' dtype on
+    the cloud's own coordinates (the search contract of every index). Exact counts
+    ``(Q,)`` int64 (no cap); None where the packed key would overflow. One host
+    synchronisation (two when the candidates exceed one pass of ``_STRAY_BUDGET``).
     """
     c = len(group.sizes)
     dev, dt = group.points.device, group.points.dtype
@@ -237,8 +238,8 @@ def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
     dims = [[int((h - o) // cell) + 1 for o, h in zip(lo, hi, strict=True)]
             for lo, hi, cell in zip(group.lo_h, group.hi_h, cell_h, strict=True)]
     ncell = [a * b * e for a, b, e in dims]
-    if sum(ncell) >= 1 << 62:  # the packed key would overflow: one cloud at a time
-        return [stray_fraction(group.cloud(i), v, sample) for i, v in enumerate(voxel_sizes)]
+    if sum(ncell) >= 1 << 62:  # the packed key would overflow
+        return None
     i64 = torch.int64
     base = upload(list(itertools.accumulate(ncell, initial=0))[:-1], dtype=i64, device=dev)
     dims_d = upload([x for d in dims for x in d], dtype=i64, device=dev).view(c, 3)
@@ -249,17 +250,6 @@ def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
     nxyz = dims_d[owner]
     keys = base[owner] + (cell[:, 0] * nxyz[:, 1] + cell[:, 1]) * nxyz[:, 2] + cell[:, 2]
     sorted_keys, order = torch.sort(keys)
-    # the strided sample of each cloud: rows 0, s, 2s, ... with s = max(1, n // sample)
-    stride = [max(1, n // sample) for n in group.sizes]
-    m = [-(-n // s) for n, s in zip(group.sizes, stride, strict=True)]
-    q_owner = torch.repeat_interleave(torch.arange(c, device=dev),
-                                      upload(m, dtype=i64, device=dev), output_size=sum(m))
-    first = upload([*itertools.accumulate(group.sizes, initial=0)][:-1]
-                   + [*itertools.accumulate(m, initial=0)][:-1], dtype=i64,
-                   device=dev).view(2, c)
-    step = upload(stride, dtype=i64, device=dev)
-    q_rows = first[0, q_owner] + (torch.arange(sum(m), device=dev)
-                                  - first[1, q_owner]) * step[q_owner]
     # the 9 key ranges (x, y columns; z from l - 1 to l + 1) of each query's 27 cells
     qc, qd, qb = cell[q_rows], dims_d[q_owner], base[q_owner]
     d = torch.arange(-1, 2, device=dev)
@@ -272,7 +262,7 @@ def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
     start = torch.searchsorted(sorted_keys, col + z_lo)
     length = torch.where(ok, torch.searchsorted(sorted_keys, col + z_hi, right=True) - start, 0)
     r2 = torch.tensor([v * v for v in voxel_sizes], dtype=dt).to(dev)           # rounded to dt
-    within = torch.zeros(sum(m), dtype=i64, device=dev)
+    within = torch.zeros(q_rows.shape[0], dtype=i64, device=dev)
     start, length = start.reshape(-1), length.reshape(-1)
     cum = torch.cumsum(length, 0)
     total = int(cum[-1]) if cum.numel() else 0
@@ -297,8 +287,111 @@ def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
         e = q - p
         d2 = e[:, 0] * e[:, 0] + e[:, 1] * e[:, 1] + e[:, 2] * e[:, 2]
         within.index_add_(0, qi, (d2 <= r2[q_owner[qi]]).to(i64))
+    return within
+
+
+def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
+                         sample: int = 4096) -> list[float]:
+    """:func:`stray_fraction` of every cloud of ``group``, cloud c at ``voxel_sizes[c]``.
+
+    The same strided sample per cloud and the same test (fewer than
+    :data:`SPARSE_NEIGHBOURS` others within v, squared distances ``dx² + dy² + dz²``
+    computed in the points' dtype on each cloud's own coordinates and compared with ``v²``
+    rounded to that dtype: the search contract of every index), answered for all clouds at
+    once: each cloud is cut into its own cells of edge v (anchored at its own corner), one
+    sort orders every point by ``(cloud, cell)``, and each query compares itself with the
+    points of its cloud's 27 cells around it. The counts are the per-cloud index's (on the
+    CPU backends, which compute that expression as written, bit for bit; the Triton kernels
+    may contract it into fused multiply-adds, which can move a squared distance lying
+    within ~2 float32 ulps of v² across it); the fraction is rounded as
+    ``stray_fraction``'s mean (:func:`_mean_as_torch`). Host synchronisations: 2 (3 when
+    the candidates exceed one pass), for the whole group.
+    """
+    c = len(group.sizes)
+    dev, i64 = group.points.device, torch.int64
+    # the strided sample of each cloud: rows 0, s, 2s, ... with s = max(1, n // sample)
+    stride = [max(1, n // sample) for n in group.sizes]
+    m = [-(-n // s) for n, s in zip(group.sizes, stride, strict=True)]
+    q_owner = torch.repeat_interleave(torch.arange(c, device=dev),
+                                      upload(m, dtype=i64, device=dev), output_size=sum(m))
+    first = upload([*itertools.accumulate(group.sizes, initial=0)][:-1]
+                   + [*itertools.accumulate(m, initial=0)][:-1], dtype=i64,
+                   device=dev).view(2, c)
+    step = upload(stride, dtype=i64, device=dev)
+    q_rows = first[0, q_owner] + (torch.arange(sum(m), device=dev)
+                                  - first[1, q_owner]) * step[q_owner]
+    within = _within_many(group, voxel_sizes, q_rows, q_owner)
+    if within is None:  # the packed key would overflow: one cloud at a time
+        return [stray_fraction(group.cloud(i), v, sample) for i, v in enumerate(voxel_sizes)]
     # fewer than SPARSE_NEIGHBOURS others (the count includes the query itself)
     stray = torch.zeros(c, dtype=i64, device=dev).index_add_(
         0, q_owner, (within < SPARSE_NEIGHBOURS + 1).to(i64)).tolist()
     return [0.0 if n <= SPARSE_NEIGHBOURS + 1 else _mean_as_torch(s, k, dev)
             for n, s, k in zip(group.sizes, stray, m, strict=True)]
+
+
+def dense_masks_many(group: CloudGroup, voxel_sizes: Sequence[float]
+                     ) -> tuple[torch.Tensor, list[int]]:
+    """:func:`dense_mask` of every cloud of ``group``, cloud c at ``voxel_sizes[c]``.
+
+    Every point's neighbours within v counted by :func:`_within_many` (the counts of
+    :func:`stray_fractions_many`: the per-cloud index's on the CPU backends, bit for bit),
+    capped as ``dense_mask``'s search caps them (``min(2·DENSE_MEDIAN + 1, n)``), each
+    cloud's lower median taken by one sort of ``(cloud, count)`` (``Tensor.median``'s), and
+    the same rule. Returns the masks of all clouds concatenated ``(P,)`` bool (the rows of
+    ``group.points``) and each cloud's kept count (host ints): two or three host
+    synchronisations for the whole group.
+    """
+    c = len(group.sizes)
+    dev, i64 = group.points.device, torch.int64
+    owner = group.owner
+    within = _within_many(group, voxel_sizes, torch.arange(owner.shape[0], device=dev), owner)
+    if within is None:  # the packed key would overflow: one cloud at a time
+        masks = [dense_mask(group.cloud(i), v) for i, v in enumerate(voxel_sizes)]
+        keep = torch.cat(masks)
+        return keep, [int(m.sum()) for m in masks]
+    sizes = upload(group.sizes, dtype=i64, device=dev)
+    cap = sizes.clamp_max(2 * DENSE_MEDIAN + 1)
+    count = torch.minimum(within, cap[owner]) - 1                           # 0 ... 16
+    span = 2 * DENSE_MEDIAN + 2
+    ranked = torch.sort(owner * span + count).values
+    first = torch.cumsum(sizes, 0) - sizes
+    median = ranked[first + (sizes - 1) // 2] - torch.arange(c, device=dev) * span
+    every = (median < DENSE_MEDIAN) | (sizes <= SPARSE_NEIGHBOURS + 1)
+    keep = (count >= SPARSE_NEIGHBOURS) | every[owner]
+    kept = torch.zeros(c, dtype=i64, device=dev).index_add_(0, owner, keep.to(i64)).tolist()
+    return keep, kept
+
+
+def robust_voxel_sizes_many(clouds: Sequence[torch.Tensor], target_points: int = 5000, *,
+                            start: Sequence[float] | None = None,
+                            iterations: int = 2) -> list[float]:
+    """:func:`robust_voxel_size` of every cloud of ``clouds``: the same edges, bit for bit.
+
+    The same rounds: each round masks every cloud still searching by one
+    :func:`dense_masks_many` and recomputes the edges of those that lost points (at least
+    3 kept) by one :func:`~pointalign.features.downsample.auto_voxel_size_many` (the same
+    edges as ``auto_voxel_size``). ``start``: each cloud's ``auto_voxel_size`` if known
+    (else computed here). A cloud whose points (or kept points) all coincide gets NaN
+    (``auto_voxel_size`` raises there). A few host synchronisations per round for the
+    whole list, none per cloud.
+    """
+    if not clouds:
+        return []
+    v = list(start) if start is not None else auto_voxel_size_many(
+        group_clouds(clouds), target_points)
+    active = [i for i in range(len(clouds)) if math.isfinite(v[i])]
+    for _ in range(iterations):
+        if not active:
+            break
+        group = group_clouds([clouds[i] for i in active])
+        keep, kept = dense_masks_many(group, [v[i] for i in active])
+        moved = [j for j, i in enumerate(active) if 3 <= kept[j] != clouds[i].shape[0]]
+        if not moved:
+            break
+        dense = torch.split(group.points[keep], kept)
+        new = auto_voxel_size_many(group_clouds([dense[j] for j in moved]), target_points)
+        for j, nv in zip(moved, new, strict=True):
+            v[active[j]] = nv
+        active = [active[j] for j in moved if math.isfinite(v[active[j]])]
+    return v

@@ -15,11 +15,23 @@ functions, so the same options and the same rules):
    ``pipeline._global``: parallel RANSAC and the graph's proposals); a pair given an
    ``init`` is only downsampled and indexed;
 3. **coarse ICP, batched**: ``pipeline._refine_hypotheses`` of every pair's best
-   hypotheses in one point-to-plane :func:`~pointalign.registration.icp.icp` call;
+   hypotheses in one point-to-plane :func:`~pointalign.registration.icp.icp` call (on a
+   GPU the candidates' inlier counts, the overlap counts and the rankings of all pairs at
+   once: :func:`~pointalign.registration.many_global.refine_many`);
 4. **final stage, batched**: ``pipeline._final_icp`` (point-to-plane ICP or GICP, as
-   ``refine`` says), pairs grouped by size and padded;
-5. **verdict, batched**: :func:`~pointalign.registration.verdict.verdicts`, one transfer
-   for the group.
+   ``refine`` says), pairs grouped by size and padded; on a GPU the full clouds scaled and
+   the targets' normals found for all pairs at once
+   (:func:`~pointalign.registration.many_global.final_clouds_many`), else per pair
+   (``pipeline._final_clouds``);
+5. **verdict, batched**: :func:`~pointalign.registration.verdict.verdicts` (on a GPU
+   :func:`~pointalign.registration.many_global.verdicts_many`: the counts of all pairs by
+   one search), one transfer for the group.
+
+``timings`` splits the stages: ``read.io`` / ``read.prepare`` (host clock only),
+``global.<part>`` (the batched global stage), ``local.<part>`` (``rows``, ``coarse_rank`` /
+``coarse_icp`` / ``coarse_overlap`` on a GPU or ``coarse`` per pair, ``final_clouds``,
+``final_prepare``, ``final_icp``, ``verdict``): seconds summed over pairs, the device
+synchronised once at each part's end (once per group, not per pair).
 
 A pair's voxel edge v differs from pair to pair, and one ICP call takes one bound: each pair
 is registered in its own frame, centred on its target's centroid (in float64) and **scaled
@@ -67,7 +79,6 @@ from pointalign.registration.pipeline import (
     _global,
     _prepare_pair,
     _refine_hypotheses,
-    _without_strays,
     icp_criteria,
 )
 from pointalign.registration.ransac import count_inliers
@@ -309,9 +320,10 @@ def register_many(
     timings = {"total": time.perf_counter() - t0}
     for k in ("read_s", "global_s", "local_s"):
         timings[k.removesuffix("_s")] = float(sum(r[k] for r in rows))
-    for r in rows:  # the batched global stage's split (many_global), summed over pairs
-        for k, v in r.get("global_stages", {}).items():
-            timings[f"global.{k}"] = timings.get(f"global.{k}", 0.0) + v
+    for r in rows:  # each stage's split (read, the batched global stage, local), summed
+        for stage in ("read", "global", "local"):
+            for k, v in r.get(f"{stage}_stages", {}).items():
+                timings[f"{stage}.{k}"] = timings.get(f"{stage}.{k}", 0.0) + v
     return ManyResult(rows, timings)
 
 
@@ -433,12 +445,16 @@ def run_chunk(part: Sequence[tuple[int, PairSpec]], opts: _Options, device: torc
         for w in works:
             t = time.perf_counter()
             try:
-                pair = _edge.prepare_pair(_read(w.spec.source), _read(w.spec.target),
-                                          init=w.spec.init, device=device, min_points=3)
+                s_in, t_in = _read(w.spec.source), _read(w.spec.target)
+                t_io = time.perf_counter()
+                pair = _edge.prepare_pair(s_in, t_in, init=w.spec.init, device=device,
+                                          min_points=3)
                 if pair.batched:
                     raise ValueError("source, target: expected one (N, 3) cloud each, got a "
                                      "batch")
                 w.row["read_s"] = time.perf_counter() - t
+                # no synchronisation: the prepare part is the host's (its copies may run on)
+                w.row["read_stages"] = {"io": t_io - t, "prepare": w.row["read_s"] - t_io + t}
                 pairs[id(w)] = pair
             except (ValueError, TypeError, OSError) as exc:
                 _fail(w, exc, on_error)
@@ -469,11 +485,12 @@ def run_chunk(part: Sequence[tuple[int, PairSpec]], opts: _Options, device: torc
         size = max((max(w.r.src.shape[0], w.r.tgt.shape[0]) for w in live if w.ready),
                    default=0)
         with _validate.trusted(), _serial(device, size):
-            _local_stages(live, opts, clock)
+            parts = _local_stages(live, opts, device)
         share = (time.perf_counter() - t) / max(len(live), 1)
     for w in works:
         if not w.row["error"]:
             w.row["local_s"] = share
+            w.row["local_stages"] = {k: v / len(live) for k, v in parts.items()}
         w.row["total_s"] = w.row["read_s"] + w.row["global_s"] + w.row["local_s"]
     return [w.row for w in works]
 
@@ -538,22 +555,31 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
     """
     clock = _loop.Clock(device)
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
-    todo, clouds, meta = [], [], {}
+    todo: list[_Work] = []
+    clouds: list[torch.Tensor] = []
+    meta: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, float, Scales]] = {}
     local = [(pairs[id(w)].source[0], pairs[id(w)].target[0]) for w in works]
+    dirty: list[int] = []  # the pairs showing strays: their dense points, all at once below
     for w, (src, tgt), rule in zip(works, local, _mg.voxel_sizes(local, opts), strict=True):
         try:
             if isinstance(rule, Exception):
                 raise rule
             v, strays = rule
-            s_c, t_c = _without_strays(src, tgt, v) if strays else (src, tgt)
             scales = Scales(1.0, None if mcd is None else mcd / v,
                             None if fine is None else fine / v)
             meta[id(w)] = (src, tgt, pairs[id(w)].frame.center[0], v, scales)
+            if strays:
+                dirty.append(len(todo))
             todo.append(w)
-            clouds += [s_c, t_c]
+            clouds += [src, tgt]
         except (ValueError, TypeError) as exc:
             _fail(w, exc, on_error)
     clock.lap("voxel_size")
+    dense = _mg.without_strays_many([(clouds[2 * i], clouds[2 * i + 1]) for i in dirty],
+                                    [meta[id(todo[i])][3] for i in dirty])
+    for i, (s_c, t_c) in zip(dirty, dense, strict=True):
+        clouds[2 * i], clouds[2 * i + 1] = s_c, t_c
+    clock.lap("strays")
     clouds = _mg.scaled([meta[id(w)][3] for w in todo for _ in (0, 1)], clouds)
     clock.lap("scale")
     if not todo:
@@ -607,24 +633,50 @@ def _global_row(w: _Work) -> None:
                  stop_reason=str(g.stop_reason), iterations=int(g.iterations))
 
 
-def _local_stages(works: list[_Work], opts: _Options, clock: _loop.Clock) -> None:
-    """Coarse ICP of every pair's hypotheses, final stage and verdicts, batched per group."""
+#: the local stages' clock names as register_many's timings name them (``local.<name>``)
+_LOCAL_NAMES = {"hypotheses": "coarse", "icp_prepare": "final_prepare", "icp": "final_icp"}
+
+
+def _local_stages(works: list[_Work], opts: _Options, device: torch.device
+                  ) -> dict[str, float]:
+    """Coarse ICP of every pair's hypotheses, final stage and verdicts, batched per group.
+
+    On a GPU (:func:`.many_global.batched_local`) the coarse stage's counts and sorts
+    (:func:`.many_global.refine_many`) and the final clouds (:func:`.many_global.
+    final_clouds_many`) run for a whole group at once; else per pair, as ``register``.
+    Returns the seconds per part (one clock: a synchronisation at each part's end):
+    ``rows`` (results wrapped), ``coarse_*`` (``coarse`` on the per-pair path),
+    ``final_clouds``, ``final_prepare``, ``final_icp``, ``verdict``.
+    """
+    clock = _loop.Clock(device)
+    batched = _mg.batched_local(device)
     for w in works:
         if w.refined is None and w.cands is None:  # refine="none", or RANSAC found nothing
             _global_row(w)
+    clock.lap("rows")
     coarse = [(w, w.cands) for w in works if w.cands is not None]
     for scales, group in _by_scales([w for w, _ in coarse]).items():
         cands = dict((id(w), c) for w, c in coarse)
-        got = _refine_hypotheses([(cands[id(w)], w.r.source, w.r.target) for w in group],
-                                 scales, icp_criteria(scales, opts.max_iterations),
-                                 opts.robust, clock)
+        refine = _mg.refine_many if batched and len(group) > 1 else _refine_hypotheses
+        got = refine([(cands[id(w)], w.r.source, w.r.target) for w in group],
+                     scales, icp_criteria(scales, opts.max_iterations), opts.robust, clock)
         for w, (R, fit_v, its) in zip(group, got, strict=True):
             w.refined, w.fit_v, w.coarse_iterations = R, fit_v, its
     final = [w for w in works if w.refined is not None]
     ivs = opts.icp_voxel_size
-    clouds = {id(w): _final_clouds(w.r.src / w.r.v, w.r.tgt / w.r.v, w.r.scales,
-                                   None if ivs is None else ivs / w.r.v, None, opts.refine)
-              for w in final}
+    clouds: dict[int, Any] = {}
+    if batched and ivs is None and len(final) > 1:
+        for same in _by_normal_radius(final).values():
+            got_c = _mg.final_clouds_many([w.r.src for w in same], [w.r.tgt for w in same],
+                                          [w.r.v for w in same], same[0].r.scales,
+                                          opts.refine)
+            clouds.update((id(w), c) for w, c in zip(same, got_c, strict=True))
+    else:
+        clouds = {id(w): _final_clouds(w.r.src / w.r.v, w.r.tgt / w.r.v, w.r.scales,
+                                       None if ivs is None else ivs / w.r.v, None,
+                                       opts.refine)
+                  for w in final}
+    clock.lap("final_clouds")
     for scales, same in _by_scales(final).items():
         # pairs of similar sizes share a padded batch (padding costs work per iteration)
         for group in _size_groups(sorted(same, key=lambda w: clouds[id(w)].source.shape[0]),
@@ -635,12 +687,25 @@ def _local_stages(works: list[_Work], opts: _Options, clock: _loop.Clock) -> Non
                              clock)
             assert res.transformation_tensor is not None
             stab = np.asarray(res.info["stability"], dtype=np.float64).reshape(-1)
-            judged = verdicts(res.transformation_tensor, stab, [R for R, _ in hyp],
-                              [f for _, f in hyp], [w.r.source for w in group],
-                              [w.r.target for w in group], scales)
+            judged = (_mg.verdicts_many if batched else verdicts)(
+                res.transformation_tensor, stab, [R for R, _ in hyp], [f for _, f in hyp],
+                [w.r.source for w in group], [w.r.target for w in group], scales)
+            clock.lap("verdict")
             for j, (w, (ver, reason)) in enumerate(zip(group, judged, strict=True)):
                 _final_row(w, res, j, ver, str(reason), clouds[id(w)].source.shape[0],
                            float(stab[j]))
+            clock.lap("rows")
+    out = clock.total()
+    out.pop("total")
+    return {_LOCAL_NAMES.get(k, k): v for k, v in out.items()}
+
+
+def _by_normal_radius(works: list[_Work]) -> dict[float, list[_Work]]:
+    """Group pairs by their normal radius in voxels (one radius per batched search)."""
+    groups: dict[float, list[_Work]] = {}
+    for w in works:
+        groups.setdefault(w.r.scales.normal_radius, []).append(w)
+    return groups
 
 
 def _final_row(w: _Work, res: RegistrationResult, j: int, ver: dict[str, Any], reason: str,

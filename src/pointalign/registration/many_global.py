@@ -22,12 +22,20 @@ number of voxels for all pairs):
 
 Before them, :func:`voxel_sizes`: the voxel edge v and the stray decision of every pair
 (``pipeline._voxel_size``'s rule and results, bit for bit on the CPU backends) with one
-voxel count per round of the edge rule and one stray search for the whole group, and
-:func:`scaled`: every cloud divided by its v in one launch.
+voxel count per round of the edge rule, one stray search for the whole group and, for the
+pairs that show strays, ``robust_voxel_size`` of all of them at once
+(:func:`~pointalign.features.outliers.robust_voxel_sizes_many`); :func:`without_strays_many`:
+their dense points (``pipeline._without_strays``: the same masks); :func:`scaled`: every
+cloud divided by its v in one launch.
 
-What stays per pair: ``robust_voxel_size`` and the dense-point masks of a pair that shows
-stray points; each cloud's index for the local stages (brute force on a GPU: no build);
-the per-pair Python loops that wrap the results (views and one ``cat`` per pair). The random
+For register_many's local stages on a GPU (:func:`batched_local`): :func:`refine_many`
+(the coarse stage's counts and rankings), :func:`final_clouds_many` (the final ICP's
+clouds and target normals), :func:`verdicts_many` (the verdict's numbers): each a few
+launches for the whole group, within the packed search's rounding of the per-pair counts.
+
+What stays per pair: each cloud's index for the local stages (brute force on a GPU: no
+build); a target holding duplicated points (its normals); the per-pair Python loops that
+wrap the results (views and one ``cat`` per pair). The random
 draws differ from the per-pair path's (one generator for the group), so the hypotheses
 differ; the results are equivalent, not identical (tests: the same verdicts).
 
@@ -39,6 +47,7 @@ way (None: that rule).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -55,22 +64,30 @@ from pointalign.features.downsample import (
 from pointalign.features.fpfh import restrict
 from pointalign.features.outliers import (
     MIN_STRAY_FRACTION,
-    robust_voxel_size,
+    dense_masks_many,
+    robust_voxel_sizes_many,
     stray_fractions_many,
 )
-from pointalign.kernels import _loop
+from pointalign.kernels import _loop, upload
 from pointalign.kernels import ransac as _kr
 from pointalign.kernels.features import pca_normals
 from pointalign.kernels.features.fpfh import fpfh_combine, spfh
 from pointalign.kernels.horn import weighted_horn
 from pointalign.kernels.soft import weighted_horn as soft_weighted_horn
 from pointalign.registration._edge import MIN_FITNESS, StopReason
+from pointalign.registration.criteria import ConvergenceCriteria
+from pointalign.registration.icp import icp
 from pointalign.registration.options import Options as _Options
 from pointalign.registration.pipeline import (
     CORRESPONDENCES,
     FEATURE_NEIGHBOURS,
+    FULL_NORMAL_NEIGHBOURS,
     NORMAL_NEIGHBOURS,
+    REFINE_TOP,
+    FinalClouds,
+    Prepared,
     Scales,
+    _batch,
 )
 from pointalign.registration.ransac import _key, _triangle_motions, required_hypotheses
 from pointalign.registration.result import RegistrationResult
@@ -128,9 +145,11 @@ def voxel_sizes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: _Optio
     auto_voxel_size_many`: the same edges, bit for bit, one host synchronisation per round
     of the rule's loop for the whole group), the stray fractions of both clouds at v
     (:func:`~pointalign.features.outliers.stray_fractions_many`: the same samples and
-    test, two or three synchronisations for the group), and where a pair shows strays
-    and v is automatic, ``robust_voxel_size`` of that pair alone (its dense-point masks:
-    per pair). A pair whose larger cloud's points all coincide gets the ValueError
+    test, two or three synchronisations for the group), and where pairs show strays and
+    v is automatic, ``robust_voxel_size`` of those pairs' larger clouds at once
+    (:func:`~pointalign.features.outliers.robust_voxel_sizes_many`: the same edges, a few
+    synchronisations per round for the group). A pair whose larger cloud's points all
+    coincide gets the ValueError
     ``auto_voxel_size`` raises.
     """
     if not pairs:
@@ -147,15 +166,32 @@ def voxel_sizes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], opts: _Optio
                                   [v if good else 1.0 for v, good in zip(vs, ok, strict=True)
                                    for _ in (0, 1)])
         strays = [max(fr[2 * i], fr[2 * i + 1]) >= MIN_STRAY_FRACTION for i in range(len(pairs))]
-    out: list[tuple[float, bool] | ValueError] = []
-    for big, v, good, st in zip(bigs, vs, ok, strays, strict=True):
-        if not good:
-            out.append(ValueError(_COINCIDE))
-            continue
-        if st and opts.voxel_size is None:
-            v = robust_voxel_size(big, opts.target_points)
-        out.append((v, st))
-    return out
+    if opts.voxel_size is None:  # v without the strays, for every pair that shows some
+        redo = [i for i in range(len(pairs)) if ok[i] and strays[i]]
+        for i, rv in zip(redo, robust_voxel_sizes_many(
+                [bigs[i] for i in redo], opts.target_points, start=[vs[i] for i in redo]),
+                         strict=True):
+            vs[i], ok[i] = rv, math.isfinite(rv)
+    return [(v, st) if good else ValueError(_COINCIDE)
+            for v, good, st in zip(vs, ok, strays, strict=True)]
+
+
+def without_strays_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                        vs: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pipeline._without_strays`` of every pair ``(source, target)`` at its ``vs[i]``.
+
+    Every cloud's :func:`~pointalign.features.outliers.dense_mask` by one
+    :func:`~pointalign.features.outliers.dense_masks_many` (the same masks), the kept points
+    of all clouds by one selection; a pair where either cloud keeps fewer than 3 points
+    stays as given (as per pair). A few host synchronisations for the whole group.
+    """
+    if not pairs:
+        return []
+    group = group_clouds([x for p in pairs for x in p])
+    keep, kept = dense_masks_many(group, [v for v in vs for _ in (0, 1)])
+    dense = torch.split(group.points[keep], kept)
+    return [(dense[2 * i], dense[2 * i + 1]) if min(kept[2 * i], kept[2 * i + 1]) >= 3
+            else p for i, p in enumerate(pairs)]
 
 
 def scaled(vs: Sequence[float], clouds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -197,14 +233,22 @@ def describe_many(downs: Sequence[torch.Tensor], scales: Scales
     points = torch.cat(list(downs))
     who = owner[valid]
     table = restrict(KnnResult(dists, gidx), scales.normal_radius, NORMAL_NEIGHBOURS)
-    normals = pca_normals(points, table, None)
-    # facing each cloud's centroid: nᵀ(v − p) >= 0, summed as the normal kernels sum it
+    normals = _facing(pca_normals(points, table, None), points, pad, n, who)
+    features = fpfh_combine(spfh(points, normals, gidx), gidx, dists)
+    return list(torch.split(normals, sizes)), list(torch.split(features, sizes))
+
+
+def _facing(normals: torch.Tensor, points: torch.Tensor, pad: torch.Tensor, n: torch.Tensor,
+            who: torch.Tensor) -> torch.Tensor:
+    """Flip ``normals`` to face their cloud's centroid: ``nᵀ(c − p) >= 0``.
+
+    ``pad (C, m, 3)`` the clouds zero-padded, ``n (C,)`` their sizes, ``who`` each row's
+    cloud; the dot product summed as the normal kernels sum it.
+    """
     vp = pad.sum(1) / n[:, None].to(pad.dtype)
     a = vp[who] - points
     f = (a[:, 0] * normals[:, 0] + a[:, 1] * normals[:, 1]) + a[:, 2] * normals[:, 2]
-    normals = torch.where((f < 0)[:, None], -normals, normals)
-    features = fpfh_combine(spfh(points, normals, gidx), gidx, dists)
-    return list(torch.split(normals, sizes)), list(torch.split(features, sizes))
+    return torch.where((f < 0)[:, None], -normals, normals)
 
 
 def prepare_many(clouds: Sequence[torch.Tensor], scales: Scales, clock: _loop.Clock
@@ -548,3 +592,215 @@ def _graph_hypotheses(src: torch.Tensor, tgt: torch.Tensor, cnt: torch.Tensor,
 def index_of(down: torch.Tensor) -> Any:
     """Return the index over ``down (n, 3)`` the local stages read (as ``_prepare_cloud``)."""
     return build_index(down)
+
+
+# ---------------------------------------------------------------------------- local stages
+
+def batched_local(device: torch.device) -> bool:
+    """Tell whether register_many's local stages batch their per-pair work here.
+
+    The rule of :func:`applies` without its group conditions: on a GPU (launch-bound per
+    pair), :data:`BATCHED` forcing it either way.
+    """
+    return device.type == "cuda" if BATCHED is None else BATCHED
+
+
+def refine_many(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared]], scales: Scales,
+                criteria: ConvergenceCriteria, robust: bool, clock: _loop.Clock
+                ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``pipeline._refine_hypotheses`` of B pairs with the per-pair work batched.
+
+    The same stage: each pair's best :data:`~pointalign.registration.pipeline.REFINE_TOP`
+    (``robust``; else 1) candidates by inliers within ``Scales.correspondence`` (a stable
+    descending sort: ties keep the candidates' order), all refined by one point-to-plane
+    ICP call (the same call), ranked by their overlap counts within ``Scales.overlap``.
+    Both counts for all pairs' motions at once through one packed index over the targets
+    (:class:`~pointalign.search.packed.PackedIndex`; per pair: two ``count_inliers`` and an
+    argsort each); the per-pair sorts as one padded ``(B, ·)`` sort. The packed search
+    measures distances on shifted coordinates, so a point whose distance lies within the
+    lattice's float32 rounding (~1e-4 voxel) of a bound may count differently than with
+    the pair's own index: the counts may differ by such points, and a ranking between
+    hypotheses whose counts tie or differ by them may change. One host synchronisation
+    besides the ICP's (the winners' iterations). Returns what ``_refine_hypotheses`` does.
+    """
+    B = len(problems)
+    cands = [c for c, _, _ in problems]
+    S, n_src = _pad([s.down for _, s, _ in problems])
+    Tg, _ = _pad([t.down for _, _, t in problems])
+    dev = S.device
+    index = _packed(Tg, [int(t.down.shape[0]) for _, _, t in problems],
+                    max(scales.correspondence, scales.overlap))
+    H = [int(c.shape[0]) for c in cands]
+    k = [min(REFINE_TOP if robust else 1, h) for h in H]
+    T = torch.cat(cands)
+    prob = torch.repeat_interleave(torch.arange(B, device=dev),
+                                   upload(H, dtype=torch.int64, device=dev), output_size=sum(H))
+    counts, _, _ = _score(T, prob, S, n_src, index, scales.correspondence)
+    order, first = _ranked(counts, prob, H)
+    owner = upload([b for b in range(B) for _ in range(k[b])], dtype=torch.int64, device=dev)
+    slot = upload([j for b in range(B) for j in range(k[b])], dtype=torch.int64, device=dev)
+    top = T[first[owner] + order[owner, slot]]
+    clock.lap("coarse_rank")
+    ob = [b for b in range(B) for _ in range(k[b])]
+    normals = _batch([problems[b][2].normals for b in ob])
+    loc = icp([problems[b][1].down for b in ob], [problems[b][2].down for b in ob], init=top,
+              max_correspondence_distance=scales.correspondence, method="point_to_plane",
+              criteria=criteria, index=[problems[b][2].index for b in ob],
+              target_normals=normals, device=dev)
+    R_all = loc.transformation_tensor
+    assert R_all is not None  # every RegistrationResult of icp() carries it
+    its = np.asarray(loc.iterations).reshape(-1)
+    clock.lap("coarse_icp")
+    fit, _, _ = _score(R_all, owner, S, n_src, index, scales.overlap)
+    order, first = _ranked(fit, owner, k)
+    pick = first[owner] + order[owner, slot]
+    R_sorted, fit_sorted = R_all[pick], fit[pick]
+    best = pick[first].tolist()  # each pair's winner (its row of R_all)
+    out = [(R, f, int(its[b])) for R, f, b in zip(torch.split(R_sorted, k),
+                                                  torch.split(fit_sorted, k), best,
+                                                  strict=True)]
+    clock.lap("coarse_overlap")
+    return out
+
+
+def _ranked(values: torch.Tensor, prob: torch.Tensor, sizes: list[int]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each problem's rows of ``values (S,)``, descending, stably.
+
+    ``prob``: each row's problem, ``sizes`` rows each, in order. Returns ``order (B, max
+    size)`` (positions within the problem, padding last) and each problem's first row
+    ``(B,)``.
+    """
+    dev = values.device
+    B = len(sizes)
+    first = upload(list(itertools.accumulate(sizes, initial=0))[:-1], dtype=torch.int64,
+                   device=dev)
+    col = torch.arange(values.shape[0], device=dev) - first[prob]
+    pad = torch.full((B, max(sizes)), -1, dtype=values.dtype, device=dev)
+    pad[prob, col] = values
+    return torch.sort(pad, dim=1, descending=True, stable=True).indices, first
+
+
+def final_clouds_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+                      vs: Sequence[float], scales: Scales, refine: str) -> list[FinalClouds]:
+    """``pipeline._final_clouds(src / v, tgt / v, scales, None, None, refine)`` of B pairs.
+
+    The full clouds of every pair divided by its v in one launch (:func:`scaled`: the same
+    division, bit for bit); each target's index as per pair (:func:`index_of`: brute force
+    on a GPU, no build); the targets' normals (``refine="point_to_plane"``) of all pairs by
+    :func:`normals_many`. ``scales.normal_radius``: the radius of every pair (one number
+    of voxels).
+    """
+    both = scaled([v for v in vs for _ in (0, 1)], [x for p in zip(sources, targets,
+                                                                    strict=True) for x in p])
+    srcs, tgts = both[0::2], both[1::2]
+    normals: list[torch.Tensor | None] = [None] * len(tgts)
+    if refine != "gicp":
+        normals = list(normals_many(tgts, scales.normal_radius, FULL_NORMAL_NEIGHBOURS))
+    return [FinalClouds(s, t, index_of(t), nt)
+            for s, t, nt in zip(srcs, tgts, normals, strict=True)]
+
+
+def normals_many(clouds: Sequence[torch.Tensor], radius: float, k: int) -> list[torch.Tensor]:
+    """Estimate the normals of C clouds at once, as ``estimate_normals`` does per cloud.
+
+    Per cloud c: ``estimate_normals(c, k=min(k, n), radius=radius, orient="viewpoint",
+    viewpoint=c.mean(0))``.
+    One radius search for all clouds (a :class:`~pointalign.search.packed.PackedIndex`:
+    each cloud's own points; at most ``min(k, n_c)`` of them, nearest first), the PCA
+    normal kernel once over the concatenation, each normal facing its cloud's centroid
+    (:func:`_facing`). The packed search measures distances on shifted coordinates: a
+    neighbour within the lattice's float32 rounding of the radius, or a near-tie for the
+    k-th place, may differ from the cloud's own search (that row's normal then moves
+    slightly); a normal lying almost across the direction to the centroid may face the
+    other way (the centroid summed differently). A cloud holding duplicated points (the
+    per-cloud path searches its distinct points again) is done alone. Two host
+    synchronisations for the whole list.
+    """
+    from pointalign.features.normals import estimate_normals
+
+    sizes = [int(c.shape[0]) for c in clouds]
+    pad, n = _pad(clouds)
+    c, m = pad.shape[0], pad.shape[1]
+    dev = pad.device
+    index = _packed(pad, sizes, radius)
+    nb = index.radius(pad.reshape(-1, 3), radius, min(k, m))
+    valid = (torch.arange(m, device=dev)[None] < n[:, None]).reshape(-1)
+    offset = torch.cumsum(n, 0) - n
+    owner = torch.arange(c, device=dev)[:, None].expand(c, m).reshape(-1)
+    gidx = torch.where(nb.idx >= 0, nb.idx + offset[owner][:, None], -1)[valid]
+    points = torch.cat(list(clouds))
+    who = owner[valid]
+    out = list(torch.split(_facing(pca_normals(points, gidx, None), points, pad, n, who),
+                           sizes))
+    if gidx.shape[1] >= 2:  # normals._has_duplicates of every cloud, one transfer
+        a, b = gidx[:, 0], gidx[:, 1]
+        same = (b >= 0) & (a >= 0) & (a != b) & (points[a.clamp_min(0)] == points).all(-1) \
+            & (points[b.clamp_min(0)] == points).all(-1)
+        dup = torch.zeros(c, dtype=torch.int64, device=dev).index_add_(
+            0, who, same.to(torch.int64)).tolist()
+        for i in (i for i in range(c) if dup[i]):
+            out[i] = estimate_normals(clouds[i], k=min(k, sizes[i]), radius=radius,
+                                      index=index_of(clouds[i]), orient="viewpoint",
+                                      viewpoint=clouds[i].mean(0))
+    return out
+
+
+def verdicts_many(T: torch.Tensor, stability: Any, hypotheses: Sequence[torch.Tensor],
+                  overlaps: Sequence[torch.Tensor], sources: Sequence[Prepared],
+                  targets: Sequence[Prepared], scales: Scales
+                  ) -> list[tuple[dict[str, Any], StopReason]]:
+    """:func:`~pointalign.registration.verdict.verdicts` of B pairs, measured at once.
+
+    The same numbers (``verdict._measure``'s) for all pairs by a few launches instead of
+    about twenty per pair: the final poses' three counts by one search through a packed
+    index over the targets (one nearest point within the largest bound, its squared
+    distance compared with each bound as ``count_inliers_within`` compares it), the
+    distinct hypotheses' test over the padded ``(B, k)`` hypotheses; then the same rules
+    (``verdict.judged``). The packed search measures distances on shifted coordinates: a
+    point within the lattice's float32 rounding (~1e-4 voxel) of a bound may count
+    differently than with the pair's own index; the sources' centroids are summed in
+    float64 (per pair: ``Tensor.mean`` in float32, then widened), which moves a
+    hypothesis' distance from the result by ~1e-7 voxel against the 3-voxel ``distinct``
+    bound. One transfer for the group.
+    """
+    from pointalign.registration.verdict import DISTINCT_ANGLE_DEG, judged
+
+    B = T.shape[0]
+    S, n_src = _pad([s.down for s in sources])
+    Tg, _ = _pad([t.down for t in targets])
+    dev, N = S.device, S.shape[1]
+    bounds = (scales.correspondence, scales.fine, scales.overlap)
+    index = _packed(Tg, [int(t.down.shape[0]) for t in targets], max(bounds))
+    moved = _kr.transform_points(T, S)                                           # (B, N, 3)
+    rows = torch.arange(B, device=dev)[:, None].expand(B, N).reshape(-1)
+    res = index.nearest_within(moved.reshape(-1, 3), max(bounds), problem=rows)
+    real = torch.arange(N, device=dev)[None] < n_src[:, None]
+    d2 = torch.where((res.idx[:, 0] >= 0).view(B, N) & real, res.dists[:, 0].view(B, N),
+                     math.inf)
+    c_out, c_in, c_overlap = ((d2 <= b * b).sum(1) for b in bounds)
+    k = [int(h.shape[0]) for h in hypotheses]
+    R, _ = _pad([h.reshape(-1, 16) for h in hypotheses])
+    fit, _ = _pad([f[:, None] for f in overlaps])
+    fit = fit[..., 0]
+    kk = torch.arange(R.shape[1], device=dev)[None] < upload(k, dtype=torch.int64,
+                                                              device=dev)[:, None]
+    R = torch.where(kk[..., None, None], R.view(B, -1, 4, 4),
+                    torch.eye(4, dtype=R.dtype, device=dev))                       # (B, k, 4, 4)
+    ctr = (S.to(torch.float64).sum(1) / n_src[:, None].to(torch.float64))        # (B, 3)
+    moved_c = (R[..., :3, :3] @ ctr[:, None, :, None])[..., 0] + R[..., :3, 3]   # (B, k, 3)
+    here = (T[:, :3, :3] @ ctr[..., None])[..., 0] + T[:, :3, 3]
+    dR = R[..., :3, :3].transpose(-1, -2) @ T[:, None, :3, :3]
+    ang = torch.rad2deg(_rotation_angle(dR))
+    other = ((moved_c - here[:, None]).norm(dim=-1) > scales.distinct) \
+        | (ang > DISTINCT_ANGLE_DEG)
+    second = torch.where(other & kk, fit, torch.zeros_like(fit)).amax(1)
+    host = torch.stack([c_overlap, second, c_out, c_in], 1).to(torch.float64).cpu().numpy()
+    return judged(host, stability, sources)
+
+
+def _rotation_angle(R: torch.Tensor) -> torch.Tensor:
+    """``transforms.rotation_angle`` of ``R (..., 3, 3)`` (flattened for the call)."""
+    from pointalign import transforms
+
+    return transforms.rotation_angle(R.reshape(-1, 3, 3)).view(R.shape[:-2])

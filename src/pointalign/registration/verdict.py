@@ -89,6 +89,17 @@ def verdicts(T: torch.Tensor, stability: Any, hypotheses: Sequence[torch.Tensor]
     """
     host = torch.stack([_measure(T[b], hypotheses[b], overlaps[b], sources[b], targets[b],
                                  scales) for b in range(T.shape[0])]).cpu().numpy()
+    return judged(host, stability, sources)
+
+
+def judged(host: np.ndarray, stability: Any, sources: Sequence[Prepared]
+           ) -> list[tuple[dict[str, Any], StopReason]]:
+    """Judge B pairs from their measured numbers: host arithmetic only.
+
+    ``host (B, 4)``: as :func:`_measure` returns them (overlap count, the best different
+    hypothesis' overlap, the counts within the outer and the inner bound); the final ICP's
+    ``stability``; the downsampled sources (their sizes).
+    """
     stab = np.asarray(stability, dtype=np.float64).reshape(-1)
     out = []
     for (best, second, c_out, c_in), src, st in zip(host, sources, stab, strict=True):
