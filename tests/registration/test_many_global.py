@@ -237,9 +237,11 @@ def _scaled_pairs(pairs, device, clock):
 def test_refine_many_as_each_pair_alone(backend):
     """refine_many: the coarse stage's counts through one packed index equal count_inliers
     with each pair's own index (the bound: a point within the lattice's rounding of a bound
-    may count differently; none on these pairs), so the same hypotheses go to the same
-    ICP call: the same refined motions, overlap counts and iterations as
-    _refine_hypotheses."""
+    may count differently; none on these pairs), so the same hypotheses go to one ICP call
+    as in _refine_hypotheses. That call searches an index it builds (a packed one on a
+    device) where _refine_hypotheses searches each pair's own: the distances come from
+    other arithmetic, so the refined motions agree to float32 rounding (1e-5 of a voxel
+    and of a radian), the overlap counts and iterations to a point lying on a bound."""
     from pointalign.registration.pipeline import REFINE_TOP, _refine_hypotheses, icp_criteria
     from pointalign.registration.ransac import count_inliers
 
@@ -263,7 +265,8 @@ def test_refine_many_as_each_pair_alone(backend):
         got = mg.refine_many(problems, unit, crit, robust, clock)
         for (R, f, i), (R1, f1, i1) in zip(got, want, strict=True):
             assert R.shape[0] == (REFINE_TOP if robust else 1)
-            assert torch.equal(R, R1) and torch.equal(f, f1) and i == i1
+            torch.testing.assert_close(R, R1, rtol=0, atol=1e-5)
+            assert (f - f1).abs().max() <= 2 and abs(i - i1) <= 1
 
 
 def test_final_clouds_as_each_pair_alone(backend):

@@ -684,7 +684,7 @@ def _local_stages(works: list[_Work], opts: _Options, device: torch.device
             hyp = [w.hypotheses for w in group]
             res = _final_icp([clouds[id(w)] for w in group], torch.stack([R[0] for R, _ in hyp]),
                              scales, icp_criteria(scales, opts.max_iterations), opts.refine,
-                             clock)
+                             clock, own_index=not batched)
             assert res.transformation_tensor is not None
             stab = np.asarray(res.info["stability"], dtype=np.float64).reshape(-1)
             judged = (_mg.verdicts_many if batched else verdicts)(

@@ -616,7 +616,10 @@ def refine_many(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared]], sca
     ICP call (the same call), ranked by their overlap counts within ``Scales.overlap``.
     Both counts for all pairs' motions at once through one packed index over the targets
     (:class:`~pointalign.search.packed.PackedIndex`; per pair: two ``count_inliers`` and an
-    argsort each); the per-pair sorts as one padded ``(B, ·)`` sort. The packed search
+    argsort each); the per-pair sorts as one padded ``(B, ·)`` sort; the ICP call builds its
+    own packed index over the batch (one search per iteration, not one per hypothesis,
+    which searching each pair's own index cost: 2.4 s of 5.9 s for 1,000 pairs on an
+    H200). The packed search
     measures distances on shifted coordinates, so a point whose distance lies within the
     lattice's float32 rounding (~1e-4 voxel) of a bound may count differently than with
     the pair's own index: the counts may differ by such points, and a ranking between
@@ -645,8 +648,7 @@ def refine_many(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared]], sca
     normals = _batch([problems[b][2].normals for b in ob])
     loc = icp([problems[b][1].down for b in ob], [problems[b][2].down for b in ob], init=top,
               max_correspondence_distance=scales.correspondence, method="point_to_plane",
-              criteria=criteria, index=[problems[b][2].index for b in ob],
-              target_normals=normals, device=dev)
+              criteria=criteria, target_normals=normals, device=dev)
     R_all = loc.transformation_tensor
     assert R_all is not None  # every RegistrationResult of icp() carries it
     its = np.asarray(loc.iterations).reshape(-1)

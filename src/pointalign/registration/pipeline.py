@@ -540,16 +540,19 @@ def _final_clouds(src: torch.Tensor, tgt: torch.Tensor, scales: Scales,
 
 
 def _final_icp(pairs: Sequence[FinalClouds], init: torch.Tensor, scales: Scales,
-               criteria: ConvergenceCriteria, refine: str, clock: _loop.Clock
-               ) -> RegistrationResult:
+               criteria: ConvergenceCriteria, refine: str, clock: _loop.Clock,
+               own_index: bool = True) -> RegistrationResult:
     """Refine B pairs from ``init (B, 4, 4)`` within ``Scales.fine``: one batched call.
 
     ``refine="point_to_plane"``: point-to-plane ICP; ``"gicp"``: generalized ICP. One pair
     goes as a view ``(1, N, 3)``; several as lists (padded by the call: ``register_many``'s
-    size groups). The result is batched (B).
+    size groups). ``own_index``: each pair's target index is searched (built once with its
+    clouds); else the call builds its own, one packed index over a batch's targets on a
+    device (``register_many``'s batched stages: one search per iteration for the batch,
+    not one per pair). The result is batched (B).
     """
     clock.lap("icp_prepare")
-    index = [p.index for p in pairs]
+    index = [p.index for p in pairs] if own_index else None
     src, tgt = (_batch([p.source for p in pairs], pad=False),
                 _batch([p.target for p in pairs], pad=False))
     if refine == "gicp":
