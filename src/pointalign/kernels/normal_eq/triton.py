@@ -133,7 +133,7 @@ def _normal_eq_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr,
 
 
 def _strides(B: int, *sizes: int) -> tuple[int, ...]:
-    """The kernel's size arguments: N, M, P only scale the problem index b (batch strides).
+    """Return the kernel's size arguments N, M, P: they only scale the problem index b.
 
     Triton specialises an integer argument on its divisibility by 16, and those hints pay
     in every iteration, so the sizes stay specialised; for one problem (b = 0, the strides
