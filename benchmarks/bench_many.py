@@ -7,7 +7,7 @@ Tables (``benchmarks/results/many-<device>.json``):
   - ``icp batched``: one point-to-point :func:`icp` call on the padded batch (distinct
     targets), from the identity; ``ok``: pairs within 0.5° of the truth;
   - ``register_many (per_pair|batched global)``: the whole pipeline on one device, its
-    global stage per pair or batched (``--global-path``; ``many_global``), coarse/final ICP
+    global stage per pair or batched (``--global-path``; ``many.batched``), coarse/final ICP
     and verdicts batched; ``ok``: within 0.5° and 2 mm; ``timings``: the stages' seconds
     (the batched global stage's split as ``global.<stage>``, the local stages' as
     ``local.<part>``, reading as ``read.io`` / ``read.prepare``);
@@ -106,18 +106,18 @@ def bench_icp(rec: Recorder, pairs, dev: str) -> None:
 
 def bench_register_many(rec: Recorder, pairs, dev: str, chunk: int,
                         paths: tuple[str, ...] = ("per_pair", "batched")) -> None:
-    """register_many with each global-stage path (``many_global.BATCHED``): pairs/s and the
+    """register_many with each global-stage path (``many.batched.BATCHED``): pairs/s and the
     global stage's split (``timings``: seconds summed over pairs; ``global.<stage>`` of the
     batched path: voxel_size, strays, scale, downsample, describe, index, correspondences,
     triangle, tdd, score, refine, ransac, robust; ``local.<part>``: rows, coarse_rank,
     coarse_icp, coarse_overlap (per pair: coarse), final_clouds, final_prepare, final_icp,
     verdict; ``read.io``, ``read.prepare``)."""
-    from pointalign.registration import many_global
+    from pointalign.registration.many import batched
 
-    old = many_global.BATCHED
+    old = batched.BATCHED
     try:
         for path in paths:
-            many_global.BATCHED = {"per_pair": False, "batched": True, "auto": None}[path]
+            batched.BATCHED = {"per_pair": False, "batched": True, "auto": None}[path]
             register_many(pairs[: min(4, len(pairs))], device=dev, chunk_size=chunk)  # warm
             _sync()
             t = time.perf_counter()
@@ -132,7 +132,7 @@ def bench_register_many(rec: Recorder, pairs, dev: str, chunk: int,
                     note=f"chunks of {chunk}; global {res.timings['global']:.2f} s, batched "
                          f"local {res.timings['local']:.2f} s")
     finally:
-        many_global.BATCHED = old
+        batched.BATCHED = old
     from pointalign.registration.pipeline import register
 
     sample = pairs[: min(len(pairs), 8)]
@@ -376,7 +376,7 @@ def main() -> None:
                    help="timed runs per Dask-table row, the median reported (default 3)")
     p.add_argument("--global-path", nargs="*", default=["per_pair", "batched"],
                    choices=["per_pair", "batched", "auto"],
-                   help="register_many's global stage: per pair, batched (many_global), or "
+                   help="register_many's global stage: per pair, batched (many.batched), or "
                         "the library's rule; each one measured (default: both)")
     p.add_argument("--out", default="many",
                    help="results topic: benchmarks/results/<out>-<device>.json")

@@ -19,7 +19,7 @@ import torch
 from pointalign import datasets, io, metrics
 from pointalign.cloud import PointCloud
 from pointalign.registration import many as many_module
-from pointalign.registration.many import ManyResult, PairSpec, register_many
+from pointalign.registration.many import ManyResult, PairSpec, chunk, register_many, table
 from pointalign.registration.pipeline import register
 
 #: small clouds and few hypotheses: CI time
@@ -119,17 +119,17 @@ def test_small_pairs_run_on_one_cpu_thread(batch, monkeypatch):
 
     pairs, res = batch
     seen: list[int] = []
-    stage = many_module._global_stage
+    stage = chunk._global_stage
 
     def spy(*a, **k):
         seen.append(_threads.get_num_threads())
         return stage(*a, **k)
 
-    monkeypatch.setattr(many_module, "_global_stage", spy)
+    monkeypatch.setattr(chunk, "_global_stage", spy)
     with _threads.threads(2):
         register_many(pairs[:1], device="cpu", **OPTS)
         assert seen == [1]
-        monkeypatch.setattr(many_module, "SERIAL_POINTS", 10)
+        monkeypatch.setattr(chunk, "SERIAL_POINTS", 10)
         big = register_many(pairs[:1], device="cpu", **OPTS)
         assert seen == [1, 2]
     rot, trans = metrics.relative_error(big[0]["transformation"], res[0]["transformation"])
@@ -310,7 +310,7 @@ def test_cli_register_many_options_and_config(tmp_path, monkeypatch):
 
     def fake(specs, **kw):
         seen.update(kw, n=len(specs))
-        return ManyResult([{**many_module._empty_row(0, "x"), "trusted": True,
+        return ManyResult([{**table._empty_row(0, "x"), "trusted": True,
                             "transformation": np.eye(4)}], {"total": 0.1})
 
     monkeypatch.setattr(many, "register_many", fake)

@@ -1,4 +1,4 @@
-"""register_many's batched global stage (registration/many_global.py) against the per-pair one.
+"""register_many's batched stages (registration/many/batched*.py) against the per-pair ones.
 
 * preparation: the downsampled clouds equal each cloud's own (bit for bit: the same cells,
   the same sums); the normals equal (the same neighbour rows, the same kernel per point;
@@ -22,8 +22,10 @@ import torch
 from pointalign import datasets, metrics
 from pointalign.features.downsample import voxel_downsample
 from pointalign.kernels import _loop
-from pointalign.registration import many_global as mg
-from pointalign.registration.many import register_many
+from pointalign.registration.many import batched as bt
+from pointalign.registration.many import batched_local as bl
+from pointalign.registration.many import batched_prepare as bp
+from pointalign.registration.many import local_stages, register_many
 from pointalign.registration.options import check
 from pointalign.registration.pipeline import Scales, _prepare_cloud, _voxel_size
 
@@ -51,8 +53,8 @@ def _scaled_clouds(pairs, device):
 def test_described_as_each_cloud_alone(backend):
     clouds = _scaled_clouds(_pairs(3, 2000), backend.device)
     unit = Scales(1.0)
-    downs, sizes = mg.prepare_many(clouds, unit, _loop.Clock(torch.device(backend.device)))
-    normals, features = mg.describe_many(downs, unit)
+    downs, sizes = bp.prepare_many(clouds, unit, _loop.Clock(torch.device(backend.device)))
+    normals, features = bp.describe_many(downs, unit)
     clock = _loop.Clock(torch.device(backend.device))
     for c, d, n, f in zip(clouds, downs, normals, features, strict=True):
         assert torch.equal(d, voxel_downsample(c, 1.0))
@@ -76,7 +78,7 @@ def _local(pairs, device):
 
 def _same_rule(local, options):
     opts = check("register_many", options)
-    got = mg.voxel_sizes(local, opts)
+    got = bp.voxel_sizes(local, opts)
     for (s, t), g in zip(local, got, strict=True):
         try:
             want = _voxel_size(s, t, opts, None)
@@ -88,7 +90,7 @@ def _same_rule(local, options):
 
 
 def test_voxel_sizes_equal_the_per_pair_rule(backend):
-    """mg.voxel_sizes: every pair's v (bit for bit) and stray decision as
+    """bp.voxel_sizes: every pair's v (bit for bit) and stray decision as
     pipeline._voxel_size, on clean and contaminated bunny-size pairs of several sizes and
     scales; with a given voxel_size, without outlier removal, with another target."""
     bunny = datasets.load_bunny("bun000")
@@ -135,7 +137,7 @@ def _same_strays(local, rules):
     dirty = [(p, r[0]) for p, r in zip(local, rules, strict=True)
              if not isinstance(r, ValueError) and r[1]]
     assert dirty  # bunny-size subsamples show strays at v
-    got = mg.without_strays_many([p for p, _ in dirty], [v for _, v in dirty])
+    got = bp.without_strays_many([p for p, _ in dirty], [v for _, v in dirty])
     for ((s, t), v), (gs, gt) in zip(dirty, got, strict=True):
         ws, wt = _without_strays(s, t, v)
         assert torch.equal(gs, ws) and torch.equal(gt, wt)
@@ -145,11 +147,11 @@ def _same_strays(local, rules):
 def both():
     pairs = _pairs()
     per_pair = register_many(pairs, device="cpu", **OPTS)
-    old, mg.BATCHED = mg.BATCHED, True
+    old, bt.BATCHED = bt.BATCHED, True
     try:
         batched = register_many(pairs, device="cpu", **OPTS)
     finally:
-        mg.BATCHED = old
+        bt.BATCHED = old
     return pairs, per_pair, batched
 
 
@@ -170,19 +172,19 @@ def test_batched_registers_as_the_per_pair_path(both):
 def test_which_path_runs(monkeypatch):
     opts = check("register_many", dict(OPTS))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not mg.applies(opts, cpu, 8) and mg.applies(opts, cuda, 8)
-    assert not mg.applies(opts, cuda, 1)  # nothing to batch
-    assert not mg.applies(check("register_many", dict(inlier_ratio_threshold=0.1)), cuda, 8)
-    monkeypatch.setattr(mg, "BATCHED", True)
-    assert mg.applies(opts, cpu, 8)
-    monkeypatch.setattr(mg, "BATCHED", False)
-    assert not mg.applies(opts, cuda, 8)
+    assert not bt.applies(opts, cpu, 8) and bt.applies(opts, cuda, 8)
+    assert not bt.applies(opts, cuda, 1)  # nothing to batch
+    assert not bt.applies(check("register_many", dict(inlier_ratio_threshold=0.1)), cuda, 8)
+    monkeypatch.setattr(bt, "BATCHED", True)
+    assert bt.applies(opts, cpu, 8)
+    monkeypatch.setattr(bt, "BATCHED", False)
+    assert not bt.applies(opts, cuda, 8)
 
 
 def test_init_and_bad_pairs_beside_batched_ones(monkeypatch):
     """A pair with an init goes the per-pair way (no features), a bad pair gets its row's
     error, the others run batched; refine="none" rows come from the batched RANSAC."""
-    monkeypatch.setattr(mg, "BATCHED", True)
+    monkeypatch.setattr(bt, "BATCHED", True)
     pairs = _pairs(3, seed=20)
     specs = [(pairs[0].source, pairs[0].target),
              (pairs[1].source, pairs[1].target, pairs[1].T_target_source),
@@ -251,18 +253,18 @@ def test_refine_many_as_each_pair_alone(backend):
         datasets.load_bunny("bun000"), 2000, seed=4), outlier_fraction=0.05, seed=4)]
     problems = _scaled_pairs(pairs, backend.device, clock)
     unit = Scales(1.0)
-    S, n_src = mg._pad([s.down for _, s, _ in problems])
-    Tg, _ = mg._pad([t.down for _, _, t in problems])
-    index = mg._packed(Tg, [int(t.down.shape[0]) for _, _, t in problems], 1.5)
+    S, n_src = bt._pad([s.down for _, s, _ in problems])
+    Tg, _ = bt._pad([t.down for _, _, t in problems])
+    index = bt._packed(Tg, [int(t.down.shape[0]) for _, _, t in problems], 1.5)
     for b, (c, s, t) in enumerate(problems):
         prob = torch.full((c.shape[0],), b, dtype=torch.int64, device=dev)
         for d in (unit.correspondence, unit.overlap):
-            got, _, _ = mg._score(c, prob, S, n_src, index, d)
+            got, _, _ = bt._score(c, prob, S, n_src, index, d)
             assert torch.equal(got, count_inliers(c, s.down, t.index, d))
     crit = icp_criteria(unit, 30)
     for robust in (True, False):
         want = _refine_hypotheses(problems, unit, crit, robust, clock)
-        got = mg.refine_many(problems, unit, crit, robust, clock)
+        got = bl.refine_many(problems, unit, crit, robust, clock)
         for (R, f, i), (R1, f1, i1) in zip(got, want, strict=True):
             assert R.shape[0] == (REFINE_TOP if robust else 1)
             torch.testing.assert_close(R, R1, rtol=0, atol=1e-5)
@@ -283,7 +285,7 @@ def test_final_clouds_as_each_pair_alone(backend):
     opts = check("register_many", {})
     vs = [_voxel_size(s, t, opts, None)[0] for s, t in pairs]
     unit = Scales(1.0)
-    got = mg.final_clouds_many([s for s, _ in pairs], [t for _, t in pairs], vs, unit,
+    got = bl.final_clouds_many([s for s, _ in pairs], [t for _, t in pairs], vs, unit,
                                "point_to_plane")
     for (s, t), v, g in zip(pairs, vs, got, strict=True):
         one = _final_clouds(s / v, t / v, unit, None, None)
@@ -293,19 +295,17 @@ def test_final_clouds_as_each_pair_alone(backend):
         assert float((dot > 1 - 1e-5).float().mean()) >= 0.999
     assert torch.equal(got[-1].normals, _final_clouds(s0 / vs[-1], pairs[-1][1] / vs[-1],
                                                       unit, None, None).normals)
-    gicp = mg.final_clouds_many([s0], [t0], vs[:1], unit, "gicp")
+    gicp = bl.final_clouds_many([s0], [t0], vs[:1], unit, "gicp")
     assert gicp[0].normals is None
 
 
 def test_local_stages_batched_register_as_per_pair(monkeypatch):
     """register_many with the local stages batched (forced on the CPU) gives the per-pair
     local stages' rows on the same global results, and the local split in its timings."""
-    from pointalign.registration import many
-
     pairs = _pairs(3, 1000, seed=30)
-    monkeypatch.setattr(mg, "BATCHED", True)
+    monkeypatch.setattr(bt, "BATCHED", True)
     a = register_many(pairs, device="cpu", **OPTS)
-    monkeypatch.setattr(mg, "batched_local", lambda device: False)
+    monkeypatch.setattr(bt, "batched_local", lambda device: False)
     b = register_many(pairs, device="cpu", **OPTS)
     for ra, rb in zip(a.rows, b.rows, strict=True):
         assert ra["verdict"] == rb["verdict"]
@@ -314,7 +314,7 @@ def test_local_stages_batched_register_as_per_pair(monkeypatch):
                 "local.final_icp", "local.verdict", "read.prepare"):
         assert key in a.timings, key
     assert "local.coarse" in b.timings
-    assert many._LOCAL_NAMES["icp"] == "final_icp"
+    assert local_stages._LOCAL_NAMES["icp"] == "final_icp"
 
 
 def test_verdicts_many_as_each_pair_alone(backend):
@@ -334,4 +334,4 @@ def test_verdicts_many_as_each_pair_alone(backend):
         stab = np.array([1.0, 0.0, 0.5])
         args = (T, stab, hyps, fits, [s for _, s, _ in problems], [t for _, _, t in problems],
                 unit)
-        assert mg.verdicts_many(*args) == verdicts(*args)
+        assert bl.verdicts_many(*args) == verdicts(*args)
