@@ -82,6 +82,15 @@ def _child_compile(step: str) -> dict:
 
     log = _CompileLog()
     log.install()
+    full: dict[str, list[str]] = {}  # kernel -> its signatures, untruncated
+    from numba.core import event
+
+    def on_start(ev) -> None:
+        name = log._name(ev)
+        full.setdefault(name, []).append(", ".join(str(t) for t in ev.data["args"]))
+
+    event.register("numba:compile", type("L", (event.Listener,), {
+        "on_start": lambda s, ev: on_start(ev), "on_end": lambda s, ev: None})())
     import torch
 
     from pointalign import _warmup
@@ -90,6 +99,8 @@ def _child_compile(step: str) -> dict:
     warnings.simplefilter("ignore")
     t, c = time.perf_counter(), time.process_time()
     call()
+    for name, row in log.rows.items():
+        row["args"] = full[name]
     return {"wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
             "kernels": log.rows}
 
@@ -122,6 +133,7 @@ def main() -> None:
     ap.add_argument("--manifest", action="store_true", help="with --compile-table: write "
                     "src/pointalign/kernels/compile_manifest.json")
     ap.add_argument("--skip-all", action="store_true", help="no `pointalign warmup --all`")
+    ap.add_argument("--skip-cold", action="store_true", help="no cold sequence")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from common import RESULTS, Recorder
@@ -137,7 +149,7 @@ def main() -> None:
         for table, rows in doc.get("tables", {}).items():
             rec.tables[table] = [r for r in rows if r.get("label") != a.label]
     cli = [sys.executable, "-m", "pointalign"]
-    for run in range(1, a.repeat + 1):
+    for run in range(1, 0 if a.skip_cold else a.repeat + 1):
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, NUMBA_CACHE_DIR=f"{tmp}/numba")
             r = _timed(cli + ["-q", "warmup", "--device", "cpu"], env)
@@ -179,8 +191,10 @@ def main() -> None:
                     signatures=sum(v[0] for v in per.values()),
                     compile_cpu_s=round(sum(v[1] for v in per.values()), 2),
                     step_wall_s=round(s["wall_s"], 2), step_cpu_s=round(s["cpu_s"], 2))
-            manifest[step] = {k: round(v["self_s"], 2) for k, v in s["kernels"].items()
-                              if not k.startswith("numba.")}
+            manifest[step] = sorted(
+                ([k, args, round(v["total_s"] / v["signatures"], 2)]
+                 for k, v in s["kernels"].items() if not k.startswith("numba.")
+                 for args in v["args"]), key=lambda row: -row[2])
         if a.manifest:
             MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
             print("wrote", MANIFEST)
