@@ -21,8 +21,22 @@ try:
 except Exception:  # pragma: no cover - numba missing: the "cpu" backend is unavailable
     _nb = None  # type: ignore[assignment]
 
+#: numba's parallel passes for ``parallel=True`` kernels: the explicit ``prange`` loops
+#: only. With plain ``parallel=True`` numba also turns every array expression, ``np.full``/
+#: ``np.zeros``/``np.arange`` call and slice assignment outside them into a parallel loop
+#: of its own (each lowered and compiled as a separate function); ours are small buffers,
+#: filled serially just as fast, and element by element the values are the same.
+PARALLEL = {"prange": True, "fusion": False, "numpy": False, "setitem": False,
+            "inplace_binop": False, "comprehension": False, "reduction": False,
+            "stencil": False}
+
 if _nb is not None:
-    njit = _nb.njit
+    def njit(*args: Any, **kwargs: Any) -> Any:
+        """``numba.njit``, with ``parallel=True`` meaning :data:`PARALLEL`."""
+        if kwargs.get("parallel") is True:
+            kwargs["parallel"] = dict(PARALLEL)  # numba consumes the dict
+        return _nb.njit(*args, **kwargs)
+
     prange = _nb.prange
 else:  # pragma: no cover
     def njit(*a, **k):
