@@ -84,6 +84,8 @@ def dispatcher(kernel: str) -> Any:
     except ImportError:
         return None
     d = getattr(mod, name, None)
+    if not isinstance(d, _nb.core.dispatcher.Dispatcher):  # one built with its signatures
+        d = getattr(mod, "_TYPED", {}).get(name)  # its lazy twin (the same cache entries)
     return d if isinstance(d, _nb.core.dispatcher.Dispatcher) else None
 
 
