@@ -18,9 +18,15 @@ Each measurement runs in fresh child processes with an empty numba cache (a new
   writes what each step compiles, kernel by kernel, to
   ``src/pointalign/kernels/compile_manifest.json`` (the first-use announcement's estimate).
 
+* ``make`` (``--make TORCH_INDEX``): ``make demo`` end to end in a fresh copy of HEAD,
+  once with pip (a new ``.venv``, PyTorch from ``TORCH_INDEX``) and once more with numba's
+  cache emptied (the pip steps then skip: their stamps exist).
+
 Run::
 
     python benchmarks/bench_first_call_cpu.py --repeat 2 --compile-table --label after
+    python benchmarks/bench_first_call_cpu.py --skip-cold --skip-all --label after \
+        --make https://download.pytorch.org/whl/cpu
 
 Writes ``results/first_call-cpu.json`` (rendered into BENCHMARKS.md's first-call section by
 render.py); rows of another ``--label`` already in that file are kept, so that a "before"
@@ -115,6 +121,9 @@ def _python_child(what: str, env: dict, *args: str) -> tuple[dict, dict]:
 
 
 def _row(rec, label: str, run: int, step: str, command: str, r: dict, **extra) -> None:
+    rows = rec.tables.setdefault("cold", [])  # a re-measured row replaces the old one
+    rows[:] = [x for x in rows if (x.get("label"), x.get("run"), x.get("step"))
+               != (label, run, step)]
     rec.add("cold", label=label, run=run, step=step, command=command,
             wall_s=round(r["wall_s"], 2), cpu_s=round(r["user_s"] + r["sys_s"], 2),
             load=round(os.getloadavg()[0], 1), **extra)
@@ -123,6 +132,30 @@ def _row(rec, label: str, run: int, step: str, command: str, r: dict, **extra) -
 def _module(kernel: str) -> str:
     """``knn.cpu._nearest`` -> ``knn``; numba's own overloads (np.empty...) -> ``numba``."""
     return "numba (overloads)" if kernel.startswith("numba.") else kernel.split(".")[0]
+
+
+def _make_demo(rec, label: str, torch_index: str) -> None:
+    """``make demo`` end to end in a fresh copy of HEAD: with pip, then without it."""
+    import shutil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        tree.mkdir()
+        archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("NUMBA_CACHE_DIR", "PYTHONPATH", "VIRTUAL_ENV")}
+        cmd = ["make", "-C", str(tree), "demo", f"TORCH_INDEX={torch_index}"]
+        r = _timed(cmd, env)
+        _row(rec, label, 1, "make demo (with pip: new .venv)", " ".join(cmd[:1] + cmd[3:]),
+             r)
+        for f in list(tree.rglob("*.nbi")) + list(tree.rglob("*.nbc")):
+            f.unlink()  # the editable install's numba cache (src/.../__pycache__)
+        r = _timed(cmd, env)
+        _row(rec, label, 1, "make demo (without pip: numba cache emptied)",
+             " ".join(cmd[:1] + cmd[3:]), r)
+        shutil.rmtree(tree, ignore_errors=True)
 
 
 def main() -> None:
@@ -134,6 +167,10 @@ def main() -> None:
                     "src/pointalign/kernels/compile_manifest.json")
     ap.add_argument("--skip-all", action="store_true", help="no `pointalign warmup --all`")
     ap.add_argument("--skip-cold", action="store_true", help="no cold sequence")
+    ap.add_argument("--make", metavar="TORCH_INDEX", default=None,
+                    help="also `make demo TORCH_INDEX=...` in a fresh copy of HEAD (git "
+                         "archive): with pip (a new .venv), then again with numba's cache "
+                         "emptied (without pip)")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from common import RESULTS, Recorder
@@ -141,13 +178,17 @@ def main() -> None:
     rec = Recorder("first_call", "cpu", title="First call on a fresh CPU (issue 23)",
                    notes="Fresh child processes, empty numba cache per run; cpu_s is user + "
                          "system of the process and its warm-up workers; load: the 1-minute "
-                         "load average after the step (a shared 2-core machine). `make demo`"
-                         " runs the first two steps.")
+                         "load average after the step (a shared 2-core machine: another "
+                         "user's tests inflate wall time). `make demo` runs the first two "
+                         "steps. before: commit 43593f6 (every method warmed, one worker "
+                         "process per method); after: register()'s kernels only, compiled "
+                         "kernel by kernel in one process per core, longest first "
+                         "(`warmup --all`: the rest), parallel kernels through numba's "
+                         "prange pass only.")
     old = RESULTS / "first_call-cpu.json"
-    if old.exists():  # keep the rows of other labels (a "before" beside this "after")
+    if old.exists():  # keep the rows not measured again (a "before" beside an "after")
         doc = json.loads(old.read_text())
-        for table, rows in doc.get("tables", {}).items():
-            rec.tables[table] = [r for r in rows if r.get("label") != a.label]
+        rec.tables.update(doc.get("tables", {}))
     cli = [sys.executable, "-m", "pointalign"]
     for run in range(1, 0 if a.skip_cold else a.repeat + 1):
         with tempfile.TemporaryDirectory() as tmp:
@@ -164,6 +205,8 @@ def main() -> None:
                 r = _timed(cli + ["-q", "warmup", "--device", "cpu", "--all"], env)
                 _row(rec, a.label, run, "warmup --all (after the above)",
                      "pointalign warmup --all", r)
+    if a.make is not None:
+        _make_demo(rec, a.label, a.make)
     if a.compile_table:
         rec.tables["compile"] = [r for r in rec.tables.get("compile", [])
                                  if r.get("label") != a.label]
