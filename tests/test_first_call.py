@@ -46,8 +46,9 @@ def test_a_first_use_announces_its_pending_compile_once(fresh, monkeypatch):
         _compile()  # the same call's next kernel: no second notice
 
     with pytest.warns(_progress.SlowOperationWarning,
-                      match=r"numba compiles 2 CPU kernels for this call \(about 7 s"):
+                      match=r"numba compiles 2 CPU kernels for this call \(about 7 s") as rec:
         method()
+    assert rec[0].filename == __file__  # the user's line, not numba's or the wrapper's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _compile("numba.np.arrayobj")  # numba's own overloads: not ours

@@ -216,7 +216,7 @@ def _user_stacklevel() -> int:
         if (frame.f_globals.get("__name__", "") + ".").startswith("pointalign."):
             last = level
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return last
+    return last + 1
 
 
 def _announce(todo: list[tuple[str, str, float]] | None) -> None:
@@ -234,7 +234,8 @@ def _announce(todo: list[tuple[str, str, float]] | None) -> None:
         if not seconds > _progress.ANNOUNCE_SECONDS:
             return
         what = (f"{len(todo)} CPU kernel{'s' if len(todo) > 1 else ''} for this call "
-                f"({_progress.describe_seconds(seconds)} on 2 cores)")
+                f"({_progress.describe_seconds(seconds)} on the 2-core machine where it was "
+                "measured)")
     elif _announced:
         return
     else:
