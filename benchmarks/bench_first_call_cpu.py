@@ -65,7 +65,16 @@ def _timed(cmd: list[str], env: dict) -> dict:
 
 
 def _child_first_register() -> dict:
-    """In a fresh process: import, then the first register() on the bundled pair."""
+    """In a fresh process: import, then the first register() on the bundled pair.
+
+    Also counts the kernels numba compiles meanwhile (none where the warm-up covered them).
+    """
+    from numba.core import event
+
+    compiled: list[str] = []
+    event.register("numba:compile", type("L", (event.Listener,), {
+        "on_start": lambda s, ev: compiled.append(ev.data["dispatcher"].py_func.__name__),
+        "on_end": lambda s, ev: None})())
     t0 = time.perf_counter()
     import pointalign as pa
 
@@ -76,7 +85,7 @@ def _child_first_register() -> dict:
     first = time.perf_counter() - t
     rot, tr = pa.metrics.relative_error(r.transformation, pair.T_target_source)
     return {"import_s": t_import, "first_s": first, "error_deg": float(rot),
-            "error_mm": 1e3 * float(tr)}
+            "error_mm": 1e3 * float(tr), "compiled": len(compiled)}
 
 
 def _child_compile(step: str) -> dict:
@@ -200,7 +209,7 @@ def main() -> None:
             res, r = _python_child("first_register", env)
             _row(rec, a.label, run, "first register() (fresh process)", "python -c ...", r,
                  import_s=round(res["import_s"], 2), call_s=round(res["first_s"], 2),
-                 error_deg=round(res["error_deg"], 3))
+                 error_deg=round(res["error_deg"], 3), compiled=res["compiled"])
             if not a.skip_all:
                 r = _timed(cli + ["-q", "warmup", "--device", "cpu", "--all"], env)
                 _row(rec, a.label, run, "warmup --all (after the above)",

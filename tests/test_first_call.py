@@ -147,3 +147,15 @@ def test_warmup_steps_cover_the_public_methods():
 def test_warmup_workers_must_be_positive():
     with pytest.raises(ValueError, match="workers"):
         _warmup.warmup("cpu", quiet=True, workers=0)
+
+
+@pytest.mark.skipif(not _numba.available(), reason="numba is not installed")
+def test_compiles_counts_this_package_kernels_only(fresh, monkeypatch):
+    monkeypatch.setattr(_numba, "_compiled", [0])
+    monkeypatch.setattr(_numba, "_silent", True)  # the warm-up's case: counted, not said
+    before = _numba.compiles()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compile()
+        _compile("numba.np.arrayobj")
+    assert _numba.compiles() == before + 1

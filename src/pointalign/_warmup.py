@@ -155,6 +155,7 @@ def warmup(device: str | torch.device | None = None, *, quiet: bool | None = Non
             if todo:
                 seconds[f"{len(todo)} kernels in {workers} processes"] = \
                     _parallel(todo, workers, bar)
+            missed = _numba.compiles()
             for name, call in steps:
                 t = time.perf_counter()
                 call()
@@ -162,6 +163,12 @@ def warmup(device: str | torch.device | None = None, *, quiet: bool | None = Non
                     torch.cuda.synchronize(dev)
                 seconds[name] = time.perf_counter() - t
                 bar.advance()
+            missed = _numba.compiles() - missed
     finally:
         _numba._silent = silent
+    if todo and missed:  # compiled here, serially: the manifest lacks them
+        _progress.logger.info(
+            "warm-up: %d kernels were not in the compile manifest and compiled serially "
+            "(benchmarks/bench_first_call_cpu.py --compile-table --manifest writes it anew)",
+            missed)
     return seconds

@@ -173,12 +173,28 @@ _depth = [0]  # numba:compile events open (a kernel's helpers compile inside it)
 _listening = False
 
 
+_compiled = [0]  # kernels of this package compiled in this process (top-level events)
+
+
+def compiles() -> int:
+    """Return how many of this package's kernels numba compiled in this process so far.
+
+    Counted once :func:`listen` is installed (the CPU backend's first use installs it);
+    loads from the cache are not compiles.
+    """
+    listen()
+    return _compiled[0]
+
+
 def _on_start(ev: Any) -> None:
     _depth[0] += 1
-    if _depth[0] != 1 or _silent:
+    if _depth[0] != 1:
         return
     f = getattr(ev.data.get("dispatcher"), "py_func", None)
     if not getattr(f, "__module__", "").startswith("pointalign."):
+        return
+    _compiled[0] += 1
+    if _silent:
         return
     scope = _scope[0] if _scope else None
     if scope is not None and scope.cm is None:
