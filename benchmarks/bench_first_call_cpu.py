@@ -6,7 +6,8 @@ Each measurement runs in fresh child processes with an empty numba cache (a new
 
 * ``cold``: ``pointalign warmup`` (what ``make demo`` runs first), then ``pointalign demo``,
   then a fresh process's first ``register()`` on the bundled pair, then
-  ``pointalign warmup --all`` (the other methods' kernels) on the same cache. Per step the
+  ``pointalign warmup --all`` (the other methods' kernels) on the same cache, and
+  ``pointalign warmup --all`` once more on an empty cache (every method's kernels). Per step the
   wall seconds and the CPU seconds (user + system of the child and its workers: the
   warm-up compiles in parallel processes), repeated ``--repeat`` times; the machine's load
   average is recorded beside them (a shared machine's other work inflates wall time, less
@@ -213,6 +214,12 @@ def main() -> None:
             if not a.skip_all:
                 r = _timed(cli + ["-q", "warmup", "--device", "cpu", "--all"], env)
                 _row(rec, a.label, run, "warmup --all (after the above)",
+                     "pointalign warmup --all", r)
+        if not a.skip_all:  # every method's kernels from an empty cache
+            with tempfile.TemporaryDirectory() as tmp:
+                env = dict(os.environ, NUMBA_CACHE_DIR=f"{tmp}/numba")
+                r = _timed(cli + ["-q", "warmup", "--device", "cpu", "--all"], env)
+                _row(rec, a.label, run, "warmup --all (empty cache)",
                      "pointalign warmup --all", r)
     if a.make is not None:
         _make_demo(rec, a.label, a.make)
