@@ -144,14 +144,14 @@ def _module(kernel: str) -> str:
     return "numba (overloads)" if kernel.startswith("numba.") else kernel.split(".")[0]
 
 
-def _make_demo(rec, label: str, torch_index: str) -> None:
-    """``make demo`` end to end in a fresh copy of HEAD: with pip, then without it."""
+def _make_demo(rec, label: str, torch_index: str, ref: str) -> None:
+    """``make demo`` end to end in a fresh copy of ``ref``: with pip, then without it."""
     import shutil
 
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         tree.mkdir()
-        archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True,
+        archive = subprocess.run(["git", "archive", ref], cwd=ROOT, capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
         env = {k: v for k, v in os.environ.items()
@@ -177,6 +177,7 @@ def main() -> None:
                     "src/pointalign/kernels/compile_manifest.json")
     ap.add_argument("--skip-all", action="store_true", help="no `pointalign warmup --all`")
     ap.add_argument("--skip-cold", action="store_true", help="no cold sequence")
+    ap.add_argument("--ref", default="HEAD", help="the commit --make builds (default HEAD)")
     ap.add_argument("--make", metavar="TORCH_INDEX", default=None,
                     help="also `make demo TORCH_INDEX=...` in a fresh copy of HEAD (git "
                          "archive): with pip (a new .venv), then again with numba's cache "
@@ -222,7 +223,7 @@ def main() -> None:
                 _row(rec, a.label, run, "warmup --all (empty cache)",
                      "pointalign warmup --all", r)
     if a.make is not None:
-        _make_demo(rec, a.label, a.make)
+        _make_demo(rec, a.label, a.make, a.ref)
     if a.compile_table:
         rec.tables["compile"] = [r for r in rec.tables.get("compile", [])
                                  if r.get("label") != a.label]
