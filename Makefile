@@ -1,7 +1,8 @@
 # The README's two commands: `make demo` and `make test`. Each creates (or reuses) the
 # virtual environment in .venv and installs what it needs first, with pip's progress shown.
 #   make demo  -> the library and its command line only (pip install -e ".[cli]"), then
-#                 `pointalign warmup` (the kernels compiled once, with a progress bar)
+#                 `pointalign warmup` (register()'s kernels compiled once, with a progress
+#                 bar; `pointalign warmup --all`: every method's)
 #   make test  -> plus the test tools (".[dev]": pytest, hypothesis, ruff, Triton for the
 #                 kernels' interpreter tests, matplotlib/plotly/selenium for the viewer)
 #   make docs  -> the documentation: guides, tutorials, API reference (mkdocs build --strict
@@ -45,7 +46,7 @@ $(DOCS): $(DEMO) pyproject.toml
 	touch $(DOCS)
 
 demo: $(DEMO)
-	@echo "== compiling pointalign's kernels once for this machine (kept in numba's and Triton's disk caches; on a CPU one process per core, about a minute on 2 cores)"
+	@echo "== compiling the kernels of register() (the demo's, a first register()'s) once for this machine (kept in numba's and Triton's disk caches; on a CPU in one process per core, about 25 s on 2 cores); other methods compile on first use (announced) or with pointalign warmup --all"
 	$(BIN)/pointalign warmup
 	$(BIN)/pointalign demo
 

@@ -1,19 +1,21 @@
 """Compile what a device needs before the first real call: ``pointalign warmup``.
 
 A fresh machine pays for compilation on its first calls: numba compiles the CPU kernels
-(about a minute on 2 cores) and Triton the GPU kernels (about 20 s); both are cached on
-disk afterwards, so this is paid once per machine. :func:`warmup` runs each public method
-once on the bundled bunny pair, with a progress bar, so that the cost is paid at
-installation (``make demo`` runs it) rather than inside a user's first registration.
+and Triton the GPU kernels (about 20 s); both are cached on disk afterwards, so this is
+paid once per machine. :func:`warmup` runs public methods once on the bundled bunny pair,
+with a progress bar, so that the cost is paid at installation (``make demo`` runs it)
+rather than inside a user's first call. By default it warms what the demo and a first
+``register()`` need (:data:`DEMO_STEPS`); ``every_method=True`` (``pointalign warmup
+--all``) every public method. A method not warmed compiles on its first use, announced with
+its estimate and a bar (:func:`pointalign.kernels._numba.first_use`).
 
-numba compiles on one thread per process, so on a CPU whose cache is still empty the steps
-are shared out over one worker process per core (each compiles the kernels of its steps and
-writes them to the common disk cache; a kernel two steps share may be compiled twice, side
-by side), and one of them first compiles register()'s RANSAC kernels (:data:`AHEAD`) so
-that the worker running register() finds them cached. The gain is the second core's: on
-the shared 2-core development machine (issue 23) a cold ``make demo`` took 47 s with the
-machine nearly idle (load ~2-4), while under load ~6 the workers only share the busy cores
-(137-141 s serial, 143-149 s in workers).
+numba compiles on one thread per process, so on a CPU where the steps' kernels are not
+cached yet the kernels themselves are shared out over one worker process per core: the
+compile manifest (:data:`pointalign.kernels._numba.MANIFEST`) lists, per step, every kernel
+with its argument types and its measured compile seconds; the pending ones go to the pool
+longest first (each worker takes the next kernel when it is free: a longest-processing-
+time schedule), each compiled once and written to the common disk cache. The steps then
+run in this process and load them (anything the manifest missed compiles there).
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ from pointalign import _progress, _validate, datasets
 #: points of the subsampled pair for the annealing methods (their kernels do not change
 #: with the size; the full scans would only spend time)
 SOFT_POINTS = 1500
+
+#: the steps a plain ``pointalign warmup`` runs: what ``pointalign demo`` (register()) and
+#: a first register() need; ``--all`` runs every step of :func:`_steps`
+DEMO_STEPS = ("register",)
+
+#: seconds of pending compile work below which a second process would not pay for itself
+#: (a worker's start imports torch: ~1.5 s)
+PARALLEL_MIN_S = 8.0
 
 
 def _steps(device: torch.device) -> list[tuple[str, Callable[[], Any]]]:
@@ -57,113 +67,108 @@ def _steps(device: torch.device) -> list[tuple[str, Callable[[], Any]]]:
     ]
 
 
-#: the parallel CPU warm-up's first job beside ``register``: the kernels of register()'s late
-#: stages (RANSAC's feature matches, its compatibility graph, the scoring grid: ~15 s of
-#: compiler CPU) compiled on small random inputs of the same types, so that they are in the
-#: cache by the time the worker running register() reaches them
-AHEAD = "register's RANSAC kernels (ahead)"
+def _compile(kernel: str, args: str) -> float:
+    """Worker process: compile (or load) ``kernel`` for ``args``; its seconds."""
+    from pointalign.kernels import _numba
 
-
-def _ransac_ahead() -> None:
-    """Compile register()'s RANSAC kernels on random float32 inputs (their types there).
-
-    The signatures were checked against a cold register()'s compile log
-    (``benchmarks/bench_first_call.py --compile-table``): the same types, so the worker
-    running register() loads these from the cache instead of compiling them again.
-    """
-    from pointalign.kernels import ransac
-
-    g = torch.Generator().manual_seed(0)
-    fs, ft = torch.rand(64, 33, generator=g), torch.rand(80, 33, generator=g)
-    ransac.feature_matches(fs, ft, 2, backward=True)
-    ps, pt = torch.rand(40, 3, generator=g), torch.rand(40, 3, generator=g)
-    ransac.second_order_of_points(ps, pt, 0.01)
-    from pointalign.search import build_index
-
-    pts = torch.rand(500, 3, generator=g)
-    T = torch.eye(4).repeat(8, 1, 1)
-    T[:, :3, 3] = 0.01 * torch.rand(8, 3, generator=g)
-    ransac.score_transforms(T, pts, build_index(pts), 0.05, with_matches=True)
-
-
-def _run_step(name: str, device: str) -> float:
-    """Worker process: run the step ``name`` of :func:`_steps` on ``device``; its seconds."""
-    dev = torch.device(device)
-    call = _ransac_ahead if name == AHEAD else dict(_steps(dev))[name]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        t = time.perf_counter()
-        call()
+    t = time.perf_counter()
+    d, sig = _numba.dispatcher(kernel), _numba.signature(args)
+    if d is not None and sig is not None:
+        d.compile(sig)
     return time.perf_counter() - t
 
 
-def default_workers(device: torch.device) -> int:
-    """Return the processes a warm-up uses: one per core on a cold CPU cache, else 1.
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
 
-    With kernels already cached a step takes a fraction of a second and a worker's start
-    (importing torch) would cost more than it saves; Triton compiles in the one process.
+
+def default_workers(device: torch.device, steps: tuple[str, ...] = DEMO_STEPS) -> int:
+    """Return the processes a warm-up uses: one per core (at most 4), or 1.
+
+    One per core on the CPU where the ``steps``' pending kernels take over
+    :data:`PARALLEL_MIN_S` to compile, else 1. With the kernels already cached a step
+    takes a fraction of a second and a worker's start (importing torch) would cost more
+    than it saves; Triton compiles in the one process.
     """
     from pointalign.kernels import _numba
 
-    if device.type != "cpu" or not _numba.available() or _numba.cached_kernels() > 0:
+    if device.type != "cpu" or not _numba.available():
         return 1
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else (os.cpu_count() or 1), 4))
+    if sum(s for _, _, s in _numba.pending(steps)) < PARALLEL_MIN_S:
+        return 1
+    return max(1, min(_cores(), 4))
 
 
-def _parallel(names: list[str], dev: torch.device, workers: int,
-              bar: Any) -> dict[str, float]:
-    """Run the named steps in ``workers`` spawned processes, longest (the first) first."""
+def _parallel(todo: list[tuple[str, str, float]], workers: int, bar: Any) -> float:
+    """Compile the kernels ``todo`` in ``workers`` spawned processes, longest first."""
     import concurrent.futures as cf
     import multiprocessing
 
-    seconds: dict[str, float] = {}
-    order = list(names)
-    if dev.type == "cpu" and "register" in order:  # register()'s late kernels beside it
-        order.insert(order.index("register") + 1, AHEAD)
+    t = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")  # no forked numba/torch thread pools
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        jobs = {pool.submit(_run_step, name, str(dev)): name for name in order}
+        jobs = [pool.submit(_compile, kernel, args) for kernel, args, _ in todo]
         for job in cf.as_completed(jobs):
-            seconds[jobs[job]] = job.result()
-            if jobs[job] in names:
-                bar.advance()
-    return {name: seconds[name] for name in names}
+            job.result()
+            bar.advance()
+    return time.perf_counter() - t
 
 
-def warmup(device: str | torch.device | None = None, *,
-           quiet: bool | None = None, workers: int | None = None) -> dict[str, float]:
-    """Run every public method once on ``device`` so that its kernels are compiled and cached.
+def warmup(device: str | torch.device | None = None, *, quiet: bool | None = None,
+           workers: int | None = None, every_method: bool = False) -> dict[str, float]:
+    """Run public methods once on ``device`` so that their kernels are compiled and cached.
 
     Args:
         device: "cpu", "cuda" or a torch.device (default: CUDA when present, else the CPU).
         quiet: True: no progress bar; None: a bar on a terminal only.
-        workers: processes that run the steps side by side (default
-            :func:`default_workers`: one per core, at most 4, where numba's cache is empty
-            on the CPU, else 1: this process).
+        workers: processes that compile the CPU kernels side by side (default
+            :func:`default_workers`: one per core, at most 4, where numba's cache lacks
+            several seconds of them, else 1: this process).
+        every_method: False: what the demo and a first ``register()`` need
+            (:data:`DEMO_STEPS`); True: every public method (the others otherwise compile
+            on their first use, announced).
 
     Returns:
-        Seconds spent per method, in the order of the steps (a second warm-up takes a
-        fraction of the first: the kernels then come from the disk caches).
+        Seconds per step, in the order of the steps, after a first entry for the parallel
+        compile where there is one (a second warm-up takes a fraction of the first: the
+        kernels then come from the disk caches).
 
     """
     dev = _validate.resolve_device(device)
+    steps = [(n, c) for n, c in _steps(dev) if every_method or n in DEMO_STEPS]
+    names = tuple(n for n, _ in steps)
     if workers is None:
-        workers = default_workers(dev)
+        workers = default_workers(dev, names)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
+    from pointalign.kernels import _numba
+
+    todo = _numba.pending(names) if workers > 1 and dev.type == "cpu" else []
     seconds: dict[str, float] = {}
-    steps = _steps(dev)
-    with warnings.catch_warnings(), \
-            _progress.task(f"compiling for {dev.type}", total=len(steps), quiet=quiet) as bar:
-        warnings.simplefilter("ignore")  # results on the bundled pair are not the point
-        if workers > 1:
-            return _parallel([name for name, _ in steps], dev, workers, bar)
-        for name, call in steps:
-            t = time.perf_counter()
-            call()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            seconds[name] = time.perf_counter() - t
-            bar.advance()
+    silent, _numba._silent = _numba._silent, True  # the bar below says it
+    try:
+        with warnings.catch_warnings(), \
+                _progress.task(f"compiling for {dev.type}", total=len(todo) + len(steps),
+                               quiet=quiet) as bar:
+            warnings.simplefilter("ignore")  # results on the bundled pair are not the point
+            if todo:
+                seconds[f"{len(todo)} kernels in {workers} processes"] = \
+                    _parallel(todo, workers, bar)
+            missed = _numba.compiles()
+            for name, call in steps:
+                t = time.perf_counter()
+                call()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                seconds[name] = time.perf_counter() - t
+                bar.advance()
+            missed = _numba.compiles() - missed
+    finally:
+        _numba._silent = silent
+    if todo and missed:  # compiled here, serially: the manifest lacks them
+        _progress.logger.info(
+            "warm-up: %d kernels were not in the compile manifest and compiled serially "
+            "(benchmarks/bench_first_call_cpu.py --compile-table --manifest writes it anew)",
+            missed)
     return seconds

@@ -754,19 +754,27 @@ def info() -> None:
 
 
 @command()
-def warmup(ctx: typer.Context, device: DeviceOpt = Device.auto) -> None:
+def warmup(
+    ctx: typer.Context,
+    device: DeviceOpt = Device.auto,
+    every_method: Annotated[bool, typer.Option(
+        "--all", help="every public method's kernels (default: what the demo and a first "
+                      "register() need; the others compile on first use, announced)")] = False,
+) -> None:
     """Compile the kernels a device needs now (once per machine; cached on disk)."""
     from pointalign._warmup import warmup as _warmup
 
     dev = _resolve_device(device)
     level = _level(ctx)
-    _say(level, f"compiling pointalign's kernels for {dev} (once per machine: numba and "
+    what = "every method's kernels" if every_method else \
+        "register()'s kernels, the demo's (other methods: on first use, or --all)"
+    _say(level, f"compiling pointalign's {what} for {dev} (once per machine: numba and "
                 "Triton keep them in their disk caches)")
     t0 = time.perf_counter()
-    seconds = _warmup(dev, quiet=level < 0)
-    wall = time.perf_counter() - t0  # the steps may run side by side: not their sum
+    seconds = _warmup(dev, quiet=level < 0, every_method=every_method)
+    wall = time.perf_counter() - t0
     table = Table(title=f"warm-up on {dev}")
-    table.add_column("method")
+    table.add_column("step")
     table.add_column("seconds", justify="right")
     for name, s in seconds.items():
         table.add_row(name, f"{s:.1f}")

@@ -67,8 +67,7 @@ def backend(x: torch.Tensor | None = None) -> str:
     if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
         return "interpret"
     if (x is None or x.device.type == "cpu") and cpu_available():
-        if not _numba._announced:  # a fresh machine: say that numba compiles now, once
-            _numba.announce_compile()
+        _numba.listen()  # where numba compiles (first use on a machine): say so, once
         return "cpu"
     return "torch"
 

@@ -84,6 +84,12 @@ def _points_kernel(dtype: torch.dtype) -> Any:
     return njit([sig], cache=True, parallel=True)(_horn_points)
 
 
+#: kernels built with their signatures (above), as lazy dispatchers with the same options:
+#: ``pointalign warmup`` compiles one for a signature of its manifest into the same numba
+#: cache entries (:func:`pointalign.kernels._numba.dispatcher`), which the typed one loads
+_TYPED = {"_horn_points": njit(cache=True, parallel=True)(_horn_points)}
+
+
 @njit(cache=True, parallel=True)
 def _horn_sums(mom_all, tie, chunk, T, valid):
     """Pose of every row of ``mom_all (B, 16)`` float64 (the layout of :func:`horn_pose`)."""
