@@ -18,6 +18,7 @@ import triton.language as tl
 from triton import knobs
 
 from pointalign import _math
+from pointalign.kernels import _tl_math as tm
 from pointalign.kernels.features.triton import _cross, neighbour_scatter, smallest_eigenvector
 from pointalign.kernels.knn.triton import nn1_scan, topk_scan
 
@@ -60,9 +61,7 @@ def _probe_kernel(src_ptr, rows_ptr, valid_ptr, T_ptr, soa_ptr, aos_ptr, tlen_pt
     tl.debug_barrier()  # the table is read back by other lanes of this program
     cnt, mx, my, mz, a00, a01, a02, a11, a12, a22 = neighbour_scatter(
         aos_ptr, nb_ptr, grow, rmask, K, pid, BLOCK_N)
-    tr = a00 + a11 + a22
-    fro2 = a00 * a00 + a11 * a11 + a22 * a22 + 2 * (a01 * a01 + a02 * a02 + a12 * a12)
-    spans = 0.5 * (tr * tr - fro2) > eps * fro2  # pointalign._math.spans_plane
+    spans = tm.spans_plane(a00, a01, a02, a11, a12, a22, eps)
     nx, ny, nz = smallest_eigenvector(a00, a01, a02, a11, a12, a22, NEWTON_STEPS)
     w = (ok & spans).to(tl.float64)
     px = yx.to(tl.float64) - tl.load(c_ptr + b * 3 + 0)
