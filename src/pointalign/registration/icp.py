@@ -223,12 +223,13 @@ def _stability_sample(counts: np.ndarray, device: torch.device
     """Each problem's sample of source rows (:func:`_draw_sample`), kept per sizes and device.
 
     The same sizes draw the same rows, so a repeated call (a loop over scans of one size)
-    reuses the device tensors: no draw, no transfer. Read-only.
+    reuses the device tensors: no draw, no transfer. Read-only; the last four size sets are
+    kept (a batch of 256 problems holds ~5 MB).
     """
     return _draw_sample(np.asarray(counts, dtype=np.int64).tobytes(), str(device))
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=4)
 def _draw_sample(counts_key: bytes, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Each problem's sample of source rows: ``rows (B, S)`` int64 and ``valid (B, S)`` bool.
 
