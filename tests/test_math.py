@@ -94,17 +94,17 @@ if triton is not None:
                        20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)]
         g = [tl.load(b_ptr + 6 * pid + k) for k in (0, 1, 2, 3, 4, 5)]
         x, full, usable = tm.least_norm_solve6(A, g, eps, SWEEPS)
-        D, V = tm.eigh6(A, SWEEPS)
+        ev, V = tm.eigh6(A, SWEEPS)
         for k in tl.static_range(6):
             tl.store(o_ptr + 16 * pid + k, x[k])
-            tl.store(o_ptr + 16 * pid + 6 + k, D[7 * k])
+            tl.store(o_ptr + 16 * pid + 6 + k, ev[k])
         tl.store(o_ptr + 16 * pid + 12, tl.where(full, 1.0, 0.0))
         tl.store(o_ptr + 16 * pid + 13, tl.where(usable, 1.0, 0.0))
         # ‖A V − V D‖ for the eigenpairs (row 0 of the residual, enough to pin V)
         res = A[0] * 0.0
         for j in tl.static_range(6):
             e = A[0] * V[j] + A[1] * V[6 + j] + A[2] * V[12 + j] + A[3] * V[18 + j] \
-                + A[4] * V[24 + j] + A[5] * V[30 + j] - V[j] * D[7 * j]
+                + A[4] * V[24 + j] + A[5] * V[30 + j] - V[j] * ev[j]
             res = tl.maximum(res, tl.abs(e))
         tl.store(o_ptr + 16 * pid + 14, res)
 

@@ -6,7 +6,10 @@ helper with its spec element by element (Triton interpreter on CPU, compiled on 
 Triton has no small local arrays, so a small matrix is a tuple of scalars (row-major,
 ``A[i * n + j]``): tuples are unrolled at compile time into straight-line scalar code, one
 register per entry, with no shuffles or layout conversions. Loops over matrix entries use
-``tl.static_range`` or tuple comprehensions over literal index tuples (both unrolled).
+``tl.static_range`` or tuple comprehensions over literal index tuples (both unrolled). The
+6×6 eigen-solver is the exception: its 15 rotations per sweep, unrolled, made a kernel
+that took 6 s to compile, so it holds the matrix in an (8, 8) block and loops over the
+rotations at run time (:func:`jacobi6`).
 Scalars are float64 when the caller passes float64 (the solves); :func:`robust_weight`
 works on float32 blocks.
 
@@ -250,81 +253,90 @@ def _jacobi_coefficients(app, aqq, apq):
 
 
 @triton.jit
-def _rotated_entry(A, k: tl.constexpr, p: tl.constexpr, q: tl.constexpr, c, s, t,
-                   N: tl.constexpr):
-    """Entry k = i·N + j of JᵀAJ for symmetric A (J the (p, q) rotation).
+def _pick(v, idx, k):
+    """``v[k]`` of a small block vector (``idx`` its ``tl.arange``; exact: one term)."""
+    return tl.sum(tl.where(idx == k, v, 0.0), axis=0)
 
-    Off-diagonal entries of rows p, q are read from columns p, q, so that (i, p) and (p, i)
-    are the same expression (compiled once).
+
+@triton.jit
+def _block6(A):
+    """The 36-tuple ``A`` (row-major 6×6) as an (8, 8) float64 block, zero-padded."""
+    r = tl.arange(0, 8)[:, None]
+    c = tl.arange(0, 8)[None, :]
+    M = tl.zeros((8, 8), dtype=tl.float64)
+    for k in tl.static_range(36):
+        M = tl.where((r == k // 6) & (c == k % 6), A[k], M)
+    return M
+
+
+@triton.jit
+def jacobi6(M, SWEEPS: tl.constexpr):
+    """Cyclic Jacobi on a symmetric 6×6 held in an (8, 8) float64 block (zero-padded).
+
+    Returns ``(ev (8,), V (8, 8))``: ``ev[k]`` the eigenvalues (unordered; the two pads 0),
+    ``V[:, k]`` their eigenvectors. Each rotation (p, q) zeroes ``a_pq`` by Golub & Van
+    Loan's Alg. 8.4.2: rows and columns p, q become ``c a_p − s a_q`` and ``s a_p + c a_q``,
+    the pivots ``a_pp − t a_pq`` and ``a_qq + t a_pq`` (an ``a_pq`` below the pivots'
+    float64 resolution is left: rotating it would change nothing). The rotation index runs
+    in a loop, not unrolled: the kernel stays small and compiles in a fraction of a second
+    (unrolled, the 6×6 solve took 6 s to compile). Sweeps stop at ``SWEEPS`` or after one
+    with nothing left to rotate (convergence is quadratic).
     """
-    i: tl.constexpr = k // N
-    j: tl.constexpr = k % N
-    if (i == p and j == q) or (i == q and j == p):
-        return A[k] * 0.0
-    elif i == p and j == p:
-        return A[k] - t * A[p * N + q]
-    elif i == q and j == q:
-        return A[k] + t * A[p * N + q]
-    elif j == p:
-        return c * A[i * N + p] - s * A[i * N + q]
-    elif j == q:
-        return s * A[i * N + p] + c * A[i * N + q]
-    elif i == p:
-        return c * A[j * N + p] - s * A[j * N + q]
-    elif i == q:
-        return s * A[j * N + p] + c * A[j * N + q]
-    else:
-        return A[k]
-
-
-@triton.jit
-def _rotated_vector(V, k: tl.constexpr, p: tl.constexpr, q: tl.constexpr, c, s,
-                    N: tl.constexpr):
-    """Entry k = i·N + j of V J (columns p and q rotated)."""
-    i: tl.constexpr = k // N
-    j: tl.constexpr = k % N
-    if j == p:
-        return c * V[i * N + p] - s * V[i * N + q]
-    elif j == q:
-        return s * V[i * N + p] + c * V[i * N + q]
-    else:
-        return V[k]
-
-
-@triton.jit
-def _eye_entry(z, k: tl.constexpr, N: tl.constexpr):
-    """Entry k = i·N + j of the N×N identity, as ``z``'s type (z = 0)."""
-    if k % (N + 1) == 0:
-        return z + 1.0
-    else:
-        return z
+    i = tl.arange(0, 8)
+    r = i[:, None]
+    c = i[None, :]
+    V = tl.where(r == c, 1.0, 0.0).to(tl.float64)
+    sweep = tl.zeros((), dtype=tl.int32)
+    busy = sweep == 0
+    while (sweep < SWEEPS) & busy:
+        rotated = tl.zeros((), dtype=tl.int32)
+        for p in range(5):
+            for q in range(p + 1, 6):
+                col_p = tl.sum(tl.where(c == p, M, 0.0), axis=1)  # column p, by row
+                col_q = tl.sum(tl.where(c == q, M, 0.0), axis=1)
+                app = _pick(col_p, i, p)
+                aqq = _pick(col_q, i, q)
+                apq = _pick(col_p, i, q)
+                # below the pivots' resolution a rotation would change nothing: skip it
+                big = tl.abs(apq) > 8.7e-19 * tl.sqrt(tl.abs(app) * tl.abs(aqq))
+                rotated += big.to(tl.int32)
+                cs, sn, t = _jacobi_coefficients(app, aqq, tl.where(big, apq, 0.0))
+                new_p = cs * col_p - sn * col_q
+                new_q = sn * col_p + cs * col_q
+                new_p = tl.where(i == p, app - t * apq, tl.where(i == q, 0.0, new_p))
+                new_q = tl.where(i == q, aqq + t * apq, tl.where(i == p, 0.0, new_q))
+                # the same vectors along the other axis (M is kept exactly symmetric)
+                row_p = tl.sum(tl.where(r == c, new_p[:, None], 0.0), axis=0)
+                row_q = tl.sum(tl.where(r == c, new_q[:, None], 0.0), axis=0)
+                M = tl.where(c == p, new_p[:, None], tl.where(c == q, new_q[:, None], M))
+                M = tl.where(r == p, row_p[None, :], tl.where(r == q, row_q[None, :], M))
+                v_p = tl.sum(tl.where(c == p, V, 0.0), axis=1)
+                v_q = tl.sum(tl.where(c == q, V, 0.0), axis=1)
+                V = tl.where(c == p, (cs * v_p - sn * v_q)[:, None],
+                             tl.where(c == q, (sn * v_p + cs * v_q)[:, None], V))
+        sweep += 1
+        busy = rotated > 0
+    ev = tl.sum(tl.where(r == c, M, 0.0), axis=1)
+    return ev, V
 
 
 @triton.jit
 def eigh6(A, SWEEPS: tl.constexpr):
     """Eigen-decomposition of a symmetric 6×6 ``A`` (36-tuple, row-major) by cyclic Jacobi.
 
-    Returns ``(D, V)``: D is A rotated to (numerically) diagonal form, its diagonal
-    ``D[7 k]`` the eigenvalues (unordered), V (36-tuple) the eigenvectors in its columns.
-    ``SWEEPS`` sweeps of the 15 rotations (convergence is quadratic: 8 reach float64
-    round-off for 6×6). The spec is ``_math.eigh6`` (``torch.linalg.eigh``).
+    Returns ``(ev, V)``: ``ev`` the eigenvalues (6-tuple, unordered), ``V`` (36-tuple,
+    row-major) the eigenvectors in its columns (:func:`jacobi6`). The spec is
+    ``_math.eigh6`` (``torch.linalg.eigh``).
     """
-    V = [_eye_entry(A[0] * 0.0, k, 6)
-         for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
-                   20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)]
-    for _ in range(SWEEPS):
-        for p in tl.static_range(6):
-            for q in tl.static_range(p + 1, 6):
-                c, s, t = _jacobi_coefficients(A[p * 7], A[q * 7], A[p * 6 + q])
-                A = [_rotated_entry(A, k, p, q, c, s, t, 6)
-                     for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
-                               18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32,
-                               33, 34, 35)]
-                V = [_rotated_vector(V, k, p, q, c, s, 6)
-                     for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
-                               18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32,
-                               33, 34, 35)]
-    return A, V
+    ev, V = jacobi6(_block6(A), SWEEPS)
+    i = tl.arange(0, 8)
+    r = i[:, None]
+    c = i[None, :]
+    vals = [_pick(ev, i, k) for k in (0, 1, 2, 3, 4, 5)]
+    vecs = [tl.sum(tl.sum(tl.where((r == k // 6) & (c == k % 6), V, 0.0), axis=1), axis=0)
+            for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                      20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)]
+    return vals, vecs
 
 
 @triton.jit
@@ -339,30 +351,22 @@ def least_norm_solve6(A, b, eps, SWEEPS: tl.constexpr):
     tr_t = (A[21] + A[28] + A[35]) / 3.0
     s_r = tl.where(tr_r > 0, 1.0 / tl.sqrt(tl.maximum(tr_r, 1e-300)), 1.0)
     s_t = tl.where(tr_t > 0, 1.0 / tl.sqrt(tl.maximum(tr_t, 1e-300)), 1.0)
-    d = [s_r, s_r, s_r, s_t, s_t, s_t]
-    A = [A[k] * d[k // 6] * d[k % 6]
-         for k in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
-                   20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)]
-    b = [b[i] * d[i] for i in (0, 1, 2, 3, 4, 5)]
-    D, V = eigh6(A, SWEEPS)
-    mx = tl.maximum(tl.maximum(tl.maximum(D[0], D[7]), tl.maximum(D[14], D[21])),
-                    tl.maximum(D[28], D[35]))
-    thr = eps * tl.maximum(mx, 1e-300)
-    full = D[0] > thr
-    some = D[0] > thr
-    y = []  # type: ignore[var-annotated]  # a Triton list: no annotations in @triton.jit code
+    i = tl.arange(0, 8)
+    d = tl.where(i < 3, s_r, tl.where(i < 6, s_t, 0.0))
+    M = _block6(A) * d[:, None] * d[None, :]
+    bv = tl.zeros((8,), dtype=tl.float64)
     for k in tl.static_range(6):
-        keep = D[7 * k] > thr
-        full = full & keep
-        some = some | keep
-        proj = V[k] * b[0] + V[6 + k] * b[1] + V[12 + k] * b[2] + V[18 + k] * b[3] \
-            + V[24 + k] * b[4] + V[30 + k] * b[5]
-        y = y + [tl.where(keep, 1.0 / tl.maximum(D[7 * k], 1e-300), 0.0) * proj]
-    x = [d[i] * (V[6 * i] * y[0] + V[6 * i + 1] * y[1] + V[6 * i + 2] * y[2]
-                 + V[6 * i + 3] * y[3] + V[6 * i + 4] * y[4] + V[6 * i + 5] * y[5])
-         for i in (0, 1, 2, 3, 4, 5)]
-    usable = some
-    for i in tl.static_range(6):
-        usable = usable & _finite(x[i])
-    x = [tl.where(usable, x[i], 0.0) for i in (0, 1, 2, 3, 4, 5)]
+        bv = tl.where(i == k, b[k], bv)
+    ev, V = jacobi6(M, SWEEPS)
+    live = i < 6
+    thr = eps * tl.maximum(tl.max(tl.where(live, ev, float("-inf")), axis=0), 1e-300)
+    keep = live & (ev > thr)
+    full = tl.sum(tl.where(live & ~keep, 1, 0), axis=0) == 0
+    some = tl.sum(tl.where(keep, 1, 0), axis=0) > 0
+    proj = tl.sum(V * (d * bv)[:, None], axis=0)  # Vᵀ (D b), by eigenvector
+    y = tl.where(keep, proj / tl.maximum(ev, 1e-300), 0.0)
+    xv = d * tl.sum(V * y[None, :], axis=1)
+    usable = some & (tl.sum(tl.where(live & ~((xv == xv) & (tl.abs(xv) < float("inf"))),
+                                     1, 0), axis=0) == 0)
+    x = [tl.where(usable, _pick(xv, i, k), 0.0) for k in (0, 1, 2, 3, 4, 5)]
     return x, full & usable, usable

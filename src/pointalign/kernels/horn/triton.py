@@ -140,7 +140,9 @@ def _horn_parts_kernel(mom_ptr, n_parts, T_ptr, valid_ptr, Told_ptr, frozen_ptr,
                 b, T_ptr, valid_ptr, Told_ptr, frozen_ptr, SQUARINGS, True)
 
 
-@triton.jit
+# sizes and outer strides not specialised (divisible by 16 or not): one compilation serves
+# every hypothesis batch (four were compiled in a first register(), about 1 s each)
+@triton.jit(do_not_specialize=("N", "sxb", "sxn", "smb", "smn", "swb"))
 def _horn_kernel(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N,
                  sxb, sxn, sxc, smb, smn, smc, swb, swn,
                  SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):

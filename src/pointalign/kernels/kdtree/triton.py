@@ -180,7 +180,7 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
 # ----------------------------------------------------------------------------- build
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=("b_ptr",))  # a level's bounds: a view at any offset
 def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, BLOCK: tl.constexpr):
     """Axis of largest extent (first on ties, as ``argmax``) of node ``program_id``.
 
