@@ -9,6 +9,11 @@ Three measurements, each in fresh child processes so that nothing is warm by acc
 * ``compile`` (``--compile-table``, CPU): a fresh process with an empty numba cache logs
   every kernel numba compiles during the first ``register()`` (``numba:compile`` events):
   signatures and CPU seconds per kernel;
+* ``--manifest`` (GPU): records the Triton manifest anew
+  (``src/pointalign/kernels/triton_manifest.json``, :mod:`pointalign.kernels._precompile`):
+  each warm-up step in a fresh process with an empty Triton cache logs the specialisation
+  of every kernel it compiles (``register`` also on twelve scan pairs of other sizes), then
+  another fresh process times each one's compile;
 * ``sizes``: one process registers every ordered pair of the Stanford bunny scans (90 calls,
   each scan a different size) one after another, twice; per call it records the wall time
   and the number of Triton kernels compiled during the call (``knobs.runtime``'s compile
@@ -187,10 +192,76 @@ def _child_sizes(device: str, pairs: int) -> dict:
     return {"loops": loops, "later_reprs": later_reprs}
 
 
-def _run_child(what: str, device: str, env: dict, pairs: int) -> dict:
+def _child_record(device: str, step: str) -> dict:
+    """The Triton manifest entries of one warm-up step (empty cache: every kernel compiles)."""
+    import torch
+
+    import pointalign as pa
+    from pointalign import _warmup
+    from pointalign.kernels import _precompile
+
+    dev = torch.device(device)
+    with _precompile.record() as got:
+        dict(_warmup._steps(dev))[step]()
+        if step == "register":  # the size classes of other clouds
+            scans = {k: v.to(dev) for k, v in _scans().items()}
+            names = sorted(scans)
+            for a, b in [(a, b) for a in names for b in names if a != b][::7][:12]:
+                pa.register(scans[a], scans[b], seed=0)
+        torch.cuda.synchronize()
+    return {"entries": got}
+
+
+def _child_time(device: str, path: str) -> dict:
+    """Compile seconds of each entry in the file ``path`` (an empty cache, one by one)."""
+    from triton.runtime import driver
+
+    from pointalign.kernels import _precompile
+
+    target = driver.active.get_current_target()
+    out = []
+    for e in json.loads(Path(path).read_text()):
+        t = time.perf_counter()
+        _precompile.compile_entry(e, target)
+        out.append(round(time.perf_counter() - t, 3))
+    return {"seconds": out}
+
+
+def record_manifest(device: str, tmp: str) -> None:
+    """Record ``triton_manifest.json`` (see the module doc): entries per step, timed."""
+    import torch
+    import triton
+
+    from pointalign import _warmup
+    from pointalign.kernels import _precompile
+
+    steps: dict[str, list] = {}
+    for i, (step, _) in enumerate(_warmup._steps(torch.device(device))):
+        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/record{i}")
+        got = _run_child("record", device, env, 0, step)["entries"]
+        seen: dict[str, dict] = {}
+        for e in got:
+            seen.setdefault(_precompile._key(e), e)
+        steps[step] = list(seen.values())
+    every = {_precompile._key(e): e for v in steps.values() for e in v}
+    path = Path(tmp) / "entries.json"
+    path.write_text(json.dumps(list(every.values())))
+    env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/timing")
+    secs = dict(zip(every, _run_child("time", device, env, 0, str(path))["seconds"],
+                    strict=True))
+    doc = {"triton": triton.__version__,
+           "recorded": "benchmarks/bench_first_call.py --manifest",
+           "steps": {step: [dict(e, seconds=secs[_precompile._key(e)]) for e in v]
+                     for step, v in steps.items()}}
+    _precompile.MANIFEST.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"manifest: {len(every)} kernels, {sum(secs.values()):.1f} s of compiling, "
+          f"longest {max(secs.values()):.2f} s -> {_precompile.MANIFEST}", flush=True)
+
+
+def _run_child(what: str, device: str, env: dict, pairs: int, arg: str | None = None) -> dict:
+    extra = f", {pairs}" if what == "sizes" else (f", {arg!r}" if arg is not None else "")
     code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import bench_first_call as b; "
-            f"print('@@' + json.dumps(b._child_{what}({device!r}"
-            + (f", {pairs}" if what == "sizes" else "") + ")))")
+            f"print('@@' + json.dumps(b._child_{what}({device!r}" + extra + ")))")
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -211,6 +282,8 @@ def main() -> None:
     ap.add_argument("--compile-table", action="store_true",
                     help="CPU: also a fresh process with an empty numba cache that logs what "
                          "the first register() compiles, per kernel (signatures, CPU seconds)")
+    ap.add_argument("--manifest", action="store_true",
+                    help="GPU: record the Triton manifest anew first (see the module doc)")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
     import torch
@@ -219,6 +292,8 @@ def main() -> None:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rec = Recorder("first_call", device, title="First call and new sizes (issue 23)")
     with tempfile.TemporaryDirectory() as tmp:
+        if a.manifest and device == "cuda":
+            record_manifest(device, tmp)
         env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton", NUMBA_CACHE_DIR=f"{tmp}/numba")
         for label in ("cold", "cached"):
             r = _run_child("cold", device, env, a.pairs)

@@ -15,7 +15,9 @@ compile manifest (:data:`pointalign.kernels._numba.MANIFEST`) lists, per step, e
 with its argument types and its measured compile seconds; the pending ones go to the pool
 longest first (each worker takes the next kernel when it is free: a longest-processing-
 time schedule), each compiled once and written to the common disk cache. The steps then
-run in this process and load them (anything the manifest missed compiles there).
+run in this process and load them (anything the manifest missed compiles there). On a GPU
+the Triton manifest does the same for the steps' Triton kernels, in forked processes
+(:mod:`pointalign.kernels._precompile`).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def warmup(device: str | torch.device | None = None, *, quiet: bool | None = Non
         workers = default_workers(dev, names)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
-    from pointalign.kernels import _numba
+    from pointalign.kernels import _numba, _precompile
 
     todo = _numba.pending(names) if workers > 1 and dev.type == "cpu" else []
     seconds: dict[str, float] = {}
@@ -155,6 +157,9 @@ def warmup(device: str | torch.device | None = None, *, quiet: bool | None = Non
             if todo:
                 seconds[f"{len(todo)} kernels in {workers} processes"] = \
                     _parallel(todo, workers, bar)
+            ahead = _precompile.ensure(names, dev)  # GPU: every step's kernels at once
+            if ahead is not None:
+                seconds["Triton kernels in parallel processes"] = ahead
             missed = _numba.compiles()
             for name, call in steps:
                 t = time.perf_counter()

@@ -260,7 +260,7 @@ def _pick(v, idx, k):
 
 @triton.jit
 def _block6(A):
-    """The 36-tuple ``A`` (row-major 6×6) as an (8, 8) float64 block, zero-padded."""
+    """Return the 36-tuple ``A`` (row-major 6×6) as an (8, 8) float64 block, zero-padded."""
     r = tl.arange(0, 8)[:, None]
     c = tl.arange(0, 8)[None, :]
     M = tl.zeros((8, 8), dtype=tl.float64)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads, _validate, estimate
-from pointalign.kernels import _loop, _numba
+from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import gicp as _kg
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge, checks
@@ -278,7 +278,7 @@ def _voxel_sizes(voxel_size: Any) -> tuple[float, ...]:
     return (_validate.positive(voxel_size, "voxel_size"),)
 
 
-@_numba.first_use("gicp")
+@_first_use.first_use("gicp")
 @_threads.per_call
 @_validate.out_of_memory_is_clear
 def gicp(

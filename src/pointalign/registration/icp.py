@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pointalign import _math, _progress, _threads, _validate, estimate, transforms
-from pointalign.kernels import _loop, _numba, features, normal_eq
+from pointalign.kernels import _first_use, _loop, features, normal_eq
 from pointalign.kernels import ransac as _kr
 from pointalign.kernels import stability as probe
 from pointalign.registration import _edge, checks
@@ -451,7 +451,7 @@ def _normals(target: Any, target_normals: Any, pair: _edge.Pair,
     return normals[:1].expand_as(pair.target) if pair.shared_target else normals
 
 
-@_numba.first_use("icp (point-to-point)", "icp (point-to-plane)")
+@_first_use.first_use("icp (point-to-point)", "icp (point-to-plane)")
 @_threads.per_call
 @_validate.out_of_memory_is_clear
 def icp(

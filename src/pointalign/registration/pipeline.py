@@ -46,7 +46,7 @@ from pointalign.features.outliers import (
     robust_voxel_size,
     stray_fraction,
 )
-from pointalign.kernels import _loop, _numba
+from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
@@ -146,7 +146,7 @@ class Prepared(NamedTuple):
     features: torch.Tensor
 
 
-@_numba.first_use("register")
+@_first_use.first_use("register")
 @_threads.per_call
 @_validate.out_of_memory_is_clear
 def register(

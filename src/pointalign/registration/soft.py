@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pointalign import _progress, _threads, _validate
-from pointalign.kernels import _loop, _numba
+from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import soft as ksoft
 from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
@@ -209,7 +209,7 @@ def _run(algorithm: str, t_start: float, prog: Annealing, pair: _edge.Pair,
                               stability=stab)
 
 
-@_numba.first_use("emicp")
+@_first_use.first_use("emicp")
 @_threads.per_call
 @_validate.out_of_memory_is_clear
 def emicp(
@@ -343,7 +343,7 @@ def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) ->
             "approximation": passes.info()}
 
 
-@_numba.first_use("softassign")
+@_first_use.first_use("softassign")
 @_threads.per_call
 @_validate.out_of_memory_is_clear
 def softassign(

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads, _validate
-from pointalign.kernels import _loop, _numba
+from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import surface as _ks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
@@ -223,7 +223,7 @@ class _NewtonRules:
         return inl / n, math.sqrt(max(inl_obj, 0.0) / inl) if inl > 0 else math.inf
 
 
-@_numba.first_use("surface_newton")
+@_first_use.first_use("surface_newton")
 @_threads.per_call
 @_validate.out_of_memory_is_clear
 def surface_newton(

@@ -1,0 +1,278 @@
+"""Triton's first use on a machine: the recorded kernels compiled side by side, ahead.
+
+Triton compiles a kernel on its first launch, in the calling thread, one after another
+(0.2-1.5 s each, most of it Python in Triton's front end: threads would not overlap). A
+first ``register()`` on a fresh GPU machine launches about 20, so it used to take 17 s.
+The Triton manifest (:data:`MANIFEST`, ``triton_manifest.json``) lists, per warm-up step
+(:data:`pointalign._warmup.DEMO_STEPS` and the other methods), each kernel's
+specialisation as a device run recorded it: argument types, constexprs, divisibility
+attributes, ``num_warps``/``num_stages``, and its compile seconds. Before a public method's
+first GPU call in a process, :func:`ensure` compiles the step's kernels that are missing in
+forked child processes (one per core, longest first) into Triton's own disk cache; the
+launches then find them there. A marker file in that cache says it is done, so later
+processes pay one ``stat``.
+
+Where the manifest does not apply (another Triton version than the one that recorded it,
+the interpreter, no ``fork``), nothing happens: the kernels compile on first launch as
+before. A specialisation the manifest lacks (a new size class) also compiles on launch.
+``benchmarks/bench_first_call.py --manifest`` records the manifest anew on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+MANIFEST = Path(__file__).with_name("triton_manifest.json")
+
+#: the launch options kept from a recording (the rest are the local backend's defaults)
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
+            "launch_cooperative_grid", "launch_pdl", "debug", "sanitize_overflow")
+
+_done: set[tuple[str, ...]] = set()  # steps ensured in this process
+logger = logging.getLogger("pointalign")
+
+
+def manifest() -> dict[str, Any]:
+    """Return the manifest: ``{"triton": version, "steps": {step: [entry, ...]}}``."""
+    try:
+        doc = json.loads(MANIFEST.read_text())
+    except (OSError, ValueError):
+        return {"triton": None, "steps": {}}
+    return doc if isinstance(doc, dict) and isinstance(doc.get("steps"), dict) \
+        else {"triton": None, "steps": {}}
+
+
+def entries(steps: Sequence[str]) -> list[dict[str, Any]]:
+    """Return the manifest's entries for ``steps`` (each once), longest first."""
+    seen: dict[str, dict[str, Any]] = {}
+    for step in steps:
+        for e in manifest()["steps"].get(step, []):
+            seen.setdefault(_key(e), e)
+    return sorted(seen.values(), key=lambda e: -float(e.get("seconds", 1.0)))
+
+
+def _key(entry: dict[str, Any]) -> str:
+    spec = {k: v for k, v in entry.items() if k != "seconds"}
+    return json.dumps(spec, sort_keys=True)
+
+
+# ---- compiling one entry (in a child process: no CUDA calls) -----------------------------
+
+def _jit_function(path: str) -> Any:
+    """Return the ``JITFunction`` named ``module:name`` (lazily jitted ones included)."""
+    from triton.runtime.jit import JITFunction
+
+    module_name, name = path.split(":")
+    module = importlib.import_module(module_name)
+    obj = getattr(module, name)
+    if isinstance(obj, JITFunction):
+        return obj
+    for getter in ("_kernels", "_kernel"):  # the modules that jit per interpreter mode
+        made = getattr(module, getter, None)
+        found = made() if callable(made) else None
+        for k in (found.values() if isinstance(found, dict) else [found]):
+            if isinstance(k, JITFunction) and k.fn is obj:
+                return k
+    raise LookupError(f"no Triton kernel {path}")
+
+
+def _tuples(v: Any) -> Any:
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def _constant(v: Any) -> Any:
+    import triton.language as tl
+
+    if isinstance(v, str) and tl.dtype.is_dtype(v):
+        return tl.dtype(v)
+    if isinstance(v, dict) and "constexpr" in v:
+        return tl.constexpr(_tuples(v["constexpr"]))
+    if isinstance(v, dict) and "jit_function" in v:
+        return _jit_function(v["jit_function"])
+    return _tuples(v)
+
+
+def compile_entry(entry: dict[str, Any], target: Any) -> None:
+    """Compile one manifest ``entry`` for ``target`` into Triton's disk cache.
+
+    The same source, specialisation and options as the launch would compile (as Triton's
+    own ``JITFunction.preload`` rebuilds them), so the launch finds the result.
+    """
+    import triton
+    from triton.compiler import ASTSource, make_backend
+
+    fn = _jit_function(entry["kernel"])
+    constexprs = {tuple(k): _constant(v) for k, v in entry["constexprs"]}
+    attrs = {tuple(k): v for k, v in entry["attrs"]}
+    signature = {k: _tuples(v) for k, v in entry["signature"].items()}
+    options = make_backend(target).parse_options(dict(entry["options"]))
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                   options=options.__dict__)
+
+
+# ---- the parallel compile ------------------------------------------------------------------
+
+def _cache_dir() -> Path:
+    from triton import knobs
+
+    d = getattr(getattr(knobs, "cache", None), "dir", None) \
+        or os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache"
+    return Path(d)
+
+
+def _marker(todo: list[dict[str, Any]], target: Any) -> Path:
+    import triton
+
+    h = hashlib.sha256(json.dumps([triton.__version__, repr(target)]
+                                  + [_key(e) for e in todo]).encode()).hexdigest()[:32]
+    return _cache_dir() / "pointalign-precompiled" / h
+
+
+def _bins(todo: list[dict[str, Any]], workers: int) -> list[list[dict[str, Any]]]:
+    """Longest-processing-time schedule: each entry to the least loaded worker."""
+    bins: list[list[dict[str, Any]]] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for e in todo:  # longest first
+        w = load.index(min(load))
+        bins[w].append(e)
+        load[w] += float(e.get("seconds", 1.0))
+    return [b for b in bins if b]
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+
+
+def compile_forked(todo: list[dict[str, Any]], target: Any,
+                   workers: int | None = None) -> bool:
+    """Compile ``todo`` in forked children, one per core; True when every child succeeded.
+
+    A child compiles only (no CUDA calls: the parent may have initialised CUDA, which a
+    forked child must not use) and leaves with ``os._exit``.
+    """
+    bins = _bins(todo, max(1, min(workers or _cores(), len(todo))))
+    pids = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
+        for part in bins:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover (the child)
+                code = 0
+                try:
+                    for e in part:
+                        compile_entry(e, target)
+                except BaseException:
+                    code = 1
+                os._exit(code)
+            pids.append(pid)
+    ok = True
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        ok = ok and os.waitstatus_to_exitcode(status) == 0
+    return ok
+
+
+def _applies(device: Any) -> Any:
+    """Return the Triton target to compile for (None: the manifest does not apply)."""
+    import torch
+
+    from pointalign.kernels import _backend
+
+    if getattr(device, "type", None) != "cuda" or not hasattr(os, "fork") \
+            or _backend.backend(torch.empty(0, device=device)) != "triton":
+        return None
+    import triton
+
+    if manifest().get("triton") != triton.__version__:
+        return None
+    from triton.runtime import driver
+
+    return driver.active.get_current_target()
+
+
+def ensure(steps: Sequence[str], device: Any) -> float | None:
+    """Compile the manifest's kernels of ``steps`` for ``device`` ahead of their launch.
+
+    Once per machine (a marker per step in Triton's cache) and once per process (a set);
+    says so when it compiles. Returns the seconds spent compiling, or None where nothing was to do.
+    """
+    key = tuple(steps)
+    if key in _done:
+        return None
+    _done.add(key)
+    try:
+        target = _applies(device)
+        if target is None:
+            return None
+        markers = {step: _marker(entries([step]), target) for step in steps}
+        pending = [step for step, m in markers.items() if not m.exists()]
+        todo = entries(pending)
+        if not todo:
+            return None
+        from pointalign import _progress
+        from pointalign.kernels import _numba
+
+        workers = min(_cores(), len(todo))
+        seconds = [float(e.get("seconds", 1.0)) for e in todo]
+        estimate = max(max(seconds), sum(seconds) / workers)
+        what = (f"first use on this machine: Triton compiles {len(todo)} GPU kernels in "
+                f"{workers} processes, once")
+        if not _progress.announce(what, estimate, stacklevel=_numba._user_stacklevel()):
+            logger.info("%s (%s)", what, _progress.describe_seconds(estimate))
+        t = time.perf_counter()
+        if compile_forked(todo, target, workers):
+            for step in pending:
+                markers[step].parent.mkdir(parents=True, exist_ok=True)
+                markers[step].write_text(json.dumps({"step": step}))
+        return time.perf_counter() - t
+    except Exception as exc:  # an optimisation only: the launches compile what is missing
+        logger.debug("Triton precompile skipped: %r", exc)
+        return None
+
+
+# ---- recording the manifest (on a GPU machine) -------------------------------------------
+
+@contextlib.contextmanager
+def record() -> Iterator[list[dict[str, Any]]]:
+    """Collect the entry of every Triton kernel this process compiles inside the block.
+
+    Triton reports a kernel the first time this process launches it with a new
+    specialisation (``knobs.runtime.jit_cache_hook``); record each step in a fresh process.
+    """
+    from triton import knobs
+
+    got: list[dict[str, Any]] = []
+
+    def hook(*, key: Any, repr: Any, fn: Any, compile: Any, **_: Any) -> bool:
+        spec = json.loads(compile["specialization_data"])
+        if not spec["name"].startswith("pointalign."):
+            return False
+        module, name = spec["name"].rsplit(".", 1)
+        got.append({
+            "kernel": f"{module}:{name}",
+            "signature": spec["signature"],
+            "constexprs": [[k, v] for k, v in zip(spec["constant_keys"],
+                                                  spec["constant_vals"], strict=True)],
+            "attrs": [[k, v] for k, v in zip(spec["attrs_keys"], spec["attrs_vals"],
+                                             strict=True)],
+            "options": {k: spec["options"][k] for k in _OPTIONS if k in spec["options"]},
+        })
+        return False
+
+    old = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield got
+    finally:
+        knobs.runtime.jit_cache_hook = old
