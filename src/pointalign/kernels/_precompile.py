@@ -102,11 +102,12 @@ def _constant(v: Any) -> Any:
     return _tuples(v)
 
 
-def compile_entry(entry: dict[str, Any], target: Any) -> None:
+def compile_entry(entry: dict[str, Any], target: Any, launcher: bool = False) -> None:
     """Compile one manifest ``entry`` for ``target`` into Triton's disk cache.
 
     The same source, specialisation and options as the launch would compile (as Triton's
-    own ``JITFunction.preload`` rebuilds them), so the launch finds the result.
+    own ``JITFunction.preload`` rebuilds them), so the launch finds the result; with
+    ``launcher`` also the kernel's launcher (on a GPU machine, whose driver is loaded).
     """
     import triton
     from triton.compiler import ASTSource, make_backend
@@ -116,8 +117,16 @@ def compile_entry(entry: dict[str, Any], target: Any) -> None:
     attrs = {tuple(k): v for k, v in entry["attrs"]}
     signature = {k: _tuples(v) for k, v in entry["signature"].items()}
     options = make_backend(target).parse_options(dict(entry["options"]))
-    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                   options=options.__dict__)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                            options=options.__dict__)
+    if launcher:
+        # Triton versions that build a C launcher per signature (gcc, ~0.3 s) cache it on
+        # the kernel's first load: build it here too (no CUDA call: it is only compiled;
+        # where that fails, e.g. no driver, the first load builds it)
+        with contextlib.suppress(Exception):
+            from triton.runtime import driver
+
+            driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
 # ---- the parallel compile ------------------------------------------------------------------
@@ -171,7 +180,7 @@ def compile_forked(todo: list[dict[str, Any]], target: Any,
                 code = 0
                 try:
                     for e in part:
-                        compile_entry(e, target)
+                        compile_entry(e, target, launcher=True)
                 except BaseException:
                     code = 1
                 os._exit(code)
