@@ -18,6 +18,8 @@ from pointalign.kernels import _numba, _precompile
 P = ParamSpec("P")
 R = TypeVar("R")
 
+_depth = [0]  # public calls in progress (register() calls icp(): its kernels are register's)
+
 
 def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Return the call's compute device as the method resolves it (None: it cannot)."""
@@ -36,8 +38,12 @@ def first_use(*steps: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            if steps not in _precompile._done:
+            if not _depth[0] and steps not in _precompile._done:
                 _precompile.ensure(steps, _device(args, kwargs))
-            return inner(*args, **kwargs)
+            _depth[0] += 1  # a nested public call: the outer step's manifest covers it
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                _depth[0] -= 1
         return wrapper
     return deco

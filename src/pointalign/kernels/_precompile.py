@@ -163,6 +163,23 @@ def _cores() -> int:
         else (os.cpu_count() or 1)
 
 
+def _prepare(todo: list[dict[str, Any]], target: Any) -> None:
+    """Do once, before forking, what every child would otherwise do again.
+
+    Triton's own key (a hash of its sources and library: ~0.3 s), the backend and its
+    hash (``ptxas --version``), and each kernel's source hash.
+    """
+    from triton.compiler import make_backend
+
+    with contextlib.suppress(Exception):  # where this Triton keeps it
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+    make_backend(target).hash()
+    for e in todo:
+        _ = _jit_function(e["kernel"]).cache_key
+
+
 def compile_forked(todo: list[dict[str, Any]], target: Any,
                    workers: int | None = None) -> bool:
     """Compile ``todo`` in forked children, one per core; True when every child succeeded.
@@ -171,6 +188,8 @@ def compile_forked(todo: list[dict[str, Any]], target: Any,
     forked child must not use) and leaves with ``os._exit``.
     """
     bins = _bins(todo, max(1, min(workers or _cores(), len(todo))))
+    with contextlib.suppress(Exception):
+        _prepare(todo, target)
     pids = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
