@@ -8,6 +8,8 @@ sums them in float32 registers and writes one partial row. A second tiny reducti
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -18,10 +20,9 @@ from pointalign.kernels.normal_eq.reference import KERNELS, WIDTH
 BLOCK = 256
 
 
-@triton.jit  # sizes specialised: the per-iteration reduction is hot (cf. grid/triton.py)
-def _normal_eq_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr,
-                      N, M, P, scale,
-                      PLANE: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit
+def _normal_eq_body(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr, N, M, P, scale,
+                    PLANE: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -132,15 +133,37 @@ def _normal_eq_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr,
     tl.store(o + 29, tl.sum(dd * vf, 0))
 
 
-def _strides(B: int, *sizes: int) -> tuple[int, ...]:
-    """Return the kernel's size arguments N, M, P: they only scale the problem index b.
+@triton.jit  # one problem: its sizes rounded to 16 (see _launch), one compiled variant
+def _normal_eq_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr, N, M, P, scale,
+                      PLANE: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    _normal_eq_body(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr, N, M, P, scale,
+                    PLANE, KIND, BLOCK)
 
-    Triton specialises an integer argument on its divisibility by 16, and those hints pay
-    in every iteration, so the sizes stay specialised; for one problem (b = 0, the strides
-    never read) they are rounded up to 16: every single problem, whatever its sizes, runs
-    one compiled variant (the divisible one) instead of compiling one per size class.
+
+# a batch: its sizes are the problems' strides and are not specialised (divisible by 16 or
+# not), so that a batch of any sizes runs one compiled variant (each new size class compiled
+# one, ~1 s, inside a user's call)
+@triton.jit(do_not_specialize=("N", "M", "P"))
+def _normal_eq_batch_kernel(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr, N, M, P,
+                            scale, PLANE: tl.constexpr, KIND: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    _normal_eq_body(x_ptr, y_ptr, n_ptr, idx_ptr, len_ptr, c_ptr, out_ptr, N, M, P, scale,
+                    PLANE, KIND, BLOCK)
+
+
+def _launch(B: int, P: int, *args: Any, **meta: Any) -> None:
+    """Launch the partials kernel on grid (P, B): ``args`` end with N, M, P and the scale.
+
+    N, M and P only scale the problem index b. For one problem (b = 0, the strides never
+    read) they are rounded up to 16 and stay specialised (the divisible variant, one for
+    every size); a batch takes the kernel that does not specialise them.
     """
-    return sizes if B > 1 else tuple(-(-s // 16) * 16 for s in sizes)
+    *head, N, M, P_, scale = args
+    if B > 1:
+        _normal_eq_batch_kernel[(P, B)](*head, N, M, P_, scale, **meta)
+    else:
+        N, M, P_ = (-(-s // 16) * 16 for s in (N, M, P_))
+        _normal_eq_kernel[(P, B)](*head, N, M, P_, scale, **meta)
 
 
 def normal_equations_triton(source: torch.Tensor, target: torch.Tensor, idx: torch.Tensor,
@@ -157,10 +180,9 @@ def normal_equations_triton(source: torch.Tensor, target: torch.Tensor, idx: tor
     c = center.to(torch.float32).contiguous()
     P = max(1, triton.cdiv(N, BLOCK))
     partial = torch.empty(B, P, WIDTH, dtype=torch.float32, device=source.device)
-    _normal_eq_kernel[(P, B)](
-        x, y, n, ix, ln, c, partial, *_strides(B, N, M, P), float(scale),
-        PLANE=target_normals is not None, KIND=KERNELS.index(kernel), BLOCK=BLOCK,
-        num_warps=4)
+    _launch(B, P, x, y, n, ix, ln, c, partial, N, M, P, float(scale),
+            PLANE=target_normals is not None, KIND=KERNELS.index(kernel), BLOCK=BLOCK,
+            num_warps=4)
     return partial.sum(1, dtype=torch.float64)
 
 
@@ -244,10 +266,9 @@ def partials_triton(source, target, idx, target_normals, lengths, center, kernel
     n = target_normals if target_normals is not None else target
     P = max(1, triton.cdiv(N, BLOCK))
     partial = torch.empty(B, P, WIDTH, dtype=torch.float32, device=source.device)
-    _normal_eq_kernel[(P, B)](
-        source, target, n, idx, lengths, center, partial, *_strides(B, N, M, P), float(scale),
-        PLANE=target_normals is not None, KIND=KERNELS.index(kernel), BLOCK=BLOCK,
-        num_warps=4)
+    _launch(B, P, source, target, n, idx, lengths, center, partial, N, M, P, float(scale),
+            PLANE=target_normals is not None, KIND=KERNELS.index(kernel), BLOCK=BLOCK,
+            num_warps=4)
     return partial
 
 
