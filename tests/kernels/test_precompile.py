@@ -134,3 +134,21 @@ def test_a_precompiled_kernel_is_launched_without_compiling(tmp_path, monkeypatc
     torch.cuda.synchronize()
     new = _files(fresh) - n  # kernels and launchers were all there
     assert new == 0, f"{entry['kernel']}: {new} files compiled again at its launch"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_hanging_child_is_stopped_at_the_deadline():
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        time.sleep(60)
+        os._exit(0)
+    t = time.monotonic()
+    assert not _precompile._wait([pid], deadline=t + 0.3)
+    assert time.monotonic() - t < 10
+
+
+def test_precompile_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("POINTALIGN_PRECOMPILE", "0")
+    assert _precompile._applies(torch.device("cuda")) is None

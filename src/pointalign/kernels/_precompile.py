@@ -13,8 +13,9 @@ launches then find them there. A marker file in that cache says it is done, so l
 processes pay one ``stat``.
 
 Where the manifest does not apply (another Triton version than the one that recorded it,
-the interpreter, no ``fork``), nothing happens: the kernels compile on first launch as
-before. A specialisation the manifest lacks (a new size class) also compiles on launch.
+the interpreter, no ``fork``, ``POINTALIGN_PRECOMPILE=0``), nothing happens: the kernels
+compile on first launch as before. A specialisation the manifest lacks (a new size
+class) also compiles on launch.
 ``benchmarks/bench_first_call.py --manifest`` records the manifest anew on a GPU machine.
 """
 
@@ -26,6 +27,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -37,6 +39,10 @@ MANIFEST = Path(__file__).with_name("triton_manifest.json")
 #: the launch options kept from a recording (the rest are the local backend's defaults)
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
             "launch_cooperative_grid", "launch_pdl", "debug", "sanitize_overflow")
+
+#: seconds after which the children still compiling are stopped (the launches compile the
+#: rest): a fresh 16-core machine takes ~2 s
+TIMEOUT_S = 120.0
 
 _done: set[tuple[str, ...]] = set()  # steps ensured in this process
 logger = logging.getLogger("pointalign")
@@ -204,10 +210,32 @@ def compile_forked(todo: list[dict[str, Any]], target: Any,
                     code = 1
                 os._exit(code)
             pids.append(pid)
-    ok = True
-    for pid in pids:
-        _, status = os.waitpid(pid, 0)
-        ok = ok and os.waitstatus_to_exitcode(status) == 0
+    return _wait(pids, deadline=time.monotonic() + TIMEOUT_S)
+
+
+def _wait(pids: list[int], deadline: float) -> bool:
+    """Reap the children; True when all exited 0.
+
+    Past ``deadline`` the rest are killed: a child that hangs (e.g. on a lock another
+    thread held at the fork) must not hang the call.
+    """
+    ok, left = True, set(pids)
+    while left:
+        for pid in list(left):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                left.discard(pid)
+                ok = ok and os.waitstatus_to_exitcode(status) == 0
+        if left and time.monotonic() > deadline:
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+            logger.info("Triton precompile: %d processes timed out and were stopped",
+                        len(left))
+            return False
+        if left:
+            time.sleep(0.01)
     return ok
 
 
@@ -218,6 +246,7 @@ def _applies(device: Any) -> Any:
     from pointalign.kernels import _backend
 
     if getattr(device, "type", None) != "cuda" or not hasattr(os, "fork") \
+            or os.environ.get("POINTALIGN_PRECOMPILE", "1") == "0" \
             or _backend.backend(torch.empty(0, device=device)) != "triton":
         return None
     import triton
