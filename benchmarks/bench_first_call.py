@@ -237,7 +237,7 @@ def record_manifest(device: str, tmp: str) -> None:
 
     steps: dict[str, list] = {}
     for i, (step, _) in enumerate(_warmup._steps(torch.device(device))):
-        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/record{i}")
+        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/record{i}", POINTALIGN_PRECOMPILE="0")
         got = _run_child("record", device, env, 0, step)["entries"]
         seen: dict[str, dict] = {}
         for e in got:
@@ -246,7 +246,7 @@ def record_manifest(device: str, tmp: str) -> None:
     every = {_precompile._key(e): e for v in steps.values() for e in v}
     path = Path(tmp) / "entries.json"
     path.write_text(json.dumps(list(every.values())))
-    env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/timing")
+    env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/timing", POINTALIGN_PRECOMPILE="0")
     secs = dict(zip(every, _run_child("time", device, env, 0, str(path))["seconds"],
                     strict=True))
     doc = {"triton": triton.__version__,

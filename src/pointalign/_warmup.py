@@ -1,8 +1,8 @@
 """Compile what a device needs before the first real call: ``pointalign warmup``.
 
 A fresh machine pays for compilation on its first calls: numba compiles the CPU kernels
-and Triton the GPU kernels (about 20 s); both are cached on disk afterwards, so this is
-paid once per machine. :func:`warmup` runs public methods once on the bundled bunny pair,
+and Triton the GPU kernels; both are cached on disk afterwards, so this is paid once per
+machine. :func:`warmup` runs public methods once on the bundled bunny pair,
 with a progress bar, so that the cost is paid at installation (``make demo`` runs it)
 rather than inside a user's first call. By default it warms what the demo and a first
 ``register()`` need (:data:`DEMO_STEPS`); ``every_method=True`` (``pointalign warmup
