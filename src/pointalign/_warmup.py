@@ -63,6 +63,7 @@ def _steps(device: torch.device) -> list[tuple[str, Callable[[], Any]]]:
                                                 method="point_to_plane")),
         ("gicp", lambda: pa.gicp(src, tgt, init=init, device=device,
                                  max_correspondence_distance=0.005)),
+        ("vgicp", lambda: pa.vgicp(src, tgt, init=init, device=device, voxel_size=0.005)),
         ("emicp", lambda: pa.emicp(small_s, small_t, init=init, device=device)),
         ("softassign", lambda: pa.softassign(small_s, small_t, init=init, device=device)),
         ("surface_newton", lambda: pa.surface_newton(src, tgt, init=init, device=device)),

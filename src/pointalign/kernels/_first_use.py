@@ -28,7 +28,10 @@ def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
         return _validate.resolve_device(kwargs.get("device"), source=args[0] if args else None)
     except Exception:  # the method reports bad input itself
-        return None
+        try:
+            return _validate.resolve_device(kwargs.get("device"))
+        except Exception:
+            return None
 
 
 def first_use(*steps: str) -> Callable[[Callable[P, R]], Callable[P, R]]:

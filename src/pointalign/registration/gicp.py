@@ -386,6 +386,7 @@ def gicp(
     return levels.result(clock, t_start, info)
 
 
+@_first_use.first_use("vgicp")
 @_threads.per_call
 @_validate.out_of_memory_is_clear
 def vgicp(
