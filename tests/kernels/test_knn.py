@@ -353,6 +353,22 @@ def test_keyed_lists_not_for_float64_or_non_finite(backend):
     assert not _knn_cpu.CpuTree(p)._keyable
 
 
+
+@pytest.mark.parametrize("n", [1, 37, 900])
+@cpu_only
+def test_tree_build_does_not_depend_on_its_serial_levels(backend, seed, n):
+    """_build's serial top levels (set by the threads) change no node; inv inverts perm."""
+    p = _cloud_np(seed, n, np.float32)
+    depth = max(0, math.ceil(math.log2(max(1.0, n / 4))))
+    want = _knn_cpu._build(p, depth, 0)
+    for top in (1, 2, 3, depth + 2):
+        got = _knn_cpu._build(p, depth, top)
+        for a, b in zip(got, want, strict=True):
+            assert np.array_equal(a, b)
+    perm, spts, inv = want[0], want[1], want[6]
+    assert np.array_equal(inv[perm], np.arange(n)) and np.array_equal(spts, p[perm])
+    assert [_knn_cpu._top_levels(t) for t in (1, 2, 3, 4, 16)] == [0, 2, 3, 3, 5]
+
 def _branchy_boxd2(q0, q1, q2, bmin, bmax, v):
     """The box distance adding only the positive gaps (the form _boxd2 must equal)."""
     d = q0 - q0

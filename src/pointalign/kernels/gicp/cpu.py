@@ -125,9 +125,10 @@ def _knn_covariances(pts, perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, eps,
         u = f.view(np.uint32)
         row = np.empty(k, np.int64)
         leaf = first_leaf + t
+        lk = np.empty(hi[leaf] - lo[leaf], np.uint64)
         for j0 in range(lo[leaf], hi[leaf]):
             cnt = _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, first_leaf, stack, sd,
-                            k, kb, max_d2, f, u)
+                            k, kb, lk, max_d2, f, u)
             for s in range(cnt):
                 row[s] = np.int64(kb[s] & _LOW32)
             for s in range(cnt, k):

@@ -28,7 +28,12 @@ Box distances are computed without branches (:func:`_boxd2`).
 Layout: a balanced implicit tree (node ``v`` has children ``2v+1`` and ``2v+2``) built by
 median splits along the widest side of each node's box (quickselect), ``depth`` levels,
 leaves of at most ``leaf_size`` points stored contiguously (``spts``, with ``perm`` the
-original index of each stored point).
+original index of each stored point and ``inv`` its inverse), in one parallel region (the
+top levels serially, then one subtree per work item).
+
+A self-query starts each point's list from its own leaf by rank (:func:`_rank_keys`: the
+leaf's keys counted against each other, no insertion shifts), then walks up as before:
+-15 % CPU for k = 20 on the KITTI and bunny clouds, the same answers.
 
 Contract (the answers of the brute-force :func:`pointalign.kernels.knn.knn_reference`):
 squared distances are computed in the points' dtype as ``(q-p)_x² + (q-p)_y² + (q-p)_z²``;
@@ -100,8 +105,41 @@ def _box(pts, perm, lo, hi, bmin, bmax, v):
                 bmax[v, d] = x
 
 
+@njit(cache=True, inline="always")
+def _split_node(pts, perm, lo, hi, bmin, bmax, v, split):
+    """Node v's box; with ``split``, its median split along the box's widest side."""
+    a, b = lo[v], hi[v]
+    if b > a:
+        _box(pts, perm, a, b, bmin, bmax, v)
+    else:  # empty node (only when n < 2**depth): a box no query reaches
+        for d in range(3):
+            bmin[v, d] = np.inf
+            bmax[v, d] = -np.inf
+    if split:
+        m = (a + b) // 2
+        if b - a > 1:
+            ax = 0
+            w = bmax[v, 0] - bmin[v, 0]
+            for d in range(1, 3):
+                if bmax[v, d] - bmin[v, d] > w:
+                    w = bmax[v, d] - bmin[v, d]
+                    ax = d
+            # int64, not the literal 0 typing may see first: one signature
+            _select(perm, pts, a, b, m, np.int64(ax))
+        lo[2 * v + 1], hi[2 * v + 1] = a, m
+        lo[2 * v + 2], hi[2 * v + 2] = m, b
+
+
 @njit(cache=True, parallel=True)
-def _build(pts, depth):
+def _build(pts, depth, top):
+    """Build the tree in one parallel region: levels ``< top`` serially, then the subtrees.
+
+    Each node is split as it always was (the same boxes, medians and ``perm``: the tree
+    does not depend on ``top`` or the threads); the ``2**top`` subtrees under level
+    ``top`` are built level by level inside one ``prange`` item each, which also copies
+    their points to ``spts`` and fills ``inv`` (``inv[perm[s]] = s``). One parallel region
+    instead of one per level: on a busy machine each region waits for its slowest thread.
+    """
     n = pts.shape[0]
     nnodes = (1 << (depth + 1)) - 1
     perm = np.arange(n).astype(np.int64)
@@ -109,37 +147,26 @@ def _build(pts, depth):
     hi = np.zeros(nnodes, np.int64)
     bmin = np.empty((nnodes, 3), pts.dtype)
     bmax = np.empty((nnodes, 3), pts.dtype)
-    hi[0] = n
-    for level in range(depth + 1):
-        first = (1 << level) - 1
-        count = 1 << level
-        for t in prange(count):
-            v = first + t
-            a, b = lo[v], hi[v]
-            if b > a:
-                _box(pts, perm, a, b, bmin, bmax, v)
-            else:  # empty node (only when n < 2**depth): a box no query reaches
-                for d in range(3):
-                    bmin[v, d] = np.inf
-                    bmax[v, d] = -np.inf
-            if level < depth:
-                m = (a + b) // 2
-                if b - a > 1:
-                    ax = 0
-                    w = bmax[v, 0] - bmin[v, 0]
-                    for d in range(1, 3):
-                        if bmax[v, d] - bmin[v, d] > w:
-                            w = bmax[v, d] - bmin[v, d]
-                            ax = d
-                    # int64, not the literal 0 typing may see first: one signature
-                    _select(perm, pts, a, b, m, np.int64(ax))
-                lo[2 * v + 1], hi[2 * v + 1] = a, m
-                lo[2 * v + 2], hi[2 * v + 2] = m, b
     spts = np.empty((n, 3), pts.dtype)
-    for i in prange(n):
-        for d in range(3):
-            spts[i, d] = pts[perm[i], d]
-    return perm, spts, lo, hi, bmin, bmax
+    inv = np.empty(n, np.int64)
+    hi[0] = n
+    top = min(top, depth)
+    for level in range(top):
+        for v in range((1 << level) - 1, (1 << (level + 1)) - 1):
+            _split_node(pts, perm, lo, hi, bmin, bmax, v, True)
+    for t in prange(1 << top):
+        for level in range(top, depth + 1):
+            width = 1 << (level - top)
+            first = (1 << level) - 1 + t * width
+            for v in range(first, first + width):
+                _split_node(pts, perm, lo, hi, bmin, bmax, v, level < depth)
+        root = (1 << top) - 1 + t
+        for i in range(lo[root], hi[root]):
+            p = perm[i]
+            inv[p] = i
+            for d in range(3):
+                spts[i, d] = pts[p, d]
+    return perm, spts, lo, hi, bmin, bmax, inv
 
 
 @njit(cache=True, inline="always")
@@ -427,17 +454,60 @@ def _emit_keys(kb, cnt, k, out_d, out_i, row, f, u):
         out_i[row, s] = -1
 
 
+_NOKEY = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
 @njit(cache=True, inline="always")
-def _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, first_leaf, stack, sd, k, kb, max_d2,
-              f, u):
+def _rank_keys(q0, q1, q2, perm, spts, a, b, k, kb, lk, max_d2, f, u):
+    """Start the keyed list ``kb`` from the stored points ``a:b`` at once, by rank.
+
+    The keys of the points within ``max_d2`` go to ``lk`` (the others get the largest
+    key); a key's rank is the number of keys below it (keys are distinct: the index is in
+    them), and the ``k`` lowest go straight to their places. The list and the bound equal
+    :func:`_scan_key`'s over the same points from an empty list (the ``k`` lowest keys, in
+    order), without its insertion shifts and their mispredicted branches: one scan of the
+    query's own leaf of the self-query, whose points all enter an empty list. Returns
+    ``(cnt, bound)`` as :func:`_scan_key`.
+    """
+    m = b - a
+    for j in range(a, b):
+        e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+        dd = e0 * e0 + e1 * e1 + e2 * e2
+        f[0] = dd
+        key = (np.uint64(u[0]) << _SHIFT) | np.uint64(perm[j])
+        lk[j - a] = key if dd <= max_d2 else _NOKEY
+    cnt = 0
+    for i in range(m):
+        key = lk[i]
+        if key == _NOKEY:
+            continue
+        cnt += 1
+        r = 0
+        for j in range(m):
+            r += np.int64(lk[j] < key)
+        if r < k:
+            kb[r] = key
+    bound = max_d2
+    if cnt >= k:
+        cnt = k
+        u[1] = np.uint32(kb[k - 1] >> _SHIFT)
+        bound = f[1]
+    return cnt, bound
+
+
+@njit(cache=True, inline="always")
+def _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, first_leaf, stack, sd, k, kb, lk,
+              max_d2, f, u):
     """Put the k nearest of the tree's own point ``j0`` (held by ``leaf``) into the keys ``kb``.
 
-    Its leaf first, then, on the way up, each sibling subtree the current bound does not rule
-    out (the self-query's order). Returns how many keys were kept. Inlined into its callers
+    Its leaf first (:func:`_rank_keys`; ``lk`` holds at least the leaf's size), then, on the
+    way up, each sibling subtree the current bound does not rule out (the self-query's
+    order). Returns how many keys were kept. Inlined into its callers
     (:func:`_knn_self_keyed`, the fused GICP covariances), so both compile as one loop.
     """
     q0, q1, q2 = spts[j0, 0], spts[j0, 1], spts[j0, 2]
-    cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, 0, max_d2, f, u)
+    cnt, bound = _rank_keys(q0, q1, q2, perm, spts, lo[leaf], hi[leaf], k, kb, lk, max_d2,
+                            f, u)
     v = leaf
     while v > 0:
         sib = v + 1 if v & 1 else v - 1
@@ -481,10 +551,16 @@ def _knn_self_keyed(perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, out_d, out
         f = np.empty(2, np.float32)
         u = f.view(np.uint32)
         leaf = first_leaf + t
+        lk = np.empty(hi[leaf] - lo[leaf], np.uint64)
         for j0 in range(lo[leaf], hi[leaf]):
             cnt = _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, first_leaf, stack, sd,
-                            k, kb, max_d2, f, u)
+                            k, kb, lk, max_d2, f, u)
             _emit_keys(kb, cnt, k, out_d, out_i, perm[j0], f, u)
+
+
+def _top_levels(threads: int) -> int:
+    """Levels :func:`_build` splits serially: ``2**top >= 2 * threads`` subtrees after them."""
+    return 0 if threads <= 1 else (2 * threads - 1).bit_length()
 
 
 #: use the keyed lists where they apply (tests set False to run the plain reference lists)
@@ -492,17 +568,14 @@ KEYED = True
 
 
 @njit(cache=True, parallel=True)
-def _candidate_lists(perm, d2, idx, k, cand, cand_r2):
+def _candidate_lists(inv, d2, idx, k, cand, cand_r2):
     """:meth:`CpuTree.set_candidates`' lists (stored positions) and bounds, row by row.
 
     ``r2_h = 0.25 (1 − 1e-4) δ²`` in float64, rounded to the points' dtype and stepped
     down once where that rounding went up; 0 for a short row (no (k+1)-th entry), whose
     missing entries point at the row's own point (never read).
     """
-    m = perm.shape[0]
-    inv = np.empty(m, np.int64)
-    for s in prange(m):
-        inv[perm[s]] = s
+    m = inv.shape[0]
     zero = cand_r2.dtype.type(0)
     for h in prange(m):
         if idx[h, k] < 0:
@@ -542,9 +615,8 @@ class CpuTree:
         m = pts.shape[0]
         self.depth = max(0, math.ceil(math.log2(max(1.0, m / int(leaf_size)))))
         self.points = pts
-        _threads.numba_threads()
-        (self.perm, self.spts, self.lo, self.hi, self.bmin,
-         self.bmax) = _build(pts, self.depth)
+        (self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax,
+         self.inv) = _build(pts, self.depth, _top_levels(_threads.numba_threads()))
         self._keyable = bool(pts.dtype == np.float32 and m < 2**32 and np.isfinite(pts).all())
 
     def set_candidates(self, d2: np.ndarray, idx: np.ndarray, k: int = 8,
@@ -577,7 +649,7 @@ class CpuTree:
         self._cand = np.empty((m, k), pos_t)
         self._cand_r2 = np.empty(m, self.points.dtype)
         _threads.numba_threads()
-        _candidate_lists(self.perm, np.ascontiguousarray(d2), np.ascontiguousarray(idx), k,
+        _candidate_lists(self.inv, np.ascontiguousarray(d2), np.ascontiguousarray(idx), k,
                          self._cand, self._cand_r2)
         return True
 
