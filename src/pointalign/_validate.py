@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -302,8 +303,13 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
         return
     if t.numel() and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).any(dim=-1).sum()) if t.dim() > 1 else -1
-        what = f"{bad} rows contain" if bad >= 0 else "contains"
-        raise ValueError(f"{name}: {what} NaN or Inf values")
+        raise _not_finite(name, bad)
+
+
+def _not_finite(name: str, bad: int) -> ValueError:
+    """Make the error of :func:`_check_finite`: ``bad`` rows hold NaN/Inf (-1: 1-D)."""
+    what = f"{bad} rows contain" if bad >= 0 else "contains"
+    return ValueError(f"{name}: {what} NaN or Inf values")
 
 
 def as_points(
@@ -328,6 +334,16 @@ def as_points(
         ValueError: wrong shape, too few points, NaN/Inf.
 
     """
+    t = _points_shape(x, name, min_points, dtype)
+    if device is not None:
+        t = t.to(as_device(device))
+    _check_finite(name, t)
+    return t
+
+
+def _points_shape(x: Any, name: str, min_points: int, dtype: torch.dtype | None
+                  ) -> torch.Tensor:
+    """:func:`as_points`' checks before the device and the NaN/Inf scan (same errors)."""
     t = _to_tensor(name, x)
     if t.dim() != 2 or t.shape[-1] != 3:
         raise ValueError(f"{name}: expected shape (N, 3), got {tuple(t.shape)}")
@@ -337,11 +353,104 @@ def as_points(
         raise ValueError(
             f"{name}: this operation needs at least {min_points} points, got {t.shape[0]}"
         )
-    t = _float(name, t, dtype)
-    if device is not None:
-        t = t.to(as_device(device))
-    _check_finite(name, t)
-    return t
+    return _float(name, t, dtype)
+
+
+class ManyPoints(NamedTuple):
+    """What :func:`as_points_many` returns (see there)."""
+
+    points: torch.Tensor
+    clouds: list[torch.Tensor | ValueError | TypeError]
+    shaped: list[bool]
+    dtypes: list[torch.dtype | None]
+
+
+def as_points_many(
+    xs: Sequence[Any],
+    names: Sequence[str],
+    *,
+    min_points: int = 1,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    cat_dtype: torch.dtype | None = None,
+) -> ManyPoints:
+    """:func:`as_points` of many clouds at once: one copy to the device, one NaN/Inf scan.
+
+    Each ``xs[i]`` is checked as ``as_points(xs[i], names[i], min_points=min_points,
+    dtype=dtype)`` checks it, and gets the same error where that raises (the shape, dtype
+    and size checks first, then NaN/Inf, skipped inside :func:`trusted`); the clouds that
+    pass are concatenated in ``cat_dtype`` (default: the promotion of their dtypes, which
+    holds each exactly), moved to ``device`` in one copy and scanned for NaN/Inf in one pass
+    (a row count per cloud only where something is not finite). The inputs are not
+    modified.
+
+    Args:
+        xs: the clouds (arrays, tensors, PointClouds, …: what :func:`as_points` takes).
+        names: each cloud's argument name, for its error.
+        min_points: fewest points a cloud may have.
+        device: the device of the result (default: the first valid cloud's; clouds
+            elsewhere are copied there).
+        dtype: as :func:`as_points` (None: float32/float64 kept, others promoted to
+            float32).
+        cat_dtype: the concatenation's dtype.
+
+    Returns:
+        :class:`ManyPoints`: ``points (R, 3)``, the rows of the clouds that passed the shape
+        checks concatenated in order on the device; ``clouds``: per cloud its ``(n_i, 3)``
+        view of ``points`` or the exception :func:`as_points` would have raised for it;
+        ``shaped``: per cloud whether it passed the shape, dtype and size checks (its rows
+        are in ``points``; an error of such a cloud is the NaN/Inf one); ``dtypes``: the
+        dtype :func:`as_points` returns for each such cloud (None for the others).
+
+    """
+    if len(xs) != len(names):
+        raise ValueError(f"names: expected {len(xs)} names (one per cloud), got {len(names)}")
+    results: list[torch.Tensor | ValueError | TypeError] = []
+    parts: list[torch.Tensor] = []
+    for x, name in zip(xs, names, strict=True):
+        try:
+            t = _points_shape(x, name, min_points, dtype)
+        except (ValueError, TypeError) as exc:
+            results.append(exc)
+            continue
+        results.append(t)
+        parts.append(t)
+    shaped = [not isinstance(r, Exception) for r in results]
+    dtypes = [r.dtype if isinstance(r, torch.Tensor) else None for r in results]
+    dev = as_device(device) if device is not None else (
+        parts[0].device if parts else torch.device("cpu"))
+    if cat_dtype is None:
+        cat_dtype = functools.reduce(torch.promote_types, {t.dtype for t in parts},
+                                     torch.float32)
+    if not parts:
+        return ManyPoints(torch.zeros(0, 3, dtype=cat_dtype, device=dev), results, shaped,
+                          dtypes)
+    homes = {t.device for t in parts}
+    rows = sum(int(t.shape[0]) for t in parts)
+    if len(homes) == 1:  # one concatenation where they live, then one copy
+        cat = torch.empty((rows, 3), dtype=cat_dtype, device=parts[0].device)
+        torch.cat(parts, out=cat)
+        cat = cat.to(dev)
+    else:
+        cat = torch.cat([t.to(dev, cat_dtype) for t in parts])
+    sizes = [int(t.shape[0]) for t in parts]
+    views = list(torch.split(cat, sizes))
+    bad: list[int] | None = None
+    if not _TRUSTED.get() and cat.numel():
+        ok = torch.isfinite(cat).all(1)
+        if not bool(ok.all()):
+            own = torch.repeat_interleave(torch.arange(len(sizes), device=dev),
+                                          torch.tensor(sizes, device=dev),
+                                          output_size=len(ok))
+            bad = torch.zeros(len(sizes), dtype=torch.int64, device=dev).index_add_(
+                0, own, (~ok).to(torch.int64)).tolist()
+    j = 0
+    for i, r in enumerate(results):
+        if isinstance(r, Exception):
+            continue
+        results[i] = views[j] if bad is None or not bad[j] else _not_finite(names[i], bad[j])
+        j += 1
+    return ManyPoints(cat, results, shaped, dtypes)
 
 
 def as_batch(
@@ -374,6 +483,8 @@ def as_batch(
         if not all(hasattr(c, "shape") or hasattr(c, "points") or hasattr(c, "point")
                    or hasattr(c, "__dlpack__") for c in x):
             x = _to_tensor(name, x)
+        elif device is not None:  # every cloud to one device: checked all at once
+            return _as_batch_list(x, name, min_points, device, dtype)
         else:
             clouds = [as_points(c, f"{name}[{i}]", min_points=min_points, device=device,
                                 dtype=dtype) for i, c in enumerate(x)]
@@ -423,6 +534,35 @@ def as_batch(
             f"got lengths {lens.tolist()}"
         )
     return t, lens, True
+
+
+def _as_batch_list(x: Sequence[Any], name: str, min_points: int,
+                   device: str | torch.device, dtype: torch.dtype | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """:func:`as_batch` of a list of clouds moved to ``device``: the same result and errors.
+
+    What the cloud-by-cloud branch gives (each cloud :func:`as_points`'d, the first error in
+    the clouds' order raised, the batch in the promotion of the first and the last cloud's
+    dtypes, zero-padded), by :func:`as_points_many` (one copy, one NaN/Inf scan) and one
+    scatter into the padded batch.
+    """
+    many = as_points_many(x, [f"{name}[{i}]" for i in range(len(x))],
+                          min_points=min_points, device=device, dtype=dtype)
+    for r in many.clouds:
+        if not isinstance(r, torch.Tensor):
+            raise r
+    first, last = many.dtypes[0], many.dtypes[-1]
+    assert first is not None and last is not None
+    sizes = [int(c.shape[0]) for c in many.clouds]  # type: ignore[union-attr]
+    dev, total, n_max = many.points.device, sum(sizes), max(sizes)
+    lens = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev), lens,
+                                    output_size=total)
+    col = torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[owner]
+    out = torch.zeros(len(sizes), n_max, 3, dtype=torch.promote_types(first, last),
+                      device=dev)
+    out.view(-1, 3).index_copy_(0, owner * n_max + col, many.points.to(out.dtype))
+    return out, lens, True
 
 
 def as_vectors(

@@ -17,7 +17,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -293,6 +293,106 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
                 np.asarray(t_counts, dtype=np.int64), frame.to_local(T0), frame, batched,
                 shared, device, T0, host[:, 3].copy(), host[:, 4:7].copy(), eps * world,
                 host[:, 7].copy())
+
+
+class LocalPair(NamedTuple):
+    """One problem of :func:`prepare_pairs`: one source, one target, in the target's frame.
+
+    What :func:`prepare_pair` makes of one ``(N, 3)`` source and one ``(M, 3)`` target,
+    unbatched: ``source``, ``target`` are ``pair.source[0]``, ``pair.target[0]``;
+    ``center`` is ``pair.frame.center[0]``; ``init`` is ``pair.init[0]``.
+    """
+
+    source: torch.Tensor   # (N, 3) float32, local frame
+    target: torch.Tensor   # (M, 3) float32, local frame
+    center: np.ndarray     # (3,) float64, the target's centroid (the caller's coordinates)
+    init: np.ndarray       # (4, 4) float64, the initial estimate in the local frame
+
+
+#: the error of a source or target given as a batch where one cloud each is expected
+ONE_CLOUD_EACH = "source, target: expected one (N, 3) cloud each, got a batch"
+
+
+def prepare_pairs(sources: Sequence[Any], targets: Sequence[Any], inits: Sequence[Any], *,
+                  device: torch.device, min_points: int = 1
+                  ) -> list[LocalPair | ValueError | TypeError]:
+    """:func:`prepare_pair` of many single-cloud problems at once: the same numbers and errors.
+
+    Problem i is ``prepare_pair(sources[i], targets[i], init=inits[i], device=device,
+    min_points=min_points)`` of one ``(N, 3)`` source and one ``(M, 3)`` target (a batch
+    given there: the ValueError :data:`ONE_CLOUD_EACH`); each gets its
+    :class:`LocalPair` or the error ``prepare_pair`` raises for it. The clouds of all
+    problems are checked by :func:`pointalign._validate.as_points_many` (one copy to the
+    device, one NaN/Inf scan for all), each target's centroid is its own float64 mean, as
+    ``prepare_pair`` takes it (the same reduction: the same bits), and all clouds are
+    shifted and rounded to float32 by one element-wise pass; one transfer brings the
+    centroids to the host. A problem whose clouds do not pass the checks one by one (a
+    wrong shape, a list of clouds, a batch) goes through :func:`prepare_pair` itself, so
+    its error (or its batch) is the one it gives. The inputs are not modified.
+    """
+    n = len(sources)
+    if len(targets) != n or len(inits) != n:
+        raise ValueError(f"targets, inits: expected {n} of each (one per source), got "
+                         f"{len(targets)} and {len(inits)}")
+    out: list[LocalPair | ValueError | TypeError | None] = [None] * n
+    fast = [i for i in range(n)
+            if not isinstance(sources[i], (list, tuple))
+            and not isinstance(targets[i], (list, tuple))]
+    many = _validate.as_points_many([x for i in fast for x in (sources[i], targets[i])],
+                                    ["source", "target"] * len(fast),
+                                    min_points=min_points, device=device,
+                                    cat_dtype=torch.float64)
+    alone = sorted(set(range(n)) - set(fast))   # checked by prepare_pair, one by one
+    good: list[tuple[int, torch.Tensor, torch.Tensor, np.ndarray | None]] = []
+    for j, i in enumerate(fast):
+        s, t = many.clouds[2 * j], many.clouds[2 * j + 1]
+        # prepare_pair checks the source (its shape, then NaN/Inf), then the target
+        if not many.shaped[2 * j] or (not isinstance(s, Exception)
+                                      and not many.shaped[2 * j + 1]):
+            alone.append(i)
+            continue
+        if not isinstance(s, torch.Tensor):
+            out[i] = s
+            continue
+        if not isinstance(t, torch.Tensor):
+            out[i] = t
+            continue
+        try:
+            T0 = None if inits[i] is None else _validate.as_transform(
+                inits[i], "init", batch=None, device="cpu", dtype=torch.float64
+            ).detach().numpy()
+        except (ValueError, TypeError) as exc:
+            out[i] = exc
+            continue
+        good.append((i, s, t, T0))
+    if good:
+        # prepare_pair's float64 centroid of each target (a mean over its own rows: the
+        # same reduction), then every row of every cloud shifted by its problem's centroid
+        # and rounded to float32, in one pass
+        c = torch.stack([t.mean(0) for _, _, t, _ in good])                 # (G, 3)
+        sizes = [int(x.shape[0]) for _, s, t, _ in good for x in (s, t)]
+        both = (many.points if sum(sizes) == many.points.shape[0]
+                else torch.cat([x for _, s, t, _ in good for x in (s, t)]))
+        rows = torch.repeat_interleave(
+            torch.arange(len(good), device=c.device).repeat_interleave(2),
+            torch.tensor(sizes).to(c.device), output_size=sum(sizes))
+        parts = torch.split((both - c[rows]).to(torch.float32), sizes)
+        centers = c.cpu().numpy()                                           # one transfer
+        for g, (i, _, _, T0) in enumerate(good):
+            center = centers[g].copy()
+            init = np.eye(4) if T0 is None else Frame(center[None]).to_local(T0[None])[0]
+            out[i] = LocalPair(parts[2 * g], parts[2 * g + 1], center, init)
+    for i in sorted(alone):
+        try:
+            pair = prepare_pair(sources[i], targets[i], init=inits[i], device=device,
+                                min_points=min_points)
+        except (ValueError, TypeError) as exc:
+            out[i] = exc
+            continue
+        out[i] = ValueError(ONE_CLOUD_EACH) if pair.batched else LocalPair(
+            pair.source[0], pair.target[0], pair.frame.center[0].copy(), pair.init[0])
+    assert all(o is not None for o in out)
+    return out  # type: ignore[return-value]
 
 
 #: the normals a cloud carries (a PointCloud's, an Open3D cloud's): defined in

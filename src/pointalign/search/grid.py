@@ -98,6 +98,9 @@ class VoxelGridIndex:
         self._max_cells = max_cells
         self.grid = _grid.grid_build(self.points, cell_size, max_cells=max_cells)
         self.cell_size = self.grid.radius
+        # max_cells grew the cells (grid_build grows them by at least 1 + 1e-6): a finer
+        # grid over this box would be grown as much
+        self._capped = self.cell_size > float(cell_size) * (1 + 1e-6)
         self._grids: dict[float, _grid.GridData] = {}
         self._fine_cell: float | None = None
         occupied = int((self.grid.cell_start[1:] > self.grid.cell_start[:-1]).sum())
@@ -123,11 +126,15 @@ class VoxelGridIndex:
         A bound larger than the cell size: a grid with cells of the bound. A bound of at most
         half the cell size: a finer grid (cells halved, not below the density-based size, so
         a shrinking ICP schedule builds at most a few grids), when its certified radius still
-        covers the bound. Otherwise the grid itself.
+        covers the bound. Otherwise the grid itself, and always where ``max_cells`` grew this
+        grid's cells (a grid over a wide, sparse box such as a
+        :class:`~pointalign.search.packed.PackedIndex`'s lattice): a finer one over the same
+        box would be grown back to about the same cells, so neither the density-based size
+        (a pass and a sort over all points) nor that grid is made.
         """
         if bound > self.cell_size:
             return self._grid_for(bound)
-        if bound <= self.cell_size / 2:
+        if bound <= self.cell_size / 2 and not self._capped:
             if self._fine_cell is None:
                 self._fine_cell = auto_cell_size(self.points)
             j = int(math.floor(math.log2(self.cell_size / max(bound, self._fine_cell))))

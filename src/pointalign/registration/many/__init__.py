@@ -4,7 +4,10 @@ On one device the pairs run chunk by chunk (``chunk_size`` pairs), and inside a 
 through the stages of :func:`~pointalign.registration.pipeline.register` (the same
 functions, so the same options and the same rules):
 
-1. **read** each cloud (paths are read here, on the worker that runs the chunk);
+1. **read** each cloud (paths are read here, on the worker that runs the chunk), then
+   check all of the chunk's clouds and move them to their local frames at once
+   (:func:`~pointalign.registration._edge.prepare_pairs`: one copy to the device, one
+   NaN/Inf scan, ``prepare_pair``'s numbers and errors pair by pair);
 2. **global stage**: on a GPU, batched for the chunk's pairs without an ``init``
    (:mod:`.batched_prepare`, :mod:`.batched_ransac`: the voxel edges v and stray decisions
    of all pairs by a few host synchronisations, one downsampling sort, one packed

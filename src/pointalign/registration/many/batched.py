@@ -8,7 +8,8 @@ number of voxels for all pairs): :mod:`.batched_prepare` (v, strays, downsamplin
 and FPFH), :mod:`.batched_ransac` (RANSAC's rounds and the compatibility-graph proposals)
 and, for the local stages, :mod:`.batched_local`. What they share lives here: the padding
 (:func:`_pad`), one packed index over a group's clouds (:func:`_packed`), the scores of
-motions through it (:func:`_score`) and the index the local stages read (:func:`index_of`).
+motions through it (:func:`_score`) and the index the local stages read (:func:`index_of`,
+:func:`indexes_of` for a group).
 
 What stays per pair: each cloud's index for the local stages (brute force on a GPU: no
 build); a target holding duplicated points (its normals); the per-pair Python loops that
@@ -32,6 +33,7 @@ import torch
 from pointalign.kernels import ransac as _kr
 from pointalign.registration.options import Options as _Options
 from pointalign.search import build_index, policy
+from pointalign.search.brute import BruteForceIndex
 from pointalign.search.packed import PackedIndex
 
 #: None: the batched stage on a GPU, per pair on the CPU; True/False: always/never
@@ -62,10 +64,22 @@ def batched_local(device: torch.device) -> bool:
 
 
 def _pad(clouds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(C, max n, D)`` zero-padded and the lengths ``(C,)`` int64 on the device."""
+    """``(C, max n, D)`` zero-padded and the lengths ``(C,)`` int64 on the device.
+
+    ``pad_sequence``'s result, by one concatenation and one scatter (it copies cloud by
+    cloud: a launch per cloud on a GPU).
+    """
     dev = clouds[0].device
-    out = torch.nn.utils.rnn.pad_sequence(list(clouds), batch_first=True)
-    return out, torch.tensor([c.shape[0] for c in clouds], dtype=torch.int64, device=dev)
+    sizes = [int(c.shape[0]) for c in clouds]
+    total, m = sum(sizes), max(sizes)
+    n = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    flat = torch.cat(list(clouds))
+    out = flat.new_zeros((len(sizes), m, *flat.shape[1:]))
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev), n,
+                                    output_size=total)
+    col = torch.arange(total, device=dev) - (torch.cumsum(n, 0) - n)[owner]
+    out.view(len(sizes) * m, *flat.shape[1:]).index_copy_(0, owner * m + col, flat)
+    return out, n
 
 
 def _packed(points: torch.Tensor, lengths: list[int], distance: float) -> PackedIndex:
@@ -103,3 +117,18 @@ def _score(T: torch.Tensor, prob: torch.Tensor, src: torch.Tensor, n_src: torch.
 def index_of(down: torch.Tensor) -> Any:
     """Return the index over ``down (n, 3)`` the local stages read (as ``_prepare_cloud``)."""
     return build_index(down)
+
+
+def indexes_of(downs: Sequence[torch.Tensor]) -> list[Any]:
+    """:func:`index_of` of each cloud of a group (one device): the same indexes.
+
+    The search policy is asked once for the group's device (:func:`~pointalign.search.
+    policy.search_plan`) and per cloud by its pure rule (:func:`~pointalign.search.policy.
+    index_method`, no bound: brute force on a GPU up to ``AUTO_BRUTE_MAX_POINTS``, made
+    directly, no build); any other choice (a tree) is built by :func:`index_of`.
+    """
+    if not downs:
+        return []
+    plan = policy.search_plan(downs[0])
+    return [BruteForceIndex(d) if policy.index_method(plan, int(d.shape[0])) == "brute"
+            else index_of(d) for d in downs]

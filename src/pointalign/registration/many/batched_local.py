@@ -23,7 +23,7 @@ from pointalign.kernels.features import pca_normals
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.icp import icp
-from pointalign.registration.many.batched import _packed, _pad, _score, index_of
+from pointalign.registration.many.batched import _packed, _pad, _score, index_of, indexes_of
 from pointalign.registration.many.batched_prepare import _facing, scaled
 from pointalign.registration.pipeline import (
     FULL_NORMAL_NEIGHBOURS,
@@ -119,7 +119,7 @@ def final_clouds_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.T
 
     The full clouds of every pair divided by its v in one launch
     (:func:`.batched_prepare.scaled`: the same division, bit for bit); each target's index
-    as per pair (:func:`.batched.index_of`: brute force on a GPU, no build); the targets'
+    as per pair (:func:`.batched.indexes_of`: brute force on a GPU, no build); the targets'
     normals (``refine="point_to_plane"``) of all pairs by :func:`normals_many`.
     ``scales.normal_radius``: the radius of every pair (one number of voxels).
     """
@@ -129,8 +129,8 @@ def final_clouds_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.T
     normals: list[torch.Tensor | None] = [None] * len(tgts)
     if refine != "gicp":
         normals = list(normals_many(tgts, scales.normal_radius, FULL_NORMAL_NEIGHBOURS))
-    return [FinalClouds(s, t, index_of(t), nt)
-            for s, t, nt in zip(srcs, tgts, normals, strict=True)]
+    return [FinalClouds(s, t, i, nt)
+            for s, t, i, nt in zip(srcs, tgts, indexes_of(tgts), normals, strict=True)]
 
 
 def normals_many(clouds: Sequence[torch.Tensor], radius: float, k: int) -> list[torch.Tensor]:

@@ -143,7 +143,8 @@ def global_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
                             stable=True).indices
             o2 = torch.sort(prob[o1], stable=True).indices
             order = o1[o2]
-            counts = torch.bincount(prob, minlength=B)
+            counts = torch.zeros(B, dtype=torch.int64, device=dev).index_add_(  # no sync
+                0, prob, torch.ones_like(prob))
             first = torch.cumsum(counts, 0) - counts
             rank = torch.arange(order.shape[0], device=dev) - first[prob[order]]
             take = passed[order] & (rank < max_val)

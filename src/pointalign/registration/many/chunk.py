@@ -57,32 +57,17 @@ def run_chunk(part: Sequence[tuple[int, PairSpec]], opts: _Options, device: torc
     works = [_Work(i, spec, _empty_row(i, spec.name)) for i, spec in part]
     clock = _loop.Clock(device)
     with single:
-        pairs: dict[int, _edge.Pair] = {}
-        for w in works:
-            t = time.perf_counter()
-            try:
-                s_in, t_in = _read(w.spec.source), _read(w.spec.target)
-                t_io = time.perf_counter()
-                pair = _edge.prepare_pair(s_in, t_in, init=w.spec.init, device=device,
-                                          min_points=3)
-                if pair.batched:
-                    raise ValueError("source, target: expected one (N, 3) cloud each, got a "
-                                     "batch")
-                w.row["read_s"] = time.perf_counter() - t
-                # no synchronisation: the prepare part is the host's (its copies may run on)
-                w.row["read_stages"] = {"io": t_io - t, "prepare": w.row["read_s"] - t_io + t}
-                pairs[id(w)] = pair
-            except (ValueError, TypeError, OSError) as exc:
-                _fail(w, exc, on_error)
+        pairs = _read_chunk(works, device, on_error)
         fresh = [w for w in works if id(w) in pairs and w.spec.init is None]
         batched = fresh if _batched.applies(opts, device, len(fresh)) else []
+        chosen = {id(w) for w in batched}
         for w in works:
-            if id(w) not in pairs or w in batched:
+            if id(w) not in pairs or id(w) in chosen:
                 continue
             t = time.perf_counter()
             try:
                 pair = pairs[id(w)]
-                size = max(pair.source.shape[1], pair.target.shape[1])
+                size = max(pair.source.shape[0], pair.target.shape[0])
                 with _validate.trusted(), _serial(device, size):
                     _global_stage(w, pair, opts, clock)
                 w.row["global_s"] = time.perf_counter() - t
@@ -109,6 +94,43 @@ def run_chunk(part: Sequence[tuple[int, PairSpec]], opts: _Options, device: torc
             w.row["local_stages"] = {k: v / len(live) for k, v in parts.items()}
         w.row["total_s"] = w.row["read_s"] + w.row["global_s"] + w.row["local_s"]
     return [w.row for w in works]
+
+
+def _read_chunk(works: list[_Work], device: torch.device, on_error: str
+                ) -> dict[int, _edge.LocalPair]:
+    """Read every pair's clouds, then check and prepare them all at once (by ``id(work)``).
+
+    Each file is read here (``read.io``, per pair); the clouds of the whole chunk are
+    checked and moved to their local frames by one :func:`~pointalign.registration._edge.
+    prepare_pairs` (``read.prepare``: its time shared by the pairs it prepared), with the
+    errors, numbers and order of failures of ``prepare_pair`` called pair by pair.
+    """
+    read: list[tuple[_Work, Any, Any, float]] = []
+    errors: dict[int, Exception] = {}
+    for w in works:
+        t = time.perf_counter()
+        try:
+            s_in, t_in = _read(w.spec.source), _read(w.spec.target)
+            read.append((w, s_in, t_in, time.perf_counter() - t))
+        except (ValueError, TypeError, OSError) as exc:
+            errors[id(w)] = exc
+    t = time.perf_counter()
+    got = _edge.prepare_pairs([r[1] for r in read], [r[2] for r in read],
+                              [r[0].spec.init for r in read], device=device, min_points=3)
+    # one copy to the device, one NaN/Inf test and one transfer back for the whole chunk
+    share = (time.perf_counter() - t) / max(len(read), 1)
+    pairs: dict[int, _edge.LocalPair] = {}
+    for (w, _, _, io), r in zip(read, got, strict=True):
+        if isinstance(r, Exception):
+            errors[id(w)] = r
+            continue
+        pairs[id(w)] = r
+        w.row["read_s"] = io + share
+        w.row["read_stages"] = {"io": io, "prepare": share}
+    for w in works:  # the failures in the pairs' order (on_error="raise": the first one)
+        if id(w) in errors:
+            _fail(w, errors[id(w)], on_error)
+    return pairs
 
 
 def _serial(device: torch.device, points: int) -> contextlib.AbstractContextManager[None]:

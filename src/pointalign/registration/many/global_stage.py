@@ -21,29 +21,31 @@ from pointalign.registration.pipeline import Prepared, Scales, _global, _prepare
 from pointalign.registration.ransac import count_inliers
 
 
-def _global_stage(w: _Work, pair: _edge.Pair, opts: _Options, clock: _loop.Clock) -> None:
+def _global_stage(w: _Work, pair: _edge.LocalPair, opts: _Options, clock: _loop.Clock
+                  ) -> None:
     """Per pair, in its frame scaled by 1/v: both clouds prepared, the global candidates.
 
     ``pair``: the checked clouds in their local frame (register()'s float64 shift). A pair
     given an ``init`` needs no features: its clouds are downsampled and indexed (for the
     verdict) and the init is its one hypothesis.
     """
-    src, tgt = pair.source[0], pair.target[0]
+    src, tgt = pair.source, pair.target
     start = w.spec.init is not None
     v, scales, source, target = _prepare_pair(src, tgt, opts, None, clock, in_voxels=True,
                                               describe=not start)
-    w.ready = _Ready(src, tgt, pair.frame.center[0], v, scales, source, target)
+    w.ready = _Ready(src, tgt, pair.center, v, scales, source, target)
     w.row["voxel_size"] = v
     if not start:
         w.glob, w.cands, _ = _global(source, target, scales, opts, clock)
     elif opts.refine != "none":
-        T0 = torch.from_numpy(pair.init[0]).to(src.device)
+        T0 = torch.from_numpy(pair.init).to(src.device)
         T0[:3, 3] /= v
         w.refined = T0[None]
         w.fit_v = count_inliers(w.refined, source.down, target.index, scales.overlap)
 
 
-def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts: _Options,
+def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.LocalPair],
+                          opts: _Options,
                           device: torch.device, on_error: str) -> dict[str, float]:
     """Run the global stage of ``works`` (no init) at once (:mod:`.batched_prepare`, …).
 
@@ -60,7 +62,7 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
     todo: list[_Work] = []
     clouds: list[torch.Tensor] = []
     meta: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, float, Scales]] = {}
-    local = [(pairs[id(w)].source[0], pairs[id(w)].target[0]) for w in works]
+    local = [(pairs[id(w)].source, pairs[id(w)].target) for w in works]
     dirty: list[int] = []  # the pairs showing strays: their dense points, all at once below
     for w, (src, tgt), rule in zip(works, local, _prepare.voxel_sizes(local, opts), strict=True):
         try:
@@ -69,7 +71,7 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
             v, strays = rule
             scales = Scales(1.0, None if mcd is None else mcd / v,
                             None if fine is None else fine / v)
-            meta[id(w)] = (src, tgt, pairs[id(w)].frame.center[0], v, scales)
+            meta[id(w)] = (src, tgt, pairs[id(w)].center, v, scales)
             if strays:
                 dirty.append(len(todo))
             todo.append(w)
@@ -104,9 +106,10 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.Pair], opts
         return clock.total()
     normals, features = _prepare.describe_many(kept_downs, unit)
     clock.lap("describe")
+    indexes = _batched.indexes_of(kept_downs)
     for i, w in enumerate(kept):
         src, tgt, center, v, scales = meta[id(w)]
-        prep = [Prepared(kept_downs[2 * i + j], _batched.index_of(kept_downs[2 * i + j]),
+        prep = [Prepared(kept_downs[2 * i + j], indexes[2 * i + j],
                          normals[2 * i + j], features[2 * i + j]) for j in (0, 1)]
         w.ready = _Ready(src, tgt, center, v, scales, prep[0], prep[1])
         w.row["voxel_size"] = v

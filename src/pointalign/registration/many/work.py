@@ -25,9 +25,14 @@ class _Ready(NamedTuple):
     target: Prepared
 
 
-@dataclass
+@dataclass(eq=False)
 class _Work:
-    """A pair in flight: what the stages found so far."""
+    """A pair in flight: what the stages found so far.
+
+    Compared and hashed by identity (``eq=False``): a generated ``__eq__`` would compare
+    field by field, and a membership test over a chunk's pairs (``w in works``) would cost
+    a comparison per earlier pair (quadratic in the chunk: 499,500 calls at 1,000 pairs).
+    """
 
     index: int
     spec: PairSpec
