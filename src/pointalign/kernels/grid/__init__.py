@@ -34,9 +34,6 @@ DEFAULT_MAX_CELLS = 1 << 24
 #: points per chunk of the float64 cell computation of a build (bounds its temporaries)
 _BUILD_CHUNK = 1 << 22
 
-#: the largest k the Triton kernel takes (a radius query's neighbour cap: FPFH asks 100)
-TRITON_MAX_K = 128
-
 
 def grid_build(points: torch.Tensor, cell_size: float, *,
                max_cells: int = DEFAULT_MAX_CELLS) -> GridData:
@@ -118,7 +115,7 @@ def grid_query(g: GridData, query: torch.Tensor, k: int,
         return (torch.full((0, k), math.inf, dtype=query.dtype, device=query.device),
                 torch.full((0, k), -1, dtype=torch.int64, device=query.device))
     be = backend(query)
-    if be in ("triton", "interpret") and k <= TRITON_MAX_K:
+    if be in ("triton", "interpret") and k <= 128:
         from pointalign.kernels.grid import triton as _grid_triton
 
         return _grid_triton.grid_query(g, query, k, max_distance_sq, sort_queries=sort_queries)
