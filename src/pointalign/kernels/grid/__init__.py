@@ -100,7 +100,7 @@ def grid_query(g: GridData, query: torch.Tensor, k: int,
         k points are in range; ``idx`` indexes the original points. Exact when the k-th
         distance is at most ``g.cell`` (see the module docstring).
 
-    Dispatch: Triton on CUDA (and under ``TRITON_INTERPRET=1``) for ``k <= 128``, else the
+    Dispatch: Triton on CUDA (and under ``TRITON_INTERPRET=1``) for ``k <= 32``, else the
     chunked PyTorch reference :func:`grid_query_reference`.
 
     """
@@ -115,7 +115,7 @@ def grid_query(g: GridData, query: torch.Tensor, k: int,
         return (torch.full((0, k), math.inf, dtype=query.dtype, device=query.device),
                 torch.full((0, k), -1, dtype=torch.int64, device=query.device))
     be = backend(query)
-    if be in ("triton", "interpret") and k <= 128:
+    if be in ("triton", "interpret") and k <= 32:
         from pointalign.kernels.grid import triton as _grid_triton
 
         return _grid_triton.grid_query(g, query, k, max_distance_sq, sort_queries=sort_queries)

@@ -7,8 +7,7 @@ order). For each of the 9 ``(i, j)`` columns a lane reads its contiguous range
 ``cell_start[key(i, j, l - 1)] .. cell_start[key(i, j, l + 1) + 1]`` and walks it, keeping
 the best by (squared distance, original index): a running minimum for ``k == 1`` (``U``
 candidates per lane per step, so that their loads overlap), a running top-k (replace the
-worst kept entry) for ``k <= 128`` (``BLOCK`` 32 lanes up to k = 32, 8 above: the
-kept lists live in registers). Cell coordinates are computed in float64 from the grid's
+worst kept entry) for ``k <= 32``. Cell coordinates are computed in float64 from the grid's
 ``params``; distances in the input dtype; offsets in int64; every load masked. Rows are
 sorted by (distance, index) afterwards for ``k > 1``. Kernels are decorated on first use
 per mode (compiled / ``TRITON_INTERPRET=1``).
@@ -30,9 +29,6 @@ _CACHE: dict[bool, object] = {}
 #: candidates per lane per loop step of the 1-NN search (override: POINTALIGN_GRID_UNROLL);
 #: ICP on the bunny (H100): 0.74 ms per iteration with 1, 0.50 with 4, 0.55 with 8 or 16
 NN_UNROLL = int(os.environ.get("POINTALIGN_GRID_UNROLL", "4"))
-
-#: the largest k (a radius query's neighbour cap): FPFH's 100 neighbours of a packed batch
-MAX_K = 128
 
 
 def _grid_kernel(q_ptr, prm_ptr, dims_ptr, start_ptr, sp_ptr, sidx_ptr, out_d_ptr, out_i_ptr,
@@ -153,10 +149,10 @@ def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = N
     """Launch the 27-cell search; same contract as :func:`pointalign.kernels.grid.grid_query`.
 
     ``g``: a :class:`~pointalign.kernels.grid.GridData`; ``query (N, 3)`` with its dtype and
-    device; ``1 <= k <= MAX_K``. Returns ``(dists_sq (N, k), idx (N, k) int64)``.
+    device; ``1 <= k <= 32``. Returns ``(dists_sq (N, k), idx (N, k) int64)``.
     """
-    if not 1 <= k <= MAX_K:
-        raise ValueError(f"k: the Triton grid kernel handles 1..{MAX_K}, got {k}")
+    if not 1 <= k <= 32:
+        raise ValueError(f"k: the Triton grid kernel handles 1..32, got {k}")
     n, m = query.shape[0], g.sorted_points.shape[1]
     order = None
     q = query.contiguous()
@@ -167,7 +163,7 @@ def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = N
     out_d = torch.empty((n, k), dtype=q.dtype, device=q.device)
     out_i = torch.empty((n, k), dtype=torch.int64, device=q.device)
     has_max = max_distance_sq is not None
-    bl = block or (128 if k == 1 else 32 if k <= 32 else 8)
+    bl = block or (128 if k == 1 else 32)
     grid = (max(1, -(-n // bl)),)
     _kernel()[grid](q, g.params, g.dims_dev, g.cell_start, g.sorted_points, g.sorted_idx,
                     out_d, out_i, n, m,
