@@ -22,6 +22,7 @@ class) also compiles on launch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import json
@@ -48,8 +49,9 @@ _done: set[tuple[str, ...]] = set()  # steps ensured in this process
 logger = logging.getLogger("pointalign")
 
 
+@functools.lru_cache(maxsize=1)
 def manifest() -> dict[str, Any]:
-    """Return the manifest: ``{"triton": version, "steps": {step: [entry, ...]}}``."""
+    """Return the manifest: ``{"triton": version, "steps": {step: [entry, ...]}}`` (read once)."""
     try:
         doc = json.loads(MANIFEST.read_text())
     except (OSError, ValueError):
