@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Recorder, parse_args, timeit  # noqa: E402
 
 from pointalign import datasets, transforms  # noqa: E402
+from pointalign.features.covariances import estimate_covariances  # noqa: E402
 from pointalign.kernels import kdtree as K  # noqa: E402
 from pointalign.search.kdtree import KDTreeIndex  # noqa: E402
 
@@ -61,6 +62,13 @@ def bench_size(rec: Recorder, m: int, dev: torch.device, rep: int, warm: int) ->
         ("descend", lambda: tree.descend(qry_d), ""),
     ]:
         row(name, "pointalign", k, timeit(fn, repeat=rep, warmup=warm, device=dev))
+    # the covariances' workload: every target point's 20 nearest, asked in tree order
+    arr = K.build(tgt_d, K.depth_for(m, 32))
+    row("self-query k=20 in tree order (leaf 32)", "pointalign", 20,
+        timeit(lambda: K.knn(arr, arr.points, 20, reorder=False), repeat=rep, warmup=warm,
+               device=dev))
+    row("covariances k=20 (build + self-query + reduction)", "pointalign", 20,
+        timeit(lambda: estimate_covariances(tgt_d, 20), repeat=rep, warmup=warm, device=dev))
     tn, qn = tgt.numpy(), qry.numpy()
     try:  # peers on the host, same inputs
         from scipy.spatial import cKDTree
@@ -89,7 +97,7 @@ def bench_size(rec: Recorder, m: int, dev: torch.device, rep: int, warm: int) ->
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0]).parse_args()
     dev = torch.device(args.device)
-    sizes = [2_000, 5_000] if args.quick else [10_000, 100_000, 1_000_000]
+    sizes = [2_000, 5_000] if args.quick else [10_000, 25_000, 100_000, 1_000_000]
     rep = 3 if args.quick else 7
     warm = 1 if args.quick else 2
     rec = Recorder("kdtree", dev, title="k-d tree: build and query",

@@ -196,8 +196,11 @@ def test_knn_covariances_fused_equals_search_then_covariances(backend, seed, n, 
     pts[n // 2:n // 2 + n // 5] = pts[: n // 5]                 # duplicates: ties
     pts = pts + 1e-4 * torch.randn(n, 3, generator=g) * (torch.arange(n) % 3 == 0)[:, None]
     got = kg.knn_covariances(pts.to(backend.device), k)
-    if backend.name != "cpu":
+    if backend.name == "torch":
         assert got is None
+        return
+    if backend.name == "triton":
+        _check_self_query_covariances(got.cpu(), pts, k)
         return
     assert got is not None and got.dtype == torch.float32 and got.shape == (n, 3, 3)
     _, idx = knn.host_tree(pts).knn_self(k)
@@ -207,6 +210,58 @@ def test_knn_covariances_fused_equals_search_then_covariances(backend, seed, n, 
     d_ours = np.sort(((pts[:, None].double() - pts[torch.from_numpy(idx)].double()) ** 2)
                      .sum(-1).sqrt().numpy(), 1)
     np.testing.assert_allclose(d_ours, d_tree, rtol=0, atol=4 * U32 * float(pts.abs().max()))
+
+
+def _check_self_query_covariances(got, pts, k):
+    """``got`` against the float64 oracle over each point's exact k-NN (brute force).
+
+    A row whose k-th and (k+1)-th distances tie may keep either point: those rows are
+    checked to be the oracle of *some* exact k-NN (their k-th distance equals the oracle's),
+    the others against the oracle's covariance, within ``covariances``' float32 bound.
+    """
+    n = pts.shape[0]
+    d2 = torch.cdist(pts.double(), pts.double()) ** 2
+    dk, idx = torch.sort(d2, dim=1, stable=True)
+    want, gaps = _cov_oracle(pts.double().numpy(), idx[:, :k].numpy())
+    tol = 8 * math.sqrt(U64) / gaps + 4 * U32
+    clear = (dk[:, k] > dk[:, k - 1] * (1 + 1e-5)).numpy() if k < n else np.ones(n, bool)
+    err = np.abs(got.double().numpy() - want).max((1, 2))
+    assert (err[clear] <= np.minimum(tol, 1.0)[clear]).all(), (err / tol)[clear].max()
+    assert clear.mean() > 0.5
+    assert torch.isfinite(got).all() and torch.equal(got, got.transpose(1, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(40000, 20), (5003, 7), (33, 32)])
+def test_knn_covariances_triton_self_query(seed, n, k):
+    """The Triton self-query (a k-d tree searched in tree order) on a real scan and a
+    flat synthetic sheet, also through a given KDTreeIndex (its own leaf size)."""
+    from pointalign.features.covariances import estimate_covariances
+    from pointalign.search.kdtree import KDTreeIndex
+
+    g = torch.Generator().manual_seed(seed)
+    pts = datasets.random_subsample(datasets.load_bunny("bun000"), min(n, 40000), seed=seed)
+    if seed % 2:
+        pts = torch.rand(n, 3, generator=g) * torch.tensor([4.0, 1.0, 0.01])
+    got = kg.knn_covariances(pts.cuda(), k)
+    _check_self_query_covariances(got.cpu(), pts, k)
+    for leaf in (8, 16):
+        tree = KDTreeIndex(pts.cuda(), leaf_size=leaf)
+        again = estimate_covariances(pts.cuda(), k, index=tree)
+        _check_self_query_covariances(again.cpu(), pts, k)
+
+
+def test_knn_covariances_interpreted_self_query(interpreted, seed):
+    """The Triton path of ``knn_covariances`` through the interpreter (small clouds)."""
+    if seed >= 2:
+        pytest.skip("the interpreted run covers the first 2 seeds")
+    pts, k = _self_query_cloud(seed)
+    _check_self_query_covariances(interpreted[("self_query", seed)], pts, k)
+
+
+def _self_query_cloud(seed):
+    pts = datasets.random_subsample(datasets.load_bunny("bun000"), 150, seed=seed)
+    return pts, 12
 
 
 def test_knn_covariances_float64_and_bad_input():
@@ -505,6 +560,9 @@ def run_interpreted_cases(out_path: str) -> None:
     T = torch.eye(4, dtype=torch.float64).repeat(2, 1, 1)
     T[:, :3, :3] = R.double()
     out["update"] = kg.gicp_update(x, sc, y, tc, ix, transform=T, lengths=L, center=c)
+    for seed in range(2):
+        pts, k = _self_query_cloud(seed)
+        out[("self_query", seed)] = kg.knn_covariances(pts, k)
     torch.save(out, out_path)
 
 

@@ -49,10 +49,12 @@ def estimate_covariances(
         points: ``(N, 3)`` array, tensor or PointCloud (metres), with ``N >= k``.
         k: neighbours per point, the point included (>= 3).
         eps: the regularisation ε in (0, 1]: eigenvalues ``(ε, 1, 1)`` (default 1e-3).
-        index: an :class:`~pointalign.search.base.Index` built over these points (reused;
-            default: the kernel layer's fused search and covariance where the backend has
-            one, :func:`pointalign.kernels.gicp.knn_covariances`, else
-            ``build_index(points)``; the same neighbours either way).
+        index: an :class:`~pointalign.search.base.Index` built over these points (reused: a
+            :class:`~pointalign.search.kdtree.KDTreeIndex`'s tree is self-queried in its own
+            order; default: the kernel layer's self-query,
+            :func:`pointalign.kernels.gicp.knn_covariances` (numba fuses the search and the
+            reduction; on a GPU a k-d tree searched in its own order), else
+            ``build_index(points)``; the same neighbours either way, up to ties).
         neighbors: a precomputed ``(N, K)`` int64 neighbour table (``-1`` = none), e.g. the
             one the normals were estimated from; replaces the search (``k`` and ``index``
             are then not used).
@@ -89,19 +91,18 @@ def estimate_covariances(
     if n < k:
         raise ValueError(f"points: {n} points, fewer than k = {k} neighbours per covariance; "
                          "pass a smaller k")
-    if index is None:
-        fused = _kernels.knn_covariances(pts, k, eps)  # search and reduction in one pass
-        if fused is not None:
-            return _validate.as_kind(fused, like)
-        from pointalign.search import build_index
-
-        # the automatic index (a k-d tree above 20k points on a device): brute force for
-        # the 25k-point KITTI clouds, tried, took 60 ms of k = 20 queries against ~15 ms
-        # (H200, benchmarks/bench_gicp.py)
-        index = build_index(pts)
-    elif index.points.shape[0] != n or index.points.device != dev:
+    if index is not None and (index.points.shape[0] != n or index.points.device != dev):
         raise ValueError(f"index: built over {index.points.shape[0]} points on "
                          f"{index.points.device}, but points has {n} on {dev}")
+    tree = getattr(index, "arrays", None)  # a KDTreeIndex's tree, self-queried in its order
+    if index is None or tree is not None:
+        fused = _kernels.knn_covariances(pts, k, eps, tree=tree)  # no index object
+        if fused is not None:
+            return _validate.as_kind(fused, like)
+    if index is None:
+        from pointalign.search import build_index
+
+        index = build_index(pts)  # a backend with no self-query path: the automatic index
     out = torch.empty(n, 3, 3, dtype=pts.dtype, device=dev)
     for s in range(0, n, _CHUNK):
         q = pts[s:s + _CHUNK]

@@ -9,11 +9,13 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
   covariance in float64); **fallback I** for fewer than 3 neighbours or a neighbourhood
   that does not span a plane (:func:`pointalign._math.spans_plane`). Never NaN for finite
   points. Dtype of the points.
-* ``knn_covariances(points (N, 3), k, eps) -> (N, 3, 3) | None``: ``covariances`` of each
-  point's k nearest points (itself included; ties by index, the exact k-NN of every
-  index), the search and the reduction fused in one pass where the backend has such a
-  kernel (numba, float32 finite points: the same result as the search then
-  ``covariances``, bit for bit); None elsewhere (the caller searches an index).
+* ``knn_covariances(points (N, 3), k, eps, tree=None) -> (N, 3, 3) | None``:
+  ``covariances`` of each point's k nearest points (itself included; the exact k-NN of
+  every index, ties by index on the CPU), with no index from the caller: numba fuses the
+  search and the reduction in one pass (float32 finite points: the same result as the
+  search then ``covariances``, bit for bit); the Triton path self-queries a k-d tree (the
+  given ``tree`` or a new one) in tree order, then ``covariances``; the PyTorch reference
+  path returns None (the caller searches an index).
 * ``gicp_sums(source, source_cov, target, target_cov, idx, rotation, lengths, center,
   kernel, scale) -> (B, 30)`` float64: the Gauss-Newton normal equations of the
   plane-to-plane cost over the pairs ``(i, idx[b, i, s])``, laid out as ``normal_eq``'s
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from pointalign.kernels import normal_eq
+from pointalign.kernels import kdtree, normal_eq
 from pointalign.kernels._backend import backend
 from pointalign.kernels.gicp.reference import (
     KERNELS,
@@ -53,6 +55,13 @@ from pointalign.kernels.gicp.reference import (
     voxel_lookup_reference,
     voxelize_reference,
 )
+from pointalign.kernels.kdtree import TreeArrays
+
+#: leaf size of the k-d tree a Triton self-query builds for the covariances (k = 20)
+SELF_QUERY_LEAF = 32
+
+#: queries per k-d tree search of the Triton self-query (a neighbour table of ~160 MB)
+_SELF_QUERY_CHUNK = 1 << 20
 
 __all__ = ["KERNELS", "NEIGHBORHOODS", "PLANE_EPS", "ROBUST_SCALE2", "WIDTH", "VoxelMap",
            "covariances", "gicp_sums", "gicp_update", "knn_covariances", "vgicp_update",
@@ -91,32 +100,54 @@ def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
     return covariances_reference(points, nbr_idx, eps)
 
 
-def knn_covariances(points: torch.Tensor, k: int,
-                    eps: float = PLANE_EPS) -> torch.Tensor | None:
-    """Plane-regularised covariances of each point's k-NN, search fused (see the contract).
+def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
+                    tree: TreeArrays | None = None) -> torch.Tensor | None:
+    """Plane-regularised covariances of each point's k-NN, without an index (see the contract).
 
     Args:
         points: ``(N, 3)`` float tensor, ``N >= k``.
         k: neighbours per point, the point itself included (``1 <= k <= N``).
         eps: the regularisation ε, in (0, 1].
+        tree: a k-d tree over exactly these points (e.g. a correspondence index's), searched
+            instead of a new one on the Triton path.
 
     Returns:
-        ``(N, 3, 3)`` in the points' dtype where the backend fuses the search (the "cpu"
-        backend, float32 finite points), else None: search an index, then
-        :func:`covariances`.
+        ``(N, 3, 3)`` in the points' dtype, or None where the backend has no such path
+        (search an index, then :func:`covariances`). The "cpu" backend fuses the search and
+        the reduction (float32 finite points); the Triton path builds a k-d tree
+        (:func:`pointalign.kernels.kdtree.build`) unless given one, asks every point's k
+        nearest in tree order (neighbouring lanes share their leaves: no grouping of the
+        queries, no scatter of the answers) and reduces them with :func:`covariances`.
 
     """
     if points.dim() != 2 or points.shape[1] != 3:
         raise ValueError(f"points: expected shape (N, 3), got {tuple(points.shape)}")
-    if not 1 <= int(k) <= points.shape[0]:
-        raise ValueError(f"k: expected 1 <= k <= {points.shape[0]}, got {k}")
+    n = points.shape[0]
+    if not 1 <= int(k) <= n:
+        raise ValueError(f"k: expected 1 <= k <= {n}, got {k}")
     if not 0 < eps <= 1:
         raise ValueError(f"eps: must be in (0, 1], got {eps}")
-    if backend(points) != "cpu":
-        return None
-    from pointalign.kernels.gicp import cpu as _gicp_cpu
+    be = backend(points)
+    if be == "cpu":
+        from pointalign.kernels.gicp import cpu as _gicp_cpu
 
-    return _gicp_cpu.knn_covariances_cpu(points, int(k), float(eps))
+        return _gicp_cpu.knn_covariances_cpu(points, int(k), float(eps))
+    if be not in ("triton", "interpret") or k > kdtree.TRITON_MAX_K:
+        return None
+    if tree is None:
+        tree = kdtree.build(points, kdtree.depth_for(n, SELF_QUERY_LEAF), "device")
+    elif tree.points.shape != points.shape or tree.points.device != points.device:
+        raise ValueError(f"tree: built over {tuple(tree.points.shape)} points on "
+                         f"{tree.points.device}, expected {tuple(points.shape)} on "
+                         f"{points.device}")
+    cov = torch.empty(n, 3, 3, dtype=points.dtype, device=points.device)
+    for s in range(0, n, _SELF_QUERY_CHUNK):  # bounds the neighbour table
+        _, nbr = kdtree.knn(tree, tree.points[s:s + _SELF_QUERY_CHUNK], int(k),
+                            reorder=False)  # tree positions
+        cov[s:s + _SELF_QUERY_CHUNK] = covariances(tree.points, nbr, eps)
+    out = torch.empty_like(cov)
+    out[tree.perm] = cov
+    return out
 
 
 def _check(source, source_cov, target, target_cov, idx, rotation, lengths, center, kernel,
