@@ -63,8 +63,8 @@ def bench_size(rec: Recorder, m: int, dev: torch.device, rep: int, warm: int) ->
     ]:
         row(name, "pointalign", k, timeit(fn, repeat=rep, warmup=warm, device=dev))
     # the covariances' workload: every target point's 20 nearest, asked in tree order
-    arr = K.build(tgt_d, K.depth_for(m, 32))
-    row("self-query k=20 in tree order (leaf 32)", "pointalign", 20,
+    arr = tree.arrays
+    row("self-query k=20 in tree order", "pointalign", 20,
         timeit(lambda: K.knn(arr, arr.points, 20, reorder=False), repeat=rep, warmup=warm,
                device=dev))
     row("covariances k=20 (build + self-query + reduction)", "pointalign", 20,

@@ -196,11 +196,8 @@ def test_knn_covariances_fused_equals_search_then_covariances(backend, seed, n, 
     pts[n // 2:n // 2 + n // 5] = pts[: n // 5]                 # duplicates: ties
     pts = pts + 1e-4 * torch.randn(n, 3, generator=g) * (torch.arange(n) % 3 == 0)[:, None]
     got = kg.knn_covariances(pts.to(backend.device), k)
-    if backend.name == "torch":
+    if backend.name != "cpu":  # the Triton path asks a given tree (below)
         assert got is None
-        return
-    if backend.name == "triton":
-        _check_self_query_covariances(got.cpu(), pts, k)
         return
     assert got is not None and got.dtype == torch.float32 and got.shape == (n, 3, 3)
     _, idx = knn.host_tree(pts).knn_self(k)
@@ -220,11 +217,11 @@ def _check_self_query_covariances(got, pts, k):
     the others against the oracle's covariance, within ``covariances``' float32 bound.
     """
     n = pts.shape[0]
-    d2 = torch.cdist(pts.double(), pts.double()) ** 2
-    dk, idx = torch.sort(d2, dim=1, stable=True)
-    want, gaps = _cov_oracle(pts.double().numpy(), idx[:, :k].numpy())
+    p64 = pts.double().numpy()
+    dk, idx = cKDTree(p64).query(p64, min(k + 1, n))
+    want, gaps = _cov_oracle(p64, idx[:, :k])
     tol = 8 * math.sqrt(U64) / gaps + 4 * U32
-    clear = (dk[:, k] > dk[:, k - 1] * (1 + 1e-5)).numpy() if k < n else np.ones(n, bool)
+    clear = dk[:, k] > dk[:, k - 1] * (1 + 1e-5) if k < n else np.ones(n, bool)
     err = np.abs(got.double().numpy() - want).max((1, 2))
     assert (err[clear] <= np.minimum(tol, 1.0)[clear]).all(), (err / tol)[clear].max()
     assert clear.mean() > 0.5
@@ -234,8 +231,8 @@ def _check_self_query_covariances(got, pts, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(40000, 20), (5003, 7), (33, 32)])
 def test_knn_covariances_triton_self_query(seed, n, k):
-    """The Triton self-query (a k-d tree searched in tree order) on a real scan and a
-    flat synthetic sheet, also through a given KDTreeIndex (its own leaf size)."""
+    """The Triton self-query (a k-d tree asked in tree order) on a real scan and a flat
+    synthetic sheet, with trees of two leaf sizes, and through ``estimate_covariances``."""
     from pointalign.features.covariances import estimate_covariances
     from pointalign.search.kdtree import KDTreeIndex
 
@@ -243,12 +240,15 @@ def test_knn_covariances_triton_self_query(seed, n, k):
     pts = datasets.random_subsample(datasets.load_bunny("bun000"), min(n, 40000), seed=seed)
     if seed % 2:
         pts = torch.rand(n, 3, generator=g) * torch.tensor([4.0, 1.0, 0.01])
-    got = kg.knn_covariances(pts.cuda(), k)
-    _check_self_query_covariances(got.cpu(), pts, k)
     for leaf in (8, 16):
         tree = KDTreeIndex(pts.cuda(), leaf_size=leaf)
+        got = kg.knn_covariances(pts.cuda(), k, tree=tree.arrays)
+        _check_self_query_covariances(got.cpu(), pts, k)
         again = estimate_covariances(pts.cuda(), k, index=tree)
-        _check_self_query_covariances(again.cpu(), pts, k)
+        assert torch.equal(again, got)
+    _check_self_query_covariances(estimate_covariances(pts.cuda(), k).cpu(), pts, k)
+    with pytest.raises(ValueError, match="tree"):
+        kg.knn_covariances(pts[1:].cuda(), k, tree=tree.arrays)
 
 
 def test_knn_covariances_interpreted_self_query(interpreted, seed):
@@ -542,7 +542,7 @@ INTERP_SUMS = [("none", 1, 0.0), ("huber", 3, 0.0), ("tukey", 1, 300.0), ("cauch
 
 def run_interpreted_cases(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): the Triton kernels through the dispatchers."""
-    from pointalign.kernels import _backend
+    from pointalign.kernels import _backend, kdtree
 
     assert _backend.backend(torch.empty(0)) == "interpret"
     out: dict = {}
@@ -562,7 +562,8 @@ def run_interpreted_cases(out_path: str) -> None:
     out["update"] = kg.gicp_update(x, sc, y, tc, ix, transform=T, lengths=L, center=c)
     for seed in range(2):
         pts, k = _self_query_cloud(seed)
-        out[("self_query", seed)] = kg.knn_covariances(pts, k)
+        tree = kdtree.build(pts, kdtree.depth_for(pts.shape[0], 16))
+        out[("self_query", seed)] = kg.knn_covariances(pts, k, tree=tree)
     torch.save(out, out_path)
 
 

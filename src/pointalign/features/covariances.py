@@ -51,10 +51,9 @@ def estimate_covariances(
         eps: the regularisation ε in (0, 1]: eigenvalues ``(ε, 1, 1)`` (default 1e-3).
         index: an :class:`~pointalign.search.base.Index` built over these points (reused: a
             :class:`~pointalign.search.kdtree.KDTreeIndex`'s tree is self-queried in its own
-            order; default: the kernel layer's self-query,
-            :func:`pointalign.kernels.gicp.knn_covariances` (numba fuses the search and the
-            reduction; on a GPU a k-d tree searched in its own order), else
-            ``build_index(points)``; the same neighbours either way, up to ties).
+            order, :func:`pointalign.kernels.gicp.knn_covariances`; default: numba's fused
+            search and reduction on the CPU, else ``build_index(points)``; the same
+            neighbours either way, up to ties).
         neighbors: a precomputed ``(N, K)`` int64 neighbour table (``-1`` = none), e.g. the
             one the normals were estimated from; replaces the search (``k`` and ``index``
             are then not used).
@@ -91,18 +90,21 @@ def estimate_covariances(
     if n < k:
         raise ValueError(f"points: {n} points, fewer than k = {k} neighbours per covariance; "
                          "pass a smaller k")
-    if index is not None and (index.points.shape[0] != n or index.points.device != dev):
-        raise ValueError(f"index: built over {index.points.shape[0]} points on "
-                         f"{index.points.device}, but points has {n} on {dev}")
-    tree = getattr(index, "arrays", None)  # a KDTreeIndex's tree, self-queried in its order
-    if index is None or tree is not None:
-        fused = _kernels.knn_covariances(pts, k, eps, tree=tree)  # no index object
+    if index is None:
+        fused = _kernels.knn_covariances(pts, k, eps)  # numba: search and reduction fused
         if fused is not None:
             return _validate.as_kind(fused, like)
-    if index is None:
         from pointalign.search import build_index
 
-        index = build_index(pts)  # a backend with no self-query path: the automatic index
+        index = build_index(pts)  # brute force for small clouds, else a k-d tree
+    elif index.points.shape[0] != n or index.points.device != dev:
+        raise ValueError(f"index: built over {index.points.shape[0]} points on "
+                         f"{index.points.device}, but points has {n} on {dev}")
+    tree = getattr(index, "arrays", None)
+    if tree is not None:  # a k-d tree: asked in its own order
+        asked = _kernels.knn_covariances(pts, k, eps, tree=tree)
+        if asked is not None:
+            return _validate.as_kind(asked, like)
     out = torch.empty(n, 3, 3, dtype=pts.dtype, device=dev)
     for s in range(0, n, _CHUNK):
         q = pts[s:s + _CHUNK]

@@ -13,9 +13,9 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
   ``covariances`` of each point's k nearest points (itself included; the exact k-NN of
   every index, ties by index on the CPU), with no index from the caller: numba fuses the
   search and the reduction in one pass (float32 finite points: the same result as the
-  search then ``covariances``, bit for bit); the Triton path self-queries a k-d tree (the
-  given ``tree`` or a new one) in tree order, then ``covariances``; the PyTorch reference
-  path returns None (the caller searches an index).
+  search then ``covariances``, bit for bit); the Triton path, given a k-d ``tree`` over
+  the points, self-queries it in tree order, then ``covariances``; None elsewhere (the
+  caller searches an index).
 * ``gicp_sums(source, source_cov, target, target_cov, idx, rotation, lengths, center,
   kernel, scale) -> (B, 30)`` float64: the Gauss-Newton normal equations of the
   plane-to-plane cost over the pairs ``(i, idx[b, i, s])``, laid out as ``normal_eq``'s
@@ -56,9 +56,6 @@ from pointalign.kernels.gicp.reference import (
     voxelize_reference,
 )
 from pointalign.kernels.kdtree import TreeArrays
-
-#: leaf size of the k-d tree a Triton self-query builds for the covariances (k = 20)
-SELF_QUERY_LEAF = 32
 
 #: queries per k-d tree search of the Triton self-query (a neighbour table of ~160 MB)
 _SELF_QUERY_CHUNK = 1 << 20
@@ -102,22 +99,22 @@ def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
 
 def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
                     tree: TreeArrays | None = None) -> torch.Tensor | None:
-    """Plane-regularised covariances of each point's k-NN, without an index (see the contract).
+    """Plane-regularised covariances of each point's k-NN, searched here (see the contract).
 
     Args:
         points: ``(N, 3)`` float tensor, ``N >= k``.
         k: neighbours per point, the point itself included (``1 <= k <= N``).
         eps: the regularisation ε, in (0, 1].
-        tree: a k-d tree over exactly these points (e.g. a correspondence index's), searched
-            instead of a new one on the Triton path.
+        tree: a k-d tree over exactly these points (a
+            :class:`~pointalign.search.kdtree.KDTreeIndex`'s arrays), for the Triton path.
 
     Returns:
         ``(N, 3, 3)`` in the points' dtype, or None where the backend has no such path
         (search an index, then :func:`covariances`). The "cpu" backend fuses the search and
-        the reduction (float32 finite points); the Triton path builds a k-d tree
-        (:func:`pointalign.kernels.kdtree.build`) unless given one, asks every point's k
-        nearest in tree order (neighbouring lanes share their leaves: no grouping of the
-        queries, no scatter of the answers) and reduces them with :func:`covariances`.
+        the reduction (float32 finite points; ``tree`` not needed); the Triton path, given
+        a ``tree``, asks every point's k nearest in tree order (neighbouring lanes share
+        their leaves: no grouping of the queries, no scatter of the answers) and reduces
+        them with :func:`covariances`.
 
     """
     if points.dim() != 2 or points.shape[1] != 3:
@@ -132,11 +129,9 @@ def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
         from pointalign.kernels.gicp import cpu as _gicp_cpu
 
         return _gicp_cpu.knn_covariances_cpu(points, int(k), float(eps))
-    if be not in ("triton", "interpret") or k > kdtree.TRITON_MAX_K:
+    if tree is None or be not in ("triton", "interpret") or k > kdtree.TRITON_MAX_K:
         return None
-    if tree is None:
-        tree = kdtree.build(points, kdtree.depth_for(n, SELF_QUERY_LEAF), "device")
-    elif tree.points.shape != points.shape or tree.points.device != points.device:
+    if tree.points.shape != points.shape or tree.points.device != points.device:
         raise ValueError(f"tree: built over {tuple(tree.points.shape)} points on "
                          f"{tree.points.device}, expected {tuple(points.shape)} on "
                          f"{points.device}")
