@@ -196,8 +196,11 @@ def test_knn_covariances_fused_equals_search_then_covariances(backend, seed, n, 
     pts[n // 2:n // 2 + n // 5] = pts[: n // 5]                 # duplicates: ties
     pts = pts + 1e-4 * torch.randn(n, 3, generator=g) * (torch.arange(n) % 3 == 0)[:, None]
     got = kg.knn_covariances(pts.to(backend.device), k)
-    if backend.name != "cpu":  # the Triton path asks a given tree (below)
+    if backend.name == "torch":
         assert got is None
+        return
+    if backend.name == "triton":  # its own search (tests below): the exact k-NN
+        _check_self_query_covariances(got.cpu(), pts, k)
         return
     assert got is not None and got.dtype == torch.float32 and got.shape == (n, 3, 3)
     _, idx = knn.host_tree(pts).knn_self(k)
@@ -251,12 +254,45 @@ def test_knn_covariances_triton_self_query(seed, n, k):
         kg.knn_covariances(pts[1:].cuda(), k, tree=tree.arrays)
 
 
+@pytest.mark.gpu
+def test_knn_covariances_triton_graph_per_size_class(seed):
+    """Without a tree: one CUDA graph per size class, captured, then replayed for another
+    cloud of the same class with the same answers as the eager program."""
+    from pointalign.kernels import _loop
+
+    _loop.clear_caches()
+    a = datasets.random_subsample(datasets.load_bunny("bun000"), 25081, seed=seed).cuda()
+    b = datasets.random_subsample(datasets.load_bunny("bun045"), 24650, seed=seed).cuda()
+    assert kg.size_class(25081) == kg.size_class(24650) == 26624
+    first = kg.knn_covariances(a, 20)
+    kinds = [type(e.payload).__name__ for e in _loop._programs.entries.values()]
+    assert kinds == ["tuple"], kinds  # captured, not "failed"
+    replayed = kg.knn_covariances(b, 20)
+    assert len(_loop._programs.entries) == 1
+    for pts, got in ((a, first), (b, replayed)):
+        _check_self_query_covariances(got.cpu(), pts.cpu(), 20)
+    _loop.USE_GRAPHS, old = False, _loop.USE_GRAPHS
+    try:
+        eager = kg.knn_covariances(b, 20)
+    finally:
+        _loop.USE_GRAPHS = old
+    torch.testing.assert_close(replayed, eager, atol=1e-6, rtol=0)
+
+
+def test_size_class():
+    for n in (1, 63, 64, 65, 100, 1000, 4097, 25081, 10**6):
+        c = kg.size_class(n)
+        assert c >= max(n, 64) and c <= max(64, n * 1.125 + 1)
+        assert kg.size_class(c) == c
+
+
 def test_knn_covariances_interpreted_self_query(interpreted, seed):
     """The Triton path of ``knn_covariances`` through the interpreter (small clouds)."""
     if seed >= 2:
         pytest.skip("the interpreted run covers the first 2 seeds")
     pts, k = _self_query_cloud(seed)
     _check_self_query_covariances(interpreted[("self_query", seed)], pts, k)
+    _check_self_query_covariances(interpreted[("self_query_padded", seed)], pts, k)
 
 
 def _self_query_cloud(seed):
@@ -564,6 +600,7 @@ def run_interpreted_cases(out_path: str) -> None:
         pts, k = _self_query_cloud(seed)
         tree = kdtree.build(pts, kdtree.depth_for(pts.shape[0], 16))
         out[("self_query", seed)] = kg.knn_covariances(pts, k, tree=tree)
+        out[("self_query_padded", seed)] = kg.knn_covariances(pts, k)  # its own tree
     torch.save(out, out_path)
 
 

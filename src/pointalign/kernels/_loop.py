@@ -510,7 +510,8 @@ class _Checkpoint:
 
 
 def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
-                device_outputs: bool = True) -> tuple[Host, Tensors]:
+                device_outputs: bool = True, host_outputs: bool = True
+                ) -> tuple[Host, Tensors]:
     """Run a fixed device program and bring its outputs to the host in one transfer.
 
     ``program(inputs, checkpoint) -> outputs`` (a frozen dataclass, dict of tensors in and
@@ -524,17 +525,23 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
         ``(host, device)``: the outputs as NumPy arrays and as device tensors (on a graph
         replay the device copies are made only if ``device_outputs``; else ``{}``). A
         replay packs the outputs inside the graph: one copy to the host, no launch after it.
+        ``host_outputs=False``: no transfer, ``host`` is ``{}`` (large outputs that stay on
+        the device).
 
     """
+    def host(out: Tensors) -> Host:
+        return to_host(out) if host_outputs else {}
+
     first = next(iter(inputs.values()))
     if not graphs_enabled(first) or pairs > PROGRAM_GRAPH_MAX_PAIRS:
         out = program(inputs, _Checkpoint(True))
-        return to_host(out), out
+        return host(out), out
     key, objects = signature(program, inputs)
+    key = (key, host_outputs)
     ent = _programs.get(key, objects)
     if ent == "failed":
         out = program(inputs, _Checkpoint(True))
-        return to_host(out), out
+        return host(out), out
     if ent is None:
         dev = first.device
         static = {n: v.clone() for n, v in inputs.items()}
@@ -547,12 +554,12 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 gout = program(static, _Checkpoint(False))
-                layout = _Layout(gout)
-                packed = layout.pack(gout)
+                layout = _Layout(gout) if host_outputs else None
+                packed = layout.pack(gout) if layout is not None else None
         except Exception:  # capture unsupported here: eager from now on
             _programs.put(key, objects, "failed")
             torch.cuda.synchronize(dev)
-            return to_host(out), out
+            return host(out), out
         ent = (graph, static, gout, layout, packed)
         _programs.put(key, objects, ent)
     graph, static, gout, layout, packed = ent
@@ -560,6 +567,8 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
         static[n].copy_(v)
     graph.replay()
     out = _tree_clone(gout) if device_outputs else {}
+    if layout is None:
+        return {}, out
     return layout.unpack(packed.cpu().numpy()), out
 
 

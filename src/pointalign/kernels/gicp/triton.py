@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -134,12 +136,20 @@ def _covariance_kernel(pts_ptr, idx_ptr, prm_ptr, out_ptr, N, K,
     tl.store(o + 8, zz.to(ty), mask=rmask)
 
 
+@functools.lru_cache(maxsize=16)
+def _covariance_params(eps: float, device: torch.device) -> torch.Tensor:
+    """``(ε, DEGENERACY_EPS)`` as float64 on ``device``, made once (a launch inside a CUDA
+    graph capture may not copy from host memory).
+    """
+    return torch.tensor([eps, _math.DEGENERACY_EPS], dtype=torch.float64).to(device)
+
+
 def covariances(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> torch.Tensor:
     """Launcher of ``_covariance_kernel``: ``(Q, 3, 3)`` in the points' dtype."""
     q, k = nbr_idx.shape
     out = torch.empty(q, 3, 3, dtype=points.dtype, device=points.device)
     if q:
-        prm = torch.tensor([eps, _math.DEGENERACY_EPS], dtype=torch.float64).to(points.device)
+        prm = _covariance_params(float(eps), points.device)
         _covariance_kernel[(triton.cdiv(q, COV_BLOCK),)](
             points.contiguous(), nbr_idx.contiguous(), prm, out, q, k,
             MIN_COUNT=MIN_NEIGHBOURS, BLOCK_N=COV_BLOCK,

@@ -54,7 +54,24 @@ REORDER_MIN_QUERIES = 8192
 # ----------------------------------------------------------------------------- build
 
 
-def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays:
+def build_layout(m: int, depth: int, device: torch.device | str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The arrays of a device build that depend on ``m`` and ``depth`` only, on ``device``.
+
+    Returns ``(flat, ranges)``: every level's node bounds and the positions either side of
+    each split, concatenated (int64), and :func:`node_ranges` ``(n_nodes, 2)``. Made on the
+    host and copied (two copies, not ~5 launches a level); :func:`build` makes them when not
+    given, and a caller that captures a build in a CUDA graph makes them before (a copy
+    from host memory is not captured).
+    """
+    bounds = [level_bounds(m, level) for level in range(depth + 1)]
+    mids = [torch.stack([b[1:-1:2] - 1, b[1:-1:2]]) for b in bounds[1:]]
+    flat = torch.cat(bounds + [x.reshape(-1) for x in mids]).to(device)
+    return flat, node_ranges(m, depth, device)
+
+
+def build(points: torch.Tensor, depth: int, where: str = "device", *,
+          layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> TreeArrays:
     """Build the tree over ``points (M, 3)`` with ``depth`` split levels (``2^depth <= M``).
 
     ``where="device"``: torch ops on the points' device (per level: node bounding boxes by a
@@ -65,14 +82,18 @@ def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays
     ``where="auto"``: ``"device"`` for points on a GPU, ``"host"`` for points in host memory
     (NumPy's lexsort beat torch's scatter-reduce and two sorts per level by about 2x on the
     CPU; see ``benchmarks/bench_kdtree.py``).
+    ``layout``: :func:`build_layout` of ``(M, depth)`` on the points' device, when the caller
+    has it (a device build then copies nothing from the host).
     """
     m = points.shape[0]
     if depth < 0 or 2**depth > m:
         raise ValueError(f"depth: must satisfy 0 <= depth and 2**depth <= {m}, got {depth}")
     if where == "auto":
         where = "host" if points.device.type == "cpu" else "device"
+    if layout is None:
+        layout = build_layout(m, depth, points.device)
     if where == "device":
-        perm, axes, splits, pts = _build_torch(points, depth)
+        perm, axes, splits, pts = _build_torch(points, depth, layout[0])
     elif where == "host":
         perm_np, axes_np, splits_np = _build_numpy(points.detach().cpu().double().numpy(), depth)
         perm = torch.from_numpy(perm_np).to(points.device)
@@ -82,7 +103,7 @@ def build(points: torch.Tensor, depth: int, where: str = "device") -> TreeArrays
     else:
         raise ValueError(f"where: must be 'device', 'host' or 'auto', got {where!r}")
     pts = pts.contiguous()
-    ranges = node_ranges(m, depth, points.device)
+    ranges = layout[1]
     lo, hi = _node_boxes(pts, depth)
     n_int = 2**depth - 1
     n_nodes = 2 ** (depth + 1) - 1
@@ -141,14 +162,14 @@ def _node_order(seg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return o1[torch.sort(seg[o1], stable=True).indices]
 
 
-def _build_torch(points: torch.Tensor, depth: int):
-    """Device build; returns ``(perm, axes, splits, points[perm])``."""
+def _build_torch(points: torch.Tensor, depth: int, flat: torch.Tensor):
+    """Device build; returns ``(perm, axes, splits, points[perm])``.
+
+    ``flat``: :func:`build_layout`'s bounds and split positions of every level.
+    """
     m, dev = points.shape[0], points.device
-    # every level's bounds and split positions, made on the host and copied at once
-    bounds = [level_bounds(m, level) for level in range(depth + 1)]
-    mids = [torch.stack([b[1:-1:2] - 1, b[1:-1:2]]) for b in bounds[1:]]
-    flat = torch.cat(bounds + [x.reshape(-1) for x in mids]).to(dev)
-    sizes = [b.numel() for b in bounds] + [x.numel() for x in mids]
+    sizes = [2**level + 1 for level in range(depth + 1)] + [2**level for level in
+                                                           range(1, depth + 1)]
     parts = list(torch.split(flat, sizes))
     bounds_d, mids_d = parts[:depth + 1], [x.view(2, -1) for x in parts[depth + 1:]]
     pos = torch.arange(m, device=dev)
