@@ -138,8 +138,9 @@ def _covariance_kernel(pts_ptr, idx_ptr, prm_ptr, out_ptr, N, K,
 
 @functools.lru_cache(maxsize=16)
 def _covariance_params(eps: float, device: torch.device) -> torch.Tensor:
-    """``(ε, DEGENERACY_EPS)`` as float64 on ``device``, made once (a launch inside a CUDA
-    graph capture may not copy from host memory).
+    """Return ``(ε, DEGENERACY_EPS)`` as float64 on ``device``, made once per device.
+
+    A launch inside a CUDA graph capture may not copy from host memory.
     """
     return torch.tensor([eps, _math.DEGENERACY_EPS], dtype=torch.float64).to(device)
 

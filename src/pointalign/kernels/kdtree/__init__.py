@@ -56,11 +56,11 @@ REORDER_MIN_QUERIES = 8192
 
 def build_layout(m: int, depth: int, device: torch.device | str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The arrays of a device build that depend on ``m`` and ``depth`` only, on ``device``.
+    """Make the arrays of a device build that depend on ``m`` and ``depth`` only.
 
     Returns ``(flat, ranges)``: every level's node bounds and the positions either side of
-    each split, concatenated (int64), and :func:`node_ranges` ``(n_nodes, 2)``. Made on the
-    host and copied (two copies, not ~5 launches a level); :func:`build` makes them when not
+    each split, concatenated (int64), and :func:`node_ranges` ``(n_nodes, 2)``, on
+    ``device``. Made on the host and copied (two copies, not ~5 launches a level); :func:`build` makes them when not
     given, and a caller that captures a build in a CUDA graph makes them before (a copy
     from host memory is not captured).
     """
