@@ -60,9 +60,9 @@ def build_layout(m: int, depth: int, device: torch.device | str
 
     Returns ``(flat, ranges)``: every level's node bounds and the positions either side of
     each split, concatenated (int64), and :func:`node_ranges` ``(n_nodes, 2)``, on
-    ``device``. Made on the host and copied (two copies, not ~5 launches a level); :func:`build` makes them when not
-    given, and a caller that captures a build in a CUDA graph makes them before (a copy
-    from host memory is not captured).
+    ``device``. Made on the host and copied (two copies, not ~5 launches a level);
+    :func:`build` makes them when not given, and a caller that captures a build in a CUDA
+    graph makes them before (a copy from host memory is not captured).
     """
     bounds = [level_bounds(m, level) for level in range(depth + 1)]
     mids = [torch.stack([b[1:-1:2] - 1, b[1:-1:2]]) for b in bounds[1:]]
