@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pointalign.kernels.knn.triton import topk_init, topk_scan, topk_tile
+
 BIG_HOST = 3.0e38  # stands for +inf inside the kernel
 BIG = tl.constexpr(BIG_HOST)
 
@@ -252,3 +254,164 @@ def level_keys(pts: torch.Tensor, bounds: torch.Tensor, level: int
     _level_keys_kernel[(triton.cdiv(m, block),)](pts, axis, key, packed, m, level,
                                                  BLOCK=block, num_warps=4)
     return axis, key, packed
+
+
+# ----------------------------------------------------------------------------- self-query
+
+#: candidate leaves kept per leaf by the self-query; a leaf with more searches every point
+SELF_MAX_CANDIDATES = 128
+
+
+@triton.jit(do_not_specialize=("m_points", "first_leaf", "leaf0", "stack", "shift"))
+def _leaf_candidates_kernel(pts_ptr, lo_ptr, hi_ptr, start_ptr, end_ptr, stack_ptr, cand_ptr,
+                            count_ptr, bound_ptr, m_points, first_leaf, leaf0, stack, shift,
+                            C_MAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                            BLOCK_Q: tl.constexpr, BLOCK_A: tl.constexpr):
+    """For leaf ``leaf0 + program_id``: a bound on its points' k-th distances, its candidates.
+
+    Each point's k-th distance among the points of the leaf's ancestor ``shift`` levels up
+    (a node of at least k points) bounds its true k-th distance (stored per point in
+    ``bound``); every leaf whose box lies within the largest of those bounds of this leaf's
+    box is a candidate (a depth-first walk of the tree, pruned by box-to-box distances),
+    ``count`` of them, the first ``C_MAX`` stored.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    node = first_leaf + leaf0 + pid
+    s = tl.load(start_ptr + node)
+    e = tl.load(end_ptr + node)
+    rows = s + tl.arange(0, BLOCK_Q).to(tl.int64)
+    rmask = rows < e
+    qx = tl.load(pts_ptr + rows, mask=rmask, other=0.0)
+    qy = tl.load(pts_ptr + m_points + rows, mask=rmask, other=0.0)
+    qz = tl.load(pts_ptr + 2 * m_points + rows, mask=rmask, other=0.0)
+    anc = ((node + 1) >> shift) - 1
+    a_s = tl.load(start_ptr + anc)
+    a_e = tl.load(end_ptr + anc)
+    best_d, _ = topk_scan(qx, qy, qz, rmask, pts_ptr + a_s, a_e - a_s, m_points, 0.0, False,
+                          K, KP, BLOCK_Q, BLOCK_A)
+    kth = tl.max(best_d, axis=1)  # the k-th distance (padding slots hold -inf)
+    tl.store(bound_ptr + rows, kth, mask=rmask)
+    r2 = tl.max(tl.where(rmask, kth, 0.0), axis=0)
+    lx = tl.load(lo_ptr + node * 3 + 0)
+    ly = tl.load(lo_ptr + node * 3 + 1)
+    lz = tl.load(lo_ptr + node * 3 + 2)
+    hx = tl.load(hi_ptr + node * 3 + 0)
+    hy = tl.load(hi_ptr + node * 3 + 1)
+    hz = tl.load(hi_ptr + node * 3 + 2)
+    base = stack_ptr + pid * stack
+    tl.store(base, 0)
+    sp = pid * 0 + 1
+    n_c = pid * 0
+    while sp > 0:
+        sp -= 1
+        nd = tl.load(base + sp).to(tl.int64)
+        gx = tl.maximum(tl.maximum(tl.load(lo_ptr + nd * 3 + 0) - hx,
+                                   lx - tl.load(hi_ptr + nd * 3 + 0)), 0.0)
+        gy = tl.maximum(tl.maximum(tl.load(lo_ptr + nd * 3 + 1) - hy,
+                                   ly - tl.load(hi_ptr + nd * 3 + 1)), 0.0)
+        gz = tl.maximum(tl.maximum(tl.load(lo_ptr + nd * 3 + 2) - hz,
+                                   lz - tl.load(hi_ptr + nd * 3 + 2)), 0.0)
+        near = gx * gx + gy * gy + gz * gz <= r2
+        leaf = nd >= first_leaf
+        tl.store(cand_ptr + pid * C_MAX + n_c, nd.to(tl.int32), mask=near & leaf & (n_c < C_MAX))
+        n_c += (near & leaf).to(tl.int64)
+        inner = near & (nd < first_leaf)
+        tl.store(base + sp, (2 * nd + 2).to(tl.int32), mask=inner)
+        tl.store(base + sp + 1, (2 * nd + 1).to(tl.int32), mask=inner)
+        sp += 2 * inner.to(tl.int64)
+    tl.store(count_ptr + pid, n_c)
+
+
+@triton.jit(do_not_specialize=("m_points", "first_leaf", "leaf0", "row0"))
+def _leaf_knn_kernel(pts_ptr, start_ptr, end_ptr, cand_ptr, count_ptr, bound_ptr, out_d_ptr,
+                     out_i_ptr, m_points, first_leaf, leaf0, row0, C_MAX: tl.constexpr,
+                     K: tl.constexpr, KP: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """Find the k nearest of each point of leaf ``leaf0 + program_id`` among its candidates.
+
+    Tiles of ``BLOCK_M`` candidate points at a time (:func:`topk_tile`), each distance
+    beyond the point's bound dropped first; all points when the leaf had more than
+    ``C_MAX`` candidates. Row ``p - row0`` of the output holds tree position p, unsorted.
+    """
+    inf = float("inf")
+    pid = tl.program_id(0).to(tl.int64)
+    node = first_leaf + leaf0 + pid
+    s = tl.load(start_ptr + node)
+    e = tl.load(end_ptr + node)
+    rows = s + tl.arange(0, BLOCK_Q).to(tl.int64)
+    rmask = rows < e
+    qx = tl.load(pts_ptr + rows, mask=rmask, other=0.0)
+    qy = tl.load(pts_ptr + m_points + rows, mask=rmask, other=0.0)
+    qz = tl.load(pts_ptr + 2 * m_points + rows, mask=rmask, other=0.0)
+    bound = tl.load(bound_ptr + rows, mask=rmask, other=0.0)
+    best_d, best_i = topk_init(qx, K, KP, BLOCK_Q)
+    lanes = tl.arange(0, BLOCK_M).to(tl.int64)
+    n_c = tl.load(count_ptr + pid)
+    overflow = n_c > C_MAX
+    n_ranges = tl.where(overflow, 1, n_c)
+    c = pid * 0
+    while c < n_ranges:
+        nd = tl.where(overflow, 0, tl.load(cand_ptr + pid * C_MAX + c).to(tl.int64))
+        t = tl.load(start_ptr + nd)
+        ce = tl.load(end_ptr + nd)
+        while t < ce:
+            cols = t + lanes
+            cmask = cols < ce
+            px = tl.load(pts_ptr + cols, mask=cmask, other=inf)
+            py = tl.load(pts_ptr + m_points + cols, mask=cmask, other=inf)
+            pz = tl.load(pts_ptr + 2 * m_points + cols, mask=cmask, other=inf)
+            dx = qx[:, None] - px[None, :]
+            dy = qy[:, None] - py[None, :]
+            dz = qz[:, None] - pz[None, :]
+            d = dx * dx + dy * dy + dz * dz
+            d = tl.where(d <= bound[:, None], d, inf)
+            best_d, best_i = topk_tile(best_d, best_i, d, t, lanes, rmask)
+            t += BLOCK_M
+        c += 1
+    slots = tl.arange(0, KP).to(tl.int64)
+    out = (rows - row0)[:, None] * K + slots[None, :]
+    omask = rmask[:, None] & (slots[None, :] < K)
+    tl.store(out_d_ptr + out, best_d, mask=omask)
+    tl.store(out_i_ptr + out, tl.where(best_d == inf, -1, best_i), mask=omask)
+
+
+def self_knn(tree, k: int, leaves: tuple[int, int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher for :func:`pointalign.kernels.kdtree.self_knn` (same contract).
+
+    ``leaves = (first, stop)``: only the points of those leaves (a contiguous run of tree
+    positions), rows in tree order. No synchronisation (capture safe).
+    """
+    m, depth = tree.points.shape[0], tree.depth
+    n_leaves = 2**depth
+    first, stop = leaves if leaves is not None else (0, n_leaves)
+    rows0 = (first * m) >> depth
+    rows1 = (stop * m) >> depth
+    dev = tree.points.device
+    out_d = torch.empty((rows1 - rows0, k), dtype=tree.points.dtype, device=dev)
+    out_i = torch.empty((rows1 - rows0, k), dtype=torch.int64, device=dev)
+    n = stop - first
+    if n <= 0:
+        return out_d, out_i
+    # the deepest level whose nodes all hold at least k points
+    level = max(lv for lv in range(depth + 1) if (m >> lv) >= k)
+    pts_t = tree.points.t().contiguous()
+    kp = max(2, triton.next_power_of_2(k))
+    bq = max(2, triton.next_power_of_2(tree.max_leaf_size))
+    ba = max(2, triton.next_power_of_2(-(-m // 2**level)))
+    stack = torch.empty(n * (depth + 3), dtype=torch.int32, device=dev)
+    cand = torch.empty(n * SELF_MAX_CANDIDATES, dtype=torch.int32, device=dev)
+    count = torch.empty(n, dtype=torch.int64, device=dev)
+    bound = torch.empty(m, dtype=tree.points.dtype, device=dev)
+    _leaf_candidates_kernel[(n,)](
+        pts_t, tree.lo, tree.hi, tree.start, tree.end, stack, cand, count, bound, m,
+        tree.first_leaf, first, depth + 3, depth - level, C_MAX=SELF_MAX_CANDIDATES, K=k,
+        KP=kp, BLOCK_Q=bq, BLOCK_A=ba, num_warps=1 if bq * ba <= 1024 else 4)
+    _leaf_knn_kernel[(n,)](
+        pts_t, tree.start, tree.end, cand, count, bound, out_d, out_i, m, tree.first_leaf,
+        first, rows0, C_MAX=SELF_MAX_CANDIDATES, K=k, KP=kp, BLOCK_Q=bq, BLOCK_M=bq,
+        num_warps=1)
+    if k == 1:
+        return out_d, out_i
+    out_d, order = torch.sort(out_d, dim=1)
+    return out_d, out_i.gather(1, order)
