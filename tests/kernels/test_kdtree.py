@@ -106,28 +106,6 @@ def _interp_inputs(case, seed, dtype=torch.float32):
     return _cloud(m, g, dtype), _cloud(n, g, dtype, scale=1.2) - 0.1
 
 
-# (M, k, depth) of the self-query: leaves of ~6-9 points, k above and below a leaf
-SELF_CASES = [(150, 12, 4), (61, 5, 3), (40, 20, 2)]
-
-
-def _self_cloud(case, seed):
-    """A bunny sample with a run of duplicated points (ties at distance 0)."""
-    from pointalign import datasets
-
-    pts = datasets.random_subsample(datasets.load_bunny("bun000"), case[0], seed=seed)
-    pts[5:12] = pts[0]
-    return pts
-
-
-def _assert_self_knn(tree, got, k, rows=None):
-    """``got`` (tree positions) is the exact k-NN of the tree's points ``rows``."""
-    rows = slice(None) if rows is None else rows
-    d, i = got
-    assert torch.equal(d, torch.sort(d, dim=1).values)
-    assert_knn_matches(_orig(tree, got), tree.points[rows].cpu(), tree.points[tree.perm.argsort()]
-                       .cpu(), k)
-
-
 def run_interpreted_kdtree(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): every Triton case, results saved by key."""
     from pointalign.kernels import _backend
@@ -161,15 +139,6 @@ def run_interpreted_kdtree(out_path: str) -> None:
                                                                  hint=_hints(tree, q, seed)))
         finally:
             KT.QUERY_CHUNK = chunk
-        for case in SELF_CASES:  # the leaf-by-leaf self-query
-            tree = K.build(_self_cloud(case, seed), case[2])
-            out[("self", case, seed)] = KT.self_knn(tree, case[1], (0, 2**case[2]))
-        tree = K.build(_self_cloud(SELF_CASES[0], seed), SELF_CASES[0][2])
-        KT.SELF_MAX_CANDIDATES, cap = 1, KT.SELF_MAX_CANDIDATES  # every leaf overflows
-        try:
-            out[("self_overflow", seed)] = KT.self_knn(tree, SELF_CASES[0][1], (1, 3))
-        finally:
-            KT.SELF_MAX_CANDIDATES = cap
         tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
         out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
@@ -255,46 +224,6 @@ def test_triton_interpreter_hint_keeps_the_answer(max_d, interpreted, seed):
     got = interpreted[("hint", max_d, seed)]
     assert_knn_matches(_orig(tree, got), q, pts, 1,
                        **({} if math.isinf(max_d) else {"max_distance": max_d}))
-
-
-@pytest.mark.parametrize("case", SELF_CASES)
-def test_triton_interpreter_self_knn(case, interpreted, seed):
-    if seed >= INTERP_SEEDS:
-        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
-    tree = K.build(_self_cloud(case, seed), case[2])
-    _assert_self_knn(tree, interpreted[("self", case, seed)], case[1])
-
-
-def test_triton_interpreter_self_knn_overflow(interpreted, seed):
-    """More candidate leaves than kept: the leaf searches every point, same answer."""
-    if seed >= INTERP_SEEDS:
-        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
-    case = SELF_CASES[0]
-    tree = K.build(_self_cloud(case, seed), case[2])
-    m = case[0]
-    rows = slice(m >> case[2], (3 * m) >> case[2])
-    _assert_self_knn(tree, interpreted[("self_overflow", seed)], case[1], rows)
-
-
-@pytest.mark.parametrize("k", [1, 7, 20, 32])
-def test_self_knn(backend, k, rng):
-    """Every point's k nearest, leaf by leaf on Triton: exact on a scan and a flat sheet,
-    also over a run of leaves; bad arguments refused."""
-    from pointalign import datasets
-
-    m = 12000 if backend.device == "cuda" else 3000
-    scan = datasets.random_subsample(datasets.load_bunny("bun000"), m, seed=1)
-    sheet = _cloud(m, rng) * torch.tensor([4.0, 1.0, 0.001])
-    for pts in (scan, sheet):
-        tree = K.build(pts.to(backend.device), K.depth_for(m, 16))
-        _assert_self_knn(tree, K.self_knn(tree, k), k)
-        leaves = 2**tree.depth
-        rows = slice((3 * m) >> tree.depth, ((leaves - 5) * m) >> tree.depth)
-        _assert_self_knn(tree, K.self_knn(tree, k, leaves=(3, leaves - 5)), k, rows)
-    with pytest.raises(ValueError, match="k"):
-        K.self_knn(tree, m + 1)
-    with pytest.raises(ValueError, match="leaves"):
-        K.self_knn(tree, 3, leaves=(5, 2))
 
 
 def test_triton_interpreter_original_ids(interpreted, seed):

@@ -149,19 +149,11 @@ def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
         raise ValueError(f"tree: built over {tuple(tree.points.shape)} points on "
                          f"{tree.points.device}, expected {tuple(points.shape)} on "
                          f"{points.device}")
-    return _tree_self_query(tree, int(k), float(eps))
-
-
-def _tree_self_query(tree: TreeArrays, k: int, eps: float) -> torch.Tensor:
-    """Covariances of every tree point's k-NN (``kdtree.self_knn``), in the points' order."""
-    n, leaves = tree.points.shape[0], 2**tree.depth
-    step = max(1, leaves * _SELF_QUERY_CHUNK // n)  # leaves per search: bounds the table
-    cov = torch.empty(n, 3, 3, dtype=tree.points.dtype, device=tree.points.device)
-    for first in range(0, leaves, step):
-        stop = min(leaves, first + step)
-        _, nbr = kdtree.self_knn(tree, k, leaves=(first, stop))  # tree positions
-        cov[(first * n) >> tree.depth:(stop * n) >> tree.depth] = \
-            covariances(tree.points, nbr, eps)
+    cov = torch.empty(n, 3, 3, dtype=points.dtype, device=points.device)
+    for s in range(0, n, _SELF_QUERY_CHUNK):  # bounds the neighbour table
+        _, nbr = kdtree.knn(tree, tree.points[s:s + _SELF_QUERY_CHUNK], int(k),
+                            reorder=False)  # tree positions
+        cov[s:s + _SELF_QUERY_CHUNK] = covariances(tree.points, nbr, eps)
     out = torch.empty_like(cov)
     out[tree.perm] = cov
     return out
@@ -191,7 +183,11 @@ class _SelfQueryProgram:
                  ) -> dict[str, torch.Tensor]:
         tree = kdtree.build(inputs["points"], self.depth, "device",
                             layout=(inputs["flat"], inputs["ranges"]))
-        return {"cov": _tree_self_query(tree, self.k, self.eps)}
+        _, nbr = kdtree.knn(tree, tree.points, self.k, reorder=False)  # tree positions
+        cov = covariances(tree.points, nbr, self.eps)
+        out = torch.empty_like(cov)
+        out[tree.perm] = cov
+        return {"cov": out}
 
 
 def _size_class_self_query(points: torch.Tensor, k: int, eps: float) -> torch.Tensor | None:

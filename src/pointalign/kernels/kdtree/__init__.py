@@ -24,10 +24,6 @@ helpers, :func:`descend` and the reference :func:`knn_reference` live in
 * :func:`knn` — exact k nearest neighbours (backtracking with a depth-bounded per-query stack in
   the Triton kernel; a level-synchronous frontier in the reference), or approximate (search only
   the query's leaf), optionally bounded by a maximum squared distance.
-* :func:`self_knn` — every tree point's k nearest tree points (covariances, normals), leaf by
-  leaf on Triton: a bound on each point's k-th distance from the leaf's ancestor of at least
-  k points, one walk of the tree per leaf (box to box) for the leaves within the largest
-  bound, and a tiled top-k over those leaves' points (one program per leaf).
 """
 
 from __future__ import annotations
@@ -275,43 +271,3 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
     if ids is not None:
         i = torch.where(i >= 0, ids[0][i.clamp_min(0)], i)
     return d, i
-
-
-#: the self-query's Triton kernels keep up to this many neighbours, with leaves up to
-#: ``SELF_MAX_LEAF`` points; above either, :func:`self_knn` asks :func:`knn`
-SELF_MAX_K = 32
-SELF_MAX_LEAF = 64
-
-
-def self_knn(tree: TreeArrays, k: int, *, leaves: tuple[int, int] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Find every tree point's k nearest tree points (itself included), rows in tree order.
-
-    Args:
-        tree: the tree; its points are the queries.
-        k: neighbours per point, ``1 <= k <= M``.
-        leaves: ``(first, stop)`` leaf numbers (0-based within the leaf level): only the
-            points of those leaves, tree positions ``[first·M/2^D, stop·M/2^D)``.
-
-    Returns:
-        ``(dists (P, k), idx (P, k) int64)`` ascending, ``idx`` in tree positions: the
-        exact k-NN of each point (the same distances as :func:`knn` of the tree's points;
-        ties may pick other points). On Triton: one program per leaf (see the module
-        docstring); no synchronisation (capture safe). Elsewhere :func:`knn`.
-
-    """
-    m = tree.points.shape[0]
-    if not 1 <= k <= m:
-        raise ValueError(f"k: expected 1 <= k <= {m}, got {k}")
-    first, stop = leaves if leaves is not None else (0, 2**tree.depth)
-    if not 0 <= first <= stop <= 2**tree.depth:
-        raise ValueError(f"leaves: expected 0 <= first <= stop <= {2**tree.depth}, got "
-                         f"{leaves}")
-    be = backend(tree.points)
-    if be in ("triton", "interpret") and k <= SELF_MAX_K \
-            and tree.max_leaf_size <= SELF_MAX_LEAF:
-        from pointalign.kernels.kdtree import triton as _kdtree_triton
-
-        return _kdtree_triton.self_knn(tree, k, (first, stop))
-    rows = slice((first * m) >> tree.depth, (stop * m) >> tree.depth)
-    return knn(tree, tree.points[rows], k, reorder=False)

@@ -105,8 +105,15 @@ def topk_scan(qx, qy, qz, rmask, p_ptr, M, stride, max_d2, HAS_MAX: tl.constexpr
     stability probe.
     """
     inf = float("inf")
-    best_d, best_i = topk_init(qx, K, KP, BLOCK_N)
+    slots = tl.arange(0, KP).to(tl.int64)
+    zk = tl.full((BLOCK_N, KP), 0, dtype=qx.dtype)
+    zk_i = tl.full((BLOCK_N, KP), 0, dtype=tl.int64)
+    # real slots start empty (inf) with distinct negative ids; padding slots hold -inf and
+    # are never the worst, so never replaced
+    best_d = tl.where(slots[None, :] < K, zk + inf, zk - inf)
+    best_i = zk_i - 1 - slots[None, :]
     lanes = tl.arange(0, BLOCK_M).to(tl.int64)
+    big = 9223372036854775807
     # int64 scalar; a while loop (the interpreter cannot index range() by M)
     start = tl.program_id(0).to(tl.int64) * 0
     while start < M:
@@ -121,53 +128,22 @@ def topk_scan(qx, qy, qz, rmask, p_ptr, M, stride, max_d2, HAS_MAX: tl.constexpr
         d = dx * dx + dy * dy + dz * dz
         if HAS_MAX:
             d = tl.where(d <= max_d2, d, inf)
-        best_d, best_i = topk_tile(best_d, best_i, d, start, lanes, rmask)
+        worst = tl.max(best_d, axis=1)
+        tmin = tl.min(d, axis=1)
+        todo = (tmin < worst) & rmask
+        while tl.max(todo.to(tl.int32), axis=0) > 0:
+            m, j = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            ins = (m < worst) & rmask
+            # the worst kept entry by (distance, index): unique thanks to distinct ids
+            wi = tl.max(tl.where(best_d == worst[:, None], best_i, -big), axis=1)
+            slot = (best_d == worst[:, None]) & (best_i == wi[:, None]) & ins[:, None]
+            best_d = tl.where(slot, m[:, None] + zk, best_d)
+            best_i = tl.where(slot, (start + j.to(tl.int64))[:, None] + zk_i, best_i)
+            d = tl.where(lanes[None, :] == j.to(tl.int64)[:, None], inf, d)
+            worst = tl.max(best_d, axis=1)
+            todo = (tl.min(d, axis=1) < worst) & rmask
         start += BLOCK_M
     return best_d, tl.where(best_d == inf, -1, best_i)
-
-
-@triton.jit
-def topk_init(qx, K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Empty running top-k ``(best_d, best_i)``, each ``(BLOCK_N, KP)``, for queries like ``qx``.
-
-    Real slots start empty (inf) with distinct negative ids; padding slots (past ``K``)
-    hold -inf and are never the worst, so never replaced.
-    """
-    inf = float("inf")
-    slots = tl.arange(0, KP).to(tl.int64)
-    zk = tl.full((BLOCK_N, KP), 0, dtype=qx.dtype)
-    zk_i = tl.full((BLOCK_N, KP), 0, dtype=tl.int64)
-    return tl.where(slots[None, :] < K, zk + inf, zk - inf), zk_i - 1 - slots[None, :]
-
-
-@triton.jit
-def topk_tile(best_d, best_i, d, start, lanes, rmask):
-    """Merge one tile of distances ``d (BLOCK_N, BLOCK_M)`` into the running top-k.
-
-    ``best_d, best_i (BLOCK_N, KP)``: the kept entries (distinct ids; padding slots -inf);
-    column c of the tile is point ``start + lanes[c]``. Touched only if one distance beats
-    a row's current k-th best; then the tile's minimum is extracted and swapped for the
-    worst kept entry while that helps. Comparisons are strict, so among equal distances the
-    entries met first are kept.
-    """
-    inf = float("inf")
-    big = 9223372036854775807
-    zk = tl.zeros_like(best_d)
-    zk_i = tl.zeros_like(best_i)
-    worst = tl.max(best_d, axis=1)
-    todo = (tl.min(d, axis=1) < worst) & rmask
-    while tl.max(todo.to(tl.int32), axis=0) > 0:
-        m, j = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        ins = (m < worst) & rmask
-        # the worst kept entry by (distance, index): unique thanks to distinct ids
-        wi = tl.max(tl.where(best_d == worst[:, None], best_i, -big), axis=1)
-        slot = (best_d == worst[:, None]) & (best_i == wi[:, None]) & ins[:, None]
-        best_d = tl.where(slot, m[:, None] + zk, best_d)
-        best_i = tl.where(slot, (start + j.to(tl.int64))[:, None] + zk_i, best_i)
-        d = tl.where(lanes[None, :] == j.to(tl.int64)[:, None], inf, d)
-        worst = tl.max(best_d, axis=1)
-        todo = (tl.min(d, axis=1) < worst) & rmask
-    return best_d, best_i
 
 
 def _topk_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
