@@ -32,6 +32,24 @@ def test_rejects_bad_points_naming_the_argument(bad, exc, match):
     assert "source" in str(info.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finite_check_counts_bad_rows_and_accepts_a_sum_that_overflows(dtype):
+    """The check sums first: finite values whose sum overflows are accepted (the
+    element-wise test decides), and a NaN or Inf is found wherever it sits."""
+    big = torch.full((1000, 3), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert not torch.isfinite(big.sum())
+    assert _validate.as_points(big) is big
+    for value in (float("nan"), float("inf"), -float("inf")):
+        for pts in (torch.zeros(50, 3, dtype=dtype), big.clone()):
+            pts[[3, 40], 1] = value
+            with pytest.raises(ValueError, match="2 rows contain NaN or Inf"):
+                _validate.as_points(pts, "source")
+    mixed = torch.zeros(4, 3, dtype=dtype)
+    mixed[0, 0], mixed[1, 0] = float("inf"), -float("inf")  # the sum is NaN
+    with pytest.raises(ValueError, match="2 rows"):
+        _validate.as_points(mixed)
+
+
 def test_min_points():
     with pytest.raises(ValueError, match="at least 3 points, got 2"):
         _validate.as_points(np.zeros((2, 3)), "target", min_points=3)

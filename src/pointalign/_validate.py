@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -299,11 +300,15 @@ def is_trusted() -> bool:
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:
-    if _TRUSTED.get():
+    if _TRUSTED.get() or not t.numel():
         return
-    if t.numel() and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).any(dim=-1).sum()) if t.dim() > 1 else -1
-        raise _not_finite(name, bad)
+    # one reduction: a NaN or an infinity makes the sum non-finite; a non-finite sum of
+    # finite values (an overflow) is told apart by the element-wise test (on 2 CPU threads
+    # 7 us against 86 us at 25k points, 75 us against 3.5 ms at 1M)
+    if math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all()):
+        return
+    bad = int((~torch.isfinite(t)).any(dim=-1).sum()) if t.dim() > 1 else -1
+    raise _not_finite(name, bad)
 
 
 def _not_finite(name: str, bad: int) -> ValueError:
