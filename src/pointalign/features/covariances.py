@@ -51,9 +51,11 @@ def estimate_covariances(
         eps: the regularisation ε in (0, 1]: eigenvalues ``(ε, 1, 1)`` (default 1e-3).
         index: an :class:`~pointalign.search.base.Index` built over these points (reused: a
             :class:`~pointalign.search.kdtree.KDTreeIndex`'s tree is self-queried in its own
-            order, :func:`pointalign.kernels.gicp.knn_covariances`; default: numba's fused
-            search and reduction on the CPU, else ``build_index(points)``; the same
-            neighbours either way, up to ties).
+            order, :func:`pointalign.kernels.gicp.knn_covariances`; default: the kernel
+            layer's own search, numba's fused search and reduction on the CPU and on a GPU
+            a k-d tree build, self-query and reduction replayed as one CUDA graph per size
+            class (up to 2^19 points), else ``build_index(points)``; the same neighbours
+            either way, up to ties).
         neighbors: a precomputed ``(N, K)`` int64 neighbour table (``-1`` = none), e.g. the
             one the normals were estimated from; replaces the search (``k`` and ``index``
             are then not used).
