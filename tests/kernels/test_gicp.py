@@ -284,6 +284,8 @@ def test_size_class():
         c = kg.size_class(n)
         assert c >= max(n, 64) and c <= max(64, n * 1.125 + 1)
         assert kg.size_class(c) == c
+    with pytest.raises(ValueError, match="n"):
+        kg.size_class(0)
 
 
 def test_knn_covariances_interpreted_self_query(interpreted, seed):

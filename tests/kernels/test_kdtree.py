@@ -85,6 +85,16 @@ def test_build_auto_is_the_host_build_on_the_cpu(rng):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.parametrize("m,depth", [(1, 0), (1000, 6)])
+def test_build_with_a_layout_made_before(m, depth, rng):
+    """A device build given build_layout's arrays equals one that makes them itself."""
+    pts = _cloud(m, rng)
+    a = K.build(pts, depth, "device")
+    b = K.build(pts, depth, "device", layout=K.build_layout(m, depth, pts.device))
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
 def test_build_rejects_bad_depth():
     with pytest.raises(ValueError, match="depth"):
         K.build(torch.zeros(4, 3), 3)

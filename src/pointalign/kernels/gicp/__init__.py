@@ -71,8 +71,8 @@ SELF_QUERY_LEAF = 16
 SELF_QUERY_GRAPH_MAX = 1 << 19
 
 __all__ = ["KERNELS", "NEIGHBORHOODS", "PLANE_EPS", "ROBUST_SCALE2", "WIDTH", "VoxelMap",
-           "covariances", "gicp_sums", "gicp_update", "knn_covariances", "vgicp_update",
-           "voxel_lookup", "voxelize"]
+           "covariances", "gicp_sums", "gicp_update", "knn_covariances", "size_class",
+           "vgicp_update", "voxel_lookup", "voxelize"]
 
 
 def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
@@ -149,9 +149,15 @@ def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
         raise ValueError(f"tree: built over {tuple(tree.points.shape)} points on "
                          f"{tree.points.device}, expected {tuple(points.shape)} on "
                          f"{points.device}")
-    cov = torch.empty(n, 3, 3, dtype=points.dtype, device=points.device)
+    return _tree_self_query(tree, int(k), float(eps))
+
+
+def _tree_self_query(tree: TreeArrays, k: int, eps: float) -> torch.Tensor:
+    """Covariances of every tree point's k-NN, asked in tree order, in the points' order."""
+    n = tree.points.shape[0]
+    cov = torch.empty(n, 3, 3, dtype=tree.points.dtype, device=tree.points.device)
     for s in range(0, n, _SELF_QUERY_CHUNK):  # bounds the neighbour table
-        _, nbr = kdtree.knn(tree, tree.points[s:s + _SELF_QUERY_CHUNK], int(k),
+        _, nbr = kdtree.knn(tree, tree.points[s:s + _SELF_QUERY_CHUNK], k,
                             reorder=False)  # tree positions
         cov[s:s + _SELF_QUERY_CHUNK] = covariances(tree.points, nbr, eps)
     out = torch.empty_like(cov)
@@ -161,6 +167,8 @@ def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
 
 def size_class(n: int) -> int:
     """Round ``n >= 1`` up to one of 8 sizes per octave (at most 12.5 % more, at least 64)."""
+    if int(n) < 1:
+        raise ValueError(f"n: expected a count >= 1, got {n}")
     n = max(int(n), 64)
     step = 1 << max(0, n.bit_length() - 4)
     return -(-n // step) * step
@@ -183,11 +191,7 @@ class _SelfQueryProgram:
                  ) -> dict[str, torch.Tensor]:
         tree = kdtree.build(inputs["points"], self.depth, "device",
                             layout=(inputs["flat"], inputs["ranges"]))
-        _, nbr = kdtree.knn(tree, tree.points, self.k, reorder=False)  # tree positions
-        cov = covariances(tree.points, nbr, self.eps)
-        out = torch.empty_like(cov)
-        out[tree.perm] = cov
-        return {"cov": out}
+        return {"cov": _tree_self_query(tree, self.k, self.eps)}
 
 
 def _size_class_self_query(points: torch.Tensor, k: int, eps: float) -> torch.Tensor | None:
@@ -212,9 +216,10 @@ def _size_class_self_query(points: torch.Tensor, k: int, eps: float) -> torch.Te
     # a row of distinct points, one step apart, beyond every point by more than the cloud's
     # extent (copies of one point tie at distance 0 and defeat the search's pruning: the
     # 6.5k copies padding 100k points took the program from 6.8 to 12.5 ms, H200)
-    far = (hi + 2 * step) + (torch.arange(size - n, device=points.device, dtype=points.dtype)
-                             * step)[:, None] * points.new_tensor([1.0, 0.0, 0.0])
-    padded[n:] = torch.nan_to_num(far, posinf=torch.finfo(points.dtype).max)
+    far = padded[n:]
+    far[:] = hi + 2 * step
+    far[:, 0] += torch.arange(size - n, device=points.device, dtype=points.dtype) * step
+    torch.nan_to_num(far, posinf=torch.finfo(points.dtype).max, out=far)
     depth = kdtree.depth_for(size, SELF_QUERY_LEAF)
     flat, ranges = kdtree.build_layout(size, depth, points.device)
     _, out = _loop.run_program(_SelfQueryProgram(k, eps, depth),

@@ -83,27 +83,28 @@ def build(points: torch.Tensor, depth: int, where: str = "device", *,
     (NumPy's lexsort beat torch's scatter-reduce and two sorts per level by about 2x on the
     CPU; see ``benchmarks/bench_kdtree.py``).
     ``layout``: :func:`build_layout` of ``(M, depth)`` on the points' device, when the caller
-    has it (a device build then copies nothing from the host).
+    has it (a device build then copies nothing from the host; a host build ignores it).
     """
     m = points.shape[0]
     if depth < 0 or 2**depth > m:
         raise ValueError(f"depth: must satisfy 0 <= depth and 2**depth <= {m}, got {depth}")
     if where == "auto":
         where = "host" if points.device.type == "cpu" else "device"
-    if layout is None:
-        layout = build_layout(m, depth, points.device)
     if where == "device":
+        if layout is None:
+            layout = build_layout(m, depth, points.device)
         perm, axes, splits, pts = _build_torch(points, depth, layout[0])
+        ranges = layout[1]
     elif where == "host":
         perm_np, axes_np, splits_np = _build_numpy(points.detach().cpu().double().numpy(), depth)
         perm = torch.from_numpy(perm_np).to(points.device)
         axes = torch.from_numpy(axes_np).to(points.device)
         splits = torch.from_numpy(splits_np).to(device=points.device, dtype=points.dtype)
         pts = points[perm]
+        ranges = node_ranges(m, depth, points.device)
     else:
         raise ValueError(f"where: must be 'device', 'host' or 'auto', got {where!r}")
     pts = pts.contiguous()
-    ranges = layout[1]
     lo, hi = _node_boxes(pts, depth)
     n_int = 2**depth - 1
     n_nodes = 2 ** (depth + 1) - 1
