@@ -8,10 +8,15 @@ Cases (every method gets the same points and the same initial estimate):
   turned by +10° and by -10° about a seeded random axis. GICP: max correspondence
   distance 5 cm; VGICP: 1 cm voxels.
 * ``kitti 00 1->0`` and ``fast_gicp pair`` (``../shared/data/lidar``): both scans voxel
-  downsampled to 0.25 m (ours, then given to every method), started from the identity,
-  errors against the reference transforms (KITTI: derived from the odometry poses, good
-  to ~0.2 m; fast_gicp pair: fast_gicp's ``relative.txt``, and ``alt_*`` against
-  small_gicp's reference, the two differ by 0.23° / 19 mm). GICP: 1 m; VGICP: 1 m voxels.
+  downsampled to 0.25 m and to 0.1 m (ours, then given to every method) and at full
+  resolution (KITTI: ~125k points a scan), started from the identity, errors against the
+  reference transforms (KITTI: derived from the odometry poses; fast_gicp pair: fast_gicp's
+  ``relative.txt``, and ``alt_*`` against small_gicp's reference, the two differ by
+  0.23° / 19 mm). GICP: 1 m; VGICP: 1 m voxels. ``residual_mm``: how well a transform fits
+  the scans themselves, independent of any reference: the median distance of the
+  full-resolution source points, moved by it, to the plane of their 10 nearest
+  full-resolution target points (pairs within 0.5 m); a ``reference`` row gives the
+  reference transform's own residual.
 * ``bunny 1M 10°``: bun000 upsampled to 1M points (drawn with replacement, 0.5 mm jitter;
   ``bench_icp.upsample``) as the target, the source a copy moved by 10° / 2 cm with 0.5 mm
   noise (``datasets.make_pair``, seed 0). GICP 5 cm, VGICP 1 cm. Left out on the CPU
@@ -51,7 +56,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def _early_threads(argv: list[str]) -> None:
@@ -95,15 +100,17 @@ SMALL_GICP_RULE = ConvergenceCriteria(max_iterations=MAX_ITER, relative_fitness=
                                       rotation_tolerance=math.radians(0.1))
 COLUMNS = ["case", "method", "impl", "rule", "n_source", "n_target", "total_ms", "iqr_ms",
            "cov_ms", "iter_ms", "iterations", "converged", "rot_err_deg", "trans_err_mm",
-           "alt_rot_err_deg", "alt_trans_err_mm", "fitness", "load"]
+           "alt_rot_err_deg", "alt_trans_err_mm", "residual_mm", "fitness", "load", "note"]
 #: threads of every method (None: all cores); set by ``--threads``
 THREADS: int | None = None
 NOTES = (
     "Time of one registration from raw points (median after a warm-up), covariances "
     "included (cov_ms: their share). Ours on the benchmark device; small_gicp (all cores) "
     "and Open3D on the host CPU. bunny: scan pairs from ground truth ±10°, no downsampling, "
-    "GICP 5 cm, VGICP 1 cm voxels; lidar: 0.25 m voxel-downsampled, from identity, GICP 1 m, "
-    "VGICP 1 m voxels; 1M: bun000 upsampled, 10° / 2 cm. Rules: open3d = relative "
+    "GICP 5 cm, VGICP 1 cm voxels; lidar: 0.25 m and 0.1 m voxel-downsampled and full "
+    "resolution, from identity, GICP 1 m, VGICP 1 m voxels; residual_mm: median "
+    "point-to-plane distance of the full-resolution scans under the transform (a reference "
+    "row: the reference transform's); 1M: bun000 upsampled, 10° / 2 cm. Rules: open3d = relative "
     "fitness/RMSE 1e-6; small_gicp = update < 0.1° and 1 mm; at most 50 iterations. "
     "Targets (issue 24, GPU): KITTI pair <= 5 ms, 1M pair <= 50 ms, accuracy >= small_gicp "
     "GICP on every pair; CPU: no slower than small_gicp with the same threads."
@@ -123,8 +130,32 @@ def _points(path) -> torch.Tensor:
     return io.read(path).points.to(torch.float32)
 
 
+class Case(NamedTuple):
+    """One registration problem; ``full``: the full-resolution ``(source, target)`` of a
+    downsampled LiDAR pair (for ``residual_mm``)."""
+
+    name: str
+    source: torch.Tensor
+    target: torch.Tensor
+    init: np.ndarray
+    truth: np.ndarray
+    alt: np.ndarray | None
+    dist: float
+    voxel: float
+    full: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _lidar_cases(name: str, src: torch.Tensor, tgt: torch.Tensor, truth: np.ndarray,
+                 alt: np.ndarray | None, quick: bool):
+    """The pair downsampled to 0.25 m, 0.1 m and at full resolution, from the identity."""
+    for v in ((0.25,) if quick else (0.25, 0.1, None)):
+        label = "full" if v is None else f"{v:g} m"
+        s, t = (src, tgt) if v is None else (voxel_downsample(src, v), voxel_downsample(tgt, v))
+        yield Case(f"{name} ({label})", s, t, np.eye(4), truth, alt, 1.0, 1.0, (src, tgt))
+
+
 def cases(quick: bool, big: bool):
-    """Yield ``(name, source, target, init, truth, alt_truth, gicp_dist, voxel)``."""
+    """Yield the :class:`Case` s: bunny pairs, LiDAR pairs, the 1M pair (``big``)."""
     data = datasets.shared_data_dir()
     bdir = None if data is None else data / "stanford_bunny" / "data"
     pairs = BUNNY_PAIRS[:1] if quick or bdir is None or not bdir.is_dir() else BUNNY_PAIRS
@@ -138,8 +169,8 @@ def cases(quick: bool, big: bool):
             tgt = datasets.random_subsample(tgt, 5000, 1)
         T = datasets.bunny_relative_pose(s, t).numpy()
         for sign in ((1,) if quick else (1, -1)):
-            yield (f"bunny {s}->{t} {'+' if sign > 0 else '-'}10deg", src, tgt,
-                   _turned(T, 10.0 * sign, i), T, None, 0.05, 0.01)
+            yield Case(f"bunny {s}->{t} {'+' if sign > 0 else '-'}10deg", src, tgt,
+                       _turned(T, 10.0 * sign, i), T, None, 0.05, 0.01)
     if data is not None:
         kdir = data / "lidar" / "kitti_00"
         if (kdir / "000000_xyz.bin").is_file():
@@ -147,21 +178,20 @@ def cases(quick: bool, big: bool):
                 return torch.from_numpy(np.fromfile(kdir / f"00000{i}_xyz.bin",
                                                     dtype=np.float32).reshape(-1, 3).copy())
 
-            T = np.loadtxt(kdir / "gt_T_velo0_from_velo1.txt")
-            yield ("kitti 00 1->0 (0.25 m)", voxel_downsample(kb(1), 0.25),
-                   voxel_downsample(kb(0), 0.25), np.eye(4), T, None, 1.0, 1.0)
+            yield from _lidar_cases("kitti 00 1->0", kb(1), kb(0),
+                                    np.loadtxt(kdir / "gt_T_velo0_from_velo1.txt"), None,
+                                    quick)
         fdir = data / "lidar" / "fast_gicp_pair"
         if not quick and (fdir / "251370668.pcd").is_file():
-            yield ("fast_gicp pair (0.25 m)",
-                   voxel_downsample(_points(fdir / "251371071.pcd"), 0.25),
-                   voxel_downsample(_points(fdir / "251370668.pcd"), 0.25), np.eye(4),
-                   np.loadtxt(fdir / "relative.txt"),
-                   np.loadtxt(fdir / "small_gicp_T_target_source.txt"), 1.0, 1.0)
+            yield from _lidar_cases("fast_gicp pair", _points(fdir / "251371071.pcd"),
+                                    _points(fdir / "251370668.pcd"),
+                                    np.loadtxt(fdir / "relative.txt"),
+                                    np.loadtxt(fdir / "small_gicp_T_target_source.txt"), quick)
     if big:
         cloud = upsample(datasets.load_bunny("bun000"), 1_000_000, 5e-4, seed=1_000_000)
         p = datasets.make_pair(cloud, 10.0, 0.02, noise=5e-4, seed=0)
-        yield ("bunny 1M 10deg", p.source, p.target, np.eye(4), p.T_target_source.numpy(),
-               None, 0.05, 0.01)
+        yield Case("bunny 1M 10deg", p.source, p.target, np.eye(4), p.T_target_source.numpy(),
+                   None, 0.05, 0.01)
 
 
 # ---- timing -----------------------------------------------------------------------------
@@ -186,19 +216,59 @@ def _iqr(times: list[float]) -> float:
     return q[2] - q[0]
 
 
-def _errors(T: np.ndarray, truth: np.ndarray, alt: np.ndarray | None) -> dict[str, float]:
-    rot, tr = metrics.relative_error(T, truth)
+def _errors(T: Any, case: Case) -> dict[str, Any]:
+    T = np.asarray(T, dtype=np.float64)
+    if not np.isfinite(T).all():
+        return {"note": "returned a non-finite transform"}
+    rot, tr = metrics.relative_error(T, case.truth)
     out = {"rot_err_deg": rot, "trans_err_mm": 1e3 * tr}
-    if alt is not None:
-        rot, tr = metrics.relative_error(T, alt)
+    if case.alt is not None:
+        rot, tr = metrics.relative_error(T, case.alt)
         out |= {"alt_rot_err_deg": rot, "alt_trans_err_mm": 1e3 * tr}
+    if case.full is not None:
+        out["residual_mm"] = _plane_residual_mm(T, *case.full)
     return out
+
+
+_TARGET_PLANES: dict[int, tuple[Any, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _plane_residual_mm(T: np.ndarray, src: torch.Tensor, tgt: torch.Tensor) -> float:
+    """Median distance (mm) of ``T @ src`` to the planes of ``tgt`` (pairs within 0.5 m).
+
+    Each target point's plane: centroid and smallest-eigenvalue direction of its 10 nearest
+    target points (float64; SciPy). A data-only check of a transform: no reference needed.
+    """
+    from scipy.spatial import cKDTree
+
+    key = id(tgt)
+    if key not in _TARGET_PLANES:
+        t = tgt.double().numpy()
+        tree = cKDTree(t)
+        _, nb = tree.query(t, 10)
+        centred = t[nb] - t[nb].mean(1, keepdims=True)
+        _, vecs = np.linalg.eigh(np.einsum("nki,nkj->nij", centred, centred))
+        _TARGET_PLANES[key] = (tree, t[nb].mean(1), vecs[:, :, 0], t)
+    tree, centroid, normal, _ = _TARGET_PLANES[key]
+    moved = src.double().numpy() @ T[:3, :3].T + T[:3, 3]
+    d, j = tree.query(moved, 1, distance_upper_bound=0.5)
+    ok = np.isfinite(d)
+    dist = np.abs(np.einsum("ni,ni->n", moved[ok] - centroid[j[ok]], normal[j[ok]]))
+    return 1e3 * float(np.median(dist))
+
+
+def reference_row(rec: Recorder, case: Case) -> None:
+    """The reference transform's own ``residual_mm`` (a LiDAR case at full resolution)."""
+    if case.full is not None and case.name.endswith("(full)"):
+        rec.add(case=case.name, method="-", impl="reference transform", rule="-",
+                n_source=case.source.shape[0], n_target=case.target.shape[0],
+                **_errors(case.truth, case))
 
 
 # ---- ours -------------------------------------------------------------------------------
 
-def ours(rec: Recorder, case: tuple, dev: str, repeat: int) -> None:
-    name, src, tgt, init, truth, alt, dist, voxel = case
+def ours(rec: Recorder, case: Case, dev: str, repeat: int) -> None:
+    name, src, tgt, init, _, _, dist, voxel, _ = case
     s, t = src.to(dev), tgt.to(dev)
     for method in ("gicp", "vgicp"):
         for rule_name, rule in (("open3d", OPEN3D_RULE), ("small_gicp", SMALL_GICP_RULE)):
@@ -225,13 +295,13 @@ def ours(rec: Recorder, case: tuple, dev: str, repeat: int) -> None:
                     iter_ms=1e3 * statistics.median(x.get("iterate", math.nan) for x in timed),
                     iterations=int(res.iterations), converged=bool(res.converged),
                     fitness=float(res.fitness), load=os.getloadavg()[0],
-                    **_errors(res.transformation, truth, alt))
+                    **_errors(res.transformation, case))
 
 
 # ---- small_gicp ---------------------------------------------------------------------------
 
-def small_gicp_rows(rec: Recorder, case: tuple, repeat: int) -> None:
-    name, src, tgt, init, truth, alt, dist, voxel = case
+def small_gicp_rows(rec: Recorder, case: Case, repeat: int) -> None:
+    name, src, tgt, init, _, _, dist, voxel, _ = case
     base = dict(case=name, rule="small_gicp", n_source=src.shape[0], n_target=tgt.shape[0])
     try:
         import small_gicp as sg
@@ -272,13 +342,13 @@ def small_gicp_rows(rec: Recorder, case: tuple, repeat: int) -> None:
                 iterations=int(res.iterations), converged=bool(res.converged),
                 load=os.getloadavg()[0],
                 fitness=float(res.num_inliers) / max(1, src.shape[0]),
-                **_errors(np.asarray(res.T_target_source), truth, alt))
+                **_errors(res.T_target_source, case))
 
 
 # ---- Open3D -------------------------------------------------------------------------------
 
-def open3d_rows(rec: Recorder, case: tuple, repeat: int) -> None:
-    name, src, tgt, init, truth, alt, dist, _ = case
+def open3d_rows(rec: Recorder, case: Case, repeat: int) -> None:
+    name, src, tgt, init, _, _, dist, _, _ = case
     base = dict(case=name, method="GICP", rule="open3d", n_source=src.shape[0],
                 n_target=tgt.shape[0])
     try:
@@ -313,7 +383,7 @@ def open3d_rows(rec: Recorder, case: tuple, repeat: int) -> None:
             iter_ms=1e3 * (statistics.median(times) - statistics.median(cov_times)),
             load=os.getloadavg()[0],
             iterations=_open3d_iterations(o3d, run), fitness=float(res.fitness),
-            **_errors(np.asarray(res.transformation), truth, alt))
+            **_errors(res.transformation, case))
 
 
 def _open3d_iterations(o3d, run) -> int:
@@ -359,6 +429,7 @@ def main() -> None:
     for case in cases(a.quick, big):
         if a.cases and not any(c in case[0] for c in a.cases.split(",")):
             continue
+        reference_row(rec, case)
         ours(rec, case, a.device, repeat)
         if not a.no_peers:
             small_gicp_rows(rec, case, repeat)

@@ -78,6 +78,26 @@ def test_forked_compile_fills_the_disk_cache(tmp_path, monkeypatch):
     assert _files(tmp_path) == n
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_the_parent_works_meanwhile_and_its_failure_costs_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    ran = []
+    assert _precompile.compile_forked([_SPLIT], _sm90(), meanwhile=lambda: ran.append(1))
+    assert ran == [1]
+
+    def fails():
+        raise RuntimeError("no device")
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "other"))
+    assert _precompile.compile_forked([_SPLIT], _sm90(), meanwhile=fails)
+    assert _files(tmp_path / "other") > 0
+
+
+@pytest.mark.gpu
+def test_the_runtime_warm_up_runs_on_the_gpu():
+    _precompile.warm_runtime(torch.device("cuda"))
+
+
 def test_a_bad_entry_makes_the_child_fail_not_the_parent(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     bad = dict(_SPLIT, kernel="pointalign.kernels.kdtree.triton:no_such_kernel")
@@ -100,7 +120,8 @@ def test_ensure_compiles_once_and_leaves_markers(tmp_path, monkeypatch):
     monkeypatch.setattr(_precompile, "manifest",
                         lambda: {"triton": "x", "steps": {"register": [_SPLIT]}})
     monkeypatch.setattr(_precompile, "compile_forked",
-                        lambda todo, target, workers=None: calls.append(len(todo)) or True)
+                        lambda todo, target, workers=None, meanwhile=None:
+                        calls.append(len(todo)) or True)
     assert _precompile.ensure(("register",), "cuda") is not None
     assert _precompile.ensure(("register",), "cuda") is None  # this process: done
     monkeypatch.setattr(_precompile, "_done", set())

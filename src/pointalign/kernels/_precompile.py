@@ -9,7 +9,9 @@ specialisation as a device run recorded it: argument types, constexprs, divisibi
 attributes, ``num_warps``/``num_stages``, and its compile seconds. Before a public method's
 first GPU call in a process, :func:`ensure` compiles the step's kernels that are missing in
 forked child processes (one per core, longest first) into Triton's own disk cache; the
-launches then find them there. A marker file in that cache says it is done, so later
+launches then find them there. Meanwhile the parent pays the CUDA runtime's own first-use
+costs (:func:`warm_runtime`: library handles, sort and scan kernels) that the call would
+otherwise pay inside its stages. A marker file in that cache says it is done, so later
 processes pay one ``stat``.
 
 Where the manifest does not apply (another Triton version than the one that recorded it,
@@ -31,7 +33,7 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,12 +190,13 @@ def _prepare(todo: list[dict[str, Any]], target: Any) -> None:
         _ = _jit_function(e["kernel"]).cache_key
 
 
-def compile_forked(todo: list[dict[str, Any]], target: Any,
-                   workers: int | None = None) -> bool:
+def compile_forked(todo: list[dict[str, Any]], target: Any, workers: int | None = None,
+                   meanwhile: Callable[[], None] | None = None) -> bool:
     """Compile ``todo`` in forked children, one per core; True when every child succeeded.
 
     A child compiles only (no CUDA calls: the parent may have initialised CUDA, which a
-    forked child must not use) and leaves with ``os._exit``.
+    forked child must not use) and leaves with ``os._exit``. The parent runs ``meanwhile``
+    (if given) while the children compile, then waits for them.
     """
     bins = _bins(todo, max(1, min(workers or _cores(), len(todo))))
     with contextlib.suppress(Exception):
@@ -212,7 +215,51 @@ def compile_forked(todo: list[dict[str, Any]], target: Any,
                     code = 1
                 os._exit(code)
             pids.append(pid)
-    return _wait(pids, deadline=time.monotonic() + TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except Exception as exc:  # a head start only
+            logger.debug("Triton precompile: the parent's warm-up failed: %r", exc)
+    return _wait(pids, deadline=deadline)
+
+
+def warm_runtime(device: Any) -> None:
+    """Pay the CUDA runtime's first-use costs of the library calls the pipelines make.
+
+    Run by the parent while the children compile (:func:`ensure`): the first call of
+    each of these loads its kernels and creates its library handle (cuBLAS, cuSOLVER,
+    the sort and scan kernels), which a first ``register()`` otherwise pays inside its
+    stages. Small tensors; nothing is kept.
+    """
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.rand(4096, 3, device=device, generator=g)
+    for keys in (x[:, 0], (x[:, 1] * 4096).to(torch.int32), (x[:, 2] * 4096).to(torch.int64)):
+        torch.sort(keys)
+        torch.argsort(keys, stable=True)
+        torch.cumsum(keys, 0)
+        torch.unique(keys, return_inverse=True, return_counts=True)
+        torch.searchsorted(torch.sort(keys).values, keys)
+        (keys > keys.mean(dtype=torch.float32)).nonzero()
+    torch.bincount((x[:, 0] * 64).to(torch.int64), minlength=64)
+    torch.topk(x[:, 0], 8)
+    torch.randperm(4096, device=device, generator=g)
+    torch.quantile(x[:, 0], 0.5)
+    x[:, 0].median()
+    for dtype in (torch.float32, torch.float64):
+        m = x[:64].to(dtype)
+        sym = m.t() @ m + torch.eye(3, device=device, dtype=dtype)
+        batch = sym.expand(16, 3, 3).contiguous()
+        torch.linalg.eigh(batch)
+        torch.linalg.eigvalsh(batch)
+        torch.linalg.svd(batch)
+        torch.linalg.solve(batch, m[:16, :, None])
+        torch.linalg.det(batch)
+        torch.linalg.cross(m[:16], m[16:32], dim=1)
+        torch.bmm(batch, batch)
+    torch.cuda.synchronize(device)
 
 
 def _wait(pids: list[int], deadline: float) -> bool:
@@ -290,7 +337,7 @@ def ensure(steps: Sequence[str], device: Any) -> float | None:
         if not _progress.announce(what, estimate, stacklevel=_numba._user_stacklevel()):
             logger.info("%s (%s)", what, _progress.describe_seconds(estimate))
         t = time.perf_counter()
-        if compile_forked(todo, target, workers):
+        if compile_forked(todo, target, workers, meanwhile=lambda: warm_runtime(device)):
             for step in pending:
                 markers[step].parent.mkdir(parents=True, exist_ok=True)
                 markers[step].write_text(json.dumps({"step": step}))
