@@ -326,6 +326,52 @@ def test_knn_self_equals_knn(backend, seed, dtype, leaf_size):
     _same_neighbours(p, p, ri.numpy(), i, rd.numpy(), d, dtype)
 
 
+def _lexsorted_knn(q: np.ndarray, p: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Brute-force oracle of the contract: squared distances in the points' dtype, summed in
+    axis order, ordered by (distance, index)."""
+    e = q[:, None, :] - p[None, :, :]
+    d = (e[..., 0] * e[..., 0] + e[..., 1] * e[..., 1]) + e[..., 2] * e[..., 2]
+    cols = np.broadcast_to(np.arange(p.shape[0]), d.shape)
+    order = np.lexsort((cols, d), axis=1)[:, :k]
+    return np.take_along_axis(d, order, 1), order
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@cpu_only
+def test_copies_keep_their_smallest_indices(backend, monkeypatch, seed, dtype):
+    """Hundreds of copies of one point (a scan's missing returns, written as the origin):
+    every copy is equally near, and the copies with the smallest indices win, in the tree
+    (its pruning by the smallest index under a node) and in the reference alike. Indices
+    exactly; distances to rounding (implementations may contract multiply-adds)."""
+    g = np.random.default_rng(seed)
+    p = g.normal(size=(2000, 3)).astype(dtype)
+    p[g.choice(2000, 500, replace=False)] = 0
+    p[g.choice(2000, 80, replace=False)] = p[7]
+    q = np.concatenate([p[:250], (g.normal(size=(150, 3)) * 0.01).astype(dtype)])
+    tree = _knn_cpu.CpuTree(p, leaf_size=8)
+    for k in (1, 20):
+        want_d, want_i = _lexsorted_knn(q, p, k)
+        rd, ri = knn_reference(torch.from_numpy(q), torch.from_numpy(p), k, tile_pairs=4096)
+        assert np.array_equal(ri.numpy(), want_i)
+        np.testing.assert_allclose(rd.numpy(), want_d, rtol=1e-6)
+        for keyed in (True, False):
+            monkeypatch.setattr(_knn_cpu, "KEYED", keyed)
+            d, i = tree.knn(q, k)
+            assert np.array_equal(i, want_i)
+            np.testing.assert_allclose(d, want_d, rtol=1e-6)
+            d, i = tree.knn_self(k)
+            self_d, self_i = _lexsorted_knn(p, p, k)
+            assert np.array_equal(i, self_i)
+            np.testing.assert_allclose(d, self_d, rtol=1e-6)
+        d, i = tree.nearest(q)
+        assert np.array_equal(i, want_i[:, 0])
+        np.testing.assert_allclose(d, want_d[:, 0], rtol=1e-6)
+    nmin = tree.nmin  # the smallest original index under every node
+    for v in range(len(nmin)):
+        a, b = tree.lo[v], tree.hi[v]
+        assert nmin[v] == (tree.perm[a:b].min() if b > a else 1 << 62)
+
+
 @pytest.mark.parametrize("leaf_size", [1, 5, 32])
 @cpu_only
 def test_keyed_lists_equal_plain(backend, monkeypatch, seed, leaf_size):

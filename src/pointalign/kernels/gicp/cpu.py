@@ -105,8 +105,8 @@ def _covariances(pts, idx, eps, degeneracy, out):
 
 
 @njit(cache=True, parallel=True)
-def _knn_covariances(pts, perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, eps, degeneracy,
-                     out):
+def _knn_covariances(pts, perm, spts, lo, hi, bmin, bmax, nmin, depth, k, max_d2, eps,
+                     degeneracy, out):
     """Fused k-NN and :func:`_cov_row` of every point of a keyed host tree (float32).
 
     The search is :func:`pointalign.kernels.knn.cpu._knn_self_keyed`'s (bottom-up from each
@@ -127,8 +127,8 @@ def _knn_covariances(pts, perm, spts, lo, hi, bmin, bmax, depth, k, max_d2, eps,
         leaf = first_leaf + t
         lk = np.empty(hi[leaf] - lo[leaf], np.uint64)
         for j0 in range(lo[leaf], hi[leaf]):
-            cnt = _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, first_leaf, stack, sd,
-                            k, kb, lk, max_d2, f, u)
+            cnt = _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, nmin, first_leaf, stack,
+                            sd, k, kb, lk, max_d2, f, u)
             for s in range(cnt):
                 row[s] = np.int64(kb[s] & _LOW32)
             for s in range(cnt, k):
@@ -164,7 +164,7 @@ def knn_covariances_cpu(points: torch.Tensor, k: int, eps: float) -> torch.Tenso
     _threads.numba_threads()
     out = np.empty((p.shape[0], 3, 3), np.float64)
     _knn_covariances(p, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
-                     tree.depth, int(k), np.float32(np.inf), float(eps), _math.DEGENERACY_EPS,
+                     tree.nmin, tree.depth, int(k), np.float32(np.inf), float(eps), _math.DEGENERACY_EPS,
                      out)
     return torch.from_numpy(out).to(points.dtype)
 

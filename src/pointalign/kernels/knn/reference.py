@@ -60,6 +60,27 @@ def _sort_rows(d: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return d.gather(1, o), i.gather(1, o)
 
 
+def _tile_topk(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` smallest of each row of ``d (n, m)`` by (value, column), and their columns.
+
+    ``torch.topk`` alone may keep any of the columns that tie at the k-th value; where a
+    row has more of them than places left, the places go to the smallest columns (a tile
+    of repeated points: every copy is equally near).
+    """
+    td, ti = torch.topk(d, k, dim=1, largest=False, sorted=True)
+    kth = td[:, k - 1:k]
+    below = d < kth
+    tie = d == kth
+    left = k - below.sum(1, keepdim=True)
+    if not bool((tie.sum(1, keepdim=True) > left).any()):
+        return td, ti
+    take = below | (tie & (tie.cumsum(1) <= left))
+    col = torch.arange(d.shape[1], device=d.device).expand_as(d)
+    ti = torch.topk(torch.where(take, col, d.shape[1]), k, dim=1, largest=False,
+                    sorted=True).indices
+    return d.gather(1, ti), ti
+
+
 def _sq_dists(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``(n, m)`` squared distances, coordinate by coordinate (two temporaries of the tile)."""
     d = (q[:, 0:1] - p[:, 0]).square_()
@@ -105,8 +126,7 @@ def knn_reference(query: torch.Tensor, points: torch.Tensor, k: int,
                 best_d = torch.where(better, md, best_d)
                 best_i = torch.where(better, mi + ps, best_i)
                 continue
-            kt = min(kk, d.shape[1])
-            td, ti = torch.topk(d, kt, dim=1, largest=False, sorted=True)
+            td, ti = _tile_topk(d, min(kk, d.shape[1]))
             cd = torch.cat([best_d, td], dim=1)
             ci = torch.cat([best_i, ti + ps], dim=1)
             cd, ci = _sort_rows(cd, ci)  # earlier (smaller-index) candidates win equal distances
