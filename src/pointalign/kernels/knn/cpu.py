@@ -313,16 +313,6 @@ def _nearest(pts, perm, spts, lo, hi, bmin, bmax, nmin, depth, q, hint, max_d2, 
 
 
 @njit(cache=True, inline="always")
-def _skip(d, bound, later):
-    """Tell whether a box at squared distance ``d`` can hold no neighbour that would enter.
-
-    ``later``: the list is full and every point under the box has a larger original index
-    than its last entry, so a point exactly at ``bound`` would lose the tie too.
-    """
-    return d > bound or (d == bound and later)
-
-
-@njit(cache=True, inline="always")
 def _scan_k(q0, q1, q2, perm, spts, a, b, k, bd, bx, cnt, bound):
     """Insert the stored points ``a:b`` into the ordered list ``bd, bx`` (k-NN, see _knn)."""
     for j in range(a, b):
@@ -358,7 +348,8 @@ def _subtree_k(root, droot, q0, q1, q2, perm, spts, lo, hi, bmin, bmax, nmin, fi
     while top > 0:
         top -= 1
         v = stack[top]
-        if _skip(sd[top], bound, cnt == k and nmin[v] > bx[k - 1]):
+        # past the bound, or at it with every index under v after the full list's last
+        if sd[top] > bound or (sd[top] == bound and cnt == k and nmin[v] > bx[k - 1]):
             continue
         if v >= first_leaf:
             cnt, bound = _scan_k(q0, q1, q2, perm, spts, lo[v], hi[v], k, bd, bx, cnt, bound)
@@ -415,7 +406,7 @@ def _knn_self(perm, spts, lo, hi, bmin, bmax, nmin, depth, k, max_d2, out_d, out
             while v > 0:
                 sib = v + 1 if v & 1 else v - 1
                 ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
-                if not _skip(ds, bound, cnt == k and nmin[sib] > bx[k - 1]):
+                if ds < bound or (ds == bound and not (cnt == k and nmin[sib] > bx[k - 1])):
                     cnt, bound = _subtree_k(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin,
                                             bmax, nmin, first_leaf, stack, sd, k, bd, bx, cnt,
                                             bound)
@@ -467,7 +458,8 @@ def _subtree_key(root, droot, q0, q1, q2, perm, spts, lo, hi, bmin, bmax, nmin, 
     while top > 0:
         top -= 1
         v = stack[top]
-        if _skip(sd[top], bound, cnt == k and nmin[v] > np.int64(kb[k - 1] & _LOW32)):
+        if sd[top] > bound or (sd[top] == bound and cnt == k
+                               and nmin[v] > np.int64(kb[k - 1] & _LOW32)):
             continue
         if v >= first_leaf:
             cnt, bound = _scan_key(q0, q1, q2, perm, spts, lo[v], hi[v], k, kb, cnt, bound,
@@ -547,7 +539,8 @@ def _self_key(j0, leaf, perm, spts, lo, hi, bmin, bmax, nmin, first_leaf, stack,
     while v > 0:
         sib = v + 1 if v & 1 else v - 1
         ds = _boxd2(q0, q1, q2, bmin, bmax, sib)
-        if not _skip(ds, bound, cnt == k and nmin[sib] > np.int64(kb[k - 1] & _LOW32)):
+        if ds < bound or (ds == bound and not (cnt == k
+                                               and nmin[sib] > np.int64(kb[k - 1] & _LOW32))):
             cnt, bound = _subtree_key(sib, ds, q0, q1, q2, perm, spts, lo, hi, bmin, bmax,
                                       nmin, first_leaf, stack, sd, k, kb, cnt, bound, f, u)
         v = (v - 1) >> 1
