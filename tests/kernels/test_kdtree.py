@@ -149,6 +149,10 @@ def run_interpreted_kdtree(out_path: str) -> None:
                                                                  hint=_hints(tree, q, seed)))
         finally:
             KT.QUERY_CHUNK = chunk
+        pts, q = _copies_inputs(seed)  # copies of one point: ties the search may skip
+        tree = K.build(pts, 3)
+        out[("copies", seed)] = (KT.knn(tree, q, 6), KT.knn(tree, q, 6, max_dist2=0.05**2),
+                                 KT.knn(tree, q, 1, hint=_hints(tree, q, seed)))
         tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
         out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
@@ -179,6 +183,17 @@ def _hints(tree, q, seed):
     exact = K.knn_reference(tree, q, 1)[1][:, 0]
     kind = torch.arange(n) % 3
     return torch.where(kind == 0, torch.full_like(h, -1), torch.where(kind == 1, h, exact))
+
+
+def _copies_inputs(seed):
+    """80 points, 40 of them copies of the origin and 10 of another point (a scan's missing
+    returns); queries on the copies, near them and elsewhere."""
+    g = torch.Generator().manual_seed(200 + seed)
+    pts = _cloud(80, g)
+    pts[::2] = 0.0
+    pts[1:40:4] = pts[1]
+    q = torch.cat([pts[:4], torch.full((2, 3), 0.01), _cloud(4, g)])
+    return pts, q
 
 
 def _build_cloud(seed):
@@ -234,6 +249,19 @@ def test_triton_interpreter_hint_keeps_the_answer(max_d, interpreted, seed):
     got = interpreted[("hint", max_d, seed)]
     assert_knn_matches(_orig(tree, got), q, pts, 1,
                        **({} if math.isinf(max_d) else {"max_distance": max_d}))
+
+
+def test_triton_interpreter_copies(interpreted, seed):
+    """Copies tie exactly: once k places are taken, the search skips what can only tie, and
+    the neighbours found are still the k nearest (some copies or others, equally near)."""
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    pts, q = _copies_inputs(seed)
+    tree = K.build(pts, 3)
+    every, bounded, hinted = interpreted[("copies", seed)]
+    assert_knn_matches(_orig(tree, every), q, pts, 6)
+    assert_knn_matches(_orig(tree, bounded), q, pts, 6, max_distance=0.05)
+    assert_knn_matches(_orig(tree, hinted), q, pts, 1)
 
 
 def test_triton_interpreter_original_ids(interpreted, seed):

@@ -164,8 +164,8 @@ def knn_covariances_cpu(points: torch.Tensor, k: int, eps: float) -> torch.Tenso
     _threads.numba_threads()
     out = np.empty((p.shape[0], 3, 3), np.float64)
     _knn_covariances(p, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
-                     tree.nmin, tree.depth, int(k), np.float32(np.inf), float(eps), _math.DEGENERACY_EPS,
-                     out)
+                     tree.nmin, tree.depth, int(k), np.float32(np.inf), float(eps),
+                     _math.DEGENERACY_EPS, out)
     return torch.from_numpy(out).to(points.dtype)
 
 

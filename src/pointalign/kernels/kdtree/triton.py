@@ -5,13 +5,15 @@ its own stack of node ids (depth-bounded: at most ``depth + 1`` entries) kept in
 buffer in global memory (L1/L2 resident); its k best candidates live in registers as a
 ``(BLOCK, KP)`` tile, updated by replacing the current worst (``tl.where``, no sorting inside
 the kernel). A popped node is skipped when its bounding box is farther than the current k-th
-distance; a leaf scans its points; an internal node pushes the far child, then the near one
-(so the near one is visited first); the far child is pushed only when its side of the split
-plane is within the current k-th distance (its points are at least that far along the split
-axis). The approximate mode pushes only the near child. With a ``hint`` (k = 1: one candidate
-tree position per query, e.g. the previous ICP correspondence) the search starts from that
-candidate's distance instead of the maximum, which prunes most of the tree when the hint is
-close; the answer is the same.
+distance, or as far once all k places are taken (its points could only tie, and ties may go
+either way: a scan's thousands of copies of one point are then not all visited by every
+query that reaches them); a leaf scans its points; an internal node pushes the far child,
+then the near one (so the near one is visited first); the far child is pushed only when its
+side of the split plane is within the current k-th distance (its points are at least that
+far along the split axis). The approximate mode pushes only the near child. With a ``hint``
+(k = 1: one candidate tree position per query, e.g. the previous ICP correspondence) the
+search starts from that candidate's distance instead of the maximum, which prunes most of
+the tree when the hint is close; the answer is the same, up to ties.
 Contract: :func:`pointalign.kernels.kdtree.knn`.
 """
 
@@ -81,7 +83,8 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
         bz = tl.maximum(tl.maximum(loz - qz, qz - hiz), 0.0)
         dbox = bx * bx + by * by + bz * bz
         worst = tl.max(best_d, axis=1)
-        visit = active & (dbox <= worst)
+        full = worst < max_d2  # all K places taken: an equally near point cannot enter
+        visit = active & tl.where(full, dbox < worst, dbox <= worst)
         is_leaf = node >= first_leaf
         leaf = visit & is_leaf
         s = tl.load(start_ptr + node, mask=leaf, other=0)
@@ -99,7 +102,7 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
             dz = pz - qz
             d = dx * dx + dy * dy + dz * dz
             worst = tl.max(best_d, axis=1)
-            take = pm & (d <= worst)
+            take = pm & tl.where(worst < max_d2, d < worst, d <= worst)
             is_w = best_d == worst[:, None]
             pos = tl.min(tl.where(is_w, cols[None, :], KP), axis=1)
             upd = take[:, None] & (cols[None, :] == pos[:, None])
@@ -116,7 +119,7 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
             far = 2 * node + 2 - right
             gap = qa - sv
             worst = tl.max(best_d, axis=1)
-            push = inner & (gap * gap <= worst)
+            push = inner & tl.where(worst < max_d2, gap * gap < worst, gap * gap <= worst)
             tl.store(stack_ptr + sbase + sp, far.to(tl.int32), mask=push)
             sp = sp + push.to(tl.int32)
         tl.store(stack_ptr + sbase + sp, near.to(tl.int32), mask=inner)

@@ -61,7 +61,7 @@ def _sort_rows(d: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _tile_topk(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` smallest of each row of ``d (n, m)`` by (value, column), and their columns.
+    """Return the ``k`` smallest of each row of ``d (n, m)`` by (value, column), and their columns.
 
     ``torch.topk`` alone may keep any of the columns that tie at the k-th value; where a
     row has more of them than places left, the places go to the smallest columns (a tile
