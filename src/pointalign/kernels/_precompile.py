@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -181,10 +182,7 @@ def _prepare(todo: list[dict[str, Any]], target: Any) -> None:
     """
     from triton.compiler import make_backend
 
-    with contextlib.suppress(Exception):  # where this Triton keeps it
-        from triton.runtime.cache import triton_key
-
-        triton_key()
+    _triton_key()  # computed once per process (ahead, in :func:`_applies`)
     make_backend(target).hash()
     for e in todo:
         _ = _jit_function(e["kernel"]).cache_key
@@ -304,7 +302,22 @@ def _applies(device: Any) -> Any:
         return None
     from triton.runtime import driver
 
-    return driver.active.get_current_target()
+    # Triton's key of its own installation (a hash of libtriton, ~0.3 s), which every
+    # compile and every first launch needs, beside the driver's start (on a fresh machine
+    # a gcc build of its helper module): both wait outside Python most of the time
+    ahead = threading.Thread(target=_triton_key, daemon=True)
+    ahead.start()
+    try:
+        return driver.active.get_current_target()
+    finally:
+        ahead.join()  # before any fork: no thread may hold a lock a child needs
+
+
+def _triton_key() -> None:
+    with contextlib.suppress(Exception):  # where this Triton keeps it
+        from triton.runtime.cache import triton_key
+
+        triton_key()
 
 
 def ensure(steps: Sequence[str], device: Any) -> float | None:
