@@ -243,9 +243,9 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
     candidate per query (ICP passes the previous correspondence). The Triton kernel starts
     from its distance, which prunes most of the tree when the hint is near the answer; the
     answer does not change, up to ties (the reference ignores the hint). Ties: any of the
-    equally near points (the Triton kernel skips what can only tie once k are held). ``reorder=False`` skips the
-    grouping of large query sets by leaf (for callers whose queries are already in a
-    spatially coherent order). ``ids = (tree.perm, its inverse (M,) int64)``: ``hint`` and
+    equally near points (the Triton kernel skips what can only tie once k are held).
+    ``reorder=False`` skips the grouping of large query sets by leaf (for callers whose
+    queries are already in a spatially coherent order). ``ids = (tree.perm, its inverse (M,) int64)``: ``hint`` and
     the returned indices are original indices instead of tree positions (mapped inside the
     Triton kernel).
     """
