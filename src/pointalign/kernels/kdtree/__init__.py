@@ -245,9 +245,9 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
     answer does not change, up to ties (the reference ignores the hint). Ties: any of the
     equally near points (the Triton kernel skips what can only tie once k are held).
     ``reorder=False`` skips the grouping of large query sets by leaf (for callers whose
-    queries are already in a spatially coherent order). ``ids = (tree.perm, its inverse (M,) int64)``: ``hint`` and
-    the returned indices are original indices instead of tree positions (mapped inside the
-    Triton kernel).
+    queries are already in a spatially coherent order). ``ids = (tree.perm, its inverse
+    (M,) int64)``: ``hint`` and the returned indices are original indices instead of tree
+    positions (mapped inside the Triton kernel).
     """
     if k < 1:
         raise ValueError(f"k: must be >= 1, got {k}")
