@@ -116,7 +116,7 @@ def test_ensure_compiles_once_and_leaves_markers(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_precompile, "_done", set())
-    monkeypatch.setattr(_precompile, "_applies", lambda device, steps=(): _sm90())
+    monkeypatch.setattr(_precompile, "_applies", lambda device: _sm90())
     monkeypatch.setattr(_precompile, "manifest",
                         lambda: {"triton": "x", "steps": {"register": [_SPLIT]}})
     monkeypatch.setattr(_precompile, "compile_forked",

@@ -286,12 +286,8 @@ def _wait(pids: list[int], deadline: float) -> bool:
     return ok
 
 
-def _applies(device: Any, steps: Sequence[str] = ()) -> Any:
-    """Return the Triton target to compile for (None: the manifest does not apply).
-
-    Meanwhile a thread computes what every compile and first launch of the ``steps``'
-    kernels needs first (:func:`_keys`).
-    """
+def _applies(device: Any) -> Any:
+    """Return the Triton target to compile for (None: the manifest does not apply)."""
     import torch
 
     from pointalign.kernels import _backend
@@ -306,9 +302,10 @@ def _applies(device: Any, steps: Sequence[str] = ()) -> Any:
         return None
     from triton.runtime import driver
 
-    # beside the driver's start (on a fresh machine a gcc build of its helper module, which
-    # waits outside Python)
-    ahead = threading.Thread(target=_keys, args=(tuple(steps),), daemon=True)
+    # Triton's key of its own installation (a hash of libtriton, ~0.3 s), which every
+    # compile and every first launch needs, beside the driver's start (on a fresh machine
+    # a gcc build of its helper module): both wait outside Python most of the time
+    ahead = threading.Thread(target=_triton_key, daemon=True)
     ahead.start()
     try:
         return driver.active.get_current_target()
@@ -323,18 +320,6 @@ def _triton_key() -> None:
         triton_key()
 
 
-def _keys(steps: tuple[str, ...]) -> None:
-    """Compute what every compile and first launch of the ``steps``' kernels needs first.
-
-    Triton's key of its installation (a hash of libtriton, ~0.3 s, outside Python) and the
-    kernels' source hashes (~0.15 s for ``register``'s), each computed once per process.
-    """
-    _triton_key()
-    with contextlib.suppress(Exception):  # an optimisation only
-        for e in entries(steps):
-            _ = _jit_function(e["kernel"]).cache_key
-
-
 def ensure(steps: Sequence[str], device: Any) -> float | None:
     """Compile the manifest's kernels of ``steps`` for ``device`` ahead of their launch.
 
@@ -346,7 +331,7 @@ def ensure(steps: Sequence[str], device: Any) -> float | None:
         return None
     _done.add(key)
     try:
-        target = _applies(device, steps)
+        target = _applies(device)
         if target is None:
             return None
         markers = {step: _marker(entries([step]), target) for step in steps}
