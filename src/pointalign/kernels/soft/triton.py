@@ -39,8 +39,6 @@ import triton.language as tl
 from pointalign.kernels.soft.reference import Passes, SoftRows, lengths_or_all
 
 LOG2E = 1.4426950408889634
-#: partials the merge kernel loads at once
-_MERGE_UNROLL = tl.constexpr(8)
 LN2 = 0.6931471805599453
 _MODES = {"raw": 0, "emicp": 1, "sinkhorn": 2}
 #: (BLOCK_N, BLOCK_M, num_warps) of the row kernel on the GPU
@@ -265,10 +263,8 @@ def _rows_body(
 # Two thin kernels around one body: the loop bound CHUNK is a runtime argument on the GPU
 # (one compilation for every size) and a compile-time constant under the interpreter, whose
 # scalar arguments are 1-element arrays that recent NumPy refuses to use as ``range`` bounds.
-# sizes and the per-cloud strides are not specialised (no compilation per size); CHUNK is
-# (a multiple of BLOCK_M: always the same specialisation, which keeps the point loads
-# vectorised)
-@triton.jit(do_not_specialize=("N", "M", "sqb", "sgb"))
+# sizes and the per-cloud strides are not specialised (no compilation per size)
+@triton.jit(do_not_specialize=("N", "M", "CHUNK", "sqb", "sgb"))
 def _rows_kernel(
     q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
     out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, N, M, CHUNK,
@@ -318,30 +314,25 @@ def _merge_body(
         qy = tl.load(qb + sqc, mask=rmask, other=0.0)
         qz = tl.load(qb + 2 * sqc, mask=rmask, other=0.0)
     m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    # the partials in groups of _MERGE_UNROLL (unrolled: a group's loads are in flight at
-    # once; those past the split masked off)
-    for base in range(0, split, _MERGE_UNROLL):
-        for j in tl.static_range(_MERGE_UNROLL):
-            pm = tl.load(part_ptr + ((b * split + base + j) * 6) * N + rows,
-                         mask=rmask & (base + j < split), other=float("-inf"))
-            m2 = tl.maximum(m2, pm)
+    for sp in range(0, split):
+        pm = tl.load(part_ptr + ((b * split + sp) * 6) * N + rows, mask=rmask,
+                     other=float("-inf"))
+        m2 = tl.maximum(m2, pm)
     m_safe = tl.where(m2 == float("-inf"), 0.0, m2)
     l1 = tl.zeros((BLOCK_N,), tl.float32)
     l2 = tl.zeros((BLOCK_N,), tl.float32)
     ux = tl.zeros((BLOCK_N,), tl.float32)
     uy = tl.zeros((BLOCK_N,), tl.float32)
     uz = tl.zeros((BLOCK_N,), tl.float32)
-    for base in range(0, split, _MERGE_UNROLL):
-        for j in tl.static_range(_MERGE_UNROLL):
-            pmask = rmask & (base + j < split)
-            pb = part_ptr + ((b * split + base + j) * 6) * N + rows
-            a = tl.exp2(tl.load(pb, mask=pmask, other=float("-inf")) - m_safe)
-            l1 += a * tl.load(pb + N, mask=pmask, other=0.0)
-            if SQUARES:
-                l2 += a * a * tl.load(pb + 2 * N, mask=pmask, other=0.0)
-            ux += a * tl.load(pb + 3 * N, mask=pmask, other=0.0)
-            uy += a * tl.load(pb + 4 * N, mask=pmask, other=0.0)
-            uz += a * tl.load(pb + 5 * N, mask=pmask, other=0.0)
+    for sp in range(0, split):
+        pb = part_ptr + ((b * split + sp) * 6) * N + rows
+        a = tl.exp2(tl.load(pb, mask=rmask, other=float("-inf")) - m_safe)
+        l1 += a * tl.load(pb + N, mask=rmask, other=0.0)
+        if SQUARES:
+            l2 += a * a * tl.load(pb + 2 * N, mask=rmask, other=0.0)
+        ux += a * tl.load(pb + 3 * N, mask=rmask, other=0.0)
+        uy += a * tl.load(pb + 4 * N, mask=rmask, other=0.0)
+        uz += a * tl.load(pb + 5 * N, mask=rmask, other=0.0)
     extra = tl.load(extra_ptr + b)
     offset = tl.load(offset_ptr + b)
     _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
