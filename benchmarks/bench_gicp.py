@@ -230,7 +230,9 @@ def _errors(T: Any, case: Case) -> dict[str, Any]:
     return out
 
 
-_TARGET_PLANES: dict[int, tuple[Any, np.ndarray, np.ndarray, np.ndarray]] = {}
+#: per target (by identity; the tensor is kept, so its id is not reused): its cKDTree and
+#: the centroid and normal of each point's 10 nearest
+_TARGET_PLANES: dict[int, tuple[torch.Tensor, Any, np.ndarray, np.ndarray]] = {}
 
 
 def _plane_residual_mm(T: np.ndarray, src: torch.Tensor, tgt: torch.Tensor) -> float:
@@ -248,8 +250,8 @@ def _plane_residual_mm(T: np.ndarray, src: torch.Tensor, tgt: torch.Tensor) -> f
         _, nb = tree.query(t, 10)
         centred = t[nb] - t[nb].mean(1, keepdims=True)
         _, vecs = np.linalg.eigh(np.einsum("nki,nkj->nij", centred, centred))
-        _TARGET_PLANES[key] = (tree, t[nb].mean(1), vecs[:, :, 0], t)
-    tree, centroid, normal, _ = _TARGET_PLANES[key]
+        _TARGET_PLANES[key] = (tgt, tree, t[nb].mean(1), vecs[:, :, 0])
+    _, tree, centroid, normal = _TARGET_PLANES[key]
     moved = src.double().numpy() @ T[:3, :3].T + T[:3, 3]
     d, j = tree.query(moved, 1, distance_upper_bound=0.5)
     ok = np.isfinite(d)

@@ -63,22 +63,29 @@ def _sort_rows(d: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def _tile_topk(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the ``k`` smallest of each row of ``d (n, m)`` by (value, column), and their columns.
 
-    ``torch.topk`` alone may keep any of the columns that tie at the k-th value; where a
-    row has more of them than places left, the places go to the smallest columns (a tile
-    of repeated points: every copy is equally near).
+    ``torch.topk`` alone may keep any of the columns that tie at the k-th value. One more
+    value tells the rows where such ties reach past the k places (a tile of repeated
+    points: every copy is equally near); there only, the places go to the smallest columns.
     """
-    td, ti = torch.topk(d, k, dim=1, largest=False, sorted=True)
-    kth = td[:, k - 1:k]
-    below = d < kth
-    tie = d == kth
-    left = k - below.sum(1, keepdim=True)
-    if not bool((tie.sum(1, keepdim=True) > left).any()):
+    kk = min(k + 1, d.shape[1])
+    td, ti = torch.topk(d, kk, dim=1, largest=False, sorted=True)
+    if kk == k:  # every column kept
         return td, ti
-    take = below | (tie & (tie.cumsum(1) <= left))
-    col = torch.arange(d.shape[1], device=d.device).expand_as(d)
-    ti = torch.topk(torch.where(take, col, d.shape[1]), k, dim=1, largest=False,
-                    sorted=True).indices
-    return d.gather(1, ti), ti
+    cross = (td[:, k] == td[:, k - 1]) & torch.isfinite(td[:, k - 1])
+    td, ti = td[:, :k], ti[:, :k]
+    if not bool(cross.any()):
+        return td, ti
+    rows = cross.nonzero().squeeze(1)
+    sub, kth = d[rows], td[rows, k - 1:k]
+    below = sub < kth
+    tie = sub == kth
+    take = below | (tie & (tie.cumsum(1) <= k - below.sum(1, keepdim=True)))
+    col = torch.arange(d.shape[1], device=d.device).expand_as(sub)
+    sel = torch.topk(torch.where(take, col, d.shape[1]), k, dim=1, largest=False,
+                     sorted=True).indices
+    td, ti = td.clone(), ti.clone()
+    td[rows], ti[rows] = sub.gather(1, sel), sel
+    return td, ti
 
 
 def _sq_dists(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
