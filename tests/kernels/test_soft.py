@@ -286,6 +286,40 @@ def test_rows_and_step_match_reference(backend, n, m, rng):
     torch.testing.assert_close(Tg.cpu(), Tr, atol=1e-5, rtol=0)
 
 
+@pytest.mark.gpu
+def test_merge_groups_and_one_compilation_for_every_split(rng):
+    """Splits within, at and across the merge kernel's groups against the float64 reference;
+    a later split reuses the row and merge kernels already compiled (the split is a run-time
+    value: a constant one compiled a merge kernel of seconds per cloud size)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from pointalign.kernels.soft import triton as _soft_triton
+
+    dev = torch.device("cuda")
+    # points far apart in scale: later partials raise the running maximum of earlier ones
+    q, p = _cloud(300, rng, torch.float32, 0.2), _cloud(2000, rng, torch.float32, 0.2)
+    p[1500:] *= 0.01
+    T = _pose(rng, 10, 0.02)[None].float()
+    s = torch.tensor([1e4])
+    ref = soft.soft_rows_reference(q[None].double(), p[None].double(), T.double(), s.double(),
+                                   squares=True)
+    one = torch.ones(1, dtype=torch.int64)
+    args = (q[None].to(dev), p[None].to(dev), T.to(dev), s, one * 300, one * 2000, None, None)
+    from pointalign.kernels import _precompile
+
+    def check(split):
+        lse, lse2, mean = _soft_triton.rows(*args, mode="raw", squares=True, split=split)
+        torch.testing.assert_close(lse.cpu().double(), ref.lse, atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(lse2.cpu().double(), ref.lse2, atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(mean.cpu().double(), ref.mean, atol=1e-5, rtol=1e-4)
+
+    check(2)
+    with _precompile.record() as compiled:
+        for split in (31, 32, 33, 64, 100):
+            check(split)
+    assert compiled == []
+
+
 def _update_case(g, dtype, batch):
     """Softassign update arguments: clouds, poses and β of a short hot schedule."""
     x = torch.stack([_sheet(g, 700), _sheet(g, 700)]).to(dtype)[:batch]

@@ -10,9 +10,13 @@ barriers). Per tile: squared distance from coordinate differences, base-2 logit
 summed into Σe, Σe² and Σe·p after rescaling the sums by ``exp2(m_old − m)`` (one exp2 per
 row per tile): e ≤ 1, nothing overflows, and no row underflows to 0/0. Only the last
 tile of a chunk is masked.
-With SPLIT > 1 the points are divided among SPLIT programs per row block (flash-decoding)
-so that small clouds still fill the GPU; their partial (max, sums) are merged by a second
-tiny kernel, which applies the same epilogue. Accumulation in float32; no N×M storage.
+With a split > 1 the points are divided among that many programs per row block
+(flash-decoding) so that small clouds still fill the GPU; their partial (max, sums) are
+merged by a second tiny kernel, which applies the same epilogue. Accumulation in float32;
+no N×M storage. The split depends on the sizes and the GPU, so it is a run-time value
+(the grid's second axis; the merge loops over it): one compilation serves every size
+(as a constant it cost a first EM-ICP call 20 s of compiling on a fresh H200, a merge
+kernel of 3.7 s per split met).
 
 Epilogues (constexpr MODE): 0 raw (lse, lse2, mean), 1 EM-ICP (λ_i, x'_i),
 2 Sinkhorn (``offset − logaddexp(lse, log_slack)``).
@@ -35,6 +39,8 @@ import triton.language as tl
 from pointalign.kernels.soft.reference import Passes, SoftRows, lengths_or_all
 
 LOG2E = 1.4426950408889634
+#: partials the merge kernel loads at once (one memory round trip per group)
+MERGE_GROUP = tl.constexpr(32)
 LN2 = 0.6931471805599453
 _MODES = {"raw": 0, "emicp": 1, "sinkhorn": 2}
 #: (BLOCK_N, BLOCK_M, num_warps) of the row kernel on the GPU
@@ -197,9 +203,9 @@ def _rows_body(
     out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr,
     N, M, CHUNK,
     sqb, sqn, sqc, spb, spc, sgb,
-    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
-    MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    FTZ: tl.constexpr = False,
+    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
+    PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, FTZ: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     sp = tl.program_id(1)
@@ -239,15 +245,15 @@ def _rows_body(
         m2, l1, l2, ux, uy, uz = _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base,
                                            g_base, cols, hi, spc,
                                            HAS_G, SQUARES, True, FTZ)
-    if SPLIT == 1:
+    if not PARTIAL:
         extra = tl.load(extra_ptr + b)
         offset = tl.load(offset_ptr + b)
         _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
                   out0_ptr, out1_ptr, mean_ptr, qx, qy, qz, mom_ptr, pid_n,
                   tl.num_programs(0), MODE, SQUARES, MOMENTS)
     else:
-        # partials laid out (B, SPLIT, 6, N)
-        pb = part_ptr + ((b * SPLIT + sp) * 6) * N + rows
+        # partials laid out (B, split, 6, N), the split being the grid's second axis
+        pb = part_ptr + ((b * tl.num_programs(1) + sp) * 6) * N + rows
         tl.store(pb, m2, mask=rmask)
         tl.store(pb + N, l1, mask=rmask)
         tl.store(pb + 2 * N, l2, mask=rmask)
@@ -259,19 +265,21 @@ def _rows_body(
 # Two thin kernels around one body: the loop bound CHUNK is a runtime argument on the GPU
 # (one compilation for every size) and a compile-time constant under the interpreter, whose
 # scalar arguments are 1-element arrays that recent NumPy refuses to use as ``range`` bounds.
-@triton.jit
+# the sizes are not specialised (no compilation per size); CHUNK, a multiple of BLOCK_M,
+# always specialises the same way (its divisibility keeps the point loads vectorised)
+@triton.jit(do_not_specialize=("N", "M"))
 def _rows_kernel(
     q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
     out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, N, M, CHUNK,
     sqb, sqn, sqc, spb, spc, sgb,
-    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
-    MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    FTZ: tl.constexpr = False,
+    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
+    PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, FTZ: tl.constexpr = False,
 ):
     _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
                out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, N, M, CHUNK,
                sqb, sqn, sqc, spb, spc, sgb,
-               HAS_G, SQUARES, MODE, SPLIT, MOMENTS, BLOCK_N, BLOCK_M, FTZ)
+               HAS_G, SQUARES, MODE, PARTIAL, MOMENTS, BLOCK_N, BLOCK_M, FTZ)
 
 
 @triton.jit
@@ -279,22 +287,21 @@ def _rows_kernel_const(
     q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
     out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, N, M, CHUNK: tl.constexpr,
     sqb, sqn, sqc, spb, spc, sgb,
-    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
-    MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    FTZ: tl.constexpr = False,
+    HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
+    PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, FTZ: tl.constexpr = False,
 ):
     _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
                out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, N, M, CHUNK,
                sqb, sqn, sqc, spb, spc, sgb,
-               HAS_G, SQUARES, MODE, SPLIT, MOMENTS, BLOCK_N, BLOCK_M, FTZ)
+               HAS_G, SQUARES, MODE, PARTIAL, MOMENTS, BLOCK_N, BLOCK_M, FTZ)
 
 
 @triton.jit
-def _merge_kernel(
+def _merge_body(
     part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr, mom_ptr, N,
-    sqb, sqn, sqc,
-    SQUARES: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, MOMENTS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    split, sqb, sqn, sqc,
+    SQUARES: tl.constexpr, MODE: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -309,32 +316,65 @@ def _merge_kernel(
         qx = tl.load(qb, mask=rmask, other=0.0)
         qy = tl.load(qb + sqc, mask=rmask, other=0.0)
         qz = tl.load(qb + 2 * sqc, mask=rmask, other=0.0)
+    # one pass over the partials, MERGE_GROUP at a time as a (MERGE_GROUP, BLOCK_N) tile per
+    # field: a group's six loads are independent, so each group costs one memory round trip
+    # (a split up to MERGE_GROUP: one, as the unrolled loads of a constant split did). The
+    # running maximum m2 and the sums scaled to it are rescaled when a group raises it, as
+    # the row kernel's tiles are; partials past the split are masked off
     m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    # unrolled (SPLIT is a constexpr): every partial's load is in flight at once
-    for sp in tl.static_range(SPLIT):
-        pm = tl.load(part_ptr + ((b * SPLIT + sp) * 6) * N + rows, mask=rmask,
-                     other=float("-inf"))
-        m2 = tl.maximum(m2, pm)
-    m_safe = tl.where(m2 == float("-inf"), 0.0, m2)
     l1 = tl.zeros((BLOCK_N,), tl.float32)
     l2 = tl.zeros((BLOCK_N,), tl.float32)
     ux = tl.zeros((BLOCK_N,), tl.float32)
     uy = tl.zeros((BLOCK_N,), tl.float32)
     uz = tl.zeros((BLOCK_N,), tl.float32)
-    for sp in tl.static_range(SPLIT):
-        pb = part_ptr + ((b * SPLIT + sp) * 6) * N + rows
-        a = tl.exp2(tl.load(pb, mask=rmask, other=float("-inf")) - m_safe)
-        l1 += a * tl.load(pb + N, mask=rmask, other=0.0)
+    for base in range(0, split, MERGE_GROUP):
+        j = base + tl.arange(0, MERGE_GROUP)
+        pmask = (j < split)[:, None] & rmask[None, :]
+        pb = part_ptr + ((b * split + j[:, None]) * 6) * N + rows[None, :]
+        pm = tl.load(pb, mask=pmask, other=float("-inf"))
+        p1 = tl.load(pb + N, mask=pmask, other=0.0)
+        px = tl.load(pb + 3 * N, mask=pmask, other=0.0)
+        py = tl.load(pb + 4 * N, mask=pmask, other=0.0)
+        pz = tl.load(pb + 5 * N, mask=pmask, other=0.0)
+        m_new = tl.maximum(m2, tl.max(pm, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m2 - m_safe)
+        a = tl.exp2(pm - m_safe[None, :])
+        l1 = l1 * alpha + tl.sum(a * p1, 0)
         if SQUARES:
-            l2 += a * a * tl.load(pb + 2 * N, mask=rmask, other=0.0)
-        ux += a * tl.load(pb + 3 * N, mask=rmask, other=0.0)
-        uy += a * tl.load(pb + 4 * N, mask=rmask, other=0.0)
-        uz += a * tl.load(pb + 5 * N, mask=rmask, other=0.0)
+            p2 = tl.load(pb + 2 * N, mask=pmask, other=0.0)
+            l2 = l2 * (alpha * alpha) + tl.sum(a * a * p2, 0)
+        ux = ux * alpha + tl.sum(a * px, 0)
+        uy = uy * alpha + tl.sum(a * py, 0)
+        uz = uz * alpha + tl.sum(a * pz, 0)
+        m2 = m_new
     extra = tl.load(extra_ptr + b)
     offset = tl.load(offset_ptr + b)
     _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
               out0_ptr, out1_ptr, mean_ptr, qx, qy, qz, mom_ptr, pid_n, tl.num_programs(0),
               MODE, SQUARES, MOMENTS)
+
+
+# the split is a run-time loop bound on the GPU (one compilation for every split) and a
+# compile-time constant under the interpreter (see _rows_kernel_const)
+@triton.jit(do_not_specialize=("N", "split"))
+def _merge_kernel(
+    part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr, mom_ptr, N,
+    split, sqb, sqn, sqc,
+    SQUARES: tl.constexpr, MODE: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    _merge_body(part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr,
+                mom_ptr, N, split, sqb, sqn, sqc, SQUARES, MODE, MOMENTS, BLOCK_N)
+
+
+@triton.jit
+def _merge_kernel_const(
+    part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr, mom_ptr, N,
+    SPLIT: tl.constexpr, sqb, sqn, sqc,
+    SQUARES: tl.constexpr, MODE: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    _merge_body(part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr,
+                mom_ptr, N, SPLIT, sqb, sqn, sqc, SQUARES, MODE, MOMENTS, BLOCK_N)
 
 
 @functools.lru_cache(maxsize=8)
@@ -421,14 +461,14 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
         query.stride(0), query.stride(1), query.stride(2),
         points.stride(0), points.stride(2),
         g.stride(0) if point_log_weights is not None else 0,
-        HAS_G=point_log_weights is not None, SQUARES=SQ, MODE=MODE, SPLIT=split,
+        HAS_G=point_log_weights is not None, SQUARES=SQ, MODE=MODE, PARTIAL=split > 1,
         MOMENTS=MOM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, FTZ=ftz, num_warps=warps,
     )
     if split > 1:
-        _merge_kernel[(triton.cdiv(N, 128), B)](
-            part, query, ql, ex, off, out0, out1, mean, mom, N,
+        (_merge_kernel_const if interp else _merge_kernel)[(triton.cdiv(N, 128), B)](
+            part, query, ql, ex, off, out0, out1, mean, mom, N, split,
             query.stride(0), query.stride(1), query.stride(2),
-            SQUARES=SQ, MODE=MODE, SPLIT=split, MOMENTS=MOM, BLOCK_N=128, num_warps=4,
+            SQUARES=SQ, MODE=MODE, MOMENTS=MOM, BLOCK_N=128, num_warps=4,
         )
     conv = (lambda t: t.to(out_dtype)) if out_dtype != f32 else (lambda t: t)
     return (conv(out0), mom if MOM else (conv(out1) if (MODE == 0 and SQ) else None),
