@@ -284,3 +284,25 @@ def test_cuda_batched_and_mismatched_devices(bunny):
 def test_reference_constants_are_the_documented_ones():
     assert ref.PLANE_EPS == 1e-3 and ref.ROBUST_SCALE2 == 2e-3 and ref.NEIGHBORHOODS == (1, 7,
                                                                                          27)
+
+
+def test_gicp_asks_for_an_index_its_covariances_can_share(bunny, monkeypatch):
+    """The target's k-NN (its covariances) may search the correspondence index: GICP says so
+    to the index policy unless the target's covariances are given or kept with it."""
+    from pointalign.search import policy
+
+    asked = []
+    choose = policy.choose_index
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("knn"))
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "choose_index", spy)
+    src, tgt = bunny, datasets.random_subsample(datasets.load_bunny("bun045"), 1500, seed=8)
+    gicp(src, tgt, max_correspondence_distance=0.05)
+    cov = estimate_covariances(tgt, 20)
+    gicp(src, tgt, max_correspondence_distance=0.05, target_covariances=cov)
+    gicp(src, PointCloud(tgt, covariances=cov), max_correspondence_distance=0.05)
+    gicp(src, PointCloud(tgt), max_correspondence_distance=0.05)
+    assert asked == [True, False, False, True]

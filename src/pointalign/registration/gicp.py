@@ -141,6 +141,17 @@ def _given_covariances(arg: Any, cloud: Any, name: str, pts: torch.Tensor,
     return t.expand(B, N, 3, 3).contiguous()
 
 
+def _covariances_missing(arg: Any, cloud: Any) -> bool:
+    """Tell whether a cloud's covariances will be estimated (:func:`_given_covariances`).
+
+    True unless ``arg`` is given or every cloud is a PointCloud that keeps its covariances.
+    """
+    clouds = cloud if isinstance(cloud, (list, tuple)) else [cloud]
+    return arg is None and not all(
+        hasattr(c, "points") and isinstance(getattr(c, "covariances", None), torch.Tensor)
+        for c in clouds)
+
+
 def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared: bool,
                indexes: tuple = ()) -> torch.Tensor:
     """``(B, N, 3, 3)`` covariances of each cloud's first ``counts[b]`` points (k-NN).
@@ -150,9 +161,12 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
     built for them): a host tree (it keeps the self-query as its shortcut lists) or a
     device k-d tree (no second build, 3.2 ms at 25k points and 9.7 ms at 1M on an H200,
     and asked in its own order: ``benchmarks/results/kdtree-cuda.json``), not a voxel grid
-    (its cells are sized for the correspondence bound, not for k neighbours).
+    (its cells are sized for the correspondence bound, not for k neighbours) nor brute force
+    (an N × M self-query: 15.3 ms against 4.6 ms for the tree built here at 15.8k points,
+    H200).
     """
     from pointalign.features.covariances import estimate_covariances
+    from pointalign.search.brute import BruteForceIndex
     from pointalign.search.grid import VoxelGridIndex
 
     B, N = pts.shape[:2]
@@ -165,7 +179,7 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
                              f"{name}_covariances")
         ix = getattr(indexes[b], "index", indexes[b]) if b < len(indexes) else None
         p = getattr(ix, "points", None)
-        ok = ix is not None and not isinstance(ix, VoxelGridIndex) \
+        ok = ix is not None and not isinstance(ix, (VoxelGridIndex, BruteForceIndex)) \
             and isinstance(p, torch.Tensor) and p.shape == (m, 3) \
             and p.device == pts.device and torch.equal(p, pts[b, :m])
         with _validate.trusted():
@@ -366,7 +380,9 @@ def gicp(
               target_covariances)
     B = pair.size
     clock = _loop.Clock(dev)
-    idxs = clock.stage("index", _indexes, pair, index, max_dist)
+    # the target's k-NN (its covariances, unless given) can search the same index
+    idxs = clock.stage("index", _indexes, pair, index, max_dist,
+                       _covariances_missing(target_covariances, target))
     s_cov, t_cov = clock.stage("covariances", _covariances, pair, source, target,
                                source_covariances, target_covariances, k, idxs)
     src = pair.source

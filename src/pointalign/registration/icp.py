@@ -387,12 +387,13 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray 
     return _math.stability(H, torch.from_numpy(pair.extent)).numpy()
 
 
-def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
+def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = False) -> tuple:
     """Return the correspondence search of each problem: built here, or the caller's index.
 
     Built here: one index for a shared target; for different targets on a device one
     packed index for the whole batch (:func:`pointalign.search.policy.choose_batch_index`),
-    else one per problem.
+    else one per problem (``knn``: the caller also asks the targets' k-NN of it, see
+    :func:`~pointalign.search.policy.choose_index`).
     """
     B = pair.size
     if index is None and not pair.shared_target and B > 1:
@@ -403,7 +404,7 @@ def _indexes(pair: _edge.Pair, index: Any, max_distance: float) -> tuple:
     if index is None:
         n = 1 if pair.shared_target else B
         built = [policy.choose_index(pair.target[b, : pair.target_counts[b]],
-                                     max_distance=max_distance) for b in range(n)]
+                                     max_distance=max_distance, knn=knn) for b in range(n)]
     else:
         built = list(index) if isinstance(index, (list, tuple)) else [index]
         if len(built) not in (1, B):

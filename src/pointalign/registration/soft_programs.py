@@ -195,9 +195,9 @@ class SoftassignProgram(Annealing):
             # Sinkhorn's rounds (eqs. 5-6, in logs); the last column pass gives x'_j too
             lse, mean = self.passes.softassign_update(x.points, y.points, T, Ti, beta, ba, log_w,
                                                       x.lengths, y.lengths, self.sinkhorn_rounds)
-            # column sums of M: c_j Σ_i K_ij r_i, log c_j = −log(slack + Σ_i K_ij r_i)
-            log_c = -torch.logaddexp(lse, log_w[:, None].expand_as(lse))
-            w = torch.nan_to_num(torch.exp(lse + log_c), nan=0.0, posinf=0.0)
+            # column sums of M: c_j Σ_i K_ij r_i with c_j = 1 / (slack + Σ_i K_ij r_i), i.e.
+            # sigmoid(lse − log slack) (0 on padding columns, whose lse is −inf)
+            w = torch.nan_to_num(torch.sigmoid(lse - log_w[:, None]), nan=0.0)
             # Σ_ij m_ij ||R x_i + t − y_j||² has the moments of Σ_j w_j ||R x'_j + t − y_j||²
             T_new, valid = khorn.weighted_horn(mean, y.points, w)
             T_new = torch.where((valid & ~track.done)[:, None, None], T_new, T)

@@ -25,6 +25,23 @@ knob                       value  rule (and where it was measured)
                                   a larger bound makes every query scan thousands of points,
                                   where the k-d tree's cost does not grow with the bound
                                   (ICP on the bunny pair, H100, ``benchmarks/bench_icp.py``)
+``GRID_MAX_SCAN``          64     where the caller also needs every point's k nearest (GICP's
+                                  covariances: a k-d tree serves both, a grid cannot), the
+                                  grid is kept only while its cells hold at most this many
+                                  points as the points see them (Σ n_c² / M,
+                                  :attr:`~pointalign.search.grid.VoxelGridIndex.scan`), else
+                                  the rule below as if no distance were given. Cells of 1 m
+                                  on LiDAR scans hold hundreds of points near the sensor where
+                                  the mean says tens. GICP on the KITTI pair, H200 (warm
+                                  medians, grid against tree interleaved): scan 12 (0.25 m
+                                  voxels) grid 11.5 ms, tree 12.9; scan 51 (0.1 m) 16.3
+                                  against 16.5; scan 206 (full resolution) 31.5-33.6 against
+                                  23.2-23.8; the fast_gicp pair at full resolution, scan 810:
+                                  36.2-38.5 against 19.1-19.9. ICP alone keeps the ratio rule:
+                                  the tree's build costs 3-5 ms more (launch-bound), repaid
+                                  only over many iterations (point-to-point on the bunny at
+                                  1.5 cm, 45 iterations: 45-47 -> 22-30 ms), not by
+                                  register()'s few (KITTI: 70.6-71.0 -> 74.0-77.0 ms)
 ``AUTO_BRUTE_MAX_POINTS``  20000  otherwise, on a device: brute force up to this many target
                                   points (no build, and the fused kernel beats a traversal
                                   there; ``benchmarks/bench_knn.py``), else the k-d tree
@@ -66,6 +83,7 @@ from pointalign.search.base import Index, KnnResult
 from pointalign.search.brute import BruteForceIndex
 
 GRID_MAX_RATIO = 8.0
+GRID_MAX_SCAN = 64.0
 AUTO_BRUTE_MAX_POINTS = 20_000
 TIER_BASE = 2.0
 TIERS = 2
@@ -98,7 +116,7 @@ def one_index_serves_every_bound(points: torch.Tensor) -> bool:
 
 
 def index_method(plan: kernels.SearchPlan, m: int, distance: float | None = None,
-                 auto_cell: float | None = None) -> str:
+                 auto_cell: float | None = None, scan: float | None = None) -> str:
     """Name the index :func:`choose_index` builds, a pure function of what it measured.
 
     Args:
@@ -108,6 +126,8 @@ def index_method(plan: kernels.SearchPlan, m: int, distance: float | None = None
             distance), or None.
         auto_cell: :func:`~pointalign.search.grid.auto_cell_size` of the points (needed only
             when ``distance`` is given and ``plan.host_tree`` is False).
+        scan: the :attr:`~pointalign.search.grid.VoxelGridIndex.scan` of a grid with cells
+            of ``distance`` over the points, once built; None: not measured yet.
 
     Returns:
         ``"ckdtree"``, ``"grid"``, ``"brute"`` or ``"kdtree"`` (see the module table).
@@ -115,19 +135,22 @@ def index_method(plan: kernels.SearchPlan, m: int, distance: float | None = None
     """
     if plan.host_tree:
         return "ckdtree"
-    if distance is not None and auto_cell is not None and distance <= GRID_MAX_RATIO * auto_cell:
+    if (distance is not None and auto_cell is not None and distance <= GRID_MAX_RATIO * auto_cell
+            and (scan is None or scan <= GRID_MAX_SCAN)):
         return "grid"
     if m <= AUTO_BRUTE_MAX_POINTS:
         return "brute"
     return "kdtree"
 
 
-def choose_index(points: Any, *, max_distance: float | None = None) -> Index:
+def choose_index(points: Any, *, max_distance: float | None = None, knn: bool = False
+                 ) -> Index:
     """Build the index that serves ``points (M, 3)`` best on their device.
 
     The rule (thresholds in the module table): points in host memory -> SciPy's cKDTree;
     on a device, with ``max_distance`` at most ``GRID_MAX_RATIO`` automatic grid cells -> a
-    voxel grid with cells of ``max_distance``; else brute force up to
+    voxel grid with cells of ``max_distance`` (with ``knn``: kept only if its cells hold at
+    most ``GRID_MAX_SCAN`` points as the points see them); else brute force up to
     ``AUTO_BRUTE_MAX_POINTS`` points; else the k-d tree (a grid with automatic cells, or
     with cells of ``max_distance``, when the k-d tree module does not import).
 
@@ -135,6 +158,8 @@ def choose_index(points: Any, *, max_distance: float | None = None) -> Index:
         points: ``(M, 3)`` array, tensor or PointCloud; non-empty and finite.
         max_distance: the largest query distance expected (> 0), e.g. ICP's maximum
             correspondence distance; None when unknown.
+        knn: the caller will also ask every point's k nearest neighbours over this index
+            (GICP's covariances), which a k-d tree answers and a grid does not.
 
     Returns:
         An :class:`~pointalign.search.base.Index` over the points, on their device.
@@ -143,10 +168,11 @@ def choose_index(points: Any, *, max_distance: float | None = None) -> Index:
     pts = _checks.index_points(points)
     if max_distance is not None:
         max_distance = _checks.check_distance(max_distance, "max_distance")
-    return _choose(pts, max_distance)
+    return _choose(pts, max_distance, knn=knn)
 
 
-def _choose(pts: torch.Tensor, distance: float | None, **kw: Any) -> Index:
+def _choose(pts: torch.Tensor, distance: float | None, *, knn: bool = False,
+            **kw: Any) -> Index:
     """:func:`choose_index` on checked points; ``distance`` is also the grid's cell size."""
     plan = search_plan(pts)
     auto = None
@@ -154,7 +180,15 @@ def _choose(pts: torch.Tensor, distance: float | None, **kw: Any) -> Index:
         from pointalign.search.grid import auto_cell_size
 
         auto = auto_cell_size(pts)
-    return _build(index_method(plan, pts.shape[0], distance, auto), pts, distance, **kw)
+    from pointalign.search.grid import VoxelGridIndex
+
+    method = index_method(plan, pts.shape[0], distance, auto)
+    index = _build(method, pts, distance, **kw)
+    if knn and isinstance(index, VoxelGridIndex):  # measured on the grid: kept unless crowded
+        method = index_method(plan, pts.shape[0], distance, auto, index.scan)
+        if method != "grid":
+            index = _build(method, pts, distance, **kw)
+    return index
 
 
 def _build(method: str, pts: torch.Tensor, distance: float | None, **kw: Any) -> Index:
@@ -412,7 +446,7 @@ def query_order(points: torch.Tensor) -> torch.Tensor | None:
     return _grid.morton_order(points)
 
 
-__all__ = ["AUTO_BRUTE_MAX_POINTS", "GRID_MAX_RATIO", "SPATIAL_ORDER_MIN", "TIERS",
+__all__ = ["AUTO_BRUTE_MAX_POINTS", "GRID_MAX_RATIO", "GRID_MAX_SCAN", "SPATIAL_ORDER_MIN", "TIERS",
            "TIER_BASE", "TieredIndex", "choose_index", "correspondence_index", "index_method",
            "one_index_serves_every_bound", "query_order", "search_plan", "tier_cells",
            "wants_tiers"]
