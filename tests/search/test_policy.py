@@ -313,3 +313,24 @@ def test_morton_order_in_chunks_equals_one_pass(rng, monkeypatch):
     one = grid_mod.morton_order(pts)
     monkeypatch.setattr(grid_mod, "_BUILD_CHUNK", 7)
     assert torch.equal(grid_mod.morton_order(pts), one)
+
+
+def test_correspondence_index_reuses_the_automatic_cell_of_choose_index(rng, monkeypatch):
+    """The automatic cell measured to choose an index (a sort and three synchronisations on a
+    device) is kept with it: ICP's correspondence_index does not measure it again."""
+    from pointalign.search import grid
+
+    monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE)
+    calls = []
+    measure = grid.auto_cell_size
+    monkeypatch.setattr(grid, "auto_cell_size", lambda p, *a: calls.append(1) or measure(p, *a))
+    p = _plane(2000, rng)
+    d = 2 * measure(p)
+    ix = choose_index(p, max_distance=d)
+    assert isinstance(ix, VoxelGridIndex) and len(calls) == 1
+    assert correspondence_index(ix, d) is ix  # a fine grid: no tiers
+    assert len(calls) == 1
+    other = VoxelGridIndex(p, d)  # built by hand: measured on first use, then kept
+    correspondence_index(other, d)
+    correspondence_index(other, d)
+    assert len(calls) == 2

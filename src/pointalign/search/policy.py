@@ -188,6 +188,11 @@ def _choose(pts: torch.Tensor, distance: float | None, *, knn: bool = False,
         method = index_method(plan, pts.shape[0], distance, auto, index.scan)
         if method != "grid":
             index = _build(method, pts, distance, **kw)
+    if auto is not None:  # correspondence_index reads it again (a sort, three syncs)
+        try:
+            _tier_cache.setdefault(index, _Tiers(pts, auto))
+        except TypeError:  # an index that cannot be weakly referenced
+            pass
     return index
 
 
@@ -301,10 +306,10 @@ def wants_tiers(plan: kernels.SearchPlan, index: Index, auto_cell: float) -> boo
 class _Tiers:
     """What the tiers of one index keep: its automatic cell and the tier grids built so far."""
 
-    def __init__(self, points: torch.Tensor):
+    def __init__(self, points: torch.Tensor, auto_cell: float | None = None):
         from pointalign.search.grid import auto_cell_size
 
-        self.auto_cell = auto_cell_size(points)
+        self.auto_cell = auto_cell_size(points) if auto_cell is None else auto_cell
         self.grids: dict[float, Any] = {}
 
 
