@@ -562,3 +562,39 @@ def test_batched_stability_matches_per_problem(bunny, seed, shared, backend):
                                                     torch.tensor(pair.extent[b:b + 1]))[0])
         assert abs(stab[b] - ref_stab) <= tol * max(ref_stab, 1e-3) + 1e-15
         assert ref_stab > 0.01  # a real surface: the comparison is not between zeros
+
+
+def test_point_to_plane_shares_its_index_with_the_normals(monkeypatch):
+    """Normals to estimate: ICP asks the policy for an index that serves k-NN too, and the
+    normals search a tree index over the target (given or chosen) instead of building
+    their own; given normals, or point-to-point: no such request."""
+    from pointalign.features import normals as normals_module
+    from pointalign.search import policy
+
+    asked, searched = [], []
+    choose, estimate = policy.choose_index, normals_module.estimate_normals
+
+    def spy_choose(*args, **kwargs):
+        asked.append(kwargs.get("knn"))
+        return choose(*args, **kwargs)
+
+    def spy_estimate(*args, **kwargs):
+        searched.append(kwargs.get("index"))
+        return estimate(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "choose_index", spy_choose)
+    monkeypatch.setattr(normals_module, "estimate_normals", spy_estimate)
+    src = datasets.random_subsample(datasets.load_bunny("bun045"), 1500, seed=3)
+    tgt = datasets.random_subsample(datasets.load_bunny("bun000"), 1500, seed=4)
+    icp(src, tgt, max_correspondence_distance=0.05, method="point_to_plane")
+    icp(src, tgt, max_correspondence_distance=0.05, method="point_to_point")
+    given = normals_module.estimate_normals(tgt, k=10)
+    icp(src, tgt, max_correspondence_distance=0.05, method="point_to_plane",
+        target_normals=given)
+    assert asked == [True, False, False]
+    tree = build_index(tgt, "kdtree")
+    icp(src, tgt, max_correspondence_distance=0.05, method="point_to_plane", index=tree)
+    assert searched[-1] is tree
+    brute = build_index(tgt, "brute")
+    icp(src, tgt, max_correspondence_distance=0.05, method="point_to_plane", index=brute)
+    assert searched[-1] is None  # N x M: the normals build their own search

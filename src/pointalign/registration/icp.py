@@ -427,19 +427,26 @@ def _normals(target: Any, target_normals: Any, pair: _edge.Pair,
              idxs: tuple = ()) -> torch.Tensor:
     """Target normals ``(B, M, 3)``: given, from a PointCloud, or estimated (k = NORMALS_K).
 
-    Estimated ones search the correspondence index of ``idxs`` when it is a host tree over
-    that target (exact k-NN: the same neighbours as a tree built for them).
+    Estimated ones search the correspondence index of ``idxs`` when it is a tree over that
+    target (exact k-NN: the same neighbours as a tree built for them; a host tree keeps the
+    self-query as its shortcut lists, a device tree saves a second build), not a voxel grid
+    (cells sized for the correspondence bound) nor brute force (built for the bound, and
+    N × M where the normals' own search would build a tree).
     """
     normals = _edge.target_normals(target, target_normals, pair)
     if normals is not None:
         return normals
     from pointalign.features.normals import estimate_normals
-    from pointalign.search.ckdtree import CKDTreeIndex
+    from pointalign.search.brute import BruteForceIndex
+    from pointalign.search.grid import VoxelGridIndex
 
     def reuse(b: int, m: int) -> Any:
         ix = getattr(idxs[b], "index", idxs[b]) if b < len(idxs) else None
-        ok = isinstance(ix, CKDTreeIndex) and ix.points.shape[0] == m \
-            and (ix.points is pair.target[b, :m] or torch.equal(ix.points, pair.target[b, :m]))
+        p = getattr(ix, "points", None)
+        ok = ix is not None and not isinstance(ix, (VoxelGridIndex, BruteForceIndex)) \
+            and isinstance(p, torch.Tensor) and p.shape == (m, 3) \
+            and p.device == pair.device \
+            and (p is pair.target[b, :m] or torch.equal(p, pair.target[b, :m]))
         return ix if ok else None
 
     normals = torch.zeros_like(pair.target)
@@ -547,13 +554,14 @@ def icp(
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     checks.check_units(pair, max_correspondence_distance=max_dist)
-    checks.announce_icp(pair, method, int(crit.max_iterations),
-                       normals=target_normals is None and _edge.cloud_normals(target) is None)
+    estimated_normals = target_normals is None and _edge.cloud_normals(target) is None
+    checks.announce_icp(pair, method, int(crit.max_iterations), normals=estimated_normals)
     plane, B = method == "point_to_plane", pair.size
     if target_normals is not None and not plane:
         _edge.target_normals(target, target_normals, pair)  # checked even when not used
     clock = _loop.Clock(dev)
-    idxs = clock.stage("index", _indexes, pair, index, max_dist)
+    # the target's k-NN (its normals, unless given) can search the same index
+    idxs = clock.stage("index", _indexes, pair, index, max_dist, plane and estimated_normals)
     inputs = {"source": pair.source, "target": pair.target, "lengths": pair.source_lengths,
               "center": torch.zeros(B, 3, device=dev)}
     if plane:

@@ -26,22 +26,25 @@ knob                       value  rule (and where it was measured)
                                   where the k-d tree's cost does not grow with the bound
                                   (ICP on the bunny pair, H100, ``benchmarks/bench_icp.py``)
 ``GRID_MAX_SCAN``          64     where the caller also needs every point's k nearest (GICP's
-                                  covariances: a k-d tree serves both, a grid cannot), the
-                                  grid is kept only while its cells hold at most this many
-                                  points as the points see them (Σ n_c² / M,
-                                  :attr:`~pointalign.search.grid.VoxelGridIndex.scan`), else
-                                  the rule below as if no distance were given. Cells of 1 m
-                                  on LiDAR scans hold hundreds of points near the sensor where
-                                  the mean says tens. GICP on the KITTI pair, H200 (warm
-                                  medians, grid against tree interleaved): scan 12 (0.25 m
-                                  voxels) grid 11.5 ms, tree 12.9; scan 51 (0.1 m) 16.3
-                                  against 16.5; scan 206 (full resolution) 31.5-33.6 against
-                                  23.2-23.8; the fast_gicp pair at full resolution, scan 810:
-                                  36.2-38.5 against 19.1-19.9. ICP alone keeps the ratio rule:
-                                  the tree's build costs 3-5 ms more (launch-bound), repaid
-                                  only over many iterations (point-to-point on the bunny at
-                                  1.5 cm, 45 iterations: 45-47 -> 22-30 ms), not by
-                                  register()'s few (KITTI: 70.6-71.0 -> 74.0-77.0 ms)
+                                  covariances, point-to-plane ICP's estimated normals: a k-d
+                                  tree serves both, a grid cannot), the grid is kept only
+                                  while its cells hold at most this many points as the points
+                                  see them (Σ n_c² / M, :attr:`~pointalign.search.grid.
+                                  VoxelGridIndex.scan`), else the rule below as if no
+                                  distance were given. Cells of 1 m on LiDAR scans hold
+                                  hundreds of points near the sensor where the mean says
+                                  tens. GICP on the KITTI pair, H200 (warm medians, grid
+                                  against tree, interleaved): scan 12 (0.25 m voxels) 11.5
+                                  against 12.9 ms; scan 51 (0.1 m) 16.3 against 16.5; scan
+                                  206 (full resolution) 31.5-33.6 against 23.2-23.8; the
+                                  fast_gicp pair at full resolution, scan 810: 36.2-38.5
+                                  against 19.1-19.9. Without k-NN to share, the ratio rule
+                                  alone: the tree's build costs 3-5 ms more than the grid's
+                                  (launch-bound), repaid only over many iterations
+                                  (point-to-point on the bunny at 1.5 cm, 45 iterations:
+                                  45-47 against 22-30 ms), not over a few (register() on
+                                  KITTI read 70.6-71.0 against 74.0-77.0 ms with this rule
+                                  for every caller)
 ``AUTO_BRUTE_MAX_POINTS``  20000  otherwise, on a device: brute force up to this many target
                                   points (no build, and the fused kernel beats a traversal
                                   there; ``benchmarks/bench_knn.py``), else the k-d tree
@@ -159,7 +162,7 @@ def choose_index(points: Any, *, max_distance: float | None = None, knn: bool = 
         max_distance: the largest query distance expected (> 0), e.g. ICP's maximum
             correspondence distance; None when unknown.
         knn: the caller will also ask every point's k nearest neighbours over this index
-            (GICP's covariances), which a k-d tree answers and a grid does not.
+            (GICP's covariances, ICP's normals), which a k-d tree answers and a grid does not.
 
     Returns:
         An :class:`~pointalign.search.base.Index` over the points, on their device.
