@@ -38,7 +38,10 @@ knob                       value  rule (and where it was measured)
                                   against 12.9 ms; scan 51 (0.1 m) 16.3 against 16.5; scan
                                   206 (full resolution) 31.5-33.6 against 23.2-23.8; the
                                   fast_gicp pair at full resolution, scan 810: 36.2-38.5
-                                  against 19.1-19.9. Without k-NN to share, the ratio rule
+                                  against 19.1-19.9; point-to-plane ICP, the normals
+                                  searching the tree: KITTI full 29.8-31.0 against 17.8-19.5,
+                                  the bunny at 1 cm (scan 183) 16.1-19.6 against 14.1-14.5.
+                                  Without k-NN to share, the ratio rule
                                   alone: the tree's build costs 3-5 ms more than the grid's
                                   (launch-bound), repaid only over many iterations
                                   (point-to-point on the bunny at 1.5 cm, 45 iterations:
