@@ -422,6 +422,26 @@ def target_normals(target: Any, normals: Any, pair: Pair) -> torch.Tensor | None
     return t.expand(*shape).contiguous()
 
 
+def knn_index(idxs: Sequence[Any], b: int, points: torch.Tensor) -> Any:
+    """Return problem ``b``'s correspondence index where a k-NN self-query can search it.
+
+    ``points (m, 3)``: the points of that self-query (normals, covariances); None where the
+    index cannot serve it. A tree over exactly these points answers the exact k-NN, the
+    neighbours of a tree built for them (a host tree keeps the self-query as its shortcut
+    lists, a device tree saves a second build); not a voxel grid (cells sized for the
+    correspondence bound) nor brute force (N × M, where the caller's own search is faster).
+    """
+    from pointalign.search.brute import BruteForceIndex
+    from pointalign.search.grid import VoxelGridIndex
+
+    ix = getattr(idxs[b], "index", idxs[b]) if b < len(idxs) else None  # behind tiers
+    p = getattr(ix, "points", None)
+    ok = ix is not None and not isinstance(ix, (VoxelGridIndex, BruteForceIndex)) \
+        and isinstance(p, torch.Tensor) and p.shape == points.shape \
+        and p.device == points.device and (p is points or torch.equal(p, points))
+    return ix if ok else None
+
+
 # ---- estimates of long work (announced before it starts: _progress.announce) -------------
 
 def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,

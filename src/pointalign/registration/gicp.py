@@ -156,18 +156,13 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
                indexes: tuple = ()) -> torch.Tensor:
     """``(B, N, 3, 3)`` covariances of each cloud's first ``counts[b]`` points (k-NN).
 
-    A correspondence index in ``indexes`` over the same points is reused for the neighbour
-    search (every index answers the exact k-NN, so the neighbours are those of an index
-    built for them): a host tree (it keeps the self-query as its shortcut lists) or a
-    device k-d tree (no second build, 3.2 ms at 25k points and 9.7 ms at 1M on an H200,
-    and asked in its own order: ``benchmarks/results/kdtree-cuda.json``), not a voxel grid
-    (its cells are sized for the correspondence bound, not for k neighbours) nor brute force
-    (an N × M self-query: 15.3 ms against 4.6 ms for the tree built here at 15.8k points,
-    H200).
+    A correspondence index in ``indexes`` is searched where it serves a k-NN self-query
+    over those points (:func:`~pointalign.registration._edge.knn_index`: a device k-d tree
+    needs no second build, 3.2 ms at 25k points and 9.7 ms at 1M on an H200, and is asked
+    in its own order: ``benchmarks/results/kdtree-cuda.json``; brute force is not, an N × M
+    self-query: 15.3 ms against 4.6 ms for the tree built here at 15.8k points, H200).
     """
     from pointalign.features.covariances import estimate_covariances
-    from pointalign.search.brute import BruteForceIndex
-    from pointalign.search.grid import VoxelGridIndex
 
     B, N = pts.shape[:2]
     out = None
@@ -177,13 +172,9 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
             raise ValueError(f"{name}{'' if B == 1 else f'[{b}]'}: {m} points, fewer than "
                              f"k = {k} neighbours per covariance; pass a smaller k or "
                              f"{name}_covariances")
-        ix = getattr(indexes[b], "index", indexes[b]) if b < len(indexes) else None
-        p = getattr(ix, "points", None)
-        ok = ix is not None and not isinstance(ix, (VoxelGridIndex, BruteForceIndex)) \
-            and isinstance(p, torch.Tensor) and p.shape == (m, 3) \
-            and p.device == pts.device and torch.equal(p, pts[b, :m])
         with _validate.trusted():
-            c = estimate_covariances(pts[b, :m], k, index=ix if ok else None,
+            c = estimate_covariances(pts[b, :m], k, index=_edge.knn_index(indexes, b,
+                                                                          pts[b, :m]),
                                      device=pts.device).to(torch.float32)
         if B == 1 and m == N:  # one full cloud: no padding to fill
             return c[None]

@@ -427,27 +427,13 @@ def _normals(target: Any, target_normals: Any, pair: _edge.Pair,
              idxs: tuple = ()) -> torch.Tensor:
     """Target normals ``(B, M, 3)``: given, from a PointCloud, or estimated (k = NORMALS_K).
 
-    Estimated ones search the correspondence index of ``idxs`` when it is a tree over that
-    target (exact k-NN: the same neighbours as a tree built for them; a host tree keeps the
-    self-query as its shortcut lists, a device tree saves a second build), not a voxel grid
-    (cells sized for the correspondence bound) nor brute force (built for the bound, and
-    N × M where the normals' own search would build a tree).
+    Estimated ones search the correspondence index of ``idxs`` where it serves a k-NN
+    self-query over that target (:func:`~pointalign.registration._edge.knn_index`).
     """
     normals = _edge.target_normals(target, target_normals, pair)
     if normals is not None:
         return normals
     from pointalign.features.normals import estimate_normals
-    from pointalign.search.brute import BruteForceIndex
-    from pointalign.search.grid import VoxelGridIndex
-
-    def reuse(b: int, m: int) -> Any:
-        ix = getattr(idxs[b], "index", idxs[b]) if b < len(idxs) else None
-        p = getattr(ix, "points", None)
-        ok = ix is not None and not isinstance(ix, (VoxelGridIndex, BruteForceIndex)) \
-            and isinstance(p, torch.Tensor) and p.shape == (m, 3) \
-            and p.device == pair.device \
-            and (p is pair.target[b, :m] or torch.equal(p, pair.target[b, :m]))
-        return ix if ok else None
 
     normals = torch.zeros_like(pair.target)
     for b in range(1 if pair.shared_target else pair.size):
@@ -455,7 +441,8 @@ def _normals(target: Any, target_normals: Any, pair: _edge.Pair,
         if m >= 3:
             normals[b, :m] = estimate_normals(pair.target[b, :m], k=max(3, min(NORMALS_K, m)),
                                               orient=None, device=pair.device,
-                                              index=reuse(b, m))
+                                              index=_edge.knn_index(idxs, b,
+                                                                    pair.target[b, :m]))
     return normals[:1].expand_as(pair.target) if pair.shared_target else normals
 
 
