@@ -41,13 +41,12 @@ knob                       value  rule (and where it was measured)
                                   against 19.1-19.9; point-to-plane ICP, the normals
                                   searching the tree: KITTI full 29.8-31.0 against 17.8-19.5,
                                   the bunny at 1 cm (scan 183) 16.1-19.6 against 14.1-14.5.
-                                  Without k-NN to share, the ratio rule
-                                  alone: the tree's build costs 3-5 ms more than the grid's
-                                  (launch-bound), repaid only over many iterations
-                                  (point-to-point on the bunny at 1.5 cm, 45 iterations:
-                                  45-47 against 22-30 ms), not over a few (register() on
-                                  KITTI read 70.6-71.0 against 74.0-77.0 ms with this rule
-                                  for every caller)
+                                  Without k-NN to share, the ratio rule alone: the tree's
+                                  build costs 3-5 ms more than the grid's (launch-bound),
+                                  repaid only over many iterations (point-to-point on the
+                                  bunny at 1.5 cm, 45 iterations: 45-47 against 22-30 ms),
+                                  not over a few (register() on KITTI read 70.6-71.0
+                                  against 74.0-77.0 ms with this rule for every caller)
 ``AUTO_BRUTE_MAX_POINTS``  20000  otherwise, on a device: brute force up to this many target
                                   points (no build, and the fused kernel beats a traversal
                                   there; ``benchmarks/bench_knn.py``), else the k-d tree
