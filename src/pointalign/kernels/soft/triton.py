@@ -14,9 +14,10 @@ With a split > 1 the points are divided among that many programs per row block
 (flash-decoding) so that small clouds still fill the GPU; their partial (max, sums) are
 merged by a second tiny kernel, which applies the same epilogue. Accumulation in float32;
 no N×M storage. The split depends on the sizes and the GPU, so it is a run-time value
-(the grid's second axis; the merge loops over it): one compilation serves every size
-(as a constant it cost a first EM-ICP call 20 s of compiling on a fresh H200, a merge
-kernel of 3.7 s per split met).
+(the grid's second axis): one compilation serves every size (a constant split cost a first
+EM-ICP call 20-24 s of compiling on a fresh H200, 3.7 s for each new split's merge kernel).
+The merge reads the partials ``MERGE_GROUP`` at a time as (group, rows) tiles: one memory
+round trip per group.
 
 Epilogues (constexpr MODE): 0 raw (lse, lse2, mean), 1 EM-ICP (λ_i, x'_i),
 2 Sinkhorn (``offset − logaddexp(lse, log_slack)``).
