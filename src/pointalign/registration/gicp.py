@@ -117,11 +117,8 @@ def _given_covariances(arg: Any, cloud: Any, name: str, pts: torch.Tensor,
     """``(B, N, 3, 3)`` float32 covariances from ``arg`` or a PointCloud (or list), else None."""
     B, N = pts.shape[:2]
     if arg is None:
-        clouds = cloud if isinstance(cloud, (list, tuple)) else [cloud]
-        covs = [getattr(c, "covariances", None) if hasattr(c, "points") else None
-                for c in clouds]
-        kept = [c for c in covs if isinstance(c, torch.Tensor)]
-        if not kept or len(kept) != len(covs):
+        kept = _kept_covariances(cloud)
+        if kept is None:
             return None
         if len(kept) == 1:
             arg = kept[0]
@@ -141,15 +138,20 @@ def _given_covariances(arg: Any, cloud: Any, name: str, pts: torch.Tensor,
     return t.expand(B, N, 3, 3).contiguous()
 
 
-def _covariances_missing(arg: Any, cloud: Any) -> bool:
-    """Tell whether a cloud's covariances will be estimated (:func:`_given_covariances`).
+def _kept_covariances(cloud: Any) -> list[torch.Tensor] | None:
+    """Return the covariances kept with ``cloud`` (a PointCloud or a list), one per cloud.
 
-    True unless ``arg`` is given or every cloud is a PointCloud that keeps its covariances.
+    None unless every cloud is a PointCloud that keeps its covariances.
     """
     clouds = cloud if isinstance(cloud, (list, tuple)) else [cloud]
-    return arg is None and not all(
-        hasattr(c, "points") and isinstance(getattr(c, "covariances", None), torch.Tensor)
-        for c in clouds)
+    kept = [getattr(c, "covariances", None) if hasattr(c, "points") else None for c in clouds]
+    tensors = [c for c in kept if isinstance(c, torch.Tensor)]
+    return tensors if tensors and len(tensors) == len(kept) else None
+
+
+def _covariances_missing(arg: Any, cloud: Any) -> bool:
+    """Tell whether a cloud's covariances will be estimated: neither given nor kept."""
+    return arg is None and _kept_covariances(cloud) is None
 
 
 def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared: bool,
@@ -205,9 +207,7 @@ def _announce(pair: _edge.Pair, method: str, cap: int, source: Any, target: Any,
               source_covariances: Any, target_covariances: Any) -> None:
     """Announce a long CPU call (:func:`pointalign.registration.checks.announce_gicp`)."""
     def estimated(given: Any, cloud: Any, counts: np.ndarray) -> int:
-        if given is not None or getattr(cloud, "covariances", None) is not None:
-            return 0
-        return int(counts.sum())
+        return int(counts.sum()) if _covariances_missing(given, cloud) else 0
 
     m = pair.target_counts[:1] if pair.shared_target else pair.target_counts
     checks.announce_gicp(pair, method, cap,
