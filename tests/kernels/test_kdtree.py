@@ -417,7 +417,8 @@ def test_device_build_matches_host(backend, rng):
     a = K.build(pts.to(backend.device), depth, "device")
     b = K.build(pts, depth, "host")
     assert torch.equal(a.perm.cpu(), b.perm)
-    assert torch.equal(a.lo.cpu(), b.lo)
+    assert torch.equal(a.lo.cpu(), b.lo) and torch.equal(a.hi.cpu(), b.hi)
+    assert torch.equal(a.split_axis.cpu(), b.split_axis)
     assert math.isclose(float((a.split_value.cpu() - b.split_value).abs().max()), 0.0,
                         abs_tol=1e-7)
 

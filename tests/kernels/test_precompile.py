@@ -21,9 +21,11 @@ from pointalign.kernels import _precompile  # noqa: E402
 #: the smallest kernel (its compile takes ~0.2 s): the k-d tree's split-axis kernel
 _SPLIT = {
     "kernel": "pointalign.kernels.kdtree.triton:_split_axis_kernel",
-    "signature": {"pts_ptr": "*fp32", "b_ptr": "*i64", "axis_ptr": "*i64", "BLOCK": "constexpr"},
-    "constexprs": [[[3], 64]],
-    "attrs": [[[0], [["tt.divisibility", 16]]], [[2], [["tt.divisibility", 16]]]],
+    "signature": {"pts_ptr": "*fp32", "b_ptr": "*i64", "axis_ptr": "*i32", "lo_ptr": "*fp32",
+                  "hi_ptr": "*fp32", "first": "i32", "BLOCK": "constexpr",
+                  "SPLIT": "constexpr"},
+    "constexprs": [[[6], 64], [[7], True]],
+    "attrs": [[[i], [["tt.divisibility", 16]]] for i in (0, 2, 3, 4)],
     "options": {"num_warps": 4, "num_stages": 3, "num_ctas": 1},
     "seconds": 0.2,
 }
@@ -135,15 +137,16 @@ def test_ensure_compiles_once_and_leaves_markers(tmp_path, monkeypatch):
 def test_a_precompiled_kernel_is_launched_without_compiling(tmp_path, monkeypatch):
     from triton.runtime import driver
 
+    from pointalign.kernels import kdtree
     from pointalign.kernels.kdtree import triton as kd
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     pts = torch.rand(1000, 3, device="cuda")
-    bounds = torch.tensor([0, 1000], device="cuda")
-    kd._split_axis_kernel.device_caches.clear()  # launched earlier in this process: forget
-    kd._level_keys_kernel.device_caches.clear()
-    with _precompile.record() as got:  # what the launch compiles: its entry
-        kd.level_keys(pts, bounds, 0)
+    kernels = (kd._split_axis_kernel, kd._level_keys_kernel, kd._reorder_kernel)
+    for k in kernels:  # launched earlier in this process: forget
+        k.device_caches.clear()
+    with _precompile.record() as got:  # what the launch compiles: its entries
+        kdtree.build(pts, 2)
         torch.cuda.synchronize()
     assert got, "the launch reported no compile"
     entry = got[0]
@@ -151,9 +154,9 @@ def test_a_precompiled_kernel_is_launched_without_compiling(tmp_path, monkeypatc
     monkeypatch.setenv("TRITON_CACHE_DIR", str(fresh))
     assert _precompile.compile_forked(got, driver.active.get_current_target())
     n = _files(fresh)
-    kd._split_axis_kernel.device_caches.clear()  # this process forgets; the disk remembers
-    kd._level_keys_kernel.device_caches.clear()
-    kd.level_keys(pts, bounds, 0)
+    for k in kernels:  # this process forgets; the disk remembers
+        k.device_caches.clear()
+    kdtree.build(pts, 2)
     torch.cuda.synchronize()
     new = _files(fresh) - n  # kernels and launchers were all there
     assert new == 0, f"{entry['kernel']}: {new} files compiled again at its launch"

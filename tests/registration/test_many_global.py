@@ -22,12 +22,13 @@ import torch
 from pointalign import datasets, metrics
 from pointalign.features.downsample import voxel_downsample
 from pointalign.kernels import _loop
+from pointalign.registration import voxel_rule
 from pointalign.registration.many import batched as bt
 from pointalign.registration.many import batched_local as bl
 from pointalign.registration.many import batched_prepare as bp
 from pointalign.registration.many import local_stages, register_many
 from pointalign.registration.options import check
-from pointalign.registration.pipeline import Scales, _prepare_cloud, _voxel_size
+from pointalign.registration.pipeline import Scales, _prepare_cloud
 
 OPTS = dict(hypotheses=1024)
 
@@ -45,7 +46,7 @@ def _scaled_clouds(pairs, device):
         s = torch.as_tensor(np.asarray(p.source), dtype=torch.float32, device=device)
         t = torch.as_tensor(np.asarray(p.target), dtype=torch.float32, device=device)
         s, t = s - t.mean(0), t - t.mean(0)
-        v, _ = _voxel_size(s, t, opts, None)
+        v, _ = voxel_rule.voxel_size_reference(s, t, opts)
         out += [s / v, t / v]
     return out
 
@@ -78,10 +79,10 @@ def _local(pairs, device):
 
 def _same_rule(local, options):
     opts = check("register_many", options)
-    got = bp.voxel_sizes(local, opts)
+    got = voxel_rule.voxel_sizes(local, opts)
     for (s, t), g in zip(local, got, strict=True):
         try:
-            want = _voxel_size(s, t, opts, None)
+            want = voxel_rule.voxel_size_reference(s, t, opts)
         except ValueError as exc:
             assert isinstance(g, ValueError) and str(g) == str(exc)
             continue
@@ -90,9 +91,10 @@ def _same_rule(local, options):
 
 
 def test_voxel_sizes_equal_the_per_pair_rule(backend):
-    """bp.voxel_sizes: every pair's v (bit for bit) and stray decision as
-    pipeline._voxel_size, on clean and contaminated bunny-size pairs of several sizes and
-    scales; with a given voxel_size, without outlier removal, with another target."""
+    """voxel_rule.voxel_sizes: every pair's v (bit for bit) and stray decision as the rule
+    one cloud at a time (voxel_size_reference), on clean and contaminated bunny-size pairs
+    of several sizes and scales; with a given voxel_size, without outlier removal, with
+    another target."""
     bunny = datasets.load_bunny("bun000")
     pairs = _pairs(2, 2000) + _pairs(1, 800, seed=5)
     pairs += [datasets.make_hard_pair(datasets.random_subsample(bunny, n, seed=n),
@@ -131,15 +133,15 @@ def test_voxel_sizes_on_the_real_bunny_scans(shared_data):
 
 
 def _same_strays(local, rules):
-    """without_strays_many equals pipeline._without_strays for the pairs showing strays."""
-    from pointalign.registration.pipeline import _without_strays
+    """voxel_rule.without_strays equals the one-cloud-at-a-time rule for the pairs showing
+    strays."""
 
     dirty = [(p, r[0]) for p, r in zip(local, rules, strict=True)
              if not isinstance(r, ValueError) and r[1]]
     assert dirty  # bunny-size subsamples show strays at v
-    got = bp.without_strays_many([p for p, _ in dirty], [v for _, v in dirty])
+    got = voxel_rule.without_strays([p for p, _ in dirty], [v for _, v in dirty])
     for ((s, t), v), (gs, gt) in zip(dirty, got, strict=True):
-        ws, wt = _without_strays(s, t, v)
+        ws, wt = voxel_rule.without_strays_reference(s, t, v)
         assert torch.equal(gs, ws) and torch.equal(gt, wt)
 
 
@@ -209,14 +211,13 @@ def _scaled_pairs(pairs, device, clock):
     by v), prepared as per pair, and candidates about the true pose (a few perturbed, a
     few far off) in that frame."""
     from pointalign import transforms
-    from pointalign.registration.pipeline import _without_strays
 
     opts = check("register_many", {})
     out = []
     for k, (p, (s, t)) in enumerate(zip(pairs, _local(pairs, device), strict=True)):
-        v, strays = _voxel_size(s, t, opts, None)
+        v, strays = voxel_rule.voxel_size_reference(s, t, opts)
         if strays:
-            s, t = _without_strays(s, t, v)
+            s, t = voxel_rule.without_strays_reference(s, t, v)
         unit = Scales(1.0)
         src, tgt = (_prepare_cloud(x / v, unit, clock, "cloud") for x in (s, t))
         c = np.asarray(p.target, dtype=np.float64).mean(0)
@@ -283,18 +284,18 @@ def test_final_clouds_as_each_pair_alone(backend):
     s0, t0 = pairs[0]
     pairs.append((s0, torch.cat([t0, t0[:50]])))  # duplicated points
     opts = check("register_many", {})
-    vs = [_voxel_size(s, t, opts, None)[0] for s, t in pairs]
+    vs = [voxel_rule.voxel_size_reference(s, t, opts)[0] for s, t in pairs]
     unit = Scales(1.0)
     got = bl.final_clouds_many([s for s, _ in pairs], [t for _, t in pairs], vs, unit,
                                "point_to_plane")
     for (s, t), v, g in zip(pairs, vs, got, strict=True):
-        one = _final_clouds(s / v, t / v, unit, None, None)
+        one = _final_clouds(s / v, t / v, unit, None)
         assert torch.equal(g.source, one.source) and torch.equal(g.target, one.target)
         assert g.index.points.shape == one.index.points.shape
         dot = (g.normals * one.normals).sum(1)
         assert float((dot > 1 - 1e-5).float().mean()) >= 0.999
     assert torch.equal(got[-1].normals, _final_clouds(s0 / vs[-1], pairs[-1][1] / vs[-1],
-                                                      unit, None, None).normals)
+                                                      unit, None).normals)
     gicp = bl.final_clouds_many([s0], [t0], vs[:1], unit, "gicp")
     assert gicp[0].normals is None
 

@@ -5,8 +5,9 @@ The recipe of Open3D's global-registration tutorial (Rusu et al. 2009 features; 
 length a multiple of the voxel edge v (:class:`Scales`; default v:
 :func:`~pointalign.features.downsample.auto_voxel_size`):
 
-1. :func:`_prepare_pair`: v, then :func:`_prepare_cloud` once per cloud (after dropping
-   stray points where a sample shows some, :func:`~pointalign.features.outliers.dense_mask`):
+1. :func:`_prepare_pair`: v and the stray points (:mod:`~pointalign.registration.voxel_rule`),
+   then :func:`_prepare_cloud` once per cloud (after dropping stray points where a sample
+   shows some, :func:`~pointalign.features.outliers.dense_mask`):
    downsample at v; one neighbour search (5v, 100 nearest) serves the normals (PCA within
    2v, 30 nearest, facing the cloud's centroid, a convention that moves with the cloud) and
    FPFH (5v);
@@ -37,18 +38,12 @@ import numpy as np
 import torch
 
 from pointalign import _progress, _threads, _validate
-from pointalign.features.downsample import auto_voxel_size, voxel_downsample
+from pointalign.features.downsample import voxel_downsample
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
 from pointalign.features.normals import estimate_normals
-from pointalign.features.outliers import (
-    MIN_STRAY_FRACTION,
-    dense_mask,
-    robust_voxel_size,
-    stray_fraction,
-)
 from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import ransac as _kr
-from pointalign.registration import _edge, checks
+from pointalign.registration import _edge, checks, voxel_rule
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.gicp import gicp
@@ -63,7 +58,7 @@ from pointalign.registration.ransac import count_inliers, ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
 from pointalign.registration.verdict import decided_result, global_result, verdict
-from pointalign.search import build_index, policy
+from pointalign.search import build_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,8 +294,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
               opts: _Options) -> RegistrationResult:
     """:func:`register` on the validated local clouds ``src (N, 3)``, ``tgt (M, 3)`` of ``pair``."""
     clock = _loop.Clock(pair.device)
-    full_index = _full_target_index(tgt, opts)
-    v, scales, source, target = _prepare_pair(src, tgt, opts, full_index, clock)
+    v, scales, source, target = _prepare_pair(src, tgt, opts, clock)
     glob, candidates, n_rank = _global(source, target, scales, opts, clock)
     info: dict[str, Any] = {"voxel_size": v, "source_down": int(source.down.shape[0]),
                             "target_down": int(target.down.shape[0]),
@@ -310,7 +304,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     criteria = icp_criteria(scales, opts.max_iterations)
     (R, fit_v, coarse_iterations), = _refine_hypotheses([(candidates, source, target)],
                                                         scales, criteria, opts.robust, clock)
-    full = _final_clouds(src, tgt, scales, opts.icp_voxel_size, full_index, opts.refine)
+    full = _final_clouds(src, tgt, scales, opts.icp_voxel_size, opts.refine)
     local = _final_icp([full], R[:1], scales, criteria, opts.refine, clock)[0]
     judged, reason = verdict(local, R, fit_v, source, target, scales)
     clock.lap("verdict")
@@ -319,60 +313,24 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     return decided_result(pair, local, glob, info, reason, clock.total())
 
 
-def _full_target_index(tgt: torch.Tensor, opts: _Options) -> Any:
-    """Build one index over the full target for the stray count and the final ICP, or None.
-
-    Only where an index's kind does not depend on the bound
-    (:func:`pointalign.search.policy.one_index_serves_every_bound`), the final ICP runs on
-    the full target and strays are looked for: one build instead of two.
-    """
-    if (opts.refine != "none" and opts.icp_voxel_size is None and opts.remove_outliers
-            and policy.one_index_serves_every_bound(tgt)):
-        return build_index(tgt)
-    return None
-
-
-def _voxel_size(src: torch.Tensor, tgt: torch.Tensor, opts: _Options,
-                full_index: Any) -> tuple[float, bool]:
-    """Choose the voxel edge v, and tell whether stray points are to be removed.
-
-    Stray points are looked for only where a sample shows some (a clean scan or a lidar
-    sweep pays nothing for the outlier stages); then the automatic edge is chosen without
-    them (:func:`~pointalign.features.outliers.robust_voxel_size`).
-    """
-    big = src if src.shape[0] >= tgt.shape[0] else tgt
-    v = auto_voxel_size(big, opts.target_points) if opts.voxel_size is None else opts.voxel_size
-    strays = opts.remove_outliers and max(
-        stray_fraction(src, v), stray_fraction(tgt, v, index=full_index)) >= MIN_STRAY_FRACTION
-    if strays and opts.voxel_size is None:
-        v = robust_voxel_size(big, opts.target_points)
-    return v, strays
-
-
-def _without_strays(src: torch.Tensor, tgt: torch.Tensor,
-                    v: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both clouds without their stray points at scale v, or as given if either keeps < 3."""
-    s_keep, t_keep = dense_mask(src, v), dense_mask(tgt, v)
-    if int(s_keep.sum()) >= 3 and int(t_keep.sum()) >= 3:
-        return src[s_keep], tgt[t_keep]
-    return src, tgt
-
-
-def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, full_index: Any,
-                  clock: _loop.Clock, in_voxels: bool = False, describe: bool = True
+def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _loop.Clock,
+                  in_voxels: bool = False, describe: bool = True
                   ) -> tuple[float, Scales, Prepared, Prepared]:
     """Choose v, drop stray points where there are some, prepare both clouds.
+
+    v and the strays by :mod:`~pointalign.registration.voxel_rule` (``register_many``'s
+    rule: one stray search for both clouds, no index built for it).
 
     ``in_voxels``: the clouds divided by v and the lengths ``Scales(1, …/v)``
     (``register_many``'s frame, where one bound serves a batch of pairs). ``describe``: as
     :func:`_prepare_cloud`. Returns v (metres), the scales and the two prepared clouds.
     """
-    v, strays = _voxel_size(src, tgt, opts, full_index)
+    v, strays = voxel_rule.voxel_size(src, tgt, opts)
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
     scales = Scales(v, mcd, fine) if not in_voxels else Scales(
         1.0, None if mcd is None else mcd / v, None if fine is None else fine / v)
     clock.lap("voxel_size")
-    src_c, tgt_c = _without_strays(src, tgt, v) if strays else (src, tgt)
+    src_c, tgt_c = voxel_rule.without_strays([(src, tgt)], [v])[0] if strays else (src, tgt)
     if in_voxels:
         src_c, tgt_c = src_c / v, tgt_c / v
     return v, scales, _prepare_cloud(src_c, scales, clock, "source", describe, v), \
@@ -516,11 +474,11 @@ class FinalClouds(NamedTuple):
 
 
 def _final_clouds(src: torch.Tensor, tgt: torch.Tensor, scales: Scales,
-                  icp_voxel_size: float | None, full_index: Any,
-                  refine: str = "point_to_plane") -> FinalClouds:
+                  icp_voxel_size: float | None, refine: str = "point_to_plane"
+                  ) -> FinalClouds:
     """Return the full clouds (or ``icp_voxel_size`` copies), an index, target normals.
 
-    ``full_index``: an index over ``tgt`` or None. The target's normals within
+    The index is built here (over the clouds the ICP runs on). The target's normals within
     ``Scales.normal_radius`` from :data:`FULL_NORMAL_NEIGHBOURS` nearest points (searched a
     chunk at a time: the whole (M, 16) table of a 50M-point target held 26 GiB on the GPU;
     on the CPU the index keeps this self-query as the ICP's shortcut lists); none for
@@ -530,14 +488,13 @@ def _final_clouds(src: torch.Tensor, tgt: torch.Tensor, scales: Scales,
     if icp_voxel_size is not None:
         s_full = voxel_downsample(src, icp_voxel_size)
         t_full = voxel_downsample(tgt, icp_voxel_size)
-    if full_index is None or t_full is not tgt:
-        full_index = build_index(t_full)
+    index = build_index(t_full)
     if refine == "gicp":
-        return FinalClouds(s_full, t_full, full_index, None)
+        return FinalClouds(s_full, t_full, index, None)
     t_normals = estimate_normals(t_full, k=min(FULL_NORMAL_NEIGHBOURS, t_full.shape[0]),
-                                 radius=scales.normal_radius, index=full_index,
+                                 radius=scales.normal_radius, index=index,
                                  orient="viewpoint", viewpoint=t_full.mean(0))
-    return FinalClouds(s_full, t_full, full_index, t_normals)
+    return FinalClouds(s_full, t_full, index, t_normals)
 
 
 def _final_icp(pairs: Sequence[FinalClouds], init: torch.Tensor, scales: Scales,

@@ -93,8 +93,18 @@ def build(points: torch.Tensor, depth: int, where: str = "device", *,
     if where == "device":
         if layout is None:
             layout = build_layout(m, depth, points.device)
-        perm, axes, splits, pts = _build_torch(points, depth, layout[0])
+        bounds_d, mids_d = _split_layout(layout[0], depth)
         ranges = layout[1]
+        # float32 on a Triton backend: four kinds of launch a level (boxes and axes, keys,
+        # the sort, the reorder with the splits) in place of ~20 of the same arithmetic
+        if points.dtype == torch.float32 and backend(points) in ("triton", "interpret"):
+            from pointalign.kernels.kdtree import triton as _kdtree_triton
+
+            perm, pts, lo, hi, split_axis, split_value = _kdtree_triton.build(
+                points, depth, bounds_d, mids_d)
+            return TreeArrays(pts, perm, lo, hi, split_axis, split_value,
+                              ranges[:, 0].contiguous(), ranges[:, 1].contiguous(), depth)
+        perm, axes, splits, pts = _build_torch(points, depth, bounds_d, mids_d)
     elif where == "host":
         perm_np, axes_np, splits_np = _build_numpy(points.detach().cpu().double().numpy(), depth)
         perm = torch.from_numpy(perm_np).to(points.device)
@@ -163,36 +173,37 @@ def _node_order(seg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return o1[torch.sort(seg[o1], stable=True).indices]
 
 
-def _build_torch(points: torch.Tensor, depth: int, flat: torch.Tensor):
-    """Device build; returns ``(perm, axes, splits, points[perm])``.
+def _split_layout(flat: torch.Tensor, depth: int
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Cut :func:`build_layout`'s ``flat`` into views: each level's bounds, split positions.
 
-    ``flat``: :func:`build_layout`'s bounds and split positions of every level.
+    Returns ``(bounds, mids)``: levels 0..depth's node bounds, and each split level's
+    ``(2, 2^level)`` positions either side of the children's boundary.
     """
-    m, dev = points.shape[0], points.device
     sizes = [2**level + 1 for level in range(depth + 1)] + [2**level for level in
                                                            range(1, depth + 1)]
     parts = list(torch.split(flat, sizes))
-    bounds_d, mids_d = parts[:depth + 1], [x.view(2, -1) for x in parts[depth + 1:]]
+    return parts[:depth + 1], [x.view(2, -1) for x in parts[depth + 1:]]
+
+
+def _build_torch(points: torch.Tensor, depth: int, bounds_d: list[torch.Tensor],
+                 mids_d: list[torch.Tensor]):
+    """Device build in torch operations; returns ``(perm, axes, splits, points[perm])``.
+
+    ``bounds_d``, ``mids_d``: :func:`_split_layout` of :func:`build_layout`'s ``flat``.
+    """
+    m, dev = points.shape[0], points.device
     pos = torch.arange(m, device=dev)
     perm = pos
     pts = points.contiguous()
     axes, splits = [], []
-    # float32 on a Triton backend: two fused kernels per level (axis per node; node, key
-    # and packed sort key per point) in place of ~20 launches of the same arithmetic
-    fused = points.dtype == torch.float32 and backend(points) in ("triton", "interpret")
     for level in range(depth):
         b = bounds_d[level]
-        if fused:
-            from pointalign.kernels.kdtree import triton as _kdtree_triton
-
-            axis, key, packed = _kdtree_triton.level_keys(pts, b, level)
-            order = torch.sort(packed, stable=True).indices
-        else:
-            seg = torch.bucketize(pos, b[1:], right=True)  # node j of p: b[j] <= p < b[j+1]
-            lo, hi = _segment_boxes(pts, level, b)
-            axis = (hi - lo).argmax(1)
-            key = pts.gather(1, axis[seg][:, None]).squeeze(1)
-            order = _node_order(seg, key)
+        seg = torch.bucketize(pos, b[1:], right=True)  # node j of p: b[j] <= p < b[j+1]
+        lo, hi = _segment_boxes(pts, level, b)
+        axis = (hi - lo).argmax(1)
+        key = pts.gather(1, axis[seg][:, None]).squeeze(1)
+        order = _node_order(seg, key)
         perm = perm[order]
         pts = pts[order]
         # the split: midway between the two points either side of the children's boundary

@@ -187,15 +187,20 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
 # ----------------------------------------------------------------------------- build
 
 
-@triton.jit(do_not_specialize_on_alignment=("b_ptr",))  # a level's bounds: a view at any offset
-def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, BLOCK: tl.constexpr):
-    """Axis of largest extent (first on ties, as ``argmax``) of node ``program_id``.
+@triton.jit(do_not_specialize=("first",),
+            do_not_specialize_on_alignment=("b_ptr",))  # a level's bounds: a view at any offset
+def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, lo_ptr, hi_ptr, first, BLOCK: tl.constexpr,
+                       SPLIT: tl.constexpr):
+    """Bounding box of level node ``program_id`` (tree node ``first + program_id``), and axis.
 
-    The node's points ``pts[b[j]:b[j + 1]]`` are read in blocks of ``BLOCK``.
+    The node's points ``pts[b[j]:b[j + 1]]`` are read in blocks of ``BLOCK``; the box goes to
+    row ``first + j`` of ``lo``, ``hi`` (n_nodes, 3) and, ``SPLIT``, the axis of largest
+    extent (first on ties, as ``argmax``) to ``axis[first + j]`` (int32). Reordering a
+    level only permutes the points inside each node, so the box is the final tree's.
     """
-    node = tl.program_id(0).to(tl.int64)
-    start = tl.load(b_ptr + node)
-    end = tl.load(b_ptr + node + 1)
+    j = tl.program_id(0).to(tl.int64)
+    start = tl.load(b_ptr + j)
+    end = tl.load(b_ptr + j + 1)
     lx = tl.full((BLOCK,), BIG, tl.float32)
     ly = tl.full((BLOCK,), BIG, tl.float32)
     lz = tl.full((BLOCK,), BIG, tl.float32)
@@ -214,26 +219,35 @@ def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, BLOCK: tl.constexpr):
         hx = tl.where(m, tl.maximum(hx, x), hx)
         hy = tl.where(m, tl.maximum(hy, y), hy)
         hz = tl.where(m, tl.maximum(hz, z), hz)
-    ex = tl.max(hx, 0) - tl.min(lx, 0)
-    ey = tl.max(hy, 0) - tl.min(ly, 0)
-    ez = tl.max(hz, 0) - tl.min(lz, 0)
-    ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2))
-    tl.store(axis_ptr + node, ax.to(tl.int64))
+    node = first + j
+    mnx, mny, mnz = tl.min(lx, 0), tl.min(ly, 0), tl.min(lz, 0)
+    mxx, mxy, mxz = tl.max(hx, 0), tl.max(hy, 0), tl.max(hz, 0)
+    tl.store(lo_ptr + node * 3 + 0, mnx)
+    tl.store(lo_ptr + node * 3 + 1, mny)
+    tl.store(lo_ptr + node * 3 + 2, mnz)
+    tl.store(hi_ptr + node * 3 + 0, mxx)
+    tl.store(hi_ptr + node * 3 + 1, mxy)
+    tl.store(hi_ptr + node * 3 + 2, mxz)
+    if SPLIT:
+        ex, ey, ez = mxx - mnx, mxy - mny, mxz - mnz
+        ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2))
+        tl.store(axis_ptr + node, ax.to(tl.int32))
 
 
-@triton.jit(do_not_specialize=("m_points", "level"))
-def _level_keys_kernel(pts_ptr, axis_ptr, key_ptr, packed_ptr, m_points, level,
+@triton.jit(do_not_specialize=("m_points", "level", "first"))
+def _level_keys_kernel(pts_ptr, axis_ptr, key_ptr, packed_ptr, m_points, level, first,
                        BLOCK: tl.constexpr):
     """Compute the node, split coordinate and sort key of every position.
 
     For every position p: its node j (``floor(j M / 2^level) <= p``), its coordinate
-    along j's split axis (-0.0 as +0.0), and the sort key ``j · 2³² + u(coordinate)``
-    with ``u`` the order-preserving map of the float's bits to [0, 2³²).
+    along j's split axis (``axis[first + j]``; -0.0 as +0.0), and the sort key
+    ``j · 2³² + u(coordinate)`` with ``u`` the order-preserving map of the float's bits to
+    [0, 2³²).
     """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < m_points
     seg = (((offs + 1) << level) - 1) // m_points
-    ax = tl.load(axis_ptr + seg, mask=m, other=0)
+    ax = tl.load(axis_ptr + first + seg, mask=m, other=0)
     key = tl.load(pts_ptr + offs * 3 + ax, mask=m, other=0.0)
     key = tl.where(key == 0.0, 0.0, key)
     bits = key.to(tl.int32, bitcast=True).to(tl.int64)
@@ -242,20 +256,79 @@ def _level_keys_kernel(pts_ptr, axis_ptr, key_ptr, packed_ptr, m_points, level,
     tl.store(packed_ptr + offs, (seg << 32) | u, mask=m)
 
 
-def level_keys(pts: torch.Tensor, bounds: torch.Tensor, level: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One build level on float32 ``pts (M, 3)`` with the level's node ``bounds``.
+@triton.jit(do_not_specialize=("m_points", "n_mid", "first"),
+            do_not_specialize_on_alignment=("mid_ptr",))  # a level's split positions: a view
+def _reorder_kernel(order_ptr, perm_ptr, pts_ptr, perm_out, pts_out, key_ptr, mid_ptr,
+                    split_ptr, m_points, n_mid, first, BLOCK: tl.constexpr):
+    """Apply a level's sort and place its splits, in one launch.
 
-    Returns ``(axis (2^level,) int64, key (M,) float32, packed (M,) int64)``: each node's
-    split axis, each position's coordinate along it, and the key whose stable sort orders
-    the points by node, then coordinate (as :func:`pointalign.kernels.kdtree._node_order`).
+    Programs ``< cdiv(M, BLOCK)`` gather ``perm_out[p] = perm[order[p]]`` and the point
+    ``pts_out[p] = pts[order[p]]``; the others compute split ``i`` of the level, halfway
+    between the coordinates either side of the children's boundary,
+    ``(key[order[mid[i]]] + key[order[mid[n_mid + i]]]) · 0.5``, into
+    ``split[first + i]`` (the mean of the two, as ``Tensor.mean`` rounds it in float32).
     """
-    m, n_nodes = pts.shape[0], bounds.shape[0] - 1
-    axis = torch.empty(n_nodes, dtype=torch.int64, device=pts.device)
-    key = torch.empty(m, dtype=pts.dtype, device=pts.device)
-    packed = torch.empty(m, dtype=torch.int64, device=pts.device)
-    block = 1024 if pts.is_cuda else 64
-    _split_axis_kernel[(n_nodes,)](pts, bounds, axis, BLOCK=block, num_warps=4)
-    _level_keys_kernel[(triton.cdiv(m, block),)](pts, axis, key, packed, m, level,
-                                                 BLOCK=block, num_warps=4)
-    return axis, key, packed
+    pid = tl.program_id(0).to(tl.int64)
+    n_gather = tl.cdiv(m_points, BLOCK)
+    if pid < n_gather:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        m = offs < m_points
+        o = tl.load(order_ptr + offs, mask=m, other=0)
+        tl.store(perm_out + offs, tl.load(perm_ptr + o, mask=m, other=0), mask=m)
+        for c in tl.static_range(3):
+            tl.store(pts_out + offs * 3 + c, tl.load(pts_ptr + o * 3 + c, mask=m, other=0.0),
+                     mask=m)
+    else:
+        offs = (pid - n_gather) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n_mid
+        a = tl.load(order_ptr + tl.load(mid_ptr + offs, mask=m, other=0), mask=m, other=0)
+        b = tl.load(order_ptr + tl.load(mid_ptr + n_mid + offs, mask=m, other=0), mask=m,
+                    other=0)
+        ka = tl.load(key_ptr + a, mask=m, other=0.0)
+        kb = tl.load(key_ptr + b, mask=m, other=0.0)
+        tl.store(split_ptr + first + offs, (ka + kb) * 0.5, mask=m)
+
+
+def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
+          mids: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Build the tree over float32 ``points (M, 3)``: every level in four kinds of launch.
+
+    ``bounds``: each level's node bounds (``level_bounds``, levels 0..depth), ``mids``:
+    each split level's ``(2, 2^level)`` positions either side of the children's boundary,
+    on the points' device. Per level: the nodes' boxes and split axes (one program per
+    node), every position's node and key, one stable sort, the reorder and the level's
+    splits; then the leaves' boxes. The same tree as the level loop of torch operations in
+    ``kdtree.build`` (the same keys, sorts and rounding; the boxes as the min/max of each
+    node's points).
+
+    Returns ``(perm (M,) int64, points[perm] (M, 3), lo, hi (n_nodes, 3), split_axis
+    (n_nodes,) int32 (-1 at the leaves), split_value (n_nodes,))``.
+    """
+    m, dev = points.shape[0], points.device
+    n_nodes = 2 ** (depth + 1) - 1
+    block = 1024 if points.is_cuda else 64
+    lo = torch.empty(n_nodes, 3, dtype=points.dtype, device=dev)
+    hi = torch.empty_like(lo)
+    axis = torch.full((n_nodes,), -1, dtype=torch.int32, device=dev)
+    split = torch.zeros(n_nodes, dtype=points.dtype, device=dev)
+    perm = torch.arange(m, device=dev)
+    pts = points.contiguous()
+    key = torch.empty(m, dtype=points.dtype, device=dev)
+    packed = torch.empty(m, dtype=torch.int64, device=dev)
+    grid = triton.cdiv(m, block)
+    for level in range(depth):
+        first = 2**level - 1
+        _split_axis_kernel[(2**level,)](pts, bounds[level], axis, lo, hi, first, BLOCK=block,
+                                        SPLIT=True, num_warps=4)
+        _level_keys_kernel[(grid,)](pts, axis, key, packed, m, level, first, BLOCK=block,
+                                    num_warps=4)
+        order = torch.sort(packed, stable=True).indices
+        perm_n, pts_n = torch.empty_like(perm), torch.empty_like(pts)
+        n_mid = 2**level
+        _reorder_kernel[(grid + triton.cdiv(n_mid, block),)](
+            order, perm, pts, perm_n, pts_n, key, mids[level], split, m, n_mid, first,
+            BLOCK=block, num_warps=4)
+        perm, pts = perm_n, pts_n
+    _split_axis_kernel[(2**depth,)](pts, bounds[depth], axis, lo, hi, 2**depth - 1,
+                                    BLOCK=block, SPLIT=False, num_warps=4)
+    return perm, pts, lo, hi, axis, split

@@ -115,7 +115,7 @@ def _ranked(values: torch.Tensor, prob: torch.Tensor, sizes: list[int]
 
 def final_clouds_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
                       vs: Sequence[float], scales: Scales, refine: str) -> list[FinalClouds]:
-    """``pipeline._final_clouds(src / v, tgt / v, scales, None, None, refine)`` of B pairs.
+    """``pipeline._final_clouds(src / v, tgt / v, scales, None, refine)`` of B pairs.
 
     The full clouds of every pair divided by its v in one launch
     (:func:`.batched_prepare.scaled`: the same division, bit for bit); each target's index

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pointalign.kernels import _loop
-from pointalign.registration import _edge
+from pointalign.registration import _edge, voxel_rule
 from pointalign.registration.many import batched as _batched
 from pointalign.registration.many import batched_prepare as _prepare
 from pointalign.registration.many import batched_ransac as _ransac
@@ -31,7 +31,7 @@ def _global_stage(w: _Work, pair: _edge.LocalPair, opts: _Options, clock: _loop.
     """
     src, tgt = pair.source, pair.target
     start = w.spec.init is not None
-    v, scales, source, target = _prepare_pair(src, tgt, opts, None, clock, in_voxels=True,
+    v, scales, source, target = _prepare_pair(src, tgt, opts, clock, in_voxels=True,
                                               describe=not start)
     w.ready = _Ready(src, tgt, pair.center, v, scales, source, target)
     w.row["voxel_size"] = v
@@ -49,11 +49,11 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.LocalPair],
                           device: torch.device, on_error: str) -> dict[str, float]:
     """Run the global stage of ``works`` (no init) at once (:mod:`.batched_prepare`, …).
 
-    v and the stray decisions of all pairs at once (:func:`.batched_prepare.voxel_sizes`: the
-    per-pair rule's results), the strays dropped per pair that shows some, the clouds
-    scaled by 1/v in one launch; then every cloud downsampled by one sort, described by one
-    search and one launch per kernel, and RANSAC with the graph's proposals for each group
-    of pairs sharing a bound.
+    v and the stray decisions of all pairs at once
+    (:func:`~pointalign.registration.voxel_rule.voxel_sizes`: register()'s rule), the strays
+    dropped per pair that shows some, the clouds scaled by 1/v in one launch; then every
+    cloud downsampled by one sort, described by one search and one launch per kernel, and
+    RANSAC with the graph's proposals for each group of pairs sharing a bound.
     Fills each pair's ``ready``, ``glob`` and ``cands`` as :func:`_global_stage` does.
     Returns the seconds per stage for the whole group.
     """
@@ -64,7 +64,8 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.LocalPair],
     meta: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, float, Scales]] = {}
     local = [(pairs[id(w)].source, pairs[id(w)].target) for w in works]
     dirty: list[int] = []  # the pairs showing strays: their dense points, all at once below
-    for w, (src, tgt), rule in zip(works, local, _prepare.voxel_sizes(local, opts), strict=True):
+    for w, (src, tgt), rule in zip(works, local, voxel_rule.voxel_sizes(local, opts),
+                                   strict=True):
         try:
             if isinstance(rule, Exception):
                 raise rule
@@ -79,8 +80,8 @@ def _global_stage_batched(works: list[_Work], pairs: dict[int, _edge.LocalPair],
         except (ValueError, TypeError) as exc:
             _fail(w, exc, on_error)
     clock.lap("voxel_size")
-    dense = _prepare.without_strays_many([(clouds[2 * i], clouds[2 * i + 1]) for i in dirty],
-                                    [meta[id(todo[i])][3] for i in dirty])
+    dense = voxel_rule.without_strays([(clouds[2 * i], clouds[2 * i + 1]) for i in dirty],
+                                      [meta[id(todo[i])][3] for i in dirty])
     for i, (s_c, t_c) in zip(dirty, dense, strict=True):
         clouds[2 * i], clouds[2 * i + 1] = s_c, t_c
     clock.lap("strays")

@@ -81,8 +81,7 @@ def _local_stages(works: list[_Work], opts: _Options, device: torch.device
             clouds.update((id(w), c) for w, c in zip(same, got_c, strict=True))
     else:
         clouds = {id(w): _final_clouds(w.r.src / w.r.v, w.r.tgt / w.r.v, w.r.scales,
-                                       None if ivs is None else ivs / w.r.v, None,
-                                       opts.refine)
+                                       None if ivs is None else ivs / w.r.v, opts.refine)
                   for w in final}
     clock.lap("final_clouds")
     for scales, same in _by_scales(final).items():

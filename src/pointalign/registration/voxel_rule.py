@@ -1,0 +1,134 @@
+"""The voxel edge v of register()'s pairs and their stray points: one rule, batched.
+
+:func:`~pointalign.registration.pipeline.register` (one pair) and
+:func:`~pointalign.registration.many.register_many` (a group of pairs) choose v and decide
+about stray points by the same functions:
+
+1. :func:`voxel_sizes`: v from each pair's larger cloud
+   (:func:`~pointalign.features.downsample.auto_voxel_size`'s edges, counted for all clouds
+   at once); the stray fractions of both clouds at v from one search for the whole group
+   (:func:`~pointalign.features.outliers.stray_fractions_many`: one sort, no index built);
+   where a pair shows strays (at least
+   :data:`~pointalign.features.outliers.MIN_STRAY_FRACTION` in either cloud) and v is
+   automatic, v again without them
+   (:func:`~pointalign.features.outliers.robust_voxel_size`'s edges, all such pairs at
+   once);
+2. :func:`without_strays`: the dense points of each pair that shows strays.
+
+The plain form of the rule, one cloud and one index at a time through the per-cloud
+functions, is :func:`voxel_size_reference` and :func:`without_strays_reference`: the tests
+hold the batched rule to it (v bit for bit, the same decisions and masks on the CPU
+backends; on a GPU a squared distance within ~2 float32 ulps of v² may count differently,
+see :func:`~pointalign.features.outliers.stray_fractions_many`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from pointalign.features.downsample import auto_voxel_size, auto_voxel_size_many, group_clouds
+from pointalign.features.outliers import (
+    MIN_STRAY_FRACTION,
+    dense_mask,
+    dense_masks_many,
+    robust_voxel_size,
+    robust_voxel_sizes_many,
+    stray_fraction,
+    stray_fractions_many,
+)
+from pointalign.registration.options import Options
+
+#: ``auto_voxel_size``'s error, for a pair whose larger cloud's points all coincide
+COINCIDE = "points: all points coincide; cannot choose a voxel size"
+
+Clouds = tuple[torch.Tensor, torch.Tensor]
+
+
+def voxel_sizes(pairs: Sequence[Clouds], opts: Options) -> list[tuple[float, bool] | ValueError]:
+    """Choose v and tell whether strays are to be removed, for every pair at once.
+
+    Args:
+        pairs: ``(source (N, 3), target (M, 3))`` float tensors on one device, checked.
+        opts: the checked options (``voxel_size``, ``target_points``, ``remove_outliers``).
+
+    Returns:
+        Per pair ``(v, strays)``, or the ValueError :data:`COINCIDE` where the larger cloud's
+        points all coincide. A few host synchronisations per round of the edge rule and one
+        stray search, for the whole group.
+
+    """
+    if not pairs:
+        return []
+    bigs = [s if s.shape[0] >= t.shape[0] else t for s, t in pairs]
+    if opts.voxel_size is None:
+        vs = auto_voxel_size_many(group_clouds(bigs), opts.target_points)
+    else:
+        vs = [float(opts.voxel_size)] * len(pairs)
+    ok = [math.isfinite(v) for v in vs]
+    strays = [False] * len(pairs)
+    if opts.remove_outliers:
+        fr = stray_fractions_many(group_clouds([x for p in pairs for x in p]),
+                                  [v if good else 1.0 for v, good in zip(vs, ok, strict=True)
+                                   for _ in (0, 1)])
+        strays = [max(fr[2 * i], fr[2 * i + 1]) >= MIN_STRAY_FRACTION for i in range(len(pairs))]
+    if opts.voxel_size is None:  # v without the strays, for every pair that shows some
+        redo = [i for i in range(len(pairs)) if ok[i] and strays[i]]
+        for i, rv in zip(redo, robust_voxel_sizes_many(
+                [bigs[i] for i in redo], opts.target_points, start=[vs[i] for i in redo]),
+                         strict=True):
+            vs[i], ok[i] = rv, math.isfinite(rv)
+    return [(v, st) if good else ValueError(COINCIDE)
+            for v, good, st in zip(vs, ok, strays, strict=True)]
+
+
+def voxel_size(source: torch.Tensor, target: torch.Tensor, opts: Options) -> tuple[float, bool]:
+    """:func:`voxel_sizes` of one pair: ``(v, strays)``; raises its ValueError."""
+    rule = voxel_sizes([(source, target)], opts)[0]
+    if isinstance(rule, ValueError):
+        raise rule
+    return rule
+
+
+def without_strays(pairs: Sequence[Clouds], vs: Sequence[float]) -> list[Clouds]:
+    """Both clouds of every pair without their stray points, pair i at ``vs[i]``.
+
+    Every cloud's :func:`~pointalign.features.outliers.dense_mask` by one
+    :func:`~pointalign.features.outliers.dense_masks_many` (the same masks), the kept
+    points of all clouds by one selection; a pair where either cloud keeps fewer than 3
+    points stays as given. A few host synchronisations for the whole group.
+    """
+    if not pairs:
+        return []
+    group = group_clouds([x for p in pairs for x in p])
+    keep, kept = dense_masks_many(group, [v for v in vs for _ in (0, 1)])
+    dense = torch.split(group.points[keep], kept)
+    return [(dense[2 * i], dense[2 * i + 1]) if min(kept[2 * i], kept[2 * i + 1]) >= 3
+            else p for i, p in enumerate(pairs)]
+
+
+def voxel_size_reference(source: torch.Tensor, target: torch.Tensor,
+                         opts: Options) -> tuple[float, bool]:
+    """Apply :func:`voxel_size`'s rule one cloud and one index at a time (the tests' oracle)."""
+    big = source if source.shape[0] >= target.shape[0] else target
+    v = auto_voxel_size(big, opts.target_points) if opts.voxel_size is None else opts.voxel_size
+    strays = opts.remove_outliers and max(
+        stray_fraction(source, v), stray_fraction(target, v)) >= MIN_STRAY_FRACTION
+    if strays and opts.voxel_size is None:
+        v = robust_voxel_size(big, opts.target_points)
+    return v, strays
+
+
+def without_strays_reference(source: torch.Tensor, target: torch.Tensor,
+                             v: float) -> Clouds:
+    """Apply :func:`without_strays` to one pair, one cloud at a time (the tests' oracle)."""
+    s_keep, t_keep = dense_mask(source, v), dense_mask(target, v)
+    if int(s_keep.sum()) >= 3 and int(t_keep.sum()) >= 3:
+        return source[s_keep], target[t_keep]
+    return source, target
+
+
+__all__ = ["COINCIDE", "voxel_size", "voxel_size_reference", "voxel_sizes",
+           "without_strays", "without_strays_reference"]
