@@ -44,9 +44,12 @@ from common import RESULTS, metadata, sync, timeit  # noqa: E402
 
 import pointalign as pa  # noqa: E402
 from pointalign import datasets, transforms  # noqa: E402
-from pointalign.features.downsample import voxel_downsample  # noqa: E402
+from pointalign.features.downsample import (
+    auto_voxel_size,  # noqa: E402
+    voxel_downsample,  # noqa: E402
+)
 from pointalign.registration.criteria import ConvergenceCriteria  # noqa: E402
-from pointalign.registration.pipeline import auto_voxel_size, register  # noqa: E402
+from pointalign.registration.pipeline import register  # noqa: E402
 
 
 def rows(dev: torch.device):

@@ -52,8 +52,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Recorder, parse_args, sync, timeit  # noqa: E402
 
 from pointalign import datasets, io, metrics, transforms  # noqa: E402
-from pointalign.features.downsample import voxel_downsample  # noqa: E402
-from pointalign.registration.pipeline import auto_voxel_size, register  # noqa: E402
+from pointalign.features.downsample import (
+    auto_voxel_size,  # noqa: E402
+    voxel_downsample,  # noqa: E402
+)
+from pointalign.registration.pipeline import register  # noqa: E402
 
 BUNNY_SOURCES = ("bun045", "bun090", "bun315", "top2", "chin")
 ALL_SCANS = ("bun000", "bun045", "bun090", "bun180", "bun270", "bun315", "chin", "ear_back",

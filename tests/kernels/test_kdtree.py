@@ -95,6 +95,17 @@ def test_build_with_a_layout_made_before(m, depth, rng):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
+@pytest.mark.parametrize("m,depth", [(1, 0), (5, 2), (777, 6), (100003, 12)])
+def test_build_layout_is_level_bounds_and_node_ranges(m, depth):
+    """build_layout's host-made arrays: every level's bounds, the split positions either
+    side of each children's boundary, and node_ranges."""
+    flat, ranges = K.build_layout(m, depth, "cpu")
+    bounds = [K.level_bounds(m, level) for level in range(depth + 1)]
+    mids = [torch.stack([b[1:-1:2] - 1, b[1:-1:2]]).reshape(-1) for b in bounds[1:]]
+    assert torch.equal(flat, torch.cat(bounds + mids))
+    assert torch.equal(ranges, K.node_ranges(m, depth))
+
+
 def test_build_rejects_bad_depth():
     with pytest.raises(ValueError, match="depth"):
         K.build(torch.zeros(4, 3), 3)

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from pointalign import datasets, metrics, transforms
-from pointalign.features.outliers import radius_outlier_mask, statistical_outlier_mask
-from pointalign.registration.pipeline import (
-    auto_voxel_size,
+from pointalign.features.downsample import auto_voxel_size
+from pointalign.features.outliers import (
     dense_mask,
-    register,
+    radius_outlier_mask,
     robust_voxel_size,
+    statistical_outlier_mask,
 )
+from pointalign.registration.pipeline import register
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
 
 

@@ -22,6 +22,7 @@ import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pointalign.kernels import _numba
@@ -100,14 +101,20 @@ def search_plan(points: torch.Tensor) -> SearchPlan:
                       fused=backend(points) in ("triton", "interpret"))
 
 
-def upload(values: Sequence[float], *, dtype: torch.dtype,
+def upload(values: Sequence[float] | np.ndarray, *, dtype: torch.dtype,
            device: torch.device | str) -> torch.Tensor:
-    """Copy a small host list to ``device`` as a 1-D ``dtype`` tensor.
+    """Copy a host list (or NumPy array) to ``device`` as a ``dtype`` tensor of its shape.
 
-    On a GPU the copy is enqueued without waiting for the device (``non_blocking``); stream
-    order keeps every later kernel behind it. On the CPU it is a plain tensor.
+    On a GPU the values go through page-locked memory, so the copy is enqueued without
+    waiting for the device (from pageable memory CUDA first synchronises the stream); stream
+    order keeps every later kernel behind it, and PyTorch's pinned-memory cache keeps the
+    buffer until the copy is done. On the CPU it is a plain tensor.
     """
-    return torch.tensor(list(values), dtype=dtype).to(device, non_blocking=True)
+    host = (torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray)
+            else torch.tensor(list(values), dtype=dtype))
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def describe() -> dict[str, str]:

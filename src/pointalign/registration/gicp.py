@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads, _validate, estimate
-from pointalign.kernels import _first_use, _loop
+from pointalign.kernels import _first_use, _loop, upload
 from pointalign.kernels import gicp as _kg
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge, checks
@@ -383,7 +383,7 @@ def gicp(
             src, s_cov = src[:, order], s_cov[:, order]
     inputs = {"source": src, "source_cov": s_cov, "target": pair.target, "target_cov": t_cov,
               "lengths": pair.source_lengths, "center": torch.zeros(B, 3, device=dev)}
-    T0 = torch.from_numpy(pair.init).to(dev)
+    T0 = upload(pair.init, dtype=torch.float64, device=dev)  # no wait for the device
     state = {"T": T0, "Tf": T0.to(torch.float32)}
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pointalign import _math, _progress, _threads, _validate, estimate, transforms
-from pointalign.kernels import _first_use, _loop, features, normal_eq
+from pointalign.kernels import _first_use, _loop, features, normal_eq, upload
 from pointalign.kernels import ransac as _kr
 from pointalign.kernels import stability as probe
 from pointalign.registration import _edge, checks
@@ -395,30 +395,40 @@ def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = Fals
     else one per problem (``knn``: the caller also asks the targets' k-NN of it, see
     :func:`~pointalign.search.policy.choose_index`).
     """
+    if index is None:
+        with _validate.trusted():  # over the checked targets: no second NaN/Inf scan
+            return _built_indexes(pair, max_distance, knn)
+    B, built = pair.size, list(index) if isinstance(index, (list, tuple)) else [index]
+    if len(built) not in (1, B):
+        raise ValueError(f"index: expected one index or a list of {B}, got {len(built)}")
+    for b, ix in enumerate(built):
+        p, n = getattr(ix, "points", None), int(pair.target_counts[b])
+        if not isinstance(p, torch.Tensor) or not hasattr(ix, "nearest_within"):
+            raise TypeError("index: expected an object implementing the Index protocol "
+                            "(pointalign.search.build_index)")
+        if tuple(p.shape) != (n, 3) or p.device != pair.device:
+            raise ValueError(f"index: built over {tuple(p.shape)} points on {p.device}, but "
+                             f"target{'' if B == 1 else f'[{b}]'} has ({n}, 3) on "
+                             f"{pair.device}")
+    return _searches(built * B if len(built) == 1 else built, max_distance)
+
+
+def _built_indexes(pair: _edge.Pair, max_distance: float, knn: bool) -> tuple:
+    """:func:`_indexes` without the caller's index: built over the checked targets."""
     B = pair.size
-    if index is None and not pair.shared_target and B > 1:
+    if not pair.shared_target and B > 1:
         packed = policy.choose_batch_index(pair.target, pair.target_counts,
                                            max_distance=max_distance)
         if packed is not None:  # the whole batch in one index (search/packed.py)
             return (packed,) * B
-    if index is None:
-        n = 1 if pair.shared_target else B
-        built = [policy.choose_index(pair.target[b, : pair.target_counts[b]],
-                                     max_distance=max_distance, knn=knn) for b in range(n)]
-    else:
-        built = list(index) if isinstance(index, (list, tuple)) else [index]
-        if len(built) not in (1, B):
-            raise ValueError(f"index: expected one index or a list of {B}, got {len(built)}")
-        for b, ix in enumerate(built):
-            p, n = getattr(ix, "points", None), int(pair.target_counts[b])
-            if not isinstance(p, torch.Tensor) or not hasattr(ix, "nearest_within"):
-                raise TypeError("index: expected an object implementing the Index protocol "
-                                "(pointalign.search.build_index)")
-            if tuple(p.shape) != (n, 3) or p.device != pair.device:
-                raise ValueError(f"index: built over {tuple(p.shape)} points on {p.device}, but "
-                                 f"target{'' if B == 1 else f'[{b}]'} has ({n}, 3) on "
-                                 f"{pair.device}")
-    built = built * B if len(built) == 1 else built
+    n = 1 if pair.shared_target else B
+    built = [policy.choose_index(pair.target[b, : pair.target_counts[b]],
+                                 max_distance=max_distance, knn=knn) for b in range(n)]
+    return _searches(built * B if len(built) == 1 else built, max_distance)
+
+
+def _searches(built: list, max_distance: float) -> tuple:
+    """Return the correspondence search of each problem's index (one per distinct index)."""
     search = {id(ix): policy.correspondence_index(ix, max_distance) for ix in built}
     return tuple(search[id(ix)] for ix in built)
 
@@ -439,10 +449,10 @@ def _normals(target: Any, target_normals: Any, pair: _edge.Pair,
     for b in range(1 if pair.shared_target else pair.size):
         m = int(pair.target_counts[b])
         if m >= 3:
-            normals[b, :m] = estimate_normals(pair.target[b, :m], k=max(3, min(NORMALS_K, m)),
-                                              orient=None, device=pair.device,
-                                              index=_edge.knn_index(idxs, b,
-                                                                    pair.target[b, :m]))
+            with _validate.trusted():  # the checked target: no second NaN/Inf scan
+                    normals[b, :m] = estimate_normals(
+                    pair.target[b, :m], k=max(3, min(NORMALS_K, m)), orient=None,
+                    device=pair.device, index=_edge.knn_index(idxs, b, pair.target[b, :m]))
     return normals[:1].expand_as(pair.target) if pair.shared_target else normals
 
 
@@ -557,7 +567,7 @@ def icp(
     if B == 1 and pair.source_counts[0] == pair.source.shape[1]:
         order = policy.query_order(pair.source[0])  # a spatially coherent order, or None
         inputs["source"] = pair.source if order is None else pair.source[:, order]
-    T0 = torch.from_numpy(pair.init).to(dev)
+    T0 = upload(pair.init, dtype=torch.float64, device=dev)  # no wait for the device
     state = {"T": T0, "Tf": T0.to(torch.float32)}
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)

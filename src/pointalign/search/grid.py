@@ -104,8 +104,12 @@ class VoxelGridIndex:
         self._capped = self.cell_size > float(cell_size) * (1 + 1e-6)
         self._grids: dict[float, _grid.GridData] = {}
         self._fine_cell: float | None = None
+
+    @functools.cached_property
+    def _occupancy(self) -> float:
+        """Points per occupied cell (the k-NN search's first cell size; one synchronisation)."""
         occupied = int((self.grid.cell_start[1:] > self.grid.cell_start[:-1]).sum())
-        self._occupancy = self.points.shape[0] / max(1, occupied)
+        return self.points.shape[0] / max(1, occupied)
 
     @functools.cached_property
     def scan(self) -> float:

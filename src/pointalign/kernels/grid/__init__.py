@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from pointalign.kernels._backend import backend
+from pointalign.kernels._backend import backend, upload
 from pointalign.kernels.grid.reference import CELL_MARGIN as _CELL_MARGIN
 from pointalign.kernels.grid.reference import GridData as GridData
 from pointalign.kernels.grid.reference import grid_query_reference as grid_query_reference
@@ -74,10 +74,10 @@ def grid_build(points: torch.Tensor, cell_size: float, *,
     counts = torch.bincount(keys, minlength=nx * ny * nz)
     cell_start = torch.zeros(nx * ny * nz + 1, dtype=torch.int64, device=points.device)
     torch.cumsum(counts, 0, out=cell_start[1:])
-    params = torch.cat([lo, lo.new_tensor([1.0 / cell])])
+    params = torch.cat([lo, upload([1.0 / cell], dtype=torch.float64, device=lo.device)])
     return GridData(params, cell, (nx, ny, nz), cell_start.to(torch.int32),
                     points.t().index_select(1, order), order.to(torch.int32),
-                    torch.tensor(dims, dtype=torch.int64).to(points.device))
+                    upload(dims, dtype=torch.int64, device=points.device))
 
 
 def grid_query(g: GridData, query: torch.Tensor, k: int,
