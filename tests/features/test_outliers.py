@@ -48,6 +48,27 @@ def test_stray_fractions_many_equal_each_alone(backend, budget, monkeypatch):
     assert any(f >= outliers.MIN_STRAY_FRACTION for f in got)
 
 
+def test_capped_counts_skip_crowded_sub_cells(backend):
+    """_within_many with a cap: exact below the cap, at least the cap elsewhere; queries in a
+    sub-cell holding the cap (a lidar scan's crowded cells) are counted without comparing,
+    the uncapped counts being exact (test_stray_fractions_many_equal_each_alone)."""
+    g = torch.Generator().manual_seed(3)
+    dense = torch.rand(3000, 3, generator=g) * 0.05            # ~hundreds per v-cell
+    sparse = torch.rand(400, 3, generator=g) * 4.0 + 1.0
+    clouds = [torch.cat([dense, sparse]).to(backend.device), (sparse * 0.5).to(backend.device)]
+    group = group_clouds(clouds)
+    q = torch.arange(group.points.shape[0], device=backend.device)
+    for v, cap in ((0.02, 5), (0.3, 17)):
+        vs = [v, v]
+        exact = outliers._within_many(group, vs, q, group.owner)
+        capped = outliers._within_many(group, vs, q, group.owner, cap=cap)
+        crowded = outliers._crowded(group, vs, q, cap)
+        assert bool(crowded.any()) and not bool(crowded.all())
+        assert torch.equal(capped.clamp_max(cap), exact.clamp_max(cap))
+        assert torch.equal(capped[~crowded], exact[~crowded])
+        assert bool((exact[crowded] >= cap).all())  # what the sub-cells promise
+
+
 def test_mean_rounded_as_torch(device):
     """_mean_as_torch(s, n) is ``float(x.float().mean())`` of n 0/1 values holding s ones."""
     dev = torch.device(device)

@@ -220,8 +220,60 @@ def _mean_as_torch(count: int, n: int, device: torch.device) -> float:
     return float(s * (np.float32(1.0) / m) if device.type == "cuda" else s / m)
 
 
+#: a sub-cell's edge as a fraction of v: any two of its points lie within v of each other
+#: (its diagonal is v (1 - 1e-4); the margin keeps float32's rounding of d² below v²)
+_SUB_CELL = (1 - 1e-4) / math.sqrt(3)
+
+
+def _packed_cells(group: CloudGroup, edges: Sequence[float]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Cut each cloud c into its own cells of edge ``edges[c]`` (anchored at its corner).
+
+    Returns ``(keys (P,), cell (P, 3), dims (C, 3), base (C,))`` int64: every point's
+    packed ``(cloud, cell)`` key, its cell, each cloud's cells per axis and key offset; None
+    where the packed key would overflow.
+    """
+    c = len(group.sizes)
+    dev = group.points.device
+    dims = [[int((h - o) // cell) + 1 for o, h in zip(lo, hi, strict=True)]
+            for lo, hi, cell in zip(group.lo_h, group.hi_h, edges, strict=True)]
+    ncell = [a * b * e for a, b, e in dims]
+    if sum(ncell) >= 1 << 62:
+        return None
+    i64 = torch.int64
+    base = upload(list(itertools.accumulate(ncell, initial=0))[:-1], dtype=i64, device=dev)
+    dims_d = upload([x for d in dims for x in d], dtype=i64, device=dev).view(c, 3)
+    owner = group.owner
+    rel = group.points.to(torch.float64) - group.lo[owner]
+    cell = torch.floor(rel / upload(list(edges), dtype=torch.float64, device=dev)[owner, None])
+    cell = torch.minimum(cell.to(i64).clamp_min(0), dims_d[owner] - 1)
+    nxyz = dims_d[owner]
+    keys = base[owner] + (cell[:, 0] * nxyz[:, 1] + cell[:, 1]) * nxyz[:, 2] + cell[:, 2]
+    return keys, cell, dims_d, base
+
+
+def _crowded(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.Tensor,
+             cap: int) -> torch.Tensor | None:
+    """Tell the queries whose own sub-cell holds at least ``cap`` points: ``(Q,)`` bool.
+
+    Sub-cells of edge ``v · _SUB_CELL`` (each cloud's own, anchored at its corner): any two
+    points of one lie within v of each other, so such a query has at least ``cap`` points
+    within v (itself included) without comparing them. One sort, no synchronisation; None
+    where the packed key would overflow.
+    """
+    cells = _packed_cells(group, [float(v) * _SUB_CELL for v in voxel_sizes])
+    if cells is None:
+        return None
+    keys = cells[0]
+    ordered = torch.sort(keys).values
+    mine = keys[q_rows]
+    same = (torch.searchsorted(ordered, mine, right=True)
+            - torch.searchsorted(ordered, mine))
+    return same >= cap
+
+
 def _within_many(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.Tensor,
-                 q_owner: torch.Tensor) -> torch.Tensor | None:
+                 q_owner: torch.Tensor, cap: int | None = None) -> torch.Tensor | None:
     """Count the points within ``voxel_sizes[c]`` of each query row (the query included).
 
     ``q_rows (Q,)``: rows of ``group.points`` asked about; ``q_owner (Q,)``: their clouds.
@@ -229,26 +281,19 @@ def _within_many(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.
     orders every point by ``(cloud, cell)``, and each query compares itself with the points
     of its cloud's 27 cells around it: ``dx² + dy² + dz² <= v²`` in the points' dtype on
     the cloud's own coordinates (the search contract of every index). Exact counts
-    ``(Q,)`` int64 (no cap); None where the packed key would overflow. One host
+    ``(Q,)`` int64; with ``cap``, exact below ``cap`` and at least ``cap`` elsewhere: a
+    query whose own sub-cell holds ``cap`` points (:func:`_crowded`) compares with none
+    (a lidar scan's cells near the sensor hold hundreds of points, each a comparison per
+    query) and counts ``cap``. None where the packed key would overflow. One host
     synchronisation (two when the candidates exceed one pass of ``_STRAY_BUDGET``).
     """
-    c = len(group.sizes)
-    dev, dt = group.points.device, group.points.dtype
-    cell_h = [float(v) * (1 + CELL_MARGIN) for v in voxel_sizes]
-    dims = [[int((h - o) // cell) + 1 for o, h in zip(lo, hi, strict=True)]
-            for lo, hi, cell in zip(group.lo_h, group.hi_h, cell_h, strict=True)]
-    ncell = [a * b * e for a, b, e in dims]
-    if sum(ncell) >= 1 << 62:  # the packed key would overflow
+    crowded = None if cap is None else _crowded(group, voxel_sizes, q_rows, cap)
+    dev, dt, i64 = group.points.device, group.points.dtype, torch.int64
+    cells = _packed_cells(group, [float(v) * (1 + CELL_MARGIN) for v in voxel_sizes])
+    if cells is None:  # the packed key would overflow
         return None
-    i64 = torch.int64
-    base = upload(list(itertools.accumulate(ncell, initial=0))[:-1], dtype=i64, device=dev)
-    dims_d = upload([x for d in dims for x in d], dtype=i64, device=dev).view(c, 3)
-    owner, pts = group.owner, group.points
-    rel = group.points.to(torch.float64) - group.lo[owner]
-    cell = torch.floor(rel / upload(cell_h, dtype=torch.float64, device=dev)[owner, None])
-    cell = torch.minimum(cell.to(i64).clamp_min(0), dims_d[owner] - 1)
-    nxyz = dims_d[owner]
-    keys = base[owner] + (cell[:, 0] * nxyz[:, 1] + cell[:, 1]) * nxyz[:, 2] + cell[:, 2]
+    keys, cell, dims_d, base = cells
+    pts = group.points
     sorted_keys, order = torch.sort(keys)
     # the 9 key ranges (x, y columns; z from l - 1 to l + 1) of each query's 27 cells
     qc, qd, qb = cell[q_rows], dims_d[q_owner], base[q_owner]
@@ -260,8 +305,10 @@ def _within_many(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.
     z_lo = (qc[:, 2:3] - 1).clamp_min(0)
     z_hi = torch.minimum(qc[:, 2:3] + 1, qd[:, 2:3] - 1)
     start = torch.searchsorted(sorted_keys, col + z_lo)
+    if crowded is not None:  # counted without comparing: their ranges are skipped
+        ok &= ~crowded[:, None]
     length = torch.where(ok, torch.searchsorted(sorted_keys, col + z_hi, right=True) - start, 0)
-    r2 = torch.tensor([v * v for v in voxel_sizes], dtype=dt).to(dev)           # rounded to dt
+    r2 = upload([v * v for v in voxel_sizes], dtype=dt, device=dev)             # rounded to dt
     within = torch.zeros(q_rows.shape[0], dtype=i64, device=dev)
     start, length = start.reshape(-1), length.reshape(-1)
     cum = torch.cumsum(length, 0)
@@ -287,7 +334,7 @@ def _within_many(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.
         e = q - p
         d2 = e[:, 0] * e[:, 0] + e[:, 1] * e[:, 1] + e[:, 2] * e[:, 2]
         within.index_add_(0, qi, (d2 <= r2[q_owner[qi]]).to(i64))
-    return within
+    return within if crowded is None or cap is None else torch.where(crowded, cap, within)
 
 
 def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
@@ -300,7 +347,9 @@ def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
     rounded to that dtype: the search contract of every index), answered for all clouds at
     once: each cloud is cut into its own cells of edge v (anchored at its own corner), one
     sort orders every point by ``(cloud, cell)``, and each query compares itself with the
-    points of its cloud's 27 cells around it. The counts are the per-cloud index's (on the
+    points of its cloud's 27 cells around it (unless its own sub-cell of edge v/√3 already
+    holds :data:`SPARSE_NEIGHBOURS` others: not a stray). The counts are the per-cloud
+    index's (on the
     CPU backends, which compute that expression as written, bit for bit; the Triton kernels
     may contract it into fused multiply-adds, which can move a squared distance lying
     within ~2 float32 ulps of v² across it); the fraction is rounded as
@@ -320,7 +369,7 @@ def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
     step = upload(stride, dtype=i64, device=dev)
     q_rows = first[0, q_owner] + (torch.arange(sum(m), device=dev)
                                   - first[1, q_owner]) * step[q_owner]
-    within = _within_many(group, voxel_sizes, q_rows, q_owner)
+    within = _within_many(group, voxel_sizes, q_rows, q_owner, cap=SPARSE_NEIGHBOURS + 1)
     if within is None:  # the packed key would overflow: one cloud at a time
         return [stray_fraction(group.cloud(i), v, sample) for i, v in enumerate(voxel_sizes)]
     # fewer than SPARSE_NEIGHBOURS others (the count includes the query itself)
@@ -345,7 +394,8 @@ def dense_masks_many(group: CloudGroup, voxel_sizes: Sequence[float]
     c = len(group.sizes)
     dev, i64 = group.points.device, torch.int64
     owner = group.owner
-    within = _within_many(group, voxel_sizes, torch.arange(owner.shape[0], device=dev), owner)
+    within = _within_many(group, voxel_sizes, torch.arange(owner.shape[0], device=dev), owner,
+                          cap=2 * DENSE_MEDIAN + 1)
     if within is None:  # the packed key would overflow: one cloud at a time
         masks = [dense_mask(group.cloud(i), v) for i, v in enumerate(voxel_sizes)]
         keep = torch.cat(masks)
