@@ -177,6 +177,20 @@ def _many_clouds(device: str) -> list[torch.Tensor]:
     return [c.to(device) for c in clouds]
 
 
+@pytest.mark.parametrize("k", [1, 2, 8, 9])
+def test_group_corners_are_each_clouds_bounds(device, k):
+    """group_clouds: every cloud's corners as bounds() finds them alone, whether reduced
+    cloud by cloud (a few clouds) or by one scatter (many)."""
+    from pointalign.features.downsample import bounds, group_clouds
+
+    clouds = (_many_clouds(device) * 2)[:k]
+    group = group_clouds(clouds)
+    for c, lo, hi in zip(clouds, group.lo_h, group.hi_h, strict=True):
+        _, want_lo, want_hi = bounds(c)
+        assert lo == want_lo and hi == want_hi
+    assert group.lo.tolist() == group.lo_h and group.sizes == [c.shape[0] for c in clouds]
+
+
 def test_auto_voxel_size_many_equals_each_alone(device):
     """auto_voxel_size_many: every cloud's edge bit for bit (the same cells, counts and host
     arithmetic); NaN where auto_voxel_size raises (all points coincide)."""

@@ -309,6 +309,10 @@ class CloudGroup(NamedTuple):
         return self.points[s:s + self.sizes[c]]
 
 
+#: up to this many clouds, :func:`group_clouds` reduces each cloud's corners on its own
+_SLICED_CORNERS = 8
+
+
 def group_clouds(clouds: Sequence[torch.Tensor]) -> CloudGroup:
     """Concatenate C checked clouds and find their corners: one host synchronisation.
 
@@ -321,12 +325,19 @@ def group_clouds(clouds: Sequence[torch.Tensor]) -> CloudGroup:
     owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev),
                                     upload(sizes, dtype=torch.int64, device=dev),
                                     output_size=points.shape[0])
-    idx3 = owner[:, None].expand(-1, 3)
     c = len(sizes)
-    lo = torch.full((c, 3), math.inf, dtype=dtype, device=dev).scatter_reduce(
-        0, idx3, points, "amin")
-    hi = torch.full((c, 3), -math.inf, dtype=dtype, device=dev).scatter_reduce(
-        0, idx3, points, "amax")
+    if c <= _SLICED_CORNERS and min(sizes) > 0:
+        # a few clouds: each one's own reduction (a scatter's atomics on a few rows
+        # serialise: 2.6 ms for the two KITTI scans on an H200, against ~0.05 ms)
+        ext = [torch.aminmax(x, dim=0) for x in clouds]
+        lo = torch.stack([e.min for e in ext])
+        hi = torch.stack([e.max for e in ext])
+    else:
+        idx3 = owner[:, None].expand(-1, 3)
+        lo = torch.full((c, 3), math.inf, dtype=dtype, device=dev).scatter_reduce(
+            0, idx3, points, "amin")
+        hi = torch.full((c, 3), -math.inf, dtype=dtype, device=dev).scatter_reduce(
+            0, idx3, points, "amax")
     corners = torch.stack([lo, hi]).to(torch.float64)
     lo_h, hi_h = corners.tolist()
     return CloudGroup(points, owner, sizes, corners[0], lo_h, hi_h)
