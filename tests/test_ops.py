@@ -13,3 +13,17 @@ def test_exclusive_cumsum_rows_matches_cumsum(rng):
         # a segment's sum is the difference of two rows
         torch.testing.assert_close(got[5 if shape[0] > 5 else 1] - got[0],
                                    v[: 5 if shape[0] > 5 else 1].sum(0))
+
+
+def test_run_sums_are_the_sums_of_consecutive_runs(device):
+    """run_sums: each run's sum (empty runs included), as a per-run sum gives it."""
+    from pointalign._ops import run_sums
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 5, (1000,), generator=g)
+    for lengths in ([1000], [0, 400, 0, 599, 1], [1] * 1000, [500, 500]):
+        got = run_sums(values.to(device), lengths)
+        parts = torch.split(values, lengths)
+        assert got == [int(p.sum()) for p in parts]
+    assert run_sums(torch.ones(3, dtype=torch.bool, device=device), [1, 2]) == [1, 2]
+    assert run_sums(torch.zeros(0, device=device), []) == []

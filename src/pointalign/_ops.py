@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,19 @@ def exclusive_cumsum_rows(values: torch.Tensor) -> torch.Tensor:
     torch.cumsum(flat, 1, out=out[:, 1:])
     return out.T.reshape((values.shape[0] + 1,) + values.shape[1:])
 
+
+
+def run_sums(values: torch.Tensor, lengths: Sequence[int]) -> list[int]:
+    """Sum each of the consecutive runs of ``values (P,)`` (integers) of the given lengths.
+
+    Host ints, by one cumulative sum and one transfer: no atomics (a scatter-add of
+    ~10⁵ rows onto one or two sums serialises on a GPU). ``sum(lengths) == P``.
+    """
+    cuts = list(itertools.accumulate((int(n) for n in lengths), initial=0))
+    total = torch.cat([values.new_zeros(1, dtype=torch.int64),
+                       torch.cumsum(values.to(torch.int64), 0)])       # total[k]: Σ values[:k]
+    at = total[torch.tensor(cuts).to(values.device)].tolist()
+    return [e - s for s, e in zip(at[:-1], at[1:], strict=True)]
 
 
 def divide_like_scalar(values: torch.Tensor, divisors: Sequence[float],

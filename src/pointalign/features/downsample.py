@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pointalign import _threads, _validate
-from pointalign._ops import divide_like_scalar, exclusive_cumsum_rows
+from pointalign._ops import divide_like_scalar, exclusive_cumsum_rows, run_sums
 from pointalign.cloud import PointCloud
 from pointalign.kernels import upload
 
@@ -379,11 +379,10 @@ def count_voxels_many(group: CloudGroup, voxel_sizes: Sequence[float]) -> list[i
     cell = torch.floor(divide_like_scalar(rel, list(voxel_sizes), owner)).to(torch.int64)
     ny, nz = ny_nz[owner, 0], ny_nz[owner, 1]
     keys = base[owner] + (cell[:, 0] * ny + cell[:, 1]) * nz + cell[:, 2]
-    sorted_keys, order = torch.sort(keys)
+    sorted_keys = torch.sort(keys).values  # the clouds in turn: each one's keys lie apart
     new = torch.ones_like(sorted_keys, dtype=torch.bool)
     new[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    counts = torch.zeros(c, dtype=torch.int64, device=dev)
-    return counts.index_add_(0, owner[order], new.to(torch.int64)).tolist()
+    return run_sums(new, group.sizes)
 
 
 def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads, _validate
+from pointalign._ops import run_sums
 from pointalign.features.downsample import (
     CloudGroup,
     auto_voxel_size,
@@ -373,8 +374,7 @@ def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
     if within is None:  # the packed key would overflow: one cloud at a time
         return [stray_fraction(group.cloud(i), v, sample) for i, v in enumerate(voxel_sizes)]
     # fewer than SPARSE_NEIGHBOURS others (the count includes the query itself)
-    stray = torch.zeros(c, dtype=i64, device=dev).index_add_(
-        0, q_owner, (within < SPARSE_NEIGHBOURS + 1).to(i64)).tolist()
+    stray = run_sums(within < SPARSE_NEIGHBOURS + 1, m)  # each cloud's queries in turn
     return [0.0 if n <= SPARSE_NEIGHBOURS + 1 else _mean_as_torch(s, k, dev)
             for n, s, k in zip(group.sizes, stray, m, strict=True)]
 
@@ -409,7 +409,7 @@ def dense_masks_many(group: CloudGroup, voxel_sizes: Sequence[float]
     median = ranked[first + (sizes - 1) // 2] - torch.arange(c, device=dev) * span
     every = (median < DENSE_MEDIAN) | (sizes <= SPARSE_NEIGHBOURS + 1)
     keep = (count >= SPARSE_NEIGHBOURS) | every[owner]
-    kept = torch.zeros(c, dtype=i64, device=dev).index_add_(0, owner, keep.to(i64)).tolist()
+    kept = run_sums(keep, group.sizes)
     return keep, kept
 
 
