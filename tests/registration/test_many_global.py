@@ -46,7 +46,7 @@ def _scaled_clouds(pairs, device):
         s = torch.as_tensor(np.asarray(p.source), dtype=torch.float32, device=device)
         t = torch.as_tensor(np.asarray(p.target), dtype=torch.float32, device=device)
         s, t = s - t.mean(0), t - t.mean(0)
-        v, _ = voxel_rule.voxel_size_reference(s, t, opts)
+        v, _ = voxel_rule.voxel_size_per_cloud(s, t, opts)
         out += [s / v, t / v]
     return out
 
@@ -79,20 +79,22 @@ def _local(pairs, device):
 
 def _same_rule(local, options):
     opts = check("register_many", options)
-    got = voxel_rule.voxel_sizes(local, opts)
-    for (s, t), g in zip(local, got, strict=True):
+    got = voxel_rule._voxel_sizes_many(local, opts)  # the device's path, on every device
+    public = voxel_rule.voxel_sizes(local, opts)  # the host's per-cloud path in host memory
+    for (s, t), g, h in zip(local, got, public, strict=True):
         try:
-            want = voxel_rule.voxel_size_reference(s, t, opts)
+            want = voxel_rule.voxel_size_per_cloud(s, t, opts)
         except ValueError as exc:
             assert isinstance(g, ValueError) and str(g) == str(exc)
+            assert isinstance(h, ValueError) and str(h) == str(exc)
             continue
-        assert g == want  # v bit for bit, the same stray decision
+        assert g == want and h == want  # v bit for bit, the same stray decision
     return got
 
 
 def test_voxel_sizes_equal_the_per_pair_rule(backend):
-    """voxel_rule.voxel_sizes: every pair's v (bit for bit) and stray decision as the rule
-    one cloud at a time (voxel_size_reference), on clean and contaminated bunny-size pairs
+    """The voxel rule's batched path: every pair's v (bit for bit) and stray decision as the
+    rule one cloud at a time (voxel_size_per_cloud), on clean and contaminated bunny-size pairs
     of several sizes and scales; with a given voxel_size, without outlier removal, with
     another target."""
     bunny = datasets.load_bunny("bun000")
@@ -133,15 +135,15 @@ def test_voxel_sizes_on_the_real_bunny_scans(shared_data):
 
 
 def _same_strays(local, rules):
-    """voxel_rule.without_strays equals the one-cloud-at-a-time rule for the pairs showing
+    """The batched without_strays equals the one-cloud-at-a-time rule for the pairs showing
     strays."""
 
     dirty = [(p, r[0]) for p, r in zip(local, rules, strict=True)
              if not isinstance(r, ValueError) and r[1]]
     assert dirty  # bunny-size subsamples show strays at v
-    got = voxel_rule.without_strays([p for p, _ in dirty], [v for _, v in dirty])
+    got = voxel_rule._without_strays_many([p for p, _ in dirty], [v for _, v in dirty])
     for ((s, t), v), (gs, gt) in zip(dirty, got, strict=True):
-        ws, wt = voxel_rule.without_strays_reference(s, t, v)
+        ws, wt = voxel_rule.without_strays_per_cloud(s, t, v)
         assert torch.equal(gs, ws) and torch.equal(gt, wt)
 
 
@@ -215,9 +217,9 @@ def _scaled_pairs(pairs, device, clock):
     opts = check("register_many", {})
     out = []
     for k, (p, (s, t)) in enumerate(zip(pairs, _local(pairs, device), strict=True)):
-        v, strays = voxel_rule.voxel_size_reference(s, t, opts)
+        v, strays = voxel_rule.voxel_size_per_cloud(s, t, opts)
         if strays:
-            s, t = voxel_rule.without_strays_reference(s, t, v)
+            s, t = voxel_rule.without_strays_per_cloud(s, t, v)
         unit = Scales(1.0)
         src, tgt = (_prepare_cloud(x / v, unit, clock, "cloud") for x in (s, t))
         c = np.asarray(p.target, dtype=np.float64).mean(0)
@@ -284,7 +286,7 @@ def test_final_clouds_as_each_pair_alone(backend):
     s0, t0 = pairs[0]
     pairs.append((s0, torch.cat([t0, t0[:50]])))  # duplicated points
     opts = check("register_many", {})
-    vs = [voxel_rule.voxel_size_reference(s, t, opts)[0] for s, t in pairs]
+    vs = [voxel_rule.voxel_size_per_cloud(s, t, opts)[0] for s, t in pairs]
     unit = Scales(1.0)
     got = bl.final_clouds_many([s for s, _ in pairs], [t for _, t in pairs], vs, unit,
                                "point_to_plane")

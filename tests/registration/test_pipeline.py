@@ -115,6 +115,7 @@ def test_verdict_counts_equal_separate_scores(bunny, seed):
 def test_register_cpu_keeps_torch_threads(bunny):
     """register() runs PyTorch on one thread inside (CPU) and restores the caller's count."""
     from pointalign import _threads
+    from pointalign.search import policy
 
     before = torch.get_num_threads()
     try:
@@ -128,6 +129,7 @@ def test_register_cpu_keeps_torch_threads(bunny):
         with _threads.host_stages(torch.device("meta")):
             assert torch.get_num_threads() == 2
         assert _threads.host_threads("cpu") == 2 and _threads.host_threads("meta") is None
+        assert policy.one_index_serves_every_bound(bunny.target)  # host memory: cKDTree
         with pytest.raises(RuntimeError, match="inside"), _threads.torch_single():
             raise RuntimeError("inside")
         assert torch.get_num_threads() == 2

@@ -58,7 +58,7 @@ from pointalign.registration.ransac import count_inliers, ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
 from pointalign.registration.verdict import decided_result, global_result, verdict
-from pointalign.search import build_index
+from pointalign.search import build_index, policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +294,8 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
               opts: _Options) -> RegistrationResult:
     """:func:`register` on the validated local clouds ``src (N, 3)``, ``tgt (M, 3)`` of ``pair``."""
     clock = _loop.Clock(pair.device)
-    v, scales, source, target = _prepare_pair(src, tgt, opts, clock)
+    full_index = _full_target_index(tgt, opts)
+    v, scales, source, target = _prepare_pair(src, tgt, opts, clock, full_index=full_index)
     glob, candidates, n_rank = _global(source, target, scales, opts, clock)
     info: dict[str, Any] = {"voxel_size": v, "source_down": int(source.down.shape[0]),
                             "target_down": int(target.down.shape[0]),
@@ -304,7 +305,7 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     criteria = icp_criteria(scales, opts.max_iterations)
     (R, fit_v, coarse_iterations), = _refine_hypotheses([(candidates, source, target)],
                                                         scales, criteria, opts.robust, clock)
-    full = _final_clouds(src, tgt, scales, opts.icp_voxel_size, opts.refine)
+    full = _final_clouds(src, tgt, scales, opts.icp_voxel_size, opts.refine, full_index)
     local = _final_icp([full], R[:1], scales, criteria, opts.refine, clock)[0]
     judged, reason = verdict(local, R, fit_v, source, target, scales)
     clock.lap("verdict")
@@ -313,19 +314,32 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     return decided_result(pair, local, glob, info, reason, clock.total())
 
 
+def _full_target_index(tgt: torch.Tensor, opts: _Options) -> Any:
+    """Build one index over the full target for the stray count and the final ICP, or None.
+
+    Only where an index's kind does not depend on the bound
+    (:func:`pointalign.search.policy.one_index_serves_every_bound`: host memory), the final
+    ICP runs on the full target and strays are looked for: one build instead of two.
+    """
+    if (opts.refine != "none" and opts.icp_voxel_size is None and opts.remove_outliers
+            and policy.one_index_serves_every_bound(tgt)):
+        return build_index(tgt)
+    return None
+
+
 def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _loop.Clock,
-                  in_voxels: bool = False, describe: bool = True
+                  in_voxels: bool = False, describe: bool = True, full_index: Any = None
                   ) -> tuple[float, Scales, Prepared, Prepared]:
     """Choose v, drop stray points where there are some, prepare both clouds.
 
-    v and the strays by :mod:`~pointalign.registration.voxel_rule` (``register_many``'s
-    rule: one stray search for both clouds, no index built for it).
+    v and the strays by :mod:`~pointalign.registration.voxel_rule` (``full_index``: an
+    index over ``tgt`` its per-cloud path may search, or None).
 
     ``in_voxels``: the clouds divided by v and the lengths ``Scales(1, …/v)``
     (``register_many``'s frame, where one bound serves a batch of pairs). ``describe``: as
     :func:`_prepare_cloud`. Returns v (metres), the scales and the two prepared clouds.
     """
-    v, strays = voxel_rule.voxel_size(src, tgt, opts)
+    v, strays = voxel_rule.voxel_size(src, tgt, opts, full_index)
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
     scales = Scales(v, mcd, fine) if not in_voxels else Scales(
         1.0, None if mcd is None else mcd / v, None if fine is None else fine / v)
@@ -474,11 +488,12 @@ class FinalClouds(NamedTuple):
 
 
 def _final_clouds(src: torch.Tensor, tgt: torch.Tensor, scales: Scales,
-                  icp_voxel_size: float | None, refine: str = "point_to_plane"
-                  ) -> FinalClouds:
+                  icp_voxel_size: float | None, refine: str = "point_to_plane",
+                  full_index: Any = None) -> FinalClouds:
     """Return the full clouds (or ``icp_voxel_size`` copies), an index, target normals.
 
-    The index is built here (over the clouds the ICP runs on). The target's normals within
+    ``full_index``: an index over ``tgt`` (used when the ICP runs on the full clouds), or
+    None (one is built over the clouds the ICP runs on). The target's normals within
     ``Scales.normal_radius`` from :data:`FULL_NORMAL_NEIGHBOURS` nearest points (searched a
     chunk at a time: the whole (M, 16) table of a 50M-point target held 26 GiB on the GPU;
     on the CPU the index keeps this self-query as the ICP's shortcut lists); none for
@@ -488,7 +503,7 @@ def _final_clouds(src: torch.Tensor, tgt: torch.Tensor, scales: Scales,
     if icp_voxel_size is not None:
         s_full = voxel_downsample(src, icp_voxel_size)
         t_full = voxel_downsample(tgt, icp_voxel_size)
-    index = build_index(t_full)
+    index = full_index if full_index is not None and t_full is tgt else build_index(t_full)
     if refine == "gicp":
         return FinalClouds(s_full, t_full, index, None)
     t_normals = estimate_normals(t_full, k=min(FULL_NORMAL_NEIGHBOURS, t_full.shape[0]),

@@ -1,31 +1,34 @@
-"""The voxel edge v of register()'s pairs and their stray points: one rule, batched.
+"""The voxel edge v of register()'s pairs and their stray points: one rule, two paths.
 
 :func:`~pointalign.registration.pipeline.register` (one pair) and
 :func:`~pointalign.registration.many.register_many` (a group of pairs) choose v and decide
 about stray points by the same functions:
 
 1. :func:`voxel_sizes`: v from each pair's larger cloud
-   (:func:`~pointalign.features.downsample.auto_voxel_size`'s edges, counted for all clouds
-   at once); the stray fractions of both clouds at v from one search for the whole group
-   (:func:`~pointalign.features.outliers.stray_fractions_many`: one sort, no index built);
-   where a pair shows strays (at least
-   :data:`~pointalign.features.outliers.MIN_STRAY_FRACTION` in either cloud) and v is
-   automatic, v again without them
-   (:func:`~pointalign.features.outliers.robust_voxel_size`'s edges, all such pairs at
-   once);
+   (:func:`~pointalign.features.downsample.auto_voxel_size`); the stray fractions of both
+   clouds at v (:func:`~pointalign.features.outliers.stray_fraction`); where a pair shows
+   strays (at least :data:`~pointalign.features.outliers.MIN_STRAY_FRACTION` in either
+   cloud) and v is automatic, v again without them
+   (:func:`~pointalign.features.outliers.robust_voxel_size`);
 2. :func:`without_strays`: the dense points of each pair that shows strays.
 
-The plain form of the rule, one cloud and one index at a time through the per-cloud
-functions, is :func:`voxel_size_reference` and :func:`without_strays_reference`: the tests
-hold the batched rule to it (v bit for bit, the same decisions and masks on the CPU
-backends; on a GPU a squared distance within ~2 float32 ulps of v² may count differently,
-see :func:`~pointalign.features.outliers.stray_fractions_many`).
+Two paths give the same answers. In host memory (the search plan's host tree) each cloud is
+answered alone by its own SciPy tree (:func:`voxel_size_per_cloud`,
+:func:`without_strays_per_cloud`), which beats a sort and compare on the CPU (the bunny
+pair's rule on one core: 14 against 70 ms), and a caller's index over the target is
+reused. On a device the whole group is answered at once (the ``*_many`` functions of
+:mod:`~pointalign.features.downsample` and :mod:`~pointalign.features.outliers`: a few
+synchronisations for the group, no index built); the tests hold that path to the per-cloud
+one (v bit for bit, the same decisions and masks on the CPU backends; on a GPU a squared
+distance within ~2 float32 ulps of v² may count differently, see
+:func:`~pointalign.features.outliers.stray_fractions_many`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -40,6 +43,7 @@ from pointalign.features.outliers import (
     stray_fractions_many,
 )
 from pointalign.registration.options import Options
+from pointalign.search import policy
 
 #: ``auto_voxel_size``'s error, for a pair whose larger cloud's points all coincide
 COINCIDE = "points: all points coincide; cannot choose a voxel size"
@@ -47,21 +51,40 @@ COINCIDE = "points: all points coincide; cannot choose a voxel size"
 Clouds = tuple[torch.Tensor, torch.Tensor]
 
 
-def voxel_sizes(pairs: Sequence[Clouds], opts: Options) -> list[tuple[float, bool] | ValueError]:
-    """Choose v and tell whether strays are to be removed, for every pair at once.
+def voxel_sizes(pairs: Sequence[Clouds], opts: Options,
+                target_indexes: Sequence[Any] | None = None
+                ) -> list[tuple[float, bool] | ValueError]:
+    """Choose v and tell whether strays are to be removed, for every pair.
 
     Args:
         pairs: ``(source (N, 3), target (M, 3))`` float tensors on one device, checked.
         opts: the checked options (``voxel_size``, ``target_points``, ``remove_outliers``).
+        target_indexes: per pair an index over the target, or None (host memory only: the
+            per-cloud path searches it; a device builds none).
 
     Returns:
         Per pair ``(v, strays)``, or the ValueError :data:`COINCIDE` where the larger cloud's
-        points all coincide. A few host synchronisations per round of the edge rule and one
-        stray search, for the whole group.
+        points all coincide. On a device a few host synchronisations per round of the edge
+        rule and one stray search, for the whole group.
 
     """
     if not pairs:
         return []
+    if policy.search_plan(pairs[0][0]).host_tree:
+        out: list[tuple[float, bool] | ValueError] = []
+        for i, (s, t) in enumerate(pairs):
+            try:
+                out.append(voxel_size_per_cloud(
+                    s, t, opts, None if target_indexes is None else target_indexes[i]))
+            except ValueError as exc:
+                out.append(exc)
+        return out
+    return _voxel_sizes_many(pairs, opts)
+
+
+def _voxel_sizes_many(pairs: Sequence[Clouds], opts: Options
+                      ) -> list[tuple[float, bool] | ValueError]:
+    """:func:`voxel_sizes` of the whole group at once (the device's path)."""
     bigs = [s if s.shape[0] >= t.shape[0] else t for s, t in pairs]
     if opts.voxel_size is None:
         vs = auto_voxel_size_many(group_clouds(bigs), opts.target_points)
@@ -84,9 +107,11 @@ def voxel_sizes(pairs: Sequence[Clouds], opts: Options) -> list[tuple[float, boo
             for v, good, st in zip(vs, ok, strays, strict=True)]
 
 
-def voxel_size(source: torch.Tensor, target: torch.Tensor, opts: Options) -> tuple[float, bool]:
+def voxel_size(source: torch.Tensor, target: torch.Tensor, opts: Options,
+               target_index: Any = None) -> tuple[float, bool]:
     """:func:`voxel_sizes` of one pair: ``(v, strays)``; raises its ValueError."""
-    rule = voxel_sizes([(source, target)], opts)[0]
+    rule = voxel_sizes([(source, target)], opts,
+                       None if target_index is None else [target_index])[0]
     if isinstance(rule, ValueError):
         raise rule
     return rule
@@ -95,13 +120,21 @@ def voxel_size(source: torch.Tensor, target: torch.Tensor, opts: Options) -> tup
 def without_strays(pairs: Sequence[Clouds], vs: Sequence[float]) -> list[Clouds]:
     """Both clouds of every pair without their stray points, pair i at ``vs[i]``.
 
-    Every cloud's :func:`~pointalign.features.outliers.dense_mask` by one
-    :func:`~pointalign.features.outliers.dense_masks_many` (the same masks), the kept
-    points of all clouds by one selection; a pair where either cloud keeps fewer than 3
-    points stays as given. A few host synchronisations for the whole group.
+    Every cloud's :func:`~pointalign.features.outliers.dense_mask`: in host memory cloud by
+    cloud (:func:`without_strays_per_cloud`), on a device by one
+    :func:`~pointalign.features.outliers.dense_masks_many` (the same masks) and the kept
+    points of all clouds by one selection (a few host synchronisations for the group). A
+    pair where either cloud keeps fewer than 3 points stays as given.
     """
     if not pairs:
         return []
+    if policy.search_plan(pairs[0][0]).host_tree:
+        return [without_strays_per_cloud(s, t, v) for (s, t), v in zip(pairs, vs, strict=True)]
+    return _without_strays_many(pairs, vs)
+
+
+def _without_strays_many(pairs: Sequence[Clouds], vs: Sequence[float]) -> list[Clouds]:
+    """:func:`without_strays` of the whole group at once (the device's path)."""
     group = group_clouds([x for p in pairs for x in p])
     keep, kept = dense_masks_many(group, [v for v in vs for _ in (0, 1)])
     dense = torch.split(group.points[keep], kept)
@@ -109,26 +142,31 @@ def without_strays(pairs: Sequence[Clouds], vs: Sequence[float]) -> list[Clouds]
             else p for i, p in enumerate(pairs)]
 
 
-def voxel_size_reference(source: torch.Tensor, target: torch.Tensor,
-                         opts: Options) -> tuple[float, bool]:
-    """Apply :func:`voxel_size`'s rule one cloud and one index at a time (the tests' oracle)."""
+def voxel_size_per_cloud(source: torch.Tensor, target: torch.Tensor, opts: Options,
+                         target_index: Any = None) -> tuple[float, bool]:
+    """Apply :func:`voxel_size`'s rule one cloud and one index at a time.
+
+    ``target_index``: an index over the target to search, or None. The host's path, and the
+    tests' oracle for the device's.
+    """
     big = source if source.shape[0] >= target.shape[0] else target
     v = auto_voxel_size(big, opts.target_points) if opts.voxel_size is None else opts.voxel_size
     strays = opts.remove_outliers and max(
-        stray_fraction(source, v), stray_fraction(target, v)) >= MIN_STRAY_FRACTION
+        stray_fraction(source, v),
+        stray_fraction(target, v, index=target_index)) >= MIN_STRAY_FRACTION
     if strays and opts.voxel_size is None:
         v = robust_voxel_size(big, opts.target_points)
     return v, strays
 
 
-def without_strays_reference(source: torch.Tensor, target: torch.Tensor,
+def without_strays_per_cloud(source: torch.Tensor, target: torch.Tensor,
                              v: float) -> Clouds:
-    """Apply :func:`without_strays` to one pair, one cloud at a time (the tests' oracle)."""
+    """Apply :func:`without_strays` to one pair, one cloud at a time (the host's path)."""
     s_keep, t_keep = dense_mask(source, v), dense_mask(target, v)
     if int(s_keep.sum()) >= 3 and int(t_keep.sum()) >= 3:
         return source[s_keep], target[t_keep]
     return source, target
 
 
-__all__ = ["COINCIDE", "voxel_size", "voxel_size_reference", "voxel_sizes",
-           "without_strays", "without_strays_reference"]
+__all__ = ["COINCIDE", "voxel_size", "voxel_size_per_cloud", "voxel_sizes", "without_strays",
+           "without_strays_per_cloud"]

@@ -105,6 +105,18 @@ def search_plan(points: torch.Tensor) -> kernels.SearchPlan:
     return kernels.search_plan(points)
 
 
+def one_index_serves_every_bound(points: torch.Tensor) -> bool:
+    """Tell whether :func:`choose_index` picks one index for ``points (M, 3)`` at any bound.
+
+    True where the kernel layer's plan is the host tree (points in host memory: SciPy's
+    cKDTree, for every bound): there an index built once without a bound serves searches
+    at several bounds as well as one built per bound (``register`` builds the full target's
+    once for its stray-point count and its final ICP). On a device a small bound may choose
+    a voxel grid with cells of that bound, so each bound gets its own index.
+    """
+    return search_plan(points).host_tree
+
+
 # ------------------------------------------------------------------------- choose_index
 
 
@@ -446,4 +458,5 @@ def query_order(points: torch.Tensor) -> torch.Tensor | None:
 
 __all__ = ["AUTO_BRUTE_MAX_POINTS", "GRID_MAX_RATIO", "GRID_MAX_SCAN", "SPATIAL_ORDER_MIN", "TIERS",
            "TIER_BASE", "TieredIndex", "choose_index", "correspondence_index", "index_method",
-           "query_order", "search_plan", "tier_cells", "wants_tiers"]
+           "one_index_serves_every_bound", "query_order", "search_plan", "tier_cells",
+           "wants_tiers"]
