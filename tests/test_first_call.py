@@ -159,3 +159,18 @@ def test_compiles_counts_this_package_kernels_only(fresh, monkeypatch):
         _compile()
         _compile("numba.np.arrayobj")
     assert _numba.compiles() == before + 1
+
+
+def test_import_is_light():
+    """``import pointalign`` imports torch and NumPy, not numba, SciPy, Triton or plotting: a
+    GPU-only process never pays for the CPU kernels' compiler (numba is imported with the
+    first CPU kernel's module)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pointalign; heavy = ('numba', 'scipy', 'triton', 'matplotlib', "
+            "'plotly', 'dask', 'distributed', 'open3d'); "
+            "print(','.join(m for m in heavy if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "", f"import pointalign imported {out}"

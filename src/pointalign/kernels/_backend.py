@@ -68,8 +68,7 @@ def backend(x: torch.Tensor | None = None) -> str:
     if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
         return "interpret"
     if (x is None or x.device.type == "cpu") and cpu_available():
-        _numba.listen()  # where numba compiles (first use on a machine): say so, once
-        return "cpu"
+        return "cpu"  # numba is imported (and heard) when a CPU kernel's module is
     return "torch"
 
 

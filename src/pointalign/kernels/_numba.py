@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
-
-try:
-    import numba as _nb
-except Exception:  # pragma: no cover - numba missing: the "cpu" backend is unavailable
-    _nb = None  # type: ignore[assignment]
 
 #: numba's parallel passes for ``parallel=True`` kernels: the explicit ``prange`` loops
 #: only. With plain ``parallel=True`` numba also turns every array expression, ``np.full``/
@@ -30,26 +26,46 @@ PARALLEL = {"prange": True, "fusion": False, "numpy": False, "setitem": False,
             "inplace_binop": False, "comprehension": False, "reduction": False,
             "stencil": False}
 
-if _nb is not None:
-    def njit(*args: Any, **kwargs: Any) -> Any:
-        """``numba.njit``, with ``parallel=True`` meaning :data:`PARALLEL`."""
-        if kwargs.get("parallel") is True:
-            kwargs["parallel"] = dict(PARALLEL)  # numba consumes the dict
-        return _nb.njit(*args, **kwargs)
 
-    prange = _nb.prange
-else:  # pragma: no cover
-    def njit(*a, **k):
-        def deco(f):
-            return f
-        return deco if not (a and callable(a[0])) else a[0]
+@functools.cache
+def _load() -> Any:
+    """Import numba on first need (None where it does not import) and listen to it.
 
-    prange = range  # type: ignore[misc]
+    ``import pointalign`` does not import numba (a quarter of a second and more): the CPU
+    kernels' modules import it when a CPU kernel is first dispatched (their decorators call
+    :func:`njit`), so a GPU-only process never pays for it. The ``numba:compile`` listener
+    (:func:`listen`) is installed with it: whatever compiles is announced.
+    """
+    try:
+        import numba
+    except Exception:  # pragma: no cover - numba missing: the "cpu" backend is unavailable
+        return None
+    _listen(numba)
+    return numba
 
 
+def njit(*args: Any, **kwargs: Any) -> Any:
+    """``numba.njit``, with ``parallel=True`` meaning :data:`PARALLEL` (a no-op without numba)."""
+    nb = _load()
+    if nb is None:  # pragma: no cover
+        return (lambda f: f) if not (args and callable(args[0])) else args[0]
+    if kwargs.get("parallel") is True:
+        kwargs["parallel"] = dict(PARALLEL)  # numba consumes the dict
+    return nb.njit(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``prange``: numba's, imported with it (``range`` without numba)."""
+    if name == "prange":
+        nb = _load()
+        return range if nb is None else nb.prange
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
 def available() -> bool:
-    """Return True when numba imports (the CPU kernels need it)."""
-    return _nb is not None
+    """Return True when numba is installed (the CPU kernels need it); nothing is imported."""
+    return importlib.util.find_spec("numba") is not None
 
 
 #: what each warm-up step (:func:`pointalign._warmup._steps`) compiles on an empty cache,
@@ -76,7 +92,8 @@ def manifest() -> dict[str, list[tuple[str, str, float]]]:
 
 def dispatcher(kernel: str) -> Any:
     """``"knn.cpu._nearest"`` -> its numba dispatcher (None: not one, or not found)."""
-    if _nb is None:  # pragma: no cover
+    nb = _load()
+    if nb is None:  # pragma: no cover
         return None
     module, _, name = kernel.rpartition(".")
     try:
@@ -84,9 +101,9 @@ def dispatcher(kernel: str) -> Any:
     except ImportError:
         return None
     d = getattr(mod, name, None)
-    if not isinstance(d, _nb.core.dispatcher.Dispatcher):  # one built with its signatures
+    if not isinstance(d, nb.core.dispatcher.Dispatcher):  # one built with its signatures
         d = getattr(mod, "_TYPED", {}).get(name)  # its lazy twin (the same cache entries)
-    return d if isinstance(d, _nb.core.dispatcher.Dispatcher) else None
+    return d if isinstance(d, nb.core.dispatcher.Dispatcher) else None
 
 
 _LITERAL = re.compile(r"^Literal\[(bool|int)\]\((.+)\)$")
@@ -102,7 +119,7 @@ def _scalar(name: str) -> Any:
 
 def signature(args: str) -> tuple[Any, ...] | None:
     """Numba types from their printed list (``"array(float32, 2d, C), int64"``); None: other."""
-    if _nb is None:  # pragma: no cover
+    if _load() is None:  # pragma: no cover
         return None
     from numba.core import types
 
@@ -210,9 +227,14 @@ def _on_end(ev: Any) -> None:
 
 
 def listen() -> None:
+    """Import numba (:func:`_load`), which installs the ``numba:compile`` listener."""
+    _load()
+
+
+def _listen(numba: Any) -> None:
     """Install the ``numba:compile`` listener (once per process) that announces compiles."""
     global _listening
-    if _listening or _nb is None:
+    if _listening:
         return
     _listening = True
     from numba.core import event
@@ -289,9 +311,8 @@ def first_use(*steps: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     def deco(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            if _nb is None or _scope:
+            if _scope or not available():
                 return fn(*args, **kwargs)
-            listen()
             scope = _Scope(steps)
             _scope.append(scope)
             try:
@@ -319,7 +340,7 @@ def cache_dirs() -> list[Path]:
     here = Path(__file__).resolve().parent
     folders = [here] + sorted(p for p in here.iterdir()
                               if p.is_dir() and not p.name.startswith("__"))
-    if _nb is None:  # pragma: no cover
+    if _load() is None:  # pragma: no cover
         return []
     from numba.core import config
     from numba.core.caching import _CacheLocator
