@@ -450,7 +450,7 @@ def _normals(target: Any, target_normals: Any, pair: _edge.Pair,
         m = int(pair.target_counts[b])
         if m >= 3:
             with _validate.trusted():  # the checked target: no second NaN/Inf scan
-                    normals[b, :m] = estimate_normals(
+                normals[b, :m] = estimate_normals(
                     pair.target[b, :m], k=max(3, min(NORMALS_K, m)), orient=None,
                     device=pair.device, index=_edge.knn_index(idxs, b, pair.target[b, :m]))
     return normals[:1].expand_as(pair.target) if pair.shared_target else normals
