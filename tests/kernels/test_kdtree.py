@@ -119,6 +119,9 @@ def test_build_rejects_bad_depth():
 INTERP_CASES = [(1, 3, 1, 0), (2, 5, 3, 1), (3, 4, 2, 1), (37, 11, 5, 3), (97, 13, 4, 4)]
 INTERP_MAXD = [0.0, 0.3]
 INTERP_SEEDS = 2
+# (M, depth) built by the subtree kernel with nodes of up to 64 points: from level 3 (500
+# points), the whole tree (50), and none (a leaf of 250 points: depth 1 < level 3)
+SUBTREE_CASES = [(500, 6), (50, 4), (500, 1)]
 
 
 def _interp_inputs(case, seed, dtype=torch.float32):
@@ -166,6 +169,16 @@ def run_interpreted_kdtree(out_path: str) -> None:
                                  KT.knn(tree, q, 1, hint=_hints(tree, q, seed)))
         tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
         out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
+        # the subtree kernel (on CUDA from nodes of 1024 points): from level 3 (8 programs),
+        # and the whole tree in one program
+        KT.INTERPRETED_SUBTREE_BLOCK, block = 64, KT.INTERPRETED_SUBTREE_BLOCK
+        try:
+            for m, depth in SUBTREE_CASES:
+                tree = K.build(_build_cloud(seed)[:m], depth)
+                out[("subtree", m, depth, seed)] = (tree.perm, tree.split_axis, tree.split_value,
+                                             tree.lo, tree.hi, tree.points)
+        finally:
+            KT.INTERPRETED_SUBTREE_BLOCK = block
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
         tree = K.build(pts, 2)
         out[("f64", seed)] = KT.knn(tree, q, 3)
@@ -362,6 +375,20 @@ def test_descend_reaches_cell(rng):
     assert torch.equal(K.descend(tree, q, 99), leaf)
 
 
+@pytest.mark.parametrize("m,depth", SUBTREE_CASES)
+def test_triton_interpreter_subtree_kernel_matches_host(m, depth, interpreted, seed):
+    """The subtree kernel (every level below the first whose nodes fit a program, in one
+    launch) builds the tree the NumPy build makes: the same sorts, boxes and axes."""
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    perm, axis, split, lo, hi, pts = interpreted[("subtree", m, depth, seed)]
+    ref = K.build(_build_cloud(seed)[:m], depth, "host")
+    assert torch.equal(perm, ref.perm) and torch.equal(axis, ref.split_axis)
+    assert torch.equal(lo, ref.lo) and torch.equal(hi, ref.hi)
+    assert torch.equal(pts, ref.points)
+    assert np.allclose(split.numpy(), ref.split_value.numpy())
+
+
 def test_triton_interpreter_build_matches_host(interpreted, seed):
     """The fused per-level kernels build the tree the NumPy build makes."""
     if seed >= INTERP_SEEDS:
@@ -421,10 +448,17 @@ def test_hint_keeps_the_answer(backend, max_d, rng):
                        **({} if math.isinf(max_d) else {"max_distance": max_d}))
 
 
-def test_device_build_matches_host(backend, rng):
-    """The build on the points' device (fused Triton levels on CUDA) equals the host's."""
-    m, depth = (100003, 12) if backend.device == "cuda" else (10007, 9)
+@pytest.mark.parametrize("size", ["large", "one program", "leaves above a program"])
+def test_device_build_matches_host(backend, size, rng):
+    """The build on the points' device (fused Triton levels and, on CUDA, the subtree
+    kernel below 1024-point nodes: from level 7, for the whole tree, not at all) equals the
+    host's."""
+    cases = {"large": ((100003, 12), (10007, 9)), "one program": ((1000, 6), (1000, 6)),
+             "leaves above a program": ((5000, 2), (500, 1))}
+    m, depth = cases[size][0] if backend.device == "cuda" else cases[size][1]
     pts = _cloud(m, rng)
+    pts[::9, 1] = 0.0  # ties
+    pts[::7, 0] = pts[0, 0]
     a = K.build(pts.to(backend.device), depth, "device")
     b = K.build(pts, depth, "host")
     assert torch.equal(a.perm.cpu(), b.perm)

@@ -1,4 +1,10 @@
-"""Triton k-d tree traversal: exact (backtracking) and approximate (leaf only) kNN.
+"""Triton k-d tree kernels: the device build, and exact and approximate kNN traversal.
+
+The build (:func:`build`) runs four kinds of launch a level until the nodes hold at most
+:data:`SUBTREE_BLOCK` points, then one launch finishes every level below, a program per
+node with its points in registers (:func:`_subtree_kernel`).
+
+The traversal:
 
 One query per lane, ``BLOCK`` queries per program. Each lane walks the tree iteratively with
 its own stack of node ids (depth-bounded: at most ``depth + 1`` entries) kept in a scratch
@@ -289,17 +295,134 @@ def _reorder_kernel(order_ptr, perm_ptr, pts_ptr, perm_out, pts_out, key_ptr, mi
         tl.store(split_ptr + first + offs, (ka + kb) * 0.5, mask=m)
 
 
+@triton.jit
+def _box_combine(sa, lxa, lya, lza, hxa, hya, hza, sb, lxb, lyb, lzb, hxb, hyb, hzb):
+    """Segmented min/max: ``b``'s box grown by ``a``'s where both lie in one node."""
+    same = sa == sb
+    return (sb, tl.where(same, tl.minimum(lxa, lxb), lxb),
+            tl.where(same, tl.minimum(lya, lyb), lyb), tl.where(same, tl.minimum(lza, lzb), lzb),
+            tl.where(same, tl.maximum(hxa, hxb), hxb), tl.where(same, tl.maximum(hya, hyb), hyb),
+            tl.where(same, tl.maximum(hza, hzb), hzb))
+
+
+@triton.jit
+def _node_boxes(x, y, z, g, valid, level, m_points, lo_ptr, hi_ptr, axis_ptr,
+                SPLIT: tl.constexpr):
+    """Store the box (and, ``SPLIT``, the axis) of the level's nodes among positions ``g``.
+
+    The positions are consecutive and sorted by node, so one inclusive segmented scan
+    reduces every node's points; the node's last position stores its box. Returns each
+    position's node index within the level.
+    """
+    seg = tl.where(valid, (((g + 1) << level) - 1) // m_points, 1 << 62)
+    _, lx, ly, lz, hx, hy, hz = tl.associative_scan(
+        (seg, tl.where(valid, x, BIG), tl.where(valid, y, BIG), tl.where(valid, z, BIG),
+         tl.where(valid, x, -BIG), tl.where(valid, y, -BIG), tl.where(valid, z, -BIG)),
+        0, _box_combine)
+    node = (1 << level) - 1 + seg
+    last = valid & (g == (((seg + 1) * m_points) >> level) - 1)
+    tl.store(lo_ptr + node * 3 + 0, lx, mask=last)
+    tl.store(lo_ptr + node * 3 + 1, ly, mask=last)
+    tl.store(lo_ptr + node * 3 + 2, lz, mask=last)
+    tl.store(hi_ptr + node * 3 + 0, hx, mask=last)
+    tl.store(hi_ptr + node * 3 + 1, hy, mask=last)
+    tl.store(hi_ptr + node * 3 + 2, hz, mask=last)
+    if SPLIT:  # (padding lanes: no extent, so no overflow)
+        ex = tl.where(valid, hx, 0.0) - tl.where(valid, lx, 0.0)
+        ey = tl.where(valid, hy, 0.0) - tl.where(valid, ly, 0.0)
+        ez = tl.where(valid, hz, 0.0) - tl.where(valid, lz, 0.0)
+        ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2))
+        tl.store(axis_ptr + node, ax.to(tl.int32), mask=last)
+    return seg
+
+
+@triton.jit(do_not_specialize=("m_points", "level0", "depth"),
+            do_not_specialize_on_alignment=("b_ptr",))  # a level's bounds: a view
+def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, m_points,
+                    level0, depth, BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr):
+    """Finish the subtree of node ``program_id`` of level ``level0``: every level below it.
+
+    The node's points (at most ``BLOCK``, ``pts[b[j]:b[j + 1]]`` and their ``perm``) stay in
+    registers; per level: the boxes and axes of its nodes (one segmented scan), then one
+    sort of the keys ``(node, u(coordinate), position)`` (the stable sort of the level
+    loop), the points and ids permuted in place through memory, and the splits; at
+    ``depth`` the leaves' boxes. The same arithmetic, order and rounding as the level loop,
+    in one launch for the levels whose nodes fit a program.
+    """
+    j = tl.program_id(0).to(tl.int64)
+    start = tl.load(b_ptr + j)
+    end = tl.load(b_ptr + j + 1)
+    li = tl.arange(0, BLOCK).to(tl.int64)
+    g = start + li
+    valid = g < end
+    x = tl.load(pts_ptr + g * 3 + 0, mask=valid, other=0.0)
+    y = tl.load(pts_ptr + g * 3 + 1, mask=valid, other=0.0)
+    z = tl.load(pts_ptr + g * 3 + 2, mask=valid, other=0.0)
+    p = tl.load(perm_ptr + g, mask=valid, other=0)
+    for level in range(level0, depth):
+        seg = _node_boxes(x, y, z, g, valid, level, m_points, lo_ptr, hi_ptr, axis_ptr, True)
+        tl.debug_barrier()  # the axes are read back by every position of their node
+        node = (1 << level) - 1 + seg
+        ax = tl.load(axis_ptr + node, mask=valid, other=0)
+        c = tl.where(ax == 0, x, tl.where(ax == 1, y, z))
+        c = tl.where(c == 0.0, 0.0, c)
+        bits = c.to(tl.int32, bitcast=True).to(tl.int64)
+        u = tl.where(bits < 0, -1 - bits, bits + 2147483648)
+        seg0 = (((start + 1) << level) - 1) // m_points
+        key = ((seg - seg0) << (32 + LOG_BLOCK)) | (u << LOG_BLOCK) | li
+        key = tl.sort(tl.where(valid, key, 0x7FFFFFFFFFFFFFFF))
+        src = start + (key & (BLOCK - 1))
+        x = tl.load(pts_ptr + src * 3 + 0, mask=valid, other=0.0)
+        y = tl.load(pts_ptr + src * 3 + 1, mask=valid, other=0.0)
+        z = tl.load(pts_ptr + src * 3 + 2, mask=valid, other=0.0)
+        p = tl.load(perm_ptr + src, mask=valid, other=0)
+        tl.debug_barrier()  # every position has read its source before any is overwritten
+        tl.store(pts_ptr + g * 3 + 0, x, mask=valid)
+        tl.store(pts_ptr + g * 3 + 1, y, mask=valid)
+        tl.store(pts_ptr + g * 3 + 2, z, mask=valid)
+        tl.store(perm_ptr + g, p, mask=valid)
+        tl.debug_barrier()  # the new order is read back across the split
+        # the split: halfway between the coordinates either side of the children's boundary
+        mid = valid & (g == (((2 * seg + 1) * m_points) >> (level + 1)))
+        here = tl.where(ax == 0, x, tl.where(ax == 1, y, z))
+        prev = tl.load(pts_ptr + (g - 1) * 3 + ax, mask=mid, other=0.0)
+        here = tl.where(here == 0.0, 0.0, here)
+        prev = tl.where(prev == 0.0, 0.0, prev)
+        tl.store(split_ptr + node, (prev + here) * 0.5, mask=mid)
+    _node_boxes(x, y, z, g, valid, depth, m_points, lo_ptr, hi_ptr, axis_ptr, False)
+
+
+#: the largest node the subtree kernel finishes in one program (points held in registers)
+SUBTREE_BLOCK = 1024
+#: the same under the Triton interpreter: 0, none (its scans and sorts run element by
+#: element in Python, ~3x the level loop's time; the tests interpret it on small clouds)
+INTERPRETED_SUBTREE_BLOCK = 0
+
+
+def subtree_level(m: int, block: int) -> int:
+    """Return the first level whose nodes all hold at most ``block`` of ``m`` points."""
+    level = 0
+    while -(-m // (1 << level)) > block:
+        level += 1
+    return level
+
+
 def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
-          mids: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Build the tree over float32 ``points (M, 3)``: every level in four kinds of launch.
+          mids: list[torch.Tensor], subtree_block: int | None = None
+          ) -> tuple[torch.Tensor, ...]:
+    """Build the tree over float32 ``points (M, 3)``: four kinds of launch a level, then one.
 
     ``bounds``: each level's node bounds (``level_bounds``, levels 0..depth), ``mids``:
     each split level's ``(2, 2^level)`` positions either side of the children's boundary,
     on the points' device. Per level: the nodes' boxes and split axes (one program per
     node), every position's node and key, one stable sort, the reorder and the level's
-    splits; then the leaves' boxes. The same tree as the level loop of torch operations in
-    ``kdtree.build`` (the same keys, sorts and rounding; the boxes as the min/max of each
-    node's points).
+    splits; from the first level whose nodes hold at most ``subtree_block`` points (default
+    :data:`SUBTREE_BLOCK` on CUDA, :data:`INTERPRETED_SUBTREE_BLOCK` elsewhere; 0: none), one
+    launch of :func:`_subtree_kernel` finishes every level below and the leaves' boxes (a
+    40k-point build 12 levels -> 6 and the subtree launch: 3.3-4.0 -> 1.9-2.4 ms on an
+    H200, ``benchmarks/results/kdtree-cuda.json``); else the leaves' boxes. The same tree
+    as the level loop of torch operations in ``kdtree.build`` (the same keys, stable
+    order and rounding; the boxes as the min/max of each node's points).
 
     Returns ``(perm (M,) int64, points[perm] (M, 3), lo, hi (n_nodes, 3), split_axis
     (n_nodes,) int32 (-1 at the leaves), split_value (n_nodes,))``.
@@ -316,7 +439,12 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
     key = torch.empty(m, dtype=points.dtype, device=dev)
     packed = torch.empty(m, dtype=torch.int64, device=dev)
     grid = triton.cdiv(m, block)
-    for level in range(depth):
+    if subtree_block is None:
+        subtree_block = SUBTREE_BLOCK if points.is_cuda else INTERPRETED_SUBTREE_BLOCK
+    sub = int(subtree_block)
+    # the first level the subtree kernel finishes; depth + 1: none (or no such kernel)
+    level0 = min(subtree_level(m, sub), depth + 1) if sub else depth + 1
+    for level in range(min(level0, depth)):
         first = 2**level - 1
         _split_axis_kernel[(2**level,)](pts, bounds[level], axis, lo, hi, first, BLOCK=block,
                                         SPLIT=True, num_warps=4)
@@ -329,6 +457,14 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
             order, perm, pts, perm_n, pts_n, key, mids[level], split, m, n_mid, first,
             BLOCK=block, num_warps=4)
         perm, pts = perm_n, pts_n
-    _split_axis_kernel[(2**depth,)](pts, bounds[depth], axis, lo, hi, 2**depth - 1,
-                                    BLOCK=block, SPLIT=False, num_warps=4)
+    if level0 <= depth:
+        if level0 == 0:  # the kernel permutes in place: not the caller's points
+            pts = pts.clone()
+        _subtree_kernel[(2**level0,)](pts, perm, bounds[level0], lo, hi, axis, split, m,
+                                      level0, depth, BLOCK=sub,
+                                      LOG_BLOCK=sub.bit_length() - 1,
+                                      num_warps=8 if points.is_cuda else 1)
+    else:
+        _split_axis_kernel[(2**depth,)](pts, bounds[depth], axis, lo, hi, 2**depth - 1,
+                                        BLOCK=block, SPLIT=False, num_warps=4)
     return perm, pts, lo, hi, axis, split
