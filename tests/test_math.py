@@ -171,7 +171,15 @@ def _systems(g):
     J[2, :, :] = J[2, :1, :]                     # rank 1
     A = J.transpose(1, 2) @ J
     A[3] = 0.0                                   # empty system
-    b = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    # conditioned either side of the Cholesky path's bound (2 ε tr tr⁻¹ < 1, ε = 1e-10) and
+    # of the least-norm rule itself (λ > ε λ_max): Cholesky, Jacobi keeping every
+    # direction, Jacobi dropping one
+    V = torch.linalg.qr(torch.randn(5, 6, 6, generator=g, dtype=torch.float64))[0]
+    lam = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 1e-4], [1.0, 2.0, 3.0, 4.0, 5.0, 1e-8],
+                        [1.0, 1.0, 1.0, 1.0, 1.0, 3e-10], [1.0, 1.0, 1.0, 1.0, 1.0, 5e-11],
+                        [1e3, 1.0, 1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    A = torch.cat([A, V @ torch.diag_embed(lam) @ V.transpose(1, 2)])
+    b = torch.randn(A.shape[0], 6, generator=g, dtype=torch.float64)
     return A, b
 
 
@@ -218,8 +226,8 @@ def run_math_kernels(device: str) -> dict:
     _k_spans[(30,)](C.to(device), o, _math.DEGENERACY_EPS)
     out["spans"] = o.cpu()
     A, b = _systems(g)
-    o = torch.empty(8, 16, dtype=torch.float64, device=device)
-    _k_solve6[(8,)](A.to(device), b.to(device), o, _math.DEGENERACY_EPS, SWEEPS=8)
+    o = torch.empty(A.shape[0], 16, dtype=torch.float64, device=device)
+    _k_solve6[(A.shape[0],)](A.to(device), b.to(device), o, _math.DEGENERACY_EPS, SWEEPS=8)
     out["solve6"] = o.cpu()
     out["inputs"] = dict(r=r, q=q, w=w, S=S, N=N, m=m, C=C, A=A, b=b)
     return out
@@ -270,9 +278,12 @@ def _check_all(out: dict) -> None:
     A, b = inp["A"], inp["b"]
     x, full, usable = _math.least_norm_solve(A, b)
     got = out["solve6"]
-    torch.testing.assert_close(got[:, :6], x, atol=1e-8, rtol=1e-8)
+    torch.testing.assert_close(got[:8, :6], x[:8], atol=1e-8, rtol=1e-8)
+    # conditioned systems: two backward-stable solvers agree to ~κ u (κ up to 3·10⁹ here)
+    torch.testing.assert_close(got[8:, :6], x[8:], atol=0, rtol=1e-6)
     assert torch.equal(got[:, 12] > 0, full) and torch.equal(got[:, 13] > 0, usable)
     assert full[0] and not full[1] and not full[2] and usable[2] and not usable[3]
+    assert full[8:11].all() and not full[11] and usable[11] and full[12]
     ev = torch.sort(got[:, 6:12], -1).values
     scale = A.abs().amax((-1, -2)).clamp_min(1e-300)[:, None]
     torch.testing.assert_close(ev / scale, _math.eigh6(A)[0] / scale, atol=1e-12, rtol=0)
