@@ -278,10 +278,8 @@ def _off_diagonal(M, r, c):
 
 
 @triton.jit
-def jacobi6(M, SWEEPS: tl.constexpr, skip=0):
+def jacobi6(M, SWEEPS: tl.constexpr):
     """Cyclic Jacobi on a symmetric 6×6 held in an (8, 8) float64 block (zero-padded).
-
-    ``skip`` (a scalar, nonzero): no sweep (the caller has its answer already).
 
     Returns ``(ev (8,), V (8, 8))``: ``ev[k]`` the eigenvalues (unordered; the two pads 0),
     ``V[:, k]`` their eigenvectors. Each rotation (p, q) zeroes ``a_pq`` by Golub & Van
@@ -297,7 +295,7 @@ def jacobi6(M, SWEEPS: tl.constexpr, skip=0):
     c = i[None, :]
     V = tl.where(r == c, 1.0, 0.0).to(tl.float64)
     sweep = tl.zeros((), dtype=tl.int32)
-    while (sweep < SWEEPS) & (skip == 0) & _off_diagonal(M, r, c):
+    while (sweep < SWEEPS) & _off_diagonal(M, r, c):
         for p in range(5):
             for q in range(p + 1, 6):
                 col_p = tl.sum(tl.where(c == p, M, 0.0), axis=1)  # column p, by row
@@ -406,17 +404,20 @@ def least_norm_solve6(A, b, eps, SWEEPS: tl.constexpr):
     fast = fast & (tl.sum(tl.where((i < 6) & ~((x_fast == x_fast)
                                                & (tl.abs(x_fast) < float("inf"))), 1, 0),
                           axis=0) == 0)
-    ev, V = jacobi6(M, SWEEPS, fast.to(tl.int32))
-    live = i < 6
-    thr = eps * tl.maximum(tl.max(tl.where(live, ev, float("-inf")), axis=0), 1e-300)
-    keep = live & (ev > thr)
-    full = tl.sum(tl.where(live & ~keep, 1, 0), axis=0) == 0
-    some = tl.sum(tl.where(keep, 1, 0), axis=0) > 0
-    proj = tl.sum(V * (d * bv)[:, None], axis=0)  # Vᵀ (D b), by eigenvector
-    y = tl.where(keep, proj / tl.maximum(ev, 1e-300), 0.0)
-    xv = d * tl.sum(V * y[None, :], axis=1)
-    usable = some & (tl.sum(tl.where(live & ~((xv == xv) & (tl.abs(xv) < float("inf"))),
-                                     1, 0), axis=0) == 0)
-    xv = tl.where(fast, x_fast, tl.where(usable, xv, 0.0))
+    xv, full, usable = x_fast, fast, fast
+    if not fast:  # the eigen pseudo-inverse
+        ev, V = jacobi6(M, SWEEPS)
+        live = i < 6
+        thr = eps * tl.maximum(tl.max(tl.where(live, ev, float("-inf")), axis=0), 1e-300)
+        keep = live & (ev > thr)
+        full = tl.sum(tl.where(live & ~keep, 1, 0), axis=0) == 0
+        some = tl.sum(tl.where(keep, 1, 0), axis=0) > 0
+        proj = tl.sum(V * (d * bv)[:, None], axis=0)  # Vᵀ (D b), by eigenvector
+        y = tl.where(keep, proj / tl.maximum(ev, 1e-300), 0.0)
+        xv = d * tl.sum(V * y[None, :], axis=1)
+        usable = some & (tl.sum(tl.where(live & ~((xv == xv) & (tl.abs(xv) < float("inf"))),
+                                         1, 0), axis=0) == 0)
+        xv = tl.where(usable, xv, 0.0)
+        full = full & usable
     x = [_pick(xv, i, k) for k in (0, 1, 2, 3, 4, 5)]
-    return x, fast | (full & usable), fast | usable
+    return x, full, usable
