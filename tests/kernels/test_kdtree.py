@@ -169,16 +169,16 @@ def run_interpreted_kdtree(out_path: str) -> None:
                                  KT.knn(tree, q, 1, hint=_hints(tree, q, seed)))
         tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
         out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
-        # the subtree kernel (on CUDA from nodes of 1024 points): from level 3 (8 programs),
-        # and the whole tree in one program
-        KT.INTERPRETED_SUBTREE_BLOCK, block = 64, KT.INTERPRETED_SUBTREE_BLOCK
+        # the subtree kernel with nodes of up to 64 points (1024 by default): from level 3
+        # (8 programs), the whole tree in one program, and not at all
+        KT.SUBTREE_BLOCK, block = 64, KT.SUBTREE_BLOCK
         try:
             for m, depth in SUBTREE_CASES:
                 tree = K.build(_build_cloud(seed)[:m], depth)
                 out[("subtree", m, depth, seed)] = (tree.perm, tree.split_axis, tree.split_value,
                                              tree.lo, tree.hi, tree.points)
         finally:
-            KT.INTERPRETED_SUBTREE_BLOCK = block
+            KT.SUBTREE_BLOCK = block
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
         tree = K.build(pts, 2)
         out[("f64", seed)] = KT.knn(tree, q, 3)

@@ -359,7 +359,7 @@ def _cholesky_solve6(M, bv, eps):
     tr = tl.sum(tl.sum(tl.where(r == c, M, 0.0), axis=1), axis=0)
     ok = tr == tr
     Lt = tl.zeros((8, 8), dtype=tl.float64)  # Lᵀ: row j holds column j of L
-    for j in tl.static_range(6):  # right-looking: take column j, remove its outer product
+    for j in range(6):  # right-looking: take column j, remove its outer product
         col = tl.sum(tl.where(c == j, M, 0.0), axis=1)
         d = _pick(col, i, j)
         ok = ok & (d > 1e-30)  # M is equalised (its blocks' traces 3): smaller fails anyway
@@ -367,7 +367,7 @@ def _cholesky_solve6(M, bv, eps):
         Lt = tl.where(r == j, lj[None, :], Lt)
         M = M - lj[:, None] * lj[None, :]
     W = tl.zeros((8, 8), dtype=tl.float64)  # L⁻¹ by forward substitution, row by row
-    for j in tl.static_range(6):
+    for j in range(6):
         row = tl.sum(tl.where(c == j, Lt, 0.0), axis=1)  # row j of L, by column k
         acc = tl.sum(tl.where(r < j, row[:, None] * W, 0.0), axis=0)
         w = (tl.where(i == j, 1.0, 0.0) - acc) / tl.where(ok, _pick(row, i, j), 1.0)

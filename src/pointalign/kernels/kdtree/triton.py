@@ -296,29 +296,39 @@ def _reorder_kernel(order_ptr, perm_ptr, pts_ptr, perm_out, pts_out, key_ptr, mi
 
 
 @triton.jit
-def _box_combine(sa, lxa, lya, lza, hxa, hya, hza, sb, lxb, lyb, lzb, hxb, hyb, hzb):
-    """Segmented min/max: ``b``'s box grown by ``a``'s where both lie in one node."""
-    same = sa == sb
-    return (sb, tl.where(same, tl.minimum(lxa, lxb), lxb),
-            tl.where(same, tl.minimum(lya, lyb), lyb), tl.where(same, tl.minimum(lza, lzb), lzb),
-            tl.where(same, tl.maximum(hxa, hxb), hxb), tl.where(same, tl.maximum(hya, hyb), hyb),
-            tl.where(same, tl.maximum(hza, hzb), hzb))
-
-
-@triton.jit
-def _node_boxes(x, y, z, g, valid, level, m_points, lo_ptr, hi_ptr, axis_ptr,
-                SPLIT: tl.constexpr):
+def _node_boxes(x, y, z, g, li, valid, level, m_points, box_ptr, lo_ptr, hi_ptr, axis_ptr,
+                BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     """Store the box (and, ``SPLIT``, the axis) of the level's nodes among positions ``g``.
 
-    The positions are consecutive and sorted by node, so one inclusive segmented scan
-    reduces every node's points; the node's last position stores its box. Returns each
-    position's node index within the level.
+    The positions are consecutive and sorted by node, so an inclusive segmented scan
+    reduces every node's points (Hillis-Steele through the program's scratch ``box_ptr``:
+    step k takes the partial ``2^k`` places back where it lies in the same node, as many
+    steps as the level's largest node needs); the node's last position stores its box.
+    Returns each position's node index within the level.
     """
-    seg = tl.where(valid, (((g + 1) << level) - 1) // m_points, 1 << 62)
-    _, lx, ly, lz, hx, hy, hz = tl.associative_scan(
-        (seg, tl.where(valid, x, BIG), tl.where(valid, y, BIG), tl.where(valid, z, BIG),
-         tl.where(valid, x, -BIG), tl.where(valid, y, -BIG), tl.where(valid, z, -BIG)),
-        0, _box_combine)
+    seg = (((g + 1) << level) - 1) // m_points
+    lx, ly, lz = tl.where(valid, x, BIG), tl.where(valid, y, BIG), tl.where(valid, z, BIG)
+    hx, hy, hz = tl.where(valid, x, -BIG), tl.where(valid, y, -BIG), tl.where(valid, z, -BIG)
+    span = (m_points + (1 << level) - 1) >> level  # the level's largest node
+    shift = 1
+    while shift < span:
+        tl.store(box_ptr + 0 * BLOCK + li, lx)
+        tl.store(box_ptr + 1 * BLOCK + li, ly)
+        tl.store(box_ptr + 2 * BLOCK + li, lz)
+        tl.store(box_ptr + 3 * BLOCK + li, hx)
+        tl.store(box_ptr + 4 * BLOCK + li, hy)
+        tl.store(box_ptr + 5 * BLOCK + li, hz)
+        tl.debug_barrier()
+        take = (li >= shift) & ((((g - shift + 1) << level) - 1) // m_points == seg)
+        back = tl.where(take, li - shift, li)
+        lx = tl.minimum(lx, tl.load(box_ptr + 0 * BLOCK + back))
+        ly = tl.minimum(ly, tl.load(box_ptr + 1 * BLOCK + back))
+        lz = tl.minimum(lz, tl.load(box_ptr + 2 * BLOCK + back))
+        hx = tl.maximum(hx, tl.load(box_ptr + 3 * BLOCK + back))
+        hy = tl.maximum(hy, tl.load(box_ptr + 4 * BLOCK + back))
+        hz = tl.maximum(hz, tl.load(box_ptr + 5 * BLOCK + back))
+        tl.debug_barrier()  # every lane has read before the next step overwrites
+        shift *= 2
     node = (1 << level) - 1 + seg
     last = valid & (g == (((seg + 1) * m_points) >> level) - 1)
     tl.store(lo_ptr + node * 3 + 0, lx, mask=last)
@@ -336,18 +346,41 @@ def _node_boxes(x, y, z, g, valid, level, m_points, lo_ptr, hi_ptr, axis_ptr,
     return seg
 
 
+@triton.jit
+def _bitonic_sort(key, li, key_ptr, LOG_BLOCK: tl.constexpr):
+    """Sort the program's int64 ``key`` ascending (Batcher's bitonic network).
+
+    The stages exchange through the scratch ``key_ptr`` in run-time loops: a kernel that
+    compiles in ~1 s, where ``tl.sort`` unrolls every stage (~5 s on an H200 host's CPU for
+    1024 keys) and interprets element by element.
+    """
+    for kk in range(1, LOG_BLOCK + 1):
+        for t in range(kk):
+            j = 1 << (kk - 1 - t)
+            tl.store(key_ptr + li, key)
+            tl.debug_barrier()
+            other = tl.load(key_ptr + (li ^ j))
+            tl.debug_barrier()  # every lane has read before the next stage overwrites
+            up = ((li >> kk) & 1) == 0  # this run of 2^kk ascends
+            low = (li & j) == 0  # the lower lane of the pair
+            key = tl.where(low == up, tl.minimum(key, other), tl.maximum(key, other))
+    return key
+
+
 @triton.jit(do_not_specialize=("m_points", "level0", "depth"),
             do_not_specialize_on_alignment=("b_ptr",))  # a level's bounds: a view
-def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, m_points,
-                    level0, depth, BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr):
+def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr,
+                    scratch_ptr, m_points, level0, depth, BLOCK: tl.constexpr,
+                    LOG_BLOCK: tl.constexpr):
     """Finish the subtree of node ``program_id`` of level ``level0``: every level below it.
 
     The node's points (at most ``BLOCK``, ``pts[b[j]:b[j + 1]]`` and their ``perm``) stay in
     registers; per level: the boxes and axes of its nodes (one segmented scan), then one
     sort of the keys ``(node, u(coordinate), position)`` (the stable sort of the level
     loop), the points and ids permuted in place through memory, and the splits; at
-    ``depth`` the leaves' boxes. The same arithmetic, order and rounding as the level loop,
-    in one launch for the levels whose nodes fit a program.
+    ``depth`` the leaves' boxes. ``scratch`` holds ``8 · BLOCK`` int64 per program. The same
+    arithmetic, order and rounding as the level loop, in one launch for the levels whose
+    nodes fit a program.
     """
     j = tl.program_id(0).to(tl.int64)
     start = tl.load(b_ptr + j)
@@ -355,12 +388,15 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
     li = tl.arange(0, BLOCK).to(tl.int64)
     g = start + li
     valid = g < end
+    key_ptr = scratch_ptr + j * (8 * BLOCK)
+    box_ptr = (key_ptr + BLOCK).to(tl.pointer_type(tl.float32), bitcast=True)
     x = tl.load(pts_ptr + g * 3 + 0, mask=valid, other=0.0)
     y = tl.load(pts_ptr + g * 3 + 1, mask=valid, other=0.0)
     z = tl.load(pts_ptr + g * 3 + 2, mask=valid, other=0.0)
     p = tl.load(perm_ptr + g, mask=valid, other=0)
     for level in range(level0, depth):
-        seg = _node_boxes(x, y, z, g, valid, level, m_points, lo_ptr, hi_ptr, axis_ptr, True)
+        seg = _node_boxes(x, y, z, g, li, valid, level, m_points, box_ptr, lo_ptr, hi_ptr,
+                          axis_ptr, BLOCK, True)
         tl.debug_barrier()  # the axes are read back by every position of their node
         node = (1 << level) - 1 + seg
         ax = tl.load(axis_ptr + node, mask=valid, other=0)
@@ -370,7 +406,8 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
         u = tl.where(bits < 0, -1 - bits, bits + 2147483648)
         seg0 = (((start + 1) << level) - 1) // m_points
         key = ((seg - seg0) << (32 + LOG_BLOCK)) | (u << LOG_BLOCK) | li
-        key = tl.sort(tl.where(valid, key, 0x7FFFFFFFFFFFFFFF))
+        key = _bitonic_sort(tl.where(valid, key, 0x7FFFFFFFFFFFFFFF - li), li, key_ptr,
+                            LOG_BLOCK)
         src = start + (key & (BLOCK - 1))
         x = tl.load(pts_ptr + src * 3 + 0, mask=valid, other=0.0)
         y = tl.load(pts_ptr + src * 3 + 1, mask=valid, other=0.0)
@@ -389,14 +426,13 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
         here = tl.where(here == 0.0, 0.0, here)
         prev = tl.where(prev == 0.0, 0.0, prev)
         tl.store(split_ptr + node, (prev + here) * 0.5, mask=mid)
-    _node_boxes(x, y, z, g, valid, depth, m_points, lo_ptr, hi_ptr, axis_ptr, False)
+    _node_boxes(x, y, z, g, li, valid, depth, m_points, box_ptr, lo_ptr, hi_ptr, axis_ptr,
+                BLOCK, False)
 
 
-#: the largest node the subtree kernel finishes in one program (points held in registers)
+#: the largest node the subtree kernel finishes in one program (points held in registers;
+#: 1024 and 2048 tie on a 40k-point build, 1024 is ahead at 1.5k and 1M points, H200)
 SUBTREE_BLOCK = 1024
-#: the same under the Triton interpreter: 0, none (its scans and sorts run element by
-#: element in Python, ~3x the level loop's time; the tests interpret it on small clouds)
-INTERPRETED_SUBTREE_BLOCK = 0
 
 
 def subtree_level(m: int, block: int) -> int:
@@ -417,8 +453,8 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
     on the points' device. Per level: the nodes' boxes and split axes (one program per
     node), every position's node and key, one stable sort, the reorder and the level's
     splits; from the first level whose nodes hold at most ``subtree_block`` points (default
-    :data:`SUBTREE_BLOCK` on CUDA, :data:`INTERPRETED_SUBTREE_BLOCK` elsewhere; 0: none), one
-    launch of :func:`_subtree_kernel` finishes every level below and the leaves' boxes (a
+    :data:`SUBTREE_BLOCK`, a power of two; 0: none), one launch of :func:`_subtree_kernel`
+    finishes every level below and the leaves' boxes (a
     40k-point build 12 levels -> 6 and the subtree launch: 3.3-4.0 -> 1.9-2.4 ms on an
     H200, ``benchmarks/results/kdtree-cuda.json``); else the leaves' boxes. The same tree
     as the level loop of torch operations in ``kdtree.build`` (the same keys, stable
@@ -439,9 +475,7 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
     key = torch.empty(m, dtype=points.dtype, device=dev)
     packed = torch.empty(m, dtype=torch.int64, device=dev)
     grid = triton.cdiv(m, block)
-    if subtree_block is None:
-        subtree_block = SUBTREE_BLOCK if points.is_cuda else INTERPRETED_SUBTREE_BLOCK
-    sub = int(subtree_block)
+    sub = SUBTREE_BLOCK if subtree_block is None else int(subtree_block)
     # the first level the subtree kernel finishes; depth + 1: none (or no such kernel)
     level0 = min(subtree_level(m, sub), depth + 1) if sub else depth + 1
     for level in range(min(level0, depth)):
@@ -460,8 +494,9 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
     if level0 <= depth:
         if level0 == 0:  # the kernel permutes in place: not the caller's points
             pts = pts.clone()
-        _subtree_kernel[(2**level0,)](pts, perm, bounds[level0], lo, hi, axis, split, m,
-                                      level0, depth, BLOCK=sub,
+        scratch = torch.empty(2**level0 * 8 * sub, dtype=torch.int64, device=dev)
+        _subtree_kernel[(2**level0,)](pts, perm, bounds[level0], lo, hi, axis, split, scratch,
+                                      m, level0, depth, BLOCK=sub,
                                       LOG_BLOCK=sub.bit_length() - 1,
                                       num_warps=8 if points.is_cuda else 1)
     else:
