@@ -142,7 +142,8 @@ def test_a_precompiled_kernel_is_launched_without_compiling(tmp_path, monkeypatc
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     pts = torch.rand(1000, 3, device="cuda")
-    kernels = (kd._split_axis_kernel, kd._level_keys_kernel, kd._reorder_kernel)
+    kernels = (kd._split_axis_kernel, kd._level_keys_kernel, kd._reorder_kernel,
+               kd._subtree_kernel)  # 1000 points: the subtree kernel builds it all
     for k in kernels:  # launched earlier in this process: forget
         k.device_caches.clear()
     with _precompile.record() as got:  # what the launch compiles: its entries
