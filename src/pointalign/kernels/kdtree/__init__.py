@@ -101,7 +101,7 @@ def build(points: torch.Tensor, depth: int, where: str = "device", *,
         ranges = layout[1]
         # float32 on a Triton backend: four kinds of launch a level (boxes and axes, keys,
         # the sort, the reorder with the splits) in place of ~20 of the same arithmetic,
-        # and on CUDA one launch for every level whose nodes fit a program
+        # then one launch for every level whose nodes fit a program
         if points.dtype == torch.float32 and backend(points) in ("triton", "interpret"):
             from pointalign.kernels.kdtree import triton as _kdtree_triton
 

@@ -454,11 +454,11 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
     node), every position's node and key, one stable sort, the reorder and the level's
     splits; from the first level whose nodes hold at most ``subtree_block`` points (default
     :data:`SUBTREE_BLOCK`, a power of two; 0: none), one launch of :func:`_subtree_kernel`
-    finishes every level below and the leaves' boxes (a
-    40k-point build 12 levels -> 6 and the subtree launch: 3.3-4.0 -> 1.9-2.4 ms on an
-    H200, ``benchmarks/results/kdtree-cuda.json``); else the leaves' boxes. The same tree
-    as the level loop of torch operations in ``kdtree.build`` (the same keys, stable
-    order and rounding; the boxes as the min/max of each node's points).
+    finishes every level below and the leaves' boxes (a 40k-point build: 12 levels -> 6
+    and that launch, 3.2-4.6 -> 1.9-3.0 ms on H200s; 1M points unchanged, its top levels'
+    sorts dominate: BENCHMARKS.md, "k-d tree"); else the leaves' boxes. The same tree as
+    the level loop of torch operations in ``kdtree.build`` (the same keys, stable order
+    and rounding; the boxes as the min/max of each node's points).
 
     Returns ``(perm (M,) int64, points[perm] (M, 3), lo, hi (n_nodes, 3), split_axis
     (n_nodes,) int32 (-1 at the leaves), split_value (n_nodes,))``.
