@@ -116,6 +116,41 @@ def test_signature_names_objects_by_identity_and_refuses_tensors():
         _loop.signature(lambda i, s: (s, s))
 
 
+class Table:
+    """An object a step reads tensors from, keyed by their layout (as a KDTreeIndex)."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def graph_arrays(self):
+        return ("Table", tuple(self.w.shape)), {"w": self.w}
+
+    def with_arrays(self, arrays):
+        return Table(arrays["w"])
+
+
+@dataclass(frozen=True)
+class AddTable:
+    """x ← x + table.w; records x before the update."""
+
+    graph_safe: ClassVar[bool] = True
+    tables: tuple
+
+    def __call__(self, inputs, state):
+        x = state["x"]
+        return {"x": x + self.tables[0].w + self.tables[-1].w}, {"x": x}
+
+
+def test_signature_keys_array_objects_by_layout_and_place():
+    a, b, c = Table(torch.zeros(3)), Table(torch.ones(3)), Table(torch.zeros(4))
+    ka, objs = _loop.signature(AddTable((a, a)), by_arrays=True)
+    assert objs == [] and ka == _loop.signature(AddTable((b, b)), by_arrays=True)[0]
+    assert ka != _loop.signature(AddTable((a, b)), by_arrays=True)[0]  # shared, or not
+    assert ka != _loop.signature(AddTable((c, c)), by_arrays=True)[0]  # another layout
+    kid, objs = _loop.signature(AddTable((a, a)))  # by identity unless asked
+    assert objs == [a, a] and kid != _loop.signature(AddTable((b, b)))[0]
+
+
 @dataclass(frozen=True)
 class Countdown:
     """A fixed program: n halvings with an early stop once every entry is below tol."""
@@ -186,6 +221,25 @@ def test_graph_policy_and_equality(backend, monkeypatch):
     assert off.graph == "off"
     for a, b in zip(recs5, recs3, strict=True):
         np.testing.assert_allclose(a["x"], b["x"], rtol=1e-6)
+
+
+@backends("triton")
+def test_kept_graph_reads_each_calls_array_objects(backend, monkeypatch):
+    """Calls with other objects of one layout share the kept graph; each replay reads the
+    call's arrays (copied into the graph's own), never the capturing call's."""
+    monkeypatch.setattr(_loop, "USE_GRAPHS", True)
+    _loop.clear_caches()
+    dev = backend.device
+    x0 = {"x": torch.zeros(3, device=dev)}
+    runs = []
+    for w in (1.0, 2.0, 3.0, -1.0):
+        t = Table(torch.full((3,), w, device=dev))
+        keep = t.w.clone()
+        run, recs = _graph_run(AddTable((t, t)), {"u": torch.zeros(1, device=dev)}, x0, 12)
+        runs.append(run.graph)
+        np.testing.assert_allclose([r["x"][0] for r in recs], [2 * w * j for j in range(12)])
+        assert torch.equal(t.w, keep)  # the caller's arrays are not written
+    assert runs == ["captured", "captured", "reused", "reused"]
 
 
 @backends("triton")

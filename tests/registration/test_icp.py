@@ -440,6 +440,7 @@ def test_graph_matches_eager(backend, seed, method, index_method, monkeypatch):
     s, t = pair.source.cuda(), pair.target.cuda()
     ix = build_index(t, index_method, max_distance=0.01)
     kw = dict(max_correspondence_distance=0.01, method=method, index=ix, criteria=CRIT)
+    _loop.clear_caches()  # a k-d tree's graph is kept by its layout: no earlier test's
     # a short first call with an index runs eagerly, the next call captures
     monkeypatch.setattr(_loop, "EAGER_STEPS", 10**9)
     first = icp(s, t, **kw)
@@ -462,11 +463,29 @@ def test_graph_matches_eager(backend, seed, method, index_method, monkeypatch):
     assert again.info["cuda_graph"] == "reused", again.info["cuda_graph"]
     assert again.iterations == eager2.iterations and again.stop_reason == eager2.stop_reason
     np.testing.assert_allclose(again.transformation, eager2.transformation, atol=1e-6)
-    # another index (even over the same points) captures its own graph
+    # another index over the same points: a k-d tree (its graph kept by its arrays' layout)
+    # replays the kept graph with its arrays copied in; a grid captures its own
     other_ix = build_index(t, index_method, max_distance=0.01)
     other = [icp(s2, t, init=init, **dict(kw, index=other_ix)) for _ in range(2)]
-    assert [o.info["cuda_graph"] for o in other] == ["first_use", "captured"]
+    kept = index_method == "kdtree"
+    assert [o.info["cuda_graph"] for o in other] == (["reused"] * 2 if kept
+                                                     else ["first_use", "captured"])
+    for o in other:
+        np.testing.assert_allclose(o.transformation, eager2.transformation, atol=1e-6)
+    if kept:  # a tree over other points of the same count: the replay reads its arrays
+        t3 = t + 2e-3 * torch.randn(t.shape, generator=g).cuda()
+        ix_t3 = build_index(t3, index_method, max_distance=0.01)
+        moved = icp(s2, t3, init=init, **dict(kw, index=ix_t3))
+        assert moved.info["cuda_graph"] == "reused", moved.info["cuda_graph"]
+        monkeypatch.setattr(_loop, "USE_GRAPHS", False)
+        moved_eager = icp(s2, t3, init=init, **dict(kw, index=ix_t3))
+        monkeypatch.setattr(_loop, "USE_GRAPHS", True)
+        assert moved.iterations == moved_eager.iterations
+        np.testing.assert_allclose(moved.transformation, moved_eager.transformation,
+                                   atol=1e-6)
+        assert not np.allclose(moved.transformation, eager2.transformation, atol=1e-6)
     # a long first call captures once past EAGER_STEPS steps: same result as eager
+    _loop.clear_caches()
     monkeypatch.setattr(_loop, "EAGER_STEPS", 3)
     crit = ConvergenceCriteria(max_iterations=20, relative_fitness=0, relative_rmse=0,
                                translation_tolerance=0, rotation_tolerance=0)

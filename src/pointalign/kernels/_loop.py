@@ -46,8 +46,13 @@ after a replay.
 
 The signature is derived from the step's fields, never written by hand, so a new
 constant cannot be left out of the key: numbers, strings and tuples by value, other
-objects (a search index) by identity, held weakly (the kept graph goes with the object).
-A step field may not be a tensor: tensors go in ``inputs``/``state``.
+objects by identity, held weakly (the kept graph goes with the object). An object that
+offers ``graph_arrays() -> (key, arrays)`` and ``with_arrays(arrays)`` (a search index:
+:class:`~pointalign.search.kdtree.KDTreeIndex`) is keyed by its key, the shapes of what
+a graph reads of it: a kept graph captures over its own copy of the object's arrays, and
+a later call with another such object copies that object's arrays in, as it copies the
+inputs (each ICP call builds a new index over its target; same-sized targets share the
+graph). A step field may not be a tensor: tensors go in ``inputs``/``state``.
 
 Fixed-length programs with no host decision inside (annealing schedules: EM-ICP,
 Softassign) go through :func:`run_program`: the whole program is one CUDA graph per
@@ -149,39 +154,93 @@ class Clock:
 
 # ---- signatures -------------------------------------------------------------------------
 
-def _key_of(value: Any, objects: list) -> Any:
+def _has_arrays(value: Any) -> bool:
+    return hasattr(value, "graph_arrays") and hasattr(value, "with_arrays")
+
+
+def _is_step_like(value: Any) -> bool:
+    """Tell whether ``value`` is a frozen dataclass instance with fields (a step's part)."""
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)
+            and bool(dataclasses.fields(value))
+            and getattr(type(value), "__dataclass_params__").frozen)  # noqa: B009
+
+
+def _key_of(value: Any, objects: list, arrays: dict | None = None) -> Any:
+    """Return the key of a step's field (numbers by value, objects by identity).
+
+    ``arrays`` (a dict, id -> first place): graph-array objects by their layout and place
+    instead; None: by identity, as every other object.
+    """
     if isinstance(value, torch.Tensor):
         raise TypeError("a step field may not be a tensor: pass it in inputs or state")
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return value
     if isinstance(value, (tuple, list)):
-        return tuple(_key_of(v, objects) for v in value)
-    if dataclasses.is_dataclass(value) and dataclasses.fields(value) and \
-            getattr(type(value), "__dataclass_params__").frozen:  # noqa: B009 (untyped attr)
+        return tuple(_key_of(v, objects, arrays) for v in value)
+    if _is_step_like(value):
         return (type(value).__qualname__,
-                tuple(_key_of(getattr(value, f.name), objects) for f in dataclasses.fields(value)))
+                tuple(_key_of(getattr(value, f.name), objects, arrays)
+                      for f in dataclasses.fields(value)))
+    if arrays is not None and _has_arrays(value):
+        # the place tells one index shared by a batch from equal-shaped distinct ones
+        return ("arrays", value.graph_arrays()[0], arrays.setdefault(id(value), len(arrays)))
     objects.append(value)
     return ("object", id(value))
+
+
+def _with_arrays(value: Any, swap: Any, memo: dict) -> Any:
+    """``value`` (a step, or a field of one) with each graph-array object ``o`` as ``swap(o)``.
+
+    An object met twice (one index shared by a batch's problems) is swapped once (``memo``).
+    """
+    if isinstance(value, (tuple, list)):
+        return type(value)(_with_arrays(v, swap, memo) for v in value)
+    if _is_step_like(value):
+        return dataclasses.replace(value, **{f.name: _with_arrays(getattr(value, f.name), swap,
+                                                                  memo)
+                                             for f in dataclasses.fields(value) if f.init})
+    if _has_arrays(value):
+        if id(value) not in memo:
+            memo[id(value)] = swap(value)
+        return memo[id(value)]
+    return value
+
+
+def _array_objects(value: Any, out: dict) -> dict:
+    """Collect the graph-array objects of a step into ``out``, by ``id``, each once."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            _array_objects(v, out)
+    elif _is_step_like(value):
+        for f in dataclasses.fields(value):
+            if f.init:
+                _array_objects(getattr(value, f.name), out)
+    elif _has_arrays(value):
+        out.setdefault(id(value), value)
+    return out
 
 
 def _shapes(tensors: Tensors) -> tuple:
     return tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in tensors.items())
 
 
-def signature(step: Any, *tensor_dicts: Tensors) -> tuple[tuple, list]:
+def signature(step: Any, *tensor_dicts: Tensors, by_arrays: bool = False
+              ) -> tuple[tuple, list]:
     """Return the cache key of a step over tensors like ``tensor_dicts`` and the objects named.
 
     Returns ``(key, objects)``: the key holds the step's type, every field (numbers and
     strings by value, other objects by ``id``) and the names, shapes, dtypes and devices of
     the tensors; ``objects`` are the objects named by identity, which a cache must hold
-    weakly and check on a hit.
+    weakly and check on a hit. ``by_arrays``: objects offering ``graph_arrays`` are keyed
+    by their key instead (the caller copies their arrays in, as :func:`iterate` does).
     """
     frozen = dataclasses.is_dataclass(step) and \
         getattr(type(step), "__dataclass_params__").frozen  # noqa: B009 (untyped attr)
     if not frozen:
         raise TypeError(f"a step must be a frozen dataclass, got {type(step).__name__}")
     objects: list = []
-    key = (_key_of(step, objects),) + tuple(_shapes(t) for t in tensor_dicts)
+    key = (_key_of(step, objects, {} if by_arrays else None),) + \
+        tuple(_shapes(t) for t in tensor_dicts)
     return key, objects
 
 
@@ -319,14 +378,15 @@ class Run:
         self._g: _Graph | None = None
         self._seen = False
         if self._graphs:
-            self._key, self._objects = signature(step, self.inputs, self.state)
+            self._key, self._objects = signature(step, self.inputs, self.state,
+                                                 by_arrays=True)
             kept = _graphs.get(self._key, self._objects)
             if kept == "failed":
                 self._graphs = False
                 self.graph = "failed before"
             elif isinstance(kept, _Graph):
                 self._g, self.graph = kept, "reused"
-                kept.load_inputs(self.inputs)
+                kept.load_inputs(self.inputs, step)
             elif kept == "seen":
                 self._seen = True
             else:
@@ -420,15 +480,24 @@ class _Graph:
         self.state_in: Tensors = {}
         self.records: torch.Tensor | None = None
         self.layout: _Layout | None = None
+        self.arrays: list[Tensors] = []  # a kept graph's copies of its step's objects' arrays
 
     @classmethod
     def capture(cls, step: Any, inputs: Tensors, state: Tensors, k: int, *, keep: bool,
                 dev: torch.device) -> _Graph:
         g = cls()
         g.k = k
-        # a kept graph reads its own copies of the inputs; a call's graph reads the call's
+        # a kept graph reads its own copies of the inputs and of its step's objects' arrays;
+        # a call's graph reads the call's
         g.inputs = {n: v.clone() for n, v in inputs.items()} if keep else None
         ins = g.inputs if keep else inputs
+        if keep:
+            def private(obj: Any) -> Any:
+                arrays = {n: v.clone() for n, v in obj.graph_arrays()[1].items()}
+                g.arrays.append(arrays)
+                return obj.with_arrays(arrays)
+
+            step = _with_arrays(step, private, {})
         g.state_in = {n: v.clone() for n, v in state.items()}
         side = _side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -459,10 +528,17 @@ class _Graph:
         g.graph = graph
         return g
 
-    def load_inputs(self, inputs: Tensors) -> None:
+    def load_inputs(self, inputs: Tensors, step: Any) -> None:
+        """Copy a call's inputs, and its step's objects' arrays, into the graph's."""
         assert self.inputs is not None
         for n, v in inputs.items():
             self.inputs[n].copy_(v)
+        objects = list(_array_objects(step, {}).values())
+        assert len(objects) == len(self.arrays)  # the same key: the same objects' layout
+        for obj, mine in zip(objects, self.arrays, strict=True):
+            for n, v in obj.graph_arrays()[1].items():
+                if v.data_ptr() != mine[n].data_ptr():
+                    mine[n].copy_(v)
 
     def load_state(self, state: Tensors) -> None:
         """Copy ``state`` into the state buffers unless it is them (after a replay)."""

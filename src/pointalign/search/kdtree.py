@@ -193,6 +193,36 @@ class KDTreeIndex:
         """Whether a payload ``name`` is attached."""
         return name in self._payloads
 
+    # ------------------------------------------------------------------ CUDA graphs
+    def graph_arrays(self) -> tuple[tuple, dict[str, torch.Tensor]]:
+        """Return ``(key, arrays)``: the tensors a captured search reads, and their layout.
+
+        Two indexes with one key are interchangeable in a captured CUDA graph once the one's
+        arrays are copied into the other's (:mod:`pointalign.kernels._loop` keeps an ICP
+        step's graph across calls that way: every call builds a new index).
+        """
+        t = self._tree
+        arrays = {"points": self.points, "tree_points": t.points, "perm": t.perm, "lo": t.lo,
+                  "hi": t.hi, "split_axis": t.split_axis, "split_value": t.split_value,
+                  "start": t.start, "end": t.end, "inverse": self._ids[1],
+                  **{"payload." + k: v for k, v in self._payloads.items()}}
+        key = ("KDTreeIndex", t.depth, self.leaf_size,
+               tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in arrays.items()))
+        return key, arrays
+
+    def with_arrays(self, arrays: dict[str, torch.Tensor]) -> KDTreeIndex:
+        """Return a copy of this index that reads ``arrays`` (laid out as :meth:`graph_arrays`)."""
+        new = object.__new__(KDTreeIndex)
+        t = self._tree
+        new._tree = _k.TreeArrays(arrays["tree_points"], arrays["perm"], arrays["lo"],
+                                  arrays["hi"], arrays["split_axis"], arrays["split_value"],
+                                  arrays["start"], arrays["end"], t.depth)
+        new.points, new.leaf_size = arrays["points"], self.leaf_size
+        new._payloads = {k[len("payload."):]: v for k, v in arrays.items()
+                         if k.startswith("payload.")}
+        new._ids = (arrays["perm"], arrays["inverse"])
+        return new
+
     # ------------------------------------------------------------------ queries
     def _query(self, query: Any) -> torch.Tensor:
         return _checks.query_points(query, self.points)
