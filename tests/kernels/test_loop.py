@@ -151,6 +151,22 @@ def test_signature_keys_array_objects_by_layout_and_place():
     assert objs == [a, a] and kid != _loop.signature(AddTable((b, b)))[0]
 
 
+def test_array_objects_are_swapped_once_each_in_field_order():
+    a, b = Table(torch.zeros(3)), Table(torch.ones(3))
+    made = []
+
+    def swap(obj):
+        made.append(obj)
+        return Table(obj.w.clone())
+
+    shared = _loop._with_arrays(AddTable((a, a)), swap, {})
+    assert made == [a] and shared.tables[0] is shared.tables[1] is not a
+    made.clear()
+    two = _loop._with_arrays(AddTable((b, a)), swap, {})
+    assert made == [b, a] and two.tables[0] is not two.tables[1]
+    assert list(_loop._array_objects(AddTable((b, a, b)), {}).values()) == [b, a]
+
+
 @dataclass(frozen=True)
 class Countdown:
     """A fixed program: n halvings with an early stop once every entry is below tol."""

@@ -196,9 +196,12 @@ def _with_arrays(value: Any, swap: Any, memo: dict) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_with_arrays(v, swap, memo) for v in value)
     if _is_step_like(value):
+        fields = dataclasses.fields(value)
+        if any(_array_objects(getattr(value, f.name), {}) for f in fields if not f.init):
+            raise TypeError("a graph-array object in a field outside __init__ cannot be swapped")
         return dataclasses.replace(value, **{f.name: _with_arrays(getattr(value, f.name), swap,
                                                                   memo)
-                                             for f in dataclasses.fields(value) if f.init})
+                                             for f in fields if f.init})
     if _has_arrays(value):
         if id(value) not in memo:
             memo[id(value)] = swap(value)
@@ -213,8 +216,7 @@ def _array_objects(value: Any, out: dict) -> dict:
             _array_objects(v, out)
     elif _is_step_like(value):
         for f in dataclasses.fields(value):
-            if f.init:
-                _array_objects(getattr(value, f.name), out)
+            _array_objects(getattr(value, f.name), out)
     elif _has_arrays(value):
         out.setdefault(id(value), value)
     return out
