@@ -111,6 +111,11 @@ def test_build_rejects_bad_depth():
         K.build(torch.zeros(4, 3), 3)
     with pytest.raises(ValueError, match="where"):
         K.build(torch.zeros(4, 3), 1, "gpu")
+    from pointalign.kernels.kdtree import triton as KT
+
+    bounds, mids = K._split_layout(K.build_layout(40, 2, "cpu")[0], 2)
+    with pytest.raises(ValueError, match="power of two"):
+        KT.build(torch.rand(40, 3), 2, bounds, mids, subtree_block=48)
 
 
 # ---- the Triton kernel through the interpreter (in a child process, see _oracles) ----------

@@ -197,9 +197,14 @@ class KDTreeIndex:
     def graph_arrays(self) -> tuple[tuple, dict[str, torch.Tensor]]:
         """Return ``(key, arrays)``: the tensors a captured search reads, and their layout.
 
-        Two indexes with one key are interchangeable in a captured CUDA graph once the one's
-        arrays are copied into the other's (:mod:`pointalign.kernels._loop` keeps an ICP
-        step's graph across calls that way: every call builds a new index).
+        ``arrays``: ``points (M, 3)``, the tree's ``tree_points (M, 3)``, ``perm (M,)``,
+        ``lo``, ``hi (n_nodes, 3)``, ``split_axis``, ``split_value``, ``start``, ``end
+        (n_nodes,)``, ``inverse (M,)`` (original index -> tree position) and each attached
+        payload (``payload.<name>``); ``key``: the depth, leaf size and every array's name,
+        shape, dtype and device. Two indexes with one key are interchangeable in a captured
+        CUDA graph once the one's arrays are copied into the other's
+        (:mod:`pointalign.kernels._loop` keeps an ICP step's graph across calls that way:
+        every call builds a new index).
         """
         t = self._tree
         arrays = {"points": self.points, "tree_points": t.points, "perm": t.perm, "lo": t.lo,
@@ -211,7 +216,18 @@ class KDTreeIndex:
         return key, arrays
 
     def with_arrays(self, arrays: dict[str, torch.Tensor]) -> KDTreeIndex:
-        """Return a copy of this index that reads ``arrays`` (laid out as :meth:`graph_arrays`)."""
+        """Return a copy of this index that reads ``arrays`` (laid out as :meth:`graph_arrays`).
+
+        Raises:
+            ValueError: ``arrays`` with other names, shapes, dtypes or devices.
+
+        """
+        mine = self.graph_arrays()[1]
+        got = {k: (tuple(v.shape), v.dtype, v.device) for k, v in arrays.items()
+               if isinstance(v, torch.Tensor)}
+        if got != {k: (tuple(v.shape), v.dtype, v.device) for k, v in mine.items()}:
+            raise ValueError(f"arrays: expected the layout of graph_arrays() "
+                             f"({sorted(mine)}, shapes as this index's), got {sorted(arrays)}")
         new = object.__new__(KDTreeIndex)
         t = self._tree
         new._tree = _k.TreeArrays(arrays["tree_points"], arrays["perm"], arrays["lo"],

@@ -476,6 +476,8 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
     packed = torch.empty(m, dtype=torch.int64, device=dev)
     grid = triton.cdiv(m, block)
     sub = SUBTREE_BLOCK if subtree_block is None else int(subtree_block)
+    if sub < 0 or sub & (sub - 1):
+        raise ValueError(f"subtree_block: expected 0 or a power of two, got {sub}")
     # the first level the subtree kernel finishes; depth + 1: none (or no such kernel)
     level0 = min(subtree_level(m, sub), depth + 1) if sub else depth + 1
     for level in range(min(level0, depth)):
