@@ -49,6 +49,17 @@ if triton is not None:
             tl.store(o_ptr + 9 * b + k, R[k])
 
     @triton.jit
+    def _k_log(r_ptr, o_ptr):
+        b = tl.program_id(0).to(tl.int64)
+        R = [tl.load(r_ptr + 9 * b + k) for k in (0, 1, 2, 3, 4, 5, 6, 7, 8)]
+        q = tm.rot_to_quat(R)
+        w = tm.so3_log(R)
+        for k in tl.static_range(4):
+            tl.store(o_ptr + 7 * b + k, q[k])
+        for k in tl.static_range(3):
+            tl.store(o_ptr + 7 * b + 4 + k, w[k])
+
+    @triton.jit
     def _k_horn_matrix(s_ptr, o_ptr):
         b = tl.program_id(0).to(tl.int64)
         S = [tl.load(s_ptr + 9 * b + k) for k in (0, 1, 2, 3, 4, 5, 6, 7, 8)]
@@ -205,6 +216,10 @@ def run_math_kernels(device: str) -> dict:
     o = torch.empty(40, 9, dtype=torch.float64, device=device)
     _k_exp[(40,)](w.to(device), o)
     out["exp"] = o.cpu()
+    R = _math.so3_exp(w)
+    o = torch.empty(40, 7, dtype=torch.float64, device=device)
+    _k_log[(40,)](R.reshape(-1, 9).contiguous().to(device), o)
+    out["log"] = o.cpu()
     S = torch.randn(20, 3, 3, generator=g, dtype=torch.float64)
     o = torch.empty(20, 10, dtype=torch.float64, device=device)
     _k_horn_matrix[(20,)](S.to(device), o)
@@ -245,6 +260,14 @@ def _check_all(out: dict) -> None:
                                atol=1e-14, rtol=0)
     torch.testing.assert_close(out["exp"], _math.so3_exp(inp["w"]).reshape(-1, 9),
                                atol=1e-14, rtol=0)
+    R = _math.so3_exp(inp["w"])
+    # 180° (row 1): ±ω are both its logarithm; compare the rotations there
+    torch.testing.assert_close(out["log"][:, :4], _math.rot_to_quat(R), atol=1e-15, rtol=0)
+    rest = [i for i in range(40) if i != 1]
+    torch.testing.assert_close(out["log"][rest, 4:], _math.so3_log(R)[rest], atol=1e-14,
+                               rtol=1e-14)
+    torch.testing.assert_close(_math.so3_exp(out["log"][:, 4:]), R, atol=1e-14, rtol=0)
+    torch.testing.assert_close(out["log"][2:4, 4:], inp["w"][2:4], atol=0, rtol=1e-12)
     N = _math.horn_matrix(inp["S"])
     triu = N[:, [0, 0, 0, 0, 1, 1, 1, 2, 2, 3], [0, 1, 2, 3, 1, 2, 3, 2, 3, 3]]
     torch.testing.assert_close(out["horn_matrix"], triu, atol=1e-14, rtol=0)

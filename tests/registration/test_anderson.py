@@ -1,4 +1,5 @@
-"""Anderson acceleration (registration/anderson.py): the combination, the safeguard, ICP."""
+"""Anderson acceleration (registration/anderson.py, kernels/anderson/): the combination, the
+safeguard, ICP."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import pointalign as pa
 from pointalign import datasets, metrics, transforms
+from pointalign.kernels.anderson import anderson_point, from_vector, to_vector
 from pointalign.registration import anderson
 from pointalign.registration.criteria import ConvergenceCriteria
 
@@ -22,11 +24,11 @@ def test_vector_round_trip(rng):
     T[:, :3, 3] = torch.randn(B, 3, generator=rng, dtype=torch.float64)
     origin = T.flip(0).clone()
     scale = torch.rand(B, generator=rng, dtype=torch.float64) + 0.5
-    x = anderson.to_vector(T, origin, scale)
-    back = anderson.from_vector(x, origin, scale)
+    x = to_vector(T, origin, scale)
+    back = from_vector(x, origin, scale)
     torch.testing.assert_close(back, T, rtol=0, atol=1e-12)
     # at the origin the vector is zero
-    torch.testing.assert_close(anderson.to_vector(origin, origin, scale),
+    torch.testing.assert_close(to_vector(origin, origin, scale),
                                torch.zeros(B, 6, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
@@ -53,7 +55,7 @@ def test_anderson_solves_a_linear_fixed_point(rng):
         xs = torch.cat([xs[:, 1:], x[:, None]], 1)
         gs = torch.cat([gs[:, 1:], G(x)[:, None]], 1)
         count = torch.full((B,), min(k + 1, m + 1), dtype=torch.int64)
-        x = anderson.anderson_point(xs, gs, count)
+        x = anderson_point(xs, gs, count)
         plain = G(plain)
     torch.testing.assert_close(x, fixed, rtol=0, atol=1e-9)
     assert (plain - fixed).norm() > 1e4 * (x - fixed).norm()  # plain iteration is far behind
@@ -62,7 +64,7 @@ def test_anderson_solves_a_linear_fixed_point(rng):
 def test_one_filled_slot_is_the_plain_image(rng):
     xs = torch.randn(2, 4, 6, generator=rng, dtype=torch.float64)
     gs = torch.randn(2, 4, 6, generator=rng, dtype=torch.float64)
-    out = anderson.anderson_point(xs, gs, torch.ones(2, dtype=torch.int64))
+    out = anderson_point(xs, gs, torch.ones(2, dtype=torch.int64))
     assert torch.equal(out, gs[:, -1])
 
 
@@ -134,3 +136,30 @@ def test_icp_acceleration_converges_in_fewer_iterations(method):
     assert fast.rmse <= plain.rmse * 1.01
     if method == "point_to_point":  # the slow case: a long flat valley
         assert fast.iterations < 0.75 * plain.iterations
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["point_to_point", "point_to_plane"])
+def test_fused_update_runs_as_the_reference_in_icp(method, monkeypatch):
+    """On a GPU the update is one Triton kernel: the accelerated ICP of the bunny pair from
+    the identity takes the same steps as with the spec's tensor operations in its place."""
+    from pointalign.kernels import _loop
+    from pointalign.kernels.anderson.reference import anderson_update_reference
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pair = datasets.load_bunny_pair()
+    s, t = pair.source.cuda(), pair.target.cuda()
+    kw = dict(max_correspondence_distance=0.05, method=method, acceleration=True,
+              criteria=ConvergenceCriteria(max_iterations=100))
+    fused = pa.icp(s, t, **kw)
+    monkeypatch.setattr(anderson, "anderson_update", anderson_update_reference)
+    _loop.clear_caches()  # not the kept graph of the fused step
+    spec = pa.icp(s, t, **kw)
+    _loop.clear_caches()
+    assert fused.iterations == spec.iterations and fused.stop_reason == spec.stop_reason
+    np.testing.assert_allclose(fused.transformation, spec.transformation, atol=1e-9)
+    plain = pa.icp(s, t, **dict(kw, acceleration=False))
+    assert fused.converged and fused.iterations <= plain.iterations
+    if method == "point_to_point":  # the slow case: a long flat valley
+        assert fused.iterations < 0.5 * plain.iterations

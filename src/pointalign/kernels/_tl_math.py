@@ -80,6 +80,68 @@ def so3_exp(w0, w1, w2):
             b * w2 * w0 - a * w1, b * w2 * w1 + a * w0, b * w2 * w2 + d)
 
 
+@triton.jit
+def rot_to_quat(R):
+    """``_math.rot_to_quat`` (Shepperd): R a 9-tuple (row-major) → unit (w, x, y, z), w ≥ 0.
+
+    The candidate of the largest of ``(tr, r00, r11, r22)`` (the first on ties, as
+    ``argmax``), normalised.
+    """
+    tr = R[0] + R[4] + R[8]
+    s0 = tl.sqrt(tl.maximum(1.0 + tr, 1e-30)) * 2.0
+    s1 = tl.sqrt(tl.maximum(1.0 + R[0] - R[4] - R[8], 1e-30)) * 2.0
+    s2 = tl.sqrt(tl.maximum(1.0 + R[4] - R[0] - R[8], 1e-30)) * 2.0
+    s3 = tl.sqrt(tl.maximum(1.0 + R[8] - R[0] - R[4], 1e-30)) * 2.0
+    p0 = (tr >= R[0]) & (tr >= R[4]) & (tr >= R[8])
+    p1 = ~p0 & (R[0] >= R[4]) & (R[0] >= R[8])
+    p2 = ~p0 & ~p1 & (R[4] >= R[8])
+    w = tl.where(p0, 0.25 * s0, tl.where(p1, (R[7] - R[5]) / s1,
+                 tl.where(p2, (R[2] - R[6]) / s2, (R[3] - R[1]) / s3)))
+    x = tl.where(p0, (R[7] - R[5]) / s0, tl.where(p1, 0.25 * s1,
+                 tl.where(p2, (R[1] + R[3]) / s2, (R[2] + R[6]) / s3)))
+    y = tl.where(p0, (R[2] - R[6]) / s0, tl.where(p1, (R[1] + R[3]) / s1,
+                 tl.where(p2, 0.25 * s2, (R[5] + R[7]) / s3)))
+    z = tl.where(p0, (R[3] - R[1]) / s0, tl.where(p1, (R[2] + R[6]) / s1,
+                 tl.where(p2, (R[5] + R[7]) / s2, 0.25 * s3)))
+    n = tl.sqrt(w * w + x * x + y * y + z * z)
+    sign = tl.where(w < 0, -1.0, 1.0) / n
+    return w * sign, x * sign, y * sign, z * sign
+
+
+@triton.jit
+def _half_angle(s, w):
+    """``atan2(s, w)`` for ``s, w ≥ 0`` with ``s² + w² = 1`` (Triton has no arctangent).
+
+    From ``atan(a) ≈ a`` (error ≤ 0.215 rad), three Newton steps on the unit circle,
+    ``φ += tan(φ* − φ)``, each shrinking the error e to ``e³/3``: 0.215 → 3e-3 → 1e-8 → 1e-24.
+    For small angles the start ``s/w`` is already within ``(s/w)³/3`` and the correction
+    keeps the relative accuracy.
+    """
+    phi = tl.where(s <= w, s / tl.maximum(w, 1e-300),
+                   1.5707963267948966 - w / tl.maximum(s, 1e-300))
+    for _ in tl.static_range(3):
+        cs = tl.cos(phi)
+        sn = tl.sin(phi)
+        den = s * sn + w * cs
+        phi = phi + (s * cs - w * sn) / tl.where(den > 0, den, 1.0)
+    return phi
+
+
+@triton.jit
+def so3_log(R):
+    """``_math.so3_log``: R a 9-tuple (row-major) → its rotation vector (|ω| ≤ π), a 3-tuple.
+
+    Through the quaternion (stable near 0 and near π): ``ω = v · 2 atan2(|v|, w) / |v|``,
+    and ``2 v / w`` for ``|v| ≤ 1e-12``.
+    """
+    qw, qx, qy, qz = rot_to_quat(R)
+    w = tl.minimum(tl.maximum(qw, -1.0), 1.0)
+    s = tl.sqrt(qx * qx + qy * qy + qz * qz)
+    angle = 2.0 * _half_angle(s, w)
+    k = tl.where(s > 1e-12, angle / tl.maximum(s, 1e-30), 2.0 / tl.maximum(w, 1e-30))
+    return qx * k, qy * k, qz * k
+
+
 # ---- Horn's closed form -----------------------------------------------------------------
 
 
