@@ -58,7 +58,8 @@ def _case(seed: int, K: int, B: int):
               "sums": 100.0 * torch.rand(B, 30, generator=g, dtype=torch.float64),
               "flags": flags}
     consts = {"origin": origin, "n_valid": torch.full((B,), 120.0, dtype=torch.float64),
-              "scale": 0.5 + torch.rand(B, generator=g, dtype=torch.float64)}
+              "scale": 0.5 + torch.rand(B, generator=g, dtype=torch.float64),
+              "pivot": torch.randn(B, 3, generator=g, dtype=torch.float64)}
     return state, record, consts, 0.5
 
 
@@ -105,7 +106,7 @@ def test_reference_branches():
     assert torch.equal(out["T"][reject], state["fallback"][reject])
     assert (out["count"][reject] == 0).all()
     keep = ~reject
-    x = anderson.to_vector(state["T"], consts["origin"], consts["scale"])
+    x = anderson.to_vector(state["T"], consts["origin"], consts["scale"], consts["pivot"])
     torch.testing.assert_close(out["x_hist"][keep, -1], x[keep], rtol=0, atol=0)
     assert torch.equal(out["x_hist"][keep, :-1], state["x_hist"][keep, 1:])
 

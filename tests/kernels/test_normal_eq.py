@@ -400,8 +400,9 @@ def test_icp_cpu_backend_equals_torch_backend(backend, bunny_scans):
     for be in ("cpu", "torch"):
         with selected(be):
             for m in ("point_to_point", "point_to_plane"):
+                # plain: acceleration's extrapolation would amplify the rounding compared
                 out[be, m] = pa.icp(s, t, max_correspondence_distance=0.05, method=m,
-                                    criteria=crit, device="cpu")
+                                    criteria=crit, device="cpu", acceleration=False)
     for m in ("point_to_point", "point_to_plane"):
         a, b = out["cpu", m], out["torch", m]
         # float64 sums in another order, float32 normals (point-to-plane) and distance ties

@@ -420,13 +420,20 @@ def test_chunked_loop_matches_max_iterations(bunny, seed):
     p = datasets.make_pair(bunny, 10.0, 0.02, noise=5e-4, seed=seed)
     crit = ConvergenceCriteria(max_iterations=13, relative_fitness=0, relative_rmse=0,
                                translation_tolerance=0, rotation_tolerance=0)
-    res = icp(p.source, p.target, max_correspondence_distance=0.02, criteria=crit, device="cpu")
+    res = icp(p.source, p.target, max_correspondence_distance=0.02, criteria=crit, device="cpu",
+              acceleration=False)
     assert res.iterations == 13 and res.stop_reason == "max_iterations"
     assert len(res.history) == 14 and res.info["device_steps"] == 14
+    # accelerated: the cap counts iterations, not the steps a rejected point costs
+    fast = icp(p.source, p.target, max_correspondence_distance=0.02, criteria=crit,
+               device="cpu")
+    assert fast.iterations == 13 and fast.stop_reason == "max_iterations"
+    assert len(fast.history) == 14 and fast.info["device_steps"] >= 14
     one = icp(p.source, p.target, max_correspondence_distance=0.02, device="cpu",
               criteria=ConvergenceCriteria(max_iterations=13, relative_fitness=0,
                                            relative_rmse=0, translation_tolerance=0,
-                                           rotation_tolerance=0), init=np.eye(4))
+                                           rotation_tolerance=0), init=np.eye(4),
+              acceleration=False)
     np.testing.assert_allclose(res.transformation, one.transformation, atol=1e-12)
 
 

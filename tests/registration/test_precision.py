@@ -36,20 +36,29 @@ def small_pair():
 def test_icp_far_from_origin_equals_unshifted(small_pair, method, offset):
     s, t = small_pair
     o = np.array([offset, -0.5 * offset, 0.25 * offset])
-    ref = icp(s, t, max_correspondence_distance=0.02, method=method, criteria=CRIT,
-              device="cpu")
     ot = torch.from_numpy(o)
-    far = icp(s + ot, t + ot, max_correspondence_distance=0.02, method=method, criteria=CRIT,
-              device="cpu")
+    x = (s + ot).numpy()
+    moved = lambda T: x @ T[:3, :3].T + T[:3, 3]  # noqa: E731
+    extent = float(np.ptp(s.numpy(), axis=0).max())
+    kw = dict(max_correspondence_distance=0.02, method=method, criteria=CRIT, device="cpu")
+    ref = icp(s, t, acceleration=False, **kw)
+    far = icp(s + ot, t + ot, acceleration=False, **kw)
     assert far.iterations == ref.iterations and far.converged == ref.converged
     back = _shift(ref.transformation, o)
     # the two poses move every (shifted) source point to the same place, to 1e-6 of the
     # cloud's extent (the rotation alone differs by ~1e-9 rad: float32 rounding)
-    x = (s + ot).numpy()
-    moved = lambda T: x @ T[:3, :3].T + T[:3, 3]  # noqa: E731
-    extent = float(np.ptp(s.numpy(), axis=0).max())
     assert np.abs(moved(far.transformation) - moved(back)).max() <= 1e-6 * extent
     assert abs(far.rmse - ref.rmse) <= 1e-6 * ref.rmse
+    if method == "point_to_point":
+        # accelerated (the default): the extrapolation and the safeguard's energy test
+        # amplify that rounding (at 10⁶ m one step more, measured 1.4e-5 of the extent),
+        # within what the relative-change rule (1e-6) resolves
+        ref = icp(s, t, **kw)
+        far = icp(s + ot, t + ot, **kw)
+        assert ref.converged and far.converged and abs(far.iterations - ref.iterations) <= 2
+        back = _shift(ref.transformation, o)
+        assert np.abs(moved(far.transformation) - moved(back)).max() <= 1e-4 * extent
+        assert abs(far.rmse - ref.rmse) <= 1e-4 * ref.rmse
 
 
 @pytest.mark.parametrize(("offset", "coarse"), [(1e3, False), (1e5, True)])

@@ -11,10 +11,11 @@ cancel best::
 
 with ``ΔF``, ``ΔG`` the differences of consecutive residuals and images (``m`` columns).
 For ICP the pose is parametrised relative to the initial pose ``T₀`` as
-``x = (ω, t / s)`` of ``T T₀⁻¹``: its rotation vector and its translation scaled by the
-target's extent ``s`` (both then of order one, and far from the rotation vector's wrap at
-π whatever the initial pose; Pavlov et al., "AA-ICP", ICRA 2018; Zhang et al., "Fast and
-robust iterative closest point", PAMI 2021).
+``x = (ω, (t + R c − c) / s)`` of ``T T₀⁻¹ = (R, t)``: its rotation vector and the move of
+the target's centroid ``c``, scaled by the target's extent ``s`` (both then of order one,
+far from the rotation vector's wrap at π whatever the initial pose, and the same in
+whatever frame the caller's coordinates put the problem; Pavlov et al., "AA-ICP", ICRA
+2018; Zhang et al., "Fast and robust iterative closest point", PAMI 2021).
 
 An accelerated point is not guaranteed to be better. The safeguard of Zhang et al.: the
 next step evaluates the energy at the accelerated point (its correspondence search is
@@ -37,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from pointalign.kernels import _loop
@@ -64,12 +66,14 @@ class AndersonStep:
     history: int = DEFAULT_HISTORY
 
     def prepare(self, inputs: _loop.Tensors, state: _loop.Tensors, n_valid: torch.Tensor,
-                scale: torch.Tensor) -> tuple[_loop.Tensors, _loop.Tensors]:
+                scale: torch.Tensor, pivot: torch.Tensor
+                ) -> tuple[_loop.Tensors, _loop.Tensors]:
         """Return the inner step's inputs and state with what acceleration adds.
 
         Inputs gain the constants ``origin`` (the initial pose), ``n_valid (B,)`` (valid
-        source points, for the energy) and ``scale (B,)`` (the extent the translation is
-        divided by); the state gains the history and the safeguard's memory.
+        source points, for the energy), ``scale (B,)`` (the extent the translation is
+        divided by) and ``pivot (B, 3)`` (the target's centroid, which the translation is
+        seen from); the state gains the history and the safeguard's memory.
         """
         T = state["T"]
         B, dev = T.shape[0], T.device
@@ -77,7 +81,8 @@ class AndersonStep:
         eye = torch.eye(4, dtype=torch.float64, device=dev).repeat(B, 1, 1)
         inputs = dict(inputs, origin=T.clone(),
                       n_valid=n_valid.to(device=dev, dtype=torch.float64),
-                      scale=scale.to(device=dev, dtype=torch.float64))
+                      scale=scale.to(device=dev, dtype=torch.float64),
+                      pivot=pivot.to(device=dev, dtype=torch.float64))
         state = dict(state,
                      x_hist=torch.zeros(B, k, 6, dtype=torch.float64, device=dev),
                      g_hist=torch.zeros(B, k, 6, dtype=torch.float64, device=dev),
@@ -94,10 +99,33 @@ class AndersonStep:
         """
         inner_state = {k: state[k] for k in ("T", "Tf", "hint") if k in state}
         new, rec = self.inner(inputs, inner_state)
-        consts = {k: inputs[k] for k in ("origin", "n_valid", "scale")}
+        consts = {k: inputs[k] for k in ("origin", "n_valid", "scale", "pivot")}
         updated, accel = anderson_update(state, rec, consts, self.tau2)
         out = dict(new)
         out.update(updated)
         if "hint" in state and "hint" not in new:
             out["hint"] = state["hint"]
         return out, dict(rec, **accel)
+
+
+def accelerated(step: Any, inputs: _loop.Tensors, state: _loop.Tensors, pair: Any,
+                tau: float) -> tuple[AndersonStep, _loop.Tensors, _loop.Tensors]:
+    """Wrap ``step`` for the problems of ``pair`` (a prepared :class:`~._edge.Pair`).
+
+    ``tau`` is the correspondence bound of the truncated energy. Returns the accelerated
+    step with its inputs and state (:meth:`AndersonStep.prepare`).
+    """
+    acc = AndersonStep(step, tau * tau)
+    inputs, state = acc.prepare(inputs, state, *(
+        torch.from_numpy(np.asarray(a, np.float64))
+        for a in (pair.source_counts, pair.extent, pair.centroid)))
+    return acc, inputs, state
+
+
+def max_steps(step: Any, iterations: int) -> int:
+    """Return the most steps ``iterations`` counted iterations may take.
+
+    A rejected point is a step but no iteration, and follows an accepted one, so an
+    accelerated run takes at most ``2 · iterations + 1`` steps.
+    """
+    return (2 * iterations if isinstance(step, AndersonStep) else iterations) + 1

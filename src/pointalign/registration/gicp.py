@@ -42,7 +42,7 @@ from pointalign import _threads, _validate, estimate
 from pointalign.kernels import _first_use, _loop, upload
 from pointalign.kernels import gicp as _kg
 from pointalign.kernels import ransac as _kr
-from pointalign.registration import _edge, checks
+from pointalign.registration import _edge, anderson, checks
 from pointalign.registration.criteria import (
     ConvergenceCriteria,
     RobustKernel,
@@ -241,7 +241,8 @@ class _Levels:
         rules = _Rules(self.crit, pair.source_counts.astype(np.float64), self.T.copy(),
                        self.crit.translation_for(pair.extent))
         t_it = time.perf_counter()
-        run = _loop.iterate(step, inputs, state, max_steps=int(self.crit.max_iterations) + 1)
+        run = _loop.iterate(step, inputs, state,
+                            max_steps=anderson.max_steps(step, int(self.crit.max_iterations)))
         for record in run:
             if rules(record):
                 break
@@ -302,6 +303,7 @@ def gicp(
     target_covariances: Any = None,
     source_lengths: Any = None,
     target_lengths: Any = None,
+    acceleration: bool = False,
 ) -> RegistrationResult:
     """Register ``source`` to ``target`` by generalized ICP; returns ``T_target_source``.
 
@@ -343,6 +345,8 @@ def gicp(
         source_covariances: ``(N, 3, 3)`` / ``(B, N, 3, 3)`` source covariances (in the
             source's frame), e.g. from ``estimate_covariances``.
         target_covariances: ``(M, 3, 3)`` / ``(B, M, 3, 3)`` target covariances.
+        acceleration: Anderson acceleration of the iteration, as :func:`icp`'s (its
+            safeguard on the truncated point-to-point energy).
         source_lengths: ``(B,)`` valid source points per padded batch entry.
         target_lengths: ``(B,)`` valid target points per padded batch entry.
         num_threads: CPU threads for this call (:func:`pointalign.threads`); None: the
@@ -388,7 +392,10 @@ def gicp(
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)
     levels = _Levels(pair, crit, pair.init)
-    levels.run(GicpStep(idxs, max_dist, True, rk.kind, float(rk.k)), inputs, state)
+    step: Any = GicpStep(idxs, max_dist, True, rk.kind, float(rk.k))
+    if acceleration:
+        step, inputs, state = anderson.accelerated(step, inputs, state, pair, max_dist)
+    levels.run(step, inputs, state)
     info = {"method": "gicp", "index": type(getattr(idxs[0], "index", idxs[0])).__name__}
     return levels.result(clock, t_start, info)
 

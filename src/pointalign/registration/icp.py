@@ -35,9 +35,8 @@ from pointalign import _math, _progress, _threads, _validate, estimate, transfor
 from pointalign.kernels import _first_use, _loop, features, normal_eq, upload
 from pointalign.kernels import ransac as _kr
 from pointalign.kernels import stability as probe
-from pointalign.registration import _edge, checks
+from pointalign.registration import _edge, anderson, checks
 from pointalign.registration._edge import StopReason
-from pointalign.registration.anderson import AndersonStep
 from pointalign.registration.criteria import (
     ConvergenceCriteria,
     RobustKernel,
@@ -110,13 +109,6 @@ class IcpStep:
         return new, {"sums": sums, "update": D, "T": T_new, "flags": flags}
 
 
-def _angle(R: np.ndarray) -> np.ndarray:
-    """Rotation angles (radians) of ``R (..., 3, 3)``, accurate near 0."""
-    s = 0.5 * np.linalg.norm(np.stack([R[..., 2, 1] - R[..., 1, 2], R[..., 0, 2] - R[..., 2, 0],
-                                       R[..., 1, 0] - R[..., 0, 1]], -1), axis=-1)
-    return np.arctan2(s, 0.5 * (np.trace(R, axis1=-2, axis2=-1) - 1))
-
-
 @dataclass
 class _Rules:
     """The stopping rules, applied to each step's record for B problems at once.
@@ -152,13 +144,13 @@ class _Rules:
         cnt = s[:, 28]
         fit = cnt / self.n_src
         rmse = np.where(cnt > 0, np.sqrt(s[:, 29] / np.maximum(cnt, 1)), np.inf)
+        ok = rec.get("accepted", np.ones(len(cnt), dtype=bool)).astype(bool)
         if self.step == 0:
             self.fitness, self.rmse, self.sums, self.count = fit, rmse, s.copy(), cnt
             self._stop(cnt == 0, StopReason.NO_CORRESPONDENCES)
         else:
             D, T_next, flags = self.pending
             # an accelerated pose whose energy rose is discarded (registration/anderson.py)
-            ok = rec.get("accepted", np.ones(len(cnt), dtype=bool)).astype(bool)
             self.rank_deficient |= self.active & ok & (flags[:, 0] == 0)
             self._stop(ok & (flags[:, 1] == 0), StopReason.DEGENERATE)
             act = self.active & ok
@@ -169,14 +161,17 @@ class _Rules:
             self.sums[act], self.count = s[act], np.where(act, cnt, self.count)
             c = self.crit
             self._stop(ok & (cnt == 0), StopReason.NO_CORRESPONDENCES)
-            self._stop(ok & (_angle(D[:, :3, :3]) < c.rotation_tolerance)
+            self._stop(ok & (transforms.rotation_angle(torch.from_numpy(D[:, :3, :3])).numpy()
+                             < c.rotation_tolerance)
                        & (np.linalg.norm(D[:, :3, 3], axis=-1) < self.translation_tolerance),
                        StopReason.SMALL_UPDATE)
             self._stop(ok & (np.abs(self.fitness - prev_fit) < c.relative_fitness)
                        & (np.abs(self.rmse - prev_rmse) / np.maximum(prev_rmse, 1e-300)
                           < c.relative_rmse), StopReason.RELATIVE_CHANGE)
-        self.history.append({"iteration": self.step, "fitness": self.fitness.copy(),
-                             "rmse": self.rmse.copy(), "correspondences": self.count.copy()})
+            self._stop(self.iterations >= c.max_iterations, StopReason.MAX_ITERATIONS)
+        if self.step == 0 or ok.any():  # a rejected accelerated pose is not an iteration
+            self.history.append({"iteration": len(self.history), "fitness": self.fitness.copy(),
+                                 "rmse": self.rmse.copy(), "correspondences": self.count.copy()})
         self.pending = (rec["update"], rec["T"], rec["flags"])
         self.step += 1
         return not self.active.any()
@@ -474,7 +469,7 @@ def icp(
     target_normals: Any = None,
     source_lengths: Any = None,
     target_lengths: Any = None,
-    acceleration: bool = False,
+    acceleration: bool | None = None,
 ) -> RegistrationResult:
     """Register ``source`` to ``target`` by ICP; returns ``T_target_source``.
 
@@ -522,7 +517,8 @@ def icp(
         target_lengths: ``(B,)`` valid target points per padded batch entry.
         acceleration: Anderson acceleration of the iteration with an energy safeguard
             (:mod:`pointalign.registration.anderson`): fewer iterations from far away; a
-            rejected accelerated step costs one iteration and is not counted.
+            rejected accelerated step costs a step and is no iteration. Default: on for
+            point-to-point (it crawls along flat valleys), off for point-to-plane (BENCHMARKS).
         num_threads: CPU threads for this call (:func:`pointalign.threads`); None: the
             process setting.
 
@@ -572,15 +568,14 @@ def icp(
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)
     step: Any = IcpStep(idxs, max_dist, plane, rk.kind, float(rk.k))
-    if acceleration:
-        step = AndersonStep(step, max_dist * max_dist)
-        inputs, state = step.prepare(inputs, state, torch.from_numpy(pair.source_counts),
-                                     torch.from_numpy(np.asarray(pair.extent, np.float64)))
+    if (not plane) if acceleration is None else acceleration:
+        step, inputs, state = anderson.accelerated(step, inputs, state, pair, max_dist)
     assert pair.extent is not None  # set by prepare_pair
     rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy(),
                    crit.translation_for(pair.extent))
     t_it = time.perf_counter()
-    run = _loop.iterate(step, inputs, state, max_steps=int(crit.max_iterations) + 1)
+    run = _loop.iterate(step, inputs, state,
+                        max_steps=anderson.max_steps(step, crit.max_iterations))
     for record in _progress.track(run, "ICP", total=int(crit.max_iterations),
                                   delay=_progress.LIBRARY_DELAY):
         if rules(record):

@@ -13,14 +13,16 @@ for B problems, every pose float64 ``(B, 4, 4)``:
 * ``record`` (the plain step at ``T``): ``sums (B, 30)`` (:mod:`.normal_eq`'s layout:
   ``[28]`` correspondences, ``[29]`` their squared distances), ``update`` D, ``T`` the
   plain image ``D T``, ``flags (B, 2)`` int32 (``[1]``: the update is usable).
-* ``consts``: ``origin`` the initial pose, ``n_valid (B,)`` and ``scale (B,)`` float64.
+* ``consts``: ``origin`` the initial pose, ``n_valid (B,)`` and ``scale (B,)`` float64,
+  ``pivot (B, 3)`` float64 the point the translation is seen from (the target's centroid).
 * ``tau2``: the squared correspondence bound of the truncated energy.
 
 Returns ``(state', record')``: ``state'`` has ``state``'s keys (and ``Tf``, the next pose
 as float32); ``record'`` holds the next pose ``T``, the ``update`` the stopping rules read
 and ``accepted (B,)`` bool. The method is :mod:`pointalign.registration.anderson`'s: the
-pose vector ``x = (ω, t / scale)`` of ``T origin⁻¹``, the ridge-regularised combination
-of the filled history (:data:`.reference.RIDGE`), the energy safeguard.
+pose vector ``x = (ω, (t + R c − c) / scale)`` of ``T origin⁻¹ = (R, t)`` (``c`` the
+pivot), the ridge-regularised combination of the filled history
+(:data:`.reference.RIDGE`), the energy safeguard.
 
 The kernel solves the small Gram system by Cholesky where the spec uses LU: for the
 ridge-regularised positive definite systems the two agree to ~κ u.

@@ -16,22 +16,27 @@ RIDGE = 1e-10
 Tensors = dict[str, torch.Tensor]
 
 
-def to_vector(T: torch.Tensor, origin: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def to_vector(T: torch.Tensor, origin: torch.Tensor, scale: torch.Tensor,
+              pivot: torch.Tensor) -> torch.Tensor:
     """Map a pose ``T (B, 4, 4)`` to ``x (B, 6)``, relative to ``origin (B, 4, 4)``.
 
-    ``x`` is the rotation vector and the translation divided by ``scale (B,)`` of
-    ``T origin⁻¹``.
+    ``x`` is the rotation vector of ``T origin⁻¹`` and its translation as seen from
+    ``pivot (B, 3)`` (``t + R c − c``: the move of the pivot), divided by ``scale (B,)``.
+    About the target's centroid the vector, and so the combination, is the same in any
+    frame the caller's coordinates put the problem in.
     """
     R = T[:, :3, :3] @ origin[:, :3, :3].transpose(1, 2)
     t = T[:, :3, 3] - (R @ origin[:, :3, 3:])[..., 0]
+    t = t + (R @ pivot[..., None])[..., 0] - pivot
     return torch.cat([_math.so3_log(R), t / scale[:, None]], -1)
 
 
-def from_vector(x: torch.Tensor, origin: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def from_vector(x: torch.Tensor, origin: torch.Tensor, scale: torch.Tensor,
+                pivot: torch.Tensor) -> torch.Tensor:
     """Map ``x (B, 6)`` back to a pose ``T (B, 4, 4)``: the inverse of :func:`to_vector`."""
     D = torch.eye(4, dtype=x.dtype, device=x.device).repeat(x.shape[0], 1, 1)
     D[:, :3, :3] = _math.so3_exp(x[:, :3])
-    D[:, :3, 3] = x[:, 3:] * scale[:, None]
+    D[:, :3, 3] = x[:, 3:] * scale[:, None] - (D[:, :3, :3] @ pivot[..., None])[..., 0] + pivot
     return D @ origin
 
 
@@ -80,14 +85,14 @@ def anderson_update_reference(state: Tensors, record: Tensors, consts: Tensors, 
                               ) -> tuple[Tensors, Tensors]:
     """Apply the safeguard, shift the history, combine (contract of ``anderson_update``)."""
     T, T_plain = state["T"], record["T"]
-    origin, scale = consts["origin"], consts["scale"]
+    origin, scale, pivot = consts["origin"], consts["scale"], consts["pivot"]
     k = state["x_hist"].shape[1]
     energy = truncated_energy(record["sums"], consts["n_valid"], tau2)
     reject = state["accelerated"] & (energy > state["energy"])
     keep = ~reject
 
     # the history gains (x, G(x)) of an accepted pose; a rejection restarts it
-    x, g = to_vector(T, origin, scale), to_vector(T_plain, origin, scale)
+    x, g = to_vector(T, origin, scale, pivot), to_vector(T_plain, origin, scale, pivot)
     x_hist = torch.cat([state["x_hist"][:, 1:], x[:, None]], 1)
     g_hist = torch.cat([state["g_hist"][:, 1:], g[:, None]], 1)
     count = torch.where(keep, (state["count"] + 1).clamp_max(k),
@@ -95,7 +100,7 @@ def anderson_update_reference(state: Tensors, record: Tensors, consts: Tensors, 
     accel = anderson_point(x_hist, g_hist, count.clamp_min(1))
     usable = record["flags"][:, 1] > 0
     go = keep & usable & (count >= 2) & torch.isfinite(accel).all(-1)
-    T_next = torch.where(go[:, None, None], from_vector(accel, origin, scale), T_plain)
+    T_next = torch.where(go[:, None, None], from_vector(accel, origin, scale, pivot), T_plain)
     T_next = torch.where(reject[:, None, None], state["fallback"], T_next)
     update = torch.where(reject[:, None, None], state["fallback_update"], record["update"])
     out = {"T": T_next, "Tf": T_next.to(torch.float32),

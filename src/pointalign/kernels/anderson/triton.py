@@ -30,25 +30,28 @@ def _load_pose(ptr):
 
 
 @triton.jit
-def _to_vector(T, Q, scale):
-    """``reference.to_vector`` of one pose: ``(ω, t / scale)`` of ``T Q⁻¹``, a 6-tuple."""
+def _to_vector(T, Q, scale, c):
+    """``reference.to_vector`` of one pose (``c`` the pivot, a 3-tuple): a 6-tuple."""
     R = [T[4 * (e // 3)] * Q[4 * (e % 3)] + T[4 * (e // 3) + 1] * Q[4 * (e % 3) + 1]
          + T[4 * (e // 3) + 2] * Q[4 * (e % 3) + 2] for e in (0, 1, 2, 3, 4, 5, 6, 7, 8)]
     t = [T[4 * i + 3] - (R[3 * i] * Q[3] + R[3 * i + 1] * Q[7] + R[3 * i + 2] * Q[11])
+         + (R[3 * i] * c[0] + R[3 * i + 1] * c[1] + R[3 * i + 2] * c[2]) - c[i]
          for i in (0, 1, 2)]
     w0, w1, w2 = tm.so3_log(R)
     return w0, w1, w2, t[0] / scale, t[1] / scale, t[2] / scale
 
 
 @triton.jit
-def _from_vector(a, Q, scale):
+def _from_vector(a, Q, scale, c):
     """``reference.from_vector``: the pose ``D Q`` of a 6-tuple ``a``, a 16-tuple."""
     Rd = tm.so3_exp(a[0], a[1], a[2])
+    td = [a[3 + i] * scale - (Rd[3 * i] * c[0] + Rd[3 * i + 1] * c[1] + Rd[3 * i + 2] * c[2])
+          + c[i] for i in (0, 1, 2)]
     top = [Rd[3 * (e // 4)] * Q[e % 4] + Rd[3 * (e // 4) + 1] * Q[4 + e % 4]
            + Rd[3 * (e // 4) + 2] * Q[8 + e % 4] for e in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)]
-    return (top[0], top[1], top[2], top[3] + a[3] * scale,
-            top[4], top[5], top[6], top[7] + a[4] * scale,
-            top[8], top[9], top[10], top[11] + a[5] * scale,
+    return (top[0], top[1], top[2], top[3] + td[0],
+            top[4], top[5], top[6], top[7] + td[1],
+            top[8], top[9], top[10], top[11] + td[2],
             Q[12], Q[13], Q[14], Q[15])
 
 
@@ -122,7 +125,7 @@ def _combination(X, G, X_up, G_up, filled, ridge_rel, K: tl.constexpr):
     return g_last - tl.sum(dG * gamma[:, None], axis=0)
 
 
-def _anderson_kernel(T_ptr, P_ptr, D_ptr, sums_ptr, flags_ptr, O_ptr, nv_ptr, sc_ptr,
+def _anderson_kernel(T_ptr, P_ptr, D_ptr, sums_ptr, flags_ptr, O_ptr, nv_ptr, sc_ptr, pv_ptr,
                      xh_ptr, gh_ptr, cnt_ptr, en_ptr, acc_ptr, fb_ptr, fbu_ptr,
                      Tn_ptr, Tf_ptr, xo_ptr, go_ptr, cnto_ptr, eno_ptr, acco_ptr, fbo_ptr,
                      fbuo_ptr, upd_ptr, ok_ptr, tau2, ridge_rel, K: tl.constexpr):
@@ -140,8 +143,9 @@ def _anderson_kernel(T_ptr, P_ptr, D_ptr, sums_ptr, flags_ptr, O_ptr, nv_ptr, sc
     # the history gains (x, G(x)); older slots move up one row
     Q = _load_pose(O_ptr + b * 16)
     scale = tl.load(sc_ptr + b)
-    x = _to_vector(_load_pose(T_ptr + b * 16), Q, scale)
-    g = _to_vector(_load_pose(P_ptr + b * 16), Q, scale)
+    pivot = [tl.load(pv_ptr + b * 3 + k) for k in (0, 1, 2)]
+    x = _to_vector(_load_pose(T_ptr + b * 16), Q, scale, pivot)
+    g = _to_vector(_load_pose(P_ptr + b * 16), Q, scale, pivot)
     hmask = (r < K) & (c < 6)
     hoff = b * (K * 6) + r * 6 + c
     X0 = tl.load(xh_ptr + hoff, mask=hmask, other=0.0)
@@ -162,7 +166,7 @@ def _anderson_kernel(T_ptr, P_ptr, D_ptr, sums_ptr, flags_ptr, O_ptr, nv_ptr, sc
                              1, 0), axis=0) == 0
     go = keep & (tl.load(flags_ptr + b * 2 + 1) != 0) & (count >= 2) & finite
     a = [tm._pick(accel, i, k) for k in (0, 1, 2, 3, 4, 5)]
-    T_acc = _vector(_from_vector(a, Q, scale), e16, 16)
+    T_acc = _vector(_from_vector(a, Q, scale, pivot), e16, 16)
     P = tl.load(P_ptr + b * 16 + e16)
     D = tl.load(D_ptr + b * 16 + e16)
     FB = tl.load(fb_ptr + b * 16 + e16)
@@ -214,7 +218,7 @@ def anderson_update(state: dict[str, torch.Tensor], record: dict[str, torch.Tens
         pose(T), pose(record["T"]), pose(record["update"]),
         record["sums"].to(f64).contiguous(), record["flags"].to(torch.int32).contiguous(),
         pose(consts["origin"]), consts["n_valid"].to(f64).contiguous(),
-        consts["scale"].to(f64).contiguous(),
+        consts["scale"].to(f64).contiguous(), consts["pivot"].to(f64).contiguous(),
         state["x_hist"].contiguous(), state["g_hist"].contiguous(), state["count"].contiguous(),
         state["energy"].contiguous(), state["accelerated"].contiguous().view(torch.uint8),
         pose(state["fallback"]), pose(state["fallback_update"]),

@@ -10,12 +10,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _threads, _validate, estimate
+from pointalign import _threads, _validate, estimate, transforms
 from pointalign.kernels import _loop, normal_eq
 from pointalign.kernels import surface as _ks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
-from pointalign.registration.icp import _angle
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.surface.levels import LevelSchedule
 from pointalign.registration.surface.problem import (
@@ -125,7 +124,8 @@ class _CellMeanRules:
         disp = _rms_displacement(D, self.T, self.prob)
         # ICP's host form of transforms.rotation_angle: NumPy, ~5 µs a step (the tensor
         # form is ~60 small PyTorch ops, ~100 times that: new work in every step)
-        rot, trans = float(_angle(D[:3, :3])), float(np.linalg.norm(D[:3, 3]))
+        rot = float(transforms.rotation_angle(torch.from_numpy(D[:3, :3])))
+        trans = float(np.linalg.norm(D[:3, 3]))
         self.T_prev, self.fit_prev = self.T, fit
         self.T = rec["T"][0]
         self.history.append({"rmse": rmse, "fitness": fit, "rotation": rot,
