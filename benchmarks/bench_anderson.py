@@ -4,7 +4,9 @@ The problems of ``bench_icp.py``'s convergence table: bun045 -> bun000 from the 
 (about 34 deg), and bun000 upsampled to 100k / 1M points moved by 10 deg / 2 cm with 0.5 mm
 noise. Point-to-point and point-to-plane, max correspondence distance 5 cm, Open3D's rule
 (relative fitness and RMSE 1e-6) with a cap of 100 iterations; each row plain
-(``acceleration=False``) and accelerated (``acceleration=True``) side by side.
+(``acceleration=False``) and accelerated (``acceleration=True``) side by side. A second
+table runs GICP the same way (``gicp(acceleration=)``) on ``bench_gicp.py``'s KITTI pair
+(0.25 m voxels and full resolution), its first bunny pair and, on a GPU, its 1M pair.
 
     python benchmarks/bench_anderson.py                  # CUDA when present: bunny, 100k, 1M
     python benchmarks/bench_anderson.py --device cpu --quick
@@ -19,11 +21,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_gicp  # noqa: E402
 from bench_icp import MAX_DIST, problems  # noqa: E402
 from common import Recorder, parse_args, timeit  # noqa: E402
 
 from pointalign import metrics  # noqa: E402
 from pointalign.registration.criteria import ConvergenceCriteria  # noqa: E402
+from pointalign.registration.gicp import gicp  # noqa: E402
 from pointalign.registration.icp import icp  # noqa: E402
 
 
@@ -55,7 +59,37 @@ def main() -> None:
             row["speedup"] = round(row["plain_ms"] / row["aa_ms"], 2)
             print(row, flush=True)
             rec.add("anderson", **row)
+    gicp_rows(rec, dev, crit, args.quick)
     print("wrote", rec.save())
+
+
+def gicp_rows(rec: Recorder, dev: torch.device, crit: ConvergenceCriteria, quick: bool) -> None:
+    """The ``gicp`` table: plain against accelerated GICP on bench_gicp's cases."""
+    wanted = ("kitti 00 1->0 (0.25 m)", "kitti 00 1->0 (full)", "bunny 1M 10deg")
+    first = True
+    for case in bench_gicp.cases(quick, dev.type == "cuda"):
+        if not (case.name in wanted or (first and case.name.startswith("bunny"))):
+            continue
+        first = first and not case.name.startswith("bunny")
+        s, t = case.source.to(dev), case.target.to(dev)
+        row = dict(problem=case.name, n=int(s.shape[0]), method="gicp")
+        for label, acc in (("plain", False), ("aa", True)):
+            def call(acc=acc, s=s, t=t, case=case):
+                return gicp(s, t, init=case.init, max_correspondence_distance=case.dist,
+                            k=bench_gicp.K, criteria=crit, device=dev, acceleration=acc)
+
+            res = call()
+            tm = timeit(call, warmup=1, repeat=3 if (quick or s.shape[0] > 200_000
+                                                     or dev.type == "cpu") else 7, device=dev)
+            rot, trans = metrics.relative_error(res.transformation, case.truth)
+            row.update({f"{label}_iterations": res.iterations,
+                        f"{label}_stop": res.stop_reason,
+                        f"{label}_ms": round(1e3 * tm["median_s"], 2),
+                        f"{label}_rot_deg": round(float(rot), 4),
+                        f"{label}_trans_mm": round(1e3 * float(trans), 3)})
+        row["speedup"] = round(row["plain_ms"] / row["aa_ms"], 2)
+        print(row, flush=True)
+        rec.add("gicp", **row)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -367,3 +368,20 @@ def test_symmetric_eigh2_and_solve_spd4(rng):
     M[0] = -torch.eye(4, dtype=torch.float64)
     x = _math.solve_spd4(M, r)
     assert torch.isnan(x[0]).all() and torch.isfinite(x[1:]).all()
+
+
+def test_numpy_twins_match_spec():
+    """``kernels._np_math`` (the CPU backend's host steps) against the spec: the rotations of
+    ``_omegas`` (0, 180°, the Taylor branch, just above it, random)."""
+    from pointalign.kernels import _np_math
+
+    w = _omegas(torch.Generator().manual_seed(0))
+    R = _math.so3_exp(w)
+    np.testing.assert_allclose(_np_math.so3_exp(w.numpy()), R.numpy(), atol=1e-15, rtol=0)
+    np.testing.assert_allclose(_np_math.rot_to_quat(R.numpy()), _math.rot_to_quat(R).numpy(),
+                               atol=1e-15, rtol=0)
+    log = _np_math.so3_log(R.numpy())
+    rest = [i for i in range(40) if i != 1]  # 180°: ±ω both; compare the rotations there
+    np.testing.assert_allclose(log[rest], _math.so3_log(R).numpy()[rest], atol=1e-14,
+                               rtol=1e-14)
+    np.testing.assert_allclose(_np_math.so3_exp(log), R.numpy(), atol=1e-14, rtol=0)

@@ -332,14 +332,18 @@ def test_recovers_on_device_and_matches_cpu(bunny, seed, method, index_method, d
         ix = build_index(p.target.to(device), index_method, max_distance=0.02)
     except (ValueError, ImportError) as exc:
         pytest.skip(f"index {index_method} unavailable: {exc}")
-    res = icp(p.source.to(device), p.target.to(device), max_correspondence_distance=0.02,
-              method=method, criteria=CRIT, index=ix, init=np.eye(4))  # host init is fine
+    kw = dict(max_correspondence_distance=0.02, method=method, criteria=CRIT)
+    res = icp(p.source.to(device), p.target.to(device), index=ix, init=np.eye(4),  # host init
+              **kw)
     assert res.transformation_tensor.device.type == device
     rot, trans = _err(res, p.T_target_source)
     assert rot < 0.5 and trans < 2e-3, (rot, trans)
-    cpu = icp(p.source, p.target, max_correspondence_distance=0.02, method=method,
-              criteria=CRIT, device="cpu")
-    rot, trans = metrics.relative_error(res.transformation, cpu.transformation)
+    # the same run on the CPU, plain: the devices' rounding differs, and acceleration's
+    # extrapolation would carry that further along the flat valley before the relative rule
+    # stops (measured 0.07° between an accelerated GPU and CPU run, 0.2° from the truth)
+    plain = icp(p.source.to(device), p.target.to(device), index=ix, acceleration=False, **kw)
+    cpu = icp(p.source, p.target, device="cpu", acceleration=False, **kw)
+    rot, trans = metrics.relative_error(plain.transformation, cpu.transformation)
     assert rot < 0.05 and trans < 2e-4
 
 

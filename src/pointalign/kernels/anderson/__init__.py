@@ -1,9 +1,10 @@
 """The Anderson update of an ICP-like fixed point: safeguard, history, accelerated pose.
 
 Contract (the PyTorch spec is :func:`.reference.anderson_update_reference`; on Triton one
-program per problem does the whole update in float64, ``triton.py``;
-:func:`pointalign.kernels.backend` picks). ``anderson_update(state, record, consts, tau2)``
-for B problems, every pose float64 ``(B, 4, 4)``:
+program per problem does the whole update in float64, ``triton.py``; on the "cpu" backend
+the spec's steps run in NumPy, ``cpu.py``; :func:`pointalign.kernels.backend` picks).
+``anderson_update(state, record, consts, tau2)`` for B problems, every pose float64
+``(B, 4, 4)``:
 
 * ``state``: ``T`` the pose this step evaluated; ``x_hist``, ``g_hist`` ``(B, m + 1, 6)``
   float64 the last points and their images, newest last; ``count (B,)`` int64 their filled
@@ -53,9 +54,13 @@ def anderson_update(state: dict[str, torch.Tensor], record: dict[str, torch.Tens
                     consts: dict[str, torch.Tensor], tau2: float
                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One Anderson update (entry point; module contract)."""
-    if backend(state["T"]) in ("triton", "interpret") \
-            and state["x_hist"].shape[1] <= MAX_SLOTS:
+    be = backend(state["T"])
+    if be in ("triton", "interpret") and state["x_hist"].shape[1] <= MAX_SLOTS:
         from pointalign.kernels.anderson import triton as _triton
 
         return _triton.anderson_update(state, record, consts, tau2)
+    if be == "cpu":
+        from pointalign.kernels.anderson import cpu as _cpu
+
+        return _cpu.anderson_update_host(state, record, consts, tau2)
     return anderson_update_reference(state, record, consts, tau2)

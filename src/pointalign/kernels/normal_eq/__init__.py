@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pointalign import _math
+from pointalign.kernels import _np_math
 from pointalign.kernels._backend import backend
 from pointalign.kernels.normal_eq.reference import (
     _SYM6_NP,
@@ -136,7 +136,7 @@ def solve_update_plane_host(sums: torch.Tensor, center: torch.Tensor, transform:
     """:func:`solve_update_reference` for point-to-plane sums, in float64 NumPy on the host.
 
     The same steps (:func:`pointalign._math.block_scales6`, the eigen pseudo-inverse of
-    :func:`pointalign._math.least_norm_solve`, :func:`pointalign._math.so3_exp`, the
+    :func:`pointalign._math.least_norm_solve`, so3_exp (:mod:`.._np_math`), the
     un-centring) on a handful of 6×6 systems, where PyTorch's per-operation overhead
     (~25 operations, ~1 ms a step on the CPU) outweighs the arithmetic; equal to the
     reference up to the eigen-solver's rounding. ``sums (B, 30)``, ``center (B, 3)``,
@@ -166,16 +166,7 @@ def solve_update_plane_host(sums: torch.Tensor, center: torch.Tensor, transform:
         usable = np.isfinite(x).all(-1) & keep.any(-1)
         x = np.where(usable[:, None], x, 0.0)
         valid = keep.all(-1) & usable
-        w = x[:, :3]
-        theta2 = (w * w).sum(-1)[:, None, None]
-        small = theta2 < _math._SMALL_ANGLE2
-        safe = np.where(small, 1.0, np.sqrt(theta2))
-        a = np.where(small, 1 - theta2 / 6, np.sin(safe) / safe)
-        bb = np.where(small, 0.5 - theta2 / 24, (1 - np.cos(safe)) / (safe * safe))
-    K = np.zeros((B, 3, 3))
-    K[:, 0, 1], K[:, 0, 2], K[:, 1, 2] = -w[:, 2], w[:, 1], -w[:, 0]
-    K[:, 1, 0], K[:, 2, 0], K[:, 2, 1] = w[:, 2], -w[:, 1], w[:, 0]
-    R = np.eye(3) + a * K + bb * (K @ K)
+        R = _np_math.so3_exp(x[:, :3])
     D = np.tile(np.eye(4), (B, 1, 1))
     D[:, :3, :3] = R
     D[:, :3, 3] = x[:, 3:] + c - (R @ c[:, :, None])[:, :, 0]
