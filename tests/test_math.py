@@ -385,3 +385,5 @@ def test_numpy_twins_match_spec():
     np.testing.assert_allclose(log[rest], _math.so3_log(R).numpy()[rest], atol=1e-14,
                                rtol=1e-14)
     np.testing.assert_allclose(_np_math.so3_exp(log), R.numpy(), atol=1e-14, rtol=0)
+    np.testing.assert_allclose(_np_math.rotation_angle(R.numpy()),
+                               _math.so3_log(R).norm(dim=-1).numpy(), atol=1e-14, rtol=1e-12)

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign.kernels import _loop
+from pointalign.kernels import _loop, upload
 from pointalign.kernels.anderson import anderson_update
 
 #: default history length (Zhang et al. use 5-6; 5 is a little more stable here)
@@ -116,8 +116,8 @@ def accelerated(step: Any, inputs: _loop.Tensors, state: _loop.Tensors, pair: An
     step with its inputs and state (:meth:`AndersonStep.prepare`).
     """
     acc = AndersonStep(step, tau * tau)
-    inputs, state = acc.prepare(inputs, state, *(
-        torch.from_numpy(np.asarray(a, np.float64))
+    inputs, state = acc.prepare(inputs, state, *(  # pinned: no wait for the device
+        upload(np.asarray(a, np.float64), dtype=torch.float64, device=state["T"].device)
         for a in (pair.source_counts, pair.extent, pair.centroid)))
     return acc, inputs, state
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pointalign import _math, _progress, _threads, _validate, estimate, transforms
-from pointalign.kernels import _first_use, _loop, features, normal_eq, upload
+from pointalign.kernels import _first_use, _loop, _np_math, features, normal_eq, upload
 from pointalign.kernels import ransac as _kr
 from pointalign.kernels import stability as probe
 from pointalign.registration import _edge, anderson, checks
@@ -161,8 +161,7 @@ class _Rules:
             self.sums[act], self.count = s[act], np.where(act, cnt, self.count)
             c = self.crit
             self._stop(ok & (cnt == 0), StopReason.NO_CORRESPONDENCES)
-            self._stop(ok & (transforms.rotation_angle(torch.from_numpy(D[:, :3, :3])).numpy()
-                             < c.rotation_tolerance)
+            self._stop(ok & (_np_math.rotation_angle(D[:, :3, :3]) < c.rotation_tolerance)
                        & (np.linalg.norm(D[:, :3, 3], axis=-1) < self.translation_tolerance),
                        StopReason.SMALL_UPDATE)
             self._stop(ok & (np.abs(self.fitness - prev_fit) < c.relative_fitness)

@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _threads, _validate, estimate, transforms
-from pointalign.kernels import _loop, normal_eq
+from pointalign import _threads, _validate, estimate
+from pointalign.kernels import _loop, _np_math, normal_eq
 from pointalign.kernels import surface as _ks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
@@ -124,7 +124,7 @@ class _CellMeanRules:
         disp = _rms_displacement(D, self.T, self.prob)
         # ICP's host form of transforms.rotation_angle: NumPy, ~5 µs a step (the tensor
         # form is ~60 small PyTorch ops, ~100 times that: new work in every step)
-        rot = float(transforms.rotation_angle(torch.from_numpy(D[:3, :3])))
+        rot = float(_np_math.rotation_angle(D[None, :3, :3])[0])
         trans = float(np.linalg.norm(D[:3, 3]))
         self.T_prev, self.fit_prev = self.T, fit
         self.T = rec["T"][0]
