@@ -31,6 +31,27 @@ from pointalign.registration.gicp import gicp  # noqa: E402
 from pointalign.registration.icp import icp  # noqa: E402
 
 
+def plain_and_accelerated(run, truth, dev: torch.device, quick: bool, **row) -> dict:
+    """Time ``run(acceleration)`` plain and accelerated; the row with both sides' columns.
+
+    ``row`` names the problem; its ``n`` (points) decides the repeats.
+    """
+    big = row["n"] > 200_000
+    for label, acc in (("plain", False), ("aa", True)):
+        res = run(acc)
+        tm = timeit(lambda acc=acc: run(acc), warmup=1,
+                    repeat=3 if (quick or big or dev.type == "cpu") else 7, device=dev)
+        rot, trans = metrics.relative_error(res.transformation, truth)
+        row.update({f"{label}_iterations": res.iterations,
+                    f"{label}_stop": res.stop_reason,
+                    f"{label}_ms": round(1e3 * tm["median_s"], 2),
+                    f"{label}_rot_deg": round(float(rot), 4),
+                    f"{label}_trans_mm": round(1e3 * float(trans), 3)})
+    row["speedup"] = round(row["plain_ms"] / row["aa_ms"], 2)
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0]).parse_args()
     dev = torch.device(args.device)
@@ -40,25 +61,13 @@ def main() -> None:
     for name, p in problems(args.quick, sizes):
         s, t = p.source.to(dev), p.target.to(dev)
         for method in ("point_to_point", "point_to_plane"):
-            row = dict(problem=name, n=int(s.shape[0]), method=method)
-            for label, acc in (("plain", False), ("aa", True)):
-                def call(acc=acc, method=method, s=s, t=t):
-                    return icp(s, t, max_correspondence_distance=MAX_DIST, method=method,
-                               criteria=crit, device=dev, acceleration=acc)
+            def run(acc, method=method, s=s, t=t):
+                return icp(s, t, max_correspondence_distance=MAX_DIST, method=method,
+                           criteria=crit, device=dev, acceleration=acc)
 
-                res = call()
-                tm = timeit(call, warmup=1, repeat=3 if (args.quick or s.shape[0] > 200_000
-                                                         or dev.type == "cpu") else 7,
-                            device=dev)
-                rot, trans = metrics.relative_error(res.transformation, p.T_target_source)
-                row.update({f"{label}_iterations": res.iterations,
-                            f"{label}_stop": res.stop_reason,
-                            f"{label}_ms": round(1e3 * tm["median_s"], 2),
-                            f"{label}_rot_deg": round(float(rot), 4),
-                            f"{label}_trans_mm": round(1e3 * float(trans), 3)})
-            row["speedup"] = round(row["plain_ms"] / row["aa_ms"], 2)
-            print(row, flush=True)
-            rec.add("anderson", **row)
+            rec.add("anderson", **plain_and_accelerated(
+                run, p.T_target_source, dev, args.quick, problem=name, n=int(s.shape[0]),
+                method=method))
     gicp_rows(rec, dev, crit, args.quick)
     print("wrote", rec.save())
 
@@ -72,24 +81,13 @@ def gicp_rows(rec: Recorder, dev: torch.device, crit: ConvergenceCriteria, quick
             continue
         first = first and not case.name.startswith("bunny")
         s, t = case.source.to(dev), case.target.to(dev)
-        row = dict(problem=case.name, n=int(s.shape[0]), method="gicp")
-        for label, acc in (("plain", False), ("aa", True)):
-            def call(acc=acc, s=s, t=t, case=case):
-                return gicp(s, t, init=case.init, max_correspondence_distance=case.dist,
-                            k=bench_gicp.K, criteria=crit, device=dev, acceleration=acc)
 
-            res = call()
-            tm = timeit(call, warmup=1, repeat=3 if (quick or s.shape[0] > 200_000
-                                                     or dev.type == "cpu") else 7, device=dev)
-            rot, trans = metrics.relative_error(res.transformation, case.truth)
-            row.update({f"{label}_iterations": res.iterations,
-                        f"{label}_stop": res.stop_reason,
-                        f"{label}_ms": round(1e3 * tm["median_s"], 2),
-                        f"{label}_rot_deg": round(float(rot), 4),
-                        f"{label}_trans_mm": round(1e3 * float(trans), 3)})
-        row["speedup"] = round(row["plain_ms"] / row["aa_ms"], 2)
-        print(row, flush=True)
-        rec.add("gicp", **row)
+        def run(acc, s=s, t=t, case=case):
+            return gicp(s, t, init=case.init, max_correspondence_distance=case.dist,
+                        k=bench_gicp.K, criteria=crit, device=dev, acceleration=acc)
+
+        rec.add("gicp", **plain_and_accelerated(run, case.truth, dev, quick, problem=case.name,
+                                                n=int(s.shape[0]), method="gicp"))
 
 
 if __name__ == "__main__":
