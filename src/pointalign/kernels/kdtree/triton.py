@@ -378,7 +378,8 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
     registers; per level: the boxes and axes of its nodes (one segmented scan), then one
     sort of the keys ``(node, u(coordinate), position)`` (the stable sort of the level
     loop), the points and ids permuted in place through memory, and the splits; at
-    ``depth`` the leaves' boxes. ``scratch`` holds ``8 · BLOCK`` int64 per program. The same
+    ``depth`` the leaves' boxes. ``scratch`` holds ``4 · BLOCK`` int64 per program (the
+    sort's keys, then the scan's six float32 rows: :data:`SCRATCH_PER_POINT`). The same
     arithmetic, order and rounding as the level loop, in one launch for the levels whose
     nodes fit a program.
     """
@@ -388,7 +389,7 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
     li = tl.arange(0, BLOCK).to(tl.int64)
     g = start + li
     valid = g < end
-    key_ptr = scratch_ptr + j * (8 * BLOCK)
+    key_ptr = scratch_ptr + j * (4 * BLOCK)
     box_ptr = (key_ptr + BLOCK).to(tl.pointer_type(tl.float32), bitcast=True)
     x = tl.load(pts_ptr + g * 3 + 0, mask=valid, other=0.0)
     y = tl.load(pts_ptr + g * 3 + 1, mask=valid, other=0.0)
@@ -433,6 +434,10 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
 #: the largest node the subtree kernel finishes in one program (points held in registers;
 #: 1024 and 2048 tie on a 40k-point build, 1024 is ahead at 1.5k and 1M points, H200)
 SUBTREE_BLOCK = 1024
+
+#: int64 words of scratch per point a subtree program uses: its sort keys (one) and its
+#: scan's six float32 rows (three); ``_subtree_kernel`` strides its programs by this
+SCRATCH_PER_POINT = 4
 
 
 def subtree_level(m: int, block: int) -> int:
@@ -496,7 +501,8 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
     if level0 <= depth:
         if level0 == 0:  # the kernel permutes in place: not the caller's points
             pts = pts.clone()
-        scratch = torch.empty(2**level0 * 8 * sub, dtype=torch.int64, device=dev)
+        scratch = torch.empty(2**level0 * SCRATCH_PER_POINT * sub, dtype=torch.int64,
+                              device=dev)
         _subtree_kernel[(2**level0,)](pts, perm, bounds[level0], lo, hi, axis, split, scratch,
                                       m, level0, depth, BLOCK=sub,
                                       LOG_BLOCK=sub.bit_length() - 1,
