@@ -215,6 +215,7 @@ REFUSED: list[tuple] = [
     ("icp", lambda: _icp(max_correspondence_distance="far"), TypeError,
      "max_correspondence_distance"),
     ("icp", lambda: _icp(method="plane"), ValueError, "method"),
+    ("icp", lambda: _icp(acceleration="yes"), TypeError, "acceleration"),
     ("icp", lambda: _icp(criteria=5), TypeError, "criteria"),
     # (a kind as a string is accepted since issue 26, Open3D's habit: see ACCEPTED; a
     # number, an unknown kind or a malformed pair are still refused)

@@ -721,6 +721,16 @@ def choice(value: Any, name: str, options: tuple[Any, ...]) -> Any:
     return value
 
 
+def flag(value: Any, name: str, *, none: bool = False) -> bool | None:
+    """Check a switch: True or False (NumPy booleans accepted), or None where ``none``."""
+    if value is None and none:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        allowed = "True, False or None" if none else "True or False"
+        raise TypeError(f"{name}: expected {allowed}, got {value!r}")
+    return bool(value)
+
+
 #: seeds go to ``torch.Generator.manual_seed``, which takes 64-bit values
 SEED_MAX = 2**64 - 1
 

@@ -99,8 +99,7 @@ def preprocess(
 
     for name, flag in (("normals", normals), ("covariances", covariances),
                        ("features", features)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected True or False, got {flag!r}")
+        _validate.flag(flag, name)
     k = _validate.integer(k, "k", minimum=3)
     if voxel_size is not None:
         voxel_size = _validate.positive(voxel_size, "voxel_size")

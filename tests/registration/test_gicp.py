@@ -200,6 +200,8 @@ def test_bad_input(bunny):
             _run(method, s, t, device="cpu", criteria={"max_iterations": 3})
     with pytest.raises(ValueError, match="max_correspondence_distance"):
         gicp(s, t, max_correspondence_distance=0.0, device="cpu")
+    with pytest.raises(TypeError, match="acceleration"):
+        gicp(s, t, max_correspondence_distance=0.01, device="cpu", acceleration=None)
     with pytest.raises(ValueError, match="voxel_size"):
         vgicp(s, t, voxel_size=-1.0, device="cpu")
     with pytest.raises(ValueError, match="voxel_size"):

@@ -345,10 +345,12 @@ def gicp(
         source_covariances: ``(N, 3, 3)`` / ``(B, N, 3, 3)`` source covariances (in the
             source's frame), e.g. from ``estimate_covariances``.
         target_covariances: ``(M, 3, 3)`` / ``(B, M, 3, 3)`` target covariances.
-        acceleration: Anderson acceleration of the iteration, as :func:`icp`'s (its
-            safeguard on the truncated point-to-point energy).
         source_lengths: ``(B,)`` valid source points per padded batch entry.
         target_lengths: ``(B,)`` valid target points per padded batch entry.
+        acceleration: Anderson acceleration of the iteration, as :func:`icp`'s (its
+            safeguard on the truncated point-to-point energy); off by default: it saved
+            iterations only on the 1M-point pair (77 -> 19) and cost time on KITTI and
+            the bunny (BENCHMARKS.md).
         num_threads: CPU threads for this call (:func:`pointalign.threads`); None: the
             process setting.
 
@@ -364,6 +366,7 @@ def gicp(
     max_dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
     rk = as_robust_kernel(robust_kernel)
     crit = as_criteria(criteria, max_iterations)
+    accelerate = _validate.flag(acceleration, "acceleration")
     k = _check_k(k)
     dev = _edge.resolve_device(device, source=source, target=target,
                                source_covariances=source_covariances,
@@ -393,7 +396,7 @@ def gicp(
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)
     levels = _Levels(pair, crit, pair.init)
     step: Any = GicpStep(idxs, max_dist, True, rk.kind, float(rk.k))
-    if acceleration:
+    if accelerate:
         step, inputs, state = anderson.accelerated(step, inputs, state, pair, max_dist)
     levels.run(step, inputs, state)
     info = {"method": "gicp", "index": type(getattr(idxs[0], "index", idxs[0])).__name__}

@@ -541,6 +541,7 @@ def icp(
     max_dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
     rk = as_robust_kernel(robust_kernel)
     crit = as_criteria(criteria, max_iterations)
+    accelerate = _validate.flag(acceleration, "acceleration", none=True)
     dev = _edge.resolve_device(device, source=source, target=target,
                                target_normals=target_normals)
     pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
@@ -567,7 +568,7 @@ def icp(
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)
     step: Any = IcpStep(idxs, max_dist, plane, rk.kind, float(rk.k))
-    if (not plane) if acceleration is None else acceleration:
+    if (not plane) if accelerate is None else accelerate:
         step, inputs, state = anderson.accelerated(step, inputs, state, pair, max_dist)
     assert pair.extent is not None  # set by prepare_pair
     rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy(),
