@@ -385,5 +385,7 @@ def test_numpy_twins_match_spec():
     np.testing.assert_allclose(log[rest], _math.so3_log(R).numpy()[rest], atol=1e-14,
                                rtol=1e-14)
     np.testing.assert_allclose(_np_math.so3_exp(log), R.numpy(), atol=1e-14, rtol=0)
+    C = _covs(torch.Generator().manual_seed(0))
+    np.testing.assert_array_equal(_np_math.spans_plane(C.numpy()), _math.spans_plane(C).numpy())
     np.testing.assert_allclose(_np_math.rotation_angle(R.numpy()),
                                _math.so3_log(R).norm(dim=-1).numpy(), atol=1e-14, rtol=1e-12)

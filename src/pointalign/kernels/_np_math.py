@@ -1,4 +1,4 @@
-"""The rotation formulas of :mod:`pointalign._math` in float64 NumPy, for a few poses at a time.
+"""Formulas of :mod:`pointalign._math` in float64 NumPy, for a few poses at a time.
 
 The CPU backend's host-side steps (a handful of 6×6 solves or pose updates a step) would
 spend ~5-10 µs of PyTorch overhead per operation on arrays of a few entries; NumPy's is
@@ -28,21 +28,25 @@ def so3_exp(w: np.ndarray) -> np.ndarray:
 def rot_to_quat(R: np.ndarray) -> np.ndarray:
     """``_math.rot_to_quat`` (Shepperd): ``R (B, 3, 3)`` → unit ``(w, x, y, z) (B, 4)``, w ≥ 0."""
     m = R
-    tr = m[:, 0, 0] + m[:, 1, 1] + m[:, 2, 2]
-    choice = np.stack([tr, m[:, 0, 0], m[:, 1, 1], m[:, 2, 2]], -1).argmax(-1)
-    s = 2 * np.sqrt(np.maximum(np.stack([1 + tr, 1 + m[:, 0, 0] - m[:, 1, 1] - m[:, 2, 2],
-                                         1 + m[:, 1, 1] - m[:, 0, 0] - m[:, 2, 2],
-                                         1 + m[:, 2, 2] - m[:, 0, 0] - m[:, 1, 1]], -1),
-                               1e-30))
+    d0, d1, d2 = m[:, 0, 0], m[:, 1, 1], m[:, 2, 2]
+    tr = d0 + d1 + d2
+    cand = np.empty((R.shape[0], 4))  # tr, r00, r11, r22: the largest picks the formula
+    cand[:, 0], cand[:, 1], cand[:, 2], cand[:, 3] = tr, d0, d1, d2
+    choice = cand.argmax(-1)
+    rad = np.empty_like(cand)  # 1 + tr, 1 + r00 − r11 − r22, …
+    rad[:, 0], rad[:, 1] = 1 + tr, 1 + d0 - d1 - d2
+    rad[:, 2], rad[:, 3] = 1 + d1 - d0 - d2, 1 + d2 - d0 - d1
+    rows = np.arange(R.shape[0])
+    si = 2 * np.sqrt(np.maximum(rad[rows, choice], 1e-30))
     d21, d02, d10 = m[:, 2, 1] - m[:, 1, 2], m[:, 0, 2] - m[:, 2, 0], m[:, 1, 0] - m[:, 0, 1]
     s01, s02, s12 = m[:, 0, 1] + m[:, 1, 0], m[:, 0, 2] + m[:, 2, 0], m[:, 1, 2] + m[:, 2, 1]
-    rows = np.arange(R.shape[0])
-    si = s[rows, choice]
-    num = np.stack([np.stack([0.25 * s[:, 0] * s[:, 0], d21, d02, d10], -1),
-                    np.stack([d21, 0.25 * s[:, 1] * s[:, 1], s01, s02], -1),
-                    np.stack([d02, s01, 0.25 * s[:, 2] * s[:, 2], s12], -1),
-                    np.stack([d10, s02, s12, 0.25 * s[:, 3] * s[:, 3]], -1)], 1)
+    num = np.zeros((R.shape[0], 4, 4))  # row i: candidate i's (w, x, y, z) times s_i
+    num[:, 0, 1], num[:, 0, 2], num[:, 0, 3] = d21, d02, d10
+    num[:, 1, 0], num[:, 1, 2], num[:, 1, 3] = d21, s01, s02
+    num[:, 2, 0], num[:, 2, 1], num[:, 2, 3] = d02, s01, s12
+    num[:, 3, 0], num[:, 3, 1], num[:, 3, 2] = d10, s02, s12
     q = num[rows, choice] / si[:, None]
+    q[rows, choice] = 0.25 * si  # the candidate's own component
     q = q / np.linalg.norm(q, axis=-1, keepdims=True)
     return np.where(q[:, :1] < 0, -q, q)
 
@@ -57,6 +61,13 @@ def so3_log(R: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(s > 1e-12, angle / np.maximum(s, 1e-30), 2 / np.maximum(w, 1e-30))
     return v * scale[:, None]
+
+
+def spans_plane(cov: np.ndarray, eps: float = _math.DEGENERACY_EPS) -> np.ndarray:
+    """``_math.spans_plane``, the degeneracy rule: ``(tr² − ‖C‖_F²) / 2 > ε ‖C‖_F²``."""
+    tr = np.trace(cov, axis1=-2, axis2=-1)
+    fro2 = (cov * cov).sum((-2, -1))
+    return 0.5 * (tr * tr - fro2) > eps * fro2
 
 
 def rotation_angle(R: np.ndarray) -> np.ndarray:

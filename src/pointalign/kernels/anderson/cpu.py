@@ -67,7 +67,9 @@ def anderson_update_host(state: dict[str, torch.Tensor], record: dict[str, torch
     energy = sums[:, 29] + (n - sums[:, 28]) * tau2
     reject = _np(state["accelerated"]) & (energy > _np(state["energy"]))
     keep = ~reject
-    x, g = _to_vector(T, origin, scale, pivot), _to_vector(P, origin, scale, pivot)
+    x, g = np.split(_to_vector(np.concatenate([T, P]), np.concatenate([origin, origin]),
+                               np.concatenate([scale, scale]), np.concatenate([pivot, pivot])),
+                    2)  # both in one pass
     x_hist = np.concatenate([xh[:, 1:], x[:, None]], 1)
     g_hist = np.concatenate([gh[:, 1:], g[:, None]], 1)
     count = np.where(keep, np.minimum(_np(state["count"]) + 1, K), 0)

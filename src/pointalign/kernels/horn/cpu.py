@@ -149,8 +149,8 @@ def horn(source: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
     return torch.from_numpy(T), torch.from_numpy(valid)
 
 
-def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: torch.Tensor,
+                   tie: float = HORN_TIE) -> tuple[torch.Tensor, torch.Tensor]:
     """Pose from moments (see :func:`pointalign.kernels.horn.horn_from_sums`).
 
     Args:
@@ -158,6 +158,7 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
         sx: ``(…, 3)`` Σw x.
         sm: ``(…, 3)`` Σw m.
         cross: ``(…, 3, 3)`` Σw x mᵀ.
+        tie: the εI tie-breaker of :func:`pointalign._math.horn_pose` (ICP's update: 0).
 
     Returns:
         ``(T (…, 4, 4) float64, valid (…) bool)``.
@@ -173,5 +174,5 @@ def horn_from_sums(W: torch.Tensor, sx: torch.Tensor, sm: torch.Tensor, cross: t
     T = np.empty((B, 4, 4), np.float64)
     valid = np.empty(B, np.bool_)
     kernel: Any = _horn_sums
-    kernel(mom.numpy(), HORN_TIE, _chunk(B, threads), T, valid)
+    kernel(mom.numpy(), float(tie), _chunk(B, threads), T, valid)
     return torch.from_numpy(T).reshape(*lead, 4, 4), torch.from_numpy(valid).reshape(lead)

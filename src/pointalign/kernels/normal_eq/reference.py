@@ -31,6 +31,7 @@ def _sym_gather(triu: list[tuple[int, int]], n: int) -> list[int]:
 
 _SYM6, _SYM3 = _sym_gather(TRIU6, 6), _sym_gather(TRIU3, 3)
 _SYM6_NP = np.asarray(_SYM6)
+_SYM3_NP = np.asarray(_SYM3)
 
 
 def robust_weights(r: torch.Tensor, kernel: str, scale: float) -> torch.Tensor:
