@@ -249,6 +249,17 @@ def test_solve_reference_matches_numpy_solver(seed, plane):
         np.testing.assert_allclose(Dn[0] @ T.double().numpy(), np.eye(4), atol=1e-5)
 
 
+def _host_solve_matches(host, s, c, Tin, plane: bool, atol: float) -> torch.Tensor:
+    """Check a cpu-backend host solve against the torch spec on sums ``s``; its flags."""
+    Dr, Tr, flr = ne.solve_update_reference(s, c, Tin, plane=plane)
+    D, Tn, fl = host(s, c, Tin)
+    assert D.dtype == Tn.dtype == torch.float64 and fl.dtype == torch.int32
+    torch.testing.assert_close(D, Dr, atol=atol, rtol=0)
+    torch.testing.assert_close(Tn, Tr, atol=atol, rtol=0)
+    assert torch.equal(fl, flr)
+    return fl
+
+
 @backends("cpu")
 def test_solve_plane_host_matches_reference(backend, seed):
     """The cpu backend's NumPy point-to-plane solve equals the torch spec (the case holds a
@@ -258,12 +269,7 @@ def test_solve_plane_host_matches_reference(backend, seed):
     s[1, :21] = s[1, :21] * torch.tensor([1.0 if a < 3 and b < 3 else 0.0 for a, b in ne.TRIU6],
                                          dtype=torch.float64)  # translations undetermined
     s[1, 24:27] = 0
-    Dr, Tr, flr = ne.solve_update_reference(s, c, Tin, plane=True)
-    D, Tn, fl = ne.solve_update_plane_host(s, c, Tin)
-    assert D.dtype == Tn.dtype == torch.float64 and fl.dtype == torch.int32
-    torch.testing.assert_close(D, Dr, atol=1e-12, rtol=0)
-    torch.testing.assert_close(Tn, Tr, atol=1e-12, rtol=0)
-    assert torch.equal(fl, flr)
+    fl = _host_solve_matches(ne.solve_update_plane_host, s, c, Tin, True, 1e-12)
     assert fl[0].tolist() == [1, 1] and fl[1].tolist() == [0, 1] and fl[2, 0] == 0
     L = torch.full((3,), x.shape[1])
     _, D2, Tn2, _, fl2 = ne.icp_update(x, y, idx, transform=Tin, plane=True, target_normals=n,
@@ -282,18 +288,14 @@ def test_solve_point_host_matches_reference(backend, seed):
     The 4×4 eigenvectors agree to rounding over the eigen-gap (Jacobi against ``eigh``)."""
     x, y, idx, _, c, Tin, _ = _solve_case(seed, False)
     s = ne.normal_equations_reference(x, y, idx, center=c)
-    Dr, Tr, flr = ne.solve_update_reference(s, c, Tin, plane=False)
-    D, Tn, fl = ne.solve_update_point_host(s, c, Tin)
-    assert D.dtype == Tn.dtype == torch.float64 and fl.dtype == torch.int32
-    torch.testing.assert_close(D, Dr, atol=1e-10, rtol=0)
-    torch.testing.assert_close(Tn, Tr, atol=1e-10, rtol=0)
-    assert torch.equal(fl, flr)
+    fl = _host_solve_matches(ne.solve_update_point_host, s, c, Tin, False, 1e-10)
     assert fl[0].tolist() == [1, 1] and fl[2].tolist() == [0, 0]
     L = torch.full((3,), x.shape[1])
     _, D2, _, _, fl2 = ne.icp_update(x, y, idx, transform=Tin, plane=False, lengths=L,
                                      center=c)
-    torch.testing.assert_close(D2, Dr, atol=1e-9, rtol=0)
-    assert torch.equal(fl2, flr)
+    torch.testing.assert_close(D2, ne.solve_update_reference(s, c, Tin, plane=False)[0],
+                               atol=1e-9, rtol=0)
+    assert torch.equal(fl2, fl)
 
 
 @backends("torch")
