@@ -2,9 +2,11 @@
 
 Rows (bun045 -> bun000, 40,097 -> 40,256 points, from the identity, 5 cm):
 
-* ``icp_p2p``: point-to-point ICP, 30 fixed iterations (tolerances 0). Ours: ``pa.icp``
-  (index built inside the call). Open3D: ``registration_icp`` (its KDTreeFlann built inside
-  the call). small_gicp: ``align`` ``ICP`` with all cores, its k-d tree built inside.
+* ``icp_p2p``: point-to-point ICP, 30 fixed iterations (tolerances 0), plain as the peers'
+  (``acceleration=False``; accelerated, icp() converges in fewer: ``bench_anderson.py``).
+  Ours: ``pa.icp`` (index built inside the call). Open3D: ``registration_icp`` (its
+  KDTreeFlann built inside the call). small_gicp: ``align`` ``ICP`` with all cores, its k-d
+  tree built inside.
 * ``icp_p2pl``: point-to-plane, 30 fixed iterations, target normals included (ours: k = 20
   inside ``pa.icp``; Open3D: ``estimate_normals`` hybrid 1 cm / 20 then ``registration_icp``;
   small_gicp: ``PLANE_ICP`` with its own normals, k = 20 by default in its preprocessing).
@@ -279,7 +281,8 @@ def icp_rows(rec: Recorder, s: torch.Tensor, t: torch.Tensor, truth: np.ndarray,
     for method, table in (("point_to_point", "icp_p2p"), ("point_to_plane", "icp_p2pl")):
         load = _load()
         res, w, c = timed(lambda m=method: pa.icp(s, t, max_correspondence_distance=MAX_DIST,
-                                                  method=m, criteria=crit, device="cpu"),
+                                                  method=m, criteria=crit, device="cpu",
+                                                  acceleration=False),  # as the peers
                           repeat)
         rot, tr = metrics.relative_error(np.asarray(res.transformation), truth)
         rec.add(table, impl="pointalign (cpu backend)", wall_s=w, cpu_s=c, load1=load,
