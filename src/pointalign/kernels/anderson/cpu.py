@@ -2,7 +2,7 @@
 
 A step updates a handful of poses; the spec's ~400 PyTorch operations cost ~2.4 ms a step
 on the CPU in overhead alone (measured: it made the accelerated ICP of a 5k-point pair
-slower than plain), NumPy's ~0.2 ms. Same formulas (:mod:`pointalign.kernels._np_math`
+slower than plain), NumPy's ~0.25 ms. Same formulas (:mod:`pointalign.kernels._np_math`
 for so(3)), the same LU solve of the Gram system; equal to the spec up to rounding.
 """
 
