@@ -132,6 +132,20 @@ def normal_equations(
         source, target, idx, target_normals, lengths, center, kernel, float(scale))
 
 
+def _host_update(R: np.ndarray, t: np.ndarray, c: np.ndarray, transform: torch.Tensor,
+                 valid: np.ndarray, usable: np.ndarray):
+    """``(D, T_new = D T, flags)`` of an update ``(R, t)`` solved about the centre ``c``.
+
+    The host solves' un-centring, ``D = [R, t + c − R c]`` (:func:`solve_update_reference`'s).
+    """
+    D = np.tile(np.eye(4), (R.shape[0], 1, 1))
+    D[:, :3, :3] = R
+    D[:, :3, 3] = t + c - (R @ c[:, :, None])[:, :, 0]
+    Tn = D @ transform.detach().to(torch.float64).numpy()
+    flags = np.stack([valid, usable], -1).astype(np.int32)
+    return torch.from_numpy(D), torch.from_numpy(Tn), torch.from_numpy(flags)
+
+
 def solve_update_plane_host(sums: torch.Tensor, center: torch.Tensor, transform: torch.Tensor,
                             *, eps: float = 1e-10):
     """:func:`solve_update_reference` for point-to-plane sums, in float64 NumPy on the host.
@@ -168,12 +182,7 @@ def solve_update_plane_host(sums: torch.Tensor, center: torch.Tensor, transform:
         x = np.where(usable[:, None], x, 0.0)
         valid = keep.all(-1) & usable
         R = _np_math.so3_exp(x[:, :3])
-    D = np.tile(np.eye(4), (B, 1, 1))
-    D[:, :3, :3] = R
-    D[:, :3, 3] = x[:, 3:] + c - (R @ c[:, :, None])[:, :, 0]
-    Tn = D @ transform.detach().to(torch.float64).numpy()
-    flags = np.stack([valid, usable], -1).astype(np.int32)
-    return torch.from_numpy(D), torch.from_numpy(Tn), torch.from_numpy(flags)
+    return _host_update(R, x[:, 3:], c, transform, valid, usable)
 
 
 def solve_update_point_host(sums: torch.Tensor, center: torch.Tensor, transform: torch.Tensor,
@@ -202,12 +211,7 @@ def solve_update_point_host(sums: torch.Tensor, center: torch.Tensor, transform:
     Th = T_h.numpy()
     R = np.where(valid[:, None, None], Th[:, :3, :3], np.eye(3))
     t = np.where(valid[:, None], Th[:, :3, 3], 0.0)
-    D = np.tile(np.eye(4), (B, 1, 1))
-    D[:, :3, :3] = R
-    D[:, :3, 3] = t + c - (R @ c[:, :, None])[:, :, 0]
-    Tn = D @ transform.detach().to(torch.float64).numpy()
-    flags = np.stack([valid, valid], -1).astype(np.int32)
-    return torch.from_numpy(D), torch.from_numpy(Tn), torch.from_numpy(flags)
+    return _host_update(R, t, c, transform, valid, valid)
 
 
 def icp_update(
