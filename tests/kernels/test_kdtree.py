@@ -152,6 +152,7 @@ def run_interpreted_kdtree(out_path: str) -> None:
         tree = K.build(pts, 3)
         for md in INTERP_MAXD:
             out[("maxd", md, seed)] = KT.knn(tree, q, 6, max_dist2=md**2)
+        out[("unsorted", seed)] = (KT.knn(tree, q, 6), KT.knn(tree, q, 6, sort=False))
         for md in (math.inf, 0.3):
             out[("hint", md, seed)] = KT.knn(tree, q, 1, max_dist2=md**2,
                                              hint=_hints(tree, q, seed))
@@ -291,6 +292,29 @@ def test_triton_interpreter_copies(interpreted, seed):
     assert_knn_matches(_orig(tree, every), q, pts, 6)
     assert_knn_matches(_orig(tree, bounded), q, pts, 6, max_distance=0.05)
     assert_knn_matches(_orig(tree, hinted), q, pts, 1)
+
+
+def _same_rows_any_order(sorted_res, unsorted_res):
+    """The unsorted answer holds each row's neighbours of the sorted one, in any order."""
+    (d, i), (du, iu) = sorted_res, unsorted_res
+    assert torch.equal(torch.sort(du, 1).values, d)
+    assert torch.equal(torch.sort(iu, 1).values, torch.sort(i, 1).values)
+
+
+def test_triton_interpreter_unsorted_rows(interpreted, seed):
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    _same_rows_any_order(*interpreted[("unsorted", seed)])
+
+
+@backends("triton")
+def test_unsorted_rows_hold_the_sorted_answer(backend, rng):
+    """``sort=False`` (the covariances' self-query) returns the same rows, unordered."""
+    pts = _cloud(30011, rng).to(backend.device)
+    tree = K.build(pts, K.depth_for(pts.shape[0], 16))
+    for k in (8, 20):
+        _same_rows_any_order(K.knn(tree, tree.points, k, reorder=False),
+                             K.knn(tree, tree.points, k, reorder=False, sort=False))
 
 
 def test_triton_interpreter_original_ids(interpreted, seed):

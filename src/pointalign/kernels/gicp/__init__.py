@@ -158,7 +158,7 @@ def _tree_self_query(tree: TreeArrays, k: int, eps: float) -> torch.Tensor:
     cov = torch.empty(n, 3, 3, dtype=tree.points.dtype, device=tree.points.device)
     for s in range(0, n, _SELF_QUERY_CHUNK):  # bounds the neighbour table
         _, nbr = kdtree.knn(tree, tree.points[s:s + _SELF_QUERY_CHUNK], k,
-                            reorder=False)  # tree positions
+                            reorder=False, sort=False)  # tree positions, in any order
         cov[s:s + _SELF_QUERY_CHUNK] = covariances(tree.points, nbr, eps)
     out = torch.empty_like(cov)
     out[tree.perm] = cov

@@ -247,8 +247,8 @@ def _build_numpy(points: np.ndarray, depth: int):
 
 def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
         approximate: bool = False, hint: torch.Tensor | None = None,
-        reorder: bool = True, ids: tuple[torch.Tensor, torch.Tensor] | None = None
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+        reorder: bool = True, ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sort: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Find the k nearest tree points of each ``query (N, 3)`` within ``d^2 <= max_dist2``.
 
     Returns ``dists (N, k)`` squared distances ascending (``inf`` where none) and
@@ -264,6 +264,8 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
     queries are already in a spatially coherent order). ``ids = (tree.perm, its inverse
     (M,) int64)``: ``hint`` and the returned indices are original indices instead of tree
     positions (mapped inside the Triton kernel).
+    ``sort=False``: the k found of each query in no particular order (for callers that
+    only reduce over them, e.g. covariances; saves a segmented sort of the whole table).
     """
     if k < 1:
         raise ValueError(f"k: must be >= 1, got {k}")
@@ -278,13 +280,14 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
             order = torch.argsort(descend(tree, query))
             d, i = _kdtree_triton.knn(tree, query[order], k, max_dist2=max_dist2,
                                       approximate=approximate,
-                                      hint=None if hint is None else hint[order], ids=ids)
+                                      hint=None if hint is None else hint[order], ids=ids,
+                                      sort=sort)
             out_d, out_i = torch.empty_like(d), torch.empty_like(i)
             out_d[order] = d
             out_i[order] = i
             return out_d, out_i
         return _kdtree_triton.knn(tree, query, k, max_dist2=max_dist2, approximate=approximate,
-                                  hint=hint, ids=ids)
+                                  hint=hint, ids=ids, sort=sort)
     d, i = knn_reference(tree, query, k, max_dist2=max_dist2, approximate=approximate)
     if ids is not None:
         i = torch.where(i >= 0, ids[0][i.clamp_min(0)], i)
