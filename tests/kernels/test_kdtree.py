@@ -183,6 +183,16 @@ def run_interpreted_kdtree(out_path: str) -> None:
                 tree = K.build(_build_cloud(seed)[:m], depth)
                 out[("subtree", m, depth, seed)] = (tree.perm, tree.split_axis, tree.split_value,
                                              tree.lo, tree.hi, tree.points)
+            # the levels above by blocks of 64 points folded by atomics, not a node a program
+            KT.CHUNK_BOXES_MIN, wide = 0, KT.CHUNK_BOXES_MIN
+            try:
+                for m, depth in SUBTREE_CASES:
+                    tree = K.build(_build_cloud(seed)[:m], depth)
+                    out[("chunked boxes", m, depth, seed)] = (
+                        tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi,
+                        tree.points)
+            finally:
+                KT.CHUNK_BOXES_MIN = wide
         finally:
             KT.SUBTREE_BLOCK = block
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
@@ -410,12 +420,14 @@ def test_triton_interpreter_subtree_kernel_matches_host(m, depth, interpreted, s
     launch) builds the tree the NumPy build makes: the same sorts, boxes and axes."""
     if seed >= INTERP_SEEDS:
         pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
-    perm, axis, split, lo, hi, pts = interpreted[("subtree", m, depth, seed)]
     ref = K.build(_build_cloud(seed)[:m], depth, "host")
-    assert torch.equal(perm, ref.perm) and torch.equal(axis, ref.split_axis)
-    assert torch.equal(lo, ref.lo) and torch.equal(hi, ref.hi)
-    assert torch.equal(pts, ref.points)
-    assert np.allclose(split.numpy(), ref.split_value.numpy())
+    # with the top levels' boxes by a program a node, then by blocks folded by atomics
+    for kind in ("subtree", "chunked boxes"):
+        perm, axis, split, lo, hi, pts = interpreted[(kind, m, depth, seed)]
+        assert torch.equal(perm, ref.perm) and torch.equal(axis, ref.split_axis)
+        assert torch.equal(lo, ref.lo) and torch.equal(hi, ref.hi)
+        assert torch.equal(pts, ref.points)
+        assert np.allclose(split.numpy(), ref.split_value.numpy())
 
 
 def test_triton_interpreter_build_matches_host(interpreted, seed):
