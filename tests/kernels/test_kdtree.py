@@ -489,13 +489,23 @@ def test_hint_keeps_the_answer(backend, max_d, rng):
                        **({} if math.isinf(max_d) else {"max_distance": max_d}))
 
 
-@pytest.mark.parametrize("size", ["large", "one program", "leaves above a program"])
-def test_device_build_matches_host(backend, size, rng):
+@pytest.mark.parametrize("size", ["large", "large, boxes by blocks", "one program",
+                                  "leaves above a program"])
+def test_device_build_matches_host(backend, size, rng, monkeypatch):
     """The build on the points' device (fused Triton levels and, on CUDA, the subtree
-    kernel below 1024-point nodes: from level 7, for the whole tree, not at all) equals the
+    kernel below 1024-point nodes: from level 7, for the whole tree, not at all; the top
+    levels' boxes by a program a node or by blocks folded with atomics) equals the
     host's."""
     cases = {"large": ((100003, 12), (10007, 9)), "one program": ((1000, 6), (1000, 6)),
              "leaves above a program": ((5000, 2), (500, 1))}
+    if size == "large, boxes by blocks":
+        if backend.device != "cuda":
+            pytest.skip("the compiled Triton build's boxes by blocks (the interpreter's run "
+                        "covers them on the CPU)")
+        from pointalign.kernels.kdtree import triton as KT
+
+        monkeypatch.setattr(KT, "CHUNK_BOXES_MIN", 0)
+        size = "large"
     m, depth = cases[size][0] if backend.device == "cuda" else cases[size][1]
     pts = _cloud(m, rng)
     pts[::9, 1] = 0.0  # ties
