@@ -509,14 +509,16 @@ def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
 
     ``bounds``: each level's node bounds (``level_bounds``, levels 0..depth), ``mids``:
     each split level's ``(2, 2^level)`` positions either side of the children's boundary,
-    on the points' device. Per level: the nodes' boxes (while every node holds at least a
-    block of points, a program per block folding into the boxes by atomics,
-    :func:`_chunk_boxes_kernel`; below, a program per node) and split axes, every
-    position's node and key, one stable sort, the reorder and the level's splits; from the first level whose nodes hold at most ``subtree_block`` points (default
+    on the points' device. Per level: the nodes' boxes (while every node holds at least
+    :data:`CHUNK_BOXES_MIN` points, a program per block of points folding into the boxes
+    by atomics, :func:`_chunk_boxes_kernel`; below, a program per node) and split axes,
+    every position's node and key, one stable sort, the reorder and the level's splits;
+    from the first level whose nodes hold at most ``subtree_block`` points (default
     :data:`SUBTREE_BLOCK`, a power of two; 0: none), one launch of :func:`_subtree_kernel`
     finishes every level below and the leaves' boxes (a 40k-point build: 12 levels -> 6
-    and that launch, 3.2-4.6 -> 1.9-3.0 ms on H200s; 1M points unchanged, its top levels'
-    sorts dominate: BENCHMARKS.md, "k-d tree"); else the leaves' boxes. The same tree as
+    and that launch, 3.2-4.6 -> 1.9-3.0 ms on H200s; 1M points 10.4 -> 7.2 ms with the
+    boxes by blocks, the rest its top levels' sorts: BENCHMARKS.md, "k-d tree"); else the
+    leaves' boxes. The same tree as
     the level loop of torch operations in ``kdtree.build`` (the same keys, stable order
     and rounding; the boxes as the min/max of each node's points).
 
