@@ -41,6 +41,17 @@ BIG_HOST = 3.0e38  # stands for +inf inside the kernel
 BIG = tl.constexpr(BIG_HOST)
 
 
+@triton.jit
+def _replace_worst(best_d, best_i, worst, d, p, take, cols, KP: tl.constexpr,
+                   IDX: tl.constexpr):
+    """Put candidate ``(d, p)`` in place of each taking lane's worst; the new k-th distance."""
+    pos = tl.min(tl.where(best_d == worst[None, :], cols[:, None], KP), axis=0)
+    upd = take[None, :] & (cols[:, None] == pos[None, :])
+    best_d = tl.where(upd, d[None, :], best_d)
+    best_i = tl.where(upd, p[None, :].to(IDX), best_i)
+    return best_d, best_i, tl.max(best_d, axis=0)
+
+
 # one compilation for every size, tree depth and leaf size: the sizes, the first leaf and
 # the stack's stride are run-time values, and the leaf loop runs as many steps as the
 # block's largest leaf being visited holds (none when every lane is at an inner node).
@@ -113,13 +124,14 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
             dy = py - qy
             dz = pz - qz
             d = dx * dx + dy * dy + dz * dz
-            worst = tl.max(best_d, axis=0)
+            # worst: each lane's k-th distance, kept current (best_d changes only below)
             take = pm & tl.where(worst < max_d2, d < worst, d <= worst)
-            is_w = best_d == worst[None, :]
-            pos = tl.min(tl.where(is_w, cols[:, None], KP), axis=0)
-            upd = take[None, :] & (cols[:, None] == pos[None, :])
-            best_d = tl.where(upd, d[None, :], best_d)
-            best_i = tl.where(upd, p[None, :].to(IDX), best_i)
+            if K == 1:
+                best_d, best_i, worst = _replace_worst(best_d, best_i, worst, d, p, take,
+                                                       cols, KP, IDX)
+            elif tl.max(take.to(tl.int32), axis=0) > 0:  # skipped when no lane takes it
+                best_d, best_i, worst = _replace_worst(best_d, best_i, worst, d, p, take,
+                                                       cols, KP, IDX)
             j += 1
         inner = visit & (node < first_leaf)
         ax = tl.load(axis_ptr + node, mask=inner, other=0)
