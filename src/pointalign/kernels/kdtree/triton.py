@@ -18,7 +18,9 @@ order: 1M points 27.0 -> 10.5 ms, the 125k KITTI scan 2.24 -> 1.04 ms; 8 nearest
 3.2 ms; one nearest 0.52 -> 0.37 ms). Positions in the tile are int32 (``IDX``) below
 2^31 points. Each lane's k-th distance is kept current through a leaf's points, and for
 k > 1 a candidate that no lane of the program takes costs no update of the tile (every
-point's 20 nearest of 1M points 10.8 -> 6.9 ms, of the KITTI scan 1.09 -> 0.86 ms). A popped node is skipped when its bounding box is farther than the current k-th
+point's 20 nearest of 1M points 10.8 -> 6.9 ms, of the KITTI scan 1.09 -> 0.86 ms).
+
+A popped node is skipped when its bounding box is farther than the current k-th
 distance, or as far once all k places are taken (its points could only tie, and ties may go
 either way: a scan's thousands of copies of one point are then not all visited by every
 query that reaches them); a leaf scans its points; an internal node pushes the far child,
