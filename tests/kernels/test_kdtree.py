@@ -153,6 +153,12 @@ def run_interpreted_kdtree(out_path: str) -> None:
         for md in INTERP_MAXD:
             out[("maxd", md, seed)] = KT.knn(tree, q, 6, max_dist2=md**2)
         out[("unsorted", seed)] = (KT.knn(tree, q, 6), KT.knn(tree, q, 6, sort=False))
+        KT.INT32_TILE_MAX, tile_max = 0, KT.INT32_TILE_MAX  # int64 positions in the tile
+        try:
+            out[("int64 tile", seed)] = (KT.knn(tree, q, 6),
+                                         KT.knn(tree, q, 1, hint=_hints(tree, q, seed)))
+        finally:
+            KT.INT32_TILE_MAX = tile_max
         for md in (math.inf, 0.3):
             out[("hint", md, seed)] = KT.knn(tree, q, 1, max_dist2=md**2,
                                              hint=_hints(tree, q, seed))
@@ -315,6 +321,17 @@ def test_triton_interpreter_unsorted_rows(interpreted, seed):
     if seed >= INTERP_SEEDS:
         pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
     _same_rows_any_order(*interpreted[("unsorted", seed)])
+
+
+def test_triton_interpreter_int64_tile_positions(interpreted, seed):
+    """Trees too large for int32 positions keep int64 ones in the tile: the same answers."""
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    pts, q = _interp_inputs((60, 9, 6, 3), seed)
+    tree = K.build(pts, 3)
+    many, hinted = interpreted[("int64 tile", seed)]
+    assert_knn_matches(_orig(tree, many), q, pts, 6)
+    assert_knn_matches(_orig(tree, hinted), q, pts, 1)
 
 
 @backends("triton")

@@ -162,6 +162,10 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
     tl.store(out_i_ptr + optr, best_i, mask=omask)
 
 
+#: trees of up to this many points keep int32 positions in the kNN kernel's tile (larger
+#: ones int64: a position must fit)
+INT32_TILE_MAX = 2**31 - 1
+
 #: queries per launch of the k-nearest kernel (bounds its traversal stacks)
 QUERY_CHUNK = 1 << 20
 
@@ -204,7 +208,7 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
             out_d[s:e], out_i[s:e], e - s, tree.first_leaf, md2, tree.depth + 2,
             K=k, KP=kp,
             APPROX=bool(approximate), HAS_HINT=hint is not None, MAP=ids is not None,
-            BLOCK=block, IDX=tl.int32 if tree.points.shape[0] < 2**31 else tl.int64,
+            BLOCK=block, IDX=tl.int32 if tree.points.shape[0] <= INT32_TILE_MAX else tl.int64,
             num_warps=max(1, block // 32),
         )
     if k == 1 or not sort:
