@@ -199,7 +199,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Recorder, parse_args  # noqa: E402
+from common import Recorder, parse_args, small_gicp_steps  # noqa: E402
 
 import pointalign as pa  # noqa: E402
 from pointalign import datasets, metrics  # noqa: E402
@@ -320,7 +320,7 @@ def icp_rows(rec: Recorder, s: torch.Tensor, t: torch.Tensor, truth: np.ndarray,
             r, w, c = timed(sg_call, repeat)
             rot, tr = metrics.relative_error(np.asarray(r.T_target_source), truth)
             rec.add(table, impl="small_gicp 1.0 (" + kind + ")", wall_s=w, cpu_s=c, load1=load,
-                    threads=threads, iterations=int(r.iterations), rot_err_deg=rot,
+                    threads=threads, iterations=small_gicp_steps(r), rot_err_deg=rot,
                     trans_err_mm=1e3 * tr)
 
 
@@ -477,7 +477,7 @@ def surface_rows(rec: Recorder, repeat: int, reference: bool) -> None:
                                          num_threads=threads), repeat)
         rot, tr = metrics.relative_error(np.asarray(r.T_target_source), truth)
         rec.add("surface_newton", impl="small_gicp 1.0 (PLANE_ICP)", wall_s=w, cpu_s=c,
-                load1=load, threads=threads, iterations=int(r.iterations), rot_err_deg=rot,
+                load1=load, threads=threads, iterations=small_gicp_steps(r), rot_err_deg=rot,
                 trans_err_mm=1e3 * tr)
 
 

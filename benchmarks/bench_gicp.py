@@ -83,7 +83,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_icp import upsample  # noqa: E402
-from common import Recorder, parse_args, sync  # noqa: E402
+from common import Recorder, parse_args, small_gicp_steps, sync  # noqa: E402
 
 from pointalign import datasets, io, metrics, transforms  # noqa: E402
 from pointalign.features.downsample import voxel_downsample  # noqa: E402
@@ -341,7 +341,7 @@ def small_gicp_rows(rec: Recorder, case: Case, repeat: int) -> None:
                 total_ms=1e3 * statistics.median(times), iqr_ms=1e3 * _iqr(times),
                 cov_ms=1e3 * statistics.median(cov_times),
                 iter_ms=1e3 * (statistics.median(times) - statistics.median(cov_times)),
-                iterations=int(res.iterations), converged=bool(res.converged),
+                iterations=small_gicp_steps(res), converged=bool(res.converged),
                 load=os.getloadavg()[0],
                 fitness=float(res.num_inliers) / max(1, src.shape[0]),
                 **_errors(res.T_target_source, case))

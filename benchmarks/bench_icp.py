@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Recorder, parse_args, sync, timeit  # noqa: E402
+from common import Recorder, parse_args, small_gicp_steps, sync, timeit  # noqa: E402
 
 from pointalign import datasets, metrics  # noqa: E402
 from pointalign.registration.criteria import ConvergenceCriteria  # noqa: E402
@@ -304,8 +304,8 @@ def small_gicp_fields(sg, p, sg_kind: str, big: bool) -> dict:
         srot, strans = metrics.relative_error(np.asarray(sres.T_target_source),
                                               p.T_target_source)
         med = float(np.median(times))
-        return dict(small_gicp_ms=1e3 * med, small_gicp_iterations=int(sres.iterations),
-                    small_gicp_ms_per_iter=1e3 * med / max(int(sres.iterations), 1),
+        return dict(small_gicp_ms=1e3 * med, small_gicp_iterations=small_gicp_steps(sres),
+                    small_gicp_ms_per_iter=1e3 * med / small_gicp_steps(sres),
                     small_gicp_rot_err_deg=srot, small_gicp_trans_err_mm=1e3 * strans)
     except Exception as exc:  # record, never hide
         return dict(small_gicp_error=f"{type(exc).__name__}: {exc}")

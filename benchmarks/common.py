@@ -38,6 +38,16 @@ def sync(device: str | torch.device | None = None) -> None:
         torch.cuda.synchronize()
 
 
+def small_gicp_steps(result: Any) -> int:
+    """Linearisations small_gicp's ``align`` made: one more than ``result.iterations``.
+
+    small_gicp's optimisers set ``RegistrationResult.iterations`` to the last loop index,
+    counted from 0 (``result.iterations = i`` in ``registration/optimizer.hpp``), so a
+    run that stops after its fifth step reports 4. Ours count the steps taken.
+    """
+    return int(result.iterations) + 1
+
+
 def timeit(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7,
            device: str | torch.device | None = None) -> dict[str, float]:
     """Median and IQR of ``fn()``'s wall time in seconds, after warm-up."""
