@@ -323,17 +323,6 @@ def test_triton_interpreter_unsorted_rows(interpreted, seed):
     _same_rows_any_order(*interpreted[("unsorted", seed)])
 
 
-def test_triton_interpreter_int64_tile_positions(interpreted, seed):
-    """Trees too large for int32 positions keep int64 ones in the tile: the same answers."""
-    if seed >= INTERP_SEEDS:
-        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
-    pts, q = _interp_inputs((60, 9, 6, 3), seed)
-    tree = K.build(pts, 3)
-    many, hinted = interpreted[("int64 tile", seed)]
-    assert_knn_matches(_orig(tree, many), q, pts, 6)
-    assert_knn_matches(_orig(tree, hinted), q, pts, 1)
-
-
 @backends("triton")
 def test_unsorted_rows_hold_the_sorted_answer(backend, rng):
     """``sort=False`` (the covariances' self-query) returns the same rows, unordered."""
@@ -351,12 +340,15 @@ def test_triton_interpreter_original_ids(interpreted, seed):
     assert_knn_matches(interpreted[("ids", seed)], q, pts, 1)
 
 
-def test_triton_interpreter_chunked_launches(interpreted, seed):
+@pytest.mark.parametrize("run", ["chunked", "int64 tile"])
+def test_triton_interpreter_chunked_launches_and_int64_tile(run, interpreted, seed):
+    """k = 6 and hinted k = 1 searches, launched over chunks of 4 queries, or with int64
+    positions in the tile (trees too large for int32 ones): the same answers."""
     if seed >= INTERP_SEEDS:
         pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
     pts, q = _interp_inputs((60, 9, 6, 3), seed)
     tree = K.build(pts, 3)
-    many, hinted = interpreted[("chunked", seed)]
+    many, hinted = interpreted[(run, seed)]
     assert_knn_matches(_orig(tree, many), q, pts, 6)
     assert_knn_matches(_orig(tree, hinted), q, pts, 1)
 
