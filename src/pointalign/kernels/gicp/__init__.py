@@ -425,9 +425,9 @@ def voxelize(points: torch.Tensor, lengths: torch.Tensor, covariances: torch.Ten
              voxel_size: float, counts: list[int] | None = None) -> VoxelMap:
     """Gaussian voxel map of ``points (B, M, 3)`` with ``covariances (B, M, 3, 3)``.
 
-    Rows ``>= lengths[b]`` are padding. One implementation (PyTorch operations on the
-    points' device: a sort of the voxel keys and segment sums), run once per call; see
-    :func:`.reference.voxelize_reference`.
+    Rows ``>= lengths[b]`` are padding. numba on the CPU (one hashed pass, the same map);
+    elsewhere the PyTorch reference (a sort of the voxel keys and segment sums on the
+    points' device), run once per call: :func:`.reference.voxelize_reference`.
     """
     if points.dim() != 3 or points.shape[-1] != 3 \
             or tuple(covariances.shape) != (*points.shape, 3):
@@ -435,6 +435,12 @@ def voxelize(points: torch.Tensor, lengths: torch.Tensor, covariances: torch.Ten
                          f"got {tuple(points.shape)} and {tuple(covariances.shape)}")
     if not voxel_size > 0:
         raise ValueError(f"voxel_size: must be > 0, got {voxel_size}")
+    if backend(points) == "cpu":
+        from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+        return _gicp_cpu.voxelize_cpu(points, lengths.tolist() if counts is None
+                                      else [int(c) for c in counts], covariances,
+                                      float(voxel_size))
     return voxelize_reference(points, lengths, covariances, float(voxel_size), counts)
 
 

@@ -15,6 +15,8 @@
   pass: no ``(N, k)`` table, the same bits as the search then the reduction.
 * :func:`voxel_lookup_cpu`: the nearest voxel by binary search in each target's sorted
   keys; integer answers equal to the reference's (the same float64 distances).
+* :func:`voxelize_cpu`: the voxel map by one hashed pass over each target (no sort of the
+  points, only of the occupied keys): the reference's map, bit for bit.
 * :func:`vgicp_sums_cpu`: one VGICP iteration's move (``transform_points``' rounding),
   voxel look-up and sums in one parallel pass: the bits of the three kernels in a row.
 
@@ -46,6 +48,9 @@ from pointalign.kernels.gicp.reference import (
     OFFSETS,
     ROBUST_SCALE2,
     WIDTH,
+    VoxelMap,
+    padded_map,
+    too_small,
 )
 from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _self_key
 from pointalign.kernels.ransac.score_cpu import _moved
@@ -453,6 +458,80 @@ def voxel_lookup_cpu(points: torch.Tensor, keys: torch.Tensor, means: torch.Tens
         _lookup(_np(points), k, _np(means), sizes, float(inv_size),
                 _OFFSETS[:neighborhood], out)
     return torch.from_numpy(out)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (2**64 / φ)
+
+
+@njit(cache=True)
+def _voxel_sums(pts, covs, inv, keys, sums, csums, counts):
+    """Sum ``pts (M, 3)`` and ``covs (M, 3, 3)`` per voxel in one pass; return V or -1.
+
+    Voxels are numbered as first met (an open-addressing hash of the keys, linear
+    probing); ``keys[v]``, ``sums[v] (3,)``, ``csums[v] (9,)`` (float64, added in point
+    order, as the reference's ``index_add_``) and ``counts[v]`` fill the first V rows.
+    -1: a point whose cell has no key (too far from the origin).
+    """
+    m = pts.shape[0]
+    size = 2
+    while size < 2 * m:
+        size *= 2
+    mask = size - 1
+    slot_key = np.full(size, -1, np.int64)  # keys are >= 0
+    slot_id = np.empty(size, np.int64)
+    top = (1 << KEY_BITS) - 2
+    nv = 0
+    for i in range(m):
+        c0 = np.int64(math.floor(np.float64(pts[i, 0]) * inv)) + KEY_OFFSET
+        c1 = np.int64(math.floor(np.float64(pts[i, 1]) * inv)) + KEY_OFFSET
+        c2 = np.int64(math.floor(np.float64(pts[i, 2]) * inv)) + KEY_OFFSET
+        if c0 < 0 or c1 < 0 or c2 < 0 or c0 > top or c1 > top or c2 > top:
+            return -1
+        key = (c0 << (2 * KEY_BITS)) | (c1 << KEY_BITS) | c2
+        h = np.int64((np.uint64(key) * _GOLDEN) >> np.uint64(32)) & mask
+        while slot_key[h] != -1 and slot_key[h] != key:
+            h = (h + 1) & mask
+        if slot_key[h] == -1:
+            slot_key[h] = key
+            slot_id[h] = nv
+            keys[nv] = key
+            nv += 1
+        v = slot_id[h]
+        counts[v] += 1
+        for d in range(3):
+            sums[v, d] += np.float64(pts[i, d])
+        for a in range(3):
+            for b in range(3):
+                csums[v, 3 * a + b] += np.float64(covs[i, a, b])
+    return nv
+
+
+def voxelize_cpu(points: torch.Tensor, lengths: list[int], covariances: torch.Tensor,
+                 voxel_size: float) -> VoxelMap:
+    """:func:`.reference.voxelize_reference` by one hashed pass per problem: the same map.
+
+    The same cells (``floor(p · inv_size)`` in float64), sums in the same order and the
+    same divisions, so keys, counts, means and covariances equal the reference's bits.
+    """
+    inv = 1.0 / float(voxel_size)
+    per = []
+    for b, m in enumerate(lengths):
+        p = _np(points[b, :m])
+        keys = np.empty(m, np.int64)
+        sums = np.zeros((m, 3), np.float64)
+        csums = np.zeros((m, 9), np.float64)
+        counts = np.zeros(m, np.int64)
+        nv = _voxel_sums(p, _np(covariances[b, :m]), inv, keys, sums, csums, counts)
+        if nv < 0:
+            raise too_small(voxel_size)
+        order = np.argsort(keys[:nv])
+        n = counts[order]
+        nf = n.astype(np.float64)[:, None]
+        per.append((torch.from_numpy(keys[order]),
+                    torch.from_numpy(sums[order] / nf).to(points.dtype),
+                    torch.from_numpy(csums[order] / nf).to(points.dtype).reshape(-1, 3, 3),
+                    torch.from_numpy(n)))
+    return padded_map(per, float(voxel_size), points.device, points.dtype)
 
 
 def vgicp_sums_cpu(source, source_cov, Tf, keys, means, voxel_cov, inv_size, neighborhood,

@@ -20,6 +20,7 @@ numba (``cpu.py``) and Triton (``triton.py``) kernels follow the same formulas.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -270,8 +271,8 @@ def voxelize_reference(points: torch.Tensor, lengths: torch.Tensor, covariances:
     the lengths on the host, when the caller knows them (saves a transfer).
     Raises ValueError when a point lies more than ``2**20`` voxels from the origin.
     """
-    B, M = points.shape[:2]
-    dev, dt = points.device, points.dtype
+    B = points.shape[0]
+    dt = points.dtype
     inv = 1.0 / float(voxel_size)
     lens = lengths.tolist() if counts is None else [int(c) for c in counts]
     per = []
@@ -279,25 +280,40 @@ def voxelize_reference(points: torch.Tensor, lengths: torch.Tensor, covariances:
         p = points[b, :lens[b]]
         key, ok = keys_of(cells_of(p, inv))
         if not bool(ok.all()):
-            raise ValueError(f"voxel_size: {voxel_size} is too small for the target's "
-                             f"extent (a point lies more than 2**20 voxels from its centroid)")
+            raise too_small(voxel_size)
         uk, inverse = torch.unique(key, sorted=True, return_inverse=True)
         n = torch.bincount(inverse, minlength=uk.shape[0])
-        s = torch.zeros(uk.shape[0], 3, dtype=torch.float64, device=dev)
+        s = torch.zeros(uk.shape[0], 3, dtype=torch.float64, device=points.device)
         s.index_add_(0, inverse, p.to(torch.float64))
-        cs = torch.zeros(uk.shape[0], 9, dtype=torch.float64, device=dev)
+        cs = torch.zeros(uk.shape[0], 9, dtype=torch.float64, device=points.device)
         cs.index_add_(0, inverse, covariances[b, :lens[b]].reshape(-1, 9).to(torch.float64))
         nf = n.to(torch.float64)[:, None]
         per.append((uk, (s / nf).to(dt), (cs / nf).to(dt).reshape(-1, 3, 3), n))
+    return padded_map(per, float(voxel_size), points.device, dt)
+
+
+def too_small(voxel_size: float) -> ValueError:
+    """Return the error of a voxel size too small for the cloud's extent (every backend's)."""
+    return ValueError(f"voxel_size: {voxel_size} is too small for the target's extent (a "
+                      f"point lies more than 2**20 voxels from its centroid)")
+
+
+def padded_map(per: Sequence[tuple[torch.Tensor, ...]], voxel_size: float, device: torch.device,
+               dtype: torch.dtype) -> VoxelMap:
+    """Pad B problems' voxels into one :class:`VoxelMap` (V: the largest count, at least 1).
+
+    ``per[b] = (keys (V_b,), means (V_b, 3), covariances (V_b, 3, 3), counts (V_b,))``.
+    """
+    B = len(per)
     V = max(1, max(u[0].shape[0] for u in per))
-    keys = torch.full((B, V), KEY_PAD, dtype=torch.int64, device=dev)
-    means = torch.zeros(B, V, 3, dtype=dt, device=dev)
-    covs = torch.eye(3, dtype=dt, device=dev).repeat(B, V, 1, 1)
-    cnt = torch.zeros(B, V, dtype=torch.int64, device=dev)
+    keys = torch.full((B, V), KEY_PAD, dtype=torch.int64, device=device)
+    means = torch.zeros(B, V, 3, dtype=dtype, device=device)
+    covs = torch.eye(3, dtype=dtype, device=device).repeat(B, V, 1, 1)
+    cnt = torch.zeros(B, V, dtype=torch.int64, device=device)
     for b, (uk, mu, cv, n) in enumerate(per):
         v = uk.shape[0]
         keys[b, :v], means[b, :v], covs[b, :v], cnt[b, :v] = uk, mu, cv, n
-    return VoxelMap(keys, means, covs, cnt, float(voxel_size))
+    return VoxelMap(keys, means, covs, cnt, voxel_size)
 
 
 _OFFSETS_ON: dict[tuple[str, int], torch.Tensor] = {}
