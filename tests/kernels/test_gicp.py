@@ -542,8 +542,9 @@ def test_voxel_lookup_exact(backend, seed, neighborhood):
     vm = kg.voxelize(tgt.to(dev), L.to(dev), tc.to(dev), 0.03)
     got = kg.voxel_lookup(src.to(dev), vm, neighborhood).cpu()
     assert got.dtype == torch.int64 and got.shape == src.shape[:2]
-    assert torch.equal(got, ref.voxel_lookup_reference(src, kg.voxelize(tgt, L, tc, 0.03),
-                                                       neighborhood))
+    want = ref.voxel_lookup_reference(src, ref.voxelize_reference(tgt, L, tc, 0.03),
+                                      neighborhood)
+    assert torch.equal(got, want)
     _, best = _voxel_oracle(tgt, tc, L, 0.03, src, ref.OFFSETS[:neighborhood])
     keys = vm.keys.cpu()
     for b in range(2):

@@ -290,3 +290,32 @@ def test_program_is_one_graph_and_matches_eager(backend):
     # the graph cannot stop early: it runs all 40 steps, with the same masked result
     assert int(host["steps"]) == 40
     np.testing.assert_allclose(host["x"], eager["x"], rtol=1e-6)
+
+
+def test_clock_charges_each_stage_and_totals(backend):
+    """Stage seconds add up per name, stay within the total, and (CUDA) time the work.
+
+    On CUDA a boundary records an event instead of waiting: the stage that runs a kernel
+    of known length (``torch.cuda._sleep``) is charged at least most of it, and the
+    host got past the boundary before the kernel ended.
+    """
+    import time
+
+    dev = torch.device(backend.device)
+    clock = _loop.Clock(dev)
+    x = torch.ones(1000, device=dev)
+    out = clock.stage("add", torch.add, x, 1.0)
+    if dev.type == "cuda":
+        t0 = time.perf_counter()
+        clock.stage("sleep", torch.cuda._sleep, 10**8)  # >= 33 ms below 3 GHz
+        enqueued = time.perf_counter() - t0
+    else:
+        clock.stage("sleep", time.sleep, 0.05)
+    clock.lap(None)
+    clock.stage("add", torch.add, out, 1.0)
+    timings = clock.total()
+    assert set(timings) == {"add", "sleep", "total"}
+    assert timings["sleep"] >= 0.03
+    assert 0 <= timings["add"] and timings["add"] + timings["sleep"] <= timings["total"]
+    if dev.type == "cuda":
+        assert enqueued < 0.02  # no wait at the boundaries

@@ -112,23 +112,36 @@ def graphs_enabled(x: torch.Tensor) -> bool:
 
 
 def synchronize(x: torch.Tensor | torch.device) -> None:
-    """Wait for the device of ``x`` (a no-op on the CPU); for honest stage timings."""
+    """Wait for the device of ``x`` (a no-op on the CPU)."""
     dev = x.device if isinstance(x, torch.Tensor) else torch.device(x)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
 class Clock:
-    """Seconds per named stage, the device synchronised at each boundary (honest timings).
+    """Seconds per named stage, without making the host wait at each boundary.
 
     Either time a call with :meth:`stage`, or charge the time since the last boundary with
-    :meth:`lap`; :meth:`total` adds ``"total"`` since the clock was made.
+    :meth:`lap`; :meth:`total` adds ``"total"`` since the clock was made. On CUDA a
+    boundary records a timing event on the current stream (no synchronisation: the host
+    goes on enqueueing the next stage while the device runs this one), and a stage's
+    seconds are the device's between its two events: its kernels and any wait for the
+    host's launches. They are read, with one wait for the last event, when
+    :attr:`timings` is next asked. Elsewhere host seconds between the boundaries.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.timings: dict[str, float] = {}
+        self._timings: dict[str, float] = {}
+        self._cuda = torch.device(device).type == "cuda"
+        self._pending: list[tuple[str, Any, Any]] = []  # (stage, start event, end event)
         self._t0 = self._last = time.perf_counter()
+        self._mark = self._event() if self._cuda else None
+
+    def _event(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def stage(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` as stage ``name`` (times of a repeated name add up)."""
@@ -139,17 +152,34 @@ class Clock:
 
     def lap(self, name: str | None) -> None:
         """Charge the time since the last boundary to ``name`` (None: to nothing)."""
-        synchronize(self.device)
+        if self._cuda:
+            mark = self._event()
+            if name is not None:
+                self._pending.append((name, self._mark, mark))
+            self._mark = mark
+            return
         now = time.perf_counter()
         if name is not None:
-            self.timings[name] = self.timings.get(name, 0.0) + now - self._last
+            self._timings[name] = self._timings.get(name, 0.0) + now - self._last
         self._last = now
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds per stage so far (on CUDA: waits for the last boundary's event)."""
+        if self._pending:
+            self._pending[-1][2].synchronize()
+            for name, start, end in self._pending:
+                self._timings[name] = self._timings.get(name, 0.0) \
+                    + start.elapsed_time(end) / 1e3
+            self._pending.clear()
+        return self._timings
 
     def total(self) -> dict[str, float]:
         """Return the stage timings plus ``"total"``: seconds since the clock was made."""
         synchronize(self.device)
-        self.timings["total"] = time.perf_counter() - self._t0
-        return self.timings
+        timings = self.timings
+        timings["total"] = time.perf_counter() - self._t0
+        return timings
 
 
 # ---- signatures -------------------------------------------------------------------------
