@@ -20,7 +20,6 @@ from pointalign.search.grid import VoxelGridIndex, auto_cell_size
 from pointalign.search.policy import (
     AUTO_BRUTE_MAX_POINTS,
     GRID_MAX_RATIO,
-    GRID_MAX_SCAN,
     SPATIAL_ORDER_MIN,
     TieredIndex,
     choose_index,
@@ -68,41 +67,33 @@ def test_index_method_table(plan, m, distance, auto, want):
     assert index_method(plan, m, distance, auto) == want
 
 
-@pytest.mark.parametrize("plan, m, distance, auto, scan, want", [
-    (DEVICE, 10**6, 0.05, 0.01, GRID_MAX_SCAN, "grid"),          # the boundary is a grid
-    (DEVICE, 10**6, 0.05, 0.01, GRID_MAX_SCAN + 0.5, "kdtree"),  # crowded cells: the tree
-    (DEVICE, 5000, 0.05, 0.01, GRID_MAX_SCAN + 0.5, "brute"),    # ... or brute force
-    (DEVICE, 10**6, 0.5, 0.01, 1.0, "kdtree"),      # the ratio rule still applies first
-    (HOST, 10**6, 0.05, 0.01, 10**4, "ckdtree"),
-])
-def test_index_method_scan_table(plan, m, distance, auto, scan, want):
-    assert index_method(plan, m, distance, auto, scan) == want
-
-
 def test_grid_scan_counts_points_as_the_points_see_their_cells():
     """Σ n_c² / M of the cells of the grid: 3 points in one cell and 1 alone -> (9 + 1) / 4."""
     p = torch.tensor([[0.1, 0.1, 0.1], [0.2, 0.2, 0.2], [0.3, 0.1, 0.2], [5.5, 5.5, 5.5]])
     assert VoxelGridIndex(p, 1.0).scan == pytest.approx(10 / 4)
 
 
-def test_crowded_cells_turn_the_grid_down_where_knn_shares_the_tree(rng, monkeypatch):
-    """Device rule on the CPU: for a caller that also needs k-NN, a surface whose points
-    crowd into a few cells (as a LiDAR scan's near the sensor) gets the k-d tree where an
-    even one at the same distance keeps its grid."""
+def test_knn_callers_get_the_tree_not_a_grid(rng, monkeypatch):
+    """Device rule on the CPU: a caller that also needs k-NN gets the k-d tree (or brute
+    force on a small cloud) at a distance where the ratio rule alone keeps a grid, and no
+    grid is built to be dropped."""
     monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE)
     monkeypatch.setattr(policy, "AUTO_BRUTE_MAX_POINTS", 500)
     even = _plane(3000, rng)
     d = 2 * auto_cell_size(even)
-    ix = choose_index(even, max_distance=d, knn=True)
-    assert isinstance(ix, VoxelGridIndex) and ix.scan <= GRID_MAX_SCAN
-    crowded = even.clone()
-    crowded[:2000] = crowded[:2000] * d * 0.9  # 2,000 points in the first few cells
-    assert VoxelGridIndex(crowded, d).scan > GRID_MAX_SCAN
-    # the ratio rule alone (the automatic cell of the crowded cloud is small) would keep a grid
-    assert d <= GRID_MAX_RATIO * auto_cell_size(crowded)
-    assert type(choose_index(crowded, max_distance=d, knn=True)).__name__ == "KDTreeIndex"
-    # without k-NN to share the tree, the grid's cheaper build wins: the ratio rule alone
-    assert isinstance(choose_index(crowded, max_distance=d), VoxelGridIndex)
+    assert isinstance(choose_index(even, max_distance=d), VoxelGridIndex)  # the ratio rule
+    built = []
+    real = VoxelGridIndex.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(args)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(VoxelGridIndex, "__init__", counting)
+    assert type(choose_index(even, max_distance=d, knn=True)).__name__ == "KDTreeIndex"
+    assert not built
+    monkeypatch.setattr(policy, "AUTO_BRUTE_MAX_POINTS", 5000)
+    assert isinstance(choose_index(even, max_distance=d, knn=True), BruteForceIndex)
 
 
 def test_tier_cells_table():

@@ -25,22 +25,19 @@ knob                       value  rule (and where it was measured)
                                   a larger bound makes every query scan thousands of points,
                                   where the k-d tree's cost does not grow with the bound
                                   (ICP on the bunny pair, H100, ``benchmarks/bench_icp.py``)
-``GRID_MAX_SCAN``          64     where the caller also needs every point's k nearest (GICP's
-                                  covariances, point-to-plane ICP's estimated normals: a k-d
-                                  tree serves both, a grid cannot), the grid is kept only
-                                  while its cells hold at most this many points as the points
-                                  see them (Σ n_c² / M, :attr:`~pointalign.search.grid.
-                                  VoxelGridIndex.scan`), else the rule below as if no
-                                  distance were given. Cells of 1 m on LiDAR scans hold
-                                  hundreds of points near the sensor where the mean says
-                                  tens. GICP on the KITTI pair, H200 (warm medians, grid
-                                  against tree, interleaved): scan 12 (0.25 m voxels) 11.5
-                                  against 12.9 ms; scan 51 (0.1 m) 16.3 against 16.5; scan
-                                  206 (full resolution) 31.5-33.6 against 23.2-23.8; the
-                                  fast_gicp pair at full resolution, scan 810: 36.2-38.5
-                                  against 19.1-19.9; point-to-plane ICP, the normals
-                                  searching the tree: KITTI full 29.8-31.0 against 17.8-19.5,
-                                  the bunny at 1 cm (scan 183) 16.1-19.6 against 14.1-14.5.
+(k-NN shared)                     where the caller also needs every point's k nearest (GICP's
+                                  covariances, point-to-plane ICP's estimated normals): no
+                                  grid (a k-d tree serves both, a grid cannot); the rule
+                                  below as if no distance were given. An earlier rule kept
+                                  a grid whose cells held at most 64 points as the points see
+                                  them (Σ n_c² / M, :attr:`~pointalign.search.grid.
+                                  VoxelGridIndex.scan`: 12 on KITTI at 0.25 m, 206 at full
+                                  resolution), built first to measure it; the tree's k-NN
+                                  has since run 2-3x faster, and the grid lost where it had
+                                  won. GICP on the KITTI pair, H200, warm medians interleaved
+                                  in one process, grid-first against tree: 0.25 m 14.3 ->
+                                  11.5 and 10.8 -> 9.4 ms; full resolution (the grid built
+                                  and dropped) 16.6 -> 15.8 and 16.4 -> 13.1 ms.
                                   Without k-NN to share, the ratio rule alone: the tree's
                                   build costs 3-5 ms more than the grid's (launch-bound),
                                   repaid only over many iterations (point-to-point on the
@@ -88,7 +85,6 @@ from pointalign.search.base import Index, KnnResult
 from pointalign.search.brute import BruteForceIndex
 
 GRID_MAX_RATIO = 8.0
-GRID_MAX_SCAN = 64.0
 AUTO_BRUTE_MAX_POINTS = 20_000
 TIER_BASE = 2.0
 TIERS = 2
@@ -121,7 +117,7 @@ def one_index_serves_every_bound(points: torch.Tensor) -> bool:
 
 
 def index_method(plan: kernels.SearchPlan, m: int, distance: float | None = None,
-                 auto_cell: float | None = None, scan: float | None = None) -> str:
+                 auto_cell: float | None = None) -> str:
     """Name the index :func:`choose_index` builds, a pure function of what it measured.
 
     Args:
@@ -131,8 +127,6 @@ def index_method(plan: kernels.SearchPlan, m: int, distance: float | None = None
             distance), or None.
         auto_cell: :func:`~pointalign.search.grid.auto_cell_size` of the points (needed only
             when ``distance`` is given and ``plan.host_tree`` is False).
-        scan: the :attr:`~pointalign.search.grid.VoxelGridIndex.scan` of a grid with cells
-            of ``distance`` over the points, once built; None: not measured yet.
 
     Returns:
         ``"ckdtree"``, ``"grid"``, ``"brute"`` or ``"kdtree"`` (see the module table).
@@ -140,8 +134,7 @@ def index_method(plan: kernels.SearchPlan, m: int, distance: float | None = None
     """
     if plan.host_tree:
         return "ckdtree"
-    if (distance is not None and auto_cell is not None and distance <= GRID_MAX_RATIO * auto_cell
-            and (scan is None or scan <= GRID_MAX_SCAN)):
+    if distance is not None and auto_cell is not None and distance <= GRID_MAX_RATIO * auto_cell:
         return "grid"
     if m <= AUTO_BRUTE_MAX_POINTS:
         return "brute"
@@ -154,10 +147,10 @@ def choose_index(points: Any, *, max_distance: float | None = None, knn: bool = 
 
     The rule (thresholds in the module table): points in host memory -> SciPy's cKDTree;
     on a device, with ``max_distance`` at most ``GRID_MAX_RATIO`` automatic grid cells -> a
-    voxel grid with cells of ``max_distance`` (with ``knn``: kept only if its cells hold at
-    most ``GRID_MAX_SCAN`` points as the points see them); else brute force up to
-    ``AUTO_BRUTE_MAX_POINTS`` points; else the k-d tree (a grid with automatic cells, or
-    with cells of ``max_distance``, when the k-d tree module does not import).
+    voxel grid with cells of ``max_distance`` (not with ``knn``: a k-d tree serves both
+    searches); else brute force up to ``AUTO_BRUTE_MAX_POINTS`` points; else the k-d tree
+    (a grid with automatic cells, or with cells of ``max_distance``, when the k-d tree
+    module does not import).
 
     Args:
         points: ``(M, 3)`` array, tensor or PointCloud; non-empty and finite.
@@ -181,18 +174,11 @@ def _choose(pts: torch.Tensor, distance: float | None, *, knn: bool = False,
     """:func:`choose_index` on checked points; ``distance`` is also the grid's cell size."""
     plan = search_plan(pts)
     auto = None
-    if distance is not None and not plan.host_tree:
+    if distance is not None and not plan.host_tree and not knn:
         from pointalign.search.grid import auto_cell_size
 
         auto = auto_cell_size(pts)
-    from pointalign.search.grid import VoxelGridIndex
-
-    method = index_method(plan, pts.shape[0], distance, auto)
-    index = _build(method, pts, distance, **kw)
-    if knn and isinstance(index, VoxelGridIndex):  # measured on the grid: kept unless crowded
-        method = index_method(plan, pts.shape[0], distance, auto, index.scan)
-        if method != "grid":
-            index = _build(method, pts, distance, **kw)
+    index = _build(index_method(plan, pts.shape[0], distance, auto), pts, distance, **kw)
     if auto is not None:  # correspondence_index reads it again (a sort, three syncs)
         try:
             _tier_cache.setdefault(index, _Tiers(pts, auto))
@@ -456,7 +442,7 @@ def query_order(points: torch.Tensor) -> torch.Tensor | None:
     return _grid.morton_order(points)
 
 
-__all__ = ["AUTO_BRUTE_MAX_POINTS", "GRID_MAX_RATIO", "GRID_MAX_SCAN", "SPATIAL_ORDER_MIN", "TIERS",
+__all__ = ["AUTO_BRUTE_MAX_POINTS", "GRID_MAX_RATIO", "SPATIAL_ORDER_MIN", "TIERS",
            "TIER_BASE", "TieredIndex", "choose_index", "correspondence_index", "index_method",
            "one_index_serves_every_bound", "query_order", "search_plan", "tier_cells",
            "wants_tiers"]
