@@ -34,10 +34,13 @@ knob                       value  rule (and where it was measured)
                                   VoxelGridIndex.scan`: 12 on KITTI at 0.25 m, 206 at full
                                   resolution), built first to measure it; the tree's k-NN
                                   has since run 2-3x faster, and the grid lost where it had
-                                  won. GICP on the KITTI pair, H200, warm medians interleaved
-                                  in one process, grid-first against tree: 0.25 m 14.3 ->
-                                  11.5 and 10.8 -> 9.4 ms; full resolution (the grid built
-                                  and dropped) 16.6 -> 15.8 and 16.4 -> 13.1 ms.
+                                  won. H200, warm medians interleaved in one process,
+                                  grid-first against this rule: GICP on KITTI at 0.25 m
+                                  7.89 -> 6.92 ms, 0.1 m 10.08 -> 9.69, full resolution (a
+                                  grid built and dropped) 12.16 -> 10.67; point-to-plane
+                                  ICP with estimated normals 11.99 -> 10.13, 16.31 -> 13.01
+                                  and 13.71 -> 12.52 ms; the fast_gicp pair at 0.1 m (16k
+                                  points: brute force now) GICP 7.98 -> 6.51 ms.
                                   Without k-NN to share, the ratio rule alone: the tree's
                                   build costs 3-5 ms more than the grid's (launch-bound),
                                   repaid only over many iterations (point-to-point on the

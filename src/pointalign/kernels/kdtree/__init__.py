@@ -54,24 +54,49 @@ REORDER_MIN_QUERIES = 8192
 # ----------------------------------------------------------------------------- build
 
 
+#: per (depth, device): :func:`build_layout`'s entries as ``(j, level, offset)`` rows
+_LAYOUT_TEMPLATES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _layout_template(depth: int, device: torch.device | str) -> torch.Tensor:
+    """Return ``(3, E)`` int64 rows on ``device``: each layout entry is ``((j m) >> level) + off``.
+
+    The entries of :func:`build_layout` in its order (every level's bounds, the split
+    positions either side of each children's boundary, the node ranges), which depend on
+    the depth alone; made once per depth and device (depths run to ~25).
+    """
+    key = (depth, str(device))
+    if key not in _LAYOUT_TEMPLATES:
+        rows: list[tuple[np.ndarray, int, int]] = []
+        rows += [(np.arange(2**level + 1), level, 0) for level in range(depth + 1)]
+        for level in range(1, depth + 1):  # the last position left and the first right
+            odd = np.arange(1, 2**level, 2)
+            rows += [(odd, level, -1), (odd, level, 0)]
+        for level in range(depth + 1):  # [start, end) of each node
+            j = np.arange(2**level)
+            rows.append((np.stack([j, j + 1], 1).reshape(-1), level, 0))
+        t = np.concatenate([np.stack([j, np.full_like(j, lv), np.full_like(j, off)])
+                            for j, lv, off in rows], 1)
+        _LAYOUT_TEMPLATES[key] = upload(t, dtype=torch.int64, device=device)
+    return _LAYOUT_TEMPLATES[key]
+
+
 def build_layout(m: int, depth: int, device: torch.device | str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Make the arrays of a device build that depend on ``m`` and ``depth`` only.
 
     Returns ``(flat, ranges)``: every level's node bounds and the positions either side of
     each split, concatenated (int64), and :func:`node_ranges` ``(n_nodes, 2)``, on
-    ``device``. Made in NumPy on the host and uploaded as one array (one copy that does not
-    wait for the device, not ~5 launches a level); :func:`build` makes them when not given,
-    and a caller that captures a build in a CUDA graph makes them before (a copy from host
-    memory is not captured). The same values as :func:`level_bounds`, :func:`node_ranges`.
+    ``device``: three element-wise launches over a template kept per depth
+    (:func:`_layout_template`), no copy from the host after the first call at a depth.
+    :func:`build` makes them when not given; a caller that captures a build in a CUDA
+    graph makes them before (the template's first copy is not captured). The same values
+    as :func:`level_bounds`, :func:`node_ranges`.
     """
-    bounds = [(np.arange(2**level + 1, dtype=np.int64) * m) >> level
-              for level in range(depth + 1)]
-    mids = [np.stack([b[1:-1:2] - 1, b[1:-1:2]]).reshape(-1) for b in bounds[1:]]
-    flat = np.concatenate(bounds + mids)
-    ranges = np.concatenate([np.stack([b[:-1], b[1:]], 1).reshape(-1) for b in bounds])
-    both = upload(np.concatenate([flat, ranges]), dtype=torch.int64, device=device)
-    return both[:flat.size], both[flat.size:].view(-1, 2)
+    t = _layout_template(depth, device)
+    both = ((t[0] * m) >> t[1]) + t[2]
+    n_flat = t.shape[1] - 2 * (2 ** (depth + 1) - 1)
+    return both[:n_flat], both[n_flat:].view(-1, 2)
 
 
 def build(points: torch.Tensor, depth: int, where: str = "device", *,
