@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from pointalign.kernels import SearchPlan
+from pointalign.kernels import grid as grid_mod
 from pointalign.search import BruteForceIndex, build_index, policy
 from pointalign.search.base import Index
 from pointalign.search.grid import VoxelGridIndex, auto_cell_size
@@ -295,15 +297,36 @@ def test_correspondence_index_on_cuda_is_exact(backend, seed, method):
     assert_knn_matches(got, q, t, 1, max_distance=md)
 
 
-def test_morton_order_in_chunks_equals_one_pass(rng, monkeypatch):
-    from pointalign.kernels import grid as grid_mod
+def test_morton_codes_in_chunks_equal_one_pass(rng, monkeypatch):
+    from pointalign.kernels.grid import reference as grid_ref
 
-    cells = torch.stack(torch.meshgrid(torch.arange(5.0), torch.arange(5.0), torch.arange(4.0),
-                                       indexing="ij"), -1).reshape(-1, 3)
-    pts = cells[torch.randperm(cells.shape[0], generator=rng)]  # distinct codes: no ties
-    one = grid_mod.morton_order(pts)
-    monkeypatch.setattr(grid_mod, "_BUILD_CHUNK", 7)
-    assert torch.equal(grid_mod.morton_order(pts), one)
+    pts = torch.rand(1000, 3, generator=rng)
+    one = grid_ref.morton_codes_reference(pts)
+    monkeypatch.setattr(grid_ref, "_MORTON_CHUNK", 7)
+    assert torch.equal(grid_ref.morton_codes_reference(pts), one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_morton_order_on_the_cpu_sorts_the_reference_codes(rng, dtype):
+    """The numba pass computes the reference's codes bit for bit (the same rounded
+    operations in the points' dtype); the order is their stable sort."""
+    from pointalign import datasets
+    from pointalign.kernels import _backend
+    from pointalign.kernels.grid import cpu as grid_cpu
+    from pointalign.kernels.grid import reference as grid_ref
+
+    if not _backend.cpu_available():
+        pytest.skip("numba is not installed")
+    clouds = [torch.rand(5000, 3, generator=rng) * 37.0 - 3.0,
+              datasets.load_bunny("bun000") + 1e3,               # far from the origin
+              torch.rand(300, 3, generator=rng).round(decimals=1)]  # many equal codes
+    for p in (c.to(dtype) for c in clouds):
+        codes = grid_ref.morton_codes_reference(p)
+        out = np.empty(p.shape[0], np.int32)
+        grid_cpu._morton_codes(p.numpy(), out)
+        assert torch.equal(torch.from_numpy(out), codes)
+        order = grid_mod.morton_order(p)
+        assert torch.equal(order, torch.from_numpy(np.argsort(codes.numpy(), kind="stable")))
 
 
 def test_correspondence_index_reuses_the_automatic_cell_of_choose_index(rng, monkeypatch):

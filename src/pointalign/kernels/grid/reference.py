@@ -129,3 +129,33 @@ def grid_query_reference(g: GridData, query: torch.Tensor, k: int,
         out_i[sl, :kk] = oi[:, :kk]
         i += step
     return out_d, out_i
+
+
+#: points per chunk of the Morton codes (bounds the int64 temporaries of a large cloud)
+_MORTON_CHUNK = 1 << 22
+
+
+def _spread(v: torch.Tensor) -> torch.Tensor:
+    """Spread the low 10 bits of ``v`` (int64) two bits apart (bit b to bit 3b)."""
+    v = (v | (v << 16)) & 0x030000FF
+    v = (v | (v << 8)) & 0x0300F00F
+    v = (v | (v << 4)) & 0x030C30C3
+    return (v | (v << 2)) & 0x09249249
+
+
+def morton_codes_reference(points: torch.Tensor) -> torch.Tensor:
+    """Morton (Z-order) codes ``(N,)`` int32 of ``points (N, 3)`` over their bounding box.
+
+    Per axis ``q = trunc(clamp((p - lo) / span * 1023, 0, 1023))`` in the points' dtype
+    (``lo`` the box's minimum corner, ``span`` its longest side, at least 1e-30), the
+    axes' bits interleaved x lowest: 30-bit codes. Computed a chunk at a time (the int64
+    temporaries of a whole 50M-point cloud would hold ~3 GiB).
+    """
+    lo = points.amin(0)
+    span = (points.amax(0) - lo).amax().clamp_min(1e-30)
+    code = torch.empty(points.shape[0], dtype=torch.int32, device=points.device)
+    for s in range(0, points.shape[0], _MORTON_CHUNK):
+        q = ((points[s:s + _MORTON_CHUNK] - lo) / span * 1023).clamp(0, 1023).to(torch.int64)
+        code[s:s + _MORTON_CHUNK] = _spread(q[:, 0]) | (_spread(q[:, 1]) << 1) \
+            | (_spread(q[:, 2]) << 2)
+    return code
