@@ -145,11 +145,11 @@ def covariances_cpu(points: torch.Tensor, nbr_idx: torch.Tensor, eps: float) -> 
     """Return ``(Q, 3, 3)`` plane-regularised covariances in the points' dtype."""
     _threads.numba_threads()
     p = points.detach().contiguous().numpy()
-    out = np.empty((nbr_idx.shape[0], 3, 3), np.float64)
+    out = np.empty((nbr_idx.shape[0], 3, 3), p.dtype)  # rounded once, as .to() would
     if out.shape[0]:
         _covariances(p, nbr_idx.detach().to(torch.int64).contiguous().numpy(), float(eps),
                      _math.DEGENERACY_EPS, out)
-    return torch.from_numpy(out).to(points.dtype)
+    return torch.from_numpy(out)
 
 
 def knn_covariances_cpu(points: torch.Tensor, k: int, eps: float) -> torch.Tensor | None:
@@ -167,11 +167,11 @@ def knn_covariances_cpu(points: torch.Tensor, k: int, eps: float) -> torch.Tenso
         return None
     tree = CpuTree(p, leaf_size=HOST_LEAF_SIZE)
     _threads.numba_threads()
-    out = np.empty((p.shape[0], 3, 3), np.float64)
+    out = np.empty((p.shape[0], 3, 3), p.dtype)  # rounded once, as .to() would
     _knn_covariances(p, tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax,
                      tree.nmin, tree.depth, int(k), np.float32(np.inf), float(eps),
                      _math.DEGENERACY_EPS, out)
-    return torch.from_numpy(out).to(points.dtype)
+    return torch.from_numpy(out)
 
 
 @njit(cache=True, inline="always")
