@@ -13,8 +13,9 @@
 * :func:`knn_covariances_cpu`: the k-NN self-query of the knn family's host tree
   (its keyed search helpers) and :func:`covariances_cpu`'s row reduction in one parallel
   pass: no ``(N, k)`` table, the same bits as the search then the reduction.
-* :func:`voxel_lookup_cpu`: the nearest voxel by binary search in each target's sorted
-  keys; integer answers equal to the reference's (the same float64 distances).
+* :func:`voxel_lookup_cpu`: the nearest voxel through a hash table of each target's
+  sorted keys (built per call, O(V)); integer answers equal to the reference's (the same
+  positions, the same float64 distances).
 * :func:`voxelize_cpu`: the voxel map by one hashed pass over each target (no sort of the
   points, only of the occupied keys): the reference's map, bit for bit.
 * :func:`vgicp_sums_cpu`: one VGICP iteration's move (``transform_points``' rounding),
@@ -337,8 +338,8 @@ def _sums(src, scov, tgt, tcov, idx, rot, lengths, center, kind, scale, rscale2)
 
 
 @njit(cache=True, parallel=True)
-def _vgicp_sums(Rf, tf, src, scov, keys, means, vcov, sizes, inv, offsets, rot, lengths,
-                center, kind, scale, rscale2):
+def _vgicp_sums(Rf, tf, src, scov, keys, means, vcov, table, mask, inv, offsets, rot,
+                lengths, center, kind, scale, rscale2):
     """:func:`_sums` of VGICP with the move and the voxel look-up fused (one pass).
 
     Row i of entry b: moved by ``Rf[b], tf[b]`` in the points' dtype
@@ -362,7 +363,7 @@ def _vgicp_sums(Rf, tf, src, scov, keys, means, vcov, sizes, inv, offsets, rot, 
         for i in range(blk * step, stop):
             p0, p1, p2 = _moved(Rf, tf, b, src[b, i, 0], src[b, i, 1], src[b, i, 2])
             j = _nearest_voxel(np.float64(p0), np.float64(p1), np.float64(p2), keys, means,
-                               b, sizes[b], inv, offsets, top)
+                               table, mask, b, inv, offsets, top)
             if j < 0:
                 continue
             x0 = np.float64(p0) - c0
@@ -396,12 +397,42 @@ def gicp_sums_cpu(source, source_cov, target, target_cov, idx, rotation, lengths
     return torch.from_numpy(out)
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (2**64 / φ)
+
+
 @njit(cache=True, inline="always")
-def _nearest_voxel(p0, p1, p2, keys, means, b, v, inv, offsets, top):
+def _slot(key, mask):
+    """Return a key's first slot in an open-addressing table of ``mask + 1`` slots."""
+    return np.int64((np.uint64(key) * _GOLDEN) >> np.uint64(32)) & mask
+
+
+@njit(cache=True)
+def _voxel_table(keys, sizes):
+    """Hash ``keys[b, :sizes[b]]``: ``table (B, S)`` of positions (-1: empty), and ``S - 1``.
+
+    S is the power of two at least twice the largest count (linear probing stays short).
+    """
+    size = 2
+    while size < 2 * max(1, sizes.max()):
+        size *= 2
+    mask = size - 1
+    table = np.full((keys.shape[0], size), -1, np.int64)
+    for b in range(keys.shape[0]):
+        for v in range(sizes[b]):
+            h = _slot(keys[b, v], mask)
+            while table[b, h] != -1:
+                h = (h + 1) & mask
+            table[b, h] = v
+    return table, mask
+
+
+@njit(cache=True, inline="always")
+def _nearest_voxel(p0, p1, p2, keys, means, table, mask, b, inv, offsets, top):
     """Find the occupied voxel around ``p`` (float64) whose mean is nearest, or -1.
 
     Candidates: the cells ``floor(p · inv) + offsets[s]``; the answer is an index into
-    ``keys[b, :v]`` (sorted), found by binary search.
+    ``keys[b]``, found through the keys' hash table (:func:`_voxel_table`): the position
+    a binary search of the sorted keys finds, in one or two probes.
     """
     c0 = np.int64(math.floor(p0 * inv)) + KEY_OFFSET
     c1 = np.int64(math.floor(p1 * inv)) + KEY_OFFSET
@@ -412,33 +443,31 @@ def _nearest_voxel(p0, p1, p2, keys, means, b, v, inv, offsets, top):
         if e0 < 0 or e1 < 0 or e2 < 0 or e0 > top or e1 > top or e2 > top:
             continue
         key = (e0 << (2 * KEY_BITS)) | (e1 << KEY_BITS) | e2
-        lo, hi = 0, v
-        while lo < hi:  # the first position with keys >= key
-            mid = (lo + hi) // 2
-            if keys[b, mid] < key:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < v and keys[b, lo] == key:
-            d0 = p0 - np.float64(means[b, lo, 0])
-            d1 = p1 - np.float64(means[b, lo, 1])
-            d2 = p2 - np.float64(means[b, lo, 2])
+        h = _slot(key, mask)
+        j = table[b, h]
+        while j >= 0 and keys[b, j] != key:
+            h = (h + 1) & mask
+            j = table[b, h]
+        if j >= 0:
+            d0 = p0 - np.float64(means[b, j, 0])
+            d1 = p1 - np.float64(means[b, j, 1])
+            d2 = p2 - np.float64(means[b, j, 2])
             dd = (d0 * d0 + d1 * d1) + d2 * d2
             if dd < best_d2:
-                best, best_d2 = lo, dd
+                best, best_d2 = j, dd
     return best
 
 
 @njit(cache=True, parallel=True)
-def _lookup(pts, keys, means, sizes, inv, offsets, out):
+def _lookup(pts, keys, means, table, mask, inv, offsets, out):
     B, N = out.shape
     top = (1 << KEY_BITS) - 2
     for job in prange(B * N):
         b = job // N
         i = job % N
         out[b, i] = _nearest_voxel(np.float64(pts[b, i, 0]), np.float64(pts[b, i, 1]),
-                                   np.float64(pts[b, i, 2]), keys, means, b, sizes[b], inv,
-                                   offsets, top)
+                                   np.float64(pts[b, i, 2]), keys, means, table, mask, b,
+                                   inv, offsets, top)
 
 
 def _occupied(k: np.ndarray) -> np.ndarray:
@@ -452,15 +481,12 @@ def voxel_lookup_cpu(points: torch.Tensor, keys: torch.Tensor, means: torch.Tens
     _threads.numba_threads()
     B, N = points.shape[:2]
     k = _np(keys)
-    sizes = _occupied(k)
     out = np.empty((B, N), np.int64)
     if B * N:
-        _lookup(_np(points), k, _np(means), sizes, float(inv_size),
+        table, mask = _voxel_table(k, _occupied(k))
+        _lookup(_np(points), k, _np(means), table, mask, float(inv_size),
                 _OFFSETS[:neighborhood], out)
     return torch.from_numpy(out)
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (2**64 / φ)
 
 
 @njit(cache=True)
@@ -488,7 +514,7 @@ def _voxel_sums(pts, covs, inv, keys, sums, csums, counts):
         if c0 < 0 or c1 < 0 or c2 < 0 or c0 > top or c1 > top or c2 > top:
             return -1
         key = (c0 << (2 * KEY_BITS)) | (c1 << KEY_BITS) | c2
-        h = np.int64((np.uint64(key) * _GOLDEN) >> np.uint64(32)) & mask
+        h = _slot(key, mask)
         while slot_key[h] != -1 and slot_key[h] != key:
             h = (h + 1) & mask
         if slot_key[h] == -1:
@@ -547,9 +573,10 @@ def vgicp_sums_cpu(source, source_cov, Tf, keys, means, voxel_cov, inv_size, nei
     Tp = Tf.detach().to(source.dtype)
     k = _np(keys)
     m = _np(means) if means.dtype == source.dtype else _np(means.to(source.dtype))
+    table, mask = _voxel_table(k, _occupied(k))
     return torch.from_numpy(_vgicp_sums(
         _np(Tp[:, :3, :3]), _np(Tp[:, :3, 3]), src, _np(source_cov), k, m,
-        _np(voxel_cov.to(source_cov.dtype)), _occupied(k), float(inv_size),
+        _np(voxel_cov.to(source_cov.dtype)), table, mask, float(inv_size),
         _OFFSETS[:neighborhood], _np(rotation.to(torch.float64)),
         _np(lengths.to(torch.int64)), _np(center.to(torch.float64)), ROBUST_CODE[kernel],
         float(scale), ROBUST_SCALE2))
