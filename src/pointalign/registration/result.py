@@ -38,9 +38,9 @@ class RegistrationResult:
             "max_iterations", …; ``register``'s verdict: "trusted", "small_overlap", …).
         history: per-iteration records (dicts of floats), oldest first.
         timings: seconds per stage, e.g. ``{"index": …, "iterate": …, "total": …}``. On a
-            GPU a stage's seconds are the device's between the stage's boundaries (CUDA
-            events: its kernels and any wait for the host), not a synchronised wall
-            clock; ``total`` is the call's wall time.
+            GPU the stages are timed by CUDA events (the device's seconds between a
+            stage's boundaries: its kernels and any wait for the host's launches), the
+            iteration loop (``iterate``) and ``total`` by the host's clock.
         info: algorithm-specific extras (e.g. the final 6x6 information matrix ``H``,
             RANSAC stage counts). Values may be tensors.
         transformation_tensor: the same transformation as a float64 tensor on the
