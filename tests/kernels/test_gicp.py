@@ -696,3 +696,60 @@ def test_triton_cuda_large(seed, S):
     from pointalign.kernels.gicp.triton import BLOCK
 
     _assert_within(got, want, mag, (8 * KAPPA + 2 * BLOCK) * U32)
+
+
+# ---- the CPU's fused GICP step ---------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["none", "huber"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_gicp_step_cpu_equals_move_search_update(seed, kind, scan):
+    """One fused step (move, hinted search, sums, solve) gives the bits of its parts.
+
+    ``transform_points`` → the host tree's ``nearest`` (from the hints) → ``gicp_update``:
+    the fused pass moves each row with the same float32 products and sums, finds the same
+    partner (the search is exact, whatever the hint) and adds the same float64 terms in
+    the same row blocks. Two problems share the target (one tree); the second is padded.
+    """
+    from pointalign.kernels import knn as kk
+    from pointalign.kernels import ransac as kr
+    from pointalign.kernels._backend import cpu_available
+
+    if not cpu_available():
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(seed)
+    if scan:
+        tgt1 = datasets.random_subsample(datasets.load_bunny("bun000"), 3000, seed=seed)
+    else:
+        tgt1 = torch.rand(2500, 3, generator=g) * 0.2
+    M, N = tgt1.shape[0], 900
+    tc1 = ref.covariances_reference(tgt1, torch.from_numpy(
+        cKDTree(tgt1.numpy()).query(tgt1.numpy(), 8)[1]).to(torch.int64))
+    tree = kk.host_tree(tgt1)
+    d, i = tree.knn_self(12)
+    tree.set_candidates(d, i, 8)
+    src = tgt1[torch.randint(0, M, (2, N), generator=g)] + 0.004 * torch.randn(2, N, 3,
+                                                                               generator=g)
+    sc = tc1[torch.randint(0, M, (2, N), generator=g)]
+    T = torch.stack([transforms.random_transform(5.0, 0.005, generator=g) for _ in range(2)])
+    Tf = T.to(torch.float32)
+    lengths = torch.tensor([N, N - 77])
+    center = 0.01 * torch.randn(2, 3, generator=g)
+    hint = torch.randint(-1, M, (2, N), generator=g)  # some none, most wrong
+    tgt, tc = tgt1.expand(2, M, 3), tc1.expand(2, M, 3, 3)
+    args = dict(lengths=lengths, center=center, kernel=kind, scale=0.01)
+    got = kg.gicp_step_cpu(src, sc, tgt, tc, tree, hint, 0.01, transform=T, transform_f32=Tf,
+                           **args)
+    x = kr.transform_points(Tf, src)
+    want_idx = torch.stack([torch.from_numpy(tree.nearest(x[b].numpy(), 0.01 * 0.01,
+                                                          hint[b].numpy())[1])
+                            for b in range(2)])
+    want = kg.gicp_update(x, sc, tgt, tc, want_idx, transform=T, **args)
+    for a, b in zip(got[:5], want, strict=True):
+        assert torch.equal(a, b)
+    for b in range(2):
+        L = int(lengths[b])
+        assert torch.equal(got[5][b, :L], want_idx[b, :L]) and (got[5][b, L:] == -1).all()
+    assert int((want_idx >= 0).sum()) > N  # pairs were found
+    with pytest.raises(ValueError, match="hint"):
+        kg.gicp_step_cpu(src, sc, tgt, tc, tree, hint[:, :5], 0.01, transform=T,
+                         transform_f32=Tf, **args)

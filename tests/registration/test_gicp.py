@@ -308,3 +308,22 @@ def test_gicp_asks_for_an_index_its_covariances_can_share(bunny, monkeypatch):
     gicp(src, PointCloud(tgt, covariances=cov), max_correspondence_distance=0.05)
     gicp(src, PointCloud(tgt), max_correspondence_distance=0.05)
     assert asked == [True, False, False, True]
+
+
+def test_cpu_fused_step_equals_the_separate_passes(bunny, monkeypatch):
+    """gicp() on the CPU with its one-pass step gives the result of move, search and sums
+    run separately: the same bits, iterations and stop."""
+    from pointalign.registration import gicp as gicp_module
+
+    pair = datasets.make_pair(bunny, 12.0, 0.01, noise=5e-4, overlap=0.9, seed=3)
+    calls = []
+    real = gicp_module._kg.gicp_step_cpu
+    monkeypatch.setattr(gicp_module._kg, "gicp_step_cpu",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = gicp(pair.source, pair.target, max_correspondence_distance=0.02, device="cpu")
+    assert len(calls) >= fused.iterations  # every iteration (and any launched ahead)
+    monkeypatch.setattr(gicp_module.GicpStep, "_host_tree", lambda self: None)
+    separate = gicp(pair.source, pair.target, max_correspondence_distance=0.02, device="cpu")
+    assert np.array_equal(fused.transformation, separate.transformation)
+    assert fused.iterations == separate.iterations and fused.stop_reason == separate.stop_reason
+    assert np.array_equal(fused.info["H"], separate.info["H"])

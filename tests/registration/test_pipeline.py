@@ -157,7 +157,7 @@ def test_full_normals_equal_bounded_search_and_keep_candidates(bunny):
         assert torch.equal(got, want)
     tree = idx._cpu_tree()
     if tree is not None:  # the "cpu" backend: the bounded self-query was kept
-        assert tree._candidates()[0].shape == (t.shape[0], 8)
+        assert tree.candidates()[0].shape == (t.shape[0], 8)
 
 
 def test_scales_hold_every_multiple_and_overrides_replace_them():

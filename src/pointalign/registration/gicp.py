@@ -70,6 +70,15 @@ class GicpStep(IcpStep):
     def __call__(self, inputs: _loop.Tensors, state: _loop.Tensors):
         """Run one iteration: search, fused Mahalanobis sums and solve."""
         T, Tf = state["T"], state["Tf"]
+        tree = self._host_tree()
+        if tree is not None and "hint" in state:  # the CPU's one pass: the same bits
+            sums, D, T_new, Tf_new, flags, idx = _kg.gicp_step_cpu(
+                inputs["source"], inputs["source_cov"], inputs["target"], inputs["target_cov"],
+                tree, state["hint"], self.max_distance, transform=T, transform_f32=Tf,
+                lengths=inputs["lengths"], center=inputs["center"], kernel=self.kernel,
+                scale=self.scale, eps=estimate.DEGENERACY_EPS)
+            return ({"T": T_new, "Tf": Tf_new, "hint": idx},
+                    {"sums": sums, "update": D, "T": T_new, "flags": flags})
         x = _kr.transform_points(Tf, inputs["source"])
         with _validate.trusted():
             idx = self._search(x, state.get("hint"))
@@ -79,6 +88,17 @@ class GicpStep(IcpStep):
             kernel=self.kernel, scale=self.scale, eps=estimate.DEGENERACY_EPS)
         new = {"T": T_new, "Tf": Tf_new} | ({"hint": idx} if "hint" in state else {})
         return new, {"sums": sums, "update": D, "T": T_new, "flags": flags}
+
+    def _host_tree(self) -> Any:
+        """Return the one index's host k-d tree where the "cpu" backend searches it, or None.
+
+        Then the move, the search and the sums run as one numba pass
+        (:func:`pointalign.kernels.gicp.gicp_step_cpu`).
+        """
+        ix = self.indexes[0]
+        if any(other is not ix for other in self.indexes):
+            return None
+        return getattr(ix, "host_tree", None)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,11 @@ class CKDTreeIndex:
         return self._cpu
 
     @property
+    def host_tree(self) -> Any:
+        """The kernel layer's host k-d tree where it answers searches ("cpu" backend), or None."""
+        return self._cpu_tree()
+
+    @property
     def uses_hint(self) -> bool:  # type: ignore[override]
         """True when the fast host tree answers ``nearest_within`` (it starts from hints)."""
         return self._cpu_tree() is not None

@@ -41,6 +41,7 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -71,8 +72,8 @@ SELF_QUERY_LEAF = 16
 SELF_QUERY_GRAPH_MAX = 1 << 19
 
 __all__ = ["KERNELS", "NEIGHBORHOODS", "PLANE_EPS", "ROBUST_SCALE2", "WIDTH", "VoxelMap",
-           "covariances", "gicp_sums", "gicp_update", "knn_covariances", "size_class",
-           "vgicp_update", "voxel_lookup", "voxelize"]
+           "covariances", "gicp_step_cpu", "gicp_sums", "gicp_update", "knn_covariances",
+           "size_class", "vgicp_update", "voxel_lookup", "voxelize"]
 
 
 def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
@@ -362,6 +363,52 @@ def gicp_update(
         D, Tn, fl = normal_eq.solve_update_reference(s, center, transform, plane=True, eps=eps)
     dev = source.device
     return (s, D.to(dev), Tn.to(dev), Tn.to(dev, torch.float32), fl.to(dev))
+
+
+def gicp_step_cpu(
+    source: torch.Tensor,
+    source_cov: torch.Tensor,
+    target: torch.Tensor,
+    target_cov: torch.Tensor,
+    tree: Any,
+    hint: torch.Tensor,
+    max_distance: float,
+    *,
+    transform: torch.Tensor,
+    transform_f32: torch.Tensor,
+    lengths: torch.Tensor,
+    center: torch.Tensor,
+    kernel: str = "none",
+    scale: float = 1.0,
+    eps: float = 1e-10,
+) -> tuple[torch.Tensor, ...]:
+    """One whole GICP step on the "cpu" backend: move, search, sums and solve.
+
+    The bits of ``transform_points(transform_f32, source)``, the target's host tree's
+    ``nearest`` within ``max_distance`` from ``hint (B, N)`` (original indices, -1: none)
+    and :func:`gicp_update`, in one numba pass (``cpu._gicp_step_sums``) and the host
+    solve. ``tree``: the target's :class:`pointalign.kernels.knn.cpu.CpuTree` (one, shared
+    by every entry). CPU tensors only.
+
+    Returns:
+        :func:`gicp_update`'s ``(sums, D, T_new, T_new as float32, flags)`` and the
+        partners ``(B, N)`` int64 (-1: none, and every row past ``lengths[b]``).
+
+    """
+    from pointalign.kernels.gicp import cpu as _gicp_cpu
+
+    B, N = source.shape[:2]
+    md = float(max_distance)
+    rotation = transform[:, :3, :3].to(torch.float32)
+    _check(source, source_cov, target, target_cov, torch.empty(B, N, 1, dtype=torch.int64),
+           rotation, lengths, center, kernel, float(scale))
+    if tuple(hint.shape) != (B, N):
+        raise ValueError(f"hint: expected shape ({B}, {N}), got {tuple(hint.shape)}")
+    s, idx = _gicp_cpu.gicp_step_sums_cpu(source, source_cov, transform_f32, target,
+                                          target_cov, tree, hint, md * md,
+                                          rotation, lengths, center, kernel, float(scale))
+    D, Tn, fl = normal_eq.solve_update_plane_host(s, center, transform, eps=eps)
+    return (s, D, Tn, Tn.to(torch.float32), fl, idx)
 
 
 def vgicp_update(

@@ -53,7 +53,7 @@ from pointalign.kernels.gicp.reference import (
     padded_map,
     too_small,
 )
-from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _self_key
+from pointalign.kernels.knn.cpu import _LOW32, CpuTree, _nearest_one, _self_key
 from pointalign.kernels.ransac.score_cpu import _moved
 
 #: row blocks per batch entry (fixed: the summation order does not depend on threads)
@@ -338,6 +338,61 @@ def _sums(src, scov, tgt, tcov, idx, rot, lengths, center, kind, scale, rscale2)
 
 
 @njit(cache=True, parallel=True)
+def _gicp_step_sums(Rf, tf, src, scov, tgt, tcov, hint, pts, perm, spts, lo, hi, bmin, bmax,
+                    nmin, depth, max_d2, cand, cand_r2, rot, lengths, center, kind, scale,
+                    rscale2, out_idx):
+    """:func:`_sums` of one GICP iteration with the move and the search fused (one pass).
+
+    Row i of entry b: moved by ``Rf[b], tf[b]`` in the points' dtype (``transform_points``'
+    rounding, :func:`pointalign.kernels.ransac.score_cpu._moved`), its nearest target
+    point within ``max_d2`` found by the host tree's search from ``hint[b, i]`` (else the
+    row before's answer) and written to ``out_idx[b, i]`` (the next step's hint),
+    summed as :func:`_sums` with S = 1 in the same blocks: the bits of ``transform_points``
+    → ``nearest_within`` → ``gicp_sums`` (the search is exact: its answer does not depend
+    on the hint). Every entry searches the one tree (a shared target). Rows past
+    ``lengths[b]`` are neither searched nor summed (``out_idx`` -1).
+    """
+    B, N = src.shape[:2]
+    first_leaf = (1 << depth) - 1
+    part = np.zeros((B, BLOCKS, WIDTH), np.float64)
+    step = (N + BLOCKS - 1) // BLOCKS
+    for job in prange(B * BLOCKS):
+        b = job // BLOCKS
+        blk = job % BLOCKS
+        acc = np.zeros(WIDTH, np.float64)
+        stack = np.empty(2 * depth + 4, np.int64)
+        sd = np.empty(2 * depth + 4, pts.dtype)
+        R = rot[b]
+        c0, c1, c2 = center[b, 0], center[b, 1], center[b, 2]
+        first = blk * step
+        stop = min(lengths[b], (blk + 1) * step)
+        for i in range(first, min(N, (blk + 1) * step)):
+            out_idx[b, i] = -1
+        for i in range(first, stop):
+            p0, p1, p2 = _moved(Rf, tf, b, src[b, i, 0], src[b, i, 1], src[b, i, 2])
+            h = hint[b, i]
+            if h < 0 and i > first:
+                h = out_idx[b, i - 1]
+            _, j = _nearest_one(p0, p1, p2, h, pts, perm, spts, lo, hi, bmin, bmax, nmin,
+                                first_leaf, max_d2, cand, cand_r2, stack, sd)
+            out_idx[b, i] = j
+            if j < 0:
+                continue
+            x0 = np.float64(p0) - c0
+            x1 = np.float64(p1) - c1
+            x2 = np.float64(p2) - c2
+            s00, s01, s02, s11, s12, s22 = _turned(R, scov, b, i)
+            d2 = _pair(acc, x0, x1, x2, s00, s01, s02, s11, s12, s22, tgt, tcov, b, j,
+                       c0, c1, c2, kind, scale, rscale2)
+            if d2 >= 0:
+                acc[28] += 1.0
+                acc[29] += d2 / 1.0
+        for q in range(WIDTH):
+            part[b, blk, q] = acc[q]
+    return _total(part)
+
+
+@njit(cache=True, parallel=True)
 def _vgicp_sums(Rf, tf, src, scov, keys, means, vcov, table, mask, inv, offsets, rot,
                 lengths, center, kind, scale, rscale2):
     """:func:`_sums` of VGICP with the move and the voxel look-up fused (one pass).
@@ -580,3 +635,31 @@ def vgicp_sums_cpu(source, source_cov, Tf, keys, means, voxel_cov, inv_size, nei
         _OFFSETS[:neighborhood], _np(rotation.to(torch.float64)),
         _np(lengths.to(torch.int64)), _np(center.to(torch.float64)), ROBUST_CODE[kernel],
         float(scale), ROBUST_SCALE2))
+
+
+def gicp_step_sums_cpu(source, source_cov, Tf, target, target_cov, tree, hint, max_d2,
+                       rotation, lengths, center, kernel, scale
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One GICP iteration's ``(B, 30)`` float64 sums and ``(B, N)`` partners, fused.
+
+    ``tree``: the target's host k-d tree (:class:`pointalign.kernels.knn.cpu.CpuTree`, with
+    its candidate lists if set), shared by every entry; ``hint (B, N)`` int64 original
+    indices (-1: none); ``max_d2`` the squared bound. The rest as :func:`gicp_sums_cpu`.
+    Equal to ``gicp_sums_cpu`` of ``transform_points(Tf, source)`` and the tree's
+    ``nearest`` partners (:func:`_gicp_step_sums`).
+    """
+    _threads.numba_threads()
+    src = _np(source)
+    Tp = Tf.detach().to(source.dtype)
+    B, N = src.shape[:2]
+    idx = np.empty((B, N), np.int64)
+    cand, cand_r2 = tree.candidates()
+    sums = _gicp_step_sums(
+        _np(Tp[:, :3, :3]), _np(Tp[:, :3, 3]), src, _np(source_cov),
+        _np(target) if target.dtype == source.dtype else _np(target.to(source.dtype)),
+        _np(target_cov.to(source_cov.dtype)), _np(hint.to(torch.int64)), tree.points,
+        tree.perm, tree.spts, tree.lo, tree.hi, tree.bmin, tree.bmax, tree.nmin, tree.depth,
+        tree.bound(max_d2), cand, cand_r2, _np(rotation.to(torch.float64)),
+        _np(lengths.to(torch.int64)), _np(center.to(torch.float64)), ROBUST_CODE[kernel],
+        float(scale), ROBUST_SCALE2, idx)
+    return torch.from_numpy(sums), torch.from_numpy(idx)

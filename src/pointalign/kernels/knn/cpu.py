@@ -234,6 +234,59 @@ def _push_children(q0, q1, q2, bmin, bmax, nmin, v, bound, stack, sd, top):
     return top
 
 
+@njit(cache=True, inline="always")
+def _nearest_one(q0, q1, q2, h, pts, perm, spts, lo, hi, bmin, bmax, nmin, first_leaf, max_d2,
+                 cand, cand_r2, stack, sd):
+    """Find the nearest point to ``q`` within ``max_d2``, from ``h`` (original index, -1).
+
+    Returns ``(d2, original index)``, the index -1 when none is within the bound (see
+    :func:`_nearest` for the candidate list and the tree walk). Inlined into its callers
+    (:func:`_nearest`, GICP's fused CPU step), so each compiles as one loop.
+    """
+    best = max_d2
+    bi = -1
+    if h >= 0:
+        e0, e1, e2 = q0 - pts[h, 0], q1 - pts[h, 1], q2 - pts[h, 2]
+        dh = e0 * e0 + e1 * e1 + e2 * e2
+        if h < cand.shape[0] and dh < cand_r2[h]:
+            # every point off the list is farther than the hint: the list decides
+            cb, ci = dh, h
+            for s in range(cand.shape[1]):
+                j = cand[h, s]
+                e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                dd = e0 * e0 + e1 * e1 + e2 * e2
+                if dd < cb or (dd == cb and perm[j] < ci):
+                    cb = dd
+                    ci = perm[j]
+            if cb <= max_d2:
+                return cb, ci
+            return max_d2, -1
+        if dh <= best:
+            best = dh
+            bi = h
+    top = 0
+    d0 = _boxd2(q0, q1, q2, bmin, bmax, 0)
+    if d0 <= best:
+        stack[0] = 0
+        sd[0] = d0
+        top = 1
+    while top > 0:
+        top -= 1
+        v = stack[top]
+        if sd[top] > best or (sd[top] == best and bi >= 0 and nmin[v] > bi):
+            continue
+        if v >= first_leaf:
+            for j in range(lo[v], hi[v]):
+                e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
+                dd = e0 * e0 + e1 * e1 + e2 * e2
+                if dd < best or (dd == best and (bi < 0 or perm[j] < bi)):
+                    best = dd
+                    bi = perm[j]
+            continue
+        top = _push_children(q0, q1, q2, bmin, bmax, nmin, v, best, stack, sd, top)
+    return best, bi
+
+
 @njit(cache=True, parallel=True)
 def _nearest(pts, perm, spts, lo, hi, bmin, bmax, nmin, depth, q, hint, max_d2, cand,
              cand_r2, out_d, out_i):
@@ -249,67 +302,19 @@ def _nearest(pts, perm, spts, lo, hi, bmin, bmax, nmin, depth, q, hint, max_d2, 
     nq = q.shape[0]
     first_leaf = (1 << depth) - 1
     nblocks = (nq + QUERY_BLOCK - 1) // QUERY_BLOCK
-    inf = np.inf
     for blk in prange(nblocks):
         stack = np.empty(2 * depth + 4, np.int64)
         sd = np.empty(2 * depth + 4, pts.dtype)
         start = blk * QUERY_BLOCK
         for qi in range(start, min(nq, start + QUERY_BLOCK)):
-            q0, q1, q2 = q[qi, 0], q[qi, 1], q[qi, 2]
-            best = max_d2
-            bi = -1
             h = hint[qi]
             if h < 0 and qi > start:
                 h = out_i[qi - 1]
-            if h >= 0:
-                e0, e1, e2 = q0 - pts[h, 0], q1 - pts[h, 1], q2 - pts[h, 2]
-                dh = e0 * e0 + e1 * e1 + e2 * e2
-                if h < cand.shape[0] and dh < cand_r2[h]:
-                    # every point off the list is farther than the hint: the list decides
-                    cb, ci = dh, h
-                    for s in range(cand.shape[1]):
-                        j = cand[h, s]
-                        e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
-                        dd = e0 * e0 + e1 * e1 + e2 * e2
-                        if dd < cb or (dd == cb and perm[j] < ci):
-                            cb = dd
-                            ci = perm[j]
-                    if cb <= max_d2:
-                        out_d[qi] = cb
-                        out_i[qi] = ci
-                    else:
-                        out_d[qi] = inf
-                        out_i[qi] = -1
-                    continue
-                if dh <= best:
-                    best = dh
-                    bi = h
-            top = 0
-            d0 = _boxd2(q0, q1, q2, bmin, bmax, 0)
-            if d0 <= best:
-                stack[0] = 0
-                sd[0] = d0
-                top = 1
-            while top > 0:
-                top -= 1
-                v = stack[top]
-                if sd[top] > best or (sd[top] == best and bi >= 0 and nmin[v] > bi):
-                    continue
-                if v >= first_leaf:
-                    for j in range(lo[v], hi[v]):
-                        e0, e1, e2 = q0 - spts[j, 0], q1 - spts[j, 1], q2 - spts[j, 2]
-                        dd = e0 * e0 + e1 * e1 + e2 * e2
-                        if dd < best or (dd == best and (bi < 0 or perm[j] < bi)):
-                            best = dd
-                            bi = perm[j]
-                    continue
-                top = _push_children(q0, q1, q2, bmin, bmax, nmin, v, best, stack, sd, top)
-            if bi >= 0:
-                out_d[qi] = best
-                out_i[qi] = bi
-            else:
-                out_d[qi] = inf
-                out_i[qi] = -1
+            best, bi = _nearest_one(q[qi, 0], q[qi, 1], q[qi, 2], h, pts, perm, spts, lo, hi,
+                                    bmin, bmax, nmin, first_leaf, max_d2, cand, cand_r2,
+                                    stack, sd)
+            out_i[qi] = bi
+            out_d[qi] = best if bi >= 0 else np.inf
 
 
 @njit(cache=True, inline="always")
@@ -681,13 +686,15 @@ class CpuTree:
                          self._cand, self._cand_r2)
         return True
 
-    def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
+    def candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Return the candidate lists ``(cand (M, K), cand_r2 (M,))``; ``M = 0``: none set."""
         c = getattr(self, "_cand", None)
         if c is None:
             return np.zeros((0, 1), np.int32), np.zeros(0, self.points.dtype)
         return c, self._cand_r2
 
-    def _bound(self, max_d2: float | None):
+    def bound(self, max_d2: float | None) -> np.floating:
+        """Return the squared bound ``max_d2`` in the points' dtype (None: infinity)."""
         dt = self.points.dtype.type
         return dt(np.inf) if max_d2 is None else dt(max_d2)
 
@@ -707,7 +714,7 @@ class CpuTree:
         out_i = np.empty(n, np.int64)
         _nearest(self.points, self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax,
                  self.nmin, self.depth, q, np.ascontiguousarray(hint, dtype=np.int64),
-                 self._bound(max_d2), *self._candidates(), out_d, out_i)
+                 self.bound(max_d2), *self.candidates(), out_d, out_i)
         return out_d, out_i
 
     def knn(self, query: np.ndarray, k: int,
@@ -721,7 +728,7 @@ class CpuTree:
         keyed = KEYED and getattr(self, "_keyable", False) and bool(np.isfinite(q).all())
         (_knn_keyed if keyed else _knn)(self.perm, self.spts, self.lo, self.hi, self.bmin,
                                         self.bmax, self.nmin, self.depth, q, int(k),
-                                        self._bound(max_d2), out_d, out_i)
+                                        self.bound(max_d2), out_d, out_i)
         return out_d, out_i
 
     def knn_self(self, k: int,
@@ -736,5 +743,5 @@ class CpuTree:
         out_i = np.empty((n, k), np.int64)
         kern = _knn_self_keyed if KEYED and getattr(self, "_keyable", False) else _knn_self
         kern(self.perm, self.spts, self.lo, self.hi, self.bmin, self.bmax, self.nmin,
-             self.depth, int(k), self._bound(max_d2), out_d, out_i)
+             self.depth, int(k), self.bound(max_d2), out_d, out_i)
         return out_d, out_i

@@ -407,7 +407,7 @@ class ScoringTree(CpuTree):
         The grid of that bound (in the points' dtype) once built; built when a call has at
         least :data:`MIN_QUERIES_PER_POINT` queries per point. None: the tree answers.
         """
-        key = float(self._bound(max_d2))
+        key = float(self.bound(max_d2))
         grid = self._grids.get(key, False)
         if grid is False and queries >= MIN_QUERIES_PER_POINT * self.points.shape[0]:
             grid = self._grids[key] = BoundGrid.build(self.points, key)
