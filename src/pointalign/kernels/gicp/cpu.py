@@ -18,6 +18,10 @@
   positions, the same float64 distances).
 * :func:`voxelize_cpu`: the voxel map by one hashed pass over each target (no sort of the
   points, only of the occupied keys): the reference's map, bit for bit.
+* :func:`gicp_step_sums_cpu`: one GICP iteration's move (``transform_points``' rounding),
+  the target host tree's hinted nearest search (``knn/cpu.py``'s ``_nearest_one``) and
+  sums in one parallel pass, returning the partners as the next hints: the bits of the
+  three passes in a row.
 * :func:`vgicp_sums_cpu`: one VGICP iteration's move (``transform_points``' rounding),
   voxel look-up and sums in one parallel pass: the bits of the three kernels in a row.
 
