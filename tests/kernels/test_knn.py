@@ -503,7 +503,7 @@ def test_nearest_with_candidates_equals_tree(backend, seed, dtype):
             assert np.array_equal(i0, i1) and np.array_equal(d0, d1)
             _same_neighbours(q, p, ri[:, 0].numpy(), i1, rd[:, 0].numpy(), d1, dtype)
     # the shortcut is taken (the test is not vacuous): most jittered queries qualify
-    c, r2 = fast._candidates()
+    c, r2 = fast.candidates()
     e = q.astype(np.float64) - p[hints[0]]
     assert ((e * e).sum(1) < r2[hints[0]]).mean() > 0.3
 
@@ -554,8 +554,8 @@ def test_set_candidates_rejects_tables_that_do_not_fit(backend):
     i2 = i.copy()
     i2[3, 4] = -1  # a missing (k+1)-th neighbour in a table said to be complete
     assert not tree.set_candidates(d, i2, 4)
-    assert tree._candidates()[0].shape[0] == 0
-    assert tree.set_candidates(d, i, 4) and tree._candidates()[0].shape == (50, 4)
+    assert tree.candidates()[0].shape[0] == 0
+    assert tree.set_candidates(d, i, 4) and tree.candidates()[0].shape == (50, 4)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -571,7 +571,7 @@ def test_nearest_with_bounded_candidates_equals_tree(backend, seed, dtype):
     assert short.any() and not short.all()  # both kinds of rows occur
     assert not fast.set_candidates(d, i, 8)  # not said to be bounded: refused
     assert fast.set_candidates(d, i, 8, bounded=True)
-    c, r2 = fast._candidates()
+    c, r2 = fast.candidates()
     assert (r2[short] == 0).all() and (r2[~short] > 0).all()
     q, hints = _candidates_case(p, seed, dtype, 0.01)
     for md in (None, 0.02):
@@ -591,9 +591,9 @@ def test_ckdtree_index_keeps_the_self_query(backend):
     ix.knn(p[:100], 12)  # not the points themselves: nothing kept
     ix.knn(p.clone(), 5)  # too few neighbours for the candidate lists
     tree = ix._cpu_tree()
-    assert tree._candidates()[0].shape[0] == 0
+    assert tree.candidates()[0].shape[0] == 0
     got = ix.knn(p.clone(), 12)  # the self-query (bottom-up) answers as the plain search
-    assert tree._candidates()[0].shape == (500, 8)
+    assert tree.candidates()[0].shape == (500, 8)
     d, i = tree.knn(p.numpy(), 12)
     assert np.array_equal(got.idx.numpy(), i) and np.array_equal(got.dists.numpy(), d)
 

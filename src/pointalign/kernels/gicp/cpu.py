@@ -293,6 +293,25 @@ def _turned(R, scov, b, i):
                        np.float64(scov[b, i, 1, 2]), np.float64(scov[b, i, 2, 2]))
 
 
+@njit(cache=True, inline="always")
+def _add_partner(acc, p0, p1, p2, R, scov, b, i, tgt, tcov, j, c0, c1, c2, kind, scale,
+                 rscale2):
+    """Add moved row i (``p``, its points' dtype) with its one partner j, as :func:`_sums`.
+
+    The fused steps' per-row tail (S = 1): the centred row in float64, its turned
+    covariance, the pair's terms and the fitness counters (``acc[28:30]``).
+    """
+    x0 = np.float64(p0) - c0
+    x1 = np.float64(p1) - c1
+    x2 = np.float64(p2) - c2
+    s00, s01, s02, s11, s12, s22 = _turned(R, scov, b, i)
+    d2 = _pair(acc, x0, x1, x2, s00, s01, s02, s11, s12, s22, tgt, tcov, b, j, c0, c1, c2,
+               kind, scale, rscale2)
+    if d2 >= 0:
+        acc[28] += 1.0
+        acc[29] += d2 / 1.0
+
+
 @njit(cache=True)
 def _total(part):
     """``(B, WIDTH)`` sums of the ``(B, BLOCKS, WIDTH)`` partials, in block order."""
@@ -380,17 +399,9 @@ def _gicp_step_sums(Rf, tf, src, scov, tgt, tcov, hint, pts, perm, spts, lo, hi,
             _, j = _nearest_one(p0, p1, p2, h, pts, perm, spts, lo, hi, bmin, bmax, nmin,
                                 first_leaf, max_d2, cand, cand_r2, stack, sd)
             out_idx[b, i] = j
-            if j < 0:
-                continue
-            x0 = np.float64(p0) - c0
-            x1 = np.float64(p1) - c1
-            x2 = np.float64(p2) - c2
-            s00, s01, s02, s11, s12, s22 = _turned(R, scov, b, i)
-            d2 = _pair(acc, x0, x1, x2, s00, s01, s02, s11, s12, s22, tgt, tcov, b, j,
-                       c0, c1, c2, kind, scale, rscale2)
-            if d2 >= 0:
-                acc[28] += 1.0
-                acc[29] += d2 / 1.0
+            if j >= 0:
+                _add_partner(acc, p0, p1, p2, R, scov, b, i, tgt, tcov, j, c0, c1, c2, kind,
+                             scale, rscale2)
         for q in range(WIDTH):
             part[b, blk, q] = acc[q]
     return _total(part)
@@ -423,17 +434,9 @@ def _vgicp_sums(Rf, tf, src, scov, keys, means, vcov, table, mask, inv, offsets,
             p0, p1, p2 = _moved(Rf, tf, b, src[b, i, 0], src[b, i, 1], src[b, i, 2])
             j = _nearest_voxel(np.float64(p0), np.float64(p1), np.float64(p2), keys, means,
                                table, mask, b, inv, offsets, top)
-            if j < 0:
-                continue
-            x0 = np.float64(p0) - c0
-            x1 = np.float64(p1) - c1
-            x2 = np.float64(p2) - c2
-            s00, s01, s02, s11, s12, s22 = _turned(R, scov, b, i)
-            d2 = _pair(acc, x0, x1, x2, s00, s01, s02, s11, s12, s22, means, vcov, b, j,
-                       c0, c1, c2, kind, scale, rscale2)
-            if d2 >= 0:
-                acc[28] += 1.0
-                acc[29] += d2 / 1.0
+            if j >= 0:
+                _add_partner(acc, p0, p1, p2, R, scov, b, i, means, vcov, j, c0, c1, c2,
+                             kind, scale, rscale2)
         for q in range(WIDTH):
             part[b, blk, q] = acc[q]
     return _total(part)
