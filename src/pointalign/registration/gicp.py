@@ -71,12 +71,13 @@ class GicpStep(IcpStep):
         """Run one iteration: search, fused Mahalanobis sums and solve."""
         T, Tf = state["T"], state["Tf"]
         tree = self._host_tree()
-        if tree is not None and "hint" in state:  # the CPU's one pass: the same bits
-            sums, D, T_new, Tf_new, flags, idx = _kg.gicp_step_cpu(
-                inputs["source"], inputs["source_cov"], inputs["target"], inputs["target_cov"],
-                tree, state["hint"], self.max_distance, transform=T, transform_f32=Tf,
-                lengths=inputs["lengths"], center=inputs["center"], kernel=self.kernel,
-                scale=self.scale, eps=estimate.DEGENERACY_EPS)
+        fused = None if tree is None or "hint" not in state else _kg.gicp_step_cpu(
+            inputs["source"], inputs["source_cov"], inputs["target"], inputs["target_cov"],
+            tree, state["hint"], self.max_distance, transform=T, transform_f32=Tf,
+            lengths=inputs["lengths"], center=inputs["center"], kernel=self.kernel,
+            scale=self.scale, eps=estimate.DEGENERACY_EPS)
+        if fused is not None:  # the CPU's one pass: the bits of the three below
+            sums, D, T_new, Tf_new, flags, idx = fused
             return ({"T": T_new, "Tf": Tf_new, "hint": idx},
                     {"sums": sums, "update": D, "T": T_new, "flags": flags})
         x = _kr.transform_points(Tf, inputs["source"])
@@ -92,7 +93,7 @@ class GicpStep(IcpStep):
     def _host_tree(self) -> Any:
         """Return the one index's host k-d tree where the "cpu" backend searches it, or None.
 
-        Then the move, the search and the sums run as one numba pass
+        With one, on CPU tensors, the move, the search and the sums run as one numba pass
         (:func:`pointalign.kernels.gicp.gicp_step_cpu`).
         """
         ix = self.indexes[0]

@@ -381,7 +381,7 @@ def gicp_step_cpu(
     kernel: str = "none",
     scale: float = 1.0,
     eps: float = 1e-10,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, ...] | None:
     """One whole GICP step on the "cpu" backend: move, search, sums and solve.
 
     The bits of ``transform_points(transform_f32, source)``, the target's host tree's
@@ -392,9 +392,12 @@ def gicp_step_cpu(
 
     Returns:
         :func:`gicp_update`'s ``(sums, D, T_new, T_new as float32, flags)`` and the
-        partners ``(B, N)`` int64 (-1: none, and every row past ``lengths[b]``).
+        partners ``(B, N)`` int64 (-1: none, and every row past ``lengths[b]``); None
+        off the "cpu" backend (the caller then runs the three passes).
 
     """
+    if backend(source) != "cpu" or transform_f32.device.type != "cpu":
+        return None
     from pointalign.kernels.gicp import cpu as _gicp_cpu
 
     B, N = source.shape[:2]
