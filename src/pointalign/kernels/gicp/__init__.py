@@ -387,8 +387,10 @@ def gicp_step_cpu(
     The bits of ``transform_points(transform_f32, source)``, the target's host tree's
     ``nearest`` within ``max_distance`` from ``hint (B, N)`` (original indices, -1: none)
     and :func:`gicp_update`, in one numba pass (``cpu._gicp_step_sums``) and the host
-    solve. ``tree``: the target's :class:`pointalign.kernels.knn.cpu.CpuTree` (one, shared
-    by every entry). CPU tensors only.
+    solve. ``source (B, N, 3)``, ``source_cov (B, N, 3, 3)``, ``target (B, M, 3)``,
+    ``target_cov (B, M, 3, 3)``, ``transform (B, 4, 4)`` float64 and ``transform_f32``
+    its float32 copy, ``lengths (B,)``, ``center (B, 3)``; ``tree``: the target's
+    :class:`pointalign.kernels.knn.cpu.CpuTree` (one, shared by every entry).
 
     Returns:
         :func:`gicp_update`'s ``(sums, D, T_new, T_new as float32, flags)`` and the
