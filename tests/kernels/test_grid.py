@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pointalign.kernels import grid as grid_mod
+from pointalign.kernels.grid import reference as grid_ref
 from pointalign.search.grid import VoxelGridIndex
 from tests._interpreted import interpreted_fixture
 from tests._oracles import assert_knn_matches, assert_same_or_tied
@@ -116,10 +117,38 @@ def run_interpreted_cases(out_path: str) -> None:
     many = torch.tensor([[0.0, 0, 0], [0.5, 0, 0]]).repeat(11, 1)
     out["ties1"] = _grid_triton.grid_query(grid_mod.grid_build(many, 0.6),
                                            torch.tensor([[0.1, 0, 0], [0.45, 0, 0]]), 1)
+    out["morton"] = [_grid_triton.morton_codes(c) for c in _morton_clouds()]
     torch.save(out, out_path)
 
 
 interpreted = interpreted_fixture("tests.kernels.test_grid", "run_interpreted_cases")
+
+
+def _morton_clouds() -> list[torch.Tensor]:
+    """float32 clouds for the Morton codes: random, a scan far from the origin, many ties."""
+    from pointalign import datasets
+
+    g = torch.Generator().manual_seed(7)
+    return [torch.rand(5000, 3, generator=g) * 37.0 - 3.0,
+            datasets.load_bunny("bun000") + 1e3,
+            torch.rand(300, 3, generator=g).round(decimals=1), torch.zeros(1, 3)]
+
+
+def test_triton_morton_codes_interpreted(interpreted):
+    """The Triton Morton codes (``grid/triton.py``) are the reference's, bit for bit."""
+    for got, p in zip(interpreted["morton"], _morton_clouds(), strict=True):
+        assert torch.equal(got, grid_ref.morton_codes_reference(p))
+
+
+@pytest.mark.gpu
+def test_morton_order_on_cuda_sorts_the_reference_codes():
+    """On CUDA, ``morton_order`` sorts the Triton codes: the reference's, bit for bit."""
+    for p in (c.cuda() for c in _morton_clouds()):
+        codes = grid_ref.morton_codes_reference(p)
+        from pointalign.kernels.grid import triton as _grid_triton
+
+        assert torch.equal(_grid_triton.morton_codes(p), codes)
+        assert torch.equal(codes[grid_mod.morton_order(p)], codes.sort().values)
 
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])

@@ -38,6 +38,7 @@ from pointalign.kernels.ransac import cpu as _ransac_cpu
 from pointalign.kernels.ransac import score_cpu as _score_cpu
 from pointalign.search.ckdtree import CKDTreeIndex
 from tests._backends import backends
+from tests._interpreted import interpreted_fixture
 from tests._oracles import bumpy_sheet
 
 try:  # the ransac family's home for them (the pipeline branch moves them there)
@@ -303,6 +304,56 @@ def test_transform_points_cpu_equals_reference(backend, dtype):
                 assert torch.equal(got, ref)
             assert torch.allclose(got, ref, rtol=1e-6 if dtype == torch.float32 else 1e-14,
                                   atol=1e-5 if dtype == torch.float32 else 1e-12)
+
+
+def _move_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(T, points)`` float32: shared points (S = 1, 5; a ragged last block) and per-problem
+    points, coordinates to ±20 and shifts to ±2."""
+    g = torch.Generator().manual_seed(11)
+    T = _motions(5, g, shift=2.0).float()
+    shared = torch.rand(1500, 3, generator=g) * 40 - 20
+    own = torch.rand(5, 700, 3, generator=g) * 40 - 20
+    return [(T[:1], shared), (T, shared), (T, own), (T[:0], shared)]
+
+
+def _check_move(got: torch.Tensor, T: torch.Tensor, p: torch.Tensor) -> None:
+    """``got`` within 4 float32 ulps of the float64 move's largest term, per point."""
+    Td, pd = T.double(), p.double()
+    want = K.transform_points_reference(Td, pd)
+    pts = pd if pd.dim() == 3 else pd.expand(T.shape[0], -1, -1)
+    terms = (pts.abs() @ Td[:, :3, :3].abs().transpose(1, 2)) + Td[:, None, :3, 3].abs()
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert ((got.double() - want).abs() <= 4 * 2.0**-23 * terms).all()
+
+
+def run_interpreted_move(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): the Triton move of every case."""
+    from pointalign.kernels.ransac import triton as _ransac_triton
+
+    torch.save([_ransac_triton.transform_points(T, p) for T, p in _move_cases()], out_path)
+
+
+interpreted_move = interpreted_fixture("tests.kernels.test_ransac", "run_interpreted_move",
+                                       "interpreted_move")
+
+
+def test_triton_move_interpreted(interpreted_move):
+    """The Triton move (``ransac/triton.py``) to float32 FMA rounding of the exact move."""
+    for got, (T, p) in zip(interpreted_move, _move_cases(), strict=True):
+        _check_move(got, T, p)
+
+
+@pytest.mark.gpu
+def test_transform_points_on_cuda():
+    """``transform_points`` of float32 CUDA points takes the Triton move: FMA rounding."""
+    for T, p in _move_cases():
+        got = K.transform_points(T.cuda(), p.cuda())
+        assert got.is_cuda
+        _check_move(got.cpu(), T, p)
+        if T.shape[0]:  # float64 points keep the reference
+            d = K.transform_points(T.double().cuda(), p.double().cuda())
+            assert torch.equal(d, K.transform_points_reference(T.double().cuda(),
+                                                               p.double().cuda()))
 
 
 # ---- feature kNN (ransac/cpu.py) and the scoring grid (score_cpu.BoundGrid) ------------

@@ -30,7 +30,8 @@ runs near the GPU's limits, so a hand-written kernel would not clearly pay):
   with ``similarity_threshold = 1 - similarity``).
 * ``transform_points(T (S, 4, 4), points (P, 3) or (S, P, 3)) -> (S, P, 3)`` in the points'
   dtype. Reference: one ``baddbmm``; the "cpu" backend moves the points in one numba pass
-  with the products and sums ``baddbmm`` makes on the CPU (below).
+  with the products and sums ``baddbmm`` makes on the CPU (below); on CUDA, float32 points
+  move in one Triton pass (``triton.py``), within a few ulps of the reference.
 * ``score_transforms(T (S, 4, 4), points (P, 3), index, max_distance, with_matches)
   -> (counts (S,) int64, sums (S,) float64, matches (S, P) int64 | None)``: per transform,
   the points whose moved position has an indexed point within ``max_distance``, the sum of
@@ -206,7 +207,9 @@ def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     ``T (S, 4, 4)`` and ``points (P, 3)`` (every transform moves the same points) or
     ``(S, P, 3)`` (transform s moves ``points[s]``) → ``(S, P, 3)``. On the "cpu" backend
     one parallel numba pass (``score_cpu.move_points``: the reference's products and sums
-    in the same order, see the module contract), else :func:`transform_points_reference`.
+    in the same order, see the module contract); on CUDA float32 points one Triton pass
+    (``ransac/triton.py``: float32 FMAs, a few ulps from the reference's GEMM), else
+    :func:`transform_points_reference`.
     """
     if (backend(points) == "cpu" and T.device.type == "cpu" and not points.requires_grad
             and not T.requires_grad and points.dtype in (torch.float32, torch.float64)):
@@ -217,6 +220,11 @@ def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(_score_cpu.move_points(
             Tp[:, :3, :3].contiguous().numpy(), Tp[:, :3, 3].contiguous().numpy(),
             pts.detach().contiguous().numpy()))
+    if (backend(points) == "triton" and points.dtype == torch.float32
+            and not points.requires_grad and not T.requires_grad):
+        from pointalign.kernels.ransac import triton as _ransac_triton
+
+        return _ransac_triton.transform_points(T, points)
     return transform_points_reference(T, points)
 
 
