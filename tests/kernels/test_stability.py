@@ -99,10 +99,9 @@ def test_triton_interpreted_matches_reference(interpreted, case):
                                                            bound * bound, 16))
 
 
-def test_fused_point_information_equals_the_index_path(backend, bunny_scans, monkeypatch):
+def test_fused_point_information_equals_the_index_path(backend, bunny_scans):
     """registration.icp._point_information: brute-force indexes take the fused probe, any
-    other index the search-by-search path unless ``fused_fits`` prefers the probe; on a
-    real scan pair both give one matrix."""
+    other index the search-by-search path; on a real scan pair both give one matrix."""
     from pointalign.registration import _edge, icp
     from pointalign.search.brute import BruteForceIndex
     from pointalign.search.kdtree import KDTreeIndex
@@ -111,19 +110,6 @@ def test_fused_point_information_equals_the_index_path(backend, bunny_scans, mon
     pair = _edge.prepare_pair(src, tgt, init=None, device=torch.device(backend.device))
     T = np.eye(4)[None]
     target = pair.target[0, : int(pair.target_counts[0])]
-    calls = []
-    probe = stability.probe_information
-    monkeypatch.setattr(stability, "probe_information",
-                        lambda *a, **k: calls.append(1) or probe(*a, **k))
     fused = icp._point_information(pair, (BruteForceIndex(target),), T, 0.01)
-    assert len(calls) == 1
-    small = stability.fused_fits(2048, target.shape[0], target)
-    assert small == (backend.device == "cuda")  # 5k target points: the probe on a GPU
-    assert not stability.fused_fits(2048, 10**6, target)
-    tree = icp._point_information(pair, (KDTreeIndex(target),), T, 0.01)
-    assert len(calls) == 1 + small
-    torch.testing.assert_close(fused, tree, rtol=0, atol=1e-5 * float(tree.abs().max()))
-    monkeypatch.setattr(stability, "fused_fits", lambda *a: False)
     other = icp._point_information(pair, (KDTreeIndex(target),), T, 0.01)
-    assert len(calls) == 1 + small
     torch.testing.assert_close(fused, other, rtol=0, atol=1e-5 * float(other.abs().max()))

@@ -265,18 +265,14 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
     (:func:`_stability_sample`) moved by ``T[b] (4, 4)``, their nearest target points y
     within the bound, and those points' normals n by PCA of their :data:`STABILITY_K`
     nearest target points: ``Σ J Jᵀ`` with ``J = [(y − c) × n, n]`` about the target
-    centroid c. The whole batch at once: one fused probe by brute force
-    (:func:`pointalign.kernels.stability.probe_information`) where the indexes are brute
-    force or the kernel layer prefers it for the target's size (a GPU and a small target,
-    :func:`~pointalign.kernels.stability.fused_fits`); else one query per distinct index
-    (one in all for a shared target), one PCA kernel over all samples, one batched product.
-    One transfer to the host; no host synchronisation per problem.
+    centroid c. The whole batch at once: one query per distinct index (one in all for a
+    shared target), one PCA kernel over all samples, one batched product, one transfer to
+    the host; no host synchronisation per problem.
     """
     assert pair.centroid is not None  # set by prepare_pair
     dev, B = pair.source.device, pair.size
     rows, valid = _stability_sample(pair.source_counts, dev)
-    if all(isinstance(ix, BruteForceIndex) for ix in indexes) or probe.fused_fits(
-            rows.shape[1], int(pair.target_counts.max()), pair.source):
+    if all(isinstance(ix, BruteForceIndex) for ix in indexes):
         # brute force over each problem's own target: the whole measurement in one pass
         # (kernels/stability), one transfer; samples without a plane look again below
         k = int(min(STABILITY_K, int(pair.target_counts.max())))

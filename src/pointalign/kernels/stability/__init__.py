@@ -64,24 +64,6 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
                                        center, max_distance_sq, k)
 
 
-#: the most sample × target pairs for which :func:`fused_fits` prefers the fused brute-force
-#: probe to an index's searches on a GPU: 2,048 samples of a 64k-point target (the probe's
-#: ~1 ms at 40k on an H200 against ~40 launches, a synchronisation and ~2 ms of host work
-#: for the searches, the neighbour table and the PCA one by one)
-FUSED_MAX_PAIRS = 2048 * 65536
-
-
-def fused_fits(samples: int, target_points: int, like: torch.Tensor) -> bool:
-    """Tell whether :func:`probe_information` should measure ``samples`` over a target.
-
-    True on the Triton backend (CUDA tensors like ``like``) while ``samples ×
-    target_points <= FUSED_MAX_PAIRS``: there one fused pass beats a search index's
-    chain of small operations. Elsewhere the caller's index answers (a host tree on the
-    CPU; brute force by the reference would be an N × M PyTorch pass).
-    """
-    return backend(like) == "triton" and samples * target_points <= FUSED_MAX_PAIRS
-
-
 def information_matrix(sums: torch.Tensor) -> torch.Tensor:
     """Return the symmetric ``(B, 6, 6)`` ``Σ J Jᵀ`` of :func:`probe_information`'s rows."""
     return sums[:, _SYM6].reshape(-1, 6, 6)

@@ -112,7 +112,9 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
 
     Tiles of 8 rows × 128 points with 4 warps: the fastest of eight shapes on an H200 for
     2,048 samples (5k points: 0.41 ms, 16×64 0.52; 40k: 0.97 ms, 16×64 1.61), since 2,048
-    rows make few programs and each needs many loads in flight.
+    rows make few programs and each needs many loads in flight. In a warm point-to-point
+    ICP on the 40k bunny pair it took 7.7 ms of GPU time (session 13, H200), against ~2 ms
+    of host for a k-d tree's searches, so tree indexes keep their searches.
     """
     B, S = rows.shape
     N, M = source.shape[1], target.shape[1]
