@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from pointalign.kernels import _backend, stability
-from pointalign.kernels.stability.reference import probe_information_reference
+from pointalign.kernels.knn.reference import knn_reference
+from pointalign.kernels.stability.reference import (
+    neighbourhood_information_reference,
+    probe_information_reference,
+)
 from tests._interpreted import interpreted_fixture
 
 
@@ -81,12 +85,34 @@ def test_reference_is_the_information_of_its_samples():
     assert out[0, 21] == 500 and out[0, 22] == 0
 
 
+def _given_case(seed: int, shared: bool, bound: float):
+    """``_case``'s problems with their searches made (brute force), as packed table rows:
+    ``(table (R, 3), nearest (B, S), neighbours (B, S, 16), center (B, 3))``."""
+    src, rows, valid, T, tgt, counts, c = _case(seed, shared)
+    B, S = rows.shape
+    M = tgt.shape[1]
+    nearest = torch.full((B, S), -1, dtype=torch.int64)
+    nb = torch.full((B, S, 16), -1, dtype=torch.int64)
+    for b in range(B):
+        tb = 0 if shared else b
+        y_all = tgt[tb, : int(counts[tb])]
+        x = src[b, rows[b]] @ T[b, :3, :3].T + T[b, :3, 3]
+        j = knn_reference(x, y_all, 1, bound * bound)[1][:, 0]
+        j = torch.where(valid[b], j, -1)
+        nearest[b] = torch.where(j >= 0, j + tb * M, -1)
+        r = knn_reference(y_all[j.clamp_min(0)], y_all, 16)[1]
+        nb[b] = torch.where(r >= 0, r + tb * M, -1)
+    return tgt.reshape(-1, 3), nearest, nb, c
+
+
 def run_interpreted_stability(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): the Triton probe through the dispatcher."""
     assert _backend.backend(torch.empty(0)) == "interpret"
-    torch.save({case: stability.probe_information(*_case(case[0], case[1]),
-                                                  case[2] * case[2], 16)
-                for case in CASES}, out_path)
+    out = {case: stability.probe_information(*_case(case[0], case[1]), case[2] * case[2], 16)
+           for case in CASES}
+    out.update({("given", *case): stability.neighbourhood_information(*_given_case(*case))
+                for case in CASES})
+    torch.save(out, out_path)
 
 
 interpreted = interpreted_fixture("tests.kernels.test_stability", "run_interpreted_stability")
@@ -97,6 +123,28 @@ def test_triton_interpreted_matches_reference(interpreted, case):
     seed, shared, bound = case
     _check(interpreted[case], probe_information_reference(*_case(seed, shared),
                                                            bound * bound, 16))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c[0]) for c in CASES])
+def test_given_searches_interpreted_match_reference(interpreted, case):
+    """``neighbourhood_information`` (the searches given) equals its reference, and the
+    probe's sums where the probe made the same searches."""
+    got = interpreted[("given", *case)]
+    want = neighbourhood_information_reference(*_given_case(*case))
+    _check(got, want)
+    _check(got, probe_information_reference(*_case(case[0], case[1]), case[2] * case[2], 16))
+    assert (want[:, 21] > 0).all() and want[0, 22] > 0
+
+
+@pytest.mark.parametrize("seed,shared,bound", CASES)
+def test_given_searches_by_backend(backend, seed, shared, bound):
+    """A Triton backend measures given searches in one kernel; the others return None."""
+    args = [a.to(backend.device) for a in _given_case(seed, shared, bound)]
+    got = stability.neighbourhood_information(*args)
+    if backend.device == "cpu":
+        assert got is None
+        return
+    _check(got.cpu(), neighbourhood_information_reference(*_given_case(seed, shared, bound)))
 
 
 def test_fused_point_information_equals_the_index_path(backend, bunny_scans):

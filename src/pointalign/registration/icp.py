@@ -266,8 +266,10 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
     within the bound, and those points' normals n by PCA of their :data:`STABILITY_K`
     nearest target points: ``Σ J Jᵀ`` with ``J = [(y − c) × n, n]`` about the target
     centroid c. The whole batch at once: one query per distinct index (one in all for a
-    shared target), one PCA kernel over all samples, one batched product, one transfer to
-    the host; no host synchronisation per problem.
+    shared target), then on a GPU one kernel for the normals and the sums
+    (:func:`pointalign.kernels.stability.neighbourhood_information`), elsewhere one PCA
+    kernel over all samples and one batched product; one transfer to the host; no host
+    synchronisation per problem.
     """
     assert pair.centroid is not None  # set by prepare_pair
     dev, B = pair.source.device, pair.size
@@ -307,6 +309,15 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
             kb = int(min(STABILITY_K, int(pair.target_counts[bs[0]])))
             r = ix.knn(y[bs].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
             nb[bs, :, :kb] = torch.where(r >= 0, r + base[bs, :, None], r)
+        # on a GPU the rest is one kernel (kernels/stability), unless a matched sample's
+        # neighbourhood spans no plane (counted in its column 22): then the steps below
+        fused = probe.neighbourhood_information(
+            table, torch.where((j >= 0) & valid, j + base, -1), nb,
+            torch.from_numpy(pair.centroid).to(dev))
+        if fused is not None:
+            sums = fused.cpu()
+            if not bool((sums[:, 22] > 0).any()):
+                return probe.information_matrix(sums)
         # a neighbourhood that does not span a plane (every point repeated: the k nearest are
         # copies of two or three points) defines no normal: such samples look again with
         # DUPLICATE_K neighbours, and those still without a plane constrain nothing (an

@@ -1,7 +1,8 @@
 """The stability probe: point-to-plane information of a final pose's sampled correspondences.
 
 Contract (the PyTorch spec is :func:`.reference.probe_information_reference`; the Triton
-kernel in ``triton.py`` fuses it into one pass; :func:`pointalign.kernels.backend` picks):
+kernel in ``triton.py`` fuses it into one pass; :func:`pointalign.kernels.backend` picks;
+:func:`neighbourhood_information` is its second half, for searches an index made):
 
 ``probe_information(source, rows, valid, transform, target, target_counts, center,
 max_distance_sq, k) -> (B, 23) float64`` on the inputs' device, by brute force:
@@ -62,6 +63,41 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
                                          target_counts, center, max_distance_sq, k)
     return probe_information_reference(source, rows, valid, transform, target, target_counts,
                                        center, max_distance_sq, k)
+
+
+def neighbourhood_information(table: torch.Tensor, nearest: torch.Tensor,
+                              neighbours: torch.Tensor, center: torch.Tensor
+                              ) -> torch.Tensor | None:
+    """Measure the probe's information where a search index found the neighbours.
+
+    Args:
+        table: ``(R, 3)`` float32 rows (one target, or B targets packed).
+        nearest: ``(B, S)`` int64, each sample's nearest row of ``table`` (-1: none, not
+            counted).
+        neighbours: ``(B, S, k)`` int64, that row's k nearest rows (-1: none).
+        center: ``(B, 3)`` float64, each problem's ``c``.
+
+    Returns:
+        ``(B, 23)`` float64 as :func:`probe_information`: ``Σ J Jᵀ`` of the matched
+        samples whose neighbourhood spans a plane, their count, and the count of matched
+        samples whose neighbourhood does not. One Triton launch (and one sum) on the
+        Triton backends, the normals rounded to float32 as ``features.pca_normals`` stores
+        them; None elsewhere (the caller's batched operations; the spec is
+        :func:`.reference.neighbourhood_information_reference`).
+
+    """
+    B, S = nearest.shape
+    if neighbours.dim() != 3 or neighbours.shape[:2] != (B, S) or table.dim() != 2 \
+            or table.shape[1] != 3 or center.shape != (B, 3):
+        raise ValueError(f"neighbourhood_information: expected table (R, 3), nearest (B, S), "
+                         f"neighbours (B, S, k), center (B, 3); got {tuple(table.shape)}, "
+                         f"{tuple(nearest.shape)}, {tuple(neighbours.shape)}, "
+                         f"{tuple(center.shape)}")
+    if backend(table) in ("triton", "interpret") and table.dtype == torch.float32:
+        from pointalign.kernels.stability import triton as _triton
+
+        return _triton.neighbourhood_information(table, nearest, neighbours, center)
+    return None
 
 
 def information_matrix(sums: torch.Tensor) -> torch.Tensor:

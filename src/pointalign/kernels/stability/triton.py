@@ -22,7 +22,7 @@ from pointalign.kernels import _tl_math as tm
 from pointalign.kernels.features.triton import _cross, neighbour_scatter, smallest_eigenvector
 from pointalign.kernels.knn.triton import nn1_scan, topk_scan
 
-_CACHE: dict[bool, Any] = {}
+_CACHE: dict[tuple[bool, bool], Any] = {}
 
 
 def _probe_kernel(src_ptr, rows_ptr, valid_ptr, T_ptr, soa_ptr, aos_ptr, tlen_ptr, c_ptr,
@@ -63,12 +63,49 @@ def _probe_kernel(src_ptr, rows_ptr, valid_ptr, T_ptr, soa_ptr, aos_ptr, tlen_pt
         aos_ptr, nb_ptr, grow, rmask, K, pid, BLOCK_N)
     spans = tm.spans_plane(a00, a01, a02, a11, a12, a22, eps)
     nx, ny, nz = smallest_eigenvector(a00, a01, a02, a11, a12, a22, NEWTON_STEPS)
+    _store_information(out_ptr + (b * tl.num_programs(0) + pid) * 23, ok, spans, yx, yy, yz,
+                       nx, ny, nz, c_ptr + b * 3)
+
+
+def _given_kernel(table_ptr, j_ptr, nb_ptr, c_ptr, out_ptr, S, eps,
+                  K: tl.constexpr, BLOCK_N: tl.constexpr, NEWTON_STEPS: tl.constexpr):
+    """Measure the probe's information with its searches given: ``table`` rows per sample.
+
+    Program ``(pid, b)``: samples ``pid·BLOCK_N ..`` of problem b; ``j (B, S)`` each
+    sample's nearest row (-1: none), ``nb (B, S, K)`` that row's K nearest rows (-1).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    r = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rmask = r < S
+    grow = b * S + r
+    j = tl.load(j_ptr + grow, mask=rmask, other=-1)
+    ok = rmask & (j >= 0)
+    jj = tl.where(ok, j, 0)
+    yx = tl.load(table_ptr + jj * 3 + 0, mask=ok, other=0.0)
+    yy = tl.load(table_ptr + jj * 3 + 1, mask=ok, other=0.0)
+    yz = tl.load(table_ptr + jj * 3 + 2, mask=ok, other=0.0)
+    cnt, mx, my, mz, a00, a01, a02, a11, a12, a22 = neighbour_scatter(
+        table_ptr, nb_ptr, grow, ok, K, pid, BLOCK_N)
+    spans = tm.spans_plane(a00, a01, a02, a11, a12, a22, eps)
+    nx, ny, nz = smallest_eigenvector(a00, a01, a02, a11, a12, a22, NEWTON_STEPS)
+    # rounded as the normals kernel stores them (features.pca_normals): the search path's
+    # normals, bit for bit
+    nx = nx.to(tl.float32).to(tl.float64)
+    ny = ny.to(tl.float32).to(tl.float64)
+    nz = nz.to(tl.float32).to(tl.float64)
+    _store_information(out_ptr + (b * tl.num_programs(0) + pid) * 23, ok, spans, yx, yy, yz,
+                       nx, ny, nz, c_ptr + b * 3)
+
+
+@triton.jit
+def _store_information(o, ok, spans, yx, yy, yz, nx, ny, nz, c_ptr):
+    """Store a block's 23 sums at ``o``: ``Σ J Jᵀ`` (upper triangle), counted, flat."""
     w = (ok & spans).to(tl.float64)
-    px = yx.to(tl.float64) - tl.load(c_ptr + b * 3 + 0)
-    py = yy.to(tl.float64) - tl.load(c_ptr + b * 3 + 1)
-    pz = yz.to(tl.float64) - tl.load(c_ptr + b * 3 + 2)
+    px = yx.to(tl.float64) - tl.load(c_ptr + 0)
+    py = yy.to(tl.float64) - tl.load(c_ptr + 1)
+    pz = yz.to(tl.float64) - tl.load(c_ptr + 2)
     ax, ay, az = _cross(px, py, pz, nx, ny, nz)
-    o = out_ptr + (b * tl.num_programs(0) + pid) * 23
     # J = w [a, n]: the upper triangle of Σ J Jᵀ, row-major (normal_eq.TRIU6)
     tl.store(o + 0, tl.sum(w * ax * ax, 0))
     tl.store(o + 1, tl.sum(w * ax * ay, 0))
@@ -95,12 +132,13 @@ def _probe_kernel(src_ptr, rows_ptr, valid_ptr, T_ptr, soa_ptr, aos_ptr, tlen_pt
     tl.store(o + 22, tl.sum((ok & ~spans).to(tl.float64), 0))
 
 
-def _kernel() -> Any:
-    interp = bool(knobs.runtime.interpret)
-    if interp not in _CACHE:
+def _kernel(given: bool = False) -> Any:
+    key = (bool(knobs.runtime.interpret), given)
+    if key not in _CACHE:
         # sizes are not specialised (divisible by 16 or not): one compilation for every size
-        _CACHE[interp] = triton.jit(_probe_kernel, do_not_specialize=("N", "S", "M"))
-    return _CACHE[interp]
+        _CACHE[key] = triton.jit(_given_kernel, do_not_specialize=("S",)) if given else \
+            triton.jit(_probe_kernel, do_not_specialize=("N", "S", "M"))
+    return _CACHE[key]
 
 
 def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
@@ -133,4 +171,21 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
         N, S, M, 1 if target.shape[0] == B and B > 1 else 0, float(max_distance_sq),
         float(_math.DEGENERACY_EPS), K=k, KP=1 << max(0, k - 1).bit_length(),
         BLOCK_N=block_n, BLOCK_M=block_m, NEWTON_STEPS=64, num_warps=num_warps)
+    return part.sum(1)
+
+
+def neighbourhood_information(table: torch.Tensor, nearest: torch.Tensor,
+                              neighbours: torch.Tensor, center: torch.Tensor,
+                              block_n: int = 32, num_warps: int = 1) -> torch.Tensor:
+    """Launch the measurement with given searches (contract of
+    :func:`pointalign.kernels.stability.neighbourhood_information`).
+    """
+    B, S, k = neighbours.shape
+    part = torch.empty((B, max(1, -(-S // block_n)), 23), dtype=torch.float64,
+                       device=table.device)
+    _kernel(given=True)[(part.shape[1], B)](
+        table.to(torch.float32).contiguous(), nearest.contiguous(), neighbours.contiguous(),
+        center.to(device=table.device, dtype=torch.float64).contiguous(), part, S,
+        float(_math.DEGENERACY_EPS), K=k, BLOCK_N=block_n, NEWTON_STEPS=64,
+        num_warps=num_warps)
     return part.sum(1)
