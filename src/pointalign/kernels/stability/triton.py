@@ -177,8 +177,9 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
 def neighbourhood_information(table: torch.Tensor, nearest: torch.Tensor,
                               neighbours: torch.Tensor, center: torch.Tensor,
                               block_n: int = 32, num_warps: int = 1) -> torch.Tensor:
-    """Launch the measurement with given searches (contract of
-    :func:`pointalign.kernels.stability.neighbourhood_information`).
+    """Launch the measurement with given searches.
+
+    The contract of :func:`pointalign.kernels.stability.neighbourhood_information`.
     """
     B, S, k = neighbours.shape
     part = torch.empty((B, max(1, -(-S // block_n)), 23), dtype=torch.float64,
