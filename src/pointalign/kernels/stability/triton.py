@@ -22,7 +22,7 @@ from pointalign.kernels import _tl_math as tm
 from pointalign.kernels.features.triton import _cross, neighbour_scatter, smallest_eigenvector
 from pointalign.kernels.knn.triton import nn1_scan, topk_scan
 
-_CACHE: dict[tuple[bool, bool], Any] = {}
+_CACHE: dict[bool, dict[str, Any]] = {}
 
 
 def _probe_kernel(src_ptr, rows_ptr, valid_ptr, T_ptr, soa_ptr, aos_ptr, tlen_ptr, c_ptr,
@@ -132,13 +132,13 @@ def _store_information(o, ok, spans, yx, yy, yz, nx, ny, nz, c_ptr):
     tl.store(o + 22, tl.sum((ok & ~spans).to(tl.float64), 0))
 
 
-def _kernel(given: bool = False) -> Any:
-    key = (bool(knobs.runtime.interpret), given)
-    if key not in _CACHE:
+def _kernels() -> dict[str, Any]:
+    interp = bool(knobs.runtime.interpret)
+    if interp not in _CACHE:
         # sizes are not specialised (divisible by 16 or not): one compilation for every size
-        _CACHE[key] = triton.jit(_given_kernel, do_not_specialize=("S",)) if given else \
-            triton.jit(_probe_kernel, do_not_specialize=("N", "S", "M"))
-    return _CACHE[key]
+        _CACHE[interp] = {"probe": triton.jit(_probe_kernel, do_not_specialize=("N", "S", "M")),
+                          "given": triton.jit(_given_kernel, do_not_specialize=("S",))}
+    return _CACHE[interp]
 
 
 def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
@@ -164,7 +164,7 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
     nprog = max(1, -(-S // block_n))
     part = torch.empty((B, nprog, 23), dtype=torch.float64, device=dev)
     nb = torch.empty((B * S, k), dtype=torch.int64, device=dev)
-    _kernel()[(nprog, B)](
+    _kernels()["probe"][(nprog, B)](
         src, rows.contiguous(), valid.contiguous(), transform.to(f32).contiguous(), soa, tgt,
         target_counts.to(device=dev, dtype=torch.int64).contiguous(),
         center.to(device=dev, dtype=torch.float64).contiguous(), nb, part,
@@ -184,7 +184,7 @@ def neighbourhood_information(table: torch.Tensor, nearest: torch.Tensor,
     B, S, k = neighbours.shape
     part = torch.empty((B, max(1, -(-S // block_n)), 23), dtype=torch.float64,
                        device=table.device)
-    _kernel(given=True)[(part.shape[1], B)](
+    _kernels()["given"][(part.shape[1], B)](
         table.to(torch.float32).contiguous(), nearest.contiguous(), neighbours.contiguous(),
         center.to(device=table.device, dtype=torch.float64).contiguous(), part, S,
         float(_math.DEGENERACY_EPS), K=k, BLOCK_N=block_n, NEWTON_STEPS=64,
