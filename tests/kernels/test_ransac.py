@@ -313,7 +313,8 @@ def _move_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
     T = _motions(5, g, shift=2.0).float()
     shared = torch.rand(1500, 3, generator=g) * 40 - 20
     own = torch.rand(5, 700, 3, generator=g) * 40 - 20
-    return [(T[:1], shared), (T, shared), (T, own), (T[:0], shared)]
+    return [(T[:1], shared), (T, shared), (T, own), (T[:0], shared),
+            (T, shared[None].expand(5, -1, -1))]  # an expanded view: read once
 
 
 def _check_move(got: torch.Tensor, T: torch.Tensor, p: torch.Tensor) -> None:

@@ -266,14 +266,13 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
     within the bound, and those points' normals n by PCA of their :data:`STABILITY_K`
     nearest target points: ``Σ J Jᵀ`` with ``J = [(y − c) × n, n]`` about the target
     centroid c. The whole batch at once: one query per distinct index (one in all for a
-    shared target), then on a GPU one kernel for the normals and the sums
-    (:func:`pointalign.kernels.stability.neighbourhood_information`), elsewhere one PCA
-    kernel over all samples and one batched product; one transfer to the host; no host
-    synchronisation per problem.
+    shared target), then one kernel (kernels/stability ``neighbourhood_information``) or
+    one PCA kernel and one batched product; one transfer; no synchronisation per problem.
     """
     assert pair.centroid is not None  # set by prepare_pair
     dev, B = pair.source.device, pair.size
     rows, valid = _stability_sample(pair.source_counts, dev)
+    c = torch.from_numpy(pair.centroid).to(dev)
     if all(isinstance(ix, BruteForceIndex) for ix in indexes):
         # brute force over each problem's own target: the whole measurement in one pass
         # (kernels/stability), one transfer; samples without a plane look again below
@@ -281,8 +280,8 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
         nt = 1 if pair.shared_target else B  # a shared target is an expanded view: once
         sums = probe.probe_information(
             pair.source, rows, valid, torch.from_numpy(T).to(dev, torch.float32),
-            pair.target[:nt], pair.target_lengths[:nt], torch.from_numpy(pair.centroid).to(dev),
-            max_distance * max_distance, k).cpu()
+            pair.target[:nt], pair.target_lengths[:nt], c, max_distance * max_distance,
+            k).cpu()
         if not bool((sums[:, 22] > 0).any()):
             return probe.information_matrix(sums)
     S = rows.shape[1]
@@ -312,12 +311,9 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
         # on a GPU the rest is one kernel (kernels/stability), unless a matched sample's
         # neighbourhood spans no plane (counted in its column 22): then the steps below
         fused = probe.neighbourhood_information(
-            table, torch.where((j >= 0) & valid, j + base, -1), nb,
-            torch.from_numpy(pair.centroid).to(dev))
-        if fused is not None:
-            sums = fused.cpu()
-            if not bool((sums[:, 22] > 0).any()):
-                return probe.information_matrix(sums)
+            table, torch.where((j >= 0) & valid, j + base, -1), nb, c)
+        if fused is not None and not bool(((fused := fused.cpu())[:, 22] > 0).any()):
+            return probe.information_matrix(fused)
         # a neighbourhood that does not span a plane (every point repeated: the k nearest are
         # copies of two or three points) defines no normal: such samples look again with
         # DUPLICATE_K neighbours, and those still without a plane constrain nothing (an
@@ -347,7 +343,6 @@ def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
     # cost ~2 ms on a GPU)
     normal = features.pca_normals(table, nb.view(B * S, k), centers=y.view(B * S, 3))
     normal = normal.to(torch.float64).view(B, S, 3)
-    c = torch.from_numpy(pair.centroid).to(dev)
     J = torch.cat([torch.linalg.cross(y.to(torch.float64) - c[:, None], normal), normal], -1)
     J = J * ((j >= 0) & valid & ~flat)[..., None]
     return (J.transpose(1, 2) @ J).cpu()

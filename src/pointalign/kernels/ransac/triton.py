@@ -46,7 +46,8 @@ def transform_points(T: torch.Tensor, points: torch.Tensor, block: int = 512) ->
     The contract of :func:`pointalign.kernels.ransac.transform_points` for float32 points.
     """
     S = T.shape[0]
-    pts = points.contiguous()
+    # one copy of points every transform reads through a stride-0 batch (an expanded view)
+    pts = (points[0] if points.dim() == 3 and points.stride(0) == 0 else points).contiguous()
     P = pts.shape[-2]
     out = torch.empty((S, P, 3), dtype=torch.float32, device=pts.device)
     if S == 0 or P == 0:
