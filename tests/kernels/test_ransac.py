@@ -344,6 +344,17 @@ def test_triton_move_interpreted(interpreted_move):
         _check_move(got, T, p)
 
 
+@pytest.mark.parametrize("T_shape,p_shape", [((2, 3, 4), (5, 3)), ((2, 4, 4), (5, 2)),
+                                             ((2, 4, 4), (3, 5, 3)), ((4, 4), (5, 3))])
+def test_triton_move_rejects_bad_shapes(T_shape, p_shape):
+    """Shapes off the contract are a ValueError before any launch (no garbage read)."""
+    pytest.importorskip("triton")
+    from pointalign.kernels.ransac import triton as _ransac_triton
+
+    with pytest.raises(ValueError, match="transform_points"):
+        _ransac_triton.transform_points(torch.zeros(T_shape), torch.zeros(p_shape))
+
+
 @pytest.mark.gpu
 def test_transform_points_on_cuda():
     """``transform_points`` of float32 CUDA points takes the Triton move: FMA rounding."""

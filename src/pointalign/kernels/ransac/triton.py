@@ -46,6 +46,10 @@ def transform_points(T: torch.Tensor, points: torch.Tensor, block: int = 512) ->
     The contract of :func:`pointalign.kernels.ransac.transform_points` for float32 points.
     """
     S = T.shape[0]
+    if T.dim() != 3 or T.shape[1:] != (4, 4) or points.shape[-1] != 3 \
+            or points.dim() not in (2, 3) or (points.dim() == 3 and points.shape[0] != S):
+        raise ValueError(f"transform_points: expected T (S, 4, 4) and points (P, 3) or "
+                         f"(S, P, 3), got {tuple(T.shape)} and {tuple(points.shape)}")
     # one copy of points every transform reads through a stride-0 batch (an expanded view)
     pts = (points[0] if points.dim() == 3 and points.stride(0) == 0 else points).contiguous()
     P = pts.shape[-2]
