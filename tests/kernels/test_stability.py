@@ -147,6 +147,16 @@ def test_given_searches_by_backend(backend, seed, shared, bound):
     _check(got.cpu(), neighbourhood_information_reference(*_given_case(seed, shared, bound)))
 
 
+@pytest.mark.parametrize("bad", ["table", "nearest", "neighbours", "center"])
+def test_given_searches_reject_bad_shapes(bad):
+    """Shapes off the contract are a ValueError naming the function, on every backend."""
+    args = dict(zip(("table", "nearest", "neighbours", "center"), _given_case(0, False, 0.04),
+                    strict=True))
+    args[bad] = args[bad][:, :5] if bad in ("nearest", "neighbours") else args[bad][..., :2]
+    with pytest.raises(ValueError, match="neighbourhood_information"):
+        stability.neighbourhood_information(**args)
+
+
 def test_fused_point_information_equals_the_index_path(backend, bunny_scans):
     """registration.icp._point_information: brute-force indexes take the fused probe, any
     other index the search-by-search path; on a real scan pair both give one matrix."""
