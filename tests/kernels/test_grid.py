@@ -151,6 +151,22 @@ def test_morton_order_on_cuda_sorts_the_reference_codes():
         assert torch.equal(codes[grid_mod.morton_order(p)], codes.sort().values)
 
 
+def test_morton_order_rows_keeps_padding_last(backend, rng):
+    """Each entry's valid rows sorted by code (over the batch's box), padding rows after
+    them in their order; one entry without padding: :func:`morton_order`'s order."""
+    p = torch.rand(3, 50, 3, generator=rng, dtype=torch.float64).to(backend.device)
+    lengths = torch.tensor([50, 17, 0], device=backend.device)
+    perm = grid_mod.morton_order_rows(p, lengths).cpu()
+    codes = grid_ref.morton_codes_reference(p.reshape(-1, 3).cpu()).view(3, 50)
+    for b, n in enumerate(lengths.tolist()):
+        assert sorted(perm[b, :n].tolist()) == list(range(n))
+        assert (codes[b, perm[b, :n]].diff() >= 0).all()
+        assert perm[b, n:].tolist() == list(range(n, 50))
+    one = p[:1].float()
+    assert torch.equal(grid_mod.morton_order_rows(one, lengths[:1]).cpu()[0],
+                       grid_mod.morton_order(one[0]).cpu())
+
+
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])
 def test_triton_interpreted_matches_reference(case, seed, interpreted):
     name, n, m, cell, k, md, dt = case

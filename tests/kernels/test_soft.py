@@ -492,6 +492,44 @@ def _check_step(got, Q, P, T, ql, pl):
     assert torch.equal(Tg[1].cpu(), T[1].double())  # frozen: pose kept
 
 
+#: (scale, split) of the culled passes: from every tile kept to most skipped
+CULL_CASES = [(1.0, 1), (300.0, 1), (300.0, 3), (2e4, 2)]
+
+
+def _cull_case():
+    """A sheet of 400 points in scan order, in Morton order, and 300 noisy rows of it."""
+    g = torch.Generator().manual_seed(11)
+    u, v = torch.rand(400, generator=g), torch.rand(400, generator=g)
+    P = torch.stack([u, v, 0.1 * torch.sin(6 * u)], 1)
+    from pointalign.kernels.grid import morton_order
+
+    P = P[morton_order(P)]
+    Q = P[:300] + 0.01 * torch.randn(300, 3, generator=g, dtype=torch.float64)
+    return Q[None].float(), P[None].float(), _pose(g, 2, 0.01)[None].float()
+
+
+def _cull_cases(soft_triton) -> dict:
+    """EM-ICP rows culled, not culled, and with every tile but the seed skipped."""
+    import os
+
+    Q, P, T = _cull_case()
+    n = torch.tensor([300]), torch.tensor([400])
+    out = {}
+    soft_triton.CULL_MIN_POINTS = 0  # these 400 points are culled too
+    for scale, split in CULL_CASES:
+        args = (Q, P, T, torch.tensor([scale]), *n, None, torch.tensor([-3.0]))
+        for cull in ("0", "1"):
+            os.environ["POINTALIGN_SOFT_CULL"] = cull
+            out[(scale, split, cull)] = soft_triton.rows(*args, mode="emicp", squares=True,
+                                                         split=split)
+        bits, soft_triton.CULL_BITS = soft_triton.CULL_BITS, -1e30
+        out[(scale, split, "all")] = soft_triton.rows(*args, mode="emicp", squares=True,
+                                                      split=split)
+        soft_triton.CULL_BITS = bits
+    os.environ.pop("POINTALIGN_SOFT_CULL")
+    return out
+
+
 def run_interpreted_cases(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): every entry point through Triton."""
     from pointalign.kernels import _backend
@@ -515,6 +553,7 @@ def run_interpreted_cases(out_path: str) -> None:
         out[("horn", seed)] = horn.weighted_horn(Q, P[:, :37], w)
         *args, kw = _step_case(Q, P, T, ql, pl)
         out[("step", seed)] = soft.emicp_step(*args, **kw)
+    out["cull"] = _cull_cases(_soft_triton)
     g = torch.Generator().manual_seed(5)
     x, y = _cloud(40, g), _cloud(45, g)
     out["sinkhorn_dense"] = kernel_sinkhorn(x.float(), y.float(), _pose(g, 10, 0.02), 60.0,
@@ -559,6 +598,62 @@ def test_triton_interpreted_matches_reference(seed, interpreted):
     assert torch.equal(valid, vr)
     torch.testing.assert_close(Th, Tr, atol=1e-5, rtol=0)
     _check_step(interpreted[("step", seed)], Q, P, T, ql, pl)
+
+
+def test_triton_interpreted_culled_tiles_change_nothing(interpreted):
+    """A pass without column offsets leaves out tiles whose every pair weighs under
+    2^−(CULL_BITS + log2 M + 1) of the row's largest: λ and x' equal the pass that keeps
+    every tile to float32 rounding, and the float64 reference. Leaving out every whole tile
+    changes them: the lists are what the row kernel sums."""
+    Q, P, T = _cull_case()
+    n = torch.tensor([300]), torch.tensor([400])
+    for scale, split in CULL_CASES:
+        kept, culled, all_ = (interpreted["cull"][(scale, split, c)] for c in ("0", "1", "all"))
+        rl, rx = reference.Passes().emicp_rows(Q.double(), P.double(), T.double(),
+                                               torch.tensor([scale]).double(),
+                                               torch.tensor([-3.0]).double(), *n)
+        torch.testing.assert_close(culled[0], kept[0], atol=0, rtol=1e-6)
+        torch.testing.assert_close(culled[2], kept[2], atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(culled[0].double(), rl, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(culled[2].double(), rx, atol=1e-5, rtol=1e-4)
+        if scale > 1:
+            assert not torch.allclose(all_[0], kept[0], rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_culled_tiles_change_nothing_on_cuda():
+    """On CUDA (256-row blocks, every split the sizes choose), EM-ICP rows of the bunny
+    culled and not culled agree to float32 rounding, from a σ that skips nothing to one
+    that skips most tiles; so do the fused steps' poses."""
+    import os
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    y = soft.centre(datasets.load_bunny("bun000").float()[None].to(dev),
+                    torch.tensor([40256], device=dev))
+    x = soft.centre(datasets.load_bunny("bun045").float()[None].to(dev),
+                    torch.tensor([40097], device=dev), layout=False)
+    T = torch.eye(4, dtype=torch.float64, device=dev)[None]
+    for sigma in (0.05, 0.01, 0.002):
+        s = torch.tensor([0.5 / sigma**2], device=dev)
+        lo = torch.tensor([-(0.1 / sigma) ** 2], device=dev)
+        got = {}
+        for cull in ("0", "1"):
+            os.environ["POINTALIGN_SOFT_CULL"] = cull
+            try:
+                got[cull] = (soft.emicp_rows(x.points, y.points, T, None, lo, scale=s,
+                                             source_lengths=x.lengths, target_lengths=y.lengths),
+                             soft.emicp_step(x.points, y.points, T, s, lo,
+                                             torch.tensor([False], device=dev),
+                                             source_lengths=x.lengths, target_lengths=y.lengths))
+            finally:
+                os.environ.pop("POINTALIGN_SOFT_CULL")
+        (lam0, xp0), (T0, _, _) = got["0"]
+        (lam1, xp1), (T1, _, _) = got["1"]
+        torch.testing.assert_close(lam1, lam0, atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(xp1, xp0, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(T1, T0, atol=1e-6, rtol=0)
 
 
 def test_emicp_step_matches_reference(backend, seed):

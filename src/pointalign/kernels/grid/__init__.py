@@ -142,3 +142,25 @@ def morton_order(points: torch.Tensor) -> torch.Tensor:
 
         return torch.argsort(_grid_triton.morton_codes(points))
     return torch.argsort(morton_codes_reference(points))
+
+
+def morton_order_rows(points: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Permutations ``(B, N)`` int64 sorting each batch entry's valid rows by Morton code.
+
+    ``points (B, N, 3)`` float tensor whose entry ``b`` holds ``lengths[b]`` valid rows
+    first; each permutation keeps the padding rows last (so ``lengths`` still applies after
+    a gather). The codes are taken over the batch's common bounding box (padding rows
+    included): the order is spatially coherent within each entry. No host reads (safe in a
+    CUDA graph); on CUDA one Triton launch for the codes.
+    """
+    B, N = points.shape[:2]
+    flat = points.reshape(B * N, 3)
+    if backend(points) == "triton" and N:
+        from pointalign.kernels.grid import triton as _grid_triton
+
+        codes = _grid_triton.morton_codes(flat.to(torch.float32))
+    else:
+        codes = morton_codes_reference(flat) if N else flat.new_zeros(0, dtype=torch.int32)
+    pad = torch.arange(N, device=points.device)[None, :] >= lengths.to(points.device)[:, None]
+    codes = codes.view(B, N).masked_fill(pad, torch.iinfo(codes.dtype).max)
+    return torch.argsort(codes, dim=1, stable=True)

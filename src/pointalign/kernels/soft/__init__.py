@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from pointalign.kernels._backend import backend
+from pointalign.kernels.grid import morton_order_rows
 from pointalign.kernels.horn import weighted_horn
 from pointalign.kernels.soft.reference import (
     FITNESS_SCALE,
@@ -365,13 +366,20 @@ def point_layout(points: torch.Tensor) -> torch.Tensor:
     return points
 
 
+def _cull_min_points() -> int:
+    from pointalign.kernels.soft import triton as _soft_triton
+
+    return _soft_triton.CULL_MIN_POINTS
+
+
 class Centred(NamedTuple):
     """A padded batch of clouds centred on their centroids, ready for repeated passes.
 
     ``points (B, N, 3)`` ``x_i − c`` in the input's dtype (padding rows 0) in the layout
-    the backend's row kernels read fastest (:func:`point_layout`), usable as query or
-    points; ``lengths (B,)``; ``center (B, 3)`` float64 centroids c; ``scatter (B, 3, 3)``
-    float64 ``Σ_i (x_i − c)(x_i − c)ᵀ`` over the valid rows.
+    and row order the backend's row kernels read fastest (:func:`point_layout`,
+    :func:`centre`), usable as query or points; ``lengths (B,)``; ``center (B, 3)``
+    float64 centroids c; ``scatter (B, 3, 3)`` float64 ``Σ_i (x_i − c)(x_i − c)ᵀ`` over
+    the valid rows.
     """
 
     points: torch.Tensor
@@ -385,12 +393,21 @@ def centre(points: torch.Tensor, lengths: torch.Tensor, *, layout: bool = True) 
 
     The moments are taken in float64; the layout is chosen here, once, so that the passes
     over the cloud read it without a conversion (``layout=False`` keeps rows of xyz: a
-    cloud that is only ever the query side of EM-ICP's row pass reads faster so). No host
-    reads (safe inside a CUDA graph).
+    cloud that is only ever the query side of EM-ICP's row pass reads faster so). On
+    Triton a cloud of at least ``triton.CULL_MIN_POINTS`` points also has its valid rows
+    put in Morton order (:func:`~pointalign.kernels.grid.morton_order_rows`): the row
+    kernel's tiles of points and blocks of rows are then compact, which lets a pass leave
+    out the tiles too far to count (``triton._cull_kernel``). Every soft pass sums over
+    rows or over points, so the order changes no result beyond rounding;
+    :attr:`Centred.points` rows are a permutation of the input's. No host reads (safe
+    inside a CUDA graph).
     """
     rows = row_mask(lengths, points.shape[1])[..., None]
     p = points.to(torch.float64)
     c = torch.where(rows, p, 0.0).sum(1) / lengths.to(torch.float64).clamp_min(1)[:, None]
     d = torch.where(rows, p - c[:, None], 0.0)
+    if backend(points) == "triton" and points.shape[1] >= _cull_min_points():
+        order = morton_order_rows(d, lengths)
+        d = d.gather(1, order[..., None].expand(-1, -1, 3))
     d32 = d.to(points.dtype)
     return Centred(point_layout(d32) if layout else d32, lengths, c, d.transpose(1, 2) @ d)
