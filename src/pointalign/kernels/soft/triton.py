@@ -25,11 +25,13 @@ nearest points. A first kernel (:func:`_cull_kernel`, a program per block of row
 every tile's largest logit by the gap between its bounding box and the block's, bounds each
 row's largest logit from below by one near tile, and lists the tiles that could give a row
 at least ``2^−(CULL_BITS + log2 M + 1)`` of its largest term; the row kernel sums only
-those (the split shares each block's list). What is left out is below ``2^−CULL_BITS`` of
-every row sum, far under float32's rounding; the boxes are tight because
-:func:`pointalign.kernels.soft.centre` puts such clouds in Morton order. On the 40k bunny
-pair EM-ICP's row kernel time fell 70.4 → 62 ms (H200): half of its schedule runs at a σ
-that leaves nothing out.
+those, reading each listed tile's points one tile ahead. What is left out is below
+``2^−CULL_BITS`` of every row sum, far under float32's rounding; the boxes are tight
+because :func:`pointalign.kernels.soft.centre` puts such clouds in Morton order. Blocks keep
+unequal shares, so a culled pass splits each block's list among more programs
+(:data:`CULL_PROGRAMS` per SM). On the 40k bunny pair (H200) a pass at σ = 0.03 ρ keeps
+27 % of the tiles and takes 0.32 ms instead of 1.05; EM-ICP's whole schedule, whose first
+half runs at a σ that leaves nothing out, spends 49.4 ms in the row kernel instead of 70.5.
 
 Epilogues (constexpr MODE): 0 raw (lse, lse2, mean), 1 EM-ICP (λ_i, x'_i),
 2 Sinkhorn (``offset − logaddexp(lse, log_slack)``).
@@ -65,6 +67,8 @@ CULL_BITS = 32.0
 CULL_MIN_POINTS = 16384
 #: and while its lists (row blocks × tiles, int32) stay under this many entries
 CULL_MAX_ENTRIES = 1 << 24
+#: a culled pass's programs per SM (the split's target; an unculled pass's is 4)
+CULL_PROGRAMS = 32
 #: (BLOCK_N, BLOCK_M, num_warps) of the row kernel on the GPU
 TILE = (256, 16, 4)  # (rows, points, warps): fastest of 6 on an H100 at 40k and 200k
 
@@ -174,8 +178,8 @@ def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, 
     exp2 per row per tile, 1 when the maximum did not move). Only the last tile of a
     chunk is ``MASKED``.
     """
+    cmask = cols < hi
     if MASKED:
-        cmask = cols < hi
         yx = tl.load(p_base + cols, mask=cmask, other=0.0).to(tl.float32)
         yy = tl.load(p_base + spc + cols, mask=cmask, other=0.0).to(tl.float32)
         yz = tl.load(p_base + 2 * spc + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -183,32 +187,55 @@ def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, 
         yx = tl.load(p_base + cols).to(tl.float32)
         yy = tl.load(p_base + spc + cols).to(tl.float32)
         yz = tl.load(p_base + 2 * spc + cols).to(tl.float32)
+    if not HAS_G:
+        return _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2, yx, yy, yz, cmask,
+                          SQUARES, MASKED, FTZ)
     dx = yx[:, None] - px[None, :]
     dy = yy[:, None] - py[None, :]
     dz = yz[:, None] - pz[None, :]
     d = dx * dx + dy * dy + dz * dz
-    if HAS_G:
-        if MASKED:
-            g = tl.load(g_base + cols, mask=cmask, other=float("-inf"))
-        else:
-            g = tl.load(g_base + cols)
-        z = (g.to(tl.float32) * 1.4426950408889634)[:, None] - s2 * d
-        m_new = tl.maximum(m2, tl.max(z, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = _exp2(z - m_safe[None, :], FTZ)
+    if MASKED:
+        g = tl.load(g_base + cols, mask=cmask, other=float("-inf"))
     else:
-        # z = −s2·d: the row maximum is −s2 · min d, and exp2(z − m) is one FMA + exp2. The
-        # FMA rounds once where m was rounded once more, so at the row's nearest point z − m
-        # could be +½ ulp(m), hundreds when every point is far (s·d ≈ 1e10). The shift is
-        # therefore raised by 2⁻²² |m| (≥ 2 ulp; z ≤ 0, so m ≤ 0 and the product moves it
-        # towards 0) once per row and tile: every z − m ≤ 0 and e ≤ 1 without a clamp in
-        # the pair loop (any shift gives the same log-sum-exp; this one only costs float32
-        # ~5e-7 |m| of range, nothing where |m| is moderate)
-        if MASKED:
-            d = tl.where(cmask[:, None], d, float("inf"))
-        m_new = tl.maximum(m2, (-s2 * tl.min(d, 0)) * 0.9999997615814209)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = _exp2(d * (-s2) - m_safe[None, :], FTZ)
+        g = tl.load(g_base + cols)
+    z = (g.to(tl.float32) * 1.4426950408889634)[:, None] - s2 * d
+    m_new = tl.maximum(m2, tl.max(z, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    e = _exp2(z - m_safe[None, :], FTZ)
+    alpha = tl.exp2(m2 - m_safe)
+    l1 = l1 * alpha + tl.sum(e, 0)
+    if SQUARES:
+        l2 = l2 * (alpha * alpha) + tl.sum(e * e, 0)
+    ux = ux * alpha + tl.sum(e * yx[:, None], 0)
+    uy = uy * alpha + tl.sum(e * yy[:, None], 0)
+    uz = uz * alpha + tl.sum(e * yz[:, None], 0)
+    return m_new, l1, l2, ux, uy, uz
+
+
+@triton.jit
+def _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2, yx, yy, yz, cmask,
+               SQUARES: tl.constexpr, MASKED: tl.constexpr, FTZ: tl.constexpr):
+    """One tile of :func:`_row_tile` without column offsets, its points already loaded.
+
+    ``yx, yy, yz``: the tile's ``(BLOCK_M,)`` coordinates; ``cmask``: the valid ones (read
+    when ``MASKED``). Returns the row state as :func:`_row_tile`.
+    """
+    dx = yx[:, None] - px[None, :]
+    dy = yy[:, None] - py[None, :]
+    dz = yz[:, None] - pz[None, :]
+    d = dx * dx + dy * dy + dz * dz
+    # z = −s2·d: the row maximum is −s2 · min d, and exp2(z − m) is one FMA + exp2. The
+    # FMA rounds once where m was rounded once more, so at the row's nearest point z − m
+    # could be +½ ulp(m), hundreds when every point is far (s·d ≈ 1e10). The shift is
+    # therefore raised by 2⁻²² |m| (≥ 2 ulp; z ≤ 0, so m ≤ 0 and the product moves it
+    # towards 0) once per row and tile: every z − m ≤ 0 and e ≤ 1 without a clamp in
+    # the pair loop (any shift gives the same log-sum-exp; this one only costs float32
+    # ~5e-7 |m| of range, nothing where |m| is moderate)
+    if MASKED:
+        d = tl.where(cmask[:, None], d, float("inf"))
+    m_new = tl.maximum(m2, (-s2 * tl.min(d, 0)) * 0.9999997615814209)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    e = _exp2(d * (-s2) - m_safe[None, :], FTZ)
     alpha = tl.exp2(m2 - m_safe)
     l1 = l1 * alpha + tl.sum(e, 0)
     if SQUARES:
@@ -339,12 +366,26 @@ def _rows_body(
     if LIST:  # the whole tiles _cull_kernel kept for this row block, shared by the split
         n_kept = tl.load(count_ptr + b * tl.num_programs(0) + pid_n)
         lb = list_ptr + (b * tl.num_programs(0) + pid_n) * slb
-        for k in range(sp * n_kept // tl.num_programs(1),
-                       (sp + 1) * n_kept // tl.num_programs(1)):
-            cols = tl.load(lb + k) * BLOCK_M + tl.arange(0, BLOCK_M)
-            m2, l1, l2, ux, uy, uz = _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2,
-                                               p_base, g_base, cols, plen, spc,
-                                               HAS_G, SQUARES, False, FTZ)
+        k0 = sp * n_kept // tl.num_programs(1)
+        k1 = (sp + 1) * n_kept // tl.num_programs(1)
+        # prefetched by hand: the next tile's points and the index after it are loaded
+        # before a tile's sums (an index read then its points, in the loop, ran ~20 % slower
+        # per tile than the flat loop below)
+        ar = tl.arange(0, BLOCK_M)
+        cols = tl.load(lb + k0, mask=k0 < k1, other=0).to(tl.int64) * BLOCK_M + ar
+        t_next = tl.load(lb + k0 + 1, mask=k0 + 1 < k1, other=0).to(tl.int64)
+        yx = tl.load(p_base + cols).to(tl.float32)
+        yy = tl.load(p_base + spc + cols).to(tl.float32)
+        yz = tl.load(p_base + 2 * spc + cols).to(tl.float32)
+        for k in range(k0, k1):
+            cx, cy, cz = yx, yy, yz
+            cols = t_next * BLOCK_M + ar
+            yx = tl.load(p_base + cols).to(tl.float32)
+            yy = tl.load(p_base + spc + cols).to(tl.float32)
+            yz = tl.load(p_base + 2 * spc + cols).to(tl.float32)
+            t_next = tl.load(lb + k + 2, mask=k + 2 < k1, other=0).to(tl.int64)
+            m2, l1, l2, ux, uy, uz = _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2,
+                                                cx, cy, cz, cols, SQUARES, False, FTZ)
         lo = plen // BLOCK_M * BLOCK_M  # then the partial last tile, by the last program
         hi = tl.where(sp == tl.num_programs(1) - 1, plen, lo)
         n_full = 0
@@ -573,11 +614,17 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     ftz = (not interp) and os.environ.get("POINTALIGN_SOFT_FTZ", "1") != "0"
     nblk = triton.cdiv(N, BLOCK_N)
     mtiles = triton.cdiv(M, BLOCK_M)
+    # without column offsets, the tiles too far to count are left out (_cull_kernel)
+    cull = (point_log_weights is None and M >= CULL_MIN_POINTS
+            and B * nblk * mtiles <= CULL_MAX_ENTRIES
+            and os.environ.get("POINTALIGN_SOFT_CULL", "1") != "0")
     if split is None:
         if interp:
             split = 1
         else:
-            want = 4 * _sm_count(dev.index or 0)
+            # a culled pass's blocks keep unequal shares of the tiles: more, shorter programs
+            # even out their ends (EM-ICP 40k at σ = 0.03 ρ: split 4 -> 27, 525 -> ~330 us)
+            want = (CULL_PROGRAMS if cull else 4) * _sm_count(dev.index or 0)
             split = max(1, min(mtiles // 4, -(-want // (nblk * B)), 64))
     split = max(1, min(int(split), mtiles))
     chunk = triton.cdiv(mtiles, split) * BLOCK_M
@@ -586,10 +633,6 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     MOM = bool(moments) and MODE == 1
     n_parts = nblk if split == 1 else triton.cdiv(N, 128)
     mom = torch.empty((B, n_parts, 16), dtype=torch.float64, device=dev) if MOM else out0
-    # without column offsets, the tiles too far to count are left out (_cull_kernel)
-    cull = (point_log_weights is None and M >= CULL_MIN_POINTS
-            and B * nblk * mtiles <= CULL_MAX_ENTRIES
-            and os.environ.get("POINTALIGN_SOFT_CULL", "1") != "0")
     lst = count = s
     if cull:
         boxes = tile_boxes(points, BLOCK_M)
