@@ -620,6 +620,17 @@ def test_triton_interpreted_culled_tiles_change_nothing(interpreted):
             assert not torch.allclose(all_[0], kept[0], rtol=1e-3)
 
 
+def test_warmup_compiles_the_culled_passes():
+    """The GPU warm-up's second EM-ICP call is large enough to be culled, so the Triton
+    manifest records the cull kernel and the listed row kernel: no compile at a first
+    large EM-ICP."""
+    pytest.importorskip("triton")
+    from pointalign import _warmup
+    from pointalign.kernels.soft import triton as _soft_triton
+
+    assert _warmup.SOFT_POINTS < _soft_triton.CULL_MIN_POINTS <= _warmup.SOFT_CULLED_POINTS
+
+
 @pytest.mark.gpu
 def test_culled_tiles_change_nothing_on_cuda():
     """On CUDA (256-row blocks, the splits the sizes choose), EM-ICP rows of the bunny
