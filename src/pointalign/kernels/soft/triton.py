@@ -164,6 +164,23 @@ def _horn_moments(w, x0, x1, x2, m0, m1, m2, out_ptr):
 
 
 @triton.jit
+def _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES: tl.constexpr):
+    """Add a tile's weights ``e (BLOCK_M, BLOCK_N)`` to the row sums, rescaled to ``m_new``.
+
+    The sums kept at the shift ``m2`` are multiplied by ``exp2(m2 − m_safe)`` (1 when the
+    maximum did not move); returns the row state ``(m_new, l1, l2, ux, uy, uz)``.
+    """
+    alpha = tl.exp2(m2 - m_safe)
+    l1 = l1 * alpha + tl.sum(e, 0)
+    if SQUARES:
+        l2 = l2 * (alpha * alpha) + tl.sum(e * e, 0)
+    ux = ux * alpha + tl.sum(e * yx[:, None], 0)
+    uy = uy * alpha + tl.sum(e * yy[:, None], 0)
+    uz = uz * alpha + tl.sum(e * yz[:, None], 0)
+    return m_new, l1, l2, ux, uy, uz
+
+
+@triton.jit
 def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, spc,
               HAS_G: tl.constexpr, SQUARES: tl.constexpr, MASKED: tl.constexpr,
               FTZ: tl.constexpr):
@@ -202,14 +219,7 @@ def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, 
     m_new = tl.maximum(m2, tl.max(z, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     e = _exp2(z - m_safe[None, :], FTZ)
-    alpha = tl.exp2(m2 - m_safe)
-    l1 = l1 * alpha + tl.sum(e, 0)
-    if SQUARES:
-        l2 = l2 * (alpha * alpha) + tl.sum(e * e, 0)
-    ux = ux * alpha + tl.sum(e * yx[:, None], 0)
-    uy = uy * alpha + tl.sum(e * yy[:, None], 0)
-    uz = uz * alpha + tl.sum(e * yz[:, None], 0)
-    return m_new, l1, l2, ux, uy, uz
+    return _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES)
 
 
 @triton.jit
@@ -236,14 +246,7 @@ def _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2, yx, yy, yz, cmask,
     m_new = tl.maximum(m2, (-s2 * tl.min(d, 0)) * 0.9999997615814209)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     e = _exp2(d * (-s2) - m_safe[None, :], FTZ)
-    alpha = tl.exp2(m2 - m_safe)
-    l1 = l1 * alpha + tl.sum(e, 0)
-    if SQUARES:
-        l2 = l2 * (alpha * alpha) + tl.sum(e * e, 0)
-    ux = ux * alpha + tl.sum(e * yx[:, None], 0)
-    uy = uy * alpha + tl.sum(e * yy[:, None], 0)
-    uz = uz * alpha + tl.sum(e * yz[:, None], 0)
-    return m_new, l1, l2, ux, uy, uz
+    return _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES)
 
 
 @triton.jit
