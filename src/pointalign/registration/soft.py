@@ -255,11 +255,13 @@ def emicp(
         source_lengths: ``(B,)`` valid source points of a padded batch.
         target_lengths: ``(B,)`` valid target points of a padded batch.
         approximation: the E-step's form where the backend has a cheaper one (the CPU's
-            numba passes; the GPU's is exact): "auto" (exact while estimated at a few
-            seconds, else approximate), "exact" or "approximate" (cells of 0.4σ, cell pairs
-            beyond 4σ dropped; bounds in :mod:`pointalign.kernels.soft.cpu`), recorded in
-            ``result.info["approximation"]``; a run estimated above ``SLOW_S`` seconds
-            warns (:class:`~pointalign._progress.SlowOperationWarning`).
+            numba passes; the GPU's is exact, leaving out only tiles of points whose
+            weights sum to under 2^−32 of each row's, from 16k points on): "auto" (exact
+            while estimated at a few seconds, else approximate), "exact" or "approximate"
+            (cells of 0.4σ, cell pairs beyond 4σ dropped; bounds in
+            :mod:`pointalign.kernels.soft.cpu`), recorded in ``result.info
+            ["approximation"]``; a run estimated above ``SLOW_S`` seconds warns
+            (:class:`~pointalign._progress.SlowOperationWarning`).
         num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Raises:
