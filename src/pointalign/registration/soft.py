@@ -259,9 +259,9 @@ def emicp(
             weights sum to under 2^−32 of each row's, from 16k points on): "auto" (exact
             while estimated at a few seconds, else approximate), "exact" or "approximate"
             (cells of 0.4σ, cell pairs beyond 4σ dropped; bounds in
-            :mod:`pointalign.kernels.soft.cpu`), recorded in ``result.info
-            ["approximation"]``; a run estimated above ``SLOW_S`` seconds warns
-            (:class:`~pointalign._progress.SlowOperationWarning`).
+            :mod:`pointalign.kernels.soft.cpu`), recorded in
+            ``result.info["approximation"]``; a run estimated above ``SLOW_S`` seconds
+            warns (:class:`~pointalign._progress.SlowOperationWarning`).
         num_threads: CPU threads for this call (:func:`pointalign.threads`).
 
     Raises:
