@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from pointalign.kernels import _loop
 from pointalign.kernels import kdtree as K
 from tests._backends import backends
 from tests._interpreted import interpreted_fixture
@@ -526,6 +527,31 @@ def test_device_build_matches_host(backend, size, rng, monkeypatch):
     assert torch.equal(a.split_axis.cpu(), b.split_axis)
     assert math.isclose(float((a.split_value.cpu() - b.split_value).abs().max()), 0.0,
                         abs_tol=1e-7)
+
+
+@backends("triton")
+def test_device_build_replayed_from_a_graph_matches_host(backend, rng, monkeypatch):
+    """From a size's second build on, the Triton build replays a CUDA graph over copies of
+    the points: every build of new points of that size is the host's, the caller's points
+    are not written, and a replay does not overwrite the trees made before it."""
+    monkeypatch.setattr(_loop, "USE_GRAPHS", True)
+    _loop.clear_caches()
+    m, depth = 30011, 11
+    clouds, trees = [], []
+    for _ in range(4):
+        pts = _cloud(m, rng)
+        pts[::9, 1] = 0.0  # ties
+        dev = pts.to(backend.device)
+        trees.append(K.build(dev, depth, "device"))
+        assert torch.equal(dev.cpu(), pts)
+        clouds.append(pts)
+    assert any(isinstance(e.payload, tuple) for e in _loop._programs.entries.values())
+    for pts, a in zip(clouds, trees, strict=True):
+        b = K.build(pts, depth, "host")
+        assert torch.equal(a.perm.cpu(), b.perm) and torch.equal(a.points.cpu(), b.points)
+        assert torch.equal(a.lo.cpu(), b.lo) and torch.equal(a.hi.cpu(), b.hi)
+        assert torch.equal(a.split_axis.cpu(), b.split_axis)
+        assert float((a.split_value.cpu() - b.split_value).abs().max()) <= 1e-7
 
 
 @pytest.mark.parametrize("approximate", [False, True])

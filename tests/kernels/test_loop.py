@@ -292,6 +292,37 @@ def test_program_is_one_graph_and_matches_eager(backend):
     np.testing.assert_allclose(host["x"], eager["x"], rtol=1e-6)
 
 
+@backends("triton")
+def test_program_eager_first_then_one_graph_and_inline_in_a_capture(backend):
+    """``eager_first``: a signature's first call runs eagerly (the early stop is taken),
+    later calls replay its graph (all steps); a program called inside another capture
+    runs into that graph."""
+    _loop.clear_caches()
+    x = torch.tensor([1.0, -2.0, 0.25], device=backend.device)
+    steps = [int(_loop.run_program(Countdown(40, 1e-3), {"x": x}, eager_first=True)[0]
+                 ["steps"]) for _ in range(3)]
+    assert steps == [11, 40, 40]
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        try:
+            host, out = _loop.run_program(Countdown(30, 1e-3), {"x": static},
+                                          host_outputs=False)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    assert host == {}
+    static.copy_(x * 4)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = Countdown(30, 1e-3)({"x": (x * 4).cpu()}, lambda done: False)
+    assert int(out["steps"]) == 30
+    np.testing.assert_allclose(out["x"].cpu().numpy(), want["x"].numpy(), rtol=1e-6)
+
+
 def test_clock_charges_each_stage_and_totals(backend):
     """Stage seconds add up per name, stay within the total, and (CUDA) time the work.
 

@@ -88,7 +88,7 @@ EAGER_STEPS = 1
 CHUNK = 8
 #: kept graphs (iterate) and kept programs (run_program), least recently used dropped first
 CACHE_SIZE = 4
-PROGRAM_CACHE_SIZE = 8
+PROGRAM_CACHE_SIZE = 16
 #: above this many point pairs per pass a launch is negligible next to the pass: programs
 #: run eagerly (no graph memory held for no gain)
 PROGRAM_GRAPH_MAX_PAIRS = 4e9
@@ -618,8 +618,8 @@ class _Checkpoint:
 
 
 def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
-                device_outputs: bool = True, host_outputs: bool = True
-                ) -> tuple[Host, Tensors]:
+                device_outputs: bool = True, host_outputs: bool = True,
+                eager_first: bool = False) -> tuple[Host, Tensors]:
     """Run a fixed device program and bring its outputs to the host in one transfer.
 
     ``program(inputs, checkpoint) -> outputs`` (a frozen dataclass, dict of tensors in and
@@ -628,6 +628,10 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
     when the program runs eagerly. On Triton the whole program is one CUDA graph per
     :func:`signature`, captured after a warm-up run and replayed on copies of the inputs;
     ``pairs`` (point pairs per pass) above ``PROGRAM_GRAPH_MAX_PAIRS`` runs eagerly.
+    ``eager_first``: the first call of a signature runs eagerly and marks it seen; the
+    graph is captured at the second (a loop over clouds of many sizes pays no capture for
+    a size it meets once). A program called while another graph is being captured runs
+    inline, into that graph.
 
     Returns:
         ``(host, device)``: the outputs as NumPy arrays and as device tensors (on a graph
@@ -640,17 +644,25 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
     def host(out: Tensors) -> Host:
         return to_host(out) if host_outputs else {}
 
+    def eager() -> tuple[Host, Tensors]:
+        out = program(inputs, _Checkpoint(True))
+        return host(out), out
+
     first = next(iter(inputs.values()))
     if not graphs_enabled(first) or pairs > PROGRAM_GRAPH_MAX_PAIRS:
-        out = program(inputs, _Checkpoint(True))
+        return eager()
+    if torch.cuda.is_current_stream_capturing():  # inside another capture: inline
+        out = program(inputs, _Checkpoint(False))
         return host(out), out
     key, objects = signature(program, inputs)
     key = (key, host_outputs)
     ent = _programs.get(key, objects)
     if ent == "failed":
-        out = program(inputs, _Checkpoint(True))
-        return host(out), out
-    if ent is None:
+        return eager()
+    if ent is None and eager_first:
+        _programs.put(key, objects, "seen")
+        return eager()
+    if ent is None or ent == "seen":
         dev = first.device
         static = {n: v.clone() for n, v in inputs.items()}
         side = _side_stream(dev)

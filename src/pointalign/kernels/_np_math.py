@@ -77,6 +77,6 @@ def rotation_angle(R: np.ndarray) -> np.ndarray:
     near π, and a tenth of the cost of :func:`so3_log` (the stopping rules call it per
     step).
     """
-    s = 0.5 * np.linalg.norm(np.stack([R[..., 2, 1] - R[..., 1, 2], R[..., 0, 2] - R[..., 2, 0],
-                                       R[..., 1, 0] - R[..., 0, 1]], -1), axis=-1)
-    return np.arctan2(s, 0.5 * (np.trace(R, axis1=-2, axis2=-1) - 1))
+    a, b, c = R[..., 2, 1] - R[..., 1, 2], R[..., 0, 2] - R[..., 2, 0], R[..., 1, 0] - R[..., 0, 1]
+    s = 0.5 * np.sqrt(a * a + b * b + c * c)
+    return np.arctan2(s, 0.5 * (R[..., 0, 0] + R[..., 1, 1] + R[..., 2, 2] - 1))

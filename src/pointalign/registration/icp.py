@@ -135,8 +135,11 @@ class _Rules:
         self.rank_deficient = np.zeros(B, dtype=bool)
 
     def _stop(self, mask: np.ndarray, reason: StopReason) -> None:
-        for b in np.nonzero(self.active & mask)[0]:
-            self.active[b], self.reasons[b] = False, reason
+        hit = self.active & mask
+        if hit.any():
+            for b in np.flatnonzero(hit):
+                self.reasons[b] = reason
+            self.active &= ~hit
 
     def __call__(self, rec: dict[str, np.ndarray]) -> bool:
         """Apply the rules to one record; True when every problem has stopped."""
@@ -161,8 +164,9 @@ class _Rules:
             self.sums[act], self.count = s[act], np.where(act, cnt, self.count)
             c = self.crit
             self._stop(ok & (cnt == 0), StopReason.NO_CORRESPONDENCES)
+            t = D[:, :3, 3]
             self._stop(ok & (_np_math.rotation_angle(D[:, :3, :3]) < c.rotation_tolerance)
-                       & (np.linalg.norm(D[:, :3, 3], axis=-1) < self.translation_tolerance),
+                       & (np.sqrt((t * t).sum(-1)) < self.translation_tolerance),
                        StopReason.SMALL_UPDATE)
             self._stop(ok & (np.abs(self.fitness - prev_fit) < c.relative_fitness)
                        & (np.abs(self.rmse - prev_rmse) / np.maximum(prev_rmse, 1e-300)

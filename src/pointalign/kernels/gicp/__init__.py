@@ -191,7 +191,7 @@ class _SelfQueryProgram:
     def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
                  ) -> dict[str, torch.Tensor]:
         tree = kdtree.build(inputs["points"], self.depth, "device",
-                            layout=(inputs["flat"], inputs["ranges"]))
+                            layout=(inputs["flat"], inputs["ranges"]), graph=False)
         return {"cov": _tree_self_query(tree, self.k, self.eps)}
 
 

@@ -28,11 +28,13 @@ helpers, :func:`descend` and the reference :func:`knn_reference` live in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import torch
 
+from pointalign.kernels import _loop
 from pointalign.kernels._backend import backend, upload
 from pointalign.kernels.kdtree.reference import (
     TreeArrays,
@@ -100,7 +102,8 @@ def build_layout(m: int, depth: int, device: torch.device | str
 
 
 def build(points: torch.Tensor, depth: int, where: str = "device", *,
-          layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> TreeArrays:
+          layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+          graph: bool = True) -> TreeArrays:
     """Build the tree over ``points (M, 3)`` with ``depth`` split levels (``2^depth <= M``).
 
     ``where="device"``: torch ops on the points' device (per level: node bounding boxes by a
@@ -113,6 +116,9 @@ def build(points: torch.Tensor, depth: int, where: str = "device", *,
     CPU; see ``benchmarks/bench_kdtree.py``).
     ``layout``: :func:`build_layout` of ``(M, depth)`` on the points' device, when the caller
     has it (a device build then copies nothing from the host; a host build ignores it).
+    ``graph``: a Triton build of up to :data:`BUILD_GRAPH_MAX` points replays a CUDA graph
+    per size from the size's second build on; False inside another device program (it is
+    captured into that program's graph).
     """
     m = points.shape[0]
     if depth < 0 or 2**depth > m:
@@ -122,19 +128,22 @@ def build(points: torch.Tensor, depth: int, where: str = "device", *,
     if where == "device":
         if layout is None:
             layout = build_layout(m, depth, points.device)
-        bounds_d, mids_d = _split_layout(layout[0], depth)
         ranges = layout[1]
         # float32 on a Triton backend: four kinds of launch a level (boxes and axes, keys,
         # the sort, the reorder with the splits) in place of ~20 of the same arithmetic,
         # then one launch for every level whose nodes fit a program
         if points.dtype == torch.float32 and backend(points) in ("triton", "interpret"):
-            from pointalign.kernels.kdtree import triton as _kdtree_triton
-
-            perm, pts, lo, hi, split_axis, split_value = _kdtree_triton.build(
-                points, depth, bounds_d, mids_d)
+            program = _BuildProgram(depth)
+            inputs = {"points": points, "flat": layout[0]}
+            if graph and m <= BUILD_GRAPH_MAX:  # a CUDA graph per size on Triton
+                _, out = _loop.run_program(program, inputs, host_outputs=False,
+                                           eager_first=True)
+            else:
+                out = program(inputs, None)
+            perm, pts, lo, hi, split_axis, split_value = (out[n] for n in program.outputs)
             return TreeArrays(pts, perm, lo, hi, split_axis, split_value,
                               ranges[:, 0].contiguous(), ranges[:, 1].contiguous(), depth)
-        perm, axes, splits, pts = _build_torch(points, depth, bounds_d, mids_d)
+        perm, axes, splits, pts = _build_torch(points, depth, *_split_layout(layout[0], depth))
     elif where == "host":
         perm_np, axes_np, splits_np = _build_numpy(points.detach().cpu().double().numpy(), depth)
         perm = torch.from_numpy(perm_np).to(points.device)
@@ -201,6 +210,30 @@ def _node_order(seg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return torch.sort((seg << 32) | u, stable=True).indices
     o1 = torch.sort(key, stable=True).indices
     return o1[torch.sort(seg[o1], stable=True).indices]
+
+
+#: device builds of up to this many points run as a fixed program
+#: (:func:`pointalign.kernels._loop.run_program`): on Triton a CUDA graph per size, captured
+#: at a size's second build and replayed after (a 40k-point build is ~6 levels of four kinds
+#: of launch, ~2.5 ms of host, H200); above, launches are a small part of the build
+BUILD_GRAPH_MAX = 1 << 18
+
+
+@dataclasses.dataclass(frozen=True)
+class _BuildProgram:
+    """The Triton build as a fixed device program: ``points (M, 3)`` float32 and
+    :func:`build_layout`'s ``flat`` in; the tree arrays of :func:`build` out."""
+
+    depth: int
+    outputs = ("perm", "points", "lo", "hi", "split_axis", "split_value")
+
+    def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
+                 ) -> dict[str, torch.Tensor]:
+        from pointalign.kernels.kdtree import triton as _kdtree_triton
+
+        bounds, mids = _split_layout(inputs["flat"], self.depth)
+        arrays = _kdtree_triton.build(inputs["points"], self.depth, bounds, mids)
+        return dict(zip(self.outputs, arrays, strict=True))
 
 
 def _split_layout(flat: torch.Tensor, depth: int
