@@ -127,6 +127,30 @@ def test_gpu_pose_matches_cpu():
     _check_pose(g.transformation, torch.from_numpy(c.transformation), 1e-3, 1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", [emicp, softassign])
+def test_new_sizes_compile_nothing_after_the_first(algo):
+    """Clouds of new sizes (counts divisible by 16 or not, odd and even) run the kernels the
+    first size compiled: no Triton compile after the first call."""
+    triton = pytest.importorskip("triton")
+    compiled: list[str] = []
+
+    def hook(*args, **kwargs):
+        compiled.append(getattr(kwargs.get("fn"), "name", "?"))
+
+    old = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        for i, (n, m) in enumerate([(1000, 1200), (1008, 1216), (1013, 1211), (1024, 999)]):
+            x, y, _ = _bunny_small(n, m)
+            algo(x.cuda(), y.cuda(), max_iterations=2)
+            if i == 0:
+                compiled.clear()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = old
+    assert compiled == []
+
+
 def _outlier_pair(n, seed, device):
     cloud = datasets.random_subsample(datasets.load_bunny("bun000"), n, seed)
     pr = datasets.make_pair(cloud, rotation_deg=60.0, translation=0.03, noise=0.001,

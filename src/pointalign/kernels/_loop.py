@@ -672,10 +672,17 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
         torch.cuda.current_stream(dev).wait_stream(side)
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                gout = program(static, _Checkpoint(False))
-                layout = _Layout(gout) if host_outputs else None
-                packed = layout.pack(gout) if layout is not None else None
+            # on the side stream directly, as _Graph.capture (torch.cuda.graph() would first
+            # collect garbage and empty the allocator's cache)
+            with torch.cuda.stream(side):
+                graph.capture_begin()
+                try:
+                    gout = program(static, _Checkpoint(False))
+                    layout = _Layout(gout) if host_outputs else None
+                    packed = layout.pack(gout) if layout is not None else None
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(dev).wait_stream(side)
         except Exception:  # capture unsupported here: eager from now on
             _programs.put(key, objects, "failed")
             torch.cuda.synchronize(dev)

@@ -117,7 +117,7 @@ def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c
     tl.store(valid_ptr + b, ok.to(tl.int8))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_parts",))  # follows N: no compilation per size
 def _horn_parts_kernel(mom_ptr, n_parts, T_ptr, valid_ptr, Told_ptr, frozen_ptr,
                        SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
     """Horn from per-block moments ``(B, n_parts, 16)`` (float64).

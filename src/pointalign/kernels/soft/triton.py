@@ -427,9 +427,11 @@ def _rows_body(
 # Two thin kernels around one body: the loop bound CHUNK is a runtime argument on the GPU
 # (one compilation for every size) and a compile-time constant under the interpreter, whose
 # scalar arguments are 1-element arrays that recent NumPy refuses to use as ``range`` bounds.
-# the sizes are not specialised (no compilation per size); CHUNK, a multiple of BLOCK_M,
-# always specialises the same way (its divisibility keeps the point loads vectorised)
-@triton.jit(do_not_specialize=("N", "M", "slb"))
+# the sizes and the strides that follow them (the query's and the column offsets' batch
+# strides, 3N and M) are not specialised (no compilation per size); CHUNK, a multiple of
+# BLOCK_M, always specialises the same way (its divisibility keeps the point loads
+# vectorised), as do the points' strides (soa pads them to multiples of 16)
+@triton.jit(do_not_specialize=("N", "M", "sqb", "sgb", "slb"))
 def _rows_kernel(
     q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
     out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr, N, M, CHUNK,
@@ -519,7 +521,7 @@ def _merge_body(
 
 # the split is a run-time loop bound on the GPU (one compilation for every split) and a
 # compile-time constant under the interpreter (see _rows_kernel_const)
-@triton.jit(do_not_specialize=("N", "split"))
+@triton.jit(do_not_specialize=("N", "split", "sqb"))
 def _merge_kernel(
     part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr, mom_ptr, N,
     split, sqb, sqn, sqc,
