@@ -46,20 +46,22 @@ def auto_cell_size(points: torch.Tensor, per_cell: float = 4.0) -> float:
     """
     p = points.to(torch.float64)
     m = p.shape[0]
-    ext = (p.amax(0) - p.amin(0)).clamp(min=0)
-    span = float(ext.max())
-    if span == 0 or m == 1:
-        return 1.0 if span == 0 else span
-    ext = ext.clamp(min=span * 1e-3)
-    c = float((ext.prod() / m) ** (1 / 3)) * per_cell ** (1 / 3)
-    ijk = ((p - p.amin(0)) / c).floor().to(torch.int64)
+    lo = p.amin(0)
+    ext = (p.amax(0) - lo).clamp(min=0)
+    span = ext.max()
+    # the first guess and the occupancy it gives, on the device: one transfer for the three
+    c = (torch.maximum(ext, span * 1e-3).prod() / m) ** (1 / 3) * per_cell ** (1 / 3)
+    ijk = ((p - lo) / torch.where(span > 0, c, 1.0)).floor().to(torch.int64)
     dims = ijk.amax(0) + 1
-    keys = (ijk[:, 0] * dims[1] + ijk[:, 1]) * dims[2] + ijk[:, 2]
-    occupied = int(torch.unique(keys).numel())
-    occ = m / max(1, occupied)
+    keys = torch.sort((ijk[:, 0] * dims[1] + ijk[:, 1]) * dims[2] + ijk[:, 2]).values
+    occupied = 1 + (keys[1:] != keys[:-1]).sum()
+    span_h, c_h, occupied_h = torch.stack([span, c, occupied.to(torch.float64)]).tolist()
+    if span_h == 0 or m == 1:
+        return 1.0 if span_h == 0 else span_h
+    occ = m / occupied_h
     if occ > 2 * per_cell:
-        c *= math.sqrt(per_cell / occ)
-    return c
+        c_h *= math.sqrt(per_cell / occ)
+    return c_h
 
 
 class VoxelGridIndex:

@@ -221,8 +221,11 @@ BUILD_GRAPH_MAX = 1 << 18
 
 @dataclasses.dataclass(frozen=True)
 class _BuildProgram:
-    """The Triton build as a fixed device program: ``points (M, 3)`` float32 and
-    :func:`build_layout`'s ``flat`` in; the tree arrays of :func:`build` out."""
+    """The Triton build as a fixed device program (:func:`build`'s, one graph per size).
+
+    Inputs ``points (M, 3)`` float32 and :func:`build_layout`'s ``flat``; outputs the tree
+    arrays named in :attr:`outputs`.
+    """
 
     depth: int
     outputs = ("perm", "points", "lo", "hi", "split_axis", "split_value")
