@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pointalign import icp
+from pointalign.kernels import _loop
 from pointalign.kernels import knn as K
 from pointalign.search import build_index
 
@@ -55,6 +56,8 @@ def test_entry_point_turns_out_of_memory_into_a_clear_error(monkeypatch, rng):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
 
     monkeypatch.setattr(icp_mod, "_indexes", broke)
+    _loop._programs.put(("kept",), [], "a graph")  # what a GPU run keeps between calls
     with pytest.raises(MemoryError, match=r"^icp: the device ran out of memory .*80\.00 GiB"):
         icp(src, src + 0.01, max_correspondence_distance=0.05, device="cpu")
     assert torch.equal(src, before)
+    assert _loop._programs.get(("kept",), []) is None  # kept graphs released with the error

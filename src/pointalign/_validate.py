@@ -763,14 +763,18 @@ def out_of_memory_is_clear(fn):
 
     The search kernels already fall back to smaller tiles on their own; what still runs out
     of memory (a problem too large for the device as a whole) raises ``MemoryError`` naming
-    the function and the way out, instead of a raw CUDA error from deep inside. The cached
-    blocks are released first; the inputs are untouched (they are never written to).
+    the function and the way out, instead of a raw CUDA error from deep inside. The kept CUDA
+    graphs (their memory pools) and the cached blocks are released first; the inputs are
+    untouched (they are never written to).
     """
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
+            from pointalign.kernels import _loop
+
+            _loop.clear_caches()  # the kept CUDA graphs hold their memory pools
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
