@@ -518,8 +518,9 @@ def as_batch(
     if device is not None:
         t = t.to(as_device(device))
     _check_finite(name, t)
-    if lengths is None:
+    if lengths is None:  # every entry full: checked on the host, no wait for the device
         lens = torch.full((t.shape[0],), t.shape[1], dtype=torch.int64, device=t.device)
+        short = t.shape[1] < min_points
     else:
         lens = torch.as_tensor(lengths) if isinstance(lengths, (list, tuple)) \
             else _to_tensor(f"{name} lengths", lengths)
@@ -533,7 +534,8 @@ def as_batch(
             )
         if bool((lens > t.shape[1]).any()):
             raise ValueError(f"{name} lengths: a length exceeds the padded size {t.shape[1]}")
-    if bool((lens < min_points).any()):
+        short = bool((lens < min_points).any())
+    if short:
         raise ValueError(
             f"{name}: this operation needs at least {min_points} points per cloud, "
             f"got lengths {lens.tolist()}"

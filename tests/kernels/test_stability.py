@@ -1,6 +1,6 @@
 """kernels.stability.probe_information (the final pose's sampled point-to-plane information)
 against its reference ``probe_information_reference`` (``kernels/stability/reference.py``),
-by backend, and the fused path of ``registration.icp._point_information`` against its
+by backend, and the fused path of ``registration.stability.point_information`` against its
 index-based path.
 
 The Triton kernel moves the sample with float32 FMAs where the reference multiplies a
@@ -158,9 +158,10 @@ def test_given_searches_reject_bad_shapes(bad):
 
 
 def test_fused_point_information_equals_the_index_path(backend, bunny_scans):
-    """registration.icp._point_information: brute-force indexes take the fused probe, any
+    """registration.stability.point_information: brute-force indexes take the fused probe, any
     other index the search-by-search path; on a real scan pair both give one matrix."""
-    from pointalign.registration import _edge, icp
+    from pointalign.registration import _edge
+    from pointalign.registration import stability as measured
     from pointalign.search.brute import BruteForceIndex
     from pointalign.search.kdtree import KDTreeIndex
 
@@ -168,6 +169,6 @@ def test_fused_point_information_equals_the_index_path(backend, bunny_scans):
     pair = _edge.prepare_pair(src, tgt, init=None, device=torch.device(backend.device))
     T = np.eye(4)[None]
     target = pair.target[0, : int(pair.target_counts[0])]
-    fused = icp._point_information(pair, (BruteForceIndex(target),), T, 0.01)
-    other = icp._point_information(pair, (KDTreeIndex(target),), T, 0.01)
+    fused = measured.point_information(pair, (BruteForceIndex(target),), T, 0.01)
+    other = measured.point_information(pair, (KDTreeIndex(target),), T, 0.01)
     torch.testing.assert_close(fused, other, rtol=0, atol=1e-5 * float(other.abs().max()))

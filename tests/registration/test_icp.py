@@ -16,7 +16,8 @@ import torch
 from scipy.spatial import cKDTree
 
 import pointalign.registration.icp as icp_module
-from pointalign import datasets, metrics, transforms
+import pointalign.registration.stability as measured
+from pointalign import _math, datasets, metrics, transforms
 from pointalign.cloud import PointCloud
 from pointalign.registration.criteria import ConvergenceCriteria, RobustKernel
 from pointalign.registration.icp import icp
@@ -275,7 +276,7 @@ def run_interpreted_icp(out_path: str) -> None:
     # the end-of-run stability sample's interpreted k-d tree search took ~35 s of the ~3 min
     # (the rule itself is tested in test_converged.py; the results compared here do not read it)
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(icp_module, "STABILITY_SAMPLE", 32)
+    monkeypatch.setattr(measured, "STABILITY_SAMPLE", 32)
     out = {}
     for seed in INTERP_PAIRS:  # one pair: the 6×6 Jacobi solve is slow when interpreted
         p = _interp_pair(seed)
@@ -511,12 +512,12 @@ def test_graph_matches_eager(backend, seed, method, index_method, monkeypatch):
 # ---- point-to-point's stability check, batched -------------------------------------------
 
 def _point_information_per_problem(pair, b, index, T, max_distance):
-    """The per-problem form the batched ``_point_information`` replaced (the reference)."""
+    """The per-problem form the batched ``point_information`` replaced (the reference)."""
     from pointalign import _validate
     from pointalign.kernels import features
 
     n, m = int(pair.source_counts[b]), int(pair.target_counts[b])
-    rows = torch.randint(n, (min(n, icp_module.STABILITY_SAMPLE),),
+    rows = torch.randint(n, (min(n, measured.STABILITY_SAMPLE),),
                          generator=torch.Generator().manual_seed(0))
     x = pair.source[b, rows.to(pair.source.device)]
     Tf = torch.from_numpy(T).to(device=x.device, dtype=torch.float32)
@@ -525,7 +526,7 @@ def _point_information_per_problem(pair, b, index, T, max_distance):
         j = index.nearest_within(q, max_distance).idx[:, 0]
         tgt = pair.target[b, :m]
         y = tgt[j.clamp_min(0)]
-        nb = index.knn(y, min(icp_module.STABILITY_K, m)).idx
+        nb = index.knn(y, min(measured.STABILITY_K, m)).idx
     normal = features.pca_normals(tgt, nb, centers=y).to(torch.float64)
     c = torch.from_numpy(pair.centroid[b]).to(x.device)
     J = torch.cat([torch.linalg.cross(y.to(torch.float64) - c, normal), normal], -1)
@@ -569,10 +570,10 @@ def test_batched_stability_matches_per_problem(bunny, seed, shared, backend):
     ~1e-6 relative: 1e-4.
     """
     pair, idxs, T = _stability_inputs(bunny, seed, shared, backend.device)
-    H = icp_module._point_information(pair, idxs, T, 0.02)
+    H = measured.point_information(pair, idxs, T, 0.02)
     assert H.shape == (pair.size, 6, 6) and H.dtype == torch.float64
-    stab = icp_module._math.stability(H, torch.from_numpy(pair.extent)).numpy()
-    got = icp_module.stability(pair, idxs, T, np.zeros((pair.size, 30)), False, 0.02)
+    stab = _math.stability(H, torch.from_numpy(pair.extent)).numpy()
+    got = measured.stability(pair, idxs, T, np.zeros((pair.size, 30)), False, 0.02)
     np.testing.assert_array_equal(got, stab)
     for b in range(pair.size):
         own = idxs[b]
@@ -580,15 +581,15 @@ def test_batched_stability_matches_per_problem(bunny, seed, shared, backend):
             own = choose_index(pair.target[b, : pair.target_counts[b]], max_distance=0.02)
         ref, q = _point_information_per_problem(pair, b, own, T[b], 0.02)
         Tf = torch.from_numpy(T).to(device=pair.source.device, dtype=torch.float32)
-        rows = icp_module._stability_sample(pair.source_counts, pair.source.device)[0][b]
+        rows = measured.stability_sample(pair.source_counts, pair.source.device)[0][b]
         rows = rows[: q.shape[0]]
-        # the batched product of this problem's sample, as _point_information forms it
+        # the batched product of this problem's sample, as point_information forms it
         moved = (pair.source[None, b, rows] @ Tf[b:b + 1, :3, :3].transpose(1, 2)
                  + Tf[b:b + 1, None, :3, 3])[0]
         tol = 1e-9 if torch.equal(moved, q) else 1e-4
         scale = float(ref.abs().max())
         assert float((H[b] - ref).abs().max()) <= tol * scale
-        ref_stab = float(icp_module._math.stability(ref[None],
+        ref_stab = float(_math.stability(ref[None],
                                                     torch.tensor(pair.extent[b:b + 1]))[0])
         assert abs(stab[b] - ref_stab) <= tol * max(ref_stab, 1e-3) + 1e-15
         assert ref_stab > 0.01  # a real surface: the comparison is not between zeros

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pointalign import _math, _validate
+from pointalign.kernels import upload
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import policy
 
@@ -451,7 +452,7 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
     For the methods whose own iteration holds no 6×6 information (EM-ICP, Softassign, the
     surface methods): the point-to-plane information of a sample of each problem's final
     nearest-neighbour correspondences (ICP's point-to-point test,
-    :func:`pointalign.registration.icp.stability`), so that a pose the data do not
+    :func:`pointalign.registration.stability.stability`), so that a pose the data do not
     determine (a sphere turned about its centre, three points, a plane slid in-plane) is
     "ambiguous" whichever method found it. A few thousand queries and one small PCA pass.
 
@@ -465,7 +466,7 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
             nearest neighbour counts).
 
     """
-    from pointalign.registration import icp as _icp  # (icp imports this module)
+    from pointalign.registration import stability as _stability  # (it imports this module)
 
     assert pair.extent is not None
     scale = float(np.max(pair.extent)) + float(np.max(pair.source_extent
@@ -477,11 +478,11 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
     own = list(index) if isinstance(index, (list, tuple)) else [index] * n
     with _validate.trusted():  # the prepared targets were checked
         built = [policy.probe_index(pair.target[b, : pair.target_counts[b]],
-                                    _icp.STABILITY_SAMPLE, index=own[b]) for b in range(n)]
+                                    _stability.STABILITY_SAMPLE, index=own[b]) for b in range(n)]
     idxs = tuple(built * pair.size if n == 1 else built)
     # (point-to-point: the sums of a final step are not read, the sample is measured)
-    return _icp.stability(pair, idxs, np.asarray(T_local, dtype=np.float64),
-                          np.zeros((pair.size, 30)), False, d)
+    return _stability.stability(pair, idxs, np.asarray(T_local, dtype=np.float64),
+                                np.zeros((pair.size, 30)), False, d)
 
 
 def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: np.ndarray,
@@ -545,7 +546,7 @@ def build_result(pair: Pair, T_local: np.ndarray, *, fitness: np.ndarray, rmse: 
     result = RegistrationResult(
         transformation=T, fitness=fitness, rmse=rmse, iterations=iterations, converged=conv,
         stop_reason=[str(r) for r in reasons], history=history, timings=timings, info=info,
-        transformation_tensor=torch.from_numpy(T).to(pair.device))
+        transformation_tensor=upload(T, dtype=torch.float64, device=pair.device))
     return result if pair.batched else result[0]
 
 
@@ -565,4 +566,4 @@ def in_world(result: RegistrationResult, frame: Frame) -> RegistrationResult:
     return dataclasses.replace(
         result, transformation=T, info=info,
         transformation_tensor=None if tt is None else
-        torch.from_numpy(T).to(device=tt.device, dtype=torch.float64))
+        upload(T, dtype=torch.float64, device=tt.device))

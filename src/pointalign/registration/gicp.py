@@ -49,8 +49,9 @@ from pointalign.registration.criteria import (
     as_criteria,
     as_robust_kernel,
 )
-from pointalign.registration.icp import IcpStep, _indexes, _Rules, information_matrix, stability
+from pointalign.registration.icp import IcpStep, _indexes, _Rules, information_matrix
 from pointalign.registration.result import RegistrationResult
+from pointalign.registration.stability import stability
 from pointalign.search import policy
 
 #: neighbours per covariance when none are given (small_gicp's and Open3D's examples)

@@ -23,7 +23,6 @@ The stopping rules (:class:`_Rules`) read each step's record on the host; how th
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -31,10 +30,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _math, _progress, _threads, _validate, estimate, transforms
-from pointalign.kernels import _first_use, _loop, _np_math, features, normal_eq, upload
+from pointalign import _progress, _threads, _validate, estimate, transforms
+from pointalign.kernels import _first_use, _loop, _np_math, normal_eq, upload
 from pointalign.kernels import ransac as _kr
-from pointalign.kernels import stability as probe
 from pointalign.registration import _edge, anderson, checks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import (
@@ -44,24 +42,14 @@ from pointalign.registration.criteria import (
     as_robust_kernel,
 )
 from pointalign.registration.result import RegistrationResult
+from pointalign.registration.stability import stability
 from pointalign.search import policy
-from pointalign.search.brute import BruteForceIndex
-from pointalign.search.packed import PackedIndex
 
 METHODS = ("point_to_point", "point_to_plane")
 
 #: neighbours used for target normals when point-to-plane needs them and none are given
 NORMALS_K = 20
 
-#: point-to-point's stability test (:func:`stability`): correspondences sampled per
-#: problem, and the neighbours of their target normals (16, not :data:`NORMALS_K`: the
-#: k-d tree's Triton kernel keeps k candidates in a register list padded to a power of
-#: two, and k = 20 (padded to 32) searched the sample in 1.2 ms on an H100 against 0.5 ms)
-STABILITY_SAMPLE = 2048
-STABILITY_K = 16
-#: the neighbours a sample whose STABILITY_K nearest do not span a plane looks at instead
-#: (duplicated points: a cloud with every point repeated 8 times still shows its surface)
-DUPLICATE_K = 64
 
 
 @dataclass(frozen=True)
@@ -203,192 +191,6 @@ def information_matrix(sums: np.ndarray, plane: bool, center: np.ndarray) -> np.
     H[:, 3:, :3] = transforms.skew(sy).transpose(1, 2)
     H[:, 3:, 3:] = W[:, None, None] * eye3
     return H.numpy()
-
-
-def _about(H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Move a twist information matrix ``(B, 6, 6)`` about the origin to one about ``c (B, 3)``.
-
-    ``J_c = J_0 A`` with ``A = [[I, 0], [[c]×ᵀ, I]]`` (the inverse of the shift in
-    :func:`information_matrix`).
-    """
-    A = torch.eye(6, dtype=torch.float64).repeat(H.shape[0], 1, 1)
-    A[:, 3:, :3] = transforms.skew(c).transpose(1, 2)
-    return A.transpose(1, 2) @ H @ A
-
-
-def _stability_sample(counts: np.ndarray, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each problem's sample of source rows (:func:`_draw_sample`), kept per sizes and device.
-
-    The same sizes draw the same rows, so a repeated call (a loop over scans of one size)
-    reuses the device tensors: no draw, no transfer. Read-only; the last four size sets are
-    kept (a batch of 256 problems holds ~5 MB).
-    """
-    return _draw_sample(np.asarray(counts, dtype=np.int64).tobytes(), str(device))
-
-
-@functools.lru_cache(maxsize=4)
-def _draw_sample(counts_key: bytes, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each problem's sample of source rows: ``rows (B, S)`` int64 and ``valid (B, S)`` bool.
-
-    Problem b draws ``min(n_b, STABILITY_SAMPLE)`` rows of its ``n_b`` source points with
-    replacement from a generator seeded 0 (a random sample, not a stride: a stride can alias
-    with the scan pattern of an ordered cloud, such as lidar rings, and pick a biased,
-    near-degenerate subset; with replacement: O(sample) work, where a permutation of n
-    costs ms at 1M). The draw depends only on n_b, so it is made once per distinct size;
-    a smaller problem's tail is padding (row 0, ``valid`` False).
-    """
-    counts = np.frombuffer(counts_key, dtype=np.int64)
-    B = counts.shape[0]
-    S = int(min(int(counts.max()), STABILITY_SAMPLE))
-    rows = torch.zeros(B, S, dtype=torch.int64)
-    valid = torch.zeros(B, S, dtype=torch.bool)
-    for n in np.unique(counts):
-        s = int(min(int(n), STABILITY_SAMPLE))
-        r = torch.randint(int(n), (s,), generator=torch.Generator().manual_seed(0))
-        sel = torch.from_numpy(counts == n)
-        rows[sel, :s] = r
-        valid[sel, :s] = True
-    both = torch.cat([rows, valid.to(torch.int64)], 1).to(device)  # one transfer
-    return both[:, :S], both[:, S:].to(torch.bool)
-
-
-def _by_index(indexes: tuple) -> list[tuple[Any, list[int]]]:
-    """Group problem numbers by their (shared or own) index object, in first-seen order."""
-    groups: dict[int, tuple[Any, list[int]]] = {}
-    for b, ix in enumerate(indexes):
-        groups.setdefault(id(ix), (ix, []))[1].append(b)
-    return list(groups.values())
-
-
-def _point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
-                       max_distance: float) -> torch.Tensor:
-    """Point-to-plane information ``(B, 6, 6)`` of every problem's final correspondences, sampled.
-
-    For each problem b, at most :data:`STABILITY_SAMPLE` source points
-    (:func:`_stability_sample`) moved by ``T[b] (4, 4)``, their nearest target points y
-    within the bound, and those points' normals n by PCA of their :data:`STABILITY_K`
-    nearest target points: ``Σ J Jᵀ`` with ``J = [(y − c) × n, n]`` about the target
-    centroid c. The whole batch at once: one query per distinct index (one in all for a
-    shared target), then one kernel (kernels/stability ``neighbourhood_information``) or
-    one PCA kernel and one batched product; one transfer; no synchronisation per problem.
-    """
-    assert pair.centroid is not None  # set by prepare_pair
-    dev, B = pair.source.device, pair.size
-    rows, valid = _stability_sample(pair.source_counts, dev)
-    c = torch.from_numpy(pair.centroid).to(dev)
-    if all(isinstance(ix, BruteForceIndex) for ix in indexes):
-        # brute force over each problem's own target: the whole measurement in one pass
-        # (kernels/stability), one transfer; samples without a plane look again below
-        k = int(min(STABILITY_K, int(pair.target_counts.max())))
-        nt = 1 if pair.shared_target else B  # a shared target is an expanded view: once
-        sums = probe.probe_information(
-            pair.source, rows, valid, torch.from_numpy(T).to(dev, torch.float32),
-            pair.target[:nt], pair.target_lengths[:nt], c, max_distance * max_distance,
-            k).cpu()
-        if not bool((sums[:, 22] > 0).any()):
-            return probe.information_matrix(sums)
-    S = rows.shape[1]
-    x = torch.gather(pair.source, 1, rows[..., None].expand(-1, -1, 3))      # (B, S, 3)
-    Tf = torch.from_numpy(T).to(device=dev, dtype=torch.float32)
-    x = x @ Tf[:, :3, :3].transpose(1, 2) + Tf[:, None, :3, 3]
-    M = pair.target.shape[1]
-    # the target rows the searches answer in, as rows of one packed table (B·M, 3), or of
-    # the one shared target
-    table = pair.target[0] if pair.shared_target else pair.target.reshape(-1, 3)
-    base = torch.zeros(B, 1, dtype=torch.int64, device=dev) if pair.shared_target else \
-        (torch.arange(B, device=dev) * M)[:, None]
-    j = torch.empty(B, S, dtype=torch.int64, device=dev)
-    groups = _by_index(indexes)
-    with _validate.trusted():
-        for ix, bs in groups:
-            q = (x if len(bs) == B else x[bs]).reshape(-1, 3)
-            j[bs] = ix.nearest_within(q, max_distance).idx[:, 0].view(len(bs), S)
-        y = table[(j.clamp_min(0) + base).reshape(-1)].view(B, S, 3)
-        # k = STABILITY_K, or a smaller target's size (its missing columns are -1: none)
-        k = int(min(STABILITY_K, int(pair.target_counts.max())))
-        nb = torch.full((B, S, k), -1, dtype=torch.int64, device=dev)
-        for ix, bs in groups:
-            kb = int(min(STABILITY_K, int(pair.target_counts[bs[0]])))
-            r = ix.knn(y[bs].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
-            nb[bs, :, :kb] = torch.where(r >= 0, r + base[bs, :, None], r)
-        # on a GPU the rest is one kernel (kernels/stability), unless a matched sample's
-        # neighbourhood spans no plane (counted in its column 22): then the steps below
-        fused = probe.neighbourhood_information(
-            table, torch.where((j >= 0) & valid, j + base, -1), nb, c)
-        if fused is not None and not bool(((fused := fused.cpu())[:, 22] > 0).any()):
-            return probe.information_matrix(fused)
-        # a neighbourhood that does not span a plane (every point repeated: the k nearest are
-        # copies of two or three points) defines no normal: such samples look again with
-        # DUPLICATE_K neighbours, and those still without a plane constrain nothing (an
-        # arbitrary normal would count as a constraint the data do not give)
-        flat = ~_spans(table, nb)
-        if bool(flat.any()):  # one synchronisation, at the end of the iteration
-            kd = int(min(DUPLICATE_K, int(pair.target_counts.max())))
-            wide = torch.full((B, S, kd), -1, dtype=torch.int64, device=dev)
-            for ix, bs in groups:
-                kb = int(min(DUPLICATE_K, int(pair.target_counts[bs[0]])))
-                if isinstance(ix, PackedIndex):  # its queries: every row, problem by problem
-                    r = ix.knn(y[bs].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
-                    wide[bs, :, :kb] = torch.where(r >= 0, r + base[bs, :, None], r)
-                    continue
-                # only the flat samples look again (a wide k-NN costs more than the first)
-                bt = torch.tensor(bs, device=dev)
-                bi, si = flat[bt].nonzero(as_tuple=True)
-                if bi.numel() == 0:
-                    continue
-                r = ix.knn(y[bt[bi], si], kb).idx
-                wide[bt[bi], si, :kb] = torch.where(r >= 0, r + base[bt[bi]], r)
-            wide = torch.where(flat[..., None], wide, torch.cat(
-                [nb, nb.new_full((B, S, kd - k), -1)], -1) if kd > k else nb[..., :kd])
-            nb, k = wide, kd
-            flat = ~_spans(table, nb)
-    # one fused kernel per device for every sample (a chain of small float64 ops per problem
-    # cost ~2 ms on a GPU)
-    normal = features.pca_normals(table, nb.view(B * S, k), centers=y.view(B * S, 3))
-    normal = normal.to(torch.float64).view(B, S, 3)
-    J = torch.cat([torch.linalg.cross(y.to(torch.float64) - c[:, None], normal), normal], -1)
-    J = J * ((j >= 0) & valid & ~flat)[..., None]
-    return (J.transpose(1, 2) @ J).cpu()
-
-
-def _spans(table: torch.Tensor, nb: torch.Tensor) -> torch.Tensor:
-    """Whether each neighbourhood ``nb (B, S, k)`` of rows of ``table`` spans a plane: ``(B, S)``.
-
-    The library's degeneracy rule (:func:`pointalign._math.spans_plane`) on the float64
-    covariance of the neighbours (``-1``: none), in chunks of rows (a batch of many problems
-    keeps its temporaries to ~50 MB).
-    """
-    flat = nb.reshape(-1, nb.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.bool, device=nb.device)
-    step = max(1, (1 << 21) // max(1, nb.shape[-1]))
-    for s in range(0, flat.shape[0], step):
-        ix = flat[s:s + step]
-        ok = ix >= 0
-        p = table[ix.clamp_min(0)].to(torch.float64) * ok[..., None]
-        cnt = ok.sum(-1, keepdim=True).clamp_min(1)
-        d = (p - (p.sum(-2) / cnt)[..., None, :]) * ok[..., None]
-        out[s:s + step] = _math.spans_plane(d.transpose(-1, -2) @ d)
-    return out.view(nb.shape[:-1])
-
-
-def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray | None,
-              plane: bool, max_distance: float) -> np.ndarray:
-    """:func:`pointalign._math.stability` of each problem's final pose, ``(B,)`` float64.
-
-    Point-to-plane: from the final sums (the 6×6 the last step solved, no extra work).
-    Point-to-point: Horn's moments cannot see a slide along the surface, so the
-    point-to-plane information of a sample of the final correspondences is measured, for
-    the whole batch at once (:func:`_point_information`).
-    """
-    assert pair.centroid is not None and pair.extent is not None  # set by prepare_pair
-    c = torch.from_numpy(pair.centroid)
-    if plane:
-        assert sums is not None  # point-to-plane reads the final sums
-        H = _about(normal_eq.unpack_hessian(torch.from_numpy(sums))[0], c)
-    else:
-        H = _point_information(pair, indexes, T, max_distance)
-    return _math.stability(H, torch.from_numpy(pair.extent)).numpy()
 
 
 def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = False) -> tuple:

@@ -23,7 +23,7 @@ Output row b: ``[0:21]`` the upper triangle of ``Σ J Jᵀ`` in
 :data:`pointalign.kernels.normal_eq.TRIU6` order (float64 sums), ``[21]`` the samples
 counted, ``[22]`` the samples whose neighbourhood spans no plane (not counted: the
 caller looks again with more neighbours, see
-:func:`pointalign.registration.icp._point_information`). The Triton kernel sums each
+:func:`pointalign.registration.stability.point_information`). The Triton kernel sums each
 block of rows in float64 and the blocks in float64 (one sum launch); the reference
 computes in float64 from the same float32 points.
 """
