@@ -51,7 +51,6 @@ METHODS = ("point_to_point", "point_to_plane")
 NORMALS_K = 20
 
 
-
 @dataclass(frozen=True)
 class IcpStep:
     """One ICP iteration on the device for B problems in lockstep.

@@ -39,7 +39,7 @@ def _about(H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Move a twist information matrix ``(B, 6, 6)`` about the origin to one about ``c (B, 3)``.
 
     ``J_c = J_0 A`` with ``A = [[I, 0], [[c]×ᵀ, I]]`` (the inverse of the shift in
-    :func:`information_matrix`).
+    :func:`pointalign.registration.icp.information_matrix`).
     """
     A = torch.eye(6, dtype=torch.float64).repeat(H.shape[0], 1, 1)
     A[:, 3:, :3] = transforms.skew(c).transpose(1, 2)

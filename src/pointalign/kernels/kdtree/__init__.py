@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -228,7 +229,8 @@ class _BuildProgram:
     """
 
     depth: int
-    outputs = ("perm", "points", "lo", "hi", "split_axis", "split_value")
+    outputs: ClassVar[tuple[str, ...]] = ("perm", "points", "lo", "hi", "split_axis",
+                                          "split_value")
 
     def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
                  ) -> dict[str, torch.Tensor]:
