@@ -164,26 +164,29 @@ def _horn_moments(w, x0, x1, x2, m0, m1, m2, out_ptr):
 
 
 @triton.jit
-def _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES: tl.constexpr):
+def _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES: tl.constexpr,
+                MODE: tl.constexpr):
     """Add a tile's weights ``e (BLOCK_M, BLOCK_N)`` to the row sums, rescaled to ``m_new``.
 
     The sums kept at the shift ``m2`` are multiplied by ``exp2(m2 − m_safe)`` (1 when the
-    maximum did not move); returns the row state ``(m_new, l1, l2, ux, uy, uz)``.
+    maximum did not move); returns the row state ``(m_new, l1, l2, ux, uy, uz)``. The
+    weighted means are not summed in Sinkhorn mode (``MODE`` 2), whose epilogue has none.
     """
     alpha = tl.exp2(m2 - m_safe)
     l1 = l1 * alpha + tl.sum(e, 0)
     if SQUARES:
         l2 = l2 * (alpha * alpha) + tl.sum(e * e, 0)
-    ux = ux * alpha + tl.sum(e * yx[:, None], 0)
-    uy = uy * alpha + tl.sum(e * yy[:, None], 0)
-    uz = uz * alpha + tl.sum(e * yz[:, None], 0)
+    if MODE != 2:
+        ux = ux * alpha + tl.sum(e * yx[:, None], 0)
+        uy = uy * alpha + tl.sum(e * yy[:, None], 0)
+        uz = uz * alpha + tl.sum(e * yz[:, None], 0)
     return m_new, l1, l2, ux, uy, uz
 
 
 @triton.jit
 def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, spc,
               HAS_G: tl.constexpr, SQUARES: tl.constexpr, MASKED: tl.constexpr,
-              FTZ: tl.constexpr):
+              FTZ: tl.constexpr, MODE: tl.constexpr):
     """One tile of the online log-sum-exp.
 
     The tile is BLOCK_M points (axis 0) × BLOCK_N query rows (axis 1). Returns the row
@@ -206,7 +209,7 @@ def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, 
         yz = tl.load(p_base + 2 * spc + cols).to(tl.float32)
     if not HAS_G:
         return _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2, yx, yy, yz, cmask,
-                          SQUARES, MASKED, FTZ)
+                          SQUARES, MASKED, FTZ, MODE)
     dx = yx[:, None] - px[None, :]
     dy = yy[:, None] - py[None, :]
     dz = yz[:, None] - pz[None, :]
@@ -219,12 +222,13 @@ def _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base, g_base, cols, hi, 
     m_new = tl.maximum(m2, tl.max(z, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     e = _exp2(z - m_safe[None, :], FTZ)
-    return _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES)
+    return _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES, MODE)
 
 
 @triton.jit
 def _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2, yx, yy, yz, cmask,
-               SQUARES: tl.constexpr, MASKED: tl.constexpr, FTZ: tl.constexpr):
+               SQUARES: tl.constexpr, MASKED: tl.constexpr, FTZ: tl.constexpr,
+               MODE: tl.constexpr):
     """One tile of :func:`_row_tile` without column offsets, its points already loaded.
 
     ``yx, yy, yz``: the tile's ``(BLOCK_M,)`` coordinates; ``cmask``: the valid ones (read
@@ -246,7 +250,7 @@ def _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2, yx, yy, yz, cmask,
     m_new = tl.maximum(m2, (-s2 * tl.min(d, 0)) * 0.9999997615814209)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     e = _exp2(d * (-s2) - m_safe[None, :], FTZ)
-    return _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES)
+    return _accumulate(m2, m_new, m_safe, e, l1, l2, ux, uy, uz, yx, yy, yz, SQUARES, MODE)
 
 
 @triton.jit
@@ -388,7 +392,8 @@ def _rows_body(
             yz = tl.load(p_base + 2 * spc + cols).to(tl.float32)
             t_next = tl.load(lb + k + 2, mask=k + 2 < k1, other=0).to(tl.int64)
             m2, l1, l2, ux, uy, uz = _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2,
-                                                cx, cy, cz, cols, SQUARES, False, FTZ)
+                                                cx, cy, cz, cols, SQUARES, False, FTZ,
+                                                MODE)
         lo = plen // BLOCK_M * BLOCK_M  # then the partial last tile, by the last program
         hi = tl.where(sp == tl.num_programs(1) - 1, plen, lo)
         n_full = 0
@@ -401,12 +406,12 @@ def _rows_body(
             cols = lo + t * BLOCK_M + tl.arange(0, BLOCK_M)
             m2, l1, l2, ux, uy, uz = _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2,
                                                p_base, g_base, cols, hi, spc,
-                                               HAS_G, SQUARES, False, FTZ)
+                                               HAS_G, SQUARES, False, FTZ, MODE)
     if lo + n_full * BLOCK_M < hi:
         cols = lo + n_full * BLOCK_M + tl.arange(0, BLOCK_M)
         m2, l1, l2, ux, uy, uz = _row_tile(m2, l1, l2, ux, uy, uz, px, py, pz, s2, p_base,
                                            g_base, cols, hi, spc,
-                                           HAS_G, SQUARES, True, FTZ)
+                                           HAS_G, SQUARES, True, FTZ, MODE)
     if not PARTIAL:
         extra = tl.load(extra_ptr + b)
         offset = tl.load(offset_ptr + b)
@@ -414,14 +419,17 @@ def _rows_body(
                   out0_ptr, out1_ptr, mean_ptr, qx, qy, qz, mom_ptr, pid_n,
                   tl.num_programs(0), MODE, SQUARES, MOMENTS)
     else:
-        # partials laid out (B, split, 6, N), the split being the grid's second axis
+        # partials laid out (B, split, 6, N), the split being the grid's second axis; only the
+        # fields the merge reads are written (lse2 with squares, the means outside Sinkhorn)
         pb = part_ptr + ((b * tl.num_programs(1) + sp) * 6) * N + rows
         tl.store(pb, m2, mask=rmask)
         tl.store(pb + N, l1, mask=rmask)
-        tl.store(pb + 2 * N, l2, mask=rmask)
-        tl.store(pb + 3 * N, ux, mask=rmask)
-        tl.store(pb + 4 * N, uy, mask=rmask)
-        tl.store(pb + 5 * N, uz, mask=rmask)
+        if SQUARES:
+            tl.store(pb + 2 * N, l2, mask=rmask)
+        if MODE != 2:
+            tl.store(pb + 3 * N, ux, mask=rmask)
+            tl.store(pb + 4 * N, uy, mask=rmask)
+            tl.store(pb + 5 * N, uz, mask=rmask)
 
 
 # Two thin kernels around one body: the loop bound CHUNK is a runtime argument on the GPU
@@ -481,7 +489,7 @@ def _merge_body(
         qy = tl.load(qb + sqc, mask=rmask, other=0.0)
         qz = tl.load(qb + 2 * sqc, mask=rmask, other=0.0)
     # one pass over the partials, MERGE_GROUP at a time as a (MERGE_GROUP, BLOCK_N) tile per
-    # field: a group's six loads are independent, so each group costs one memory round trip
+    # field: a group's loads (up to six) are independent, so each group costs one memory round trip
     # (a split up to MERGE_GROUP: one, as the unrolled loads of a constant split did). The
     # running maximum m2 and the sums scaled to it are rescaled when a group raises it, as
     # the row kernel's tiles are; partials past the split are masked off
@@ -497,9 +505,13 @@ def _merge_body(
         pb = part_ptr + ((b * split + j[:, None]) * 6) * N + rows[None, :]
         pm = tl.load(pb, mask=pmask, other=float("-inf"))
         p1 = tl.load(pb + N, mask=pmask, other=0.0)
-        px = tl.load(pb + 3 * N, mask=pmask, other=0.0)
-        py = tl.load(pb + 4 * N, mask=pmask, other=0.0)
-        pz = tl.load(pb + 5 * N, mask=pmask, other=0.0)
+        px = p1  # the means' partials (Sinkhorn mode has none)
+        py = p1
+        pz = p1
+        if MODE != 2:
+            px = tl.load(pb + 3 * N, mask=pmask, other=0.0)
+            py = tl.load(pb + 4 * N, mask=pmask, other=0.0)
+            pz = tl.load(pb + 5 * N, mask=pmask, other=0.0)
         m_new = tl.maximum(m2, tl.max(pm, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m2 - m_safe)
@@ -508,9 +520,10 @@ def _merge_body(
         if SQUARES:
             p2 = tl.load(pb + 2 * N, mask=pmask, other=0.0)
             l2 = l2 * (alpha * alpha) + tl.sum(a * a * p2, 0)
-        ux = ux * alpha + tl.sum(a * px, 0)
-        uy = uy * alpha + tl.sum(a * py, 0)
-        uz = uz * alpha + tl.sum(a * pz, 0)
+        if MODE != 2:
+            ux = ux * alpha + tl.sum(a * px, 0)
+            uy = uy * alpha + tl.sum(a * py, 0)
+            uz = uz * alpha + tl.sum(a * pz, 0)
         m2 = m_new
     extra = tl.load(extra_ptr + b)
     offset = tl.load(offset_ptr + b)
