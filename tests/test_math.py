@@ -389,3 +389,6 @@ def test_numpy_twins_match_spec():
     np.testing.assert_array_equal(_np_math.spans_plane(C.numpy()), _math.spans_plane(C).numpy())
     np.testing.assert_allclose(_np_math.rotation_angle(R.numpy()),
                                _math.so3_log(R).norm(dim=-1).numpy(), atol=1e-14, rtol=1e-12)
+    # the same formula in both, on the same float64 operations
+    np.testing.assert_allclose(_np_math.rotation_angle(R.numpy()),
+                               _math.rotation_angle(R).numpy(), atol=1e-15, rtol=1e-15)

@@ -11,7 +11,8 @@ Conventions (those of :mod:`pointalign.transforms`): quaternions ``(w, x, y, z)`
 
 Contents:
 
-* :func:`skew`, :func:`quat_to_rot`, :func:`rot_to_quat`, :func:`so3_exp`, :func:`so3_log`.
+* :func:`skew`, :func:`quat_to_rot`, :func:`rot_to_quat`, :func:`so3_exp`, :func:`so3_log`,
+  :func:`rotation_angle`.
 * Horn's closed form (Horn 1987; Tamaki et al. eqs. 15-20): :func:`horn_matrix` N(S),
   :func:`top_eigenvector4`, :func:`horn_pose` (weighted moments → R, t).
 * The one degeneracy rule, :func:`spans_plane`, with :data:`DEGENERACY_EPS`; the one
@@ -143,6 +144,20 @@ def so3_log(R: torch.Tensor) -> torch.Tensor:
 
 
 # ---- Horn's closed form -----------------------------------------------------------------
+
+def rotation_angle(R: torch.Tensor) -> torch.Tensor:
+    """Angles ``(…)`` in radians of rotations ``R (…, 3, 3)``, in R's dtype.
+
+    ``atan2(sin θ, cos θ)`` from R's antisymmetric part (``2 sin θ n``) and its trace
+    (``1 + 2 cos θ``): accurate near 0 and near π, and a few elementwise operations where
+    ``|so3_log(R)|`` takes the quaternion's dozens.
+    """
+    a = R[..., 2, 1] - R[..., 1, 2]
+    b = R[..., 0, 2] - R[..., 2, 0]
+    c = R[..., 1, 0] - R[..., 0, 1]
+    s = 0.5 * torch.sqrt(a * a + b * b + c * c)
+    return torch.atan2(s, 0.5 * (R[..., 0, 0] + R[..., 1, 1] + R[..., 2, 2] - 1))
+
 
 def horn_matrix(S: torch.Tensor) -> torch.Tensor:
     """Horn's symmetric 4×4 matrix ``N(S) (…, 4, 4)`` of cross-covariances ``S (…, 3, 3)``.

@@ -275,8 +275,12 @@ def se3_log(T: torch.Tensor) -> torch.Tensor:
 
 
 def rotation_angle(R: torch.Tensor) -> torch.Tensor:
-    """Angle in radians of rotations ``(…, 3, 3)``, robust near 0 and π."""
-    return so3_log(_arg(R, "R", (3, 3))).norm(dim=-1)
+    """Angle in radians of rotations ``(…, 3, 3)``, robust near 0 and π.
+
+    (:func:`pointalign._math.rotation_angle`: ``atan2(sin θ, cos θ)`` from R's
+    antisymmetric part and trace.)
+    """
+    return _math.rotation_angle(_arg(R, "R", (3, 3)))
 
 
 def random_transform(

@@ -71,7 +71,7 @@ def spans_plane(cov: np.ndarray, eps: float = _math.DEGENERACY_EPS) -> np.ndarra
 
 
 def rotation_angle(R: np.ndarray) -> np.ndarray:
-    """``transforms.rotation_angle``: angles in radians of ``R (..., 3, 3)``.
+    """``_math.rotation_angle``: angles in radians of ``R (..., 3, 3)``.
 
     ``atan2(sin θ, cos θ)`` from R's antisymmetric part and trace: accurate near 0 and
     near π, and a tenth of the cost of :func:`so3_log` (the stopping rules call it per
