@@ -200,6 +200,25 @@ def test_radius_neighbours_reference_path_is_knn_tiles(backend, seed):
     assert torch.equal(d, rd) and torch.equal(i, ri)
 
 
+@pytest.mark.parametrize("sizes", [(1500, 1300), (37, 900), (5, 3)])
+def test_radius_pair_is_each_cloud_alone(backend, seed, sizes):
+    """Two clouds at once (Triton: one table, rows straddling the split at 37): every row is
+    the cloud's own radius_neighbours row, bit for bit, its indices shifted; a dense clump
+    (160 points within the radius of each other) widens the table past its first 128."""
+    a = torch.from_numpy(_cloud_np(seed, sizes[0], np.float32))
+    b = torch.from_numpy(_cloud_np(seed + 7, sizes[1], np.float32))
+    if sizes[1] >= 160:  # overlapping clouds: the search must not cross from one to the other
+        b[:160] = a[0] + 0.001 * torch.arange(160, dtype=torch.float32)[:, None]
+    a, b = a.to(backend.device), b.to(backend.device)
+    for r, k in ((0.4, 100), (0.1, 10)):
+        d, i = knn_mod.radius_pair(a, b, r, k)
+        (da, ia), (db, ib) = knn_mod.radius_neighbours(a, r, k), knn_mod.radius_neighbours(b, r, k)
+        assert torch.equal(d, torch.cat([da, db]))
+        assert torch.equal(i, torch.cat([ia, torch.where(ib >= 0, ib + a.shape[0], ib)]))
+    with pytest.raises(ValueError, match="radius_pair"):
+        knn_mod.radius_pair(a[:, :2], b, 0.1, 3)
+
+
 def test_radius_neighbours_bad_input(backend):
     with pytest.raises(ValueError, match="points"):
         knn_mod.radius_neighbours(torch.zeros(4, 2, device=backend.device), 0.1, 3)
@@ -255,6 +274,9 @@ def run_interpreted_cases(out_path: str) -> None:
         out[("layout", seed)] = knn_mod.knn_tiles(q, p, 1, 0.15**2, points_t=layout)
         p = _interp_inputs(INTERP_CASES[3], seed)[1]
         out[("radius", seed)] = knn_mod.radius_neighbours(p, 0.3, 40)  # the radius table
+        a = _interp_inputs(INTERP_CASES[3], seed + 10)[1][:37]  # rows straddle the split
+        out[("pair", seed)] = knn_mod.radius_pair(a, p, 0.3, 40), \
+            knn_mod.radius_neighbours(a, 0.3, 40)
     q, p = _interp_ties()
     out["ties1"] = _knn_triton.knn(q, p, 1, block_m=4)
     out["ties3"] = _knn_triton.knn(q, p, 3, block_m=4)
@@ -294,6 +316,14 @@ def test_triton_interpreted_radius_neighbours(seed, interpreted):
     d, i = interpreted[("radius", seed)]
     assert_knn_matches((d, i), p, p, 40, max_distance=0.3)
     assert (i[:, 0] == torch.arange(p.shape[0])).all()  # itself first, at distance 0
+
+
+def test_triton_interpreted_radius_pair(seed, interpreted):
+    """The table's two-cloud form: each row as its cloud alone (the rows of ``p`` above)."""
+    (d, i), (da, ia) = interpreted[("pair", seed)]
+    db, ib = interpreted[("radius", seed)]
+    assert torch.equal(d, torch.cat([da, db]))
+    assert torch.equal(i, torch.cat([ia, torch.where(ib >= 0, ib + ia.shape[0], ib)]))
 
 
 # ---- the "cpu" backend's k-d tree (knn/cpu.py) -------------------------------------------

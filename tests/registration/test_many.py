@@ -204,7 +204,8 @@ def test_batched_verdicts_equal_register_verdict(seed):
     from types import SimpleNamespace
 
     from pointalign import transforms
-    from pointalign.registration.pipeline import Prepared, Scales
+    from pointalign.registration.pipeline import Scales
+    from pointalign.registration.prepare import Prepared
     from pointalign.registration.verdict import verdict, verdicts
     from pointalign.search import build_index
 

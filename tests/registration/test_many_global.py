@@ -28,7 +28,8 @@ from pointalign.registration.many import batched_local as bl
 from pointalign.registration.many import batched_prepare as bp
 from pointalign.registration.many import local_stages, register_many
 from pointalign.registration.options import check
-from pointalign.registration.pipeline import Scales, _prepare_cloud
+from pointalign.registration.pipeline import Scales
+from pointalign.registration.prepare import prepare_cloud
 
 OPTS = dict(hypotheses=1024)
 
@@ -59,7 +60,7 @@ def test_described_as_each_cloud_alone(backend):
     clock = _loop.Clock(torch.device(backend.device))
     for c, d, n, f in zip(clouds, downs, normals, features, strict=True):
         assert torch.equal(d, voxel_downsample(c, 1.0))
-        one = _prepare_cloud(c, unit, clock, "cloud")
+        one = prepare_cloud(c, unit, clock, "cloud")
         assert float((one.normals * n).sum(1).min()) > 1 - 1e-6
         close = ((one.features - f).abs() <= 1e-3).all(1)
         assert float(close.float().mean()) >= 0.8
@@ -221,7 +222,7 @@ def _scaled_pairs(pairs, device, clock):
         if strays:
             s, t = voxel_rule.without_strays_per_cloud(s, t, v)
         unit = Scales(1.0)
-        src, tgt = (_prepare_cloud(x / v, unit, clock, "cloud") for x in (s, t))
+        src, tgt = (prepare_cloud(x / v, unit, clock, "cloud") for x in (s, t))
         c = np.asarray(p.target, dtype=np.float64).mean(0)
         T = np.asarray(p.T_target_source, dtype=np.float64)
         ts = (T[:3, 3] - c + T[:3, :3] @ c) / v

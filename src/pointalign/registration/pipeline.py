@@ -6,8 +6,8 @@ length a multiple of the voxel edge v (:class:`Scales`; default v:
 :func:`~pointalign.features.downsample.auto_voxel_size`):
 
 1. :func:`_prepare_pair`: v and the stray points (:mod:`~pointalign.registration.voxel_rule`),
-   then :func:`_prepare_cloud` once per cloud (after dropping stray points where a sample
-   shows some, :func:`~pointalign.features.outliers.dense_mask`):
+   then each cloud prepared (:mod:`~pointalign.registration.prepare`; after dropping stray
+   points where a sample shows some, :func:`~pointalign.features.outliers.dense_mask`):
    downsample at v; one neighbour search (5v, 100 nearest) serves the normals (PCA within
    2v, 30 nearest, facing the cloud's centroid, a convention that moves with the cloud) and
    FPFH (5v);
@@ -39,7 +39,6 @@ import torch
 
 from pointalign import _progress, _threads, _validate
 from pointalign.features.downsample import voxel_downsample
-from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
 from pointalign.features.normals import estimate_normals
 from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import ransac as _kr
@@ -54,6 +53,7 @@ from pointalign.registration.options import (  # noqa: F401 (register's names, d
     check,
 )
 from pointalign.registration.options import Options as _Options
+from pointalign.registration.prepare import Prepared, prepare_both, prepare_cloud
 from pointalign.registration.ransac import count_inliers, ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
@@ -116,29 +116,12 @@ class Scales:
             object.__setattr__(self, name, value)
 
 
-#: neighbours of each downsampled cloud's one search (FPFH's cap, as Open3D's tutorial) ...
-FEATURE_NEIGHBOURS = 100
-#: ... of which the nearest within ``Scales.normal_radius`` give the normals
-NORMAL_NEIGHBOURS = 30
 #: nearest neighbours of the final ICP's target normals: the full clouds are dense (16
 #: nearest points are well within 2v wherever the surface is sampled finer than the voxel),
 #: and a k-NN list of 16 halves the search's work against 30 (KITTI: 5 vs 10 ms)
 FULL_NORMAL_NEIGHBOURS = 16
 #: both ICP stages' smallest rotation update (degrees)
 ROTATION_TOLERANCE_DEG = 0.01
-
-class Prepared(NamedTuple):
-    """One cloud ready for the global stage (:func:`_prepare_cloud`), on the compute device.
-
-    ``down``: ``(n, 3)`` float32 downsampled points (edge ``Scales.voxel``); ``index``: an
-    :class:`~pointalign.search.base.Index` over them; ``normals``: ``(n, 3)`` float32 unit
-    normals; ``features``: ``(n, 33)`` float32 FPFH.
-    """
-
-    down: torch.Tensor
-    index: Any
-    normals: torch.Tensor
-    features: torch.Tensor
 
 
 @_first_use.first_use("register")
@@ -337,7 +320,10 @@ def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _
 
     ``in_voxels``: the clouds divided by v and the lengths ``Scales(1, …/v)``
     (``register_many``'s frame, where one bound serves a batch of pairs). ``describe``: as
-    :func:`_prepare_cloud`. Returns v (metres), the scales and the two prepared clouds.
+    :func:`~pointalign.registration.prepare.prepare_cloud`. In host memory each cloud is
+    prepared alone, on a device both as one group
+    (:func:`~pointalign.registration.prepare.prepare_both`: the same values). Returns v
+    (metres), the scales and the two prepared clouds.
     """
     v, strays = voxel_rule.voxel_size(src, tgt, opts, full_index)
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
@@ -347,39 +333,10 @@ def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _
     src_c, tgt_c = voxel_rule.without_strays([(src, tgt)], [v])[0] if strays else (src, tgt)
     if in_voxels:
         src_c, tgt_c = src_c / v, tgt_c / v
-    return v, scales, _prepare_cloud(src_c, scales, clock, "source", describe, v), \
-        _prepare_cloud(tgt_c, scales, clock, "target", describe, v)
-
-
-def _prepare_cloud(cloud: torch.Tensor, scales: Scales, clock: _loop.Clock, name: str,
-                   describe: bool = True, v: float | None = None) -> Prepared:
-    """Downsample ``cloud (N, 3)``, index it, and describe it: normals and FPFH.
-
-    One neighbour search (``Scales.feature_radius``, :data:`FEATURE_NEIGHBOURS`) serves
-    FPFH and, cut to ``Scales.normal_radius`` and :data:`NORMAL_NEIGHBOURS`, the normals
-    (facing the cloud's centroid). ``name`` and ``v`` (the edge in metres, default
-    ``Scales.voxel``): for the error when the voxel leaves < 3 points. ``describe=False``
-    (a pair given a start needs no features): downsampled and indexed only, ``normals``
-    and ``features`` empty.
-    """
-    down = voxel_downsample(cloud, scales.voxel)
-    if down.shape[0] < 3:
-        raise ValueError(f"voxel_size: {v or scales.voxel:g} leaves {down.shape[0]} {name} "
-                         "point(s); at least 3 are needed (a smaller voxel_size)")
-    clock.lap("downsample")
-    index = build_index(down)
-    clock.lap("index")
-    if not describe:
-        return Prepared(down, index, down.new_zeros(0, 3), down.new_zeros(0, 33))
-    nb = neighbourhoods(down, scales.feature_radius, min(FEATURE_NEIGHBOURS, down.shape[0]),
-                        index)
-    normals = estimate_normals(down, neighbors=restrict(nb, scales.normal_radius,
-                                                        NORMAL_NEIGHBOURS),
-                               orient="viewpoint", viewpoint=down.mean(0))
-    clock.lap("normals")
-    features = fpfh(down, radius=scales.feature_radius, normals=normals, neighbors=nb)
-    clock.lap("fpfh")
-    return Prepared(down, index, normals, features)
+    if policy.search_plan(src_c).host_tree:  # host memory: each cloud with its own tree
+        return v, scales, prepare_cloud(src_c, scales, clock, "source", describe, v), \
+            prepare_cloud(tgt_c, scales, clock, "target", describe, v)
+    return (v, scales, *prepare_both(src_c, tgt_c, scales, clock, describe, v))
 
 
 def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,

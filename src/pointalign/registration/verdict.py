@@ -23,7 +23,8 @@ from pointalign.registration.ransac import count_inliers_within
 from pointalign.registration.result import RegistrationResult
 
 if TYPE_CHECKING:
-    from pointalign.registration.pipeline import Prepared, Scales
+    from pointalign.registration.pipeline import Scales
+    from pointalign.registration.prepare import Prepared
 
 #: a different hypothesis turns more than this away from T (degrees)
 DISTINCT_ANGLE_DEG = 5.0

@@ -1,6 +1,7 @@
 """The knn family's dispatcher: exact brute-force kNN, radius queries, the radius self-query.
 
-Entry points: :func:`knn_tiles`, :func:`radius_tiles` and :func:`radius_neighbours`.
+Entry points: :func:`knn_tiles`, :func:`radius_tiles`, :func:`radius_neighbours` and
+:func:`radius_pair` (the self-query of two clouds at once).
 
 The contract (shapes, padding, ties) and the PyTorch reference :func:`knn_reference` live in
 ``knn/reference.py``; the fused Triton kernels in ``knn/triton.py``; the "cpu" backend's k-d
@@ -147,6 +148,68 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _radius_table_sorted(points: torch.Tensor, r2: float, k: int, split: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Run the Triton path of :func:`radius_neighbours` (``split``: :func:`radius_pair`'s).
+
+    One table kernel (its ``split`` form: two clouds at once), the one host check of the
+    widest row, a wider table if a row overflowed, then a stable sort by distance. None
+    where the table would pass :data:`_MAX_TABLE_ENTRIES`.
+    """
+    from pointalign.kernels.knn import triton as _knn_triton
+
+    n = points.shape[0]
+    cap = max(_pow2(k), 64)
+    if n * cap > _MAX_TABLE_ENTRIES:
+        return None
+    d, i, count = _knn_triton.radius_table(points, r2, cap, split=split)
+    widest = int(count.max())  # the one host check
+    if widest > cap:
+        cap = _pow2(widest)
+        if n * cap > _MAX_TABLE_ENTRIES:
+            return None
+        d, i, _ = _knn_triton.radius_table(points, r2, cap, split=split)
+    d, order = torch.sort(d, dim=1, stable=True)  # index order breaks ties
+    i = i.gather(1, order)
+    if k <= cap:
+        return d[:, :k].contiguous(), i[:, :k].contiguous()
+    return (torch.cat([d, d.new_full((n, k - cap), math.inf)], 1),
+            torch.cat([i, i.new_full((n, k - cap), -1)], 1))
+
+
+def radius_pair(first: torch.Tensor, second: torch.Tensor, radius: float,
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`radius_neighbours` of two clouds at once, each searched within itself.
+
+    Args:
+        first: ``(N1, 3)`` float tensor.
+        second: ``(N2, 3)`` float tensor, the same dtype and device.
+        radius: search radius (> 0, not squared).
+        k: neighbours kept per point (>= 1).
+
+    Returns:
+        ``(dists_sq (N1 + N2, k), idx (N1 + N2, k) int64)``: the rows of ``first`` then
+        those of ``second``, each equal to that cloud's own :func:`radius_neighbours` row
+        with its indices shifted into ``torch.cat([first, second])`` (``-1`` stays). On
+        Triton one table for both (one host check instead of two); elsewhere, or where
+        the table would be too large, the two searches.
+
+    """
+    if first.dim() != 2 or second.dim() != 2 or first.shape[1] != 3 \
+            or second.shape[1] != 3:
+        raise ValueError(f"radius_pair: clouds must be (N, 3), got {tuple(first.shape)} and "
+                         f"{tuple(second.shape)}")
+    n1 = first.shape[0]
+    if backend(first) in ("triton", "interpret") and n1 and second.shape[0]:
+        table = _radius_table_sorted(torch.cat([first, second]), float(radius) ** 2, k,
+                                     split=n1)
+        if table is not None:
+            return table
+    (d1, i1), (d2, i2) = radius_neighbours(first, radius, k), radius_neighbours(
+        second, radius, k)
+    return torch.cat([d1, d2]), torch.cat([i1, torch.where(i2 >= 0, i2 + n1, i2)])
+
+
 def radius_neighbours(points: torch.Tensor, radius: float,
                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``k`` nearest points within ``radius`` of every point (the radius self-query).
@@ -168,23 +231,10 @@ def radius_neighbours(points: torch.Tensor, radius: float,
     r2 = float(radius) ** 2
     n = points.shape[0]
     be = backend(points)
-    cap = max(_pow2(k), 64)
-    if be in ("triton", "interpret") and n and n * cap <= _MAX_TABLE_ENTRIES:
-        from pointalign.kernels.knn import triton as _knn_triton
-
-        d, i, count = _knn_triton.radius_table(points, r2, cap)
-        widest = int(count.max())  # the one host check
-        if widest > cap:
-            cap = _pow2(widest)
-            if n * cap <= _MAX_TABLE_ENTRIES:
-                d, i, _ = _knn_triton.radius_table(points, r2, cap)
-        if widest <= cap and n * cap <= _MAX_TABLE_ENTRIES:
-            d, order = torch.sort(d, dim=1, stable=True)  # index order breaks ties
-            i = i.gather(1, order)
-            if k <= cap:
-                return d[:, :k].contiguous(), i[:, :k].contiguous()
-            return (torch.cat([d, d.new_full((n, k - cap), math.inf)], 1),
-                    torch.cat([i, i.new_full((n, k - cap), -1)], 1))
+    if be in ("triton", "interpret") and n:
+        table = _radius_table_sorted(points, r2, k)
+        if table is not None:
+            return table
     if be == "cpu" and n:
         from pointalign.kernels.knn.cpu import CpuTree
 

@@ -164,19 +164,26 @@ def _topk_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
     tl.store(out_i_ptr + out, best_i, mask=omask)
 
 
-def _radius_table_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, count_ptr, N, M, r2, C,
+def _radius_table_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, count_ptr, N, M, S, r2, C,
                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    # rows [0, S) search points [0, S), rows [S, N) points [S, M): two clouds at once (a
+    # single cloud: S = N = M); a program whose rows straddle S scans both ranges
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     rmask = rows < N
     qx = tl.load(q_ptr + rows * 3 + 0, mask=rmask, other=0.0)
     qy = tl.load(q_ptr + rows * 3 + 1, mask=rmask, other=0.0)
     qz = tl.load(q_ptr + rows * 3 + 2, mask=rmask, other=0.0)
+    first = rows < S
+    lo = tl.where(first, 0, S)
+    hi = tl.where(first, S, M)
     inf = float("inf")
     lanes = tl.arange(0, BLOCK_M).to(tl.int64)
     base = tl.zeros((BLOCK_N,), dtype=tl.int64)
-    start = pid * 0  # int64 scalar; a while loop (the interpreter cannot index range() by M)
-    while start < M:
+    # int64 scalars; a while loop (the interpreter cannot index range() by M)
+    start = tl.min(tl.where(rmask, lo, M), 0)
+    end = tl.max(tl.where(rmask, hi, 0), 0)
+    while start < end:
         cols = start + lanes
         cmask = cols < M
         px = tl.load(p_ptr + cols, mask=cmask, other=inf)
@@ -186,7 +193,8 @@ def _radius_table_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, count_ptr, N, M, r2
         dy = qy[:, None] - py[None, :]
         dz = qz[:, None] - pz[None, :]
         d = dx * dx + dy * dy + dz * dz
-        hit = (d <= r2) & cmask[None, :] & rmask[:, None]
+        own = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        hit = (d <= r2) & cmask[None, :] & rmask[:, None] & own
         h = hit.to(tl.int64)
         slot = base[:, None] + tl.cumsum(h, axis=1) - h
         wmask = hit & (slot < C)
@@ -206,7 +214,7 @@ def _kernels() -> dict[str, Any]:
         _CACHE[interp] = {"nn1": triton.jit(_nn1_kernel, do_not_specialize=sizes),
                           "topk": triton.jit(_topk_kernel, do_not_specialize=sizes),
                           "radius": triton.jit(_radius_table_kernel,
-                                               do_not_specialize=sizes + ("C",))}
+                                               do_not_specialize=sizes + ("S", "C"))}
     return _CACHE[interp]
 
 
@@ -260,21 +268,24 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def radius_table(points: torch.Tensor, r2: float, capacity: int,
-                 block_n: int = 16, block_m: int = 128
+                 block_n: int = 16, block_m: int = 128, split: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Points within ``sqrt(r2)`` of every point, in index order.
 
     ``points (N, 3)`` → ``(dists_sq (N, C), idx (N, C) int64, count (N,) int64)`` with
     ``C = capacity``; slots past a row's count hold ``inf`` / ``-1``; a row with
-    ``count > C`` kept its first C points (by index).
+    ``count > C`` kept its first C points (by index). ``split``: ``points`` is two clouds,
+    rows ``[0, split)`` and ``[split, N)``, each row searching its own cloud's points only
+    (indices into ``points``): every row as the cloud alone would give it, shifted.
     """
     n = points.shape[0]
+    s = n if split is None else int(split)
     q = points.contiguous()
     p = points.t().contiguous()
     out_d = torch.full((n, capacity), math.inf, dtype=q.dtype, device=q.device)
     out_i = torch.full((n, capacity), -1, dtype=torch.int64, device=q.device)
     count = torch.empty(n, dtype=torch.int64, device=q.device)
-    _kernels()["radius"][(triton_cdiv(n, block_n),)](q, p, out_d, out_i, count, n, n,
+    _kernels()["radius"][(triton_cdiv(n, block_n),)](q, p, out_d, out_i, count, n, n, s,
                                                       float(r2), capacity, BLOCK_N=block_n,
                                                       BLOCK_M=block_m, num_warps=4)
     return out_d, out_i, count

@@ -115,7 +115,7 @@ def _score(T: torch.Tensor, prob: torch.Tensor, src: torch.Tensor, n_src: torch.
 
 
 def index_of(down: torch.Tensor) -> Any:
-    """Return the index over ``down (n, 3)`` the local stages read (as ``_prepare_cloud``)."""
+    """Return the index over ``down (n, 3)`` the local stages read (as ``prepare_cloud``)."""
     return build_index(down)
 
 

@@ -29,10 +29,10 @@ from pointalign.registration.pipeline import (
     FULL_NORMAL_NEIGHBOURS,
     REFINE_TOP,
     FinalClouds,
-    Prepared,
     Scales,
     _batch,
 )
+from pointalign.registration.prepare import Prepared
 
 
 def refine_many(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared]], scales: Scales,

@@ -26,7 +26,8 @@ from pointalign.kernels import _loop
 from pointalign.kernels.features import pca_normals
 from pointalign.kernels.features.fpfh import fpfh_combine, spfh
 from pointalign.registration.many.batched import _packed, _pad
-from pointalign.registration.pipeline import FEATURE_NEIGHBOURS, NORMAL_NEIGHBOURS, Scales
+from pointalign.registration.pipeline import Scales
+from pointalign.registration.prepare import FEATURE_NEIGHBOURS, NORMAL_NEIGHBOURS
 from pointalign.search.base import KnnResult
 
 
@@ -43,7 +44,7 @@ def scaled(vs: Sequence[float], clouds: Sequence[torch.Tensor]) -> list[torch.Te
 
 def describe_many(downs: Sequence[torch.Tensor], scales: Scales
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Describe C downsampled clouds at once (normals, FPFH), as ``_prepare_cloud`` does.
+    """Describe C downsampled clouds at once (normals, FPFH), as ``prepare_cloud`` does.
 
     Args:
         downs: C ``(n_c, 3)`` float32 clouds (n_c >= 3) on one device.

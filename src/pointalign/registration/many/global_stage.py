@@ -17,7 +17,8 @@ from pointalign.registration.many import batched_prepare as _prepare
 from pointalign.registration.many import batched_ransac as _ransac
 from pointalign.registration.many.work import _by_scales, _fail, _Ready, _Work
 from pointalign.registration.options import Options as _Options
-from pointalign.registration.pipeline import Prepared, Scales, _global, _prepare_pair
+from pointalign.registration.pipeline import Scales, _global, _prepare_pair
+from pointalign.registration.prepare import Prepared
 from pointalign.registration.ransac import count_inliers
 
 

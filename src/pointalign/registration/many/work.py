@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from pointalign.registration.many.pairs import PairSpec
-from pointalign.registration.pipeline import Prepared, Scales
+from pointalign.registration.pipeline import Scales
+from pointalign.registration.prepare import Prepared
 from pointalign.registration.result import RegistrationResult
 
 

@@ -1,0 +1,143 @@
+"""register()'s first stage for one pair: each cloud downsampled, indexed and described.
+
+:func:`prepare_cloud` downsamples one cloud at the voxel edge, builds its index and
+describes it (:func:`describe_cloud`): one neighbour search (``Scales.feature_radius``,
+:data:`FEATURE_NEIGHBOURS`) serves FPFH and, cut to ``Scales.normal_radius`` and
+:data:`NORMAL_NEIGHBOURS`, the normals.
+:func:`prepare_both` does the same for both clouds of a pair on a device as one group: the
+same values, fewer launches and host synchronisations.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from pointalign.features.downsample import voxel_downsample, voxel_downsample_many
+from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
+from pointalign.features.normals import estimate_normals
+from pointalign.kernels import _loop
+from pointalign.kernels.features import pca_normals
+from pointalign.kernels.features.fpfh import fpfh_combine, spfh
+from pointalign.kernels.knn import radius_pair
+from pointalign.search import build_index
+from pointalign.search.base import KnnResult
+from pointalign.search.brute import BruteForceIndex
+
+if TYPE_CHECKING:
+    from pointalign.registration.pipeline import Scales
+
+#: neighbours of each downsampled cloud's one search (FPFH's cap, as Open3D's tutorial) ...
+FEATURE_NEIGHBOURS = 100
+#: ... of which the nearest within ``Scales.normal_radius`` give the normals
+NORMAL_NEIGHBOURS = 30
+
+
+class Prepared(NamedTuple):
+    """One cloud ready for the global stage (:func:`prepare_cloud`), on the compute device.
+
+    ``down``: ``(n, 3)`` float32 downsampled points (edge ``Scales.voxel``); ``index``: an
+    :class:`~pointalign.search.base.Index` over them; ``normals``: ``(n, 3)`` float32 unit
+    normals; ``features``: ``(n, 33)`` float32 FPFH.
+    """
+
+    down: torch.Tensor
+    index: Any
+    normals: torch.Tensor
+    features: torch.Tensor
+
+
+def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _loop.Clock,
+                 describe: bool, v: float) -> tuple[Prepared, Prepared]:
+    """:func:`prepare_cloud` of both clouds of a pair on a device, as one group.
+
+    One downsampling sort for both (:func:`~pointalign.features.downsample.
+    voxel_downsample_many`), and where both are searched by brute force (the device's index
+    up to :data:`~pointalign.search.policy.AUTO_BRUTE_MAX_POINTS` points) one radius table
+    for both (:func:`~pointalign.kernels.knn.radius_pair`), one SPFH and one FPFH launch:
+    fewer launches and host synchronisations, and every value as each cloud alone gives it
+    (the same arithmetic per row; the tests compare them bit for bit).
+    """
+    downs = voxel_downsample_many([src, tgt], scales.voxel)
+    for down, name in zip(downs, ("source", "target"), strict=True):
+        if down.shape[0] < 3:
+            raise ValueError(f"voxel_size: {v or scales.voxel:g} leaves {down.shape[0]} "
+                             f"{name} point(s); at least 3 are needed (a smaller voxel_size)")
+    clock.lap("downsample")
+    indexes = [build_index(d) for d in downs]
+    clock.lap("index")
+    if not describe:
+        s, t = (Prepared(d, ix, d.new_zeros(0, 3), d.new_zeros(0, 33))
+                for d, ix in zip(downs, indexes, strict=True))
+        return s, t
+    if min(d.shape[0] for d in downs) < FEATURE_NEIGHBOURS or not all(
+            isinstance(ix, BruteForceIndex) for ix in indexes):  # searched cloud by cloud
+        s, t = (describe_cloud(d, ix, scales, clock)
+                for d, ix in zip(downs, indexes, strict=True))
+        return s, t
+    (ns, nt), (fs, ft) = describe_both(downs[0], downs[1], scales, clock)
+    return Prepared(downs[0], indexes[0], ns, fs), Prepared(downs[1], indexes[1], nt, ft)
+
+
+def describe_both(first: torch.Tensor, second: torch.Tensor, scales: Scales,
+                  clock: _loop.Clock) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                               tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`describe_cloud` of two clouds of at least :data:`FEATURE_NEIGHBOURS` points.
+
+    Each cloud ``(n, 3)`` searched within itself by brute force (one radius table for both,
+    :func:`~pointalign.kernels.knn.radius_pair`); the normals (each cloud facing its own
+    centroid) and FPFH of the concatenation, read through its shifted neighbour indices.
+    Returns ``((normals, normals), (features, features))``: ``(n, 3)`` and ``(n, 33)`` per
+    cloud, as each alone.
+    """
+    n1 = first.shape[0]
+    cat = torch.cat([first, second])
+    d2, idx = radius_pair(first, second, scales.feature_radius, FEATURE_NEIGHBOURS)
+    table = restrict(KnnResult(d2, idx), scales.normal_radius, NORMAL_NEIGHBOURS)
+    normals = torch.cat([pca_normals(cat, rows, d.mean(0), centers=d) for d, rows in
+                         ((first, table[:n1]), (second, table[n1:]))])
+    clock.lap("normals")
+    features = fpfh_combine(spfh(cat, normals, idx), idx, d2)
+    clock.lap("fpfh")
+    return (normals[:n1], normals[n1:]), (features[:n1], features[n1:])
+
+
+def prepare_cloud(cloud: torch.Tensor, scales: Scales, clock: _loop.Clock, name: str,
+                  describe: bool = True, v: float | None = None) -> Prepared:
+    """Downsample ``cloud (N, 3)``, index it, and describe it: normals and FPFH.
+
+    One neighbour search (``Scales.feature_radius``, :data:`FEATURE_NEIGHBOURS`) serves
+    FPFH and, cut to ``Scales.normal_radius`` and :data:`NORMAL_NEIGHBOURS`, the normals
+    (facing the cloud's centroid). ``name`` and ``v`` (the edge in metres, default
+    ``Scales.voxel``): for the error when the voxel leaves < 3 points. ``describe=False``
+    (a pair given a start needs no features): downsampled and indexed only, ``normals``
+    and ``features`` empty.
+    """
+    down = voxel_downsample(cloud, scales.voxel)
+    if down.shape[0] < 3:
+        raise ValueError(f"voxel_size: {v or scales.voxel:g} leaves {down.shape[0]} {name} "
+                         "point(s); at least 3 are needed (a smaller voxel_size)")
+    clock.lap("downsample")
+    index = build_index(down)
+    clock.lap("index")
+    if not describe:
+        return Prepared(down, index, down.new_zeros(0, 3), down.new_zeros(0, 33))
+    return describe_cloud(down, index, scales, clock)
+
+
+def describe_cloud(down: torch.Tensor, index: Any, scales: Scales, clock: _loop.Clock) -> Prepared:
+    """Describe one downsampled cloud ``down (n, 3)`` searched by ``index``: normals, FPFH."""
+    nb = neighbourhoods(down, scales.feature_radius, min(FEATURE_NEIGHBOURS, down.shape[0]),
+                        index)
+    normals = estimate_normals(down, neighbors=restrict(nb, scales.normal_radius,
+                                                        NORMAL_NEIGHBOURS),
+                               orient="viewpoint", viewpoint=down.mean(0))
+    clock.lap("normals")
+    features = fpfh(down, radius=scales.feature_radius, normals=normals, neighbors=nb)
+    clock.lap("fpfh")
+    return Prepared(down, index, normals, features)
+
+
+__all__ = ["FEATURE_NEIGHBOURS", "NORMAL_NEIGHBOURS", "Prepared", "describe_both",
+           "describe_cloud", "prepare_both", "prepare_cloud"]

@@ -1,0 +1,75 @@
+"""registration/prepare.py: both clouds of a pair prepared as one group, as each alone.
+
+On a device :func:`prepare_both` downsamples both clouds by one sort and describes them by
+one radius table, one SPFH and one FPFH launch; every value must equal the cloud's own
+:func:`prepare_cloud` bit for bit (the same arithmetic per row). On the "torch" backend the
+grouped description runs through the reference kernels; on the "cpu" backend the clouds
+are searched by their own trees (each described alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pointalign import datasets
+from pointalign.kernels import _loop
+from pointalign.registration import voxel_rule
+from pointalign.registration.options import check
+from pointalign.registration.pipeline import Scales
+from pointalign.registration.prepare import (
+    FEATURE_NEIGHBOURS,
+    describe_both,
+    describe_cloud,
+    prepare_both,
+    prepare_cloud,
+)
+from pointalign.search.brute import BruteForceIndex
+
+
+def _pair(n: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    p = datasets.make_pair(datasets.random_subsample(datasets.load_bunny("bun000"), n,
+                                                     seed=seed), 20.0, 0.02, noise=3e-4,
+                           seed=seed)
+    s = torch.as_tensor(p.source, dtype=torch.float32, device=device)
+    t = torch.as_tensor(p.target, dtype=torch.float32, device=device)
+    v, _ = voxel_rule.voxel_size_per_cloud(s, t, check("register", {}))
+    return s, t, v
+
+
+@pytest.mark.parametrize("n", [6000, 1500])
+def test_both_as_each_alone(backend, seed, n):
+    src, tgt, v = _pair(n, seed, backend.device)
+    scales = Scales(v)
+    clock = _loop.Clock(torch.device(backend.device))
+    both = prepare_both(src, tgt, scales, clock, True, v)
+    for got, cloud in zip(both, (src, tgt), strict=True):
+        one = prepare_cloud(cloud, scales, clock, "cloud")
+        assert got.down.shape[0] >= FEATURE_NEIGHBOURS or n < 2000
+        assert torch.equal(got.down, one.down)
+        assert torch.equal(got.normals, one.normals)
+        assert torch.equal(got.features, one.features)
+        assert type(got.index) is type(one.index)
+    assert set(clock.timings) >= {"downsample", "index", "normals", "fpfh"}
+
+
+def test_described_together_as_each_alone(backend, seed):
+    """The grouped description itself on every backend (each cloud's own brute-force
+    index, as a device's): the concatenation read through shifted indices."""
+    src, tgt, v = _pair(3000, seed, backend.device)
+    scales = Scales(v)
+    clock = _loop.Clock(torch.device(backend.device))
+    downs = [prepare_cloud(c, scales, clock, "cloud", describe=False).down for c in (src, tgt)]
+    normals, features = describe_both(downs[0], downs[1], scales, clock)
+    for d, n, f in zip(downs, normals, features, strict=True):
+        one = describe_cloud(d, BruteForceIndex(d), scales, clock)
+        assert torch.equal(n, one.normals) and torch.equal(f, one.features)
+
+
+def test_both_without_features_and_too_coarse(backend):
+    src, tgt, v = _pair(1500, 0, backend.device)
+    clock = _loop.Clock(torch.device(backend.device))
+    for p in prepare_both(src, tgt, Scales(v), clock, False, v):
+        assert p.normals.shape == (0, 3) and p.features.shape == (0, 33)
+    with pytest.raises(ValueError, match="leaves 1 source point"):
+        prepare_both(src, tgt, Scales(1e3), clock, True, 1e3)
