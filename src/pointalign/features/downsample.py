@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from pointalign import _threads, _validate
@@ -236,7 +237,7 @@ def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list
     operations; only the float64 cumulative sum of :func:`_segment_mean` runs over all the
     clouds, which may change a centroid by an ulp of float64 (below float32's, so in
     practice the same float32 points; the tests allow 1e-6 voxel). Three host
-    synchronisations for the whole list (the corners, the voxels, the count per cloud).
+    synchronisations for the whole list (the corners, the voxels per cloud, their rows).
 
     Args:
         clouds: C ``(N_c, 3)`` float tensors (finite, N_c >= 1) on one device, one dtype.
@@ -246,18 +247,8 @@ def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list
         C ``(V_c, 3)`` tensors, each what ``voxel_downsample(clouds[c], voxel_size)`` gives.
 
     """
-    dev, dtype = clouds[0].device, clouds[0].dtype
     c = len(clouds)
-    sizes = [int(x.shape[0]) for x in clouds]
-    points = torch.cat(clouds)
-    owner = torch.repeat_interleave(torch.arange(c, device=dev),
-                                    torch.tensor(sizes, device=dev))
-    idx3 = owner[:, None].expand(-1, 3)
-    lo = torch.full((c, 3), math.inf, dtype=dtype, device=dev).scatter_reduce(
-        0, idx3, points, "amin")
-    hi = torch.full((c, 3), -math.inf, dtype=dtype, device=dev).scatter_reduce(
-        0, idx3, points, "amax")
-    lo_h, hi_h = torch.stack([lo, hi]).to(torch.float64).tolist()
+    points, owner, sizes, origin, lo_h, hi_h = group_clouds(clouds)
     dims = [math.floor((h - o) / voxel_size) + 1
             for lo_c, hi_c in zip(lo_h, hi_h, strict=True)
             for o, h in zip(lo_c, hi_c, strict=True)]
@@ -267,20 +258,22 @@ def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list
                          f"({side} voxels along an axis, at most {_MAX_CELLS_PER_AXIS})")
     if c * side ** 3 >= 1 << 62:  # the packed key would overflow: one cloud at a time
         return [voxel_downsample(x, voxel_size) for x in clouds]
-    origin = lo.to(torch.float64)
     cell = torch.floor((points.to(torch.float64) - origin[owner]) / voxel_size).to(torch.int64)
     keys = owner * side ** 3 + (cell[:, 0] * side + cell[:, 1]) * side + cell[:, 2]
     sorted_keys, order = torch.sort(keys, stable=True)
     new = torch.ones_like(sorted_keys, dtype=torch.bool)
     new[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    seg = torch.cumsum(new, 0) - 1
+    # cloud c's points are the sorted rows [Σ_{<c} N, Σ_{<=c} N) (its index leads the key):
+    # the voxels before its end, read once for every cloud
+    last = upload(np.cumsum(sizes) - 1, dtype=torch.int64, device=points.device)
+    per = np.diff(np.concatenate([[0], np.asarray((seg[last] + 1).tolist())])).tolist()
     starts = new.nonzero().squeeze(1)
     ends = torch.cat([starts[1:], starts.new_full((1,), keys.numel())])
     counts = ends - starts
-    seg = torch.cumsum(new, 0) - 1
     first = order[starts]
     centers = _segment_mean(points, order, seg, ends, counts,
-                            points[first].to(torch.float64)).to(dtype)
-    per = torch.bincount(owner[first], minlength=c).tolist()
+                            points[first].to(torch.float64)).to(points.dtype)
     return list(torch.split(centers, per))
 
 

@@ -152,9 +152,10 @@ def _radius_table_sorted(points: torch.Tensor, r2: float, k: int, split: int | N
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Run the Triton path of :func:`radius_neighbours` (``split``: :func:`radius_pair`'s).
 
-    One table kernel (its ``split`` form: two clouds at once), the one host check of the
-    widest row, a wider table if a row overflowed, then a stable sort by distance. None
-    where the table would pass :data:`_MAX_TABLE_ENTRIES`.
+    One table kernel (its ``split`` form: two clouds at once), one host read of the widest
+    row (of each cloud), a wider table for a cloud whose rows overflowed (as that cloud
+    alone would have), then a stable sort by distance. None where a table would pass
+    :data:`_MAX_TABLE_ENTRIES`.
     """
     from pointalign.kernels.knn import triton as _knn_triton
 
@@ -163,14 +164,31 @@ def _radius_table_sorted(points: torch.Tensor, r2: float, k: int, split: int | N
     if n * cap > _MAX_TABLE_ENTRIES:
         return None
     d, i, count = _knn_triton.radius_table(points, r2, cap, split=split)
-    widest = int(count.max())  # the one host check
-    if widest > cap:
-        cap = _pow2(widest)
-        if n * cap > _MAX_TABLE_ENTRIES:
+    parts = [(0, n)] if split is None else [(0, split), (split, n)]
+    widest = torch.stack([count[a:b].max() for a, b in parts]).tolist()  # the one host read
+    if max(widest) <= cap:
+        return _nearest(d, i, k)
+    out = []
+    for (a, b), w in zip(parts, widest, strict=True):
+        if w <= cap:
+            out.append(_nearest(d[a:b], i[a:b], k))
+            continue
+        wide = _pow2(w)
+        if (b - a) * wide > _MAX_TABLE_ENTRIES:
             return None
-        d, i, _ = _knn_triton.radius_table(points, r2, cap, split=split)
-    d, order = torch.sort(d, dim=1, stable=True)  # index order breaks ties
+        dw, iw, _ = _knn_triton.radius_table(points[a:b], r2, wide)
+        out.append(_nearest(dw, torch.where(iw >= 0, iw + a, iw), k))
+    return torch.cat([x[0] for x in out]), torch.cat([x[1] for x in out])
+
+
+def _nearest(d: torch.Tensor, i: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the ``k`` nearest of each row of a radius table ``(n, C)``.
+
+    A stable sort by distance (index order breaks ties), padded with ``inf`` / ``-1`` past C.
+    """
+    d, order = torch.sort(d, dim=1, stable=True)
     i = i.gather(1, order)
+    n, cap = d.shape
     if k <= cap:
         return d[:, :k].contiguous(), i[:, :k].contiguous()
     return (torch.cat([d, d.new_full((n, k - cap), math.inf)], 1),
