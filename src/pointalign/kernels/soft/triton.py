@@ -70,8 +70,10 @@ CULL_MAX_ENTRIES = 1 << 24
 #: a culled pass's programs per SM (the split's target; an unculled pass's is 4)
 CULL_PROGRAMS = 32
 #: an unculled pass splits its points so that a program sums at most about this many tiles
-#: (longer programs leave the GPU's slots idle from ~10k points on)
+#: (longer programs leave the GPU's slots idle from ~10k points on) ...
 TILES_PER_PROGRAM = 20
+#: ... while its partials (split × rows, 6 floats each: 24 MiB) stay under this many rows
+PARTIAL_ROWS = 1 << 20
 #: (BLOCK_N, BLOCK_M, num_warps) of the row kernel on the GPU
 TILE = (256, 16, 4)  # (rows, points, warps): fastest of 6 on an H100 at 40k and 200k
 
@@ -647,9 +649,11 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
             # even out their ends (EM-ICP 40k at σ = 0.03 ρ: split 4 -> 27, 525 -> ~330 us)
             want = (CULL_PROGRAMS if cull else 4) * _sm_count(dev.index or 0)
             split = max(1, min(mtiles // 4, -(-want // (nblk * B)), 64))
-            if not cull:  # and at most ~TILES_PER_PROGRAM tiles a program (H200, column
-                # offsets: 10k points x0.88, 20k x0.78, 40k x0.81 a pass; 5k unchanged)
-                split = max(split, min(mtiles // TILES_PER_PROGRAM, 64))
+            if not cull:  # and at most ~TILES_PER_PROGRAM tiles a program while the
+                # partials stay small (H200, column offsets: 10k points x0.88, 20k x0.78,
+                # 40k x0.81 a pass; 5k unchanged)
+                split = max(split, min(mtiles // TILES_PER_PROGRAM, 64,
+                                       PARTIAL_ROWS // max(B * N, 1)))
     split = max(1, min(int(split), mtiles))
     chunk = triton.cdiv(mtiles, split) * BLOCK_M
     part = torch.empty((B, split, 6, N), dtype=f32, device=dev) if split > 1 else out0
