@@ -59,7 +59,11 @@ def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _l
     fewer launches and host synchronisations, and every value as each cloud alone gives it
     (the same arithmetic per row; the tests compare them bit for bit).
     """
+    # the second cloud's rows of a group buffer start at an offset: its own copy, so that
+    # every kernel reads it 16-byte aligned, as the cloud alone (Triton specialises pointer
+    # alignment: an unaligned pointer is another compilation, at a size of its own)
     downs = voxel_downsample_many([src, tgt], scales.voxel)
+    downs[1] = downs[1].clone()
     for down, name in zip(downs, ("source", "target"), strict=True):
         if down.shape[0] < 3:
             raise ValueError(f"voxel_size: {v or scales.voxel:g} leaves {down.shape[0]} "
@@ -77,7 +81,8 @@ def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _l
                 for d, ix in zip(downs, indexes, strict=True))
         return s, t
     (ns, nt), (fs, ft) = describe_both(downs[0], downs[1], scales, clock)
-    return Prepared(downs[0], indexes[0], ns, fs), Prepared(downs[1], indexes[1], nt, ft)
+    return (Prepared(downs[0], indexes[0], ns, fs),
+            Prepared(downs[1], indexes[1], nt.clone(), ft.clone()))
 
 
 def describe_both(first: torch.Tensor, second: torch.Tensor, scales: Scales,

@@ -153,8 +153,9 @@ def _radius_table_sorted(points: torch.Tensor, r2: float, k: int, split: int | N
     """Run the Triton path of :func:`radius_neighbours` (``split``: :func:`radius_pair`'s).
 
     One table kernel (its ``split`` form: two clouds at once), one host read of the widest
-    row (of each cloud), a wider table for a cloud whose rows overflowed (as that cloud
-    alone would have), then a stable sort by distance. None where a table would pass
+    row (of each cloud), a wider table where rows overflowed (for every cloud at once when
+    they all need the same width, else for each such cloud alone, as it alone would have),
+    then a stable sort by distance. None where a table would pass
     :data:`_MAX_TABLE_ENTRIES`.
     """
     from pointalign.kernels.knn import triton as _knn_triton
@@ -167,6 +168,13 @@ def _radius_table_sorted(points: torch.Tensor, r2: float, k: int, split: int | N
     parts = [(0, n)] if split is None else [(0, split), (split, n)]
     widest = torch.stack([count[a:b].max() for a, b in parts]).tolist()  # the one host read
     if max(widest) <= cap:
+        return _nearest(d, i, k)
+    wider = {_pow2(w) for w in widest}
+    if len(wider) == 1 and min(widest) > cap:  # every cloud needs the same wider table
+        cap = wider.pop()
+        if n * cap > _MAX_TABLE_ENTRIES:
+            return None
+        d, i, _ = _knn_triton.radius_table(points, r2, cap, split=split)
         return _nearest(d, i, k)
     out = []
     for (a, b), w in zip(parts, widest, strict=True):

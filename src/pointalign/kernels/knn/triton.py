@@ -281,6 +281,8 @@ def radius_table(points: torch.Tensor, r2: float, capacity: int,
     n = points.shape[0]
     s = n if split is None else int(split)
     q = points.contiguous()
+    if q.data_ptr() % 16:  # a group's later cloud: aligned, as alone (one compilation)
+        q = q.clone()
     p = points.t().contiguous()
     out_d = torch.full((n, capacity), math.inf, dtype=q.dtype, device=q.device)
     out_i = torch.full((n, capacity), -1, dtype=torch.int64, device=q.device)
