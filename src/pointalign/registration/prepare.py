@@ -5,7 +5,7 @@ describes it (:func:`describe_cloud`): one neighbour search (``Scales.feature_ra
 :data:`FEATURE_NEIGHBOURS`) serves FPFH and, cut to ``Scales.normal_radius`` and
 :data:`NORMAL_NEIGHBOURS`, the normals.
 :func:`prepare_both` does the same for both clouds of a pair on a device as one group: the
-same values, fewer launches and host synchronisations.
+same values (see there), fewer launches and host synchronisations.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _l
     voxel_downsample_many`), and where both are searched by brute force (the device's index
     up to :data:`~pointalign.search.policy.AUTO_BRUTE_MAX_POINTS` points) one radius table
     for both (:func:`~pointalign.kernels.knn.radius_pair`), one SPFH and one FPFH launch:
-    fewer launches and host synchronisations, and every value as each cloud alone gives it
-    (the same arithmetic per row; the tests compare them bit for bit).
+    fewer launches and host synchronisations. The normals and features are each cloud's
+    own for its points (the same arithmetic per row); the points are too, up to the float64
+    rounding of a centroid that ``voxel_downsample_many`` states (below float32's: the
+    tests compare every array bit for bit).
     """
     # the second cloud's rows of a group buffer start at an offset: its own copy, so that
     # every kernel reads it 16-byte aligned, as the cloud alone (Triton specialises pointer
