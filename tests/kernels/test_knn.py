@@ -217,6 +217,8 @@ def test_radius_pair_is_each_cloud_alone(backend, seed, sizes):
         assert torch.equal(i, torch.cat([ia, torch.where(ib >= 0, ib + a.shape[0], ib)]))
     with pytest.raises(ValueError, match="radius_pair"):
         knn_mod.radius_pair(a[:, :2], b, 0.1, 3)
+    with pytest.raises(ValueError, match="share a dtype"):
+        knn_mod.radius_pair(a, b.double(), 0.1, 3)
 
 
 def test_radius_neighbours_bad_input(backend):

@@ -225,6 +225,10 @@ def radius_pair(first: torch.Tensor, second: torch.Tensor, radius: float,
             or second.shape[1] != 3:
         raise ValueError(f"radius_pair: clouds must be (N, 3), got {tuple(first.shape)} and "
                          f"{tuple(second.shape)}")
+    if first.dtype != second.dtype or first.device != second.device:
+        raise ValueError(f"radius_pair: clouds must share a dtype and a device, got "
+                         f"{first.dtype} on {first.device} and {second.dtype} on "
+                         f"{second.device}")
     n1 = first.shape[0]
     if backend(first) in ("triton", "interpret") and n1 and second.shape[0]:
         table = _radius_table_sorted(torch.cat([first, second]), float(radius) ** 2, k,
