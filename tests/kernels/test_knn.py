@@ -210,15 +210,17 @@ def test_radius_pair_is_each_cloud_alone(backend, seed, sizes):
     if sizes[1] >= 160:  # overlapping clouds: the search must not cross from one to the other
         b[:160] = a[0] + 0.001 * torch.arange(160, dtype=torch.float32)[:, None]
     a, b = a.to(backend.device), b.to(backend.device)
+    both = torch.cat([a, b])
     for r, k in ((0.4, 100), (0.1, 10)):
-        d, i = knn_mod.radius_pair(a, b, r, k)
+        d, i = knn_mod.radius_pair(both, a.shape[0], r, k)
         (da, ia), (db, ib) = knn_mod.radius_neighbours(a, r, k), knn_mod.radius_neighbours(b, r, k)
         assert torch.equal(d, torch.cat([da, db]))
         assert torch.equal(i, torch.cat([ia, torch.where(ib >= 0, ib + a.shape[0], ib)]))
-    with pytest.raises(ValueError, match="radius_pair"):
-        knn_mod.radius_pair(a[:, :2], b, 0.1, 3)
-    with pytest.raises(ValueError, match="share a dtype"):
-        knn_mod.radius_pair(a, b.double(), 0.1, 3)
+    with pytest.raises(ValueError, match="points must be"):
+        knn_mod.radius_pair(both[:, :2], a.shape[0], 0.1, 3)
+    for split in (0, both.shape[0], 2.0):
+        with pytest.raises(ValueError, match="split"):
+            knn_mod.radius_pair(both, split, 0.1, 3)
 
 
 def test_radius_neighbours_bad_input(backend):
@@ -277,7 +279,7 @@ def run_interpreted_cases(out_path: str) -> None:
         p = _interp_inputs(INTERP_CASES[3], seed)[1]
         out[("radius", seed)] = knn_mod.radius_neighbours(p, 0.3, 40)  # the radius table
         a = _interp_inputs(INTERP_CASES[3], seed + 10)[1][:37]  # rows straddle the split
-        out[("pair", seed)] = knn_mod.radius_pair(a, p, 0.3, 40), \
+        out[("pair", seed)] = knn_mod.radius_pair(torch.cat([a, p]), 37, 0.3, 40), \
             knn_mod.radius_neighbours(a, 0.3, 40)
     q, p = _interp_ties()
     out["ties1"] = _knn_triton.knn(q, p, 1, block_m=4)

@@ -100,7 +100,7 @@ def describe_both(first: torch.Tensor, second: torch.Tensor, scales: Scales,
     """
     n1 = first.shape[0]
     cat = torch.cat([first, second])
-    d2, idx = radius_pair(first, second, scales.feature_radius, FEATURE_NEIGHBOURS)
+    d2, idx = radius_pair(cat, n1, scales.feature_radius, FEATURE_NEIGHBOURS)
     table = restrict(KnnResult(d2, idx), scales.normal_radius, NORMAL_NEIGHBOURS)
     normals = torch.cat([pca_normals(cat, rows, d.mean(0), centers=d) for d, rows in
                          ((first, table[:n1]), (second, table[n1:]))])

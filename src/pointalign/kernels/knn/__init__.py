@@ -203,41 +203,37 @@ def _nearest(d: torch.Tensor, i: torch.Tensor, k: int) -> tuple[torch.Tensor, to
             torch.cat([i, i.new_full((n, k - cap), -1)], 1))
 
 
-def radius_pair(first: torch.Tensor, second: torch.Tensor, radius: float,
+def radius_pair(points: torch.Tensor, split: int, radius: float,
                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`radius_neighbours` of two clouds at once, each searched within itself.
 
     Args:
-        first: ``(N1, 3)`` float tensor.
-        second: ``(N2, 3)`` float tensor, the same dtype and device.
+        points: ``(N1 + N2, 3)`` float tensor, the two clouds one after the other.
+        split: N1, where the second cloud starts (``1 <= split < N1 + N2``).
         radius: search radius (> 0, not squared).
         k: neighbours kept per point (>= 1).
 
     Returns:
-        ``(dists_sq (N1 + N2, k), idx (N1 + N2, k) int64)``: the rows of ``first`` then
-        those of ``second``, each equal to that cloud's own :func:`radius_neighbours` row
-        with its indices shifted into ``torch.cat([first, second])`` (``-1`` stays). On
-        Triton one table for both (one host check instead of two); elsewhere, or where
-        the table would be too large, the two searches.
+        ``(dists_sq (N1 + N2, k), idx (N1 + N2, k) int64)``: every row equal to its cloud's
+        own :func:`radius_neighbours` row, with the indices shifted into ``points`` (``-1``
+        stays). On Triton one table for both (one host check instead of two); elsewhere,
+        or where the table would be too large, the two searches.
 
     """
-    if first.dim() != 2 or second.dim() != 2 or first.shape[1] != 3 \
-            or second.shape[1] != 3:
-        raise ValueError(f"radius_pair: clouds must be (N, 3), got {tuple(first.shape)} and "
-                         f"{tuple(second.shape)}")
-    if first.dtype != second.dtype or first.device != second.device:
-        raise ValueError(f"radius_pair: clouds must share a dtype and a device, got "
-                         f"{first.dtype} on {first.device} and {second.dtype} on "
-                         f"{second.device}")
-    n1 = first.shape[0]
-    if backend(first) in ("triton", "interpret") and n1 and second.shape[0]:
-        table = _radius_table_sorted(torch.cat([first, second]), float(radius) ** 2, k,
-                                     split=n1)
+    if not isinstance(points, torch.Tensor) or points.dim() != 2 or points.shape[1] != 3:
+        shape = tuple(points.shape) if isinstance(points, torch.Tensor) else type(points)
+        raise ValueError(f"radius_pair: points must be (N, 3), got {shape}")
+    n = points.shape[0]
+    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split < n:
+        raise ValueError(f"radius_pair: split must be an integer in [1, {n - 1}] (both clouds "
+                         f"non-empty), got {split!r}")
+    if backend(points) in ("triton", "interpret"):
+        table = _radius_table_sorted(points, float(radius) ** 2, k, split=split)
         if table is not None:
             return table
-    (d1, i1), (d2, i2) = radius_neighbours(first, radius, k), radius_neighbours(
-        second, radius, k)
-    return torch.cat([d1, d2]), torch.cat([i1, torch.where(i2 >= 0, i2 + n1, i2)])
+    (d1, i1), (d2, i2) = (radius_neighbours(points[:split], radius, k),
+                          radius_neighbours(points[split:], radius, k))
+    return torch.cat([d1, d2]), torch.cat([i1, torch.where(i2 >= 0, i2 + split, i2)])
 
 
 def radius_neighbours(points: torch.Tensor, radius: float,
