@@ -143,6 +143,16 @@ def so3_log(R: torch.Tensor) -> torch.Tensor:
     return v * scale[..., None]
 
 
+def invert_rigid(T: torch.Tensor) -> torch.Tensor:
+    """Inverse of rigid ``T (…, 4, 4)``: ``[Rᵀ, −Rᵀ t]`` (exact, no matrix inverse)."""
+    Rt = T[..., :3, :3].transpose(-1, -2)
+    out = torch.zeros_like(T)
+    out[..., :3, :3] = Rt
+    out[..., :3, 3] = -(Rt @ T[..., :3, 3:])[..., 0]
+    out[..., 3, 3] = 1
+    return out
+
+
 # ---- Horn's closed form -----------------------------------------------------------------
 
 def rotation_angle(R: torch.Tensor) -> torch.Tensor:

@@ -109,11 +109,7 @@ def compose(*Ts: torch.Tensor) -> torch.Tensor:
 
 def invert(T: torch.Tensor) -> torch.Tensor:
     """Inverse of rigid ``(…, 4, 4)`` transforms, ``[R^T, -R^T t]`` (exact, no matrix inverse)."""
-    T = _arg(T, "T", (4, 4))
-    R = T[..., :3, :3]
-    t = T[..., :3, 3:]
-    Rt = R.transpose(-1, -2)
-    return make(Rt, -(Rt @ t)[..., 0])
+    return _math.invert_rigid(_arg(T, "T", (4, 4)))
 
 
 def apply(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:

@@ -350,3 +350,40 @@ def test_clock_charges_each_stage_and_totals(backend):
     assert 0 <= timings["add"] and timings["add"] + timings["sleep"] <= timings["total"]
     if dev.type == "cuda":
         assert enqueued < 0.02  # no wait at the boundaries
+
+
+def test_beside_runs_its_work_and_join_returns_it(backend):
+    """On any device the result is the function's; joined, it is usable on the caller's
+    stream (CUDA: the work was enqueued on the second stream, after the caller's)."""
+    dev = torch.device(backend.device)
+    x = torch.arange(6.0, device=dev)
+    beside = _loop.Beside(dev)
+    out = beside(lambda a, scale: {"y": a * scale, "n": [a.sum()]}, x, scale=3.0)
+    got = beside.join(out)
+    assert got is out
+    np.testing.assert_array_equal(got["y"].cpu().numpy(), 3.0 * np.arange(6.0))
+    assert float(got["n"][0]) == 15.0
+    assert (beside.stream is not None) == (dev.type == "cuda")
+
+
+@pytest.mark.gpu
+def test_beside_orders_both_ways_around_a_long_kernel():
+    """The work beside waits for what the caller enqueued first (a long sleep, then a
+    write), and the caller's next use waits for it: no race either way."""
+    dev = torch.device("cuda")
+    x = torch.zeros(1 << 20, device=dev)
+    torch.cuda._sleep(10**7)
+    x.fill_(2.0)  # enqueued on the caller's stream behind the sleep
+    beside = _loop.Beside(dev)
+    y = beside(torch.mul, x, 5.0)
+    torch.cuda._sleep(10**7)  # the caller's stream goes on meanwhile
+    y = beside.join(y)
+    z = y + 1.0
+    torch.cuda.synchronize()
+    assert float(z.min()) == 11.0 and float(z.max()) == 11.0
+    off = _loop.CONCURRENT
+    try:
+        _loop.CONCURRENT = False
+        assert _loop.Beside(dev).stream is None
+    finally:
+        _loop.CONCURRENT = off

@@ -336,12 +336,11 @@ def test_softassign_update_is_its_passes(backend):
     g = torch.Generator().manual_seed(37)
     x, y, xl, yl, beta, ba, log_w = _update_case(g, torch.float32, 2)
     T = torch.stack([_rot(0.1), torch.linalg.inv(_rot(0.2, (0.05, 0.0, 0.01)))])
-    Ti = torch.linalg.inv(T)
-    lse, mean = soft.softassign_update(*_on(backend, x, y, T, Ti, beta, ba, log_w),
+    lse, mean = soft.softassign_update(*_on(backend, x, y, T, beta, ba, log_w),
                                        source_lengths=xl.to(backend.device),
                                        target_lengths=yl.to(backend.device), rounds=3)
     r_lse, r_mean = reference.softassign_passes(
-        reference.Passes(), x.double(), y.double(), T, Ti, beta.double(), ba.double(),
+        reference.Passes(), x.double(), y.double(), T, beta.double(), ba.double(),
         log_w.double(), xl, yl, 3)
     assert lse.dtype == torch.float32 and lse.shape == (2, 600) and mean.shape == (2, 600, 3)
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(r_lse))
@@ -351,9 +350,27 @@ def test_softassign_update_is_its_passes(backend):
     torch.testing.assert_close(lse.cpu().double()[fin], r_lse[fin], atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(mean.cpu().double(), r_mean, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="rounds"):
-        soft.softassign_update(*_on(backend, x, y, T, Ti, beta, ba, log_w), rounds=0)
-    with pytest.raises(ValueError, match="inverse"):
-        soft.softassign_update(*_on(backend, x, y, T, Ti[:, :3], beta, ba, log_w), rounds=1)
+        soft.softassign_update(*_on(backend, x, y, T, beta, ba, log_w), rounds=0)
+
+
+def test_passes_move_by_their_inverse_form_as_by_the_inverse_matrix(backend):
+    """A backend's ``Passes.inverse(T)`` (Triton: T marked, inverted in the row kernel as
+    Rᵀ (q − t)) moves the queries as the matrix T⁻¹ does: the same rows to float32 rounding
+    (the matrix's −Rᵀt rounds once to float32, the kernel's q − t once per point)."""
+    g = torch.Generator().manual_seed(41)
+    x, y, xl, yl, beta, ba, log_w = _update_case(g, torch.float32, 2)
+    x, y, xl, yl, beta, ba, log_w = _on(backend, x, y, xl, yl, beta, ba, log_w)
+    T = torch.stack([_rot(0.3, (0.2, -0.1, 0.05)), _rot(-0.2, (0.0, 0.3, 0.1))])
+    T = T.to(backend.device)
+    passes = soft._exact(y, x.shape[1])
+    g_row = torch.randn(x.shape[:2], generator=g).to(backend.device)
+    got = [passes.soft_rows(y, x, pose, beta, yl, xl, point_log_weights=g_row)
+           for pose in (passes.inverse(T), T.inverse())]
+    torch.testing.assert_close(got[0].lse, got[1].lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0].mean, got[1].mean, rtol=1e-5, atol=1e-5)
+    got = [passes.sinkhorn_scaling(y, x, pose, beta, g_row, log_w, ba, yl, xl)
+           for pose in (passes.inverse(T), T.inverse())]
+    torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-5)
 
 
 def test_nearest_d2_within_its_contract(backend, rng):
@@ -549,6 +566,10 @@ def run_interpreted_cases(out_path: str) -> None:
         out[("sink", seed)] = soft.sinkhorn_scaling(Q, P, T, s, gw, torch.tensor([0.0, -2.0]),
                                                     torch.tensor([0.5, 1.0]), query_lengths=ql,
                                                     point_lengths=pl)
+        passes = _soft_triton.TritonPasses("cpu")  # the column passes' pose: T inverted
+        out[("sink_inv", seed)] = passes.sinkhorn_scaling(
+            Q, P, passes.inverse(T), s, gw, torch.tensor([0.0, -2.0]),
+            torch.tensor([0.5, 1.0]), ql, pl)
         w = torch.rand(2, 37, generator=torch.Generator().manual_seed(seed))
         out[("horn", seed)] = horn.weighted_horn(Q, P[:, :37], w)
         *args, kw = _step_case(Q, P, T, ql, pl)
@@ -592,6 +613,11 @@ def test_triton_interpreted_matches_reference(seed, interpreted):
                                              gw.double(), torch.tensor([0.0, -2.0]).double(),
                                              torch.tensor([0.5, 1.0]).double(), ql, pl)
     _masked_close(sk, rs, ql, 1e-4, 2e-6)
+    rs = reference.Passes().sinkhorn_scaling(Q.double(), P.double(),
+                                             torch.linalg.inv(T.double()), s.double(),
+                                             gw.double(), torch.tensor([0.0, -2.0]).double(),
+                                             torch.tensor([0.5, 1.0]).double(), ql, pl)
+    _masked_close(interpreted[("sink_inv", seed)], rs, ql, 1e-4, 2e-6)
     w = torch.rand(2, 37, generator=torch.Generator().manual_seed(seed))
     Th, valid = interpreted[("horn", seed)]
     Tr, vr = horn.horn_reference(Q, P[:, :37], w)
@@ -1017,8 +1043,7 @@ def test_softassign_update_equals_its_passes(dtype, batch):
     plan = cells.plan
 
     def passes(T, rounds):
-        return reference.softassign_passes(cells, x, y, T, torch.linalg.inv(T), beta, ba,
-                                           log_w, xl, yl, rounds)
+        return reference.softassign_passes(cells, x, y, T, beta, ba, log_w, xl, yl, rounds)
 
     poses = [_rot(), _rot(0.1001, (0.0501, -0.02, 0.01)), _rot(0.5, (0.4, 0.2, 0.0))]
     builds = []
@@ -1046,7 +1071,7 @@ def test_softassign_update_equals_its_passes(dtype, batch):
     T = torch.stack([poses[0], poses[0]])[:batch]
     assert cpu_cells.softassign_update(x, y, T, cold, ba, log_w, xl, yl, 2, plan) is None
     # the passes object falls back to the passes one by one there, counting them per point
-    lse, _ = cells.softassign_update(x, y, T, torch.linalg.inv(T), cold, ba, log_w, xl, yl, 2)
+    lse, _ = cells.softassign_update(x, y, T, cold, ba, log_w, xl, yl, 2)
     assert lse.shape == (batch, 600) and plan.cache.passes["per_point"] == 4 * batch
 
 

@@ -182,6 +182,74 @@ class Clock:
         return timings
 
 
+class Beside:
+    """Run independent work beside what the caller enqueues next (a second CUDA stream).
+
+    ``out = beside(fn, *args)`` enqueues ``fn``'s device work on a second stream of the
+    device, which first waits for everything the caller enqueued so far; the caller then
+    enqueues its own work, which the device may run at the same time, and
+    ``beside.join(out)`` makes the caller's stream wait for ``fn``'s before ``out`` is
+    used. Latency-bound work (a k-d tree build's short launches) then fills the device
+    around another stream's. The host runs ``fn`` at once either way; elsewhere than on
+    CUDA (or with :data:`CONCURRENT` off) ``fn`` simply runs and ``join`` returns ``out``.
+
+    The tensors in ``args`` and the tensors ``join`` returns are marked as used on the
+    other stream (``record_stream``), so that the allocator never hands their memory to
+    new work before both streams are past them.
+    """
+
+    def __init__(self, device: torch.device | str):
+        dev = torch.device(device)
+        self.stream = _beside_stream(dev) if dev.type == "cuda" and CONCURRENT else None
+        self.device = dev
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` with its device work on the second stream."""
+        if self.stream is None:
+            return fn(*args, **kwargs)
+        here = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(here)
+        for t in _tensors_in((args, kwargs)):
+            if t.is_cuda:
+                t.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            return fn(*args, **kwargs)
+
+    def join(self, out: Any) -> Any:
+        """Make the caller's stream wait for the work run beside; return ``out``."""
+        if self.stream is None:
+            return out
+        here = torch.cuda.current_stream(self.device)
+        here.wait_stream(self.stream)
+        for t in _tensors_in(out):
+            if t.is_cuda:
+                t.record_stream(here)
+        return out
+
+
+#: :class:`Beside` runs its work on a second stream on CUDA (False: inline, for A/B runs)
+CONCURRENT = True
+_beside: dict[torch.device, Any] = {}
+
+
+def _beside_stream(dev: torch.device) -> Any:
+    if dev not in _beside:
+        _beside[dev] = torch.cuda.Stream(dev)
+    return _beside[dev]
+
+
+def _tensors_in(x: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested tuples, lists and dicts."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors_in(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors_in(v)
+
+
 # ---- signatures -------------------------------------------------------------------------
 
 def _has_arrays(value: Any) -> bool:
@@ -707,7 +775,7 @@ def to_host(tensors: Tensors) -> Host:
     return layout.unpack(layout.pack(tensors).cpu().numpy())
 
 
-__all__ = ["CHUNK", "Clock", "Run", "Step", "clear_caches", "graphs_enabled", "iterate",
+__all__ = ["CHUNK", "Beside", "Clock", "Run", "Step", "clear_caches", "graphs_enabled", "iterate",
            "run_program", "signature", "synchronize", "to_host"]
 
 

@@ -209,20 +209,21 @@ def _estimated(pts: torch.Tensor, counts: np.ndarray, k: int, name: str, shared:
     return out[:1].expand_as(out).contiguous() if shared else out
 
 
-def _covariances(pair: _edge.Pair, source: Any, target: Any, source_covariances: Any,
-                 target_covariances: Any, k: int, indexes: tuple = ()
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Source and target covariances ``(B, N, 3, 3)``, ``(B, M, 3, 3)``: given or estimated."""
-    sc = _given_covariances(source_covariances, source, "source_covariances", pair.source,
+def _source_covariances(pair: _edge.Pair, source: Any, given: Any, k: int) -> torch.Tensor:
+    """Source covariances ``(B, N, 3, 3)``: given, kept with the cloud, or estimated."""
+    sc = _given_covariances(given, source, "source_covariances", pair.source,
                             pair.source_counts)
-    tc = _given_covariances(target_covariances, target, "target_covariances", pair.target,
+    return _estimated(pair.source, pair.source_counts, k, "source", False) if sc is None \
+        else sc
+
+
+def _target_covariances(pair: _edge.Pair, target: Any, given: Any, k: int,
+                        indexes: tuple = ()) -> torch.Tensor:
+    """Target covariances ``(B, M, 3, 3)``: given, kept, or estimated (``indexes`` searched)."""
+    tc = _given_covariances(given, target, "target_covariances", pair.target,
                             pair.target_counts)
-    if sc is None:
-        sc = _estimated(pair.source, pair.source_counts, k, "source", False)
-    if tc is None:
-        tc = _estimated(pair.target, pair.target_counts, k, "target", pair.shared_target,
-                        indexes)
-    return sc, tc
+    return _estimated(pair.target, pair.target_counts, k, "target", pair.shared_target,
+                      indexes) if tc is None else tc
 
 
 def _announce(pair: _edge.Pair, method: str, cap: int, source: Any, target: Any,
@@ -400,11 +401,15 @@ def gicp(
               target_covariances)
     B = pair.size
     clock = _loop.Clock(dev)
-    # the target's k-NN (its covariances, unless given) can search the same index
+    # the source's covariances (a k-d tree build and a self-query on a GPU) run beside the
+    # target's index and covariances, whose k-NN can search that index
+    beside = _loop.Beside(dev)
+    s_cov = beside(_source_covariances, pair, source, source_covariances, k)
     idxs = clock.stage("index", _indexes, pair, index, max_dist,
                        _covariances_missing(target_covariances, target))
-    s_cov, t_cov = clock.stage("covariances", _covariances, pair, source, target,
-                               source_covariances, target_covariances, k, idxs)
+    t_cov = clock.stage("covariances", _target_covariances, pair, target, target_covariances,
+                        k, idxs)
+    s_cov = beside.join(s_cov)
     src = pair.source
     if B == 1 and pair.source_counts[0] == src.shape[1]:
         order = policy.query_order(src[0])  # a spatially coherent order, or None
@@ -504,8 +509,11 @@ def vgicp(
               target_covariances)
     B = pair.size
     clock = _loop.Clock(dev)
-    s_cov, t_cov = clock.stage("covariances", _covariances, pair, source, target,
-                               source_covariances, target_covariances, k)
+    beside = _loop.Beside(dev)  # the two clouds' covariances at once on a GPU
+    s_cov = beside(_source_covariances, pair, source, source_covariances, k)
+    t_cov = clock.stage("covariances", _target_covariances, pair, target, target_covariances,
+                        k)
+    s_cov = beside.join(s_cov)
     n_t = 1 if pair.shared_target else B
     inputs = {"source": pair.source, "source_cov": s_cov, "lengths": pair.source_lengths,
               "center": torch.zeros(B, 3, device=dev)}

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pointalign import estimate, transforms
+from pointalign import estimate
 from pointalign.kernels import _loop
 from pointalign.kernels import horn as khorn
 from pointalign.kernels import soft as ksoft
@@ -191,9 +191,9 @@ class SoftassignProgram(Annealing):
         it = 0
         for it in range(1, self.n_iter + 1):
             j = (it - 1) // self.per_temperature
-            T, Ti, beta, ba = track.T, transforms.invert(track.T), betas_f[j], offsets[j]
+            T, beta, ba = track.T, betas_f[j], offsets[j]
             # Sinkhorn's rounds (eqs. 5-6, in logs); the last column pass gives x'_j too
-            lse, mean = self.passes.softassign_update(x.points, y.points, T, Ti, beta, ba, log_w,
+            lse, mean = self.passes.softassign_update(x.points, y.points, T, beta, ba, log_w,
                                                       x.lengths, y.lengths, self.sinkhorn_rounds)
             # column sums of M: c_j Σ_i K_ij r_i with c_j = 1 / (slack + Σ_i K_ij r_i), i.e.
             # sigmoid(lse − log slack) (0 on padding columns, whose lse is −inf)

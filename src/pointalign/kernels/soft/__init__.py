@@ -290,7 +290,6 @@ def softassign_update(
     source: torch.Tensor,
     target: torch.Tensor,
     transform: torch.Tensor,
-    inverse: torch.Tensor,
     beta: torch.Tensor,
     offset: torch.Tensor,
     log_slack: torch.Tensor,
@@ -311,13 +310,10 @@ def softassign_update(
 
     """
     sl, tl = check(source, target, transform, beta, source_lengths, target_lengths, None)
-    if inverse.shape != transform.shape:
-        raise ValueError(f"inverse: expected shape {tuple(transform.shape)}, got "
-                         f"{tuple(inverse.shape)}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds: expected an integer >= 1, got {rounds!r}")
     return _exact(source, target.shape[1]).softassign_update(
-        source, target, transform, inverse, beta, offset, log_slack, sl, tl, rounds)
+        source, target, transform, beta, offset, log_slack, sl, tl, rounds)
 
 
 def nearest_d2(

@@ -261,7 +261,7 @@ class CpuPasses(Passes):
         T_new, valid = horn_from_sums(*moments)
         return keep_frozen(T_new, valid, frozen, transform), valid, lam
 
-    def softassign_update(self, source, target, transform, inverse, beta, offset, log_slack,
+    def softassign_update(self, source, target, transform, beta, offset, log_slack,
                           source_lengths, target_lengths, rounds: int):
         """Run the update fused over its kernel matrix where the cells allow, else pass by pass.
 
@@ -273,8 +273,8 @@ class CpuPasses(Passes):
                                           source_lengths, target_lengths, rounds, self.plan)
         if got is not None:
             return got
-        return softassign_passes(self, source, target, transform, inverse, beta, offset,
-                                 log_slack, source_lengths, target_lengths, rounds)
+        return softassign_passes(self, source, target, transform, beta, offset, log_slack,
+                                 source_lengths, target_lengths, rounds)
 
     def nearest_d2(self, query, points, transform, max_d2, query_lengths=None,
                    point_lengths=None) -> torch.Tensor:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from pointalign import _math
 from pointalign.kernels.horn import horn_reference
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
@@ -167,8 +168,8 @@ def sinkhorn_normalise(lse: torch.Tensor, offset: torch.Tensor, log_slack: torch
     return torch.where(row_mask(lengths, lse.shape[1]), out, torch.full_like(out, -math.inf))
 
 
-def softassign_passes(passes: Passes, source, target, transform, inverse, beta, offset,
-                      log_slack, source_lengths, target_lengths, rounds: int):
+def softassign_passes(passes: Passes, source, target, transform, beta, offset, log_slack,
+                      source_lengths, target_lengths, rounds: int):
     """One Softassign update's Sinkhorn passes, one by one, with ``passes``' passes.
 
     ``rounds`` row normalisations of M = diag(r) K diag(c) (c = 1 at first) and ``rounds − 1``
@@ -176,6 +177,7 @@ def softassign_passes(passes: Passes, source, target, transform, inverse, beta, 
     the soft correspondences in one pass (:meth:`Passes.soft_rows`). Arguments as
     :meth:`Passes.softassign_update`.
     """
+    inverse = passes.inverse(transform)     # the column passes move the target by T⁻¹
     g_col = offset[:, None].expand(-1, target.shape[1])                 # log c + βα, c = 1
     g_row = g_col
     for s in range(rounds):                                               # eqs. 5-6, in logs
@@ -272,15 +274,15 @@ class Passes:
                            point_log_weights=point_log_weights, offset=offset)
         return sinkhorn_normalise(r.lse, offset, log_slack, ql)
 
-    def softassign_update(self, source, target, transform, inverse, beta, offset, log_slack,
+    def softassign_update(self, source, target, transform, beta, offset, log_slack,
                           source_lengths, target_lengths, rounds: int):
         """One Softassign pose update's passes: ``(lse (B, M), mean (B, M, 3))`` of the last.
 
         Args:
             source: ``(B, N, 3)`` x (the row passes' queries).
             target: ``(B, M, 3)`` y.
-            transform: ``(B, 4, 4)`` float64 pose T applied to the source.
-            inverse: ``(B, 4, 4)`` T⁻¹ (the column passes move the target by it).
+            transform: ``(B, 4, 4)`` float64 pose T applied to the source (the column
+                passes move the target by T⁻¹, :meth:`inverse`).
             beta: ``(B,)`` β.
             offset: ``(B,)`` βα (every logit's shift, also the first column log weights).
             log_slack: ``(B,)`` log of the slack entry.
@@ -293,8 +295,17 @@ class Passes:
             and the soft correspondences ``mean``, in the source's dtype.
 
         """
-        return softassign_passes(self, source, target, transform, inverse, beta, offset,
-                                 log_slack, source_lengths, target_lengths, rounds)
+        return softassign_passes(self, source, target, transform, beta, offset, log_slack,
+                                 source_lengths, target_lengths, rounds)
+
+    def inverse(self, transform: torch.Tensor) -> Any:
+        """T⁻¹ of ``transform (B, 4, 4)`` as these passes take a pose: here the matrix.
+
+        A backend may return another form its passes read (the Triton passes: T itself,
+        marked to be inverted inside the row kernel, which saves the launches of an
+        inverse per update).
+        """
+        return _math.invert_rigid(transform)
 
     def nearest_d2(self, query, points, transform, max_d2, query_lengths=None,
                    point_lengths=None) -> torch.Tensor:

@@ -47,6 +47,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -259,16 +260,26 @@ def _tile_sums(m2, l1, l2, ux, uy, uz, px, py, pz, s2, yx, yy, yz, cmask,
 
 
 @triton.jit
-def _moved_rows(q_ptr, T_ptr, b, rows, rmask, sqb, sqn, sqc):
-    """Load query rows ``q`` and move them by entry b's pose: ``(qx, qy, qz, px, py, pz)``."""
+def _moved_rows(q_ptr, T_ptr, b, rows, rmask, sqb, sqn, sqc, INVERT: tl.constexpr = False):
+    """Load query rows ``q`` and move them by entry b's pose: ``(qx, qy, qz, px, py, pz)``.
+
+    ``INVERT``: by the pose's inverse, ``Rᵀ (q − t)`` (Softassign's column passes: no
+    inverse made per update).
+    """
     qb = q_ptr + b * sqb + rows * sqn
     qx = tl.load(qb, mask=rmask, other=0.0).to(tl.float32)
     qy = tl.load(qb + sqc, mask=rmask, other=0.0).to(tl.float32)
     qz = tl.load(qb + 2 * sqc, mask=rmask, other=0.0).to(tl.float32)
     Tb = T_ptr + b * 16
-    px = _tload(Tb, 0) * qx + _tload(Tb, 1) * qy + _tload(Tb, 2) * qz + _tload(Tb, 3)
-    py = _tload(Tb, 4) * qx + _tload(Tb, 5) * qy + _tload(Tb, 6) * qz + _tload(Tb, 7)
-    pz = _tload(Tb, 8) * qx + _tload(Tb, 9) * qy + _tload(Tb, 10) * qz + _tload(Tb, 11)
+    if INVERT:
+        dx, dy, dz = qx - _tload(Tb, 3), qy - _tload(Tb, 7), qz - _tload(Tb, 11)
+        px = _tload(Tb, 0) * dx + _tload(Tb, 4) * dy + _tload(Tb, 8) * dz
+        py = _tload(Tb, 1) * dx + _tload(Tb, 5) * dy + _tload(Tb, 9) * dz
+        pz = _tload(Tb, 2) * dx + _tload(Tb, 6) * dy + _tload(Tb, 10) * dz
+    else:
+        px = _tload(Tb, 0) * qx + _tload(Tb, 1) * qy + _tload(Tb, 2) * qz + _tload(Tb, 3)
+        py = _tload(Tb, 4) * qx + _tload(Tb, 5) * qy + _tload(Tb, 6) * qz + _tload(Tb, 7)
+        pz = _tload(Tb, 8) * qx + _tload(Tb, 9) * qy + _tload(Tb, 10) * qz + _tload(Tb, 11)
     return qx, qy, qz, px, py, pz
 
 
@@ -356,7 +367,7 @@ def _rows_body(
     sqb, sqn, sqc, spb, spc, sgb, slb,
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
     PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, FTZ: tl.constexpr, LIST: tl.constexpr,
+    BLOCK_M: tl.constexpr, FTZ: tl.constexpr, LIST: tl.constexpr, INVERT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     sp = tl.program_id(1)
@@ -365,7 +376,8 @@ def _rows_body(
     plen = tl.load(pl_ptr + b)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < qlen
-    qx, qy, qz, px, py, pz = _moved_rows(q_ptr, T_ptr, b, rows, rmask, sqb, sqn, sqc)
+    qx, qy, qz, px, py, pz = _moved_rows(q_ptr, T_ptr, b, rows, rmask, sqb, sqn, sqc,
+                                         INVERT)
     s2 = tl.load(s_ptr + b) * 1.4426950408889634
     m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     l1 = tl.zeros((BLOCK_N,), tl.float32)
@@ -452,11 +464,12 @@ def _rows_kernel(
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
     PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, FTZ: tl.constexpr = False, LIST: tl.constexpr = False,
+    INVERT: tl.constexpr = False,
 ):
     _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
                out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr, N, M,
                CHUNK, sqb, sqn, sqc, spb, spc, sgb, slb,
-               HAS_G, SQUARES, MODE, PARTIAL, MOMENTS, BLOCK_N, BLOCK_M, FTZ, LIST)
+               HAS_G, SQUARES, MODE, PARTIAL, MOMENTS, BLOCK_N, BLOCK_M, FTZ, LIST, INVERT)
 
 
 @triton.jit
@@ -467,11 +480,12 @@ def _rows_kernel_const(
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
     PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, FTZ: tl.constexpr = False, LIST: tl.constexpr = False,
+    INVERT: tl.constexpr = False,
 ):
     _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
                out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr, N, M,
                CHUNK, sqb, sqn, sqc, spb, spc, sgb, slb,
-               HAS_G, SQUARES, MODE, PARTIAL, MOMENTS, BLOCK_N, BLOCK_M, FTZ, LIST)
+               HAS_G, SQUARES, MODE, PARTIAL, MOMENTS, BLOCK_N, BLOCK_M, FTZ, LIST, INVERT)
 
 
 @triton.jit
@@ -597,8 +611,10 @@ def tile_boxes(points: torch.Tensor, block: int) -> torch.Tensor:
 
 def rows(query, points, transform, scale, query_lengths, point_lengths, point_log_weights,
          extra, *, mode: str, squares: bool = False, offset=None, split: int | None = None,
-         moments: bool = False):
+         moments: bool = False, invert: bool = False):
     """Launch the row kernel (see module docstring); returns ``(out0, out1, mean)``.
+
+    ``invert``: the queries move by ``transform``'s inverse (``Rᵀ (q − t)``, in the kernel).
 
     ``out0`` is lse (raw), λ (emicp) or the Sinkhorn log scaling; ``out1`` is lse2 (raw
     with ``squares``) or None; ``mean`` is None in Sinkhorn mode. With ``moments`` (EM-ICP
@@ -638,7 +654,7 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     nblk = triton.cdiv(N, BLOCK_N)
     mtiles = triton.cdiv(M, BLOCK_M)
     # without column offsets, the tiles too far to count are left out (_cull_kernel)
-    cull = (point_log_weights is None and M >= CULL_MIN_POINTS
+    cull = (point_log_weights is None and not invert and M >= CULL_MIN_POINTS
             and B * nblk * mtiles <= CULL_MAX_ENTRIES
             and os.environ.get("POINTALIGN_SOFT_CULL", "1") != "0")
     if split is None:
@@ -679,7 +695,8 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
         points.stride(0), points.stride(2),
         g.stride(0) if point_log_weights is not None else 0, lst.stride(1) if cull else 0,
         HAS_G=point_log_weights is not None, SQUARES=SQ, MODE=MODE, PARTIAL=split > 1,
-        MOMENTS=MOM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, FTZ=ftz, LIST=cull, num_warps=warps,
+        MOMENTS=MOM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, FTZ=ftz, LIST=cull, INVERT=invert,
+        num_warps=warps,
     )
     if split > 1:
         (_merge_kernel_const if interp else _merge_kernel)[(triton.cdiv(N, 128), B)](
@@ -690,6 +707,19 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     conv = (lambda t: t.to(out_dtype)) if out_dtype != f32 else (lambda t: t)
     return (conv(out0), mom if MOM else (conv(out1) if (MODE == 0 and SQ) else None),
             conv(mean) if MODE != 2 else None)
+
+
+class Inverted(NamedTuple):
+    """A pose the row kernel applies inverted, ``Rᵀ (q − t)`` (:meth:`TritonPasses.inverse`)."""
+
+    transform: torch.Tensor
+
+
+def _pose(transform: torch.Tensor | Inverted) -> tuple[torch.Tensor, bool]:
+    """``(T, invert)`` for the row kernel from a pose or an :class:`Inverted` one."""
+    if isinstance(transform, Inverted):
+        return transform.transform, True
+    return transform, False
 
 
 @dataclass(frozen=True)
@@ -705,8 +735,9 @@ class TritonPasses(Passes):
                   offset=None) -> SoftRows:
         """Row reductions, mode "raw" (``offset``: the exact form ignores it)."""
         ql, pl = lengths_or_all(query_lengths, query), lengths_or_all(point_lengths, points)
-        lse, lse2, mean = rows(query, points, transform, scale, ql, pl, point_log_weights, None,
-                               mode="raw", squares=squares)
+        T, invert = _pose(transform)
+        lse, lse2, mean = rows(query, points, T, scale, ql, pl, point_log_weights, None,
+                               mode="raw", squares=squares, invert=invert)
         return SoftRows(lse, lse2, mean)
 
     def emicp_rows(self, source, target, transform, scale, log_outlier, source_lengths=None,
@@ -732,5 +763,10 @@ class TritonPasses(Passes):
                          offset, query_lengths=None, point_lengths=None) -> torch.Tensor:
         """One Sinkhorn half-step, mode "sinkhorn" (the normalisation in the epilogue)."""
         ql, pl = lengths_or_all(query_lengths, query), lengths_or_all(point_lengths, points)
-        return rows(query, points, transform, beta.to(query.dtype), ql, pl, point_log_weights,
-                    log_slack, mode="sinkhorn", offset=offset)[0]
+        T, invert = _pose(transform)
+        return rows(query, points, T, beta.to(query.dtype), ql, pl, point_log_weights,
+                    log_slack, mode="sinkhorn", offset=offset, invert=invert)[0]
+
+    def inverse(self, transform: torch.Tensor) -> Inverted:
+        """T⁻¹ as these passes take it: T marked :class:`Inverted`, inverted in the kernel."""
+        return Inverted(transform)
