@@ -353,6 +353,32 @@ def test_softassign_update_is_its_passes(backend):
         soft.softassign_update(*_on(backend, x, y, T, beta, ba, log_w), rounds=0)
 
 
+def test_softassign_step_is_update_weights_and_horn(backend):
+    """The fused iteration against its parts in float64: the update's last pass, the
+    weights sigmoid(lse − log slack) and weighted Horn of (x', y, w); a frozen entry keeps
+    its pose. Triton's last pass writes the weights and Horn's moments itself."""
+    g = torch.Generator().manual_seed(43)
+    x, y, xl, yl, beta, ba, log_w = _update_case(g, torch.float32, 2)
+    T = torch.stack([_rot(0.1), torch.linalg.inv(_rot(0.2, (0.05, 0.0, 0.01)))])
+    frozen = torch.tensor([False, True])
+    got_T, valid, w = soft.softassign_step(
+        *_on(backend, x, y, T, beta, ba, log_w, frozen),
+        source_lengths=xl.to(backend.device), target_lengths=yl.to(backend.device),
+        rounds=2)
+    lse, mean = reference.softassign_passes(
+        reference.Passes(), x.double(), y.double(), T, beta.double(), ba.double(),
+        log_w.double(), xl, yl, 2)
+    r_w = reference.softassign_weights(lse, log_w.double())
+    r_T, r_valid = horn.horn_reference(mean, y.double(), r_w)
+    assert w.shape == (2, 600) and (w.cpu()[1, 520:] == 0).all()
+    torch.testing.assert_close(w.cpu().double(), r_w, atol=1e-5, rtol=1e-5)
+    assert valid.cpu().tolist() == r_valid.tolist() == [True, True]
+    torch.testing.assert_close(got_T[0].cpu(), r_T[0], atol=1e-5, rtol=0)
+    assert torch.equal(got_T[1].cpu(), T[1])  # frozen: its pose kept
+    with pytest.raises(ValueError, match="rounds"):
+        soft.softassign_step(*_on(backend, x, y, T, beta, ba, log_w, frozen), rounds=0)
+
+
 def test_passes_move_by_their_inverse_form_as_by_the_inverse_matrix(backend):
     """A backend's ``Passes.inverse(T)`` (Triton: T marked, inverted in the row kernel as
     Rᵀ (q − t)) moves the queries as the matrix T⁻¹ does: the same rows to float32 rounding
@@ -570,6 +596,10 @@ def run_interpreted_cases(out_path: str) -> None:
         out[("sink_inv", seed)] = passes.sinkhorn_scaling(
             Q, P, passes.inverse(T), s, gw, torch.tensor([0.0, -2.0]),
             torch.tensor([0.5, 1.0]), ql, pl)
+        for split in (1, 3):  # Softassign's last column pass: weights and Horn's moments
+            out[("column", seed, split)] = _soft_triton.rows(
+                Q, P, T, s, ql, pl, gw, torch.tensor([0.0, -2.0]), mode="column",
+                moments=True, invert=True, split=split)
         w = torch.rand(2, 37, generator=torch.Generator().manual_seed(seed))
         out[("horn", seed)] = horn.weighted_horn(Q, P[:, :37], w)
         *args, kw = _step_case(Q, P, T, ql, pl)
@@ -618,6 +648,22 @@ def test_triton_interpreted_matches_reference(seed, interpreted):
                                              gw.double(), torch.tensor([0.0, -2.0]).double(),
                                              torch.tensor([0.5, 1.0]).double(), ql, pl)
     _masked_close(interpreted[("sink_inv", seed)], rs, ql, 1e-4, 2e-6)
+    r = soft.soft_rows_reference(Q.double(), P.double(), torch.linalg.inv(T.double()),
+                                 s.double(), query_lengths=ql, point_lengths=pl,
+                                 point_log_weights=gw.double())
+    rw = reference.softassign_weights(r.lse, torch.tensor([0.0, -2.0]).double())
+    for split in (1, 3):
+        w, mom, mean = interpreted[("column", seed, split)]
+        _masked_close(w, rw, ql, 1e-6, 1e-4)
+        assert (w[1, 20:] == 0).all()
+        _masked_close(mean, r.mean, ql, 1e-5, 1e-5)
+        # the moments of (x' -> q, w) summed over the row blocks: Σw, Σw x', Σw q, Σw x' qᵀ
+        rows = [torch.cat([rw[b, :n, None] * t for t in (torch.ones_like(Q[b, :n, :1]),
+                                                           r.mean[b, :n], Q[b, :n].double())]
+                          + [(rw[b, :n, None, None] * r.mean[b, :n, :, None]
+                              * Q[b, :n, None, :].double()).reshape(n, 9)], 1).sum(0)
+                for b, n in enumerate(ql.tolist())]
+        torch.testing.assert_close(mom.sum(1), torch.stack(rows), atol=1e-5, rtol=1e-5)
     w = torch.rand(2, 37, generator=torch.Generator().manual_seed(seed))
     Th, valid = interpreted[("horn", seed)]
     Tr, vr = horn.horn_reference(Q, P[:, :37], w)

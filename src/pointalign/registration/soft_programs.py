@@ -19,7 +19,6 @@ import torch
 
 from pointalign import estimate
 from pointalign.kernels import _loop
-from pointalign.kernels import horn as khorn
 from pointalign.kernels import soft as ksoft
 
 
@@ -191,16 +190,12 @@ class SoftassignProgram(Annealing):
         it = 0
         for it in range(1, self.n_iter + 1):
             j = (it - 1) // self.per_temperature
-            T, beta, ba = track.T, betas_f[j], offsets[j]
-            # Sinkhorn's rounds (eqs. 5-6, in logs); the last column pass gives x'_j too
-            lse, mean = self.passes.softassign_update(x.points, y.points, T, beta, ba, log_w,
-                                                      x.lengths, y.lengths, self.sinkhorn_rounds)
-            # column sums of M: c_j Σ_i K_ij r_i with c_j = 1 / (slack + Σ_i K_ij r_i), i.e.
-            # sigmoid(lse − log slack) (0 on padding columns, whose lse is −inf)
-            w = torch.nan_to_num(torch.sigmoid(lse - log_w[:, None]), nan=0.0)
+            # Sinkhorn's rounds (eqs. 5-6, in logs); the last column pass gives x'_j and the
+            # column sums of M, w_j = c_j Σ_i K_ij r_i = sigmoid(lse_j − log slack); then
             # Σ_ij m_ij ||R x_i + t − y_j||² has the moments of Σ_j w_j ||R x'_j + t − y_j||²
-            T_new, valid = khorn.weighted_horn(mean, y.points, w)
-            T_new = torch.where((valid & ~track.done)[:, None, None], T_new, T)
+            T_new, _, w = self.passes.softassign_step(
+                x.points, y.points, track.T, betas_f[j], offsets[j], log_w, track.done,
+                x.lengths, y.lengths, self.sinkhorn_rounds)
             if track.step(it, T_new, w, checkpoint, beta=betas[j]):
                 break
         j_end = ((track.finish(it).clamp(1, self.n_iter) - 1) // self.per_temperature) \

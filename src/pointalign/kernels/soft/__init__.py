@@ -33,6 +33,8 @@ Entry points (all batched: ``query (B, N, 3)``, ``points (B, M, 3)``, padded, wi
 * :func:`sinkhorn_scaling`: one Sinkhorn half-step in log scalings (Gold et al.).
 * :func:`softassign_update`: one Softassign update's Sinkhorn passes (its reference: the
   passes one by one); fused into one call over a kernel matrix by the CPU's "cells" form.
+* :func:`softassign_step`: one whole Softassign iteration (the update, weights and Horn),
+  fused on Triton.
 * :func:`nearest_d2`: the fitness pass (squared distance to the nearest point).
 * :func:`centre`: a cloud centred once, with its moments, in the layout the passes read.
 
@@ -68,7 +70,7 @@ from pointalign.kernels.soft.reference import (
 __all__ = ["FITNESS_SCALE", "FORMS", "TILE_PAIRS", "Centred", "Passes", "SoftRows", "centre",
            "emicp_rows", "emicp_step", "emicp_weights", "nearest_d2", "point_layout",
            "prepare", "sinkhorn_scaling", "soft_rows", "soft_rows_reference",
-           "softassign_update", "weighted_horn"]
+           "softassign_step", "softassign_update", "weighted_horn"]
 
 #: what :func:`prepare`'s ``approximation`` accepts
 FORMS = ("auto", "exact", "approximate")
@@ -314,6 +316,39 @@ def softassign_update(
         raise ValueError(f"rounds: expected an integer >= 1, got {rounds!r}")
     return _exact(source, target.shape[1]).softassign_update(
         source, target, transform, beta, offset, log_slack, sl, tl, rounds)
+
+
+def softassign_step(
+    source: torch.Tensor,
+    target: torch.Tensor,
+    transform: torch.Tensor,
+    beta: torch.Tensor,
+    offset: torch.Tensor,
+    log_slack: torch.Tensor,
+    frozen: torch.Tensor,
+    *,
+    source_lengths: torch.Tensor | None = None,
+    target_lengths: torch.Tensor | None = None,
+    rounds: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Softassign iteration: :func:`softassign_update`, the weights, weighted Horn.
+
+    The column weights ``w_j = sigmoid(lse_j − log_slack)`` (the column sums of M; 0 on
+    padding) and the Horn pose of ``(x'_j, y_j, w_j)``. On Triton the last column pass
+    writes the weights and each row block's Horn moments, and one tiny kernel solves Horn
+    from them (as :func:`emicp_step`). Arguments as :func:`softassign_update`, and
+    ``frozen (B,) bool``: these entries keep ``transform``.
+
+    Returns:
+        ``(T (B, 4, 4) float64, valid (B,) bool, w (B, M))``: entries that are frozen or
+        have zero total weight (``valid`` False) keep ``transform``.
+
+    """
+    sl, tl = check(source, target, transform, beta, source_lengths, target_lengths, None)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds: expected an integer >= 1, got {rounds!r}")
+    return _exact(source, target.shape[1]).softassign_step(
+        source, target, transform, beta, offset, log_slack, frozen, sl, tl, rounds)
 
 
 def nearest_d2(

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pointalign import _math
-from pointalign.kernels.horn import horn_reference
+from pointalign.kernels.horn import horn_reference, weighted_horn
 
 #: Pairs per tile of the reference (a few temporaries of this many elements exist at once).
 TILE_PAIRS = 1 << 20
@@ -168,14 +168,22 @@ def sinkhorn_normalise(lse: torch.Tensor, offset: torch.Tensor, log_slack: torch
     return torch.where(row_mask(lengths, lse.shape[1]), out, torch.full_like(out, -math.inf))
 
 
-def softassign_passes(passes: Passes, source, target, transform, beta, offset, log_slack,
-                      source_lengths, target_lengths, rounds: int):
-    """One Softassign update's Sinkhorn passes, one by one, with ``passes``' passes.
+def softassign_weights(lse: torch.Tensor, log_slack: torch.Tensor) -> torch.Tensor:
+    """Softassign's column weights ``w_j = c_j Σ_i K_ij r_i = sigmoid(lse_j − log slack)``.
+
+    ``lse (B, M)`` of the last column pass, ``log_slack (B,)``; 0 on padding columns (whose
+    lse is −inf).
+    """
+    return torch.nan_to_num(torch.sigmoid(lse - log_slack.to(lse.dtype)[:, None]), nan=0.0)
+
+
+def softassign_row_scalings(passes: Passes, source, target, transform, beta, offset,
+                            log_slack, source_lengths, target_lengths, rounds: int):
+    """Return the log row scalings ``(B, N)`` of an update's Sinkhorn rounds (not its last pass).
 
     ``rounds`` row normalisations of M = diag(r) K diag(c) (c = 1 at first) and ``rounds − 1``
-    column ones (:meth:`Passes.sinkhorn_scaling`), then the last column normalisation with
-    the soft correspondences in one pass (:meth:`Passes.soft_rows`). Arguments as
-    :meth:`Passes.softassign_update`.
+    column ones (:meth:`Passes.sinkhorn_scaling`; the column passes move the target by
+    ``passes.inverse(transform)``). Arguments as :meth:`Passes.softassign_update`.
     """
     inverse = passes.inverse(transform)     # the column passes move the target by T⁻¹
     g_col = offset[:, None].expand(-1, target.shape[1])                 # log c + βα, c = 1
@@ -186,9 +194,22 @@ def softassign_passes(passes: Passes, source, target, transform, beta, offset, l
         if s + 1 < rounds:
             g_col = passes.sinkhorn_scaling(target, source, inverse, beta, g_row, log_slack,
                                             offset, target_lengths, source_lengths)
+    return g_row
+
+
+def softassign_passes(passes: Passes, source, target, transform, beta, offset, log_slack,
+                      source_lengths, target_lengths, rounds: int):
+    """One Softassign update's Sinkhorn passes, one by one, with ``passes``' passes.
+
+    :func:`softassign_row_scalings`, then the last column normalisation with the soft
+    correspondences in one pass (:meth:`Passes.soft_rows`). Arguments as
+    :meth:`Passes.softassign_update`.
+    """
+    g_row = softassign_row_scalings(passes, source, target, transform, beta, offset,
+                                    log_slack, source_lengths, target_lengths, rounds)
     # last column normalisation and x'_j = Σ_i m_ij x_i / Σ_i m_ij in one pass
-    r = passes.soft_rows(target, source, inverse, beta, target_lengths, source_lengths,
-                         point_log_weights=g_row, offset=offset)
+    r = passes.soft_rows(target, source, passes.inverse(transform), beta, target_lengths,
+                         source_lengths, point_log_weights=g_row, offset=offset)
     return r.lse, r.mean
 
 
@@ -297,6 +318,27 @@ class Passes:
         """
         return softassign_passes(self, source, target, transform, beta, offset, log_slack,
                                  source_lengths, target_lengths, rounds)
+
+    def softassign_step(self, source, target, transform, beta, offset, log_slack, frozen,
+                        source_lengths, target_lengths, rounds: int):
+        """One Softassign iteration: the update's passes, the weights, Horn.
+
+        :meth:`softassign_update`, the column weights (:func:`softassign_weights`) and the
+        weighted Horn pose of ``(x'_j, y_j, w_j)``
+        (:func:`pointalign.kernels.horn.weighted_horn`); arguments as
+        :meth:`softassign_update`, and ``frozen (B,) bool``: these entries keep
+        ``transform``.
+
+        Returns:
+            ``(T (B, 4, 4) float64, valid (B,) bool, w (B, M))``: entries that are frozen
+            or have zero total weight (``valid`` False) keep ``transform``.
+
+        """
+        lse, mean = self.softassign_update(source, target, transform, beta, offset, log_slack,
+                                           source_lengths, target_lengths, rounds)
+        w = softassign_weights(lse, log_slack)
+        T_new, valid = weighted_horn(mean, target, w)
+        return keep_frozen(T_new, valid, frozen, transform), valid, w
 
     def inverse(self, transform: torch.Tensor) -> Any:
         """T⁻¹ of ``transform (B, 4, 4)`` as these passes take a pose: here the matrix.

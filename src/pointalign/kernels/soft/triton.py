@@ -53,13 +53,18 @@ import torch
 import triton
 import triton.language as tl
 
-from pointalign.kernels.soft.reference import Passes, SoftRows, lengths_or_all
+from pointalign.kernels.soft.reference import (
+    Passes,
+    SoftRows,
+    lengths_or_all,
+    softassign_row_scalings,
+)
 
 LOG2E = 1.4426950408889634
 #: partials the merge kernel loads at once (one memory round trip per group)
 MERGE_GROUP = tl.constexpr(32)
 LN2 = 0.6931471805599453
-_MODES = {"raw": 0, "emicp": 1, "sinkhorn": 2}
+_MODES = {"raw": 0, "emicp": 1, "sinkhorn": 2, "column": 3}
 #: a pass without column offsets leaves out a tile whose every pair weighs less than
 #: 2^−(this + log2 M + 1) of its row's largest term: under 2^−CULL_BITS of each row's sum
 #: (which holds at least ~0.84 of its largest term, see :func:`_row_tile`)
@@ -113,9 +118,14 @@ def _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
         tl.store(out0_ptr + base, w, mask=nmask)
         if MOMENTS:
             _horn_moments(w, qx, qy, qz, mx, my, mz, mom_ptr + (b * n_parts + part) * 16)
-    else:
+    elif MODE == 2:
         out = offset - _logaddexp(lse, extra + tl.zeros_like(lse))
         tl.store(out0_ptr + base, tl.where(rmask, out, neg_inf), mask=nmask)
+    else:  # Softassign's last column pass: w = sigmoid(lse − log slack), Horn's moments
+        w = tl.where(rmask & (lse != neg_inf), 1.0 / (1.0 + tl.exp(extra - lse)), 0.0)
+        tl.store(out0_ptr + base, w, mask=nmask)
+        if MOMENTS:  # the pose moves the soft correspondences x' onto the queries y
+            _horn_moments(w, mx, my, mz, qx, qy, qz, mom_ptr + (b * n_parts + part) * 16)
     if MODE != 2:
         tl.store(mean_ptr + base * 3 + 0, mx, mask=nmask)
         tl.store(mean_ptr + base * 3 + 1, my, mask=nmask)
@@ -615,6 +625,10 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     """Launch the row kernel (see module docstring); returns ``(out0, out1, mean)``.
 
     ``invert``: the queries move by ``transform``'s inverse (``Rᵀ (q − t)``, in the kernel).
+    Mode "column" (Softassign's last column pass, ``extra`` the log slack): ``out0`` is the
+    column weight ``sigmoid(lse − extra)``, and with ``moments`` ``out1`` holds the Horn
+    moments of ``(mean → query, out0)``: the pose that moves the soft correspondences onto
+    the queries.
 
     ``out0`` is lse (raw), λ (emicp) or the Sinkhorn log scaling; ``out1`` is lse2 (raw
     with ``squares``) or None; ``mean`` is None in Sinkhorn mode. With ``moments`` (EM-ICP
@@ -674,7 +688,7 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     chunk = triton.cdiv(mtiles, split) * BLOCK_M
     part = torch.empty((B, split, 6, N), dtype=f32, device=dev) if split > 1 else out0
     kern = _rows_kernel_const if interp else _rows_kernel
-    MOM = bool(moments) and MODE == 1
+    MOM = bool(moments) and MODE in (1, 3)
     n_parts = nblk if split == 1 else triton.cdiv(N, 128)
     mom = torch.empty((B, n_parts, 16), dtype=torch.float64, device=dev) if MOM else out0
     lst = count = s
@@ -766,6 +780,24 @@ class TritonPasses(Passes):
         T, invert = _pose(transform)
         return rows(query, points, T, beta.to(query.dtype), ql, pl, point_log_weights,
                     log_slack, mode="sinkhorn", offset=offset, invert=invert)[0]
+
+    def softassign_step(self, source, target, transform, beta, offset, log_slack, frozen,
+                        source_lengths, target_lengths, rounds: int):
+        """Run the update's passes; the last column pass writes the weights and Horn's moments.
+
+        One tiny kernel solves Horn from them (:func:`horn_from_parts`): no separate pass
+        over the correspondences, no weight or masking launches per iteration.
+        """
+        from pointalign.kernels.horn import triton as _horn_triton
+
+        sl = lengths_or_all(source_lengths, source)
+        tl_ = lengths_or_all(target_lengths, target)
+        g_row = softassign_row_scalings(self, source, target, transform, beta, offset,
+                                        log_slack, sl, tl_, rounds)
+        w, mom, _ = rows(target, source, transform, beta.to(target.dtype), tl_, sl, g_row,
+                         log_slack, mode="column", offset=offset, moments=True, invert=True)
+        T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
+        return T, valid, w
 
     def inverse(self, transform: torch.Tensor) -> Inverted:
         """T⁻¹ as these passes take it: T marked :class:`Inverted`, inverted in the kernel."""
