@@ -288,6 +288,12 @@ def sinkhorn_scaling(
         query, points, transform, beta, point_log_weights, log_slack, offset, ql, pl)
 
 
+def _check_rounds(rounds: object) -> None:
+    """Refuse Sinkhorn ``rounds`` that are not an integer >= 1."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds: expected an integer >= 1, got {rounds!r}")
+
+
 def softassign_update(
     source: torch.Tensor,
     target: torch.Tensor,
@@ -312,8 +318,7 @@ def softassign_update(
 
     """
     sl, tl = check(source, target, transform, beta, source_lengths, target_lengths, None)
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds: expected an integer >= 1, got {rounds!r}")
+    _check_rounds(rounds)
     return _exact(source, target.shape[1]).softassign_update(
         source, target, transform, beta, offset, log_slack, sl, tl, rounds)
 
@@ -345,8 +350,7 @@ def softassign_step(
 
     """
     sl, tl = check(source, target, transform, beta, source_lengths, target_lengths, None)
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds: expected an integer >= 1, got {rounds!r}")
+    _check_rounds(rounds)
     return _exact(source, target.shape[1]).softassign_step(
         source, target, transform, beta, offset, log_slack, frozen, sl, tl, rounds)
 
