@@ -377,6 +377,13 @@ def test_softassign_step_is_update_weights_and_horn(backend):
     assert torch.equal(got_T[1].cpu(), T[1])  # frozen: its pose kept
     with pytest.raises(ValueError, match="rounds"):
         soft.softassign_step(*_on(backend, x, y, T, beta, ba, log_w, frozen), rounds=0)
+    with pytest.raises(ValueError, match="frozen"):
+        soft.softassign_step(*_on(backend, x, y, T, beta, ba, log_w, frozen[:1]), rounds=1)
+    with pytest.raises(ValueError, match="log_slack"):
+        soft.softassign_step(*_on(backend, x, y, T, beta, ba, log_w[:, None], frozen),
+                             rounds=1)
+    with pytest.raises(ValueError, match="offset"):
+        soft.softassign_update(*_on(backend, x, y, T, beta, ba[:1], log_w), rounds=1)
 
 
 def test_passes_move_by_their_inverse_form_as_by_the_inverse_matrix(backend):

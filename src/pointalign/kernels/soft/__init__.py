@@ -288,6 +288,17 @@ def sinkhorn_scaling(
         query, points, transform, beta, point_log_weights, log_slack, offset, ql, pl)
 
 
+def _check_per_problem(source: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Refuse per-problem arguments that are not ``(B,)`` on the source's device."""
+    B = source.shape[0]
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.shape != (B,):
+            raise ValueError(f"{name}: expected a ({B},) tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+        if t.device != source.device:
+            raise ValueError(f"{name}: on {t.device}, source on {source.device}")
+
+
 def _check_rounds(rounds: object) -> None:
     """Refuse Sinkhorn ``rounds`` that are not an integer >= 1."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -318,6 +329,7 @@ def softassign_update(
 
     """
     sl, tl = check(source, target, transform, beta, source_lengths, target_lengths, None)
+    _check_per_problem(source, offset=offset, log_slack=log_slack)
     _check_rounds(rounds)
     return _exact(source, target.shape[1]).softassign_update(
         source, target, transform, beta, offset, log_slack, sl, tl, rounds)
@@ -350,6 +362,7 @@ def softassign_step(
 
     """
     sl, tl = check(source, target, transform, beta, source_lengths, target_lengths, None)
+    _check_per_problem(source, offset=offset, log_slack=log_slack, frozen=frozen)
     _check_rounds(rounds)
     return _exact(source, target.shape[1]).softassign_step(
         source, target, transform, beta, offset, log_slack, frozen, sl, tl, rounds)
