@@ -154,6 +154,8 @@ def run_interpreted_kdtree(out_path: str) -> None:
         for md in INTERP_MAXD:
             out[("maxd", md, seed)] = KT.knn(tree, q, 6, max_dist2=md**2)
         out[("unsorted", seed)] = (KT.knn(tree, q, 6), KT.knn(tree, q, 6, sort=False))
+        bt = K.build(_build_cloud(seed), 5)  # ties: queries exactly on split values
+        out[("descend", seed)] = [KT.descend(bt, _descend_queries(bt, q), d) for d in (0, 2, 5)]
         KT.INT32_TILE_MAX, tile_max = 0, KT.INT32_TILE_MAX  # int64 positions in the tile
         try:
             out[("int64 tile", seed)] = (KT.knn(tree, q, 6),
@@ -407,6 +409,32 @@ def test_reference_chunks_and_k_beyond_points(rng):
     assert_knn_matches(_orig(tree, (d, pos)), q, pts, 100)
     with pytest.raises(ValueError, match="k"):
         K.knn(tree, q, 0)
+
+
+def _descend_queries(tree, q):
+    """The tree's own points (duplicates sit on split values) and ``q``, in float64."""
+    return torch.cat([tree.points, q]).double()
+
+
+def test_triton_interpreter_descend_matches_reference(interpreted, seed):
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    tree = K.build(_build_cloud(seed), 5)
+    q = _descend_queries(tree, _interp_inputs((60, 9, 6, 3), seed)[1])
+    on_split = (tree.points[:, None, :] == tree.split_value[None, :, None]).any()
+    assert on_split  # the ties the kernel must send right, as the reference does
+    for d, got in zip((0, 2, 5), interpreted[("descend", seed)], strict=True):
+        assert torch.equal(got, K.descend_reference(tree, q, d))
+
+
+@backends("triton")
+def test_descend_kernel_matches_reference(backend, rng):
+    pts = _cloud(50021, rng).to(backend.device)
+    tree = K.build(pts, K.depth_for(pts.shape[0], 16))
+    q = torch.cat([tree.points, (_cloud(4099, rng, scale=1.3) - 0.15).to(backend.device)])
+    for d in (None, 3, 0):
+        assert torch.equal(K.descend(tree, q, d), K.descend_reference(tree, q, d))
+    assert K.descend(tree, q[:0]).shape == (0,)
 
 
 def test_descend_reaches_cell(rng):

@@ -444,7 +444,7 @@ def test_chunked_loop_matches_max_iterations(bunny, seed):
 
 @backends("triton")
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("index_method", ["grid", "kdtree"])
+@pytest.mark.parametrize("index_method", ["grid", "kdtree", "brute"])
 def test_graph_matches_eager(backend, seed, method, index_method, monkeypatch):
     from pointalign.kernels import _loop
 
@@ -475,11 +475,11 @@ def test_graph_matches_eager(backend, seed, method, index_method, monkeypatch):
     assert again.info["cuda_graph"] == "reused", again.info["cuda_graph"]
     assert again.iterations == eager2.iterations and again.stop_reason == eager2.stop_reason
     np.testing.assert_allclose(again.transformation, eager2.transformation, atol=1e-6)
-    # another index over the same points: a k-d tree (its graph kept by its arrays' layout)
-    # replays the kept graph with its arrays copied in; a grid captures its own
+    # another index over the same points: a k-d tree or brute force (its graph kept by its
+    # arrays' layout) replays the kept graph with its arrays copied in; a grid captures its own
     other_ix = build_index(t, index_method, max_distance=0.01)
     other = [icp(s2, t, init=init, **dict(kw, index=other_ix)) for _ in range(2)]
-    kept = index_method == "kdtree"
+    kept = index_method in ("kdtree", "brute")
     assert [o.info["cuda_graph"] for o in other] == (["reused"] * 2 if kept
                                                      else ["first_use", "captured"])
     for o in other:

@@ -84,3 +84,17 @@ def check_hint(hint: Any, n: int, like: torch.Tensor, *, values: bool) -> torch.
         if not bool(((hint >= -1) & (hint < m)).all()):
             raise ValueError(f"hint: entries must be -1 or indices in [0, {m})")
     return hint
+
+
+def array_layout(arrays: dict[str, torch.Tensor]) -> tuple:
+    """Every array's name, shape, dtype and device: what a captured CUDA graph bakes in."""
+    return tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in arrays.items())
+
+
+def check_arrays(arrays: dict[str, torch.Tensor], mine: dict[str, torch.Tensor]) -> None:
+    """Refuse ``arrays`` unless laid out as ``mine`` (an index's ``graph_arrays()``)."""
+    got = {k: (tuple(v.shape), v.dtype, v.device) for k, v in arrays.items()
+           if isinstance(v, torch.Tensor)}
+    if got != {k: (tuple(v.shape), v.dtype, v.device) for k, v in mine.items()}:
+        raise ValueError(f"arrays: expected the layout of graph_arrays() "
+                         f"({sorted(mine)}, shapes as this index's), got {sorted(arrays)}")

@@ -49,6 +49,34 @@ class BruteForceIndex:
     def __repr__(self) -> str:
         return f"BruteForceIndex(M={self.points.shape[0]}, device={self.points.device})"
 
+    # ------------------------------------------------------------------ CUDA graphs
+    def graph_arrays(self) -> tuple[tuple, dict[str, torch.Tensor]]:
+        """Return ``(key, arrays)``: the tensors a captured search reads, and their layout.
+
+        ``arrays``: ``points (M, 3)`` and, where the fused kernel reads one, its ``layout``
+        ``(3, M)`` (made here if no query has made it yet); ``key``: every array's name,
+        shape, dtype and device. Two indexes with one key are interchangeable in a captured
+        CUDA graph once the one's arrays are copied into the other's: the executor
+        (:mod:`pointalign.kernels._loop`) keeps an ICP step's graph across calls that each
+        build a new index, as ``register()``'s coarse stage does.
+        """
+        arrays = {"points": self.points}
+        if self._layout is not None:
+            arrays["layout"] = self._layout
+        return ("BruteForceIndex", _checks.array_layout(arrays)), arrays
+
+    def with_arrays(self, arrays: dict[str, torch.Tensor]) -> BruteForceIndex:
+        """Return a copy of this index that reads ``arrays`` (laid out as :meth:`graph_arrays`).
+
+        Raises:
+            ValueError: ``arrays`` with other names, shapes, dtypes or devices.
+
+        """
+        _checks.check_arrays(arrays, self.graph_arrays()[1])
+        new = object.__new__(BruteForceIndex)
+        new.points, new._made = arrays["points"], (arrays.get("layout"),)
+        return new
+
     def knn(self, query: Any, k: int) -> KnnResult:
         """Find the k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
         k = _checks.check_k(k, self.points.shape[0])

@@ -211,9 +211,7 @@ class KDTreeIndex:
                   "hi": t.hi, "split_axis": t.split_axis, "split_value": t.split_value,
                   "start": t.start, "end": t.end, "inverse": self._ids[1],
                   **{"payload." + k: v for k, v in self._payloads.items()}}
-        key = ("KDTreeIndex", t.depth, self.leaf_size,
-               tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in arrays.items()))
-        return key, arrays
+        return ("KDTreeIndex", t.depth, self.leaf_size, _checks.array_layout(arrays)), arrays
 
     def with_arrays(self, arrays: dict[str, torch.Tensor]) -> KDTreeIndex:
         """Return a copy of this index that reads ``arrays`` (laid out as :meth:`graph_arrays`).
@@ -222,12 +220,7 @@ class KDTreeIndex:
             ValueError: ``arrays`` with other names, shapes, dtypes or devices.
 
         """
-        mine = self.graph_arrays()[1]
-        got = {k: (tuple(v.shape), v.dtype, v.device) for k, v in arrays.items()
-               if isinstance(v, torch.Tensor)}
-        if got != {k: (tuple(v.shape), v.dtype, v.device) for k, v in mine.items()}:
-            raise ValueError(f"arrays: expected the layout of graph_arrays() "
-                             f"({sorted(mine)}, shapes as this index's), got {sorted(arrays)}")
+        _checks.check_arrays(arrays, self.graph_arrays()[1])
         new = object.__new__(KDTreeIndex)
         t = self._tree
         new._tree = _k.TreeArrays(arrays["tree_points"], arrays["perm"], arrays["lo"],

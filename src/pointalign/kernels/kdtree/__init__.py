@@ -14,7 +14,7 @@ query goes right when ``q[axis] >= split_value``. Every node stores the bounding
 points, which prunes the exact search (so exactness never depends on the split value).
 
 Entry points (dispatched through :func:`pointalign.kernels._backend.backend`; the layout
-helpers, :func:`descend` and the reference :func:`knn_reference` live in
+helpers and the references :func:`descend_reference` and :func:`knn_reference` live in
 ``kdtree/reference.py`` and are re-exported here):
 
 * :func:`build` — the tree arrays from ``points (M, 3)``; ``where="device"`` (torch sorts per
@@ -39,7 +39,7 @@ from pointalign.kernels import _loop
 from pointalign.kernels._backend import backend, upload
 from pointalign.kernels.kdtree.reference import (
     TreeArrays,
-    descend,
+    descend_reference,
     knn_reference,
     level_bounds,
     node_ranges,
@@ -303,6 +303,22 @@ def _build_numpy(points: np.ndarray, depth: int):
     if depth == 0:
         return perm, np.zeros(0, dtype=np.int64), np.zeros(0)
     return perm, np.concatenate(axes), np.concatenate(splits)
+
+
+def descend(tree: TreeArrays, query: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    """Node id (level order) at level ``depth`` whose cell holds each ``query (N, 3)``: ``(N,)``.
+
+    Follows the split planes from the root without backtracking (``q[axis] >= split`` goes
+    right); ``depth`` defaults to the leaves and is clamped to ``[0, tree.depth]``. One
+    Triton launch for a float32 tree (a level's few element-wise launches each in
+    :func:`descend_reference`, the PyTorch reference); the same node ids: comparisons only.
+    """
+    d = tree.depth if depth is None else max(0, min(int(depth), tree.depth))
+    if backend(query) in ("triton", "interpret") and tree.points.dtype == torch.float32:
+        from pointalign.kernels.kdtree import triton as _kdtree_triton
+
+        return _kdtree_triton.descend(tree, query, d)
+    return descend_reference(tree, query, d)
 
 
 # ----------------------------------------------------------------------------- kNN

@@ -83,9 +83,11 @@ def node_ranges(m: int, depth: int, device: torch.device | str = "cpu") -> torch
 # ----------------------------------------------------------------------------- descent
 
 
-def descend(tree: TreeArrays, query: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-    """Node id (level order) at level ``depth`` whose cell holds each ``query (N, 3)``: ``(N,)``.
+def descend_reference(tree: TreeArrays, query: torch.Tensor, depth: int | None = None
+                      ) -> torch.Tensor:
+    """The reference of :func:`pointalign.kernels.kdtree.descend`: a level at a time.
 
+    Node id (level order) at level ``depth`` whose cell holds each ``query (N, 3)``, ``(N,)``.
     Follows the split planes from the root without backtracking (``q[axis] >= split`` goes
     right). ``depth`` defaults to the leaves; it is clamped to ``[0, tree.depth]``.
     """
@@ -137,7 +139,7 @@ def knn_reference(tree: TreeArrays, query: torch.Tensor, k: int, *,
         ar = torch.arange(nq, device=q.device)
         bound = torch.full((nq,), float(max_dist2), dtype=q.dtype, device=q.device)
         if approximate:
-            qi, nodes = ar, descend(tree, q)
+            qi, nodes = ar, descend_reference(tree, q)
         else:
             # bound from the deepest level whose nodes all hold >= k points
             lk = -1
@@ -146,7 +148,7 @@ def knn_reference(tree: TreeArrays, query: torch.Tensor, k: int, *,
                     lk = level
                     break
             if lk >= 0:
-                node = descend(tree, q, lk)
+                node = descend_reference(tree, q, lk)
                 d2, _, _ = _scan_nodes(tree, q, ar, node, -(-m // 2**lk))
                 kth = torch.topk(d2, k, dim=1, largest=False).values[:, -1]
                 bound = torch.minimum(bound, kth)

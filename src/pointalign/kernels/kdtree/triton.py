@@ -220,6 +220,37 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
 # ----------------------------------------------------------------------------- build
 
 
+@triton.jit(do_not_specialize=("n_query", "depth"))
+def _descend_kernel(q_ptr, axis_ptr, split_ptr, out_ptr, n_query, depth, BLOCK: tl.constexpr):
+    """Follow the split planes from the root ``depth`` levels down for every query row."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_query
+    x = tl.load(q_ptr + offs * 3, mask=m, other=0.0)
+    y = tl.load(q_ptr + offs * 3 + 1, mask=m, other=0.0)
+    z = tl.load(q_ptr + offs * 3 + 2, mask=m, other=0.0)
+    node = tl.zeros([BLOCK], dtype=tl.int64)
+    for _ in range(depth):
+        ax = tl.load(axis_ptr + node, mask=m, other=0)
+        c = tl.where(ax == 0, x, tl.where(ax == 1, y, z))
+        node = 2 * node + 1 + (c >= tl.load(split_ptr + node, mask=m, other=0.0)).to(tl.int64)
+    tl.store(out_ptr + offs, node, mask=m)
+
+
+def descend(tree, query: torch.Tensor, depth: int) -> torch.Tensor:
+    """Launcher for :func:`pointalign.kernels.kdtree.descend` (one launch; float32 trees).
+
+    ``query (N, 3)`` (cast to float32), ``depth`` already clamped to ``[0, tree.depth]``.
+    """
+    q = query.to(torch.float32).contiguous()
+    out = torch.empty(q.shape[0], dtype=torch.int64, device=q.device)
+    if q.shape[0]:
+        block = 256
+        _descend_kernel[(triton.cdiv(q.shape[0], block),)](
+            q, tree.split_axis, tree.split_value, out, q.shape[0], depth, BLOCK=block,
+            num_warps=4)
+    return out
+
+
 @triton.jit(do_not_specialize=("first",),
             do_not_specialize_on_alignment=("b_ptr",))  # a level's bounds: a view at any offset
 def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, lo_ptr, hi_ptr, first, BLOCK: tl.constexpr,
