@@ -220,7 +220,9 @@ def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float = math.inf,
 # ----------------------------------------------------------------------------- build
 
 
-@triton.jit(do_not_specialize=("n_query", "depth"))
+# the queries and the tree's arrays may be views at any offset (one compilation for all)
+@triton.jit(do_not_specialize=("n_query", "depth"),
+            do_not_specialize_on_alignment=("q_ptr", "axis_ptr", "split_ptr"))
 def _descend_kernel(q_ptr, axis_ptr, split_ptr, out_ptr, n_query, depth, BLOCK: tl.constexpr):
     """Follow the split planes from the root ``depth`` levels down for every query row."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
