@@ -258,52 +258,6 @@ def test_kept_graph_reads_each_calls_array_objects(backend, monkeypatch):
     assert runs == ["captured", "captured", "reused", "reused"]
 
 
-def test_cache_keeps_its_count_and_bytes_and_always_the_newest():
-    """The kept graphs: at most ``size`` entries and ``max_bytes`` of their copies, least
-    recently used dropped first; a single entry over the budget is still kept."""
-    class Obj:
-        pass
-
-    cache = _loop._Cache(3, max_bytes=100)
-    objs = [Obj() for _ in range(6)]
-    for i in range(3):
-        cache.put(("k", i), [objs[i]], f"g{i}", 30)
-    assert [k[1] for k in cache.entries] == [0, 1, 2]
-    assert cache.get(("k", 0), [objs[0]]) == "g0"  # 0 is now the most recently used
-    cache.put(("k", 3), [objs[3]], "g3", 30)  # 4 entries, 120 bytes: 1 goes
-    assert [k[1] for k in cache.entries] == [2, 0, 3]
-    cache.put(("k", 4), [objs[4]], "g4", 60)  # 150 bytes, then 120: 2 and 0 go
-    assert [k[1] for k in cache.entries] == [3, 4]
-    cache.put(("k", 5), [objs[5]], "g5", 500)  # alone over the budget: kept alone
-    assert [k[1] for k in cache.entries] == [5] and cache.get(("k", 5), [objs[5]]) == "g5"
-
-
-@backends("triton")
-def test_kept_graphs_are_bounded_by_their_bytes(backend, monkeypatch):
-    """A kept graph counts its copies of the inputs and state; past the byte budget the
-    least recently used kept graph goes, and its signature captures again."""
-    monkeypatch.setattr(_loop, "USE_GRAPHS", True)
-    _loop.clear_caches()
-    inputs, state = _inputs(backend.device)
-    for step in (Affine(0.9, 0.1), Affine(0.8, 0.1)):
-        for _ in range(2):
-            _graph_run(step, inputs, state, 20)
-    kept = [e for e in _loop._graphs.entries.values() if isinstance(e.payload, _loop._Graph)]
-    assert len(kept) == 2
-    each = kept[0].nbytes
-    want = sum(v.numel() * v.element_size() for v in (*inputs.values(), *state.values()))
-    assert each == want == kept[1].nbytes
-    monkeypatch.setattr(_loop._graphs, "max_bytes", 2 * each)
-    run, _ = _graph_run(Affine(0.9, 0.1), inputs, state, 20)
-    assert run.graph == "reused"
-    monkeypatch.setattr(_loop._graphs, "max_bytes", each)
-    _graph_run(Affine(0.7, 0.1), inputs, state, 20)  # seen
-    _graph_run(Affine(0.7, 0.1), inputs, state, 20)  # kept: the others go
-    run, _ = _graph_run(Affine(0.9, 0.1), inputs, state, 20)
-    assert run.graph == "captured"
-    _loop.clear_caches()
-
-
 @backends("triton")
 def test_capture_failure_falls_back_to_eager(backend):
     @dataclass(frozen=True)

@@ -33,8 +33,7 @@ nothing for the signature      step 1 eager (compiles every kernel), then a 1-st
                                captured on the call's own tensors and replayed, one step
                                in flight; the signature is marked seen
 seen                           a ``CHUNK``-step graph is captured on copies of the inputs
-                               (after a warm-up step) and kept (LRU of ``CACHE_SIZE``
-                               graphs and ``CACHE_BYTES`` of their copies)
+                               (after a warm-up step) and kept (LRU of ``CACHE_SIZE``)
 a kept graph                   the inputs are copied in; chunks of ``CHUNK`` steps are
                                replayed, each checked before the next
 a failed capture               eager from then on; ``Run.graph`` says why
@@ -66,7 +65,6 @@ Not thread-safe: drive one device from one thread.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 import weakref
@@ -88,12 +86,8 @@ USE_GRAPHS = True
 EAGER_STEPS = 1
 #: steps per replay of a kept graph (iterate)
 CHUNK = 8
-#: kept graphs (iterate) and kept programs (run_program), least recently used dropped first;
-#: kept graphs also while their copies of the inputs, state and index arrays stay within
-#: ``CACHE_BYTES`` (each tree level of approximate_icp is a graph: 7 on the 40k bunny,
-#: 13 MiB each; a 1M-point cloud's levels ~84 MiB each would hold ~0.6 GiB for a few %)
-CACHE_SIZE = 16
-CACHE_BYTES = 256 << 20
+#: kept graphs (iterate) and kept programs (run_program), least recently used dropped first
+CACHE_SIZE = 4
 PROGRAM_CACHE_SIZE = 16
 #: above this many point pairs per pass a launch is negligible next to the pass: programs
 #: run eagerly (no graph memory held for no gain)
@@ -353,9 +347,9 @@ def signature(step: Any, *tensor_dicts: Tensors, by_arrays: bool = False
 class _Entry:
     """A cached graph with weak references to the objects its signature names."""
 
-    def __init__(self, objects: list, payload: Any, nbytes: int = 0):
+    def __init__(self, objects: list, payload: Any):
         self.refs = [weakref.ref(o) for o in objects]
-        self.payload, self.nbytes = payload, nbytes
+        self.payload = payload
 
     def alive_for(self, objects: list) -> bool:
         return len(self.refs) == len(objects) and all(
@@ -363,14 +357,10 @@ class _Entry:
 
 
 class _Cache:
-    """LRU of graphs by signature; an entry whose objects are gone is never returned.
+    """LRU of graphs by signature; an entry whose objects are gone is never returned."""
 
-    At most ``size`` entries, and (``max_bytes``) while the entries' sizes given to
-    :meth:`put` sum to at most that; the newest entry is always kept.
-    """
-
-    def __init__(self, size: int, max_bytes: float = math.inf):
-        self.size, self.max_bytes = size, max_bytes
+    def __init__(self, size: int):
+        self.size = size
         self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
 
     def get(self, key: tuple, objects: list) -> Any:
@@ -383,19 +373,17 @@ class _Cache:
         self.entries.move_to_end(key)
         return ent.payload
 
-    def put(self, key: tuple, objects: list, payload: Any, nbytes: int = 0) -> None:
-        self.entries[key] = _Entry(objects, payload, nbytes)
+    def put(self, key: tuple, objects: list, payload: Any) -> None:
+        self.entries[key] = _Entry(objects, payload)
         self.entries.move_to_end(key)
-        while len(self.entries) > 1 and (
-                len(self.entries) > self.size
-                or sum(e.nbytes for e in self.entries.values()) > self.max_bytes):
+        while len(self.entries) > self.size:
             self.entries.popitem(last=False)
 
     def clear(self) -> None:
         self.entries.clear()
 
 
-_graphs = _Cache(CACHE_SIZE, CACHE_BYTES)
+_graphs = _Cache(CACHE_SIZE)
 _programs = _Cache(PROGRAM_CACHE_SIZE)
 _streams: dict[torch.device, Any] = {}
 _anchors: dict[torch.device, Any] = {}
@@ -569,7 +557,7 @@ class Run:
                 return None
             self._g, self.graph = g, "captured"
             if keep:
-                _graphs.put(self._key, self._objects, g, g.nbytes())
+                _graphs.put(self._key, self._objects, g)
             else:
                 _anchors[self.dev] = g.graph
         if k != g.k:
@@ -639,12 +627,6 @@ class _Graph:
         torch.cuda.current_stream(dev).wait_stream(side)
         g.graph = graph
         return g
-
-    def nbytes(self) -> int:
-        """Bytes of a kept graph's own copies (inputs, state, its objects' arrays)."""
-        held = [*(self.inputs or {}).values(), *self.state_in.values(),
-                *(v for a in self.arrays for v in a.values())]
-        return sum(v.numel() * v.element_size() for v in held)
 
     def load_inputs(self, inputs: Tensors, step: Any) -> None:
         """Copy a call's inputs, and its step's objects' arrays, into the graph's."""
