@@ -85,7 +85,7 @@ def node_ranges(m: int, depth: int, device: torch.device | str = "cpu") -> torch
 
 def descend_reference(tree: TreeArrays, query: torch.Tensor, depth: int | None = None
                       ) -> torch.Tensor:
-    """The reference of :func:`pointalign.kernels.kdtree.descend`: a level at a time.
+    """Descend a level at a time: the reference of :func:`pointalign.kernels.kdtree.descend`.
 
     Node id (level order) at level ``depth`` whose cell holds each ``query (N, 3)``, ``(N,)``.
     Follows the split planes from the root without backtracking (``q[axis] >= split`` goes
