@@ -434,6 +434,8 @@ def test_descend_kernel_matches_reference(backend, rng):
     q = torch.cat([tree.points, (_cloud(4099, rng, scale=1.3) - 0.15).to(backend.device)])
     for d in (None, 3, 0):
         assert torch.equal(K.descend(tree, q, d), K.descend_reference(tree, q, d))
+        depth = torch.tensor([tree.depth if d is None else d], device=backend.device)
+        assert torch.equal(K.descend(tree, q, depth), K.descend_reference(tree, q, d))
     assert K.descend(tree, q[:0]).shape == (0,)
 
 
@@ -450,6 +452,10 @@ def test_descend_reaches_cell(rng):
         assert node == int(leaf[row])
     assert torch.equal(K.descend(tree, q, 0), torch.zeros(50, dtype=torch.int64))
     assert torch.equal(K.descend(tree, q, 99), leaf)
+    # a level given as a tensor (no host read): each leaf's ancestor at that level
+    for d in (0, 2, 5, 99):
+        assert torch.equal(K.descend(tree, q, torch.tensor([d])), K.descend(tree, q, d))
+        assert torch.equal(K.descend(tree, q, torch.tensor(d)), K.descend(tree, q, d))
 
 
 @pytest.mark.parametrize("m,depth", SUBTREE_CASES)

@@ -423,8 +423,9 @@ def test_steps_run_on_the_executor(seed):
 
     p = _pair(10.0, seed, n=400)
     tree = KDTreeIndex(p.target, leaf_size=8)
-    key, objects = _loop.signature(CellMeanStep(tree, 4, math.inf), {"x": p.source})
-    assert objects == [tree] and key[0][1][1:] == (4, math.inf)
+    key, objects = _loop.signature(CellMeanStep(tree, math.inf), {"x": p.source})
+    assert objects == [tree] and key[0][1][1:] == (math.inf,)
+
     assert not NewtonStep.graph_safe  # the line search reads each trial's objective
     r = surface_newton(p.source, index=tree, criteria=CRIT)
     a = approximate_icp(p.source, index=tree)
@@ -479,3 +480,25 @@ def test_cuda_matches_cpu(kind, seed):
         assert torch.allclose(got, ref, rtol=1e-3, atol=1e-5 * float(ref.abs().max()))
     ra = approximate_icp(p.source, p.target, device="cuda", criteria=CRIT)
     assert metrics.rotation_error(ra.transformation, p.T_target_source) < 1.5
+
+
+@pytest.mark.gpu
+def test_approximate_icp_one_graph_for_every_level(seed, monkeypatch):
+    """The level is an input of the step: from the third call on every level replays the
+    kept graph (a graph per level evicted one another from the executor's LRU every call),
+    with the poses, stops and iterations of the eager run."""
+    from pointalign.kernels import _loop
+
+    p = _pair(15.0, seed, n=20000)
+    s, t = p.source.cuda(), p.target.cuda()
+    _loop.clear_caches()
+    runs = [approximate_icp(s, t, criteria=CRIT) for _ in range(3)]
+    assert runs[-1].info["cuda_graph"] == "reused", runs[-1].info["cuda_graph"]
+    assert runs[-1].info["tree_depth"] > LevelSchedule.for_tree(
+        KDTreeIndex(t, leaf_size=8), None, cell_means=True).levels[0]  # several levels ran
+    monkeypatch.setattr(_loop, "USE_GRAPHS", False)
+    eager = approximate_icp(s, t, criteria=CRIT)
+    for r in runs:
+        assert r.iterations == eager.iterations and r.stop_reason == eager.stop_reason
+        np.testing.assert_allclose(r.transformation, eager.transformation, atol=1e-6)
+    _loop.clear_caches()

@@ -305,14 +305,24 @@ def _build_numpy(points: np.ndarray, depth: int):
     return perm, np.concatenate(axes), np.concatenate(splits)
 
 
-def descend(tree: TreeArrays, query: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+def descend(tree: TreeArrays, query: torch.Tensor,
+            depth: int | torch.Tensor | None = None) -> torch.Tensor:
     """Node id (level order) at level ``depth`` whose cell holds each ``query (N, 3)``: ``(N,)``.
 
     Follows the split planes from the root without backtracking (``q[axis] >= split`` goes
     right); ``depth`` defaults to the leaves and is clamped to ``[0, tree.depth]``. One
     Triton launch for a float32 tree (a level's few element-wise launches each in
     :func:`descend_reference`, the PyTorch reference); the same node ids: comparisons only.
+
+    ``depth`` may be a 0-d or ``(1,)`` integer tensor on the query's device: the descent
+    goes to the leaves and each leaf's ancestor at that level is taken on the device
+    (``(leaf + 1) >> (D − depth)) − 1``, the node the descent passes at that level), so
+    that no host read of the level is needed (one CUDA graph serves every level).
     """
+    if isinstance(depth, torch.Tensor):
+        leaf = descend(tree, query)
+        up = (tree.depth - depth.reshape(()).clamp(0, tree.depth)).to(torch.int64)
+        return ((leaf + 1) >> up) - 1
     d = tree.depth if depth is None else max(0, min(int(depth), tree.depth))
     if backend(query) in ("triton", "interpret") and tree.points.dtype == torch.float32:
         from pointalign.kernels.kdtree import triton as _kdtree_triton

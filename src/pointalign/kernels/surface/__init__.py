@@ -188,17 +188,18 @@ def cell_mean_sums(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
 
 
 def cell_mean_step(source: torch.Tensor, means: torch.Tensor, T: torch.Tensor,
-                   Tf: torch.Tensor, tree: _kd.TreeArrays, depth: int, *, tau2: float,
-                   lengths: torch.Tensor, center: torch.Tensor, eps: float
+                   Tf: torch.Tensor, tree: _kd.TreeArrays, depth: int | torch.Tensor, *,
+                   tau2: float, lengths: torch.Tensor, center: torch.Tensor, eps: float
                    ) -> tuple[torch.Tensor, ...]:
     """One approximate-ICP step: cell means as partners, Horn's sums and the float64 solve.
 
     Move ``source (1, N, 3)`` float by ``Tf (1, 4, 4)`` (``T`` in the source's dtype), pair
     each point with the mean ``means (1, K, 3)`` of the level-``depth`` cell it falls in
-    (dropped beyond ``tau2``), reduce the point-to-point sums (centred on ``center (1, 3)``;
-    ``lengths (1,)`` = N) and solve Horn's closed form about the centre
-    (:func:`pointalign.kernels.normal_eq.solve_update_reference`'s contract, degeneracy
-    threshold ``eps``), composed with ``T (1, 4, 4)`` float64.
+    (dropped beyond ``tau2``; ``depth`` an int or a ``(1,)`` integer tensor on the source's
+    device, see :func:`pointalign.kernels.kdtree.descend`), reduce the point-to-point sums
+    (centred on ``center (1, 3)``; ``lengths (1,)`` = N) and solve Horn's closed form about
+    the centre (:func:`pointalign.kernels.normal_eq.solve_update_reference`'s contract,
+    degeneracy threshold ``eps``), composed with ``T (1, 4, 4)`` float64.
 
     The ``"cpu"`` backend fuses move, descent, pairing and sums in one numba pass
     (:func:`cell_mean_sums`); ``"triton"`` moves and descends with PyTorch and reduces and
@@ -214,7 +215,7 @@ def cell_mean_step(source: torch.Tensor, means: torch.Tensor, T: torch.Tensor,
     if be == "cpu" and source.shape[1] > 0:
         from pointalign.kernels.surface import cpu as _surface_cpu
 
-        sums = _surface_cpu.cell_mean_sums_cpu(source[0], Tf[0], tree, means[0], depth,
+        sums = _surface_cpu.cell_mean_sums_cpu(source[0], Tf[0], tree, means[0], int(depth),
                                                tau2=tau2, center=center[0])[None]
         D, T_new, flags = normal_eq.solve_update_reference(sums, center, T, plane=False,
                                                            eps=eps)

@@ -215,7 +215,7 @@ def quadric_sums_reference(tree: _kd.TreeArrays, mean: torch.Tensor, frame: torc
 
 
 def cell_partners(points: torch.Tensor, T: torch.Tensor, tree: _kd.TreeArrays,
-                  means: torch.Tensor, depth: int, tau2: float = math.inf
+                  means: torch.Tensor, depth: int | torch.Tensor, tau2: float = math.inf
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Move ``points (N, 3)`` by ``T (4, 4)`` and pair each with its cell's mean.
 
@@ -256,7 +256,8 @@ def cell_mean_sums_reference(points: torch.Tensor, T: torch.Tensor, tree: _kd.Tr
 
 
 def cell_mean_step_reference(source: torch.Tensor, means: torch.Tensor, T: torch.Tensor,
-                             Tf: torch.Tensor, tree: _kd.TreeArrays, depth: int, *,
+                             Tf: torch.Tensor, tree: _kd.TreeArrays,
+                             depth: int | torch.Tensor, *,
                              tau2: float, lengths: torch.Tensor, center: torch.Tensor,
                              eps: float) -> tuple[torch.Tensor, ...]:
     """PyTorch reference of :func:`~pointalign.kernels.surface.cell_mean_step`.

@@ -13,6 +13,7 @@ import torch
 from pointalign import _threads, _validate, estimate
 from pointalign.kernels import _loop, _np_math, normal_eq
 from pointalign.kernels import surface as _ks
+from pointalign.kernels._backend import upload
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
 from pointalign.registration.result import RegistrationResult
@@ -38,21 +39,22 @@ class CellMeanStep:
     the target).
 
     Inputs: ``source (1, N, 3)`` float32, ``means (1, K, 3)`` (the nodes' means),
-    ``lengths (1,)``, ``center (1, 3)``. State: ``T (1, 4, 4)`` float64 and its float32
-    ``Tf``. Record: ``sums (1, 30)`` at T, the update ``D``, ``T' = D T`` and ``flags``.
+    ``lengths (1,)``, ``center (1, 3)``, ``level (1,)`` int64 (an input, not a field: one
+    CUDA graph serves every level, where a graph per level evicted the others from the
+    executor's cache every call). State: ``T (1, 4, 4)`` float64 and its float32 ``Tf``.
+    Record: ``sums (1, 30)`` at T, the update ``D``, ``T' = D T`` and ``flags``.
     """
 
     graph_safe: ClassVar[bool] = True
-    tree: KDTreeIndex             # the target's tree (a signature names it by identity)
-    level: int
+    tree: KDTreeIndex             # the target's tree (a signature keys it by its layout)
     tau2: float
 
     def __call__(self, inputs: _loop.Tensors, state: _loop.Tensors):
         """Run one step: ``(inputs, state) -> (state, record)`` (class docstring)."""
         T = state["T"]
         sums, D, T_new, Tf_new, flags = _ks.cell_mean_step(
-            inputs["source"], inputs["means"], T, state["Tf"], self.tree.arrays, self.level,
-            tau2=self.tau2, lengths=inputs["lengths"], center=inputs["center"],
+            inputs["source"], inputs["means"], T, state["Tf"], self.tree.arrays,
+            inputs["level"], tau2=self.tau2, lengths=inputs["lengths"], center=inputs["center"],
             eps=estimate.DEGENERACY_EPS)
         return {"T": T_new, "Tf": Tf_new}, {"sums": sums, "update": D, "T": T_new,
                                             "flags": flags}
@@ -228,8 +230,9 @@ def approximate_icp(
     rules = _CellMeanRules(crit, schedule, prob, prob.pair.init[0].copy())
     t_it, runs = time.perf_counter(), []
     while rules.reason is None:
-        step = CellMeanStep(tree, schedule.level, tau2 if schedule.finest else math.inf)
+        step = CellMeanStep(tree, tau2 if schedule.finest else math.inf)
         T = torch.from_numpy(rules.T.copy())[None].to(dev)
+        inputs["level"] = upload([schedule.level], dtype=torch.int64, device=dev)
         run = _loop.iterate(step, inputs, {"T": T, "Tf": T.float()},
                             max_steps=int(crit.max_iterations) - rules.it + 1)
         runs.append(run)
