@@ -48,7 +48,8 @@ The signature is derived from the step's fields, never written by hand, so a new
 constant cannot be left out of the key: numbers, strings and tuples by value, other
 objects by identity, held weakly (the kept graph goes with the object). An object that
 offers ``graph_arrays() -> (key, arrays)`` and ``with_arrays(arrays)`` (a search index:
-:class:`~pointalign.search.kdtree.KDTreeIndex`) is keyed by its key, the shapes of what
+:class:`~pointalign.search.kdtree.KDTreeIndex`,
+:class:`~pointalign.search.brute.BruteForceIndex`) is keyed by its key, the shapes of what
 a graph reads of it: a kept graph captures over its own copy of the object's arrays, and
 a later call with another such object copies that object's arrays in, as it copies the
 inputs (each ICP call builds a new index over its target; same-sized targets share the
