@@ -117,23 +117,3 @@ def test_large_vs_oracle(rng, device):
     res = ix.nearest_within(q, 0.01)
     assert_knn_matches((res.dists[sel], res.idx[sel]), q[sel], p, 1, max_distance=0.01)
 
-
-def test_with_arrays_reads_the_given_arrays_and_checks_their_layout(rng, device):
-    """The executor's protocol (as the k-d tree's): a copy over other arrays of the same
-    layout answers for those arrays; another layout is refused; the index is unchanged."""
-    a = BruteForceIndex(_cloud(300, rng).to(device))
-    b = BruteForceIndex(_cloud(300, rng).to(device))
-    q = _cloud(40, rng).to(device)
-    key_a, arrays_a = a.graph_arrays()
-    key_b, arrays_b = b.graph_arrays()
-    assert key_a == key_b and set(arrays_a) == set(arrays_b)
-    copy = a.with_arrays({k: v.clone() for k, v in arrays_b.items()})
-    for got, want in ((copy.knn(q, 3), b.knn(q, 3)),
-                      (copy.nearest_within(q, 0.2), b.nearest_within(q, 0.2))):
-        assert torch.equal(got.idx, want.idx) and torch.equal(got.dists, want.dists)
-    assert a.graph_arrays()[1]["points"] is arrays_a["points"]  # a itself unchanged
-    assert torch.equal(a.knn(q, 3).idx, a.with_arrays(arrays_a).knn(q, 3).idx)
-    with pytest.raises(ValueError, match="layout"):
-        a.with_arrays(BruteForceIndex(_cloud(301, rng).to(device)).graph_arrays()[1])
-    with pytest.raises(ValueError, match="layout"):
-        a.with_arrays({"points": arrays_b["points"].double()})

@@ -293,24 +293,3 @@ def test_device_matches_cpu_and_oracle(approximate, rng, device):
         assert_knn_matches(rc, q, pts, 8)
         assert_knn_matches(tc.nearest_within(q.to(device), 0.01), q, pts, 1, max_distance=0.01)
         assert_knn_matches(tc.radius(q.to(device), 0.03, 32), q, pts, 32, max_distance=0.03)
-
-
-def test_with_arrays_reads_the_given_arrays_and_checks_their_layout():
-    """The executor's protocol: a copy over other arrays of the same layout answers for
-    those arrays (here another tree's over other points); another layout is refused."""
-    g = torch.Generator().manual_seed(5)
-    a, b = KDTreeIndex(_cloud(300, g)), KDTreeIndex(_cloud(300, g))
-    q = _cloud(40, g)
-    key_a, arrays_a = a.graph_arrays()
-    key_b, arrays_b = b.graph_arrays()
-    assert key_a == key_b and set(arrays_a) == set(arrays_b)
-    copy = a.with_arrays({k: v.clone() for k, v in arrays_b.items()})
-    for got, want in ((copy.knn(q, 3), b.knn(q, 3)),
-                      (copy.nearest_within(q, 0.2), b.nearest_within(q, 0.2))):
-        assert torch.equal(got.idx, want.idx) and torch.equal(got.dists, want.dists)
-    assert a.graph_arrays()[1]["points"] is arrays_a["points"]  # a itself unchanged
-    other = KDTreeIndex(_cloud(301, g))
-    with pytest.raises(ValueError, match="layout"):
-        a.with_arrays(other.graph_arrays()[1])
-    with pytest.raises(ValueError, match="layout"):
-        a.with_arrays({k: v for k, v in arrays_b.items() if k != "inverse"})

@@ -248,3 +248,26 @@ def test_trusted_path_replays_from_a_graph_on_cuda(backend, seed):
         graph.replay()
         torch.cuda.synchronize()
         assert_knn_matches(res, q + 0.001, t, 1, max_distance=md)
+
+
+@pytest.mark.parametrize("method", ["brute", "kdtree"])
+def test_graph_arrays_protocol(method, rng, device):
+    """The executor's protocol (kernels._loop keys a captured graph by it): a copy over
+    another index's arrays of the same layout answers for those arrays; another layout is
+    refused; the index itself is unchanged."""
+    a, b = (build_index(_cloud(300, rng).to(device), method) for _ in range(2))
+    q = _cloud(40, rng).to(device)
+    key_a, arrays_a = a.graph_arrays()
+    key_b, arrays_b = b.graph_arrays()
+    assert key_a == key_b and set(arrays_a) == set(arrays_b)
+    copy = a.with_arrays({k: v.clone() for k, v in arrays_b.items()})
+    for got, want in ((copy.knn(q, 3), b.knn(q, 3)),
+                      (copy.nearest_within(q, 0.2), b.nearest_within(q, 0.2))):
+        assert torch.equal(got.idx, want.idx) and torch.equal(got.dists, want.dists)
+    assert a.graph_arrays()[1]["points"] is arrays_a["points"]  # a itself unchanged
+    with pytest.raises(ValueError, match="layout"):
+        a.with_arrays(build_index(_cloud(301, rng).to(device), method).graph_arrays()[1])
+    with pytest.raises(ValueError, match="layout"):
+        a.with_arrays({k: v for k, v in arrays_b.items() if k != "points"})
+    with pytest.raises(ValueError, match="layout"):
+        a.with_arrays({k: v.double() if k == "points" else v for k, v in arrays_b.items()})
