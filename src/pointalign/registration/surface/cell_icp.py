@@ -11,9 +11,8 @@ import numpy as np
 import torch
 
 from pointalign import _threads, _validate, estimate
-from pointalign.kernels import _loop, _np_math, normal_eq
+from pointalign.kernels import _loop, _np_math, normal_eq, upload
 from pointalign.kernels import surface as _ks
-from pointalign.kernels._backend import upload
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
 from pointalign.registration.result import RegistrationResult
