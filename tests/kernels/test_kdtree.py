@@ -456,6 +456,9 @@ def test_descend_reaches_cell(rng):
     for d in (0, 2, 5, 99):
         assert torch.equal(K.descend(tree, q, torch.tensor([d])), K.descend(tree, q, d))
         assert torch.equal(K.descend(tree, q, torch.tensor(d)), K.descend(tree, q, d))
+    for bad in (torch.tensor([2.0]), torch.tensor([1, 2]), torch.tensor(True)):
+        with pytest.raises(ValueError, match="depth"):
+            K.descend(tree, q, bad)
 
 
 @pytest.mark.parametrize("m,depth", SUBTREE_CASES)

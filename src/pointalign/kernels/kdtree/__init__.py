@@ -320,6 +320,9 @@ def descend(tree: TreeArrays, query: torch.Tensor,
     that no host read of the level is needed (one CUDA graph serves every level).
     """
     if isinstance(depth, torch.Tensor):
+        if depth.numel() != 1 or depth.dtype.is_floating_point or depth.dtype == torch.bool:
+            raise ValueError(f"depth: expected one integer (a 0-d or (1,) integer tensor), "
+                             f"got a {depth.dtype} tensor of shape {tuple(depth.shape)}")
         leaf = descend(tree, query)
         up = (tree.depth - depth.reshape(()).clamp(0, tree.depth)).to(torch.int64)
         return ((leaf + 1) >> up) - 1
