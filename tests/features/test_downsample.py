@@ -197,7 +197,8 @@ def test_group_corners_are_each_clouds_bounds(device, k):
 
 def test_auto_voxel_size_many_equals_each_alone(device):
     """auto_voxel_size_many: every cloud's edge bit for bit (the same cells, counts and host
-    arithmetic); NaN where auto_voxel_size raises (all points coincide)."""
+    arithmetic); NaN where auto_voxel_size raises (all points coincide); ``clouds`` sizes
+    some of the group's clouds, in its order, with the same edges."""
     from pointalign.features.downsample import (
         auto_voxel_size,
         auto_voxel_size_many,
@@ -216,6 +217,9 @@ def test_auto_voxel_size_many_equals_each_alone(device):
                     auto_voxel_size(c, target)
             else:
                 assert v == auto_voxel_size(c, target)
+        some = list(range(len(clouds)))[::-2]  # some clouds, in another order
+        assert [math.isnan(v) or v for v in auto_voxel_size_many(group, target, clouds=some)] \
+            == [math.isnan(got[i]) or got[i] for i in some]
     sizes = [0.01 * (i + 1) for i in range(len(clouds))]
     assert count_voxels_many(group, sizes) == [count_voxels(c, v)
                                                for c, v in zip(clouds, sizes, strict=True)]

@@ -1,11 +1,12 @@
 """Stray points (features/outliers.py): the batched stray fractions against each cloud alone.
 
-``stray_fractions_many`` answers every cloud's sample by one sort over ``(cloud, cell)``; its
-counts use the search contract's squared distance on each cloud's own coordinates, so on the
-"torch" and "cpu" backends they equal the per-cloud index's bit for bit (and so do the
-fractions, rounded as ``Tensor.mean`` rounds them on the device). On "triton" the per-cloud
-grid kernel may fuse the distance's multiply-adds: a neighbour within ~2 float32 ulps of v
-may count differently there (not seen on these clouds).
+``stray_fractions_many`` answers every cloud's sample by one sort over ``(cloud, cell)`` and
+one capped count (``kernels.grid.count_within``, tested against a brute-force count in
+``tests/kernels/test_grid.py``); its counts use the search contract's squared distance on
+each cloud's own coordinates, so on the "torch" and "cpu" backends they equal the per-cloud
+index's bit for bit (and so do the fractions, rounded as ``Tensor.mean`` rounds them on the
+device). On "triton" the kernels may fuse the distance's multiply-adds: a neighbour within
+~2 float32 ulps of v may count differently there (not seen on these clouds).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from pointalign import datasets
 from pointalign.features import outliers
 from pointalign.features.downsample import auto_voxel_size_many, group_clouds
+from pointalign.kernels.grid import reference as grid_ref
 
 
 def _clouds(device: str) -> list[torch.Tensor]:
@@ -37,7 +39,7 @@ def test_stray_fractions_many_equal_each_alone(backend, budget, monkeypatch):
     """Every cloud's fraction equals stray_fraction's (its own index at v), at the automatic
     edge and at a coarser one; in one pass and in several (a small candidate budget)."""
     if budget is not None:
-        monkeypatch.setattr(outliers, "_STRAY_BUDGET", budget)
+        monkeypatch.setattr(grid_ref, "COUNT_BUDGET", budget)
     clouds = _clouds(backend.device)
     group = group_clouds(clouds)
     auto = auto_voxel_size_many(group, 5000)
@@ -48,10 +50,9 @@ def test_stray_fractions_many_equal_each_alone(backend, budget, monkeypatch):
     assert any(f >= outliers.MIN_STRAY_FRACTION for f in got)
 
 
-def test_capped_counts_skip_crowded_sub_cells(backend):
-    """_within_many with a cap: exact below the cap, at least the cap elsewhere; queries in a
-    sub-cell holding the cap (a lidar scan's crowded cells) are counted without comparing,
-    the uncapped counts being exact (test_stray_fractions_many_equal_each_alone)."""
+def test_capped_counts_stop_in_crowded_cells(backend):
+    """_within_many with a cap: the exact count below the cap, the cap elsewhere (a lidar
+    scan's crowded cells stop comparing there), against a brute-force count per cloud."""
     g = torch.Generator().manual_seed(3)
     dense = torch.rand(3000, 3, generator=g) * 0.05            # ~hundreds per v-cell
     sparse = torch.rand(400, 3, generator=g) * 4.0 + 1.0
@@ -59,14 +60,11 @@ def test_capped_counts_skip_crowded_sub_cells(backend):
     group = group_clouds(clouds)
     q = torch.arange(group.points.shape[0], device=backend.device)
     for v, cap in ((0.02, 5), (0.3, 17)):
-        vs = [v, v]
-        exact = outliers._within_many(group, vs, q, group.owner)
-        capped = outliers._within_many(group, vs, q, group.owner, cap=cap)
-        crowded = outliers._crowded(group, vs, q, cap)
-        assert bool(crowded.any()) and not bool(crowded.all())
-        assert torch.equal(capped.clamp_max(cap), exact.clamp_max(cap))
-        assert torch.equal(capped[~crowded], exact[~crowded])
-        assert bool((exact[crowded] >= cap).all())  # what the sub-cells promise
+        exact = torch.cat([((c[:, None] - c[None]).square().sum(-1) <= v * v).sum(1)
+                           for c in clouds])
+        assert bool((exact >= cap).any()) and bool((exact < cap).any())
+        got = outliers._within_many(group, [v, v], q, group.owner, cap=cap)
+        assert torch.equal(got, exact.clamp_max(cap))
 
 
 def test_mean_rounded_as_torch(device):
@@ -85,7 +83,7 @@ def test_dense_masks_many_equal_each_alone(backend, budget, monkeypatch):
     automatic edge, a coarser and a finer one (where the median rule keeps every point);
     the kept counts are the masks' sums."""
     if budget is not None:
-        monkeypatch.setattr(outliers, "_STRAY_BUDGET", budget)
+        monkeypatch.setattr(grid_ref, "COUNT_BUDGET", budget)
     clouds = _clouds(backend.device)[:-1]  # not the full scan: the reference is slow
     group = group_clouds(clouds)
     auto = auto_voxel_size_many(group, 5000)

@@ -1,6 +1,8 @@
 """kernels.grid: the voxel grid's build and 27-cell query on every backend against the
 reference ``grid_query_reference`` and the SciPy oracle; the Triton kernel through the
-interpreter. (The index over it, VoxelGridIndex: ``tests/search/test_grid.py``.)
+interpreter; the capped counts within a radius (``count_within``) of several clouds sharing
+one packed grid against a brute-force count. (The index over it, VoxelGridIndex:
+``tests/search/test_grid.py``.)
 
 Search answers: equal indices except at exact ties of distance (``assert_same_or_tied``:
 both keep the smallest index on exact ties; distances to float32 rounding); builds equal.
@@ -75,6 +77,79 @@ def test_grid_query_bad_input(backend, rng):
         grid_mod.grid_build(q, 0.0)
 
 
+# --- count_within: capped counts within a radius, several clouds on one packed grid ------
+
+
+def _packed(clouds: list[torch.Tensor], radii: list[float]):
+    """count_within's arguments for every point of ``clouds`` as a query: each cloud on its
+    own grid of cells of edge ``r (1 + 1e-5)`` from its own corner, keys packed cloud after
+    cloud. Returns ``(args without cap, points, owner)``."""
+    dev = clouds[0].device
+    dims, keys, cells, base = [], [], [], 0
+    bases = []
+    for c, r in zip(clouds, radii, strict=True):
+        lo = c.to(torch.float64).amin(0)
+        cell = ((c.to(torch.float64) - lo) / (r * (1 + 1e-5))).floor().to(torch.int64)
+        d = cell.amax(0) + 1
+        keys.append(base + (cell[:, 0] * d[1] + cell[:, 1]) * d[2] + cell[:, 2])
+        cells.append(cell)
+        dims.append(d)
+        bases.append(base)
+        base += int(d.prod())
+    pts = torch.cat(clouds)
+    owner = torch.cat([torch.full((c.shape[0],), i, device=dev) for i, c in enumerate(clouds)])
+    sk, order = torch.sort(torch.cat(keys))
+    r2 = torch.tensor([r * r for r in radii], dtype=pts.dtype, device=dev)
+    args = (sk, pts[order], pts, torch.cat(cells), owner, torch.stack(dims),
+            torch.tensor(bases, device=dev), r2)
+    return args, pts, owner
+
+
+def _brute_counts(pts: torch.Tensor, owner: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+    """Points of the query's own cloud within the bound, the contract's arithmetic."""
+    e = pts[:, None, :] - pts[None, :, :]
+    d2 = e[..., 0] * e[..., 0] + e[..., 1] * e[..., 1] + e[..., 2] * e[..., 2]
+    same = owner[:, None] == owner[None, :]
+    return (same & (d2 <= r2[owner][:, None])).sum(1)
+
+
+def _count_clouds(g: torch.Generator, n: int = 1500
+                  ) -> tuple[list[torch.Tensor], list[float]]:
+    """A crowded cloud (hundreds per cell at n = 1500), a sparse one far away, a tiny one."""
+    dense = torch.rand(n, 3, generator=g) * 0.05
+    sparse = torch.rand(n // 5, 3, generator=g) * 4.0 + 1.0
+    return [torch.cat([dense, sparse]), sparse * 0.5 - 7.0, torch.rand(4, 3, generator=g)], \
+        [0.02, 0.3, 0.5]
+
+
+@pytest.mark.parametrize("cap", [1, 5, 17, 10_000])
+def test_count_within_matches_brute_force(backend, cap, rng, monkeypatch):
+    """Capped counts equal a brute-force count over each cloud (27 cells of edge >= r hold
+    every point within r), in one pass and in several (a small candidate budget)."""
+    clouds, radii = _count_clouds(rng)
+    args, pts, owner = _packed([c.to(backend.device) for c in clouds], radii)
+    full = _brute_counts(pts, owner, args[-1])
+    assert int(full.max()) > 17 and int(full.min()) == 1       # crowded cells and lone points
+    want = full.clamp_max(cap)
+    for budget in (None, 2000):
+        if budget is not None:
+            monkeypatch.setattr(grid_ref, "COUNT_BUDGET", budget)
+        got = grid_mod.count_within(*args, cap)
+        assert got.dtype == torch.int64
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_count_within_bad_input():
+    args, _, _ = _packed([torch.rand(10, 3)], [0.3])
+    for cap in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="cap"):
+            grid_mod.count_within(*args, cap)
+    with pytest.raises(ValueError, match="sorted_keys"):
+        grid_mod.count_within(args[0][:-1], *args[1:], 3)
+    with pytest.raises(ValueError, match="query"):
+        grid_mod.count_within(*args[:2], args[2].double(), *args[3:], 3)
+
+
 # --- Triton grid kernel through the interpreter (child process, tiny sizes) ------------------
 
 # (name, n, m, cell, k, max_distance, dtype)
@@ -118,6 +193,9 @@ def run_interpreted_cases(out_path: str) -> None:
     out["ties1"] = _grid_triton.grid_query(grid_mod.grid_build(many, 0.6),
                                            torch.tensor([[0.1, 0, 0], [0.45, 0, 0]]), 1)
     out["morton"] = [_grid_triton.morton_codes(c) for c in _morton_clouds()]
+    for seed in range(2):  # small clouds: the interpreter is slow
+        args, _, _ = _packed(*_count_clouds(torch.Generator().manual_seed(seed), 150))
+        out[("count", seed)] = [grid_mod.count_within(*args, cap) for cap in (5, 10_000)]
     torch.save(out, out_path)
 
 
@@ -191,3 +269,12 @@ def test_triton_interpreted_ties(interpreted):
     assert i.tolist() == [[0, 2], [1, 3]]
     d, i = interpreted["ties1"]
     assert i.tolist() == [[0], [1]]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_count_within_interpreted(seed, interpreted):
+    """The Triton counts (``grid/triton.py``) are the reference's, exactly."""
+    args, _, _ = _packed(*_count_clouds(torch.Generator().manual_seed(seed), 150))
+    assert int(grid_ref.count_within_reference(*args, 10_000).max()) > 5   # some capped
+    for got, cap in zip(interpreted[("count", seed)], (5, 10_000), strict=True):
+        assert torch.equal(got, grid_ref.count_within_reference(*args, cap))

@@ -379,23 +379,29 @@ def count_voxels_many(group: CloudGroup, voxel_sizes: Sequence[float]) -> list[i
 
 
 def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,
-                         iterations: int = 6) -> list[float]:
+                         iterations: int = 6, clouds: Sequence[int] | None = None
+                         ) -> list[float]:
     """:func:`auto_voxel_size` of every cloud of ``group``: the same edges, bit for bit.
 
     The same rule and host arithmetic per cloud; each round counts the voxels of every
     cloud still searching by one :func:`count_voxels_many` (one host synchronisation per
     round, at most ``iterations``, instead of one per cloud and round). A cloud whose points
-    all coincide gets NaN (:func:`auto_voxel_size` raises there).
+    all coincide gets NaN (:func:`auto_voxel_size` raises there). ``clouds``: the indices
+    of the clouds to size, in the order of the returned edges (default: all); the others
+    are counted along but not sized (a group made once for other uses as well).
     """
     target_points = int(target_points)
     if target_points < 3:
         raise ValueError(f"target_points: expected an integer >= 3, got {target_points}")
     c = len(group.sizes)
+    sized = list(range(c)) if clouds is None else list(clouds)
     diag = [math.dist(lo, hi) for lo, hi in zip(group.lo_h, group.hi_h, strict=True)]
     want = [max(3, min(target_points, n // 2)) for n in group.sizes]
     v = [d / math.sqrt(w) if d > 0 else 1.0 for d, w in zip(diag, want, strict=True)]
     best_v, best_err = list(v), [math.inf] * c
-    active = [d > 0 for d in diag]
+    active = [False] * c
+    for i in sized:
+        active[i] = diag[i] > 0
     for _ in range(iterations):
         if not any(active):
             break
@@ -411,4 +417,4 @@ def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,
                 continue
             v[i] *= math.sqrt(counts[i] / want[i])
             v[i] = max(v[i], diag[i] * 1e-6)
-    return [b if d > 0 else math.nan for b, d in zip(best_v, diag, strict=True)]
+    return [best_v[i] if diag[i] > 0 else math.nan for i in sized]

@@ -38,6 +38,7 @@ from pointalign.features.downsample import (
     group_clouds,
 )
 from pointalign.kernels import upload
+from pointalign.kernels.grid import count_within
 from pointalign.kernels.grid.reference import CELL_MARGIN
 
 
@@ -205,11 +206,6 @@ def robust_voxel_size(points: Any, target_points: int = 5000, *,
     return v
 
 
-#: candidate (query, point) pairs per pass of :func:`stray_fractions_many` (bounds its
-#: temporaries to ~1 GB whatever the group's size)
-_STRAY_BUDGET = 1 << 23
-
-
 def _mean_as_torch(count: int, n: int, device: torch.device) -> float:
     """``float(x.float().mean())`` of an ``(n,)`` 0/1 vector holding ``count`` ones.
 
@@ -219,11 +215,6 @@ def _mean_as_torch(count: int, n: int, device: torch.device) -> float:
     """
     s, m = np.float32(count), np.float32(n)
     return float(s * (np.float32(1.0) / m) if device.type == "cuda" else s / m)
-
-
-#: a sub-cell's edge as a fraction of v: any two of its points lie within v of each other
-#: (its diagonal is v (1 - 1e-4); the margin keeps float32's rounding of d² below v²)
-_SUB_CELL = (1 - 1e-4) / math.sqrt(3)
 
 
 def _packed_cells(group: CloudGroup, edges: Sequence[float]
@@ -242,100 +233,41 @@ def _packed_cells(group: CloudGroup, edges: Sequence[float]
     if sum(ncell) >= 1 << 62:
         return None
     i64 = torch.int64
-    base = upload(list(itertools.accumulate(ncell, initial=0))[:-1], dtype=i64, device=dev)
-    dims_d = upload([x for d in dims for x in d], dtype=i64, device=dev).view(c, 3)
+    flat = upload([x for d in dims for x in d]
+                  + list(itertools.accumulate(ncell, initial=0))[:-1], dtype=i64, device=dev)
+    dims_d, base = flat[:3 * c].view(c, 3), flat[3 * c:]
     owner = group.owner
+    nxyz = dims_d[owner]
     rel = group.points.to(torch.float64) - group.lo[owner]
     cell = torch.floor(rel / upload(list(edges), dtype=torch.float64, device=dev)[owner, None])
-    cell = torch.minimum(cell.to(i64).clamp_min(0), dims_d[owner] - 1)
-    nxyz = dims_d[owner]
+    cell = torch.minimum(cell.to(i64).clamp_min(0), nxyz - 1)
     keys = base[owner] + (cell[:, 0] * nxyz[:, 1] + cell[:, 1]) * nxyz[:, 2] + cell[:, 2]
     return keys, cell, dims_d, base
 
 
-def _crowded(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.Tensor,
-             cap: int) -> torch.Tensor | None:
-    """Tell the queries whose own sub-cell holds at least ``cap`` points: ``(Q,)`` bool.
-
-    Sub-cells of edge ``v · _SUB_CELL`` (each cloud's own, anchored at its corner): any two
-    points of one lie within v of each other, so such a query has at least ``cap`` points
-    within v (itself included) without comparing them. One sort, no synchronisation; None
-    where the packed key would overflow.
-    """
-    cells = _packed_cells(group, [float(v) * _SUB_CELL for v in voxel_sizes])
-    if cells is None:
-        return None
-    keys = cells[0]
-    ordered = torch.sort(keys).values
-    mine = keys[q_rows]
-    same = (torch.searchsorted(ordered, mine, right=True)
-            - torch.searchsorted(ordered, mine))
-    return same >= cap
-
-
 def _within_many(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.Tensor,
-                 q_owner: torch.Tensor, cap: int | None = None) -> torch.Tensor | None:
+                 q_owner: torch.Tensor, cap: int) -> torch.Tensor | None:
     """Count the points within ``voxel_sizes[c]`` of each query row (the query included).
 
     ``q_rows (Q,)``: rows of ``group.points`` asked about; ``q_owner (Q,)``: their clouds.
     Each cloud is cut into its own cells of edge v (anchored at its own corner), one sort
-    orders every point by ``(cloud, cell)``, and each query compares itself with the points
-    of its cloud's 27 cells around it: ``dx² + dy² + dz² <= v²`` in the points' dtype on
-    the cloud's own coordinates (the search contract of every index). Exact counts
-    ``(Q,)`` int64; with ``cap``, exact below ``cap`` and at least ``cap`` elsewhere: a
-    query whose own sub-cell holds ``cap`` points (:func:`_crowded`) compares with none
-    (a lidar scan's cells near the sensor hold hundreds of points, each a comparison per
-    query) and counts ``cap``. None where the packed key would overflow. One host
-    synchronisation (two when the candidates exceed one pass of ``_STRAY_BUDGET``).
+    orders every point by ``(cloud, cell)``, and :func:`~pointalign.kernels.grid.count_within`
+    compares each query with the points of its cloud's 27 cells around it:
+    ``dx² + dy² + dz² <= v²`` in the points' dtype on the cloud's own coordinates (the
+    search contract of every index). Returns ``(Q,)`` int64 counts, exact below ``cap`` and
+    ``cap`` elsewhere (a lidar scan's cells near the sensor hold hundreds of points: a query
+    there stops comparing at ``cap``); None where the packed key would overflow. On a GPU
+    no host synchronisation.
     """
-    crowded = None if cap is None else _crowded(group, voxel_sizes, q_rows, cap)
-    dev, dt, i64 = group.points.device, group.points.dtype, torch.int64
     cells = _packed_cells(group, [float(v) * (1 + CELL_MARGIN) for v in voxel_sizes])
     if cells is None:  # the packed key would overflow
         return None
     keys, cell, dims_d, base = cells
-    pts = group.points
     sorted_keys, order = torch.sort(keys)
-    # the 9 key ranges (x, y columns; z from l - 1 to l + 1) of each query's 27 cells
-    qc, qd, qb = cell[q_rows], dims_d[q_owner], base[q_owner]
-    d = torch.arange(-1, 2, device=dev)
-    x = qc[:, 0:1] + d.repeat_interleave(3)[None]                                 # (Q, 9)
-    y = qc[:, 1:2] + d.repeat(3)[None]
-    ok = (x >= 0) & (x < qd[:, 0:1]) & (y >= 0) & (y < qd[:, 1:2])
-    col = qb[:, None] + (x * qd[:, 1:2] + y) * qd[:, 2:3]
-    z_lo = (qc[:, 2:3] - 1).clamp_min(0)
-    z_hi = torch.minimum(qc[:, 2:3] + 1, qd[:, 2:3] - 1)
-    start = torch.searchsorted(sorted_keys, col + z_lo)
-    if crowded is not None:  # counted without comparing: their ranges are skipped
-        ok &= ~crowded[:, None]
-    length = torch.where(ok, torch.searchsorted(sorted_keys, col + z_hi, right=True) - start, 0)
-    r2 = upload([v * v for v in voxel_sizes], dtype=dt, device=dev)             # rounded to dt
-    within = torch.zeros(q_rows.shape[0], dtype=i64, device=dev)
-    start, length = start.reshape(-1), length.reshape(-1)
-    cum = torch.cumsum(length, 0)
-    total = int(cum[-1]) if cum.numel() else 0
-    cuts = [(0, start.numel(), 0, total)]
-    if total > _STRAY_BUDGET:  # whole queries (9 ranges) per pass, about a budget each
-        at = torch.searchsorted(cum, torch.arange(_STRAY_BUDGET, total, _STRAY_BUDGET,
-                                                  device=dev))
-        ends = torch.unique(torch.cat([(at // 9 + 1) * 9, at.new_full((1,), start.numel())]))
-        ends_h = ends.tolist()
-        before = torch.cat([cum.new_zeros(1), cum])[ends].tolist()
-        cuts = [(a, b, ca, cb) for a, b, ca, cb in
-                zip([0, *ends_h[:-1]], ends_h, [0, *before[:-1]], before, strict=True)]
-    for a, b, ca, cb in cuts:
-        if cb == ca:
-            continue
-        rng = torch.repeat_interleave(torch.arange(a, b, device=dev), length[a:b],
-                                      output_size=cb - ca)
-        pos = start[rng] + torch.arange(ca, cb, device=dev) - (cum[rng] - length[rng])
-        p = pts[order[pos]]
-        qi = rng // 9
-        q = pts[q_rows[qi]]
-        e = q - p
-        d2 = e[:, 0] * e[:, 0] + e[:, 1] * e[:, 1] + e[:, 2] * e[:, 2]
-        within.index_add_(0, qi, (d2 <= r2[q_owner[qi]]).to(i64))
-    return within if crowded is None or cap is None else torch.where(crowded, cap, within)
+    r2 = upload([v * v for v in voxel_sizes], dtype=group.points.dtype,
+                device=group.points.device)                                    # rounded to dt
+    return count_within(sorted_keys, group.points[order], group.points[q_rows], cell[q_rows],
+                        q_owner, dims_d, base, r2, cap)
 
 
 def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
@@ -346,30 +278,24 @@ def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
     :data:`SPARSE_NEIGHBOURS` others within v, squared distances ``dx² + dy² + dz²``
     computed in the points' dtype on each cloud's own coordinates and compared with ``v²``
     rounded to that dtype: the search contract of every index), answered for all clouds at
-    once: each cloud is cut into its own cells of edge v (anchored at its own corner), one
-    sort orders every point by ``(cloud, cell)``, and each query compares itself with the
-    points of its cloud's 27 cells around it (unless its own sub-cell of edge v/√3 already
-    holds :data:`SPARSE_NEIGHBOURS` others: not a stray). The counts are the per-cloud
-    index's (on the
-    CPU backends, which compute that expression as written, bit for bit; the Triton kernels
-    may contract it into fused multiply-adds, which can move a squared distance lying
-    within ~2 float32 ulps of v² across it); the fraction is rounded as
-    ``stray_fraction``'s mean (:func:`_mean_as_torch`). Host synchronisations: 2 (3 when
-    the candidates exceed one pass), for the whole group.
+    once by :func:`_within_many` (each query stops at :data:`SPARSE_NEIGHBOURS` others: not
+    a stray). The counts are the per-cloud index's (on the CPU backends, which compute that
+    expression as written, bit for bit; the Triton kernels may contract it into fused
+    multiply-adds, which can move a squared distance lying within ~2 float32 ulps of v²
+    across it); the fraction is rounded as ``stray_fraction``'s mean
+    (:func:`_mean_as_torch`). One host synchronisation on a GPU (the stray counts), for the
+    whole group.
     """
-    c = len(group.sizes)
-    dev, i64 = group.points.device, torch.int64
-    # the strided sample of each cloud: rows 0, s, 2s, ... with s = max(1, n // sample)
+    dev = group.points.device
+    # the strided sample of each cloud: rows 0, s, 2s, ... with s = max(1, n // sample),
+    # made on the host and uploaded with their clouds in one copy
     stride = [max(1, n // sample) for n in group.sizes]
     m = [-(-n // s) for n, s in zip(group.sizes, stride, strict=True)]
-    q_owner = torch.repeat_interleave(torch.arange(c, device=dev),
-                                      upload(m, dtype=i64, device=dev), output_size=sum(m))
-    first = upload([*itertools.accumulate(group.sizes, initial=0)][:-1]
-                   + [*itertools.accumulate(m, initial=0)][:-1], dtype=i64,
-                   device=dev).view(2, c)
-    step = upload(stride, dtype=i64, device=dev)
-    q_rows = first[0, q_owner] + (torch.arange(sum(m), device=dev)
-                                  - first[1, q_owner]) * step[q_owner]
+    first = list(itertools.accumulate(group.sizes, initial=0))[:-1]
+    rows = np.concatenate([np.arange(f, f + n, s, dtype=np.int64)
+                           for f, n, s in zip(first, group.sizes, stride, strict=True)])
+    owner = np.repeat(np.arange(len(m), dtype=np.int64), m)
+    q_rows, q_owner = upload(np.stack([rows, owner]), dtype=torch.int64, device=dev)
     within = _within_many(group, voxel_sizes, q_rows, q_owner, cap=SPARSE_NEIGHBOURS + 1)
     if within is None:  # the packed key would overflow: one cloud at a time
         return [stray_fraction(group.cloud(i), v, sample) for i, v in enumerate(voxel_sizes)]

@@ -85,23 +85,27 @@ def voxel_sizes(pairs: Sequence[Clouds], opts: Options,
 def _voxel_sizes_many(pairs: Sequence[Clouds], opts: Options
                       ) -> list[tuple[float, bool] | ValueError]:
     """:func:`voxel_sizes` of the whole group at once (the device's path)."""
-    bigs = [s if s.shape[0] >= t.shape[0] else t for s, t in pairs]
-    if opts.voxel_size is None:
-        vs = auto_voxel_size_many(group_clouds(bigs), opts.target_points)
-    else:
+    # both clouds of every pair as one group (one synchronisation for their corners): the
+    # automatic edge of each pair's larger cloud, the stray fractions of both
+    bigs = [2 * i + int(s.shape[0] < t.shape[0]) for i, (s, t) in enumerate(pairs)]
+    group = (group_clouds([x for p in pairs for x in p])
+             if opts.voxel_size is None or opts.remove_outliers else None)
+    if opts.voxel_size is not None:
         vs = [float(opts.voxel_size)] * len(pairs)
+    else:
+        assert group is not None
+        vs = auto_voxel_size_many(group, opts.target_points, clouds=bigs)
     ok = [math.isfinite(v) for v in vs]
     strays = [False] * len(pairs)
-    if opts.remove_outliers:
-        fr = stray_fractions_many(group_clouds([x for p in pairs for x in p]),
-                                  [v if good else 1.0 for v, good in zip(vs, ok, strict=True)
-                                   for _ in (0, 1)])
+    if group is not None and opts.remove_outliers:
+        fr = stray_fractions_many(group, [v if good else 1.0 for v, good in
+                                          zip(vs, ok, strict=True) for _ in (0, 1)])
         strays = [max(fr[2 * i], fr[2 * i + 1]) >= MIN_STRAY_FRACTION for i in range(len(pairs))]
     if opts.voxel_size is None:  # v without the strays, for every pair that shows some
         redo = [i for i in range(len(pairs)) if ok[i] and strays[i]]
-        for i, rv in zip(redo, robust_voxel_sizes_many(
-                [bigs[i] for i in redo], opts.target_points, start=[vs[i] for i in redo]),
-                         strict=True):
+        robust = robust_voxel_sizes_many([pairs[i][bigs[i] % 2] for i in redo],
+                                         opts.target_points, start=[vs[i] for i in redo])
+        for i, rv in zip(redo, robust, strict=True):
             vs[i], ok[i] = rv, math.isfinite(rv)
     return [(v, st) if good else ValueError(COINCIDE)
             for v, good, st in zip(vs, ok, strays, strict=True)]

@@ -25,6 +25,7 @@ import torch
 from pointalign.kernels._backend import backend, upload
 from pointalign.kernels.grid.reference import CELL_MARGIN as _CELL_MARGIN
 from pointalign.kernels.grid.reference import GridData as GridData
+from pointalign.kernels.grid.reference import count_within_reference as count_within_reference
 from pointalign.kernels.grid.reference import grid_query_reference as grid_query_reference
 from pointalign.kernels.grid.reference import morton_codes_reference as morton_codes_reference
 from pointalign.kernels.grid.reference import query_keys as query_keys
@@ -121,6 +122,58 @@ def grid_query(g: GridData, query: torch.Tensor, k: int,
 
         return _grid_triton.grid_query(g, query, k, max_distance_sq, sort_queries=sort_queries)
     return grid_query_reference(g, query, k, max_distance_sq)
+
+
+def count_within(sorted_keys: torch.Tensor, sorted_points: torch.Tensor, query: torch.Tensor,
+                 query_cell: torch.Tensor, query_cloud: torch.Tensor, dims: torch.Tensor,
+                 base: torch.Tensor, r2: torch.Tensor, cap: int) -> torch.Tensor:
+    """Count the points within ``sqrt(r2)`` of each query among its 27 cells, up to ``cap``.
+
+    Several clouds share one packed grid: cloud c has ``dims[c] = (nx, ny, nz)`` cells of its
+    own, keyed ``base[c] + (i · ny + j) · nz + l``, and the keys of different clouds do not
+    overlap. A query of cloud c in cell ``(i, j, l)`` is compared with every point whose key
+    is one of its 27 neighbours' (cells off the grid hold nothing); a point counts when
+    ``dx² + dy² + dz² <= r2[c]``, computed in the points' dtype (the search contract: the
+    Triton kernel may fuse the multiply-adds, so a distance within ~2 ulps of the bound may
+    count differently there). With cells of edge at least ``sqrt(r2[c])``, that is every
+    point of the cloud within the radius.
+
+    Args:
+        sorted_keys: ``(P,)`` int64 every point's key, ascending.
+        sorted_points: ``(P, 3)`` float points in that order.
+        query: ``(Q, 3)`` float queries (the points' dtype and device).
+        query_cell: ``(Q, 3)`` int64 each query's cell ``(i, j, l)`` in its cloud's grid.
+        query_cloud: ``(Q,)`` int64 each query's cloud.
+        dims: ``(C, 3)`` int64 cells per axis of each cloud.
+        base: ``(C,)`` int64 each cloud's first key.
+        r2: ``(C,)`` squared radius of each cloud, in the points' dtype.
+        cap: counts stop at this (>= 1): a query in a crowded cell compares with no more
+            candidates than it needs.
+
+    Returns:
+        ``(Q,)`` int64 ``min(count, cap)``. On Triton one launch and no host
+        synchronisation (each lane stops at ``cap``); elsewhere
+        :func:`count_within_reference` (one or two synchronisations).
+
+    """
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap: expected an integer >= 1, got {cap!r}")
+    if sorted_points.dim() != 2 or sorted_points.shape[1] != 3 \
+            or sorted_keys.shape != sorted_points.shape[:1]:
+        raise ValueError(f"sorted_keys, sorted_points: expected shapes (P,) and (P, 3), got "
+                         f"{tuple(sorted_keys.shape)} and {tuple(sorted_points.shape)}")
+    if query.dim() != 2 or query.shape[1] != 3 or query.dtype != sorted_points.dtype:
+        raise ValueError(f"query: expected shape (Q, 3) with the points' dtype "
+                         f"{sorted_points.dtype}, got {tuple(query.shape)} {query.dtype}")
+    if backend(query) in ("triton", "interpret"):
+        from pointalign.kernels.grid import triton as _grid_triton
+
+        return _grid_triton.count_within(
+            sorted_keys.contiguous(), sorted_points.contiguous(), query.contiguous(),
+            query_cell.contiguous(), query_cloud.contiguous(), dims.contiguous(),
+            base.contiguous(), r2.contiguous(), cap)
+    return count_within_reference(sorted_keys, sorted_points, query, query_cell, query_cloud,
+                                  dims, base, r2, cap)
 
 
 def morton_order(points: torch.Tensor) -> torch.Tensor:

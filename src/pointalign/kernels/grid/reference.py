@@ -131,6 +131,63 @@ def grid_query_reference(g: GridData, query: torch.Tensor, k: int,
     return out_d, out_i
 
 
+#: candidate (query, point) pairs per pass of :func:`count_within_reference` (bounds its
+#: temporaries to ~1 GB whatever the number of queries)
+COUNT_BUDGET = 1 << 23
+
+
+def count_within_reference(sorted_keys: torch.Tensor, sorted_points: torch.Tensor,
+                           query: torch.Tensor, query_cell: torch.Tensor,
+                           query_cloud: torch.Tensor, dims: torch.Tensor, base: torch.Tensor,
+                           r2: torch.Tensor, cap: int, *, budget: int | None = None
+                           ) -> torch.Tensor:
+    """Plain PyTorch statement of :func:`pointalign.kernels.grid.count_within`.
+
+    Each query's 27 cells are 9 key ranges (one per ``(i, j)`` column, ``l - 1 .. l + 1``),
+    found by binary search in ``sorted_keys``; every candidate's squared distance
+    ``dx² + dy² + dz²`` (in the points' dtype, summed left to right) is compared with its
+    cloud's ``r2``, and the hits are added per query. The candidates are expanded in passes
+    of about ``budget`` (default :data:`COUNT_BUDGET`) whole queries' worth: one host
+    synchronisation, two when there are several passes. Returns ``(Q,)`` int64 counts,
+    capped at ``cap``.
+    """
+    dev, i64 = query.device, torch.int64
+    budget = COUNT_BUDGET if budget is None else budget
+    qd, qb = dims[query_cloud], base[query_cloud]
+    d = torch.arange(-1, 2, device=dev)
+    x = query_cell[:, 0:1] + d.repeat_interleave(3)[None]                        # (Q, 9)
+    y = query_cell[:, 1:2] + d.repeat(3)[None]
+    ok = (x >= 0) & (x < qd[:, 0:1]) & (y >= 0) & (y < qd[:, 1:2])
+    col = qb[:, None] + (x * qd[:, 1:2] + y) * qd[:, 2:3]
+    z_lo = (query_cell[:, 2:3] - 1).clamp_min(0)
+    z_hi = torch.minimum(query_cell[:, 2:3] + 1, qd[:, 2:3] - 1)
+    start = torch.searchsorted(sorted_keys, col + z_lo)
+    length = torch.where(ok, torch.searchsorted(sorted_keys, col + z_hi, right=True) - start, 0)
+    within = torch.zeros(query.shape[0], dtype=i64, device=dev)
+    start, length = start.reshape(-1), length.reshape(-1)
+    cum = torch.cumsum(length, 0)
+    total = int(cum[-1]) if cum.numel() else 0
+    cuts = [(0, start.numel(), 0, total)]
+    if total > budget:  # whole queries (9 ranges) per pass, about a budget each
+        at = torch.searchsorted(cum, torch.arange(budget, total, budget, device=dev))
+        ends = torch.unique(torch.cat([(at // 9 + 1) * 9, at.new_full((1,), start.numel())]))
+        ends_h = ends.tolist()
+        before = torch.cat([cum.new_zeros(1), cum])[ends].tolist()
+        cuts = [(a, b, ca, cb) for a, b, ca, cb in
+                zip([0, *ends_h[:-1]], ends_h, [0, *before[:-1]], before, strict=True)]
+    for a, b, ca, cb in cuts:
+        if cb == ca:
+            continue
+        rng = torch.repeat_interleave(torch.arange(a, b, device=dev), length[a:b],
+                                      output_size=cb - ca)
+        pos = start[rng] + torch.arange(ca, cb, device=dev) - (cum[rng] - length[rng])
+        qi = rng // 9
+        e = query[qi] - sorted_points[pos]
+        d2 = e[:, 0] * e[:, 0] + e[:, 1] * e[:, 1] + e[:, 2] * e[:, 2]
+        within.index_add_(0, qi, (d2 <= r2[query_cloud[qi]]).to(i64))
+    return within.clamp_max(cap)
+
+
 #: points per chunk of the Morton codes (bounds the int64 temporaries of a large cloud)
 _MORTON_CHUNK = 1 << 22
 

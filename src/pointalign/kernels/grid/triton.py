@@ -216,3 +216,88 @@ def morton_codes(points: torch.Tensor, block: int = 1024) -> torch.Tensor:
     _morton_kernel[(triton.cdiv(n, block),)](pts, lo, span, code, n, BLOCK=block,
                                              num_warps=4)
     return code
+
+
+@triton.jit(do_not_specialize=("Q", "P", "cap", "steps"))
+def _count_kernel(keys_ptr, sp_ptr, q_ptr, qc_ptr, qo_ptr, dims_ptr, base_ptr, r2_ptr, out_ptr,
+                  Q, P, cap, steps, BLOCK: tl.constexpr, U: tl.constexpr):
+    """Capped counts of :func:`count_within` for queries ``[pid·BLOCK, (pid + 1)·BLOCK)``.
+
+    Per lane and ``(i, j)`` column: two branch-free binary searches of ``steps`` rounds in
+    the sorted keys (the first key >= the column's lowest cell, the first > its highest),
+    then the range ``U`` candidates a step; a lane stops once it has ``cap`` hits, the
+    program once every lane has stopped or run out of candidates.
+    """
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = rows < Q
+    own = tl.load(qo_ptr + rows, mask=rm, other=0)
+    cx = tl.load(qc_ptr + rows * 3 + 0, mask=rm, other=0)
+    cy = tl.load(qc_ptr + rows * 3 + 1, mask=rm, other=0)
+    cz = tl.load(qc_ptr + rows * 3 + 2, mask=rm, other=0)
+    nx = tl.load(dims_ptr + own * 3 + 0, mask=rm, other=1)
+    ny = tl.load(dims_ptr + own * 3 + 1, mask=rm, other=1)
+    nz = tl.load(dims_ptr + own * 3 + 2, mask=rm, other=1)
+    b = tl.load(base_ptr + own, mask=rm, other=0)
+    r2 = tl.load(r2_ptr + own, mask=rm, other=0.0)
+    qx = tl.load(q_ptr + rows * 3 + 0, mask=rm, other=0.0)
+    qy = tl.load(q_ptr + rows * 3 + 1, mask=rm, other=0.0)
+    qz = tl.load(q_ptr + rows * 3 + 2, mask=rm, other=0.0)
+    zlo = tl.maximum(cz - 1, 0)
+    zhi = tl.minimum(cz + 1, nz - 1)
+    count = tl.zeros((BLOCK,), dtype=tl.int32)
+    uu = tl.arange(0, U)
+    for col in range(9):
+        x = cx + (col // 3 - 1)
+        y = cy + (col % 3 - 1)
+        ok = rm & (x >= 0) & (x < nx) & (y >= 0) & (y < ny) & (count < cap)
+        key = b + (x * ny + y) * nz
+        k_lo = key + zlo
+        k_hi = key + zhi
+        s = tl.zeros((BLOCK,), dtype=tl.int64)
+        ns = tl.where(ok, P, 0).to(tl.int64)
+        e = tl.zeros((BLOCK,), dtype=tl.int64)
+        ne = ns
+        for _ in range(steps):
+            half = ns // 2
+            mid = s + half
+            v = tl.load(keys_ptr + mid, mask=ns > 0, other=0)
+            go = (ns > 0) & (v < k_lo)
+            s = tl.where(go, mid + 1, s)
+            ns = tl.where(go, ns - half - 1, half)
+            half = ne // 2
+            mid = e + half
+            v = tl.load(keys_ptr + mid, mask=ne > 0, other=0)
+            go = (ne > 0) & (v <= k_hi)
+            e = tl.where(go, mid + 1, e)
+            ne = tl.where(go, ne - half - 1, half)
+        e = tl.where(ok, e, s)
+        n_it = tl.max(e - s, axis=0)
+        j = n_it * 0
+        while j < n_it:
+            pos = s[:, None] + j + uu[None, :]
+            m = (pos < e[:, None]) & (count < cap)[:, None]
+            dx = qx[:, None] - tl.load(sp_ptr + pos * 3 + 0, mask=m, other=0.0)
+            dy = qy[:, None] - tl.load(sp_ptr + pos * 3 + 1, mask=m, other=0.0)
+            dz = qz[:, None] - tl.load(sp_ptr + pos * 3 + 2, mask=m, other=0.0)
+            hit = m & (dx * dx + dy * dy + dz * dz <= r2[:, None])
+            count += tl.sum(hit.to(tl.int32), axis=1)
+            j += U
+            n_it = tl.max(tl.where(count < cap, e - s, 0), axis=0)
+    tl.store(out_ptr + rows, tl.minimum(count, cap).to(tl.int64), mask=rm)
+
+
+def count_within(sorted_keys: torch.Tensor, sorted_points: torch.Tensor, query: torch.Tensor,
+                 query_cell: torch.Tensor, query_cloud: torch.Tensor, dims: torch.Tensor,
+                 base: torch.Tensor, r2: torch.Tensor, cap: int, block: int = 128
+                 ) -> torch.Tensor:
+    """Launch :func:`_count_kernel`; same contract as :func:`~pointalign.kernels.grid.count_within`.
+
+    One launch, no host synchronisation; no size is specialised (a new cloud size compiles
+    nothing).
+    """
+    q, p = query.shape[0], sorted_keys.shape[0]
+    out = torch.empty(q, dtype=torch.int64, device=query.device)
+    _count_kernel[(max(1, triton.cdiv(q, block)),)](
+        sorted_keys, sorted_points, query, query_cell, query_cloud, dims, base, r2, out,
+        q, p, int(cap), max(1, p.bit_length()), BLOCK=block, U=4, num_warps=4)
+    return out
