@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pointalign.kernels import upload
+
 
 def exclusive_cumsum_rows(values: torch.Tensor) -> torch.Tensor:
     """Prefix sums over the rows of ``values (M, ...)``, with a leading zero row.
@@ -28,12 +30,14 @@ def run_sums(values: torch.Tensor, lengths: Sequence[int]) -> list[int]:
     """Sum each of the consecutive runs of ``values (P,)`` (integers) of the given lengths.
 
     Host ints, by one cumulative sum and one transfer: no atomics (a scatter-add of
-    ~10⁵ rows onto one or two sums serialises on a GPU). ``sum(lengths) == P``.
+    ~10⁵ rows onto one or two sums serialises on a GPU); the cuts go up through pinned
+    memory (:func:`~pointalign.kernels.upload`: a pageable copy would synchronise once
+    more). ``sum(lengths) == P``.
     """
     cuts = list(itertools.accumulate((int(n) for n in lengths), initial=0))
     total = torch.cat([values.new_zeros(1, dtype=torch.int64),
                        torch.cumsum(values.to(torch.int64), 0)])       # total[k]: Σ values[:k]
-    at = total[torch.tensor(cuts).to(values.device)].tolist()
+    at = total[upload(cuts, dtype=torch.int64, device=values.device)].tolist()
     return [e - s for s, e in zip(at[:-1], at[1:], strict=True)]
 
 
@@ -51,8 +55,8 @@ def divide_like_scalar(values: torch.Tensor, divisors: Sequence[float],
     """
     dt = values.dtype
     if values.device.type == "cuda" and dt in (torch.float32, torch.float64):
-        rec = [1.0 / d for d in divisors]  # float64; the tensor rounds it to dt
-        f = torch.tensor(rec, dtype=dt).to(values.device, non_blocking=True)
+        rec = [1.0 / d for d in divisors]  # float64; the upload rounds it to dt
+        f = upload(rec, dtype=dt, device=values.device)  # pinned: no synchronisation
         return values * f[rows].reshape((-1,) + (1,) * (values.dim() - 1))
     f = torch.tensor(list(divisors), dtype=dt).to(values.device)
     return values / f[rows].reshape((-1,) + (1,) * (values.dim() - 1))

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from pointalign.kernels import upload
+
 FLOAT_DTYPES = (torch.float32, torch.float64)
 
 
@@ -501,7 +503,7 @@ def as_batch(
             out = torch.zeros(len(clouds), n_max, 3, dtype=dt, device=dev)
             for i, c in enumerate(clouds):
                 out[i, : c.shape[0]] = c
-            lens = torch.tensor([c.shape[0] for c in clouds], dtype=torch.int64, device=dev)
+            lens = upload([c.shape[0] for c in clouds], dtype=torch.int64, device=dev)
             return out, lens, True
     t = _to_tensor(name, x)
     if t.dim() == 2:
@@ -562,7 +564,7 @@ def _as_batch_list(x: Sequence[Any], name: str, min_points: int,
     assert first is not None and last is not None
     sizes = [int(c.shape[0]) for c in many.clouds]  # type: ignore[union-attr]
     dev, total, n_max = many.points.device, sum(sizes), max(sizes)
-    lens = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    lens = upload(sizes, dtype=torch.int64, device=dev)
     owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev), lens,
                                     output_size=total)
     col = torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[owner]

@@ -376,7 +376,7 @@ def prepare_pairs(sources: Sequence[Any], targets: Sequence[Any], inits: Sequenc
                 else torch.cat([x for _, s, t, _ in good for x in (s, t)]))
         rows = torch.repeat_interleave(
             torch.arange(len(good), device=c.device).repeat_interleave(2),
-            torch.tensor(sizes).to(c.device), output_size=sum(sizes))
+            upload(sizes, dtype=torch.int64, device=c.device), output_size=sum(sizes))
         parts = torch.split((both - c[rows]).to(torch.float32), sizes)
         centers = c.cpu().numpy()                                           # one transfer
         for g, (i, _, _, T0) in enumerate(good):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from pointalign.kernels import ransac as _kr
+from pointalign.kernels import upload
 from pointalign.registration.options import Options as _Options
 from pointalign.search import build_index, policy
 from pointalign.search.brute import BruteForceIndex
@@ -72,7 +73,7 @@ def _pad(clouds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     dev = clouds[0].device
     sizes = [int(c.shape[0]) for c in clouds]
     total, m = sum(sizes), max(sizes)
-    n = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    n = upload(sizes, dtype=torch.int64, device=dev)
     flat = torch.cat(list(clouds))
     out = flat.new_zeros((len(sizes), m, *flat.shape[1:]))
     owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev), n,

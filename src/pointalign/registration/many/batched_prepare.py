@@ -22,7 +22,7 @@ import torch
 from pointalign._ops import divide_like_scalar
 from pointalign.features.downsample import voxel_downsample_many
 from pointalign.features.fpfh import restrict
-from pointalign.kernels import _loop
+from pointalign.kernels import _loop, upload
 from pointalign.kernels.features import pca_normals
 from pointalign.kernels.features.fpfh import fpfh_combine, spfh
 from pointalign.registration.many.batched import _packed, _pad
@@ -38,7 +38,8 @@ def scaled(vs: Sequence[float], clouds: Sequence[torch.Tensor]) -> list[torch.Te
     sizes = [int(c.shape[0]) for c in clouds]
     dev = clouds[0].device
     rows = torch.repeat_interleave(torch.arange(len(sizes), device=dev),
-                                   torch.tensor(sizes).to(dev), output_size=sum(sizes))
+                                   upload(sizes, dtype=torch.int64, device=dev),
+                                   output_size=sum(sizes))
     return list(torch.split(divide_like_scalar(torch.cat(list(clouds)), vs, rows), sizes))
 
 

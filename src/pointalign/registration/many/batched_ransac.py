@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pointalign.kernels import _loop
+from pointalign.kernels import _loop, upload
 from pointalign.kernels import ransac as _kr
 from pointalign.kernels.horn import weighted_horn
 from pointalign.kernels.soft import weighted_horn as soft_weighted_horn
@@ -119,7 +119,7 @@ def global_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
     while done < max_h and any(active):
         hh = min(h, max_h - done)
         done += hh
-        act = torch.tensor([b for b in range(B) if active[b]], device=dev)
+        act = upload([b for b in range(B) if active[b]], dtype=torch.int64, device=dev)
         na = int(act.shape[0])
         for b in range(B):
             drawn[b] += hh if active[b] else 0
