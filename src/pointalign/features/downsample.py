@@ -236,8 +236,8 @@ def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list
     are grouped as alone. The cells and their centroids are computed with the same
     operations; only the float64 cumulative sum of :func:`_segment_mean` runs over all the
     clouds, which may change a centroid by an ulp of float64 (below float32's, so in
-    practice the same float32 points; the tests allow 1e-6 voxel). Three host
-    synchronisations for the whole list (the corners, the voxels per cloud, their rows).
+    practice the same float32 points; the tests allow 1e-6 voxel). Two host
+    synchronisations for the whole list (the corners, the voxels per cloud).
 
     Args:
         clouds: C ``(N_c, 3)`` float tensors (finite, N_c >= 1) on one device, one dtype.
@@ -267,8 +267,11 @@ def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list
     # cloud c's points are the sorted rows [Σ_{<c} N, Σ_{<=c} N) (its index leads the key):
     # the voxels before its end, read once for every cloud
     last = upload(np.cumsum(sizes) - 1, dtype=torch.int64, device=points.device)
-    per = np.diff(np.concatenate([[0], np.asarray((seg[last] + 1).tolist())])).tolist()
-    starts = new.nonzero().squeeze(1)
+    upto = np.asarray((seg[last] + 1).tolist())             # the one read of the voxels
+    per = np.diff(np.concatenate([[0], upto])).tolist()
+    # each voxel's first sorted row (the rows where ``new`` holds), without a second read
+    pos = torch.arange(keys.numel(), device=points.device)
+    starts = pos.new_full((int(upto[-1]),), keys.numel()).scatter_reduce_(0, seg, pos, "amin")
     ends = torch.cat([starts[1:], starts.new_full((1,), keys.numel())])
     counts = ends - starts
     first = order[starts]
