@@ -110,7 +110,7 @@ def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool, ratio: float |
         if back is None:
             _, back = _k.feature_knn(tf, sf, 1)
         keep &= back[j[:, 0], 0] == i
-    return torch.stack([i[keep], j[keep, 0]], 1)
+    return torch.stack([i, j[:, 0]], 1)[keep]  # one selection: one host synchronisation
 
 
 def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
