@@ -279,12 +279,6 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     clock = _loop.Clock(pair.device)
     full_index = _full_target_index(tgt, opts)
     v, scales, source, target = _prepare_pair(src, tgt, opts, clock, full_index=full_index)
-    # the final stage's clouds (the target's index and normals) need nothing of the global
-    # stage: their device work runs beside it, on a second stream (the same values)
-    beside = _loop.Beside(pair.device)
-    full = None if opts.refine == "none" else beside(
-        _final_clouds, src, tgt, scales, opts.icp_voxel_size, opts.refine, full_index)
-    clock.lap("final_clouds")
     glob, candidates, n_rank = _global(source, target, scales, opts, clock)
     info: dict[str, Any] = {"voxel_size": v, "source_down": int(source.down.shape[0]),
                             "target_down": int(target.down.shape[0]),
@@ -294,8 +288,8 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     criteria = icp_criteria(scales, opts.max_iterations)
     (R, fit_v, coarse_iterations), = _refine_hypotheses([(candidates, source, target)],
                                                         scales, criteria, opts.robust, clock)
-    assert full is not None  # refine != "none" here
-    local = _final_icp([beside.join(full)], R[:1], scales, criteria, opts.refine, clock)[0]
+    full = _final_clouds(src, tgt, scales, opts.icp_voxel_size, opts.refine, full_index)
+    local = _final_icp([full], R[:1], scales, criteria, opts.refine, clock)[0]
     judged, reason = verdict(local, R, fit_v, source, target, scales)
     clock.lap("verdict")
     info.update(judged, ranked_correspondences=n_rank, hypotheses_refined=int(R.shape[0]),
