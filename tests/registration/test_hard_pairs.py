@@ -105,6 +105,30 @@ def test_compatibility_hypotheses_find_the_motion_among_wrong_matches():
         compatibility_hypotheses(src, tgt, 0.0)
 
 
+@pytest.mark.gpu
+def test_compatibility_hypotheses_replayed_as_run(monkeypatch):
+    """On a GPU the cliques are a fixed program: the first call runs eagerly, the second
+    captures a CUDA graph, the third replays it; all three give the same hypotheses (the
+    same kernels on the same data), and the motion is found."""
+    from pointalign.kernels import _loop
+
+    g = torch.Generator().manual_seed(2)
+    src = torch.rand(300, 3, generator=g)
+    T = transforms.random_transform(120.0, 0.5, generator=g)
+    tgt = transforms.apply(T, src.double()).float()
+    tgt[torch.randperm(300, generator=g)[:200]] = torch.rand(200, 3, generator=g) * 2
+    _loop.clear_caches()
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
+                        lambda self: (replays.append(self), replay(self))[1])
+    runs = [compatibility_hypotheses(src.cuda(), tgt.cuda(), 0.01) for _ in range(3)]
+    assert len(replays) == 2  # the second call captured and replayed, the third replayed
+    for H, support in runs[1:]:
+        assert torch.equal(H, runs[0][0]) and torch.equal(support, runs[0][1])
+    assert metrics.relative_error(runs[2][0][0].cpu(), T)[0] < 0.1
+
+
 def test_rank_correspondences_puts_mutual_pairs_first():
     f = torch.eye(6)
     tf = torch.cat([torch.eye(6)[:4], torch.eye(6)[4:5] * 0.9 + 0.05])

@@ -28,9 +28,12 @@ not decide.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pointalign import _validate
+from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _k
 from pointalign.kernels.ransac import FeatureMatches
 from pointalign.kernels.soft import weighted_horn
@@ -107,23 +110,45 @@ def compatibility_hypotheses(
     if c < 3 or target.shape != source.shape:
         raise ValueError(f"source, target: expected two (C, 3) tensors with C >= 3, got "
                          f"{tuple(source.shape)} and {tuple(target.shape)}")
-    src, tgt = source.to(torch.float32), target.to(torch.float32)
-    S = _k.second_order_of_points(src, tgt, tau)  # second-order compatibility
-    n_seeds = min(int(seeds), c)
-    seed_idx = torch.topk(S.sum(1), n_seeds).indices
-    kk = min(max(int(k), 3), c)
-    rows = S[seed_idx]
-    rows[torch.arange(n_seeds, device=src.device), seed_idx] = rows.max() + 1  # seed itself
-    member_s, member = torch.topk(rows, kk, dim=1)
-    w = (member_s > 0).to(torch.float32)
-    T, _ = weighted_horn(src[member], tgt[member], w)
-    for _ in range(max(int(rounds), 0)):
-        res = (_k.transform_points(T, src) - tgt).norm(dim=2)  # (H, C)
-        inl = (res < tau).to(torch.float32)
-        T_new, ok = weighted_horn(src.expand(n_seeds, -1, -1), tgt.expand(n_seeds, -1, -1),
-                                  inl)
-        ok &= inl.sum(1) >= 3
-        T = torch.where(ok[:, None, None], T_new, T)
-    support = ((_k.transform_points(T, src) - tgt).norm(dim=2) < tau).sum(1)
-    order = torch.argsort(support, descending=True, stable=True)
-    return T[order], support[order]
+    program = _Cliques(tau, min(int(seeds), c), min(max(int(k), 3), c), max(int(rounds), 0))
+    # a fixed device program: on a GPU one CUDA graph per size and bound, replayed from the
+    # second call on (~45 launches in one)
+    _, out = _loop.run_program(program, {"source": source.to(torch.float32),
+                                         "target": target.to(torch.float32)},
+                               host_outputs=False, eager_first=True)
+    return out["T"], out["support"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cliques:
+    """:func:`compatibility_hypotheses`' device work, with no host read (a graph replays it).
+
+    Inputs ``source``, ``target (C, 3)`` float32; outputs ``T (seeds, 4, 4)`` float64 and
+    ``support (seeds,)`` int64, best first.
+    """
+
+    tau: float
+    seeds: int
+    k: int
+    rounds: int
+
+    def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
+                 ) -> dict[str, torch.Tensor]:
+        src, tgt, tau = inputs["source"], inputs["target"], self.tau
+        S = _k.second_order_of_points(src, tgt, tau)  # second-order compatibility
+        seed_idx = torch.topk(S.sum(1), self.seeds).indices
+        rows = S[seed_idx]
+        rows[torch.arange(self.seeds, device=src.device), seed_idx] = rows.max() + 1  # itself
+        member_s, member = torch.topk(rows, self.k, dim=1)
+        w = (member_s > 0).to(torch.float32)
+        T, _ = weighted_horn(src[member], tgt[member], w)
+        for _ in range(self.rounds):
+            res = (_k.transform_points(T, src) - tgt).norm(dim=2)  # (H, C)
+            inl = (res < tau).to(torch.float32)
+            T_new, ok = weighted_horn(src.expand(self.seeds, -1, -1),
+                                      tgt.expand(self.seeds, -1, -1), inl)
+            ok &= inl.sum(1) >= 3
+            T = torch.where(ok[:, None, None], T_new, T)
+        support = ((_k.transform_points(T, src) - tgt).norm(dim=2) < tau).sum(1)
+        order = torch.argsort(support, descending=True, stable=True)
+        return {"T": T[order], "support": support[order]}
