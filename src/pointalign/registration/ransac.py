@@ -20,6 +20,7 @@ result on a given device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -192,33 +193,63 @@ def _refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.
             iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lo-RANSAC local optimisation of ``T (B, 4, 4)``.
 
-    Each round re-estimates every motion by Horn on all its inliers (nearest target point
-    within the bound) and keeps the update only if it scores better; at most
-    ``iterations`` rounds. The matches found when scoring an update are its inliers for
-    the next round (one neighbour query per round), and the only host synchronisation per
-    round is the test whether any motion improved. The re-estimation is the fused weighted
-    Horn of :func:`pointalign.kernels.horn.weighted_horn` (one launch on a GPU); it tests
-    only for a zero weight, not for collinear inliers, whose motion (any turn about their
-    line) is kept only if it scores better, as any candidate is.
+    Each round (:class:`_RefineStep`) re-estimates every motion by Horn on all its inliers
+    (nearest target point within the bound) and keeps the update only if it scores better;
+    at most ``iterations`` rounds, and none after a round that improved no motion. The
+    matches found when scoring an update are its inliers for the next round (one
+    neighbour query per round). The rounds run on the executor (:func:`~pointalign.kernels.
+    _loop.iterate`: on a GPU replays of a kept CUDA graph, the index keyed by its layout),
+    and the host reads one flag per round (whether any motion improved). The
+    re-estimation is the fused weighted Horn of :func:`pointalign.kernels.horn.
+    weighted_horn` (one launch on a GPU); it tests only for a zero weight, not for collinear
+    inliers, whose motion (any turn about their line) is kept only if it scores better, as
+    any candidate is.
     """
     _, _, idx = _score(T, src, index, max_distance, with_matches=True)
     assert idx is not None  # with_matches
-    src_b = src.expand(T.shape[0], -1, -1)
-    key = _key(counts, sq, max_distance)
-    for _ in range(iterations):
-        T_new, valid = weighted_horn(src_b, tgt[idx.clamp_min(0)], (idx >= 0).to(src.dtype))
-        c_new, sq_new, idx_new = _score(T_new, src, index, max_distance, with_matches=True)
-        assert idx_new is not None  # with_matches
-        key_new = _key(c_new, sq_new, max_distance)
-        better = valid & (key_new > key)
-        if not bool(better.any()):
+    state = {"T": T, "counts": counts, "sq": sq, "key": _key(counts, sq, max_distance),
+             "idx": idx, "round": torch.zeros((), dtype=torch.int64, device=T.device)}
+    run = _loop.iterate(_RefineStep(index, float(max_distance), int(iterations)),
+                        {"src": src, "tgt": tgt}, state, max_steps=max(int(iterations), 1))
+    for rec in run:
+        if not rec["improved"]:
             break
-        T = torch.where(better[:, None, None], T_new, T)
-        counts = torch.where(better, c_new, counts)
-        sq = torch.where(better, sq_new, sq)
-        key = torch.where(better, key_new, key)
-        idx = torch.where(better[:, None], idx_new, idx)
-    return T, counts, sq
+    out = run.state  # steps run past the host's stop change nothing (below)
+    return out["T"], out["counts"], out["sq"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RefineStep:
+    """One Lo-RANSAC round of :func:`_refine` as an executor step (no host read).
+
+    State ``T (B, 4, 4)`` float64, ``counts (B,)``, ``sq (B,)``, ``key (B,)``, ``idx (B, P)``
+    (each motion's inliers) and ``round`` (0-d); record ``improved`` (0-d: any motion kept
+    its update). A round that improves nothing leaves the state as it was, and so does the
+    next one (the same inliers give the same update: the kernels are deterministic), so
+    steps launched past the host's stop, or past ``rounds``, change nothing.
+    """
+
+    index: Any
+    max_distance: float
+    rounds: int
+
+    def __call__(self, inputs: dict[str, torch.Tensor], state: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        src, tgt, idx = inputs["src"], inputs["tgt"], state["idx"]
+        T_new, valid = weighted_horn(src.expand(idx.shape[0], -1, -1), tgt[idx.clamp_min(0)],
+                                     (idx >= 0).to(src.dtype))
+        c_new, sq_new, idx_new = _score(T_new, src, self.index, self.max_distance,
+                                        with_matches=True)
+        assert idx_new is not None  # with_matches
+        key_new = _key(c_new, sq_new, self.max_distance)
+        better = valid & (key_new > state["key"]) & (state["round"] < self.rounds)
+        new = {"T": torch.where(better[:, None, None], T_new, state["T"]),
+               "counts": torch.where(better, c_new, state["counts"]),
+               "sq": torch.where(better, sq_new, state["sq"]),
+               "key": torch.where(better, key_new, state["key"]),
+               "idx": torch.where(better[:, None], idx_new, idx),
+               "round": state["round"] + 1}
+        return new, {"improved": better.any()}
 
 
 def required_hypotheses(inlier_ratio: float, confidence: float, sample_size: int = 3) -> float:
