@@ -32,7 +32,8 @@ what the cache holds           what this call does
 nothing for the signature      step 1 eager (compiles every kernel), then a 1-step graph is
                                captured on the call's own tensors and replayed, one step
                                in flight; the signature is marked seen
-seen                           a ``CHUNK``-step graph is captured on copies of the inputs
+seen                           a ``CHUNK``-step graph (the step's ``chunk``, if it says) is
+                               captured on copies of the inputs
                                (after a warm-up step) and kept (LRU of ``CACHE_SIZE``)
 a kept graph                   the inputs are copied in; chunks of ``CHUNK`` steps are
                                replayed, each checked before the next
@@ -100,6 +101,9 @@ class Step(Protocol):
 
     #: False for a step that reads the device on the host (it then always runs eagerly)
     graph_safe: ClassVar[bool]
+    #: steps per replay of its kept graph (default :data:`CHUNK`): fewer for a loop that
+    #: usually stops within a step or two, whose surplus steps would be wasted device work
+    chunk: ClassVar[int]
 
     def __call__(self, inputs: Tensors, state: Tensors) -> tuple[Tensors, Tensors]:
         """Enqueue one iteration: ``(inputs, state) -> (next state, record)``."""
@@ -548,7 +552,8 @@ class Run:
                 return None  # an unseen signature: eager first, which compiles the kernels
             keep = self._seen
             try:
-                g = _Graph.capture(self.step, self.inputs, self.state, CHUNK if keep else 1,
+                g = _Graph.capture(self.step, self.inputs, self.state,
+                                   getattr(self.step, "chunk", CHUNK) if keep else 1,
                                    keep=keep, dev=self.dev)
             except Exception as exc:  # e.g. a step that synchronises
                 self._graphs = False

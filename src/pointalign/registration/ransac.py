@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -232,6 +232,9 @@ class _RefineStep:
     index: Any
     max_distance: float
     rounds: int
+    #: rounds per graph replay: the motions usually stop improving within one or two, and
+    #: each surplus round is a full scoring pass
+    chunk: ClassVar[int] = 2
 
     def __call__(self, inputs: dict[str, torch.Tensor], state: dict[str, torch.Tensor]
                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
