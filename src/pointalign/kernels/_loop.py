@@ -705,7 +705,9 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
     ``eager_first``: the first call of a signature runs eagerly and marks it seen; the
     graph is captured at the second (a loop over clouds of many sizes pays no capture for
     a size it meets once). A program called while another graph is being captured runs
-    inline, into that graph.
+    inline, into that graph. A graph-array object among the program's fields (a search
+    index) is keyed by its layout, as :func:`iterate` keys it: the kept graph reads its own
+    copy of the object's arrays, into which a later call's object's arrays are copied.
 
     Returns:
         ``(host, device)``: the outputs as NumPy arrays and as device tensors (on a graph
@@ -728,7 +730,7 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
     if torch.cuda.is_current_stream_capturing():  # inside another capture: inline
         out = program(inputs, _Checkpoint(False))
         return host(out), out
-    key, objects = signature(program, inputs)
+    key, objects = signature(program, inputs, by_arrays=True)
     key = (key, host_outputs)
     ent = _programs.get(key, objects)
     if ent == "failed":
@@ -739,10 +741,18 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
     if ent is None or ent == "seen":
         dev = first.device
         static = {n: v.clone() for n, v in inputs.items()}
+        arrays: list[Tensors] = []  # the kept graph's copies of its objects' arrays
+
+        def private(obj: Any) -> Any:
+            mine = {n: v.clone() for n, v in obj.graph_arrays()[1].items()}
+            arrays.append(mine)
+            return obj.with_arrays(mine)
+
+        kept = _with_arrays(program, private, {})
         side = _side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: compiles the kernels, fills the allocator
-            out = program(static, _Checkpoint(False))
+            out = kept(static, _Checkpoint(False))
         torch.cuda.current_stream(dev).wait_stream(side)
         try:
             graph = torch.cuda.CUDAGraph()
@@ -751,7 +761,7 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
             with torch.cuda.stream(side):
                 graph.capture_begin()
                 try:
-                    gout = program(static, _Checkpoint(False))
+                    gout = kept(static, _Checkpoint(False))
                     layout = _Layout(gout) if host_outputs else None
                     packed = layout.pack(gout) if layout is not None else None
                 finally:
@@ -761,11 +771,15 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
             _programs.put(key, objects, "failed")
             torch.cuda.synchronize(dev)
             return host(out), out
-        ent = (graph, static, gout, layout, packed)
+        ent = (graph, static, gout, layout, packed, arrays)
         _programs.put(key, objects, ent)
-    graph, static, gout, layout, packed = ent
+    graph, static, gout, layout, packed, arrays = ent
     for n, v in inputs.items():
         static[n].copy_(v)
+    for obj, mine in zip(_array_objects(program, {}).values(), arrays, strict=True):
+        for n, v in obj.graph_arrays()[1].items():
+            if v.data_ptr() != mine[n].data_ptr():
+                mine[n].copy_(v)
     graph.replay()
     out = _tree_clone(gout) if device_outputs else {}
     if layout is None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pointalign import _math, transforms
+from pointalign.kernels import _loop
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
 from pointalign.registration.ransac import count_inliers_within
@@ -39,19 +40,45 @@ def _measure(T: torch.Tensor, R: torch.Tensor, fit_v: torch.Tensor, source: Prep
     """Count one pair's verdict numbers on the device: ``(4,)`` float64, no transfer.
 
     Within ``Scales.overlap``, the best different hypothesis' overlap, within
-    ``Scales.correspondence``, within ``Scales.fine``.
+    ``Scales.correspondence``, within ``Scales.fine``. A fixed program (:class:`_Measure`):
+    on a GPU one CUDA graph per size, the target's index keyed by its layout.
     """
-    c_out, c_in, c_overlap = count_inliers_within(
-        T, source.down, target.index, (scales.correspondence, scales.fine, scales.overlap))
-    ctr = source.down.mean(0).to(torch.float64)
-    moved = R[:, :3, :3] @ ctr + R[:, :3, 3]
-    here = T[:3, :3] @ ctr + T[:3, 3]
-    dR = R[:, :3, :3].transpose(1, 2) @ T[:3, :3]
-    ang = torch.rad2deg(transforms.rotation_angle(dR))
-    other = ((moved - here).norm(dim=1) > scales.distinct) | (ang > DISTINCT_ANGLE_DEG)
-    # counts are >= 0: the best different one, or 0 when every hypothesis is the same
-    second = torch.where(other, fit_v, torch.zeros_like(fit_v)).amax()[None]
-    return torch.cat([c_overlap, second, c_out, c_in]).to(torch.float64)
+    program = _Measure(target.index, scales.correspondence, scales.fine, scales.overlap,
+                       scales.distinct)
+    _, out = _loop.run_program(program, {"T": T, "R": R, "fit_v": fit_v,
+                                         "points": source.down},
+                               host_outputs=False, eager_first=True)
+    return out["measured"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measure:
+    """:func:`_measure`'s device work, with no host read (a graph replays it).
+
+    Inputs ``T (4, 4)``, ``R (k, 4, 4)`` float64, ``fit_v (k,)``, ``points (n, 3)``; output
+    ``measured (4,)`` float64.
+    """
+
+    index: Any
+    correspondence: float
+    fine: float
+    overlap: float
+    distinct: float
+
+    def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
+                 ) -> dict[str, torch.Tensor]:
+        T, R, fit_v, points = inputs["T"], inputs["R"], inputs["fit_v"], inputs["points"]
+        c_out, c_in, c_overlap = count_inliers_within(
+            T, points, self.index, (self.correspondence, self.fine, self.overlap))
+        ctr = points.mean(0).to(torch.float64)
+        moved = R[:, :3, :3] @ ctr + R[:, :3, 3]
+        here = T[:3, :3] @ ctr + T[:3, 3]
+        dR = R[:, :3, :3].transpose(1, 2) @ T[:3, :3]
+        ang = torch.rad2deg(transforms.rotation_angle(dR))
+        other = ((moved - here).norm(dim=1) > self.distinct) | (ang > DISTINCT_ANGLE_DEG)
+        # counts are >= 0: the best different one, or 0 when every hypothesis is the same
+        second = torch.where(other, fit_v, torch.zeros_like(fit_v)).amax()[None]
+        return {"measured": torch.cat([c_overlap, second, c_out, c_in]).to(torch.float64)}
 
 
 def verdicts(T: torch.Tensor, stability: Any, hypotheses: Sequence[torch.Tensor],
