@@ -400,8 +400,7 @@ def _refine_hypotheses(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared
     their overlap counts ``(k,)`` (within ``Scales.overlap``), best first, and the coarse
     iterations of the best.
     """
-    top = [c[torch.argsort(count_inliers(c, s.down, t.index, scales.correspondence),
-                           descending=True, stable=True)[:REFINE_TOP if robust else 1]]
+    top = [_ranked(c, s.down, t.index, scales.correspondence, REFINE_TOP if robust else 1)[0]
            for c, s, t in problems]
     owner = [b for b, c in enumerate(top) for _ in range(c.shape[0])]
     src: Any
@@ -422,13 +421,41 @@ def _refine_hypotheses(problems: Sequence[tuple[torch.Tensor, Prepared, Prepared
     its = np.asarray(loc.iterations).reshape(-1)
     out, lo = [], 0
     for (_, s, t), c in zip(problems, top, strict=True):
-        R = R_all[lo:lo + c.shape[0]]
-        fit_v = count_inliers(R, s.down, t.index, scales.overlap)
-        order = torch.argsort(fit_v, descending=True, stable=True)
-        out.append((R[order], fit_v[order], int(its[lo + int(order[0])])))
+        R, fit_v, order = _ranked(R_all[lo:lo + c.shape[0]], s.down, t.index, scales.overlap)
+        out.append((R, fit_v, int(its[lo + int(order[0])])))
         lo += c.shape[0]
     clock.lap("hypotheses")
     return out
+
+
+def _ranked(T: torch.Tensor, points: torch.Tensor, index: Any, bound: float,
+            keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Motions ``T (H, 4, 4)`` by their inliers on ``points`` within ``bound``, most first.
+
+    Returns the first ``keep`` (default all) of the sorted motions, their counts and their
+    rows of ``T`` (a stable sort: ties keep their order). A fixed program (:class:`_Ranked`):
+    on a GPU one CUDA graph per size, the index keyed by its layout.
+    """
+    _, out = _loop.run_program(_Ranked(index, float(bound), keep),
+                               {"T": T, "points": points}, host_outputs=False,
+                               eager_first=True)
+    return out["T"], out["counts"], out["order"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ranked:
+    """:func:`_ranked`'s device work, with no host read (a graph replays it)."""
+
+    index: Any
+    bound: float
+    keep: int | None
+
+    def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
+                 ) -> dict[str, torch.Tensor]:
+        T = inputs["T"]
+        counts = count_inliers(T, inputs["points"], self.index, self.bound)
+        order = torch.argsort(counts, descending=True, stable=True)[:self.keep]
+        return {"T": T[order], "counts": counts[order], "order": order}
 
 
 class FinalClouds(NamedTuple):
