@@ -218,7 +218,9 @@ def morton_codes(points: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return code
 
 
-@triton.jit(do_not_specialize=("Q", "P", "cap", "steps"))
+@triton.jit(do_not_specialize=("Q", "P", "cap", "steps"),
+            # a sample's clouds and the clouds' first keys are views at any offset
+            do_not_specialize_on_alignment=("qo_ptr", "base_ptr"))
 def _count_kernel(keys_ptr, sp_ptr, q_ptr, qc_ptr, qo_ptr, dims_ptr, base_ptr, r2_ptr, out_ptr,
                   Q, P, cap, steps, BLOCK: tl.constexpr, U: tl.constexpr):
     """Capped counts of :func:`count_within` for queries ``[pid·BLOCK, (pid + 1)·BLOCK)``.
@@ -292,8 +294,8 @@ def count_within(sorted_keys: torch.Tensor, sorted_points: torch.Tensor, query: 
                  ) -> torch.Tensor:
     """Launch :func:`_count_kernel`; same contract as :func:`~pointalign.kernels.grid.count_within`.
 
-    One launch, no host synchronisation; no size is specialised (a new cloud size compiles
-    nothing).
+    One launch, no host synchronisation; no size or view offset is specialised (a new cloud
+    size compiles nothing).
     """
     q, p = query.shape[0], sorted_keys.shape[0]
     out = torch.empty(q, dtype=torch.int64, device=query.device)
