@@ -314,8 +314,8 @@ def dense_masks_many(group: CloudGroup, voxel_sizes: Sequence[float]
     capped as ``dense_mask``'s search caps them (``min(2·DENSE_MEDIAN + 1, n)``), each
     cloud's lower median taken by one sort of ``(cloud, count)`` (``Tensor.median``'s), and
     the same rule. Returns the masks of all clouds concatenated ``(P,)`` bool (the rows of
-    ``group.points``) and each cloud's kept count (host ints): two or three host
-    synchronisations for the whole group.
+    ``group.points``) and each cloud's kept count (host ints): one host synchronisation for
+    the whole group on a GPU (the kept counts), one or two more with the PyTorch reference.
     """
     c = len(group.sizes)
     dev, i64 = group.points.device, torch.int64
