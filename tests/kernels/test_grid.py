@@ -148,6 +148,8 @@ def test_count_within_bad_input():
         grid_mod.count_within(args[0][:-1], *args[1:], 3)
     with pytest.raises(ValueError, match="query"):
         grid_mod.count_within(*args[:2], args[2].double(), *args[3:], 3)
+    with pytest.raises(ValueError, match="one device"):
+        grid_mod.count_within(*args[:-1], args[-1].to("meta"), 3)
 
 
 # --- Triton grid kernel through the interpreter (child process, tiny sizes) ------------------

@@ -165,6 +165,10 @@ def count_within(sorted_keys: torch.Tensor, sorted_points: torch.Tensor, query: 
     if query.dim() != 2 or query.shape[1] != 3 or query.dtype != sorted_points.dtype:
         raise ValueError(f"query: expected shape (Q, 3) with the points' dtype "
                          f"{sorted_points.dtype}, got {tuple(query.shape)} {query.dtype}")
+    arrays = (sorted_keys, sorted_points, query, query_cell, query_cloud, dims, base, r2)
+    if len({t.device for t in arrays}) > 1:
+        raise ValueError("count_within: every tensor must be on one device, got "
+                         f"{sorted({str(t.device) for t in arrays})}")
     if backend(query) in ("triton", "interpret"):
         from pointalign.kernels.grid import triton as _grid_triton
 
