@@ -392,3 +392,30 @@ def test_numpy_twins_match_spec():
     # the same formula in both, on the same float64 operations
     np.testing.assert_allclose(_np_math.rotation_angle(R.numpy()),
                                _math.rotation_angle(R).numpy(), atol=1e-15, rtol=1e-15)
+    w64 = w.numpy()
+    np.testing.assert_array_equal(_np_math.skew(w64), _math.skew(w).numpy())
+
+
+def test_numpy_stability_and_shift(rng):
+    """``_np_math.stability`` against the spec (random, rank-deficient, non-finite and zero
+    informations); ``shift_information`` against Jacobians formed about the moved point."""
+    from pointalign.kernels import _np_math
+
+    x = torch.randn(4, 50, 3, generator=rng, dtype=torch.float64)
+    n = torch.nn.functional.normalize(torch.randn(4, 50, 3, generator=rng,
+                                                  dtype=torch.float64), dim=-1)
+    n[1] = n[1, :1]  # one normal: translations along the plane are free
+    J = torch.cat([torch.linalg.cross(x, n, dim=-1), n], -1)
+    H = J.transpose(1, 2) @ J
+    H[2, 0, 0] = float("nan")
+    H[3] = 0.0
+    ext = torch.rand(4, generator=rng, dtype=torch.float64) + 0.5
+    got, want = _np_math.stability(H.numpy(), ext.numpy()), _math.stability(H, ext).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+    assert got[0] > 0.01 and got[1] < 1e-12 and got[2] == 0.0 and got[3] == 0.0
+    c = torch.randn(4, 3, generator=rng, dtype=torch.float64)
+    Jc = torch.cat([torch.linalg.cross(x + c[:, None], n, dim=-1), n], -1)  # about −c
+    scale = float((Jc.transpose(1, 2) @ Jc).abs().max())
+    np.testing.assert_allclose(_np_math.shift_information(H[:2].numpy(), c[:2].numpy()),
+                               (Jc.transpose(1, 2) @ Jc)[:2].numpy(), rtol=0,
+                               atol=1e-12 * scale)

@@ -1,5 +1,8 @@
 """Formulas of :mod:`pointalign._math` in float64 NumPy, for a few poses at a time.
 
+Also the registrations' host-side 6×6 work on their final sums (:func:`shift_information`,
+:func:`stability`).
+
 The CPU backend's host-side steps (a handful of 6×6 solves or pose updates a step) would
 spend ~5-10 µs of PyTorch overhead per operation on arrays of a few entries; NumPy's is
 ~1 µs. Same formulas and branches as the spec; ``tests/test_math.py`` compares them.
@@ -80,3 +83,39 @@ def rotation_angle(R: np.ndarray) -> np.ndarray:
     a, b, c = R[..., 2, 1] - R[..., 1, 2], R[..., 0, 2] - R[..., 2, 0], R[..., 1, 0] - R[..., 0, 1]
     s = 0.5 * np.sqrt(a * a + b * b + c * c)
     return np.arctan2(s, 0.5 * (R[..., 0, 0] + R[..., 1, 1] + R[..., 2, 2] - 1))
+
+
+def stability(H: np.ndarray, extent: np.ndarray) -> np.ndarray:
+    """``_math.stability``: ``λ_min / λ_max`` of ``H (…, 6, 6)``, rotations over ``extent (…)``.
+
+    0 for a non-finite or empty H. Registrations read it once per call, on the host.
+    """
+    A = np.asarray(H, dtype=np.float64)
+    L = np.maximum(np.asarray(extent, dtype=np.float64), 1e-300)
+    d = np.ones(A.shape[:-1])
+    d[..., :3] = 1.0 / L[..., None]
+    A = d[..., :, None] * A * d[..., None, :]
+    ok = np.isfinite(A).all((-2, -1))
+    ev = np.linalg.eigvalsh(np.where(ok[..., None, None], A, 0.0))
+    top = ev[..., -1]
+    r = np.maximum(ev[..., 0], 0.0) / np.maximum(top, 1e-300)
+    return np.where(ok & (top > 0), r, 0.0)
+
+
+def skew(v: np.ndarray) -> np.ndarray:
+    """``_math.skew``: cross-product matrices ``[v]× (…, 3, 3)`` of ``v (…, 3)``."""
+    K = np.zeros(v.shape + (3,))
+    K[..., 0, 1], K[..., 0, 2], K[..., 1, 2] = -v[..., 2], v[..., 1], -v[..., 0]
+    K[..., 1, 0], K[..., 2, 0], K[..., 2, 1] = v[..., 2], -v[..., 1], v[..., 0]
+    return K
+
+
+def shift_information(H: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Move a twist (ω, v) information ``H (B, 6, 6)`` about a point p to one about ``p − c``.
+
+    ``Aᵀ H A`` with ``A = [[I, 0], [[c]×ᵀ, I]]``: the rows ``J_p = [(x − p) × n, n]``
+    become ``J_p A = [(x − p + c) × n, n]``. ``c (B, 3)``; float64.
+    """
+    A = np.tile(np.eye(6), (H.shape[0], 1, 1))
+    A[:, 3:, :3] = skew(np.asarray(c, dtype=np.float64)).transpose(0, 2, 1)
+    return A.transpose(0, 2, 1) @ H @ A

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pointalign import _progress, _threads, _validate, estimate, transforms
+from pointalign import _progress, _threads, _validate, estimate
 from pointalign.kernels import _first_use, _loop, _np_math, normal_eq, upload
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge, anderson, checks
@@ -42,7 +42,7 @@ from pointalign.registration.criteria import (
     as_robust_kernel,
 )
 from pointalign.registration.result import RegistrationResult
-from pointalign.registration.stability import stability
+from pointalign.registration.stability import stability, summed_about
 from pointalign.search import policy
 
 METHODS = ("point_to_point", "point_to_plane")
@@ -171,25 +171,22 @@ def information_matrix(sums: np.ndarray, plane: bool, center: np.ndarray) -> np.
     """6×6 information matrix ``(B, 6, 6)`` of the final correspondences.
 
     Twist (ω, v) about the origin of the target frame (small_gicp / Open3D ``H``), from the
-    sums ``(B, 30)`` accumulated about ``center (B, 3)``.
+    sums ``(B, 30)`` accumulated about ``center (B, 3)``. NumPy float64 (host work).
     """
-    s, c = torch.from_numpy(sums), torch.from_numpy(center)
-    B, eye3 = s.shape[0], torch.eye(3, dtype=torch.float64)
-    if plane:  # J_origin = J_centred @ A with A = [[I, 0], [[c]×ᵀ, I]]
-        A = torch.eye(6, dtype=torch.float64).repeat(B, 1, 1)
-        A[:, 3:, :3] = transforms.skew(c).transpose(1, 2)
-        return (A.transpose(1, 2) @ normal_eq.unpack_hessian(s)[0] @ A).numpy()
+    s, c = np.asarray(sums, dtype=np.float64), np.asarray(center, dtype=np.float64)
+    if plane:  # J_origin = J_centred A(c)
+        return _np_math.shift_information(normal_eq.unpack_hessian(s)[0], c)
     # point-to-point: Σ w Gᵀ G with G = [−[y]×, I], from the target moments shifted to 0
     W, sy_c, yy_c = s[:, 0], s[:, 4:7], normal_eq.unpack_sym3(s[:, 22:28])
     sy = sy_c + W[:, None] * c
     yy = yy_c + c[:, :, None] * sy_c[:, None, :] + sy_c[:, :, None] * c[:, None, :] \
         + W[:, None, None] * c[:, :, None] * c[:, None, :]
-    H = torch.zeros(B, 6, 6, dtype=torch.float64)
-    H[:, :3, :3] = torch.diagonal(yy, dim1=1, dim2=2).sum(-1)[:, None, None] * eye3 - yy
-    H[:, :3, 3:] = transforms.skew(sy)
-    H[:, 3:, :3] = transforms.skew(sy).transpose(1, 2)
-    H[:, 3:, 3:] = W[:, None, None] * eye3
-    return H.numpy()
+    H = np.zeros((s.shape[0], 6, 6))
+    H[:, :3, :3] = np.trace(yy, axis1=1, axis2=2)[:, None, None] * np.eye(3) - yy
+    H[:, :3, 3:] = _np_math.skew(sy)
+    H[:, 3:, :3] = _np_math.skew(sy).transpose(0, 2, 1)
+    H[:, 3:, 3:] = W[:, None, None] * np.eye(3)
+    return H
 
 
 def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = False) -> tuple:
@@ -367,7 +364,7 @@ def icp(
     # the target's k-NN (its normals, unless given) can search the same index
     idxs = clock.stage("index", _indexes, pair, index, max_dist, plane and estimated_normals)
     inputs = {"source": pair.source, "target": pair.target, "lengths": pair.source_lengths,
-              "center": torch.zeros(B, 3, device=dev)}
+              "center": upload(summed_about(pair), dtype=torch.float32, device=dev)}
     if plane:
         inputs["normals"] = clock.stage("normals", _normals, target, target_normals, pair,
                                        idxs)
@@ -393,7 +390,7 @@ def icp(
             break
     timings = dict(clock.timings, iterate=time.perf_counter() - t_it, **run.timings)
     timings["total"] = time.perf_counter() - t_start
-    info = {"H": information_matrix(rules.sums, plane, pair.frame.center),
+    info = {"H": information_matrix(rules.sums, plane, pair.frame.center + summed_about(pair)),
             "per_iteration_s": timings["iterate"] / max(1, len(rules.history)),
             "method": method, "index": type(getattr(idxs[0], "index", idxs[0])).__name__,
             "rank_deficient": rules.rank_deficient, "device_steps": run.launched,

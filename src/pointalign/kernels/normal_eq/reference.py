@@ -9,6 +9,8 @@ layout ``WIDTH``, the robust ``KERNELS``, the upper-triangle orders ``TRIU6``/``
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -94,13 +96,19 @@ def normal_equations_reference(
     return out
 
 
-def unpack_hessian(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Point-to-plane sums ``(B, 30)`` → ``(JᵀWJ (B, 6, 6), JᵀWr (B, 6))`` (symmetric)."""
+def unpack_hessian(sums: Any) -> tuple[Any, Any]:
+    """Point-to-plane sums ``(B, 30)`` → ``(JᵀWJ (B, 6, 6), JᵀWr (B, 6))`` (symmetric).
+
+    A tensor gives tensors, a NumPy array arrays (host work on a few problems).
+    """
     return sums[:, _SYM6].reshape(-1, 6, 6), sums[:, 21:27]
 
 
-def unpack_sym3(v: torch.Tensor) -> torch.Tensor:
-    """Upper-triangle sums ``(B, 6)`` (00, 01, 02, 11, 12, 22) → symmetric ``(B, 3, 3)``."""
+def unpack_sym3(v: Any) -> Any:
+    """Upper-triangle sums ``(B, 6)`` (00, 01, 02, 11, 12, 22) → symmetric ``(B, 3, 3)``.
+
+    A tensor gives a tensor, a NumPy array an array.
+    """
     return v[:, _SYM3].reshape(-1, 3, 3)
 
 
