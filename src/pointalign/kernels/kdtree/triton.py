@@ -549,10 +549,10 @@ def subtree_level(m: int, block: int) -> int:
 
 #: levels whose every node holds at least this many points find their boxes by blocks of
 #: points (:func:`_chunk_boxes_kernel`), not a program per node: a program alone reading a
-#: node this wide is what bounds the level. (From 2^14 on, builds of 40k and 125k points
-#: measured 0.1-0.4 ms slower in two H200 processes of four, the starting boxes' fills
-#: outweighing the few reads saved; a 1M-point build gains from its top three levels.)
-CHUNK_BOXES_MIN = 1 << 17
+#: node this wide is what bounds the level. (Session 20, H200, kernel time of one build:
+#: 125k points 1.134 -> 0.923 ms, 40k 0.798 -> 0.752 ms against 2^17; from 2^10 on the
+#: same, 0.916 / 0.758 ms. The end-to-end calls moved within their noise, x0.97-x1.01.)
+CHUNK_BOXES_MIN = 1 << 14
 
 
 def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
