@@ -532,7 +532,7 @@ def vgicp(
                         k)
     n_t = 1 if pair.shared_target else B
     inputs = {"source": pair.source, "source_cov": s_cov, "lengths": pair.source_lengths,
-              "center": torch.zeros(B, 3, device=dev)}
+              "center": upload(summed_about(pair), dtype=torch.float32, device=dev)}
     levels = _Levels(pair, crit, pair.init)
     voxels = []
     for vs in sizes:
