@@ -240,6 +240,35 @@ def test_graph_policy_and_equality(backend, monkeypatch):
 
 
 @backends("triton")
+def test_ahead_launches_the_next_chunk_before_the_records(backend, monkeypatch):
+    """``ahead`` True: the next chunk is enqueued before the consumer reads the first
+    record of a chunk (so the device runs it meanwhile); False or none: after. The records
+    are the same; a stop discards what ran ahead."""
+    monkeypatch.setattr(_loop, "USE_GRAPHS", True)
+    _loop.clear_caches()
+    inputs, state = _inputs(backend.device)
+    step = Affine(0.9, 0.1)
+    for _ in range(2):  # capture the kept chunk graph
+        _graph_run(step, inputs, state, 20)
+    seen = {}
+    for label, hint in (("none", None), ("no", lambda a, b: False), ("yes", lambda a, b: True)):
+        run = _loop.iterate(step, inputs, state, max_steps=3 * _loop.CHUNK, ahead=hint)
+        recs, launched = [], []
+        for r in run:
+            recs.append(r)
+            launched.append(run.launched)
+            if len(recs) == _loop.CHUNK + 1:
+                break
+        assert run.graph == "reused"
+        ahead = label == "yes"
+        assert launched[0] == (2 if ahead else 1) * _loop.CHUNK
+        assert launched[_loop.CHUNK] == (3 if ahead else 2) * _loop.CHUNK
+        seen[label] = np.stack([r["x"] for r in recs])
+    np.testing.assert_array_equal(seen["yes"], seen["none"])
+    np.testing.assert_array_equal(seen["no"], seen["none"])
+
+
+@backends("triton")
 def test_kept_graph_reads_each_calls_array_objects(backend, monkeypatch):
     """Calls with other objects of one layout share the kept graph; each replay reads the
     call's arrays (copied into the graph's own), never the capturing call's."""

@@ -632,3 +632,33 @@ def test_point_to_plane_shares_its_index_with_the_normals(monkeypatch):
     brute = build_index(tgt, "brute")
     icp(src, tgt, max_correspondence_distance=0.05, method="point_to_plane", index=brute)
     assert searched[-1] is None  # N x M: the normals build their own search
+
+
+def test_rules_guess_whether_a_run_goes_on():
+    """``_Rules.continues``: a chunk whose last update still moves and whose fitness or RMSE
+    still changes goes on; a small update, no correspondences, a degenerate update or flat
+    fitness and RMSE may stop; stopped problems do not count."""
+    crit = ConvergenceCriteria()
+    rules = icp_module._Rules(crit, np.array([100.0, 100.0]), np.tile(np.eye(4), (2, 1, 1)),
+                              np.array([1e-4, 1e-4]))
+
+    def rec(count, sq, angle, shift, usable=1):
+        sums = np.zeros((2, 30))
+        sums[:, 28], sums[:, 29] = count, sq
+        D = np.tile(np.eye(4), (2, 1, 1))
+        c, s_ = np.cos(angle), np.sin(angle)
+        D[:, :2, :2] = [[c, -s_], [s_, c]]
+        D[:, 0, 3] = shift
+        return {"sums": sums, "update": D, "flags": np.array([[1, usable]] * 2)}
+
+    moving = (rec(80, 8.0, 0.0, 0.0), rec(90, 7.0, 0.01, 1e-2))
+    assert rules.continues(*moving)
+    assert not rules.continues(moving[0], rec(90, 7.0, 0.0, 1e-6))       # small update
+    assert not rules.continues(moving[0], rec(0, 0.0, 0.01, 1e-2))       # no partners
+    assert not rules.continues(moving[0], rec(90, 7.0, 0.01, 1e-2, 0))   # degenerate
+    assert not rules.continues(rec(90, 7.0, 0.0, 0.0), rec(90, 7.0, 0.01, 1e-2))  # flat
+    rules.active[:] = [False, True]  # a stopped problem does not count
+    assert rules.continues(moving[0], {**moving[1], "sums": np.where(
+        np.arange(2)[:, None] == 0, 0.0, moving[1]["sums"])})
+    rules.active[:] = False
+    assert not rules.continues(*moving)  # nothing left to run

@@ -71,7 +71,7 @@ import os
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -467,9 +467,11 @@ class Run:
 
     """
 
-    def __init__(self, step: Any, inputs: Tensors, state: Tensors, max_steps: int):
+    def __init__(self, step: Any, inputs: Tensors, state: Tensors, max_steps: int,
+                 ahead: Callable[[Host, Host], bool] | None = None):
         self.step, self.inputs, self.state = step, dict(inputs), dict(state)
         self.max_steps = int(max_steps)
+        self._ahead_hint = ahead
         self.launched = 0
         self._yielded = 0
         self.timings = {"launch": 0.0, "sync": 0.0}
@@ -508,6 +510,9 @@ class Run:
             rows = tr.wait()
             self.timings["sync"] += time.perf_counter() - t0
             assert self._layout is not None
+            if tr.steps > 1 and self._ahead_hint is not None and self._ahead_hint(
+                    self._layout.unpack(rows[-2]), self._layout.unpack(rows[-1])):
+                self._launch_ahead()  # the next chunk runs while the consumer reads these
             for r in range(tr.steps):
                 if self._yielded == self.max_steps:  # a chunk replayed past the cap
                     return
@@ -654,7 +659,8 @@ class _Graph:
             self.state_in[n].copy_(v)
 
 
-def iterate(step: Any, inputs: Tensors, state: Tensors, *, max_steps: int) -> Run:
+def iterate(step: Any, inputs: Tensors, state: Tensors, *, max_steps: int,
+            ahead: Callable[[Host, Host], bool] | None = None) -> Run:
     """Run ``step`` up to ``max_steps`` times from ``state``; iterate the result for records.
 
     Args:
@@ -662,13 +668,17 @@ def iterate(step: Any, inputs: Tensors, state: Tensors, *, max_steps: int) -> Ru
         inputs: tensors the steps read and never change (one device).
         state: the initial carried tensors (not modified).
         max_steps: the most steps to run (>= 1).
+        ahead: the consumer's guess, from the last two records of a replayed chunk, that it
+            will read past them: then the next chunk is launched before those records are
+            yielded, and the device runs it while the host checks them. A wrong True costs
+            a chunk of device work whose records are discarded, never a result.
 
     Returns:
         A :class:`Run`; iterating it yields one host record per step (dict of NumPy arrays
         with the record's shapes). Stop iterating to stop the loop.
 
     """
-    return Run(step, inputs, state, max_steps)
+    return Run(step, inputs, state, max_steps, ahead)
 
 
 # ---- run_program: fixed device programs ---------------------------------------------------

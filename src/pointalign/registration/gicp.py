@@ -277,7 +277,8 @@ class _Levels:
                        self.crit.translation_for(pair.extent))
         t_it = time.perf_counter()
         run = _loop.iterate(step, inputs, state,
-                            max_steps=anderson.max_steps(step, int(self.crit.max_iterations)))
+                            max_steps=anderson.max_steps(step, int(self.crit.max_iterations)),
+                            ahead=rules.continues)
         for record in run:
             if rules(record):
                 break

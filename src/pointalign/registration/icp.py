@@ -128,13 +128,32 @@ class _Rules:
                 self.reasons[b] = reason
             self.active &= ~hit
 
+    def continues(self, prev: dict[str, np.ndarray], last: dict[str, np.ndarray]) -> bool:
+        """Guess that the run goes on past a chunk ending in records ``prev``, ``last``.
+
+        The executor's ``ahead`` (:func:`pointalign.kernels._loop.iterate`): every active
+        problem still has correspondences and a usable update, moves ten times more than the
+        small-update tolerances, and changes its fitness or RMSE ten times more than the
+        relative ones. A wrong guess costs a chunk of device work, never a result.
+        """
+        c, n = self.crit, self.n_src
+        s0, s1, D = prev["sums"], last["sums"], last["update"]
+        t = D[:, :3, 3]
+        moving = (np.sqrt((t * t).sum(-1)) > 10 * self.translation_tolerance) \
+            | (_np_math.rotation_angle(D[:, :3, :3]) > 10 * c.rotation_tolerance)
+        r0, r1 = (np.sqrt(x[:, 29] / np.maximum(x[:, 28], 1)) for x in (s0, s1))
+        changing = (np.abs(s1[:, 28] - s0[:, 28]) / n > 10 * c.relative_fitness) \
+            | (np.abs(r1 - r0) / np.maximum(r0, 1e-300) > 10 * c.relative_rmse)
+        going = (s1[:, 28] > 0) & (last["flags"][:, 1] != 0) & moving & changing
+        return bool(self.active.any() and (going | ~self.active).all())
+
     def __call__(self, rec: dict[str, np.ndarray]) -> bool:
         """Apply the rules to one record; True when every problem has stopped."""
         s = rec["sums"]
         cnt = s[:, 28]
         fit = cnt / self.n_src
         rmse = np.where(cnt > 0, np.sqrt(s[:, 29] / np.maximum(cnt, 1)), np.inf)
-        ok = rec.get("accepted", np.ones(len(cnt), dtype=bool)).astype(bool)
+        ok = rec["accepted"].astype(bool) if "accepted" in rec else np.ones(len(cnt), bool)
         if self.step == 0:
             self.fitness, self.rmse, self.sums, self.count = fit, rmse, s.copy(), cnt
             self._stop(cnt == 0, StopReason.NO_CORRESPONDENCES)
@@ -144,21 +163,32 @@ class _Rules:
             self.rank_deficient |= self.active & ok & (flags[:, 0] == 0)
             self._stop(ok & (flags[:, 1] == 0), StopReason.DEGENERATE)
             act = self.active & ok
-            self.T = np.where(act[:, None, None], T_next, self.T)
-            self.iterations += act
             prev_fit, prev_rmse = self.fitness, self.rmse
-            self.fitness, self.rmse = np.where(act, fit, prev_fit), np.where(act, rmse, prev_rmse)
-            self.sums[act], self.count = s[act], np.where(act, cnt, self.count)
+            if act.all():  # the usual record: every problem takes its update
+                self.T, self.sums = T_next.copy(), s.copy()
+                self.fitness, self.rmse, self.count = fit, rmse, cnt
+                self.iterations += 1
+            else:
+                self.T = np.where(act[:, None, None], T_next, self.T)
+                self.iterations += act
+                self.fitness, self.rmse = np.where(act, fit, prev_fit), np.where(act, rmse,
+                                                                                 prev_rmse)
+                self.sums[act], self.count = s[act], np.where(act, cnt, self.count)
             c = self.crit
-            self._stop(ok & (cnt == 0), StopReason.NO_CORRESPONDENCES)
             t = D[:, :3, 3]
-            self._stop(ok & (_np_math.rotation_angle(D[:, :3, :3]) < c.rotation_tolerance)
-                       & (np.sqrt((t * t).sum(-1)) < self.translation_tolerance),
-                       StopReason.SMALL_UPDATE)
-            self._stop(ok & (np.abs(self.fitness - prev_fit) < c.relative_fitness)
-                       & (np.abs(self.rmse - prev_rmse) / np.maximum(prev_rmse, 1e-300)
-                          < c.relative_rmse), StopReason.RELATIVE_CHANGE)
-            self._stop(self.iterations >= c.max_iterations, StopReason.MAX_ITERATIONS)
+            small = ok & (np.sqrt((t * t).sum(-1)) < self.translation_tolerance)
+            if small.any():  # the angle only then: most steps move more than the tolerance
+                small &= _np_math.rotation_angle(D[:, :3, :3]) < c.rotation_tolerance
+            stops = ((ok & (cnt == 0), StopReason.NO_CORRESPONDENCES),
+                     (small, StopReason.SMALL_UPDATE),
+                     (ok & (np.abs(self.fitness - prev_fit) < c.relative_fitness)
+                      & (np.abs(self.rmse - prev_rmse) / np.maximum(prev_rmse, 1e-300)
+                         < c.relative_rmse), StopReason.RELATIVE_CHANGE),
+                     (self.iterations >= c.max_iterations, StopReason.MAX_ITERATIONS))
+            # most records stop nothing: one test, then the rules in their order
+            if (self.active & (stops[0][0] | small | stops[2][0] | stops[3][0])).any():
+                for mask, reason in stops:
+                    self._stop(mask, reason)
         if self.step == 0 or ok.any():  # a rejected accelerated pose is not an iteration
             self.history.append({"iteration": len(self.history), "fitness": self.fitness.copy(),
                                  "rmse": self.rmse.copy(), "correspondences": self.count.copy()})
@@ -383,7 +413,8 @@ def icp(
                    crit.translation_for(pair.extent))
     t_it = time.perf_counter()
     run = _loop.iterate(step, inputs, state,
-                        max_steps=anderson.max_steps(step, crit.max_iterations))
+                        max_steps=anderson.max_steps(step, crit.max_iterations),
+                        ahead=rules.continues)
     for record in _progress.track(run, "ICP", total=int(crit.max_iterations),
                                   delay=_progress.LIBRARY_DELAY):
         if rules(record):
