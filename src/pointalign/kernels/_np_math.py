@@ -95,7 +95,7 @@ def stability(H: np.ndarray, extent: np.ndarray) -> np.ndarray:
     d = np.ones(A.shape[:-1])
     d[..., :3] = 1.0 / L[..., None]
     A = d[..., :, None] * A * d[..., None, :]
-    ok = np.isfinite(A).all((-2, -1))
+    ok = np.asarray(np.isfinite(A).all((-2, -1)))
     ev = np.linalg.eigvalsh(np.where(ok[..., None, None], A, 0.0))
     top = ev[..., -1]
     r = np.maximum(ev[..., 0], 0.0) / np.maximum(top, 1e-300)
