@@ -628,7 +628,7 @@ def test_point_to_plane_shares_its_index_with_the_normals(monkeypatch):
     assert asked == [True, False, False]
     tree = build_index(tgt, "kdtree")
     icp(src, tgt, max_correspondence_distance=0.05, method="point_to_plane", index=tree)
-    assert searched[-1] is tree
+    assert searched[-1].index is tree  # the caller's tree, searched from the centred frame
     brute = build_index(tgt, "brute")
     icp(src, tgt, max_correspondence_distance=0.05, method="point_to_plane", index=brute)
     assert searched[-1] is None  # N x M: the normals build their own search

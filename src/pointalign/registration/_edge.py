@@ -431,16 +431,23 @@ def knn_index(idxs: Sequence[Any], b: int, points: torch.Tensor) -> Any:
     neighbours of a tree built for them (a host tree keeps the self-query as its shortcut
     lists, a device tree saves a second build); not a voxel grid (cells sized for the
     correspondence bound) nor brute force (N × M, where the caller's own search is faster).
+    A caller's index (a :class:`~pointalign.search.shifted.ShiftedIndex`: over the target
+    as given, trusted to hold it, as the registration trusts it for its correspondences)
+    is searched through its shift.
     """
     from pointalign.search.brute import BruteForceIndex
     from pointalign.search.grid import VoxelGridIndex
+    from pointalign.search.shifted import ShiftedIndex
 
-    ix = getattr(idxs[b], "index", idxs[b]) if b < len(idxs) else None  # behind tiers
+    top = idxs[b] if b < len(idxs) else None
+    ix = getattr(top, "index", top)  # behind tiers, or the caller's behind its shift
     p = getattr(ix, "points", None)
     ok = ix is not None and not isinstance(ix, (VoxelGridIndex, BruteForceIndex)) \
         and isinstance(p, torch.Tensor) and p.shape == points.shape \
-        and p.device == points.device and (p is points or torch.equal(p, points))
-    return ix if ok else None
+        and p.device == points.device
+    if ok and isinstance(top, ShiftedIndex):
+        return top
+    return ix if ok and (p is points or torch.equal(p, points)) else None
 
 
 # ---- estimates of long work (announced before it starts: _progress.announce) -------------

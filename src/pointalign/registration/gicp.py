@@ -408,7 +408,7 @@ def gicp(
     dev = _edge.resolve_device(device, source=source, target=target,
                                source_covariances=source_covariances,
                                target_covariances=target_covariances)
-    pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
+    pair = _edge.prepare_pair(source, target, init=init, device=dev,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     checks.check_units(pair, max_correspondence_distance=max_dist)
     _announce(pair, "GICP", int(crit.max_iterations), source, target, source_covariances,

@@ -44,6 +44,7 @@ from pointalign.registration.criteria import (
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.stability import stability, summed_about
 from pointalign.search import policy
+from pointalign.search.shifted import Offset, ShiftedIndex
 
 METHODS = ("point_to_point", "point_to_plane")
 
@@ -225,7 +226,9 @@ def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = Fals
     Built here: one index for a shared target; for different targets on a device one
     packed index for the whole batch (:func:`pointalign.search.policy.choose_batch_index`),
     else one per problem (``knn``: the caller also asks the targets' k-NN of it, see
-    :func:`~pointalign.search.policy.choose_index`).
+    :func:`~pointalign.search.policy.choose_index`). The caller's: searched from the
+    centred frame (:class:`~pointalign.search.shifted.ShiftedIndex`; the queries move by
+    the frame's centre), so that sums and updates keep their precision far from the origin.
     """
     if index is None:
         with _validate.trusted():  # over the checked targets: no second NaN/Inf scan
@@ -242,7 +245,15 @@ def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = Fals
             raise ValueError(f"index: built over {tuple(p.shape)} points on {p.device}, but "
                              f"target{'' if B == 1 else f'[{b}]'} has ({n}, 3) on "
                              f"{pair.device}")
-    return _searches(built * B if len(built) == 1 else built, max_distance)
+    searches = _searches(built * B if len(built) == 1 else built, max_distance)
+    # the caller's indexes hold the targets as given; the problem is solved centred on them
+    memo: dict[tuple, ShiftedIndex] = {}
+    for b, ix in enumerate(searches):
+        c = pair.frame.center[b]
+        if (id(ix), c.tobytes()) not in memo:
+            memo[id(ix), c.tobytes()] = ShiftedIndex(ix, Offset(upload(
+                c, dtype=ix.points.dtype, device=pair.device)))
+    return tuple(memo[id(ix), pair.frame.center[b].tobytes()] for b, ix in enumerate(searches))
 
 
 def _built_indexes(pair: _edge.Pair, max_distance: float, knn: bool) -> tuple:
@@ -382,7 +393,7 @@ def icp(
     accelerate = _validate.flag(acceleration, "acceleration", none=True)
     dev = _edge.resolve_device(device, source=source, target=target,
                                target_normals=target_normals)
-    pair = _edge.prepare_pair(source, target, init=init, device=dev, local=index is None,
+    pair = _edge.prepare_pair(source, target, init=init, device=dev,
                               source_lengths=source_lengths, target_lengths=target_lengths)
     checks.check_units(pair, max_correspondence_distance=max_dist)
     estimated_normals = target_normals is None and _edge.cloud_normals(target) is None
