@@ -51,7 +51,7 @@ from pointalign.registration.criteria import (
 )
 from pointalign.registration.icp import IcpStep, _indexes, _Rules, information_matrix
 from pointalign.registration.result import RegistrationResult
-from pointalign.registration.stability import stability, summed_about
+from pointalign.registration.stability import stability
 from pointalign.search import policy
 
 #: neighbours per covariance when none are given (small_gicp's and Open3D's examples)
@@ -300,8 +300,7 @@ class _Levels:
         assert rules is not None and self.iterations is not None
         timings = dict(clock.timings, **self.timings)
         timings["total"] = time.perf_counter() - t_start
-        info = {"H": information_matrix(rules.sums, True,
-                                        pair.frame.center + summed_about(pair)),
+        info = {"H": information_matrix(rules.sums, True, pair.frame.center),
                 "per_iteration_s": timings["iterate"] / max(1, len(self.history)), **info,
                 "rank_deficient": rules.rank_deficient, "device_steps": self.launched,
                 "cuda_graph": self.graph}
@@ -431,8 +430,7 @@ def gicp(
         if order is not None:
             src, s_cov = src[:, order], s_cov[:, order]
     inputs = {"source": src, "source_cov": s_cov, "target": pair.target, "target_cov": t_cov,
-              "lengths": pair.source_lengths,
-              "center": upload(summed_about(pair), dtype=torch.float32, device=dev)}
+              "lengths": pair.source_lengths, "center": torch.zeros(B, 3, device=dev)}
     T0 = upload(pair.init, dtype=torch.float64, device=dev)  # no wait for the device
     state = {"T": T0, "Tf": T0.to(torch.float32)}
     if any(ix.uses_hint for ix in idxs):
@@ -533,7 +531,7 @@ def vgicp(
                         k)
     n_t = 1 if pair.shared_target else B
     inputs = {"source": pair.source, "source_cov": s_cov, "lengths": pair.source_lengths,
-              "center": upload(summed_about(pair), dtype=torch.float32, device=dev)}
+              "center": torch.zeros(B, 3, device=dev)}
     levels = _Levels(pair, crit, pair.init)
     voxels = []
     for vs in sizes:

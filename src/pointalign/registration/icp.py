@@ -42,7 +42,7 @@ from pointalign.registration.criteria import (
     as_robust_kernel,
 )
 from pointalign.registration.result import RegistrationResult
-from pointalign.registration.stability import stability, summed_about
+from pointalign.registration.stability import stability
 from pointalign.search import policy
 from pointalign.search.shifted import Offset, ShiftedIndex
 
@@ -405,7 +405,7 @@ def icp(
     # the target's k-NN (its normals, unless given) can search the same index
     idxs = clock.stage("index", _indexes, pair, index, max_dist, plane and estimated_normals)
     inputs = {"source": pair.source, "target": pair.target, "lengths": pair.source_lengths,
-              "center": upload(summed_about(pair), dtype=torch.float32, device=dev)}
+              "center": torch.zeros(B, 3, device=dev)}
     if plane:
         inputs["normals"] = clock.stage("normals", _normals, target, target_normals, pair,
                                        idxs)
@@ -432,7 +432,7 @@ def icp(
             break
     timings = dict(clock.timings, iterate=time.perf_counter() - t_it, **run.timings)
     timings["total"] = time.perf_counter() - t_start
-    info = {"H": information_matrix(rules.sums, plane, pair.frame.center + summed_about(pair)),
+    info = {"H": information_matrix(rules.sums, plane, pair.frame.center),
             "per_iteration_s": timings["iterate"] / max(1, len(rules.history)),
             "method": method, "index": type(getattr(idxs[0], "index", idxs[0])).__name__,
             "rank_deficient": rules.rank_deficient, "device_steps": run.launched,

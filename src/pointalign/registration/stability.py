@@ -35,18 +35,6 @@ STABILITY_K = 16
 DUPLICATE_K = 64
 
 
-def summed_about(pair: _edge.Pair) -> np.ndarray:
-    """Return the point the normal equations are summed about: ``(B, 3)`` float64.
-
-    The target's centroid in the local frame (0 unless ``local=False``), as the float32 the
-    device reads. Sums about a point near the data keep their rotational part: about a far
-    origin it is the small difference of large float32 sums (a scan 36 m away measured a
-    stability of 0).
-    """
-    assert pair.centroid is not None  # set by prepare_pair
-    return pair.centroid.astype(np.float32).astype(np.float64)
-
-
 def stability_sample(counts: np.ndarray, device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each problem's sample of source rows (:func:`_draw_sample`), kept per sizes and device.
@@ -212,7 +200,7 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray 
     """:func:`pointalign._math.stability` of each problem's final pose, ``(B,)`` float64.
 
     Point-to-plane: from the final sums (the 6×6 the last step solved, no extra work),
-    summed about :func:`summed_about`.
+    summed about the local origin.
     Point-to-point: Horn's moments cannot see a slide along the surface, so the
     point-to-plane information of a sample of the final correspondences is measured, for
     the whole batch at once (:func:`point_information`).
@@ -220,9 +208,8 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray 
     assert pair.centroid is not None and pair.extent is not None  # set by prepare_pair
     if plane:  # (NumPy: a few 6×6 on the host, ~1 µs an operation against torch's ~5-10)
         assert sums is not None  # point-to-plane reads the final sums
-        # the sums are about summed_about(pair); the rule reads H about the centroid
-        H = _np_math.shift_information(normal_eq.unpack_hessian(sums)[0],
-                                       summed_about(pair) - pair.centroid)
+        # the sums are about the local origin; the rule reads H about the target's centroid
+        H = _np_math.shift_information(normal_eq.unpack_hessian(sums)[0], -pair.centroid)
     else:
         H = point_information(pair, indexes, T, max_distance).numpy()
     return _np_math.stability(H, pair.extent)
