@@ -442,12 +442,13 @@ def knn_index(idxs: Sequence[Any], b: int, points: torch.Tensor) -> Any:
     top = idxs[b] if b < len(idxs) else None
     ix = getattr(top, "index", top)  # behind tiers, or the caller's behind its shift
     p = getattr(ix, "points", None)
-    ok = ix is not None and not isinstance(ix, (VoxelGridIndex, BruteForceIndex)) \
-        and isinstance(p, torch.Tensor) and p.shape == points.shape \
-        and p.device == points.device
-    if ok and isinstance(top, ShiftedIndex):
+    if ix is None or isinstance(ix, (VoxelGridIndex, BruteForceIndex)) \
+            or not isinstance(p, torch.Tensor) or p.shape != points.shape \
+            or p.device != points.device:
+        return None
+    if isinstance(top, ShiftedIndex):
         return top
-    return ix if ok and (p is points or torch.equal(p, points)) else None
+    return ix if p is points or torch.equal(p, points) else None
 
 
 # ---- estimates of long work (announced before it starts: _progress.announce) -------------
