@@ -247,13 +247,14 @@ def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = Fals
                              f"{pair.device}")
     searches = _searches(built * B if len(built) == 1 else built, max_distance)
     # the caller's indexes hold the targets as given; the problem is solved centred on them
-    memo: dict[tuple, ShiftedIndex] = {}
-    for b, ix in enumerate(searches):
-        c = pair.frame.center[b]
-        if (id(ix), c.tobytes()) not in memo:
-            memo[id(ix), c.tobytes()] = ShiftedIndex(ix, Offset(upload(
-                c, dtype=ix.points.dtype, device=pair.device)))
-    return tuple(memo[id(ix), pair.frame.center[b].tobytes()] for b, ix in enumerate(searches))
+    # (one wrapper per distinct index and centre: a shared target is searched once a step)
+    keys = [(id(ix), c.tobytes()) for ix, c in zip(searches, pair.frame.center, strict=True)]
+    shifted: dict[tuple, ShiftedIndex] = {}
+    for key, ix, c in zip(keys, searches, pair.frame.center, strict=True):
+        if key not in shifted:
+            shifted[key] = ShiftedIndex(ix, Offset(upload(c, dtype=ix.points.dtype,
+                                                          device=pair.device)))
+    return tuple(shifted[key] for key in keys)
 
 
 def _built_indexes(pair: _edge.Pair, max_distance: float, knn: bool) -> tuple:
