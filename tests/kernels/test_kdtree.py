@@ -66,16 +66,17 @@ def test_segment_boxes_match_each_range(m, rng):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_node_order_is_the_stable_sort_by_node_then_key(dtype, rng):
-    """One packed sort (float32) or two stable sorts: by node, then key, ties in index order."""
+def test_node_order_sorts_by_node_then_key_then_id(dtype, rng):
+    """One packed sort (float32) or stable sorts: by node, then key, ties in id order."""
     m = 500
     key = torch.randn(m, generator=rng).to(dtype)
     key[::7] = 0.0
     key[::11] = -0.0
     key[::13] = key[0]
     seg = torch.randint(0, 9, (m,), generator=rng)
-    got = K._node_order(seg, key)
-    want = sorted(range(m), key=lambda i: (int(seg[i]), float(key[i]), i))
+    ids = torch.randperm(m, generator=rng)
+    got = K._node_order(seg, key, ids)
+    want = sorted(range(m), key=lambda i: (int(seg[i]), float(key[i]), int(ids[i])))
     assert got.tolist() == want
 
 
@@ -114,9 +115,10 @@ def test_build_rejects_bad_depth():
         K.build(torch.zeros(4, 3), 1, "gpu")
     from pointalign.kernels.kdtree import triton as KT
 
-    bounds, mids = K._split_layout(K.build_layout(40, 2, "cpu")[0], 2)
-    with pytest.raises(ValueError, match="power of two"):
-        KT.build(torch.rand(40, 3), 2, bounds, mids, subtree_block=48)
+    bounds, _ = K._split_layout(K.build_layout(40, 2, "cpu")[0], 2)
+    for bad in (48, 2048):
+        with pytest.raises(ValueError, match="power of two"):
+            KT.build(torch.rand(40, 3), 2, bounds, subtree_block=bad)
 
 
 # ---- the Triton kernel through the interpreter (in a child process, see _oracles) ----------
@@ -192,16 +194,6 @@ def run_interpreted_kdtree(out_path: str) -> None:
                 tree = K.build(_build_cloud(seed)[:m], depth)
                 out[("subtree", m, depth, seed)] = (tree.perm, tree.split_axis, tree.split_value,
                                              tree.lo, tree.hi, tree.points)
-            # the levels above by blocks of 64 points folded by atomics, not a node a program
-            KT.CHUNK_BOXES_MIN, wide = 0, KT.CHUNK_BOXES_MIN
-            try:
-                for m, depth in SUBTREE_CASES:
-                    tree = K.build(_build_cloud(seed)[:m], depth)
-                    out[("chunked boxes", m, depth, seed)] = (
-                        tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi,
-                        tree.points)
-            finally:
-                KT.CHUNK_BOXES_MIN = wide
         finally:
             KT.SUBTREE_BLOCK = block
         pts, q = _interp_inputs((30, 7, 3, 2), seed, torch.float64)
@@ -468,13 +460,11 @@ def test_triton_interpreter_subtree_kernel_matches_host(m, depth, interpreted, s
     if seed >= INTERP_SEEDS:
         pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
     ref = K.build(_build_cloud(seed)[:m], depth, "host")
-    # with the top levels' boxes by a program a node, then by blocks folded by atomics
-    for kind in ("subtree", "chunked boxes"):
-        perm, axis, split, lo, hi, pts = interpreted[(kind, m, depth, seed)]
-        assert torch.equal(perm, ref.perm) and torch.equal(axis, ref.split_axis)
-        assert torch.equal(lo, ref.lo) and torch.equal(hi, ref.hi)
-        assert torch.equal(pts, ref.points)
-        assert np.allclose(split.numpy(), ref.split_value.numpy())
+    perm, axis, split, lo, hi, pts = interpreted[("subtree", m, depth, seed)]
+    assert torch.equal(perm, ref.perm) and torch.equal(axis, ref.split_axis)
+    assert torch.equal(lo, ref.lo) and torch.equal(hi, ref.hi)
+    assert torch.equal(pts, ref.points)
+    assert np.allclose(split.numpy(), ref.split_value.numpy())
 
 
 def test_triton_interpreter_build_matches_host(interpreted, seed):
@@ -536,27 +526,22 @@ def test_hint_keeps_the_answer(backend, max_d, rng):
                        **({} if math.isinf(max_d) else {"max_distance": max_d}))
 
 
-@pytest.mark.parametrize("size", ["large", "large, boxes by blocks", "one program",
-                                  "leaves above a program"])
-def test_device_build_matches_host(backend, size, rng, monkeypatch):
-    """The build on the points' device (fused Triton levels and, on CUDA, the subtree
-    kernel below 1024-point nodes: from level 7, for the whole tree, not at all; the top
-    levels' boxes by a program a node or by blocks folded with atomics) equals the
-    host's."""
+@pytest.mark.parametrize("size", ["large", "large, ties everywhere", "one program",
+                                  "leaves above a program", "leaves at a program's size"])
+def test_device_build_matches_host(backend, size, rng):
+    """The build on the points' device (on Triton: the top levels split from the sorted
+    lists, then the subtree kernel below 1024-point nodes: from level 7, for the whole
+    tree, not at all, or not where its nodes are the leaves) equals the host's, ties
+    ordered by the points' original index."""
     cases = {"large": ((100003, 12), (10007, 9)), "one program": ((1000, 6), (1000, 6)),
-             "leaves above a program": ((5000, 2), (500, 1))}
-    if size == "large, boxes by blocks":
-        if backend.device != "cuda":
-            pytest.skip("the compiled Triton build's boxes by blocks (the interpreter's run "
-                        "covers them on the CPU)")
-        from pointalign.kernels.kdtree import triton as KT
-
-        monkeypatch.setattr(KT, "CHUNK_BOXES_MIN", 0)
-        size = "large"
-    m, depth = cases[size][0] if backend.device == "cuda" else cases[size][1]
+             "leaves above a program": ((5000, 2), (500, 1)),
+             "leaves at a program's size": ((5000, 3), (5000, 3))}
+    m, depth = cases[size.split(",")[0]][0 if backend.device == "cuda" else 1]
     pts = _cloud(m, rng)
     pts[::9, 1] = 0.0  # ties
     pts[::7, 0] = pts[0, 0]
+    if "ties everywhere" in size:  # every coordinate on a grid of 1/16
+        pts = (pts * 16).round() / 16
     a = K.build(pts.to(backend.device), depth, "device")
     b = K.build(pts, depth, "host")
     assert torch.equal(a.perm.cpu(), b.perm)

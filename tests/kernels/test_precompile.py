@@ -18,14 +18,13 @@ pytest.importorskip("triton")
 from pointalign import _warmup  # noqa: E402
 from pointalign.kernels import _precompile  # noqa: E402
 
-#: the smallest kernel (its compile takes ~0.2 s): the k-d tree's split-axis kernel
+#: the smallest kernel (its compile takes ~0.2 s): the k-d tree's axis-keys kernel
 _SPLIT = {
-    "kernel": "pointalign.kernels.kdtree.triton:_split_axis_kernel",
-    "signature": {"pts_ptr": "*fp32", "b_ptr": "*i64", "axis_ptr": "*i32", "lo_ptr": "*fp32",
-                  "hi_ptr": "*fp32", "first": "i32", "BLOCK": "constexpr",
-                  "SPLIT": "constexpr"},
-    "constexprs": [[[6], 64], [[7], True]],
-    "attrs": [[[i], [["tt.divisibility", 16]]] for i in (0, 2, 3, 4)],
+    "kernel": "pointalign.kernels.kdtree.triton:_axis_keys_kernel",
+    "signature": {"pts_ptr": "*fp32", "key_ptr": "*i32", "m_points": "i32",
+                  "BLOCK": "constexpr"},
+    "constexprs": [[[3], 64]],
+    "attrs": [[[i], [["tt.divisibility", 16]]] for i in (0, 1)],
     "options": {"num_warps": 4, "num_stages": 3, "num_ctas": 1},
     "seconds": 0.2,
 }
@@ -142,7 +141,8 @@ def test_a_precompiled_kernel_is_launched_without_compiling(tmp_path, monkeypatc
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     pts = torch.rand(1000, 3, device="cuda")
-    kernels = (kd._split_axis_kernel, kd._level_keys_kernel, kd._reorder_kernel,
+    kernels = (kd._axis_keys_kernel, kd._top_nodes_kernel, kd._top_side_kernel,
+               kd._top_flags_kernel, kd._top_partition_kernel, kd._top_gather_kernel,
                kd._subtree_kernel)  # 1000 points: the subtree kernel builds it all
     for k in kernels:  # launched earlier in this process: forget
         k.device_caches.clear()

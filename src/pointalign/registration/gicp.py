@@ -217,6 +217,21 @@ def _source_covariances(pair: _edge.Pair, source: Any, given: Any, k: int) -> to
         else sc
 
 
+def _source_side(pair: _edge.Pair, source: Any, given: Any, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the source ``(B, N, 3)`` and its covariances, in the order to query them.
+
+    One full cloud is sent in a spatially coherent order
+    (:func:`~pointalign.search.policy.query_order`); else as given.
+    """
+    src, cov = pair.source, _source_covariances(pair, source, given, k)
+    if pair.size == 1 and pair.source_counts[0] == src.shape[1]:
+        order = policy.query_order(src[0])  # a spatially coherent order, or None
+        if order is not None:
+            src, cov = src[:, order], cov[:, order]
+    return src, cov
+
+
 def _target_covariances(pair: _edge.Pair, target: Any, given: Any, k: int,
                         indexes: tuple = ()) -> torch.Tensor:
     """Target covariances ``(B, M, 3, 3)``: given, kept, or estimated (``indexes`` searched)."""
@@ -226,16 +241,17 @@ def _target_covariances(pair: _edge.Pair, target: Any, given: Any, k: int,
                       indexes) if tc is None else tc
 
 
-def _both_covariances(beside: _loop.Beside, source_cov: torch.Tensor, pair: _edge.Pair,
+def _both_covariances(beside: _loop.Beside, source_side: Any, pair: _edge.Pair,
                       target: Any, given: Any, k: int, indexes: tuple = ()
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(source, target)`` covariances: the target's here, the source's joined.
+                      ) -> tuple[Any, torch.Tensor]:
+    """Return ``(source_side, target covariances)``: the target's here, the source's joined.
 
-    The source's run ``beside`` (:class:`~pointalign.kernels._loop.Beside`); as one stage,
-    whose time ends when both are ready.
+    The source's side (:func:`_source_side`) ran ``beside``
+    (:class:`~pointalign.kernels._loop.Beside`); as one stage, whose time ends when both
+    are ready.
     """
     tc = _target_covariances(pair, target, given, k, indexes)
-    return beside.join(source_cov), tc
+    return beside.join(source_side), tc
 
 
 def _announce(pair: _edge.Pair, method: str, cap: int, source: Any, target: Any,
@@ -414,21 +430,17 @@ def gicp(
               target_covariances)
     B = pair.size
     clock = _loop.Clock(dev)
-    # the source's covariances (a k-d tree build and a self-query on a GPU) run beside the
-    # target's index and covariances, whose k-NN can search that index (KITTI full x0.92-0.94
-    # in one process on an H200); "covariances" is charged until both are ready
+    # the source's covariances (a k-d tree build and a self-query on a GPU) and its query
+    # order run beside the target's index and covariances, whose k-NN can search that index
+    # (KITTI full x0.92-0.94 in one process on an H200); "covariances" is charged until both
+    # are ready
     beside = _loop.Beside(dev)
-    s_cov = clock.stage("covariances", beside, _source_covariances, pair, source,
-                        source_covariances, k)
+    side = clock.stage("covariances", beside, _source_side, pair, source, source_covariances,
+                       k)
     idxs = clock.stage("index", _indexes, pair, index, max_dist,
                        _covariances_missing(target_covariances, target))
-    s_cov, t_cov = clock.stage("covariances", _both_covariances, beside, s_cov, pair, target,
-                               target_covariances, k, idxs)
-    src = pair.source
-    if B == 1 and pair.source_counts[0] == src.shape[1]:
-        order = policy.query_order(src[0])  # a spatially coherent order, or None
-        if order is not None:
-            src, s_cov = src[:, order], s_cov[:, order]
+    (src, s_cov), t_cov = clock.stage("covariances", _both_covariances, beside, side, pair,
+                                      target, target_covariances, k, idxs)
     inputs = {"source": src, "source_cov": s_cov, "target": pair.target, "target_cov": t_cov,
               "lengths": pair.source_lengths, "center": torch.zeros(B, 3, device=dev)}
     T0 = upload(pair.init, dtype=torch.float64, device=dev)  # no wait for the device

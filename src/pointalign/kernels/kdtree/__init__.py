@@ -7,7 +7,8 @@ node ``j`` of level ``l`` (0-based within the level) owns the contiguous range
 
     ``[floor(j M / 2^l), floor((j + 1) M / 2^l))``
 
-of the permuted points: a balanced median split. ``2^D <= M`` keeps every node non-empty. Each
+of the permuted points: a balanced median split, each node's points ordered along its parent's
+split axis by (coordinate, original index). ``2^D <= M`` keeps every node non-empty. Each
 internal node splits along the axis of largest extent of its points; ``split_value`` is halfway
 between the left child's largest and the right child's smallest coordinate on that axis, and a
 query goes right when ``q[axis] >= split_value``. Every node stores the bounding box of its
@@ -108,10 +109,10 @@ def build(points: torch.Tensor, depth: int, where: str = "device", *,
     """Build the tree over ``points (M, 3)`` with ``depth`` split levels (``2^depth <= M``).
 
     ``where="device"``: torch ops on the points' device (per level: node bounding boxes by a
-    padded gather and row reduction, axis of largest extent, one stable sort by node, then
-    coordinate; see :func:`_node_order`).
+    padded gather and row reduction, axis of largest extent, one sort by node, coordinate and
+    original index; see :func:`_node_order`).
     ``where="host"``: the same algorithm in NumPy (``lexsort``), copied back. Both give the same
-    tree up to the order of points with equal coordinates.
+    tree (points of equal coordinate ordered by their original index).
     ``where="auto"``: ``"device"`` for points on a GPU, ``"host"`` for points in host memory
     (NumPy's lexsort beat torch's scatter-reduce and two sorts per level by about 2x on the
     CPU; see ``benchmarks/bench_kdtree.py``).
@@ -130,9 +131,10 @@ def build(points: torch.Tensor, depth: int, where: str = "device", *,
         if layout is None:
             layout = build_layout(m, depth, points.device)
         ranges = layout[1]
-        # float32 on a Triton backend: four kinds of launch a level (boxes and axes, keys,
-        # the sort, the reorder with the splits) in place of ~20 of the same arithmetic,
-        # then one launch for every level whose nodes fit a program
+        # float32 on a Triton backend: three sorts, then five launches a level (each
+        # node's box and split read off the sorted lists, the sides, a running count, the
+        # partition) in place of a sort a level, then one launch for every level whose
+        # nodes fit a program
         if points.dtype == torch.float32 and backend(points) in ("triton", "interpret"):
             program = _BuildProgram(depth)
             inputs = {"points": points, "flat": layout[0]}
@@ -197,20 +199,23 @@ def _node_boxes(pts: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(los[::-1], 0).contiguous(), torch.cat(his[::-1], 0).contiguous()
 
 
-def _node_order(seg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting positions by node ``seg (M,)``, then by ``key (M,)``, stably.
+def _node_order(seg: torch.Tensor, key: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting positions by node ``seg (M,)``, then ``key (M,)``, then ``ids``.
 
-    float32 keys: one sort of ``seg · 2³² + u(key)``, with ``u`` the order-preserving map of
-    the float's bits to [0, 2³²) (negative floats reversed below the positive ones; -0.0
-    folded onto +0.0 first, as a float comparison treats them). Wider keys: two stable
-    sorts (by key, then by node).
+    ``ids (M,)``: distinct integers (the points' original indices), which order the points
+    of equal key. float32 keys: one stable sort of ``seg · 2³² + u(key)`` over the
+    positions taken in id order, with ``u`` the order-preserving map of the float's bits
+    to [0, 2³²) (negative floats reversed below the positive ones; -0.0 folded onto +0.0
+    first, as a float comparison treats them). Wider keys: two more stable sorts (by key,
+    then by node).
     """
+    o = torch.argsort(ids)
     if key.dtype == torch.float32:
-        b = (key + 0.0).view(torch.int32).to(torch.int64)
+        b = (key[o] + 0.0).view(torch.int32).to(torch.int64)
         u = torch.where(b < 0, -1 - b, b + (1 << 31))
-        return torch.sort((seg << 32) | u, stable=True).indices
-    o1 = torch.sort(key, stable=True).indices
-    return o1[torch.sort(seg[o1], stable=True).indices]
+        return o[torch.sort((seg[o] << 32) | u, stable=True).indices]
+    o = o[torch.sort(key[o], stable=True).indices]
+    return o[torch.sort(seg[o], stable=True).indices]
 
 
 #: device builds of up to this many points run as a fixed program
@@ -236,8 +241,8 @@ class _BuildProgram:
                  ) -> dict[str, torch.Tensor]:
         from pointalign.kernels.kdtree import triton as _kdtree_triton
 
-        bounds, mids = _split_layout(inputs["flat"], self.depth)
-        arrays = _kdtree_triton.build(inputs["points"], self.depth, bounds, mids)
+        bounds, _ = _split_layout(inputs["flat"], self.depth)
+        arrays = _kdtree_triton.build(inputs["points"], self.depth, bounds)
         return dict(zip(self.outputs, arrays, strict=True))
 
 
@@ -271,7 +276,7 @@ def _build_torch(points: torch.Tensor, depth: int, bounds_d: list[torch.Tensor],
         lo, hi = _segment_boxes(pts, level, b)
         axis = (hi - lo).argmax(1)
         key = pts.gather(1, axis[seg][:, None]).squeeze(1)
-        order = _node_order(seg, key)
+        order = _node_order(seg, key, perm)
         perm = perm[order]
         pts = pts[order]
         # the split: midway between the two points either side of the children's boundary
@@ -295,7 +300,7 @@ def _build_numpy(points: np.ndarray, depth: int):
         axis = np.argmax(hi - lo, axis=1)
         seg = np.repeat(np.arange(2**level), np.diff(b))
         key = pts[np.arange(m), axis[seg]]
-        order = np.lexsort((key, seg))
+        order = np.lexsort((perm, key, seg))  # ties: by original index
         perm, pts, key = perm[order], pts[order], key[order]
         mid = ((np.arange(2 ** (level + 1) + 1, dtype=np.int64) * m) >> (level + 1))[1:-1:2]
         splits.append(0.5 * (key[mid - 1] + key[mid]))

@@ -1,8 +1,9 @@
 """Triton k-d tree kernels: the device build, and exact and approximate kNN traversal.
 
-The build (:func:`build`) runs four kinds of launch a level until the nodes hold at most
-:data:`SUBTREE_BLOCK` points, then one launch finishes every level below, a program per
-node with its points in registers (:func:`_subtree_kernel`).
+The build (:func:`build`) sorts the points once along each axis, then splits those sorted
+lists stably, level by level (five launches a level, no sort), until the nodes hold at most
+:data:`SUBTREE_BLOCK` points; one launch finishes every level below, a program per node
+with its points in registers (:func:`_subtree_kernel`).
 
 The traversal:
 
@@ -253,145 +254,141 @@ def descend(tree, query: torch.Tensor, depth: int) -> torch.Tensor:
     return out
 
 
-@triton.jit(do_not_specialize=("first",),
-            do_not_specialize_on_alignment=("b_ptr",))  # a level's bounds: a view at any offset
-def _split_axis_kernel(pts_ptr, b_ptr, axis_ptr, lo_ptr, hi_ptr, first, BLOCK: tl.constexpr,
-                       SPLIT: tl.constexpr):
-    """Bounding box of level node ``program_id`` (tree node ``first + program_id``), and axis.
+@triton.jit
+def _ordered(c):
+    """int32 ordered as the float32 ``c`` are (-0.0 as +0.0): the bits, negatives reversed."""
+    b = tl.where(c == 0.0, 0.0, c).to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
 
-    The node's points ``pts[b[j]:b[j + 1]]`` are read in blocks of ``BLOCK``; the box goes to
-    row ``first + j`` of ``lo``, ``hi`` (n_nodes, 3) and, ``SPLIT``, the axis of largest
-    extent (first on ties, as ``argmax``) to ``axis[first + j]`` (int32). Reordering a
-    level only permutes the points inside each node, so the box is the final tree's.
+
+@triton.jit(do_not_specialize=("m_points",))
+def _axis_keys_kernel(pts_ptr, key_ptr, m_points, BLOCK: tl.constexpr):
+    """Write row ``c`` of ``key (3, M)`` int32: every point's coordinate ``c``, ordered."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < m_points
+    for c in tl.static_range(3):
+        v = tl.load(pts_ptr + offs * 3 + c, mask=m, other=0.0)
+        tl.store(key_ptr + c * m_points + offs, _ordered(v), mask=m)
+
+
+@triton.jit
+def _list_end(pts_ptr, list_ptr, pos, c, m_points, mask):
+    """Coordinate ``c`` of the point at position ``pos`` of list ``c`` (-0.0 as +0.0)."""
+    i = tl.load(list_ptr + c * m_points + pos, mask=mask, other=0)
+    v = tl.load(pts_ptr + i * 3 + c, mask=mask, other=0.0)
+    return tl.where(v == 0.0, 0.0, v)
+
+
+@triton.jit(do_not_specialize=("m_points", "level"))
+def _top_nodes_kernel(pts_ptr, list_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, m_points, level,
+                      SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Box (and, ``SPLIT``, split axis and value) of every node of a level, from the lists.
+
+    Node ``j`` of the level owns positions ``[b0, b1)`` of each list ``c < 3``, sorted there
+    by coordinate ``c``: its box is the coordinates at ``b0`` and ``b1 - 1``. The axis is
+    the box's longest (first on ties, as ``argmax``) and the split is halfway between the
+    coordinates either side of the children's boundary ``mid`` in that axis's list.
     """
-    j = tl.program_id(0).to(tl.int64)
-    start = tl.load(b_ptr + j)
-    end = tl.load(b_ptr + j + 1)
-    lx = tl.full((BLOCK,), BIG, tl.float32)
-    ly = tl.full((BLOCK,), BIG, tl.float32)
-    lz = tl.full((BLOCK,), BIG, tl.float32)
-    hx = tl.full((BLOCK,), -BIG, tl.float32)
-    hy = tl.full((BLOCK,), -BIG, tl.float32)
-    hz = tl.full((BLOCK,), -BIG, tl.float32)
-    for s in range(start, end, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
-        m = offs < end
-        x = tl.load(pts_ptr + offs * 3 + 0, mask=m, other=0.0)
-        y = tl.load(pts_ptr + offs * 3 + 1, mask=m, other=0.0)
-        z = tl.load(pts_ptr + offs * 3 + 2, mask=m, other=0.0)
-        lx = tl.where(m, tl.minimum(lx, x), lx)
-        ly = tl.where(m, tl.minimum(ly, y), ly)
-        lz = tl.where(m, tl.minimum(lz, z), lz)
-        hx = tl.where(m, tl.maximum(hx, x), hx)
-        hy = tl.where(m, tl.maximum(hy, y), hy)
-        hz = tl.where(m, tl.maximum(hz, z), hz)
-    node = first + j
-    mnx, mny, mnz = tl.min(lx, 0), tl.min(ly, 0), tl.min(lz, 0)
-    mxx, mxy, mxz = tl.max(hx, 0), tl.max(hy, 0), tl.max(hz, 0)
-    tl.store(lo_ptr + node * 3 + 0, mnx)
-    tl.store(lo_ptr + node * 3 + 1, mny)
-    tl.store(lo_ptr + node * 3 + 2, mnz)
-    tl.store(hi_ptr + node * 3 + 0, mxx)
-    tl.store(hi_ptr + node * 3 + 1, mxy)
-    tl.store(hi_ptr + node * 3 + 2, mxz)
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    nm = j < (1 << level)
+    node = (1 << level) - 1 + j
+    b0 = (j * m_points) >> level
+    b1 = ((j + 1) * m_points) >> level
+    lx = _list_end(pts_ptr, list_ptr, b0, 0, m_points, nm)
+    ly = _list_end(pts_ptr, list_ptr, b0, 1, m_points, nm)
+    lz = _list_end(pts_ptr, list_ptr, b0, 2, m_points, nm)
+    hx = _list_end(pts_ptr, list_ptr, b1 - 1, 0, m_points, nm)
+    hy = _list_end(pts_ptr, list_ptr, b1 - 1, 1, m_points, nm)
+    hz = _list_end(pts_ptr, list_ptr, b1 - 1, 2, m_points, nm)
+    tl.store(lo_ptr + node * 3 + 0, lx, mask=nm)
+    tl.store(lo_ptr + node * 3 + 1, ly, mask=nm)
+    tl.store(lo_ptr + node * 3 + 2, lz, mask=nm)
+    tl.store(hi_ptr + node * 3 + 0, hx, mask=nm)
+    tl.store(hi_ptr + node * 3 + 1, hy, mask=nm)
+    tl.store(hi_ptr + node * 3 + 2, hz, mask=nm)
     if SPLIT:
-        ex, ey, ez = mxx - mnx, mxy - mny, mxz - mnz
-        ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2))
-        tl.store(axis_ptr + node, ax.to(tl.int32))
+        ex, ey, ez = hx - lx, hy - ly, hz - lz
+        ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2)).to(tl.int64)
+        mid = ((2 * j + 1) * m_points) >> (level + 1)
+        below = _list_end(pts_ptr, list_ptr, mid - 1, ax, m_points, nm)
+        above = _list_end(pts_ptr, list_ptr, mid, ax, m_points, nm)
+        tl.store(axis_ptr + node, ax.to(tl.int32), mask=nm)
+        tl.store(split_ptr + node, (below + above) * 0.5, mask=nm)
 
 
-@triton.jit(do_not_specialize=("m_points", "level", "first"))
-def _chunk_boxes_kernel(pts_ptr, lo_ptr, hi_ptr, m_points, level, first, BLOCK: tl.constexpr):
-    """Fold ``BLOCK`` positions into the boxes of a level whose nodes hold >= ``BLOCK`` each.
+@triton.jit(do_not_specialize=("m_points", "level"))
+def _top_side_kernel(list_ptr, axis_ptr, side_ptr, m_points, level, BLOCK: tl.constexpr):
+    """Mark every point's side of its node's split: ``side[id] = 1`` left, 0 right.
 
-    The positions of program ``i`` then meet at most two nodes (j and j + 1, as
-    ``_level_keys_kernel`` assigns them); each node's part is reduced here and folded into
-    rows ``first + j`` of ``lo``, ``hi`` (which start at +BIG, -BIG) by atomic min and max:
-    exact in any order. A level near the root thus reads its points with every program
-    of the device, where ``_split_axis_kernel``'s program per node read a million points
-    alone (H200: 3.8 ms of a 10 ms build of 1M points).
+    Position ``p`` of node ``j``'s split-axis list goes left when ``p < mid``: the node's
+    first ``mid - b0`` points by (coordinate, id).
     """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < m_points
-    seg = (((offs + 1) << level) - 1) // m_points
-    s0 = tl.min(tl.where(m, seg, m_points), 0)
-    for part in tl.static_range(2):
-        sel = m & (seg == s0 + part)
-        row = (first + s0 + part) * 3
-        has = tl.max(sel.to(tl.int32), 0) > 0
-        for c in tl.static_range(3):
-            v = tl.load(pts_ptr + offs * 3 + c, mask=m, other=0.0)
-            tl.atomic_min(lo_ptr + row + c, tl.min(tl.where(sel, v, BIG), 0), mask=has,
-                          sem="relaxed")
-            tl.atomic_max(hi_ptr + row + c, tl.max(tl.where(sel, v, -BIG), 0), mask=has,
-                          sem="relaxed")
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = p < m_points
+    seg = (((p + 1) << level) - 1) // m_points
+    mid = ((2 * seg + 1) * m_points) >> (level + 1)
+    ax = tl.load(axis_ptr + (1 << level) - 1 + seg, mask=m, other=0).to(tl.int64)
+    i = tl.load(list_ptr + ax * m_points + p, mask=m, other=0)
+    tl.store(side_ptr + i, (p < mid).to(tl.int32), mask=m)
 
 
-@triton.jit(do_not_specialize=("m_points", "level", "first"))
-def _level_keys_kernel(pts_ptr, axis_ptr, lo_ptr, hi_ptr, key_ptr, packed_ptr, m_points, level,
-                       first, AXIS_FROM_BOX: tl.constexpr, BLOCK: tl.constexpr):
-    """Compute the node, split coordinate and sort key of every position.
+@triton.jit(do_not_specialize=("n_total",))
+def _top_flags_kernel(list_ptr, side_ptr, flag_ptr, n_total, BLOCK: tl.constexpr):
+    """``flag[q] = side[list[q]]`` over the four lists, end to end."""
+    q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = q < n_total
+    i = tl.load(list_ptr + q, mask=m, other=0)
+    tl.store(flag_ptr + q, tl.load(side_ptr + i, mask=m, other=0), mask=m)
 
-    For every position p: its node j (``floor(j M / 2^level) <= p``), its coordinate
-    along j's split axis (``axis[first + j]``; -0.0 as +0.0), and the sort key
-    ``j · 2³² + u(coordinate)`` with ``u`` the order-preserving map of the float's bits to
-    [0, 2³²). ``AXIS_FROM_BOX``: the axis is the box's longest (``lo``, ``hi`` rows
-    ``first + j``, first on ties as ``argmax``), stored by the node's first position.
+
+@triton.jit(do_not_specialize=("m_points", "level", "n_total"))
+def _top_partition_kernel(list_ptr, flag_ptr, csum_ptr, out_ptr, m_points, level, n_total,
+                          BLOCK: tl.constexpr):
+    """Split every node of every list stably: its left points first, then its right.
+
+    ``csum``: the inclusive running count of ``flag`` over the four lists end to end; the
+    left points before position ``p`` of node ``[b0, ...)`` are ``csum[p] - flag[p]`` less
+    the count before ``b0``. A left point goes to ``b0 +`` that count, a right one to
+    ``mid +`` the right points before it, so each list stays sorted within every child.
     """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < m_points
-    seg = (((offs + 1) << level) - 1) // m_points
-    if AXIS_FROM_BOX:
-        row = (first + seg) * 3
-        ex = tl.load(hi_ptr + row, mask=m, other=0.0) - tl.load(lo_ptr + row, mask=m, other=0.0)
-        ey = (tl.load(hi_ptr + row + 1, mask=m, other=0.0)
-              - tl.load(lo_ptr + row + 1, mask=m, other=0.0))
-        ez = (tl.load(hi_ptr + row + 2, mask=m, other=0.0)
-              - tl.load(lo_ptr + row + 2, mask=m, other=0.0))
-        ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2))
-        tl.store(axis_ptr + first + seg, ax.to(tl.int32),
-                 mask=m & (((seg * m_points) >> level) == offs))
+    q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = q < n_total
+    row = q // m_points
+    p = q - row * m_points
+    seg = (((p + 1) << level) - 1) // m_points
+    b0 = (seg * m_points) >> level
+    mid = ((2 * seg + 1) * m_points) >> (level + 1)
+    f = tl.load(flag_ptr + q, mask=m, other=0)
+    start = row * m_points + b0
+    base = tl.load(csum_ptr + start, mask=m, other=0) - tl.load(flag_ptr + start, mask=m,
+                                                                 other=0)
+    left_before = (tl.load(csum_ptr + q, mask=m, other=0) - f - base).to(tl.int64)
+    new = tl.where(f != 0, b0 + left_before, mid + (p - b0 - left_before))
+    tl.store(out_ptr + row * m_points + new, tl.load(list_ptr + q, mask=m, other=0), mask=m)
+
+
+@triton.jit(do_not_specialize=("m_points", "level"))
+def _top_gather_kernel(points_ptr, list_ptr, axis_ptr, perm_ptr, pts_ptr, m_points, level,
+                       BY_PARENT: tl.constexpr, BLOCK: tl.constexpr):
+    """Lay the points out in tree order at ``level``: ``perm``, ``points[perm]``.
+
+    Within each node the order of the id list (the subtree kernel's start), or
+    ``BY_PARENT`` (leaves) the parent's split-axis list: by (that coordinate, id), as the
+    level sort of the reference leaves them.
+    """
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = p < m_points
+    if BY_PARENT:
+        seg = (((p + 1) << level) - 1) // m_points
+        parent = ((1 << level) - 2 + seg) >> 1
+        row = tl.load(axis_ptr + parent, mask=m, other=0).to(tl.int64)
     else:
-        ax = tl.load(axis_ptr + first + seg, mask=m, other=0)
-    key = tl.load(pts_ptr + offs * 3 + ax, mask=m, other=0.0)
-    key = tl.where(key == 0.0, 0.0, key)
-    bits = key.to(tl.int32, bitcast=True).to(tl.int64)
-    u = tl.where(bits < 0, -1 - bits, bits + 2147483648)
-    tl.store(key_ptr + offs, key, mask=m)
-    tl.store(packed_ptr + offs, (seg << 32) | u, mask=m)
-
-
-@triton.jit(do_not_specialize=("m_points", "n_mid", "first"),
-            do_not_specialize_on_alignment=("mid_ptr",))  # a level's split positions: a view
-def _reorder_kernel(order_ptr, perm_ptr, pts_ptr, perm_out, pts_out, key_ptr, mid_ptr,
-                    split_ptr, m_points, n_mid, first, BLOCK: tl.constexpr):
-    """Apply a level's sort and place its splits, in one launch.
-
-    Programs ``< cdiv(M, BLOCK)`` gather ``perm_out[p] = perm[order[p]]`` and the point
-    ``pts_out[p] = pts[order[p]]``; the others compute split ``i`` of the level, halfway
-    between the coordinates either side of the children's boundary,
-    ``(key[order[mid[i]]] + key[order[mid[n_mid + i]]]) · 0.5``, into
-    ``split[first + i]`` (the mean of the two, as ``Tensor.mean`` rounds it in float32).
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    n_gather = tl.cdiv(m_points, BLOCK)
-    if pid < n_gather:
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        m = offs < m_points
-        o = tl.load(order_ptr + offs, mask=m, other=0)
-        tl.store(perm_out + offs, tl.load(perm_ptr + o, mask=m, other=0), mask=m)
-        for c in tl.static_range(3):
-            tl.store(pts_out + offs * 3 + c, tl.load(pts_ptr + o * 3 + c, mask=m, other=0.0),
-                     mask=m)
-    else:
-        offs = (pid - n_gather) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n_mid
-        a = tl.load(order_ptr + tl.load(mid_ptr + offs, mask=m, other=0), mask=m, other=0)
-        b = tl.load(order_ptr + tl.load(mid_ptr + n_mid + offs, mask=m, other=0), mask=m,
-                    other=0)
-        ka = tl.load(key_ptr + a, mask=m, other=0.0)
-        kb = tl.load(key_ptr + b, mask=m, other=0.0)
-        tl.store(split_ptr + first + offs, (ka + kb) * 0.5, mask=m)
+        row = tl.zeros_like(p) + 3
+    i = tl.load(list_ptr + row * m_points + p, mask=m, other=0)
+    tl.store(perm_ptr + p, i, mask=m)
+    for c in tl.static_range(3):
+        tl.store(pts_ptr + p * 3 + c, tl.load(points_ptr + i * 3 + c, mask=m, other=0.0),
+                 mask=m)
 
 
 @triton.jit
@@ -473,14 +470,17 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
                     LOG_BLOCK: tl.constexpr):
     """Finish the subtree of node ``program_id`` of level ``level0``: every level below it.
 
-    The node's points (at most ``BLOCK``, ``pts[b[j]:b[j + 1]]`` and their ``perm``) stay in
-    registers; per level: the boxes and axes of its nodes (one segmented scan), then one
-    sort of the keys ``(node, u(coordinate), position)`` (the stable sort of the level
-    loop), the points and ids permuted in place through memory, and the splits; at
-    ``depth`` the leaves' boxes. ``scratch`` holds ``4 · BLOCK`` int64 per program (the
-    sort's keys, then the scan's six float32 rows: :data:`SCRATCH_PER_POINT`). The same
-    arithmetic, order and rounding as the level loop, in one launch for the levels whose
-    nodes fit a program.
+    The node's points (at most ``BLOCK``, ``pts[b[j]:b[j + 1]]`` and their ``perm``, given
+    in the order of their ids) stay in registers with their rank by id within the node;
+    per level: the boxes and axes of its nodes (one segmented scan), then one sort of the
+    keys ``(node, u(coordinate), rank, position)`` (the level loop's sort by node,
+    coordinate and id), the points and ids permuted in place through memory, and the
+    splits; at ``depth`` the leaves' boxes. ``scratch`` holds ``4 · BLOCK`` int64 per
+    program (the sort's keys, then the scan's six float32 rows:
+    :data:`SCRATCH_PER_POINT`). The same arithmetic, order and rounding as the level loop,
+    in one launch for the levels whose nodes fit a program. A key holds ``3 · LOG_BLOCK +
+    32`` bits (a node's descendants at a level number at most its points): ``BLOCK <=
+    2^10``.
     """
     j = tl.program_id(0).to(tl.int64)
     start = tl.load(b_ptr + j)
@@ -494,6 +494,7 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
     y = tl.load(pts_ptr + g * 3 + 1, mask=valid, other=0.0)
     z = tl.load(pts_ptr + g * 3 + 2, mask=valid, other=0.0)
     p = tl.load(perm_ptr + g, mask=valid, other=0)
+    rank = li  # by id within the node: the points come in id order
     for level in range(level0, depth):
         seg = _node_boxes(x, y, z, g, li, valid, level, m_points, box_ptr, lo_ptr, hi_ptr,
                           axis_ptr, BLOCK, True)
@@ -505,10 +506,11 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
         bits = c.to(tl.int32, bitcast=True).to(tl.int64)
         u = tl.where(bits < 0, -1 - bits, bits + 2147483648)
         seg0 = (((start + 1) << level) - 1) // m_points
-        key = ((seg - seg0) << (32 + LOG_BLOCK)) | (u << LOG_BLOCK) | li
+        key = ((((seg - seg0) << 32) | u) << (2 * LOG_BLOCK)) | (rank << LOG_BLOCK) | li
         key = _bitonic_sort(tl.where(valid, key, 0x7FFFFFFFFFFFFFFF - li), li, key_ptr,
                             LOG_BLOCK)
         src = start + (key & (BLOCK - 1))
+        rank = (key >> LOG_BLOCK) & (BLOCK - 1)
         x = tl.load(pts_ptr + src * 3 + 0, mask=valid, other=0.0)
         y = tl.load(pts_ptr + src * 3 + 1, mask=valid, other=0.0)
         z = tl.load(pts_ptr + src * 3 + 2, mask=valid, other=0.0)
@@ -531,8 +533,10 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
 
 
 #: the largest node the subtree kernel finishes in one program (points held in registers;
-#: 1024 and 2048 tie on a 40k-point build, 1024 is ahead at 1.5k and 1M points, H200)
+#: 1024 and 2048 tie on a 40k-point build, 1024 is ahead at 1.5k and 1M points, H200), and
+#: the most its sort keys allow (:func:`_subtree_kernel`)
 SUBTREE_BLOCK = 1024
+MAX_SUBTREE_BLOCK = 1024
 
 #: int64 words of scratch per point a subtree program uses: its sort keys (one) and its
 #: scan's six float32 rows (three); ``_subtree_kernel`` strides its programs by this
@@ -547,87 +551,98 @@ def subtree_level(m: int, block: int) -> int:
     return level
 
 
-#: levels whose every node holds at least this many points find their boxes by blocks of
-#: points (:func:`_chunk_boxes_kernel`), not a program per node: a program alone reading a
-#: node this wide is what bounds the level. (Session 20, H200, kernel time of one build:
-#: 125k points 1.134 -> 0.923 ms, 40k 0.798 -> 0.752 ms against 2^17; from 2^10 on the
-#: same, 0.916 / 0.758 ms. The end-to-end calls moved within their noise, x0.97-x1.01.)
-CHUNK_BOXES_MIN = 1 << 14
+#: the lists a build partitions level by level: the point ids sorted by x, by y, by z, and
+#: in id order
+N_LISTS = 4
+
+
+def _presorted(points: torch.Tensor, block: int) -> torch.Tensor:
+    """Return ``(4, M)`` int64: the ids sorted by x, y and z (ties by id), and ``arange(M)``."""
+    m, dev = points.shape[0], points.device
+    keys = torch.empty(3, m, dtype=torch.int32, device=dev)
+    _axis_keys_kernel[(triton.cdiv(m, block),)](points, keys, m, BLOCK=block, num_warps=4)
+    lists = torch.empty(N_LISTS, m, dtype=torch.int64, device=dev)
+    values = torch.empty(m, dtype=torch.int32, device=dev)
+    for c in range(3):
+        torch.sort(keys[c], stable=True, out=(values, lists[c]))
+    torch.arange(m, out=lists[3])
+    return lists
 
 
 def build(points: torch.Tensor, depth: int, bounds: list[torch.Tensor],
-          mids: list[torch.Tensor], subtree_block: int | None = None
-          ) -> tuple[torch.Tensor, ...]:
-    """Build the tree over float32 ``points (M, 3)``: four kinds of launch a level, then one.
+          subtree_block: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Build the tree over float32 ``points (M, 3)``: five launches a level, then one.
 
-    ``bounds``: each level's node bounds (``level_bounds``, levels 0..depth), ``mids``:
-    each split level's ``(2, 2^level)`` positions either side of the children's boundary,
-    on the points' device. Per level: the nodes' boxes (while every node holds at least
-    :data:`CHUNK_BOXES_MIN` points, a program per block of points folding into the boxes
-    by atomics, :func:`_chunk_boxes_kernel`; below, a program per node) and split axes,
-    every position's node and key, one stable sort, the reorder and the level's splits;
-    from the first level whose nodes hold at most ``subtree_block`` points (default
-    :data:`SUBTREE_BLOCK`, a power of two; 0: none), one launch of :func:`_subtree_kernel`
-    finishes every level below and the leaves' boxes (a 40k-point build: 12 levels -> 6
-    and that launch, 3.2-4.6 -> 1.9-3.0 ms on H200s; 1M points 10.4 -> 7.2 ms with the
-    boxes by blocks, the rest its top levels' sorts: BENCHMARKS.md, "k-d tree"); else the
-    leaves' boxes. The same tree as
-    the level loop of torch operations in ``kdtree.build`` (the same keys, stable order
-    and rounding; the boxes as the min/max of each node's points).
+    ``bounds``: each level's node bounds (``level_bounds``, levels 0..depth) on the points'
+    device. The ids are sorted once along each axis (three sorts of 32-bit keys, ties by
+    id) and kept, with the ids in their own order, as four lists that each hold every
+    node's points contiguously. A level then needs no sort: each node's box is read at its
+    ends of the three sorted lists, its split axis and value at its children's boundary in
+    that axis's list (:func:`_top_nodes_kernel`); every point learns its side
+    (:func:`_top_side_kernel`), and every list is split stably, node by node, by one
+    running count (:func:`_top_flags_kernel`, ``torch.cumsum``,
+    :func:`_top_partition_kernel`). (Session 21: this replaced a stable sort of 64-bit keys
+    a level, eight radix passes of ~9 µs each at 125k points on an H200.) From the first
+    level whose nodes hold at most ``subtree_block`` points (default
+    :data:`SUBTREE_BLOCK`, a power of two up to :data:`MAX_SUBTREE_BLOCK`; 0: none), one
+    launch of :func:`_subtree_kernel` finishes every level below and the leaves' boxes;
+    else the leaves' boxes from the lists. The same tree as the level loop of
+    ``kdtree.build``: every node's points ordered by (coordinate, id), the same splits'
+    rounding, the boxes as the min/max of each node's points.
 
     Returns ``(perm (M,) int64, points[perm] (M, 3), lo, hi (n_nodes, 3), split_axis
     (n_nodes,) int32 (-1 at the leaves), split_value (n_nodes,))``.
     """
     m, dev = points.shape[0], points.device
+    points = points.contiguous()
     n_nodes = 2 ** (depth + 1) - 1
     block = 1024 if points.is_cuda else 64
     lo = torch.empty(n_nodes, 3, dtype=points.dtype, device=dev)
     hi = torch.empty_like(lo)
     axis = torch.full((n_nodes,), -1, dtype=torch.int32, device=dev)
     split = torch.zeros(n_nodes, dtype=points.dtype, device=dev)
-    perm = torch.arange(m, device=dev)
-    pts = points.contiguous()
-    key = torch.empty(m, dtype=points.dtype, device=dev)
-    packed = torch.empty(m, dtype=torch.int64, device=dev)
-    grid = triton.cdiv(m, block)
     sub = SUBTREE_BLOCK if subtree_block is None else int(subtree_block)
-    if sub < 0 or sub & (sub - 1):
-        raise ValueError(f"subtree_block: expected 0 or a power of two, got {sub}")
+    if sub < 0 or sub & (sub - 1) or sub > MAX_SUBTREE_BLOCK:
+        raise ValueError(f"subtree_block: expected 0 or a power of two up to "
+                         f"{MAX_SUBTREE_BLOCK}, got {sub}")
     # the first level the subtree kernel finishes; depth + 1: none (or no such kernel)
     level0 = min(subtree_level(m, sub), depth + 1) if sub else depth + 1
-    wide = 0  # the levels whose nodes are wide enough: boxes by chunks
-    while wide < min(level0, depth) and (m >> wide) >= max(block, CHUNK_BOXES_MIN):
-        wide += 1
-    if wide:
-        lo[:2**wide - 1] = BIG_HOST  # one fill: the atomic folds' starting boxes
-        hi[:2**wide - 1] = -BIG_HOST
-    for level in range(min(level0, depth)):
-        first = 2**level - 1
-        if level < wide:
-            _chunk_boxes_kernel[(grid,)](pts, lo, hi, m, level, first, BLOCK=block,
-                                         num_warps=4)
-        else:
-            _split_axis_kernel[(2**level,)](pts, bounds[level], axis, lo, hi, first,
-                                            BLOCK=block, SPLIT=True, num_warps=4)
-        _level_keys_kernel[(grid,)](pts, axis, lo, hi, key, packed, m, level, first,
-                                    AXIS_FROM_BOX=level < wide, BLOCK=block, num_warps=4)
-        order = torch.sort(packed, stable=True).indices
-        perm_n, pts_n = torch.empty_like(perm), torch.empty_like(pts)
-        n_mid = 2**level
-        _reorder_kernel[(grid + triton.cdiv(n_mid, block),)](
-            order, perm, pts, perm_n, pts_n, key, mids[level], split, m, n_mid, first,
-            BLOCK=block, num_warps=4)
-        perm, pts = perm_n, pts_n
+    if 0 < level0 == depth:  # nothing left to split: the leaves' boxes from the lists
+        level0 = depth + 1
+    if level0 == 0:  # one program: the points in id order; it permutes them in place
+        perm, pts = torch.arange(m, device=dev), points.clone()
+    else:
+        top = min(level0, depth)  # the levels split here
+        lists = _presorted(points, block)
+        spare = torch.empty_like(lists)
+        side = torch.empty(m, dtype=torch.int32, device=dev)
+        flags = torch.empty(N_LISTS * m, dtype=torch.int32, device=dev)
+        grid, grid_all = triton.cdiv(m, block), triton.cdiv(N_LISTS * m, block)
+        for level in range(top):
+            _top_nodes_kernel[(triton.cdiv(2**level, block),)](
+                points, lists, lo, hi, axis, split, m, level, SPLIT=True, BLOCK=block,
+                num_warps=4)
+            _top_side_kernel[(grid,)](lists, axis, side, m, level, BLOCK=block, num_warps=4)
+            _top_flags_kernel[(grid_all,)](lists, side, flags, N_LISTS * m, BLOCK=block,
+                                           num_warps=4)
+            csum = torch.cumsum(flags, 0, dtype=torch.int32)
+            _top_partition_kernel[(grid_all,)](lists, flags, csum, spare, m, level,
+                                               N_LISTS * m, BLOCK=block, num_warps=4)
+            lists, spare = spare, lists
+        leaves = level0 > depth  # no subtree kernel: the leaves' boxes from the lists
+        if leaves:
+            _top_nodes_kernel[(triton.cdiv(2**depth, block),)](
+                points, lists, lo, hi, axis, split, m, depth, SPLIT=False, BLOCK=block,
+                num_warps=4)
+        perm = torch.empty(m, dtype=torch.int64, device=dev)
+        pts = torch.empty_like(points)
+        _top_gather_kernel[(grid,)](points, lists, axis, perm, pts, m, top,
+                                    BY_PARENT=leaves and top > 0, BLOCK=block, num_warps=4)
     if level0 <= depth:
-        if level0 == 0:  # the kernel permutes in place: not the caller's points
-            pts = pts.clone()
         scratch = torch.empty(2**level0 * SCRATCH_PER_POINT * sub, dtype=torch.int64,
                               device=dev)
         _subtree_kernel[(2**level0,)](pts, perm, bounds[level0], lo, hi, axis, split, scratch,
                                       m, level0, depth, BLOCK=sub,
                                       LOG_BLOCK=sub.bit_length() - 1,
                                       num_warps=8 if points.is_cuda else 1)
-    else:
-        _split_axis_kernel[(2**depth,)](pts, bounds[depth], axis, lo, hi, 2**depth - 1,
-                                        BLOCK=block, SPLIT=False, num_warps=4)
     return perm, pts, lo, hi, axis, split
