@@ -200,6 +200,27 @@ def test_no_correspondences_and_plane(rng):
     assert abs(res.transformation[2, 3] + 0.003) < 1e-6  # the normal direction is found
 
 
+@pytest.mark.gpu
+def test_nan_input_raises_on_cuda(bunny):
+    """On CUDA the pair's host part is read after the covariances and the index are
+    enqueued: a NaN or Inf point still raises the scans' error, and the inputs stay."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run with -m gpu on the device)")
+    p = datasets.make_pair(bunny, 5.0, 0.0, seed=0)
+    s, t = p.source.cuda(), p.target.cuda()
+    for bad, name in ((float("nan"), "source"), (float("inf"), "target")):
+        x = (s if name == "source" else t).clone()
+        x[3, 1] = bad
+        before = x.clone()
+        args = (x, t) if name == "source" else (s, x)
+        with pytest.raises(ValueError, match=f"{name}: 1 rows contain NaN or Inf"):
+            gicp(*args, max_correspondence_distance=0.05)
+        assert torch.equal(x.isnan(), before.isnan()) and torch.equal(
+            x.nan_to_num(), before.nan_to_num())
+    res = gicp(s, t, max_correspondence_distance=0.05)  # and the next call is sound
+    assert res.converged
+
+
 def test_bad_input(bunny):
     p = datasets.make_pair(bunny, 5.0, 0.0, seed=0)
     s, t = p.source, p.target

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -159,6 +160,19 @@ class Frame:
 
 
 @dataclass(frozen=True)
+class HostPart:
+    """What a :class:`Pair` knows on the host, read from the device once (see its fields)."""
+
+    init: np.ndarray
+    frame: Frame
+    init_world: np.ndarray
+    extent: np.ndarray
+    centroid: np.ndarray
+    resolution: np.ndarray
+    source_extent: np.ndarray
+
+
+@dataclass(frozen=True)
 class Pair:
     """Validated inputs of a batch of B problems, in their local :class:`Frame`.
 
@@ -167,11 +181,15 @@ class Pair:
         target: ``(B, M, 3)`` float32 (expanded, not copied, for a shared target).
         source_lengths, target_lengths: ``(B,)`` int64 on the device.
         source_counts, target_counts: the same on the host (NumPy int64).
-        init: ``(B, 4, 4)`` float64 NumPy, the initial estimate in the local frames.
-        frame: the shift back to the caller's coordinates.
         batched: whether the caller passed batches (results keep that form).
         shared_target: one target for all B sources.
         device: the compute device.
+
+    and on the host (:class:`HostPart`, read from the device at the first use of one of
+    them, or at :meth:`resolve`):
+
+        init: ``(B, 4, 4)`` float64 NumPy, the initial estimate in the local frames.
+        frame: the shift back to the caller's coordinates.
         init_world: ``(B, 4, 4)`` float64 NumPy, the initial estimate as given (a problem
             left at ``init`` is returned as exactly this, see :func:`build_result`).
         extent: ``(B,)`` float64 NumPy, each target's RMS distance from its centroid
@@ -192,16 +210,55 @@ class Pair:
     target_lengths: torch.Tensor
     source_counts: np.ndarray
     target_counts: np.ndarray
-    init: np.ndarray
-    frame: Frame
     batched: bool
     shared_target: bool
     device: torch.device
-    init_world: np.ndarray | None = None
-    extent: np.ndarray | None = None
-    centroid: np.ndarray | None = None
-    resolution: np.ndarray | None = None
-    source_extent: np.ndarray | None = None
+    read_host: Callable[[], HostPart] = dataclasses.field(repr=False, compare=False)
+
+    @functools.cached_property
+    def host(self) -> HostPart:
+        """The host part (the first use waits for its transfer; a NaN/Inf input raises)."""
+        return self.read_host()
+
+    def resolve(self) -> Pair:
+        """Read the host part now (a NaN/Inf input raises here); return self."""
+        _ = self.host
+        return self
+
+    @property
+    def init(self) -> np.ndarray:
+        """``(B, 4, 4)`` float64, the initial estimate in the local frames."""
+        return self.host.init
+
+    @property
+    def frame(self) -> Frame:
+        """The shift back to the caller's coordinates."""
+        return self.host.frame
+
+    @property
+    def init_world(self) -> np.ndarray:
+        """``(B, 4, 4)`` float64, the initial estimate as given."""
+        return self.host.init_world
+
+    @property
+    def extent(self) -> np.ndarray:
+        """``(B,)`` float64, each target's RMS distance from its centroid (metres)."""
+        return self.host.extent
+
+    @property
+    def centroid(self) -> np.ndarray:
+        """``(B, 3)`` float64, each target's centroid in the local frame."""
+        return self.host.centroid
+
+    @property
+    def resolution(self) -> np.ndarray:
+        """``(B,)`` float64, about the spacing of the coordinates as given."""
+        return self.host.resolution
+
+    @property
+    def source_extent(self) -> np.ndarray:
+        """``(B,)`` float64, each source's RMS distance from its own centroid."""
+        return self.host.source_extent
 
     @property
     def size(self) -> int:
@@ -230,7 +287,7 @@ MAX_RESOLUTION = 0.05
 
 def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
                  source_lengths: Any = None, target_lengths: Any = None,
-                 min_points: int = 1, local: bool = True) -> Pair:
+                 min_points: int = 1, local: bool = True, defer: bool = False) -> Pair:
     """Validate a registration problem (or a batch of them) and move it to its local frame.
 
     Args:
@@ -243,12 +300,36 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
         min_points: fewest points a cloud may have.
         local: shift to the target's centroid (False: keep the caller's coordinates, e.g.
             to query an index the caller built over the target as given).
+        defer: leave the host part (:class:`HostPart`: centroids, extents, the frame) in
+            flight, read at its first use: a caller may enqueue device work on the
+            device part first. A NaN/Inf input then raises at that first use.
 
     """
-    src, slens, batched = _validate.as_batch(source, "source", lengths=source_lengths,
-                                             min_points=min_points, device=device)
-    tgt, tlens, tbatched = _validate.as_batch(target, "target", lengths=target_lengths,
-                                              min_points=min_points, device=device)
+    def scans() -> None:  # each cloud's own checks, NaN/Inf included: the first error raises
+        for name, x, lengths in (("source", source, source_lengths),
+                                 ("target", target, target_lengths)):
+            _validate.as_batch(x, name, lengths=lengths, min_points=min_points, device=device)
+
+    try:
+        pair = _pair_on_device(source, target, init, device, source_lengths, target_lengths,
+                               min_points, local, scans)
+    except (ValueError, TypeError):
+        scans()  # a NaN/Inf input's error first, as when the scans ran first
+        raise
+    return pair if defer else pair.resolve()
+
+
+def _pair_on_device(source: Any, target: Any, init: Any, device: torch.device,
+                    source_lengths: Any, target_lengths: Any, min_points: int, local: bool,
+                    scans: Callable[[], None]) -> Pair:
+    """:func:`prepare_pair`'s work, its host part left in flight (``scans``: the checks)."""
+    # NaN/Inf: told by the centroids and extents read at the end (a non-finite point makes
+    # them non-finite), then the clouds' own scans name it: no wait for the device here
+    with _validate.trusted():
+        src, slens, batched = _validate.as_batch(source, "source", lengths=source_lengths,
+                                                 min_points=min_points, device=device)
+        tgt, tlens, tbatched = _validate.as_batch(target, "target", lengths=target_lengths,
+                                                  min_points=min_points, device=device)
     B = src.shape[0]
     if tbatched and not batched:
         raise ValueError("target: batched (B, M, 3) but source is a single (N, 3) cloud")
@@ -285,15 +366,43 @@ def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
         tgt_l, tlens, t_counts = tgt_l.expand(B, -1, -1), tlens.expand(B), \
             np.repeat(t_counts, B)
         t_host = t_host.expand(B, -1)
-    host = torch.cat([t_host, s_rms], 1).cpu().numpy().astype(np.float64)  # one transfer
-    frame = Frame(host[:, :3].copy())
-    # the coordinates' spacing as given: epsilon x magnitude (the centroid's plus 3 RMS radii)
+    pending = _to_host_later(torch.cat([t_host, s_rms], 1))  # one transfer
     eps = max(torch.finfo(src.dtype).eps, torch.finfo(tgt.dtype).eps)
-    world = np.abs(host[:, :3] + host[:, 4:7]).max(1) + 3 * host[:, 3]
+
+    def read_host() -> HostPart:
+        host = pending().astype(np.float64)
+        if not np.isfinite(host).all():  # the scans raise the caller's error (not if trusted)
+            scans()
+        frame = Frame(host[:, :3].copy())
+        # the coordinates' spacing as given: epsilon x magnitude (the centroid's plus 3 RMS
+        # radii)
+        world = np.abs(host[:, :3] + host[:, 4:7]).max(1) + 3 * host[:, 3]
+        return HostPart(frame.to_local(T0), frame, T0, host[:, 3].copy(), host[:, 4:7].copy(),
+                        eps * world, host[:, 7].copy())
+
     return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
-                np.asarray(t_counts, dtype=np.int64), frame.to_local(T0), frame, batched,
-                shared, device, T0, host[:, 3].copy(), host[:, 4:7].copy(), eps * world,
-                host[:, 7].copy())
+                np.asarray(t_counts, dtype=np.int64), batched, shared, device, read_host)
+
+
+def _to_host_later(t: torch.Tensor) -> Callable[[], np.ndarray]:
+    """Start copying ``t`` to the host; the returned call waits for the copy alone.
+
+    On CUDA a copy into pinned memory behind an event on the current stream: work the
+    caller enqueues after it does not delay the read. Elsewhere the copy is made at once.
+    """
+    if not t.is_cuda:
+        out = t.cpu().numpy()
+        return lambda: out
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+
+    def read() -> np.ndarray:
+        done.synchronize()
+        return buf.numpy()
+
+    return read
 
 
 class LocalPair(NamedTuple):

@@ -423,9 +423,12 @@ def gicp(
     dev = _edge.resolve_device(device, source=source, target=target,
                                source_covariances=source_covariances,
                                target_covariances=target_covariances)
+    # on CUDA the host part of the pair (centroids, extents: one transfer) is read after the
+    # covariances and the index are enqueued, so the device starts on them at once (a
+    # caller's index is searched through the frame's centre, which it needs first)
     pair = _edge.prepare_pair(source, target, init=init, device=dev,
-                              source_lengths=source_lengths, target_lengths=target_lengths)
-    checks.check_units(pair, max_correspondence_distance=max_dist)
+                              source_lengths=source_lengths, target_lengths=target_lengths,
+                              defer=index is None and dev.type == "cuda")
     _announce(pair, "GICP", int(crit.max_iterations), source, target, source_covariances,
               target_covariances)
     B = pair.size
@@ -441,6 +444,7 @@ def gicp(
                        _covariances_missing(target_covariances, target))
     (src, s_cov), t_cov = clock.stage("covariances", _both_covariances, beside, side, pair,
                                       target, target_covariances, k, idxs)
+    checks.check_units(pair.resolve(), max_correspondence_distance=max_dist)
     inputs = {"source": src, "source_cov": s_cov, "target": pair.target, "target_cov": t_cov,
               "lengths": pair.source_lengths, "center": torch.zeros(B, 3, device=dev)}
     T0 = upload(pair.init, dtype=torch.float64, device=dev)  # no wait for the device
