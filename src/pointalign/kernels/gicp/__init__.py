@@ -17,6 +17,10 @@ Contracts (the PyTorch spec of each is in :mod:`.reference`; the numba kernels a
   tree order, then ``covariances``: the given ``tree``, or one built over the points padded
   to a size class, the whole as one CUDA graph per class (up to
   ``SELF_QUERY_GRAPH_MAX`` points); None elsewhere (the caller searches an index).
+* ``knn_covariances_ordered(points (N, 3), k, eps) -> (cov (N, 3, 3), order (N,)) | None``:
+  the Triton self-query's covariances left in the order of the k-d tree it builds (a
+  spatially coherent order for queries), with that order: ``cov[i]`` is point
+  ``order[i]``'s. None where ``knn_covariances`` has no graph of its own.
 * ``gicp_sums(source, source_cov, target, target_cov, idx, rotation, lengths, center,
   kernel, scale) -> (B, 30)`` float64: the Gauss-Newton normal equations of the
   plane-to-plane cost over the pairs ``(i, idx[b, i, s])``, laid out as ``normal_eq``'s
@@ -73,7 +77,7 @@ SELF_QUERY_GRAPH_MAX = 1 << 19
 
 __all__ = ["KERNELS", "NEIGHBORHOODS", "PLANE_EPS", "ROBUST_SCALE2", "WIDTH", "VoxelMap",
            "covariances", "gicp_step_cpu", "gicp_sums", "gicp_update", "knn_covariances",
-           "size_class", "vgicp_update", "voxel_lookup", "voxelize"]
+           "knn_covariances_ordered", "size_class", "vgicp_update", "voxel_lookup", "voxelize"]
 
 
 def covariances(points: torch.Tensor, nbr_idx: torch.Tensor,
@@ -145,7 +149,8 @@ def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
     if be not in ("triton", "interpret") or k > kdtree.TRITON_MAX_K:
         return None
     if tree is None:
-        return _size_class_self_query(points, int(k), float(eps))
+        out = _size_class_self_query(points, int(k), float(eps))
+        return None if out is None else out["cov"]
     if tree.points.shape != points.shape or tree.points.device != points.device:
         raise ValueError(f"tree: built over {tuple(tree.points.shape)} points on "
                          f"{tree.points.device}, expected {tuple(points.shape)} on "
@@ -155,15 +160,21 @@ def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
 
 def _tree_self_query(tree: TreeArrays, k: int, eps: float) -> torch.Tensor:
     """Covariances of every tree point's k-NN, asked in tree order, in the points' order."""
+    cov = _tree_order_covariances(tree, k, eps)
+    out = torch.empty_like(cov)
+    out[tree.perm] = cov
+    return out
+
+
+def _tree_order_covariances(tree: TreeArrays, k: int, eps: float) -> torch.Tensor:
+    """Covariances ``(M, 3, 3)`` of every tree point's k-NN, in tree order."""
     n = tree.points.shape[0]
     cov = torch.empty(n, 3, 3, dtype=tree.points.dtype, device=tree.points.device)
     for s in range(0, n, _SELF_QUERY_CHUNK):  # bounds the neighbour table
         _, nbr = kdtree.knn(tree, tree.points[s:s + _SELF_QUERY_CHUNK], k,
                             reorder=False, sort=False)  # tree positions, in any order
         cov[s:s + _SELF_QUERY_CHUNK] = covariances(tree.points, nbr, eps)
-    out = torch.empty_like(cov)
-    out[tree.perm] = cov
-    return out
+    return cov
 
 
 def size_class(n: int) -> int:
@@ -175,36 +186,73 @@ def size_class(n: int) -> int:
     return -(-n // step) * step
 
 
+def _far_rows(points: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``points (P, 3)`` with each row not ``real`` replaced by a distinct far point.
+
+    The far points lie on a row beyond the real points' box by more than the box's extent,
+    one step apart (farther from every real point than any two real points are from each
+    other, so never among a real point's k nearest for ``k <=`` the real count; copies of
+    one point would tie at distance 0 and defeat the search's pruning: 6.5k copies padding
+    100k points took the program from 6.8 to 12.5 ms, H200).
+    """
+    big = torch.finfo(points.dtype).max
+    lo = torch.where(real[:, None], points, big).amin(0)
+    hi = torch.where(real[:, None], points, -big).amax(0)
+    step = (hi - lo).amax() + 1
+    far = (hi + 2 * step).expand(points.shape[0], 3).clone()
+    far[:, 0] += torch.arange(points.shape[0], device=points.device,
+                              dtype=points.dtype) * step
+    return torch.where(real[:, None], points, torch.nan_to_num(far, posinf=big))
+
+
 @dataclasses.dataclass(frozen=True)
 class _SelfQueryProgram:
-    """Build a k-d tree over ``points``, ask each point's k nearest in tree order, reduce.
+    """Build a k-d tree over a cloud, ask each point's k nearest in tree order, reduce.
 
-    A fixed device program (:func:`pointalign.kernels._loop.run_program`): inputs
-    ``points (P, 3)`` and the tree's :func:`~pointalign.kernels.kdtree.build_layout`
-    (``flat``, ``ranges``); output ``cov (P, 3, 3)`` in the points' order.
+    A fixed device program (:func:`pointalign.kernels._loop.run_program`): input
+    ``points (P, 3)``, the cloud's rows and then rows of NaN (padding up to a size class;
+    each replaced by a far point, :func:`_far_rows`); output ``cov (P, 3, 3)`` in the
+    points' order, or ``ordered``: ``cov`` and ``order (P,)`` int64 in the tree's order
+    with the cloud's rows first (``cov[i]`` is row ``order[i]``'s).
     """
 
     k: int
     eps: float
     depth: int
+    ordered: bool = False
 
     def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
                  ) -> dict[str, torch.Tensor]:
-        tree = kdtree.build(inputs["points"], self.depth, "device",
-                            layout=(inputs["flat"], inputs["ranges"]), graph=False)
-        return {"cov": _tree_self_query(tree, self.k, self.eps)}
+        pts = inputs["points"]
+        real = ~torch.isnan(pts[:, 0])
+        pts = _far_rows(pts, real)
+        layout = kdtree.build_layout(pts.shape[0], self.depth, pts.device)
+        tree = kdtree.build(pts, self.depth, "device", layout=layout, graph=False)
+        if not self.ordered:
+            return {"cov": _tree_self_query(tree, self.k, self.eps)}
+        cov = _tree_order_covariances(tree, self.k, self.eps)
+        # the cloud's rows first, in tree order (a stable partition by one running count)
+        keep = real[tree.perm]
+        count = torch.cumsum(keep, 0)
+        pos = torch.arange(keep.shape[0], device=pts.device)
+        dest = torch.where(keep, count - 1, count[-1] + pos - count)
+        order, cov_out = torch.empty_like(tree.perm), torch.empty_like(cov)
+        order[dest] = tree.perm
+        cov_out[dest] = cov
+        return {"cov": cov_out, "order": order}
 
 
-def _size_class_self_query(points: torch.Tensor, k: int, eps: float) -> torch.Tensor | None:
+def _size_class_self_query(points: torch.Tensor, k: int, eps: float, ordered: bool = False
+                           ) -> dict[str, torch.Tensor] | None:
     """Run the Triton self-query of ``knn_covariances`` without a tree: a graph per size class.
 
-    The points are padded to :func:`size_class` with a row of points farther from every
-    point than any two points are from each other (so never among a real point's k nearest,
-    ``k <= N``), and the build, the search and the reduction run as one program: a CUDA
-    graph per size class and ``k``, captured on its first call and replayed after (a
-    build is ~12 launches a level of a few microseconds of work each below 10^5 points).
-    Clouds above :data:`SELF_QUERY_GRAPH_MAX` points: None (the caller's index; launches
-    are negligible there).
+    The points are padded to :func:`size_class` with rows of NaN, which the program
+    replaces by far points (:func:`_far_rows`), and the padding, the build, the search and
+    the reduction run as one program: a CUDA graph per size class and ``k``, captured on
+    its first call and replayed after (a build is a few launches a level of a few
+    microseconds of work each below 10^5 points). Returns :class:`_SelfQueryProgram`'s
+    outputs cut to the cloud's ``N`` rows. Clouds above :data:`SELF_QUERY_GRAPH_MAX`
+    points: None (the caller's index; launches are negligible there).
     """
     n = points.shape[0]
     if n > SELF_QUERY_GRAPH_MAX:
@@ -212,21 +260,39 @@ def _size_class_self_query(points: torch.Tensor, k: int, eps: float) -> torch.Te
     size = size_class(n)
     padded = torch.empty(size, 3, dtype=points.dtype, device=points.device)
     padded[:n] = points
-    hi, lo = points.amax(0), points.amin(0)
-    step = (hi - lo).amax() + 1
-    # a row of distinct points, one step apart, beyond every point by more than the cloud's
-    # extent (copies of one point tie at distance 0 and defeat the search's pruning: the
-    # 6.5k copies padding 100k points took the program from 6.8 to 12.5 ms, H200)
-    far = padded[n:]
-    far[:] = hi + 2 * step
-    far[:, 0] += torch.arange(size - n, device=points.device, dtype=points.dtype) * step
-    torch.nan_to_num(far, posinf=torch.finfo(points.dtype).max, out=far)
+    padded[n:] = float("nan")
     depth = kdtree.depth_for(size, SELF_QUERY_LEAF)
-    flat, ranges = kdtree.build_layout(size, depth, points.device)
-    _, out = _loop.run_program(_SelfQueryProgram(k, eps, depth),
-                               {"points": padded, "flat": flat, "ranges": ranges},
+    _, out = _loop.run_program(_SelfQueryProgram(k, eps, depth, ordered), {"points": padded},
                                host_outputs=False)
-    return out["cov"][:n]
+    return {name: v[:n] for name, v in out.items()}
+
+
+def knn_covariances_ordered(points: torch.Tensor, k: int, eps: float = PLANE_EPS
+                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Covariances of each point's k-NN in the order of the k-d tree searched (see contract).
+
+    Args:
+        points: ``(N, 3)`` float32 tensor, ``k <= N``.
+        k: neighbours per point, the point itself included.
+        eps: the regularisation ε, in (0, 1].
+
+    Returns:
+        ``(cov (N, 3, 3), order (N,) int64)``, ``cov[i]`` the covariance of point
+        ``order[i]`` and ``order`` a spatially coherent order (the tree's: queries sent in
+        it visit the same nodes), or None where the backend has no graph of its own (the
+        "cpu" backend, clouds above :data:`SELF_QUERY_GRAPH_MAX` points, ``k`` above the
+        kernel's): call :func:`knn_covariances` then.
+
+    """
+    if points.dim() != 2 or points.shape[1] != 3:
+        raise ValueError(f"points: expected shape (N, 3), got {tuple(points.shape)}")
+    if not 1 <= int(k) <= points.shape[0]:
+        raise ValueError(f"k: expected 1 <= k <= {points.shape[0]}, got {k}")
+    if backend(points) not in ("triton", "interpret") or k > kdtree.TRITON_MAX_K \
+            or points.dtype != torch.float32:
+        return None
+    out = _size_class_self_query(points, int(k), float(eps), ordered=True)
+    return None if out is None else (out["cov"], out["order"])
 
 
 def _check(source, source_cov, target, target_cov, idx, rotation, lengths, center, kernel,
