@@ -282,7 +282,11 @@ def test_index_reuse_and_init(seed):
     a = surface_newton(p.source, index=tree, criteria=CRIT)
     assert tree.has_payload("surface:plane")
     b = surface_newton(p.source, p.target, criteria=CRIT)
-    assert np.allclose(a.transformation, b.transformation, atol=1e-6)
+    # the same tree, solved in two frames (the caller's; the target's centroid): their
+    # float32 roundings differ by ~1e-5 of the objective from the first step, and each run
+    # stops by the relative-change rule; seed 2 lands 0.0045 deg and 4 um apart
+    assert metrics.rotation_error(a.transformation, b.transformation) < 0.02
+    assert metrics.translation_error(a.transformation, b.transformation) < 2e-5
     # starting at the truth (finest level only) stays there
     c = surface_newton(p.source, index=tree, init=p.T_target_source, criteria=CRIT,
                        tree_depth=a.info["tree_depth"])

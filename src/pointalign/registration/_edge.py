@@ -2,10 +2,8 @@
 
 * :func:`resolve_device`: the one rule for ``device=`` (explicit, else the inputs' common
   device, else CUDA when present); inputs on different devices are an error.
-* :func:`prepare_pair`: source and target as padded float32 batches **in a local frame**:
-  both are shifted by the target's centroid in float64 before anything becomes float32, so
-  georeferenced coordinates (UTM: ~5·10⁵ m) keep their millimetres. :class:`Frame` carries
-  that shift; :meth:`Frame.to_world` composes a local estimate back in float64.
+* :func:`prepare_pair`, :class:`Pair`, :class:`Frame` (from :mod:`._pair`): source and
+  target as padded float32 batches **in a local frame**, the target's centroid the origin.
 * :class:`StopReason`: why an algorithm stopped, one vocabulary for all of them.
 * :func:`build_result`: a :class:`RegistrationResult` from per-problem host arrays, batched
   or squeezed to one problem.
@@ -15,16 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from pointalign import _math, _validate
 from pointalign.kernels import upload
+from pointalign.registration._pair import ONE_CLOUD_EACH as ONE_CLOUD_EACH
+from pointalign.registration._pair import Frame as Frame
+from pointalign.registration._pair import HostPart as HostPart
+from pointalign.registration._pair import LocalPair as LocalPair
+from pointalign.registration._pair import Pair as Pair
+from pointalign.registration._pair import prepare_pair as prepare_pair
+from pointalign.registration._pair import prepare_pairs as prepare_pairs
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import policy
 
@@ -136,144 +139,6 @@ _CONVERGED = frozenset({StopReason.SMALL_UPDATE, StopReason.RELATIVE_CHANGE,
 resolve_device = _validate.resolve_device
 
 
-@dataclass(frozen=True)
-class Frame:
-    """The local frame of a batch of problems: ``x_local = x_world − center``.
-
-    ``center (B, 3)`` float64 on the host (the target's centroid).
-    """
-
-    center: np.ndarray
-
-    def _shift(self, sign: float) -> np.ndarray:
-        S = np.tile(np.eye(4), (self.center.shape[0], 1, 1))
-        S[:, :3, 3] = sign * self.center
-        return S
-
-    def to_local(self, T: np.ndarray) -> np.ndarray:
-        """``T_target_source (B, 4, 4)`` between world frames → between local frames."""
-        return self._shift(-1.0) @ T @ self._shift(1.0)
-
-    def to_world(self, T: np.ndarray) -> np.ndarray:
-        """Inverse of :meth:`to_local`, in float64."""
-        return self._shift(1.0) @ T @ self._shift(-1.0)
-
-
-@dataclass(frozen=True)
-class HostPart:
-    """What a :class:`Pair` knows on the host, read from the device once (see its fields)."""
-
-    init: np.ndarray
-    frame: Frame
-    init_world: np.ndarray
-    extent: np.ndarray
-    centroid: np.ndarray
-    resolution: np.ndarray
-    source_extent: np.ndarray
-
-
-@dataclass(frozen=True)
-class Pair:
-    """Validated inputs of a batch of B problems, in their local :class:`Frame`.
-
-    Attributes:
-        source: ``(B, N, 3)`` float32, padded; rows ``>= source_lengths[b]`` are padding.
-        target: ``(B, M, 3)`` float32 (expanded, not copied, for a shared target).
-        source_lengths, target_lengths: ``(B,)`` int64 on the device.
-        source_counts, target_counts: the same on the host (NumPy int64).
-        batched: whether the caller passed batches (results keep that form).
-        shared_target: one target for all B sources.
-        device: the compute device.
-
-    and on the host (:class:`HostPart`, read from the device at the first use of one of
-    them, or at :meth:`resolve`):
-
-        init: ``(B, 4, 4)`` float64 NumPy, the initial estimate in the local frames.
-        frame: the shift back to the caller's coordinates.
-        init_world: ``(B, 4, 4)`` float64 NumPy, the initial estimate as given (a problem
-            left at ``init`` is returned as exactly this, see :func:`build_result`).
-        extent: ``(B,)`` float64 NumPy, each target's RMS distance from its centroid
-            (metres): the scale that relative tolerances and the stability rule read.
-        centroid: ``(B, 3)`` float64 NumPy, each target's centroid in the local frame (0
-            unless ``local=False``).
-        resolution: ``(B,)`` float64 NumPy, about the spacing of the coordinates as given
-            (their dtype's epsilon times their magnitude): what float32 input far from the
-            origin has already lost.
-        source_extent: ``(B,)`` float64 NumPy, each source's RMS distance from its own
-            centroid (the scale :func:`check_units` compares with ``extent``).
-
-    """
-
-    source: torch.Tensor
-    target: torch.Tensor
-    source_lengths: torch.Tensor
-    target_lengths: torch.Tensor
-    source_counts: np.ndarray
-    target_counts: np.ndarray
-    batched: bool
-    shared_target: bool
-    device: torch.device
-    read_host: Callable[[], HostPart] = dataclasses.field(repr=False, compare=False)
-
-    @functools.cached_property
-    def host(self) -> HostPart:
-        """The host part (the first use waits for its transfer; a NaN/Inf input raises)."""
-        return self.read_host()
-
-    def resolve(self) -> Pair:
-        """Read the host part now (a NaN/Inf input raises here); return self."""
-        _ = self.host
-        return self
-
-    @property
-    def init(self) -> np.ndarray:
-        """``(B, 4, 4)`` float64, the initial estimate in the local frames."""
-        return self.host.init
-
-    @property
-    def frame(self) -> Frame:
-        """The shift back to the caller's coordinates."""
-        return self.host.frame
-
-    @property
-    def init_world(self) -> np.ndarray:
-        """``(B, 4, 4)`` float64, the initial estimate as given."""
-        return self.host.init_world
-
-    @property
-    def extent(self) -> np.ndarray:
-        """``(B,)`` float64, each target's RMS distance from its centroid (metres)."""
-        return self.host.extent
-
-    @property
-    def centroid(self) -> np.ndarray:
-        """``(B, 3)`` float64, each target's centroid in the local frame."""
-        return self.host.centroid
-
-    @property
-    def resolution(self) -> np.ndarray:
-        """``(B,)`` float64, about the spacing of the coordinates as given."""
-        return self.host.resolution
-
-    @property
-    def source_extent(self) -> np.ndarray:
-        """``(B,)`` float64, each source's RMS distance from its own centroid."""
-        return self.host.source_extent
-
-    @property
-    def size(self) -> int:
-        """B, the number of problems."""
-        return self.source.shape[0]
-
-
-def _centroids(pts: torch.Tensor, lengths: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
-    """``(B, 3)`` centroids in the points' dtype (padding rows excluded)."""
-    if bool((counts == pts.shape[1]).all()):
-        return pts.mean(1)
-    rows = torch.arange(pts.shape[1], device=pts.device)[None, :, None] < lengths[:, None, None]
-    return (pts * rows).sum(1) / lengths[:, None].clamp_min(1).to(pts.dtype)
-
-
 #: the smallest fitness (fraction of source points with a partner) a converged result may
 #: have: below it the pose rests on a few chance matches (1 %: 400 of the bunny's 40k
 #: points; partial overlaps of real scans at their usual distances keep 10 % or more)
@@ -283,226 +148,6 @@ MIN_FITNESS = 0.01
 #: iteration still counts as converged (the bunny in float32 at 10⁴ m: 0.02, poses within
 #: 3·10⁻⁴ of the extent; at 10⁵ m: 0.2, poses ~10 % off)
 MAX_RESOLUTION = 0.05
-
-
-def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
-                 source_lengths: Any = None, target_lengths: Any = None,
-                 min_points: int = 1, local: bool = True, defer: bool = False) -> Pair:
-    """Validate a registration problem (or a batch of them) and move it to its local frame.
-
-    Args:
-        source: ``(N, 3)``, ``(B, N, 3)`` or a list of clouds (arrays, tensors, PointClouds).
-        target: ``(M, 3)`` (shared by every source) or ``(B, M, 3)``.
-        init: ``(4, 4)`` or ``(B, 4, 4)`` initial ``T_target_source`` (None: identity).
-        device: the compute device (:func:`resolve_device`).
-        source_lengths: ``(B,)`` valid source points per padded batch entry.
-        target_lengths: ``(B,)`` valid target points per padded batch entry.
-        min_points: fewest points a cloud may have.
-        local: shift to the target's centroid (False: keep the caller's coordinates, e.g.
-            to query an index the caller built over the target as given).
-        defer: leave the host part (:class:`HostPart`: centroids, extents, the frame) in
-            flight, read at its first use: a caller may enqueue device work on the
-            device part first. A NaN/Inf input then raises at that first use.
-
-    """
-    def scans() -> None:  # each cloud's own checks, NaN/Inf included: the first error raises
-        for name, x, lengths in (("source", source, source_lengths),
-                                 ("target", target, target_lengths)):
-            _validate.as_batch(x, name, lengths=lengths, min_points=min_points, device=device)
-
-    try:
-        pair = _pair_on_device(source, target, init, device, source_lengths, target_lengths,
-                               min_points, local, scans)
-    except (ValueError, TypeError):
-        scans()  # a NaN/Inf input's error first, as when the scans ran first
-        raise
-    return pair if defer else pair.resolve()
-
-
-def _pair_on_device(source: Any, target: Any, init: Any, device: torch.device,
-                    source_lengths: Any, target_lengths: Any, min_points: int, local: bool,
-                    scans: Callable[[], None]) -> Pair:
-    """:func:`prepare_pair`'s work, its host part left in flight (``scans``: the checks)."""
-    # NaN/Inf: told by the centroids and extents read at the end (a non-finite point makes
-    # them non-finite), then the clouds' own scans name it: no wait for the device here
-    with _validate.trusted():
-        src, slens, batched = _validate.as_batch(source, "source", lengths=source_lengths,
-                                                 min_points=min_points, device=device)
-        tgt, tlens, tbatched = _validate.as_batch(target, "target", lengths=target_lengths,
-                                                  min_points=min_points, device=device)
-    B = src.shape[0]
-    if tbatched and not batched:
-        raise ValueError("target: batched (B, M, 3) but source is a single (N, 3) cloud")
-    shared = not tbatched and B > 1
-    if tgt.shape[0] != B and not shared:
-        raise ValueError(f"target: expected {B} clouds (like source) or one, got {tgt.shape[0]}")
-    T0t = _validate.as_transform(init, "init", batch=B if batched else None, device="cpu",
-                                 dtype=torch.float64)
-    T0 = (T0t if batched else T0t[None]).detach().numpy()
-    # lengths on the host: known without a transfer unless the caller passed them
-    s_counts = (slens.cpu().numpy() if source_lengths is not None
-                or isinstance(source, (list, tuple)) else np.full(B, src.shape[1]))
-    t_counts = (tlens.cpu().numpy() if target_lengths is not None
-                or isinstance(target, (list, tuple)) else np.full(tgt.shape[0], tgt.shape[1]))
-    # the local frame: shift by the target centroid in float64 before going to float32
-    t64 = tgt.to(torch.float64)
-    c = _centroids(t64, tlens, t_counts)                              # (B_t, 3)
-    # the extent (RMS distance from the centroid) comes back with the centroid: one transfer
-    d2 = ((t64 - c[:, None]) ** 2).sum(-1, keepdim=True)
-    rms = _centroids(d2.expand(-1, -1, 3), tlens, t_counts)[:, :1].sqrt()
-    c_true = c
-    if not local:
-        c = torch.zeros_like(c)
-    # the source's extent the same way, for the units check (check_units): the float64
-    # source is made here anyway, and its two reductions cost ~1 % of one ICP iteration
-    s64 = src.to(torch.float64)
-    s_d2 = ((s64 - _centroids(s64, slens, s_counts)[:, None]) ** 2).sum(-1, keepdim=True)
-    s_rms = _centroids(s_d2.expand(-1, -1, 3), slens, s_counts)[:, :1].sqrt()
-    src_l = (s64 - (c if not shared else c.expand(B, 3))[:, None]).to(torch.float32) \
-        .contiguous()
-    tgt_l = (t64 - c[:, None]).to(torch.float32).contiguous()
-    t_host = torch.cat([c, rms, c_true - c], 1)
-    if shared:
-        tgt_l, tlens, t_counts = tgt_l.expand(B, -1, -1), tlens.expand(B), \
-            np.repeat(t_counts, B)
-        t_host = t_host.expand(B, -1)
-    pending = _to_host_later(torch.cat([t_host, s_rms], 1))  # one transfer
-    eps = max(torch.finfo(src.dtype).eps, torch.finfo(tgt.dtype).eps)
-
-    def read_host() -> HostPart:
-        host = pending().astype(np.float64)
-        if not np.isfinite(host).all():  # the scans raise the caller's error (not if trusted)
-            scans()
-        frame = Frame(host[:, :3].copy())
-        # the coordinates' spacing as given: epsilon x magnitude (the centroid's plus 3 RMS
-        # radii)
-        world = np.abs(host[:, :3] + host[:, 4:7]).max(1) + 3 * host[:, 3]
-        return HostPart(frame.to_local(T0), frame, T0, host[:, 3].copy(), host[:, 4:7].copy(),
-                        eps * world, host[:, 7].copy())
-
-    return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
-                np.asarray(t_counts, dtype=np.int64), batched, shared, device, read_host)
-
-
-def _to_host_later(t: torch.Tensor) -> Callable[[], np.ndarray]:
-    """Start copying ``t`` to the host; the returned call waits for the copy alone.
-
-    On CUDA a copy into pinned memory behind an event on the current stream: work the
-    caller enqueues after it does not delay the read. Elsewhere the copy is made at once.
-    """
-    if not t.is_cuda:
-        out = t.cpu().numpy()
-        return lambda: out
-    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    buf.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))
-
-    def read() -> np.ndarray:
-        done.synchronize()
-        return buf.numpy()
-
-    return read
-
-
-class LocalPair(NamedTuple):
-    """One problem of :func:`prepare_pairs`: one source, one target, in the target's frame.
-
-    What :func:`prepare_pair` makes of one ``(N, 3)`` source and one ``(M, 3)`` target,
-    unbatched: ``source``, ``target`` are ``pair.source[0]``, ``pair.target[0]``;
-    ``center`` is ``pair.frame.center[0]``; ``init`` is ``pair.init[0]``.
-    """
-
-    source: torch.Tensor   # (N, 3) float32, local frame
-    target: torch.Tensor   # (M, 3) float32, local frame
-    center: np.ndarray     # (3,) float64, the target's centroid (the caller's coordinates)
-    init: np.ndarray       # (4, 4) float64, the initial estimate in the local frame
-
-
-#: the error of a source or target given as a batch where one cloud each is expected
-ONE_CLOUD_EACH = "source, target: expected one (N, 3) cloud each, got a batch"
-
-
-def prepare_pairs(sources: Sequence[Any], targets: Sequence[Any], inits: Sequence[Any], *,
-                  device: torch.device, min_points: int = 1
-                  ) -> list[LocalPair | ValueError | TypeError]:
-    """:func:`prepare_pair` of many single-cloud problems at once: the same numbers and errors.
-
-    Problem i is ``prepare_pair(sources[i], targets[i], init=inits[i], device=device,
-    min_points=min_points)`` of one ``(N, 3)`` source and one ``(M, 3)`` target (a batch
-    given there: the ValueError :data:`ONE_CLOUD_EACH`); each gets its
-    :class:`LocalPair` or the error ``prepare_pair`` raises for it. The clouds of all
-    problems are checked by :func:`pointalign._validate.as_points_many` (one copy to the
-    device, one NaN/Inf scan for all), each target's centroid is its own float64 mean, as
-    ``prepare_pair`` takes it (the same reduction: the same bits), and all clouds are
-    shifted and rounded to float32 by one element-wise pass; one transfer brings the
-    centroids to the host. A problem whose clouds do not pass the checks one by one (a
-    wrong shape, a list of clouds, a batch) goes through :func:`prepare_pair` itself, so
-    its error (or its batch) is the one it gives. The inputs are not modified.
-    """
-    n = len(sources)
-    if len(targets) != n or len(inits) != n:
-        raise ValueError(f"targets, inits: expected {n} of each (one per source), got "
-                         f"{len(targets)} and {len(inits)}")
-    out: list[LocalPair | ValueError | TypeError | None] = [None] * n
-    fast = [i for i in range(n)
-            if not isinstance(sources[i], (list, tuple))
-            and not isinstance(targets[i], (list, tuple))]
-    many = _validate.as_points_many([x for i in fast for x in (sources[i], targets[i])],
-                                    ["source", "target"] * len(fast),
-                                    min_points=min_points, device=device,
-                                    cat_dtype=torch.float64)
-    alone = sorted(set(range(n)) - set(fast))   # checked by prepare_pair, one by one
-    good: list[tuple[int, torch.Tensor, torch.Tensor, np.ndarray | None]] = []
-    for j, i in enumerate(fast):
-        s, t = many.clouds[2 * j], many.clouds[2 * j + 1]
-        # prepare_pair checks the source (its shape, then NaN/Inf), then the target
-        if not many.shaped[2 * j] or (not isinstance(s, Exception)
-                                      and not many.shaped[2 * j + 1]):
-            alone.append(i)
-            continue
-        if not isinstance(s, torch.Tensor):
-            out[i] = s
-            continue
-        if not isinstance(t, torch.Tensor):
-            out[i] = t
-            continue
-        try:
-            T0 = None if inits[i] is None else _validate.as_transform(
-                inits[i], "init", batch=None, device="cpu", dtype=torch.float64
-            ).detach().numpy()
-        except (ValueError, TypeError) as exc:
-            out[i] = exc
-            continue
-        good.append((i, s, t, T0))
-    if good:
-        # prepare_pair's float64 centroid of each target (a mean over its own rows: the
-        # same reduction), then every row of every cloud shifted by its problem's centroid
-        # and rounded to float32, in one pass
-        c = torch.stack([t.mean(0) for _, _, t, _ in good])                 # (G, 3)
-        sizes = [int(x.shape[0]) for _, s, t, _ in good for x in (s, t)]
-        both = (many.points if sum(sizes) == many.points.shape[0]
-                else torch.cat([x for _, s, t, _ in good for x in (s, t)]))
-        rows = torch.repeat_interleave(
-            torch.arange(len(good), device=c.device).repeat_interleave(2),
-            upload(sizes, dtype=torch.int64, device=c.device), output_size=sum(sizes))
-        parts = torch.split((both - c[rows]).to(torch.float32), sizes)
-        centers = c.cpu().numpy()                                           # one transfer
-        for g, (i, _, _, T0) in enumerate(good):
-            center = centers[g].copy()
-            init = np.eye(4) if T0 is None else Frame(center[None]).to_local(T0[None])[0]
-            out[i] = LocalPair(parts[2 * g], parts[2 * g + 1], center, init)
-    for i in sorted(alone):
-        try:
-            pair = prepare_pair(sources[i], targets[i], init=inits[i], device=device,
-                                min_points=min_points)
-        except (ValueError, TypeError) as exc:
-            out[i] = exc
-            continue
-        out[i] = ValueError(ONE_CLOUD_EACH) if pair.batched else LocalPair(
-            pair.source[0], pair.target[0], pair.frame.center[0].copy(), pair.init[0])
-    assert all(o is not None for o in out)
-    return out  # type: ignore[return-value]
 
 
 #: the normals a cloud carries (a PointCloud's, an Open3D cloud's): defined in
