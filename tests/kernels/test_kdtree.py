@@ -186,7 +186,7 @@ def run_interpreted_kdtree(out_path: str) -> None:
                                  KT.knn(tree, q, 1, hint=_hints(tree, q, seed)))
         tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
         out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
-        # the subtree kernel with nodes of up to 64 points (1024 by default): from level 3
+        # the subtree kernel with nodes of up to 64 points (512 by default): from level 3
         # (8 programs), the whole tree in one program, and not at all
         KT.SUBTREE_BLOCK, block = 64, KT.SUBTREE_BLOCK
         try:
@@ -530,12 +530,12 @@ def test_hint_keeps_the_answer(backend, max_d, rng):
                                   "leaves above a program", "leaves at a program's size"])
 def test_device_build_matches_host(backend, size, rng):
     """The build on the points' device (on Triton: the top levels split from the sorted
-    lists, then the subtree kernel below 1024-point nodes: from level 7, for the whole
+    lists, then the subtree kernel below 512-point nodes: from level 8, for the whole
     tree, not at all, or not where its nodes are the leaves) equals the host's, ties
     ordered by the points' original index."""
-    cases = {"large": ((100003, 12), (10007, 9)), "one program": ((1000, 6), (1000, 6)),
+    cases = {"large": ((100003, 12), (10007, 9)), "one program": ((500, 6), (500, 6)),
              "leaves above a program": ((5000, 2), (500, 1)),
-             "leaves at a program's size": ((5000, 3), (5000, 3))}
+             "leaves at a program's size": ((5000, 4), (5000, 4))}
     m, depth = cases[size.split(",")[0]][0 if backend.device == "cuda" else 1]
     pts = _cloud(m, rng)
     pts[::9, 1] = 0.0  # ties

@@ -22,8 +22,8 @@ from pointalign.kernels import _precompile  # noqa: E402
 _SPLIT = {
     "kernel": "pointalign.kernels.kdtree.triton:_axis_keys_kernel",
     "signature": {"pts_ptr": "*fp32", "key_ptr": "*i32", "m_points": "i32",
-                  "BLOCK": "constexpr"},
-    "constexprs": [[[3], 64]],
+                  "BLOCK": "constexpr", "PACKED": "constexpr"},
+    "constexprs": [[[3], 64], [[4], False]],
     "attrs": [[[i], [["tt.divisibility", 16]]] for i in (0, 1)],
     "options": {"num_warps": 4, "num_stages": 3, "num_ctas": 1},
     "seconds": 0.2,
@@ -140,10 +140,10 @@ def test_a_precompiled_kernel_is_launched_without_compiling(tmp_path, monkeypatc
     from pointalign.kernels.kdtree import triton as kd
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    pts = torch.rand(1000, 3, device="cuda")
+    pts = torch.rand(500, 3, device="cuda")
     kernels = (kd._axis_keys_kernel, kd._top_nodes_kernel, kd._top_side_kernel,
                kd._top_flags_kernel, kd._top_partition_kernel, kd._top_gather_kernel,
-               kd._subtree_kernel)  # 1000 points: the subtree kernel builds it all
+               kd._subtree_kernel)  # 500 points: the subtree kernel builds it all
     for k in kernels:  # launched earlier in this process: forget
         k.device_caches.clear()
     with _precompile.record() as got:  # what the launch compiles: its entries

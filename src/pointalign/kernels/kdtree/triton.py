@@ -262,13 +262,20 @@ def _ordered(c):
 
 
 @triton.jit(do_not_specialize=("m_points",))
-def _axis_keys_kernel(pts_ptr, key_ptr, m_points, BLOCK: tl.constexpr):
-    """Write row ``c`` of ``key (3, M)`` int32: every point's coordinate ``c``, ordered."""
+def _axis_keys_kernel(pts_ptr, key_ptr, m_points, BLOCK: tl.constexpr, PACKED: tl.constexpr):
+    """Write row ``c`` of ``key (3, M)`` int32: every point's coordinate ``c``, ordered.
+
+    ``PACKED``: int64 keys ``c · 2³² + u`` instead (``u`` the ordered bits as unsigned), so
+    that one sort orders the three rows at once.
+    """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < m_points
     for c in tl.static_range(3):
         v = tl.load(pts_ptr + offs * 3 + c, mask=m, other=0.0)
-        tl.store(key_ptr + c * m_points + offs, _ordered(v), mask=m)
+        k = _ordered(v)
+        if PACKED:
+            k = (k.to(tl.int64) + 2147483648) | (c << 32)
+        tl.store(key_ptr + c * m_points + offs, k, mask=m)
 
 
 @triton.jit
@@ -532,10 +539,13 @@ def _subtree_kernel(pts_ptr, perm_ptr, b_ptr, lo_ptr, hi_ptr, axis_ptr, split_pt
                 BLOCK, False)
 
 
-#: the largest node the subtree kernel finishes in one program (points held in registers;
-#: 1024 and 2048 tie on a 40k-point build, 1024 is ahead at 1.5k and 1M points, H200), and
-#: the most its sort keys allow (:func:`_subtree_kernel`)
-SUBTREE_BLOCK = 1024
+#: the largest node the subtree kernel finishes in one program (points held in registers),
+#: and the most its sort keys allow (:func:`_subtree_kernel`). With the top levels split
+#: from the sorted lists, smaller programs won (session 21, H200, GPU time of one build at
+#: 40k / 125k / 1M points: 1024 0.51 / 0.59 / 3.42 ms, 512 0.38 / 0.51 / 2.65, 256 0.36 /
+#: 0.48 / 2.45; 512 with the packed presort 0.33 / 0.46 / 2.77; 1024 had led while every
+#: level above it was a sort)
+SUBTREE_BLOCK = 512
 MAX_SUBTREE_BLOCK = 1024
 
 #: int64 words of scratch per point a subtree program uses: its sort keys (one) and its
@@ -556,15 +566,28 @@ def subtree_level(m: int, block: int) -> int:
 N_LISTS = 4
 
 
+#: up to this many points the three presorts are one sort of packed 64-bit keys, above it
+#: three sorts of 32-bit keys (H200, GPU time of one build, subtree programs of 512: 40k
+#: 0.38 -> 0.33 ms, 125k 0.51 -> 0.46 ms packed; 1M 2.65 -> 2.77 ms)
+PRESORT_PACKED_MAX = 1 << 19
+
+
 def _presorted(points: torch.Tensor, block: int) -> torch.Tensor:
     """Return ``(4, M)`` int64: the ids sorted by x, y and z (ties by id), and ``arange(M)``."""
     m, dev = points.shape[0], points.device
-    keys = torch.empty(3, m, dtype=torch.int32, device=dev)
-    _axis_keys_kernel[(triton.cdiv(m, block),)](points, keys, m, BLOCK=block, num_warps=4)
     lists = torch.empty(N_LISTS, m, dtype=torch.int64, device=dev)
-    values = torch.empty(m, dtype=torch.int32, device=dev)
-    for c in range(3):
-        torch.sort(keys[c], stable=True, out=(values, lists[c]))
+    grid = (triton.cdiv(m, block),)
+    if m <= PRESORT_PACKED_MAX:
+        keys = torch.empty(3, m, dtype=torch.int64, device=dev)
+        _axis_keys_kernel[grid](points, keys, m, BLOCK=block, PACKED=True, num_warps=4)
+        order = torch.sort(keys.view(-1), stable=True).indices.view(3, m)
+        torch.sub(order, torch.arange(0, 3 * m, m, device=dev)[:, None], out=lists[:3])
+    else:
+        keys = torch.empty(3, m, dtype=torch.int32, device=dev)
+        _axis_keys_kernel[grid](points, keys, m, BLOCK=block, PACKED=False, num_warps=4)
+        values = torch.empty(m, dtype=torch.int32, device=dev)
+        for c in range(3):
+            torch.sort(keys[c], stable=True, out=(values, lists[c]))
     torch.arange(m, out=lists[3])
     return lists
 
