@@ -300,7 +300,9 @@ def _build_numpy(points: np.ndarray, depth: int):
         axis = np.argmax(hi - lo, axis=1)
         seg = np.repeat(np.arange(2**level), np.diff(b))
         key = pts[np.arange(m), axis[seg]]
-        order = np.lexsort((perm, key, seg))  # ties: by original index
+        by_id = np.empty_like(perm)  # the positions in original-index order (ties by it)
+        by_id[perm] = np.arange(m)
+        order = by_id[np.lexsort((key[by_id], seg[by_id]))]  # lexsort is stable
         perm, pts, key = perm[order], pts[order], key[order]
         mid = ((np.arange(2 ** (level + 1) + 1, dtype=np.int64) * m) >> (level + 1))[1:-1:2]
         splits.append(0.5 * (key[mid - 1] + key[mid]))
