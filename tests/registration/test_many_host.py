@@ -3,7 +3,7 @@
 list form of ``as_batch``, the batched path's padding, and a packed grid whose cells
 ``max_cells`` grew (no density pass, the same answers).
 
-Exact: the same float32 local clouds and float64 centroids bit for bit (each target's
+Exact on the CPU: the same float32 local clouds and float64 centroids bit for bit (each target's
 centroid is the same float64 mean, the shift one element-wise pass), the same errors
 with the same messages in the same order of checks, inputs untouched.
 """

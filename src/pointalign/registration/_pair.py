@@ -24,6 +24,7 @@ import torch
 
 from pointalign import _validate
 from pointalign.kernels import upload
+from pointalign.kernels.frame import local_frame
 
 
 @dataclass(frozen=True)
@@ -156,17 +157,6 @@ class Pair:
         return self.source.shape[0]
 
 
-def _centroids(pts: torch.Tensor, lengths: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
-    """``(B, 3)`` centroids in the points' dtype (padding rows excluded)."""
-    if bool((counts == pts.shape[1]).all()):
-        return pts.mean(1)
-    rows = torch.arange(pts.shape[1], device=pts.device)[None, :, None] < lengths[:, None, None]
-    return (pts * rows).sum(1) / lengths[:, None].clamp_min(1).to(pts.dtype)
-
-
-
-
-
 def prepare_pair(source: Any, target: Any, *, init: Any, device: torch.device,
                  source_lengths: Any = None, target_lengths: Any = None,
                  min_points: int = 1, local: bool = True, defer: bool = False) -> Pair:
@@ -226,29 +216,15 @@ def _pair_on_device(source: Any, target: Any, init: Any, device: torch.device,
                 or isinstance(source, (list, tuple)) else np.full(B, src.shape[1]))
     t_counts = (tlens.cpu().numpy() if target_lengths is not None
                 or isinstance(target, (list, tuple)) else np.full(tgt.shape[0], tgt.shape[1]))
-    # the local frame: shift by the target centroid in float64 before going to float32
-    t64 = tgt.to(torch.float64)
-    c = _centroids(t64, tlens, t_counts)                              # (B_t, 3)
-    # the extent (RMS distance from the centroid) comes back with the centroid: one transfer
-    d2 = ((t64 - c[:, None]) ** 2).sum(-1, keepdim=True)
-    rms = _centroids(d2.expand(-1, -1, 3), tlens, t_counts)[:, :1].sqrt()
-    c_true = c
-    if not local:
-        c = torch.zeros_like(c)
-    # the source's extent the same way, for the units check (check_units): the float64
-    # source is made here anyway, and its two reductions cost ~1 % of one ICP iteration
-    s64 = src.to(torch.float64)
-    s_d2 = ((s64 - _centroids(s64, slens, s_counts)[:, None]) ** 2).sum(-1, keepdim=True)
-    s_rms = _centroids(s_d2.expand(-1, -1, 3), slens, s_counts)[:, :1].sqrt()
-    src_l = (s64 - (c if not shared else c.expand(B, 3))[:, None]).to(torch.float32) \
-        .contiguous()
-    tgt_l = (t64 - c[:, None]).to(torch.float32).contiguous()
-    t_host = torch.cat([c, rms, c_true - c], 1)
+    # the local frame: shift by the target centroid in float64 before going to float32;
+    # the centroids and the extents (RMS distances from them, the source's for the units
+    # check) come back in one transfer (kernels.frame: two launches on a GPU)
+    src_l, tgt_l, host_row = local_frame(src, slens, s_counts, tgt, tlens, t_counts,
+                                         local=local)
     if shared:
         tgt_l, tlens, t_counts = tgt_l.expand(B, -1, -1), tlens.expand(B), \
             np.repeat(t_counts, B)
-        t_host = t_host.expand(B, -1)
-    pending = _to_host_later(torch.cat([t_host, s_rms], 1))  # one transfer
+    pending = _to_host_later(host_row)  # one transfer
     eps = max(torch.finfo(src.dtype).eps, torch.finfo(tgt.dtype).eps)
 
     def read_host() -> HostPart:
@@ -316,7 +292,9 @@ def prepare_pairs(sources: Sequence[Any], targets: Sequence[Any], inits: Sequenc
     :class:`LocalPair` or the error ``prepare_pair`` raises for it. The clouds of all
     problems are checked by :func:`pointalign._validate.as_points_many` (one copy to the
     device, one NaN/Inf scan for all), each target's centroid is its own float64 mean, as
-    ``prepare_pair`` takes it (the same reduction: the same bits), and all clouds are
+    :func:`pointalign.kernels.frame.local_frame`'s spec takes it (on the CPU the same
+    reduction as ``prepare_pair``: the same bits; on a GPU ``prepare_pair``'s kernels group
+    the sums differently, equal to float64 rounding), and all clouds are
     shifted and rounded to float32 by one element-wise pass; one transfer brings the
     centroids to the host. A problem whose clouds do not pass the checks one by one (a
     wrong shape, a list of clouds, a batch) goes through :func:`prepare_pair` itself, so
@@ -358,8 +336,8 @@ def prepare_pairs(sources: Sequence[Any], targets: Sequence[Any], inits: Sequenc
             continue
         good.append((i, s, t, T0))
     if good:
-        # prepare_pair's float64 centroid of each target (a mean over its own rows: the
-        # same reduction), then every row of every cloud shifted by its problem's centroid
+        # the float64 centroid of each target (a mean over its own rows: local_frame's spec),
+        # then every row of every cloud shifted by its problem's centroid
         # and rounded to float32, in one pass
         c = torch.stack([t.mean(0) for _, _, t, _ in good])                 # (G, 3)
         sizes = [int(x.shape[0]) for _, s, t, _ in good for x in (s, t)]
