@@ -500,6 +500,11 @@ class Run:
                 _graphs.put(self._key, self._objects, "seen")
 
     # -- the consumer's side
+    def start(self) -> Run:
+        """Enqueue the first steps now (iterating would): host work after this overlaps them."""
+        self._launch_ahead()
+        return self
+
     def __iter__(self) -> Iterator[Host]:
         while True:
             self._launch_ahead()

@@ -75,6 +75,7 @@ class Pair:
         batched: whether the caller passed batches (results keep that form).
         shared_target: one target for all B sources.
         device: the compute device.
+        identity_init: no ``init`` was given (the identity, in every local frame too).
 
     and on the host (:class:`HostPart`, read from the device at the first use of one of
     them, or at :meth:`resolve`):
@@ -105,6 +106,17 @@ class Pair:
     shared_target: bool
     device: torch.device
     read_host: Callable[[], HostPart] = dataclasses.field(repr=False, compare=False)
+    identity_init: bool = False
+
+    def init_on_device(self) -> torch.Tensor:
+        """``(B, 4, 4)`` float64 :attr:`init` on the device.
+
+        With no ``init`` given it is the identity in every frame (a shift and its inverse):
+        made on the device, without reading the host part; else uploaded from it.
+        """
+        if self.identity_init:
+            return torch.eye(4, dtype=torch.float64, device=self.device).repeat(self.size, 1, 1)
+        return upload(self.init, dtype=torch.float64, device=self.device)
 
     @functools.cached_property
     def host(self) -> HostPart:
@@ -239,7 +251,8 @@ def _pair_on_device(source: Any, target: Any, init: Any, device: torch.device,
                         eps * world, host[:, 7].copy())
 
     return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
-                np.asarray(t_counts, dtype=np.int64), batched, shared, device, read_host)
+                np.asarray(t_counts, dtype=np.int64), batched, shared, device, read_host,
+                identity_init=init is None)
 
 
 def _to_host_later(t: torch.Tensor) -> Callable[[], np.ndarray]:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from pointalign import _threads, _validate, estimate
-from pointalign.kernels import _first_use, _loop, upload
+from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import gicp as _kg
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge, anderson, checks
@@ -284,7 +284,8 @@ class _Levels:
 
     pair: _edge.Pair
     crit: ConvergenceCriteria
-    T: np.ndarray                       # (B, 4, 4) the estimate so far (local frames)
+    T: np.ndarray | None = None         # (B, 4, 4) the estimate so far (local frames);
+    #                                     None: the pair's init, read at the first run
     rules: _Rules | None = None         # the last level's rules
     iterations: np.ndarray | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -293,16 +294,28 @@ class _Levels:
     graph: str = "off"
 
     def run(self, step: Any, inputs: _loop.Tensors, state: _loop.Tensors,
-            **extra: Any) -> None:
-        """Iterate ``step`` from the current estimate under ICP's stopping rules."""
+            meanwhile: Any = None, **extra: Any) -> None:
+        """Iterate ``step`` from the current estimate under ICP's stopping rules.
+
+        The first steps are enqueued before the host reads the pair's host part and makes
+        the rules; ``meanwhile()``, when given, runs then too (checks that may raise).
+        """
         pair = self.pair
-        assert pair.extent is not None  # set by prepare_pair
-        rules = _Rules(self.crit, pair.source_counts.astype(np.float64), self.T.copy(),
-                       self.crit.translation_for(pair.extent))
         t_it = time.perf_counter()
+        rules: _Rules | None = None
+
+        def ahead(prev: dict[str, np.ndarray], last: dict[str, np.ndarray]) -> bool:
+            return rules is not None and rules.continues(prev, last)
+
         run = _loop.iterate(step, inputs, state,
                             max_steps=anderson.max_steps(step, int(self.crit.max_iterations)),
-                            ahead=rules.continues)
+                            ahead=ahead).start()
+        if meanwhile is not None:
+            meanwhile()
+        if self.T is None:
+            self.T = pair.init
+        rules = _Rules(self.crit, pair.source_counts.astype(np.float64), self.T.copy(),
+                       self.crit.translation_for(pair.extent))
         for record in run:
             if rules(record):
                 break
@@ -452,18 +465,19 @@ def gicp(
                        _covariances_missing(target_covariances, target))
     (src, s_cov), t_cov = clock.stage("covariances", _both_covariances, beside, side, pair,
                                       target, target_covariances, k, idxs)
-    checks.check_units(pair.resolve(), max_correspondence_distance=max_dist)
     inputs = {"source": src, "source_cov": s_cov, "target": pair.target, "target_cov": t_cov,
               "lengths": pair.source_lengths, "center": torch.zeros(B, 3, device=dev)}
-    T0 = upload(pair.init, dtype=torch.float64, device=dev)  # no wait for the device
+    T0 = pair.init_on_device()  # no wait for the device
     state = {"T": T0, "Tf": T0.to(torch.float32)}
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)
-    levels = _Levels(pair, crit, pair.init)
+    levels = _Levels(pair, crit)
     step: Any = GicpStep(idxs, max_dist, True, rk.kind, float(rk.k))
     if accelerate:
         step, inputs, state = anderson.accelerated(step, inputs, state, pair, max_dist)
-    levels.run(step, inputs, state)
+    # the units check reads the host part: once the first steps are enqueued
+    levels.run(step, inputs, state, meanwhile=lambda: checks.check_units(
+        pair.resolve(), max_correspondence_distance=max_dist))
     info = {"method": "gicp", "index": type(getattr(idxs[0], "index", idxs[0])).__name__}
     return levels.result(clock, t_start, info)
 

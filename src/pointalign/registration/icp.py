@@ -413,7 +413,7 @@ def icp(
     if B == 1 and pair.source_counts[0] == pair.source.shape[1]:
         order = policy.query_order(pair.source[0])  # a spatially coherent order, or None
         inputs["source"] = pair.source if order is None else pair.source[:, order]
-    T0 = upload(pair.init, dtype=torch.float64, device=dev)  # no wait for the device
+    T0 = pair.init_on_device()  # no wait for the device
     state = {"T": T0, "Tf": T0.to(torch.float32)}
     if any(ix.uses_hint for ix in idxs):
         state["hint"] = torch.full(pair.source.shape[:2], -1, dtype=torch.int64, device=dev)

@@ -46,9 +46,12 @@ def local_frame(source: torch.Tensor, source_lengths: torch.Tensor, source_count
     """Shift a batch of problems to their targets' centroids (entry point; module contract).
 
     Args:
-        source: ``(B, N, 3)`` float tensor, padded; ``source_lengths (B,)`` int64 valid rows
-            on its device, ``source_counts`` the same on the host.
-        target: ``(Bt, M, 3)`` float tensor (``Bt`` is B or 1), with its lengths and counts.
+        source: ``(B, N, 3)`` float tensor, padded.
+        source_lengths: ``(B,)`` int64 valid rows of each source, on its device.
+        source_counts: ``(B,)`` the same on the host (NumPy).
+        target: ``(Bt, M, 3)`` float tensor (``Bt`` is B or 1).
+        target_lengths: ``(Bt,)`` int64 valid rows of each target, on its device.
+        target_counts: ``(Bt,)`` the same on the host.
         local: shift by the target's centroid (False: keep the coordinates).
 
     Returns:

@@ -53,7 +53,7 @@ def _moments_kernel(src_ptr, tgt_ptr, slen_ptr, tlen_ptr, part_ptr, N, M, B,
 
 @triton.jit
 def _block_sum(p, nblk, PARTS: tl.constexpr):
-    """Σ of ``p[6 i]`` for i < nblk, in a fixed order."""
+    """Return the sum of ``p[6 i]`` for i < nblk, in a fixed order."""
     acc = tl.zeros((PARTS,), dtype=tl.float64)
     for s in range(0, nblk, PARTS):
         i = s + tl.arange(0, PARTS)
@@ -63,13 +63,13 @@ def _block_sum(p, nblk, PARTS: tl.constexpr):
 
 @triton.jit
 def _centre(base, part, n, nblk, a, PARTS: tl.constexpr):
-    """The float64 mean of one axis ``a`` of a cloud (its first row ``base``, its blocks)."""
+    """Return the float64 mean of axis ``a`` of a cloud (its first row ``base``, blocks)."""
     return tl.load(base + a).to(tl.float64) + _block_sum(part + a, nblk, PARTS) / n
 
 
 @triton.jit
 def _radius(part, n, nblk, PARTS: tl.constexpr):
-    """RMS distance of a cloud's rows from their mean, from its blocks' moments."""
+    """Return the RMS distance of a cloud's rows from their mean (its blocks' moments)."""
     v = 0.0
     for a in tl.static_range(3):
         m = _block_sum(part + a, nblk, PARTS) / n
