@@ -286,6 +286,23 @@ def _list_end(pts_ptr, list_ptr, pos, c, m_points, mask):
     return tl.where(v == 0.0, 0.0, v)
 
 
+@triton.jit
+def _store_box(lo_ptr, hi_ptr, node, lx, ly, lz, hx, hy, hz, mask):
+    """Store node boxes: ``lo[node] = (lx, ly, lz)``, ``hi[node] = (hx, hy, hz)``."""
+    tl.store(lo_ptr + node * 3 + 0, lx, mask=mask)
+    tl.store(lo_ptr + node * 3 + 1, ly, mask=mask)
+    tl.store(lo_ptr + node * 3 + 2, lz, mask=mask)
+    tl.store(hi_ptr + node * 3 + 0, hx, mask=mask)
+    tl.store(hi_ptr + node * 3 + 1, hy, mask=mask)
+    tl.store(hi_ptr + node * 3 + 2, hz, mask=mask)
+
+
+@triton.jit
+def _longest_axis(ex, ey, ez):
+    """Return the axis of the largest extent, the first on ties (as ``argmax``)."""
+    return tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2))
+
+
 @triton.jit(do_not_specialize=("m_points", "level"))
 def _top_nodes_kernel(pts_ptr, list_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, m_points, level,
                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
@@ -307,15 +324,9 @@ def _top_nodes_kernel(pts_ptr, list_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, m_
     hx = _list_end(pts_ptr, list_ptr, b1 - 1, 0, m_points, nm)
     hy = _list_end(pts_ptr, list_ptr, b1 - 1, 1, m_points, nm)
     hz = _list_end(pts_ptr, list_ptr, b1 - 1, 2, m_points, nm)
-    tl.store(lo_ptr + node * 3 + 0, lx, mask=nm)
-    tl.store(lo_ptr + node * 3 + 1, ly, mask=nm)
-    tl.store(lo_ptr + node * 3 + 2, lz, mask=nm)
-    tl.store(hi_ptr + node * 3 + 0, hx, mask=nm)
-    tl.store(hi_ptr + node * 3 + 1, hy, mask=nm)
-    tl.store(hi_ptr + node * 3 + 2, hz, mask=nm)
+    _store_box(lo_ptr, hi_ptr, node, lx, ly, lz, hx, hy, hz, nm)
     if SPLIT:
-        ex, ey, ez = hx - lx, hy - ly, hz - lz
-        ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2)).to(tl.int64)
+        ax = _longest_axis(hx - lx, hy - ly, hz - lz).to(tl.int64)
         mid = ((2 * j + 1) * m_points) >> (level + 1)
         below = _list_end(pts_ptr, list_ptr, mid - 1, ax, m_points, nm)
         above = _list_end(pts_ptr, list_ptr, mid, ax, m_points, nm)
@@ -434,17 +445,11 @@ def _node_boxes(x, y, z, g, li, valid, level, m_points, box_ptr, lo_ptr, hi_ptr,
         shift *= 2
     node = (1 << level) - 1 + seg
     last = valid & (g == (((seg + 1) * m_points) >> level) - 1)
-    tl.store(lo_ptr + node * 3 + 0, lx, mask=last)
-    tl.store(lo_ptr + node * 3 + 1, ly, mask=last)
-    tl.store(lo_ptr + node * 3 + 2, lz, mask=last)
-    tl.store(hi_ptr + node * 3 + 0, hx, mask=last)
-    tl.store(hi_ptr + node * 3 + 1, hy, mask=last)
-    tl.store(hi_ptr + node * 3 + 2, hz, mask=last)
+    _store_box(lo_ptr, hi_ptr, node, lx, ly, lz, hx, hy, hz, last)
     if SPLIT:  # (padding lanes: no extent, so no overflow)
-        ex = tl.where(valid, hx, 0.0) - tl.where(valid, lx, 0.0)
-        ey = tl.where(valid, hy, 0.0) - tl.where(valid, ly, 0.0)
-        ez = tl.where(valid, hz, 0.0) - tl.where(valid, lz, 0.0)
-        ax = tl.where((ex >= ey) & (ex >= ez), 0, tl.where(ey >= ez, 1, 2))
+        ax = _longest_axis(tl.where(valid, hx, 0.0) - tl.where(valid, lx, 0.0),
+                           tl.where(valid, hy, 0.0) - tl.where(valid, ly, 0.0),
+                           tl.where(valid, hz, 0.0) - tl.where(valid, lz, 0.0))
         tl.store(axis_ptr + node, ax.to(tl.int32), mask=last)
     return seg
 
