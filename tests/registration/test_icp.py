@@ -662,3 +662,30 @@ def test_rules_guess_whether_a_run_goes_on():
         np.arange(2)[:, None] == 0, 0.0, moving[1]["sums"])})
     rules.active[:] = False
     assert not rules.continues(*moving)  # nothing left to run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["point_to_point", "point_to_plane"])
+def test_deferred_host_part_on_cuda(bunny, method):
+    """On CUDA the pair's host part is read once the index, the normals and the first steps
+    are enqueued: a NaN or Inf point still raises the scans' error, a length 1000x off the
+    clouds' scale the units error, the inputs stay, and the next call is sound."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run with -m gpu on the device)")
+    p = datasets.make_pair(bunny, 5.0, 0.0, seed=0)
+    s, t = p.source.cuda(), p.target.cuda()
+    for bad, name in ((float("nan"), "source"), (float("inf"), "target")):
+        x = (s if name == "source" else t).clone()
+        x[3, 1] = bad
+        before = x.clone()
+        args = (x, t) if name == "source" else (s, x)
+        with pytest.raises(ValueError, match=f"{name}: 1 rows contain NaN or Inf"):
+            icp(*args, max_correspondence_distance=0.05, method=method)
+        assert torch.equal(x.isnan(), before.isnan()) and torch.equal(
+            x.nan_to_num(), before.nan_to_num())
+    with pytest.raises(ValueError, match="max_correspondence_distance"):
+        icp(s, t, max_correspondence_distance=1e4, method=method)
+    res = icp(s, t, max_correspondence_distance=0.05, method=method)
+    assert res.converged
+    rot, _ = metrics.relative_error(res.transformation, p.T_target_source)
+    assert rot < 1.0

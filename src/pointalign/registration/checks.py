@@ -75,8 +75,10 @@ def check_units(pair: Pair, **lengths: float | Sequence[float] | None) -> None:
     """Compare the clouds' scales, and each given length with them, before any work.
 
     Every registration entry point calls this right after :func:`prepare_pair` (``register``
-    too, on its own pair), with the lengths it was given (``max_correspondence_distance=``,
-    ``voxel_size=``, one length or a sequence of them; None: not given). It reads the
+    too, on its own pair; on CUDA ``icp`` and ``gicp`` once their first device work is
+    enqueued, which a raise here discards), with the lengths it was given
+    (``max_correspondence_distance=``, ``voxel_size=``, one length or a sequence of them;
+    None: not given). It reads the
     extents :func:`prepare_pair` measured (``pair.source_extent``, ``pair.extent``: RMS
     radii) and the counts, so it costs a few host operations on B numbers.
 

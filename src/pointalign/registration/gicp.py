@@ -49,7 +49,13 @@ from pointalign.registration.criteria import (
     as_criteria,
     as_robust_kernel,
 )
-from pointalign.registration.icp import IcpStep, _indexes, _Rules, information_matrix
+from pointalign.registration.icp import (
+    IcpStep,
+    _indexes,
+    _Rules,
+    information_matrix,
+    run_rules,
+)
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.stability import stability
 from pointalign.search import policy
@@ -300,25 +306,8 @@ class _Levels:
         The first steps are enqueued before the host reads the pair's host part and makes
         the rules; ``meanwhile()``, when given, runs then too (checks that may raise).
         """
-        pair = self.pair
         t_it = time.perf_counter()
-        rules: _Rules | None = None
-
-        def ahead(prev: dict[str, np.ndarray], last: dict[str, np.ndarray]) -> bool:
-            return rules is not None and rules.continues(prev, last)
-
-        run = _loop.iterate(step, inputs, state,
-                            max_steps=anderson.max_steps(step, int(self.crit.max_iterations)),
-                            ahead=ahead).start()
-        if meanwhile is not None:
-            meanwhile()
-        if self.T is None:
-            self.T = pair.init
-        rules = _Rules(self.crit, pair.source_counts.astype(np.float64), self.T.copy(),
-                       self.crit.translation_for(pair.extent))
-        for record in run:
-            if rules(record):
-                break
+        rules, run = run_rules(step, inputs, state, self.crit, self.pair, self.T, meanwhile)
         first = len(self.history)
         self.history += [{**h, "iteration": first + h["iteration"], **extra}
                          for h in rules.history]
@@ -447,9 +436,16 @@ def gicp(
     # on CUDA the host part of the pair (centroids, extents: one transfer) is read after the
     # covariances and the index are enqueued, so the device starts on them at once (a
     # caller's index is searched through the frame's centre, which it needs first)
+    defer = index is None and dev.type == "cuda"
     pair = _edge.prepare_pair(source, target, init=init, device=dev,
                               source_lengths=source_lengths, target_lengths=target_lengths,
-                              defer=index is None and dev.type == "cuda")
+                              defer=defer)
+
+    def units() -> None:
+        checks.check_units(pair.resolve(), max_correspondence_distance=max_dist)
+
+    if not defer:  # elsewhere before any work
+        units()
     _announce(pair, "GICP", int(crit.max_iterations), source, target, source_covariances,
               target_covariances)
     B = pair.size
@@ -475,9 +471,7 @@ def gicp(
     step: Any = GicpStep(idxs, max_dist, True, rk.kind, float(rk.k))
     if accelerate:
         step, inputs, state = anderson.accelerated(step, inputs, state, pair, max_dist)
-    # the units check reads the host part: once the first steps are enqueued
-    levels.run(step, inputs, state, meanwhile=lambda: checks.check_units(
-        pair.resolve(), max_correspondence_distance=max_dist))
+    levels.run(step, inputs, state, meanwhile=units if defer else None)
     info = {"method": "gicp", "index": type(getattr(idxs[0], "index", idxs[0])).__name__}
     return levels.result(clock, t_start, info)
 

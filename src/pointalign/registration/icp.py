@@ -220,6 +220,37 @@ def information_matrix(sums: np.ndarray, plane: bool, center: np.ndarray) -> np.
     return H
 
 
+def run_rules(step: Any, inputs: _loop.Tensors, state: _loop.Tensors,
+              crit: ConvergenceCriteria, pair: _edge.Pair, T: np.ndarray | None = None,
+              meanwhile: Any = None, progress: str | None = None) -> tuple[_Rules, _loop.Run]:
+    """Iterate ``step`` from ``T`` (default the pair's init) until :class:`_Rules` stop it.
+
+    The first steps are enqueued before the host reads the pair's host part (its init and
+    extent) and makes the rules; ``meanwhile()``, when given, runs then too (checks that
+    may raise). ``progress``: the label of a progress bar over the iterations (shown for
+    long runs only). Returns the rules (the final estimate, sums, reasons) and the run.
+    """
+    rules: _Rules | None = None
+
+    def ahead(prev: dict[str, np.ndarray], last: dict[str, np.ndarray]) -> bool:
+        return rules is not None and rules.continues(prev, last)
+
+    run = _loop.iterate(step, inputs, state,
+                        max_steps=anderson.max_steps(step, int(crit.max_iterations)),
+                        ahead=ahead).start()
+    if meanwhile is not None:
+        meanwhile()
+    T0 = pair.init if T is None else T
+    rules = _Rules(crit, pair.source_counts.astype(np.float64), T0.copy(),
+                   crit.translation_for(pair.extent))
+    records: Any = run if progress is None else _progress.track(
+        run, progress, total=int(crit.max_iterations), delay=_progress.LIBRARY_DELAY)
+    for record in records:
+        if rules(record):
+            break
+    return rules, run
+
+
 def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = False) -> tuple:
     """Return the correspondence search of each problem: built here, or the caller's index.
 
@@ -394,9 +425,19 @@ def icp(
     accelerate = _validate.flag(acceleration, "acceleration", none=True)
     dev = _edge.resolve_device(device, source=source, target=target,
                                target_normals=target_normals)
+    # on CUDA the pair's host part (centroids, extents: one transfer) is read once the index,
+    # the normals and the first steps are enqueued (a caller's index is searched through the
+    # frame's centre, which it needs first)
+    defer = index is None and dev.type == "cuda"
     pair = _edge.prepare_pair(source, target, init=init, device=dev,
-                              source_lengths=source_lengths, target_lengths=target_lengths)
-    checks.check_units(pair, max_correspondence_distance=max_dist)
+                              source_lengths=source_lengths, target_lengths=target_lengths,
+                              defer=defer)
+
+    def units() -> None:
+        checks.check_units(pair.resolve(), max_correspondence_distance=max_dist)
+
+    if not defer:  # elsewhere before any work
+        units()
     estimated_normals = target_normals is None and _edge.cloud_normals(target) is None
     checks.announce_icp(pair, method, int(crit.max_iterations), normals=estimated_normals)
     plane, B = method == "point_to_plane", pair.size
@@ -420,17 +461,9 @@ def icp(
     step: Any = IcpStep(idxs, max_dist, plane, rk.kind, float(rk.k))
     if (not plane) if accelerate is None else accelerate:
         step, inputs, state = anderson.accelerated(step, inputs, state, pair, max_dist)
-    assert pair.extent is not None  # set by prepare_pair
-    rules = _Rules(crit, pair.source_counts.astype(np.float64), pair.init.copy(),
-                   crit.translation_for(pair.extent))
     t_it = time.perf_counter()
-    run = _loop.iterate(step, inputs, state,
-                        max_steps=anderson.max_steps(step, crit.max_iterations),
-                        ahead=rules.continues)
-    for record in _progress.track(run, "ICP", total=int(crit.max_iterations),
-                                  delay=_progress.LIBRARY_DELAY):
-        if rules(record):
-            break
+    rules, run = run_rules(step, inputs, state, crit, pair, progress="ICP",
+                           meanwhile=units if defer else None)
     timings = dict(clock.timings, iterate=time.perf_counter() - t_it, **run.timings)
     timings["total"] = time.perf_counter() - t_start
     info = {"H": information_matrix(rules.sums, plane, pair.frame.center),
