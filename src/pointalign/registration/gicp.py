@@ -54,6 +54,7 @@ from pointalign.registration.icp import (
     _indexes,
     _Rules,
     information_matrix,
+    prepared_pair,
     run_rules,
 )
 from pointalign.registration.result import RegistrationResult
@@ -433,19 +434,8 @@ def gicp(
     dev = _edge.resolve_device(device, source=source, target=target,
                                source_covariances=source_covariances,
                                target_covariances=target_covariances)
-    # on CUDA the host part of the pair (centroids, extents: one transfer) is read after the
-    # covariances and the index are enqueued, so the device starts on them at once (a
-    # caller's index is searched through the frame's centre, which it needs first)
-    defer = index is None and dev.type == "cuda"
-    pair = _edge.prepare_pair(source, target, init=init, device=dev,
-                              source_lengths=source_lengths, target_lengths=target_lengths,
-                              defer=defer)
-
-    def units() -> None:
-        checks.check_units(pair.resolve(), max_correspondence_distance=max_dist)
-
-    if not defer:  # elsewhere before any work
-        units()
+    pair, units = prepared_pair(source, target, init, dev, source_lengths, target_lengths,
+                                index, max_dist)
     _announce(pair, "GICP", int(crit.max_iterations), source, target, source_covariances,
               target_covariances)
     B = pair.size
@@ -471,7 +461,7 @@ def gicp(
     step: Any = GicpStep(idxs, max_dist, True, rk.kind, float(rk.k))
     if accelerate:
         step, inputs, state = anderson.accelerated(step, inputs, state, pair, max_dist)
-    levels.run(step, inputs, state, meanwhile=units if defer else None)
+    levels.run(step, inputs, state, meanwhile=units)
     info = {"method": "gicp", "index": type(getattr(idxs[0], "index", idxs[0])).__name__}
     return levels.result(clock, t_start, info)
 
