@@ -91,6 +91,14 @@ def test_bad_shapes():
         kframe.local_frame(s, lens, lens.numpy(), t, torch.full((3,), 5), np.full(3, 5))
 
 
+def test_mismatched_devices():
+    """Lengths on another device than the points: a clear error before any work (the meta
+    device stands for a GPU here)."""
+    s, sl, sc, t, tl, tc, _ = _case(*CASES[0])
+    with pytest.raises(ValueError, match="different devices"):
+        kframe.local_frame(s, sl, sc, t, tl.to("meta"), tc)
+
+
 @pytest.mark.parametrize("cloud,bad", [("target", float("inf")), ("source", float("nan")),
                                        ("source", float("inf"))])
 def test_non_finite_reaches_the_host_row(backend, cloud, bad):

@@ -66,6 +66,9 @@ def local_frame(source: torch.Tensor, source_lengths: torch.Tensor, source_count
         raise ValueError(f"local_frame: expected source (B, N, 3), target (B or 1, M, 3) and "
                          f"their lengths, got {tuple(source.shape)}, {tuple(target.shape)}, "
                          f"{tuple(source_lengths.shape)}, {tuple(target_lengths.shape)}")
+    devs = {t.device for t in (source, source_lengths, target, target_lengths)}
+    if len(devs) != 1:
+        raise ValueError(f"local_frame: inputs on different devices {sorted(map(str, devs))}")
     if backend(source) in ("triton", "interpret"):
         from pointalign.kernels.frame import triton as _triton
 
