@@ -33,11 +33,7 @@ import torch
 from pointalign.kernels._backend import backend
 from pointalign.kernels.frame.reference import local_frame_reference
 
-#: columns of ``host``: shift (3), target radius, target centroid in the frame (3), source
-#: radius
-HOST_WIDTH = 8
-
-__all__ = ["HOST_WIDTH", "local_frame"]
+__all__ = ["local_frame"]
 
 
 def local_frame(source: torch.Tensor, source_lengths: torch.Tensor, source_counts: np.ndarray,
