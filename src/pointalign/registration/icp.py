@@ -152,19 +152,27 @@ class _Rules:
     def __call__(self, rec: dict[str, np.ndarray]) -> bool:
         """Apply the rules to one record; True when every problem has stopped."""
         s = rec["sums"]
-        cnt = s[:, 28]
+        cnt = s[:, 28].copy()
         fit = cnt / self.n_src
-        rmse = np.where(cnt > 0, np.sqrt(s[:, 29] / np.maximum(cnt, 1)), np.inf)
-        ok = rec["accepted"].astype(bool) if "accepted" in rec else np.ones(len(cnt), bool)
+        rmse = np.sqrt(s[:, 29] / np.maximum(cnt, 1))
+        if not (cnt > 0).all():
+            rmse[~(cnt > 0)] = np.inf
+        ok = rec["accepted"].astype(bool) if "accepted" in rec else None  # None: all
         if self.step == 0:
             self.fitness, self.rmse, self.sums, self.count = fit, rmse, s.copy(), cnt
             self._stop(cnt == 0, StopReason.NO_CORRESPONDENCES)
         else:
             D, T_next, flags = self.pending
             # an accelerated pose whose energy rose is discarded (registration/anderson.py)
-            self.rank_deficient |= self.active & ok & (flags[:, 0] == 0)
-            self._stop(ok & (flags[:, 1] == 0), StopReason.DEGENERATE)
-            act = self.active & ok
+            usable = flags[:, 1] != 0
+            if ok is None:
+                self.rank_deficient |= self.active & (flags[:, 0] == 0)
+                act = self.active & usable
+            else:
+                self.rank_deficient |= self.active & ok & (flags[:, 0] == 0)
+                act = self.active & ok & usable
+            if not usable.all():
+                self._stop(~usable if ok is None else ok & ~usable, StopReason.DEGENERATE)
             prev_fit, prev_rmse = self.fitness, self.rmse
             if act.all():  # the usual record: every problem takes its update
                 self.T, self.sums = T_next.copy(), s.copy()
@@ -178,22 +186,28 @@ class _Rules:
                 self.sums[act], self.count = s[act], np.where(act, cnt, self.count)
             c = self.crit
             t = D[:, :3, 3]
-            small = ok & (np.sqrt((t * t).sum(-1)) < self.translation_tolerance)
+            small = np.sqrt((t * t).sum(-1)) < self.translation_tolerance
+            if ok is not None:
+                small &= ok
             if small.any():  # the angle only then: most steps move more than the tolerance
                 small &= _np_math.rotation_angle(D[:, :3, :3]) < c.rotation_tolerance
-            stops = ((ok & (cnt == 0), StopReason.NO_CORRESPONDENCES),
-                     (small, StopReason.SMALL_UPDATE),
-                     (ok & (np.abs(self.fitness - prev_fit) < c.relative_fitness)
-                      & (np.abs(self.rmse - prev_rmse) / np.maximum(prev_rmse, 1e-300)
-                         < c.relative_rmse), StopReason.RELATIVE_CHANGE),
-                     (self.iterations >= c.max_iterations, StopReason.MAX_ITERATIONS))
+            none = cnt == 0
+            relative = (np.abs(self.fitness - prev_fit) < c.relative_fitness) \
+                & (np.abs(self.rmse - prev_rmse) / np.maximum(prev_rmse, 1e-300)
+                   < c.relative_rmse)
+            if ok is not None:
+                none, relative = none & ok, relative & ok
+            capped = self.iterations >= c.max_iterations
             # most records stop nothing: one test, then the rules in their order
-            if (self.active & (stops[0][0] | small | stops[2][0] | stops[3][0])).any():
-                for mask, reason in stops:
+            if (self.active & (none | small | relative | capped)).any():
+                for mask, reason in ((none, StopReason.NO_CORRESPONDENCES),
+                                     (small, StopReason.SMALL_UPDATE),
+                                     (relative, StopReason.RELATIVE_CHANGE),
+                                     (capped, StopReason.MAX_ITERATIONS)):
                     self._stop(mask, reason)
-        if self.step == 0 or ok.any():  # a rejected accelerated pose is not an iteration
-            self.history.append({"iteration": len(self.history), "fitness": self.fitness.copy(),
-                                 "rmse": self.rmse.copy(), "correspondences": self.count.copy()})
+        if ok is None or self.step == 0 or ok.any():  # a rejected pose is not an iteration
+            self.history.append({"iteration": len(self.history), "fitness": self.fitness,
+                                 "rmse": self.rmse, "correspondences": self.count})
         self.pending = (rec["update"], rec["T"], rec["flags"])
         self.step += 1
         return not self.active.any()

@@ -97,11 +97,15 @@ class RegistrationResult:
         if not self.batched:
             raise TypeError("this RegistrationResult is not batched")
 
+        n = len(self)
+
         def pick(v: Any) -> Any:
-            if isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim >= 1 and len(v) == len(self):
+            if type(v) is np.ndarray and v.ndim == 1 and len(v) == n:
+                return v.item(b)  # (the common case, as a Python scalar)
+            if isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim >= 1 and len(v) == n:
                 x = v[b]
                 return x.item() if x.ndim == 0 else x
-            if isinstance(v, list) and len(v) == len(self):
+            if isinstance(v, list) and len(v) == n:
                 return v[b]
             return v
 
