@@ -142,6 +142,7 @@ def run_interpreted_kdtree(out_path: str) -> None:
     """Child-process body (TRITON_INTERPRET=1): every Triton case, results saved by key."""
     from pointalign.kernels import _backend
     from pointalign.kernels.kdtree import triton as KT
+    from pointalign.kernels.kdtree import triton_self as KS
 
     assert _backend.backend(torch.empty(0)) == "interpret"
     out = {}
@@ -184,6 +185,13 @@ def run_interpreted_kdtree(out_path: str) -> None:
         tree = K.build(pts, 3)
         out[("copies", seed)] = (KT.knn(tree, q, 6), KT.knn(tree, q, 6, max_dist2=0.05**2),
                                  KT.knn(tree, q, 1, hint=_hints(tree, q, seed)))
+        out[("self copies", seed)] = KS.self_knn(tree, 6, (0, 8))
+        pts, _ = _interp_inputs((60, 9, 6, 3), seed)  # every point's k nearest, by leaf
+        tree = K.build(pts, 3)
+        out[("self", seed)] = (KS.self_knn(tree, 6, (0, 8)), KS.self_knn(tree, 6, (2, 5)),
+                               KS.self_knn(tree, 1, (0, 8)))
+        tree = K.build(_cloud(70, torch.Generator().manual_seed(300 + seed)), 1)
+        out[("self parts", seed)] = KS.self_knn(tree, 4, (1, 2))  # 35-point leaves
         tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
         out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
         # the subtree kernel with nodes of up to 64 points (512 by default): from level 3
@@ -346,6 +354,67 @@ def test_triton_interpreter_chunked_launches_and_int64_tile(run, interpreted, se
     many, hinted = interpreted[(run, seed)]
     assert_knn_matches(_orig(tree, many), q, pts, 6)
     assert_knn_matches(_orig(tree, hinted), q, pts, 1)
+
+
+def _self_rows(tree, res, leaves):
+    """A self-query's rows sorted by distance, with original indices; the rows' points."""
+    d, i = res
+    d, order = torch.sort(d, 1)
+    m, depth = tree.points.shape[0], tree.depth
+    rows = tree.points[(leaves[0] * m) >> depth: (leaves[1] * m) >> depth]
+    return _orig(tree, (d, i.gather(1, order))), rows
+
+
+@pytest.mark.parametrize("run", ["self", "self copies", "self parts"])
+def test_triton_interpreter_self_knn(run, interpreted, seed):
+    """Every tree point's k nearest, one program a leaf (kdtree/triton_self.py): the k
+    nearest of each row of the leaves asked, itself included, with copies of one point and
+    leaves of more points than a program's lanes."""
+    if seed >= INTERP_SEEDS:
+        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
+    if run == "self":
+        pts, _ = _interp_inputs((60, 9, 6, 3), seed)
+        tree = K.build(pts, 3)
+        every, some, nearest = interpreted[(run, seed)]
+        for res, leaves, k in ((every, (0, 8), 6), (some, (2, 5), 6), (nearest, (0, 8), 1)):
+            assert_knn_matches(*_self_rows(tree, res, leaves), pts, k)
+        assert torch.equal(nearest[1][:, 0], torch.arange(60))  # each point itself
+    elif run == "self copies":
+        pts, _ = _copies_inputs(seed)
+        tree = K.build(pts, 3)
+        assert_knn_matches(*_self_rows(tree, interpreted[(run, seed)], (0, 8)), pts, 6)
+    else:
+        pts = _cloud(70, torch.Generator().manual_seed(300 + seed))
+        tree = K.build(pts, 1)
+        assert_knn_matches(*_self_rows(tree, interpreted[(run, seed)], (1, 2)), pts, 4)
+
+
+@pytest.mark.parametrize("k", [1, 8, 20])
+def test_self_knn_matches_knn(backend, k, rng):
+    """``self_knn`` answers as ``knn`` of the tree's points: the same distances, bit for bit
+    (the same arithmetic), over every leaf and over a range of them."""
+    m = _sizes(backend, (30011, 0), (3001, 0))[0]
+    pts = _cloud(m, rng).to(backend.device)
+    tree = K.build(pts, K.depth_for(m, 16))
+    n_leaves = 2**tree.depth
+    for leaves in ((0, n_leaves), (3, n_leaves // 2 + 1)):
+        got = K.self_knn(tree, k, leaves)
+        r0, r1 = (leaves[0] * m) >> tree.depth, (leaves[1] * m) >> tree.depth
+        want = K.knn(tree, tree.points[r0:r1], k, reorder=False)
+        assert got[0].device.type == backend.device
+        assert torch.equal(torch.sort(got[0], 1).values, want[0])
+        (d, i), rows = _self_rows(tree, got, leaves)
+        assert_knn_matches((d.cpu(), i.cpu()), rows.cpu(), pts.cpu(), k)
+
+
+def test_self_knn_checks_its_arguments(rng):
+    tree = K.build(_cloud(100, rng), 3)
+    for leaves in ((-1, 2), (3, 2), (0, 9)):
+        with pytest.raises(ValueError, match="leaves"):
+            K.self_knn(tree, 4, leaves)
+    for k in (0, 101):
+        with pytest.raises(ValueError, match="k:"):
+            K.self_knn(tree, k)
 
 
 def test_reference_original_ids(rng):

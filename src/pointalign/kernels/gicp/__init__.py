@@ -65,7 +65,7 @@ from pointalign.kernels.gicp.reference import (
 )
 from pointalign.kernels.kdtree import TreeArrays
 
-#: queries per k-d tree search of the Triton self-query (a neighbour table of ~160 MB)
+#: rows (about) per k-d tree self-query of the Triton path (a neighbour table of ~160 MB)
 _SELF_QUERY_CHUNK = 1 << 20
 
 #: leaf size of the k-d tree the Triton self-query builds (a KDTreeIndex's default)
@@ -127,8 +127,9 @@ def knn_covariances(points: torch.Tensor, k: int, eps: float = PLANE_EPS, *,
         ``(N, 3, 3)`` in the points' dtype, or None where the backend has no such path
         (search an index, then :func:`covariances`). The "cpu" backend fuses the search and
         the reduction (float32 finite points; ``tree`` not needed). The Triton path asks
-        every point's k nearest in tree order (neighbouring lanes share their leaves: no
-        grouping of the queries, no scatter of the answers) and reduces them with
+        every point's k nearest in tree order (:func:`pointalign.kernels.kdtree.self_knn`:
+        a leaf's points walk the tree together; no grouping of the queries, no scatter of
+        the answers) and reduces them with
         :func:`covariances`: in the given ``tree``, else in a tree built here, the build,
         search and reduction replayed as one CUDA graph per :func:`size_class` (clouds of
         up to :data:`SELF_QUERY_GRAPH_MAX` points; None above).
@@ -168,12 +169,14 @@ def _tree_self_query(tree: TreeArrays, k: int, eps: float) -> torch.Tensor:
 
 def _tree_order_covariances(tree: TreeArrays, k: int, eps: float) -> torch.Tensor:
     """Covariances ``(M, 3, 3)`` of every tree point's k-NN, in tree order."""
-    n = tree.points.shape[0]
+    n, depth = tree.points.shape[0], tree.depth
     cov = torch.empty(n, 3, 3, dtype=tree.points.dtype, device=tree.points.device)
-    for s in range(0, n, _SELF_QUERY_CHUNK):  # bounds the neighbour table
-        _, nbr = kdtree.knn(tree, tree.points[s:s + _SELF_QUERY_CHUNK], k,
-                            reorder=False, sort=False)  # tree positions, in any order
-        cov[s:s + _SELF_QUERY_CHUNK] = covariances(tree.points, nbr, eps)
+    leaves = 2**depth
+    step = max(1, (leaves * _SELF_QUERY_CHUNK) // n)  # leaves a chunk: bounds the table
+    for a in range(0, leaves, step):
+        b = min(leaves, a + step)
+        _, nbr = kdtree.self_knn(tree, k, (a, b))  # tree positions, in any order
+        cov[(a * n) >> depth: (b * n) >> depth] = covariances(tree.points, nbr, eps)
     return cov
 
 

@@ -25,6 +25,10 @@ helpers and the references :func:`descend_reference` and :func:`knn_reference` l
 * :func:`knn` — exact k nearest neighbours (backtracking with a depth-bounded per-query stack in
   the Triton kernel; a level-synchronous frontier in the reference), or approximate (search only
   the query's leaf), optionally bounded by a maximum squared distance.
+* :func:`self_knn` — every tree point's k nearest (the covariances' and normals' self-query):
+  in Triton one program per leaf walks the tree once for all of that leaf's points
+  (``kdtree/triton_self.py``: the 125k-point KITTI scan's k = 20 0.57 -> 0.44 ms, 1M points
+  6.9 -> 4.5 ms against per-query walks, H200); elsewhere :func:`knn` of the tree's points.
 """
 
 from __future__ import annotations
@@ -391,3 +395,37 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
     if ids is not None:
         i = torch.where(i >= 0, ids[0][i.clamp_min(0)], i)
     return d, i
+
+
+def self_knn(tree: TreeArrays, k: int, leaves: tuple[int, int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tree point's k nearest tree points (itself included), asked in tree order.
+
+    Args:
+        tree: the tree (its points are the queries).
+        k: neighbours per point, ``1 <= k <= M``.
+        leaves: ``(a, b)``: only the points of leaves ``a .. b - 1`` (left to right), the
+            rows ``[floor(a M / 2^D), floor(b M / 2^D))`` in tree order; default all.
+
+    Returns:
+        ``dists (R, k)`` squared distances and ``idx (R, k)`` int64 tree positions, row r
+        for tree point ``floor(a M / 2^D) + r``, each row's k in no particular order (ties:
+        any of the equally near points). :func:`knn` of those points with ``reorder=False,
+        sort=False`` answers the same; the Triton path walks the tree once per leaf for
+        all of its points (``kdtree/triton_self.py``).
+
+    """
+    m, n_leaves = tree.points.shape[0], 2**tree.depth
+    a, b = (0, n_leaves) if leaves is None else (int(leaves[0]), int(leaves[1]))
+    if not 0 <= a <= b <= n_leaves:
+        raise ValueError(f"leaves: expected 0 <= a <= b <= {n_leaves}, got ({a}, {b})")
+    if not 1 <= k <= m:
+        raise ValueError(f"k: expected 1 <= k <= {m}, got {k}")
+    be = backend(tree.points)
+    if be in ("triton", "interpret") and k <= TRITON_MAX_K:
+        from pointalign.kernels.kdtree import triton_self as _self_triton
+
+        return _self_triton.self_knn(tree, int(k), (a, b))
+    rows = tree.points[(a * m) >> tree.depth: (b * m) >> tree.depth]
+    return knn(tree, rows, int(k), reorder=False, sort=False)
+
