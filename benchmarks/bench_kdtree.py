@@ -67,6 +67,8 @@ def bench_size(rec: Recorder, m: int, dev: torch.device, rep: int, warm: int) ->
     row("self-query k=20 in tree order", "pointalign", 20,
         timeit(lambda: K.knn(arr, arr.points, 20, reorder=False), repeat=rep, warmup=warm,
                device=dev))
+    row("self_knn k=20 (a leaf's points walk together)", "pointalign", 20,
+        timeit(lambda: K.self_knn(arr, 20), repeat=rep, warmup=warm, device=dev))
     row("covariances k=20 (build + self-query + reduction)", "pointalign", 20,
         timeit(lambda: estimate_covariances(tgt_d, 20), repeat=rep, warmup=warm, device=dev))
     tn, qn = tgt.numpy(), qry.numpy()
