@@ -186,33 +186,12 @@ def run_interpreted_kdtree(out_path: str) -> None:
         out[("copies", seed)] = (KT.knn(tree, q, 6), KT.knn(tree, q, 6, max_dist2=0.05**2),
                                  KT.knn(tree, q, 1, hint=_hints(tree, q, seed)))
         out[("self copies", seed)] = KS.self_knn(tree, 6, (0, 8))
-        out[("block copies", seed)] = (KS.knn(tree, q, 6, max_dist2=math.inf, hint=None,
-                                              ids=None),
-                                       KS.knn(tree, q, 1, max_dist2=math.inf,
-                                              hint=_hints(tree, q, seed), ids=None))
         pts, _ = _interp_inputs((60, 9, 6, 3), seed)  # every point's k nearest, by leaf
         tree = K.build(pts, 3)
         out[("self", seed)] = (KS.self_knn(tree, 6, (0, 8)), KS.self_knn(tree, 6, (2, 5)),
                                KS.self_knn(tree, 1, (0, 8)))
         tree = K.build(_cloud(70, torch.Generator().manual_seed(300 + seed)), 1)
         out[("self parts", seed)] = KS.self_knn(tree, 4, (1, 2))  # 35-point leaves
-        # blocks of consecutive queries walking together: every option, 4 queries a block
-        pts, q = _interp_inputs((60, 9, 6, 3), seed)
-        tree = K.build(pts, 3)
-        h = _hints(tree, q, seed)
-        blocks = {"k6": KS.knn(tree, q, 6, max_dist2=math.inf, hint=None, ids=None, block=4),
-                  "k1": KS.knn(tree, q, 1, max_dist2=math.inf, hint=None, ids=None, block=4),
-                  "bound": KS.knn(tree, q, 1, max_dist2=0.3**2, hint=h, ids=None, block=4),
-                  "ids": KS.knn(tree, q, 1, max_dist2=math.inf,
-                                hint=torch.where(h >= 0, tree.perm[h], h),
-                                ids=(tree.perm, torch.argsort(tree.perm)), block=4)}
-        KS.QUERY_CHUNK, chunk = 4, KS.QUERY_CHUNK  # launched over chunks of 4 queries
-        try:
-            blocks["chunked"] = KS.knn(tree, q, 1, max_dist2=math.inf, hint=h, ids=None,
-                                       block=2)
-        finally:
-            KS.QUERY_CHUNK = chunk
-        out[("block", seed)] = blocks
         tree = K.build(_build_cloud(seed), 6)  # the fused Triton levels
         out[("build", seed)] = (tree.perm, tree.split_axis, tree.split_value, tree.lo, tree.hi)
         # the subtree kernel with nodes of up to 64 points (512 by default): from level 3
@@ -406,31 +385,6 @@ def test_triton_interpreter_self_knn(run, interpreted, seed):
         pts = _cloud(70, torch.Generator().manual_seed(300 + seed))
         tree = K.build(pts, 1)
         assert_knn_matches(*_self_rows(tree, interpreted[(run, seed)], (1, 2)), pts, 4)
-
-
-@pytest.mark.parametrize("run", ["k6", "k1", "bound", "ids", "chunked", "copies"])
-def test_triton_interpreter_block_knn(run, interpreted, seed):
-    """Blocks of consecutive queries walking the tree together (kdtree/triton_block.py):
-    the k nearest, with a bound, hints, original ids, over chunks, among copies."""
-    if seed >= INTERP_SEEDS:
-        pytest.skip("the interpreted run covers the first INTERP_SEEDS seeds")
-    if run == "copies":
-        pts, q = _copies_inputs(seed)
-        tree = K.build(pts, 3)
-        every, hinted = interpreted[("block copies", seed)]
-        assert_knn_matches(_orig(tree, _sorted(every)), q, pts, 6)
-        assert_knn_matches(_orig(tree, hinted), q, pts, 1)
-        return
-    pts, q = _interp_inputs((60, 9, 6, 3), seed)
-    tree = K.build(pts, 3)
-    got = interpreted[("block", seed)][run]
-    if run == "ids":
-        assert_knn_matches(got, q, pts, 1)
-    elif run == "bound":
-        assert_knn_matches(_orig(tree, got), q, pts, 1, max_distance=0.3)
-    else:
-        k = 6 if run == "k6" else 1
-        assert_knn_matches(_orig(tree, _sorted(got)), q, pts, k)
 
 
 def _sorted(res):

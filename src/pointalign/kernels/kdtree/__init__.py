@@ -23,9 +23,8 @@ helpers and the references :func:`descend_reference` and :func:`knn_reference` l
 * :func:`descend` — approximate lookup: the node at level ``depth`` whose cell holds each query
   (no backtracking), as in Zabatani & Bronstein (2012), Sec. 4.2.
 * :func:`knn` — exact k nearest neighbours (backtracking with a depth-bounded per-query stack in
-  the Triton kernel, or for k = 1 a stack per block of 32 consecutive queries,
-  ``kdtree/triton_block.py``; a level-synchronous frontier in the reference), or approximate
-  (search only the query's leaf), optionally bounded by a maximum squared distance.
+  the Triton kernel; a level-synchronous frontier in the reference), or approximate (search only
+  the query's leaf), optionally bounded by a maximum squared distance.
 * :func:`self_knn` — every tree point's k nearest (the covariances' and normals' self-query):
   in Triton one program per leaf walks the tree once for all of that leaf's points
   (``kdtree/triton_block.py``: the 125k-point KITTI scan's k = 20 0.57 -> 0.44 ms, 1M points
@@ -378,44 +377,24 @@ def knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float = mat
                          f"k = 1 search, got shape {tuple(hint.shape)} with k = {k}")
     be = backend(query)
     if be in ("triton", "interpret") and k <= TRITON_MAX_K:
-        def search(q: torch.Tensor, h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            return _triton_knn(tree, q, k, max_dist2=max_dist2, approximate=approximate,
-                               hint=h, ids=ids, sort=sort)
+        from pointalign.kernels.kdtree import triton as _kdtree_triton
 
         if reorder and be == "triton" and query.shape[0] >= REORDER_MIN_QUERIES:
             order = torch.argsort(descend(tree, query))
-            d, i = search(query[order], None if hint is None else hint[order])
+            d, i = _kdtree_triton.knn(tree, query[order], k, max_dist2=max_dist2,
+                                      approximate=approximate,
+                                      hint=None if hint is None else hint[order], ids=ids,
+                                      sort=sort)
             out_d, out_i = torch.empty_like(d), torch.empty_like(i)
             out_d[order] = d
             out_i[order] = i
             return out_d, out_i
-        return search(query, hint)
+        return _kdtree_triton.knn(tree, query, k, max_dist2=max_dist2, approximate=approximate,
+                                  hint=hint, ids=ids, sort=sort)
     d, i = knn_reference(tree, query, k, max_dist2=max_dist2, approximate=approximate)
     if ids is not None:
         i = torch.where(i >= 0, ids[0][i.clamp_min(0)], i)
     return d, i
-
-
-def _triton_knn(tree: TreeArrays, query: torch.Tensor, k: int, *, max_dist2: float,
-                approximate: bool, hint: torch.Tensor | None,
-                ids: tuple[torch.Tensor, torch.Tensor] | None, sort: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Search by Triton for :func:`knn`: exact 1-NN by blocks of queries, else per query.
-
-    A block of consecutive queries walking the tree together (``kdtree/triton_block.py``)
-    measured faster for k = 1 wherever tried (H200, 32 queries a block: hinted ICP-like
-    1-NN x0.41 at 1M points, x0.92 on the 40k bunny, x0.96 on a KITTI scan; unhinted,
-    grouped by leaf x0.40, x0.90, x0.86), not for k = 8 and 20 on the sparse KITTI scan
-    (x1.14, x1.08), which stay per query.
-    """
-    if k == 1 and not approximate:
-        from pointalign.kernels.kdtree import triton_block as _block
-
-        return _block.knn(tree, query, 1, max_dist2=max_dist2, hint=hint, ids=ids)
-    from pointalign.kernels.kdtree import triton as _kdtree_triton
-
-    return _kdtree_triton.knn(tree, query, k, max_dist2=max_dist2, approximate=approximate,
-                              hint=hint, ids=ids, sort=sort)
 
 
 def self_knn(tree: TreeArrays, k: int, leaves: tuple[int, int] | None = None

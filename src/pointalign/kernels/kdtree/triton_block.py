@@ -9,16 +9,19 @@ kernel's tile, queries last). At an inner node both children are stacked where s
 needs them, the one most lanes lie in on top. Pruning is the per-query kernel's: a box
 farther than a lane's k-th distance (or as far, once its k places are taken) is skipped for
 that lane, a child beyond the split plane likewise. It pays where a block's queries are
-near one another (their walks then nearly coincide):
+near one another (their walks then nearly coincide).
 
-* :func:`self_knn` (``_self_knn_kernel``): every tree point's k nearest, one program per
-  leaf (a balanced tree's leaf ``j`` holds positions ``[floor(j M / 2^D), floor((j + 1) M /
-  2^D))``: no look-up); the walk starts at the program's own leaf, with the sibling of every
-  node on its path stacked beneath (deepest on top): no descent from the root. Contract:
-  :func:`pointalign.kernels.kdtree.self_knn`.
-* :func:`knn` (``_block_knn_kernel``): ``QB`` consecutive queries of a spatially coherent
-  order from the root, with the per-query kernel's options (a bound, hints, original ids).
-  Contract: :func:`pointalign.kernels.kdtree.knn`.
+The self-query (:func:`self_knn`, ``_self_knn_kernel``): every tree point's k nearest,
+one program per leaf (a balanced tree's leaf ``j`` holds positions ``[floor(j M / 2^D),
+floor((j + 1) M / 2^D))``: no look-up); the walk starts at the program's own leaf, with the
+sibling of every node on its path stacked beneath (deepest on top): no descent from the
+root. Contract: :func:`pointalign.kernels.kdtree.self_knn`.
+
+Tried and not kept (session 23): the same walk for any 32 consecutive queries of a
+coherent order, for exact 1-NN. Alone it measured x0.41-0.96 against the per-query kernel
+(H200: 1M points, the bunny, a KITTI scan, hints at the answers); inside ICP, whose hints
+are the last step's partners, it cost the 40k bunny's icp() 4.24 -> 5.43 ms of GPU time
+and saved icp() on 1M points only 36.0 -> 35.2 ms.
 """
 
 from __future__ import annotations
@@ -27,21 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pointalign.kernels.kdtree.triton import (
-    BIG,
-    BIG_HOST,
-    INT32_TILE_MAX,
-    QUERY_CHUNK,
-    _replace_worst,
-)
+from pointalign.kernels.kdtree.triton import BIG, INT32_TILE_MAX, _replace_worst
 
-#: queries per program of the self-query: at most one leaf of a tree built with 16-point
-#: leaves
+#: queries per program: at most one leaf of a tree built with 16-point leaves
 QUERY_BLOCK = 16
-
-#: consecutive queries per program of :func:`knn` (one warp; 16 measured slower on the
-#: KITTI scan and the 1M-point pair, H200)
-KNN_BLOCK = 32
 
 
 @triton.jit
@@ -177,94 +169,3 @@ def self_knn(tree, k: int, leaves: tuple[int, int]) -> tuple[torch.Tensor, torch
     )
     return out_d, out_i
 
-
-# one compilation for every size (run-time values), as the per-query kernel
-@triton.jit(do_not_specialize=("n_query", "first_leaf", "stack"))
-def _block_knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, end_ptr,
-                      stack_ptr, hint_ptr, perm_ptr, inv_ptr, out_d_ptr, out_i_ptr, n_query,
-                      first_leaf, max_d2, stack,
-                      K: tl.constexpr, KP: tl.constexpr, HAS_HINT: tl.constexpr,
-                      MAP: tl.constexpr, QB: tl.constexpr, IDX: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * QB + tl.arange(0, QB)
-    qmask = offs < n_query
-    qx = tl.load(q_ptr + offs * 3 + 0, mask=qmask, other=0.0)
-    qy = tl.load(q_ptr + offs * 3 + 1, mask=qmask, other=0.0)
-    qz = tl.load(q_ptr + offs * 3 + 2, mask=qmask, other=0.0)
-    cols = tl.arange(0, KP)
-    zero_tile = tl.zeros((KP, QB), dtype=qx.dtype)
-    best_d = tl.where(cols[:, None] < K, zero_tile + max_d2, zero_tile - BIG)
-    best_i = tl.zeros((KP, QB), dtype=IDX) - 1
-    if HAS_HINT:  # K == 1: the hint, where within the maximum, is the first candidate
-        h = tl.load(hint_ptr + offs, mask=qmask, other=-1)
-        if MAP:  # original index -> tree position
-            h = tl.where(h >= 0, tl.load(inv_ptr + h, mask=qmask & (h >= 0), other=-1), -1)
-        hm = qmask & (h >= 0)
-        hx = tl.load(pts_ptr + h * 3 + 0, mask=hm, other=0.0) - qx
-        hy = tl.load(pts_ptr + h * 3 + 1, mask=hm, other=0.0) - qy
-        hz = tl.load(pts_ptr + h * 3 + 2, mask=hm, other=0.0) - qz
-        hd = hx * hx + hy * hy + hz * hz
-        use = (hm & (hd <= max_d2))[None, :] & (cols[:, None] == 0)
-        best_d = tl.where(use, hd[None, :], best_d)
-        best_i = tl.where(use, h[None, :].to(IDX), best_i)
-    sbase = pid * stack
-    tl.store(stack_ptr + sbase, tl.zeros((), tl.int64))  # the root
-    tl.debug_barrier()
-    sp = tl.max(qmask.to(tl.int32), axis=0)
-    while sp > 0:
-        sp -= 1
-        node = tl.load(stack_ptr + sbase + sp)
-        worst = tl.max(best_d, axis=0)
-        full = worst < max_d2
-        need = _box_need(lo_ptr, hi_ptr, node, qx, qy, qz, qmask, worst, full)
-        if tl.max(need.to(tl.int32), axis=0) > 0:
-            if node >= first_leaf:
-                best_d, best_i = _scan_leaf(pts_ptr, tl.load(start_ptr + node),
-                                            tl.load(end_ptr + node), qx, qy, qz, need,
-                                            best_d, best_i, worst, max_d2, cols, K, KP, QB, IDX)
-            else:
-                sp = _push_children(axis_ptr, split_ptr, stack_ptr + sbase, sp, node, qx, qy,
-                                    qz, need, worst, full)
-        tl.debug_barrier()  # the stack is shared: a push is read by every thread next
-    omask = qmask[None, :] & (cols[:, None] < K)
-    found = best_i >= 0
-    best_d = tl.where(found, best_d, float("inf"))
-    if MAP:  # tree position -> original index
-        best_i = tl.where(found, tl.load(perm_ptr + best_i, mask=omask & found, other=-1), -1)
-    optr = offs[None, :] * K + cols[:, None]
-    tl.store(out_d_ptr + optr, best_d, mask=omask)
-    tl.store(out_i_ptr + optr, best_i.to(tl.int64), mask=omask)
-
-
-def knn(tree, query: torch.Tensor, k: int, *, max_dist2: float, hint: torch.Tensor | None,
-        ids: tuple[torch.Tensor, torch.Tensor] | None, block: int = KNN_BLOCK
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact kNN of ``query (N, 3)`` by blocks of ``block`` consecutive queries.
-
-    The per-query launcher's contract (:func:`pointalign.kernels.kdtree.triton.knn`) for an
-    exact search, each row's k unordered (the caller sorts).
-    """
-    q = query.to(tree.points.dtype).contiguous()
-    n = q.shape[0]
-    dev = q.device
-    out_d = torch.empty((n, k), dtype=q.dtype, device=dev)
-    out_i = torch.empty((n, k), dtype=torch.int64, device=dev)
-    if n == 0:
-        return out_d, out_i
-    chunk = min(n, QUERY_CHUNK)
-    stack = tree.depth + 2
-    stacks = torch.empty(triton.cdiv(chunk, block) * stack, dtype=torch.int64, device=dev)
-    hint_c = None if hint is None else hint.contiguous()
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        _block_knn_kernel[(triton.cdiv(e - s, block),)](
-            q[s:e], tree.points, tree.lo, tree.hi, tree.split_axis, tree.split_value,
-            tree.start, tree.end, stacks, out_i[s:e] if hint_c is None else hint_c[s:e],
-            tree.perm if ids is None else ids[0], tree.perm if ids is None else ids[1],
-            out_d[s:e], out_i[s:e], e - s, tree.first_leaf, min(float(max_dist2), BIG_HOST),
-            stack, K=k, KP=max(2, triton.next_power_of_2(k)), HAS_HINT=hint is not None,
-            MAP=ids is not None, QB=block,
-            IDX=tl.int32 if tree.points.shape[0] <= INT32_TILE_MAX else tl.int64,
-            num_warps=max(1, block // 32),
-        )
-    return out_d, out_i
