@@ -14,7 +14,7 @@ OUT = HERE.parent / "BENCHMARKS.md"
 
 ORDER = [
     "first_call", "latency", "tranche3_ab", "tranche3_cpu_ab", "anderson", "gicp", "gicp_s21",
-    "gicp_s22", "gicp_s21cpu", "refine", "many", "many_global", "many_dask", "multiway",
+    "gicp_s22", "gicp_s23", "gicp_s21cpu", "refine", "many", "many_global", "many_dask", "multiway",
     "estimates", "session4_ab", "cpu", "session_ab", "refactor_ab", "memory", "precision", "knn",
     "kdtree", "icp", "soft", "surface", "ransac", "hard_pairs", "hard_pairs_open3d"]
 
