@@ -57,6 +57,23 @@ def _replace_worst(best_d, best_i, worst, d, p, take, cols, KP: tl.constexpr,
     return best_d, best_i, tl.max(best_d, axis=0)
 
 
+@triton.jit
+def _queries_and_tile(q_ptr, offs, qmask, max_d2, K: tl.constexpr, KP: tl.constexpr,
+                      BLOCK: tl.constexpr, IDX: tl.constexpr):
+    """Load the queries at ``offs``; an empty ``(KP, BLOCK)`` tile of k best (``max_d2``, -1).
+
+    The padding columns past K hold -BIG, so that they are never the worst.
+    """
+    qx = tl.load(q_ptr + offs * 3 + 0, mask=qmask, other=0.0)
+    qy = tl.load(q_ptr + offs * 3 + 1, mask=qmask, other=0.0)
+    qz = tl.load(q_ptr + offs * 3 + 2, mask=qmask, other=0.0)
+    cols = tl.arange(0, KP)
+    zero_tile = tl.zeros((KP, BLOCK), dtype=qx.dtype)
+    best_d = tl.where(cols[:, None] < K, zero_tile + max_d2, zero_tile - BIG)
+    best_i = tl.zeros((KP, BLOCK), dtype=IDX) - 1
+    return qx, qy, qz, cols, best_d, best_i
+
+
 # one compilation for every size, tree depth and leaf size: the sizes, the first leaf and
 # the stack's stride are run-time values, and the leaf loop runs as many steps as the
 # block's largest leaf being visited holds (none when every lane is at an inner node).
@@ -73,14 +90,8 @@ def _knn_kernel(q_ptr, pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, start_ptr, 
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     qmask = offs < n_query
-    qx = tl.load(q_ptr + offs * 3 + 0, mask=qmask, other=0.0)
-    qy = tl.load(q_ptr + offs * 3 + 1, mask=qmask, other=0.0)
-    qz = tl.load(q_ptr + offs * 3 + 2, mask=qmask, other=0.0)
-    cols = tl.arange(0, KP)
-    # the best K per lane; padding columns hold -BIG so they are never the worst
-    zero_tile = tl.zeros((KP, BLOCK), dtype=qx.dtype)
-    best_d = tl.where(cols[:, None] < K, zero_tile + max_d2, zero_tile - BIG)
-    best_i = tl.zeros((KP, BLOCK), dtype=IDX) - 1
+    qx, qy, qz, cols, best_d, best_i = _queries_and_tile(q_ptr, offs, qmask, max_d2, K, KP,
+                                                         BLOCK, IDX)
     if HAS_HINT:  # K == 1: the hint, where within the maximum, is the first candidate
         h = tl.load(hint_ptr + offs, mask=qmask, other=-1)
         if MAP:  # original index -> tree position

@@ -30,7 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pointalign.kernels.kdtree.triton import BIG, INT32_TILE_MAX, _replace_worst
+from pointalign.kernels.kdtree.triton import (
+    BIG,
+    INT32_TILE_MAX,
+    _queries_and_tile,
+    _replace_worst,
+)
 
 #: queries per program: at most one leaf of a tree built with 16-point leaves
 QUERY_BLOCK = 16
@@ -110,13 +115,8 @@ def _self_knn_kernel(pts_ptr, lo_ptr, hi_ptr, axis_ptr, split_ptr, stack_ptr, ou
     q_end = ((leaf + 1) * m_points) >> depth
     offs = q_start + tl.program_id(1) * QB + tl.arange(0, QB)
     qmask = offs < q_end
-    qx = tl.load(pts_ptr + offs * 3 + 0, mask=qmask, other=0.0)
-    qy = tl.load(pts_ptr + offs * 3 + 1, mask=qmask, other=0.0)
-    qz = tl.load(pts_ptr + offs * 3 + 2, mask=qmask, other=0.0)
-    cols = tl.arange(0, KP)
-    zero_tile = tl.zeros((KP, QB), dtype=qx.dtype)
-    best_d = tl.where(cols[:, None] < K, zero_tile + BIG, zero_tile - BIG)
-    best_i = tl.zeros((KP, QB), dtype=IDX) - 1
+    qx, qy, qz, cols, best_d, best_i = _queries_and_tile(pts_ptr, offs, qmask, BIG, K, KP, QB,
+                                                         IDX)
     sbase = (tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * stack
     # the path's siblings, the root's child first: the deepest one ends on top
     for level in range(1, depth + 1):
