@@ -68,6 +68,65 @@ def _ragged(bunny, seed):
             for s, (m, ov) in enumerate([(700, 1.0), (601, 0.8), (503, 0.9)])]
 
 
+# ---- the issue's LiDAR pairs (../shared/data/lidar), full resolution, from the identity ------
+
+
+def _lidar(shared_data, name):
+    """``(source, target, reference T_target_source)`` of a LiDAR pair, or skip."""
+    from pointalign import io
+
+    d = shared_data / "lidar" / name
+    if name == "kitti_00":
+        if not (d / "000000_xyz.bin").is_file():
+            pytest.skip("the KITTI pair is not in the shared data")
+
+        def scan(i):
+            return torch.from_numpy(np.fromfile(d / f"00000{i}_xyz.bin", dtype=np.float32)
+                                    .reshape(-1, 3).copy())
+
+        return scan(1), scan(0), np.loadtxt(d / "gt_T_velo0_from_velo1.txt")
+    if not (d / "251370668.pcd").is_file():
+        pytest.skip("the fast_gicp pair is not in the shared data")
+    return (io.read(d / "251371071.pcd").points.float(),
+            io.read(d / "251370668.pcd").points.float(), np.loadtxt(d / "relative.txt"))
+
+
+def _inliers(T, source, target, within=0.2):
+    """Open3D's fitness and inlier RMSE of ``T @ source`` against ``target`` at ``within``
+    metres (SciPy's k-d tree, float64)."""
+    moved = source.double().numpy() @ T[:3, :3].T + T[:3, 3]
+    d, _ = cKDTree(target.double().numpy()).query(moved, 1, distance_upper_bound=within)
+    ok = np.isfinite(d)
+    return float(ok.mean()), float(np.sqrt((d[ok] ** 2).mean()))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fast_gicp_pair_within_2cm_and_a_quarter_degree(shared_data, method):
+    """The issue's bar for the LiDAR pairs, on the one whose reference holds to millimetres
+    (~120k points a scan, 1 m; BENCHMARKS: GICP 0.04° / 5 mm, VGICP 0.15° / 6 mm)."""
+    source, target, truth = _lidar(shared_data, "fast_gicp_pair")
+    res = (gicp(source, target, max_correspondence_distance=1.0, device="cpu")
+           if method == "gicp" else vgicp(source, target, voxel_size=1.0, device="cpu"))
+    rot, tr = metrics.relative_error(res.transformation, truth)
+    assert res.converged and rot < 0.25 and tr < 0.02, (rot, tr)
+
+
+def test_kitti_pair_fits_the_scans_better_than_its_reference(shared_data):
+    """The KITTI pair's reference (odometry poses 0 and 1 with the velodyne calibration)
+    lands 18-19 cm from every GICP's, small_gicp's and Open3D's included (BENCHMARKS), so
+    the 2 cm bar cannot be read there; the scans side with GICP: under its transform more
+    source points have a target point within 20 cm, and nearer (measured: fitness 0.894
+    against 0.865, inlier RMSE 75 against 93 mm; the identity: 0.689). A median
+    point-to-plane distance does not decide it: motion along the road and the walls hardly
+    changes it (the identity scores lowest)."""
+    source, target, truth = _lidar(shared_data, "kitti_00")
+    res = gicp(source, target, max_correspondence_distance=1.0, device="cpu")
+    fit, rmse = _inliers(np.asarray(res.transformation), source, target)
+    ref_fit, ref_rmse = _inliers(truth, source, target)
+    assert res.converged and fit > ref_fit + 0.01 and rmse < 0.9 * ref_rmse, \
+        (fit, rmse, ref_fit, ref_rmse)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_batched_equals_separate(bunny, seed, method):
     pairs = _ragged(bunny, seed)
