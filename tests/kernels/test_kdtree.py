@@ -396,8 +396,9 @@ def _sorted(res):
 
 @pytest.mark.parametrize("k", [1, 8, 20])
 def test_self_knn_matches_knn(backend, k, rng):
-    """``self_knn`` answers as ``knn`` of the tree's points: the same distances, bit for bit
-    (the same arithmetic), over every leaf and over a range of them."""
+    """``self_knn`` answers as ``knn`` of the tree's points, over every leaf and over a range
+    of them: the same distances (the same expression in both kernels; to a float32 rounding,
+    should a compiler contract it into multiply-adds differently)."""
     m = _sizes(backend, (30011, 0), (3001, 0))[0]
     pts = _cloud(m, rng).to(backend.device)
     tree = K.build(pts, K.depth_for(m, 16))
@@ -407,7 +408,7 @@ def test_self_knn_matches_knn(backend, k, rng):
         r0, r1 = (leaves[0] * m) >> tree.depth, (leaves[1] * m) >> tree.depth
         want = K.knn(tree, tree.points[r0:r1], k, reorder=False)
         assert got[0].device.type == backend.device
-        assert torch.equal(torch.sort(got[0], 1).values, want[0])
+        torch.testing.assert_close(torch.sort(got[0], 1).values, want[0], rtol=5e-7, atol=0)
         (d, i), rows = _self_rows(tree, got, leaves)
         assert_knn_matches((d.cpu(), i.cpu()), rows.cpu(), pts.cpu(), k)
 
