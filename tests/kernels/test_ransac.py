@@ -368,6 +368,122 @@ def test_transform_points_on_cuda():
                                                                p.double().cuda()))
 
 
+# ---- feature kNN on Triton (ransac/triton.py) ---------------------------------------------
+
+def _feature_cases() -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None,
+                                   torch.Tensor | None]]:
+    """``(query, ref, k, n, m)`` float32: FPFH-like rows with duplicates and exact hits (more
+    than one tile of each), small-integer rows (exact sums, many ties), k = 1, 2, 5, 16, a
+    single reference tile, and a batch of three problems with padding (n, m: counts)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.rand(70, 33, generator=g) * 30
+    r = torch.rand(300, 33, generator=g) * 30
+    r[280:290] = r[:10]  # duplicate rows: ties to the smaller index
+    q[:5] = r[100:105]  # exact hits
+    qi = torch.randint(0, 3, (45, 7), generator=g).float()
+    ri = torch.randint(0, 3, (130, 7), generator=g).float()
+    qb = torch.rand(3, 40, 33, generator=g)
+    rb = torch.rand(3, 90, 33, generator=g)
+    n, m = torch.tensor([40, 7, 1]), torch.tensor([90, 20, 65])
+    return [(q, r, 2, None, None), (q, r, 1, None, None), (r, q, 1, None, None),
+            (q, r, 5, None, None), (qi, ri, 2, None, None), (qi, ri, 16, None, None),
+            (q[:9], r[:3], 3, None, None), (qb, rb, 2, n, m), (rb, qb, 1, m, n)]
+
+
+def _check_feature_knn(d: torch.Tensor, i: torch.Tensor, q: torch.Tensor, r: torch.Tensor,
+                       k: int) -> None:
+    """One problem's ``(d, i) (N, k)``: the k nearest by (distance, index), ascending.
+
+    Distances are the float64 truth of the returned rows to float32 rounding (a sum of 33
+    positive terms: 1e-5 relative); where the truth is exact in float32 (small integers)
+    the answer is the plain stable order bit for bit; elsewhere the rows may differ only
+    between near-equidistant rows.
+    """
+    truth = ((q[:, None].double() - r[None].double()) ** 2).sum(-1)
+    order = torch.from_numpy(np.argsort(truth.numpy(), axis=1, kind="stable")[:, :k])
+    assert d.shape == i.shape == (q.shape[0], k) and i.dtype == torch.int64
+    assert d.dtype == torch.float32
+    torch.testing.assert_close(d.double(), truth.gather(1, i), rtol=1e-5, atol=1e-6)
+    if bool((q == q.round()).all() and (r == r.round()).all()):
+        assert torch.equal(i, order) and torch.equal(d.double(), truth.gather(1, order))
+    else:
+        near = (truth.gather(1, i) - truth.gather(1, order)).abs() <= 1e-5 * truth.amax()
+        assert bool(((i == order) | near).all())
+    assert bool((d[:, 1:] >= d[:, :-1]).all())
+
+
+def _check_feature_case(got, q, r, k, n, m) -> None:
+    d, i = got
+    if n is None:
+        _check_feature_knn(d, i, q, r, k)
+        return
+    for b in range(q.shape[0]):
+        nb, mb = int(n[b]), int(m[b])
+        _check_feature_knn(d[b, :nb], i[b, :nb], q[b, :nb], r[b, :mb], k)
+        assert bool((i[b, nb:] == -1).all()) and bool(torch.isinf(d[b, nb:]).all())
+
+
+def run_interpreted_features(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): the Triton feature kNN of every case."""
+    from pointalign.kernels.ransac import triton as _ransac_triton
+
+    torch.save([_ransac_triton.feature_knn(q, r, k, n, m) for q, r, k, n, m
+                in _feature_cases()], out_path)
+
+
+interpreted_features = interpreted_fixture("tests.kernels.test_ransac",
+                                           "run_interpreted_features", "interpreted_features")
+
+
+def test_triton_feature_knn_interpreted(interpreted_features):
+    for got, case in zip(interpreted_features, _feature_cases(), strict=True):
+        _check_feature_case(got, *case)
+
+
+@pytest.mark.parametrize("args", [
+    (torch.zeros(4, 33, dtype=torch.float64), torch.zeros(5, 33, dtype=torch.float64), 1),
+    (torch.zeros(4, 33), torch.zeros(5, 32), 1),
+    (torch.zeros(4, 33), torch.zeros(5, 33), 0),
+    (torch.zeros(4, 33), torch.zeros(5, 33), 6),
+    (torch.zeros(4, 33), torch.zeros(40, 33), 17),
+    (torch.zeros(2, 4, 33), torch.zeros(2, 5, 33), 1),  # a batch without its counts
+], ids=["float64", "dims", "k0", "k_over_M", "k_over_16", "no_counts"])
+def test_triton_feature_knn_rejects_bad_input(args):
+    """Off-contract input is a ValueError before any launch (no garbage read)."""
+    pytest.importorskip("triton")
+    from pointalign.kernels.ransac import triton as _ransac_triton
+
+    with pytest.raises(ValueError, match="feature_knn"):
+        _ransac_triton.feature_knn(*args)
+
+
+@pytest.mark.gpu
+def test_feature_knn_on_cuda():
+    """On CUDA, float32 features take the Triton kernel: every case, through the entry
+    points (``feature_knn``, ``feature_matches``, ``feature_matches_many``)."""
+    from pointalign.kernels.ransac import triton as _ransac_triton
+
+    for q, r, k, n, m in _feature_cases():
+        qc, rc = q.cuda(), r.cuda()
+        if n is None:
+            got = K.feature_knn(qc, rc, k)
+            assert all(torch.equal(a, b) for a, b in
+                       zip(got, _ransac_triton.feature_knn(qc, rc, k), strict=True))
+            _check_feature_case(tuple(x.cpu() for x in got), q, r, k, n, m)
+            both = K.feature_matches(qc, rc, k, backward=True)
+            assert both.back_idx is not None and both.back_dists is not None
+            assert torch.equal(both.idx, got[1])
+            _check_feature_knn(both.back_dists.cpu(), both.back_idx.cpu(), r, q, 1)
+        else:
+            many = K.feature_matches_many(qc, rc, n.cuda(), m.cuda(), k, backward=False)
+            _check_feature_case((many.dists.cpu(), many.idx.cpu()), q, r, k, n, m)
+    # float64 features keep the reference
+    q, r = _feature_cases()[0][:2]
+    d, i = K.feature_knn(q.double().cuda(), r.double().cuda(), 2)
+    assert d.dtype == torch.float64
+    _check_feature_knn(d.float().cpu(), i.cpu(), q, r, 2)
+
+
 # ---- feature kNN (ransac/cpu.py) and the scoring grid (score_cpu.BoundGrid) ------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])

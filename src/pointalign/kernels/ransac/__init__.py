@@ -67,6 +67,7 @@ import torch
 
 from pointalign.kernels._backend import backend
 from pointalign.kernels.ransac.reference import (
+    MAX_TRITON_FEATURE_K,
     compatibility_reference,
     feature_knn_reference,
     pair_lengths,
@@ -110,7 +111,19 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor,
 
         if k <= _ransac_cpu.MAX_K:
             return _ransac_cpu.feature_knn_cpu(query, ref, k)
+    if _triton_applies(query, ref, k):
+        from pointalign.kernels.ransac import triton as _ransac_triton
+
+        return _ransac_triton.feature_knn(query, ref, k)
     return feature_knn_reference(query, ref, k)
+
+
+def _triton_applies(query: torch.Tensor, ref: torch.Tensor, k: int) -> bool:
+    """Return True when the Triton kernel answers ``feature_knn(query, ref, k)``."""
+    return (backend(query) == "triton" and query.dtype == torch.float32
+            and ref.dtype == torch.float32 and ref.device == query.device
+            and k <= MAX_TRITON_FEATURE_K and not query.requires_grad
+            and not ref.requires_grad)
 
 
 class FeatureMatches(NamedTuple):
@@ -342,12 +355,17 @@ def feature_matches_many(source: torch.Tensor, target: torch.Tensor, n: torch.Te
             or source.shape[2] != target.shape[2] or not 1 <= k <= target.shape[1]:
         raise ValueError(f"feature_matches_many: expected (B, N, D), (B, M, D) and 1 <= k <= "
                          f"M, got {tuple(source.shape)}, {tuple(target.shape)}, k={k}")
-    from pointalign.kernels.ransac.reference import feature_knn_many_reference
+    if _triton_applies(source, target, k):
+        from pointalign.kernels.ransac import triton as _ransac_triton
 
-    d, i = feature_knn_many_reference(source, target, n, m, k)
+        def search(q, r, nq, nr, kk):
+            return _ransac_triton.feature_knn(q, r, kk, nq, nr)
+    else:
+        from pointalign.kernels.ransac.reference import feature_knn_many_reference as search
+    d, i = search(source, target, n, m, k)
     if not backward:
         return FeatureMatches(d, i)
-    return FeatureMatches(d, i, *feature_knn_many_reference(target, source, m, n, 1))
+    return FeatureMatches(d, i, *search(target, source, m, n, 1))
 
 
 def second_order_of_points_many(source: torch.Tensor, target: torch.Tensor,
