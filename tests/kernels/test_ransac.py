@@ -371,23 +371,28 @@ def test_transform_points_on_cuda():
 # ---- feature kNN on Triton (ransac/triton.py) ---------------------------------------------
 
 def _feature_cases() -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None,
-                                   torch.Tensor | None]]:
-    """``(query, ref, k, n, m)`` float32: FPFH-like rows with duplicates and exact hits (more
-    than one tile of each), small-integer rows (exact sums, many ties), k = 1, 2, 5, 16, a
-    single reference tile, and a batch of three problems with padding (n, m: counts)."""
+                                   torch.Tensor | None, int | None]]:
+    """``(query, ref, k, n, m, split)`` float32: FPFH-like rows with duplicates and exact hits
+    (more than one tile of each), small-integer rows (exact sums, many ties), k = 1, 2, 5,
+    16, one reference share or several (shares past the reference's end included), a single
+    reference tile, fewer reference than query rows, and a batch of three problems with
+    padding (n, m: counts)."""
     g = torch.Generator().manual_seed(5)
     q = torch.rand(70, 33, generator=g) * 30
     r = torch.rand(300, 33, generator=g) * 30
     r[280:290] = r[:10]  # duplicate rows: ties to the smaller index
     q[:5] = r[100:105]  # exact hits
+    q[60:65] = q[:5]  # duplicate queries: backward ties to the smaller query row
     qi = torch.randint(0, 3, (45, 7), generator=g).float()
     ri = torch.randint(0, 3, (130, 7), generator=g).float()
     qb = torch.rand(3, 40, 33, generator=g)
     rb = torch.rand(3, 90, 33, generator=g)
     n, m = torch.tensor([40, 7, 1]), torch.tensor([90, 20, 65])
-    return [(q, r, 2, None, None), (q, r, 1, None, None), (r, q, 1, None, None),
-            (q, r, 5, None, None), (qi, ri, 2, None, None), (qi, ri, 16, None, None),
-            (q[:9], r[:3], 3, None, None), (qb, rb, 2, n, m), (rb, qb, 1, m, n)]
+    return [(q, r, 2, None, None, None), (q, r, 2, None, None, 1), (q, r, 1, None, None, 3),
+            (r, q, 1, None, None, None), (q, r, 5, None, None, 2),
+            (qi, ri, 2, None, None, None), (qi, ri, 16, None, None, 8),
+            (q[:9], r[:3], 3, None, None, None), (qb, rb, 2, n, m, None),
+            (rb, qb, 1, m, n, 2)]
 
 
 def _check_feature_knn(d: torch.Tensor, i: torch.Tensor, q: torch.Tensor, r: torch.Tensor,
@@ -412,23 +417,31 @@ def _check_feature_knn(d: torch.Tensor, i: torch.Tensor, q: torch.Tensor, r: tor
     assert bool((d[:, 1:] >= d[:, :-1]).all())
 
 
-def _check_feature_case(got, q, r, k, n, m) -> None:
-    d, i = got
+def _check_feature_case(got, q, r, k, n, m, split=None) -> None:
+    """Forward ``(d, i)`` and (when given) backward ``(bd, bi)`` of one case."""
+    back = len(got) == 4
     if n is None:
-        _check_feature_knn(d, i, q, r, k)
+        _check_feature_knn(got[0], got[1], q, r, k)
+        if back:
+            _check_feature_knn(got[2], got[3], r, q, 1)
         return
     for b in range(q.shape[0]):
         nb, mb = int(n[b]), int(m[b])
-        _check_feature_knn(d[b, :nb], i[b, :nb], q[b, :nb], r[b, :mb], k)
-        assert bool((i[b, nb:] == -1).all()) and bool(torch.isinf(d[b, nb:]).all())
+        _check_feature_knn(got[0][b, :nb], got[1][b, :nb], q[b, :nb], r[b, :mb], k)
+        assert bool((got[1][b, nb:] == -1).all()) and bool(torch.isinf(got[0][b, nb:]).all())
+        if back:
+            _check_feature_knn(got[2][b, :mb], got[3][b, :mb], r[b, :mb], q[b, :nb], 1)
+            assert bool((got[3][b, mb:] == -1).all())
 
 
 def run_interpreted_features(out_path: str) -> None:
-    """Child-process body (TRITON_INTERPRET=1): the Triton feature kNN of every case."""
+    """Child-process body (TRITON_INTERPRET=1): the Triton feature kNN of every case, both
+    ways, and forward only (the same forward answers)."""
     from pointalign.kernels.ransac import triton as _ransac_triton
 
-    torch.save([_ransac_triton.feature_knn(q, r, k, n, m) for q, r, k, n, m
-                in _feature_cases()], out_path)
+    torch.save([(_ransac_triton.feature_knn(q, r, k, n, m, backward=True, split=sp),
+                 _ransac_triton.feature_knn(q, r, k, n, m, split=sp))
+                for q, r, k, n, m, sp in _feature_cases()], out_path)
 
 
 interpreted_features = interpreted_fixture("tests.kernels.test_ransac",
@@ -436,8 +449,9 @@ interpreted_features = interpreted_fixture("tests.kernels.test_ransac",
 
 
 def test_triton_feature_knn_interpreted(interpreted_features):
-    for got, case in zip(interpreted_features, _feature_cases(), strict=True):
-        _check_feature_case(got, *case)
+    for (both, forward), case in zip(interpreted_features, _feature_cases(), strict=True):
+        _check_feature_case(both, *case)
+        assert all(torch.equal(a, b) for a, b in zip(both[:2], forward, strict=True))
 
 
 @pytest.mark.parametrize("args", [
@@ -463,7 +477,7 @@ def test_feature_knn_on_cuda():
     points (``feature_knn``, ``feature_matches``, ``feature_matches_many``)."""
     from pointalign.kernels.ransac import triton as _ransac_triton
 
-    for q, r, k, n, m in _feature_cases():
+    for q, r, k, n, m, split in _feature_cases():
         qc, rc = q.cuda(), r.cuda()
         if n is None:
             got = K.feature_knn(qc, rc, k)
@@ -471,12 +485,14 @@ def test_feature_knn_on_cuda():
                        zip(got, _ransac_triton.feature_knn(qc, rc, k), strict=True))
             _check_feature_case(tuple(x.cpu() for x in got), q, r, k, n, m)
             both = K.feature_matches(qc, rc, k, backward=True)
-            assert both.back_idx is not None and both.back_dists is not None
-            assert torch.equal(both.idx, got[1])
-            _check_feature_knn(both.back_dists.cpu(), both.back_idx.cpu(), r, q, 1)
         else:
-            many = K.feature_matches_many(qc, rc, n.cuda(), m.cuda(), k, backward=False)
-            _check_feature_case((many.dists.cpu(), many.idx.cpu()), q, r, k, n, m)
+            both = K.feature_matches_many(qc, rc, n.cuda(), m.cuda(), k, backward=True)
+        assert both.back_idx is not None and both.back_dists is not None
+        _check_feature_case(tuple(x.cpu() for x in both), q, r, k, n, m)
+        one = _ransac_triton.feature_knn(qc, rc, k, None if n is None else n.cuda(),
+                                         None if m is None else m.cuda(), backward=True,
+                                         split=split)
+        _check_feature_case(tuple(x.cpu() for x in one), q, r, k, n, m)
     # float64 features keep the reference
     q, r = _feature_cases()[0][:2]
     d, i = K.feature_knn(q.double().cuda(), r.double().cuda(), 2)

@@ -94,7 +94,7 @@ def _nn1_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
 
 @triton.jit
 def empty_best(zk, zk_i, K):
-    """The running k best of :func:`take_tile` before any point: ``(BLOCK_N, KP)`` each.
+    """Return the running k best of :func:`take_tile` before any point: ``(BLOCK_N, KP)`` each.
 
     ``zk``, ``zk_i``: zero tiles of the distances' dtype and int64. Real slots (the first
     ``K``) start empty (inf) with distinct negative ids; padding slots hold -inf and are

@@ -1,28 +1,31 @@
 """RANSAC kernels: feature-space nearest neighbours, the triangle test, batched transforms.
 
 Contracts (the PyTorch references in :mod:`~pointalign.kernels.ransac.reference` are the
-spec; no Triton kernel: each operation is a single fused PyTorch op or a GEMM that already
-runs near the GPU's limits, so a hand-written kernel would not clearly pay):
+spec):
 
 * ``feature_knn(query (N, D), ref (M, D), k) -> (dists_sq (N, k), idx (N, k) int64)``:
   exact k nearest rows of ``ref`` in Euclidean feature space, ascending, ``k <= M``.
   Reference: distances from ``torch.cdist`` over row chunks (the N×M matrix exists one
   chunk at a time), clamped at 0. The "cpu" backend (``cpu.py``, k <= 16) fuses the
-  distances and the selection and sums ``(q_d − r_d)²`` directly; the two agree up to
-  ``cdist``'s rounding (a neighbour can differ only between near-equidistant rows).
+  distances and the selection and sums ``(q_d − r_d)²`` directly; so does the "triton"
+  backend for float32 (``triton.py``, k <= 16: the same sums, each product possibly fused
+  with its sum). Both agree with the reference up to ``cdist``'s rounding (a neighbour can
+  differ only between near-equidistant rows); ties go to the smaller index.
 * ``feature_matches(source (N, D), target (M, D), k, backward) -> FeatureMatches``: the
   forward ``feature_knn(source, target, k)`` and (``backward``) the backward
   ``feature_knn(target, source, 1)``, the matches RANSAC and the correspondence ranking
-  read; on the "cpu" backend both from one fused pass over the ``N × M`` distances
-  (``cpu.feature_knn_both_cpu``: the same sums, the same tie rule, so the answers of the
-  two separate calls), else from the two calls.
+  read; on the "cpu" and "triton" backends both from one fused pass over the ``N × M``
+  distances (``cpu.feature_knn_both_cpu``, ``triton.feature_knn``: the same sums, the same
+  tie rule, so the answers of the two separate calls), else from the two calls.
 * ``feature_matches_many(source (B, N, D), target (B, M, D), n (B,), m (B,), k)
   -> FeatureMatches`` of ``(B, N, k)`` forward and ``(B, M, 1)`` backward tables: problem
   b's :func:`feature_matches` of its first ``n[b]`` source and ``m[b]`` target rows, B
   problems in a few launches (``register_many``'s global stage); padding rows get index
   -1 and distance inf. Reference: batched ``cdist`` + ``topk`` (padding masked) over
   chunks of problems; the same distances and tie rule as :func:`feature_knn_reference`
-  up to ``cdist``'s rounding (its batched and unbatched forms may round differently).
+  up to ``cdist``'s rounding (its batched and unbatched forms may round differently). On
+  the "triton" backend (float32) the batched form of ``triton.feature_knn``: each problem's
+  answers are those of its :func:`feature_matches` alone.
 * ``triangle_similar(src (H, 3, 3), tgt (H, 3, 3), similarity) -> (H,) bool``: for the
   three edges e of the source triangle and the matching target edges,
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
@@ -114,7 +117,8 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor,
     if _triton_applies(query, ref, k):
         from pointalign.kernels.ransac import triton as _ransac_triton
 
-        return _ransac_triton.feature_knn(query, ref, k)
+        d, i = _ransac_triton.feature_knn(query, ref, k)
+        return d, i
     return feature_knn_reference(query, ref, k)
 
 
@@ -199,6 +203,11 @@ def feature_matches(source: torch.Tensor, target: torch.Tensor, k: int = 2, *,
 
         if k <= _ransac_cpu.MAX_K:
             return FeatureMatches(*_ransac_cpu.feature_knn_both_cpu(source, target, k))
+    if _triton_applies(source, target, k):
+        from pointalign.kernels.ransac import triton as _ransac_triton
+
+        return FeatureMatches(*_ransac_triton.feature_knn(source, target, k,
+                                                          backward=backward))
     d, i = feature_knn(source, target, k)
     if not backward:
         return FeatureMatches(d, i)
@@ -358,14 +367,14 @@ def feature_matches_many(source: torch.Tensor, target: torch.Tensor, n: torch.Te
     if _triton_applies(source, target, k):
         from pointalign.kernels.ransac import triton as _ransac_triton
 
-        def search(q, r, nq, nr, kk):
-            return _ransac_triton.feature_knn(q, r, kk, nq, nr)
-    else:
-        from pointalign.kernels.ransac.reference import feature_knn_many_reference as search
-    d, i = search(source, target, n, m, k)
+        return FeatureMatches(*_ransac_triton.feature_knn(source, target, k, n, m,
+                                                          backward=backward))
+    from pointalign.kernels.ransac.reference import feature_knn_many_reference
+
+    d, i = feature_knn_many_reference(source, target, n, m, k)
     if not backward:
         return FeatureMatches(d, i)
-    return FeatureMatches(d, i, *search(target, source, m, n, 1))
+    return FeatureMatches(d, i, *feature_knn_many_reference(target, source, m, n, 1))
 
 
 def second_order_of_points_many(source: torch.Tensor, target: torch.Tensor,

@@ -1,15 +1,28 @@
-"""Triton kernel of the ransac family's point move: ``R_s p + t_s`` without a GEMM.
+"""Triton kernels of the ransac family: the point move and the feature kNN.
 
-``transform_points_reference`` moves points by ``baddbmm``, a GEMM whose inner dimension is
-3: cuBLAS tiles it as a matrix product and reads and writes far more than the points
-(an H200: ~60 us for 1M points, ~44 us for KITTI's 125k, where moving them is 24 MB and
-3 MB of memory traffic). Here one program moves ``BLOCK`` points by one transform, read
-from device memory (no host synchronisation, one compilation for every size), each
-coordinate ``((r0 x + r1 y) + r2 z) + t`` as a chain of float32 FMAs: a few ulps from the
-GEMM's own rounding at most (tested against the float64 move).
+**The point move** (``transform_points``). ``transform_points_reference`` moves points by
+``baddbmm``, a GEMM whose inner dimension is 3: cuBLAS tiles it as a matrix product and
+reads and writes far more than the points (an H200: ~60 us for 1M points, ~44 us for
+KITTI's 125k, where moving them is 24 MB and 3 MB of memory traffic). Here one program
+moves ``BLOCK`` points by one transform, read from device memory (no host synchronisation,
+one compilation for every size), each coordinate ``((r0 x + r1 y) + r2 z) + t`` as a chain
+of float32 FMAs: a few ulps from the GEMM's own rounding at most (tested against the float64
+move).
+
+**The feature kNN** (``feature_knn``: RANSAC's FPFH matches, both ways). The reference
+(``cdist`` + ``topk``, twice) made ~130 launches for register()'s ~4.5k × 4.6k rows and
+wrote the distance matrix twice. Here one pass computes each ``BQ × BR`` tile of distances
+in registers (``Σ_d (q_d − r_d)²``, in order of d) and keeps every query row's k best in the
+knn family's running list, while each reference row's nearest query row is folded in by an
+``atomic_min`` of a packed (distance, row) key; the reference rows are split into shares
+so that a few thousand rows still fill the GPU, and a second kernel merges the shares'
+lists. Nothing is specialised on the sizes: one compilation serves every cloud and batch.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import triton
@@ -69,25 +82,96 @@ def transform_points(T: torch.Tensor, points: torch.Tensor, block: int = 512) ->
 # ---- feature kNN -------------------------------------------------------------------------
 
 #: feature kNN tiles: query rows per program and reference rows per step (BQ × BR distances
-#: held in registers); every program walks all reference rows of its problem
+#: held in registers)
 _FEATURE_BQ, _FEATURE_BR = 32, 64
+#: programs per SM the reference is split for (a program walks its share of the reference
+#: rows: RANSAC's ~4.5k × 4.6k FPFH rows are 140 query blocks, too few alone)
+_FEATURE_PROGRAMS_PER_SM = 8
+#: (distance bits << 32 | row) of "no row yet": larger than every real key
+_NO_KEY = 0x7FFFFFFFFFFFFFFF
 
 
-@triton.jit(do_not_specialize=("n_blocks", "n_rows", "n_cols", "dim", "k", "q_stride",
-                               "r_stride", "o_stride"),
+@triton.jit(do_not_specialize=("n_blocks", "n_split", "chunk", "n_rows", "n_cols", "dim",
+                               "k", "q_stride", "r_stride", "back"),
             do_not_specialize_on_alignment=("q_ptr",))
-def _feature_knn_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, out_d_ptr, out_i_ptr, n_blocks, n_rows,
-                        n_cols, dim, k, q_stride, r_stride, o_stride, COUNTS: tl.constexpr,
-                        KP: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr):
-    """The ``k`` nearest reference rows of ``BQ`` query rows of problem ``pid // n_blocks``.
+def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, back_ptr,
+                         n_blocks, n_split, chunk, n_rows, n_cols, dim, k, q_stride, r_stride,
+                         back, COUNTS: tl.constexpr, KP: tl.constexpr, BQ: tl.constexpr,
+                         BR: tl.constexpr):
+    """Find the k nearest of ``BQ`` query rows among a share of a problem's reference rows.
 
-    ``q (B, n_rows, dim)`` row-major (problem b at ``b · q_stride``), the reference
-    transposed ``rt (B, dim, n_cols)`` (at ``b · r_stride``: each dimension's row is
-    contiguous, so a tile's loads coalesce). Problem b's valid rows are its first ``n[b]``
-    queries and ``m[b]`` references (``COUNTS``; else all). Distances ``Σ_d (q_d − r_d)²``
-    in order of d; the k best per row by (distance, index) through the knn family's
-    running list (:func:`~pointalign.kernels.knn.triton.take_tile`), then written in that
-    order to ``out (B, n_rows, k)``; padding rows get ``(inf, -1)``.
+    Program ``pid`` = (problem b, query block, share s) with the share fastest: reference
+    rows ``[s · chunk, (s + 1) · chunk)``. ``q (B, n_rows, dim)`` row-major (problem b at
+    ``b · q_stride``), the reference transposed ``rt (B, dim, n_cols)`` (at ``b · r_stride``:
+    a dimension's row is contiguous, so a tile's loads coalesce). Problem b's valid rows are
+    its first ``n[b]`` queries and ``m[b]`` references (``COUNTS``; else all). Distances
+    ``Σ_d (q_d − r_d)²`` in order of d. Writes the share's k best per row, unsorted, to
+    ``part (B, n_rows, n_split, KP)`` (:func:`~pointalign.kernels.knn.triton.take_tile`'s
+    list) and, with ``back``, folds each reference row's nearest query of the tile into
+    ``back (B, n_cols)`` as ``atomic_min`` of ``(distance bits << 32) | query row`` (the
+    distances are >= +0, whose bits order as the values: the smallest distance, then the
+    smallest row).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    share = pid % n_split
+    blk = pid // n_split
+    b = blk // n_blocks
+    rows = (blk - b * n_blocks) * BQ + tl.arange(0, BQ).to(tl.int64)
+    if COUNTS:
+        nq = tl.load(n_ptr + b)
+        nr = tl.load(m_ptr + b)
+    else:
+        nq = n_rows + b * 0
+        nr = n_cols + b * 0
+    rmask = rows < nq
+    inf = float("inf")
+    best_d, best_i = empty_best(tl.zeros((BQ, KP), dtype=tl.float32),
+                                tl.zeros((BQ, KP), dtype=tl.int64), k)
+    q_row = q_ptr + b * q_stride + rows * dim
+    r_base = rt_ptr + b * r_stride
+    lanes = tl.arange(0, BR).to(tl.int64)
+    # int64 scalars; while loops (the interpreter cannot index range() by a tensor)
+    start = share * chunk
+    end = tl.minimum(start + chunk, nr)
+    while start < end:
+        cols = start + lanes
+        cmask = cols < end
+        acc = tl.zeros((BQ, BR), dtype=tl.float32)
+        d = b * 0
+        while d < dim:
+            qd = tl.load(q_row + d, mask=rmask, other=0.0)
+            rd = tl.load(r_base + d * n_cols + cols, mask=cmask, other=0.0)
+            x = qd[:, None] - rd[None, :]
+            acc += x * x
+            d += 1
+        if back:
+            near, who = tl.min(tl.where(rmask[:, None], acc, inf), axis=0, return_indices=True,
+                               return_indices_tie_break_left=True)
+            key = (near.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (
+                (blk - b * n_blocks) * BQ + who.to(tl.int64))
+            tl.atomic_min(back_ptr + b * n_cols + cols, key, mask=cmask & (near < inf),
+                          sem="relaxed")
+        acc = tl.where(cmask[None, :], acc, inf)
+        best_d, best_i = take_tile(acc, start, best_d, best_i, rmask)
+        start += BR
+    slots = tl.arange(0, KP).to(tl.int64)
+    out = ((b * n_rows + rows) * n_split + share)[:, None] * KP + slots[None, :]
+    omask = (rows < n_rows)[:, None] & (slots[None, :] < KP)
+    tl.store(part_d_ptr + out, best_d, mask=omask)
+    tl.store(part_i_ptr + out, best_i, mask=omask)
+
+
+@triton.jit(do_not_specialize=("n_blocks", "n_split", "n_rows", "n_cols", "k", "back"))
+def _feature_merge_kernel(part_d_ptr, part_i_ptr, back_ptr, n_ptr, m_ptr, out_d_ptr,
+                          out_i_ptr, back_d_ptr, back_i_ptr, n_blocks, n_split, n_rows, n_cols,
+                          k, back, COUNTS: tl.constexpr, KP: tl.constexpr, BQ: tl.constexpr):
+    """Merge the shares' lists of ``BQ`` rows into their k best, and decode ``back``.
+
+    Program ``pid`` = (problem b, row block). Query rows: the shares' ``(KP,)`` lists of
+    :func:`_feature_part_kernel` merged by (distance, index) (each candidate replaces the
+    worst kept entry when it orders before it), then written ascending to
+    ``out (B, n_rows, k)``. Reference rows (``back``): the key's distance and query row to
+    ``back_d, back_i (B, n_cols, 1)``. Padding rows get ``(inf, -1)``.
     """
     pid = tl.program_id(0).to(tl.int64)
     b = pid // n_blocks
@@ -98,36 +182,31 @@ def _feature_knn_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, out_d_ptr, out_i_ptr, n_blo
     else:
         nq = n_rows + b * 0
         nr = n_cols + b * 0
-    rmask = rows < nq
     inf = float("inf")
-    zero_q = tl.zeros((BQ,), dtype=tl.float32)
-    best_d, best_i = empty_best(tl.zeros((BQ, KP), dtype=tl.float32),
-                                tl.zeros((BQ, KP), dtype=tl.int64), k)
-    q_row = q_ptr + b * q_stride + rows * dim
-    r_base = rt_ptr + b * r_stride
-    lanes = tl.arange(0, BR).to(tl.int64)
-    # int64 scalars; while loops (the interpreter cannot index range() by a tensor)
-    start = b * 0
-    while start < nr:
-        cols = start + lanes
-        cmask = cols < nr
-        acc = tl.zeros((BQ, BR), dtype=tl.float32)
-        d = b * 0
-        while d < dim:
-            qd = tl.load(q_row + d, mask=rmask, other=0.0)
-            rd = tl.load(r_base + d * n_cols + cols, mask=cmask, other=0.0)
-            x = qd[:, None] - rd[None, :]
-            acc += x * x
-            d += 1
-        acc = tl.where(cmask[None, :], acc, inf)
-        best_d, best_i = take_tile(acc, start, best_d, best_i, rmask)
-        start += BR
-    # the k best in order of (distance, index); slots past k (-inf) are not written
-    slots = tl.arange(0, KP).to(tl.int64)
-    best_d = tl.where(slots[None, :] < k, best_d, inf)
-    out = b * o_stride + rows * k
-    omask = rows < n_rows
     big = 9223372036854775807
+    zero_q = tl.zeros((BQ,), dtype=tl.float32)
+    rmask = rows < nq
+    zk = tl.zeros((BQ, KP), dtype=tl.float32)
+    zk_i = tl.zeros((BQ, KP), dtype=tl.int64)
+    best_d, best_i = empty_best(zk, zk_i, k)
+    slots = tl.arange(0, KP).to(tl.int64)
+    src = (b * n_rows + rows) * n_split * KP
+    j = b * 0
+    while j < n_split * KP:
+        real = rmask & (rows * 0 + j % KP < k)  # a list's slots past k hold -inf
+        cd = tl.load(part_d_ptr + src + j, mask=real, other=inf)
+        ci = tl.load(part_i_ptr + src + j, mask=real, other=big)
+        worst = tl.max(best_d, axis=1)
+        wi = tl.max(tl.where(best_d == worst[:, None], best_i, -big), axis=1)
+        ins = (cd < worst) | ((cd == worst) & (ci < wi))
+        slot = (best_d == worst[:, None]) & (best_i == wi[:, None]) & ins[:, None]
+        best_d = tl.where(slot, cd[:, None] + zk, best_d)
+        best_i = tl.where(slot, ci[:, None] + zk_i, best_i)
+        j += 1
+    # the k best in order of (distance, index); slots past k (-inf) are not written
+    best_d = tl.where(slots[None, :] < k, best_d, inf)
+    out = (b * n_rows + rows) * k
+    omask = rows < n_rows
     r = b * 0
     while r < k:
         md = tl.min(best_d, axis=1)
@@ -136,21 +215,34 @@ def _feature_knn_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, out_d_ptr, out_i_ptr, n_blo
         tl.store(out_i_ptr + out + r, tl.where(rmask, mi, -1), mask=omask)
         best_d = tl.where(best_i == mi[:, None], inf, best_d)
         r += 1
+    if back:
+        bmask = rows < n_cols
+        key = tl.load(back_ptr + b * n_cols + rows, mask=bmask, other=0)
+        found = (rows < nr) & (key != 0x7FFFFFFFFFFFFFFF)
+        dist = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        tl.store(back_d_ptr + b * n_cols + rows, tl.where(found, dist, zero_q + inf),
+                 mask=bmask)
+        tl.store(back_i_ptr + b * n_cols + rows, tl.where(found, key & 0xFFFFFFFF, -1),
+                 mask=bmask)
 
 
 def feature_knn(query: torch.Tensor, ref: torch.Tensor, k: int,
-                n: torch.Tensor | None = None, m: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k nearest rows of ``ref`` per row of ``query``, float32, one launch.
+                n: torch.Tensor | None = None, m: torch.Tensor | None = None, *,
+                backward: bool = False, split: int | None = None
+                ) -> tuple[torch.Tensor, ...]:
+    """Find the k nearest rows of ``ref`` per row of ``query`` (and back), float32.
 
     ``query (N, D)`` and ``ref (M, D)`` (the contract of
     :func:`pointalign.kernels.ransac.feature_knn`), or ``query (B, N, D)``, ``ref (B, M, D)``
     with the valid counts ``n, m (B,)`` int64 on the device (that of
     :func:`~pointalign.kernels.ransac.feature_matches_many`: padding rows ``(inf, -1)``).
     ``1 <= k <= MAX_TRITON_FEATURE_K`` and ``k <= M`` (``k <= m[b]``). Returns
-    ``(dists_sq, idx)`` of shape ``(N, k)`` or ``(B, N, k)``, idx int64, ascending by (distance, index).
-    Squared distances are float32 sums of ``(q_d − r_d)²`` in order of d; the compiler may
-    fuse each product with its sum (one rounding fewer than the "cpu" kernel's).
+    ``(dists_sq, idx)`` of shape ``(N, k)`` or ``(B, N, k)``, idx int64, ascending by
+    (distance, index), and with ``backward`` also each reference row's nearest query row,
+    ``(M, 1)`` or ``(B, M, 1)`` (the same distances: one pass serves both). Squared
+    distances are float32 sums of ``(q_d − r_d)²`` in order of d; the compiler may fuse each
+    product with its sum (one rounding fewer than the "cpu" kernel's). ``split``: reference
+    shares per query block (default: enough programs to fill the GPU).
     """
     batched = query.dim() == 3
     q = query if batched else query[None]
@@ -166,15 +258,47 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor, k: int,
     if not 1 <= k <= min(MAX_TRITON_FEATURE_K, M):
         raise ValueError(f"feature_knn: k must be in [1, {min(MAX_TRITON_FEATURE_K, M)}], "
                          f"got {k}")
-    q = q.contiguous()
-    rt = r.transpose(1, 2).contiguous()  # (B, D, M)
-    out_d = torch.empty((B, N, k), dtype=torch.float32, device=q.device)
-    out_i = torch.empty((B, N, k), dtype=torch.int64, device=q.device)
-    if N and B:
+    if max(N, M) >= 1 << 31:
+        raise ValueError(f"feature_knn: at most 2**31 - 1 rows, got {N} and {M}")
+    dev = q.device
+    out = (torch.empty((B, N, k), dtype=torch.float32, device=dev),
+           torch.empty((B, N, k), dtype=torch.int64, device=dev))
+    back: tuple[torch.Tensor, ...] = (
+        torch.empty((B, M, 1), dtype=torch.float32, device=dev),
+        torch.empty((B, M, 1), dtype=torch.int64, device=dev)) if backward else ()
+    if B and N:
+        q = q.contiguous()
+        rt = r.transpose(1, 2).contiguous()  # (B, D, M)
         n_blocks = triton.cdiv(N, _FEATURE_BQ)
+        tiles = triton.cdiv(M, _FEATURE_BR)
+        if split is None:
+            want = _FEATURE_PROGRAMS_PER_SM * (
+                1 if dev.type != "cuda" else _sm_count(dev.index or 0))
+            split = -(-want // (B * n_blocks))
+        split = max(1, min(int(split), tiles))
+        chunk = triton.cdiv(tiles, split) * _FEATURE_BR
+        split = triton.cdiv(M, chunk)
+        kp = 2 if k <= 2 else MAX_TRITON_FEATURE_K
+        part = (torch.empty((B, N, split, kp), dtype=torch.float32, device=dev),
+                torch.empty((B, N, split, kp), dtype=torch.int64, device=dev))
+        keys = torch.full((B, M), _NO_KEY, dtype=torch.int64, device=dev) if backward \
+            else part[1]
         counts = n is not None
-        _feature_knn_kernel[(B * n_blocks,)](
-            q, rt, n if counts else q, m if counts else q, out_d, out_i, n_blocks, N, M, D,
-            k, N * D, D * M, N * k, COUNTS=counts, KP=2 if k <= 2 else MAX_TRITON_FEATURE_K,
-            BQ=_FEATURE_BQ, BR=_FEATURE_BR, num_warps=4)
-    return (out_d, out_i) if batched else (out_d[0], out_i[0])
+        nc = (n, m) if counts else (q, q)
+        _feature_part_kernel[(B * n_blocks * split,)](
+            q, rt, *nc, *part, keys, n_blocks, split, chunk, N, M, D, k, N * D, D * M,
+            int(backward), COUNTS=counts, KP=kp, BQ=_FEATURE_BQ, BR=_FEATURE_BR, num_warps=4)
+        m_blocks = triton.cdiv(max(N, M if backward else 0), _FEATURE_BQ)
+        _feature_merge_kernel[(B * m_blocks,)](
+            *part, keys, *nc, *out, *(back or out), m_blocks, split, N, M, k, int(backward),
+            COUNTS=counts, KP=kp, BQ=_FEATURE_BQ, num_warps=4)
+    elif backward:
+        back[0].fill_(math.inf)
+        back[1].fill_(-1)
+    res = out + back
+    return res if batched else tuple(x[0] for x in res)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
