@@ -93,63 +93,27 @@ def _nn1_kernel(q_ptr, p_ptr, out_d_ptr, out_i_ptr, N, M, max_d2,
 
 
 @triton.jit
-def empty_best(zk, zk_i, K):
-    """Return the running k best of :func:`take_tile` before any point: ``(BLOCK_N, KP)`` each.
-
-    ``zk``, ``zk_i``: zero tiles of the distances' dtype and int64. Real slots (the first
-    ``K``) start empty (inf) with distinct negative ids; padding slots hold -inf and are
-    never the worst, so never replaced.
-    """
-    slots = tl.arange(0, zk.shape[1]).to(tl.int64)
-    best_d = tl.where(slots[None, :] < K, zk + float("inf"), zk - float("inf"))
-    return best_d, zk_i - 1 - slots[None, :]
-
-
-@triton.jit
-def take_tile(d, start, best_d, best_i, rmask):
-    """Merge a tile of distances ``d (BLOCK_N, BLOCK_M)`` into the running k best.
-
-    ``d``'s column j is point ``start + j`` (inf: none); ``best_d, best_i (BLOCK_N, KP)``
-    from :func:`empty_best` or an earlier tile; rows outside ``rmask`` are left as they are.
-    The tile is touched only if one of its distances beats a row's current k-th best; then
-    its minimum is repeatedly extracted and swapped for the worst kept entry while that
-    helps. Tiles come in index order and comparisons are strict, so among equal distances
-    the smallest indices are kept. Returns the updated ``(best_d, best_i)``, unsorted.
-    """
-    inf = float("inf")
-    big = 9223372036854775807
-    lanes = tl.arange(0, d.shape[1]).to(tl.int64)
-    zk = tl.zeros_like(best_d)
-    zk_i = tl.zeros_like(best_i)
-    worst = tl.max(best_d, axis=1)
-    todo = (tl.min(d, axis=1) < worst) & rmask
-    while tl.max(todo.to(tl.int32), axis=0) > 0:
-        m, j = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        ins = (m < worst) & rmask
-        # the worst kept entry by (distance, index): unique thanks to distinct ids
-        wi = tl.max(tl.where(best_d == worst[:, None], best_i, -big), axis=1)
-        slot = (best_d == worst[:, None]) & (best_i == wi[:, None]) & ins[:, None]
-        best_d = tl.where(slot, m[:, None] + zk, best_d)
-        best_i = tl.where(slot, (start + j.to(tl.int64))[:, None] + zk_i, best_i)
-        d = tl.where(lanes[None, :] == j.to(tl.int64)[:, None], inf, d)
-        worst = tl.max(best_d, axis=1)
-        todo = (tl.min(d, axis=1) < worst) & rmask
-    return best_d, best_i
-
-
-@triton.jit
 def topk_scan(qx, qy, qz, rmask, p_ptr, M, stride, max_d2, HAS_MAX: tl.constexpr,
               K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """Find the ``K`` nearest of ``M`` SoA points ``p (3, stride)`` to each query: ``(d², i)``.
 
     Each ``(BLOCK_N, KP)``, unsorted; slots past ``K`` hold ``-inf``, empty slots ``inf``
-    and ``-1`` (:func:`empty_best`, :func:`take_tile`). Shared by the top-k kernel and the
+    and ``-1``. A tile is touched only if one of its distances beats a row's current k-th
+    best; then its minimum is repeatedly extracted and swapped for the worst kept entry
+    while that helps. Points are scanned in index order and comparisons are strict, so
+    among equal distances the smallest indices are kept. Shared by the top-k kernel and the
     stability probe.
     """
     inf = float("inf")
-    best_d, best_i = empty_best(tl.full((BLOCK_N, KP), 0, dtype=qx.dtype),
-                                tl.full((BLOCK_N, KP), 0, dtype=tl.int64), K)
+    slots = tl.arange(0, KP).to(tl.int64)
+    zk = tl.full((BLOCK_N, KP), 0, dtype=qx.dtype)
+    zk_i = tl.full((BLOCK_N, KP), 0, dtype=tl.int64)
+    # real slots start empty (inf) with distinct negative ids; padding slots hold -inf and
+    # are never the worst, so never replaced
+    best_d = tl.where(slots[None, :] < K, zk + inf, zk - inf)
+    best_i = zk_i - 1 - slots[None, :]
     lanes = tl.arange(0, BLOCK_M).to(tl.int64)
+    big = 9223372036854775807
     # int64 scalar; a while loop (the interpreter cannot index range() by M)
     start = tl.program_id(0).to(tl.int64) * 0
     while start < M:
@@ -164,7 +128,20 @@ def topk_scan(qx, qy, qz, rmask, p_ptr, M, stride, max_d2, HAS_MAX: tl.constexpr
         d = dx * dx + dy * dy + dz * dz
         if HAS_MAX:
             d = tl.where(d <= max_d2, d, inf)
-        best_d, best_i = take_tile(d, start, best_d, best_i, rmask)
+        worst = tl.max(best_d, axis=1)
+        tmin = tl.min(d, axis=1)
+        todo = (tmin < worst) & rmask
+        while tl.max(todo.to(tl.int32), axis=0) > 0:
+            m, j = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            ins = (m < worst) & rmask
+            # the worst kept entry by (distance, index): unique thanks to distinct ids
+            wi = tl.max(tl.where(best_d == worst[:, None], best_i, -big), axis=1)
+            slot = (best_d == worst[:, None]) & (best_i == wi[:, None]) & ins[:, None]
+            best_d = tl.where(slot, m[:, None] + zk, best_d)
+            best_i = tl.where(slot, (start + j.to(tl.int64))[:, None] + zk_i, best_i)
+            d = tl.where(lanes[None, :] == j.to(tl.int64)[:, None], inf, d)
+            worst = tl.max(best_d, axis=1)
+            todo = (tl.min(d, axis=1) < worst) & rmask
         start += BLOCK_M
     return best_d, tl.where(best_d == inf, -1, best_i)
 

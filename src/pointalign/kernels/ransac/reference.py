@@ -18,8 +18,9 @@ from pointalign import _validate
 
 #: feature-distance entries per chunk of :func:`feature_knn_reference`
 CHUNK_ENTRIES = 1 << 24
-#: the widest k the Triton feature kernel serves (``triton.py``; larger k: the reference)
-MAX_TRITON_FEATURE_K = 16
+#: the widest k the Triton feature kernel serves (``triton.py``: each lane keeps its two
+#: nearest; RANSAC's ratio test asks 2, the backward matches 1; larger k: the reference)
+MAX_TRITON_FEATURE_K = 2
 #: queries per call of the index when :func:`score_transforms_reference` scores many motions
 SCORE_QUERIES = 1 << 21
 

@@ -12,11 +12,13 @@ move).
 **The feature kNN** (``feature_knn``: RANSAC's FPFH matches, both ways). The reference
 (``cdist`` + ``topk``, twice) made ~130 launches for register()'s ~4.5k × 4.6k rows and
 wrote the distance matrix twice. Here one pass computes each ``BQ × BR`` tile of distances
-in registers (``Σ_d (q_d − r_d)²``, in order of d) and keeps every query row's k best in the
-knn family's running list, while each reference row's nearest query row is folded in by an
-``atomic_min`` of a packed (distance, row) key; the reference rows are split into shares
-so that a few thousand rows still fill the GPU, and a second kernel merges the shares'
-lists. Nothing is specialised on the sizes: one compilation serves every cloud and batch.
+in registers (``Σ_d (q_d − r_d)²``, in order of d); every lane keeps the two nearest rows it
+sees element-wise (no reduction inside the loop: k <= 2, what RANSAC's ratio test and the
+backward matches ask), and each reference row's nearest query row is folded in by an
+``atomic_min`` of a packed (distance, row) key. The reference rows are split into shares so
+that a few thousand rows still fill the GPU, and a second kernel merges the shares'
+candidates. Nothing is specialised on the sizes: one compilation serves every cloud and
+batch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pointalign.kernels.knn.triton import empty_best, take_tile
 from pointalign.kernels.ransac.reference import MAX_TRITON_FEATURE_K
 
 
@@ -96,27 +97,29 @@ _NO_KEY = 0x7FFFFFFFFFFFFFFF
             do_not_specialize_on_alignment=("q_ptr",))
 def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, back_ptr,
                          n_blocks, n_split, chunk, n_rows, n_cols, dim, k, q_stride, r_stride,
-                         back, COUNTS: tl.constexpr, KP: tl.constexpr, BQ: tl.constexpr,
-                         BR: tl.constexpr):
-    """Find the k nearest of ``BQ`` query rows among a share of a problem's reference rows.
+                         back, COUNTS: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr):
+    """Find the 2 nearest of ``BQ`` query rows among a share of a problem's reference rows.
 
     Program ``pid`` = (problem b, query block, share s) with the share fastest: reference
     rows ``[s · chunk, (s + 1) · chunk)``. ``q (B, n_rows, dim)`` row-major (problem b at
     ``b · q_stride``), the reference transposed ``rt (B, dim, n_cols)`` (at ``b · r_stride``:
     a dimension's row is contiguous, so a tile's loads coalesce). Problem b's valid rows are
     its first ``n[b]`` queries and ``m[b]`` references (``COUNTS``; else all). Distances
-    ``Σ_d (q_d − r_d)²`` in order of d. Writes the share's k best per row, unsorted, to
-    ``part (B, n_rows, n_split, KP)`` (:func:`~pointalign.kernels.knn.triton.take_tile`'s
-    list) and, with ``back``, folds each reference row's nearest query of the tile into
-    ``back (B, n_cols)`` as ``atomic_min`` of ``(distance bits << 32) | query row`` (the
-    distances are >= +0, whose bits order as the values: the smallest distance, then the
-    smallest row).
+    ``Σ_d (q_d − r_d)²`` in order of d. Each of the ``BQ × BR`` lanes keeps the two nearest
+    of the reference rows it sees (element-wise, strict: of equal distances the earlier,
+    smaller row); at the end the share's ``k`` (1 or 2) best per query row by (distance,
+    index) go to ``part (B, n_rows, n_split, 2)`` (a second slot unused for k = 1 holds
+    ``(inf, -1)``). With ``back``, each reference row's nearest query row of a tile is folded
+    into ``back (B, n_cols)`` by ``atomic_min`` of ``(distance bits << 32) | query row``
+    (the distances are >= +0, whose bits order as the values: the smallest distance, then
+    the smallest row).
     """
     pid = tl.program_id(0).to(tl.int64)
     share = pid % n_split
     blk = pid // n_split
     b = blk // n_blocks
-    rows = (blk - b * n_blocks) * BQ + tl.arange(0, BQ).to(tl.int64)
+    first = (blk - b * n_blocks) * BQ
+    rows = first + tl.arange(0, BQ).to(tl.int64)
     if COUNTS:
         nq = tl.load(n_ptr + b)
         nr = tl.load(m_ptr + b)
@@ -125,8 +128,10 @@ def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, ba
         nr = n_cols + b * 0
     rmask = rows < nq
     inf = float("inf")
-    best_d, best_i = empty_best(tl.zeros((BQ, KP), dtype=tl.float32),
-                                tl.zeros((BQ, KP), dtype=tl.int64), k)
+    zero = tl.zeros((BQ, BR), dtype=tl.float32)
+    zero_i = tl.zeros((BQ, BR), dtype=tl.int64)
+    d1, i1 = zero + inf, zero_i - 1  # each lane's nearest and second nearest
+    d2, i2 = zero + inf, zero_i - 1
     q_row = q_ptr + b * q_stride + rows * dim
     r_base = rt_ptr + b * r_stride
     lanes = tl.arange(0, BR).to(tl.int64)
@@ -136,7 +141,7 @@ def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, ba
     while start < end:
         cols = start + lanes
         cmask = cols < end
-        acc = tl.zeros((BQ, BR), dtype=tl.float32)
+        acc = zero
         d = b * 0
         while d < dim:
             qd = tl.load(q_row + d, mask=rmask, other=0.0)
@@ -144,32 +149,51 @@ def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, ba
             x = qd[:, None] - rd[None, :]
             acc += x * x
             d += 1
+        acc = tl.where(rmask[:, None] & cmask[None, :], acc, inf)
         if back:
-            near, who = tl.min(tl.where(rmask[:, None], acc, inf), axis=0, return_indices=True,
+            near, who = tl.min(acc, axis=0, return_indices=True,
                                return_indices_tie_break_left=True)
             key = (near.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (
-                (blk - b * n_blocks) * BQ + who.to(tl.int64))
+                first + who.to(tl.int64))
             tl.atomic_min(back_ptr + b * n_cols + cols, key, mask=cmask & (near < inf),
                           sem="relaxed")
-        acc = tl.where(cmask[None, :], acc, inf)
-        best_d, best_i = take_tile(acc, start, best_d, best_i, rmask)
+        c = cols[None, :] + zero_i
+        lt1 = acc < d1
+        lt2 = acc < d2
+        d2 = tl.where(lt1, d1, tl.where(lt2, acc, d2))
+        i2 = tl.where(lt1, i1, tl.where(lt2, c, i2))
+        d1 = tl.where(lt1, acc, d1)
+        i1 = tl.where(lt1, c, i1)
         start += BR
-    slots = tl.arange(0, KP).to(tl.int64)
-    out = ((b * n_rows + rows) * n_split + share)[:, None] * KP + slots[None, :]
-    omask = (rows < n_rows)[:, None] & (slots[None, :] < KP)
-    tl.store(part_d_ptr + out, best_d, mask=omask)
-    tl.store(part_i_ptr + out, best_i, mask=omask)
+    # the share's best: the smallest (distance, index) of the lanes' nearest; then, with
+    # that lane's second moved up, the next (within a lane the nearest orders first)
+    big = 9223372036854775807
+    m1 = tl.min(d1, axis=1)
+    j1 = tl.min(tl.where(d1 == m1[:, None], i1, big), axis=1)
+    taken = (d1 == m1[:, None]) & (i1 == j1[:, None])
+    e1 = tl.where(taken, d2, d1)
+    f1 = tl.where(taken, i2, i1)
+    m2 = tl.min(e1, axis=1)
+    j2 = tl.min(tl.where(e1 == m2[:, None], f1, big), axis=1)
+    out = ((b * n_rows + rows) * n_split + share) * 2
+    omask = rows < n_rows
+    j1 = tl.where(m1 < inf, j1, -1)
+    j2 = tl.where((m2 < inf) & (k > 1), j2, -1)
+    tl.store(part_d_ptr + out, m1, mask=omask)
+    tl.store(part_i_ptr + out, j1, mask=omask)
+    tl.store(part_d_ptr + out + 1, tl.where(k > 1, m2, inf), mask=omask)
+    tl.store(part_i_ptr + out + 1, j2, mask=omask)
 
 
 @triton.jit(do_not_specialize=("n_blocks", "n_split", "n_rows", "n_cols", "k", "back"))
 def _feature_merge_kernel(part_d_ptr, part_i_ptr, back_ptr, n_ptr, m_ptr, out_d_ptr,
                           out_i_ptr, back_d_ptr, back_i_ptr, n_blocks, n_split, n_rows, n_cols,
-                          k, back, COUNTS: tl.constexpr, KP: tl.constexpr, BQ: tl.constexpr):
-    """Merge the shares' lists of ``BQ`` rows into their k best, and decode ``back``.
+                          k, back, COUNTS: tl.constexpr, BQ: tl.constexpr):
+    """Merge the shares' pairs of ``BQ`` rows into their k best, and decode ``back``.
 
-    Program ``pid`` = (problem b, row block). Query rows: the shares' ``(KP,)`` lists of
-    :func:`_feature_part_kernel` merged by (distance, index) (each candidate replaces the
-    worst kept entry when it orders before it), then written ascending to
+    Program ``pid`` = (problem b, row block). Query rows: the shares' candidates of
+    :func:`_feature_part_kernel` merged by (distance, index) into two slots (a candidate
+    replaces the worse kept one when it orders before it), then written ascending to
     ``out (B, n_rows, k)``. Reference rows (``back``): the key's distance and query row to
     ``back_d, back_i (B, n_cols, 1)``. Padding rows get ``(inf, -1)``.
     """
@@ -186,35 +210,29 @@ def _feature_merge_kernel(part_d_ptr, part_i_ptr, back_ptr, n_ptr, m_ptr, out_d_
     big = 9223372036854775807
     zero_q = tl.zeros((BQ,), dtype=tl.float32)
     rmask = rows < nq
-    zk = tl.zeros((BQ, KP), dtype=tl.float32)
-    zk_i = tl.zeros((BQ, KP), dtype=tl.int64)
-    best_d, best_i = empty_best(zk, zk_i, k)
-    slots = tl.arange(0, KP).to(tl.int64)
-    src = (b * n_rows + rows) * n_split * KP
+    # the kept pair, a <= b by (distance, index); "none yet" orders after every candidate
+    ad, ai = zero_q + inf, rows * 0 + big
+    bd, bi = zero_q + inf, rows * 0 + big
+    src = (b * n_rows + rows) * n_split * 2
     j = b * 0
-    while j < n_split * KP:
-        real = rmask & (rows * 0 + j % KP < k)  # a list's slots past k hold -inf
-        cd = tl.load(part_d_ptr + src + j, mask=real, other=inf)
-        ci = tl.load(part_i_ptr + src + j, mask=real, other=big)
-        worst = tl.max(best_d, axis=1)
-        wi = tl.max(tl.where(best_d == worst[:, None], best_i, -big), axis=1)
-        ins = (cd < worst) | ((cd == worst) & (ci < wi))
-        slot = (best_d == worst[:, None]) & (best_i == wi[:, None]) & ins[:, None]
-        best_d = tl.where(slot, cd[:, None] + zk, best_d)
-        best_i = tl.where(slot, ci[:, None] + zk_i, best_i)
+    while j < n_split * 2:
+        cd = tl.load(part_d_ptr + src + j, mask=rmask, other=inf)
+        ci = tl.load(part_i_ptr + src + j, mask=rmask, other=-1)
+        ci = tl.where(ci < 0, big, ci)
+        before_a = (cd < ad) | ((cd == ad) & (ci < ai))
+        before_b = (cd < bd) | ((cd == bd) & (ci < bi))
+        bd = tl.where(before_a, ad, tl.where(before_b, cd, bd))
+        bi = tl.where(before_a, ai, tl.where(before_b, ci, bi))
+        ad = tl.where(before_a, cd, ad)
+        ai = tl.where(before_a, ci, ai)
         j += 1
-    # the k best in order of (distance, index); slots past k (-inf) are not written
-    best_d = tl.where(slots[None, :] < k, best_d, inf)
     out = (b * n_rows + rows) * k
     omask = rows < n_rows
-    r = b * 0
-    while r < k:
-        md = tl.min(best_d, axis=1)
-        mi = tl.min(tl.where(best_d == md[:, None], best_i, big), axis=1)
-        tl.store(out_d_ptr + out + r, tl.where(rmask, md, zero_q + inf), mask=omask)
-        tl.store(out_i_ptr + out + r, tl.where(rmask, mi, -1), mask=omask)
-        best_d = tl.where(best_i == mi[:, None], inf, best_d)
-        r += 1
+    tl.store(out_d_ptr + out, tl.where(rmask, ad, inf), mask=omask)
+    tl.store(out_i_ptr + out, tl.where(rmask & (ai < big), ai, -1), mask=omask)
+    if k > 1:
+        tl.store(out_d_ptr + out + 1, tl.where(rmask, bd, inf), mask=omask)
+        tl.store(out_i_ptr + out + 1, tl.where(rmask & (bi < big), bi, -1), mask=omask)
     if back:
         bmask = rows < n_cols
         key = tl.load(back_ptr + b * n_cols + rows, mask=bmask, other=0)
@@ -278,20 +296,19 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor, k: int,
         split = max(1, min(int(split), tiles))
         chunk = triton.cdiv(tiles, split) * _FEATURE_BR
         split = triton.cdiv(M, chunk)
-        kp = 2 if k <= 2 else MAX_TRITON_FEATURE_K
-        part = (torch.empty((B, N, split, kp), dtype=torch.float32, device=dev),
-                torch.empty((B, N, split, kp), dtype=torch.int64, device=dev))
+        part = (torch.empty((B, N, split, 2), dtype=torch.float32, device=dev),
+                torch.empty((B, N, split, 2), dtype=torch.int64, device=dev))
         keys = torch.full((B, M), _NO_KEY, dtype=torch.int64, device=dev) if backward \
             else part[1]
         counts = n is not None
         nc = (n, m) if counts else (q, q)
         _feature_part_kernel[(B * n_blocks * split,)](
             q, rt, *nc, *part, keys, n_blocks, split, chunk, N, M, D, k, N * D, D * M,
-            int(backward), COUNTS=counts, KP=kp, BQ=_FEATURE_BQ, BR=_FEATURE_BR, num_warps=4)
+            int(backward), COUNTS=counts, BQ=_FEATURE_BQ, BR=_FEATURE_BR, num_warps=4)
         m_blocks = triton.cdiv(max(N, M if backward else 0), _FEATURE_BQ)
         _feature_merge_kernel[(B * m_blocks,)](
             *part, keys, *nc, *out, *(back or out), m_blocks, split, N, M, k, int(backward),
-            COUNTS=counts, KP=kp, BQ=_FEATURE_BQ, num_warps=4)
+            COUNTS=counts, BQ=_FEATURE_BQ, num_warps=4)
     elif backward:
         back[0].fill_(math.inf)
         back[1].fill_(-1)
