@@ -84,10 +84,13 @@ def transform_points(T: torch.Tensor, points: torch.Tensor, block: int = 512) ->
 
 #: feature kNN tiles: query rows per program and reference rows per step (BQ × BR distances
 #: held in registers)
-_FEATURE_BQ, _FEATURE_BR = 32, 64
+_FEATURE_BQ, _FEATURE_BR = 16, 64
 #: programs per SM the reference is split for (a program walks its share of the reference
 #: rows: RANSAC's ~4.5k × 4.6k FPFH rows are 140 query blocks, too few alone)
 _FEATURE_PROGRAMS_PER_SM = 8
+#: feature widths up to this are compile-time constants (the loop over d unrolled: one
+#: compilation per width, FPFH's 33 the usual one); wider ones loop at run time
+_FEATURE_UNROLL = 64
 #: (distance bits << 32 | row) of "no row yet": larger than every real key
 _NO_KEY = 0x7FFFFFFFFFFFFFFF
 
@@ -97,7 +100,8 @@ _NO_KEY = 0x7FFFFFFFFFFFFFFF
             do_not_specialize_on_alignment=("q_ptr",))
 def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, back_ptr,
                          n_blocks, n_split, chunk, n_rows, n_cols, dim, k, q_stride, r_stride,
-                         back, COUNTS: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr):
+                         back, COUNTS: tl.constexpr, DIM: tl.constexpr, BQ: tl.constexpr,
+                         BR: tl.constexpr):
     """Find the 2 nearest of ``BQ`` query rows among a share of a problem's reference rows.
 
     Program ``pid`` = (problem b, query block, share s) with the share fastest: reference
@@ -142,13 +146,20 @@ def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, ba
         cols = start + lanes
         cmask = cols < end
         acc = zero
-        d = b * 0
-        while d < dim:
-            qd = tl.load(q_row + d, mask=rmask, other=0.0)
-            rd = tl.load(r_base + d * n_cols + cols, mask=cmask, other=0.0)
-            x = qd[:, None] - rd[None, :]
-            acc += x * x
-            d += 1
+        if DIM > 0:  # the width known: unrolled, every load issued ahead of its use
+            for d in tl.static_range(DIM):
+                qd = tl.load(q_row + d, mask=rmask, other=0.0)
+                rd = tl.load(r_base + d * n_cols + cols, mask=cmask, other=0.0)
+                x = qd[:, None] - rd[None, :]
+                acc += x * x
+        else:
+            d = b * 0
+            while d < dim:
+                qd = tl.load(q_row + d, mask=rmask, other=0.0)
+                rd = tl.load(r_base + d * n_cols + cols, mask=cmask, other=0.0)
+                x = qd[:, None] - rd[None, :]
+                acc += x * x
+                d += 1
         acc = tl.where(rmask[:, None] & cmask[None, :], acc, inf)
         if back:
             near, who = tl.min(acc, axis=0, return_indices=True,
@@ -304,7 +315,8 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor, k: int,
         nc = (n, m) if counts else (q, q)
         _feature_part_kernel[(B * n_blocks * split,)](
             q, rt, *nc, *part, keys, n_blocks, split, chunk, N, M, D, k, N * D, D * M,
-            int(backward), COUNTS=counts, BQ=_FEATURE_BQ, BR=_FEATURE_BR, num_warps=4)
+            int(backward), COUNTS=counts, DIM=D if D <= _FEATURE_UNROLL else 0,
+            BQ=_FEATURE_BQ, BR=_FEATURE_BR, num_warps=4)
         m_blocks = triton.cdiv(max(N, M if backward else 0), _FEATURE_BQ)
         _feature_merge_kernel[(B * m_blocks,)](
             *part, keys, *nc, *out, *(back or out), m_blocks, split, N, M, k, int(backward),
