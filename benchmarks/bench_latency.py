@@ -15,7 +15,10 @@ PyTorch profiler, which counts
 A row whose ``gpu_busy_ms`` is far below its ``wall_ms`` is launch- and host-bound (more
 kernel speed does not help; fewer launches and synchronisations do); one whose busy time is
 near its wall time is bound by its kernels, listed in the ``profile`` table (the five
-kernels with the most GPU time per row). Rows (issue 23's targets):
+kernels with the most GPU time per row). For the register rows the ``stages`` table splits
+the profiled call by register()'s named stages (:data:`STAGES`): each stage's wall, the
+kernel time that ran inside it, its launches and synchronisations (under the profiler,
+whose overhead inflates the walls). Rows (issue 23's targets):
 
 * ``register bunny``: ``register()`` on the bundled bun045 -> bun000 pair (40k points);
 * ``register KITTI``: the KITTI 00 pair of ``../shared/data/lidar`` (about 125k points);
@@ -32,6 +35,7 @@ Run (before/after: the same file against an older tree on PYTHONPATH)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -82,13 +86,77 @@ def rows(dev: torch.device):
     yield "Softassign 5k", lambda: pa.softassign(x, y, device=dev)
 
 
-def profile_call(fn) -> dict:
-    """Count kernels, launches and synchronisations of one call; its busiest kernels."""
+#: register()'s stages, as (module, function) the pipeline calls through that module's
+#: namespace: wrapped in profiler ranges for the profiled call of the register rows
+STAGES = (("registration.voxel_rule", "voxel_size"), ("registration.pipeline", "prepare_both"),
+          ("kernels.ransac", "feature_matches"), ("registration.pipeline", "ransac"),
+          ("registration.pipeline", "rank_correspondences"),
+          ("registration.pipeline", "compatibility_hypotheses"),
+          ("registration.pipeline", "_refine_hypotheses"),
+          ("registration.pipeline", "_final_clouds"), ("registration.pipeline", "_final_icp"),
+          ("registration.pipeline", "verdict"), ("registration.pipeline", "decided_result"))
+
+
+@contextlib.contextmanager
+def _stage_ranges(stages):
+    """Wrap each ``(module, function)`` of ``stages`` in a profiler range named after it."""
+    import importlib
+
+    from torch.profiler import record_function
+
+    saved = []
+    for mod_name, fn_name in stages:
+        mod = importlib.import_module("pointalign." + mod_name)
+        fn = getattr(mod, fn_name)
+
+        def wrapped(*a, _fn=fn, _name=fn_name, **k):
+            with record_function("stage " + _name):
+                return _fn(*a, **k)
+
+        saved.append((mod, fn_name, fn))
+        setattr(mod, fn_name, wrapped)
+    try:
+        yield
+    finally:
+        for mod, fn_name, fn in saved:
+            setattr(mod, fn_name, fn)
+
+
+def _stage_table(prof) -> list[dict]:
+    """Per profiler range ``stage …``: wall, kernel time inside it, launches, syncs."""
+    ev = list(prof.events())
+    ranges = [e for e in ev if e.name.startswith("stage ")
+              and e.device_type == torch.autograd.DeviceType.CPU]
+    kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = [e for e in ev if e.name in _LAUNCH or e.name in _SYNC]
+    out = []
+    for r in sorted(ranges, key=lambda e: e.time_range.start):
+        a, b = r.time_range.start, r.time_range.end
+        busy = sum(max(0.0, min(b, k.time_range.end) - max(a, k.time_range.start))
+                   for k in kernels)
+        inside = [h for h in host if a <= h.time_range.start <= b]
+        out.append({"stage": r.name[6:], "start_ms": None, "wall_ms": round((b - a) / 1e3, 3),
+                    "gpu_busy_ms": round(busy / 1e3, 3),
+                    "launches": sum(h.name in _LAUNCH for h in inside),
+                    "syncs": sum(h.name in _SYNC for h in inside), "_start": a})
+    t0 = min((s["_start"] for s in out), default=0.0)
+    for s in out:
+        s["start_ms"] = round((s.pop("_start") - t0) / 1e3, 3)
+    return out
+
+
+def profile_call(fn, stages=()) -> dict:
+    """Count kernels, launches and synchronisations of one call; its busiest kernels.
+
+    ``stages``: ``(module, function)`` pairs to time inside the call (:data:`STAGES`):
+    returned as ``stages``, one entry per call of each, in order.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with _stage_ranges(stages), profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         result = fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -109,7 +177,8 @@ def profile_call(fn) -> dict:
     iters = getattr(result, "iterations", None)
     return {"kernels": kernels, "launches": launches, "syncs": max(syncs - 1, 0),  # -1: ours
             "gpu_busy_ms": round(busy_us / 1e3, 3), "iterations": iters,
-            "top": [(name[:60], round(us / 1e3, 3)) for name, us in top]}
+            "top": [(name[:60], round(us / 1e3, 3)) for name, us in top],
+            "stages": _stage_table(prof) if stages else []}
 
 
 def run(args) -> None:
@@ -117,7 +186,7 @@ def run(args) -> None:
     out = {"label": args.label, "meta": metadata(dev), "rows": {}}
     for name, fn in rows(dev):
         tm = timeit(fn, warmup=2, repeat=args.repeat, device=dev)
-        prof = profile_call(fn)
+        prof = profile_call(fn, STAGES if name.startswith("register") else ())
         out["rows"][name] = {"median_ms": 1e3 * tm["median_s"], "iqr_ms": 1e3 * tm["iqr_s"],
                              **prof}
         print(f"{args.label:>7} {name:<16} {1e3 * tm['median_s']:8.2f} ms  "
@@ -129,7 +198,7 @@ def run(args) -> None:
 def compare(paths: list[str], base: str) -> None:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     by = {lab: [r for r in runs if r["label"] == lab] for lab in ("before", "after")}
-    table, profile = [], []
+    table, profile, stages = [], [], []
     for name, target in TARGETS.items():
         if not all(name in r["rows"] for r in runs):
             continue
@@ -147,6 +216,13 @@ def compare(paths: list[str], base: str) -> None:
                    iterations=a["iterations"], vs_target=round(med_a / target, 2))
         table.append(row)
         profile += [{"row": name, "kernel": k, "gpu_ms": ms} for k, ms in a["top"]]
+        before_stages = by["before"][0]["rows"][name].get("stages", []) if by["before"] else []
+        for i, st in enumerate(a.get("stages", [])):
+            old = before_stages[i] if i < len(before_stages) and \
+                before_stages[i]["stage"] == st["stage"] else {}
+            stages.append({"row": name, **st, "before_wall_ms": old.get("wall_ms"),
+                           "before_launches": old.get("launches"),
+                           "before_syncs": old.get("syncs")})
     meta = dict(by["after"][0]["meta"])
     meta["command"] = ("benchmarks/bench_latency.py (before: " + base + "; after: this commit), "
                        "then --compare")
@@ -160,7 +236,9 @@ def compare(paths: list[str], base: str) -> None:
                                 "title": "Warm latency against the targets, launches and "
                                          "synchronisations per call (issue 23)",
                                 "notes": notes, "rows": table,
-                                "tables": {"profile: the five busiest kernels per row": profile}},
+                                "tables": {"profile: the five busiest kernels per row": profile,
+                                           "stages: register()'s stages in the profiled call "
+                                           "(wall and GPU busy inside each, ms)": stages}},
                                indent=1))
     print("wrote", dest)
 
