@@ -368,6 +368,90 @@ def test_transform_points_on_cuda():
                                                                p.double().cuda()))
 
 
+# ---- triangle hypotheses on Triton (ransac/triton.py) --------------------------------------
+
+def _triangle_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """``(cs, ct, triples, similarity)``: 60 correspondences of a known motion with noise, 400
+    random triples (repeated rows: coincident vertices), collinear source rows, one wildly
+    wrong correspondence, and similarity 0.2 and 1 (the test off)."""
+    g = torch.Generator().manual_seed(3)
+    cs = torch.rand(60, 3, generator=g) * 2 - 1
+    R = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))[0]
+    R = R * torch.sign(torch.linalg.det(R))
+    ct = (cs.double() @ R.T + 0.3).float() + 1e-3 * torch.randn(60, 3, generator=g)
+    cs[50:55] = cs[40] + torch.linspace(0.1, 0.5, 5)[:, None] * (cs[41] - cs[40])  # a line
+    ct[59] = 5.0  # a wrong match
+    triples = torch.randint(0, 60, (400, 3), generator=g)
+    triples[:20] = torch.tensor([40, 41, 50])  # a collinear source triangle
+    triples[20:30, 1] = triples[20:30, 0]  # a repeated correspondence
+    return [(cs, ct, triples, 0.2), (cs, ct, triples, 1.0)]
+
+
+def _check_triangles(got, cs, ct, triples, sim) -> None:
+    """The Triton hypotheses against the reference composition, every row (no compaction):
+    the same tests up to a triangle on a bound, the same motions to float64 rounding."""
+    from pointalign.kernels.horn.reference import horn_reference
+    from pointalign.kernels.ransac.reference import triangle_has_area
+
+    T, valid, keep = got
+    H = triples.shape[0]
+    assert T.shape == (H, 4, 4) and T.dtype == torch.float64 and valid.shape == keep.shape == (H,)
+    src, tgt = cs[triples], ct[triples]
+    want_keep = K.triangle_similar(src, tgt, sim)
+    ls = (src - src.roll(1, dims=-2)).norm(dim=-1)
+    lt = (tgt - tgt.roll(1, dims=-2)).norm(dim=-1)
+    edge = ((torch.minimum(ls, lt) - (1 - sim) * torch.maximum(ls, lt)).abs()
+            <= 1e-5 * torch.maximum(ls, lt)).any(1)
+    assert torch.equal(keep | edge, want_keep | edge)
+    Tr, ok = horn_reference(src.double(), tgt.double(), torch.ones(H, 3, dtype=torch.float64))
+    want = keep & ok & triangle_has_area(src, 1e-12) & triangle_has_area(tgt, 1e-12)
+    assert torch.equal(valid, want)
+    assert not bool(valid[:30].any())  # collinear, or a repeated correspondence: no area
+    torch.testing.assert_close(T[valid], Tr[valid], atol=1e-9, rtol=0)
+    assert torch.equal(T[~valid], torch.eye(4, dtype=torch.float64).expand(int((~valid).sum()),
+                                                                           4, 4))
+
+
+def run_interpreted_triangles(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): the Triton hypotheses of every case."""
+    from pointalign.kernels.ransac import triton as _ransac_triton
+
+    torch.save([_ransac_triton.triangle_motions(cs, ct, tri, sim, 1e-12)
+                for cs, ct, tri, sim in _triangle_cases()], out_path)
+
+
+interpreted_triangles = interpreted_fixture("tests.kernels.test_ransac",
+                                            "run_interpreted_triangles",
+                                            "interpreted_triangles")
+
+
+def test_triton_triangle_motions_interpreted(interpreted_triangles):
+    for got, case in zip(interpreted_triangles, _triangle_cases(), strict=True):
+        _check_triangles(got, *case)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@backends("torch", "cpu", "triton")
+def test_triangle_motions_entry_point(backend, compact):
+    """Every backend: the hypotheses that pass the triangle test, in order, with their
+    rows (all rows where a backend does not compact), equal to the reference's motions."""
+    for cs, ct, triples, sim in _triangle_cases():
+        dev = backend.device
+        got = K.triangle_motions(cs.to(dev), ct.to(dev), triples.to(dev), sim, 1e-12,
+                                 compact=compact)
+        keep = K.triangle_similar(cs[triples], ct[triples], sim)
+        rows = got.rows.cpu()
+        assert int(got.kept) == int(keep.sum())
+        if compact or rows.shape[0] < triples.shape[0]:
+            assert torch.equal(rows, keep.nonzero().squeeze(1))
+        else:
+            assert torch.equal(rows, torch.arange(triples.shape[0]))
+        full_T = torch.eye(4, dtype=torch.float64).repeat(triples.shape[0], 1, 1)
+        full_valid = torch.zeros(triples.shape[0], dtype=torch.bool)
+        full_T[rows], full_valid[rows] = got.T.cpu(), got.valid.cpu()
+        _check_triangles((full_T, full_valid, keep), cs, ct, triples, sim)
+
+
 # ---- feature kNN on Triton (ransac/triton.py) ---------------------------------------------
 
 def _feature_cases() -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None,

@@ -158,30 +158,6 @@ def count_inliers_within(T: torch.Tensor, points: torch.Tensor, index: Any,
     return tuple((d2 <= b * b).sum()[None] for b in bounds)
 
 
-def _triangle_motions(src: torch.Tensor, tgt: torch.Tensor) -> estimate.Estimate:
-    """Horn's motion of every triangle pair ``src, tgt (H, 3, 3)`` → ``Estimate`` (H,).
-
-    The fused weighted Horn of :func:`pointalign.kernels.horn.weighted_horn` (one launch on
-    a GPU, no host synchronisation). A pair is valid when both triangles have an area,
-    ``|e₁ × e₂|² > ε |e₁|² |e₂|²`` in float64 (e: the edges from the first vertex,
-    ε = ``estimate.DEGENERACY_EPS``): collinear or coincident vertices leave a turn about
-    their line free, as :func:`pointalign.estimate.horn` says of a degenerate problem.
-    Invalid entries are the identity.
-    """
-    T, ok = weighted_horn(src, tgt, src.new_ones(src.shape[:2]))
-    valid = ok & _has_area(src) & _has_area(tgt)
-    eye = torch.eye(4, dtype=T.dtype, device=T.device)
-    return estimate.Estimate(torch.where(valid[:, None, None], T, eye), valid)
-
-
-def _has_area(tri: torch.Tensor) -> torch.Tensor:
-    """Tell which triangles ``(H, 3, 3)`` span a plane (see :func:`_triangle_motions`)."""
-    t = tri.to(torch.float64)
-    e1, e2 = t[:, 1] - t[:, 0], t[:, 2] - t[:, 0]
-    c = torch.linalg.cross(e1, e2)
-    return (c * c).sum(-1) > estimate.DEGENERACY_EPS * (e1 * e1).sum(-1) * (e2 * e2).sum(-1)
-
-
 def _key(counts: torch.Tensor, sq: torch.Tensor, max_distance: float) -> torch.Tensor:
     """Ranking key: more inliers first, then lower inlier RMSE (in [0, 1) of the bound)."""
     rmse = (sq / counts.clamp_min(1).to(torch.float64)).sqrt()
@@ -448,25 +424,24 @@ def ransac(
         info["batches"] += 1
         triples = torch.randint(0, n_corr, (h, 3), generator=g, device=dev)
         clock.lap("sample")
-        keep = _k.triangle_similar(cs[triples], ct[triples], sim)
-        surv = keep.nonzero().squeeze(1)  # stream compaction
-        info["after_triangle"] += int(surv.numel())
+        # the triangle test, the areas and Horn (on a GPU one launch for every hypothesis;
+        # on the CPU the triangle test's survivors only)
+        T_h, valid, _, kept = _k.triangle_motions(cs, ct, triples, sim,
+                                                  estimate.DEGENERACY_EPS)
         clock.lap("triangle")
-        if surv.numel():
-            tri = triples[surv]
-            est = _triangle_motions(cs[tri], ct[tri])
-            clock.lap("estimate")
-            # degenerate motions stay in the batch with a T(d,d) count of −1 (no compaction)
-            c_sub = count_inliers(est.transformation, subset, target_index, dist)
-            c_sub = torch.where(est.valid, c_sub, -1)
+        if T_h.shape[0]:
+            # invalid motions stay in the batch with a T(d,d) count of −1 (no compaction)
+            c_sub = count_inliers(T_h, subset, target_index, dist)
+            c_sub = torch.where(valid, c_sub, -1)
             passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
             # failures sort last; a stable sort keeps equal counts in hypothesis order
             order = torch.sort(torch.where(passed, c_sub, -1), descending=True,
                                stable=True).indices
-            n_valid, n_passed = torch.stack([est.valid.sum(), passed.sum()]).tolist()
+            n_kept, n_valid, n_passed = torch.stack([kept, valid.sum(), passed.sum()]).tolist()
+            info["after_triangle"] += n_kept
             info["after_estimation"] += n_valid
             info["after_tdd"] += n_passed
-            T = est.transformation[order[:min(n_passed, max_validations)]]
+            T = T_h[order[:min(n_passed, max_validations)]]
             clock.lap("tdd")
             if T.shape[0]:
                 c, sq, _ = _score(T, src, target_index, dist)

@@ -72,6 +72,32 @@ def feature_knn_many_reference(query: torch.Tensor, ref: torch.Tensor, n: torch.
     return d_out, i_out
 
 
+def triangle_similar_reference(src: torch.Tensor, tgt: torch.Tensor,
+                               similarity: float) -> torch.Tensor:
+    """Edge-length ratio test of triangle pairs ``src, tgt (H, 3, 3)`` → ``(H,)`` bool.
+
+    For the edges ``p_j − p_{j−1}`` of both triangles (float norms in the points' dtype),
+    ``min(l_s, l_t) >= (1 − similarity) · max(l_s, l_t)`` and ``min > 0``, every edge.
+    """
+    ls = (src - src.roll(1, dims=-2)).norm(dim=-1)  # (H, 3)
+    lt = (tgt - tgt.roll(1, dims=-2)).norm(dim=-1)
+    lo, hi = torch.minimum(ls, lt), torch.maximum(ls, lt)
+    ok = (lo >= (1.0 - similarity) * hi) & (lo > 0)
+    return ok.all(-1)
+
+
+def triangle_has_area(tri: torch.Tensor, eps: float) -> torch.Tensor:
+    """Tell which triangles ``(H, 3, 3)`` span a plane: ``(H,)`` bool.
+
+    ``|e₁ × e₂|² > eps |e₁|² |e₂|²`` in float64 (e: the edges from the first vertex):
+    collinear or coincident vertices leave a turn about their line free.
+    """
+    t = tri.to(torch.float64)
+    e1, e2 = t[:, 1] - t[:, 0], t[:, 2] - t[:, 0]
+    c = torch.linalg.cross(e1, e2)
+    return (c * c).sum(-1) > eps * (e1 * e1).sum(-1) * (e2 * e2).sum(-1)
+
+
 def transform_points_reference(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     """``R_s p + t_s`` for ``T (S, 4, 4)`` and ``points (P, 3)`` or ``(S, P, 3)``: one GEMM.
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pointalign.kernels import _tl_math as tm
+from pointalign.kernels.horn.triton import _TIE, pose_tile
 from pointalign.kernels.ransac.reference import MAX_TRITON_FEATURE_K
 
 
@@ -331,3 +333,115 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor, k: int,
 @functools.lru_cache(maxsize=8)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# ---- triangle hypotheses -----------------------------------------------------------------
+
+#: Horn's top eigenvector by this many squarings (the horn family's setting)
+_SQUARINGS = 40
+
+
+@triton.jit
+def _row(p_ptr, i):
+    """Row ``i`` of a ``(C, 3)`` table: three scalars."""
+    return tl.load(p_ptr + 3 * i), tl.load(p_ptr + 3 * i + 1), tl.load(p_ptr + 3 * i + 2)
+
+
+@triton.jit
+def _edge_ok(ax, ay, az, bx, by, bz, cx, cy, cz, dx, dy, dz, lo_ratio):
+    """One edge pair of the triangle test: source edge ``a − b``, target edge ``c − d``."""
+    ex = ax - bx
+    ey = ay - by
+    ez = az - bz
+    fx = cx - dx
+    fy = cy - dy
+    fz = cz - dz
+    ls = tl.sqrt(ex * ex + ey * ey + ez * ez)
+    lt = tl.sqrt(fx * fx + fy * fy + fz * fz)
+    lo = tl.minimum(ls, lt)
+    return (lo >= lo_ratio * tl.maximum(ls, lt)) & (lo > 0)
+
+
+@triton.jit
+def _has_area(x0, y0, z0, x1, y1, z1, x2, y2, z2, eps):
+    """``|e₁ × e₂|² > ε |e₁|² |e₂|²`` in float64 (e: the edges from the first vertex)."""
+    ax = x1.to(tl.float64) - x0.to(tl.float64)
+    ay = y1.to(tl.float64) - y0.to(tl.float64)
+    az = z1.to(tl.float64) - z0.to(tl.float64)
+    bx = x2.to(tl.float64) - x0.to(tl.float64)
+    by = y2.to(tl.float64) - y0.to(tl.float64)
+    bz = z2.to(tl.float64) - z0.to(tl.float64)
+    cx = ay * bz - az * by
+    cy = az * bx - ax * bz
+    cz = ax * by - ay * bx
+    return (cx * cx + cy * cy + cz * cz) > eps * (ax * ax + ay * ay + az * az) \
+        * (bx * bx + by * by + bz * bz)
+
+
+@triton.jit(do_not_specialize=("lo_ratio", "eps"))
+def _triangle_motion_kernel(cs_ptr, ct_ptr, tri_ptr, T_ptr, valid_ptr, keep_ptr, lo_ratio,
+                            eps, SQUARINGS: tl.constexpr):
+    """Hypothesis ``pid``: its triangle test, both triangles' areas and Horn's motion.
+
+    Correspondences ``tri (H, 3)`` into ``cs, ct (C, 3)`` float32. Writes ``keep`` (the edge
+    ratio test), ``valid`` (kept, both triangles with an area, Horn's pose finite) and
+    ``T (H, 4, 4)`` float64: Horn's motion of the three pairs with unit weights (float64
+    moments summed vertex by vertex), the identity where not valid.
+    """
+    h = tl.program_id(0).to(tl.int64)
+    i0 = tl.load(tri_ptr + 3 * h)
+    i1 = tl.load(tri_ptr + 3 * h + 1)
+    i2 = tl.load(tri_ptr + 3 * h + 2)
+    x0, y0, z0 = _row(cs_ptr, i0)
+    x1, y1, z1 = _row(cs_ptr, i1)
+    x2, y2, z2 = _row(cs_ptr, i2)
+    u0, v0, w0 = _row(ct_ptr, i0)
+    u1, v1, w1 = _row(ct_ptr, i1)
+    u2, v2, w2 = _row(ct_ptr, i2)
+    # the edges p_j − p_{j−1} of both triangles (triangle_similar's roll by one)
+    keep = _edge_ok(x0, y0, z0, x2, y2, z2, u0, v0, w0, u2, v2, w2, lo_ratio) \
+        & _edge_ok(x1, y1, z1, x0, y0, z0, u1, v1, w1, u0, v0, w0, lo_ratio) \
+        & _edge_ok(x2, y2, z2, x1, y1, z1, u2, v2, w2, u1, v1, w1, lo_ratio)
+    area = _has_area(x0, y0, z0, x1, y1, z1, x2, y2, z2, eps) \
+        & _has_area(u0, v0, w0, u1, v1, w1, u2, v2, w2, eps)
+    f64 = tl.float64
+    a0, b0, c0 = x0.to(f64), y0.to(f64), z0.to(f64)
+    a1, b1, c1 = x1.to(f64), y1.to(f64), z1.to(f64)
+    a2, b2, c2 = x2.to(f64), y2.to(f64), z2.to(f64)
+    m0, n0, o0 = u0.to(f64), v0.to(f64), w0.to(f64)
+    m1, n1, o1 = u1.to(f64), v1.to(f64), w1.to(f64)
+    m2, n2, o2 = u2.to(f64), v2.to(f64), w2.to(f64)
+    R, t, ok = tm.horn_pose(
+        a0 * 0.0 + 3.0, (a0 + a1 + a2, b0 + b1 + b2, c0 + c1 + c2),
+        (m0 + m1 + m2, n0 + n1 + n2, o0 + o1 + o2),
+        (a0 * m0 + a1 * m1 + a2 * m2, a0 * n0 + a1 * n1 + a2 * n2, a0 * o0 + a1 * o1 + a2 * o2,
+         b0 * m0 + b1 * m1 + b2 * m2, b0 * n0 + b1 * n1 + b2 * n2, b0 * o0 + b1 * o1 + b2 * o2,
+         c0 * m0 + c1 * m1 + c2 * m2, c0 * n0 + c1 * n1 + c2 * n2, c0 * o0 + c1 * o1 + c2 * o2),
+        _TIE, SQUARINGS)
+    good = ok & keep & area
+    k16 = tl.arange(0, 16)
+    eye = tl.where((k16 == 0) | (k16 == 5) | (k16 == 10) | (k16 == 15), 1.0, 0.0)
+    tl.store(T_ptr + 16 * h + k16, tl.where(good, pose_tile(R, t), eye))
+    tl.store(valid_ptr + h, good.to(tl.int8))
+    tl.store(keep_ptr + h, keep.to(tl.int8))
+
+
+def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
+                     similarity: float, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run :func:`pointalign.kernels.ransac.triangle_motions`'s contract in one launch.
+
+    ``cs, ct (C, 3)`` float32 on one CUDA device, ``triples (H, 3)`` int64. Returns
+    ``(T (H, 4, 4) float64, valid (H,) bool, keep (H,) bool)`` of every hypothesis, in
+    order (no compaction: nothing waits for the device); ``keep``: the triangle test.
+    """
+    H = triples.shape[0]
+    dev = cs.device
+    T = torch.empty((H, 4, 4), dtype=torch.float64, device=dev)
+    valid = torch.empty((H,), dtype=torch.int8, device=dev)
+    keep = torch.empty((H,), dtype=torch.int8, device=dev)
+    if H:
+        _triangle_motion_kernel[(H,)](cs.contiguous(), ct.contiguous(), triples.contiguous(),
+                                      T, valid, keep, 1.0 - float(similarity), float(eps),
+                                      SQUARINGS=_SQUARINGS, num_warps=1)
+    return T, valid.view(torch.bool), keep.view(torch.bool)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pointalign import estimate
 from pointalign.kernels import _loop, upload
 from pointalign.kernels import ransac as _kr
 from pointalign.kernels.horn import weighted_horn
@@ -25,7 +26,7 @@ from pointalign.registration._edge import MIN_FITNESS, StopReason
 from pointalign.registration.many.batched import _packed, _pad, _score
 from pointalign.registration.options import Options as _Options
 from pointalign.registration.pipeline import CORRESPONDENCES, Scales
-from pointalign.registration.ransac import _key, _triangle_motions, required_hypotheses
+from pointalign.registration.ransac import _key, required_hypotheses
 from pointalign.registration.result import RegistrationResult
 from pointalign.search.packed import PackedIndex
 
@@ -127,13 +128,14 @@ def global_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
         triples = (r * n_corr_t[act][:, None, None]).long().minimum(
             n_corr_t[act][:, None, None] - 1)
         ab = act[:, None, None]
-        tri_s, tri_t = cs[ab, triples].reshape(-1, 3, 3), ct[ab, triples].reshape(-1, 3, 3)
-        surv = _kr.triangle_similar(tri_s, tri_t, sim).nonzero().squeeze(1)
+        # rows of the pairs' correspondence tables laid end to end
+        est = _kr.triangle_motions(cs.reshape(-1, 3), ct.reshape(-1, 3),
+                                   (ab * N + triples).reshape(-1, 3), sim,
+                                   estimate.DEGENERACY_EPS, compact=True)
         clock.lap("triangle")
-        if surv.numel():
-            prob = act[surv // hh]
-            est = _triangle_motions(tri_s[surv], tri_t[surv])
-            c_sub, _, _ = _score(est.transformation, prob, subset, n_sub, index, dist)
+        if est.rows.numel():
+            prob = act[est.rows // hh]
+            c_sub, _, _ = _score(est.T, prob, subset, n_sub, index, dist)
             c_sub = torch.where(est.valid, c_sub, -1)
             best = torch.full((B,), -1, dtype=torch.int64, device=dev).scatter_reduce(
                 0, prob, c_sub, "amax")
@@ -150,7 +152,7 @@ def global_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
             take = passed[order] & (rank < max_val)
             sel, slot = order[take], rank[take]
             clock.lap("tdd")
-            T = est.transformation[sel]
+            T = est.T[sel]
             P = prob[sel]
             c, sq, _ = _score(T, P, S, n_src, index, dist)
             new_T = eye.expand(B, max_val, 4, 4).clone()
