@@ -424,24 +424,22 @@ def ransac(
         info["batches"] += 1
         triples = torch.randint(0, n_corr, (h, 3), generator=g, device=dev)
         clock.lap("sample")
-        # the triangle test, the areas and Horn (on a GPU one launch for every hypothesis;
-        # on the CPU the triangle test's survivors only)
-        T_h, valid, _, kept = _k.triangle_motions(cs, ct, triples, sim,
-                                                  estimate.DEGENERACY_EPS)
+        # the triangle test's survivors (compacted) with their areas and Horn's motions
+        est = _k.triangle_motions(cs, ct, triples, sim, estimate.DEGENERACY_EPS)
+        info["after_triangle"] += int(est.rows.shape[0])
         clock.lap("triangle")
-        if T_h.shape[0]:
-            # invalid motions stay in the batch with a T(d,d) count of −1 (no compaction)
-            c_sub = count_inliers(T_h, subset, target_index, dist)
-            c_sub = torch.where(valid, c_sub, -1)
+        if est.rows.shape[0]:
+            # degenerate motions stay in the batch with a T(d,d) count of −1 (no compaction)
+            c_sub = count_inliers(est.T, subset, target_index, dist)
+            c_sub = torch.where(est.valid, c_sub, -1)
             passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
             # failures sort last; a stable sort keeps equal counts in hypothesis order
             order = torch.sort(torch.where(passed, c_sub, -1), descending=True,
                                stable=True).indices
-            n_kept, n_valid, n_passed = torch.stack([kept, valid.sum(), passed.sum()]).tolist()
-            info["after_triangle"] += n_kept
+            n_valid, n_passed = torch.stack([est.valid.sum(), passed.sum()]).tolist()
             info["after_estimation"] += n_valid
             info["after_tdd"] += n_passed
-            T = T_h[order[:min(n_passed, max_validations)]]
+            T = est.T[order[:min(n_passed, max_validations)]]
             clock.lap("tdd")
             if T.shape[0]:
                 c, sq, _ = _score(T, src, target_index, dist)

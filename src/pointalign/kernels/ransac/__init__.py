@@ -31,19 +31,18 @@ spec):
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
   Bolles & Fischler, as used in the parallel RANSAC paper; Open3D's edge-length checker
   with ``similarity_threshold = 1 - similarity``).
-* ``triangle_motions(cs (C, 3), ct (C, 3), triples (H, 3), similarity, eps, compact)
-  -> Hypotheses(T (S, 4, 4), valid (S,), rows (S,), kept)``: RANSAC's hypotheses from three
-  correspondences
-  each: the triangle test (``triangle_similar``), both triangles' areas
+* ``triangle_motions(cs (C, 3), ct (C, 3), triples (H, 3), similarity, eps)
+  -> Hypotheses(T (S, 4, 4), valid (S,), rows (S,))``: RANSAC's hypotheses from three
+  correspondences each that pass the triangle test (``triangle_similar``; S of H, in order,
+  ``rows`` their indices), with both triangles' area test
   (:func:`~pointalign.kernels.ransac.reference.triangle_has_area`, float64) and Horn's
   motion of the three pairs (unit weights, float64 moments), the identity where not valid.
-  Reference: the triangle test, a compaction of the survivors (S of them: one host
-  synchronisation), :func:`pointalign.kernels.horn.weighted_horn` and the area tests. On
-  CUDA (float32) one Triton program per hypothesis does all of it for every hypothesis
-  (S = H unless ``compact`` asks for the survivors; nothing waits): the same decisions and
-  motions up to rounding
-  (float32 norms and float64 moments summed in another order; a test can differ only for
-  a triangle on its bound).
+  Reference: the triangle test, the compaction (one host synchronisation), then
+  :func:`pointalign.kernels.horn.weighted_horn` and the area tests of the survivors. On
+  CUDA (float32) one Triton program per hypothesis does the tests and Horn for every
+  hypothesis in one launch (no PyTorch op chain), then the same compaction: the same
+  decisions and motions up to rounding (float32 norms and float64 moments summed in
+  another order; a test can differ only for a triangle on its bound).
 * ``transform_points(T (S, 4, 4), points (P, 3) or (S, P, 3)) -> (S, P, 3)`` in the points'
   dtype. Reference: one ``baddbmm``; the "cpu" backend moves the points in one numba pass
   with the products and sums ``baddbmm`` makes on the CPU (below); on CUDA, float32 points
@@ -235,25 +234,22 @@ def triangle_similar(src: torch.Tensor, tgt: torch.Tensor, similarity: float) ->
 
 
 class Hypotheses(NamedTuple):
-    """RANSAC's triangle hypotheses, as :func:`triangle_motions` returns them.
+    """RANSAC's triangle hypotheses that pass the triangle test (:func:`triangle_motions`).
 
     Attributes:
         T: ``(S, 4, 4)`` float64 motions (the identity where not ``valid``).
-        valid: ``(S,)`` bool: the triangle test passed, both triangles have an area and
-            Horn's pose is finite.
+        valid: ``(S,)`` bool: both triangles have an area and Horn's pose is finite.
         rows: ``(S,)`` int64: the hypothesis (row of ``triples``) of each, ascending.
-        kept: 0-d int64 on the device: how many hypotheses passed the triangle test.
 
     """
 
     T: torch.Tensor
     valid: torch.Tensor
     rows: torch.Tensor
-    kept: torch.Tensor
 
 
 def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
-                     similarity: float, eps: float, *, compact: bool = False) -> Hypotheses:
+                     similarity: float, eps: float) -> Hypotheses:
     """Motions of RANSAC's triangle hypotheses (see the module contract).
 
     Args:
@@ -262,13 +258,10 @@ def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
         triples: ``(H, 3)`` int64 correspondence rows of each hypothesis.
         similarity: the triangle test's allowed relative edge-length difference.
         eps: the area test's degeneracy bound (``estimate.DEGENERACY_EPS``).
-        compact: return only the hypotheses that pass the triangle test (a host
-            synchronisation); else a backend may return every hypothesis (the Triton kernel
-            does: nothing waits for the device), the failed ones invalid.
 
     Returns:
-        :class:`Hypotheses` of S hypotheses in their order: at least every one that passes
-        the triangle test.
+        :class:`Hypotheses`: those passing the triangle test, in their order (a compaction:
+        one host synchronisation).
 
     """
     if (backend(cs) == "triton" and cs.dtype == torch.float32 and ct.dtype == torch.float32
@@ -276,11 +269,8 @@ def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
         from pointalign.kernels.ransac import triton as _ransac_triton
 
         T, valid, keep = _ransac_triton.triangle_motions(cs, ct, triples, similarity, eps)
-        if not compact:
-            return Hypotheses(T, valid, torch.arange(T.shape[0], device=T.device),
-                              keep.sum())
         rows = keep.nonzero().squeeze(1)  # stream compaction: one host synchronisation
-        return Hypotheses(T[rows], valid[rows], rows, keep.sum())
+        return Hypotheses(T[rows], valid[rows], rows)
     from pointalign.kernels.horn import weighted_horn
 
     src, tgt = cs[triples], ct[triples]
@@ -289,8 +279,7 @@ def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
     T, ok = weighted_horn(s, t, s.new_ones(s.shape[:2]))
     valid = ok & triangle_has_area(s, eps) & triangle_has_area(t, eps)
     eye = torch.eye(4, dtype=T.dtype, device=T.device)
-    return Hypotheses(torch.where(valid[:, None, None], T, eye), valid, rows,
-                      torch.tensor(rows.shape[0], device=rows.device))
+    return Hypotheses(torch.where(valid[:, None, None], T, eye), valid, rows)
 
 
 def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,7 @@ def global_many(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
         # rows of the pairs' correspondence tables laid end to end
         est = _kr.triangle_motions(cs.reshape(-1, 3), ct.reshape(-1, 3),
                                    (ab * N + triples).reshape(-1, 3), sim,
-                                   estimate.DEGENERACY_EPS, compact=True)
+                                   estimate.DEGENERACY_EPS)
         clock.lap("triangle")
         if est.rows.numel():
             prob = act[est.rows // hh]
