@@ -92,19 +92,6 @@ def _horn_body(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N,
 
 
 @triton.jit
-def pose_tile(R, t):
-    """Return the pose ``[R t; 0 1]`` as a row-major ``(16,)`` tile (R 9-tuple, t 3-tuple)."""
-    k16 = tl.arange(0, 16)
-    return tl.where(k16 == 0, R[0], 0.0) + tl.where(k16 == 1, R[1], 0.0) \
-        + tl.where(k16 == 2, R[2], 0.0) + tl.where(k16 == 3, t[0], 0.0) \
-        + tl.where(k16 == 4, R[3], 0.0) + tl.where(k16 == 5, R[4], 0.0) \
-        + tl.where(k16 == 6, R[5], 0.0) + tl.where(k16 == 7, t[1], 0.0) \
-        + tl.where(k16 == 8, R[6], 0.0) + tl.where(k16 == 9, R[7], 0.0) \
-        + tl.where(k16 == 10, R[8], 0.0) + tl.where(k16 == 11, t[2], 0.0) \
-        + tl.where(k16 == 15, 1.0, 0.0)
-
-
-@triton.jit
 def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c12s,
                 c20s, c21s, c22s, b, T_ptr, valid_ptr, Told_ptr, frozen_ptr,
                 SQUARINGS: tl.constexpr, KEEP: tl.constexpr):
@@ -119,7 +106,13 @@ def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c
                             (c00s, c01s, c02s, c10s, c11s, c12s, c20s, c21s, c22s),
                             _TIE, SQUARINGS)
     k16 = tl.arange(0, 16)
-    T = pose_tile(R, t)
+    T = tl.where(k16 == 0, R[0], 0.0) + tl.where(k16 == 1, R[1], 0.0) \
+        + tl.where(k16 == 2, R[2], 0.0) + tl.where(k16 == 3, t[0], 0.0) \
+        + tl.where(k16 == 4, R[3], 0.0) + tl.where(k16 == 5, R[4], 0.0) \
+        + tl.where(k16 == 6, R[5], 0.0) + tl.where(k16 == 7, t[1], 0.0) \
+        + tl.where(k16 == 8, R[6], 0.0) + tl.where(k16 == 9, R[7], 0.0) \
+        + tl.where(k16 == 10, R[8], 0.0) + tl.where(k16 == 11, t[2], 0.0) \
+        + tl.where(k16 == 15, 1.0, 0.0)
     if KEEP:
         new_pose = ok & (tl.load(frozen_ptr + b) == 0)
         T = tl.where(new_pose, T, tl.load(Told_ptr + b * 16 + k16))

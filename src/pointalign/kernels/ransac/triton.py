@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from pointalign.kernels import _tl_math as tm
-from pointalign.kernels.horn.triton import _TIE, pose_tile
+from pointalign.kernels.horn.triton import _TIE
 from pointalign.kernels.ransac.reference import MAX_TRITON_FEATURE_K
 
 
@@ -343,7 +343,7 @@ _SQUARINGS = 40
 
 @triton.jit
 def _row(p_ptr, i):
-    """Row ``i`` of a ``(C, 3)`` table: three scalars."""
+    """Rows ``i`` of a ``(C, 3)`` table: three vectors."""
     return tl.load(p_ptr + 3 * i), tl.load(p_ptr + 3 * i + 1), tl.load(p_ptr + 3 * i + 2)
 
 
@@ -378,20 +378,22 @@ def _has_area(x0, y0, z0, x1, y1, z1, x2, y2, z2, eps):
         * (bx * bx + by * by + bz * bz)
 
 
-@triton.jit(do_not_specialize=("lo_ratio", "eps"))
-def _triangle_motion_kernel(cs_ptr, ct_ptr, tri_ptr, T_ptr, valid_ptr, keep_ptr, lo_ratio,
-                            eps, SQUARINGS: tl.constexpr):
-    """Hypothesis ``pid``: its triangle test, both triangles' areas and Horn's motion.
+@triton.jit(do_not_specialize=("n_hyp", "lo_ratio", "eps"))
+def _triangle_motion_kernel(cs_ptr, ct_ptr, tri_ptr, T_ptr, valid_ptr, keep_ptr, n_hyp,
+                            lo_ratio, eps, SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
+    """``BLOCK`` hypotheses, one a lane: the triangle test, both areas and Horn's motion.
 
     Correspondences ``tri (H, 3)`` into ``cs, ct (C, 3)`` float32. Writes ``keep`` (the edge
     ratio test), ``valid`` (kept, both triangles with an area, Horn's pose finite) and
     ``T (H, 4, 4)`` float64: Horn's motion of the three pairs with unit weights (float64
     moments summed vertex by vertex), the identity where not valid.
     """
-    h = tl.program_id(0).to(tl.int64)
-    i0 = tl.load(tri_ptr + 3 * h)
-    i1 = tl.load(tri_ptr + 3 * h + 1)
-    i2 = tl.load(tri_ptr + 3 * h + 2)
+    h = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    hm = h < n_hyp
+    hc = tl.where(hm, h, 0)  # lanes past the end read hypothesis 0 and store nothing
+    i0 = tl.load(tri_ptr + 3 * hc)
+    i1 = tl.load(tri_ptr + 3 * hc + 1)
+    i2 = tl.load(tri_ptr + 3 * hc + 2)
     x0, y0, z0 = _row(cs_ptr, i0)
     x1, y1, z1 = _row(cs_ptr, i1)
     x2, y2, z2 = _row(cs_ptr, i2)
@@ -419,11 +421,20 @@ def _triangle_motion_kernel(cs_ptr, ct_ptr, tri_ptr, T_ptr, valid_ptr, keep_ptr,
          c0 * m0 + c1 * m1 + c2 * m2, c0 * n0 + c1 * n1 + c2 * n2, c0 * o0 + c1 * o1 + c2 * o2),
         _TIE, SQUARINGS)
     good = ok & keep & area
-    k16 = tl.arange(0, 16)
-    eye = tl.where((k16 == 0) | (k16 == 5) | (k16 == 10) | (k16 == 15), 1.0, 0.0)
-    tl.store(T_ptr + 16 * h + k16, tl.where(good, pose_tile(R, t), eye))
-    tl.store(valid_ptr + h, good.to(tl.int8))
-    tl.store(keep_ptr + h, keep.to(tl.int8))
+    out = T_ptr + 16 * h
+    for r in tl.static_range(3):
+        for c in tl.static_range(3):
+            tl.store(out + 4 * r + c, tl.where(good, R[3 * r + c], 1.0 if r == c else 0.0),
+                     mask=hm)
+        tl.store(out + 4 * r + 3, tl.where(good, t[r], 0.0), mask=hm)
+        tl.store(out + 12 + r, a0 * 0.0, mask=hm)
+    tl.store(out + 15, a0 * 0.0 + 1.0, mask=hm)
+    tl.store(valid_ptr + h, good.to(tl.int8), mask=hm)
+    tl.store(keep_ptr + h, keep.to(tl.int8), mask=hm)
+
+
+#: hypotheses per program of the triangle kernel (one a lane)
+_TRIANGLE_BLOCK = 64
 
 
 def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
@@ -441,7 +452,8 @@ def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
     valid = torch.empty((H,), dtype=torch.int8, device=dev)
     keep = torch.empty((H,), dtype=torch.int8, device=dev)
     if H:
-        _triangle_motion_kernel[(H,)](cs.contiguous(), ct.contiguous(), triples.contiguous(),
-                                      T, valid, keep, 1.0 - float(similarity), float(eps),
-                                      SQUARINGS=_SQUARINGS, num_warps=1)
+        _triangle_motion_kernel[(triton.cdiv(H, _TRIANGLE_BLOCK),)](
+            cs.contiguous(), ct.contiguous(), triples.contiguous(), T, valid, keep, H,
+            1.0 - float(similarity), float(eps), SQUARINGS=_SQUARINGS, BLOCK=_TRIANGLE_BLOCK,
+            num_warps=2)
     return T, valid.view(torch.bool), keep.view(torch.bool)
