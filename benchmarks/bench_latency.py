@@ -127,7 +127,8 @@ def _stage_table(prof) -> list[dict]:
     ev = list(prof.events())
     ranges = [e for e in ev if e.name.startswith("stage ")
               and e.device_type == torch.autograd.DeviceType.CPU]
-    kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("stage ")]  # (the ranges' own GPU-side spans)
     host = [e for e in ev if e.name in _LAUNCH or e.name in _SYNC]
     out = []
     for r in sorted(ranges, key=lambda e: e.time_range.start):
@@ -164,6 +165,8 @@ def profile_call(fn, stages=()) -> dict:
     busy_us = 0.0
     per_kernel: dict[str, float] = {}
     for e in prof.events():
+        if e.name.startswith("stage "):  # the stage ranges, and their GPU-side spans
+            continue
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels += 1
             us = e.time_range.elapsed_us()
