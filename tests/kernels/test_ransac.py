@@ -368,7 +368,7 @@ def test_transform_points_on_cuda():
                                                                p.double().cuda()))
 
 
-# ---- triangle hypotheses on Triton (ransac/triton.py) --------------------------------------
+# ---- triangle hypotheses (the Triton tests in ransac/triton.py) ----------------------------
 
 def _triangle_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
     """``(cs, ct, triples, similarity)``: 60 correspondences of a known motion with noise, 400
@@ -388,8 +388,9 @@ def _triangle_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, fl
 
 
 def _check_triangles(got, cs, ct, triples, sim) -> None:
-    """The Triton hypotheses against the reference composition, every row (no compaction):
-    the same tests up to a triangle on a bound, the same motions to float64 rounding."""
+    """Hypotheses ``(T, valid, keep)`` of every row (the dropped ones invalid) against the
+    reference composition: the same tests up to a triangle on a bound, the same motions to
+    float64 rounding."""
     from pointalign.kernels.horn.reference import horn_reference
     from pointalign.kernels.ransac.reference import triangle_has_area
 
@@ -412,11 +413,28 @@ def _check_triangles(got, cs, ct, triples, sim) -> None:
                                                                            4, 4))
 
 
+def _check_tests(got, cs, ct, triples, sim) -> None:
+    """The Triton tests ``(keep, area) (H,)`` against the reference's, every hypothesis:
+    equal up to a triangle with an edge pair on the ratio's bound."""
+    from pointalign.kernels.ransac.reference import triangle_has_area
+
+    keep, area = got
+    src, tgt = cs[triples], ct[triples]
+    ls = (src - src.roll(1, dims=-2)).norm(dim=-1)
+    lt = (tgt - tgt.roll(1, dims=-2)).norm(dim=-1)
+    edge = ((torch.minimum(ls, lt) - (1 - sim) * torch.maximum(ls, lt)).abs()
+            <= 1e-5 * torch.maximum(ls, lt)).any(1)
+    assert keep.dtype == area.dtype == torch.bool and keep.shape == (triples.shape[0],)
+    assert torch.equal(keep | edge, K.triangle_similar(src, tgt, sim) | edge)
+    assert torch.equal(area, triangle_has_area(src, 1e-12) & triangle_has_area(tgt, 1e-12))
+    assert not bool(area[:30].any())  # collinear, or a repeated correspondence: no area
+
+
 def run_interpreted_triangles(out_path: str) -> None:
-    """Child-process body (TRITON_INTERPRET=1): the Triton hypotheses of every case."""
+    """Child-process body (TRITON_INTERPRET=1): the Triton tests of every case."""
     from pointalign.kernels.ransac import triton as _ransac_triton
 
-    torch.save([_ransac_triton.triangle_motions(cs, ct, tri, sim, 1e-12)
+    torch.save([_ransac_triton.triangle_tests(cs, ct, tri, sim, 1e-12)
                 for cs, ct, tri, sim in _triangle_cases()], out_path)
 
 
@@ -425,9 +443,9 @@ interpreted_triangles = interpreted_fixture("tests.kernels.test_ransac",
                                             "interpreted_triangles")
 
 
-def test_triton_triangle_motions_interpreted(interpreted_triangles):
+def test_triton_triangle_tests_interpreted(interpreted_triangles):
     for got, case in zip(interpreted_triangles, _triangle_cases(), strict=True):
-        _check_triangles(got, *case)
+        _check_tests(got, *case)
 
 
 @backends("torch", "cpu", "triton")

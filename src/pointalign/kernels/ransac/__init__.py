@@ -39,10 +39,9 @@ spec):
   motion of the three pairs (unit weights, float64 moments), the identity where not valid.
   Reference: the triangle test, the compaction (one host synchronisation), then
   :func:`pointalign.kernels.horn.weighted_horn` and the area tests of the survivors. On
-  CUDA (float32) one Triton program per hypothesis does the tests and Horn for every
-  hypothesis in one launch (no PyTorch op chain), then the same compaction: the same
-  decisions and motions up to rounding (float32 norms and float64 moments summed in
-  another order; a test can differ only for a triangle on its bound).
+  CUDA (float32) one Triton launch tests every hypothesis (edge ratios and both areas, no
+  PyTorch op chain), then the same compaction and Horn: the same decisions up to a length
+  on the test's bound (float32 norms rounded otherwise), the same motions.
 * ``transform_points(T (S, 4, 4), points (P, 3) or (S, P, 3)) -> (S, P, 3)`` in the points'
   dtype. Reference: one ``baddbmm``; the "cpu" backend moves the points in one numba pass
   with the products and sums ``baddbmm`` makes on the CPU (below); on CUDA, float32 points
@@ -264,20 +263,23 @@ def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
         one host synchronisation).
 
     """
+    from pointalign.kernels.horn import weighted_horn
+
     if (backend(cs) == "triton" and cs.dtype == torch.float32 and ct.dtype == torch.float32
             and not cs.requires_grad and not ct.requires_grad):
         from pointalign.kernels.ransac import triton as _ransac_triton
 
-        T, valid, keep = _ransac_triton.triangle_motions(cs, ct, triples, similarity, eps)
+        keep, area = _ransac_triton.triangle_tests(cs, ct, triples, similarity, eps)
         rows = keep.nonzero().squeeze(1)  # stream compaction: one host synchronisation
-        return Hypotheses(T[rows], valid[rows], rows)
-    from pointalign.kernels.horn import weighted_horn
-
-    src, tgt = cs[triples], ct[triples]
-    rows = triangle_similar(src, tgt, similarity).nonzero().squeeze(1)  # one synchronisation
-    s, t = src[rows], tgt[rows]
+        tri = triples[rows]
+        s, t, area = cs[tri], ct[tri], area[rows]
+    else:
+        src, tgt = cs[triples], ct[triples]
+        rows = triangle_similar(src, tgt, similarity).nonzero().squeeze(1)  # one sync
+        s, t = src[rows], tgt[rows]
+        area = triangle_has_area(s, eps) & triangle_has_area(t, eps)
     T, ok = weighted_horn(s, t, s.new_ones(s.shape[:2]))
-    valid = ok & triangle_has_area(s, eps) & triangle_has_area(t, eps)
+    valid = ok & area
     eye = torch.eye(4, dtype=T.dtype, device=T.device)
     return Hypotheses(torch.where(valid[:, None, None], T, eye), valid, rows)
 

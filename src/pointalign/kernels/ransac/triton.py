@@ -1,4 +1,4 @@
-"""Triton kernels of the ransac family: the point move and the feature kNN.
+"""Triton kernels of the ransac family: the point move, the feature kNN, the triangle tests.
 
 **The point move** (``transform_points``). ``transform_points_reference`` moves points by
 ``baddbmm``, a GEMM whose inner dimension is 3: cuBLAS tiles it as a matrix product and
@@ -19,6 +19,12 @@ backward matches ask), and each reference row's nearest query row is folded in b
 that a few thousand rows still fill the GPU, and a second kernel merges the shares'
 candidates. Nothing is specialised on the sizes: one compilation serves every cloud and
 batch.
+
+**The triangle tests** (``triangle_tests``: RANSAC's hypotheses). One lane a hypothesis
+gathers its three correspondences and tests the edge ratios (float32 lengths) and both
+triangles' areas (float64), one launch where the PyTorch statement took ~30. Horn's motion
+of the survivors stays the horn family's kernel: inlined here for every hypothesis it made
+this kernel compile in ~3 s on the device (the first call waits for the slowest compile).
 """
 
 from __future__ import annotations
@@ -30,8 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pointalign.kernels import _tl_math as tm
-from pointalign.kernels.horn.triton import _TIE
 from pointalign.kernels.ransac.reference import MAX_TRITON_FEATURE_K
 
 
@@ -90,9 +94,9 @@ _FEATURE_BQ, _FEATURE_BR = 16, 64
 #: programs per SM the reference is split for (a program walks its share of the reference
 #: rows: RANSAC's ~4.5k × 4.6k FPFH rows are 140 query blocks, too few alone)
 _FEATURE_PROGRAMS_PER_SM = 8
-#: feature widths up to this are compile-time constants (the loop over d unrolled: one
-#: compilation per width, FPFH's 33 the usual one); wider ones loop at run time
-_FEATURE_UNROLL = 64
+#: dimensions of the feature kernel's loop per pass (unrolled; the whole of FPFH's 33 ran
+#: ~2x faster than one at a time but took ~2.5 s to compile, on the first call's path)
+_FEATURE_UNROLL = 8
 #: (distance bits << 32 | row) of "no row yet": larger than every real key
 _NO_KEY = 0x7FFFFFFFFFFFFFFF
 
@@ -102,7 +106,7 @@ _NO_KEY = 0x7FFFFFFFFFFFFFFF
             do_not_specialize_on_alignment=("q_ptr",))
 def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, back_ptr,
                          n_blocks, n_split, chunk, n_rows, n_cols, dim, k, q_stride, r_stride,
-                         back, COUNTS: tl.constexpr, DIM: tl.constexpr, BQ: tl.constexpr,
+                         back, COUNTS: tl.constexpr, UNROLL: tl.constexpr, BQ: tl.constexpr,
                          BR: tl.constexpr):
     """Find the 2 nearest of ``BQ`` query rows among a share of a problem's reference rows.
 
@@ -148,20 +152,22 @@ def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, ba
         cols = start + lanes
         cmask = cols < end
         acc = zero
-        if DIM > 0:  # the width known: unrolled, every load issued ahead of its use
-            for d in tl.static_range(DIM):
-                qd = tl.load(q_row + d, mask=rmask, other=0.0)
-                rd = tl.load(r_base + d * n_cols + cols, mask=cmask, other=0.0)
+        # in order of d: UNROLL dimensions a pass (their loads issued ahead of their use),
+        # then the rest one at a time
+        d = b * 0
+        while d + UNROLL <= dim:
+            for j in tl.static_range(UNROLL):
+                qd = tl.load(q_row + d + j, mask=rmask, other=0.0)
+                rd = tl.load(r_base + (d + j) * n_cols + cols, mask=cmask, other=0.0)
                 x = qd[:, None] - rd[None, :]
                 acc += x * x
-        else:
-            d = b * 0
-            while d < dim:
-                qd = tl.load(q_row + d, mask=rmask, other=0.0)
-                rd = tl.load(r_base + d * n_cols + cols, mask=cmask, other=0.0)
-                x = qd[:, None] - rd[None, :]
-                acc += x * x
-                d += 1
+            d += UNROLL
+        while d < dim:
+            qd = tl.load(q_row + d, mask=rmask, other=0.0)
+            rd = tl.load(r_base + d * n_cols + cols, mask=cmask, other=0.0)
+            x = qd[:, None] - rd[None, :]
+            acc += x * x
+            d += 1
         acc = tl.where(rmask[:, None] & cmask[None, :], acc, inf)
         if back:
             near, who = tl.min(acc, axis=0, return_indices=True,
@@ -317,8 +323,8 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor, k: int,
         nc = (n, m) if counts else (q, q)
         _feature_part_kernel[(B * n_blocks * split,)](
             q, rt, *nc, *part, keys, n_blocks, split, chunk, N, M, D, k, N * D, D * M,
-            int(backward), COUNTS=counts, DIM=D if D <= _FEATURE_UNROLL else 0,
-            BQ=_FEATURE_BQ, BR=_FEATURE_BR, num_warps=4)
+            int(backward), COUNTS=counts, UNROLL=_FEATURE_UNROLL, BQ=_FEATURE_BQ,
+            BR=_FEATURE_BR, num_warps=4)
         m_blocks = triton.cdiv(max(N, M if backward else 0), _FEATURE_BQ)
         _feature_merge_kernel[(B * m_blocks,)](
             *part, keys, *nc, *out, *(back or out), m_blocks, split, N, M, k, int(backward),
@@ -336,10 +342,6 @@ def _sm_count(index: int) -> int:
 
 
 # ---- triangle hypotheses -----------------------------------------------------------------
-
-#: Horn's top eigenvector by this many squarings (the horn family's setting)
-_SQUARINGS = 40
-
 
 @triton.jit
 def _row(p_ptr, i):
@@ -379,14 +381,12 @@ def _has_area(x0, y0, z0, x1, y1, z1, x2, y2, z2, eps):
 
 
 @triton.jit(do_not_specialize=("n_hyp", "lo_ratio", "eps"))
-def _triangle_motion_kernel(cs_ptr, ct_ptr, tri_ptr, T_ptr, valid_ptr, keep_ptr, n_hyp,
-                            lo_ratio, eps, SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
-    """``BLOCK`` hypotheses, one a lane: the triangle test, both areas and Horn's motion.
+def _triangle_test_kernel(cs_ptr, ct_ptr, tri_ptr, keep_ptr, area_ptr, n_hyp, lo_ratio, eps,
+                          BLOCK: tl.constexpr):
+    """``BLOCK`` hypotheses, one a lane: the triangle test and both triangles' areas.
 
     Correspondences ``tri (H, 3)`` into ``cs, ct (C, 3)`` float32. Writes ``keep`` (the edge
-    ratio test), ``valid`` (kept, both triangles with an area, Horn's pose finite) and
-    ``T (H, 4, 4)`` float64: Horn's motion of the three pairs with unit weights (float64
-    moments summed vertex by vertex), the identity where not valid.
+    ratio test, float32 lengths) and ``area`` (both triangles span a plane, float64).
     """
     h = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     hm = h < n_hyp
@@ -406,54 +406,28 @@ def _triangle_motion_kernel(cs_ptr, ct_ptr, tri_ptr, T_ptr, valid_ptr, keep_ptr,
         & _edge_ok(x2, y2, z2, x1, y1, z1, u2, v2, w2, u1, v1, w1, lo_ratio)
     area = _has_area(x0, y0, z0, x1, y1, z1, x2, y2, z2, eps) \
         & _has_area(u0, v0, w0, u1, v1, w1, u2, v2, w2, eps)
-    f64 = tl.float64
-    a0, b0, c0 = x0.to(f64), y0.to(f64), z0.to(f64)
-    a1, b1, c1 = x1.to(f64), y1.to(f64), z1.to(f64)
-    a2, b2, c2 = x2.to(f64), y2.to(f64), z2.to(f64)
-    m0, n0, o0 = u0.to(f64), v0.to(f64), w0.to(f64)
-    m1, n1, o1 = u1.to(f64), v1.to(f64), w1.to(f64)
-    m2, n2, o2 = u2.to(f64), v2.to(f64), w2.to(f64)
-    R, t, ok = tm.horn_pose(
-        a0 * 0.0 + 3.0, (a0 + a1 + a2, b0 + b1 + b2, c0 + c1 + c2),
-        (m0 + m1 + m2, n0 + n1 + n2, o0 + o1 + o2),
-        (a0 * m0 + a1 * m1 + a2 * m2, a0 * n0 + a1 * n1 + a2 * n2, a0 * o0 + a1 * o1 + a2 * o2,
-         b0 * m0 + b1 * m1 + b2 * m2, b0 * n0 + b1 * n1 + b2 * n2, b0 * o0 + b1 * o1 + b2 * o2,
-         c0 * m0 + c1 * m1 + c2 * m2, c0 * n0 + c1 * n1 + c2 * n2, c0 * o0 + c1 * o1 + c2 * o2),
-        _TIE, SQUARINGS)
-    good = ok & keep & area
-    out = T_ptr + 16 * h
-    for r in tl.static_range(3):
-        for c in tl.static_range(3):
-            tl.store(out + 4 * r + c, tl.where(good, R[3 * r + c], 1.0 if r == c else 0.0),
-                     mask=hm)
-        tl.store(out + 4 * r + 3, tl.where(good, t[r], 0.0), mask=hm)
-        tl.store(out + 12 + r, a0 * 0.0, mask=hm)
-    tl.store(out + 15, a0 * 0.0 + 1.0, mask=hm)
-    tl.store(valid_ptr + h, good.to(tl.int8), mask=hm)
     tl.store(keep_ptr + h, keep.to(tl.int8), mask=hm)
+    tl.store(area_ptr + h, area.to(tl.int8), mask=hm)
 
 
 #: hypotheses per program of the triangle kernel (one a lane)
-_TRIANGLE_BLOCK = 64
+_TRIANGLE_BLOCK = 128
 
 
-def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
-                     similarity: float, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run :func:`pointalign.kernels.ransac.triangle_motions`'s contract in one launch.
+def triangle_tests(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
+                   similarity: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the triangle test and the area tests of every hypothesis in one launch.
 
     ``cs, ct (C, 3)`` float32 on one CUDA device, ``triples (H, 3)`` int64. Returns
-    ``(T (H, 4, 4) float64, valid (H,) bool, keep (H,) bool)`` of every hypothesis, in
-    order (no compaction: nothing waits for the device); ``keep``: the triangle test.
+    ``(keep (H,) bool, area (H,) bool)``: what ``triangle_similar`` and
+    ``triangle_has_area`` (of both triangles) say of each hypothesis, up to the rounding of
+    a length on the test's bound.
     """
     H = triples.shape[0]
-    dev = cs.device
-    T = torch.empty((H, 4, 4), dtype=torch.float64, device=dev)
-    valid = torch.empty((H,), dtype=torch.int8, device=dev)
-    keep = torch.empty((H,), dtype=torch.int8, device=dev)
+    keep = torch.empty((H,), dtype=torch.int8, device=cs.device)
+    area = torch.empty((H,), dtype=torch.int8, device=cs.device)
     if H:
-        _triangle_motion_kernel[(triton.cdiv(H, _TRIANGLE_BLOCK),)](
-            cs.contiguous(), ct.contiguous(), triples.contiguous(), T, valid, keep, H,
-            1.0 - float(similarity), float(eps), SQUARINGS=_SQUARINGS, BLOCK=_TRIANGLE_BLOCK,
-            num_warps=2)
-    return T, valid.view(torch.bool), keep.view(torch.bool)
+        _triangle_test_kernel[(triton.cdiv(H, _TRIANGLE_BLOCK),)](
+            cs.contiguous(), ct.contiguous(), triples.contiguous(), keep, area, H,
+            1.0 - float(similarity), float(eps), BLOCK=_TRIANGLE_BLOCK, num_warps=4)
+    return keep.view(torch.bool), area.view(torch.bool)
