@@ -101,6 +101,18 @@ _FEATURE_UNROLL = 8
 _NO_KEY = 0x7FFFFFFFFFFFFFFF
 
 
+@triton.jit
+def _valid_rows(n_ptr, m_ptr, b, n_rows, n_cols, COUNTS: tl.constexpr):
+    """Problem ``b``'s valid query and reference rows: ``n[b], m[b]`` (``COUNTS``), else all."""
+    if COUNTS:
+        nq = tl.load(n_ptr + b)
+        nr = tl.load(m_ptr + b)
+    else:
+        nq = n_rows + b * 0
+        nr = n_cols + b * 0
+    return nq, nr
+
+
 @triton.jit(do_not_specialize=("n_blocks", "n_split", "chunk", "n_rows", "n_cols", "dim",
                                "k", "q_stride", "r_stride", "back"),
             do_not_specialize_on_alignment=("q_ptr",))
@@ -130,12 +142,7 @@ def _feature_part_kernel(q_ptr, rt_ptr, n_ptr, m_ptr, part_d_ptr, part_i_ptr, ba
     b = blk // n_blocks
     first = (blk - b * n_blocks) * BQ
     rows = first + tl.arange(0, BQ).to(tl.int64)
-    if COUNTS:
-        nq = tl.load(n_ptr + b)
-        nr = tl.load(m_ptr + b)
-    else:
-        nq = n_rows + b * 0
-        nr = n_cols + b * 0
+    nq, nr = _valid_rows(n_ptr, m_ptr, b, n_rows, n_cols, COUNTS)
     rmask = rows < nq
     inf = float("inf")
     zero = tl.zeros((BQ, BR), dtype=tl.float32)
@@ -219,12 +226,7 @@ def _feature_merge_kernel(part_d_ptr, part_i_ptr, back_ptr, n_ptr, m_ptr, out_d_
     pid = tl.program_id(0).to(tl.int64)
     b = pid // n_blocks
     rows = (pid - b * n_blocks) * BQ + tl.arange(0, BQ).to(tl.int64)
-    if COUNTS:
-        nq = tl.load(n_ptr + b)
-        nr = tl.load(m_ptr + b)
-    else:
-        nq = n_rows + b * 0
-        nr = n_cols + b * 0
+    nq, nr = _valid_rows(n_ptr, m_ptr, b, n_rows, n_cols, COUNTS)
     inf = float("inf")
     big = 9223372036854775807
     zero_q = tl.zeros((BQ,), dtype=tl.float32)
