@@ -8,7 +8,7 @@ spec):
   Reference: distances from ``torch.cdist`` over row chunks (the N×M matrix exists one
   chunk at a time), clamped at 0. The "cpu" backend (``cpu.py``, k <= 16) fuses the
   distances and the selection and sums ``(q_d − r_d)²`` directly; so does the "triton"
-  backend for float32 (``triton.py``, k <= 16: the same sums, each product possibly fused
+  backend for float32 (``triton.py``, k <= 2: the same sums, each product possibly fused
   with its sum). Both agree with the reference up to ``cdist``'s rounding (a neighbour can
   differ only between near-equidistant rows); ties go to the smaller index.
 * ``feature_matches(source (N, D), target (M, D), k, backward) -> FeatureMatches``: the
