@@ -470,9 +470,9 @@ def second_order_of_points_many(source: torch.Tensor, target: torch.Tensor,
     return second_order_reference(A)
 
 
-__all__ = ["FeatureMatches", "feature_knn", "feature_knn_reference", "feature_matches",
-           "feature_matches_many", "second_order_of_points_many",
+__all__ = ["FeatureMatches", "Hypotheses", "feature_knn", "feature_knn_reference",
+           "feature_matches", "feature_matches_many", "second_order_of_points_many",
            "pair_lengths", "score_transforms", "score_transforms_reference", "second_order",
            "second_order_of_points", "second_order_of_points_reference",
            "second_order_reference", "transform_points", "transform_points_reference",
-           "triangle_similar"]
+           "triangle_motions", "triangle_similar"]
