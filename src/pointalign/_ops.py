@@ -41,22 +41,31 @@ def run_sums(values: torch.Tensor, lengths: Sequence[int]) -> list[int]:
     return [e - s for s, e in zip(at[:-1], at[1:], strict=True)]
 
 
+def scalar_divisors(divisors: Sequence[float], dtype: torch.dtype, device: torch.device
+                    ) -> tuple[torch.Tensor, bool]:
+    """How PyTorch divides a ``dtype`` tensor on ``device`` by each Python float of ``divisors``.
+
+    Returns ``(values (C,), divide)``: ``x / d`` is ``x / values[c]`` where ``divide``, else
+    ``x * values[c]``, rounded to ``dtype``. On CUDA PyTorch computes ``x / d`` as
+    ``x * (1 / d)``, the reciprocal taken on the host in float64 and rounded to ``dtype``
+    (measured on an H200 with PyTorch 2.11: equal bits on 600k coordinates at five
+    divisors, where a float32 reciprocal of the float32 divisor differs in up to a third of
+    them); elsewhere as a true division by ``d`` rounded to ``dtype``. One host-to-device
+    copy (pinned: no synchronisation).
+    """
+    if device.type == "cuda" and dtype in (torch.float32, torch.float64):
+        return upload([1.0 / d for d in divisors], dtype=dtype, device=device), False
+    return upload([float(d) for d in divisors], dtype=dtype, device=device), True
+
+
 def divide_like_scalar(values: torch.Tensor, divisors: Sequence[float],
                        rows: torch.Tensor) -> torch.Tensor:
     """``values[i] / divisors[rows[i]]``, rounded as PyTorch divides a tensor by a Python float.
 
-    For batched code that must give what a per-item ``x / d`` gives, bit for bit: on CUDA
-    PyTorch computes ``x / d`` (``d`` a Python float) as ``x * (1 / d)``, the reciprocal
-    taken on the host in float64 and rounded to ``values``' dtype (measured on an H200 with
-    PyTorch 2.11: equal bits on 600k coordinates at five divisors, where a float32
-    reciprocal of the float32 divisor differs in up to a third of them); elsewhere as a true
-    division by ``d`` rounded to ``values``' dtype. ``values (P, ...)`` float32/float64;
-    ``rows (P,)`` int64 on its device: each row's divisor. One host-to-device copy.
+    For batched code that must give what a per-item ``x / d`` gives, bit for bit
+    (:func:`scalar_divisors`). ``values (P, ...)`` float32/float64; ``rows (P,)`` int64 on
+    its device: each row's divisor. One host-to-device copy.
     """
-    dt = values.dtype
-    if values.device.type == "cuda" and dt in (torch.float32, torch.float64):
-        rec = [1.0 / d for d in divisors]  # float64; the upload rounds it to dt
-        f = upload(rec, dtype=dt, device=values.device)  # pinned: no synchronisation
-        return values * f[rows].reshape((-1,) + (1,) * (values.dim() - 1))
-    f = torch.tensor(list(divisors), dtype=dt).to(values.device)
-    return values / f[rows].reshape((-1,) + (1,) * (values.dim() - 1))
+    f, divide = scalar_divisors(divisors, values.dtype, values.device)
+    f = f[rows].reshape((-1,) + (1,) * (values.dim() - 1))
+    return values / f if divide else values * f

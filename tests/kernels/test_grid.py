@@ -1,7 +1,8 @@
 """kernels.grid: the voxel grid's build and 27-cell query on every backend against the
 reference ``grid_query_reference`` and the SciPy oracle; the Triton kernel through the
 interpreter; the capped counts within a radius (``count_within``) of several clouds sharing
-one packed grid against a brute-force count. (The index over it, VoxelGridIndex:
+one packed grid against a brute-force count; the occupied cells of several clouds
+(``count_cells``) against each cloud's distinct cells. (The index over it, VoxelGridIndex:
 ``tests/search/test_grid.py``.)
 
 Search answers: equal indices except at exact ties of distance (``assert_same_or_tied``:
@@ -152,6 +153,61 @@ def test_count_within_bad_input():
         grid_mod.count_within(*args[:-1], args[-1].to("meta"), 3)
 
 
+def _cell_clouds(g: torch.Generator, n: int = 2000):
+    """count_cells' arguments for four clouds (quantised points, many to a cell; a sparse
+    cloud far away; one point; one point repeated) at edges v, and each cloud's points."""
+    clouds = [(torch.rand(n, 3, generator=g) * 2).round(decimals=2),
+              torch.rand(n // 4, 3, generator=g) * 50 + 1e3, torch.rand(1, 3, generator=g),
+              torch.full((7, 3), -2.5)]
+    v = torch.tensor([0.1, 3.7, 0.5, 0.01], dtype=torch.float64)
+    lo = torch.stack([c.amin(0) for c in clouds]).double()
+    hi = torch.stack([c.amax(0) for c in clouds]).double()
+    dims3 = (torch.floor((hi - lo) / v[:, None]) + 2).long()
+    base = torch.cat([torch.zeros(1, dtype=torch.long), dims3.prod(1).cumsum(0)[:-1]])
+    owner = torch.repeat_interleave(torch.arange(4), torch.tensor([c.shape[0] for c in clouds]))
+    return (torch.cat(clouds), owner, lo, v, dims3[:, 1:].contiguous(), base), clouds
+
+
+def _distinct_cells(clouds, lo, scale, divide):
+    """The oracle: each cloud's distinct cell triples (no packing, no hashing)."""
+    out = []
+    for c, o, s in zip(clouds, lo, scale, strict=True):
+        rel = c.double() - o
+        out.append(torch.unique(torch.floor(rel / s if divide else rel * s), dim=0).shape[0])
+    return out
+
+
+def test_count_cells_counts_distinct_cells(backend, rng):
+    """Each cloud's occupied cells, dividing by the edge or multiplying by its reciprocal;
+    one cloud without ``owner``; the inputs untouched."""
+    args, clouds = _cell_clouds(rng)
+    pts, owner, lo, v, dims, base = (t.to(backend.device) for t in args)
+    before = pts.clone()
+    for divide, scale in ((True, v), (False, 1.0 / v)):
+        want = _distinct_cells(clouds, lo.cpu(), scale.cpu(), divide)
+        assert 1 < want[0] < clouds[0].shape[0] and want[1] > 1 and want[2:] == [1, 1]
+        got = grid_mod.count_cells(pts, owner, lo, scale, dims, base, divide=divide)
+        assert got.dtype == torch.int64 and got.tolist() == want
+        one = grid_mod.count_cells(pts[owner == 0], None, lo[:1], scale[:1], dims[:1],
+                                   base[:1], divide=divide)
+        assert one.tolist() == want[:1]
+    assert torch.equal(pts, before)
+    empty = grid_mod.count_cells(pts[:0], owner[:0], lo, v, dims, base, divide=True)
+    assert empty.tolist() == [0, 0, 0, 0]
+
+
+def test_count_cells_bad_input():
+    (pts, owner, lo, v, dims, base), _ = _cell_clouds(torch.Generator().manual_seed(0), 50)
+    with pytest.raises(ValueError, match="points"):
+        grid_mod.count_cells(pts[:, :2], owner, lo, v, dims, base, divide=True)
+    with pytest.raises(ValueError, match="expected owner"):
+        grid_mod.count_cells(pts, owner[1:], lo, v, dims, base, divide=True)
+    with pytest.raises(ValueError, match="expected owner"):
+        grid_mod.count_cells(pts, owner, lo, v[1:], dims, base, divide=True)
+    with pytest.raises(ValueError, match="one device"):
+        grid_mod.count_cells(pts, owner, lo, v, dims, base.to("meta"), divide=True)
+
+
 # --- Triton grid kernel through the interpreter (child process, tiny sizes) ------------------
 
 # (name, n, m, cell, k, max_distance, dtype)
@@ -198,6 +254,9 @@ def run_interpreted_cases(out_path: str) -> None:
     for seed in range(2):  # small clouds: the interpreter is slow
         args, _, _ = _packed(*_count_clouds(torch.Generator().manual_seed(seed), 150))
         out[("count", seed)] = [grid_mod.count_within(*args, cap) for cap in (5, 10_000)]
+        args, _ = _cell_clouds(torch.Generator().manual_seed(seed), 300)
+        out[("cells", seed)] = [_grid_triton.count_cells(*args[:3], s, *args[4:], d)
+                                for s, d in ((args[3], True), (1.0 / args[3], False))]
     torch.save(out, out_path)
 
 
@@ -280,3 +339,12 @@ def test_triton_count_within_interpreted(seed, interpreted):
     assert int(grid_ref.count_within_reference(*args, 10_000).max()) > 5   # some capped
     for got, cap in zip(interpreted[("count", seed)], (5, 10_000), strict=True):
         assert torch.equal(got, grid_ref.count_within_reference(*args, cap))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_count_cells_interpreted(seed, interpreted):
+    """The Triton hash-table counts (``grid/triton.py``) are the reference's."""
+    (pts, owner, lo, v, dims, base), _ = _cell_clouds(torch.Generator().manual_seed(seed), 300)
+    for got, (s, d) in zip(interpreted[("cells", seed)], ((v, True), (1.0 / v, False)),
+                           strict=True):
+        assert torch.equal(got, grid_ref.count_cells_reference(pts, owner, lo, s, dims, base, d))

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from pointalign import _threads, _validate
-from pointalign._ops import divide_like_scalar, exclusive_cumsum_rows, run_sums
+from pointalign._ops import exclusive_cumsum_rows, scalar_divisors
 from pointalign.cloud import PointCloud
 from pointalign.kernels import upload
+from pointalign.kernels.grid import count_cells
 
 #: largest number of voxels along one axis (the three keys are packed in one int64)
 _MAX_CELLS_PER_AXIS = 1 << 20
@@ -345,9 +346,10 @@ def count_voxels_many(group: CloudGroup, voxel_sizes: Sequence[float]) -> list[i
     Each cloud on its own grid (anchored at its own minimum corner), its cells computed
     with the operations :func:`voxel_keys` uses (float64 ``floor((p - lo) / v)``, the
     division as PyTorch rounds a division by a Python float on the device:
-    :func:`pointalign._ops.divide_like_scalar`), so the same cells and the same counts; the
+    :func:`pointalign._ops.scalar_divisors`), so the same cells and the same counts; the
     key ``(cloud, cell)`` is packed over each cloud's own extent and all clouds are counted
-    by one sort. One host synchronisation (the counts).
+    at once (:func:`~pointalign.kernels.grid.count_cells`: on a GPU one hash-table launch).
+    One host synchronisation (the counts).
 
     Raises:
         ValueError: a grid would need more than 2**20 voxels along an axis (as
@@ -366,19 +368,12 @@ def count_voxels_many(group: CloudGroup, voxel_sizes: Sequence[float]) -> list[i
     if sum(cells) >= 1 << 62:  # the packed key would overflow: one cloud at a time
         return [count_voxels(group.cloud(i), v) for i, v in enumerate(voxel_sizes)]
     dev = group.points.device
-    base = upload(list(itertools.accumulate(cells, initial=0))[:-1], dtype=torch.int64,
+    flat = upload([x for _, b, e in dims for x in (b, e)]
+                  + list(itertools.accumulate(cells, initial=0))[:-1], dtype=torch.int64,
                   device=dev)
-    ny_nz = upload([x for _, b, e in dims for x in (b, e)], dtype=torch.int64,
-                   device=dev).view(c, 2)
-    owner = group.owner
-    rel = group.points.to(torch.float64) - group.lo[owner]
-    cell = torch.floor(divide_like_scalar(rel, list(voxel_sizes), owner)).to(torch.int64)
-    ny, nz = ny_nz[owner, 0], ny_nz[owner, 1]
-    keys = base[owner] + (cell[:, 0] * ny + cell[:, 1]) * nz + cell[:, 2]
-    sorted_keys = torch.sort(keys).values  # the clouds in turn: each one's keys lie apart
-    new = torch.ones_like(sorted_keys, dtype=torch.bool)
-    new[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    return run_sums(new, group.sizes)
+    scale, divide = scalar_divisors(voxel_sizes, torch.float64, dev)
+    return count_cells(group.points, group.owner, group.lo, scale, flat[:2 * c].view(c, 2),
+                       flat[2 * c:], divide=divide).tolist()
 
 
 def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,

@@ -32,6 +32,7 @@ import torch
 
 from pointalign import _validate
 from pointalign.kernels import grid as _grid
+from pointalign.kernels import upload
 from pointalign.kernels import knn as _knn
 from pointalign.search import _checks
 from pointalign.search.base import KnnResult
@@ -44,17 +45,20 @@ def auto_cell_size(points: torch.Tensor, per_cell: float = 4.0) -> float:
     corrects once by the measured occupancy assuming the points lie on surfaces
     (occupancy grows with the square of the edge), as range scans do.
     """
-    p = points.to(torch.float64)
-    m = p.shape[0]
-    lo = p.amin(0)
-    ext = (p.amax(0) - lo).clamp(min=0)
+    m = points.shape[0]
+    if not per_cell > 0 or (m / (per_cell * 1e-6)) ** (1 / 3) >= 1 << 20:
+        raise ValueError(f"per_cell: expected a positive number, not far below 1, got {per_cell}")
+    lo32, hi32 = torch.aminmax(points, dim=0)
+    lo = lo32.to(torch.float64)               # float32 extrema widen to float64 exactly
+    ext = (hi32.to(torch.float64) - lo).clamp(min=0)
     span = ext.max()
     # the first guess and the occupancy it gives, on the device: one transfer for the three
     c = (torch.maximum(ext, span * 1e-3).prod() / m) ** (1 / 3) * per_cell ** (1 / 3)
-    ijk = ((p - lo) / torch.where(span > 0, c, 1.0)).floor().to(torch.int64)
-    dims = ijk.amax(0) + 1
-    keys = torch.sort((ijk[:, 0] * dims[1] + ijk[:, 1]) * dims[2] + ijk[:, 2]).values
-    occupied = 1 + (keys[1:] != keys[:-1]).sum()
+    # every cell coordinate is below (m / (per_cell · 1e-6))^(1/3) (c^3 >= span^3 · 1e-6 ·
+    # per_cell / m, checked above): cells packed 2**21 to an axis are one-to-one
+    packed = upload([1 << 21, 1 << 21, 0], dtype=torch.int64, device=points.device)
+    occupied = _grid.count_cells(points, None, lo[None], torch.where(span > 0, c, 1.0)[None],
+                                 packed[None, :2], packed[2:], divide=True)[0]
     span_h, c_h, occupied_h = torch.stack([span, c, occupied.to(torch.float64)]).tolist()
     if span_h == 0 or m == 1:
         return 1.0 if span_h == 0 else span_h

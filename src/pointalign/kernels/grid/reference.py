@@ -216,3 +216,38 @@ def morton_codes_reference(points: torch.Tensor) -> torch.Tensor:
         code[s:s + _MORTON_CHUNK] = _spread(q[:, 0]) | (_spread(q[:, 1]) << 1) \
             | (_spread(q[:, 2]) << 2)
     return code
+
+
+def cell_keys_reference(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
+                        scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor,
+                        divide: bool) -> torch.Tensor:
+    """Every point's packed ``(cloud, cell)`` key, as :func:`pointalign.kernels.grid.count_cells` states it.
+
+    ``(P,)`` int64: ``base[c] + (x · ny + y) · nz + z`` for point i of cloud ``c = owner[i]``
+    (0 when ``owner`` is None), ``(x, y, z) = floor((p_i − lo[c]) / scale[c])`` (``divide``)
+    or ``floor((p_i − lo[c]) · scale[c])``, in float64; ``(ny, nz) = dims[c]``.
+    """
+    own = (torch.zeros(points.shape[0], dtype=torch.int64, device=points.device)
+           if owner is None else owner)
+    rel = points.to(torch.float64) - lo[own]
+    s = scale[own, None]
+    cell = torch.floor(rel / s if divide else rel * s).to(torch.int64)
+    d = dims[own]
+    return base[own] + (cell[:, 0] * d[:, 0] + cell[:, 1]) * d[:, 1] + cell[:, 2]
+
+
+def count_cells_reference(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
+                          scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor,
+                          divide: bool) -> torch.Tensor:
+    """Plain PyTorch statement of :func:`pointalign.kernels.grid.count_cells`.
+
+    The keys of :func:`cell_keys_reference`, sorted; a key unlike the one before it starts
+    a cell, counted for its cloud. Returns ``(C,)`` int64, ``C = base.shape[0]``.
+    """
+    keys, order = torch.sort(cell_keys_reference(points, owner, lo, scale, dims, base, divide))
+    new = torch.ones_like(keys)
+    new[1:] = (keys[1:] != keys[:-1]).to(torch.int64)
+    counts = torch.zeros(base.shape[0], dtype=torch.int64, device=points.device)
+    if owner is None:
+        return counts.add_(new.sum())
+    return counts.index_add_(0, owner[order], new)

@@ -303,3 +303,87 @@ def count_within(sorted_keys: torch.Tensor, sorted_points: torch.Tensor, query: 
         sorted_keys, sorted_points, query, query_cell, query_cloud, dims, base, r2, out,
         q, p, int(cap), max(1, p.bit_length()), BLOCK=block, U=4, num_warps=4)
     return out
+
+
+#: a key's hash: the key times this odd 64-bit constant (wrapping), its high bits folded in
+_HASH_MUL = tl.constexpr(0x5851F42D4C957F2D)
+
+
+@triton.jit(do_not_specialize=("P", "mask"),
+            do_not_specialize_on_alignment=("owner_ptr", "lo_ptr", "scale_ptr", "dims_ptr",
+                                            "base_ptr"))
+def _cells_kernel(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, table_ptr, count_ptr,
+                  P, mask, HAS_OWNER: tl.constexpr, DIVIDE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Insert the cell keys of points ``[pid·BLOCK, (pid + 1)·BLOCK)`` into the hash table.
+
+    Each lane computes its point's key as :func:`~pointalign.kernels.grid.reference.cell_keys_reference`
+    does (float64, a correctly rounded division where ``DIVIDE``) and probes the table
+    (``mask + 1`` slots, -1 where empty) linearly from the key's hash by compare-and-swap:
+    it stops where it finds its key (the cell is counted already) or claims an empty slot
+    (a new cell, counted for its cloud). Lanes that stopped compare against -2, which no
+    slot holds, so they write nothing while the others go on.
+    """
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = rows < P
+    if HAS_OWNER:
+        own = tl.load(owner_ptr + rows, mask=rm, other=0)
+    else:
+        own = rows * 0
+    key = tl.load(base_ptr + own, mask=rm, other=0)
+    sc = tl.load(scale_ptr + own, mask=rm, other=1.0)
+    ny = tl.load(dims_ptr + own * 2 + 0, mask=rm, other=0)
+    nz = tl.load(dims_ptr + own * 2 + 1, mask=rm, other=0)
+    for a in tl.static_range(3):
+        rel = (tl.load(p_ptr + rows * 3 + a, mask=rm, other=0.0).to(tl.float64)
+               - tl.load(lo_ptr + own * 3 + a, mask=rm, other=0.0))
+        if DIVIDE:  # float64 division is correctly rounded (div.rn.f64)
+            c = tl.floor(rel / sc).to(tl.int64)
+        else:
+            c = tl.floor(rel * sc).to(tl.int64)
+        if a == 0:
+            key += c * ny * nz
+        elif a == 1:
+            key += c * nz
+        else:
+            key += c
+    h = key * _HASH_MUL
+    slot = (h ^ (h >> 29)) & mask
+    empty = tl.full((BLOCK,), -1, dtype=tl.int64)
+    new = tl.zeros((BLOCK,), dtype=tl.int64)
+    todo = rm
+    left = tl.sum(todo.to(tl.int32), axis=0)
+    while left > 0:
+        seen = tl.atomic_cas(table_ptr + slot, tl.where(todo, empty, empty - 1), key)
+        claimed = todo & (seen == empty)
+        new += claimed.to(tl.int64)
+        todo = todo & ~claimed & (seen != key)
+        slot = tl.where(todo, (slot + 1) & mask, slot)
+        left = tl.sum(todo.to(tl.int32), axis=0)
+    # the new cells per cloud: one atomic for the program's first cloud, one per lane of
+    # any later cloud (a program spans several clouds only at their boundaries)
+    first = tl.min(tl.where(rm, own, 1 << 62), axis=0)
+    tl.atomic_add(count_ptr + first, tl.sum(tl.where(own == first, new, 0), axis=0))
+    tl.atomic_add(count_ptr + own, new, mask=rm & (own != first) & (new > 0))
+
+
+def count_cells(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
+                scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor, divide: bool,
+                block: int = 256) -> torch.Tensor:
+    """Launch :func:`_cells_kernel`; same contract as :func:`~pointalign.kernels.grid.count_cells`.
+
+    A table of at least twice as many slots as points (a power of two: at most half full,
+    short probes) filled with -1, one launch; no host synchronisation, and no size is
+    specialised (a new cloud size compiles nothing).
+    """
+    p = points.shape[0]
+    counts = torch.zeros(base.shape[0], dtype=torch.int64, device=points.device)
+    if p == 0:
+        return counts
+    slots = 1 << max(10, (2 * p - 1).bit_length())
+    table = torch.full((slots,), -1, dtype=torch.int64, device=points.device)
+    _cells_kernel[(triton.cdiv(p, block),)](
+        points, points if owner is None else owner, lo, scale, dims, base, table, counts,
+        p, slots - 1, HAS_OWNER=owner is not None, DIVIDE=bool(divide), BLOCK=block,
+        num_warps=4)
+    return counts
