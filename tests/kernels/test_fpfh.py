@@ -77,8 +77,12 @@ def run_interpreted_features(out_path: str) -> None:
     from pointalign.kernels import _backend
 
     assert _backend.backend(torch.empty(0)) == "interpret"
-    torch.save({str(dt): _all_paths(_cloud(dt)) for dt in (torch.float32, torch.float64)},
-               out_path)
+    from tests.kernels.test_normals import _copies_case
+
+    out = {str(dt): _all_paths(_cloud(dt)) for dt in (torch.float32, torch.float64)}
+    pts, idx = _copies_case(torch.float32)
+    out["copies"] = KF.copy_rows(pts, idx, pts)
+    torch.save(out, out_path)
 
 
 interpreted = interpreted_fixture("tests.kernels.test_fpfh", "run_interpreted_features")
@@ -87,6 +91,15 @@ interpreted = interpreted_fixture("tests.kernels.test_fpfh", "run_interpreted_fe
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_triton_interpreter_matches_reference(interpreted, dtype):
     _check_against_reference(interpreted[str(dtype)], _cloud(dtype))
+
+
+def test_triton_interpreter_copy_rows(interpreted):
+    """The Triton copies check (features/triton.py) through the interpreter."""
+    from tests.kernels.test_normals import _copies_case
+
+    pts, idx = _copies_case(torch.float32)
+    assert torch.equal(interpreted["copies"], KF.copy_rows_reference(pts, idx, pts))
+    assert int(interpreted["copies"].sum()) == 6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])

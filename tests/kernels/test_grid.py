@@ -165,7 +165,7 @@ def _cell_clouds(g: torch.Generator, n: int = 2000):
     dims3 = (torch.floor((hi - lo) / v[:, None]) + 2).long()
     base = torch.cat([torch.zeros(1, dtype=torch.long), dims3.prod(1).cumsum(0)[:-1]])
     owner = torch.repeat_interleave(torch.arange(4), torch.tensor([c.shape[0] for c in clouds]))
-    return (torch.cat(clouds), owner, lo, v, dims3[:, 1:].contiguous(), base), clouds
+    return (torch.cat(clouds), owner, lo, v, dims3, base), clouds
 
 
 def _distinct_cells(clouds, lo, scale, divide):
@@ -179,7 +179,8 @@ def _distinct_cells(clouds, lo, scale, divide):
 
 def test_count_cells_counts_distinct_cells(backend, rng):
     """Each cloud's occupied cells, dividing by the edge or multiplying by its reciprocal;
-    one cloud without ``owner``; the inputs untouched."""
+    one cloud without ``owner``; the keys and cells (cell_keys) the reference's, exactly
+    (the same float64 operations); the inputs untouched."""
     args, clouds = _cell_clouds(rng)
     pts, owner, lo, v, dims, base = (t.to(backend.device) for t in args)
     before = pts.clone()
@@ -188,6 +189,10 @@ def test_count_cells_counts_distinct_cells(backend, rng):
         assert 1 < want[0] < clouds[0].shape[0] and want[1] > 1 and want[2:] == [1, 1]
         got = grid_mod.count_cells(pts, owner, lo, scale, dims, base, divide=divide)
         assert got.dtype == torch.int64 and got.tolist() == want
+        keys, cells = grid_mod.cell_keys(pts, owner, lo, scale, dims, base, divide=divide)
+        rk, rc = grid_ref.cell_keys_reference(pts, owner, lo, scale, dims, base, divide)
+        assert torch.equal(keys, rk) and torch.equal(cells, rc)
+        assert [int(torch.unique(keys[owner == i]).numel()) for i in range(4)] == want
         one = grid_mod.count_cells(pts[owner == 0], None, lo[:1], scale[:1], dims[:1],
                                    base[:1], divide=divide)
         assert one.tolist() == want[:1]
@@ -255,7 +260,8 @@ def run_interpreted_cases(out_path: str) -> None:
         args, _, _ = _packed(*_count_clouds(torch.Generator().manual_seed(seed), 150))
         out[("count", seed)] = [grid_mod.count_within(*args, cap) for cap in (5, 10_000)]
         args, _ = _cell_clouds(torch.Generator().manual_seed(seed), 300)
-        out[("cells", seed)] = [_grid_triton.count_cells(*args[:3], s, *args[4:], d)
+        out[("cells", seed)] = [(_grid_triton.count_cells(*args[:3], s, *args[4:], d),
+                                 _grid_triton.cell_keys(*args[:3], s, *args[4:], d))
                                 for s, d in ((args[3], True), (1.0 / args[3], False))]
     torch.save(out, out_path)
 
@@ -343,8 +349,10 @@ def test_triton_count_within_interpreted(seed, interpreted):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_count_cells_interpreted(seed, interpreted):
-    """The Triton hash-table counts (``grid/triton.py``) are the reference's."""
+    """The Triton hash-table counts and the keys (``grid/triton.py``) are the reference's."""
     (pts, owner, lo, v, dims, base), _ = _cell_clouds(torch.Generator().manual_seed(seed), 300)
-    for got, (s, d) in zip(interpreted[("cells", seed)], ((v, True), (1.0 / v, False)),
-                           strict=True):
+    for (got, keys), (s, d) in zip(interpreted[("cells", seed)], ((v, True), (1.0 / v, False)),
+                                   strict=True):
         assert torch.equal(got, grid_ref.count_cells_reference(pts, owner, lo, s, dims, base, d))
+        rk, rc = grid_ref.cell_keys_reference(pts, owner, lo, s, dims, base, d)
+        assert torch.equal(keys[0], rk) and torch.equal(keys[1], rc)

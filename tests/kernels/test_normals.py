@@ -93,3 +93,27 @@ def test_pca_normals_cpu_equals_reference(backend, seed, dtype, bunny_scans):
         # a repeated smallest eigenvalue: any unit vector orthogonal to the largest's axis
         assert close.float().mean() >= 0.99, close.float().mean()
         assert torch.equal(features.pca_normals(pts, idx, view), got)
+
+
+def _copies_case(dtype: torch.dtype):
+    """60 random points, one with three copies and a pair of two; a row without neighbours."""
+    pts = torch.rand(60, 3, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    pts[[10, 11, 12]] = pts[3].clone()
+    pts[21] = pts[20].clone()
+    idx = knn_reference(pts, pts, 4)[1]
+    idx[40] = -1
+    return pts, idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_copy_rows_finds_exact_copies(backend, dtype):
+    """copy_rows: exactly the rows with a copy (their two nearest are at their coordinates),
+    the reference's answer; fewer than two columns is a ValueError."""
+    pts, idx = (t.to(backend.device) for t in _copies_case(dtype))
+    got = features.copy_rows(pts, idx, pts)
+    assert got.dtype == torch.bool
+    assert torch.nonzero(got).flatten().tolist() == [3, 10, 11, 12, 20, 21]
+    assert torch.equal(got, features.copy_rows_reference(pts, idx, pts))
+    assert not features.copy_rows(pts[:30], idx[:30, :2].clamp_max(29), pts[:30] + 1).any()
+    with pytest.raises(ValueError, match="copy_rows"):
+        features.copy_rows(pts, idx[:, :1], pts)

@@ -30,7 +30,7 @@ from pointalign import _threads, _validate
 from pointalign._ops import exclusive_cumsum_rows, scalar_divisors
 from pointalign.cloud import PointCloud
 from pointalign.kernels import upload
-from pointalign.kernels.grid import count_cells
+from pointalign.kernels.grid import cell_keys, count_cells
 
 #: largest number of voxels along one axis (the three keys are packed in one int64)
 _MAX_CELLS_PER_AXIS = 1 << 20
@@ -253,14 +253,17 @@ def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list
     dims = [math.floor((h - o) / voxel_size) + 1
             for lo_c, hi_c in zip(lo_h, hi_h, strict=True)
             for o, h in zip(lo_c, hi_c, strict=True)]
-    side = max(dims)
-    if side > _MAX_CELLS_PER_AXIS:
+    if max(dims) > _MAX_CELLS_PER_AXIS:
         raise ValueError(f"voxel_size: {voxel_size} is too small for a cloud's extent "
-                         f"({side} voxels along an axis, at most {_MAX_CELLS_PER_AXIS})")
+                         f"({max(dims)} voxels along an axis, at most {_MAX_CELLS_PER_AXIS})")
+    side = max(dims) + 1  # one spare cell per axis: no key can collide
     if c * side ** 3 >= 1 << 62:  # the packed key would overflow: one cloud at a time
         return [voxel_downsample(x, voxel_size) for x in clouds]
-    cell = torch.floor((points.to(torch.float64) - origin[owner]) / voxel_size).to(torch.int64)
-    keys = owner * side ** 3 + (cell[:, 0] * side + cell[:, 1]) * side + cell[:, 2]
+    flat = upload([side] * (3 * c) + [i * side ** 3 for i in range(c)], dtype=torch.int64,
+                  device=points.device)
+    scale, divide = scalar_divisors([voxel_size] * c, torch.float64, points.device)
+    keys = cell_keys(points, owner, origin, scale, flat[:3 * c].view(c, 3), flat[3 * c:],
+                     divide=divide)[0]
     sorted_keys, order = torch.sort(keys, stable=True)
     new = torch.ones_like(sorted_keys, dtype=torch.bool)
     new[1:] = sorted_keys[1:] != sorted_keys[:-1]
@@ -368,12 +371,12 @@ def count_voxels_many(group: CloudGroup, voxel_sizes: Sequence[float]) -> list[i
     if sum(cells) >= 1 << 62:  # the packed key would overflow: one cloud at a time
         return [count_voxels(group.cloud(i), v) for i, v in enumerate(voxel_sizes)]
     dev = group.points.device
-    flat = upload([x for _, b, e in dims for x in (b, e)]
+    flat = upload([x for d in dims for x in d]
                   + list(itertools.accumulate(cells, initial=0))[:-1], dtype=torch.int64,
                   device=dev)
     scale, divide = scalar_divisors(voxel_sizes, torch.float64, dev)
-    return count_cells(group.points, group.owner, group.lo, scale, flat[:2 * c].view(c, 2),
-                       flat[2 * c:], divide=divide).tolist()
+    return count_cells(group.points, group.owner, group.lo, scale, flat[:3 * c].view(c, 3),
+                       flat[3 * c:], divide=divide).tolist()
 
 
 def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,

@@ -53,22 +53,6 @@ def check_neighbour_table(idx: Any, n: int, device: torch.device,
         raise ValueError(f"{name}: indices must be in [0, {n}) or -1 (no neighbour)")
 
 
-def _has_duplicates(pts: torch.Tensor, idx: torch.Tensor, centers: torch.Tensor) -> bool:
-    """Whether any row of ``centers (Q, 3)`` has an exact copy among ``pts``.
-
-    From its search result ``idx (Q, K)`` (nearest first, the point itself among them):
-    a duplicated point has two neighbours at distance 0, the first two of its row, whose
-    coordinates then equal its own exactly (compared, not the distances: no rounding).
-    One ``(Q, 3)`` comparison and one host synchronisation per chunk.
-    """
-    if idx.shape[1] < 2:
-        return False
-    a, b = idx[:, 0], idx[:, 1]
-    same = (b >= 0) & (a >= 0) & (a != b) \
-        & (pts[a.clamp_min(0)] == centers).all(-1) & (pts[b.clamp_min(0)] == centers).all(-1)
-    return bool(same.any())
-
-
 @_threads.per_call
 @_validate.out_of_memory_is_clear
 def estimate_normals(
@@ -171,7 +155,8 @@ def estimate_normals(
             else:
                 res = index.knn(q, min(k if k is not None else max_neighbors, n))
             out[s:s + _CHUNK] = _kernels.pca_normals(pts, res.idx, centre_vp, centers=q)
-            copies = copies or _has_duplicates(pts, res.idx, q)
+            copies = copies or (res.idx.shape[1] >= 2
+                                 and bool(_kernels.copy_rows(pts, res.idx, q).any()))
         if copies:  # search again among the distinct points; each copy takes its point's
             distinct, inverse = torch.unique(pts, dim=0, return_inverse=True)
             if distinct.shape[0] < n:

@@ -38,7 +38,7 @@ from pointalign.features.downsample import (
     group_clouds,
 )
 from pointalign.kernels import upload
-from pointalign.kernels.grid import count_within
+from pointalign.kernels.grid import cell_keys, count_within
 from pointalign.kernels.grid.reference import CELL_MARGIN
 
 
@@ -232,16 +232,13 @@ def _packed_cells(group: CloudGroup, edges: Sequence[float]
     ncell = [a * b * e for a, b, e in dims]
     if sum(ncell) >= 1 << 62:
         return None
-    i64 = torch.int64
     flat = upload([x for d in dims for x in d]
-                  + list(itertools.accumulate(ncell, initial=0))[:-1], dtype=i64, device=dev)
+                  + list(itertools.accumulate(ncell, initial=0))[:-1], dtype=torch.int64,
+                  device=dev)
     dims_d, base = flat[:3 * c].view(c, 3), flat[3 * c:]
-    owner = group.owner
-    nxyz = dims_d[owner]
-    rel = group.points.to(torch.float64) - group.lo[owner]
-    cell = torch.floor(rel / upload(list(edges), dtype=torch.float64, device=dev)[owner, None])
-    cell = torch.minimum(cell.to(i64).clamp_min(0), nxyz - 1)
-    keys = base[owner] + (cell[:, 0] * nxyz[:, 1] + cell[:, 1]) * nxyz[:, 2] + cell[:, 2]
+    keys, cell = cell_keys(group.points, group.owner, group.lo,
+                           upload(list(edges), dtype=torch.float64, device=dev), dims_d, base,
+                           divide=True)
     return keys, cell, dims_d, base
 
 

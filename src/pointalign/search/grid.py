@@ -56,9 +56,9 @@ def auto_cell_size(points: torch.Tensor, per_cell: float = 4.0) -> float:
     c = (torch.maximum(ext, span * 1e-3).prod() / m) ** (1 / 3) * per_cell ** (1 / 3)
     # every cell coordinate is below (m / (per_cell · 1e-6))^(1/3) (c^3 >= span^3 · 1e-6 ·
     # per_cell / m, checked above): cells packed 2**21 to an axis are one-to-one
-    packed = upload([1 << 21, 1 << 21, 0], dtype=torch.int64, device=points.device)
+    packed = upload([1 << 21] * 3 + [0], dtype=torch.int64, device=points.device)
     occupied = _grid.count_cells(points, None, lo[None], torch.where(span > 0, c, 1.0)[None],
-                                 packed[None, :2], packed[2:], divide=True)[0]
+                                 packed[None, :3], packed[3:], divide=True)[0]
     span_h, c_h, occupied_h = torch.stack([span, c, occupied.to(torch.float64)]).tolist()
     if span_h == 0 or m == 1:
         return 1.0 if span_h == 0 else span_h

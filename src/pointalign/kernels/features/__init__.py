@@ -10,6 +10,9 @@ self-query that feeds both is a search: :func:`pointalign.kernels.knn.radius_nei
   covariance in the points' dtype, closed-form eigenvector in float64); the Triton kernel
   does covariance and eigen-solve in float64 in one pass per point; the "cpu" backend a
   numba loop per point (``features/cpu.py``).
+* ``copy_rows(points, nbr_idx (Q, K), centers (Q, 3)) -> (Q,) bool``: whether a row's two
+  nearest are two other points at its very coordinates (exact copies). Reference:
+  :func:`copy_rows_reference`; on Triton one launch.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from pointalign.kernels._backend import backend
-from pointalign.kernels.features.reference import pca_normals_reference
+from pointalign.kernels.features.reference import copy_rows_reference, pca_normals_reference
 
 
 def pca_normals(points: torch.Tensor, nbr_idx: torch.Tensor,
@@ -53,3 +56,26 @@ def pca_normals(points: torch.Tensor, nbr_idx: torch.Tensor,
         return _features_triton.pca_normals(points, nbr_idx.to(torch.int64),
                                             c.to(points.dtype), vp)
     return pca_normals_reference(points, nbr_idx, viewpoint, centers)
+
+
+def copy_rows(points: torch.Tensor, nbr_idx: torch.Tensor, centers: torch.Tensor
+              ) -> torch.Tensor:
+    """Which rows of ``centers (Q, 3)`` have an exact copy among ``points (N, 3)``: ``(Q,)`` bool.
+
+    From their search result ``nbr_idx (Q, K)`` int64 (nearest first, the point itself
+    among them, ``-1`` = none; K >= 2): a duplicated point has two neighbours at distance
+    0, the first two of its row, whose coordinates then equal its own exactly (compared,
+    not the distances: no rounding). No host synchronisation; on Triton one launch.
+    """
+    if points.dim() != 2 or points.shape[1] != 3 or nbr_idx.dim() != 2 \
+            or nbr_idx.shape[1] < 2 or centers.shape != (nbr_idx.shape[0], 3):
+        raise ValueError(f"copy_rows: expected points (N, 3), nbr_idx (Q, K >= 2) and centers "
+                         f"(Q, 3), got {tuple(points.shape)}, {tuple(nbr_idx.shape)} and "
+                         f"{tuple(centers.shape)}")
+    if backend(points) in ("triton", "interpret") and nbr_idx.shape[0]:
+        from pointalign.kernels.features import triton as _features_triton
+
+        return _features_triton.copy_rows(points.contiguous(),
+                                          nbr_idx.to(torch.int64).contiguous(),
+                                          centers.to(points.dtype).contiguous())
+    return copy_rows_reference(points, nbr_idx, centers)

@@ -69,6 +69,14 @@ BINS = 11
 _CHUNK_PAIRS = 1 << 21
 
 
+def copy_rows_reference(points: torch.Tensor, nbr_idx: torch.Tensor,
+                        centers: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch statement of :func:`pointalign.kernels.features.copy_rows`: ``(Q,)`` bool."""
+    a, b = nbr_idx[:, 0], nbr_idx[:, 1]
+    return (b >= 0) & (a >= 0) & (a != b) \
+        & (points[a.clamp_min(0)] == centers).all(-1) & (points[b.clamp_min(0)] == centers).all(-1)
+
+
 def pair_features(p1: torch.Tensor, n1: torch.Tensor, p2: torch.Tensor,
                   n2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                              torch.Tensor]:

@@ -10,6 +10,7 @@ table column by column:
 * ``_spfh_kernel``: Darboux-frame pair features of every (point, neighbour) pair binned into
   a ``(BLOCK_N, 64)`` register histogram (33 bins used); formulas of
   :func:`pointalign.kernels.features.reference.pair_features`.
+* ``_copies_kernel``: whether a row's two nearest neighbours are copies of its point.
 * ``_fpfh_combine_kernel``: ``SPFH(p) + Σ SPFH(p_k) / ω_k`` with the 11-bin group
   normalisations of :func:`pointalign.kernels.features.reference.fpfh_combine_reference`;
   one program per point (its neighbour row in slices, a fixed-order tree sum).
@@ -372,8 +373,34 @@ def _kernels() -> dict[str, Any]:
         # sizes are not specialised (divisible by 16 or not): one compilation for every size
         _CACHE[interp] = {name: triton.jit(f, do_not_specialize=sizes) for name, f, sizes in (
             ("normals", _pca_normals_kernel, ("N", "K")),
-            ("spfh", _spfh_kernel, ("N", "K")), ("combine", _fpfh_combine_kernel, ("K",)))}
+            ("spfh", _spfh_kernel, ("N", "K")), ("combine", _fpfh_combine_kernel, ("K",)),
+            ("copies", _copies_kernel, ("Q", "K")))}
     return _CACHE[interp]
+
+
+def _copies_kernel(p_ptr, idx_ptr, c_ptr, out_ptr, Q, K, BLOCK: tl.constexpr):
+    """Rows ``[pid·BLOCK, (pid + 1)·BLOCK)`` whose two nearest are other points at their
+    coordinates (:func:`~pointalign.kernels.features.reference.copy_rows_reference`)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = rows < Q
+    a = tl.load(idx_ptr + rows * K, mask=rm, other=-1)
+    b = tl.load(idx_ptr + rows * K + 1, mask=rm, other=-1)
+    same = rm & (a >= 0) & (b >= 0) & (a != b)
+    for d in tl.static_range(3):
+        c = tl.load(c_ptr + rows * 3 + d, mask=rm, other=0.0)
+        same = same & (tl.load(p_ptr + a * 3 + d, mask=same, other=0.0) == c) \
+            & (tl.load(p_ptr + b * 3 + d, mask=same, other=0.0) == c)
+    tl.store(out_ptr + rows, same.to(tl.int8), mask=rm)
+
+
+def copy_rows(points: torch.Tensor, nbr_idx: torch.Tensor, centers: torch.Tensor,
+              block: int = 256) -> torch.Tensor:
+    """Launch :func:`_copies_kernel`: ``(Q,)`` bool (no synchronisation)."""
+    q, k = nbr_idx.shape
+    out = torch.empty(q, dtype=torch.int8, device=points.device)
+    _kernels()["copies"][_grid(q, block)](points, nbr_idx, centers, out, q, k, BLOCK=block,
+                                          num_warps=4)
+    return out.view(torch.bool)
 
 
 def _grid(n: int, block: int) -> tuple[int]:

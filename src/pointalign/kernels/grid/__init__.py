@@ -182,56 +182,76 @@ def count_within(sorted_keys: torch.Tensor, sorted_points: torch.Tensor, query: 
                                   dims, base, r2, cap)
 
 
-def count_cells(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
-                scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor, *,
-                divide: bool) -> torch.Tensor:
-    """Count the occupied cells of every cloud: ``(C,)`` int64 on the points' device.
+def _cell_arguments(points, owner, lo, scale, dims, base):
+    """Check :func:`cell_keys`' arguments; return them contiguous, the floats in float64."""
+    if points.dim() != 2 or points.shape[1] != 3:
+        raise ValueError(f"points: expected shape (P, 3), got {tuple(points.shape)}")
+    c = base.shape[0]
+    if lo.shape != (c, 3) or scale.shape != (c,) or dims.shape != (c, 3) \
+            or (owner is not None and owner.shape != points.shape[:1]):
+        raise ValueError(f"cells: expected owner (P,), lo (C, 3), scale (C,), dims (C, 3) "
+                         f"and base (C,), got {None if owner is None else tuple(owner.shape)}, "
+                         f"{tuple(lo.shape)}, {tuple(scale.shape)}, {tuple(dims.shape)}, "
+                         f"{tuple(base.shape)}")
+    arrays = [t for t in (points, owner, lo, scale, dims, base) if t is not None]
+    if len({t.device for t in arrays}) > 1:
+        raise ValueError("cells: every tensor must be on one device, got "
+                         f"{sorted({str(t.device) for t in arrays})}")
+    return (points.contiguous(), None if owner is None else owner.contiguous(),
+            lo.to(torch.float64).contiguous(), scale.to(torch.float64).contiguous(),
+            dims.contiguous(), base.contiguous())
+
+
+def cell_keys(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
+              scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor, *,
+              divide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every point's cell in its own cloud's grid, and its packed ``(cloud, cell)`` key.
 
     Point i of cloud ``c = owner[i]`` (0 when ``owner`` is None) lies in the cell
-    ``(x, y, z) = floor((p_i − lo[c]) / scale[c])`` (``divide``) or
-    ``floor((p_i − lo[c]) · scale[c])``, computed in float64, whose key is
-    ``base[c] + (x · ny + y) · nz + z`` with ``(ny, nz) = dims[c]``; the count of a cloud is
-    the number of distinct keys among its points. The caller makes the keys one-to-one:
-    ``lo[c]`` at most each cloud's minimum corner (cells ``>= 0``), ``ny`` and ``nz`` above
-    any cell coordinate, each cloud's keys ``[base[c], base[c] + its cells)`` apart from the
-    others' and below 2**62. Distinct keys are counted exactly, whatever the backend.
+    ``(x, y, z) = floor((p_i − lo[c]) / scale[c])`` (``divide``, correctly rounded) or
+    ``floor((p_i − lo[c]) · scale[c])``, computed in float64 and clamped to
+    ``[0, dims[c] − 1]``; its key is ``base[c] + (x · ny + y) · nz + z``. With each cloud's
+    keys ``[base[c], base[c] + nx · ny · nz)`` apart from the others' (and below 2**62) a
+    key names one cell of one cloud.
 
     Args:
         points: ``(P, 3)`` float tensor.
         owner: ``(P,)`` int64 each point's cloud, or None (one cloud).
         lo: ``(C, 3)`` float64 each cloud's corner.
         scale: ``(C,)`` float64 each cloud's cell edge (``divide``) or its reciprocal.
-        dims: ``(C, 2)`` int64 each cloud's ``(ny, nz)``.
+        dims: ``(C, 3)`` int64 each cloud's cells per axis ``(nx, ny, nz)``.
         base: ``(C,)`` int64 each cloud's first key.
-        divide: divide by ``scale`` (correctly rounded) rather than multiply.
+        divide: divide by ``scale`` rather than multiply.
 
     Returns:
-        ``(C,)`` int64 counts. On Triton one hash-table insertion launch (and its fill), no
-        host synchronisation; elsewhere :func:`count_cells_reference` (one sort).
+        ``(keys (P,), cells (P, 3))`` int64. On Triton one launch, no host synchronisation;
+        elsewhere :func:`cell_keys_reference`.
 
     """
-    if points.dim() != 2 or points.shape[1] != 3:
-        raise ValueError(f"points: expected shape (P, 3), got {tuple(points.shape)}")
-    c = base.shape[0]
-    if lo.shape != (c, 3) or scale.shape != (c,) or dims.shape != (c, 2) \
-            or (owner is not None and owner.shape != points.shape[:1]):
-        raise ValueError(f"count_cells: expected owner (P,), lo (C, 3), scale (C,), dims (C, 2) "
-                         f"and base (C,), got {None if owner is None else tuple(owner.shape)}, "
-                         f"{tuple(lo.shape)}, {tuple(scale.shape)}, {tuple(dims.shape)}, "
-                         f"{tuple(base.shape)}")
-    arrays = [t for t in (points, owner, lo, scale, dims, base) if t is not None]
-    if len({t.device for t in arrays}) > 1:
-        raise ValueError("count_cells: every tensor must be on one device, got "
-                         f"{sorted({str(t.device) for t in arrays})}")
-    if backend(points) in ("triton", "interpret") and c:
+    args = _cell_arguments(points, owner, lo, scale, dims, base)
+    if backend(points) in ("triton", "interpret"):
         from pointalign.kernels.grid import triton as _grid_triton
 
-        return _grid_triton.count_cells(
-            points.contiguous(), None if owner is None else owner.contiguous(),
-            lo.to(torch.float64).contiguous(), scale.to(torch.float64).contiguous(),
-            dims.contiguous(), base.contiguous(), divide)
-    return count_cells_reference(points, owner, lo.to(torch.float64),
-                                 scale.to(torch.float64), dims, base, divide)
+        return _grid_triton.cell_keys(*args, divide)
+    return cell_keys_reference(*args, divide)
+
+
+def count_cells(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
+                scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor, *,
+                divide: bool) -> torch.Tensor:
+    """Count every cloud's occupied cells: the distinct keys of :func:`cell_keys` per cloud.
+
+    The same arguments as :func:`cell_keys`. Distinct keys are counted exactly on every
+    backend. Returns ``(C,)`` int64 counts on the points' device: on Triton one hash-table
+    insertion launch (and its fill), no host synchronisation; elsewhere
+    :func:`count_cells_reference` (one sort).
+    """
+    args = _cell_arguments(points, owner, lo, scale, dims, base)
+    if backend(points) in ("triton", "interpret") and base.shape[0]:
+        from pointalign.kernels.grid import triton as _grid_triton
+
+        return _grid_triton.count_cells(*args, divide)
+    return count_cells_reference(*args, divide)
 
 
 def morton_order(points: torch.Tensor) -> torch.Tensor:

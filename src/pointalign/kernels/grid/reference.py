@@ -220,20 +220,23 @@ def morton_codes_reference(points: torch.Tensor) -> torch.Tensor:
 
 def cell_keys_reference(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
                         scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor,
-                        divide: bool) -> torch.Tensor:
-    """Every point's packed ``(cloud, cell)`` key, as :func:`pointalign.kernels.grid.count_cells` states it.
+                        divide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch statement of :func:`pointalign.kernels.grid.cell_keys`.
 
-    ``(P,)`` int64: ``base[c] + (x · ny + y) · nz + z`` for point i of cloud ``c = owner[i]``
-    (0 when ``owner`` is None), ``(x, y, z) = floor((p_i − lo[c]) / scale[c])`` (``divide``)
-    or ``floor((p_i − lo[c]) · scale[c])``, in float64; ``(ny, nz) = dims[c]``.
+    Point i of cloud ``c = owner[i]`` (0 when ``owner`` is None): its cell
+    ``floor((p_i − lo[c]) / scale[c])`` (``divide``) or ``floor((p_i − lo[c]) · scale[c])``
+    in float64, clamped to ``[0, dims[c] − 1]``, and its key ``base[c] + (x · ny + y) · nz
+    + z``. Returns ``(keys (P,), cells (P, 3))`` int64.
     """
     own = (torch.zeros(points.shape[0], dtype=torch.int64, device=points.device)
            if owner is None else owner)
     rel = points.to(torch.float64) - lo[own]
     s = scale[own, None]
-    cell = torch.floor(rel / s if divide else rel * s).to(torch.int64)
     d = dims[own]
-    return base[own] + (cell[:, 0] * d[:, 0] + cell[:, 1]) * d[:, 1] + cell[:, 2]
+    cell = torch.minimum(torch.floor(rel / s if divide else rel * s).to(torch.int64)
+                         .clamp_min(0), d - 1)
+    keys = base[own] + (cell[:, 0] * d[:, 1] + cell[:, 1]) * d[:, 2] + cell[:, 2]
+    return keys, cell
 
 
 def count_cells_reference(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
@@ -244,7 +247,8 @@ def count_cells_reference(points: torch.Tensor, owner: torch.Tensor | None, lo: 
     The keys of :func:`cell_keys_reference`, sorted; a key unlike the one before it starts
     a cell, counted for its cloud. Returns ``(C,)`` int64, ``C = base.shape[0]``.
     """
-    keys, order = torch.sort(cell_keys_reference(points, owner, lo, scale, dims, base, divide))
+    keys, order = torch.sort(cell_keys_reference(points, owner, lo, scale, dims, base,
+                                                 divide)[0])
     new = torch.ones_like(keys)
     new[1:] = (keys[1:] != keys[:-1]).to(torch.int64)
     counts = torch.zeros(base.shape[0], dtype=torch.int64, device=points.device)

@@ -309,6 +309,55 @@ def count_within(sorted_keys: torch.Tensor, sorted_points: torch.Tensor, query: 
 _HASH_MUL = tl.constexpr(0x5851F42D4C957F2D)
 
 
+@triton.jit
+def _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, a: tl.constexpr,
+               DIVIDE: tl.constexpr):
+    """The rows' cell coordinate along axis ``a``, clamped to the cloud's grid."""
+    rel = (tl.load(p_ptr + rows * 3 + a, mask=rm, other=0.0).to(tl.float64)
+           - tl.load(lo_ptr + own * 3 + a, mask=rm, other=0.0))
+    if DIVIDE:  # float64 division is correctly rounded (div.rn.f64)
+        f = tl.floor(rel / sc)
+    else:
+        f = tl.floor(rel * sc)
+    hi = tl.load(dims_ptr + own * 3 + a, mask=rm, other=1) - 1
+    return tl.minimum(tl.maximum(f.to(tl.int64), 0), hi)
+
+
+@triton.jit
+def _cell_key(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, rows, rm,
+              HAS_OWNER: tl.constexpr, DIVIDE: tl.constexpr):
+    """Rows' clouds, cells and keys as :func:`~pointalign.kernels.grid.reference.cell_keys_reference`
+    computes them."""
+    if HAS_OWNER:
+        own = tl.load(owner_ptr + rows, mask=rm, other=0)
+    else:
+        own = rows * 0
+    sc = tl.load(scale_ptr + own, mask=rm, other=1.0)
+    cx = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 0, DIVIDE)
+    cy = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 1, DIVIDE)
+    cz = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 2, DIVIDE)
+    ny = tl.load(dims_ptr + own * 3 + 1, mask=rm, other=0)
+    nz = tl.load(dims_ptr + own * 3 + 2, mask=rm, other=0)
+    key = tl.load(base_ptr + own, mask=rm, other=0) + (cx * ny + cy) * nz + cz
+    return own, cx, cy, cz, key
+
+
+@triton.jit(do_not_specialize=("P",),
+            do_not_specialize_on_alignment=("owner_ptr", "lo_ptr", "scale_ptr", "dims_ptr",
+                                            "base_ptr"))
+def _keys_kernel(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, key_ptr, cell_ptr,
+                 P, HAS_OWNER: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """Keys and cells of points ``[pid·BLOCK, (pid + 1)·BLOCK)``."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = rows < P
+    _, cx, cy, cz, key = _cell_key(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr,
+                                   rows, rm, HAS_OWNER, DIVIDE)
+    tl.store(key_ptr + rows, key, mask=rm)
+    tl.store(cell_ptr + rows * 3 + 0, cx, mask=rm)
+    tl.store(cell_ptr + rows * 3 + 1, cy, mask=rm)
+    tl.store(cell_ptr + rows * 3 + 2, cz, mask=rm)
+
+
 @triton.jit(do_not_specialize=("P", "mask"),
             do_not_specialize_on_alignment=("owner_ptr", "lo_ptr", "scale_ptr", "dims_ptr",
                                             "base_ptr"))
@@ -317,36 +366,15 @@ def _cells_kernel(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, table
                   BLOCK: tl.constexpr):
     """Insert the cell keys of points ``[pid·BLOCK, (pid + 1)·BLOCK)`` into the hash table.
 
-    Each lane computes its point's key as :func:`~pointalign.kernels.grid.reference.cell_keys_reference`
-    does (float64, a correctly rounded division where ``DIVIDE``) and probes the table
-    (``mask + 1`` slots, -1 where empty) linearly from the key's hash by compare-and-swap:
-    it stops where it finds its key (the cell is counted already) or claims an empty slot
-    (a new cell, counted for its cloud). Lanes that stopped compare against -2, which no
-    slot holds, so they write nothing while the others go on.
+    Each lane probes the table (``mask + 1`` slots, -1 where empty) linearly from its key's
+    hash by compare-and-swap: it stops where it finds its key (the cell is counted already)
+    or claims an empty slot (a new cell, counted for its cloud). Lanes that stopped compare
+    against -2, which no slot holds, so they write nothing while the others go on.
     """
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     rm = rows < P
-    if HAS_OWNER:
-        own = tl.load(owner_ptr + rows, mask=rm, other=0)
-    else:
-        own = rows * 0
-    key = tl.load(base_ptr + own, mask=rm, other=0)
-    sc = tl.load(scale_ptr + own, mask=rm, other=1.0)
-    ny = tl.load(dims_ptr + own * 2 + 0, mask=rm, other=0)
-    nz = tl.load(dims_ptr + own * 2 + 1, mask=rm, other=0)
-    for a in tl.static_range(3):
-        rel = (tl.load(p_ptr + rows * 3 + a, mask=rm, other=0.0).to(tl.float64)
-               - tl.load(lo_ptr + own * 3 + a, mask=rm, other=0.0))
-        if DIVIDE:  # float64 division is correctly rounded (div.rn.f64)
-            c = tl.floor(rel / sc).to(tl.int64)
-        else:
-            c = tl.floor(rel * sc).to(tl.int64)
-        if a == 0:
-            key += c * ny * nz
-        elif a == 1:
-            key += c * nz
-        else:
-            key += c
+    own, _, _, _, key = _cell_key(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr,
+                                  rows, rm, HAS_OWNER, DIVIDE)
     h = key * _HASH_MUL
     slot = (h ^ (h >> 29)) & mask
     empty = tl.full((BLOCK,), -1, dtype=tl.int64)
@@ -365,6 +393,23 @@ def _cells_kernel(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, table
     first = tl.min(tl.where(rm, own, 1 << 62), axis=0)
     tl.atomic_add(count_ptr + first, tl.sum(tl.where(own == first, new, 0), axis=0))
     tl.atomic_add(count_ptr + own, new, mask=rm & (own != first) & (new > 0))
+
+
+def cell_keys(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
+              scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor, divide: bool,
+              block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch :func:`_keys_kernel`; same contract as :func:`~pointalign.kernels.grid.cell_keys`.
+
+    One launch, no host synchronisation, no size specialised.
+    """
+    p = points.shape[0]
+    keys = torch.empty(p, dtype=torch.int64, device=points.device)
+    cells = torch.empty((p, 3), dtype=torch.int64, device=points.device)
+    if p:
+        _keys_kernel[(triton.cdiv(p, block),)](
+            points, points if owner is None else owner, lo, scale, dims, base, keys, cells, p,
+            HAS_OWNER=owner is not None, DIVIDE=bool(divide), BLOCK=block, num_warps=4)
+    return keys, cells
 
 
 def count_cells(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,

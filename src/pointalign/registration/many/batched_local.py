@@ -19,7 +19,7 @@ import torch
 
 from pointalign.kernels import _loop, upload
 from pointalign.kernels import ransac as _kr
-from pointalign.kernels.features import pca_normals
+from pointalign.kernels.features import copy_rows, pca_normals
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.icp import icp
@@ -165,10 +165,8 @@ def normals_many(clouds: Sequence[torch.Tensor], radius: float, k: int) -> list[
     who = owner[valid]
     out = list(torch.split(_facing(pca_normals(points, gidx, None), points, pad, n, who),
                            sizes))
-    if gidx.shape[1] >= 2:  # normals._has_duplicates of every cloud, one transfer
-        a, b = gidx[:, 0], gidx[:, 1]
-        same = (b >= 0) & (a >= 0) & (a != b) & (points[a.clamp_min(0)] == points).all(-1) \
-            & (points[b.clamp_min(0)] == points).all(-1)
+    if gidx.shape[1] >= 2:  # estimate_normals' check for copies, every cloud, one transfer
+        same = copy_rows(points, gidx, points)
         dup = torch.zeros(c, dtype=torch.int64, device=dev).index_add_(
             0, who, same.to(torch.int64)).tolist()
         for i in (i for i in range(c) if dup[i]):
