@@ -32,8 +32,8 @@ import torch
 
 from pointalign import _validate
 from pointalign.kernels import grid as _grid
-from pointalign.kernels import upload
 from pointalign.kernels import knn as _knn
+from pointalign.kernels import upload
 from pointalign.search import _checks
 from pointalign.search.base import KnnResult
 

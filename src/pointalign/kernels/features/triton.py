@@ -379,8 +379,11 @@ def _kernels() -> dict[str, Any]:
 
 
 def _copies_kernel(p_ptr, idx_ptr, c_ptr, out_ptr, Q, K, BLOCK: tl.constexpr):
-    """Rows ``[pid·BLOCK, (pid + 1)·BLOCK)`` whose two nearest are other points at their
-    coordinates (:func:`~pointalign.kernels.features.reference.copy_rows_reference`)."""
+    """Flag the rows ``[pid·BLOCK, (pid + 1)·BLOCK)`` that have copies.
+
+    A row has copies where its two nearest are other points at its coordinates
+    (:func:`~pointalign.kernels.features.reference.copy_rows_reference`).
+    """
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     rm = rows < Q
     a = tl.load(idx_ptr + rows * K, mask=rm, other=-1)

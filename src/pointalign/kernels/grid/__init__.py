@@ -182,7 +182,12 @@ def count_within(sorted_keys: torch.Tensor, sorted_points: torch.Tensor, query: 
                                   dims, base, r2, cap)
 
 
-def _cell_arguments(points, owner, lo, scale, dims, base):
+_Cells = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, torch.Tensor,
+               torch.Tensor]
+
+
+def _cell_arguments(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor,
+                    scale: torch.Tensor, dims: torch.Tensor, base: torch.Tensor) -> _Cells:
     """Check :func:`cell_keys`' arguments; return them contiguous, the floats in float64."""
     if points.dim() != 2 or points.shape[1] != 3:
         raise ValueError(f"points: expected shape (P, 3), got {tuple(points.shape)}")

@@ -312,7 +312,7 @@ _HASH_MUL = tl.constexpr(0x5851F42D4C957F2D)
 @triton.jit
 def _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, a: tl.constexpr,
                DIVIDE: tl.constexpr):
-    """The rows' cell coordinate along axis ``a``, clamped to the cloud's grid."""
+    """Return the rows' cell coordinate along axis ``a``, clamped to the cloud's grid."""
     rel = (tl.load(p_ptr + rows * 3 + a, mask=rm, other=0.0).to(tl.float64)
            - tl.load(lo_ptr + own * 3 + a, mask=rm, other=0.0))
     if DIVIDE:  # float64 division is correctly rounded (div.rn.f64)
@@ -326,8 +326,10 @@ def _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, a: tl.constexpr,
 @triton.jit
 def _cell_key(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, rows, rm,
               HAS_OWNER: tl.constexpr, DIVIDE: tl.constexpr):
-    """Rows' clouds, cells and keys as :func:`~pointalign.kernels.grid.reference.cell_keys_reference`
-    computes them."""
+    """Return the rows' clouds, cells and keys.
+
+    As :func:`~pointalign.kernels.grid.reference.cell_keys_reference` computes them.
+    """
     if HAS_OWNER:
         own = tl.load(owner_ptr + rows, mask=rm, other=0)
     else:
