@@ -157,8 +157,8 @@ def test_many_clouds_at_once_equal_each_alone(repeat):
     """voxel_downsample_many: each cloud on its own grid, its voxels in its own order; the
     same float32 centroids (the shared float64 cumulative sum could move one by an ulp of
     float64 only, far below float32's: equal here). Four clouds (corners reduced cloud by
-    cloud) and twelve (corners by one scatter)."""
-    from pointalign.features.downsample import voxel_downsample_many
+    cloud) and twelve (corners by one scatter); the same with the caller's group."""
+    from pointalign.features.downsample import group_clouds, voxel_downsample_many
 
     g = torch.Generator().manual_seed(repeat)
     clouds = [torch.rand(n, 3, generator=g) * s + o for n, s, o in
@@ -168,6 +168,8 @@ def test_many_clouds_at_once_equal_each_alone(repeat):
     assert len(got) == len(clouds)
     for c, d in zip(clouds, got, strict=True):
         assert torch.equal(d, voxel_downsample(c, 1.0))
+    grouped = voxel_downsample_many(clouds, 1.0, group_clouds(clouds))  # a caller's group
+    assert all(torch.equal(a, b) for a, b in zip(grouped, got, strict=True))
 
 
 def _many_clouds(device: str) -> list[torch.Tensor]:

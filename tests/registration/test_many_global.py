@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pointalign import datasets, metrics
-from pointalign.features.downsample import voxel_downsample
+from pointalign.features.downsample import group_clouds, voxel_downsample
 from pointalign.kernels import _loop
 from pointalign.registration import voxel_rule
 from pointalign.registration.many import batched as bt
@@ -81,6 +81,10 @@ def _local(pairs, device):
 def _same_rule(local, options):
     opts = check("register_many", options)
     got = voxel_rule._voxel_sizes_many(local, opts)  # the device's path, on every device
+    group = group_clouds([x for p in local for x in p])   # the same with the caller's group
+    assert [str(r) if isinstance(r, ValueError) else r for r in
+            voxel_rule._voxel_sizes_many(local, opts, group)] \
+        == [str(r) if isinstance(r, ValueError) else r for r in got]
     public = voxel_rule.voxel_sizes(local, opts)  # the host's per-cloud path in host memory
     for (s, t), g, h in zip(local, got, public, strict=True):
         try:
@@ -137,15 +141,18 @@ def test_voxel_sizes_on_the_real_bunny_scans(shared_data):
 
 def _same_strays(local, rules):
     """The batched without_strays equals the one-cloud-at-a-time rule for the pairs showing
-    strays."""
+    strays (also given the caller's group)."""
 
     dirty = [(p, r[0]) for p, r in zip(local, rules, strict=True)
              if not isinstance(r, ValueError) and r[1]]
     assert dirty  # bunny-size subsamples show strays at v
     got = voxel_rule._without_strays_many([p for p, _ in dirty], [v for _, v in dirty])
-    for ((s, t), v), (gs, gt) in zip(dirty, got, strict=True):
+    group = group_clouds([x for p, _ in dirty for x in p])  # the same with the caller's group
+    again = voxel_rule._without_strays_many([p for p, _ in dirty], [v for _, v in dirty], group)
+    for ((s, t), v), (gs, gt), (hs, ht) in zip(dirty, got, again, strict=True):
         ws, wt = voxel_rule.without_strays_per_cloud(s, t, v)
         assert torch.equal(gs, ws) and torch.equal(gt, wt)
+        assert torch.equal(hs, ws) and torch.equal(ht, wt)
 
 
 @pytest.fixture(scope="module")

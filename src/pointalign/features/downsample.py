@@ -228,7 +228,8 @@ def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int =
     return best_v
 
 
-def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list[torch.Tensor]:
+def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float,
+                          group: CloudGroup | None = None) -> list[torch.Tensor]:
     """:func:`voxel_downsample` of many checked clouds at once: one sort for all of them.
 
     Each cloud keeps its own grid (anchored at its own minimum corner) and its voxels come
@@ -243,13 +244,14 @@ def voxel_downsample_many(clouds: list[torch.Tensor], voxel_size: float) -> list
     Args:
         clouds: C ``(N_c, 3)`` float tensors (finite, N_c >= 1) on one device, one dtype.
         voxel_size: cube edge (> 0).
+        group: ``group_clouds(clouds)`` when the caller has it (saves its synchronisation).
 
     Returns:
         C ``(V_c, 3)`` tensors, each what ``voxel_downsample(clouds[c], voxel_size)`` gives.
 
     """
     c = len(clouds)
-    points, owner, sizes, origin, lo_h, hi_h = group_clouds(clouds)
+    points, owner, sizes, origin, lo_h, hi_h = group_clouds(clouds) if group is None else group
     dims = [math.floor((h - o) / voxel_size) + 1
             for lo_c, hi_c in zip(lo_h, hi_h, strict=True)
             for o, h in zip(lo_c, hi_c, strict=True)]

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from pointalign import _progress, _threads, _validate
-from pointalign.features.downsample import voxel_downsample
+from pointalign.features.downsample import group_clouds, voxel_downsample
 from pointalign.features.normals import estimate_normals
 from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import ransac as _kr
@@ -325,18 +325,24 @@ def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _
     (:func:`~pointalign.registration.prepare.prepare_both`: the same values). Returns v
     (metres), the scales and the two prepared clouds.
     """
-    v, strays = voxel_rule.voxel_size(src, tgt, opts, full_index)
+    # on a device both clouds as one group (their corners read once): for the rule, the
+    # strays and, where the clouds stay as they are, the downsampling
+    host = policy.search_plan(src).host_tree
+    group = None if host else group_clouds([src, tgt])
+    v, strays = voxel_rule.voxel_size(src, tgt, opts, full_index, group)
     mcd, fine = opts.max_correspondence_distance, opts.icp_max_correspondence_distance
     scales = Scales(v, mcd, fine) if not in_voxels else Scales(
         1.0, None if mcd is None else mcd / v, None if fine is None else fine / v)
     clock.lap("voxel_size")
-    src_c, tgt_c = voxel_rule.without_strays([(src, tgt)], [v])[0] if strays else (src, tgt)
+    src_c, tgt_c = (voxel_rule.without_strays([(src, tgt)], [v], group)[0] if strays
+                    else (src, tgt))
     if in_voxels:
         src_c, tgt_c = src_c / v, tgt_c / v
-    if policy.search_plan(src_c).host_tree:  # host memory: each cloud with its own tree
+    if host:  # host memory: each cloud with its own tree
         return v, scales, prepare_cloud(src_c, scales, clock, "source", describe, v), \
             prepare_cloud(tgt_c, scales, clock, "target", describe, v)
-    return (v, scales, *prepare_both(src_c, tgt_c, scales, clock, describe, v))
+    return (v, scales, *prepare_both(src_c, tgt_c, scales, clock, describe, v,
+                                     group if src_c is src and tgt_c is tgt else None))
 
 
 def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,

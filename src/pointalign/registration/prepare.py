@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from pointalign.features.downsample import voxel_downsample, voxel_downsample_many
+from pointalign.features.downsample import CloudGroup, voxel_downsample, voxel_downsample_many
 from pointalign.features.fpfh import fpfh, neighbourhoods, restrict
 from pointalign.features.normals import estimate_normals
 from pointalign.kernels import _loop
@@ -49,7 +49,8 @@ class Prepared(NamedTuple):
 
 
 def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _loop.Clock,
-                 describe: bool, v: float) -> tuple[Prepared, Prepared]:
+                 describe: bool, v: float, group: CloudGroup | None = None
+                 ) -> tuple[Prepared, Prepared]:
     """:func:`prepare_cloud` of both clouds of a pair on a device, as one group.
 
     One downsampling sort for both (:func:`~pointalign.features.downsample.
@@ -59,12 +60,13 @@ def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _l
     fewer launches and host synchronisations. The normals and features are each cloud's
     own for its points (the same arithmetic per row); the points are too, up to the float64
     rounding of a centroid that ``voxel_downsample_many`` states (below float32's: the
-    tests compare every array bit for bit).
+    tests compare every array bit for bit). ``group``: ``group_clouds([src, tgt])`` when
+    the caller has it.
     """
     # the second cloud's rows of a group buffer start at an offset: its own copy, so that
     # every kernel reads it 16-byte aligned, as the cloud alone (Triton specialises pointer
     # alignment: an unaligned pointer is another compilation, at a size of its own)
-    downs = voxel_downsample_many([src, tgt], scales.voxel)
+    downs = voxel_downsample_many([src, tgt], scales.voxel, group)
     downs[1] = downs[1].clone()
     for down, name in zip(downs, ("source", "target"), strict=True):
         if down.shape[0] < 3:

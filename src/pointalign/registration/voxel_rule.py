@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 
-from pointalign.features.downsample import auto_voxel_size, auto_voxel_size_many, group_clouds
+from pointalign.features.downsample import (
+    CloudGroup,
+    auto_voxel_size,
+    auto_voxel_size_many,
+    group_clouds,
+)
 from pointalign.features.outliers import (
     MIN_STRAY_FRACTION,
     dense_mask,
@@ -52,7 +57,7 @@ Clouds = tuple[torch.Tensor, torch.Tensor]
 
 
 def voxel_sizes(pairs: Sequence[Clouds], opts: Options,
-                target_indexes: Sequence[Any] | None = None
+                target_indexes: Sequence[Any] | None = None, group: CloudGroup | None = None
                 ) -> list[tuple[float, bool] | ValueError]:
     """Choose v and tell whether strays are to be removed, for every pair.
 
@@ -61,6 +66,8 @@ def voxel_sizes(pairs: Sequence[Clouds], opts: Options,
         opts: the checked options (``voxel_size``, ``target_points``, ``remove_outliers``).
         target_indexes: per pair an index over the target, or None (host memory only: the
             per-cloud path searches it; a device builds none).
+        group: the pairs' clouds as one group (``group_clouds([s₀, t₀, s₁, t₁, …])``) when
+            the caller has it (a device's path uses it instead of grouping them again).
 
     Returns:
         Per pair ``(v, strays)``, or the ValueError :data:`COINCIDE` where the larger cloud's
@@ -79,17 +86,17 @@ def voxel_sizes(pairs: Sequence[Clouds], opts: Options,
             except ValueError as exc:
                 out.append(exc)
         return out
-    return _voxel_sizes_many(pairs, opts)
+    return _voxel_sizes_many(pairs, opts, group)
 
 
-def _voxel_sizes_many(pairs: Sequence[Clouds], opts: Options
+def _voxel_sizes_many(pairs: Sequence[Clouds], opts: Options, group: CloudGroup | None = None
                       ) -> list[tuple[float, bool] | ValueError]:
     """:func:`voxel_sizes` of the whole group at once (the device's path)."""
     # both clouds of every pair as one group (one synchronisation for their corners): the
     # automatic edge of each pair's larger cloud, the stray fractions of both
     bigs = [2 * i + int(s.shape[0] < t.shape[0]) for i, (s, t) in enumerate(pairs)]
-    group = (group_clouds([x for p in pairs for x in p])
-             if opts.voxel_size is None or opts.remove_outliers else None)
+    if group is None and (opts.voxel_size is None or opts.remove_outliers):
+        group = group_clouds([x for p in pairs for x in p])
     if opts.voxel_size is not None:
         vs = [float(opts.voxel_size)] * len(pairs)
     else:
@@ -112,34 +119,39 @@ def _voxel_sizes_many(pairs: Sequence[Clouds], opts: Options
 
 
 def voxel_size(source: torch.Tensor, target: torch.Tensor, opts: Options,
-               target_index: Any = None) -> tuple[float, bool]:
+               target_index: Any = None, group: CloudGroup | None = None
+               ) -> tuple[float, bool]:
     """:func:`voxel_sizes` of one pair: ``(v, strays)``; raises its ValueError."""
     rule = voxel_sizes([(source, target)], opts,
-                       None if target_index is None else [target_index])[0]
+                       None if target_index is None else [target_index], group)[0]
     if isinstance(rule, ValueError):
         raise rule
     return rule
 
 
-def without_strays(pairs: Sequence[Clouds], vs: Sequence[float]) -> list[Clouds]:
+def without_strays(pairs: Sequence[Clouds], vs: Sequence[float],
+                   group: CloudGroup | None = None) -> list[Clouds]:
     """Both clouds of every pair without their stray points, pair i at ``vs[i]``.
 
     Every cloud's :func:`~pointalign.features.outliers.dense_mask`: in host memory cloud by
     cloud (:func:`without_strays_per_cloud`), on a device by one
     :func:`~pointalign.features.outliers.dense_masks_many` (the same masks) and the kept
     points of all clouds by one selection (a few host synchronisations for the group). A
-    pair where either cloud keeps fewer than 3 points stays as given.
+    pair where either cloud keeps fewer than 3 points stays as given. ``group``: as
+    :func:`voxel_sizes`'.
     """
     if not pairs:
         return []
     if policy.search_plan(pairs[0][0]).host_tree:
         return [without_strays_per_cloud(s, t, v) for (s, t), v in zip(pairs, vs, strict=True)]
-    return _without_strays_many(pairs, vs)
+    return _without_strays_many(pairs, vs, group)
 
 
-def _without_strays_many(pairs: Sequence[Clouds], vs: Sequence[float]) -> list[Clouds]:
+def _without_strays_many(pairs: Sequence[Clouds], vs: Sequence[float],
+                         group: CloudGroup | None = None) -> list[Clouds]:
     """:func:`without_strays` of the whole group at once (the device's path)."""
-    group = group_clouds([x for p in pairs for x in p])
+    if group is None:
+        group = group_clouds([x for p in pairs for x in p])
     keep, kept = dense_masks_many(group, [v for v in vs for _ in (0, 1)])
     dense = torch.split(group.points[keep], kept)
     return [(dense[2 * i], dense[2 * i + 1]) if min(kept[2 * i], kept[2 * i + 1]) >= 3
