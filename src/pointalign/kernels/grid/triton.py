@@ -179,16 +179,20 @@ def grid_query(g, query: torch.Tensor, k: int, max_distance_sq: float | None = N
 
 
 @triton.jit(do_not_specialize=("n",))
-def _morton_kernel(p_ptr, lo_ptr, span_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _morton_kernel(p_ptr, lo_ptr, hi_ptr, out_ptr, n, BLOCK: tl.constexpr):
     """Morton codes of float32 points ``[pid·BLOCK, (pid + 1)·BLOCK)`` (int32, x lowest).
 
-    The reference's arithmetic step by step: ``(p − lo) / span`` (correctly rounded
-    division), ``× 1023``, clamped to [0, 1023], truncated; each axis's 10 bits spread
-    two apart and interleaved.
+    The reference's arithmetic step by step: the box's longest side ``span`` (its three
+    sides ``hi − lo``, their maximum, at least 1e-30), ``(p − lo) / span`` (correctly
+    rounded division), ``× 1023``, clamped to [0, 1023], truncated; each axis's 10 bits
+    spread two apart and interleaved.
     """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    span = tl.load(span_ptr)
+    span = tl.maximum(tl.maximum(tl.load(hi_ptr + 0) - tl.load(lo_ptr + 0),
+                                 tl.load(hi_ptr + 1) - tl.load(lo_ptr + 1)),
+                      tl.load(hi_ptr + 2) - tl.load(lo_ptr + 2))
+    span = tl.maximum(span, 1e-30)
     code = tl.zeros((BLOCK,), dtype=tl.int32)
     for a in tl.static_range(3):
         v = tl.load(p_ptr + offs * 3 + a, mask=m, other=0.0)
@@ -206,15 +210,13 @@ def morton_codes(points: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """Morton codes ``(N,)`` int32 of float32 ``points (N, 3)``, ``N >= 1``.
 
     :func:`~pointalign.kernels.grid.reference.morton_codes_reference`'s, bit for bit: the
-    box by one reduction, the codes by one launch.
+    box by one reduction, its longest side and the codes by one launch.
     """
     lo, hi = torch.aminmax(points, dim=0)
-    span = (hi - lo).amax().clamp_min(1e-30)
     pts = points.contiguous()
     n = pts.shape[0]
     code = torch.empty(n, dtype=torch.int32, device=pts.device)
-    _morton_kernel[(triton.cdiv(n, block),)](pts, lo, span, code, n, BLOCK=block,
-                                             num_warps=4)
+    _morton_kernel[(triton.cdiv(n, block),)](pts, lo, hi, code, n, BLOCK=block, num_warps=4)
     return code
 
 
