@@ -852,3 +852,50 @@ def test_second_order_of_points_equals_reference(backend, c, monkeypatch):
     dev = backend.device
     got = second_order_of_points(src.to(dev), tgt.to(dev), tau)
     assert torch.equal(got.cpu(), want) and len(calls) == int(backend.name == "cpu")
+
+
+def _ranking_cases() -> list[K.FeatureMatches]:
+    """Feature matches of random FPFH-like rows (some mutual, some not), with duplicated
+    target rows (distance ties, ratio 1) and exact hits (ratio 0, a zero second distance)."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for n, m in ((300, 280), (5, 2), (700, 900)):
+        s, t = torch.rand(n, 33, generator=g), torch.rand(m, 33, generator=g)
+        t[1::7] = t[0::7][: t[1::7].shape[0]]      # pairs of equal target rows
+        s[:min(3, m)] = t[:3]                      # exact hits
+        out.append(K.FeatureMatches(*K.feature_knn_reference(s, t, 2),
+                                    *K.feature_knn_reference(t, s, 1)))
+    return out
+
+
+@backends("torch", "cpu", "triton")
+def test_ranking_keys_equal_the_reference(backend):
+    """ranking_keys: the reference's keys bit for bit on every backend (the same operations,
+    correctly rounded); mutual rows below 2, the others at or above."""
+    for mt in _ranking_cases():
+        dev = backend.device
+        got = K.ranking_keys(K.FeatureMatches(*(x.to(dev) for x in mt)))
+        want = K.ranking_keys_reference(mt.dists, mt.idx, mt.back_idx)
+        assert got.dtype == torch.float64 and torch.equal(got.cpu(), want)
+        mutual = mt.back_idx[mt.idx[:, 0], 0] == torch.arange(mt.idx.shape[0])
+        assert bool((want[mutual] <= 1).all()) and bool((want[~mutual] >= 2).all())
+    with pytest.raises(ValueError, match="k >= 2"):
+        K.ranking_keys(K.FeatureMatches(mt.dists[:, :1], mt.idx[:, :1], mt.back_dists,
+                                        mt.back_idx))
+
+
+def run_interpreted_ranking(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): the Triton ranking keys of every case."""
+    from pointalign.kernels.ransac import triton as _ransac_triton
+
+    torch.save([_ransac_triton.ranking_keys(mt.dists, mt.idx, mt.back_idx)
+                for mt in _ranking_cases()], out_path)
+
+
+interpreted_ranking = interpreted_fixture("tests.kernels.test_ransac", "run_interpreted_ranking",
+                                          "interpreted_ranking")
+
+
+def test_triton_ranking_keys_interpreted(interpreted_ranking):
+    for got, mt in zip(interpreted_ranking, _ranking_cases(), strict=True):
+        assert torch.equal(got, K.ranking_keys_reference(mt.dists, mt.idx, mt.back_idx))

@@ -65,19 +65,8 @@ def rank_correspondences(source_features: torch.Tensor, target_features: torch.T
         matches = _k.feature_matches(source_features, target_features, 2)
     else:
         matches.check(n, m)
-        if matches.k < 2 or matches.back_idx is None:
-            raise ValueError(f"matches: the ranking needs k >= 2 forward and the backward "
-                             f"matches, got k = {matches.k} and backward "
-                             f"{'none' if matches.back_idx is None else 'present'}")
-    d, j = matches.forward(2)
-    back = matches.back_idx
-    assert back is not None  # checked above / backward=True
-    i = torch.arange(n, device=source_features.device)
-    mutual = back[j[:, 0], 0] == i
-    ratio = (d[:, 0].clamp_min(0).sqrt() / d[:, 1].clamp_min(1e-30).sqrt()).clamp(0, 1)
-    key = ratio.to(torch.float64) + (~mutual).to(torch.float64) * 2.0  # mutual ones first
-    order = torch.argsort(key, stable=True)[:limit]
-    return torch.stack([i[order], j[order, 0]], 1)
+    order = torch.argsort(_k.ranking_keys(matches), stable=True)[:limit]  # mutual ones first
+    return torch.stack([order, matches.idx[order, 0]], 1)
 
 
 @_validate.out_of_memory_is_clear

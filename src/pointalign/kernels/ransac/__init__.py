@@ -26,6 +26,10 @@ spec):
   up to ``cdist``'s rounding (its batched and unbatched forms may round differently). On
   the "triton" backend (float32) the batched form of ``triton.feature_knn``: each problem's
   answers are those of its :func:`feature_matches` alone.
+* ``ranking_keys(matches) -> (N,) float64``: each source row's Lowe ratio of its two
+  nearest feature distances, plus 2 where its nearest is not mutual (the correspondence
+  ranking's sort key). Reference: :func:`ranking_keys_reference`; on CUDA (float32) one
+  Triton launch, correctly rounded like the reference: the same keys bit for bit.
 * ``triangle_similar(src (H, 3, 3), tgt (H, 3, 3), similarity) -> (H,) bool``: for the
   three edges e of the source triangle and the matching target edges,
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
@@ -85,6 +89,7 @@ from pointalign.kernels.ransac.reference import (
     compatibility_reference,
     feature_knn_reference,
     pair_lengths,
+    ranking_keys_reference,
     score_transforms_reference,
     second_order_of_points_reference,
     second_order_reference,
@@ -225,6 +230,29 @@ def feature_matches(source: torch.Tensor, target: torch.Tensor, k: int = 2, *,
     if not backward:
         return FeatureMatches(d, i)
     return FeatureMatches(d, i, *feature_knn(target, source, 1))
+
+
+def ranking_keys(matches: FeatureMatches) -> torch.Tensor:
+    """Rank key of every source row by how distinctive its nearest target feature is: ``(N,)``.
+
+    Lowe's ratio (nearest over second nearest feature distance, in ``[0, 1]``, computed in
+    the distances' dtype), plus 2 where the nearest is not mutual (the target row's nearest
+    source row is another), in float64: sorted ascending, mutual matches come first, each
+    group by its ratio (:func:`pointalign.registration.robust.rank_correspondences`).
+    ``matches``: with ``k >= 2`` forward and the backward matches. Reference:
+    :func:`ranking_keys_reference`; on CUDA (float32) one Triton launch with the same
+    operations, correctly rounded: the same keys bit for bit.
+    """
+    if matches.k < 2 or matches.back_idx is None:
+        raise ValueError(f"matches: the ranking needs k >= 2 forward and the backward "
+                         f"matches, got k = {matches.k} and backward "
+                         f"{'none' if matches.back_idx is None else 'present'}")
+    d, j = matches.forward(2)
+    if backend(d) == "triton" and d.dtype == torch.float32:
+        from pointalign.kernels.ransac import triton as _ransac_triton
+
+        return _ransac_triton.ranking_keys(d, j, matches.back_idx)
+    return ranking_keys_reference(d, j, matches.back_idx)
 
 
 def triangle_similar(src: torch.Tensor, tgt: torch.Tensor, similarity: float) -> torch.Tensor:
@@ -472,7 +500,8 @@ def second_order_of_points_many(source: torch.Tensor, target: torch.Tensor,
 
 __all__ = ["FeatureMatches", "Hypotheses", "feature_knn", "feature_knn_reference",
            "feature_matches", "feature_matches_many", "second_order_of_points_many",
-           "pair_lengths", "score_transforms", "score_transforms_reference", "second_order",
-           "second_order_of_points", "second_order_of_points_reference",
+           "pair_lengths", "ranking_keys", "ranking_keys_reference", "score_transforms",
+           "score_transforms_reference", "second_order", "second_order_of_points",
+           "second_order_of_points_reference",
            "second_order_reference", "transform_points", "transform_points_reference",
            "triangle_motions", "triangle_similar"]

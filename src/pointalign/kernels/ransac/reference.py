@@ -72,6 +72,21 @@ def feature_knn_many_reference(query: torch.Tensor, ref: torch.Tensor, n: torch.
     return d_out, i_out
 
 
+def ranking_keys_reference(dists: torch.Tensor, idx: torch.Tensor,
+                           back_idx: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch statement of :func:`pointalign.kernels.ransac.ranking_keys`.
+
+    ``dists, idx (N, k >= 2)``: each source row's two nearest target rows; ``back_idx
+    (M, 1)``: each target row's nearest source row. Returns ``(N,)`` float64: Lowe's ratio
+    ``min(1, sqrt(max(d₀, 0)) / sqrt(max(d₁, 1e-30)))`` in the distances' dtype, plus 2
+    where the nearest is not mutual.
+    """
+    i = torch.arange(dists.shape[0], device=dists.device)
+    mutual = back_idx[idx[:, 0], 0] == i
+    ratio = (dists[:, 0].clamp_min(0).sqrt() / dists[:, 1].clamp_min(1e-30).sqrt()).clamp(0, 1)
+    return ratio.to(torch.float64) + (~mutual).to(torch.float64) * 2.0
+
+
 def triangle_similar_reference(src: torch.Tensor, tgt: torch.Tensor,
                                similarity: float) -> torch.Tensor:
     """Edge-length ratio test of triangle pairs ``src, tgt (H, 3, 3)`` → ``(H,)`` bool.

@@ -338,6 +338,37 @@ def feature_knn(query: torch.Tensor, ref: torch.Tensor, k: int,
     return res if batched else tuple(x[0] for x in res)
 
 
+@triton.jit(do_not_specialize=("n", "k"))
+def _ranking_kernel(d_ptr, j_ptr, back_ptr, key_ptr, n, k, BLOCK: tl.constexpr):
+    """Write the ranking keys of source rows ``[pid·BLOCK, (pid + 1)·BLOCK)``.
+
+    The reference's float32 steps (correctly rounded square roots and division), then
+    float64.
+    """
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    rm = rows < n
+    d0 = tl.maximum(tl.load(d_ptr + rows * k, mask=rm, other=0.0), 0.0)
+    d1 = tl.maximum(tl.load(d_ptr + rows * k + 1, mask=rm, other=1.0), 1e-30)
+    ratio = tl.math.div_rn(tl.math.sqrt_rn(d0), tl.math.sqrt_rn(d1))
+    ratio = tl.minimum(tl.maximum(ratio, 0.0), 1.0)
+    j = tl.load(j_ptr + rows * k, mask=rm, other=0)
+    mutual = tl.load(back_ptr + j, mask=rm, other=-1) == rows
+    key = ratio.to(tl.float64) + tl.where(mutual, 0.0, 2.0).to(tl.float64)
+    tl.store(key_ptr + rows, key, mask=rm)
+
+
+def ranking_keys(dists: torch.Tensor, idx: torch.Tensor, back_idx: torch.Tensor,
+                 block: int = 256) -> torch.Tensor:
+    """Launch :func:`_ranking_kernel` (float32 distances): ``(N,)`` float64, one launch."""
+    n, k = idx.shape
+    key = torch.empty(n, dtype=torch.float64, device=dists.device)
+    if n:
+        _ranking_kernel[(triton.cdiv(n, block),)](dists.contiguous(), idx.contiguous(),
+                                                  back_idx.contiguous(), key, n, k,
+                                                  BLOCK=block, num_warps=4)
+    return key
+
+
 @functools.lru_cache(maxsize=8)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
