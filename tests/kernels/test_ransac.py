@@ -899,3 +899,80 @@ interpreted_ranking = interpreted_fixture("tests.kernels.test_ransac", "run_inte
 def test_triton_ranking_keys_interpreted(interpreted_ranking):
     for got, mt in zip(interpreted_ranking, _ranking_cases(), strict=True):
         assert torch.equal(got, K.ranking_keys_reference(mt.dists, mt.idx, mt.back_idx))
+
+
+# ---- scoring on CUDA: the Triton kernel against a brute-force index (ransac/triton.py) ----
+
+def _triton_scoring_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """(motions, source, target, bound): one motion and many points, many motions and few
+    points (RANSAC's T(d,d)), a tight bound; the identity first (hits for sure)."""
+    g = torch.Generator().manual_seed(21)
+    tgt = torch.rand(300, 3, generator=g) * 0.5
+    out = []
+    for s, p, r in ((1, 700, 0.04), (300, 33, 0.04), (9, 100, 0.01)):
+        T = _motions(s, g)
+        T[0] = torch.eye(4, dtype=torch.float64)
+        out.append((T, torch.rand(p, 3, generator=g) * 0.5, tgt, r))
+    return out
+
+
+def _scoring_of_triton_moves(T, src, index, r, with_matches):
+    """The reference with the points moved as the Triton kernel moves them (transform_points'
+    dispatcher: Triton on CUDA and under the interpreter)."""
+    import pointalign.kernels.ransac.reference as ref
+
+    saved, ref.transform_points_reference = ref.transform_points_reference, K.transform_points
+    try:
+        return K.score_transforms_reference(T, src, index, r, with_matches)
+    finally:
+        ref.transform_points_reference = saved
+
+
+def _check_scoring(got, want):
+    (c, sq, m), (rc, rsq, rm) = got, want
+    assert c.dtype == torch.int64 and sq.dtype == torch.float64 and torch.equal(c, rc)
+    assert torch.allclose(sq, rsq, rtol=1e-12, atol=0)
+    assert (m is None) == (rm is None) and (m is None or torch.equal(m, rm))
+
+
+@backends("triton")
+def test_triton_scoring_equals_the_reference_of_its_moves(backend):
+    """On CUDA a brute-force index is scored by one Triton launch: the counts and matches of
+    the reference for the points moved as transform_points moves them (the sums to their
+    order); against baddbmm's moves at most a point at the bound differs."""
+    from pointalign.search.brute import BruteForceIndex
+
+    for T, src, tgt, r in _triton_scoring_cases():
+        T, src, index = T.cuda(), src.cuda(), BruteForceIndex(tgt.cuda())
+        assert K._scoring_layout(T, src, index) is not None
+        for wm in (False, True):
+            got = K.score_transforms(T, src, index, r, wm)
+            _check_scoring(got, _scoring_of_triton_moves(T, src, index, r, wm))
+            plain = K.score_transforms_reference(T, src, index, r, wm)
+            assert int((got[0] - plain[0]).abs().sum()) <= 2
+        c, sq, m = K.score_transforms(T, src, index, r, with_sums=False)
+        assert sq is None and m is None and torch.equal(c, got[0])
+
+
+def run_interpreted_scoring(out_path: str) -> None:
+    """Child-process body (TRITON_INTERPRET=1): the Triton scoring and its reference."""
+    from pointalign.kernels.ransac import triton as _ransac_triton
+    from pointalign.search.brute import BruteForceIndex
+
+    out = []
+    for T, src, tgt, r in _triton_scoring_cases():
+        index = BruteForceIndex(tgt)
+        out.append([(_ransac_triton.score_transforms(T, src, index.scoring_layout(), r, wm),
+                     _scoring_of_triton_moves(T, src, index, r, wm)) for wm in (False, True)])
+    torch.save(out, out_path)
+
+
+interpreted_scoring = interpreted_fixture("tests.kernels.test_ransac", "run_interpreted_scoring",
+                                          "interpreted_scoring")
+
+
+def test_triton_scoring_interpreted(interpreted_scoring):
+    for case in interpreted_scoring:
+        for got, want in case:
+            _check_scoring(got, want)
+        assert int(case[0][0][0].sum()) >= 1

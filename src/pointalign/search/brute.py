@@ -77,6 +77,16 @@ class BruteForceIndex:
         new.points, new._made = arrays["points"], (arrays.get("layout"),)
         return new
 
+    def scoring_layout(self) -> torch.Tensor | None:
+        """Return the ``(3, M)`` points the fused RANSAC scoring reads, or None.
+
+        :func:`pointalign.kernels.ransac.score_transforms` scores motions against this index
+        by brute force in one Triton launch where the kernel layer lays the points out for
+        its Triton kernels (on CUDA), instead of moving the points and asking
+        :meth:`nearest_within`.
+        """
+        return self._layout
+
     def knn(self, query: Any, k: int) -> KnnResult:
         """Find the k nearest points of each query: ``dists (N, k)`` squared, ``idx (N, k)``."""
         k = _checks.check_k(k, self.points.shape[0])

@@ -62,7 +62,12 @@ spec):
   products and sums as ``baddbmm`` on the CPU (``((p₀r₀ + p₁r₁) + p₂r₂) + t``, no fused
   multiply-add), so counts and matches are identical; the float64 sums differ from the
   reference's only in summation order (blocks of points in a fixed order, see
-  ``score_cpu._score``).
+  ``score_cpu._score``). On CUDA (float32) a brute-force index
+  (``BruteForceIndex.scoring_layout``) is scored by one Triton launch
+  (``triton.score_transforms``): the points move as ``transform_points`` moves them on CUDA
+  (a few ulps from ``baddbmm``), then the index's own 1-NN scan; so counts and matches are
+  the reference's for those moved points, and differ from ``baddbmm``'s only for a point
+  within those ulps of the bound; the sums in a fixed blocked order.
 * ``second_order(A (C, C)) -> (C, C)``: the second-order compatibility ``A ⊙ (A A)`` of a
   0/1 float32 matrix (the SC² measure of :mod:`pointalign.registration.robust`). The "cpu"
   backend counts by bit sets (``cpu.second_order_cpu``): the counts are exact integers, so
@@ -353,6 +358,19 @@ def _scoring_grid(T: torch.Tensor, points: torch.Tensor, index: Any,
     return grid
 
 
+def _scoring_layout(T: torch.Tensor, points: torch.Tensor, index: Any) -> torch.Tensor | None:
+    """Return the brute-force index's ``(3, M)`` points the Triton scoring reads, or None."""
+    layout_of = getattr(index, "scoring_layout", None)
+    if (layout_of is None or backend(points) != "triton" or points.dtype != torch.float32
+            or points.requires_grad or T.requires_grad):
+        return None
+    soa = layout_of()
+    if soa is None or soa.dtype != torch.float32 or soa.device != points.device \
+            or soa.shape[1] >= 2**31 - 1:
+        return None
+    return soa
+
+
 def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
                      with_matches: bool = False, with_sums: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -384,6 +402,12 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_dist
         return (torch.zeros(0, dtype=torch.int64, device=dev),
                 torch.zeros(0, dtype=torch.float64, device=dev) if with_sums else None,
                 torch.zeros(0, p, dtype=torch.int64, device=dev) if with_matches else None)
+    soa = _scoring_layout(T, points, index)
+    if soa is not None:
+        from pointalign.kernels.ransac import triton as _ransac_triton
+
+        c, sq, m = _ransac_triton.score_transforms(T, points, soa, max_distance, with_matches)
+        return c, sq if with_sums else None, m
     grid = _scoring_grid(T, points, index, max_distance)
     if grid is None:
         return score_transforms_reference(T, points, index, max_distance, with_matches,

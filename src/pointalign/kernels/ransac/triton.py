@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pointalign.kernels.knn.triton import nn1_scan
 from pointalign.kernels.ransac.reference import MAX_TRITON_FEATURE_K
 
 
@@ -84,6 +85,64 @@ def transform_points(T: torch.Tensor, points: torch.Tensor, block: int = 512) ->
     _move_kernel[(S * n_blocks,)](Tf, pts, out, P, n_blocks, 0 if pts.dim() == 2 else P * 3,
                                   BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit(do_not_specialize=("n_points", "n_blocks", "m"))
+def _score_kernel(T_ptr, p_ptr, soa_ptr, cnt_ptr, sq_ptr, match_ptr, n_points, n_blocks, m,
+                  max_d2, MATCHES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Score block ``pid % n_blocks`` of ``BLOCK_N`` points under transform ``pid // n_blocks``.
+
+    Each point moves as :func:`_move_kernel` moves it, finds its nearest of the ``m``
+    target points (``soa (3, m)``) within ``max_d2`` as the brute-force 1-NN kernel does
+    (:func:`~pointalign.kernels.knn.triton.nn1_scan`), and the block's inlier count and
+    float64 sum of squared distances go to its slot (summed per transform afterwards, in a
+    fixed order).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    s = pid // n_blocks
+    offs = (pid - s * n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    msk = offs < n_points
+    x = tl.load(p_ptr + offs * 3 + 0, mask=msk, other=0.0)
+    y = tl.load(p_ptr + offs * 3 + 1, mask=msk, other=0.0)
+    z = tl.load(p_ptr + offs * 3 + 2, mask=msk, other=0.0)
+    row = T_ptr + s * 16
+    mx = tl.load(row + 0) * x + tl.load(row + 1) * y
+    mx = mx + tl.load(row + 2) * z + tl.load(row + 3)
+    my = tl.load(row + 4) * x + tl.load(row + 5) * y
+    my = my + tl.load(row + 6) * z + tl.load(row + 7)
+    mz = tl.load(row + 8) * x + tl.load(row + 9) * y
+    mz = mz + tl.load(row + 10) * z + tl.load(row + 11)
+    d, j = nn1_scan(mx, my, mz, soa_ptr, m, m, max_d2, True, BLOCK_N, BLOCK_M)
+    hit = msk & (j >= 0)
+    tl.store(cnt_ptr + pid, tl.sum(hit.to(tl.int64), axis=0))
+    tl.store(sq_ptr + pid, tl.sum(tl.where(hit, d, 0.0).to(tl.float64), axis=0))
+    if MATCHES:
+        tl.store(match_ptr + s * n_points + offs, tl.where(hit, j, -1).to(tl.int64), mask=msk)
+
+
+def score_transforms(T: torch.Tensor, points: torch.Tensor, soa: torch.Tensor,
+                     max_distance: float, with_matches: bool, block_n: int = 32,
+                     block_m: int = 64
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Score ``T (S, 4, 4)`` on float32 ``points (P, 3)`` against a brute-force target.
+
+    ``soa (3, M)``: the target's points as the brute-force index lays them out. Returns
+    ``counts (S,) int64``, ``sums (S,) float64`` and (``with_matches``) ``matches (S, P)``:
+    one launch and two fixed-order sums (the contract of
+    :func:`pointalign.kernels.ransac.score_transforms`), no ``(S, P, 3)`` tensor.
+    """
+    S, P = T.shape[0], points.shape[0]
+    n_blocks = triton.cdiv(P, block_n)
+    cnt = torch.empty(S * n_blocks, dtype=torch.int64, device=points.device)
+    sq = torch.empty(S * n_blocks, dtype=torch.float64, device=points.device)
+    match = torch.empty((S, P), dtype=torch.int64, device=points.device) if with_matches \
+        else cnt
+    _score_kernel[(S * n_blocks,)](
+        T.to(device=points.device, dtype=torch.float32).contiguous(), points.contiguous(), soa,
+        cnt, sq, match, P, n_blocks, soa.shape[1], float(max_distance) * float(max_distance),
+        MATCHES=with_matches, BLOCK_N=block_n, BLOCK_M=block_m, num_warps=4)
+    return (cnt.view(S, n_blocks).sum(1), sq.view(S, n_blocks).sum(1),
+            match if with_matches else None)
 
 
 # ---- feature kNN -------------------------------------------------------------------------
