@@ -929,9 +929,12 @@ def _scoring_of_triton_moves(T, src, index, r, with_matches):
 
 
 def _check_scoring(got, want):
+    """Counts and matches equal; each sum to float32 rounding of its distances (a squared
+    distance the kernel computes from moved coordinates in registers may contract into
+    fused multiply-adds otherwise than the 1-NN kernel's from the stored ones)."""
     (c, sq, m), (rc, rsq, rm) = got, want
     assert c.dtype == torch.int64 and sq.dtype == torch.float64 and torch.equal(c, rc)
-    assert torch.allclose(sq, rsq, rtol=1e-12, atol=0)
+    assert torch.allclose(sq, rsq, rtol=1e-6, atol=0)
     assert (m is None) == (rm is None) and (m is None or torch.equal(m, rm))
 
 

@@ -67,7 +67,9 @@ spec):
   (``triton.score_transforms``): the points move as ``transform_points`` moves them on CUDA
   (a few ulps from ``baddbmm``), then the index's own 1-NN scan; so counts and matches are
   the reference's for those moved points, and differ from ``baddbmm``'s only for a point
-  within those ulps of the bound; the sums in a fixed blocked order.
+  within those ulps of the bound; the sums in a fixed blocked order, each distance to
+  float32 rounding (computed in registers, it may contract into fused multiply-adds
+  otherwise).
 * ``second_order(A (C, C)) -> (C, C)``: the second-order compatibility ``A ⊙ (A A)`` of a
   0/1 float32 matrix (the SC² measure of :mod:`pointalign.registration.robust`). The "cpu"
   backend counts by bit sets (``cpu.second_order_cpu``): the counts are exact integers, so

@@ -40,6 +40,21 @@ from pointalign.kernels.knn.triton import nn1_scan
 from pointalign.kernels.ransac.reference import MAX_TRITON_FEATURE_K
 
 
+@triton.jit
+def _moved_axis(row_ptr, x, y, z):
+    """One coordinate of ``R p + t``: ``((r₀x + r₁y) + r₂z) + t`` from a row of T."""
+    v = tl.load(row_ptr + 0) * x + tl.load(row_ptr + 1) * y
+    v = v + tl.load(row_ptr + 2) * z
+    return v + tl.load(row_ptr + 3)
+
+
+@triton.jit
+def _moved(T_ptr, x, y, z):
+    """Points ``(x, y, z)`` moved by the float32 transform at ``T_ptr`` (4 × 4, row-major)."""
+    return (_moved_axis(T_ptr, x, y, z), _moved_axis(T_ptr + 4, x, y, z),
+            _moved_axis(T_ptr + 8, x, y, z))
+
+
 @triton.jit(do_not_specialize=("n_points", "n_blocks", "p_stride"))
 def _move_kernel(T_ptr, p_ptr, out_ptr, n_points, n_blocks, p_stride, BLOCK: tl.constexpr):
     """Move block ``pid % n_blocks`` of ``BLOCK`` points by transform ``pid // n_blocks``.
@@ -57,11 +72,10 @@ def _move_kernel(T_ptr, p_ptr, out_ptr, n_points, n_blocks, p_stride, BLOCK: tl.
     y = tl.load(src + 1, mask=m, other=0.0)
     z = tl.load(src + 2, mask=m, other=0.0)
     dst = out_ptr + (s * n_points + offs) * 3
-    for r in tl.static_range(3):
-        row = T_ptr + s * 16 + 4 * r
-        v = tl.load(row + 0) * x + tl.load(row + 1) * y
-        v = v + tl.load(row + 2) * z
-        tl.store(dst + r, v + tl.load(row + 3), mask=m)
+    mx, my, mz = _moved(T_ptr + s * 16, x, y, z)
+    tl.store(dst + 0, mx, mask=m)
+    tl.store(dst + 1, my, mask=m)
+    tl.store(dst + 2, mz, mask=m)
 
 
 def transform_points(T: torch.Tensor, points: torch.Tensor, block: int = 512) -> torch.Tensor:
@@ -105,13 +119,7 @@ def _score_kernel(T_ptr, p_ptr, soa_ptr, cnt_ptr, sq_ptr, match_ptr, n_points, n
     x = tl.load(p_ptr + offs * 3 + 0, mask=msk, other=0.0)
     y = tl.load(p_ptr + offs * 3 + 1, mask=msk, other=0.0)
     z = tl.load(p_ptr + offs * 3 + 2, mask=msk, other=0.0)
-    row = T_ptr + s * 16
-    mx = tl.load(row + 0) * x + tl.load(row + 1) * y
-    mx = mx + tl.load(row + 2) * z + tl.load(row + 3)
-    my = tl.load(row + 4) * x + tl.load(row + 5) * y
-    my = my + tl.load(row + 6) * z + tl.load(row + 7)
-    mz = tl.load(row + 8) * x + tl.load(row + 9) * y
-    mz = mz + tl.load(row + 10) * z + tl.load(row + 11)
+    mx, my, mz = _moved(T_ptr + s * 16, x, y, z)
     d, j = nn1_scan(mx, my, mz, soa_ptr, m, m, max_d2, True, BLOCK_N, BLOCK_M)
     hit = msk & (j >= 0)
     tl.store(cnt_ptr + pid, tl.sum(hit.to(tl.int64), axis=0))
