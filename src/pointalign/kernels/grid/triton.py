@@ -312,62 +312,56 @@ _HASH_MUL = tl.constexpr(0x5851F42D4C957F2D)
 
 
 @triton.jit
-def _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, a: tl.constexpr,
-               DIVIDE: tl.constexpr):
+def _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, a: tl.constexpr, divide):
     """Return the rows' cell coordinate along axis ``a``, clamped to the cloud's grid."""
     rel = (tl.load(p_ptr + rows * 3 + a, mask=rm, other=0.0).to(tl.float64)
            - tl.load(lo_ptr + own * 3 + a, mask=rm, other=0.0))
-    if DIVIDE:  # float64 division is correctly rounded (div.rn.f64)
-        f = tl.floor(rel / sc)
-    else:
-        f = tl.floor(rel * sc)
+    # float64 division is correctly rounded (div.rn.f64); ``divide`` a run-time flag (one
+    # compilation for both)
+    f = tl.floor(tl.where(divide != 0, rel / sc, rel * sc))
     hi = tl.load(dims_ptr + own * 3 + a, mask=rm, other=1) - 1
     return tl.minimum(tl.maximum(f.to(tl.int64), 0), hi)
 
 
 @triton.jit
 def _cell_key(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, rows, rm,
-              HAS_OWNER: tl.constexpr, DIVIDE: tl.constexpr):
+              has_owner, divide):
     """Return the rows' clouds, cells and keys.
 
     As :func:`~pointalign.kernels.grid.reference.cell_keys_reference` computes them.
     """
-    if HAS_OWNER:
-        own = tl.load(owner_ptr + rows, mask=rm, other=0)
-    else:
-        own = rows * 0
+    own = tl.load(owner_ptr + rows * has_owner, mask=rm, other=0) * has_owner  # 0: one cloud
     sc = tl.load(scale_ptr + own, mask=rm, other=1.0)
-    cx = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 0, DIVIDE)
-    cy = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 1, DIVIDE)
-    cz = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 2, DIVIDE)
+    cx = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 0, divide)
+    cy = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 1, divide)
+    cz = _cell_axis(p_ptr, lo_ptr, dims_ptr, rows, own, rm, sc, 2, divide)
     ny = tl.load(dims_ptr + own * 3 + 1, mask=rm, other=0)
     nz = tl.load(dims_ptr + own * 3 + 2, mask=rm, other=0)
     key = tl.load(base_ptr + own, mask=rm, other=0) + (cx * ny + cy) * nz + cz
     return own, cx, cy, cz, key
 
 
-@triton.jit(do_not_specialize=("P",),
+@triton.jit(do_not_specialize=("P", "has_owner", "divide"),
             do_not_specialize_on_alignment=("owner_ptr", "lo_ptr", "scale_ptr", "dims_ptr",
                                             "base_ptr"))
 def _keys_kernel(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, key_ptr, cell_ptr,
-                 P, HAS_OWNER: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
+                 P, has_owner, divide, BLOCK: tl.constexpr):
     """Keys and cells of points ``[pid·BLOCK, (pid + 1)·BLOCK)``."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     rm = rows < P
     _, cx, cy, cz, key = _cell_key(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr,
-                                   rows, rm, HAS_OWNER, DIVIDE)
+                                   rows, rm, has_owner, divide)
     tl.store(key_ptr + rows, key, mask=rm)
     tl.store(cell_ptr + rows * 3 + 0, cx, mask=rm)
     tl.store(cell_ptr + rows * 3 + 1, cy, mask=rm)
     tl.store(cell_ptr + rows * 3 + 2, cz, mask=rm)
 
 
-@triton.jit(do_not_specialize=("P", "mask"),
+@triton.jit(do_not_specialize=("P", "mask", "has_owner", "divide"),
             do_not_specialize_on_alignment=("owner_ptr", "lo_ptr", "scale_ptr", "dims_ptr",
                                             "base_ptr"))
 def _cells_kernel(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, table_ptr, count_ptr,
-                  P, mask, HAS_OWNER: tl.constexpr, DIVIDE: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  P, mask, has_owner, divide, BLOCK: tl.constexpr):
     """Insert the cell keys of points ``[pid·BLOCK, (pid + 1)·BLOCK)`` into the hash table.
 
     Each lane probes the table (``mask + 1`` slots, -1 where empty) linearly from its key's
@@ -378,7 +372,7 @@ def _cells_kernel(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr, table
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     rm = rows < P
     own, _, _, _, key = _cell_key(p_ptr, owner_ptr, lo_ptr, scale_ptr, dims_ptr, base_ptr,
-                                  rows, rm, HAS_OWNER, DIVIDE)
+                                  rows, rm, has_owner, divide)
     h = key * _HASH_MUL
     slot = (h ^ (h >> 29)) & mask
     empty = tl.full((BLOCK,), -1, dtype=tl.int64)
@@ -411,8 +405,8 @@ def cell_keys(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tensor
     cells = torch.empty((p, 3), dtype=torch.int64, device=points.device)
     if p:
         _keys_kernel[(triton.cdiv(p, block),)](
-            points, points if owner is None else owner, lo, scale, dims, base, keys, cells, p,
-            HAS_OWNER=owner is not None, DIVIDE=bool(divide), BLOCK=block, num_warps=4)
+            points, base if owner is None else owner, lo, scale, dims, base, keys, cells, p,
+            int(owner is not None), int(bool(divide)), BLOCK=block, num_warps=4)
     return keys, cells
 
 
@@ -432,7 +426,6 @@ def count_cells(points: torch.Tensor, owner: torch.Tensor | None, lo: torch.Tens
     slots = 1 << max(10, (2 * p - 1).bit_length())
     table = torch.full((slots,), -1, dtype=torch.int64, device=points.device)
     _cells_kernel[(triton.cdiv(p, block),)](
-        points, points if owner is None else owner, lo, scale, dims, base, table, counts,
-        p, slots - 1, HAS_OWNER=owner is not None, DIVIDE=bool(divide), BLOCK=block,
-        num_warps=4)
+        points, base if owner is None else owner, lo, scale, dims, base, table, counts,
+        p, slots - 1, int(owner is not None), int(bool(divide)), BLOCK=block, num_warps=4)
     return counts

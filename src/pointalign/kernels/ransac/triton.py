@@ -101,16 +101,16 @@ def transform_points(T: torch.Tensor, points: torch.Tensor, block: int = 512) ->
     return out
 
 
-@triton.jit(do_not_specialize=("n_points", "n_blocks", "m"))
+@triton.jit(do_not_specialize=("n_points", "n_blocks", "m", "matches"))
 def _score_kernel(T_ptr, p_ptr, soa_ptr, cnt_ptr, sq_ptr, match_ptr, n_points, n_blocks, m,
-                  max_d2, MATCHES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+                  max_d2, matches, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """Score block ``pid % n_blocks`` of ``BLOCK_N`` points under transform ``pid // n_blocks``.
 
     Each point moves as :func:`_move_kernel` moves it, finds its nearest of the ``m``
     target points (``soa (3, m)``) within ``max_d2`` as the brute-force 1-NN kernel does
     (:func:`~pointalign.kernels.knn.triton.nn1_scan`), and the block's inlier count and
     float64 sum of squared distances go to its slot (summed per transform afterwards, in a
-    fixed order).
+    fixed order); every point's match where ``matches`` (a run-time flag: one compilation).
     """
     pid = tl.program_id(0).to(tl.int64)
     s = pid // n_blocks
@@ -124,8 +124,8 @@ def _score_kernel(T_ptr, p_ptr, soa_ptr, cnt_ptr, sq_ptr, match_ptr, n_points, n
     hit = msk & (j >= 0)
     tl.store(cnt_ptr + pid, tl.sum(hit.to(tl.int64), axis=0))
     tl.store(sq_ptr + pid, tl.sum(tl.where(hit, d, 0.0).to(tl.float64), axis=0))
-    if MATCHES:
-        tl.store(match_ptr + s * n_points + offs, tl.where(hit, j, -1).to(tl.int64), mask=msk)
+    tl.store(match_ptr + s * n_points + offs, tl.where(hit, j, -1).to(tl.int64),
+             mask=offs < n_points * matches)
 
 
 def score_transforms(T: torch.Tensor, points: torch.Tensor, soa: torch.Tensor,
@@ -148,7 +148,7 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, soa: torch.Tensor,
     _score_kernel[(S * n_blocks,)](
         T.to(device=points.device, dtype=torch.float32).contiguous(), points.contiguous(), soa,
         cnt, sq, match, P, n_blocks, soa.shape[1], float(max_distance) * float(max_distance),
-        MATCHES=with_matches, BLOCK_N=block_n, BLOCK_M=block_m, num_warps=4)
+        int(with_matches), BLOCK_N=block_n, BLOCK_M=block_m, num_warps=4)
     return (cnt.view(S, n_blocks).sum(1), sq.view(S, n_blocks).sum(1),
             match if with_matches else None)
 
