@@ -64,12 +64,11 @@ spec):
   reference's only in summation order (blocks of points in a fixed order, see
   ``score_cpu._score``). On CUDA (float32) a brute-force index
   (``BruteForceIndex.scoring_layout``) is scored by one Triton launch
-  (``triton.score_transforms``): the points move as ``transform_points`` moves them on CUDA
-  (a few ulps from ``baddbmm``), then the index's own 1-NN scan; so counts and matches are
-  the reference's for those moved points, and differ from ``baddbmm``'s only for a point
-  within those ulps of the bound; the sums in a fixed blocked order, each distance to
-  float32 rounding (computed in registers, it may contract into fused multiply-adds
-  otherwise).
+  (``triton.score_transforms``): the points move by ``transform_points``' formula on CUDA
+  (a few ulps from ``baddbmm``; kept in registers, they may round a few ulps from its
+  stored ones), then the index's own 1-NN scan; so counts and matches are the reference's
+  except for a point within those ulps of the bound or of a tie, and each squared distance
+  is within those ulps too; the sums in a fixed blocked order.
 * ``second_order(A (C, C)) -> (C, C)``: the second-order compatibility ``A ⊙ (A A)`` of a
   0/1 float32 matrix (the SC² measure of :mod:`pointalign.registration.robust`). The "cpu"
   backend counts by bit sets (``cpu.second_order_cpu``): the counts are exact integers, so
