@@ -211,6 +211,10 @@ def test_count_cells_bad_input():
         grid_mod.count_cells(pts, owner, lo, v[1:], dims, base, divide=True)
     with pytest.raises(ValueError, match="one device"):
         grid_mod.count_cells(pts, owner, lo, v, dims, base.to("meta"), divide=True)
+    for bad in ((pts[:, :2], owner, lo, v, dims, base), (pts, owner, lo, v, dims[:, :2], base),
+                (pts, owner.to("meta"), lo, v, dims, base)):  # cell_keys: the same checks
+        with pytest.raises(ValueError, match="points|expected owner|one device"):
+            grid_mod.cell_keys(*bad, divide=True)
 
 
 # --- Triton grid kernel through the interpreter (child process, tiny sizes) ------------------

@@ -117,3 +117,7 @@ def test_copy_rows_finds_exact_copies(backend, dtype):
     assert not features.copy_rows(pts[:30], idx[:30, :2].clamp_max(29), pts[:30] + 1).any()
     with pytest.raises(ValueError, match="copy_rows"):
         features.copy_rows(pts, idx[:, :1], pts)
+    with pytest.raises(ValueError, match="copy_rows"):
+        features.copy_rows(pts, idx, pts[:-1])
+    with pytest.raises(ValueError, match="one device"):
+        features.copy_rows(pts, idx.to("meta"), pts)

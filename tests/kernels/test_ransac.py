@@ -916,12 +916,14 @@ def _triton_scoring_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     return out
 
 
-def _scoring_of_triton_moves(T, src, index, r, with_matches):
-    """The reference with the points moved as the Triton kernel moves them (transform_points'
-    dispatcher: Triton on CUDA and under the interpreter)."""
+def _scoring_of_triton_moves(T, src, index, r, with_matches, move=K.transform_points):
+    """The reference with the points moved as the Triton kernel moves them: ``move`` is
+    transform_points' dispatcher on CUDA (its Triton kernel), ``_sequential`` for the
+    interpreter (the kernel's order without fused multiply-adds; a CPU's ``baddbmm`` may
+    round otherwise, with AVX-512 or FMA)."""
     import pointalign.kernels.ransac.reference as ref
 
-    saved, ref.transform_points_reference = ref.transform_points_reference, K.transform_points
+    saved, ref.transform_points_reference = ref.transform_points_reference, move
     try:
         return K.score_transforms_reference(T, src, index, r, with_matches)
     finally:
@@ -978,7 +980,8 @@ def run_interpreted_scoring(out_path: str) -> None:
     for T, src, tgt, r in _triton_scoring_cases():
         index = BruteForceIndex(tgt)
         out.append([(_ransac_triton.score_transforms(T, src, index.scoring_layout(), r, wm),
-                     _scoring_of_triton_moves(T, src, index, r, wm)) for wm in (False, True)])
+                     _scoring_of_triton_moves(T, src, index, r, wm, _sequential))
+                    for wm in (False, True)])
     torch.save(out, out_path)
 
 

@@ -72,6 +72,9 @@ def copy_rows(points: torch.Tensor, nbr_idx: torch.Tensor, centers: torch.Tensor
         raise ValueError(f"copy_rows: expected points (N, 3), nbr_idx (Q, K >= 2) and centers "
                          f"(Q, 3), got {tuple(points.shape)}, {tuple(nbr_idx.shape)} and "
                          f"{tuple(centers.shape)}")
+    if len({points.device, nbr_idx.device, centers.device}) > 1:
+        raise ValueError(f"copy_rows: points, nbr_idx and centers must be on one device, got "
+                         f"{points.device}, {nbr_idx.device} and {centers.device}")
     if backend(points) in ("triton", "interpret") and nbr_idx.shape[0]:
         from pointalign.kernels.features import triton as _features_triton
 
