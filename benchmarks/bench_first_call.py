@@ -13,7 +13,11 @@ Three measurements, each in fresh child processes so that nothing is warm by acc
   (``src/pointalign/kernels/triton_manifest.json``, :mod:`pointalign.kernels._precompile`):
   each warm-up step in a fresh process with an empty Triton cache logs the specialisation
   of every kernel it compiles (``register`` also on twelve scan pairs of other sizes), then
-  another fresh process times each one's compile;
+  another fresh process times each one's compile; what the steps built (kernels, launchers)
+  is packed into ``triton_prebuilt.tar.xz`` (:mod:`pointalign.kernels._prebuilt`);
+* ``--prebuilt-ab`` (GPU): cold first calls without the prebuilt kernels
+  (``POINTALIGN_PREBUILT=0``) interleaved with ones with them, each in a fresh cache; every
+  cold row counts the kernels its cache holds, compiled there or prebuilt;
 * ``sizes``: one process registers every ordered pair of the Stanford bunny scans (90 calls,
   each scan a different size) one after another, twice; per call it records the wall time
   and the number of Triton kernels compiled during the call (``knobs.runtime``'s compile
@@ -65,9 +69,20 @@ def _child_cold(device: str) -> dict:
             torch.cuda.synchronize()
         out[f"{name}_s"] = time.perf_counter() - t
         out[f"{name}_stages"] = {k: round(v, 4) for k, v in r.timings.items()}
+        if name == "first":
+            out["built"] = _built_here(os.environ.get("TRITON_CACHE_DIR"))
     rot, tr = pa.metrics.relative_error(r.transformation, pair.T_target_source)
     out["error_deg"], out["error_m"] = float(rot), float(tr)
     return out
+
+
+def _built_here(cache: str | None) -> dict:
+    """What Triton's disk cache holds: kernels compiled here (their PTX kept) or found."""
+    if not cache or not Path(cache).is_dir():
+        return {}
+    groups = [g for g in Path(cache).glob("*/__grp__*.json")]
+    compiled = sum(1 for g in groups if any(g.parent.glob("*.ptx")))
+    return {"kernels_compiled": compiled, "kernels_prebuilt": len(groups) - compiled}
 
 
 class _CompileLog:
@@ -233,7 +248,7 @@ def record_manifest(device: str, tmp: str) -> None:
     import triton
 
     from pointalign import _warmup
-    from pointalign.kernels import _precompile
+    from pointalign.kernels import _prebuilt, _precompile
 
     steps: dict[str, list] = {}
     for i, (step, _) in enumerate(_warmup._steps(torch.device(device))):
@@ -256,6 +271,11 @@ def record_manifest(device: str, tmp: str) -> None:
     _precompile.MANIFEST.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"manifest: {len(every)} kernels, {sum(secs.values()):.1f} s of compiling, "
           f"longest {max(secs.values()):.2f} s -> {_precompile.MANIFEST}", flush=True)
+    # what the steps built (kernels, launchers, the driver's helper), for machines like this
+    index = _prebuilt.pack([f"{tmp}/record{i}" for i in range(len(steps))],
+                           torch.cuda.get_device_capability(torch.device(device)))
+    print(f"prebuilt: {len(index['kernels'])} kernels, "
+          f"{_prebuilt.ARCHIVE.stat().st_size / 1e6:.2f} MB -> {_prebuilt.ARCHIVE}", flush=True)
 
 
 def _run_child(what: str, device: str, env: dict, pairs: int, arg: str | None = None) -> dict:
@@ -284,6 +304,9 @@ def main() -> None:
                          "the first register() compiles, per kernel (signatures, CPU seconds)")
     ap.add_argument("--manifest", action="store_true",
                     help="GPU: record the Triton manifest anew first (see the module doc)")
+    ap.add_argument("--prebuilt-ab", action="store_true",
+                    help="GPU: also cold first calls without the prebuilt kernels "
+                         "(POINTALIGN_PREBUILT=0), interleaved with ones with them")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
     import torch
@@ -294,16 +317,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if a.manifest and device == "cuda":
             record_manifest(device, tmp)
-        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton", NUMBA_CACHE_DIR=f"{tmp}/numba")
-        for label in ("cold", "cached"):
+        # with the prebuilt kernels (where they apply), then with the caches, then without
+        # them and with them again in fresh caches (each fresh cache folder: a fresh machine's)
+        runs = [("cold", "triton", "1"), ("cached", "triton", "1")]
+        if a.prebuilt_ab:
+            runs += [("cold, no prebuilt", "triton_np", "0"), ("cold", "triton_p2", "1"),
+                     ("cold, no prebuilt", "triton_np2", "0")]
+        for label, cache, prebuilt in runs:
+            env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/{cache}",
+                       NUMBA_CACHE_DIR=f"{tmp}/numba", POINTALIGN_PREBUILT=prebuilt)
             r = _run_child("cold", device, env, a.pairs)
             print(f"{label}: import {r['import_s']:.2f} s, first register {r['first_s']:.2f} s, "
                   f"second {1e3 * r['second_s']:.1f} ms, third {1e3 * r['third_s']:.1f} ms "
-                  f"({r['error_deg']:.3f} deg)", flush=True)
+                  f"({r['error_deg']:.3f} deg) {r['built']}", flush=True)
             rec.add("cold", caches=label, import_s=round(r["import_s"], 3),
                     first_s=round(r["first_s"], 3), second_ms=round(1e3 * r["second_s"], 1),
                     third_ms=round(1e3 * r["third_s"], 1),
-                    first_stages=json.dumps(r["first_stages"]))
+                    first_stages=json.dumps(r["first_stages"]),
+                    **{k: v for k, v in r["built"].items()})
         if a.compile_table and device == "cpu":
             env = dict(os.environ, NUMBA_CACHE_DIR=f"{tmp}/numba_table")
             r = _run_child("compile", device, env, a.pairs)

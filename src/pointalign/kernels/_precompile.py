@@ -14,6 +14,10 @@ costs (:func:`warm_runtime`: library handles, sort and scan kernels) that the ca
 otherwise pay inside its stages. A marker file in that cache says it is done, so later
 processes pay one ``stat``.
 
+Before that, the kernels and launchers the recording machine built are unpacked into the
+cache where this machine is like it (:mod:`pointalign.kernels._prebuilt`): the children then
+find them and compile only what differs.
+
 Where the manifest does not apply (another Triton version than the one that recorded it,
 the interpreter, no ``fork``, ``POINTALIGN_PRECOMPILE=0``), nothing happens: the kernels
 compile on first launch as before. A specialisation the manifest lacks (a new size
@@ -49,6 +53,7 @@ _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"
 TIMEOUT_S = 120.0
 
 _done: set[tuple[str, ...]] = set()  # steps ensured in this process
+_unpacked = [0]  # prebuilt kernels the last :func:`_applies` unpacked (kernels._prebuilt)
 logger = logging.getLogger("pointalign")
 
 
@@ -300,6 +305,10 @@ def _applies(device: Any) -> Any:
 
     if manifest().get("triton") != triton.__version__:
         return None
+    from pointalign.kernels import _prebuilt
+
+    # before the driver starts: its helper module may be among the prebuilt files
+    _unpacked[0] = _prebuilt.install(_cache_dir(), torch.cuda.get_device_capability(device))
     from triton.runtime import driver
 
     # Triton's key of its own installation (a hash of libtriton, ~0.3 s), which every
@@ -343,12 +352,17 @@ def ensure(steps: Sequence[str], device: Any) -> float | None:
         from pointalign.kernels import _numba
 
         workers = min(_cores(), len(todo))
-        seconds = [float(e.get("seconds", 1.0)) for e in todo]
-        estimate = max(max(seconds), sum(seconds) / workers)
-        what = (f"first use on this machine: Triton compiles {len(todo)} GPU kernels in "
-                f"{workers} processes, once")
-        if not _progress.announce(what, estimate, stacklevel=_numba._user_stacklevel()):
-            logger.info("%s (%s)", what, _progress.describe_seconds(estimate))
+        if _unpacked[0]:  # found, not compiled: the children check them and load launchers
+            logger.info("first use on this machine: %d prebuilt Triton kernels unpacked; %d "
+                        "processes check the %d this call needs, once", _unpacked[0], workers,
+                        len(todo))
+        else:
+            seconds = [float(e.get("seconds", 1.0)) for e in todo]
+            estimate = max(max(seconds), sum(seconds) / workers)
+            what = (f"first use on this machine: Triton compiles {len(todo)} GPU kernels in "
+                    f"{workers} processes, once")
+            if not _progress.announce(what, estimate, stacklevel=_numba._user_stacklevel()):
+                logger.info("%s (%s)", what, _progress.describe_seconds(estimate))
         t = time.perf_counter()
         if compile_forked(todo, target, workers, meanwhile=lambda: warm_runtime(device)):
             for step in pending:
