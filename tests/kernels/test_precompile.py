@@ -132,6 +132,23 @@ def test_ensure_compiles_once_and_leaves_markers(tmp_path, monkeypatch):
     assert len(markers) == 1 and json.loads(markers[0].read_text()) == {"step": "register"}
 
 
+def test_what_the_cache_holds_is_not_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert _precompile.missing([_SPLIT], _sm90()) == [_SPLIT]
+    _precompile.compile_entry(_SPLIT, _sm90())
+    assert _precompile.missing([_SPLIT], _sm90()) == []
+    other = dict(_SPLIT, options={"num_warps": 2, "num_stages": 3, "num_ctas": 1})
+    assert _precompile.missing([_SPLIT, other], _sm90()) == [other]
+    monkeypatch.setattr(_precompile, "_done", set())
+    monkeypatch.setattr(_precompile, "_applies", lambda device: _sm90())
+    monkeypatch.setattr(_precompile, "manifest",
+                        lambda: {"triton": "x", "steps": {"register": [_SPLIT]}})
+    monkeypatch.setattr(_precompile, "compile_forked",
+                        lambda *a, **k: pytest.fail("forked to compile a cached kernel"))
+    assert _precompile.ensure(("register",), "cuda") is not None
+    assert list((tmp_path / "pointalign-precompiled").iterdir())  # the step's marker
+
+
 @pytest.mark.gpu
 def test_a_precompiled_kernel_is_launched_without_compiling(tmp_path, monkeypatch):
     from triton.runtime import driver

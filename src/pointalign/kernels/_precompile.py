@@ -118,6 +118,18 @@ def _constant(v: Any) -> Any:
     return _tuples(v)
 
 
+def _source(entry: dict[str, Any], target: Any) -> tuple[Any, dict[str, Any]]:
+    """Triton's ``(source, options)`` of a manifest ``entry``, as its launch builds them."""
+    from triton.compiler import ASTSource, make_backend
+
+    fn = _jit_function(entry["kernel"])
+    constexprs = {tuple(k): _constant(v) for k, v in entry["constexprs"]}
+    attrs = {tuple(k): v for k, v in entry["attrs"]}
+    signature = {k: _tuples(v) for k, v in entry["signature"].items()}
+    options = make_backend(target).parse_options(dict(entry["options"]))
+    return ASTSource(fn, signature, constexprs, attrs), options.__dict__
+
+
 def compile_entry(entry: dict[str, Any], target: Any, launcher: bool = False) -> None:
     """Compile one manifest ``entry`` for ``target`` into Triton's disk cache.
 
@@ -126,15 +138,9 @@ def compile_entry(entry: dict[str, Any], target: Any, launcher: bool = False) ->
     ``launcher`` also the kernel's launcher (on a GPU machine, whose driver is loaded).
     """
     import triton
-    from triton.compiler import ASTSource, make_backend
 
-    fn = _jit_function(entry["kernel"])
-    constexprs = {tuple(k): _constant(v) for k, v in entry["constexprs"]}
-    attrs = {tuple(k): v for k, v in entry["attrs"]}
-    signature = {k: _tuples(v) for k, v in entry["signature"].items()}
-    options = make_backend(target).parse_options(dict(entry["options"]))
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                            options=options.__dict__)
+    src, options = _source(entry, target)
+    kernel = triton.compile(src, target=target, options=options)
     if launcher:
         # Triton versions that build a C launcher per signature (gcc, ~0.3 s) cache it on
         # the kernel's first load: build it here too (no CUDA call: it is only compiled;
@@ -143,6 +149,33 @@ def compile_entry(entry: dict[str, Any], target: Any, launcher: bool = False) ->
             from triton.runtime import driver
 
             driver.active.launcher_cls(kernel.src, kernel.metadata)
+
+
+def missing(todo: list[dict[str, Any]], target: Any) -> list[dict[str, Any]]:
+    """Return the entries of ``todo`` Triton's disk cache lacks (all, where that is unknown).
+
+    Looks each one up as ``triton.compile`` does (Triton 3.6's key: its installation, the
+    backend, the source and its specialisation, the options, the cache-relevant
+    environment), without compiling.
+    """
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.compiler import make_backend
+        from triton.runtime.cache import get_cache_key, get_cache_manager
+
+        backend = make_backend(target)
+        env = get_cache_invalidating_env_vars()
+        out = []
+        for e in todo:
+            src, options = _source(e, target)
+            opts = backend.parse_options(dict(options, **src.parse_options()))
+            key = hashlib.sha256(get_cache_key(src, backend, opts, env).encode()).hexdigest()
+            if get_cache_manager(key).get_group(f"{src.name[:150]}.json") is None:
+                out.append(e)
+        return out
+    except Exception as exc:  # another Triton's internals: compile them all, as before
+        logger.debug("Triton cache lookup failed: %r", exc)
+        return list(todo)
 
 
 # ---- the parallel compile ------------------------------------------------------------------
@@ -348,30 +381,36 @@ def ensure(steps: Sequence[str], device: Any) -> float | None:
         todo = entries(pending)
         if not todo:
             return None
+        t = time.perf_counter()
+        todo = missing(todo, target)  # e.g. found among the prebuilt kernels
+        if not todo:
+            _mark(markers, pending)
+            logger.info("first use on this machine: the %d Triton kernels it needs were all "
+                        "found in the cache (%d prebuilt ones unpacked)",
+                        len(entries(pending)), _unpacked[0])
+            return time.perf_counter() - t
         from pointalign import _progress
         from pointalign.kernels import _numba
 
         workers = min(_cores(), len(todo))
-        if _unpacked[0]:  # found, not compiled: the children check them and load launchers
-            logger.info("first use on this machine: %d prebuilt Triton kernels unpacked; %d "
-                        "processes check the %d this call needs, once", _unpacked[0], workers,
-                        len(todo))
-        else:
-            seconds = [float(e.get("seconds", 1.0)) for e in todo]
-            estimate = max(max(seconds), sum(seconds) / workers)
-            what = (f"first use on this machine: Triton compiles {len(todo)} GPU kernels in "
-                    f"{workers} processes, once")
-            if not _progress.announce(what, estimate, stacklevel=_numba._user_stacklevel()):
-                logger.info("%s (%s)", what, _progress.describe_seconds(estimate))
-        t = time.perf_counter()
+        seconds = [float(e.get("seconds", 1.0)) for e in todo]
+        estimate = max(max(seconds), sum(seconds) / workers)
+        what = (f"first use on this machine: Triton compiles {len(todo)} GPU kernels in "
+                f"{workers} processes, once")
+        if not _progress.announce(what, estimate, stacklevel=_numba._user_stacklevel()):
+            logger.info("%s (%s)", what, _progress.describe_seconds(estimate))
         if compile_forked(todo, target, workers, meanwhile=lambda: warm_runtime(device)):
-            for step in pending:
-                markers[step].parent.mkdir(parents=True, exist_ok=True)
-                markers[step].write_text(json.dumps({"step": step}))
+            _mark(markers, pending)
         return time.perf_counter() - t
     except Exception as exc:  # an optimisation only: the launches compile what is missing
         logger.debug("Triton precompile skipped: %r", exc)
         return None
+
+
+def _mark(markers: dict[str, Path], steps: list[str]) -> None:
+    for step in steps:
+        markers[step].parent.mkdir(parents=True, exist_ok=True)
+        markers[step].write_text(json.dumps({"step": step}))
 
 
 # ---- recording the manifest (on a GPU machine) -------------------------------------------
