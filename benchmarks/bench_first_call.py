@@ -162,13 +162,17 @@ def _scans() -> dict:
 
 
 def _child_sizes(device: str, pairs: int) -> dict:
-    """Every ordered pair of bunny scans, twice, with Triton compiles counted per call."""
+    """Every ordered pair of bunny scans, twice, with Triton compiles counted per call.
+
+    Per call also the CUDA graphs captured and the device allocations the caching allocator
+    made (``num_device_alloc``): what a slow call without a compile spent its time on.
+    """
     import torch
 
     import pointalign as pa
 
     compiled = [0]
-    names: list[str] = []
+    kernel_names: list[str] = []
     reprs: list[str] = []
     try:
         from triton import knobs
@@ -176,13 +180,27 @@ def _child_sizes(device: str, pairs: int) -> dict:
         def hook(*args, **kwargs):
             compiled[0] += 1
             fn = kwargs.get("fn")
-            names.append(getattr(fn, "name", None) or "?")
+            kernel_names.append(getattr(fn, "name", None) or "?")
             reprs.append(str(kwargs.get("repr", ""))[:400])
             return None
 
         knobs.runtime.jit_post_compile_hook = hook
     except Exception:  # no Triton (CPU machine): compiles are numba's, not counted here
         pass
+    captures = [0]
+    if device == "cuda":
+        end = torch.cuda.CUDAGraph.capture_end
+
+        def counted(self, *a, **k):
+            captures[0] += 1
+            return end(self, *a, **k)
+
+        torch.cuda.CUDAGraph.capture_end = counted
+
+    def allocs() -> int:
+        return int(torch.cuda.memory_stats().get("num_device_alloc", 0)) if device == "cuda" \
+            else 0
+
     scans = {k: v.to(device) for k, v in _scans().items()}
     names = sorted(scans)
     order = [(a, b) for a in names for b in names if a != b][:pairs]
@@ -190,7 +208,7 @@ def _child_sizes(device: str, pairs: int) -> dict:
     for _ in range(2):
         rows = []
         for a, b in order:
-            c0, n0 = compiled[0], len(names)
+            c0, n0, g0, m0 = compiled[0], len(kernel_names), captures[0], allocs()
             if device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -199,7 +217,8 @@ def _child_sizes(device: str, pairs: int) -> dict:
                 torch.cuda.synchronize()
             rows.append({"pair": f"{a}->{b}", "n": [int(scans[a].shape[0]), int(scans[b].shape[0])],
                          "s": time.perf_counter() - t, "compiled": compiled[0] - c0,
-                         "kernels": sorted(set(names[n0:]))})
+                         "kernels": sorted(set(kernel_names[n0:])),
+                         "captures": captures[0] - g0, "device_allocs": allocs() - m0})
         loops.append(rows)
         if len(loops) == 1:  # what the calls after the first compiled, with its signature
             first_n = sum(1 for _ in range(rows[0]["compiled"]))
@@ -369,7 +388,19 @@ def main() -> None:
                     compiles_second_loop=sum(x["compiled"] for x in again))
             for x in slow:
                 rec.add("slow_calls", pair=x["pair"], n=str(x["n"]), s=round(x["s"], 3),
-                        compiled=x["compiled"], kernels=" ".join(x["kernels"]))
+                        compiled=x["compiled"], kernels=" ".join(x["kernels"]),
+                        captures=x["captures"], device_allocs=x["device_allocs"])
+            for i, loop in enumerate((first, again)):
+                caps = [x["captures"] for x in loop[1:]]
+                with_, without = ([1e3 * x["s"] for x in loop[1:] if bool(x["captures"]) == c]
+                                  or [0.0] for c in (True, False))
+                print(f"loop {i + 1}: graph captures {sum(caps)} in {sum(1 for c in caps if c)} "
+                      f"calls; device allocations {sum(x['device_allocs'] for x in loop[1:])}; "
+                      f"median of calls with a capture {statistics.median(with_):.1f} ms, "
+                      f"without {statistics.median(without):.1f} ms", flush=True)
+            for x in sorted(first[1:], key=lambda x: -x["s"])[:6]:
+                print(f"  slowest: {x['pair']} {1e3 * x['s']:.1f} ms, compiled {x['compiled']}, "
+                      f"captures {x['captures']}, device allocs {x['device_allocs']}", flush=True)
             later = sorted({k for x in first[1:] for k in x["kernels"]})
             print("kernels compiled again at a new size:", " ".join(later), flush=True)
             for rp in r["later_reprs"][:12]:
