@@ -36,6 +36,7 @@ Writes ``results/first_call-<device>.json`` (rendered into BENCHMARKS.md by rend
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -161,7 +163,7 @@ def _scans() -> dict:
     return {p.stem: pa.read(p).points for p in sorted(folder.glob("*.ply"))}
 
 
-def _child_sizes(device: str, pairs: int) -> dict:
+def _child_sizes(device: str, pairs: int, freeze: bool = False) -> dict:
     """Every ordered pair of bunny scans, twice, with Triton compiles counted per call.
 
     Per call also the CUDA graphs captured and the device allocations the caching allocator
@@ -197,6 +199,19 @@ def _child_sizes(device: str, pairs: int) -> dict:
 
         torch.cuda.CUDAGraph.capture_end = counted
 
+    gc_time, gc_start = [0.0, 0], [0.0]
+
+    def gc_clock(phase: str, info: dict) -> None:  # Python's collections of the oldest kind
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_time[0] += time.perf_counter() - gc_start[0]
+            gc_time[1] += 1
+
+    gc.callbacks.append(gc_clock)
+
     def allocs() -> int:
         return int(torch.cuda.memory_stats().get("num_device_alloc", 0)) if device == "cuda" \
             else 0
@@ -204,11 +219,15 @@ def _child_sizes(device: str, pairs: int) -> dict:
     scans = {k: v.to(device) for k, v in _scans().items()}
     names = sorted(scans)
     order = [(a, b) for a in names for b in names if a != b][:pairs]
+    if freeze:  # what is alive now (the imports) leaves the collector's work
+        gc.collect()
+        gc.freeze()
     loops = []
     for _ in range(2):
         rows = []
         for a, b in order:
             c0, n0, g0, m0 = compiled[0], len(kernel_names), captures[0], allocs()
+            gc0 = tuple(gc_time)
             if device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -218,7 +237,8 @@ def _child_sizes(device: str, pairs: int) -> dict:
             rows.append({"pair": f"{a}->{b}", "n": [int(scans[a].shape[0]), int(scans[b].shape[0])],
                          "s": time.perf_counter() - t, "compiled": compiled[0] - c0,
                          "kernels": sorted(set(kernel_names[n0:])),
-                         "captures": captures[0] - g0, "device_allocs": allocs() - m0})
+                         "captures": captures[0] - g0, "device_allocs": allocs() - m0,
+                         "gc2": gc_time[1] - gc0[1], "gc2_s": gc_time[0] - gc0[0]})
         loops.append(rows)
         if len(loops) == 1:  # what the calls after the first compiled, with its signature
             first_n = sum(1 for _ in range(rows[0]["compiled"]))
@@ -297,8 +317,9 @@ def record_manifest(device: str, tmp: str) -> None:
           f"{_prebuilt.ARCHIVE.stat().st_size / 1e6:.2f} MB -> {_prebuilt.ARCHIVE}", flush=True)
 
 
-def _run_child(what: str, device: str, env: dict, pairs: int, arg: str | None = None) -> dict:
-    extra = f", {pairs}" if what == "sizes" else (f", {arg!r}" if arg is not None else "")
+def _run_child(what: str, device: str, env: dict, pairs: int, arg: Any = None) -> dict:
+    extra = f", {pairs}" if what == "sizes" else ""
+    extra += f", {arg!r}" if arg is not None else ""
     code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import bench_first_call as b; "
             f"print('@@' + json.dumps(b._child_{what}({device!r}" + extra + ")))")
     t = time.perf_counter()
@@ -323,6 +344,10 @@ def main() -> None:
                          "the first register() compiles, per kernel (signatures, CPU seconds)")
     ap.add_argument("--manifest", action="store_true",
                     help="GPU: record the Triton manifest anew first (see the module doc)")
+    ap.add_argument("--skip-cold", action="store_true", help="no cold or cached first calls")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="sizes: gc.freeze() once the imports are done (no full collection "
+                         "walks them during the loop)")
     ap.add_argument("--prebuilt-ab", action="store_true",
                     help="GPU: also cold first calls without the prebuilt kernels "
                          "(POINTALIGN_PREBUILT=0), interleaved with ones with them")
@@ -338,7 +363,7 @@ def main() -> None:
             record_manifest(device, tmp)
         # with the prebuilt kernels (where they apply), then with the caches, then without
         # them and with them again in fresh caches (each fresh cache folder: a fresh machine's)
-        runs = [("cold", "triton", "1"), ("cached", "triton", "1")]
+        runs = [] if a.skip_cold else [("cold", "triton", "1"), ("cached", "triton", "1")]
         if a.prebuilt_ab:
             runs += [("cold, no prebuilt", "triton_np", "0"), ("cold", "triton_p2", "1"),
                      ("cold, no prebuilt", "triton_np2", "0")]
@@ -369,7 +394,7 @@ def main() -> None:
         if not a.skip_sizes:
             env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton2",
                        NUMBA_CACHE_DIR=f"{tmp}/numba")
-            r = _run_child("sizes", device, env, a.pairs)
+            r = _run_child("sizes", device, env, a.pairs, a.gc_freeze)
             first, again = r["loops"]
             med = statistics.median(x["s"] for x in again)
             slow = [x for x in first[1:] if x["s"] > 2 * med]
@@ -379,7 +404,8 @@ def main() -> None:
                   f"(max {max([x['s'] for x in slow], default=0):.2f} s, excess {excess:.2f} s), "
                   f"Triton compiles after the first call: {sum(x['compiled'] for x in first[1:])}"
                   f", in the second loop: {sum(x['compiled'] for x in again)}", flush=True)
-            rec.add("sizes", pairs=len(first), warm_median_ms=round(1e3 * med, 1),
+            rec.add("sizes", pairs=len(first), gc_freeze=a.gc_freeze,
+                    warm_median_ms=round(1e3 * med, 1),
                     first_call_s=round(first[0]["s"], 3), slow_calls=len(slow),
                     slowest_s=round(max([x["s"] for x in slow], default=0.0), 3),
                     excess_s=round(excess, 3),
@@ -389,7 +415,8 @@ def main() -> None:
             for x in slow:
                 rec.add("slow_calls", pair=x["pair"], n=str(x["n"]), s=round(x["s"], 3),
                         compiled=x["compiled"], kernels=" ".join(x["kernels"]),
-                        captures=x["captures"], device_allocs=x["device_allocs"])
+                        captures=x["captures"], device_allocs=x["device_allocs"],
+                        gc2=x["gc2"], gc2_s=round(x["gc2_s"], 3))
             for i, loop in enumerate((first, again)):
                 caps = [x["captures"] for x in loop[1:]]
                 with_, without = ([1e3 * x["s"] for x in loop[1:] if bool(x["captures"]) == c]
@@ -397,10 +424,13 @@ def main() -> None:
                 print(f"loop {i + 1}: graph captures {sum(caps)} in {sum(1 for c in caps if c)} "
                       f"calls; device allocations {sum(x['device_allocs'] for x in loop[1:])}; "
                       f"median of calls with a capture {statistics.median(with_):.1f} ms, "
-                      f"without {statistics.median(without):.1f} ms", flush=True)
+                      f"without {statistics.median(without):.1f} ms; full garbage collections "
+                      f"{sum(x['gc2'] for x in loop)} "
+                      f"({1e3 * sum(x['gc2_s'] for x in loop):.1f} ms)", flush=True)
             for x in sorted(first[1:], key=lambda x: -x["s"])[:6]:
                 print(f"  slowest: {x['pair']} {1e3 * x['s']:.1f} ms, compiled {x['compiled']}, "
-                      f"captures {x['captures']}, device allocs {x['device_allocs']}", flush=True)
+                      f"captures {x['captures']}, device allocs {x['device_allocs']}, full "
+                      f"garbage collections {x['gc2']} ({1e3 * x['gc2_s']:.1f} ms)", flush=True)
             later = sorted({k for x in first[1:] for k in x["kernels"]})
             print("kernels compiled again at a new size:", " ".join(later), flush=True)
             for rp in r["later_reprs"][:12]:
