@@ -21,6 +21,7 @@ unpacked once per machine (a marker in the cache). ``POINTALIGN_PREBUILT=0`` lea
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -119,9 +120,15 @@ def _write(path: Path, data: bytes) -> None:
         raise
 
 
+@functools.lru_cache(maxsize=4)
+def _digest(archive: Path, size: int, mtime_ns: int) -> str:
+    return hashlib.sha256(archive.read_bytes()).hexdigest()[:32]
+
+
 def _marker(cache_dir: Path, archive: Path) -> Path:
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:32]
-    return cache_dir / "pointalign-precompiled" / f"prebuilt-{digest}"
+    st = archive.stat()
+    name = f"prebuilt-{_digest(archive, st.st_size, st.st_mtime_ns)}"
+    return cache_dir / "pointalign-precompiled" / name
 
 
 def install(cache_dir: Path, capability: tuple[int, int], archive: Path = ARCHIVE) -> int:
