@@ -158,20 +158,6 @@ def test_choose_index_with_a_device_plan(rng, monkeypatch):
     assert_knn_matches(choose_index(big).nearest_within(q, 0.05), q, big, 1, max_distance=0.05)
 
 
-def test_a_tree_for_nearest_queries_alone_has_smaller_leaves(rng, monkeypatch):
-    """ICP's correspondences: leaves of NEAREST_LEAF_SIZE; a shared k-NN or build_index: 16."""
-    monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE)
-    monkeypatch.setattr(policy, "AUTO_BRUTE_MAX_POINTS", 500)
-    big = _plane(900, rng)
-    nearest, shared = choose_index(big), choose_index(big, knn=True)
-    assert nearest.leaf_size <= policy.NEAREST_LEAF_SIZE < shared.leaf_size
-    assert nearest.depth == shared.depth + 1
-    assert build_index(big).leaf_size == shared.leaf_size
-    q = big[:60] + 0.002
-    assert_knn_matches(nearest.nearest_within(q, 0.05), q, big, 1, max_distance=0.05)
-    assert_knn_matches(nearest.knn(q, 5), q, big, 5)
-
-
 def test_probe_index_rule(rng, monkeypatch):
     """A few queries once: cKDTree on the host, else the method's own index, brute force while
     queries x points are few, the k-d tree above; every choice answers exactly."""

@@ -64,14 +64,6 @@ knob                       value  rule (and where it was measured)
                                   by brute force while queries x points stay below this
                                   (2,048 queries: targets up to 131k points); above, the
                                   k-d tree (H200: its build over 40k points 10 ms)
-``NEAREST_LEAF_SIZE``      8      :func:`choose_index`'s k-d tree for nearest-neighbour
-                                  queries alone (no k-NN to share: ICP's correspondences)
-                                  keeps at most 8 points a leaf, the tree's default 16
-                                  elsewhere: H200, the hinted 1-NN of 1M queries 0.65 ->
-                                  0.58 ms, point-to-point ICP on 1M points 40.0 -> 35.7 ms
-                                  (27 iterations both), on the 40k bunny pair 8.05 against
-                                  8.24 ms (within the host's noise), interleaved in one
-                                  process
 ``SPATIAL_ORDER_MIN``      8192   :func:`query_order` sorts queries along a Morton curve
                                   from this many on; below, the search is too small for the
                                   order to matter and the ~40 launches of the sort would not
@@ -99,7 +91,6 @@ GRID_MAX_RATIO = 8.0
 AUTO_BRUTE_MAX_POINTS = 20_000
 TIER_BASE = 2.0
 TIERS = 2
-NEAREST_LEAF_SIZE = 8
 SPATIAL_ORDER_MIN = 8192
 PROBE_BRUTE_MAX_PAIRS = 1 << 28
 
@@ -162,8 +153,7 @@ def choose_index(points: Any, *, max_distance: float | None = None, knn: bool = 
     voxel grid with cells of ``max_distance`` (not with ``knn``: a k-d tree serves both
     searches); else brute force up to ``AUTO_BRUTE_MAX_POINTS`` points; else the k-d tree
     (a grid with automatic cells, or with cells of ``max_distance``, when the k-d tree
-    module does not import), with leaves of at most ``NEAREST_LEAF_SIZE`` points unless
-    ``knn``.
+    module does not import).
 
     Args:
         points: ``(M, 3)`` array, tensor or PointCloud; non-empty and finite.
@@ -179,26 +169,19 @@ def choose_index(points: Any, *, max_distance: float | None = None, knn: bool = 
     pts = _checks.index_points(points)
     if max_distance is not None:
         max_distance = _checks.check_distance(max_distance, "max_distance")
-    return _choose(pts, max_distance, knn=knn, nearest=not knn)
+    return _choose(pts, max_distance, knn=knn)
 
 
 def _choose(pts: torch.Tensor, distance: float | None, *, knn: bool = False,
-            nearest: bool = False, **kw: Any) -> Index:
-    """:func:`choose_index` on checked points; ``distance`` is also the grid's cell size.
-
-    ``nearest``: the index answers nearest-neighbour queries alone (a k-d tree then keeps
-    :data:`NEAREST_LEAF_SIZE` points a leaf).
-    """
+            **kw: Any) -> Index:
+    """:func:`choose_index` on checked points; ``distance`` is also the grid's cell size."""
     plan = search_plan(pts)
     auto = None
     if distance is not None and not plan.host_tree and not knn:
         from pointalign.search.grid import auto_cell_size
 
         auto = auto_cell_size(pts)
-    method = index_method(plan, pts.shape[0], distance, auto)
-    if method == "kdtree" and nearest:
-        kw.setdefault("leaf_size", NEAREST_LEAF_SIZE)
-    index = _build(method, pts, distance, **kw)
+    index = _build(index_method(plan, pts.shape[0], distance, auto), pts, distance, **kw)
     if auto is not None:  # correspondence_index reads it again (a sort, three syncs)
         try:
             _tier_cache.setdefault(index, _Tiers(pts, auto))
@@ -462,8 +445,7 @@ def query_order(points: torch.Tensor) -> torch.Tensor | None:
     return _grid.morton_order(points)
 
 
-__all__ = ["AUTO_BRUTE_MAX_POINTS", "GRID_MAX_RATIO", "NEAREST_LEAF_SIZE", "SPATIAL_ORDER_MIN",
-           "TIERS",
+__all__ = ["AUTO_BRUTE_MAX_POINTS", "GRID_MAX_RATIO", "SPATIAL_ORDER_MIN", "TIERS",
            "TIER_BASE", "TieredIndex", "choose_index", "correspondence_index", "index_method",
            "one_index_serves_every_bound", "query_order", "search_plan", "tier_cells",
            "wants_tiers"]
