@@ -172,7 +172,7 @@ def warmup(device: str | torch.device | None = None, *, quiet: bool | None = Non
                     _parallel(todo, workers, bar)
             ahead = _precompile.ensure(names, dev)  # GPU: every step's kernels at once
             if ahead is not None:
-                seconds["Triton kernels in parallel processes"] = ahead
+                seconds["Triton kernels: prebuilt or compiled in parallel"] = ahead
             missed = _numba.compiles()
             for name, call in steps:
                 t = time.perf_counter()
