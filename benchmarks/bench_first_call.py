@@ -82,7 +82,7 @@ def _built_here(cache: str | None) -> dict:
     """What Triton's disk cache holds: kernels compiled here (their PTX kept) or found."""
     if not cache or not Path(cache).is_dir():
         return {}
-    groups = [g for g in Path(cache).glob("*/__grp__*.json")]
+    groups = list(Path(cache).glob("*/__grp__*.json"))
     compiled = sum(1 for g in groups if any(g.parent.glob("*.ptx")))
     return {"kernels_compiled": compiled, "kernels_prebuilt": len(groups) - compiled}
 
