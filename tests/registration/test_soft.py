@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from pointalign import _progress, datasets, metrics, transforms
+from pointalign import _math, _progress, datasets, metrics, transforms
 from pointalign.kernels._numba import available
 from pointalign.registration import soft
 from pointalign.registration.criteria import ConvergenceCriteria
@@ -657,3 +657,60 @@ def test_softassign_fused_updates_equal_the_passes(monkeypatch):
     Tf, Tr = torch.from_numpy(fused.transformation), torch.from_numpy(ref.transformation)
     torch.testing.assert_close(Tf[:3, :3], Tr[:3, :3], rtol=0, atol=ulps)
     torch.testing.assert_close(Tf[:3, 3], Tr[:3, 3], rtol=0, atol=ulps * extent)
+
+
+def _sphere_pair(n: int, repeat: int = 1):
+    """A unit sphere (``n`` points, each repeated ``repeat`` times) and itself turned 20°."""
+    u = torch.randn(n, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    s = (u / u.norm(dim=1, keepdim=True)).repeat_interleave(repeat, 0)
+    R = transforms.axis_angle_to_matrix(torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64),
+                                        math.radians(20.0))
+    return s, s @ R.T
+
+
+@pytest.mark.parametrize("algo,kwargs", [(emicp, EM_SHORT), (softassign, SA_SHORT)])
+@pytest.mark.parametrize("case", ["bunny", "sphere", "repeated sphere"])
+def test_stability_measured_in_the_program_equals_the_one_after_it(monkeypatch, backend,
+                                                                   algo, kwargs, case):
+    """The final poses' stability measured by the program's last step (where the probe is
+    device work: Triton on a GPU; elsewhere the probe's reference stands in) equals the
+    measurement after the run, and so does the verdict (a sphere turned: undetermined); a
+    sample whose neighbourhood spans no plane (every point repeated 8 times) is measured
+    again after the run, with more neighbours."""
+    from pointalign.registration import stability as rstab
+
+    x, y = _bunny(400, 380)[:2] if case == "bunny" else _sphere_pair(300) \
+        if case == "sphere" else _sphere_pair(60, 8)
+    x, y = x.to(backend.device), y.to(backend.device)
+    kw = dict(kwargs, device=backend.device)
+    if algo is emicp and case != "bunny":
+        kw.update(sigma=0.6, sigma_min=0.05)  # lengths for a unit sphere
+    after = []
+    measured = rstab._edge.measured_stability
+
+    def spy(*a, **k):
+        after.append(1)
+        return measured(*a, **k)
+
+    monkeypatch.setattr(soft._edge, "measured_stability", spy)
+    monkeypatch.setattr(soft._stability, "device_probe", lambda pair: None)
+    want = algo(x, y, **kw)
+    assert len(after) == 1
+    after.clear()
+
+    def in_program(pair):
+        k = int(min(rstab.STABILITY_K, int(pair.target_counts.max())))
+        return (k, *rstab.stability_sample(pair.source_counts, pair.device))
+
+    monkeypatch.setattr(soft._stability, "device_probe",
+                        in_program if backend.device == "cpu" else rstab.device_probe)
+    got = algo(x, y, **kw)
+    assert len(after) == (1 if case == "repeated sphere" else 0)
+    assert got.stop_reason == want.stop_reason
+    np.testing.assert_allclose(got.info["stability"], want.info["stability"], rtol=1e-5,
+                               atol=1e-9)
+    np.testing.assert_array_equal(got.transformation, want.transformation)
+    if case == "sphere":  # the data do not determine the turn ("stalled" where it slides)
+        assert not got.converged and got.info["stability"] <= _math.STABILITY_EPS
+    if case == "bunny":
+        assert got.info["stability"] > 5 * _math.STABILITY_EPS

@@ -29,6 +29,7 @@ from pointalign import _progress, _threads, _validate
 from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import soft as ksoft
 from pointalign.registration import _edge, checks
+from pointalign.registration import stability as _stability
 from pointalign.registration._edge import StopReason
 from pointalign.registration.criteria import ConvergenceCriteria, as_criteria
 from pointalign.registration.result import RegistrationResult
@@ -165,6 +166,12 @@ def _run(algorithm: str, t_start: float, prog: Annealing, pair: _edge.Pair,
     inputs = {n: v.to(pair.device) for n, v in dict(
         source=pair.source, target=pair.target, source_lengths=pair.source_lengths,
         target_lengths=pair.target_lengths, init=torch.from_numpy(pair.init), **given).items()}
+    # whether the data determine the pose found (a sphere turned, three points: ambiguous),
+    # measured by the program's last step where it can (no launches or wait after it)
+    probe = _stability.device_probe(pair)
+    if probe is not None:
+        prog = dataclasses.replace(prog, probe_k=probe[0])
+        inputs.update(probe_rows=probe[1], probe_valid=probe[2])
     passes = prog.passes
     # the passes' estimate is for this process alone: a busy machine gives it a share of
     # its cores (_threads.host_share), and the call takes about that much longer
@@ -184,6 +191,7 @@ def _run(algorithm: str, t_start: float, prog: Annealing, pair: _edge.Pair,
         host, _ = _loop.run_program(run, inputs, device_outputs=False,
                                     pairs=pair.size * pair.source.shape[1] * pair.target.shape[1])
     t_run = time.perf_counter()
+    sums = host.pop("stability_sums", None)
     # no source point near the target at the end: nothing was matched, not a solution
     reasons = [StopReason.DEGENERATE if f else StopReason.NO_CORRESPONDENCES if not fit > 0 else
                StopReason.POSE_AND_WEIGHTS if d else
@@ -201,8 +209,10 @@ def _run(algorithm: str, t_start: float, prog: Annealing, pair: _edge.Pair,
     T, fitness, rmse, iters = (host.pop(k) for k in ("T", "fitness", "rmse", "iterations"))
     info = dict(host, algorithm=algorithm, scheduled_iterations=n_sched,
                 approximation=passes.info())
-    # whether the data determine the pose found (a sphere turned, three points: ambiguous)
-    stab = _edge.measured_stability(pair, T, max_distance=float(np.max(host["inlier_distance"])))
+    stab = None if sums is None else _stability.probed_stability(pair, sums)
+    if stab is None:
+        stab = _edge.measured_stability(pair, T,
+                                        max_distance=float(np.max(host["inlier_distance"])))
     timings = {"iterate": t_run - t_start, "total": time.perf_counter() - t_start}
     return _edge.build_result(pair, T, fitness=fitness, rmse=rmse, iterations=iters,
                               reasons=reasons, history=history, timings=timings, info=info,

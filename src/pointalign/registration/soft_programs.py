@@ -20,6 +20,7 @@ import torch
 from pointalign import estimate
 from pointalign.kernels import _loop
 from pointalign.kernels import soft as ksoft
+from pointalign.kernels import stability as kstab
 
 
 def _recentre(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,9 @@ class Annealing:
 
     Inputs: ``source (B, N, 3)``, ``target (B, M, 3)``, lengths, ``init (B, 4, 4)`` float64,
     the caller's per-problem parameters. Outputs: ``T``, ``history.<key> (checks, B)``,
-    ``(B,)`` fitness, rmse, iterations, done, flat, info.
+    ``(B,)`` fitness, rmse, iterations, done, flat, info; with ``probe_k``, the stability
+    probe's ``stability_sums (B, 23)`` (:func:`pointalign.kernels.stability.probe_information`
+    of the final poses, about the target's centroid, within the largest inlier distance).
     """
 
     SOURCE_LAYOUT: ClassVar[bool]  # set by each subclass
@@ -104,6 +107,9 @@ class Annealing:
     passes: Any = dataclasses.field(default=None, kw_only=True)
     #: a progress bar (``_progress.task``) advanced per iteration on the host; None: none
     progress: Any = dataclasses.field(default=None, kw_only=True)
+    #: k of the final pose's stability probe measured inside the program (0: none; inputs
+    #: ``probe_rows``, ``probe_valid``: :func:`pointalign.registration.stability.device_probe`)
+    probe_k: int = dataclasses.field(default=0, kw_only=True)
 
     def _start(self, inputs: _loop.Tensors):
         """Centre both clouds; ρ; the settling state (done: source or target on a line)."""
@@ -123,6 +129,11 @@ class Annealing:
                "done": track.done, "flat": track.flat, "inlier_distance": inlier, **info}
         for key in track.history[0] if track.history else ():
             out["history." + key] = torch.stack([h[key] for h in track.history])
+        if self.probe_k:  # the final poses' stability sample, within the batch's widest bound
+            out["stability_sums"] = kstab.probe_information(
+                inputs["source"], inputs["probe_rows"], inputs["probe_valid"],
+                out["T"].to(torch.float32), inputs["target"], inputs["target_lengths"],
+                y.center, inlier.max().square(), self.probe_k)
         return out
 
 

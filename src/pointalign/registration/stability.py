@@ -21,6 +21,7 @@ from pointalign import _math, _validate
 from pointalign.kernels import _np_math, features, normal_eq, upload
 from pointalign.kernels import stability as probe
 from pointalign.registration import _edge
+from pointalign.search import policy
 from pointalign.search.brute import BruteForceIndex
 from pointalign.search.packed import PackedIndex
 
@@ -70,6 +71,42 @@ def _draw_sample(counts_key: bytes, device: str) -> tuple[torch.Tensor, torch.Te
         valid[sel, :s] = True
     both = torch.cat([rows, valid.to(torch.int64)], 1).to(device)  # one transfer
     return both[:, :S], both[:, S:].to(torch.bool)
+
+
+def device_probe(pair: _edge.Pair) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """How a device program measures its final poses' stability itself: ``(k, rows, valid)``.
+
+    Where :func:`~pointalign.registration._edge.measured_stability` would search every
+    target by brute force (:func:`pointalign.search.policy.probe_index`) and the probe is
+    device work alone (:func:`pointalign.kernels.stability.probe_runs_on_device`), a program
+    whose last step runs the probe on its final poses (``soft_programs.Annealing``) saves
+    the measurement's launches, transfer and wait after it: the sample
+    (:func:`stability_sample`, ``rows``, ``valid`` ``(B, S)``) is then one of its inputs and
+    ``k`` its neighbours. None elsewhere (a host tree, a tree for a large target).
+    """
+    n = 1 if pair.shared_target else pair.size
+    with _validate.trusted():  # the prepared targets were checked
+        brute = all(isinstance(policy.probe_index(pair.target[b, : pair.target_counts[b]],
+                                                  STABILITY_SAMPLE), BruteForceIndex)
+                    for b in range(n))
+    k = int(min(STABILITY_K, int(pair.target_counts.max())))
+    if not brute or not probe.probe_runs_on_device(pair.source, k):
+        return None
+    rows, valid = stability_sample(pair.source_counts, pair.device)
+    return k, rows, valid
+
+
+def probed_stability(pair: _edge.Pair, sums: np.ndarray) -> np.ndarray | None:
+    """:func:`pointalign._math.stability` from a program's probe ``sums (B, 23)``: ``(B,)``.
+
+    None where a matched sample's neighbourhood spans no plane (every point repeated): the
+    caller measures again (:func:`~pointalign.registration._edge.measured_stability`, whose
+    search then looks at more neighbours).
+    """
+    if bool((sums[:, 22] > 0).any()):
+        return None
+    H = probe.information_matrix(torch.from_numpy(np.asarray(sums, dtype=np.float64)))
+    return _np_math.stability(H.numpy(), pair.extent)
 
 
 def _by_index(indexes: tuple) -> list[tuple[Any, list[int]]]:

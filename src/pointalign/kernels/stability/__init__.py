@@ -12,9 +12,10 @@ max_distance_sq, k) -> (B, 23) float64`` on the inputs' device, by brute force:
   each problem's final pose (x = R s + t).
 * ``target (Bt, M, 3)`` float32 with ``target_counts (Bt,)`` int64 valid rows; ``Bt`` is
   ``B``, or 1 for a target shared by every problem.
-* each moved sample x finds its nearest target point y within ``max_distance_sq`` (none:
-  not counted), y's ``k`` nearest target points (itself included; ties by index, ``-1``
-  missing) give a scatter matrix, the library's degeneracy rule
+* each moved sample x finds its nearest target point y within ``max_distance_sq`` (a
+  float, or a one-element device tensor, read on the device; none within: not counted),
+  y's ``k`` nearest target points (itself included; ties by index, ``-1`` missing) give a
+  scatter matrix, the library's degeneracy rule
   (:func:`pointalign._math.spans_plane`) says whether it spans a plane, and if it does its
   smallest eigenvector n (:func:`pointalign._math.smallest_eigenvector3`'s rules) adds
   ``J Jᵀ`` with ``J = [(y − c) × n, n]``, ``c = center[b]`` (float64).
@@ -40,10 +41,20 @@ from pointalign.kernels.stability.reference import probe_information_reference
 WIDTH = 23
 
 
+def probe_runs_on_device(points: torch.Tensor, k: int) -> bool:
+    """Whether :func:`probe_information` over ``points``' device is device work alone.
+
+    True where it is one Triton launch and a sum, with no host reads or transfers, so a
+    captured device program may run it (:mod:`pointalign.registration.soft_programs`); the
+    reference reads the counts on the host.
+    """
+    return backend(points) == "triton" and 1 <= k <= 32
+
+
 def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
                       transform: torch.Tensor, target: torch.Tensor,
                       target_counts: torch.Tensor, center: torch.Tensor,
-                      max_distance_sq: float, k: int) -> torch.Tensor:
+                      max_distance_sq: float | torch.Tensor, k: int) -> torch.Tensor:
     """Sum each problem's sampled point-to-plane information (entry point; module contract).
 
     Returns ``(B, 23)`` float64 on the inputs' device.

@@ -13,7 +13,8 @@ from pointalign.kernels.normal_eq.reference import TRIU6
 def probe_information_reference(source: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
                                 transform: torch.Tensor, target: torch.Tensor,
                                 target_counts: torch.Tensor, center: torch.Tensor,
-                                max_distance_sq: float, k: int) -> torch.Tensor:
+                                max_distance_sq: float | torch.Tensor, k: int
+                                ) -> torch.Tensor:
     """Problem by problem: the searches by brute force, the rest in float64. ``(B, 23)``."""
     B = rows.shape[0]
     out = torch.zeros(B, 23, dtype=torch.float64, device=source.device)

@@ -26,7 +26,7 @@ _CACHE: dict[bool, dict[str, Any]] = {}
 
 
 def _probe_kernel(src_ptr, rows_ptr, valid_ptr, T_ptr, soa_ptr, aos_ptr, tlen_ptr, c_ptr,
-                  nb_ptr, out_ptr, N, S, M, tstep, max_d2, eps,
+                  d2_ptr, nb_ptr, out_ptr, N, S, M, tstep, eps,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_M: tl.constexpr, NEWTON_STEPS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -45,6 +45,7 @@ def _probe_kernel(src_ptr, rows_ptr, valid_ptr, T_ptr, soa_ptr, aos_ptr, tlen_pt
     tb = b * tstep  # the problem's target (0 for a shared one)
     m = tl.load(tlen_ptr + tb)
     soa = soa_ptr + tb * 3 * M
+    max_d2 = tl.load(d2_ptr)  # on the device: a bound a device program computed
     _, j = nn1_scan(x, y, z, soa, m, M, max_d2, True, BLOCK_N, BLOCK_M)
     ok = ok & (j >= 0)
     jj = tb * M + tl.where(ok, j, 0)  # a row of the (Bt·M, 3) table
@@ -144,15 +145,17 @@ def _kernels() -> dict[str, Any]:
 def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
                       transform: torch.Tensor, target: torch.Tensor,
                       target_counts: torch.Tensor, center: torch.Tensor,
-                      max_distance_sq: float, k: int, block_n: int = 8,
-                      block_m: int = 128, num_warps: int = 4) -> torch.Tensor:
+                      max_distance_sq: float | torch.Tensor, k: int, block_n: int = 2,
+                      block_m: int = 128, num_warps: int = 2) -> torch.Tensor:
     """Launch the probe (contract of :func:`pointalign.kernels.stability.probe_information`).
 
-    Tiles of 8 rows × 128 points with 4 warps: the fastest of eight shapes on an H200 for
-    2,048 samples (5k points: 0.41 ms, 16×64 0.52; 40k: 0.97 ms, 16×64 1.61), since 2,048
-    rows make few programs and each needs many loads in flight. In a warm point-to-point
-    ICP on the 40k bunny pair it took 7.7 ms of GPU time (session 13, H200), against ~2 ms
-    of host for a k-d tree's searches, so tree indexes keep their searches.
+    Tiles of 2 rows × 128 points with 2 warps: the fastest of twelve shapes on an H200 for
+    2,048 samples (5k points: 246 us against 364 for the 8 × 128, 4 warps used before;
+    40k: 662 against 1,025 us; session 27), since 2,048 rows make few programs and each
+    needs many loads in flight. In a warm point-to-point ICP on the 40k bunny pair it took
+    7.7 ms of GPU time (session 13, H200), against ~2 ms of host for a k-d tree's
+    searches, so tree indexes keep their searches. No host reads or transfers: it may run
+    inside a captured device program (the bound then a device tensor).
     """
     B, S = rows.shape
     N, M = source.shape[1], target.shape[1]
@@ -161,14 +164,17 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
     src = source.to(f32).contiguous()
     tgt = target.to(f32).contiguous()
     soa = tgt.transpose(1, 2).contiguous()  # (Bt, 3, M): the scans' coalesced loads
+    d2 = (max_distance_sq.to(device=dev, dtype=f32).reshape(1)
+          if isinstance(max_distance_sq, torch.Tensor)
+          else torch.full((1,), float(max_distance_sq), dtype=f32, device=dev))
     nprog = max(1, -(-S // block_n))
     part = torch.empty((B, nprog, 23), dtype=torch.float64, device=dev)
     nb = torch.empty((B * S, k), dtype=torch.int64, device=dev)
     _kernels()["probe"][(nprog, B)](
         src, rows.contiguous(), valid.contiguous(), transform.to(f32).contiguous(), soa, tgt,
         target_counts.to(device=dev, dtype=torch.int64).contiguous(),
-        center.to(device=dev, dtype=torch.float64).contiguous(), nb, part,
-        N, S, M, 1 if target.shape[0] == B and B > 1 else 0, float(max_distance_sq),
+        center.to(device=dev, dtype=torch.float64).contiguous(), d2, nb, part,
+        N, S, M, 1 if target.shape[0] == B and B > 1 else 0,
         float(_math.DEGENERACY_EPS), K=k, KP=1 << max(0, k - 1).bit_length(),
         BLOCK_N=block_n, BLOCK_M=block_m, NEWTON_STEPS=64, num_warps=num_warps)
     return part.sum(1)
