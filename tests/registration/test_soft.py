@@ -686,7 +686,7 @@ def test_stability_measured_in_the_program_equals_the_one_after_it(monkeypatch, 
     if algo is emicp and case != "bunny":
         kw.update(sigma=0.6, sigma_min=0.05)  # lengths for a unit sphere
     after = []
-    measured = rstab._edge.measured_stability
+    measured, device_probe = rstab._edge.measured_stability, rstab.device_probe
 
     def spy(*a, **k):
         after.append(1)
@@ -703,7 +703,7 @@ def test_stability_measured_in_the_program_equals_the_one_after_it(monkeypatch, 
         return (k, *rstab.stability_sample(pair.source_counts, pair.device))
 
     monkeypatch.setattr(soft._stability, "device_probe",
-                        in_program if backend.device == "cpu" else rstab.device_probe)
+                        in_program if backend.device == "cpu" else device_probe)
     got = algo(x, y, **kw)
     assert len(after) == (1 if case == "repeated sphere" else 0)
     assert got.stop_reason == want.stop_reason
