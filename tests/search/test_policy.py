@@ -159,10 +159,8 @@ def test_choose_index_with_a_device_plan(rng, monkeypatch):
 
 
 def test_probe_index_rule(rng, monkeypatch):
-    """A few queries once: cKDTree on the host; on a device brute force through the fused
-    kernels while queries x points are fewer than PROBE_OWN_BRUTE_MAX, else the method's own
-    index, brute force while queries x points are few, the k-d tree above; every choice
-    answers exactly."""
+    """A few queries once: cKDTree on the host, else the method's own index, brute force while
+    queries x points are few, the k-d tree above; every choice answers exactly."""
     small, big = _plane(400, rng), _plane(900, rng)
     host = policy.probe_index(small, 100)
     assert type(host).__name__ == "CKDTreeIndex"
@@ -172,13 +170,7 @@ def test_probe_index_rule(rng, monkeypatch):
     monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE)
     monkeypatch.setattr(policy, "PROBE_BRUTE_MAX_PAIRS", 100 * 500)
     monkeypatch.setattr(policy, "AUTO_BRUTE_MAX_POINTS", 500)  # above: choose_index's rule
-    monkeypatch.setattr(policy, "PROBE_OWN_BRUTE_MAX", 100 * 500)
-    assert policy.probe_index(big, 100, index=own) is own  # 90k pairs: the method's own
-    brute = policy.probe_index(small, 100, index=host)  # 40k pairs: one fused pass
-    assert isinstance(brute, BruteForceIndex) and torch.equal(brute.points, small)
-    monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE_TORCH)
-    assert policy.probe_index(small, 100, index=host) is host  # no fused kernels: its own
-    monkeypatch.setattr(policy, "search_plan", lambda points: DEVICE)
+    assert policy.probe_index(big, 100, index=own) is own
     assert isinstance(policy.probe_index(small, 100), BruteForceIndex)
     ix = policy.probe_index(big, 100)
     assert type(ix).__name__ == "KDTreeIndex"

@@ -29,6 +29,7 @@ from pointalign.registration._pair import Pair as Pair
 from pointalign.registration._pair import prepare_pair as prepare_pair
 from pointalign.registration._pair import prepare_pairs as prepare_pairs
 from pointalign.registration.result import RegistrationResult
+from pointalign.search import policy
 
 
 class StopReason(str, enum.Enum):
@@ -236,8 +237,11 @@ def measured_stability(pair: Pair, T_local: np.ndarray, *, index: Any = None,
     d = max_distance if max_distance is not None and np.isfinite(max_distance) \
         and max_distance > 0 else 1e6 * max(scale, 1e-30)
     n = 1 if pair.shared_target else pair.size
-    own = tuple(index) if isinstance(index, (list, tuple)) else (index,) * n
-    idxs = _stability.probe_indexes(pair, own)
+    own = list(index) if isinstance(index, (list, tuple)) else [index] * n
+    with _validate.trusted():  # the prepared targets were checked
+        built = [policy.probe_index(pair.target[b, : pair.target_counts[b]],
+                                    _stability.STABILITY_SAMPLE, index=own[b]) for b in range(n)]
+    idxs = tuple(built * pair.size if n == 1 else built)
     # (point-to-point: the sums of a final step are not read, the sample is measured)
     return _stability.stability(pair, idxs, np.asarray(T_local, dtype=np.float64),
                                 np.zeros((pair.size, 30)), False, d)

@@ -43,7 +43,7 @@ from pointalign.registration.criteria import (
     as_robust_kernel,
 )
 from pointalign.registration.result import RegistrationResult
-from pointalign.registration.stability import probe_indexes, stability
+from pointalign.registration.stability import stability
 from pointalign.search import policy
 from pointalign.search.shifted import Offset, ShiftedIndex
 
@@ -500,9 +500,7 @@ def icp(
             "method": method, "index": type(getattr(idxs[0], "index", idxs[0])).__name__,
             "rank_deficient": rules.rank_deficient, "device_steps": run.launched,
             "cuda_graph": run.graph}
-    # (point-to-point measures a sample: through brute force where cheaper, stability.py)
-    stab = stability(pair, idxs if plane else probe_indexes(pair, idxs), rules.T, rules.sums,
-                     plane, max_dist)
+    stab = stability(pair, idxs, rules.T, rules.sums, plane, max_dist)
     return _edge.build_result(pair, rules.T, fitness=rules.fitness, rmse=rules.rmse,
                               iterations=rules.iterations, reasons=rules.reasons,
                               history=rules.history, timings=timings, info=info,

@@ -84,9 +84,13 @@ def device_probe(pair: _edge.Pair) -> tuple[int, torch.Tensor, torch.Tensor] | N
     (:func:`stability_sample`, ``rows``, ``valid`` ``(B, S)``) is then one of its inputs and
     ``k`` its neighbours. None elsewhere (a host tree, a tree for a large target).
     """
+    n = 1 if pair.shared_target else pair.size
+    with _validate.trusted():  # the prepared targets were checked
+        brute = all(isinstance(policy.probe_index(pair.target[b, : pair.target_counts[b]],
+                                                  STABILITY_SAMPLE), BruteForceIndex)
+                    for b in range(n))
     k = int(min(STABILITY_K, int(pair.target_counts.max())))
-    if not probe.probe_runs_on_device(pair.source, k) or not all(
-            isinstance(ix, BruteForceIndex) for ix in probe_indexes(pair, ())):
+    if not brute or not probe.probe_runs_on_device(pair.source, k):
         return None
     rows, valid = stability_sample(pair.source_counts, pair.device)
     return k, rows, valid
@@ -246,19 +250,3 @@ def stability(pair: _edge.Pair, indexes: tuple, T: np.ndarray, sums: np.ndarray 
     else:
         H = point_information(pair, indexes, T, max_distance).numpy()
     return _np_math.stability(H, pair.extent)
-
-
-def probe_indexes(pair: _edge.Pair, indexes: tuple) -> tuple:
-    """Each problem's index for the sample's searches (:func:`point_information`).
-
-    :func:`pointalign.search.policy.probe_index` of each target with the method's own index
-    (``indexes``, one per problem; missing or None: none): on a device one fused brute-force
-    pass over a small target rather than a method's tree searched twice with its glue; in
-    host memory SciPy's tree. A shared target is looked at once.
-    """
-    n = 1 if pair.shared_target else pair.size
-    with _validate.trusted():  # the prepared targets were checked
-        built = [policy.probe_index(pair.target[b, : pair.target_counts[b]], STABILITY_SAMPLE,
-                                    index=indexes[b] if b < len(indexes) else None)
-                 for b in range(n)]
-    return tuple(built * pair.size if n == 1 else built)

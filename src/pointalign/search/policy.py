@@ -64,12 +64,6 @@ knob                       value  rule (and where it was measured)
                                   by brute force while queries x points stay below this
                                   (2,048 queries: targets up to 131k points); above, the
                                   k-d tree (H200: its build over 40k points 10 ms)
-``PROBE_OWN_BRUTE_MAX``    2^27   ... and even where the method holds its own index, while
-                                  queries x points stay below this on the fused kernels
-                                  (2,048 queries: targets up to 65k points). H200, the
-                                  40k bunny: the fused probe 0.66 ms of GPU in one launch,
-                                  against 1.6 ms of a k-d tree's two searches and their
-                                  glue (30 launches) in a point-to-point icp()
 ``SPATIAL_ORDER_MIN``      8192   :func:`query_order` sorts queries along a Morton curve
                                   from this many on; below, the search is too small for the
                                   order to matter and the ~40 launches of the sort would not
@@ -99,7 +93,6 @@ TIER_BASE = 2.0
 TIERS = 2
 SPATIAL_ORDER_MIN = 8192
 PROBE_BRUTE_MAX_PAIRS = 1 << 28
-PROBE_OWN_BRUTE_MAX = 1 << 27
 
 #: a query answered by a tier is moved this far away for the next stages, which every index
 #: rejects at once (shapes stay static: no compaction, no synchronisation)
@@ -259,23 +252,20 @@ def probe_index(points: torch.Tensor, queries: int, *, index: Index | None = Non
     asks ~2,000 nearest neighbours and ~2,000 k-NN once, so no build should cost more than
     those queries. In host memory: SciPy's cKDTree (a build of ms; a method's own tree there
     is a PyTorch traversal, 0.5 s for the sample on a 70k-point LiDAR target). On a device:
-    brute force up to ``PROBE_OWN_BRUTE_MAX`` query-point pairs where the fused kernels run
-    (one launch, cheaper than a method's own tree searched twice with its glue), else the
-    method's own ``index`` when it holds one over these points, else brute force up to
-    ``PROBE_BRUTE_MAX_PAIRS`` pairs (no build: a voxel grid's build and its cell-size
-    measurement cost 7 ms of launches and synchronisations on an H200 at 5k points, a k-d
-    tree's 10 ms at 40k, where 2,048 brute-force queries take well under 1 ms), else the
-    k-d tree.
+    the method's own ``index`` when it holds one over these points, else brute force up to
+    ``PROBE_BRUTE_MAX_PAIRS`` query-point pairs (no build: a voxel grid's build and its
+    cell-size measurement cost 7 ms of launches and synchronisations on an H200 at 5k points,
+    a k-d tree's 10 ms at 40k, where 2,048 brute-force queries take well under 1 ms), else
+    the k-d tree.
     """
     plan = search_plan(points)
     if plan.host_tree:
         from pointalign.search.ckdtree import CKDTreeIndex
 
         return index if isinstance(index, CKDTreeIndex) else CKDTreeIndex(points)
-    pairs = points.shape[0] * queries
-    if index is not None and not (plan.fused and pairs <= PROBE_OWN_BRUTE_MAX):
+    if index is not None:
         return index
-    if pairs <= PROBE_BRUTE_MAX_PAIRS:
+    if points.shape[0] * queries <= PROBE_BRUTE_MAX_PAIRS:
         return BruteForceIndex(points)
     return _choose(points, None)
 
