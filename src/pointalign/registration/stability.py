@@ -84,14 +84,15 @@ def device_probe(pair: _edge.Pair) -> tuple[int, torch.Tensor, torch.Tensor] | N
     (:func:`stability_sample`, ``rows``, ``valid`` ``(B, S)``) is then one of its inputs and
     ``k`` its neighbours. None elsewhere (a host tree, a tree for a large target).
     """
+    k = int(min(STABILITY_K, int(pair.target_counts.max())))
+    if not probe.probe_runs_on_device(pair.source, k):  # first: no index built for nothing
+        return None
     n = 1 if pair.shared_target else pair.size
     with _validate.trusted():  # the prepared targets were checked
-        brute = all(isinstance(policy.probe_index(pair.target[b, : pair.target_counts[b]],
-                                                  STABILITY_SAMPLE), BruteForceIndex)
-                    for b in range(n))
-    k = int(min(STABILITY_K, int(pair.target_counts.max())))
-    if not brute or not probe.probe_runs_on_device(pair.source, k):
-        return None
+        if not all(isinstance(policy.probe_index(pair.target[b, : pair.target_counts[b]],
+                                                 STABILITY_SAMPLE), BruteForceIndex)
+                   for b in range(n)):
+            return None
     rows, valid = stability_sample(pair.source_counts, pair.device)
     return k, rows, valid
 
