@@ -109,7 +109,23 @@ def _check(T, p, index, r, monkeypatch, min_hits=1):
     # counts only: each point's search stops at its first target point within the bound
     only, none_sq, none_m = K.score_transforms(T, p, index, r, with_sums=False)
     assert torch.equal(only, c) and none_sq is None and none_m is None
+    _check_masked(T, p, index, r)
     return c, sq
+
+
+def _check_masked(T, p, index, r):
+    """Scoring with ``valid`` equals scoring every motion, on the valid rows; 0 / -1 else."""
+    valid = torch.arange(T.shape[0], device=T.device) % 3 != 1
+    for wm in (False, True):
+        full = K.score_transforms(T, p, index, r, wm)
+        _equal_where_valid(K.score_transforms(T, p, index, r, wm, valid=valid), full, valid)
+
+
+def _equal_where_valid(part, full, valid):
+    (c, sq, m), (fc, fsq, fm) = part, full
+    assert torch.equal(c, torch.where(valid, fc, 0)) and torch.equal(sq, torch.where(valid, fsq, 0))
+    assert (m is None) == (fm is None)
+    assert m is None or torch.equal(m, torch.where(valid[:, None], fm, -1))
 
 
 @pytest.mark.parametrize("s,p", [(1, 700), (300, 33), (9, 600)])
@@ -969,6 +985,7 @@ def test_triton_scoring_equals_the_reference_of_its_moves(backend):
             assert int((c - plain[0]).abs().sum()) <= 2
         only, none_sq, none_m = K.score_transforms(T, src, index, r, with_sums=False)
         assert none_sq is None and none_m is None and torch.equal(only, c)
+        _check_masked(T, src, index, r)  # the kernel skips the masked motions' scans
 
 
 def run_interpreted_scoring(out_path: str) -> None:
@@ -979,9 +996,13 @@ def run_interpreted_scoring(out_path: str) -> None:
     out = []
     for T, src, tgt, r in _triton_scoring_cases():
         index = BruteForceIndex(tgt)
-        out.append([(_ransac_triton.score_transforms(T, src, index.scoring_layout(), r, wm),
-                     _scoring_of_triton_moves(T, src, index, r, wm, _sequential))
-                    for wm in (False, True)])
+        soa = index.scoring_layout()
+        valid = torch.arange(T.shape[0]) % 3 != 1
+        out.append(([(_ransac_triton.score_transforms(T, src, soa, r, wm),
+                      _scoring_of_triton_moves(T, src, index, r, wm, _sequential))
+                     for wm in (False, True)],
+                    (_ransac_triton.score_transforms(T, src, soa, r, True, valid),
+                     _ransac_triton.score_transforms(T, src, soa, r, True), valid)))
     torch.save(out, out_path)
 
 
@@ -990,7 +1011,8 @@ interpreted_scoring = interpreted_fixture("tests.kernels.test_ransac", "run_inte
 
 
 def test_triton_scoring_interpreted(interpreted_scoring):
-    for case in interpreted_scoring:
+    for case, (part, full, valid) in interpreted_scoring:
         for got, want in case:
             _check_scoring(got, want)
         assert int(case[0][0][0].sum()) >= 1
+        _equal_where_valid(part, full, valid)  # the masked motions' scans skipped

@@ -115,31 +115,35 @@ def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool, ratio: float |
 
 
 def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
-           *, with_matches: bool = False
+           *, with_matches: bool = False, valid: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Score transforms: inlier count and sum of squared inlier distances.
 
     ``T (S, 4, 4)`` applied to ``points (P, 3)`` → ``(S,) int64, (S,) float64`` and, with
     ``with_matches``, the matched target index of every point ``(S, P) int64`` (−1: none
-    within the bound), else None. :func:`pointalign.kernels.ransac.score_transforms`: one
-    fused kernel with the "cpu" index, else the index's ``nearest_within``.
+    within the bound), else None; ``valid (S,)`` bool: score only those (the others 0).
+    :func:`pointalign.kernels.ransac.score_transforms`: one fused kernel with the "cpu"
+    index or a brute-force one on CUDA, else the index's ``nearest_within``.
     """
-    counts, sq, matches = _k.score_transforms(T, points, index, max_distance, with_matches)
+    counts, sq, matches = _k.score_transforms(T, points, index, max_distance, with_matches,
+                                              valid=valid)
     assert sq is not None  # with_sums
     return counts, sq, matches
 
 
 def count_inliers(T: torch.Tensor, points: torch.Tensor, index: Any,
-                  max_distance: float) -> torch.Tensor:
+                  max_distance: float, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Inlier counts ``(S,) int64`` of motions ``T (S, 4, 4)`` on ``points (P, 3)``.
 
     A point is an inlier of a motion when ``index`` (over the target) has a point within
     ``max_distance`` of the moved point: RANSAC's T(d,d) count, and the score
     :func:`pointalign.register` ranks its hypotheses by. ``_score``'s first output, without
     the sums, so the fused CPU kernel stops each point's search at its first target point
-    within the bound (the same counts, less work).
+    within the bound (the same counts, less work). ``valid (S,)`` bool: count only those
+    motions (the others count 0).
     """
-    return _k.score_transforms(T, points, index, max_distance, with_sums=False)[0]
+    return _k.score_transforms(T, points, index, max_distance, with_sums=False,
+                               valid=valid)[0]
 
 
 def count_inliers_within(T: torch.Tensor, points: torch.Tensor, index: Any,
@@ -229,6 +233,52 @@ class _RefineStep:
                "idx": torch.where(better[:, None], idx_new, idx),
                "round": state["round"] + 1}
         return new, {"improved": better.any()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """One batch of :func:`ransac`'s hypotheses as a fixed device program (no host read).
+
+    Inputs: the correspondences' ends ``cs, ct (C, 3)``, the batch's ``triples (H, 3)``,
+    the T(d,d) ``subset (d, 3)``, the ``source (N, 3)`` and the pool of the best motions so
+    far (``T (K, 4, 4)`` float64, ``counts (K,)`` with −1 for an empty row, ``sq (K,)``).
+    Every hypothesis keeps its row (no compaction): those failing the triangle or the area
+    test, or T(d,d), are masked, and the ``validations`` best by T(d,d) (fewer where fewer
+    passed: the rest masked) are scored on the whole source. Outputs: the new pool (the
+    best K of the old one and the scored motions by :func:`_key`; ties keep the old rows
+    first) and ``tally (7,)``: passed the triangle test, valid motions, passed T(d,d),
+    scored, the pool's filled rows, the best motion's inliers, and the correspondences it
+    explains.
+    """
+
+    index: Any
+    similarity: float
+    max_distance: float
+    validations: int
+
+    def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
+                 ) -> dict[str, torch.Tensor]:
+        cs, ct, d = inputs["cs"], inputs["ct"], self.max_distance
+        est = _k.triangle_motions(cs, ct, inputs["triples"], self.similarity,
+                                  estimate.DEGENERACY_EPS, compact=False)
+        c_sub = torch.where(est.valid, count_inliers(est.T, inputs["subset"], self.index, d,
+                                                     valid=est.valid), -1)
+        passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
+        # failures sort last; a stable sort keeps equal counts in hypothesis order
+        order = torch.sort(torch.where(passed, c_sub, -1), descending=True,
+                           stable=True).indices[:self.validations]
+        ok = passed[order]
+        c, sq, _ = _score(est.T[order], inputs["source"], self.index, d, valid=ok)
+        pool_T = torch.cat([inputs["T"], est.T[order]])
+        pool_c = torch.cat([inputs["counts"], torch.where(ok, c, -1)])
+        pool_sq = torch.cat([inputs["sq"], sq])
+        top = torch.sort(_key(pool_c, pool_sq, d), descending=True,
+                         stable=True).indices[:inputs["counts"].shape[0]]
+        pool_T, pool_c, pool_sq = pool_T[top], pool_c[top], pool_sq[top]
+        tally = torch.stack([est.passed, est.valid.sum(), passed.sum(), ok.sum(),
+                              (pool_c >= 0).sum(), pool_c[0],
+                              _explained(pool_T[0], cs, ct, d)])
+        return {"T": pool_T, "counts": pool_c, "sq": pool_sq, "tally": tally}
 
 
 def required_hypotheses(inlier_ratio: float, confidence: float, sample_size: int = 3) -> float:
@@ -414,9 +464,13 @@ def ransac(
     subset = src[torch.randperm(src.shape[0], generator=g, device=dev)[:d]]
     cs, ct = src[corr[:, 0]], tgt[corr[:, 1]]
 
-    pool_T = torch.empty(0, 4, 4, dtype=torch.float64, device=dev)
-    pool_c = torch.empty(0, dtype=torch.int64, device=dev)
-    pool_sq = torch.empty(0, dtype=torch.float64, device=dev)
+    # the best motions so far, padded to a fixed size by rows that count -1 (ranked last)
+    keep = max(refine_top, 1)
+    pool = {"T": torch.eye(4, dtype=torch.float64, device=dev).repeat(keep, 1, 1),
+            "counts": torch.full((keep,), -1, dtype=torch.int64, device=dev),
+            "sq": torch.zeros(keep, dtype=torch.float64, device=dev)}
+    batch = _Batch(target_index, sim, dist, max_validations)
+    n_pool = 0
     stop = StopReason.MAX_HYPOTHESES
     # a progress bar on a terminal once the batches run over a second (nothing otherwise)
     for h in _progress.batches(max_h, hypotheses, "RANSAC hypotheses"):
@@ -424,37 +478,19 @@ def ransac(
         info["batches"] += 1
         triples = torch.randint(0, n_corr, (h, 3), generator=g, device=dev)
         clock.lap("sample")
-        # the triangle test's survivors (compacted) with their areas and Horn's motions
-        est = _k.triangle_motions(cs, ct, triples, sim, estimate.DEGENERACY_EPS)
-        info["after_triangle"] += int(est.rows.shape[0])
-        clock.lap("triangle")
-        if est.rows.shape[0]:
-            # degenerate motions stay in the batch with a T(d,d) count of −1 (no compaction)
-            c_sub = count_inliers(est.T, subset, target_index, dist)
-            c_sub = torch.where(est.valid, c_sub, -1)
-            passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
-            # failures sort last; a stable sort keeps equal counts in hypothesis order
-            order = torch.sort(torch.where(passed, c_sub, -1), descending=True,
-                               stable=True).indices
-            n_valid, n_passed = torch.stack([est.valid.sum(), passed.sum()]).tolist()
-            info["after_estimation"] += n_valid
-            info["after_tdd"] += n_passed
-            T = est.T[order[:min(n_passed, max_validations)]]
-            clock.lap("tdd")
-            if T.shape[0]:
-                c, sq, _ = _score(T, src, target_index, dist)
-                info["validated"] += int(T.shape[0])
-                pool_T = torch.cat([pool_T, T])
-                pool_c = torch.cat([pool_c, c])
-                pool_sq = torch.cat([pool_sq, sq])
-                top = torch.sort(_key(pool_c, pool_sq, dist), descending=True,
-                                 stable=True).indices[:max(refine_top, 1)]
-                pool_T, pool_c, pool_sq = pool_T[top], pool_c[top], pool_sq[top]
-                clock.lap("score")
-        if pool_T.shape[0] == 0:
+        # one fixed program a batch (a CUDA graph on a GPU), one transfer of its counts
+        host, out = _loop.run_program(batch, {"cs": cs, "ct": ct, "triples": triples,
+                                              "subset": subset, "source": src, **pool},
+                                      eager_first=True)
+        pool = {k: out[k] for k in pool}
+        (n_triangle, n_valid, n_passed, n_validated, n_pool, best_count,
+         n_explained) = (int(v) for v in host["tally"])
+        for k, v in (("after_triangle", n_triangle), ("after_estimation", n_valid),
+                     ("after_tdd", n_passed), ("validated", n_validated)):
+            info[k] += v
+        clock.lap("hypotheses")
+        if n_pool == 0:
             continue
-        explained = _explained(pool_T[0], cs, ct, dist)
-        best_count, n_explained = torch.stack([pool_c[0], explained]).tolist()
         fit = best_count / src.shape[0]
         if inlier_ratio_threshold is not None and fit >= inlier_ratio_threshold:
             stop = StopReason.INLIER_RATIO
@@ -462,12 +498,12 @@ def ransac(
         w = n_explained / n_corr
         info["correspondence_inlier_ratio"] = w
         info["required_hypotheses"] = required_hypotheses(w, conf)
-        clock.lap("score")
         if info["hypotheses"] >= info["required_hypotheses"]:
             stop = StopReason.CONFIDENCE
             break
-    if pool_T.shape[0] == 0:
+    if n_pool == 0:
         return _failed(pair, info, clock, StopReason.NO_HYPOTHESIS)
+    pool_T, pool_c, pool_sq = (pool[k][:n_pool] for k in ("T", "counts", "sq"))
 
     before = pool_c[0]
     if local_refinement and refine_iterations > 0:

@@ -35,17 +35,21 @@ spec):
   ``min(l_s, l_t) >= (1 - similarity) · max(l_s, l_t)`` and both > 0 (the polygon test of
   Bolles & Fischler, as used in the parallel RANSAC paper; Open3D's edge-length checker
   with ``similarity_threshold = 1 - similarity``).
-* ``triangle_motions(cs (C, 3), ct (C, 3), triples (H, 3), similarity, eps)
-  -> Hypotheses(T (S, 4, 4), valid (S,), rows (S,))``: RANSAC's hypotheses from three
-  correspondences each that pass the triangle test (``triangle_similar``; S of H, in order,
-  ``rows`` their indices), with both triangles' area test
-  (:func:`~pointalign.kernels.ransac.reference.triangle_has_area`, float64) and Horn's
-  motion of the three pairs (unit weights, float64 moments), the identity where not valid.
-  Reference: the triangle test, the compaction (one host synchronisation), then
-  :func:`pointalign.kernels.horn.weighted_horn` and the area tests of the survivors. On
-  CUDA (float32) one Triton launch tests every hypothesis (edge ratios and both areas, no
-  PyTorch op chain), then the same compaction and Horn: the same decisions up to a length
-  on the test's bound (float32 norms rounded otherwise), the same motions.
+* ``triangle_motions(cs (C, 3), ct (C, 3), triples (H, 3), similarity, eps, compact)
+  -> Hypotheses(T (S, 4, 4), valid (S,), rows (S,), passed ())``: RANSAC's hypotheses from
+  three correspondences each that pass the triangle test (``triangle_similar``; S of H, in
+  order, ``rows`` their indices; ``passed`` S as a 0-d int64 tensor), with both triangles'
+  area test (:func:`~pointalign.kernels.ransac.reference.triangle_has_area`, float64) and
+  Horn's motion of the three pairs (unit weights, float64 moments), the identity where not
+  valid. ``compact=False``: all H hypotheses instead (``rows`` 0..H−1), those failing the
+  triangle test not valid: no host synchronisation, fixed shapes (a loop a CUDA graph
+  replays). Reference: the triangle test, the compaction (one host synchronisation), then
+  :func:`pointalign.kernels.horn.weighted_horn` and the area tests of the survivors
+  (uncompacted: scattered back to their rows). On CUDA (float32) one Triton launch tests
+  every hypothesis (edge ratios and both areas, no PyTorch op chain), then the same
+  compaction and Horn (uncompacted: Horn of every hypothesis, ~0.16 ms for 16,384 on an
+  H200): the same decisions up to a length on the test's bound (float32 norms rounded
+  otherwise), the same motions.
 * ``transform_points(T (S, 4, 4), points (P, 3) or (S, P, 3)) -> (S, P, 3)`` in the points'
   dtype. Reference: one ``baddbmm``; the "cpu" backend moves the points in one numba pass
   with the products and sums ``baddbmm`` makes on the CPU (below); on CUDA, float32 points
@@ -54,7 +58,9 @@ spec):
   -> (counts (S,) int64, sums (S,) float64, matches (S, P) int64 | None)``: per transform,
   the points whose moved position has an indexed point within ``max_distance``, the sum of
   their squared distances (``with_sums``), and (``with_matches``) every point's match
-  (−1: none).
+  (−1: none). With ``valid (S,) bool`` only those transforms are scored; the others count
+  0 with sum 0 and no match (on CUDA the Triton kernel skips their scan; elsewhere the
+  valid rows are scored alone, a compaction that costs nothing in host memory).
   Reference (:func:`score_transforms_reference`): :func:`transform_points_reference`, then the
   index's ``nearest_within``, then sums in PyTorch. The "cpu" index with a scoring grid
   (``score_cpu.BoundGrid``) runs one fused numba kernel instead: no ``(S, P, 3)`` tensor
@@ -267,22 +273,25 @@ def triangle_similar(src: torch.Tensor, tgt: torch.Tensor, similarity: float) ->
 
 
 class Hypotheses(NamedTuple):
-    """RANSAC's triangle hypotheses that pass the triangle test (:func:`triangle_motions`).
+    """RANSAC's triangle hypotheses (:func:`triangle_motions`).
 
     Attributes:
         T: ``(S, 4, 4)`` float64 motions (the identity where not ``valid``).
-        valid: ``(S,)`` bool: both triangles have an area and Horn's pose is finite.
+        valid: ``(S,)`` bool: the triangle test passed, both triangles have an area and
+            Horn's pose is finite.
         rows: ``(S,)`` int64: the hypothesis (row of ``triples``) of each, ascending.
+        passed: 0-d int64 tensor, how many hypotheses passed the triangle test.
 
     """
 
     T: torch.Tensor
     valid: torch.Tensor
     rows: torch.Tensor
+    passed: torch.Tensor
 
 
 def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
-                     similarity: float, eps: float) -> Hypotheses:
+                     similarity: float, eps: float, compact: bool = True) -> Hypotheses:
     """Motions of RANSAC's triangle hypotheses (see the module contract).
 
     Args:
@@ -291,31 +300,43 @@ def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
         triples: ``(H, 3)`` int64 correspondence rows of each hypothesis.
         similarity: the triangle test's allowed relative edge-length difference.
         eps: the area test's degeneracy bound (``estimate.DEGENERACY_EPS``).
+        compact: keep only the hypotheses passing the triangle test (one host
+            synchronisation on a device); False: all H, the others not valid (none).
 
     Returns:
-        :class:`Hypotheses`: those passing the triangle test, in their order (a compaction:
-        one host synchronisation).
+        :class:`Hypotheses`, in the order of ``triples``.
 
     """
     from pointalign.kernels.horn import weighted_horn
 
+    H = triples.shape[0]
     if (backend(cs) == "triton" and cs.dtype == torch.float32 and ct.dtype == torch.float32
             and not cs.requires_grad and not ct.requires_grad):
         from pointalign.kernels.ransac import triton as _ransac_triton
 
         keep, area = _ransac_triton.triangle_tests(cs, ct, triples, similarity, eps)
-        rows = keep.nonzero().squeeze(1)  # stream compaction: one host synchronisation
-        tri = triples[rows]
-        s, t, area = cs[tri], ct[tri], area[rows]
+        if compact:
+            rows = keep.nonzero().squeeze(1)  # stream compaction: one host synchronisation
+            tri, area = triples[rows], area[rows]
+        else:  # every hypothesis: no host synchronisation
+            rows, tri, area = torch.arange(H, device=cs.device), triples, area & keep
+        T, ok = weighted_horn(cs[tri], ct[tri], cs.new_ones(tri.shape))
+        valid = ok & area
+        passed = keep.sum()
     else:
         src, tgt = cs[triples], ct[triples]
         rows = triangle_similar(src, tgt, similarity).nonzero().squeeze(1)  # one sync
         s, t = src[rows], tgt[rows]
         area = triangle_has_area(s, eps) & triangle_has_area(t, eps)
-    T, ok = weighted_horn(s, t, s.new_ones(s.shape[:2]))
-    valid = ok & area
+        T, ok = weighted_horn(s, t, s.new_ones(s.shape[:2]))
+        valid = ok & area
+        passed = torch.tensor(rows.shape[0], device=cs.device)
+        if not compact:  # scattered back to their rows: the same motions, fixed shapes
+            T = T.new_zeros(H, 4, 4).index_copy_(0, rows, T)
+            valid = valid.new_zeros(H).index_copy_(0, rows, valid)
+            rows = torch.arange(H, device=cs.device)
     eye = torch.eye(4, dtype=T.dtype, device=T.device)
-    return Hypotheses(torch.where(valid[:, None, None], T, eye), valid, rows)
+    return Hypotheses(torch.where(valid[:, None, None], T, eye), valid, rows, passed)
 
 
 def transform_points(T: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
@@ -373,7 +394,8 @@ def _scoring_layout(T: torch.Tensor, points: torch.Tensor, index: Any) -> torch.
 
 
 def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
-                     with_matches: bool = False, with_sums: bool = True
+                     with_matches: bool = False, with_sums: bool = True,
+                     valid: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Score motions by their inliers (entry point; see the module contract).
 
@@ -386,6 +408,8 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_dist
         with_matches: also return every point's match.
         with_sums: also return the sums (False: counts only, which the fused kernel finds
             faster: a point's search stops at its first indexed point within the bound).
+        valid: optional ``(S,)`` bool on T's device: score only these motions (the others
+            count 0, sum 0, no match).
 
     Returns:
         ``counts (S,) int64``, ``sums (S,) float64`` (squared distances of the inliers) or
@@ -397,6 +421,9 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_dist
         raise ValueError(f"T: expected shape (S, 4, 4), got {tuple(T.shape)}")
     if points.dim() != 2 or points.shape[1] != 3:
         raise ValueError(f"points: expected shape (P, 3), got {tuple(points.shape)}")
+    if valid is not None and (valid.shape != T.shape[:1] or valid.dtype != torch.bool):
+        raise ValueError(f"valid: expected ({T.shape[0]},) bool, got {tuple(valid.shape)} "
+                         f"{valid.dtype}")
     s, p = T.shape[0], points.shape[0]
     if s == 0:
         dev = points.device
@@ -407,8 +434,16 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, index: Any, max_dist
     if soa is not None:
         from pointalign.kernels.ransac import triton as _ransac_triton
 
-        c, sq, m = _ransac_triton.score_transforms(T, points, soa, max_distance, with_matches)
+        c, sq, m = _ransac_triton.score_transforms(T, points, soa, max_distance, with_matches,
+                                                   valid)
         return c, sq if with_sums else None, m
+    if valid is not None:  # the valid rows alone (a compaction: free in host memory)
+        rows = valid.nonzero().squeeze(1)
+        vc, vsq, vm = score_transforms(T[rows], points, index, max_distance, with_matches,
+                                       with_sums)
+        return (vc.new_zeros(s).index_copy_(0, rows, vc),
+                None if vsq is None else vsq.new_zeros(s).index_copy_(0, rows, vsq),
+                None if vm is None else vm.new_full((s, p), -1).index_copy_(0, rows, vm))
     grid = _scoring_grid(T, points, index, max_distance)
     if grid is None:
         return score_transforms_reference(T, points, index, max_distance, with_matches,

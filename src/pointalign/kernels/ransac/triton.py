@@ -101,9 +101,11 @@ def transform_points(T: torch.Tensor, points: torch.Tensor, block: int = 512) ->
     return out
 
 
-@triton.jit(do_not_specialize=("n_points", "n_blocks", "m", "matches"))
-def _score_kernel(T_ptr, p_ptr, soa_ptr, cnt_ptr, sq_ptr, match_ptr, n_points, n_blocks, m,
-                  max_d2, matches, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+@triton.jit(do_not_specialize=("n_points", "n_blocks", "m", "matches", "masked"),
+            do_not_specialize_on_alignment=("valid_ptr",))
+def _score_kernel(T_ptr, p_ptr, soa_ptr, valid_ptr, cnt_ptr, sq_ptr, match_ptr, n_points,
+                  n_blocks, m, max_d2, matches, masked, BLOCK_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
     """Score block ``pid % n_blocks`` of ``BLOCK_N`` points under transform ``pid // n_blocks``.
 
     Each point moves as :func:`_move_kernel` moves it, finds its nearest of the ``m``
@@ -111,16 +113,20 @@ def _score_kernel(T_ptr, p_ptr, soa_ptr, cnt_ptr, sq_ptr, match_ptr, n_points, n
     (:func:`~pointalign.kernels.knn.triton.nn1_scan`), and the block's inlier count and
     float64 sum of squared distances go to its slot (summed per transform afterwards, in a
     fixed order); every point's match where ``matches`` (a run-time flag: one compilation).
+    Where ``masked`` (a run-time flag), a transform whose byte of ``valid`` is 0 scans no
+    target point: no inlier, no match (RANSAC's hypotheses that failed the triangle test).
     """
     pid = tl.program_id(0).to(tl.int64)
     s = pid // n_blocks
+    keep = tl.load(valid_ptr + s, mask=masked != 0, other=1) != 0
+    m_scan = tl.where(keep, m, 0)
     offs = (pid - s * n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     msk = offs < n_points
     x = tl.load(p_ptr + offs * 3 + 0, mask=msk, other=0.0)
     y = tl.load(p_ptr + offs * 3 + 1, mask=msk, other=0.0)
     z = tl.load(p_ptr + offs * 3 + 2, mask=msk, other=0.0)
     mx, my, mz = _moved(T_ptr + s * 16, x, y, z)
-    d, j = nn1_scan(mx, my, mz, soa_ptr, m, m, max_d2, True, BLOCK_N, BLOCK_M)
+    d, j = nn1_scan(mx, my, mz, soa_ptr, m_scan, m, max_d2, True, BLOCK_N, BLOCK_M)
     hit = msk & (j >= 0)
     tl.store(cnt_ptr + pid, tl.sum(hit.to(tl.int64), axis=0))
     tl.store(sq_ptr + pid, tl.sum(tl.where(hit, d, 0.0).to(tl.float64), axis=0))
@@ -129,15 +135,18 @@ def _score_kernel(T_ptr, p_ptr, soa_ptr, cnt_ptr, sq_ptr, match_ptr, n_points, n
 
 
 def score_transforms(T: torch.Tensor, points: torch.Tensor, soa: torch.Tensor,
-                     max_distance: float, with_matches: bool, block_n: int = 32,
+                     max_distance: float, with_matches: bool,
+                     valid: torch.Tensor | None = None, block_n: int = 32,
                      block_m: int = 64
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Score ``T (S, 4, 4)`` on float32 ``points (P, 3)`` against a brute-force target.
 
-    ``soa (3, M)``: the target's points as the brute-force index lays them out. Returns
-    ``counts (S,) int64``, ``sums (S,) float64`` and (``with_matches``) ``matches (S, P)``:
-    one launch and two fixed-order sums (the contract of
-    :func:`pointalign.kernels.ransac.score_transforms`), no ``(S, P, 3)`` tensor.
+    ``soa (3, M)``: the target's points as the brute-force index lays them out; ``valid``:
+    optional ``(S,)`` bool, the transforms to score (the others scan nothing: count 0, sum
+    0, no match). Returns ``counts (S,) int64``, ``sums (S,) float64`` and
+    (``with_matches``) ``matches (S, P)``: one launch and two fixed-order sums (the
+    contract of :func:`pointalign.kernels.ransac.score_transforms`), no ``(S, P, 3)``
+    tensor.
     """
     S, P = T.shape[0], points.shape[0]
     n_blocks = triton.cdiv(P, block_n)
@@ -145,10 +154,13 @@ def score_transforms(T: torch.Tensor, points: torch.Tensor, soa: torch.Tensor,
     sq = torch.empty(S * n_blocks, dtype=torch.float64, device=points.device)
     match = torch.empty((S, P), dtype=torch.int64, device=points.device) if with_matches \
         else cnt
+    mask = (torch.empty(1, dtype=torch.int8, device=points.device) if valid is None
+            else valid.contiguous().view(torch.int8))  # (read only where given)
     _score_kernel[(S * n_blocks,)](
         T.to(device=points.device, dtype=torch.float32).contiguous(), points.contiguous(), soa,
-        cnt, sq, match, P, n_blocks, soa.shape[1], float(max_distance) * float(max_distance),
-        int(with_matches), BLOCK_N=block_n, BLOCK_M=block_m, num_warps=4)
+        mask, cnt, sq, match, P, n_blocks, soa.shape[1],
+        float(max_distance) * float(max_distance), int(with_matches), int(valid is not None),
+        BLOCK_N=block_n, BLOCK_M=block_m, num_warps=4)
     return (cnt.view(S, n_blocks).sum(1), sq.view(S, n_blocks).sum(1),
             match if with_matches else None)
 
