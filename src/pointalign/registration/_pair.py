@@ -24,6 +24,7 @@ import torch
 
 from pointalign import _validate
 from pointalign.kernels import upload
+from pointalign.kernels._loop import current_stream
 from pointalign.kernels.frame import local_frame
 
 
@@ -76,6 +77,11 @@ class Pair:
         shared_target: one target for all B sources.
         device: the compute device.
         identity_init: no ``init`` was given (the identity, in every local frame too).
+        init_device: ``(B, 4, 4)`` float64, the initial estimate in the local frames on the
+            device, where it was given there (no host read before the device starts), or
+            None.
+        center_device: ``(B, 3)`` float64, the frames' centres (:attr:`frame`) on the
+            device (None in host memory).
 
     and on the host (:class:`HostPart`, read from the device at the first use of one of
     them, or at :meth:`resolve`):
@@ -107,15 +113,23 @@ class Pair:
     device: torch.device
     read_host: Callable[[], HostPart] = dataclasses.field(repr=False, compare=False)
     identity_init: bool = False
+    init_device: torch.Tensor | None = dataclasses.field(default=None, repr=False,
+                                                         compare=False)
+    center_device: torch.Tensor | None = dataclasses.field(default=None, repr=False,
+                                                           compare=False)
 
     def init_on_device(self) -> torch.Tensor:
         """``(B, 4, 4)`` float64 :attr:`init` on the device.
 
         With no ``init`` given it is the identity in every frame (a shift and its inverse):
-        made on the device, without reading the host part; else uploaded from it.
+        made on the device, without reading the host part; an ``init`` given on the device
+        was moved to the local frames there (:attr:`init` is that tensor's copy); else
+        uploaded from the host part.
         """
         if self.identity_init:
             return torch.eye(4, dtype=torch.float64, device=self.device).repeat(self.size, 1, 1)
+        if self.init_device is not None:
+            return self.init_device
         return upload(self.init, dtype=torch.float64, device=self.device)
 
     @functools.cached_property
@@ -220,9 +234,11 @@ def _pair_on_device(source: Any, target: Any, init: Any, device: torch.device,
     shared = not tbatched and B > 1
     if tgt.shape[0] != B and not shared:
         raise ValueError(f"target: expected {B} clouds (like source) or one, got {tgt.shape[0]}")
-    T0t = _validate.as_transform(init, "init", batch=B if batched else None, device="cpu",
-                                 dtype=torch.float64)
-    T0 = (T0t if batched else T0t[None]).detach().numpy()
+    T0d, T0 = _init_on_device(init, B, batched, device), None
+    if T0d is None:
+        T0t = _validate.as_transform(init, "init", batch=B if batched else None,
+                                     device="cpu", dtype=torch.float64)
+        T0 = (T0t if batched else T0t[None]).detach().numpy()
     # lengths on the host: known without a transfer unless the caller passed them
     s_counts = (slens.cpu().numpy() if source_lengths is not None
                 or isinstance(source, (list, tuple)) else np.full(B, src.shape[1]))
@@ -236,23 +252,62 @@ def _pair_on_device(source: Any, target: Any, init: Any, device: torch.device,
     if shared:
         tgt_l, tlens, t_counts = tgt_l.expand(B, -1, -1), tlens.expand(B), \
             np.repeat(t_counts, B)
-    pending = _to_host_later(host_row)  # one transfer
+    center, T_local = host_row[:, :3], None
+    row = host_row
+    if T0d is not None:  # one transfer: the frame, and the init as given and as moved
+        T_local = _shift(center, -1.0) @ T0d @ _shift(center, 1.0)
+        row = torch.cat([host_row, T0d.reshape(B, 16), T_local.reshape(B, 16)], 1)
+    pending = _to_host_later(row)
     eps = max(torch.finfo(src.dtype).eps, torch.finfo(tgt.dtype).eps)
 
     def read_host() -> HostPart:
         host = pending().astype(np.float64)
+        init_world, init_local = T0, None
+        if T_local is not None:  # the device's init, checked now (its error first, as ever)
+            init_world, init_local = (host[:, 8:24].reshape(B, 4, 4),
+                                      host[:, 24:].reshape(B, 4, 4))
+            _validate.as_transform(torch.from_numpy(init_world), "init", batch=B)
+            host = host[:, :8]
         if not np.isfinite(host).all():  # the scans raise the caller's error (not if trusted)
             scans()
         frame = Frame(host[:, :3].copy())
         # the coordinates' spacing as given: epsilon x magnitude (the centroid's plus 3 RMS
         # radii)
         world = np.abs(host[:, :3] + host[:, 4:7]).max(1) + 3 * host[:, 3]
-        return HostPart(frame.to_local(T0), frame, T0, host[:, 3].copy(), host[:, 4:7].copy(),
+        assert init_world is not None  # (given on the host, or read from the device)
+        return HostPart(frame.to_local(init_world) if init_local is None else init_local,
+                        frame, init_world, host[:, 3].copy(), host[:, 4:7].copy(),
                         eps * world, host[:, 7].copy())
 
     return Pair(src_l, tgt_l, slens, tlens, np.asarray(s_counts, dtype=np.int64),
                 np.asarray(t_counts, dtype=np.int64), batched, shared, device, read_host,
-                identity_init=init is None)
+                identity_init=init is None, init_device=T_local,
+                center_device=center if device.type == "cuda" else None)
+
+
+def _init_on_device(init: Any, B: int, batched: bool, device: torch.device
+                    ) -> torch.Tensor | None:
+    """``(B, 4, 4)`` float64 ``init`` left on ``device``, where a GPU tensor was given there.
+
+    Its checks (finite, rigid: :func:`pointalign._validate.as_transform`) wait for the host
+    part, so that the device starts without a host read; None where ``init`` is anything
+    else (checked on the host at once, with the errors of a wrong shape or dtype).
+    """
+    if (device.type != "cuda" or not isinstance(init, torch.Tensor) or init.device != device
+            or not init.is_floating_point() or init.shape[-2:] != (4, 4)):
+        return None
+    if init.dim() == 2:
+        return init.detach().to(torch.float64).expand(B, 4, 4)
+    if init.dim() == 3 and batched and init.shape[0] == B:
+        return init.detach().to(torch.float64)
+    return None
+
+
+def _shift(center: torch.Tensor, sign: float) -> torch.Tensor:
+    """``(B, 4, 4)`` translations by ``sign · center (B, 3)`` on its device (:class:`Frame`)."""
+    S = torch.eye(4, dtype=center.dtype, device=center.device).repeat(center.shape[0], 1, 1)
+    S[:, :3, 3] = sign * center
+    return S
 
 
 def _to_host_later(t: torch.Tensor) -> Callable[[], np.ndarray]:
@@ -267,7 +322,7 @@ def _to_host_later(t: torch.Tensor) -> Callable[[], np.ndarray]:
     buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     buf.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))
+    done.record(current_stream(t.device))
 
     def read() -> np.ndarray:
         done.synchronize()

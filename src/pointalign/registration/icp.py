@@ -240,14 +240,14 @@ def prepared_pair(source: Any, target: Any, init: Any, dev: torch.device, source
                   ) -> tuple[_edge.Pair, Callable[[], None] | None]:
     """:func:`~pointalign.registration._edge.prepare_pair` for a loop of correspondence steps.
 
-    On CUDA without a caller's index the pair's host part (centroids, extents: one
-    transfer) is left in flight: the device starts on the index, the normals or
-    covariances and the first steps (:func:`run_rules`) before the host reads it. Returns
-    the pair and the units check still to run then (:func:`checks.check_units`), or None:
-    elsewhere (and for a caller's index, searched through the frame's centre, which it needs
-    at once) the check has run here, before any work.
+    On CUDA the pair's host part (centroids, extents: one transfer) is left in flight: the
+    device starts on the index, the normals or covariances and the first steps
+    (:func:`run_rules`) before the host reads it (a caller's index is searched through the
+    frame's centre on the device). Returns the pair and the units check still to run then
+    (:func:`checks.check_units`), or None: elsewhere the check has run here, before any
+    work.
     """
-    defer = index is None and dev.type == "cuda"
+    defer = dev.type == "cuda"
     pair = _edge.prepare_pair(source, target, init=init, device=dev,
                               source_lengths=source_lengths, target_lengths=target_lengths,
                               defer=defer)
@@ -320,6 +320,11 @@ def _indexes(pair: _edge.Pair, index: Any, max_distance: float, knn: bool = Fals
     searches = _searches(built * B if len(built) == 1 else built, max_distance)
     # the caller's indexes hold the targets as given; the problem is solved centred on them
     # (one wrapper per distinct index and centre: a shared target is searched once a step)
+    if (pair.center_device is not None and (pair.shared_target or B == 1)
+            and len({id(ix) for ix in searches}) == 1):  # one centre, on the device
+        one = ShiftedIndex(searches[0], Offset(pair.center_device[0].to(
+            searches[0].points.dtype)))
+        return (one,) * B
     keys = [(id(ix), c.tobytes()) for ix, c in zip(searches, pair.frame.center, strict=True)]
     shifted: dict[tuple, ShiftedIndex] = {}
     for key, ix, c in zip(keys, searches, pair.frame.center, strict=True):

@@ -512,8 +512,10 @@ def ransac(
         best = torch.sort(_key(pool_c, pool_sq, dist), descending=True, stable=True).indices
         pool_T, pool_c, pool_sq = pool_T[best], pool_c[best], pool_sq[best]
     explained = _explained(pool_T[0], cs, ct, dist)
-    count_f, sq_best, before_f, n_explained = torch.stack(
-        [pool_c[0].double(), pool_sq[0], before.double(), explained.double()]).tolist()
+    last = torch.cat([torch.stack([pool_c[0].double(), pool_sq[0], before.double(),
+                                   explained.double()]),
+                      pool_T[0].detach().to(torch.float64).reshape(16)]).cpu().numpy()
+    count_f, sq_best, before_f, n_explained = last[:4].tolist()  # (one transfer)
     count, n_before = int(count_f), int(before_f)
     if local_refinement and refine_iterations > 0:
         info["refined_inliers_gain"] = count - n_before
@@ -527,8 +529,7 @@ def ransac(
     if not converged:
         stop = StopReason.BELOW_THRESHOLD
     return _edge.build_result(
-        pair, pool_T[0].detach().to(torch.float64).cpu().numpy()[None],
-        fitness=np.array([fitness]), rmse=np.array([rmse]),
+        pair, last[4:].reshape(1, 4, 4), fitness=np.array([fitness]), rmse=np.array([rmse]),
         iterations=np.array([info["hypotheses"]]), reasons=[stop], history=[],
         timings=timings, info=info, converged=np.array([converged]))
 
