@@ -293,8 +293,10 @@ def _init_on_device(init: Any, B: int, batched: bool, device: torch.device
     part, so that the device starts without a host read; None where ``init`` is anything
     else (checked on the host at once, with the errors of a wrong shape or dtype).
     """
-    if (device.type != "cuda" or not isinstance(init, torch.Tensor) or init.device != device
-            or not init.is_floating_point() or init.shape[-2:] != (4, 4)):
+    if (device.type != "cuda" or not isinstance(init, torch.Tensor) or not init.is_cuda
+            or not init.is_floating_point() or init.shape[-2:] != (4, 4)
+            or init.device.index != (device.index if device.index is not None
+                                     else torch.cuda.current_device())):
         return None
     if init.dim() == 2:
         return init.detach().to(torch.float64).expand(B, 4, 4)
