@@ -283,11 +283,22 @@ def _has_arrays(value: Any) -> bool:
     return hasattr(value, "graph_arrays") and hasattr(value, "with_arrays")
 
 
-def _is_step_like(value: Any) -> bool:
-    """Tell whether ``value`` is a frozen dataclass instance with fields (a step's part)."""
-    return (dataclasses.is_dataclass(value) and not isinstance(value, type)
-            and bool(dataclasses.fields(value))
-            and getattr(type(value), "__dataclass_params__").frozen)  # noqa: B009
+_step_fields: dict[type, tuple[dataclasses.Field, ...]] = {}  # per type, found once
+
+
+def _fields_of(value: Any) -> tuple[dataclasses.Field, ...]:
+    """Return the fields of ``value`` if a frozen dataclass instance (a step's part), else ().
+
+    Kept per type: a signature walks every field of a step on every call.
+    """
+    kind = type(value)
+    found = _step_fields.get(kind)
+    if found is None:
+        found = (dataclasses.fields(value) if dataclasses.is_dataclass(value)
+                 and not isinstance(value, type)
+                 and getattr(kind, "__dataclass_params__").frozen else ())  # noqa: B009
+        _step_fields[kind] = found
+    return found
 
 
 def _key_of(value: Any, objects: list, arrays: dict | None = None) -> Any:
@@ -302,10 +313,10 @@ def _key_of(value: Any, objects: list, arrays: dict | None = None) -> Any:
         return value
     if isinstance(value, (tuple, list)):
         return tuple(_key_of(v, objects, arrays) for v in value)
-    if _is_step_like(value):
+    fields = _fields_of(value)
+    if fields:
         return (type(value).__qualname__,
-                tuple(_key_of(getattr(value, f.name), objects, arrays)
-                      for f in dataclasses.fields(value)))
+                tuple(_key_of(getattr(value, f.name), objects, arrays) for f in fields))
     if arrays is not None and _has_arrays(value):
         # the place tells one index shared by a batch from equal-shaped distinct ones
         return ("arrays", value.graph_arrays()[0], arrays.setdefault(id(value), len(arrays)))
@@ -320,8 +331,8 @@ def _with_arrays(value: Any, swap: Any, memo: dict) -> Any:
     """
     if isinstance(value, (tuple, list)):
         return type(value)(_with_arrays(v, swap, memo) for v in value)
-    if _is_step_like(value):
-        fields = dataclasses.fields(value)
+    fields = _fields_of(value)
+    if fields:
         if any(_array_objects(getattr(value, f.name), {}) for f in fields if not f.init):
             raise TypeError("a graph-array object in a field outside __init__ cannot be swapped")
         return dataclasses.replace(value, **{f.name: _with_arrays(getattr(value, f.name), swap,
@@ -339,8 +350,8 @@ def _array_objects(value: Any, out: dict) -> dict:
     if isinstance(value, (tuple, list)):
         for v in value:
             _array_objects(v, out)
-    elif _is_step_like(value):
-        for f in dataclasses.fields(value):
+    elif fields := _fields_of(value):
+        for f in fields:
             _array_objects(getattr(value, f.name), out)
     elif _has_arrays(value):
         out.setdefault(id(value), value)

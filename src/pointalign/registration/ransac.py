@@ -242,13 +242,14 @@ class _Batch:
     Inputs: the correspondences' ends ``cs, ct (C, 3)``, the batch's ``triples (H, 3)``,
     the T(d,d) ``subset (d, 3)``, the ``source (N, 3)`` and the pool of the best motions so
     far (``T (K, 4, 4)`` float64, ``counts (K,)`` with −1 for an empty row, ``sq (K,)``).
-    Every hypothesis keeps its row (no compaction): those failing the triangle or the area
-    test, or T(d,d), are masked, and the ``validations`` best by T(d,d) (fewer where fewer
-    passed: the rest masked) are scored on the whole source. Outputs: the new pool (the
-    best K of the old one and the scored motions by :func:`_key`; ties keep the old rows
-    first) and ``tally (7,)``: passed the triangle test, valid motions, passed T(d,d),
-    scored, the pool's filled rows, the best motion's inliers, and the correspondences it
-    explains.
+    On a device every hypothesis keeps its row (no compaction, no host read: in host memory
+    only the triangle test's survivors stay, the same motions at no cost): those failing
+    the triangle or the area test, or T(d,d), are masked, and the ``validations`` best by
+    T(d,d) (fewer where fewer passed: the rest masked) are scored on the whole source.
+    Outputs: the new pool (the best K of the old one and the scored motions by
+    :func:`_key`; ties keep the old rows first) and ``tally (7,)``: passed the triangle
+    test, valid motions, passed T(d,d), scored, the pool's filled rows, the best motion's
+    inliers, and the correspondences it explains.
     """
 
     index: Any
@@ -260,10 +261,11 @@ class _Batch:
                  ) -> dict[str, torch.Tensor]:
         cs, ct, d = inputs["cs"], inputs["ct"], self.max_distance
         est = _k.triangle_motions(cs, ct, inputs["triples"], self.similarity,
-                                  estimate.DEGENERACY_EPS, compact=False)
+                                  estimate.DEGENERACY_EPS, compact=None)
         c_sub = torch.where(est.valid, count_inliers(est.T, inputs["subset"], self.index, d,
                                                      valid=est.valid), -1)
-        passed = (c_sub >= 1) & (2 * c_sub >= c_sub.max())
+        best = c_sub.max() if c_sub.numel() else -1  # (none: compacted in host memory)
+        passed = (c_sub >= 1) & (2 * c_sub >= best)
         # failures sort last; a stable sort keeps equal counts in hypothesis order
         order = torch.sort(torch.where(passed, c_sub, -1), descending=True,
                            stable=True).indices[:self.validations]

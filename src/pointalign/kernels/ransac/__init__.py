@@ -43,7 +43,8 @@ spec):
   Horn's motion of the three pairs (unit weights, float64 moments), the identity where not
   valid. ``compact=False``: all H hypotheses instead (``rows`` 0..H−1), those failing the
   triangle test not valid: no host synchronisation, fixed shapes (a loop a CUDA graph
-  replays). Reference: the triangle test, the compaction (one host synchronisation), then
+  replays); ``compact=None``: compacted in host memory (free there), else all H.
+  Reference: the triangle test, the compaction (one host synchronisation), then
   :func:`pointalign.kernels.horn.weighted_horn` and the area tests of the survivors
   (uncompacted: scattered back to their rows). On CUDA (float32) one Triton launch tests
   every hypothesis (edge ratios and both areas, no PyTorch op chain), then the same
@@ -291,7 +292,8 @@ class Hypotheses(NamedTuple):
 
 
 def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
-                     similarity: float, eps: float, compact: bool = True) -> Hypotheses:
+                     similarity: float, eps: float, compact: bool | None = True
+                     ) -> Hypotheses:
     """Motions of RANSAC's triangle hypotheses (see the module contract).
 
     Args:
@@ -301,7 +303,8 @@ def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
         similarity: the triangle test's allowed relative edge-length difference.
         eps: the area test's degeneracy bound (``estimate.DEGENERACY_EPS``).
         compact: keep only the hypotheses passing the triangle test (one host
-            synchronisation on a device); False: all H, the others not valid (none).
+            synchronisation on a device); False: all H, the others not valid (none); None:
+            compact where that costs no synchronisation (host memory), else keep all.
 
     Returns:
         :class:`Hypotheses`, in the order of ``triples``.
@@ -310,6 +313,8 @@ def triangle_motions(cs: torch.Tensor, ct: torch.Tensor, triples: torch.Tensor,
     from pointalign.kernels.horn import weighted_horn
 
     H = triples.shape[0]
+    if compact is None:
+        compact = cs.device.type == "cpu"
     if (backend(cs) == "triton" and cs.dtype == torch.float32 and ct.dtype == torch.float32
             and not cs.requires_grad and not ct.requires_grad):
         from pointalign.kernels.ransac import triton as _ransac_triton
