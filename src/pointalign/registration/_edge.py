@@ -28,6 +28,7 @@ from pointalign.registration._pair import LocalPair as LocalPair
 from pointalign.registration._pair import Pair as Pair
 from pointalign.registration._pair import prepare_pair as prepare_pair
 from pointalign.registration._pair import prepare_pairs as prepare_pairs
+from pointalign.registration._pair import recentre as recentre
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import policy
 

@@ -255,7 +255,7 @@ def _pair_on_device(source: Any, target: Any, init: Any, device: torch.device,
     center, T_local = host_row[:, :3], None
     row = host_row
     if T0d is not None:  # one transfer: the frame, and the init as given and as moved
-        T_local = _shift(center, -1.0) @ T0d @ _shift(center, 1.0)
+        T_local = recentre(T0d, center, center)
         row = torch.cat([host_row, T0d.reshape(B, 16), T_local.reshape(B, 16)], 1)
     pending = _to_host_later(row)
     eps = max(torch.finfo(src.dtype).eps, torch.finfo(tgt.dtype).eps)
@@ -305,11 +305,15 @@ def _init_on_device(init: Any, B: int, batched: bool, device: torch.device
     return None
 
 
-def _shift(center: torch.Tensor, sign: float) -> torch.Tensor:
-    """``(B, 4, 4)`` translations by ``sign · center (B, 3)`` on its device (:class:`Frame`)."""
-    S = torch.eye(4, dtype=center.dtype, device=center.device).repeat(center.shape[0], 1, 1)
-    S[:, :3, 3] = sign * center
-    return S
+def recentre(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Return ``Tr(−b) T Tr(a)`` of rigid motions ``T (B, 4, 4)``, on their device.
+
+    The motion between clouds shifted by ``−a`` and ``−b (B, 3)``; with ``a = b`` the
+    centre, :meth:`Frame.to_local`.
+    """
+    out = T.clone()
+    out[:, :3, 3] += (T[:, :3, :3] @ a[..., None])[..., 0] - b
+    return out
 
 
 def _to_host_later(t: torch.Tensor) -> Callable[[], np.ndarray]:

@@ -21,13 +21,7 @@ from pointalign import estimate
 from pointalign.kernels import _loop
 from pointalign.kernels import soft as ksoft
 from pointalign.kernels import stability as kstab
-
-
-def _recentre(T: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Return ``Tr(−b) T Tr(a)`` for clouds shifted by −a, −b ``(B, 3)`` (−a, −b undo it)."""
-    out = T.clone()
-    out[:, :3, 3] += (T[:, :3, :3] @ a[..., None])[..., 0] - b
-    return out
+from pointalign.registration._edge import recentre
 
 
 def rho(y: ksoft.Centred) -> torch.Tensor:
@@ -116,13 +110,13 @@ class Annealing:
         x = ksoft.centre(inputs["source"], inputs["source_lengths"], layout=self.SOURCE_LAYOUT)
         y = ksoft.centre(inputs["target"], inputs["target_lengths"])
         flat = ~(estimate._spans_plane(x.scatter) & estimate._spans_plane(y.scatter))
-        track = _Settling(self, _recentre(inputs["init"], x.center, y.center), flat)
+        track = _Settling(self, recentre(inputs["init"], x.center, y.center), flat)
         return x, y, rho(y), track
 
     def _finish(self, inputs: _loop.Tensors, x: ksoft.Centred, y: ksoft.Centred,
                 track: _Settling, inlier: torch.Tensor, **info: torch.Tensor) -> _loop.Tensors:
         """Collect the outputs: the pose in the input frames (``init`` if degenerate) etc."""
-        T = _recentre(track.T, -x.center, -y.center)
+        T = recentre(track.T, -x.center, -y.center)
         fitness, rmse = _fitness(x, y, track.T, inlier, self.passes)
         out = {"T": torch.where(track.flat[:, None, None], inputs["init"], T),
                "fitness": fitness, "rmse": rmse, "iterations": track.iters,
