@@ -416,3 +416,18 @@ def test_beside_orders_both_ways_around_a_long_kernel():
         assert _loop.Beside(dev).stream is None
     finally:
         _loop.CONCURRENT = off
+
+
+@pytest.mark.gpu
+def test_current_stream_is_torchs_inside_and_outside_a_stream_context():
+    """The kept Stream objects name the stream PyTorch would: the default one, a side
+    stream while it is current (with the device given as an index, a name or a device),
+    and the default one again after it."""
+    dev = torch.device("cuda")
+    for d in (dev, "cuda", torch.cuda.current_device()):
+        assert _loop.current_stream(d) == torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        assert _loop.current_stream(dev) == side == torch.cuda.current_stream(dev)
+    assert _loop.current_stream(dev) == torch.cuda.current_stream(dev) != side
+    assert _loop.current_stream(dev) is _loop.current_stream(dev)  # kept, not rebuilt

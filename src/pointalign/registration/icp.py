@@ -242,8 +242,9 @@ def prepared_pair(source: Any, target: Any, init: Any, dev: torch.device, source
 
     On CUDA the pair's host part (centroids, extents: one transfer) is left in flight: the
     device starts on the index, the normals or covariances and the first steps
-    (:func:`run_rules`) before the host reads it (a caller's index is searched through the
-    frame's centre on the device). Returns the pair and the units check still to run then
+    (:func:`run_rules`) before the host reads it (a caller's index over one target is
+    searched through the frame's centre on the device; indexes of several targets read the
+    centres then). Returns the pair and the units check still to run then
     (:func:`checks.check_units`), or None: elsewhere the check has run here, before any
     work.
     """
