@@ -45,7 +45,7 @@ def test_ransac_draws_nothing_off_a_terminal_and_logs_its_timings(no_bar, capfd,
     assert out == "" and err == ""  # stderr is not a terminal here: no bar, no text
     assert r.converged and r.fitness > 0.99
     lines = [m for m in caplog.messages if m.startswith("ransac: total")]
-    assert len(lines) == 1 and "score" in lines[0]
+    assert len(lines) == 1 and "hypotheses" in lines[0]
 
 
 def test_delayed_bar_appears_only_for_long_work(monkeypatch):
