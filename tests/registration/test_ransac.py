@@ -74,6 +74,31 @@ def test_same_seed_same_result(bunny_features):
     assert a.info == b.info and a.fitness == b.fitness
 
 
+def test_a_batch_of_every_hypothesis_masked_equals_the_compacted_one(bunny_features,
+                                                                      monkeypatch):
+    """A device keeps every hypothesis's row and masks the failures (no compaction, no host
+    read); in host memory the survivors alone. Forced to keep every row here, the batch
+    program gives the compacted run's pose, counts and pool, batch after batch."""
+    from pointalign.kernels import ransac as _k
+
+    s, t, fs, ft, _ = bunny_features
+    kw = dict(source_features=fs, target_features=ft, max_correspondence_distance=1.5 * V,
+              hypotheses=64, max_hypotheses=512, confidence=1 - 1e-12, seed=3)
+    compacted = ransac(s, t, **kw)
+    rows = _k.triangle_motions
+
+    def every_row(*args, compact=None):
+        est = rows(*args, compact=False)
+        assert est.T.shape[0] == args[2].shape[0]  # (H, 4, 4): nothing dropped
+        return est
+
+    monkeypatch.setattr(_k, "triangle_motions", every_row)
+    masked = ransac(s, t, **kw)
+    assert compacted.info["batches"] > 1  # the pool carried from batch to batch
+    assert np.array_equal(masked.transformation, compacted.transformation)
+    assert masked.info == compacted.info and masked.fitness == compacted.fitness
+
+
 def test_inputs_untouched_and_numpy_accepted(bunny_features):
     s, t, fs, ft, T_ts = bunny_features
     s0, fs0 = s.clone(), fs.clone()
