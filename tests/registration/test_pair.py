@@ -66,6 +66,20 @@ def _rigid(seed: int) -> torch.Tensor:
                            torch.randn(3, generator=g, dtype=torch.float64))
 
 
+def test_recentre_is_the_frames_move_to_local():
+    """recentre(T, c, c) (on the device, for an init given there) is Frame.to_local (the
+    host's matrix products), to float64 rounding; with a = -c, b = -c it goes back."""
+    from pointalign.registration._pair import Frame, recentre
+
+    T = torch.stack([_rigid(4), _rigid(5)])
+    c = 100.0 * torch.randn(2, 3, generator=torch.Generator().manual_seed(6),
+                            dtype=torch.float64)
+    local = recentre(T, c, c)
+    np.testing.assert_allclose(local.numpy(), Frame(c.numpy()).to_local(T.numpy()),
+                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(recentre(local, -c, -c), T, rtol=0, atol=1e-12)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batched", [False, True])
 def test_an_init_on_the_device_is_moved_to_the_local_frame_there(batched):
