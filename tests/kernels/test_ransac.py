@@ -122,6 +122,8 @@ def _check_masked(T, p, index, r):
 
 
 def _equal_where_valid(part, full, valid):
+    """Equal bits: each motion's sums run over its own blocks of points in a fixed order,
+    whatever the other motions (the fused kernels' contract), on any CPU."""
     (c, sq, m), (fc, fsq, fm) = part, full
     assert torch.equal(c, torch.where(valid, fc, 0)) and torch.equal(sq, torch.where(valid, fsq, 0))
     assert (m is None) == (fm is None)
@@ -1016,3 +1018,14 @@ def test_triton_scoring_interpreted(interpreted_scoring):
             _check_scoring(got, want)
         assert int(case[0][0][0].sum()) >= 1
         _equal_where_valid(part, full, valid)  # the masked motions' scans skipped
+
+
+def test_a_malformed_valid_mask_is_refused():
+    from pointalign.search.ckdtree import CKDTreeIndex
+
+    g = torch.Generator().manual_seed(0)
+    T, p = _motions(4, g), torch.rand(20, 3, generator=g)
+    index = CKDTreeIndex(torch.rand(30, 3, generator=g))
+    for bad in (torch.ones(3, dtype=torch.bool), torch.ones(4, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="valid: expected"):
+            K.score_transforms(T, p, index, 0.1, valid=bad)

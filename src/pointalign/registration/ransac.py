@@ -269,9 +269,9 @@ class _Batch:
         # failures sort last; a stable sort keeps equal counts in hypothesis order
         order = torch.sort(torch.where(passed, c_sub, -1), descending=True,
                            stable=True).indices[:self.validations]
-        ok = passed[order]
-        c, sq, _ = _score(est.T[order], inputs["source"], self.index, d, valid=ok)
-        pool_T = torch.cat([inputs["T"], est.T[order]])
+        ok, chosen = passed[order], est.T[order]
+        c, sq, _ = _score(chosen, inputs["source"], self.index, d, valid=ok)
+        pool_T = torch.cat([inputs["T"], chosen])
         pool_c = torch.cat([inputs["counts"], torch.where(ok, c, -1)])
         pool_sq = torch.cat([inputs["sq"], sq])
         top = torch.sort(_key(pool_c, pool_sq, d), descending=True,
