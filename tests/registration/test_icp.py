@@ -10,6 +10,8 @@ the bunny target is ~0.15 m across, subsampled to 1,500 points, noise σ = 0.5 m
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -597,6 +599,39 @@ def test_batched_stability_matches_per_problem(bunny, seed, shared, backend):
                                                     torch.tensor(pair.extent[b:b + 1]))[0])
         assert abs(stab[b] - ref_stab) <= tol * max(ref_stab, 1e-3) + 1e-15
         assert ref_stab > 0.01  # a real surface: the comparison is not between zeros
+
+
+@backends("triton")
+@pytest.mark.parametrize("size", [1, 3], ids=["one_problem", "shared_target"])
+def test_one_index_program_equals_the_search_by_search_path(bunny, backend, size):
+    """One k-d tree over one target (one problem, or a shared target): point_information's
+    searches run as one program, eager at a size's first call and a CUDA graph from the
+    second. Its kernels are the search-by-search path's on the same arrays, so every call
+    gives that path's matrix bit for bit (the path taken when the problems' indexes are
+    distinct objects over the same target), and one problem's matrix is the per-problem
+    form's (to the float32 rounding of the moved sample, as above)."""
+    from pointalign.kernels import _loop
+
+    pair, _, T = _stability_inputs(bunny, 0, True, backend.device)
+    if size == 1:
+        from pointalign.registration import _edge
+
+        pair = _edge.prepare_pair(pair.source[:1], pair.target[0], init=None,
+                                  device=pair.device)
+        T = T[:1]
+    index = build_index(pair.target[0, : int(pair.target_counts[0])], "kdtree")
+    idxs = (index,) * pair.size
+    _loop.clear_caches()
+    calls = [measured.point_information(pair, idxs, T, 0.02) for _ in range(3)]
+    for got in calls[1:]:
+        torch.testing.assert_close(got, calls[0], rtol=0, atol=0)
+    if size == 1:
+        ref, _ = _point_information_per_problem(pair, 0, index, T[0], 0.02)
+        assert float((calls[0][0] - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    else:
+        apart = (index,) + tuple(copy.copy(index) for _ in range(pair.size - 1))
+        torch.testing.assert_close(measured.point_information(pair, apart, T, 0.02),
+                                   calls[0], rtol=0, atol=0)
 
 
 def test_point_to_plane_shares_its_index_with_the_normals(monkeypatch):

@@ -741,7 +741,8 @@ class _Checkpoint:
 
 def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
                 device_outputs: bool = True, host_outputs: bool = True,
-                eager_first: bool = False) -> tuple[Host, Tensors]:
+                eager_first: bool = False,
+                meanwhile: Callable[[], None] | None = None) -> tuple[Host, Tensors]:
     """Run a fixed device program and bring its outputs to the host in one transfer.
 
     ``program(inputs, checkpoint) -> outputs`` (a frozen dataclass, dict of tensors in and
@@ -762,10 +763,13 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
         replay the device copies are made only if ``device_outputs``; else ``{}``). A
         replay packs the outputs inside the graph: one copy to the host, no launch after it.
         ``host_outputs=False``: no transfer, ``host`` is ``{}`` (large outputs that stay on
-        the device).
+        the device). ``meanwhile()``, when given, runs once the program is enqueued and
+        before its outputs are read (host checks that may raise, while the device works).
 
     """
     def host(out: Tensors) -> Host:
+        if meanwhile is not None:
+            meanwhile()
         return to_host(out) if host_outputs else {}
 
     def eager() -> tuple[Host, Tensors]:
@@ -830,6 +834,8 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
                 mine[n].copy_(v)
     graph.replay()
     out = _tree_clone(gout) if device_outputs else {}
+    if meanwhile is not None:
+        meanwhile()
     if layout is None:
         return {}, out
     return layout.unpack(packed.cpu().numpy()), out

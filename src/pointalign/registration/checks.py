@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
+import torch
 
 from pointalign import _progress, _threads
-from pointalign.registration._edge import Pair
+from pointalign.registration._edge import Pair, prepare_pair
 
 #: scales (the two clouds' extents, a length given against them) that differ by more than
 #: this factor warn (:class:`~pointalign._progress.UnitsWarning`) ...
@@ -69,6 +71,31 @@ def inner() -> Iterator[None]:
         yield
     finally:
         _INNER.reset(token)
+
+
+def prepared_pair(source: Any, target: Any, init: Any, dev: torch.device, source_lengths: Any,
+                  target_lengths: Any, *, min_points: int = 1,
+                  **lengths: float | Sequence[float] | None
+                  ) -> tuple[Pair, Callable[[], None] | None]:
+    """Prepare a pair (``_edge.prepare_pair``) for a method whose first work is on the device.
+
+    On CUDA the pair's host part (centroids, extents: one transfer) is left in flight: the
+    device starts on the method's first work (an index, normals, covariances, its first
+    steps or its whole program) before the host reads it. Returns the pair and
+    :func:`check_units` (with ``lengths``) still to run then, or None: elsewhere the check
+    has run here, before any work.
+    """
+    defer = dev.type == "cuda"
+    pair = prepare_pair(source, target, init=init, device=dev, source_lengths=source_lengths,
+                        target_lengths=target_lengths, min_points=min_points, defer=defer)
+
+    def units() -> None:
+        check_units(pair.resolve(), **lengths)
+
+    if defer:
+        return pair, units
+    units()
+    return pair, None
 
 
 def check_units(pair: Pair, **lengths: float | Sequence[float] | None) -> None:

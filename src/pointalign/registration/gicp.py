@@ -54,7 +54,6 @@ from pointalign.registration.icp import (
     _indexes,
     _Rules,
     information_matrix,
-    prepared_pair,
     run_rules,
 )
 from pointalign.registration.result import RegistrationResult
@@ -434,8 +433,8 @@ def gicp(
     dev = _edge.resolve_device(device, source=source, target=target,
                                source_covariances=source_covariances,
                                target_covariances=target_covariances)
-    pair, units = prepared_pair(source, target, init, dev, source_lengths, target_lengths,
-                                index, max_dist)
+    pair, units = checks.prepared_pair(source, target, init, dev, source_lengths,
+                                       target_lengths, max_correspondence_distance=max_dist)
     _announce(pair, "GICP", int(crit.max_iterations), source, target, source_covariances,
               target_covariances)
     B = pair.size

@@ -24,7 +24,6 @@ The stopping rules (:class:`_Rules`) read each step's record on the host; how th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -233,33 +232,6 @@ def information_matrix(sums: np.ndarray, plane: bool, center: np.ndarray) -> np.
     H[:, 3:, :3] = _np_math.skew(sy).transpose(0, 2, 1)
     H[:, 3:, 3:] = W[:, None, None] * np.eye(3)
     return H
-
-
-def prepared_pair(source: Any, target: Any, init: Any, dev: torch.device, source_lengths: Any,
-                  target_lengths: Any, index: Any, max_dist: float
-                  ) -> tuple[_edge.Pair, Callable[[], None] | None]:
-    """:func:`~pointalign.registration._edge.prepare_pair` for a loop of correspondence steps.
-
-    On CUDA the pair's host part (centroids, extents: one transfer) is left in flight: the
-    device starts on the index, the normals or covariances and the first steps
-    (:func:`run_rules`) before the host reads it (a caller's index over one target is
-    searched through the frame's centre on the device; indexes of several targets read the
-    centres then). Returns the pair and the units check still to run then
-    (:func:`checks.check_units`), or None: elsewhere the check has run here, before any
-    work.
-    """
-    defer = dev.type == "cuda"
-    pair = _edge.prepare_pair(source, target, init=init, device=dev,
-                              source_lengths=source_lengths, target_lengths=target_lengths,
-                              defer=defer)
-
-    def units() -> None:
-        checks.check_units(pair.resolve(), max_correspondence_distance=max_dist)
-
-    if defer:
-        return pair, units
-    units()
-    return pair, None
 
 
 def run_rules(step: Any, inputs: _loop.Tensors, state: _loop.Tensors,
@@ -472,8 +444,8 @@ def icp(
     accelerate = _validate.flag(acceleration, "acceleration", none=True)
     dev = _edge.resolve_device(device, source=source, target=target,
                                target_normals=target_normals)
-    pair, units = prepared_pair(source, target, init, dev, source_lengths, target_lengths,
-                                index, max_dist)
+    pair, units = checks.prepared_pair(source, target, init, dev, source_lengths,
+                                       target_lengths, max_correspondence_distance=max_dist)
     estimated_normals = target_normals is None and _edge.cloud_normals(target) is None
     checks.announce_icp(pair, method, int(crit.max_iterations), normals=estimated_normals)
     plane, B = method == "point_to_plane", pair.size

@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,13 +75,14 @@ def _prepare(source, target, init, device, source_lengths, target_lengths,
              lengths: dict[str, float], **params: Any):
     """Check the inputs: the pair, the ``params`` given (B numbers > 0, finite but d₀) and ρ.
 
-    ρ: the targets' RMS radii ``(B,)`` on the host when a given parameter sets a length
-    (``value ** lengths[name]``, in metres, within ``[1/RANGE, RANGE] ρ``), else None.
+    Returns ``(pair, units, given, ρ)``: ``units`` the units check still to run once the
+    program is enqueued (:func:`checks.prepared_pair`; None: it ran here); ρ the targets'
+    RMS radii ``(B,)`` on the host when a given parameter sets a length (``value **
+    lengths[name]``, in metres, within ``[1/RANGE, RANGE] ρ``), else None.
     """
     dev = _edge.resolve_device(device, source=source, target=target)
-    pair = _edge.prepare_pair(source, target, init=init, device=dev, min_points=3,
-                              source_lengths=source_lengths, target_lengths=target_lengths)
-    checks.check_units(pair)
+    pair, units = checks.prepared_pair(source, target, init, dev, source_lengths,
+                                       target_lengths, min_points=3)
     if pair.shared_target:
         raise ValueError("source, target: both must be single clouds (N, 3) or both batches "
                          f"(B, N, 3); got {pair.size} sources and one target")
@@ -100,7 +102,7 @@ def _prepare(source, target, init, device, source_lengths, target_lengths,
                              f", got {value}")
         given[name] = v.expand(pair.size).clone()
     if not any(n in given for n in lengths):
-        return pair, given, None
+        return pair, units, given, None
     rho = _rho(ksoft.centre(pair.target, pair.target_lengths)).cpu()
     for name in (n for n in lengths if n in given):
         rel = given[name] ** lengths[name] / rho
@@ -109,7 +111,7 @@ def _prepare(source, target, init, device, source_lengths, target_lengths,
             raise ValueError(f"{name}: {given[name][bad][0].item():.3g} is out of range for "
                              f"clouds of RMS radius {rho[bad][0].item():.3g} (the length it sets "
                              f"must lie within [{1 / RANGE:g}, {RANGE:g}] times the radius)")
-    return pair, given, rho
+    return pair, units, given, rho
 
 
 def _check_final_beta(beta_factor: float, temperatures: int, beta0: torch.Tensor | None,
@@ -161,11 +163,15 @@ def _last_motion(hist: dict[str, np.ndarray], scale: np.ndarray,
 
 
 def _run(algorithm: str, t_start: float, prog: Annealing, pair: _edge.Pair,
-         given: dict[str, torch.Tensor], n_sched: int) -> RegistrationResult:
-    """Run ``prog`` on ``pair`` and build the result (stop reasons, history, info)."""
+         units: Callable[[], None] | None, given: dict[str, torch.Tensor],
+         n_sched: int) -> RegistrationResult:
+    """Run ``prog`` on ``pair`` and build the result (stop reasons, history, info).
+
+    ``units``: the units check, run once the program is enqueued (None: it ran before).
+    """
     inputs = {n: v.to(pair.device) for n, v in dict(
         source=pair.source, target=pair.target, source_lengths=pair.source_lengths,
-        target_lengths=pair.target_lengths, init=torch.from_numpy(pair.init), **given).items()}
+        target_lengths=pair.target_lengths, init=pair.init_on_device(), **given).items()}
     # whether the data determine the pose found (a sphere turned, three points: ambiguous),
     # measured by the program's last step where it can (no launches or wait after it)
     probe = _stability.device_probe(pair)
@@ -188,7 +194,7 @@ def _run(algorithm: str, t_start: float, prog: Annealing, pair: _edge.Pair,
     with _progress.task(label, total=prog.n_iter, quiet=None if passes.host else True) as bar, \
             passes.running():
         run = dataclasses.replace(prog, progress=bar) if passes.host else prog
-        host, _ = _loop.run_program(run, inputs, device_outputs=False,
+        host, _ = _loop.run_program(run, inputs, device_outputs=False, meanwhile=units,
                                     pairs=pair.size * pair.source.shape[1] * pair.target.shape[1])
     t_run = time.perf_counter()
     sums = host.pop("stability_sums", None)
@@ -302,7 +308,7 @@ def _emicp_setup(source, target, *, init, sigma, sigma_min, factor, outlier_dist
     """Check EM-ICP's arguments: its program (with the run's passes), pair, inputs, length."""
     factor = _validate.in_range(factor, "factor", 0.0, 1.0)
     criteria = _criteria(criteria, max_iterations)
-    pair, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
+    pair, units, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
                                 {"sigma": 1, "sigma_min": 1}, sigma=sigma,
                                 sigma_min=sigma_min, outlier_distance=outlier_distance)
     # the schedule's length needs σ_min/σ₀ on the host: ρ only when a σ is given (no sync)
@@ -325,7 +331,7 @@ def _emicp_setup(source, target, *, init, sigma, sigma_min, factor, outlier_dist
                         sigma=None if sigma is not None else EMICP_SIGMA,
                         sigma_min=None if sigma_min is not None else EMICP_SIGMA_MIN,
                         outlier=None if outlier_distance is not None else EMICP_OUTLIER), \
-        pair, given, n_sched
+        pair, units, given, n_sched
 
 
 def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) -> dict[str, Any]:
@@ -437,7 +443,7 @@ def _softassign_setup(source, target, *, init, beta0, beta_factor, temperatures,
         ("iterations_per_temperature", iterations_per_temperature)))
     w_out = _validate.positive(outlier_weight, "outlier_weight")
     criteria = _criteria(criteria, max_iterations)
-    pair, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
+    pair, units, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
                                 {"beta0": -0.5, "alpha": 0.5}, beta0=beta0, alpha=alpha)
     _check_final_beta(beta_factor, n_temp, given.get("beta0"), rho)
     n_sched = n_temp * per_t
@@ -458,4 +464,4 @@ def _softassign_setup(source, target, *, init, beta0, beta_factor, temperatures,
                              outlier_weight=w_out, passes=passes,
                              sigma=None if beta0 is not None else SOFT_SIGMA,
                              alpha=None if alpha is not None else SOFT_ALPHA), \
-        pair, given, n_sched
+        pair, units, given, n_sched

@@ -151,6 +151,7 @@ class EmicpProgram(Annealing):
                              ("sigma_min", self.sigma_min), ("outlier_distance", self.outlier)))
         k = torch.arange(self.n_iter, dtype=torch.float64, device=rho.device)
         sig2 = sig0.square()[None, :] * self.factor ** k[:, None]        # (n_iter, B)
+        sig = sig2.sqrt()  # each iteration's σ, recorded at the checks (one launch in all)
         scale = (0.5 / sig2).to(torch.float32)                            # 1/(2σ²)
         log_out = (-(d0.square()[None, :] / sig2)).to(torch.float32)     # −d₀²/σ² (−inf ok)
         it = 0
@@ -158,11 +159,11 @@ class EmicpProgram(Annealing):
             # E-step (λ_i, x'_i) and M-step (weighted Horn) in one fused call
             T, _, lam = self.passes.emicp_step(x.points, y.points, track.T, scale[it - 1],
                                                log_out[it - 1], track.done, x.lengths, y.lengths)
-            if track.step(it, T, lam, checkpoint, sigma=sig2[it - 1].sqrt()):
+            if track.step(it, T, lam, checkpoint, sigma=sig[it - 1]):
                 break
         last = track.finish(it).clamp(1, self.n_iter) - 1
         return self._finish(inputs, x, y, track, 3 * sig_min, sigma0=sig0, sigma_min=sig_min,
-                            sigma_final=sig2.gather(0, last[None])[0].sqrt(),
+                            sigma_final=sig.gather(0, last[None])[0],
                             outlier_distance=d0, rms_radius=rho)
 
 

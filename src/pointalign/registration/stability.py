@@ -12,13 +12,14 @@ the final correspondences (:func:`point_information`), for a whole batch at once
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from pointalign import _math, _validate
-from pointalign.kernels import _np_math, features, normal_eq, upload
+from pointalign.kernels import _loop, _np_math, features, normal_eq, upload
 from pointalign.kernels import stability as probe
 from pointalign.registration import _edge
 from pointalign.search import policy
@@ -118,6 +119,35 @@ def _by_index(indexes: tuple) -> list[tuple[Any, list[int]]]:
     return list(groups.values())
 
 
+@dataclass(frozen=True)
+class _OneIndexProbe:
+    """:func:`point_information`'s searches and sums where one index serves every problem.
+
+    A fixed device program (:func:`pointalign.kernels._loop.run_program`: from a size's
+    second call one CUDA graph instead of ~30 launches and their glue). Inputs: ``source
+    (B, N, 3)``, the sample ``rows``, ``valid (B, S)``, ``T (B, 4, 4)`` float32, the one
+    target ``table (M, 3)``, ``center (B, 3)`` float64. Output ``sums (B, 23)``
+    (:func:`pointalign.kernels.stability.neighbourhood_information`).
+    """
+
+    index: Any
+    k: int
+    max_distance: float
+
+    def __call__(self, inputs: _loop.Tensors, checkpoint: Any) -> _loop.Tensors:
+        """Move the sample, find its correspondences and their neighbours, sum ``Σ J Jᵀ``."""
+        rows, T, table = inputs["rows"], inputs["T"], inputs["table"]
+        B, S = rows.shape
+        x = torch.gather(inputs["source"], 1, rows[..., None].expand(-1, -1, 3))
+        x = x @ T[:, :3, :3].transpose(1, 2) + T[:, None, :3, 3]
+        j = self.index.nearest_within(x.reshape(-1, 3), self.max_distance).idx[:, 0]
+        nb = self.index.knn(table[j.clamp_min(0)], self.k).idx.view(B, S, self.k)
+        nearest = torch.where((j.view(B, S) >= 0) & inputs["valid"], j.view(B, S), -1)
+        sums = probe.neighbourhood_information(table, nearest, nb, inputs["center"])
+        assert sums is not None  # run only where the fused kernel applies
+        return {"sums": sums}
+
+
 def point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
                        max_distance: float) -> torch.Tensor:
     """Point-to-plane information ``(B, 6, 6)`` of every problem's final correspondences, sampled.
@@ -129,25 +159,38 @@ def point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
     centroid c. The whole batch at once: one query per distinct index (one in all for a
     shared target), then one kernel (kernels/stability ``neighbourhood_information``) or
     one PCA kernel and one batched product; one transfer; no synchronisation per problem.
+    One index over one target (a single problem, a shared target): those steps are one
+    fixed program (:class:`_OneIndexProbe`, a CUDA graph from a size's second call).
     """
     assert pair.centroid is not None  # set by prepare_pair
     dev, B = pair.source.device, pair.size
     rows, valid = stability_sample(pair.source_counts, dev)
     c = upload(pair.centroid, dtype=torch.float64, device=dev)  # no wait for the device
+    Tf = upload(T, dtype=torch.float32, device=dev)
+    # k: STABILITY_K, or a smaller target's size (its missing columns are -1: none)
+    k = int(min(STABILITY_K, int(pair.target_counts.max())))
     if all(isinstance(ix, BruteForceIndex) for ix in indexes):
         # brute force over each problem's own target: the whole measurement in one pass
         # (kernels/stability), one transfer; samples without a plane look again below
-        k = int(min(STABILITY_K, int(pair.target_counts.max())))
         nt = 1 if pair.shared_target else B  # a shared target is an expanded view: once
-        sums = probe.probe_information(
-            pair.source, rows, valid, upload(T, dtype=torch.float32, device=dev),
-            pair.target[:nt], pair.target_lengths[:nt], c, max_distance * max_distance,
-            k).cpu()
+        sums = probe.probe_information(pair.source, rows, valid, Tf, pair.target[:nt],
+                                       pair.target_lengths[:nt], c,
+                                       max_distance * max_distance, k).cpu()
+        if not bool((sums[:, 22] > 0).any()):
+            return probe.information_matrix(sums)
+    groups = _by_index(indexes)
+    if len(groups) == 1 and (pair.shared_target or B == 1) and probe.neighbourhood_fused(
+            pair.target):  # one index over one target: the steps below as one program
+        with _validate.trusted():
+            host, _ = _loop.run_program(
+                _OneIndexProbe(groups[0][0], k, float(max_distance)),
+                dict(source=pair.source, rows=rows, valid=valid, T=Tf, table=pair.target[0],
+                     center=c), device_outputs=False, eager_first=True)
+        sums = torch.from_numpy(host["sums"])
         if not bool((sums[:, 22] > 0).any()):
             return probe.information_matrix(sums)
     S = rows.shape[1]
     x = torch.gather(pair.source, 1, rows[..., None].expand(-1, -1, 3))      # (B, S, 3)
-    Tf = upload(T, dtype=torch.float32, device=dev)
     x = x @ Tf[:, :3, :3].transpose(1, 2) + Tf[:, None, :3, 3]
     M = pair.target.shape[1]
     # the target rows the searches answer in, as rows of one packed table (B·M, 3), or of
@@ -158,18 +201,16 @@ def point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
     j = torch.empty(B, S, dtype=torch.int64, device=dev)
     # each index's problems: all of them (one index) as a slice, else uploaded rows (a list
     # would be copied from pageable memory, which waits for the device)
-    groups = [(ix, bs, slice(None) if len(bs) == B else upload(bs, dtype=torch.int64,
-                                                               device=dev))
-              for ix, bs in _by_index(indexes)]
+    searches = [(ix, bs, slice(None) if len(bs) == B else upload(bs, dtype=torch.int64,
+                                                                 device=dev))
+                for ix, bs in groups]
     with _validate.trusted():
-        for ix, bs, sel in groups:
+        for ix, bs, sel in searches:
             q = x[sel].reshape(-1, 3)
             j[sel] = ix.nearest_within(q, max_distance).idx[:, 0].view(len(bs), S)
         y = table[(j.clamp_min(0) + base).reshape(-1)].view(B, S, 3)
-        # k = STABILITY_K, or a smaller target's size (its missing columns are -1: none)
-        k = int(min(STABILITY_K, int(pair.target_counts.max())))
         nb = torch.full((B, S, k), -1, dtype=torch.int64, device=dev)
-        for ix, bs, sel in groups:
+        for ix, bs, sel in searches:
             kb = int(min(STABILITY_K, int(pair.target_counts[bs[0]])))
             r = ix.knn(y[sel].reshape(-1, 3), kb).idx.view(len(bs), S, kb)
             nb[sel, :, :kb] = torch.where(r >= 0, r + base[sel, :, None], r)
@@ -187,7 +228,7 @@ def point_information(pair: _edge.Pair, indexes: tuple, T: np.ndarray,
         if bool(flat.any()):  # one synchronisation, at the end of the iteration
             kd = int(min(DUPLICATE_K, int(pair.target_counts.max())))
             wide = torch.full((B, S, kd), -1, dtype=torch.int64, device=dev)
-            for ix, bs, sel in groups:
+            for ix, bs, sel in searches:
                 kb = int(min(DUPLICATE_K, int(pair.target_counts[bs[0]])))
                 if isinstance(ix, PackedIndex):  # its queries: every row, problem by problem
                     r = ix.knn(y[sel].reshape(-1, 3), kb).idx.view(len(bs), S, kb)

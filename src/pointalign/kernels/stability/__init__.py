@@ -76,6 +76,11 @@ def probe_information(source: torch.Tensor, rows: torch.Tensor, valid: torch.Ten
                                        center, max_distance_sq, k)
 
 
+def neighbourhood_fused(table: torch.Tensor) -> bool:
+    """Whether :func:`neighbourhood_information` measures over ``table`` (else None)."""
+    return backend(table) in ("triton", "interpret") and table.dtype == torch.float32
+
+
 def neighbourhood_information(table: torch.Tensor, nearest: torch.Tensor,
                               neighbours: torch.Tensor, center: torch.Tensor
                               ) -> torch.Tensor | None:
@@ -104,7 +109,7 @@ def neighbourhood_information(table: torch.Tensor, nearest: torch.Tensor,
                          f"neighbours (B, S, k), center (B, 3); got {tuple(table.shape)}, "
                          f"{tuple(nearest.shape)}, {tuple(neighbours.shape)}, "
                          f"{tuple(center.shape)}")
-    if backend(table) in ("triton", "interpret") and table.dtype == torch.float32:
+    if neighbourhood_fused(table):
         from pointalign.kernels.stability import triton as _triton
 
         return _triton.neighbourhood_information(table, nearest, neighbours, center)
