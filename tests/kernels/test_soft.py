@@ -611,15 +611,6 @@ def run_interpreted_cases(out_path: str) -> None:
         out[("horn", seed)] = horn.weighted_horn(Q, P[:, :37], w)
         *args, kw = _step_case(Q, P, T, ql, pl)
         out[("step", seed)] = soft.emicp_step(*args, **kw)
-        # split among 3 programs a row block: the merge and Horn by the blocks' tickets
-        lam, (Ts, vs), _ = _soft_triton.rows(*args[:4], ql, pl, None, args[4], mode="emicp",
-                                             squares=True, moments=True,
-                                             horn=(args[2], args[5]), split=3)
-        out[("step3", seed)] = (Ts, vs, lam)
-        frozen = torch.tensor([False, True])
-        out[("column_horn", seed)] = _soft_triton.rows(
-            Q, P, T, s, ql, pl, gw, torch.tensor([0.0, -2.0]), mode="column", moments=True,
-            invert=True, split=3, horn=(T.double(), frozen))
     out["cull"] = _cull_cases(_soft_triton)
     g = torch.Generator().manual_seed(5)
     x, y = _cloud(40, g), _cloud(45, g)
@@ -686,15 +677,6 @@ def test_triton_interpreted_matches_reference(seed, interpreted):
     assert torch.equal(valid, vr)
     torch.testing.assert_close(Th, Tr, atol=1e-5, rtol=0)
     _check_step(interpreted[("step", seed)], Q, P, T, ql, pl)
-    _check_step(interpreted[("step3", seed)], Q, P, T, ql, pl)
-    # Softassign's last pass with Horn in its launch: Horn of (x' -> q, w), entry 1 frozen
-    w, (Tc, vc), _ = interpreted[("column_horn", seed)]
-    _masked_close(w, rw, ql, 1e-6, 1e-4)
-    Tr, vr = horn.horn_reference(r.mean[:1], Q[:1].double(),
-                                 torch.where(torch.arange(Q.shape[1]) < ql[0], rw[0], 0)[None])
-    assert bool(vc[0]) == bool(vr[0])
-    torch.testing.assert_close(Tc[0], Tr[0], atol=1e-5, rtol=0)
-    assert torch.equal(Tc[1], T[1].double())
 
 
 def test_triton_interpreted_culled_tiles_change_nothing(interpreted):

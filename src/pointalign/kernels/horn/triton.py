@@ -1,7 +1,7 @@
 """Triton kernels of ``kernels/horn.py`` (private; see its contract).
 
-One program per batch entry reduces the weighted moments in float64 (or, in the soft row
-kernel's last program, sums the per-block moments its epilogues wrote) and solves with ``_tl_math.horn_pose``: Horn's
+One program per batch entry reduces the weighted moments in float64 (or sums the per-block
+moments written by the EM-ICP row kernels) and solves with ``_tl_math.horn_pose``: Horn's
 4×4 matrix as 10 scalars per thread (no shuffles), its top eigenvector by 40 squarings of
 the shifted, positive semi-definite matrix (no eigh, no host sync), then the pose. A
 cross-covariance that is only rounding noise of the moments (one point, coincident points)
@@ -120,21 +120,21 @@ def _horn_solve(W, sx0, sx1, sx2, sm0, sm1, sm2, c00s, c01s, c02s, c10s, c11s, c
     tl.store(valid_ptr + b, ok.to(tl.int8))
 
 
-@triton.jit
-def _horn_parts_body(mom_ptr, n_parts, b, T_ptr, valid_ptr, Told_ptr, frozen_ptr,
-                     SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
-    """Horn of batch entry ``b`` from its per-block moments ``(n_parts, 16)`` (float64).
+@triton.jit(do_not_specialize=("n_parts",))  # follows N: no compilation per size
+def _horn_parts_kernel(mom_ptr, n_parts, T_ptr, valid_ptr, Told_ptr, frozen_ptr,
+                       SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
+    """Horn from per-block moments ``(B, n_parts, 16)`` (float64).
 
-    The moments are written by the soft row kernels' epilogues (in another program of the
-    same launch when the soft kernel calls this: read through L2, ``.cg``); frozen or
-    invalid entries keep ``Told``.
+    The moments are written by the row kernels' EM-ICP epilogue; frozen or invalid entries
+    keep ``Told``.
     """
+    b = tl.program_id(0).to(tl.int64)
     k16 = tl.arange(0, 16)
     acc = tl.zeros((BLOCK, 16), tl.float64)
     for start in range(0, n_parts, BLOCK):
         r = start + tl.arange(0, BLOCK)
         acc += tl.load(mom_ptr + (b * n_parts + r[:, None]) * 16 + k16[None, :],
-                       mask=(r < n_parts)[:, None], other=0.0, cache_modifier=".cg")
+                       mask=(r < n_parts)[:, None], other=0.0)
     m = tl.sum(acc, 0)
     _horn_solve(_sel(m, k16, 0), _sel(m, k16, 1), _sel(m, k16, 2), _sel(m, k16, 3),
                 _sel(m, k16, 4), _sel(m, k16, 5), _sel(m, k16, 6), _sel(m, k16, 7),
@@ -159,6 +159,23 @@ def _horn_kernel_const(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N: tl.constexpr,
                        SQUARINGS: tl.constexpr, BLOCK: tl.constexpr):
     _horn_body(x_ptr, m_ptr, w_ptr, T_ptr, valid_ptr, N, sxb, sxn, sxc, smb, smn, smc,
                swb, swn, SQUARINGS, BLOCK)
+
+
+def horn_from_parts(moments, T_old, frozen):
+    """Horn pose from ``moments (B, n_parts, 16)`` of :func:`rows` (``moments=True``).
+
+    Returns ``(T (B, 4, 4) float64, valid (B,) bool)``; entries with zero weight or
+    ``frozen (B,) bool`` get ``T_old (B, 4, 4) float64``.
+    """
+    B, n_parts = moments.shape[0], moments.shape[1]
+    dev = moments.device
+    T = torch.empty((B, 4, 4), dtype=torch.float64, device=dev)
+    valid = torch.empty((B,), dtype=torch.int8, device=dev)
+    # bool ↔ uint8 views (same bytes, 0/1): no cast launches per iteration
+    frozen_u8 = frozen.to(torch.bool).contiguous().view(torch.uint8)
+    _horn_parts_kernel[(B,)](moments, n_parts, T, valid, T_old.contiguous(), frozen_u8,
+                             SQUARINGS=40, BLOCK=32, num_warps=1)
+    return T, valid.view(torch.bool)
 
 
 def horn(source, targets, weights):

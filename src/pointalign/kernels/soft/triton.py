@@ -11,16 +11,13 @@ summed into Σe, Σe² and Σe·p after rescaling the sums by ``exp2(m_old − m
 row per tile): e ≤ 1, nothing overflows, and no row underflows to 0/0. Only the last
 tile of a chunk is masked.
 With a split > 1 the points are divided among that many programs per row block
-(flash-decoding) so that small clouds still fill the GPU; the last of a block's programs
-to finish (a ticket: an atomic count per row block, taken after a barrier, acquire and
-release at GPU scope) merges their partial (max, sums) and applies the same epilogue, in
-the same launch. Accumulation in float32; no N×M storage. The split depends on the sizes
-and the GPU, so it is a run-time value (the grid's second axis): one compilation serves
-every size (a constant split cost a first EM-ICP call 20-24 s of compiling on a fresh
-H200). The merge reads the partials ``TAIL_GROUP`` at a time as (group, rows) tiles. With
-Horn's moments and ``horn`` (EM-ICP's step, Softassign's last pass), the last row block of
-a batch entry to finish solves Horn from every block's moments, again in the same launch
-(a second ticket per entry): an annealing iteration is one launch.
+(flash-decoding) so that small clouds still fill the GPU; their partial (max, sums) are
+merged by a second tiny kernel, which applies the same epilogue. Accumulation in float32;
+no N×M storage. The split depends on the sizes and the GPU, so it is a run-time value
+(the grid's second axis): one compilation serves every size (a constant split cost a first
+EM-ICP call 20-24 s of compiling on a fresh H200, 3.7 s for each new split's merge kernel).
+The merge reads the partials ``MERGE_GROUP`` at a time as (group, rows) tiles: one memory
+round trip per group.
 
 Culling (passes without column offsets g: EM-ICP, the raw and fitness passes, from
 :data:`CULL_MIN_POINTS` points on): at a small σ most pairs weigh nothing next to a row's
@@ -56,7 +53,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pointalign.kernels.horn.triton import _horn_parts_body
 from pointalign.kernels.soft.reference import (
     Passes,
     SoftRows,
@@ -65,9 +61,8 @@ from pointalign.kernels.soft.reference import (
 )
 
 LOG2E = 1.4426950408889634
-#: partials a block's merging program loads at once, as (group, BLOCK_N) tiles of up to six
-#: fields (small: the row kernel's registers are sized by its largest part)
-TAIL_GROUP = tl.constexpr(4)
+#: partials the merge kernel loads at once (one memory round trip per group)
+MERGE_GROUP = tl.constexpr(32)
 LN2 = 0.6931471805599453
 _MODES = {"raw": 0, "emicp": 1, "sinkhorn": 2, "column": 3}
 #: a pass without column offsets leaves out a tile whose every pair weighs less than
@@ -378,13 +373,11 @@ def _cull_kernel(q_ptr, p_ptr, T_ptr, s_ptr, ql_ptr, pl_ptr, box_ptr, list_ptr, 
 def _rows_body(
     q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
     out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr,
-    tick_ptr, Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr,
-    N, M, CHUNK, n_split, n_blk,
+    N, M, CHUNK,
     sqb, sqn, sqc, spb, spc, sgb, slb,
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
     PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, FTZ: tl.constexpr, LIST: tl.constexpr, INVERT: tl.constexpr,
-    HORN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     sp = tl.program_id(1)
@@ -450,15 +443,12 @@ def _rows_body(
         extra = tl.load(extra_ptr + b)
         offset = tl.load(offset_ptr + b)
         _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
-                  out0_ptr, out1_ptr, mean_ptr, qx, qy, qz, mom_ptr, pid_n, n_blk,
-                  MODE, SQUARES, MOMENTS)
-        if HORN:
-            _horn_when_last(tick_ptr + n_blk * tl.num_programs(2) + b, n_blk, b, mom_ptr,
-                            Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr)
+                  out0_ptr, out1_ptr, mean_ptr, qx, qy, qz, mom_ptr, pid_n,
+                  tl.num_programs(0), MODE, SQUARES, MOMENTS)
     else:
         # partials laid out (B, split, 6, N), the split being the grid's second axis; only the
         # fields the merge reads are written (lse2 with squares, the means outside Sinkhorn)
-        pb = part_ptr + ((b * n_split + sp) * 6) * N + rows
+        pb = part_ptr + ((b * tl.num_programs(1) + sp) * 6) * N + rows
         tl.store(pb, m2, mask=rmask)
         tl.store(pb + N, l1, mask=rmask)
         if SQUARES:
@@ -467,76 +457,55 @@ def _rows_body(
             tl.store(pb + 3 * N, ux, mask=rmask)
             tl.store(pb + 4 * N, uy, mask=rmask)
             tl.store(pb + 5 * N, uz, mask=rmask)
-        # the block's last program to finish merges its partials (a ticket per row block:
-        # every thread's stores precede the barrier, the release and the last one's acquire)
-        tl.debug_barrier()
-        tick = tick_ptr + b * n_blk + pid_n
-        if tl.atomic_add(tick, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-            tl.store(tick, 0)  # ready for the next launch (a graph replays this one)
-            _merge_rows(part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr,
-                        mean_ptr, mom_ptr, N, n_split, sqb, sqn, sqc, pid_n, b, n_blk,
-                        SQUARES, MODE, MOMENTS, BLOCK_N, TAIL_GROUP)
-            if HORN:
-                _horn_when_last(tick_ptr + n_blk * tl.num_programs(2) + b, n_blk, b,
-                                mom_ptr, Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr)
 
 
-# Two thin kernels around one body: the loop bounds CHUNK, n_split and n_blk are run-time
-# arguments on the GPU (one compilation for every size) and compile-time constants under
-# the interpreter, whose scalar arguments are 1-element arrays that recent NumPy refuses to
-# use as ``range`` bounds.
+# Two thin kernels around one body: the loop bound CHUNK is a runtime argument on the GPU
+# (one compilation for every size) and a compile-time constant under the interpreter, whose
+# scalar arguments are 1-element arrays that recent NumPy refuses to use as ``range`` bounds.
 # the sizes and the strides that follow them (the query's and the column offsets' batch
 # strides, 3N and M) are not specialised (no compilation per size); CHUNK, a multiple of
 # BLOCK_M, always specialises the same way (its divisibility keeps the point loads
 # vectorised), as do the points' strides (soa pads them to multiples of 16)
-@triton.jit(do_not_specialize=("N", "M", "n_split", "n_blk", "sqb", "sgb", "slb"))
+@triton.jit(do_not_specialize=("N", "M", "sqb", "sgb", "slb"))
 def _rows_kernel(
     q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
-    out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr,
-    tick_ptr, Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr, N, M, CHUNK, n_split, n_blk,
+    out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr, N, M, CHUNK,
     sqb, sqn, sqc, spb, spc, sgb, slb,
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
     PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, FTZ: tl.constexpr = False, LIST: tl.constexpr = False,
-    INVERT: tl.constexpr = False, HORN: tl.constexpr = False,
+    INVERT: tl.constexpr = False,
 ):
     _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
-               out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr,
-               tick_ptr, Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr, N, M, CHUNK, n_split,
-               n_blk, sqb, sqn, sqc, spb, spc, sgb, slb, HAS_G, SQUARES, MODE, PARTIAL,
-               MOMENTS, BLOCK_N, BLOCK_M, FTZ, LIST, INVERT, HORN)
+               out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr, N, M,
+               CHUNK, sqb, sqn, sqc, spb, spc, sgb, slb,
+               HAS_G, SQUARES, MODE, PARTIAL, MOMENTS, BLOCK_N, BLOCK_M, FTZ, LIST, INVERT)
 
 
 @triton.jit
 def _rows_kernel_const(
     q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
-    out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr,
-    tick_ptr, Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr, N, M, CHUNK: tl.constexpr,
-    n_split: tl.constexpr, n_blk: tl.constexpr,
+    out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr, N, M, CHUNK: tl.constexpr,
     sqb, sqn, sqc, spb, spc, sgb, slb,
     HAS_G: tl.constexpr, SQUARES: tl.constexpr, MODE: tl.constexpr,
     PARTIAL: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, FTZ: tl.constexpr = False, LIST: tl.constexpr = False,
-    INVERT: tl.constexpr = False, HORN: tl.constexpr = False,
+    INVERT: tl.constexpr = False,
 ):
     _rows_body(q_ptr, p_ptr, T_ptr, s_ptr, g_ptr, ql_ptr, pl_ptr, extra_ptr, offset_ptr,
-               out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr,
-               tick_ptr, Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr, N, M, CHUNK, n_split,
-               n_blk, sqb, sqn, sqc, spb, spc, sgb, slb, HAS_G, SQUARES, MODE, PARTIAL,
-               MOMENTS, BLOCK_N, BLOCK_M, FTZ, LIST, INVERT, HORN)
+               out0_ptr, out1_ptr, mean_ptr, part_ptr, mom_ptr, list_ptr, count_ptr, N, M,
+               CHUNK, sqb, sqn, sqc, spb, spc, sgb, slb,
+               HAS_G, SQUARES, MODE, PARTIAL, MOMENTS, BLOCK_N, BLOCK_M, FTZ, LIST, INVERT)
 
 
 @triton.jit
-def _merge_rows(
+def _merge_body(
     part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr, mom_ptr, N,
-    split, sqb, sqn, sqc, pid_n, b, n_parts,
+    split, sqb, sqn, sqc,
     SQUARES: tl.constexpr, MODE: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr,
 ):
-    """Merge row block ``pid_n``'s ``split`` partials and apply the epilogue.
-
-    The partials were written by this launch's programs: read through L2 (``.cg``).
-    """
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     qlen = tl.load(ql_ptr + b)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < qlen
@@ -548,36 +517,37 @@ def _merge_rows(
         qx = tl.load(qb, mask=rmask, other=0.0)
         qy = tl.load(qb + sqc, mask=rmask, other=0.0)
         qz = tl.load(qb + 2 * sqc, mask=rmask, other=0.0)
-    # one pass over the partials, GROUP at a time as a (GROUP, BLOCK_N) tile per field (a
-    # group's loads, up to six, are independent: one memory round trip a group). The running
-    # maximum m2 and the sums scaled to it are rescaled when a group raises it, as the row
-    # kernel's tiles are; partials past the split are masked off
+    # one pass over the partials, MERGE_GROUP at a time as a (MERGE_GROUP, BLOCK_N) tile per
+    # field: a group's loads (up to six) are independent, so each group costs one memory round trip
+    # (a split up to MERGE_GROUP: one, as the unrolled loads of a constant split did). The
+    # running maximum m2 and the sums scaled to it are rescaled when a group raises it, as
+    # the row kernel's tiles are; partials past the split are masked off
     m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     l1 = tl.zeros((BLOCK_N,), tl.float32)
     l2 = tl.zeros((BLOCK_N,), tl.float32)
     ux = tl.zeros((BLOCK_N,), tl.float32)
     uy = tl.zeros((BLOCK_N,), tl.float32)
     uz = tl.zeros((BLOCK_N,), tl.float32)
-    for base in range(0, split, GROUP):
-        j = base + tl.arange(0, GROUP)
+    for base in range(0, split, MERGE_GROUP):
+        j = base + tl.arange(0, MERGE_GROUP)
         pmask = (j < split)[:, None] & rmask[None, :]
         pb = part_ptr + ((b * split + j[:, None]) * 6) * N + rows[None, :]
-        pm = tl.load(pb, mask=pmask, other=float("-inf"), cache_modifier=".cg")
-        p1 = tl.load(pb + N, mask=pmask, other=0.0, cache_modifier=".cg")
+        pm = tl.load(pb, mask=pmask, other=float("-inf"))
+        p1 = tl.load(pb + N, mask=pmask, other=0.0)
         px = p1  # the means' partials (Sinkhorn mode has none)
         py = p1
         pz = p1
         if MODE != 2:
-            px = tl.load(pb + 3 * N, mask=pmask, other=0.0, cache_modifier=".cg")
-            py = tl.load(pb + 4 * N, mask=pmask, other=0.0, cache_modifier=".cg")
-            pz = tl.load(pb + 5 * N, mask=pmask, other=0.0, cache_modifier=".cg")
+            px = tl.load(pb + 3 * N, mask=pmask, other=0.0)
+            py = tl.load(pb + 4 * N, mask=pmask, other=0.0)
+            pz = tl.load(pb + 5 * N, mask=pmask, other=0.0)
         m_new = tl.maximum(m2, tl.max(pm, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m2 - m_safe)
         a = tl.exp2(pm - m_safe[None, :])
         l1 = l1 * alpha + tl.sum(a * p1, 0)
         if SQUARES:
-            p2 = tl.load(pb + 2 * N, mask=pmask, other=0.0, cache_modifier=".cg")
+            p2 = tl.load(pb + 2 * N, mask=pmask, other=0.0)
             l2 = l2 * (alpha * alpha) + tl.sum(a * a * p2, 0)
         if MODE != 2:
             ux = ux * alpha + tl.sum(a * px, 0)
@@ -587,22 +557,30 @@ def _merge_rows(
     extra = tl.load(extra_ptr + b)
     offset = tl.load(offset_ptr + b)
     _epilogue(m2, l1, l2, ux, uy, uz, rows, rmask, b, N, extra, offset,
-              out0_ptr, out1_ptr, mean_ptr, qx, qy, qz, mom_ptr, pid_n, n_parts,
+              out0_ptr, out1_ptr, mean_ptr, qx, qy, qz, mom_ptr, pid_n, tl.num_programs(0),
               MODE, SQUARES, MOMENTS)
 
 
-@triton.jit
-def _horn_when_last(tick_ptr, n_blk, b, mom_ptr, Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr):
-    """Entry b's last row block to finish solves Horn from every block's moments.
+# the split is a run-time loop bound on the GPU (one compilation for every split) and a
+# compile-time constant under the interpreter (see _rows_kernel_const)
+@triton.jit(do_not_specialize=("N", "split", "sqb"))
+def _merge_kernel(
+    part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr, mom_ptr, N,
+    split, sqb, sqn, sqc,
+    SQUARES: tl.constexpr, MODE: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    _merge_body(part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr,
+                mom_ptr, N, split, sqb, sqn, sqc, SQUARES, MODE, MOMENTS, BLOCK_N)
 
-    A ticket per batch entry, as the row blocks' own: the moments stored before the barrier
-    and the release, read after the last one's acquire. Frozen or invalid entries keep
-    ``Told`` (``kernels.horn``'s ``_horn_parts_body``).
-    """
-    tl.debug_barrier()
-    if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == n_blk - 1:
-        tl.store(tick_ptr, 0)
-        _horn_parts_body(mom_ptr, n_blk, b, Tnew_ptr, valid_ptr, Told_ptr, frozen_ptr, 40, 32)
+
+@triton.jit
+def _merge_kernel_const(
+    part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr, mom_ptr, N,
+    SPLIT: tl.constexpr, sqb, sqn, sqc,
+    SQUARES: tl.constexpr, MODE: tl.constexpr, MOMENTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    _merge_body(part_ptr, q_ptr, ql_ptr, extra_ptr, offset_ptr, out0_ptr, out1_ptr, mean_ptr,
+                mom_ptr, N, SPLIT, sqb, sqn, sqc, SQUARES, MODE, MOMENTS, BLOCK_N)
 
 
 @functools.lru_cache(maxsize=8)
@@ -643,7 +621,7 @@ def tile_boxes(points: torch.Tensor, block: int) -> torch.Tensor:
 
 def rows(query, points, transform, scale, query_lengths, point_lengths, point_log_weights,
          extra, *, mode: str, squares: bool = False, offset=None, split: int | None = None,
-         moments: bool = False, invert: bool = False, horn=None):
+         moments: bool = False, invert: bool = False):
     """Launch the row kernel (see module docstring); returns ``(out0, out1, mean)``.
 
     ``invert``: the queries move by ``transform``'s inverse (``Rᵀ (q − t)``, in the kernel).
@@ -654,11 +632,8 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
 
     ``out0`` is lse (raw), λ (emicp) or the Sinkhorn log scaling; ``out1`` is lse2 (raw
     with ``squares``) or None; ``mean`` is None in Sinkhorn mode. With ``moments`` (EM-ICP
-    mode) ``out1`` is instead the ``(B, n_blocks, 16)`` float64 Horn moments of the row
-    blocks (Σλ, Σλ x, Σλ x', Σλ x x'ᵀ, x the untransformed query). ``horn``: ``(T_old (B, 4,
-    4) float64, frozen (B,) bool)`` with ``moments``: the same launch also solves Horn from
-    them (the last row block to finish), and ``out1`` is ``(T (B, 4, 4) float64, valid (B,)
-    bool)``; frozen or invalid entries keep ``T_old``.
+    mode) ``out1`` is instead the ``(B, n_parts, 16)`` float64 Horn moments of row blocks
+    (Σλ, Σλ x, Σλ x', Σλ x x'ᵀ, x the untransformed query), for :func:`horn_from_parts`.
     """
     B, N, M = query.shape[0], query.shape[1], points.shape[1]
     dev = query.device
@@ -714,17 +689,8 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
     part = torch.empty((B, split, 6, N), dtype=f32, device=dev) if split > 1 else out0
     kern = _rows_kernel_const if interp else _rows_kernel
     MOM = bool(moments) and MODE in (1, 3)
-    mom = torch.empty((B, nblk, 16), dtype=torch.float64, device=dev) if MOM else out0
-    HORN = MOM and horn is not None
-    # the tickets of the row blocks' merges and of each entry's Horn (zero at every launch:
-    # the last taker resets its own)
-    tick = torch.zeros(B * nblk + B, dtype=torch.int32, device=dev) if split > 1 or HORN \
-        else ql
-    T_new, valid = (torch.empty((B, 4, 4), dtype=torch.float64, device=dev),
-                    torch.empty((B,), dtype=torch.int8, device=dev)) if HORN else (T, T)
-    T_old, frozen = (horn[0].to(device=dev, dtype=torch.float64).contiguous(),
-                     horn[1].to(device=dev, dtype=torch.bool).contiguous().view(torch.uint8)) \
-        if HORN else (T, T)
+    n_parts = nblk if split == 1 else triton.cdiv(N, 128)
+    mom = torch.empty((B, n_parts, 16), dtype=torch.float64, device=dev) if MOM else out0
     lst = count = s
     if cull:
         boxes = tile_boxes(points, BLOCK_M)
@@ -738,18 +704,23 @@ def rows(query, points, transform, scale, query_lengths, point_lengths, point_lo
             BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, SCAN=256, num_warps=warps)
     kern[(nblk, split, B)](
         query, points, T, s, g, ql, pl, ex, off, out0, out1, mean, part, mom, lst, count,
-        tick, T_new, valid, T_old, frozen, N, M, chunk, split, nblk,
+        N, M, chunk,
         query.stride(0), query.stride(1), query.stride(2),
         points.stride(0), points.stride(2),
         g.stride(0) if point_log_weights is not None else 0, lst.stride(1) if cull else 0,
         HAS_G=point_log_weights is not None, SQUARES=SQ, MODE=MODE, PARTIAL=split > 1,
         MOMENTS=MOM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, FTZ=ftz, LIST=cull, INVERT=invert,
-        HORN=HORN, num_warps=warps,
+        num_warps=warps,
     )
+    if split > 1:
+        (_merge_kernel_const if interp else _merge_kernel)[(triton.cdiv(N, 128), B)](
+            part, query, ql, ex, off, out0, out1, mean, mom, N, split,
+            query.stride(0), query.stride(1), query.stride(2),
+            SQUARES=SQ, MODE=MODE, MOMENTS=MOM, BLOCK_N=128, num_warps=4,
+        )
     conv = (lambda t: t.to(out_dtype)) if out_dtype != f32 else (lambda t: t)
-    second = (T_new, valid.view(torch.bool)) if HORN else mom if MOM else \
-        (conv(out1) if (MODE == 0 and SQ) else None)
-    return conv(out0), second, conv(mean) if MODE != 2 else None
+    return (conv(out0), mom if MOM else (conv(out1) if (MODE == 0 and SQ) else None),
+            conv(mean) if MODE != 2 else None)
 
 
 class Inverted(NamedTuple):
@@ -793,11 +764,13 @@ class TritonPasses(Passes):
 
     def emicp_step(self, source, target, transform, scale, log_outlier, frozen,
                    source_lengths=None, target_lengths=None):
-        """One launch: the rows, their merge, each row block's Horn moments and Horn."""
+        """Write each row block's Horn moments in the row kernels; solve Horn in one more."""
+        from pointalign.kernels.horn import triton as _horn_triton
+
         sl, tl = lengths_or_all(source_lengths, source), lengths_or_all(target_lengths, target)
-        lam, (T, valid), _ = rows(source, target, transform, scale, sl, tl, None, log_outlier,
-                                  mode="emicp", squares=True, moments=True,
-                                  horn=(transform, frozen))
+        lam, mom, _ = rows(source, target, transform, scale, sl, tl, None, log_outlier,
+                           mode="emicp", squares=True, moments=True)
+        T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
         return T, valid, lam
 
     def sinkhorn_scaling(self, query, points, transform, beta, point_log_weights, log_slack,
@@ -812,16 +785,18 @@ class TritonPasses(Passes):
                         source_lengths, target_lengths, rounds: int):
         """Run the update's passes; the last column pass writes the weights and Horn's moments.
 
-        The same launch solves Horn from them (its last row block to finish): no separate
-        pass over the correspondences, no weight, masking or solve launches per iteration.
+        One tiny kernel solves Horn from them (:func:`horn_from_parts`): no separate pass
+        over the correspondences, no weight or masking launches per iteration.
         """
+        from pointalign.kernels.horn import triton as _horn_triton
+
         sl = lengths_or_all(source_lengths, source)
         tl_ = lengths_or_all(target_lengths, target)
         g_row = softassign_row_scalings(self, source, target, transform, beta, offset,
                                         log_slack, sl, tl_, rounds)
-        w, (T, valid), _ = rows(target, source, transform, beta.to(target.dtype), tl_, sl,
-                                g_row, log_slack, mode="column", offset=offset, moments=True,
-                                invert=True, horn=(transform, frozen))
+        w, mom, _ = rows(target, source, transform, beta.to(target.dtype), tl_, sl, g_row,
+                         log_slack, mode="column", offset=offset, moments=True, invert=True)
+        T, valid = _horn_triton.horn_from_parts(mom, transform.to(torch.float64), frozen)
         return T, valid, w
 
     def inverse(self, transform: torch.Tensor) -> Inverted:
