@@ -223,6 +223,38 @@ def test_radius_pair_is_each_cloud_alone(backend, seed, sizes):
             knn_mod.radius_pair(both, split, 0.1, 3)
 
 
+@pytest.mark.parametrize("sizes", [(1500, 1300), (37, 900)])
+def test_radius_pair_at_width_says_whether_its_table_held(backend, seed, sizes):
+    """A table of a given width, no host read: where each cloud's widest neighbourhood fits,
+    radius_pair's rows bit for bit; ``widest`` is each cloud's largest count within the
+    radius (a clump of 160 points overflows a table of 128: the caller searches again).
+    Where the backend has no table (not Triton): radius_pair's rows and 0."""
+    a = torch.from_numpy(_cloud_np(seed, sizes[0], np.float32))
+    b = torch.from_numpy(_cloud_np(seed + 7, sizes[1], np.float32))
+    b[:160] = b[0] + 0.001 * torch.arange(160, dtype=torch.float32)[:, None]
+    a, b = a.to(backend.device), b.to(backend.device)
+    both = torch.cat([a, b])
+    n1 = a.shape[0]
+    for r, k, width in ((0.4, 100, 256), (0.4, 100, 128), (0.1, 10, 16)):
+        d, i, widest = knn_mod.radius_pair_at_width(both, n1, r, k, width)
+        assert widest.shape == (2,) and widest.device == both.device
+        if backend.name == "triton":
+            want = [int((((c[:, None] - c[None]) ** 2).sum(-1) <= r * r).sum(1).max())
+                    for c in (a, b)]
+            assert widest.tolist() == want
+        else:
+            assert widest.tolist() == [0, 0]
+        if max(widest.tolist()) <= width:
+            rd, ri = knn_mod.radius_pair(both, n1, r, k)
+            assert torch.equal(d, rd) and torch.equal(i, ri)
+        else:
+            assert backend.name == "triton" and width == 128  # the clump's 160 points
+    with pytest.raises(ValueError, match="width"):
+        knn_mod.radius_pair_at_width(both, n1, 0.1, 10, 8)
+    with pytest.raises(ValueError, match="split"):
+        knn_mod.radius_pair_at_width(both, 0, 0.1, 10, 16)
+
+
 def test_radius_neighbours_bad_input(backend):
     with pytest.raises(ValueError, match="points"):
         knn_mod.radius_neighbours(torch.zeros(4, 2, device=backend.device), 0.1, 3)
@@ -281,6 +313,8 @@ def run_interpreted_cases(out_path: str) -> None:
         a = _interp_inputs(INTERP_CASES[3], seed + 10)[1][:37]  # rows straddle the split
         out[("pair", seed)] = knn_mod.radius_pair(torch.cat([a, p]), 37, 0.3, 40), \
             knn_mod.radius_neighbours(a, 0.3, 40)
+        out[("pair_width", seed)] = knn_mod.radius_pair_at_width(torch.cat([a, p]), 37, 0.3,
+                                                                 40, 64)
     q, p = _interp_ties()
     out["ties1"] = _knn_triton.knn(q, p, 1, block_m=4)
     out["ties3"] = _knn_triton.knn(q, p, 3, block_m=4)
@@ -328,6 +362,18 @@ def test_triton_interpreted_radius_pair(seed, interpreted):
     db, ib = interpreted[("radius", seed)]
     assert torch.equal(d, torch.cat([da, db]))
     assert torch.equal(i, torch.cat([ia, torch.where(ib >= 0, ib + ia.shape[0], ib)]))
+
+
+def test_triton_interpreted_radius_pair_at_width(seed, interpreted):
+    """The fixed-width form: each cloud's widest count, and where it fits, radius_pair's rows."""
+    (d, i), _ = interpreted[("pair", seed)]
+    dw, iw, widest = interpreted[("pair_width", seed)]
+    a = _interp_inputs(INTERP_CASES[3], seed + 10)[1][:37]
+    p = _interp_inputs(INTERP_CASES[3], seed)[1]
+    assert widest.tolist() == [int((((c[:, None] - c[None]) ** 2).sum(-1) <= 0.09).sum(1).max())
+                               for c in (a, p)]
+    if max(widest.tolist()) <= 64:
+        assert torch.equal(dw, d) and torch.equal(iw, i)
 
 
 # ---- the "cpu" backend's k-d tree (knn/cpu.py) -------------------------------------------

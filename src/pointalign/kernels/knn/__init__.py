@@ -1,7 +1,8 @@
 """The knn family's dispatcher: exact brute-force kNN, radius queries, the radius self-query.
 
-Entry points: :func:`knn_tiles`, :func:`radius_tiles`, :func:`radius_neighbours` and
-:func:`radius_pair` (the self-query of two clouds at once).
+Entry points: :func:`knn_tiles`, :func:`radius_tiles`, :func:`radius_neighbours`,
+:func:`radius_pair` (the self-query of two clouds at once) and :func:`radius_pair_at_width`
+(the same from a table of a given width, without a host read).
 
 The contract (shapes, padding, ties) and the PyTorch reference :func:`knn_reference` live in
 ``knn/reference.py``; the fused Triton kernels in ``knn/triton.py``; the "cpu" backend's k-d
@@ -166,7 +167,7 @@ def _radius_table_sorted(points: torch.Tensor, r2: float, k: int, split: int | N
         return None
     d, i, count = _knn_triton.radius_table(points, r2, cap, split=split)
     parts = [(0, n)] if split is None else [(0, split), (split, n)]
-    widest = torch.stack([count[a:b].max() for a, b in parts]).tolist()  # the one host read
+    widest = _widest(count, parts).tolist()  # the one host read
     if max(widest) <= cap:
         return _nearest(d, i, k)
     wider = {_pow2(w) for w in widest}
@@ -189,6 +190,11 @@ def _radius_table_sorted(points: torch.Tensor, r2: float, k: int, split: int | N
     return torch.cat([x[0] for x in out]), torch.cat([x[1] for x in out])
 
 
+def _widest(count: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    """Each part's largest row count ``(len(parts),)``, on the device (no host read)."""
+    return torch.stack([count[a:b].max() for a, b in parts])
+
+
 def _nearest(d: torch.Tensor, i: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the ``k`` nearest of each row of a radius table ``(n, C)``.
 
@@ -201,6 +207,18 @@ def _nearest(d: torch.Tensor, i: torch.Tensor, k: int) -> tuple[torch.Tensor, to
         return d[:, :k].contiguous(), i[:, :k].contiguous()
     return (torch.cat([d, d.new_full((n, k - cap), math.inf)], 1),
             torch.cat([i, i.new_full((n, k - cap), -1)], 1))
+
+
+def _check_pair(points: torch.Tensor, split: int, name: str) -> int:
+    """Refuse a pair's points that are not ``(N, 3)`` or a split outside ``[1, N)``; N."""
+    if not isinstance(points, torch.Tensor) or points.dim() != 2 or points.shape[1] != 3:
+        shape = tuple(points.shape) if isinstance(points, torch.Tensor) else type(points)
+        raise ValueError(f"{name}: points must be (N, 3), got {shape}")
+    n = points.shape[0]
+    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split < n:
+        raise ValueError(f"{name}: split must be an integer in [1, {n - 1}] (both clouds "
+                         f"non-empty), got {split!r}")
+    return n
 
 
 def radius_pair(points: torch.Tensor, split: int, radius: float,
@@ -220,13 +238,7 @@ def radius_pair(points: torch.Tensor, split: int, radius: float,
         or where the table would be too large, the two searches.
 
     """
-    if not isinstance(points, torch.Tensor) or points.dim() != 2 or points.shape[1] != 3:
-        shape = tuple(points.shape) if isinstance(points, torch.Tensor) else type(points)
-        raise ValueError(f"radius_pair: points must be (N, 3), got {shape}")
-    n = points.shape[0]
-    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split < n:
-        raise ValueError(f"radius_pair: split must be an integer in [1, {n - 1}] (both clouds "
-                         f"non-empty), got {split!r}")
+    _check_pair(points, split, "radius_pair")
     if backend(points) in ("triton", "interpret"):
         table = _radius_table_sorted(points, float(radius) ** 2, k, split=split)
         if table is not None:
@@ -234,6 +246,35 @@ def radius_pair(points: torch.Tensor, split: int, radius: float,
     (d1, i1), (d2, i2) = (radius_neighbours(points[:split], radius, k),
                           radius_neighbours(points[split:], radius, k))
     return torch.cat([d1, d2]), torch.cat([i1, torch.where(i2 >= 0, i2 + split, i2)])
+
+
+def radius_pair_at_width(points: torch.Tensor, split: int, radius: float, k: int,
+                         width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`radius_pair` from a table ``width`` columns wide, with no host read.
+
+    For a caller that runs the search inside a fixed device program and checks the width
+    afterwards. Arguments as :func:`radius_pair`; ``width``: the table's columns (>= k).
+
+    Returns:
+        ``(dists_sq (N1 + N2, k), idx (N1 + N2, k) int64, widest (2,) int64)``, all on the
+        points' device: ``widest`` holds each cloud's largest count of points within the
+        radius. Every row equals :func:`radius_pair`'s where ``widest <= width`` (else search
+        again with :func:`radius_pair`, which widens its table itself). Where the backend
+        has no table (not Triton) or it would be too large: :func:`radius_pair`'s rows and
+        ``widest`` 0.
+
+    """
+    n = _check_pair(points, split, "radius_pair_at_width")
+    if isinstance(width, bool) or not isinstance(width, int) or width < k:
+        raise ValueError(f"radius_pair_at_width: width must be an integer >= k = {k}, "
+                         f"got {width!r}")
+    if backend(points) in ("triton", "interpret") and n * width <= _MAX_TABLE_ENTRIES:
+        from pointalign.kernels.knn import triton as _knn_triton
+
+        d, i, count = _knn_triton.radius_table(points, float(radius) ** 2, width, split=split)
+        return (*_nearest(d, i, k), _widest(count, [(0, split), (split, n)]))
+    return (*radius_pair(points, split, radius, k),
+            torch.zeros(2, dtype=torch.int64, device=points.device))
 
 
 def radius_neighbours(points: torch.Tensor, radius: float,
