@@ -98,33 +98,38 @@ def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _l
 class _Describe:
     """:func:`describe_both`'s work as one fixed device program (``kernels._loop.run_program``).
 
-    Input ``points``: the two clouds one after the other, ``(n1 + n2, 3)``, the first
-    ``split`` rows. Outputs ``normals (n1 + n2, 3)``, ``features (n1 + n2, 33)`` and
-    ``widest (2,)``: the radius table is ``width`` columns wide, decided before the search
+    Inputs ``first (n1, 3)``, ``second (n2, 3)``: the clouds. Outputs ``normals (n1 + n2,
+    3)``, ``features (n1 + n2, 33)`` and ``widest (2,)``: the radius table is ``width``
+    columns wide, decided before the search
     (:func:`~pointalign.kernels.knn.radius_pair_at_width`), and the rows are exact where
     each cloud's widest neighbourhood fits it (the caller checks).
     """
 
-    split: int
     feature_radius: float
     normal_radius: float
     width: int
 
     def __call__(self, inputs: _loop.Tensors, checkpoint: Any) -> _loop.Tensors:
         """Search both clouds, then their normals and features (no host read)."""
-        cat = inputs["points"]
-        d2, idx, widest = radius_pair_at_width(cat, self.split, self.feature_radius,
+        first, second = inputs["first"], inputs["second"]
+        cat = torch.cat([first, second])
+        d2, idx, widest = radius_pair_at_width(cat, first.shape[0], self.feature_radius,
                                                FEATURE_NEIGHBOURS, self.width)
-        normals, features = self.described(cat, d2, idx)
+        normals, features = self.described(first, second, cat, d2, idx)
         return {"normals": normals, "features": features, "widest": widest}
 
-    def described(self, cat: torch.Tensor, d2: torch.Tensor, idx: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the normals (each facing its cloud's centroid) and FPFH from the table."""
-        n1 = self.split
+    def described(self, first: torch.Tensor, second: torch.Tensor, cat: torch.Tensor,
+                  d2: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the normals (each facing its cloud's centroid) and FPFH from the table.
+
+        ``cat``: both clouds one after the other (the table's rows); each cloud is also
+        read as its own tensor, 16-byte aligned (Triton compiles a kernel again for a
+        pointer of another alignment).
+        """
+        n1 = first.shape[0]
         table = restrict(KnnResult(d2, idx), self.normal_radius, NORMAL_NEIGHBOURS)
         normals = torch.cat([pca_normals(cat, rows, d.mean(0), centers=d) for d, rows in
-                             ((cat[:n1], table[:n1]), (cat[n1:], table[n1:]))])
+                             ((first, table[:n1]), (second, table[n1:]))])
         return normals, fpfh_combine(spfh(cat, normals, idx), idx, d2)
 
 
@@ -143,14 +148,14 @@ def describe_both(first: torch.Tensor, second: torch.Tensor, scales: Scales,
     as each alone.
     """
     n1 = first.shape[0]
-    cat = torch.cat([first, second])
-    program = _Describe(n1, scales.feature_radius, scales.normal_radius, DESCRIBE_WIDTH)
-    _, out = _loop.run_program(program, {"points": cat}, host_outputs=False,
-                               eager_first=True)
+    program = _Describe(scales.feature_radius, scales.normal_radius, DESCRIBE_WIDTH)
+    _, out = _loop.run_program(program, {"first": first, "second": second},
+                               host_outputs=False, eager_first=True)
     normals, features = out["normals"], out["features"]
     if max(out["widest"].tolist()) > DESCRIBE_WIDTH:  # the one host read
+        cat = torch.cat([first, second])
         d2, idx = radius_pair(cat, n1, scales.feature_radius, FEATURE_NEIGHBOURS)
-        normals, features = program.described(cat, d2, idx)
+        normals, features = program.described(first, second, cat, d2, idx)
     clock.lap("describe")
     return (normals[:n1], normals[n1:]), (features[:n1], features[n1:])
 
