@@ -27,6 +27,7 @@ from pointalign.registration.criteria import ConvergenceCriteria
 from pointalign.registration.soft import CHECK_EVERY, emicp, softassign
 from tests._interpreted import interpreted_fixture
 from tests.kernels.test_soft import dense_emicp, dense_sinkhorn
+from tests.registration._deferred import assert_scans_raise
 
 needs_numba = pytest.mark.skipif(not available(), reason="numba is not installed")
 
@@ -248,6 +249,21 @@ def test_early_stop_when_pose_and_weights_settle():
     assert res.stop_reason == "pose_and_weights" and res.converged
     assert res.iterations % CHECK_EVERY == 0 and res.iterations < res.info["scheduled_iterations"]
     assert res.history and "weight_change" in res.history[-1]
+
+
+@pytest.mark.gpu
+def test_nan_input_raises_on_cuda():
+    """On CUDA the pair's host part is read while the program runs: a NaN or Inf point still
+    raises the scans' error (EM-ICP, Softassign, and the estimate, which runs no program),
+    and the inputs stay as given."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run with -m gpu on the device)")
+    p = datasets.make_pair(datasets.random_subsample(datasets.load_bunny("bun000"), 800,
+                                                     seed=1), 5.0, 0.0, seed=0)
+    s, t = p.source.cuda(), p.target.cuda()
+    assert_scans_raise(lambda a, b: emicp(a, b), s, t)
+    assert_scans_raise(lambda a, b: softassign(a, b, temperatures=3), s, t)
+    assert_scans_raise(lambda a, b: soft.estimate_seconds("emicp", a, b), s, t)
 
 
 def test_tiny_sigma_no_nan():

@@ -149,8 +149,9 @@ def describe_both(first: torch.Tensor, second: torch.Tensor, scales: Scales,
     """
     n1 = first.shape[0]
     program = _Describe(scales.feature_radius, scales.normal_radius, DESCRIBE_WIDTH)
+    n = n1 + second.shape[0]
     _, out = _loop.run_program(program, {"first": first, "second": second},
-                               host_outputs=False, eager_first=True)
+                               pairs=float(n) * n, host_outputs=False, eager_first=True)
     normals, features = out["normals"], out["features"]
     if max(out["widest"].tolist()) > DESCRIBE_WIDTH:  # the one host read
         cat = torch.cat([first, second])

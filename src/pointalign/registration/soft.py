@@ -308,9 +308,10 @@ def _emicp_setup(source, target, *, init, sigma, sigma_min, factor, outlier_dist
     """Check EM-ICP's arguments: its program (with the run's passes), pair, inputs, length."""
     factor = _validate.in_range(factor, "factor", 0.0, 1.0)
     criteria = _criteria(criteria, max_iterations)
-    pair, units, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
-                                {"sigma": 1, "sigma_min": 1}, sigma=sigma,
-                                sigma_min=sigma_min, outlier_distance=outlier_distance)
+    pair, units, given, rho = _prepare(
+        source, target, init, device, source_lengths, target_lengths,
+        {"sigma": 1, "sigma_min": 1}, sigma=sigma, sigma_min=sigma_min,
+        outlier_distance=outlier_distance)
     # the schedule's length needs σ_min/σ₀ on the host: ρ only when a σ is given (no sync)
     r = torch.ones(pair.size, dtype=torch.float64) if rho is None else rho
     s0, s1 = given.get("sigma", EMICP_SIGMA * r), given.get("sigma_min", EMICP_SIGMA_MIN * r)
@@ -355,8 +356,11 @@ def estimate_seconds(algorithm: str, source: Any, target: Any, **params: Any) ->
     args = inspect.signature(public).bind(source, target, **params)  # TypeError: unknown names
     args.apply_defaults()
     args.arguments.pop("num_threads", None)  # (per_call's: how the call runs, not what)
-    passes = (_emicp_setup if algorithm == "emicp" else _softassign_setup)(
-        **args.arguments)[0].passes
+    prog, _, units, _, _ = (_emicp_setup if algorithm == "emicp" else _softassign_setup)(
+        **args.arguments)
+    if units is not None:  # the checks a call makes (a NaN input, units) before its answer
+        units()
+    passes = prog.passes
     return {"seconds": passes.estimate_s, "exact_seconds": passes.exact_estimate_s,
             "approximation": passes.info()}
 
@@ -443,8 +447,9 @@ def _softassign_setup(source, target, *, init, beta0, beta_factor, temperatures,
         ("iterations_per_temperature", iterations_per_temperature)))
     w_out = _validate.positive(outlier_weight, "outlier_weight")
     criteria = _criteria(criteria, max_iterations)
-    pair, units, given, rho = _prepare(source, target, init, device, source_lengths, target_lengths,
-                                {"beta0": -0.5, "alpha": 0.5}, beta0=beta0, alpha=alpha)
+    pair, units, given, rho = _prepare(
+        source, target, init, device, source_lengths, target_lengths,
+        {"beta0": -0.5, "alpha": 0.5}, beta0=beta0, alpha=alpha)
     _check_final_beta(beta_factor, n_temp, given.get("beta0"), rho)
     n_sched = n_temp * per_t
     settle = _settling(criteria, n_sched)
