@@ -15,9 +15,15 @@ def test_exclusive_cumsum_rows_matches_cumsum(rng):
                                    v[: 5 if shape[0] > 5 else 1].sum(0))
 
 
-def test_run_sums_are_the_sums_of_consecutive_runs(device):
-    """run_sums: each run's sum (empty runs included), as a per-run sum gives it."""
-    from pointalign._ops import run_sums
+def test_run_totals_are_the_sums_of_consecutive_runs(device):
+    """run_totals: each run's sum (empty runs included), as a per-run sum gives it."""
+    import itertools
+
+    from pointalign._ops import run_totals
+
+    def run_sums(values, lengths):
+        cuts = torch.tensor(list(itertools.accumulate(lengths, initial=0)), device=device)
+        return run_totals(values, cuts).tolist()
 
     g = torch.Generator().manual_seed(0)
     values = torch.randint(0, 5, (1000,), generator=g)

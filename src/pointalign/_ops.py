@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -26,19 +25,24 @@ def exclusive_cumsum_rows(values: torch.Tensor) -> torch.Tensor:
 
 
 
-def run_sums(values: torch.Tensor, lengths: Sequence[int]) -> list[int]:
-    """Sum each of the consecutive runs of ``values (P,)`` (integers) of the given lengths.
+def run_totals(values: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """Sum each run of ``values (P,)`` (integers) between consecutive ``cuts (C + 1,)`` int64.
 
-    Host ints, by one cumulative sum and one transfer: no atomics (a scatter-add of
-    ~10⁵ rows onto one or two sums serialises on a GPU); the cuts go up through pinned
-    memory (:func:`~pointalign.kernels.upload`: a pageable copy would synchronise once
-    more). ``sum(lengths) == P``.
+    ``(C,)`` int64 on the device, by one cumulative sum: no atomics (a scatter-add of
+    ~10⁵ rows onto one or two sums serialises on a GPU) and no host read.
     """
-    cuts = list(itertools.accumulate((int(n) for n in lengths), initial=0))
     total = torch.cat([values.new_zeros(1, dtype=torch.int64),
                        torch.cumsum(values.to(torch.int64), 0)])       # total[k]: Σ values[:k]
-    at = total[upload(cuts, dtype=torch.int64, device=values.device)].tolist()
-    return [e - s for s, e in zip(at[:-1], at[1:], strict=True)]
+    at = total[cuts]
+    return at[1:] - at[:-1]
+
+
+def divides_by_scalar(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether PyTorch divides a ``dtype`` tensor on ``device`` by a Python float truly.
+
+    False where it multiplies by the reciprocal instead (:func:`scalar_divisors`).
+    """
+    return not (device.type == "cuda" and dtype in (torch.float32, torch.float64))
 
 
 def scalar_divisors(divisors: Sequence[float], dtype: torch.dtype, device: torch.device
@@ -53,7 +57,7 @@ def scalar_divisors(divisors: Sequence[float], dtype: torch.dtype, device: torch
     them); elsewhere as a true division by ``d`` rounded to ``dtype``. One host-to-device
     copy (pinned: no synchronisation).
     """
-    if device.type == "cuda" and dtype in (torch.float32, torch.float64):
+    if not divides_by_scalar(dtype, device):
         return upload([1.0 / d for d in divisors], dtype=dtype, device=device), False
     return upload([float(d) for d in divisors], dtype=dtype, device=device), True
 

@@ -204,7 +204,6 @@ def test_auto_voxel_size_many_equals_each_alone(device):
     from pointalign.features.downsample import (
         auto_voxel_size,
         auto_voxel_size_many,
-        count_voxels_many,
         group_clouds,
     )
 
@@ -222,9 +221,6 @@ def test_auto_voxel_size_many_equals_each_alone(device):
         some = list(range(len(clouds)))[::-2]  # some clouds, in another order
         assert [math.isnan(v) or v for v in auto_voxel_size_many(group, target, clouds=some)] \
             == [math.isnan(got[i]) or got[i] for i in some]
-    sizes = [0.01 * (i + 1) for i in range(len(clouds))]
-    assert count_voxels_many(group, sizes) == [count_voxels(c, v)
-                                               for c, v in zip(clouds, sizes, strict=True)]
 
 
 def test_divide_like_scalar_rounds_as_a_scalar_division(device):
@@ -239,3 +235,26 @@ def test_divide_like_scalar_rounds_as_a_scalar_division(device):
         got = divide_like_scalar(x, vs, rows)
         for i, v in enumerate(vs):
             assert torch.equal(got[i::len(vs)], x[i::len(vs)] / v)
+
+
+def test_packed_grids_count_cells_as_the_host_and_flag_an_overflow(device):
+    """packed_grids: cells per axis as Python computes them (a true division and floor, or
+    the float floor division ``//``), offsets in turn; overflow flagged per axis, in all,
+    and for a non-finite edge, with no host read."""
+    from pointalign.features.downsample import packed_grids
+
+    g = torch.Generator().manual_seed(4)
+    ext = (torch.rand(5, 3, generator=g, dtype=torch.float64) * 10).to(device)
+    edges = (torch.rand(5, generator=g, dtype=torch.float64) * 0.5 + 0.01).to(device)
+    for spare in (-1, 0, 1):
+        dims, base, overflow = packed_grids(ext, edges, spare)
+        want = [[(int(e // v) + 1 if spare < 0 else math.floor(e / v) + 1 + spare)
+                 for e in row] for row, v in zip(ext.tolist(), edges.tolist(), strict=True)]
+        assert dims.tolist() == want and not bool(overflow)
+        cells = [a * b * c for a, b, c in want]
+        assert base.tolist() == [sum(cells[:i]) for i in range(5)]
+    ten = torch.full_like(ext, 10.0)
+    # 10**8 cells an axis; 9.1·10**5 an axis (below 2**21), 7.5·10**17 in each of 5 clouds;
+    # NaN; and just fitting (6.7·10**5 an axis, 1.5·10**18 in all)
+    for e, over in ((1e-7, True), (1.1e-5, True), (math.nan, True), (1.5e-5, False)):
+        assert bool(packed_grids(ten, torch.full_like(edges, e), 1)[2]) == over

@@ -67,7 +67,9 @@ def test_capped_counts_stop_in_crowded_cells(backend):
             exact.append((d2 <= torch.tensor(v * v, dtype=c.dtype)).sum(1))
         exact = torch.cat(exact)
         assert bool((exact >= cap).any()) and bool((exact < cap).any())
-        got = outliers._within_many(group, [v, v], q, group.owner, cap=cap)
+        got, overflow = outliers._within_many(*outliers._arrays(group, [v, v]), q, group.owner,
+                                              cap=cap)
+        assert not bool(overflow)
         assert torch.equal(got, exact.clamp_max(cap))
 
 

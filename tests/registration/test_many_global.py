@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -78,12 +81,27 @@ def _local(pairs, device):
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Overflowing(voxel_rule._Rule):
+    """The voxel rule's program, saying that its packed cells overflowed."""
+
+    def __call__(self, inputs, checkpoint):
+        out = super().__call__(inputs, checkpoint)
+        return {**out, "overflow": torch.ones_like(out["overflow"])}
+
+
 def _same_rule(local, options):
     opts = check("register_many", options)
     got = voxel_rule._voxel_sizes_many(local, opts)  # the device's path, on every device
     group = group_clouds([x for p in local for x in p])   # the same with the caller's group
     assert [str(r) if isinstance(r, ValueError) else r for r in
             voxel_rule._voxel_sizes_many(local, opts, group)] \
+        == [str(r) if isinstance(r, ValueError) else r for r in got]
+    # the edges' program and then the stray fractions apart (the path of a group whose
+    # packed cells could overflow)
+    with mock.patch.object(voxel_rule, "_Rule", _Overflowing):
+        apart = voxel_rule._voxel_sizes_many(local, opts)
+    assert [str(r) if isinstance(r, ValueError) else r for r in apart] \
         == [str(r) if isinstance(r, ValueError) else r for r in got]
     public = voxel_rule.voxel_sizes(local, opts)  # the host's per-cloud path in host memory
     for (s, t), g, h in zip(local, got, public, strict=True):

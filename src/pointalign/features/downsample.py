@@ -18,18 +18,18 @@ synchronisations per call (the grid's extent and the number of voxels).
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from pointalign import _threads, _validate
-from pointalign._ops import exclusive_cumsum_rows, scalar_divisors
+from pointalign._ops import divides_by_scalar, exclusive_cumsum_rows, scalar_divisors
 from pointalign.cloud import PointCloud
-from pointalign.kernels import upload
+from pointalign.kernels import _loop, upload
 from pointalign.kernels.grid import cell_keys, count_cells
 
 #: largest number of voxels along one axis (the three keys are packed in one int64)
@@ -345,40 +345,107 @@ def group_clouds(clouds: Sequence[torch.Tensor]) -> CloudGroup:
     return CloudGroup(points, owner, sizes, corners[0], lo_h, hi_h)
 
 
-def count_voxels_many(group: CloudGroup, voxel_sizes: Sequence[float]) -> list[int]:
-    """:func:`count_voxels` of every cloud of ``group``, cloud c at ``voxel_sizes[c]``.
+def packed_grids(ext: torch.Tensor, edges: torch.Tensor, spare: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each cloud's grid and key offset, and whether they overflow one packed key.
 
-    Each cloud on its own grid (anchored at its own minimum corner), its cells computed
-    with the operations :func:`voxel_keys` uses (float64 ``floor((p - lo) / v)``, the
-    division as PyTorch rounds a division by a Python float on the device:
-    :func:`pointalign._ops.scalar_divisors`), so the same cells and the same counts; the
-    key ``(cloud, cell)`` is packed over each cloud's own extent and all clouds are counted
-    at once (:func:`~pointalign.kernels.grid.count_cells`: on a GPU one hash-table launch).
-    One host synchronisation (the counts).
-
-    Raises:
-        ValueError: a grid would need more than 2**20 voxels along an axis (as
-            :func:`voxel_keys`).
-
+    ``ext (C, 3)`` float64: each cloud's corners' difference; ``edges (C,)`` float64 cell
+    edges. Cells per axis ``floor(ext / edge) + 1 + spare`` (a true division, as
+    :func:`voxel_keys`; ``spare = -1``: ``ext // edge + 1``, Python's float floor division,
+    as the stray grids count them). Returns ``dims (C, 3)`` and ``base (C,)`` int64 and a
+    0-dim bool, True where some axis needs 2**21 cells or more or the grids 2**61 cells in
+    all (judged in float64 before anything is packed): then the keys are meaningless and
+    the caller answers one cloud at a time. No host read.
     """
+    if spare < 0:
+        q = torch.div(ext, edges[:, None], rounding_mode="floor") + 1
+    else:
+        q = torch.floor(ext / edges[:, None]) + 1 + spare
+    overflow = (q >= 2.0**21).any() | (q.prod(1).sum() >= 2.0**61) | ~torch.isfinite(q).all()
+    dims = torch.where(overflow, 1.0, q).to(torch.int64)
+    cells = dims.prod(1)
+    return dims, torch.cumsum(cells, 0) - cells, overflow
+
+
+def edge_search_inputs(group: CloudGroup, target_points: int = 5000,
+                       clouds: Sequence[int] | None = None,
+                       edges: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`edge_search`'s start for every cloud of ``group``: host arithmetic, one upload.
+
+    The same start as :func:`auto_voxel_size` per cloud (the diagonal, the wanted count, the
+    first edge); ``clouds``: the indices of the clouds to size (default: all; the others keep
+    their first edge). ``edges``: every cloud's edge given instead (nothing sized). Returns
+    ``ext (C, 3)`` (the corners' difference), ``diag``, ``want``, ``v`` ``(C,)`` float64
+    and ``active (C,)`` bool on the group's device.
+    """
+    target_points = int(target_points)
+    if target_points < 3:
+        raise ValueError(f"target_points: expected an integer >= 3, got {target_points}")
     c = len(group.sizes)
-    dims = []
-    for lo_c, hi_c, v in zip(group.lo_h, group.hi_h, voxel_sizes, strict=True):
-        d = [math.floor((h - o) / v) + 1 for o, h in zip(lo_c, hi_c, strict=True)]
-        if max(d) > _MAX_CELLS_PER_AXIS:
-            raise ValueError(f"voxel_size: {v} is too small for this cloud's extent "
-                             f"({d} voxels per axis, at most {_MAX_CELLS_PER_AXIS})")
-        dims.append([x + 1 for x in d])  # one spare cell per axis: no key can collide
-    cells = [a * b * e for a, b, e in dims]
-    if sum(cells) >= 1 << 62:  # the packed key would overflow: one cloud at a time
-        return [count_voxels(group.cloud(i), v) for i, v in enumerate(voxel_sizes)]
-    dev = group.points.device
-    flat = upload([x for d in dims for x in d]
-                  + list(itertools.accumulate(cells, initial=0))[:-1], dtype=torch.int64,
-                  device=dev)
-    scale, divide = scalar_divisors(voxel_sizes, torch.float64, dev)
-    return count_cells(group.points, group.owner, group.lo, scale, flat[:3 * c].view(c, 3),
-                       flat[3 * c:], divide=divide).tolist()
+    sized = set(range(c) if clouds is None else clouds) if edges is None else set()
+    ext = [h - o for lo, hi in zip(group.lo_h, group.hi_h, strict=True)
+           for o, h in zip(lo, hi, strict=True)]
+    diag = [math.dist(lo, hi) for lo, hi in zip(group.lo_h, group.hi_h, strict=True)]
+    want = [max(3, min(target_points, n // 2)) for n in group.sizes]
+    if edges is None:
+        v = [d / math.sqrt(w) if d > 0 else 1.0 for d, w in zip(diag, want, strict=True)]
+    else:
+        v = [float(e) for e in edges]
+    active = [float(i in sized and diag[i] > 0) for i in range(c)]
+    flat = upload(ext + diag + want + v + active, dtype=torch.float64,
+                  device=group.points.device)
+    return {"ext": flat[:3 * c].view(c, 3), "diag": flat[3 * c:4 * c],
+            "want": flat[4 * c:5 * c], "v": flat[5 * c:6 * c], "active": flat[6 * c:] > 0.5}
+
+
+def edge_search(arrays: Mapping[str, torch.Tensor], iterations: int = 6
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`auto_voxel_size`'s rounds for every cloud at once, on the device: no host read.
+
+    ``arrays``: the group's ``points``, ``owner`` and ``lo`` (:class:`CloudGroup`) and
+    :func:`edge_search_inputs`' tensors, by name. Each round counts every cloud's voxels at
+    its edge (:func:`~pointalign.kernels.grid.count_cells`: each cloud on its own grid, its
+    cells computed as :func:`voxel_keys` computes them, float64 ``floor((p - lo) / v)``
+    with the division as PyTorch rounds a division by a Python float:
+    :func:`pointalign._ops.scalar_divisors`) and moves the clouds still searching by the
+    rule's float64 arithmetic (true divisions, square roots and products: the host's bits;
+    the log error decides the same comparisons). All ``iterations`` rounds run (a cloud
+    that has stopped is counted along, unchanged). Returns the ``(C,)`` float64 edges, NaN
+    where a cloud's points all coincide (``auto_voxel_size`` raises there), and a 0-dim
+    bool: some round's grids overflowed the packed key (:func:`packed_grids`; only for a
+    group of many clouds at edges near ``diag · 1e-6``), the edges are then meaningless.
+    """
+    points, owner, lo = arrays["points"], arrays["owner"], arrays["lo"]
+    ext, diag, want = arrays["ext"], arrays["diag"], arrays["want"]
+    v, active = arrays["v"], arrays["active"]
+    divide = divides_by_scalar(torch.float64, points.device)
+    finest = diag * 1e-6
+    best_v, best_err = v, torch.full_like(v, math.inf)
+    overflow = torch.zeros((), dtype=torch.bool, device=v.device)
+    for _ in range(iterations):
+        dims, base, over = packed_grids(ext, v, 1)  # one spare cell an axis: no collision
+        counts = count_cells(points, owner, lo, v if divide else 1.0 / v, dims, base,
+                             divide=divide)
+        ratio = counts.to(torch.float64) / want
+        err = ratio.log().abs()
+        better = active & (err < best_err)
+        best_v, best_err = torch.where(better, v, best_v), torch.where(better, err, best_err)
+        active = active & (err >= 0.1)
+        v = torch.where(active, torch.maximum(v * ratio.sqrt(), finest), v)
+        overflow = overflow | over
+    return torch.where(diag > 0, best_v, math.nan), overflow
+
+
+@dataclasses.dataclass(frozen=True)
+class _EdgeSearch:
+    """:func:`edge_search` as a fixed device program (:func:`auto_voxel_size_many`)."""
+
+    iterations: int
+
+    def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
+                 ) -> dict[str, torch.Tensor]:
+        v, overflow = edge_search(inputs, self.iterations)
+        return {"v": v, "overflow": overflow}
 
 
 def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,
@@ -386,38 +453,27 @@ def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,
                          ) -> list[float]:
     """:func:`auto_voxel_size` of every cloud of ``group``: the same edges, bit for bit.
 
-    The same rule and host arithmetic per cloud; each round counts the voxels of every
-    cloud still searching by one :func:`count_voxels_many` (one host synchronisation per
-    round, at most ``iterations``, instead of one per cloud and round). A cloud whose points
-    all coincide gets NaN (:func:`auto_voxel_size` raises there). ``clouds``: the indices
-    of the clouds to size, in the order of the returned edges (default: all); the others
-    are counted along but not sized (a group made once for other uses as well).
+    The same rule and arithmetic per cloud, every round of every cloud on the device
+    (:func:`edge_search`: one fixed program, on a GPU a CUDA graph per size from a size's
+    second call) and one read; one cloud at a time where the packed cells overflowed.
+    A cloud whose points all coincide gets NaN (:func:`auto_voxel_size` raises there).
+    ``clouds``: the indices of the clouds to size, in the order of the returned edges
+    (default: all); the others are counted along but not sized (a group made once for
+    other uses as well).
     """
-    target_points = int(target_points)
-    if target_points < 3:
-        raise ValueError(f"target_points: expected an integer >= 3, got {target_points}")
-    c = len(group.sizes)
-    sized = list(range(c)) if clouds is None else list(clouds)
-    diag = [math.dist(lo, hi) for lo, hi in zip(group.lo_h, group.hi_h, strict=True)]
-    want = [max(3, min(target_points, n // 2)) for n in group.sizes]
-    v = [d / math.sqrt(w) if d > 0 else 1.0 for d, w in zip(diag, want, strict=True)]
-    best_v, best_err = list(v), [math.inf] * c
-    active = [False] * c
-    for i in sized:
-        active[i] = diag[i] > 0
-    for _ in range(iterations):
-        if not any(active):
-            break
-        counts = count_voxels_many(group, v)
-        for i in range(c):
-            if not active[i]:
-                continue
-            err = abs(math.log(counts[i] / want[i]))
-            if err < best_err[i]:
-                best_v[i], best_err[i] = v[i], err
-            if err < 0.1:
-                active[i] = False
-                continue
-            v[i] *= math.sqrt(counts[i] / want[i])
-            v[i] = max(v[i], diag[i] * 1e-6)
-    return [best_v[i] if diag[i] > 0 else math.nan for i in sized]
+    sized = list(range(len(group.sizes))) if clouds is None else list(clouds)
+    start = edge_search_inputs(group, target_points, sized)
+    host, _ = _loop.run_program(_EdgeSearch(int(iterations)),
+                                {"points": group.points, "owner": group.owner, "lo": group.lo,
+                                 **start}, eager_first=True, device_outputs=False)
+    if host["overflow"]:  # the packed key overflowed: one cloud at a time
+        return [edge_alone(group.cloud(i), target_points, iterations) for i in sized]
+    return [float(host["v"][i]) for i in sized]
+
+
+def edge_alone(points: torch.Tensor, target_points: int, iterations: int) -> float:
+    """Return :func:`auto_voxel_size`, NaN where the points all coincide."""
+    try:
+        return auto_voxel_size(points, target_points, iterations=iterations)
+    except ValueError:
+        return math.nan

@@ -23,19 +23,20 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from pointalign import _threads, _validate
-from pointalign._ops import run_sums
+from pointalign._ops import run_totals
 from pointalign.features.downsample import (
     CloudGroup,
     auto_voxel_size,
     auto_voxel_size_many,
     group_clouds,
+    packed_grids,
 )
 from pointalign.kernels import upload
 from pointalign.kernels.grid import cell_keys, count_within
@@ -217,89 +218,118 @@ def _mean_as_torch(count: int, n: int, device: torch.device) -> float:
     return float(s * (np.float32(1.0) / m) if device.type == "cuda" else s / m)
 
 
-def _packed_cells(group: CloudGroup, edges: Sequence[float]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Cut each cloud c into its own cells of edge ``edges[c]`` (anchored at its corner).
-
-    Returns ``(keys (P,), cell (P, 3), dims (C, 3), base (C,))`` int64: every point's
-    packed ``(cloud, cell)`` key, its cell, each cloud's cells per axis and key offset; None
-    where the packed key would overflow.
-    """
+def _arrays(group: CloudGroup, edges: Sequence[float]
+            ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Upload ``group``'s tensors for :func:`_within_many` and its ``(C,)`` float64 edges."""
     c = len(group.sizes)
-    dev = group.points.device
-    dims = [[int((h - o) // cell) + 1 for o, h in zip(lo, hi, strict=True)]
-            for lo, hi, cell in zip(group.lo_h, group.hi_h, edges, strict=True)]
-    ncell = [a * b * e for a, b, e in dims]
-    if sum(ncell) >= 1 << 62:
-        return None
-    flat = upload([x for d in dims for x in d]
-                  + list(itertools.accumulate(ncell, initial=0))[:-1], dtype=torch.int64,
-                  device=dev)
-    dims_d, base = flat[:3 * c].view(c, 3), flat[3 * c:]
-    keys, cell = cell_keys(group.points, group.owner, group.lo,
-                           upload(list(edges), dtype=torch.float64, device=dev), dims_d, base,
-                           divide=True)
-    return keys, cell, dims_d, base
+    flat = upload([h - o for lo, hi in zip(group.lo_h, group.hi_h, strict=True)
+                   for o, h in zip(lo, hi, strict=True)] + [float(v) for v in edges],
+                  dtype=torch.float64, device=group.points.device)
+    return ({"points": group.points, "owner": group.owner, "lo": group.lo,
+             "ext": flat[:3 * c].view(c, 3)}, flat[3 * c:])
 
 
-def _within_many(group: CloudGroup, voxel_sizes: Sequence[float], q_rows: torch.Tensor,
-                 q_owner: torch.Tensor, cap: int) -> torch.Tensor | None:
+def _within_many(arrays: Mapping[str, torch.Tensor], voxel_sizes: torch.Tensor,
+                 q_rows: torch.Tensor, q_owner: torch.Tensor, cap: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Count the points within ``voxel_sizes[c]`` of each query row (the query included).
 
-    ``q_rows (Q,)``: rows of ``group.points`` asked about; ``q_owner (Q,)``: their clouds.
-    Each cloud is cut into its own cells of edge v (anchored at its own corner), one sort
-    orders every point by ``(cloud, cell)``, and :func:`~pointalign.kernels.grid.count_within`
-    compares each query with the points of its cloud's 27 cells around it:
-    ``dx² + dy² + dz² <= v²`` in the points' dtype on the cloud's own coordinates (the
-    search contract of every index). Returns ``(Q,)`` int64 counts, exact below ``cap`` and
-    ``cap`` elsewhere (a lidar scan's cells near the sensor hold hundreds of points: a query
-    there stops comparing at ``cap``); None where the packed key would overflow. On a GPU
-    no host synchronisation.
+    ``arrays``: the group's ``points (P, 3)``, ``owner (P,)``, ``lo (C, 3)`` and ``ext
+    (C, 3)`` (its corners' difference, float64) (:func:`_arrays`); ``voxel_sizes (C,)``
+    float64 on the device.
+    ``q_rows (Q,)``: rows of the points asked about; ``q_owner (Q,)``: their clouds. Each
+    cloud is cut into its own cells of edge ``v (1 + CELL_MARGIN)`` (anchored at its own
+    corner; the cells per axis ``(h - o) // edge + 1``, Python's float floor division),
+    one sort orders every point by ``(cloud, cell)``, and
+    :func:`~pointalign.kernels.grid.count_within` compares each query with the points of its
+    cloud's 27 cells around it: ``dx² + dy² + dz² <= v²`` in the points' dtype on the
+    cloud's own coordinates (the search contract of every index).
+    Returns ``(Q,)`` int64 counts, exact below ``cap`` and ``cap`` elsewhere (a lidar
+    scan's cells near the sensor hold hundreds of points: a query there stops comparing at
+    ``cap``), and a 0-dim bool: the grids overflowed the packed key
+    (:func:`~pointalign.features.downsample.packed_grids`), the counts are meaningless. No
+    host synchronisation on a GPU.
     """
-    cells = _packed_cells(group, [float(v) * (1 + CELL_MARGIN) for v in voxel_sizes])
-    if cells is None:  # the packed key would overflow
-        return None
-    keys, cell, dims_d, base = cells
+    points = arrays["points"]
+    edges = voxel_sizes * (1 + CELL_MARGIN)
+    dims, base, overflow = packed_grids(arrays["ext"], edges, -1)
+    keys, cell = cell_keys(points, arrays["owner"], arrays["lo"], edges, dims, base,
+                           divide=True)
     sorted_keys, order = torch.sort(keys)
-    r2 = upload([v * v for v in voxel_sizes], dtype=group.points.dtype,
-                device=group.points.device)                                    # rounded to dt
-    return count_within(sorted_keys, group.points[order], group.points[q_rows], cell[q_rows],
-                        q_owner, dims_d, base, r2, cap)
+    r2 = (voxel_sizes * voxel_sizes).to(points.dtype)                          # rounded to dt
+    return count_within(sorted_keys, points[order], points[q_rows], cell[q_rows], q_owner,
+                        dims, base, r2, cap), overflow
 
 
-def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
-                         sample: int = 4096) -> list[float]:
-    """:func:`stray_fraction` of every cloud of ``group``, cloud c at ``voxel_sizes[c]``.
+def stray_sample(group: CloudGroup, sample: int = 4096
+                 ) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """:func:`stray_fraction`'s strided sample of every cloud of ``group``, in one upload.
 
-    The same strided sample per cloud and the same test (fewer than
-    :data:`SPARSE_NEIGHBOURS` others within v, squared distances ``dx² + dy² + dz²``
-    computed in the points' dtype on each cloud's own coordinates and compared with ``v²``
-    rounded to that dtype: the search contract of every index), answered for all clouds at
-    once by :func:`_within_many` (each query stops at :data:`SPARSE_NEIGHBOURS` others: not
-    a stray). The counts are the per-cloud index's (on the CPU backends, which compute that
-    expression as written, bit for bit; the Triton kernels may contract it into fused
-    multiply-adds, which can move a squared distance lying within ~2 float32 ulps of v²
-    across it); the fraction is rounded as ``stray_fraction``'s mean
-    (:func:`_mean_as_torch`). One host synchronisation on a GPU (the stray counts), for the
-    whole group.
+    Rows 0, s, 2s, ... of each cloud with s = max(1, n // sample). Returns ``q_rows (Q,)``
+    (rows of ``group.points``), ``q_owner (Q,)`` and ``cuts (C + 1,)`` (each cloud's
+    queries in turn) int64 on the device, and each cloud's query count (host ints).
     """
-    dev = group.points.device
-    # the strided sample of each cloud: rows 0, s, 2s, ... with s = max(1, n // sample),
-    # made on the host and uploaded with their clouds in one copy
     stride = [max(1, n // sample) for n in group.sizes]
     m = [-(-n // s) for n, s in zip(group.sizes, stride, strict=True)]
     first = list(itertools.accumulate(group.sizes, initial=0))[:-1]
     rows = np.concatenate([np.arange(f, f + n, s, dtype=np.int64)
                            for f, n, s in zip(first, group.sizes, stride, strict=True)])
     owner = np.repeat(np.arange(len(m), dtype=np.int64), m)
-    q_rows, q_owner = upload(np.stack([rows, owner]), dtype=torch.int64, device=dev)
-    within = _within_many(group, voxel_sizes, q_rows, q_owner, cap=SPARSE_NEIGHBOURS + 1)
-    if within is None:  # the packed key would overflow: one cloud at a time
-        return [stray_fraction(group.cloud(i), v, sample) for i, v in enumerate(voxel_sizes)]
+    cuts = np.asarray(list(itertools.accumulate(m, initial=0)), dtype=np.int64)
+    flat = upload(np.concatenate([rows, owner, cuts]), dtype=torch.int64,
+                  device=group.points.device)
+    q = rows.shape[0]
+    return {"q_rows": flat[:q], "q_owner": flat[q:2 * q], "cuts": flat[2 * q:]}, m
+
+
+def stray_counts(arrays: Mapping[str, torch.Tensor], voxel_sizes: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each cloud's stray queries at its edge: ``(C,)`` int64 on the device, no host read.
+
+    ``arrays``: :func:`_within_many`'s and :func:`stray_sample`'s tensors; a query is a
+    stray with fewer than :data:`SPARSE_NEIGHBOURS` others within ``voxel_sizes[c]`` (each
+    query stops counting there: not a stray). With :func:`_within_many`'s overflow flag.
+    """
+    within, overflow = _within_many(arrays, voxel_sizes, arrays["q_rows"], arrays["q_owner"],
+                                    cap=SPARSE_NEIGHBOURS + 1)
     # fewer than SPARSE_NEIGHBOURS others (the count includes the query itself)
-    stray = run_sums(within < SPARSE_NEIGHBOURS + 1, m)  # each cloud's queries in turn
-    return [0.0 if n <= SPARSE_NEIGHBOURS + 1 else _mean_as_torch(s, k, dev)
-            for n, s, k in zip(group.sizes, stray, m, strict=True)]
+    return run_totals(within < SPARSE_NEIGHBOURS + 1, arrays["cuts"]), overflow
+
+
+def stray_fractions_of(sizes: Sequence[int], strays: Sequence[int], queries: Sequence[int],
+                       device: torch.device) -> list[float]:
+    """Return the fractions :func:`stray_fraction` reports, from each cloud's stray count.
+
+    ``sizes``: the clouds' sizes; ``strays``, ``queries``: :func:`stray_counts` and
+    :func:`stray_sample`'s counts. Rounded as ``stray_fraction``'s mean
+    (:func:`_mean_as_torch`).
+    """
+    return [0.0 if n <= SPARSE_NEIGHBOURS + 1 else _mean_as_torch(s, k, device)
+            for n, s, k in zip(sizes, strays, queries, strict=True)]
+
+
+def stray_fractions_many(group: CloudGroup, voxel_sizes: Sequence[float],
+                         sample: int = 4096) -> list[float]:
+    """:func:`stray_fraction` of every cloud of ``group``, cloud c at ``voxel_sizes[c]``.
+
+    The same strided sample per cloud (:func:`stray_sample`) and the same test (fewer than
+    :data:`SPARSE_NEIGHBOURS` others within v, squared distances ``dx² + dy² + dz²``
+    computed in the points' dtype on each cloud's own coordinates and compared with ``v²``
+    rounded to that dtype: the search contract of every index), answered for all clouds at
+    once by :func:`stray_counts`. The counts are the per-cloud index's (on the CPU
+    backends, which compute that expression as written, bit for bit; the Triton kernels may
+    contract it into fused multiply-adds, which can move a squared distance lying within
+    ~2 float32 ulps of v² across it); the fraction is rounded as ``stray_fraction``'s mean
+    (:func:`stray_fractions_of`). One host synchronisation on a GPU (the stray counts), for
+    the whole group; one cloud at a time where the packed key would overflow.
+    """
+    tensors, edges = _arrays(group, voxel_sizes)
+    q, m = stray_sample(group, sample)
+    strays, overflow = stray_counts({**tensors, **q}, edges)
+    *strays_h, over = torch.cat([strays, overflow[None].to(torch.int64)]).tolist()
+    if over:  # the packed key overflowed: one cloud at a time
+        return [stray_fraction(group.cloud(i), v, sample) for i, v in enumerate(voxel_sizes)]
+    return stray_fractions_of(group.sizes, strays_h, m, group.points.device)
 
 
 def dense_masks_many(group: CloudGroup, voxel_sizes: Sequence[float]
@@ -317,12 +347,9 @@ def dense_masks_many(group: CloudGroup, voxel_sizes: Sequence[float]
     c = len(group.sizes)
     dev, i64 = group.points.device, torch.int64
     owner = group.owner
-    within = _within_many(group, voxel_sizes, torch.arange(owner.shape[0], device=dev), owner,
-                          cap=2 * DENSE_MEDIAN + 1)
-    if within is None:  # the packed key would overflow: one cloud at a time
-        masks = [dense_mask(group.cloud(i), v) for i, v in enumerate(voxel_sizes)]
-        keep = torch.cat(masks)
-        return keep, [int(m.sum()) for m in masks]
+    within, overflow = _within_many(*_arrays(group, voxel_sizes),
+                                    torch.arange(owner.shape[0], device=dev), owner,
+                                    cap=2 * DENSE_MEDIAN + 1)
     sizes = upload(group.sizes, dtype=i64, device=dev)
     cap = sizes.clamp_max(2 * DENSE_MEDIAN + 1)
     count = torch.minimum(within, cap[owner]) - 1                           # 0 ... 16
@@ -332,7 +359,11 @@ def dense_masks_many(group: CloudGroup, voxel_sizes: Sequence[float]
     median = ranked[first + (sizes - 1) // 2] - torch.arange(c, device=dev) * span
     every = (median < DENSE_MEDIAN) | (sizes <= SPARSE_NEIGHBOURS + 1)
     keep = (count >= SPARSE_NEIGHBOURS) | every[owner]
-    kept = run_sums(keep, group.sizes)
+    cuts = upload(list(itertools.accumulate(group.sizes, initial=0)), dtype=i64, device=dev)
+    *kept, over = torch.cat([run_totals(keep, cuts), overflow[None].to(i64)]).tolist()
+    if over:  # the packed key overflowed: one cloud at a time
+        masks = [dense_mask(group.cloud(i), v) for i, v in enumerate(voxel_sizes)]
+        return torch.cat(masks), [int(m.sum()) for m in masks]
     return keep, kept
 
 

@@ -26,6 +26,7 @@ distance within ~2 float32 ulps of v² may count differently, see
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,8 @@ from pointalign.features.downsample import (
     CloudGroup,
     auto_voxel_size,
     auto_voxel_size_many,
+    edge_search,
+    edge_search_inputs,
     group_clouds,
 )
 from pointalign.features.outliers import (
@@ -44,9 +47,13 @@ from pointalign.features.outliers import (
     dense_masks_many,
     robust_voxel_size,
     robust_voxel_sizes_many,
+    stray_counts,
     stray_fraction,
     stray_fractions_many,
+    stray_fractions_of,
+    stray_sample,
 )
+from pointalign.kernels import _loop, upload
 from pointalign.registration.options import Options
 from pointalign.search import policy
 
@@ -95,19 +102,15 @@ def _voxel_sizes_many(pairs: Sequence[Clouds], opts: Options, group: CloudGroup 
     # both clouds of every pair as one group (one synchronisation for their corners): the
     # automatic edge of each pair's larger cloud, the stray fractions of both
     bigs = [2 * i + int(s.shape[0] < t.shape[0]) for i, (s, t) in enumerate(pairs)]
-    if group is None and (opts.voxel_size is None or opts.remove_outliers):
-        group = group_clouds([x for p in pairs for x in p])
-    if opts.voxel_size is not None:
-        vs = [float(opts.voxel_size)] * len(pairs)
+    if opts.voxel_size is None or opts.remove_outliers:
+        if group is None:
+            group = group_clouds([x for p in pairs for x in p])
+        vs, fr = _edges_and_strays(group, opts, bigs)
     else:
-        assert group is not None
-        vs = auto_voxel_size_many(group, opts.target_points, clouds=bigs)
+        vs, fr = [float(opts.voxel_size)] * len(pairs), None
     ok = [math.isfinite(v) for v in vs]
-    strays = [False] * len(pairs)
-    if group is not None and opts.remove_outliers:
-        fr = stray_fractions_many(group, [v if good else 1.0 for v, good in
-                                          zip(vs, ok, strict=True) for _ in (0, 1)])
-        strays = [max(fr[2 * i], fr[2 * i + 1]) >= MIN_STRAY_FRACTION for i in range(len(pairs))]
+    strays = [False] * len(pairs) if fr is None else \
+        [max(fr[2 * i], fr[2 * i + 1]) >= MIN_STRAY_FRACTION for i in range(len(pairs))]
     if opts.voxel_size is None:  # v without the strays, for every pair that shows some
         redo = [i for i in range(len(pairs)) if ok[i] and strays[i]]
         robust = robust_voxel_sizes_many([pairs[i][bigs[i] % 2] for i in redo],
@@ -116,6 +119,67 @@ def _voxel_sizes_many(pairs: Sequence[Clouds], opts: Options, group: CloudGroup 
             vs[i], ok[i] = rv, math.isfinite(rv)
     return [(v, st) if good else ValueError(COINCIDE)
             for v, good, st in zip(vs, ok, strays, strict=True)]
+
+
+def _edges_and_strays(group: CloudGroup, opts: Options, bigs: list[int]
+                      ) -> tuple[list[float], list[float] | None]:
+    """Each pair's edge (NaN: its larger cloud's points coincide) and every cloud's strays.
+
+    The automatic edges (:func:`~pointalign.features.downsample.edge_search`) and the
+    stray counts at them (:func:`~pointalign.features.outliers.stray_counts`, each cloud at
+    its pair's edge, 1.0 where that is NaN) as one fixed device program (:class:`_Rule`: on
+    a GPU one CUDA graph per size from a size's second call) and one read. Where the
+    packed cells overflowed (a group of many clouds at tiny edges), the edges and then the
+    fractions by their own functions, one cloud at a time where needed. Returns ``(edges,
+    fractions)``, the fractions None unless ``opts.remove_outliers``.
+    """
+    n, dev = len(bigs), group.points.device
+    given = None if opts.voxel_size is None else [float(opts.voxel_size)] * len(group.sizes)
+    inputs = {"points": group.points, "owner": group.owner, "lo": group.lo,
+              **edge_search_inputs(group, opts.target_points, bigs, given),
+              # each cloud's pair's larger cloud, whose edge it is searched at
+              "pair_of": upload([bigs[c // 2] for c in range(len(group.sizes))],
+                                dtype=torch.int64, device=dev)}
+    queries: list[int] = []
+    if opts.remove_outliers:
+        sample, queries = stray_sample(group)
+        inputs.update(sample)
+    host, _ = _loop.run_program(_Rule(given is None, bool(opts.remove_outliers)), inputs,
+                                eager_first=True, device_outputs=False)
+    if host["overflow"]:
+        vs = given[:n] if given is not None else auto_voxel_size_many(
+            group, opts.target_points, clouds=bigs)
+        return vs, stray_fractions_many(group, [v if math.isfinite(v) else 1.0 for v in vs
+                                                for _ in (0, 1)]) \
+            if opts.remove_outliers else None
+    vs = [float(host["v"][b]) for b in bigs]
+    if not opts.remove_outliers:
+        return vs, None
+    return vs, stray_fractions_of(group.sizes, host["strays"].tolist(), queries, dev)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """The edges (``search``: else the given ones) and the stray counts at them (``strays``).
+
+    A fixed device program with no host read (:func:`_edges_and_strays`); ``overflow``:
+    some grid overflowed its packed key.
+    """
+
+    search: bool
+    strays: bool
+
+    def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
+                 ) -> dict[str, torch.Tensor]:
+        v, overflow = edge_search(inputs) if self.search else \
+            (inputs["v"], torch.zeros((), dtype=torch.bool, device=inputs["v"].device))
+        out = {"v": v}
+        if self.strays:
+            e = v[inputs["pair_of"]]
+            out["strays"], over = stray_counts(inputs, torch.where(torch.isfinite(e), e, 1.0))
+            overflow = overflow | over
+        out["overflow"] = overflow
+        return out
 
 
 def voxel_size(source: torch.Tensor, target: torch.Tensor, opts: Options,
