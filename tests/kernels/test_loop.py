@@ -201,24 +201,6 @@ def test_to_host_round_trip_keeps_dtypes():
     assert int(h["i"][1]) == -4 and float(h["d"]) == 2.0**40 + 1
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_copy_all_equals_copy_by_copy(device):
-    """Mixed dtypes and shapes, a 0-dim tensor, a strided view, a converting copy and one
-    lone dtype: every destination equals its own ``copy_``, the sources untouched."""
-    g = torch.Generator().manual_seed(5)
-    srcs = [torch.randn(7, 3, generator=g), torch.randn(1000, generator=g),
-            torch.randint(-9, 9, (5,), generator=g), torch.randint(0, 9, (3, 2), generator=g),
-            torch.tensor(2.5, dtype=torch.float64), torch.randn(6, 4, generator=g)[:, 1],
-            torch.rand(4, generator=g) > 0.5, torch.randn(3, generator=g, dtype=torch.float64)]
-    srcs = [x.to(device) for x in srcs]
-    dsts = [torch.zeros_like(x) for x in srcs]
-    dsts[-1] = torch.zeros(3, dtype=torch.float32, device=device)  # converts, as copy_ does
-    kept = [x.clone() for x in srcs]
-    _loop.copy_all(zip(dsts, srcs, strict=True))
-    for d, x, k in zip(dsts, srcs, kept, strict=True):
-        assert torch.equal(d, torch.zeros_like(d).copy_(x)) and torch.equal(x, k)
-
-
 # ---- CUDA graphs --------------------------------------------------------------------------
 
 def _graph_run(step, inputs, state, n, stop_after=None):

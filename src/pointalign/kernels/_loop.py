@@ -71,7 +71,7 @@ import os
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -440,45 +440,6 @@ def _side_stream(dev: torch.device) -> Any:
     return _streams[dev]
 
 
-# ---- copies into and out of graphs ----------------------------------------------------------
-
-def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each ``(destination, source)`` pair, as ``destination.copy_(source)`` would.
-
-    Dense pairs of one dtype and shape go in one multi-tensor launch per dtype on a GPU
-    (``torch._foreach_copy_``), where each ``copy_`` is a launch of its own (~5 us of host
-    a copy, with a graph's inputs, state and outputs ~100 copies in a ``register()`` call).
-    """
-    groups: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
-    for dst, src in pairs:
-        if (dst.dtype != src.dtype or dst.shape != src.shape or dst.device != src.device
-                or dst.device.type != "cuda" or not dst.is_contiguous()
-                or not src.is_contiguous()):
-            dst.copy_(src)
-            continue
-        d, s = groups.setdefault((dst.dtype, dst.device), ([], []))
-        d.append(dst)
-        s.append(src)
-    for d, s in groups.values():
-        if len(d) == 1:
-            d[0].copy_(s[0])
-        else:
-            torch._foreach_copy_(d, s)
-
-
-def _array_copies(objects: Iterable[Any], arrays: list[Tensors]
-                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(graph's copy, object's array)`` for each array of ``objects`` a graph must load.
-
-    ``arrays``: a kept graph's copies, one dict per object; an array that is the graph's
-    own copy already is skipped.
-    """
-    for obj, mine in zip(objects, arrays, strict=True):
-        for n, v in obj.graph_arrays()[1].items():
-            if v.data_ptr() != mine[n].data_ptr():
-                yield mine[n], v
-
-
 # ---- records: one packed transfer per step or chunk -----------------------------------------
 
 class _Layout:
@@ -719,16 +680,21 @@ class _Graph:
     def load_inputs(self, inputs: Tensors, step: Any) -> None:
         """Copy a call's inputs, and its step's objects' arrays, into the graph's."""
         assert self.inputs is not None
+        for n, v in inputs.items():
+            self.inputs[n].copy_(v)
         objects = list(_array_objects(step, {}).values())
         assert len(objects) == len(self.arrays)  # the same key: the same objects' layout
-        copy_all([*((self.inputs[n], v) for n, v in inputs.items()),
-                  *_array_copies(objects, self.arrays)])
+        for obj, mine in zip(objects, self.arrays, strict=True):
+            for n, v in obj.graph_arrays()[1].items():
+                if v.data_ptr() != mine[n].data_ptr():
+                    mine[n].copy_(v)
 
     def load_state(self, state: Tensors) -> None:
         """Copy ``state`` into the state buffers unless it is them (after a replay)."""
         if state is self.state_in:
             return
-        copy_all((self.state_in[n], v) for n, v in state.items())
+        for n, v in state.items():
+            self.state_in[n].copy_(v)
 
 
 def iterate(step: Any, inputs: Tensors, state: Tensors, *, max_steps: int,
@@ -756,20 +722,11 @@ def iterate(step: Any, inputs: Tensors, state: Tensors, *, max_steps: int,
 # ---- run_program: fixed device programs ---------------------------------------------------
 
 def _tree_clone(x: Any) -> Any:
-    """Copy ``x``'s tensors (nested dicts kept) by :func:`copy_all`'s few launches."""
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def fresh(y: Any) -> Any:
-        if isinstance(y, torch.Tensor):
-            pairs.append((torch.empty_like(y), y))
-            return pairs[-1][0]
-        if isinstance(y, dict):
-            return {k: fresh(v) for k, v in y.items()}
-        return y
-
-    out = fresh(x)
-    copy_all(pairs)
-    return out
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _tree_clone(v) for k, v in x.items()}
+    return x
 
 
 class _Checkpoint:
@@ -869,8 +826,12 @@ def run_program(program: Any, inputs: Tensors, *, pairs: float = 0.0,
         ent = (graph, static, gout, layout, packed, arrays)
         _programs.put(key, objects, ent)
     graph, static, gout, layout, packed, arrays = ent
-    copy_all([*((static[n], v) for n, v in inputs.items()),
-              *_array_copies(_array_objects(program, {}).values(), arrays)])
+    for n, v in inputs.items():
+        static[n].copy_(v)
+    for obj, mine in zip(_array_objects(program, {}).values(), arrays, strict=True):
+        for n, v in obj.graph_arrays()[1].items():
+            if v.data_ptr() != mine[n].data_ptr():
+                mine[n].copy_(v)
     graph.replay()
     out = _tree_clone(gout) if device_outputs else {}
     if meanwhile is not None:
