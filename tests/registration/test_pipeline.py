@@ -109,6 +109,27 @@ def test_graphed_programs_give_the_eager_result(bunny, monkeypatch):
         assert [r.info[k] for k in keys] == [runs[0].info[k] for k in keys]
 
 
+@pytest.mark.gpu
+def test_description_checked_after_the_global_stage(bunny, monkeypatch):
+    """On a device register() reads the description's check once its global stage is
+    launched; a neighbourhood reported wider than the table (forced here) describes again
+    and runs the global stage again: the same result (the table held in truth), and the
+    description searched twice."""
+    from pointalign.registration import prepare
+
+    s, t = bunny.source.cuda(), bunny.target.cuda()
+    want = register(s, t, seed=0)
+    real, searched = prepare.radius_pair, []
+    monkeypatch.setattr(prepare, "radius_pair", lambda *a: searched.append(1) or real(*a))
+    wide = prepare.radius_pair_at_width
+    monkeypatch.setattr(prepare, "radius_pair_at_width", lambda *a: (
+        lambda d, i, w: (d, i, w + prepare.DESCRIBE_WIDTH + 1))(*wide(*a)))
+    got = register(s, t, seed=0)
+    assert searched == [1]
+    assert np.array_equal(got.transformation, want.transformation)
+    assert got.info["verdict"] == want.info["verdict"]
+
+
 def test_verdict_counts_equal_separate_scores(bunny, seed):
     """The verdict's three counts from one search equal three bounded scores (_score)."""
     from pointalign.features.downsample import voxel_downsample

@@ -66,7 +66,8 @@ def test_described_together_as_each_alone(backend, seed):
     scales = Scales(v)
     clock = _loop.Clock(torch.device(backend.device))
     downs = [prepare_cloud(c, scales, clock, "cloud", describe=False).down for c in (src, tgt)]
-    normals, features = describe_both(downs[0], downs[1], scales, clock)
+    normals, features, again = describe_both(downs[0], downs[1], scales, clock)
+    assert again() is None
     for d, n, f in zip(downs, normals, features, strict=True):
         one = describe_cloud(d, BruteForceIndex(d), scales, clock)
         assert torch.equal(n, one.normals) and torch.equal(f, one.features)
@@ -76,7 +77,8 @@ def test_described_by_the_program_every_call_and_after_an_overflow(backend, monk
     """describe_both is one program, eager at a size's first call and a CUDA graph from the
     second (on a GPU): every call gives each cloud's own description, bit for bit. A
     neighbourhood wider than its table (reported here past DESCRIBE_WIDTH) searches again:
-    the same description."""
+    the same description; deferred (describe_both's ``defer``, prepare_both's ``pending``),
+    when the check is asked for, and only then."""
     from pointalign.registration import prepare
 
     src, tgt, v = _pair(3000, 1, backend.device)
@@ -85,20 +87,37 @@ def test_described_by_the_program_every_call_and_after_an_overflow(backend, monk
     downs = [prepare_cloud(c, scales, clock, "cloud", describe=False).down for c in (src, tgt)]
     alone = [describe_cloud(d, BruteForceIndex(d), scales, clock) for d in downs]
 
-    def check():
-        normals, features = describe_both(downs[0], downs[1], scales, clock)
+    def check(overflow):
+        normals, features, _ = describe_both(downs[0], downs[1], scales, clock)
         for one, n, f in zip(alone, normals, features, strict=True):
             assert torch.equal(n, one.normals) and torch.equal(f, one.features)
+        # deferred: the table's description now, the check when asked (the search again
+        # where it overflowed)
+        *_, again = describe_both(downs[0], downs[1], scales, clock, defer=True)
+        redo = again()
+        assert (redo is not None) == overflow
+        if redo is not None:
+            for one, n, f in zip(alone, *redo, strict=True):
+                assert torch.equal(n, one.normals) and torch.equal(f, one.features)
+        pending = []
+        both = prepare_both(src, tgt, scales, clock, True, v, pending=pending)
+        assert len(pending) <= 1  # none where the clouds are described one by one
+        redo = pending[0]() if pending else None
+        assert (redo is not None) == (overflow and bool(pending))
+        for got in redo or both:
+            ref = describe_cloud(got.down, got.index, scales, clock)
+            assert torch.equal(got.normals, ref.normals)
+            assert torch.equal(got.features, ref.features)
 
     _loop.clear_caches()
     for _ in range(3):
-        check()
+        check(False)
     real = prepare.radius_pair_at_width
     monkeypatch.setattr(prepare, "radius_pair_at_width", lambda *a: (
         lambda d, i, w: (d, i, w + prepare.DESCRIBE_WIDTH + 1))(*real(*a)))
     _loop.clear_caches()
     for _ in range(3):
-        check()
+        check(True)
 
 
 def test_both_without_features_and_too_coarse(backend):

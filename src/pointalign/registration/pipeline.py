@@ -53,7 +53,7 @@ from pointalign.registration.options import (  # noqa: F401 (register's names, d
     check,
 )
 from pointalign.registration.options import Options as _Options
-from pointalign.registration.prepare import Prepared, prepare_both, prepare_cloud
+from pointalign.registration.prepare import Prepared, Settle, prepare_both, prepare_cloud
 from pointalign.registration.ransac import count_inliers, ransac
 from pointalign.registration.result import RegistrationResult
 from pointalign.registration.robust import compatibility_hypotheses, rank_correspondences
@@ -278,8 +278,17 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     """:func:`register` on the validated local clouds ``src (N, 3)``, ``tgt (M, 3)`` of ``pair``."""
     clock = _loop.Clock(pair.device)
     full_index = _full_target_index(tgt, opts)
-    v, scales, source, target = _prepare_pair(src, tgt, opts, clock, full_index=full_index)
+    pending: list[Settle] = []
+    v, scales, source, target = _prepare_pair(src, tgt, opts, clock, full_index=full_index,
+                                              pending=pending)
     glob, candidates, n_rank = _global(source, target, scales, opts, clock)
+    # the description's check, read once the global stage has been launched on it (the
+    # device describes while the host launches the matches and RANSAC); a neighbourhood
+    # wider than its table: described anew, the global stage again
+    for settle in pending:
+        if (again := settle()) is not None:
+            source, target = again
+            glob, candidates, n_rank = _global(source, target, scales, opts, clock)
     info: dict[str, Any] = {"voxel_size": v, "source_down": int(source.down.shape[0]),
                             "target_down": int(target.down.shape[0]),
                             "global": _edge.in_world(glob, pair.frame)}
@@ -311,8 +320,8 @@ def _full_target_index(tgt: torch.Tensor, opts: _Options) -> Any:
 
 
 def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _loop.Clock,
-                  in_voxels: bool = False, describe: bool = True, full_index: Any = None
-                  ) -> tuple[float, Scales, Prepared, Prepared]:
+                  in_voxels: bool = False, describe: bool = True, full_index: Any = None,
+                  pending: list[Settle] | None = None) -> tuple[float, Scales, Prepared, Prepared]:
     """Choose v, drop stray points where there are some, prepare both clouds.
 
     v and the strays by :mod:`~pointalign.registration.voxel_rule` (``full_index``: an
@@ -322,8 +331,9 @@ def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _
     (``register_many``'s frame, where one bound serves a batch of pairs). ``describe``: as
     :func:`~pointalign.registration.prepare.prepare_cloud`. In host memory each cloud is
     prepared alone, on a device both as one group
-    (:func:`~pointalign.registration.prepare.prepare_both`: the same values). Returns v
-    (metres), the scales and the two prepared clouds.
+    (:func:`~pointalign.registration.prepare.prepare_both`: the same values; ``pending``:
+    its deferred check goes there). Returns v (metres), the scales and the two prepared
+    clouds.
     """
     # on a device both clouds as one group (their corners read once): for the rule, the
     # strays and, where the clouds stay as they are, the downsampling
@@ -342,7 +352,8 @@ def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _
         return v, scales, prepare_cloud(src_c, scales, clock, "source", describe, v), \
             prepare_cloud(tgt_c, scales, clock, "target", describe, v)
     return (v, scales, *prepare_both(src_c, tgt_c, scales, clock, describe, v,
-                                     group if src_c is src and tgt_c is tgt else None))
+                                     group if src_c is src and tgt_c is tgt else None,
+                                     pending))
 
 
 def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,

@@ -10,6 +10,7 @@ same values (see there), fewer launches and host synchronisations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -53,9 +54,15 @@ class Prepared(NamedTuple):
     features: torch.Tensor
 
 
+#: :func:`prepare_both`'s deferred check: call it once the prepared clouds have been used;
+#: None where they stand, else the pair prepared again (a neighbourhood wider than the
+#: radius table: the description searched anew)
+Settle = Callable[[], "tuple[Prepared, Prepared] | None"]
+
+
 def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _loop.Clock,
-                 describe: bool, v: float, group: CloudGroup | None = None
-                 ) -> tuple[Prepared, Prepared]:
+                 describe: bool, v: float, group: CloudGroup | None = None,
+                 pending: list[Settle] | None = None) -> tuple[Prepared, Prepared]:
     """:func:`prepare_cloud` of both clouds of a pair on a device, as one group.
 
     One downsampling sort for both (:func:`~pointalign.features.downsample.
@@ -66,7 +73,9 @@ def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _l
     own for its points (the same arithmetic per row); the points are too, up to the float64
     rounding of a centroid that ``voxel_downsample_many`` states (below float32's: the
     tests compare every array bit for bit). ``group``: ``group_clouds([src, tgt])`` when
-    the caller has it.
+    the caller has it. ``pending``: where given, the description's check is not read here
+    but appended to it (:data:`Settle`): the caller goes on launching work on the clouds
+    while the device describes them, and settles before it trusts a result.
     """
     # the second cloud's rows of a group buffer start at an offset: its own copy, so that
     # every kernel reads it 16-byte aligned, as the cloud alone (Triton specialises pointer
@@ -89,9 +98,16 @@ def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _l
         s, t = (describe_cloud(d, ix, scales, clock)
                 for d, ix in zip(downs, indexes, strict=True))
         return s, t
-    (ns, nt), (fs, ft) = describe_both(downs[0], downs[1], scales, clock)
-    return (Prepared(downs[0], indexes[0], ns, fs),
-            Prepared(downs[1], indexes[1], nt.clone(), ft.clone()))
+    def prepared(normals: tuple[torch.Tensor, torch.Tensor],
+                 features: tuple[torch.Tensor, torch.Tensor]) -> tuple[Prepared, Prepared]:
+        return (Prepared(downs[0], indexes[0], normals[0], features[0]),
+                Prepared(downs[1], indexes[1], normals[1].clone(), features[1].clone()))
+
+    normals, features, again = describe_both(downs[0], downs[1], scales, clock,
+                                             defer=pending is not None)
+    if pending is not None:
+        pending.append(lambda: None if (redo := again()) is None else prepared(*redo))
+    return prepared(normals, features)
 
 
 @dataclass(frozen=True)
@@ -133,9 +149,12 @@ class _Describe:
         return normals, fpfh_combine(spfh(cat, normals, idx), idx, d2)
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
 def describe_both(first: torch.Tensor, second: torch.Tensor, scales: Scales,
-                  clock: _loop.Clock) -> tuple[tuple[torch.Tensor, torch.Tensor],
-                                               tuple[torch.Tensor, torch.Tensor]]:
+                  clock: _loop.Clock, defer: bool = False
+                  ) -> tuple[Pair, Pair, Callable[[], tuple[Pair, Pair] | None]]:
     """:func:`describe_cloud` of two clouds of at least :data:`FEATURE_NEIGHBOURS` points.
 
     Each cloud ``(n, 3)`` searched within itself by brute force (one radius table for both);
@@ -144,21 +163,35 @@ def describe_both(first: torch.Tensor, second: torch.Tensor, scales: Scales,
     graph from a size's second call) whose table is :data:`DESCRIBE_WIDTH` wide; one host
     read after it, and where a neighbourhood did not fit, the search again
     (:func:`~pointalign.kernels.knn.radius_pair`, which widens its table). Returns
-    ``((normals, normals), (features, features))``: ``(n, 3)`` and ``(n, 33)`` per cloud,
-    as each alone.
+    ``(normals, normals), (features, features)``: ``(n, 3)`` and ``(n, 33)`` per cloud, as
+    each alone, and ``again()``: None, or where a neighbourhood did not fit the table, the
+    description searched anew. ``defer``: the table's read waits for ``again()`` (the
+    caller's to make before it trusts the description); else it is made here, and the
+    description returned is the exact one.
     """
     n1 = first.shape[0]
     program = _Describe(scales.feature_radius, scales.normal_radius, DESCRIBE_WIDTH)
     n = n1 + second.shape[0]
     _, out = _loop.run_program(program, {"first": first, "second": second},
                                pairs=float(n) * n, host_outputs=False, eager_first=True)
-    normals, features = out["normals"], out["features"]
-    if max(out["widest"].tolist()) > DESCRIBE_WIDTH:  # the one host read
+
+    def split(normals: torch.Tensor, features: torch.Tensor) -> tuple[Pair, Pair]:
+        return (normals[:n1], normals[n1:]), (features[:n1], features[n1:])
+
+    def again() -> tuple[Pair, Pair] | None:
+        if max(out["widest"].tolist()) <= DESCRIBE_WIDTH:  # the one host read
+            return None
         cat = torch.cat([first, second])
         d2, idx = radius_pair(cat, n1, scales.feature_radius, FEATURE_NEIGHBOURS)
-        normals, features = program.described(first, second, cat, d2, idx)
+        return split(*program.described(first, second, cat, d2, idx))
+
+    described = split(out["normals"], out["features"])
+    if not defer:
+        described = again() or described
+        clock.lap("describe")
+        return (*described, lambda: None)
     clock.lap("describe")
-    return (normals[:n1], normals[n1:]), (features[:n1], features[n1:])
+    return (*described, again)
 
 
 def prepare_cloud(cloud: torch.Tensor, scales: Scales, clock: _loop.Clock, name: str,
