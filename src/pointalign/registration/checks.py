@@ -74,7 +74,7 @@ def inner() -> Iterator[None]:
 
 
 def prepared_pair(source: Any, target: Any, init: Any, dev: torch.device, source_lengths: Any,
-                  target_lengths: Any, *, min_points: int = 1,
+                  target_lengths: Any, *, min_points: int = 1, local: bool = True,
                   **lengths: float | Sequence[float] | None
                   ) -> tuple[Pair, Callable[[], None] | None]:
     """Prepare a pair (``_edge.prepare_pair``) for a method whose first work is on the device.
@@ -83,11 +83,12 @@ def prepared_pair(source: Any, target: Any, init: Any, dev: torch.device, source
     device starts on the method's first work (an index, normals, covariances, its first
     steps or its whole program) before the host reads it. Returns the pair and
     :func:`check_units` (with ``lengths``) still to run then, or None: elsewhere the check
-    has run here, before any work.
+    has run here, before any work. ``local``: as ``prepare_pair``'s.
     """
     defer = dev.type == "cuda"
     pair = prepare_pair(source, target, init=init, device=dev, source_lengths=source_lengths,
-                        target_lengths=target_lengths, min_points=min_points, defer=defer)
+                        target_lengths=target_lengths, min_points=min_points, local=local,
+                        defer=defer)
 
     def units() -> None:
         check_units(pair.resolve(), **lengths)

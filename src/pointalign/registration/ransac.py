@@ -87,15 +87,18 @@ def feature_correspondences(
     if sf.shape[1] != tf.shape[1]:
         raise ValueError(f"target_features: dimension {tf.shape[1]} differs from "
                          f"source_features' {sf.shape[1]}")
-    return _correspond(sf, tf, mutual, ratio)
+    corr, count = _correspond(sf, tf, mutual, ratio)
+    return corr[:int(count)]  # (one host read)
 
 
 def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool, ratio: float | None,
-                matches: FeatureMatches | None = None) -> torch.Tensor:
-    """Feature correspondences ``(C, 2)`` of ``sf (N, D)`` and ``tf (M, D)``.
+                matches: FeatureMatches | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feature correspondences of ``sf (N, D)`` and ``tf (M, D)``, with no host read.
 
     From ``matches`` where they hold what is needed (k forward, the backward ones for
-    ``mutual``), else searched.
+    ``mutual``), else searched. Returns ``(N, 2)`` int64 rows ``(source row, target row)``,
+    the C correspondences first in increasing source row (the rows after them are other
+    source rows: not correspondences), and C as a 0-dim int64 tensor.
     """
     k = 2 if ratio is not None and tf.shape[0] >= 2 else 1
     if matches is not None and matches.k >= k:
@@ -111,7 +114,8 @@ def _correspond(sf: torch.Tensor, tf: torch.Tensor, mutual: bool, ratio: float |
         if back is None:
             _, back = _k.feature_knn(tf, sf, 1)
         keep &= back[j[:, 0], 0] == i
-    return torch.stack([i, j[:, 0]], 1)[keep]  # one selection: one host synchronisation
+    first = torch.sort((~keep).to(torch.int8), stable=True).indices  # kept rows first
+    return torch.stack([i, j[:, 0]], 1)[first], keep.sum()
 
 
 def _score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
@@ -239,7 +243,8 @@ class _RefineStep:
 class _Batch:
     """One batch of :func:`ransac`'s hypotheses as a fixed device program (no host read).
 
-    Inputs: the correspondences' ends ``cs, ct (C, 3)``, the batch's ``triples (H, 3)``,
+    Inputs: the correspondences' ends ``cs, ct (N, 3)`` (the first ``n_corr`` (0-dim) rows:
+    :func:`_correspond`), the batch's ``triples (H, 3)``,
     the T(d,d) ``subset (d, 3)``, the ``source (N, 3)`` and the pool of the best motions so
     far (``T (K, 4, 4)`` float64, ``counts (K,)`` with −1 for an empty row, ``sq (K,)``).
     On a device every hypothesis keeps its row (no compaction, no host read: in host memory
@@ -247,9 +252,9 @@ class _Batch:
     the triangle or the area test, or T(d,d), are masked, and the ``validations`` best by
     T(d,d) (fewer where fewer passed: the rest masked) are scored on the whole source.
     Outputs: the new pool (the best K of the old one and the scored motions by
-    :func:`_key`; ties keep the old rows first) and ``tally (7,)``: passed the triangle
+    :func:`_key`; ties keep the old rows first) and ``tally (8,)``: passed the triangle
     test, valid motions, passed T(d,d), scored, the pool's filled rows, the best motion's
-    inliers, and the correspondences it explains.
+    inliers, the correspondences it explains, and ``n_corr``.
     """
 
     index: Any
@@ -279,7 +284,8 @@ class _Batch:
         pool_T, pool_c, pool_sq = pool_T[top], pool_c[top], pool_sq[top]
         tally = torch.stack([est.passed, est.valid.sum(), passed.sum(), ok.sum(),
                               (pool_c >= 0).sum(), pool_c[0],
-                              _explained(pool_T[0], cs, ct, d)])
+                              _explained(pool_T[0], cs, ct, inputs["n_corr"], d),
+                              inputs["n_corr"]])
         return {"T": pool_T, "counts": pool_c, "sq": pool_sq, "tally": tally}
 
 
@@ -397,10 +403,13 @@ def ransac(
                                    source_features=source_features,
                                    target_features=target_features,
                                    matches=getattr(matches, "idx", None))
+    dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
     # the local frame (shift by the target's centroid in float64, then float32), unless the
-    # caller's index was built in the caller's coordinates
-    pair = _edge.prepare_pair(source, target, init=None, device=dev, min_points=3,
-                              local=target_index is None)
+    # caller's index was built in the caller's coordinates; on a GPU the pair's host part
+    # (and the units check) is read once the first batch is enqueued
+    pair, units = checks.prepared_pair(source, target, None, dev, None, None, min_points=3,
+                                       local=target_index is None,
+                                       max_correspondence_distance=dist)
     if pair.batched:
         raise ValueError(f"source, target: expected one (N, 3) cloud each, got a batch of "
                          f"{pair.size}; call ransac once per pair")
@@ -412,8 +421,6 @@ def ransac(
     if sf.shape[1] != tf.shape[1]:
         raise ValueError(f"target_features: dimension {tf.shape[1]} differs from "
                          f"source_features' {sf.shape[1]}")
-    dist = _validate.positive(max_correspondence_distance, "max_correspondence_distance")
-    checks.check_units(pair, max_correspondence_distance=dist)
     sim = _validate.in_range(triangle_similarity, "triangle_similarity", 0.0, 1.0)
     conf = _validate.in_range(confidence, "confidence", 0.0, 1.0)
     hypotheses, tdd_points, max_validations, refine_top = (
@@ -449,22 +456,20 @@ def ransac(
     if target_index is None:
         target_index = build_index(tgt)
     clock.lap("index")
-    corr = _correspond(sf, tf, mutual, ratio_test, matches)
-    n_corr = int(corr.shape[0])
+    # the correspondences' count stays on the device: the first batch brings it back
+    corr, n_corr_t = _correspond(sf, tf, mutual, ratio_test, matches)
     clock.lap("correspondences")
 
     info: dict[str, Any] = {"hypotheses": 0, "after_triangle": 0, "after_estimation": 0,
-                            "after_tdd": 0, "validated": 0, "correspondences": n_corr,
+                            "after_tdd": 0, "validated": 0, "correspondences": 0,
                             "correspondence_inlier_ratio": 0.0,
                             "required_hypotheses": math.inf, "batches": 0}
-    if n_corr < 3:
-        return _failed(pair, info, clock, StopReason.TOO_FEW_CORRESPONDENCES)
-
     g = torch.Generator(device=dev)
     g.manual_seed(int(seed))
     d = min(tdd_points, src.shape[0])
     subset = src[torch.randperm(src.shape[0], generator=g, device=dev)[:d]]
     cs, ct = src[corr[:, 0]], tgt[corr[:, 1]]
+    last_row = (n_corr_t - 1).clamp_min(0)
 
     # the best motions so far, padded to a fixed size by rows that count -1 (ranked last)
     keep = max(refine_top, 1)
@@ -476,17 +481,24 @@ def ransac(
     stop = StopReason.MAX_HYPOTHESES
     # a progress bar on a terminal once the batches run over a second (nothing otherwise)
     for h in _progress.batches(max_h, hypotheses, "RANSAC hypotheses"):
-        info["hypotheses"] += h
-        info["batches"] += 1
-        triples = torch.randint(0, n_corr, (h, 3), generator=g, device=dev)
+        # three rows each, uniform over the correspondences
+        triples = (torch.rand(h, 3, generator=g, device=dev) * n_corr_t).long().minimum(last_row)
         clock.lap("sample")
         # one fixed program a batch (a CUDA graph on a GPU), one transfer of its counts
         host, out = _loop.run_program(batch, {"cs": cs, "ct": ct, "triples": triples,
-                                              "subset": subset, "source": src, **pool},
-                                      eager_first=True)
-        pool = {k: out[k] for k in pool}
+                                              "subset": subset, "source": src,
+                                              "n_corr": n_corr_t, **pool},
+                                      eager_first=True, meanwhile=units)
+        units = None  # (checked, with the first batch in flight)
         (n_triangle, n_valid, n_passed, n_validated, n_pool, best_count,
-         n_explained) = (int(v) for v in host["tally"])
+         n_explained, n_corr) = (int(v) for v in host["tally"])
+        if n_corr < 3:  # (the batch drew from nothing: it is not counted)
+            info["correspondences"] = n_corr
+            return _failed(pair, info, clock, StopReason.TOO_FEW_CORRESPONDENCES)
+        info["correspondences"] = n_corr
+        info["hypotheses"] += h
+        info["batches"] += 1
+        pool = {k: out[k] for k in pool}
         for k, v in (("after_triangle", n_triangle), ("after_estimation", n_valid),
                      ("after_tdd", n_passed), ("validated", n_validated)):
             info[k] += v
@@ -513,7 +525,7 @@ def ransac(
                                           dist, refine_iterations)
         best = torch.sort(_key(pool_c, pool_sq, dist), descending=True, stable=True).indices
         pool_T, pool_c, pool_sq = pool_T[best], pool_c[best], pool_sq[best]
-    explained = _explained(pool_T[0], cs, ct, dist)
+    explained = _explained(pool_T[0], cs, ct, n_corr_t, dist)
     last = torch.cat([torch.stack([pool_c[0].double(), pool_sq[0], before.double(),
                                    explained.double()]),
                       pool_T[0].detach().to(torch.float64).reshape(16)]).cpu().numpy()
@@ -565,14 +577,16 @@ def _check_index(index: Any, target: torch.Tensor) -> None:
                          "points differ); build it with pointalign.search.build_index(target)")
 
 
-def _explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor,
+def _explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor, count: torch.Tensor,
                max_distance: float) -> torch.Tensor:
-    """Count the correspondences ``cs → ct (C, 3)`` that ``T (4, 4)`` maps within the bound.
+    """Count the correspondences ``cs → ct`` that ``T (4, 4)`` maps within the bound.
 
-    Returns a 0-dim int64 tensor, left on the device.
+    ``cs, ct (N, 3)``: the first ``count`` (0-dim) rows are the correspondences. Returns a
+    0-dim int64 tensor, left on the device.
     """
     res = (_k.transform_points(T[None], cs)[0] - ct).norm(dim=1)
-    return (res <= max_distance).sum()
+    real = torch.arange(cs.shape[0], device=cs.device) < count
+    return ((res <= max_distance) & real).sum()
 
 
 def _failed(pair: _edge.Pair, info: dict[str, Any], clock: _loop.Clock,
