@@ -281,14 +281,8 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     pending: list[Settle] = []
     v, scales, source, target = _prepare_pair(src, tgt, opts, clock, full_index=full_index,
                                               pending=pending)
-    glob, candidates, n_rank = _global(source, target, scales, opts, clock)
-    # the description's check, read once the global stage has been launched on it (the
-    # device describes while the host launches the matches and RANSAC); a neighbourhood
-    # wider than its table: described anew, the global stage again
-    for settle in pending:
-        if (again := settle()) is not None:
-            source, target = again
-            glob, candidates, n_rank = _global(source, target, scales, opts, clock)
+    glob, candidates, n_rank, source, target = _global(source, target, scales, opts, clock,
+                                                       pending)
     info: dict[str, Any] = {"voxel_size": v, "source_down": int(source.down.shape[0]),
                             "target_down": int(target.down.shape[0]),
                             "global": _edge.in_world(glob, pair.frame)}
@@ -356,15 +350,29 @@ def _prepare_pair(src: torch.Tensor, tgt: torch.Tensor, opts: _Options, clock: _
                                      pending))
 
 
+class Global(NamedTuple):
+    """:func:`_global`'s result, with the prepared clouds it stands on."""
+
+    result: RegistrationResult
+    candidates: torch.Tensor | None
+    ranked: int
+    source: Prepared
+    target: Prepared
+
+
 def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,
-            clock: _loop.Clock) -> tuple[RegistrationResult, torch.Tensor | None, int]:
+            clock: _loop.Clock, pending: Sequence[Settle] = ()) -> Global:
     """Run the global stage: parallel RANSAC, then (``robust``) the graph's proposals.
 
     The feature matches are found once (:func:`pointalign.kernels.ransac.feature_matches`:
     2 forward where a ratio is taken, the backward ones where mutual pairs are asked for)
-    and passed to both. Returns RANSAC's result (local frame), the candidate motions
-    ``(H, 4, 4)`` float64 (RANSAC's first; None when there is nothing to refine:
-    ``refine="none"`` or no hypothesis) and how many correspondences the graph ranked.
+    and passed to both. ``pending``: the description's deferred checks
+    (:func:`~pointalign.registration.prepare.prepare_both`), read after RANSAC (the device
+    describes while the host launches the matches and RANSAC, and is idle after it); where
+    a neighbourhood was wider than its table, the clouds described anew and the stage run
+    again on them. Returns RANSAC's result (local frame), the candidate motions ``(H, 4,
+    4)`` float64 (RANSAC's first; None when there is nothing to refine: ``refine="none"``
+    or no hypothesis), how many correspondences the graph ranked, and the clouds.
     """
     ropts = opts.ransac_options
     ratio = opts.robust or ropts.get("ratio_test") is not None
@@ -376,9 +384,12 @@ def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,
                   hypotheses=opts.hypotheses, target_index=target.index, seed=opts.seed,
                   matches=matches, **ropts)
     clock.lap("ransac")
+    for settle in pending:
+        if (again := settle()) is not None:
+            return _global(*again, scales, opts, clock)
     if opts.refine == "none" or glob.stop_reason in (StopReason.NO_HYPOTHESIS,
                                                      StopReason.TOO_FEW_CORRESPONDENCES):
-        return glob, None, 0
+        return Global(glob, None, 0, source, target)
     assert glob.transformation_tensor is not None  # every RegistrationResult of ransac()
     candidates = glob.transformation_tensor[None]
     n_rank = 0
@@ -391,7 +402,7 @@ def _global(source: Prepared, target: Prepared, scales: Scales, opts: _Options,
                                             scales.correspondence)
             candidates = torch.cat([candidates, H])
     clock.lap("robust")
-    return glob, candidates, n_rank
+    return Global(glob, candidates, n_rank, source, target)
 
 
 def icp_criteria(scales: Scales, max_iterations: int) -> ConvergenceCriteria:

@@ -37,7 +37,7 @@ def _global_stage(w: _Work, pair: _edge.LocalPair, opts: _Options, clock: _loop.
     w.ready = _Ready(src, tgt, pair.center, v, scales, source, target)
     w.row["voxel_size"] = v
     if not start:
-        w.glob, w.cands, _ = _global(source, target, scales, opts, clock)
+        w.glob, w.cands, *_ = _global(source, target, scales, opts, clock)
     elif opts.refine != "none":
         T0 = torch.from_numpy(pair.init).to(src.device)
         T0[:3, 3] /= v
