@@ -258,3 +258,24 @@ def test_packed_grids_count_cells_as_the_host_and_flag_an_overflow(device):
     # NaN; and just fitting (6.7·10**5 an axis, 1.5·10**18 in all)
     for e, over in ((1e-7, True), (1.1e-5, True), (math.nan, True), (1.5e-5, False)):
         assert bool(packed_grids(ten, torch.full_like(edges, e), 1)[2]) == over
+
+
+def test_auto_voxel_size_many_after_an_overflow_sizes_each_cloud_alone(device, monkeypatch):
+    """Where the program reports its packed cells overflowed (forced here), every cloud is
+    sized alone: the same edges, NaN where the points coincide."""
+    import dataclasses
+
+    from pointalign.features import downsample
+
+    @dataclasses.dataclass(frozen=True)
+    class Overflowing(downsample._EdgeSearch):
+        def __call__(self, inputs, checkpoint):
+            out = super().__call__(inputs, checkpoint)
+            return {**out, "overflow": torch.ones_like(out["overflow"])}
+
+    clouds = _many_clouds(device)
+    group = downsample.group_clouds(clouds)
+    want = downsample.auto_voxel_size_many(group, 300)
+    monkeypatch.setattr(downsample, "_EdgeSearch", Overflowing)
+    got = downsample.auto_voxel_size_many(group, 300)
+    assert [math.isnan(v) or v for v in got] == [math.isnan(v) or v for v in want]

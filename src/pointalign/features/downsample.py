@@ -467,11 +467,11 @@ def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,
                                 {"points": group.points, "owner": group.owner, "lo": group.lo,
                                  **start}, eager_first=True, device_outputs=False)
     if host["overflow"]:  # the packed key overflowed: one cloud at a time
-        return [edge_alone(group.cloud(i), target_points, iterations) for i in sized]
+        return [_edge_alone(group.cloud(i), target_points, iterations) for i in sized]
     return [float(host["v"][i]) for i in sized]
 
 
-def edge_alone(points: torch.Tensor, target_points: int, iterations: int) -> float:
+def _edge_alone(points: torch.Tensor, target_points: int, iterations: int) -> float:
     """Return :func:`auto_voxel_size`, NaN where the points all coincide."""
     try:
         return auto_voxel_size(points, target_points, iterations=iterations)

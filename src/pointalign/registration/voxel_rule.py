@@ -16,12 +16,13 @@ Two paths give the same answers. In host memory (the search plan's host tree) ea
 answered alone by its own SciPy tree (:func:`voxel_size_per_cloud`,
 :func:`without_strays_per_cloud`), which beats a sort and compare on the CPU (the bunny
 pair's rule on one core: 14 against 70 ms), and a caller's index over the target is
-reused. On a device the whole group is answered at once (the ``*_many`` functions of
-:mod:`~pointalign.features.downsample` and :mod:`~pointalign.features.outliers`: a few
-synchronisations for the group, no index built); the tests hold that path to the per-cloud
-one (v bit for bit, the same decisions and masks on the CPU backends; on a GPU a squared
-distance within ~2 float32 ulps of v² may count differently, see
-:func:`~pointalign.features.outliers.stray_fractions_many`).
+reused. On a device the whole group is answered at once, the edges' rounds and the stray
+counts at the edges as one device program read once (:func:`_edges_and_strays`, over
+:func:`~pointalign.features.downsample.edge_search` and
+:func:`~pointalign.features.outliers.stray_counts`; no index built); the tests hold that
+path to the per-cloud one (v bit for bit, the same decisions and masks on the CPU
+backends; on a GPU a squared distance within ~2 float32 ulps of v² may count differently,
+see :func:`~pointalign.features.outliers.stray_fractions_many`).
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def voxel_sizes(pairs: Sequence[Clouds], opts: Options,
 
     Returns:
         Per pair ``(v, strays)``, or the ValueError :data:`COINCIDE` where the larger cloud's
-        points all coincide. On a device a few host synchronisations per round of the edge
-        rule and one stray search, for the whole group.
+        points all coincide. On a device one host read for the whole group (a few more
+        where a pair shows strays: its edge again without them).
 
     """
     if not pairs:
