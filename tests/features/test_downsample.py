@@ -197,15 +197,20 @@ def test_group_corners_are_each_clouds_bounds(device, k):
     assert group.lo.tolist() == group.lo_h and group.sizes == [c.shape[0] for c in clouds]
 
 
-def test_auto_voxel_size_many_equals_each_alone(device):
+@pytest.mark.parametrize("first_rounds", [4, 1])
+def test_auto_voxel_size_many_equals_each_alone(device, first_rounds, monkeypatch):
     """auto_voxel_size_many: every cloud's edge bit for bit (the same cells, counts and host
     arithmetic); NaN where auto_voxel_size raises (all points coincide); ``clouds`` sizes
-    some of the group's clouds, in its order, with the same edges."""
+    some of the group's clouds, in its order, with the same edges. With the host looking
+    after one round (``FIRST_ROUNDS`` 1), the search goes on from the device's state."""
+    from pointalign.features import downsample
     from pointalign.features.downsample import (
         auto_voxel_size,
         auto_voxel_size_many,
         group_clouds,
     )
+
+    monkeypatch.setattr(downsample, "FIRST_ROUNDS", first_rounds)
 
     clouds = _many_clouds(device)
     group = group_clouds(clouds)

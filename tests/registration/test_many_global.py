@@ -103,6 +103,11 @@ def _same_rule(local, options):
         apart = voxel_rule._voxel_sizes_many(local, opts)
     assert [str(r) if isinstance(r, ValueError) else r for r in apart] \
         == [str(r) if isinstance(r, ValueError) else r for r in got]
+    # the host looking after every round: the search goes on from the device's state
+    with mock.patch("pointalign.features.downsample.FIRST_ROUNDS", 1):
+        stepwise = voxel_rule._voxel_sizes_many(local, opts)
+    assert [str(r) if isinstance(r, ValueError) else r for r in stepwise] \
+        == [str(r) if isinstance(r, ValueError) else r for r in got]
     public = voxel_rule.voxel_sizes(local, opts)  # the host's per-cloud path in host memory
     for (s, t), g, h in zip(local, got, public, strict=True):
         try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -34,6 +34,8 @@ from pointalign.kernels.grid import cell_keys, count_cells
 
 #: largest number of voxels along one axis (the three keys are packed in one int64)
 _MAX_CELLS_PER_AXIS = 1 << 20
+#: the automatic edge's rounds at most (:func:`auto_voxel_size`)
+EDGE_ROUNDS = 6
 
 
 def bounds(points: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]]:
@@ -190,7 +192,8 @@ def voxel_downsample(cloud: Any, voxel_size: float) -> Any:
     return _validate.cloud_as_kind(PointCloud(centers, normals=normals, colors=colors), like)
 
 
-def auto_voxel_size(points: Any, target_points: int = 5000, *, iterations: int = 6) -> float:
+def auto_voxel_size(points: Any, target_points: int = 5000, *,
+                    iterations: int = EDGE_ROUNDS) -> float:
     """Voxel edge at which ``points (N, 3)`` keeps about ``target_points`` voxels.
 
     Starts from ``diag / sqrt(target_points)`` (diag: the bounding-box diagonal) and
@@ -375,8 +378,9 @@ def edge_search_inputs(group: CloudGroup, target_points: int = 5000,
     The same start as :func:`auto_voxel_size` per cloud (the diagonal, the wanted count, the
     first edge); ``clouds``: the indices of the clouds to size (default: all; the others keep
     their first edge). ``edges``: every cloud's edge given instead (nothing sized). Returns
-    ``ext (C, 3)`` (the corners' difference), ``diag``, ``want``, ``v`` ``(C,)`` float64
-    and ``active (C,)`` bool on the group's device.
+    ``ext (C, 3)`` (the corners' difference), ``diag``, ``want`` ``(C,)`` float64 and the
+    search's first state (:data:`EDGE_STATE`: ``v``, ``best_v``, ``best_err`` ``(C,)``
+    float64, ``active (C,)`` and ``overflow`` (0-dim) bool) on the group's device.
     """
     target_points = int(target_points)
     if target_points < 3:
@@ -392,37 +396,48 @@ def edge_search_inputs(group: CloudGroup, target_points: int = 5000,
     else:
         v = [float(e) for e in edges]
     active = [float(i in sized and diag[i] > 0) for i in range(c)]
-    flat = upload(ext + diag + want + v + active, dtype=torch.float64,
+    flat = upload(ext + diag + want + v + active + [math.inf] * c, dtype=torch.float64,
                   device=group.points.device)
     return {"ext": flat[:3 * c].view(c, 3), "diag": flat[3 * c:4 * c],
-            "want": flat[4 * c:5 * c], "v": flat[5 * c:6 * c], "active": flat[6 * c:] > 0.5}
+            "want": flat[4 * c:5 * c], "v": flat[5 * c:6 * c],
+            "active": flat[6 * c:7 * c] > 0.5, "best_v": flat[5 * c:6 * c],
+            "best_err": flat[7 * c:],
+            "overflow": torch.zeros((), dtype=torch.bool, device=group.points.device)}
 
 
-def edge_search(arrays: Mapping[str, torch.Tensor], iterations: int = 6
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`auto_voxel_size`'s rounds for every cloud at once, on the device: no host read.
+#: the edge search's state from round to round (:func:`edge_search`)
+EDGE_STATE = ("v", "best_v", "best_err", "active", "overflow")
+#: rounds of the edge search run before the host looks (:func:`searched`): the rule settles
+#: within two to four on the usual scans (the bunny pairs two, a KITTI pair four)
+FIRST_ROUNDS = 4
 
-    ``arrays``: the group's ``points``, ``owner`` and ``lo`` (:class:`CloudGroup`) and
-    :func:`edge_search_inputs`' tensors, by name. Each round counts every cloud's voxels at
+
+def edge_search(arrays: Mapping[str, torch.Tensor], rounds: int
+                ) -> dict[str, torch.Tensor]:
+    """Run ``rounds`` of :func:`auto_voxel_size`'s search for every cloud, on the device.
+
+    ``arrays``: the group's ``points``, ``owner`` and ``lo`` (:class:`CloudGroup`),
+    :func:`edge_search_inputs`' tensors and the search's state (:data:`EDGE_STATE`: the
+    first one, or a previous call's), by name. Each round counts every cloud's voxels at
     its edge (:func:`~pointalign.kernels.grid.count_cells`: each cloud on its own grid, its
     cells computed as :func:`voxel_keys` computes them, float64 ``floor((p - lo) / v)``
     with the division as PyTorch rounds a division by a Python float:
     :func:`pointalign._ops.scalar_divisors`) and moves the clouds still searching by the
     rule's float64 arithmetic (true divisions, square roots and products: the host's bits;
-    the log error decides the same comparisons). All ``iterations`` rounds run (a cloud
-    that has stopped is counted along, unchanged). Returns the ``(C,)`` float64 edges, NaN
-    where a cloud's points all coincide (``auto_voxel_size`` raises there), and a 0-dim
-    bool: some round's grids overflowed the packed key (:func:`packed_grids`; only for a
-    group of many clouds at edges near ``diag · 1e-6``), the edges are then meaningless.
+    the log error decides the same comparisons). Every round runs (a cloud that has
+    stopped is counted along, unchanged), with no host read. Returns the new state and
+    ``edges (C,)`` float64: each cloud's best edge so far, NaN where its points all
+    coincide (``auto_voxel_size`` raises there). ``overflow``: some round's grids
+    overflowed the packed key (:func:`packed_grids`; only for a group of many clouds at
+    edges near ``diag · 1e-6``), the edges are then meaningless.
     """
     points, owner, lo = arrays["points"], arrays["owner"], arrays["lo"]
     ext, diag, want = arrays["ext"], arrays["diag"], arrays["want"]
-    v, active = arrays["v"], arrays["active"]
+    v, active, overflow = arrays["v"], arrays["active"], arrays["overflow"]
+    best_v, best_err = arrays["best_v"], arrays["best_err"]
     divide = divides_by_scalar(torch.float64, points.device)
     finest = diag * 1e-6
-    best_v, best_err = v, torch.full_like(v, math.inf)
-    overflow = torch.zeros((), dtype=torch.bool, device=v.device)
-    for _ in range(iterations):
+    for _ in range(rounds):
         dims, base, over = packed_grids(ext, v, 1)  # one spare cell an axis: no collision
         counts = count_cells(points, owner, lo, v if divide else 1.0 / v, dims, base,
                              divide=divide)
@@ -433,29 +448,51 @@ def edge_search(arrays: Mapping[str, torch.Tensor], iterations: int = 6
         active = active & (err >= 0.1)
         v = torch.where(active, torch.maximum(v * ratio.sqrt(), finest), v)
         overflow = overflow | over
-    return torch.where(diag > 0, best_v, math.nan), overflow
+    return {"v": v, "best_v": best_v, "best_err": best_err, "active": active,
+            "overflow": overflow, "edges": torch.where(diag > 0, best_v, math.nan)}
+
+
+def searched(program: Callable[[int], Any], inputs: dict[str, torch.Tensor],
+             iterations: int) -> dict[str, np.ndarray]:
+    """Run an edge-search program (:func:`edge_search` inside), the host looking rarely.
+
+    ``program(rounds)``: the fixed device program of ``rounds`` rounds, whose outputs hold
+    the state (:data:`EDGE_STATE`); ``inputs``: its inputs, the first state among them.
+    :data:`FIRST_ROUNDS` rounds, one read, and the remaining rounds of ``iterations`` only
+    where a cloud still searches (and no grid overflowed): the same rounds as the host's
+    loop. Each run through :func:`~pointalign.kernels._loop.run_program` (on a GPU a CUDA
+    graph per size from a size's second call). Returns the last run's host outputs.
+    """
+    done, rounds = 0, min(FIRST_ROUNDS, iterations)
+    while True:
+        host, out = _loop.run_program(program(rounds), inputs, eager_first=True)
+        done += rounds
+        if host["overflow"] or done >= iterations or not host["active"].any():
+            return host
+        inputs = {**inputs, **{k: out[k] for k in EDGE_STATE}}
+        rounds = iterations - done
 
 
 @dataclasses.dataclass(frozen=True)
 class _EdgeSearch:
     """:func:`edge_search` as a fixed device program (:func:`auto_voxel_size_many`)."""
 
-    iterations: int
+    rounds: int
 
     def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
                  ) -> dict[str, torch.Tensor]:
-        v, overflow = edge_search(inputs, self.iterations)
-        return {"v": v, "overflow": overflow}
+        return edge_search(inputs, self.rounds)
 
 
 def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,
-                         iterations: int = 6, clouds: Sequence[int] | None = None
+                         iterations: int = EDGE_ROUNDS, clouds: Sequence[int] | None = None
                          ) -> list[float]:
     """:func:`auto_voxel_size` of every cloud of ``group``: the same edges, bit for bit.
 
     The same rule and arithmetic per cloud, every round of every cloud on the device
-    (:func:`edge_search`: one fixed program, on a GPU a CUDA graph per size from a size's
-    second call) and one read; one cloud at a time where the packed cells overflowed.
+    (:func:`edge_search`, run by :func:`searched`: one read after :data:`FIRST_ROUNDS`
+    rounds, a second where a cloud still searches); one cloud at a time where the packed
+    cells overflowed.
     A cloud whose points all coincide gets NaN (:func:`auto_voxel_size` raises there).
     ``clouds``: the indices of the clouds to size, in the order of the returned edges
     (default: all); the others are counted along but not sized (a group made once for
@@ -463,12 +500,11 @@ def auto_voxel_size_many(group: CloudGroup, target_points: int = 5000, *,
     """
     sized = list(range(len(group.sizes))) if clouds is None else list(clouds)
     start = edge_search_inputs(group, target_points, sized)
-    host, _ = _loop.run_program(_EdgeSearch(int(iterations)),
-                                {"points": group.points, "owner": group.owner, "lo": group.lo,
-                                 **start}, eager_first=True, device_outputs=False)
+    host = searched(_EdgeSearch, {"points": group.points, "owner": group.owner,
+                                  "lo": group.lo, **start}, int(iterations))
     if host["overflow"]:  # the packed key overflowed: one cloud at a time
         return [_edge_alone(group.cloud(i), target_points, iterations) for i in sized]
-    return [float(host["v"][i]) for i in sized]
+    return [float(host["edges"][i]) for i in sized]
 
 
 def _edge_alone(points: torch.Tensor, target_points: int, iterations: int) -> float:

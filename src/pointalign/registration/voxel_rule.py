@@ -35,12 +35,14 @@ from typing import Any
 import torch
 
 from pointalign.features.downsample import (
+    EDGE_ROUNDS,
     CloudGroup,
     auto_voxel_size,
     auto_voxel_size_many,
     edge_search,
     edge_search_inputs,
     group_clouds,
+    searched,
 )
 from pointalign.features.outliers import (
     MIN_STRAY_FRACTION,
@@ -54,7 +56,7 @@ from pointalign.features.outliers import (
     stray_fractions_of,
     stray_sample,
 )
-from pointalign.kernels import _loop, upload
+from pointalign.kernels import upload
 from pointalign.registration.options import Options
 from pointalign.search import policy
 
@@ -145,15 +147,15 @@ def _edges_and_strays(group: CloudGroup, opts: Options, bigs: list[int]
     if opts.remove_outliers:
         sample, queries = stray_sample(group)
         inputs.update(sample)
-    host, _ = _loop.run_program(_Rule(given is None, bool(opts.remove_outliers)), inputs,
-                                eager_first=True, device_outputs=False)
+    host = searched(lambda rounds: _Rule(rounds, bool(opts.remove_outliers)), inputs,
+                    EDGE_ROUNDS if given is None else 0)
     if host["overflow"]:
         vs = given[:n] if given is not None else auto_voxel_size_many(
             group, opts.target_points, clouds=bigs)
         return vs, stray_fractions_many(group, [v if math.isfinite(v) else 1.0 for v in vs
                                                 for _ in (0, 1)]) \
             if opts.remove_outliers else None
-    vs = [float(host["v"][b]) for b in bigs]
+    vs = [float(host["edges"][b]) for b in bigs]
     if not opts.remove_outliers:
         return vs, None
     return vs, stray_fractions_of(group.sizes, host["strays"].tolist(), queries, dev)
@@ -161,25 +163,22 @@ def _edges_and_strays(group: CloudGroup, opts: Options, bigs: list[int]
 
 @dataclasses.dataclass(frozen=True)
 class _Rule:
-    """The edges (``search``: else the given ones) and the stray counts at them (``strays``).
+    """``rounds`` of the edge search, then (``strays``) the stray counts at the edges.
 
-    A fixed device program with no host read (:func:`_edges_and_strays`); ``overflow``:
-    some grid overflowed its packed key.
+    A fixed device program with no host read (:func:`_edges_and_strays`); with no rounds
+    the edges are the given ones. ``overflow``: some grid overflowed its packed key.
     """
 
-    search: bool
+    rounds: int
     strays: bool
 
     def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: object
                  ) -> dict[str, torch.Tensor]:
-        v, overflow = edge_search(inputs) if self.search else \
-            (inputs["v"], torch.zeros((), dtype=torch.bool, device=inputs["v"].device))
-        out = {"v": v}
+        out = edge_search(inputs, self.rounds)
         if self.strays:
-            e = v[inputs["pair_of"]]
-            out["strays"], over = stray_counts(inputs, torch.where(torch.isfinite(e), e, 1.0))
-            overflow = overflow | over
-        out["overflow"] = overflow
+            e = out["edges"][inputs["pair_of"]]
+            strays, over = stray_counts(inputs, torch.where(torch.isfinite(e), e, 1.0))
+            out = {**out, "strays": strays, "overflow": out["overflow"] | over}
         return out
 
 
