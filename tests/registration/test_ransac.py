@@ -126,15 +126,36 @@ def test_no_hypothesis_surviving_is_a_failed_result(bunny_features):
     assert r.info["after_triangle"] == 0
 
 
-def test_too_few_correspondences_is_a_failed_result():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_too_few_correspondences_is_a_failed_result(device):
+    """The count comes back with the first batch (it stays on the device until then): the
+    failed result counts no hypothesis and no batch, and says how many correspondences."""
     g = torch.Generator().manual_seed(0)
-    pts = torch.rand(5, 3, generator=g)
+    pts = torch.rand(5, 3, generator=g).to(device)
     # every source feature is nearest to target 0, whose nearest source is 0: one mutual pair
-    fs = torch.zeros(5, 4)
-    ft = torch.cat([torch.zeros(1, 4), torch.full((4, 4), 10.0)])
+    fs = torch.zeros(5, 4, device=device)
+    ft = torch.cat([torch.zeros(1, 4), torch.full((4, 4), 10.0)]).to(device)
     r = ransac(pts, pts, source_features=fs, target_features=ft, max_correspondence_distance=0.1,
                mutual=True)
     assert not r.converged and r.stop_reason == "too_few_correspondences"
+    assert r.info["correspondences"] == 1
+    assert r.info["hypotheses"] == 0 and r.info["batches"] == 0
+    assert np.array_equal(r.transformation, np.eye(4)) and r.fitness == 0.0
+
+
+@pytest.mark.gpu
+def test_nan_input_raises_on_cuda(bunny_features):
+    """On a GPU the pair's host part is read once the first batch is enqueued: a NaN point
+    still raises the ValueError naming the cloud, and the caller's clouds are untouched."""
+    s, t, fs, ft, _ = bunny_features
+    src = s.cuda().clone()
+    src[7, 1] = math.nan
+    kept = src.clone()
+    with pytest.raises(ValueError, match="source"):
+        ransac(src, t.cuda(), source_features=fs.cuda(), target_features=ft.cuda(),
+               max_correspondence_distance=1.5 * V)
+    assert torch.equal(src.isnan(), kept.isnan())
+    assert torch.equal(torch.nan_to_num(src), torch.nan_to_num(kept))
 
 
 @pytest.mark.parametrize("kw, err, match", [

@@ -98,6 +98,7 @@ def prepare_both(src: torch.Tensor, tgt: torch.Tensor, scales: Scales, clock: _l
         s, t = (describe_cloud(d, ix, scales, clock)
                 for d, ix in zip(downs, indexes, strict=True))
         return s, t
+
     def prepared(normals: tuple[torch.Tensor, torch.Tensor],
                  features: tuple[torch.Tensor, torch.Tensor]) -> tuple[Prepared, Prepared]:
         return (Prepared(downs[0], indexes[0], normals[0], features[0]),
@@ -186,10 +187,8 @@ def describe_both(first: torch.Tensor, second: torch.Tensor, scales: Scales,
         return split(*program.described(first, second, cat, d2, idx))
 
     described = split(out["normals"], out["features"])
-    if not defer:
-        described = again() or described
-        clock.lap("describe")
-        return (*described, lambda: None)
+    if not defer:  # the exact description now; nothing left to check
+        described, again = again() or described, lambda: None
     clock.lap("describe")
     return (*described, again)
 
