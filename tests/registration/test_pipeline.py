@@ -133,9 +133,9 @@ def test_description_checked_after_the_global_stage(bunny, monkeypatch):
 
 
 def test_verdict_counts_equal_separate_scores(bunny, seed):
-    """The verdict's three counts from one search equal three bounded scores (_score)."""
+    """The verdict's three counts from one search equal three bounded scores (score)."""
     from pointalign.features.downsample import voxel_downsample
-    from pointalign.registration.ransac import _score, count_inliers, count_inliers_within
+    from pointalign.registration.ransac_programs import count_inliers, count_inliers_within, score
     from pointalign.search import build_index
 
     v = 0.004
@@ -147,7 +147,7 @@ def test_verdict_counts_equal_separate_scores(bunny, seed):
         T[:3, 3] += scale * v * torch.randn(3, generator=g, dtype=torch.float64)
         bounds = (1.5 * v, 0.5 * v, v)
         got = count_inliers_within(T, s_down, t_idx, bounds)
-        want = [_score(T[None], s_down, t_idx, b)[0] for b in bounds]
+        want = [score(T[None], s_down, t_idx, b)[0] for b in bounds]
         assert [int(x) for x in got] == [int(x) for x in want]
         assert [int(x) for x in got] == [int(count_inliers(T[None], s_down, t_idx, b)[0])
                                          for b in bounds]

@@ -20,7 +20,7 @@ from pointalign import _math, transforms
 from pointalign.kernels import _loop
 from pointalign.registration import _edge
 from pointalign.registration._edge import StopReason
-from pointalign.registration.ransac import count_inliers_within
+from pointalign.registration.ransac_programs import count_inliers_within
 from pointalign.registration.result import RegistrationResult
 
 if TYPE_CHECKING:

@@ -26,7 +26,8 @@ from pointalign.registration._edge import MIN_FITNESS, StopReason
 from pointalign.registration.many.batched import _packed, _pad, _score
 from pointalign.registration.options import Options as _Options
 from pointalign.registration.pipeline import CORRESPONDENCES, Scales
-from pointalign.registration.ransac import _key, required_hypotheses
+from pointalign.registration.ransac import required_hypotheses
+from pointalign.registration.ransac_programs import key as _key
 from pointalign.registration.result import RegistrationResult
 from pointalign.search.packed import PackedIndex
 
@@ -240,7 +241,7 @@ def _refine(T: torch.Tensor, c: torch.Tensor, sq: torch.Tensor, key: torch.Tenso
             S: torch.Tensor, Tg: torch.Tensor, n_src: torch.Tensor, index: PackedIndex,
             dist: float, iterations: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lo-RANSAC of every pair's pool ``T (B, R, 4, 4)`` (``ransac._refine``, batched).
+    """Lo-RANSAC of every pair's pool ``T (B, R, 4, 4)`` (``ransac_programs.Refined``, batched).
 
     Empty slots (key -inf) are never updated; returns the pools sorted by key, best first.
     """

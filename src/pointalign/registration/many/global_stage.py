@@ -19,7 +19,7 @@ from pointalign.registration.many.work import _by_scales, _fail, _Ready, _Work
 from pointalign.registration.options import Options as _Options
 from pointalign.registration.pipeline import Scales, _global, _prepare_pair
 from pointalign.registration.prepare import Prepared
-from pointalign.registration.ransac import count_inliers
+from pointalign.registration.ransac_programs import count_inliers
 
 
 def _global_stage(w: _Work, pair: _edge.LocalPair, opts: _Options, clock: _loop.Clock
