@@ -12,7 +12,6 @@ import torch
 from pointalign.cloud import PointCloud
 from pointalign.features.normals import (
     estimate_normals,
-    estimate_normals_later,
     smallest_eigenvector,
     symmetric_eigenvalues,
 )
@@ -174,21 +173,3 @@ def test_a_cloud_of_copies_of_one_point_is_finite():
     n = estimate_normals(one, k=10, device="cpu")
     assert torch.isfinite(n).all()
     assert torch.allclose(n.norm(dim=-1), torch.ones(50), atol=1e-6)
-
-
-@pytest.mark.parametrize("repeated", [False, True], ids=["distinct", "with_copies"])
-def test_normals_later_are_estimate_normals(rng, device, repeated):
-    """register()'s final normals enqueued early and read late: estimate_normals' own
-    numbers (the same searches and kernels), copies searched again among distinct points."""
-    pts, _ = _sphere(3_000, rng)
-    if repeated:
-        pts = torch.cat([pts, pts[:40]])
-    pts = pts.to(device)
-    index = build_index(pts)
-    vp = pts.mean(0)
-    settle = estimate_normals_later(pts, k=16, radius=0.4, index=index, viewpoint=vp)
-    want = estimate_normals(pts, k=16, radius=0.4, index=index, orient="viewpoint",
-                            viewpoint=vp)
-    got = settle()
-    assert got.device == pts.device
-    assert torch.equal(got, want)

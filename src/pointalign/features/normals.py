@@ -11,7 +11,6 @@ CACM 1961), the eigenvector as the largest cross product of two rows of ``C − 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,67 +34,6 @@ ORIENTS = ("viewpoint", "majority", None)
 symmetric_eigenvalues = _math.eigvalsh3
 smallest_eigenvector = _math.smallest_eigenvector3
 symmetric_eigh3 = _math.eigh3
-
-
-def estimate_normals_later(points: torch.Tensor, *, k: int, radius: float, index: Any,
-                           viewpoint: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Enqueue :func:`estimate_normals` of checked points now; read its one decision later.
-
-    ``estimate_normals(points, k=k, radius=radius, index=index, orient="viewpoint",
-    viewpoint=viewpoint)`` of ``points (N, 3)`` (finite, on the index's device; not checked
-    again) with ``viewpoint (3,)``: the searches and the PCA are enqueued at once, and the
-    returned call reads whether a point has an exact copy (then the distinct points are
-    searched again, as there) and returns the ``(N, 3)`` normals. A caller enqueues other
-    work in between, so that the device estimates while the host goes on and the read
-    waits for nothing.
-    """
-    out, copies = _searched_normals(points, index, k, radius, k, viewpoint)
-
-    def settle() -> torch.Tensor:
-        if copies is not None and bool(copies):
-            return _of_distinct(points, out, k, radius, k, viewpoint, "viewpoint")
-        return out
-
-    return settle
-
-
-def _searched_normals(pts: torch.Tensor, index: Any, k: int | None, radius: float | None,
-                      max_neighbors: int, viewpoint: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`estimate_normals`' searches and PCA over ``index``, a chunk at a time.
-
-    Returns the ``(N, 3)`` normals (facing ``viewpoint`` where given) and a 0-dim bool
-    tensor, left on the device: whether some point has an exact copy among its nearest
-    (None where a neighbourhood holds one point: no copy can be seen).
-    """
-    n = pts.shape[0]
-    cap = min(k if k is not None else max_neighbors, n)
-    out = torch.empty_like(pts)
-    copies = None
-    for s in range(0, n, _CHUNK):
-        q = pts[s:s + _CHUNK]
-        res = index.radius(q, radius, cap) if radius is not None else index.knn(q, cap)
-        out[s:s + _CHUNK] = _kernels.pca_normals(pts, res.idx, viewpoint, centers=q)
-        if res.idx.shape[1] >= 2:
-            found = _kernels.copy_rows(pts, res.idx, q).any()
-            copies = found if copies is None else copies | found
-    return out, copies
-
-
-def _of_distinct(pts: torch.Tensor, out: torch.Tensor, k: int | None, radius: float | None,
-                 max_neighbors: int, viewpoint: torch.Tensor | None,
-                 orient: str | None) -> torch.Tensor:
-    """Return the normals of ``pts`` searched among its distinct points, each copy its point's.
-
-    ``out``: the normals as searched, returned where every point is distinct after all.
-    """
-    distinct, inverse = torch.unique(pts, dim=0, return_inverse=True)
-    if distinct.shape[0] == pts.shape[0]:
-        return out
-    return estimate_normals(
-        distinct, k=None if k is None else min(k, max(3, distinct.shape[0])), radius=radius,
-        max_neighbors=max_neighbors, viewpoint=viewpoint,
-        orient="viewpoint" if orient == "viewpoint" else None, device=pts.device)[inverse]
 
 
 def check_neighbour_table(idx: Any, n: int, device: torch.device,
@@ -207,9 +145,25 @@ def estimate_normals(
         elif index.points.shape[0] != n or index.points.device != dev:
             raise ValueError(f"index: built over {index.points.shape[0]} points on "
                              f"{index.points.device}, but points has {n} on {dev}")
-        out, copies = _searched_normals(pts, index, k, radius, max_neighbors, centre_vp)
-        if copies is not None and bool(copies):
-            out = _of_distinct(pts, out, k, radius, max_neighbors, vp, orient)
+        out = torch.empty_like(pts)
+        copies = False
+        for s in range(0, n, _CHUNK):
+            q = pts[s:s + _CHUNK]
+            if radius is not None:
+                cap = min(k if k is not None else max_neighbors, n)
+                res = index.radius(q, radius, cap)
+            else:
+                res = index.knn(q, min(k if k is not None else max_neighbors, n))
+            out[s:s + _CHUNK] = _kernels.pca_normals(pts, res.idx, centre_vp, centers=q)
+            copies = copies or (res.idx.shape[1] >= 2
+                                 and bool(_kernels.copy_rows(pts, res.idx, q).any()))
+        if copies:  # search again among the distinct points; each copy takes its point's
+            distinct, inverse = torch.unique(pts, dim=0, return_inverse=True)
+            if distinct.shape[0] < n:
+                out = estimate_normals(distinct, k=None if k is None else min(
+                    k, max(3, distinct.shape[0])), radius=radius, max_neighbors=max_neighbors,
+                    viewpoint=vp, orient="viewpoint" if orient == "viewpoint" else None,
+                    device=dev)[inverse]
     if orient == "majority":
         S = out.to(torch.float64).transpose(0, 1) @ out.to(torch.float64)
         _, V = torch.linalg.eigh(S)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,7 +39,7 @@ import torch
 
 from pointalign import _progress, _threads, _validate
 from pointalign.features.downsample import group_clouds, voxel_downsample
-from pointalign.features.normals import estimate_normals_later
+from pointalign.features.normals import estimate_normals
 from pointalign.kernels import _first_use, _loop
 from pointalign.kernels import ransac as _kr
 from pointalign.registration import _edge, checks, voxel_rule
@@ -290,12 +290,10 @@ def _register(src: torch.Tensor, tgt: torch.Tensor, pair: _edge.Pair,
     if candidates is None:  # refine="none", or RANSAC found nothing: the global result
         return global_result(pair, glob, info, clock.total())
     criteria = icp_criteria(scales, opts.max_iterations)
-    # the final stage's clouds first: the device estimates the target's normals while the
-    # host prepares the coarse stage
-    full = _final_clouds_later(src, tgt, scales, opts.icp_voxel_size, opts.refine, full_index)
     (R, fit_v, coarse_iterations), = _refine_hypotheses([(candidates, source, target)],
                                                         scales, criteria, opts.robust, clock)
-    local = _final_icp([full()], R[:1], scales, criteria, opts.refine, clock)[0]
+    full = _final_clouds(src, tgt, scales, opts.icp_voxel_size, opts.refine, full_index)
+    local = _final_icp([full], R[:1], scales, criteria, opts.refine, clock)[0]
     judged, reason = verdict(local, R, fit_v, source, target, scales)
     clock.lap("verdict")
     info.update(judged, ranked_correspondences=n_rank, hypotheses_refined=int(R.shape[0]),
@@ -514,29 +512,17 @@ def _final_clouds(src: torch.Tensor, tgt: torch.Tensor, scales: Scales,
     on the CPU the index keeps this self-query as the ICP's shortcut lists); none for
     ``refine="gicp"`` (its covariances come from the k = 20 nearest points of each cloud).
     """
-    return _final_clouds_later(src, tgt, scales, icp_voxel_size, refine, full_index)()
-
-
-def _final_clouds_later(src: torch.Tensor, tgt: torch.Tensor, scales: Scales,
-                        icp_voxel_size: float | None, refine: str = "point_to_plane",
-                        full_index: Any = None) -> Callable[[], FinalClouds]:
-    """:func:`_final_clouds` enqueued now; the returned call reads its check and returns them.
-
-    The normals' check for copies (:func:`~pointalign.features.normals.estimate_normals_later`)
-    is read at the call: :func:`register` enqueues this before the coarse stage, whose host
-    work the device's normals then overlap.
-    """
     s_full, t_full = src, tgt
     if icp_voxel_size is not None:
         s_full = voxel_downsample(src, icp_voxel_size)
         t_full = voxel_downsample(tgt, icp_voxel_size)
     index = full_index if full_index is not None and t_full is tgt else build_index(t_full)
     if refine == "gicp":
-        return lambda: FinalClouds(s_full, t_full, index, None)
-    normals = estimate_normals_later(t_full, k=min(FULL_NORMAL_NEIGHBOURS, t_full.shape[0]),
-                                     radius=scales.normal_radius, index=index,
-                                     viewpoint=t_full.mean(0))
-    return lambda: FinalClouds(s_full, t_full, index, normals())
+        return FinalClouds(s_full, t_full, index, None)
+    t_normals = estimate_normals(t_full, k=min(FULL_NORMAL_NEIGHBOURS, t_full.shape[0]),
+                                 radius=scales.normal_radius, index=index,
+                                 orient="viewpoint", viewpoint=t_full.mean(0))
+    return FinalClouds(s_full, t_full, index, t_normals)
 
 
 def _final_icp(pairs: Sequence[FinalClouds], init: torch.Tensor, scales: Scales,

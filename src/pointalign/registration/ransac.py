@@ -35,9 +35,11 @@ from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
 from pointalign.registration.ransac_programs import (  # noqa: F401 (public names, README)
     Batch,
-    Refined,
     count_inliers,
     count_inliers_within,
+    explained,
+    key,
+    refine,
 )
 from pointalign.registration.result import RegistrationResult
 from pointalign.search import build_index
@@ -350,14 +352,21 @@ def ransac(
             break
     if n_pool == 0:
         return _failed(pair, info, clock, StopReason.NO_HYPOTHESIS)
-    # Lo-RANSAC of the pool and its best motion: one program, one transfer
-    rounds = refine_iterations if local_refinement else 0
-    host, _ = _loop.run_program(Refined(target_index, dist, rounds),
-                                {**pool, "source": src, "target": tgt, "cs": cs, "ct": ct,
-                                 "n_corr": n_corr_t}, device_outputs=False, eager_first=True)
-    count_f, sq_best, before_f, n_explained = host["best"].tolist()
+    pool_T, pool_c, pool_sq = (pool[k][:n_pool] for k in ("T", "counts", "sq"))
+
+    before = pool_c[0]
+    if local_refinement and refine_iterations > 0:
+        pool_T, pool_c, pool_sq = refine(pool_T, pool_c, pool_sq, src, tgt, target_index,
+                                         dist, refine_iterations)
+        best = torch.sort(key(pool_c, pool_sq, dist), descending=True, stable=True).indices
+        pool_T, pool_c, pool_sq = pool_T[best], pool_c[best], pool_sq[best]
+    n_expl = explained(pool_T[0], cs, ct, n_corr_t, dist)
+    last = torch.cat([torch.stack([pool_c[0].double(), pool_sq[0], before.double(),
+                                   n_expl.double()]),
+                      pool_T[0].detach().to(torch.float64).reshape(16)]).cpu().numpy()
+    count_f, sq_best, before_f, n_explained = last[:4].tolist()  # (one transfer)
     count, n_before = int(count_f), int(before_f)
-    if rounds:
+    if local_refinement and refine_iterations > 0:
         info["refined_inliers_gain"] = count - n_before
         clock.lap("refine")
     timings = clock.total()
@@ -369,7 +378,7 @@ def ransac(
     if not converged:
         stop = StopReason.BELOW_THRESHOLD
     return _edge.build_result(
-        pair, host["T"].reshape(1, 4, 4), fitness=np.array([fitness]), rmse=np.array([rmse]),
+        pair, last[4:].reshape(1, 4, 4), fitness=np.array([fitness]), rmse=np.array([rmse]),
         iterations=np.array([info["hypotheses"]]), reasons=[stop], history=[],
         timings=timings, info=info, converged=np.array([converged]))
 

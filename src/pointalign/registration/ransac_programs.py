@@ -3,7 +3,7 @@
 What :func:`~pointalign.registration.ransac.ransac` runs on the device, each as a fixed
 program with no host read (:func:`pointalign.kernels._loop.run_program`: one CUDA graph per
 size on a GPU): :class:`Batch` (one batch of hypotheses, the pool of the best so far) and
-:class:`Refined` (Lo-RANSAC of the pool and its best motion); and the counting helpers
+:func:`refine` (Lo-RANSAC of the pool's best, its rounds on the executor); and the counting helpers
 they share with :func:`pointalign.register` (:func:`count_inliers`,
 :func:`count_inliers_within`).
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from pointalign import _validate, estimate
+from pointalign.kernels import _loop
 from pointalign.kernels import ransac as _k
 from pointalign.kernels.horn import weighted_horn
 
@@ -140,51 +141,69 @@ def explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor, count: torch.
     return ((res <= max_distance) & real).sum()
 
 
-@dataclasses.dataclass(frozen=True)
-class Refined:
-    """Lo-RANSAC of the pool (Chum, Matas & Kittler 2003), then its best motion.
+def refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.Tensor,
+            tgt: torch.Tensor, index: Any, max_distance: float,
+            iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lo-RANSAC local optimisation of ``T (B, 4, 4)``.
 
-    Inputs: the pool ``T (K, 4, 4)`` float64, ``counts (K,)`` (−1: an empty row), ``sq
-    (K,)`` (:class:`Batch`'s, best first), the ``source (N, 3)`` and ``target (M, 3)``, the
-    correspondences' ends ``cs, ct (N, 3)`` and their count ``n_corr`` (0-dim). Each of
-    ``rounds`` rounds re-estimates every filled row by Horn on its inliers (nearest target
-    point within the bound; :func:`pointalign.kernels.horn.weighted_horn`, which tests only
-    for a zero weight: a motion of collinear inliers is kept only if it scores better, as
-    any candidate is) and keeps the update where it ranks higher by :func:`key`; the
-    matches found when scoring an update are its inliers for the next round. A round that
-    improves nothing leaves the pool as it was, and so does every later one (the same
-    inliers give the same update: the kernels are deterministic), so the program stops
-    there when it runs eagerly (``checkpoint``) and runs every round in a graph, with the
-    same result. Outputs: ``T (4, 4)``, the best motion, and ``best (4,)`` float64: its
-    inliers, their squared distances' sum, the pool's best inliers before the rounds, and
-    the correspondences the best motion explains.
+    Each round (:class:`RefineStep`) re-estimates every motion by Horn on all its inliers
+    (nearest target point within the bound) and keeps the update only if it scores better;
+    at most ``iterations`` rounds, and none after a round that improved no motion. The
+    matches found when scoring an update are its inliers for the next round (one
+    neighbour query per round). The rounds run on the executor (:func:`~pointalign.kernels.
+    _loop.iterate`: on a GPU replays of a kept CUDA graph, the index keyed by its layout),
+    and the host reads one flag per round (whether any motion improved). The
+    re-estimation is the fused weighted Horn of :func:`pointalign.kernels.horn.
+    weighted_horn` (one launch on a GPU); it tests only for a zero weight, not for collinear
+    inliers, whose motion (any turn about their line) is kept only if it scores better, as
+    any candidate is.
+    """
+    _, _, idx = score(T, src, index, max_distance, with_matches=True)
+    assert idx is not None  # with_matches
+    state = {"T": T, "counts": counts, "sq": sq, "key": key(counts, sq, max_distance),
+             "idx": idx, "round": torch.zeros((), dtype=torch.int64, device=T.device)}
+    run = _loop.iterate(RefineStep(index, float(max_distance), int(iterations)),
+                        {"src": src, "tgt": tgt}, state, max_steps=max(int(iterations), 1))
+    for rec in run:
+        if not rec["improved"]:
+            break
+    out = run.state  # steps run past the host's stop change nothing (below)
+    return out["T"], out["counts"], out["sq"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RefineStep:
+    """One Lo-RANSAC round of :func:`refine` as an executor step (no host read).
+
+    State ``T (B, 4, 4)`` float64, ``counts (B,)``, ``sq (B,)``, ``key (B,)``, ``idx (B, P)``
+    (each motion's inliers) and ``round`` (0-d); record ``improved`` (0-d: any motion kept
+    its update). A round that improves nothing leaves the state as it was, and so does the
+    next one (the same inliers give the same update: the kernels are deterministic), so
+    steps launched past the host's stop, or past ``rounds``, change nothing.
     """
 
     index: Any
     max_distance: float
     rounds: int
+    #: rounds per graph replay: the motions usually stop improving within one or two, and
+    #: each surplus round is a full scoring pass
+    chunk: ClassVar[int] = 2
 
-    def __call__(self, inputs: dict[str, torch.Tensor], checkpoint: Any
-                 ) -> dict[str, torch.Tensor]:
-        """Enqueue the rounds (eagerly: until one improves nothing); return the best."""
-        T, c, sq, d = inputs["T"], inputs["counts"], inputs["sq"], self.max_distance
-        src, tgt = inputs["source"], inputs["target"]
-        filled, k = c >= 0, key(c, sq, d)
-        idx = score(T, src, self.index, d, with_matches=True)[2] if self.rounds else None
-        for _ in range(self.rounds):
-            assert idx is not None  # with_matches
-            T_new, valid = weighted_horn(src.expand(idx.shape[0], -1, -1),
-                                         tgt[idx.clamp_min(0)], (idx >= 0).to(src.dtype))
-            c_new, sq_new, idx_new = score(T_new, src, self.index, d, with_matches=True)
-            assert idx_new is not None  # with_matches
-            k_new = key(c_new, sq_new, d)
-            better = filled & valid & (k_new > k)
-            T = torch.where(better[:, None, None], T_new, T)
-            c, sq = torch.where(better, c_new, c), torch.where(better, sq_new, sq)
-            k, idx = torch.where(better, k_new, k), torch.where(better[:, None], idx_new, idx)
-            if checkpoint(~better):
-                break
-        b = torch.sort(k, descending=True, stable=True).indices[0]
-        n = explained(T[b], inputs["cs"], inputs["ct"], inputs["n_corr"], d)
-        return {"T": T[b], "best": torch.stack([c[b].double(), sq[b], inputs["counts"][0].double(),
-                                                n.double()])}
+    def __call__(self, inputs: dict[str, torch.Tensor], state: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Enqueue one round; return the new state and whether a motion improved."""
+        src, tgt, idx = inputs["src"], inputs["tgt"], state["idx"]
+        T_new, valid = weighted_horn(src.expand(idx.shape[0], -1, -1), tgt[idx.clamp_min(0)],
+                                     (idx >= 0).to(src.dtype))
+        c_new, sq_new, idx_new = score(T_new, src, self.index, self.max_distance,
+                                        with_matches=True)
+        assert idx_new is not None  # with_matches
+        key_new = key(c_new, sq_new, self.max_distance)
+        better = valid & (key_new > state["key"]) & (state["round"] < self.rounds)
+        new = {"T": torch.where(better[:, None, None], T_new, state["T"]),
+               "counts": torch.where(better, c_new, state["counts"]),
+               "sq": torch.where(better, sq_new, state["sq"]),
+               "key": torch.where(better, key_new, state["key"]),
+               "idx": torch.where(better[:, None], idx_new, idx),
+               "round": state["round"] + 1}
+        return new, {"improved": better.any()}
