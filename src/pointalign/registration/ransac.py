@@ -33,7 +33,7 @@ from pointalign.kernels import ransac as _k
 from pointalign.kernels.ransac import FeatureMatches
 from pointalign.registration import _edge, checks
 from pointalign.registration._edge import StopReason
-from pointalign.registration.ransac_programs import (  # noqa: F401 (public names, README)
+from pointalign.registration.ransac_programs import (  # noqa: F401 (the counts: README names)
     Batch,
     count_inliers,
     count_inliers_within,

@@ -1,10 +1,10 @@
-"""Parallel RANSAC's device programs: the batch of hypotheses, Lo-RANSAC, the counts.
+"""Parallel RANSAC's device work: the batch of hypotheses, Lo-RANSAC, the inlier counts.
 
-What :func:`~pointalign.registration.ransac.ransac` runs on the device, each as a fixed
-program with no host read (:func:`pointalign.kernels._loop.run_program`: one CUDA graph per
-size on a GPU): :class:`Batch` (one batch of hypotheses, the pool of the best so far) and
-:func:`refine` (Lo-RANSAC of the pool's best, its rounds on the executor); and the counting helpers
-they share with :func:`pointalign.register` (:func:`count_inliers`,
+What :func:`~pointalign.registration.ransac.ransac` runs on the device: :class:`Batch`, one
+batch of hypotheses and the pool of the best so far as a fixed program with no host read
+(:func:`pointalign.kernels._loop.run_program`: one CUDA graph per size on a GPU);
+:func:`refine`, Lo-RANSAC of the pool, its rounds on the executor (a read every two rounds);
+and the counting helpers :func:`pointalign.register` shares (:func:`count_inliers`,
 :func:`count_inliers_within`).
 """
 
@@ -23,8 +23,8 @@ from pointalign.kernels.horn import weighted_horn
 
 
 def score(T: torch.Tensor, points: torch.Tensor, index: Any, max_distance: float,
-           *, with_matches: bool = False, valid: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+          *, with_matches: bool = False, valid: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Score transforms: inlier count and sum of squared inlier distances.
 
     ``T (S, 4, 4)`` applied to ``points (P, 3)`` → ``(S,) int64, (S,) float64`` and, with
@@ -130,7 +130,7 @@ class Batch:
 
 
 def explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor, count: torch.Tensor,
-               max_distance: float) -> torch.Tensor:
+              max_distance: float) -> torch.Tensor:
     """Count the correspondences ``cs → ct`` that ``T (4, 4)`` maps within the bound.
 
     ``cs, ct (N, 3)``: the first ``count`` (0-dim) rows are the correspondences. Returns a
@@ -142,8 +142,8 @@ def explained(T: torch.Tensor, cs: torch.Tensor, ct: torch.Tensor, count: torch.
 
 
 def refine(T: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor, src: torch.Tensor,
-            tgt: torch.Tensor, index: Any, max_distance: float,
-            iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           tgt: torch.Tensor, index: Any, max_distance: float,
+           iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lo-RANSAC local optimisation of ``T (B, 4, 4)``.
 
     Each round (:class:`RefineStep`) re-estimates every motion by Horn on all its inliers
