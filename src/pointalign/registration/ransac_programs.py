@@ -71,7 +71,10 @@ def count_inliers_within(T: torch.Tensor, points: torch.Tensor, index: Any,
 
 
 def key(counts: torch.Tensor, sq: torch.Tensor, max_distance: float) -> torch.Tensor:
-    """Ranking key: more inliers first, then lower inlier RMSE (in [0, 1) of the bound)."""
+    """Ranking key ``(S,)`` float64 of ``counts (S,)`` inliers with squared sums ``sq (S,)``.
+
+    More inliers first, then lower inlier RMSE (in [0, 1) of the bound).
+    """
     rmse = (sq / counts.clamp_min(1).to(torch.float64)).sqrt()
     return counts.to(torch.float64) - 0.999 * (rmse / max_distance).clamp(0, 1)
 
@@ -207,3 +210,7 @@ class RefineStep:
                "idx": torch.where(better[:, None], idx_new, idx),
                "round": state["round"] + 1}
         return new, {"improved": better.any()}
+
+
+__all__ = ["Batch", "RefineStep", "count_inliers", "count_inliers_within", "explained", "key",
+           "refine", "score"]
